@@ -1,0 +1,321 @@
+//! GGUF v3 reader over a memory map: metadata, tensor directory, tensor bytes.
+//!
+//! Every length and offset read from the file is checked before use, so a truncated
+//! or hostile file gives a [`FormatError`], never a panic or an out-of-bounds read.
+
+use super::{DType, FormatError, TensorInfo};
+use std::collections::BTreeMap;
+
+const MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: u64 = 32;
+/// Refuse absurd counts before allocating for them.
+const MAX_TENSORS: u64 = 1 << 20;
+const MAX_DIMS: u32 = 4;
+
+/// One metadata value.
+#[derive(Debug, Clone, PartialEq)]
+pub enum MetaValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    Str(String),
+    Array(Vec<MetaValue>),
+}
+
+impl MetaValue {
+    /// Any integer type widened, for fields whose width varies between converters.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            MetaValue::U8(v) => Some(v.into()),
+            MetaValue::U16(v) => Some(v.into()),
+            MetaValue::U32(v) => Some(v.into()),
+            MetaValue::U64(v) => Some(v),
+            MetaValue::I8(v) => u64::try_from(v).ok(),
+            MetaValue::I16(v) => u64::try_from(v).ok(),
+            MetaValue::I32(v) => u64::try_from(v).ok(),
+            MetaValue::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_i64(&self) -> Option<i64> {
+        match *self {
+            MetaValue::I8(v) => Some(v.into()),
+            MetaValue::I16(v) => Some(v.into()),
+            MetaValue::I32(v) => Some(v.into()),
+            MetaValue::I64(v) => Some(v),
+            _ => self.as_u64().and_then(|v| i64::try_from(v).ok()),
+        }
+    }
+
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            MetaValue::F32(v) => Some(v.into()),
+            MetaValue::F64(v) => Some(v),
+            _ => self.as_i64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            MetaValue::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            MetaValue::Bool(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[MetaValue]> {
+        match self {
+            MetaValue::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// A parsed GGUF header: metadata and where each tensor's bytes lie in the file.
+#[derive(Debug, Clone)]
+pub struct GgufHeader {
+    pub version: u32,
+    pub metadata: BTreeMap<String, MetaValue>,
+    pub tensors: Vec<TensorInfo>,
+}
+
+impl GgufHeader {
+    /// Parses the header of `bytes` (the whole file) and checks that every tensor's bytes
+    /// lie inside it.
+    pub fn parse(bytes: &[u8]) -> Result<Self, FormatError> {
+        let mut r = Reader { bytes, pos: 0 };
+        if r.take(4)? != MAGIC {
+            return Err(FormatError::BadMagic);
+        }
+        let version = r.u32()?;
+        if !(2..=3).contains(&version) {
+            return Err(FormatError::UnsupportedVersion(version));
+        }
+        let n_tensors = r.u64()?;
+        let n_kv = r.u64()?;
+        if n_tensors > MAX_TENSORS {
+            return Err(r.corrupt("tensor count is implausibly large"));
+        }
+        let mut metadata = BTreeMap::new();
+        for _ in 0..n_kv {
+            let key = r.string()?;
+            let ty = r.u32()?;
+            let value = r.value(ty, 0)?;
+            metadata.insert(key, value);
+        }
+        let mut infos = Vec::new();
+        for _ in 0..n_tensors {
+            infos.push(r.tensor_info()?);
+        }
+        let alignment = match metadata.get("general.alignment") {
+            Some(v) => v.as_u64().filter(|a| a.is_power_of_two()).ok_or_else(|| {
+                r.corrupt("general.alignment must be a power of two")
+            })?,
+            None => DEFAULT_ALIGNMENT,
+        };
+        let data_start = (r.pos as u64).div_ceil(alignment) * alignment;
+        let tensors = infos
+            .into_iter()
+            .map(|t| t.locate(data_start, bytes.len() as u64))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(GgufHeader { version, metadata, tensors })
+    }
+
+    pub fn get(&self, key: &str) -> Option<&MetaValue> {
+        self.metadata.get(key)
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+}
+
+/// A tensor entry before its offset is resolved against the data section.
+struct RawTensor {
+    name: String,
+    dims: Vec<u64>,
+    ggml_type: u32,
+    offset: u64,
+}
+
+impl RawTensor {
+    fn locate(self, data_start: u64, file_len: u64) -> Result<TensorInfo, FormatError> {
+        let dtype = DType::from_ggml(self.ggml_type).ok_or_else(|| {
+            FormatError::UnsupportedTensorType { tensor: self.name.clone(), ggml_type: self.ggml_type }
+        })?;
+        // GGUF lists dims innermost first; we store them outermost first like every
+        // other tensor library.
+        let shape: Vec<usize> = self
+            .dims
+            .iter()
+            .rev()
+            .map(|&d| usize::try_from(d).map_err(|_| self.bad("dimension too large")))
+            .collect::<Result<_, _>>()?;
+        let n_bytes = dtype.storage_bytes(&shape).ok_or_else(|| {
+            self.bad("shape does not fit its type (innermost dim not a whole number of blocks)")
+        })?;
+        let start = data_start.checked_add(self.offset).ok_or_else(|| self.bad("offset overflow"))?;
+        let end = start.checked_add(n_bytes as u64).ok_or_else(|| self.bad("size overflow"))?;
+        if end > file_len {
+            return Err(FormatError::Truncated(format!(
+                "tensor `{}` needs bytes {start}..{end} but the file has {file_len}",
+                self.name
+            )));
+        }
+        Ok(TensorInfo { name: self.name, dtype, shape, offset: start as usize, n_bytes })
+    }
+
+    fn bad(&self, why: &str) -> FormatError {
+        FormatError::Corrupt(format!("tensor `{}`: {why}", self.name))
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn corrupt(&self, why: &str) -> FormatError {
+        FormatError::Corrupt(format!("{why} (at byte {})", self.pos))
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], FormatError> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| {
+            FormatError::Truncated(format!("header ends early at byte {}", self.bytes.len()))
+        })?;
+        let s = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], FormatError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+
+    fn u32(&mut self) -> Result<u32, FormatError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, FormatError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    /// A length that must fit in the bytes still unread (each element is at least
+    /// `min_elem` bytes), so a forged count cannot make us allocate gigabytes.
+    fn count(&mut self, min_elem: usize) -> Result<usize, FormatError> {
+        let n = self.u64()?;
+        let left = (self.bytes.len() - self.pos) as u64;
+        if n.saturating_mul(min_elem.max(1) as u64) > left {
+            return Err(FormatError::Truncated(format!("a count of {n} runs past the end")));
+        }
+        Ok(n as usize)
+    }
+
+    fn string(&mut self) -> Result<String, FormatError> {
+        let n = self.count(1)?;
+        let raw = self.take(n)?;
+        String::from_utf8(raw.to_vec()).map_err(|_| self.corrupt("string is not UTF-8"))
+    }
+
+    fn value(&mut self, ty: u32, depth: u32) -> Result<MetaValue, FormatError> {
+        Ok(match ty {
+            0 => MetaValue::U8(self.array::<1>()?[0]),
+            1 => MetaValue::I8(self.array::<1>()?[0] as i8),
+            2 => MetaValue::U16(u16::from_le_bytes(self.array()?)),
+            3 => MetaValue::I16(i16::from_le_bytes(self.array()?)),
+            4 => MetaValue::U32(self.u32()?),
+            5 => MetaValue::I32(i32::from_le_bytes(self.array()?)),
+            6 => MetaValue::F32(f32::from_le_bytes(self.array()?)),
+            7 => MetaValue::Bool(self.array::<1>()?[0] != 0),
+            8 => MetaValue::Str(self.string()?),
+            9 => {
+                if depth > 2 {
+                    return Err(self.corrupt("arrays nested too deeply"));
+                }
+                let elem_ty = self.u32()?;
+                let n = self.count(elem_size_lower_bound(elem_ty))?;
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(self.value(elem_ty, depth + 1)?);
+                }
+                MetaValue::Array(items)
+            }
+            10 => MetaValue::U64(self.u64()?),
+            11 => MetaValue::I64(i64::from_le_bytes(self.array()?)),
+            12 => MetaValue::F64(f64::from_le_bytes(self.array()?)),
+            other => return Err(self.corrupt(&format!("unknown metadata type {other}"))),
+        })
+    }
+
+    fn tensor_info(&mut self) -> Result<RawTensor, FormatError> {
+        let name = self.string()?;
+        let n_dims = self.u32()?;
+        if n_dims == 0 || n_dims > MAX_DIMS {
+            return Err(self.corrupt(&format!("tensor `{name}` has {n_dims} dimensions")));
+        }
+        let dims = (0..n_dims).map(|_| self.u64()).collect::<Result<Vec<_>, _>>()?;
+        let ggml_type = self.u32()?;
+        let offset = self.u64()?;
+        Ok(RawTensor { name, dims, ggml_type, offset })
+    }
+}
+
+fn elem_size_lower_bound(ty: u32) -> usize {
+    match ty {
+        0 | 1 | 7 => 1,
+        2 | 3 => 2,
+        4..=6 => 4,
+        8 => 8, // length prefix
+        9 => 12,
+        _ => 8,
+    }
+}
+
+/// An opened GGUF file: the header plus the memory map its tensors point into.
+pub struct GgufFile {
+    map: memmap2::Mmap,
+    pub header: GgufHeader,
+    index: std::collections::HashMap<String, usize>,
+}
+
+impl GgufFile {
+    pub fn open(path: &std::path::Path) -> Result<Self, FormatError> {
+        let io = |source| FormatError::Io { path: path.display().to_string(), source };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: the map is read-only; pdserve never writes model files, and a file
+        // changed underneath a running server is outside what any loader can guard.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let header = GgufHeader::parse(&map)?;
+        let index = header.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        Ok(GgufFile { map, header, index })
+    }
+}
+
+impl super::TensorSource for GgufFile {
+    fn tensor(&self, name: &str) -> Option<super::TensorView<'_>> {
+        let t = &self.header.tensors[*self.index.get(name)?];
+        Some(super::TensorView {
+            dtype: t.dtype,
+            shape: &t.shape,
+            bytes: &self.map[t.offset..t.offset + t.n_bytes],
+        })
+    }
+}

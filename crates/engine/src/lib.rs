@@ -1,0 +1,10 @@
+//! pdserve's inference engine: everything below the worker on the request path.
+//!
+//! A worker hands the engine validated requests; the engine tokenizes nothing itself
+//! (the tokenizer lives here but is called by the frontend), schedules sequences with
+//! continuous batching over a paged KV cache, runs the model on our own SIMD kernels,
+//! samples, and returns tokens. It can also export a sequence's KV layer by layer and
+//! import it on another engine, which is what disaggregated serving is built on.
+
+pub mod config;
+pub mod format;

@@ -1,0 +1,162 @@
+use crate::TokenId;
+use serde::{Deserialize, Serialize};
+
+/// How to pick each next token and when to stop. Build one with struct update syntax
+/// from `SamplingParams::default()`, then call [`SamplingParams::validate`]; engines
+/// only accept validated parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// Upper bound on generated tokens.
+    pub max_tokens: u32,
+    /// Generated tokens before EOS or stop strings may end the sequence.
+    pub min_tokens: u32,
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    /// 1 disables nucleus sampling.
+    pub top_p: f32,
+    /// 0 disables min-p.
+    pub min_p: f32,
+    /// 1 disables; > 1 discourages tokens already in prompt or output (CTRL style).
+    pub repetition_penalty: f32,
+    /// OpenAI frequency penalty over generated tokens, in [-2, 2].
+    pub frequency_penalty: f32,
+    /// OpenAI presence penalty over generated tokens, in [-2, 2].
+    pub presence_penalty: f32,
+    /// Same seed, same prompt, same parameters: same tokens.
+    pub seed: Option<u64>,
+    /// Keep generating past the end-of-sequence token (benchmarks use this).
+    pub ignore_eos: bool,
+    /// Also report this many top alternatives per generated token (0 = only the chosen
+    /// token's logprob when `logprobs` is set).
+    pub top_logprobs: u32,
+    /// Report the chosen token's logprob.
+    pub logprobs: bool,
+    pub stop: StopCondition,
+}
+
+/// Extra ways to end generation besides EOS and `max_tokens`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StopCondition {
+    /// Stop as soon as the decoded text contains one; the match itself is not returned.
+    pub strings: Vec<String>,
+    /// Stop after generating one of these ids; the id itself is not returned as text.
+    pub token_ids: Vec<TokenId>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            max_tokens: 16,
+            min_tokens: 0,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            seed: None,
+            ignore_eos: false,
+            top_logprobs: 0,
+            logprobs: false,
+            stop: StopCondition::default(),
+        }
+    }
+}
+
+/// Which parameter is out of range, in words a user can act on.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid `{param}`: {reason}")]
+pub struct SamplingError {
+    pub param: &'static str,
+    pub reason: String,
+}
+
+/// Most alternatives a request may ask for (OpenAI allows 20).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+/// Stop strings per request (OpenAI allows 4; we are more generous).
+pub const MAX_STOP_STRINGS: usize = 16;
+
+impl SamplingParams {
+    /// Greedy decoding of at most `max_tokens` tokens.
+    pub fn greedy(max_tokens: u32) -> Self {
+        SamplingParams { max_tokens, ..Default::default() }
+    }
+
+    /// Checks every range once, so downstream code can trust the values.
+    pub fn validate(self) -> Result<Self, SamplingError> {
+        let err = |param, reason: &str| Err(SamplingError { param, reason: reason.to_string() });
+        let finite = |x: f32| x.is_finite();
+        if self.max_tokens == 0 {
+            return err("max_tokens", "must be at least 1");
+        }
+        if self.min_tokens > self.max_tokens {
+            return err("min_tokens", "must not exceed max_tokens");
+        }
+        if !finite(self.temperature) || !(0.0..=100.0).contains(&self.temperature) {
+            return err("temperature", "must be between 0 and 100");
+        }
+        if !finite(self.top_p) || self.top_p <= 0.0 || self.top_p > 1.0 {
+            return err("top_p", "must be in (0, 1]");
+        }
+        if !finite(self.min_p) || !(0.0..=1.0).contains(&self.min_p) {
+            return err("min_p", "must be in [0, 1]");
+        }
+        if !finite(self.repetition_penalty) || self.repetition_penalty <= 0.0 {
+            return err("repetition_penalty", "must be greater than 0");
+        }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !finite(v) || !(-2.0..=2.0).contains(&v) {
+                return err(name, "must be between -2 and 2");
+            }
+        }
+        if self.top_logprobs > MAX_TOP_LOGPROBS {
+            return err("top_logprobs", "must be at most 20");
+        }
+        if self.stop.strings.len() > MAX_STOP_STRINGS {
+            return err("stop", "at most 16 stop strings");
+        }
+        if self.stop.strings.iter().any(|s| s.is_empty()) {
+            return err("stop", "stop strings must not be empty");
+        }
+        Ok(self)
+    }
+
+    /// True when every step takes the most likely token (no randomness involved).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid_and_greedy() {
+        let p = SamplingParams::default().validate().unwrap();
+        assert!(p.is_greedy());
+    }
+
+    #[test]
+    fn rejects_out_of_range() {
+        let bad = [
+            SamplingParams { max_tokens: 0, ..Default::default() },
+            SamplingParams { temperature: -1.0, ..Default::default() },
+            SamplingParams { temperature: f32::NAN, ..Default::default() },
+            SamplingParams { top_p: 0.0, ..Default::default() },
+            SamplingParams { min_p: 1.5, ..Default::default() },
+            SamplingParams { presence_penalty: 3.0, ..Default::default() },
+            SamplingParams { top_logprobs: 21, ..Default::default() },
+            SamplingParams { min_tokens: 20, max_tokens: 10, ..Default::default() },
+        ];
+        for p in bad {
+            assert!(p.clone().validate().is_err(), "{p:?} should be rejected");
+        }
+    }
+}

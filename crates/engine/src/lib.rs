@@ -8,3 +8,4 @@
 
 pub mod config;
 pub mod format;
+pub mod models;

@@ -1,0 +1,357 @@
+//! Quantized weights repacked for integer dot products, and 8-bit activations.
+//!
+//! Layout of a [`QuantMatrix`]: rows are taken 16 at a time (a *group*); for each group
+//! and each 32-column block we store the 16 rows' weight codes interleaved 4 bytes per
+//! row (so one 64-byte vector holds 4 codes of every row and an integer dot product
+//! instruction yields 16 per-row partial sums), followed by the 16 rows' scale `d` and
+//! offset `m` as f16. A weight is `d * code + m`:
+//!
+//! | source | codes                      | m            |
+//! |--------|----------------------------|--------------|
+//! | Q4_1   | 4-bit (two per byte)       | m            |
+//! | Q4_0   | 4-bit                      | -8 d         |
+//! | Q8_0   | 8-bit, stored as code+128  | -128 d       |
+//!
+//! The 4-bit payload keeps GGUF's nibble order (byte j holds values j and j+16 of the
+//! block), so repacking moves bytes and never re-quantizes. With activations quantized
+//! per block as `x ≈ da * q` and `sa = da * Σq`, one block contributes
+//! `d·da·Σ code·q + m·sa` to the dot product.
+
+use super::Isa;
+use crate::format::DType;
+use half::f16;
+
+pub const GROUP: usize = 16;
+pub const QBLOCK: usize = 32;
+const SCALES_BYTES: usize = GROUP * 2 * 2;
+
+/// Code width of a repacked matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codes {
+    Nibble,
+    Byte,
+}
+
+impl Codes {
+    pub(crate) fn payload_bytes(self) -> usize {
+        match self {
+            Codes::Nibble => GROUP * QBLOCK / 2,
+            Codes::Byte => GROUP * QBLOCK,
+        }
+    }
+
+    pub(crate) fn block_stride(self) -> usize {
+        self.payload_bytes() + SCALES_BYTES
+    }
+}
+
+/// A weight matrix `[rows, cols]` in the repacked layout described above.
+pub struct QuantMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub codes: Codes,
+    data: Vec<u8>,
+}
+
+/// Why a tensor could not be repacked.
+#[derive(Debug, thiserror::Error)]
+pub enum RepackError {
+    #[error("{0:?} weights cannot be used by the quantized matmul")]
+    NotQuantized(DType),
+    #[error("column count {0} is not a multiple of 32")]
+    Cols(usize),
+    #[error("expected {expected} bytes of weights, got {got}")]
+    Size { expected: usize, got: usize },
+    #[error("a block scale is out of f16 range after folding its offset")]
+    ScaleRange,
+}
+
+impl QuantMatrix {
+    pub fn groups(&self) -> usize {
+        self.rows.div_ceil(GROUP)
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.cols / QBLOCK
+    }
+
+    pub(crate) fn group_data(&self, g: usize) -> &[u8] {
+        let stride = self.blocks() * self.codes.block_stride();
+        &self.data[g * stride..(g + 1) * stride]
+    }
+
+    /// Bytes the repacked weights occupy.
+    pub fn size_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Repacks GGUF blocks (`rows` rows of `cols` values each, row-major).
+    pub fn from_gguf(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Result<Self, RepackError> {
+        let codes = match dtype {
+            DType::Q4_0 | DType::Q4_1 => Codes::Nibble,
+            DType::Q8_0 => Codes::Byte,
+            other => return Err(RepackError::NotQuantized(other)),
+        };
+        if cols % QBLOCK != 0 {
+            return Err(RepackError::Cols(cols));
+        }
+        let blocks = cols / QBLOCK;
+        let expected = rows * blocks * dtype.block_bytes();
+        if bytes.len() != expected {
+            return Err(RepackError::Size { expected, got: bytes.len() });
+        }
+        let groups = rows.div_ceil(GROUP);
+        let mut m = QuantMatrix { rows, cols, codes, data: vec![0u8; groups * blocks * codes.block_stride()] };
+        for r in 0..rows {
+            for b in 0..blocks {
+                let off = (r * blocks + b) * dtype.block_bytes();
+                m.put_block(r, b, dtype, &bytes[off..off + dtype.block_bytes()])?;
+            }
+        }
+        Ok(m)
+    }
+
+    /// Stores one GGUF block of row `r` at block column `b`.
+    fn put_block(&mut self, r: usize, b: usize, dtype: DType, block: &[u8]) -> Result<(), RepackError> {
+        let d = f16::from_le_bytes([block[0], block[1]]);
+        let (m, codes) = match dtype {
+            DType::Q4_1 => (f16::from_le_bytes([block[2], block[3]]), &block[4..20]),
+            DType::Q4_0 => (f16::from_f32(-8.0 * d.to_f32()), &block[2..18]),
+            _ => (f16::from_f32(-128.0 * d.to_f32()), &block[2..34]),
+        };
+        if !m.is_finite() || !d.is_finite() {
+            return Err(RepackError::ScaleRange);
+        }
+        let (g, lane) = (r / GROUP, r % GROUP);
+        let stride = self.codes.block_stride();
+        let base = (g * self.blocks() + b) * stride;
+        let flip = if dtype == DType::Q8_0 { 0x80 } else { 0 };
+        for (j, chunk) in codes.chunks_exact(4).enumerate() {
+            let at = base + j * GROUP * 4 + lane * 4;
+            for (k, &c) in chunk.iter().enumerate() {
+                self.data[at + k] = c ^ flip;
+            }
+        }
+        let scales = base + self.codes.payload_bytes();
+        self.data[scales + lane * 2..scales + lane * 2 + 2].copy_from_slice(&d.to_le_bytes());
+        let ms = scales + GROUP * 2 + lane * 2;
+        self.data[ms..ms + 2].copy_from_slice(&m.to_le_bytes());
+        Ok(())
+    }
+}
+
+/// Rows of activations quantized to 8 bits per 32-element block.
+#[derive(Default)]
+pub struct QuantActs {
+    pub rows: usize,
+    pub cols: usize,
+    pub q: Vec<i8>,
+    /// Per row and block: the scale `da`.
+    pub d: Vec<f32>,
+    /// Per row and block: `da * Σq`.
+    pub s: Vec<f32>,
+    /// Per row and block: `Σq` (the AVX2 byte kernel needs it).
+    pub qsum: Vec<i32>,
+}
+
+impl QuantActs {
+    /// Quantizes `x` (`rows × cols`, row-major), reusing this buffer's allocations.
+    pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
+        debug_assert_eq!(x.len(), rows * cols);
+        debug_assert_eq!(cols % QBLOCK, 0);
+        let nb = rows * cols / QBLOCK;
+        self.rows = rows;
+        self.cols = cols;
+        self.q.resize(rows * cols, 0);
+        self.d.resize(nb, 0.0);
+        self.s.resize(nb, 0.0);
+        self.qsum.resize(nb, 0);
+        for (i, xb) in x.chunks_exact(QBLOCK).enumerate() {
+            let qb = &mut self.q[i * QBLOCK..(i + 1) * QBLOCK];
+            let (d, sum) = quantize_block(xb, qb);
+            self.d[i] = d;
+            self.qsum[i] = sum;
+            self.s[i] = d * sum as f32;
+        }
+    }
+
+    pub(crate) fn blocks(&self) -> usize {
+        self.cols / QBLOCK
+    }
+}
+
+/// Symmetric 8-bit quantization of one block; ties round to even so every ISA agrees.
+fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
+    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut sum = 0i32;
+    for (qi, &v) in q.iter_mut().zip(x) {
+        let r = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+        *qi = r;
+        sum += r as i32;
+    }
+    (d, sum)
+}
+
+/// `out[t][r] = Σ_c w[r][c] · x[t][c]` for token rows `tokens` and row groups `groups`.
+/// `out` holds `acts.rows` rows of stride `out_stride`; only the named part is written.
+pub fn matmul(isa: Isa, w: &QuantMatrix, acts: &QuantActs, groups: std::ops::Range<usize>, out: &OutRows<'_>) {
+    debug_assert_eq!(w.cols, acts.cols);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => super::quant_avx512::matmul(w, acts, groups, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => super::quant_avx2::matmul(w, acts, groups, out),
+        _ => matmul_scalar(w, acts, groups, out),
+    }
+}
+
+/// A raw view of an output matrix that several threads write disjoint column ranges of.
+pub struct OutRows<'a> {
+    ptr: *mut f32,
+    rows: usize,
+    stride: usize,
+    cols: usize,
+    _life: std::marker::PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: `OutRows` is only handed to threads that write disjoint row groups (column
+// ranges); see `write16`.
+unsafe impl Send for OutRows<'_> {}
+unsafe impl Sync for OutRows<'_> {}
+
+impl<'a> OutRows<'a> {
+    pub fn new(out: &'a mut [f32], rows: usize, cols: usize) -> Self {
+        assert!(out.len() >= rows * cols, "output buffer too small");
+        OutRows { ptr: out.as_mut_ptr(), rows, stride: cols, cols, _life: std::marker::PhantomData }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Writes up to 16 values of token row `t` starting at column `g * 16`, clipped to
+    /// the matrix width (the last group may be partial).
+    ///
+    /// Callers on different threads must use different groups `g`.
+    #[inline]
+    pub fn write16(&self, t: usize, g: usize, vals: &[f32; GROUP]) {
+        let c0 = g * GROUP;
+        let n = GROUP.min(self.cols.saturating_sub(c0));
+        assert!(t < self.rows && n > 0, "write outside the output matrix");
+        // SAFETY: bounds checked above; disjointness of groups across threads is the
+        // caller's contract, so no two threads write the same element.
+        unsafe {
+            std::ptr::copy_nonoverlapping(vals.as_ptr(), self.ptr.add(t * self.stride + c0), n);
+        }
+    }
+}
+
+/// Reads the 16 f16 values at `bytes[..32]` as f32.
+pub(crate) fn f16x16(bytes: &[u8]) -> [f32; GROUP] {
+    let mut out = [0f32; GROUP];
+    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+    }
+    out
+}
+
+/// The reference: the exact operation order the SIMD kernels reproduce per lane.
+pub fn matmul_scalar(w: &QuantMatrix, acts: &QuantActs, groups: std::ops::Range<usize>, out: &OutRows<'_>) {
+    let nb = w.blocks();
+    let stride = w.codes.block_stride();
+    for g in groups {
+        let gd = w.group_data(g);
+        for t in 0..acts.rows {
+            let mut acc = [0f32; GROUP];
+            for b in 0..nb {
+                let blk = &gd[b * stride..(b + 1) * stride];
+                let a = &acts.q[(t * nb + b) * QBLOCK..(t * nb + b + 1) * QBLOCK];
+                let isum = block_isums(w.codes, blk, a);
+                let dw = f16x16(&blk[w.codes.payload_bytes()..]);
+                let mw = f16x16(&blk[w.codes.payload_bytes() + 32..]);
+                let (da, sa) = (acts.d[t * nb + b], acts.s[t * nb + b]);
+                for r in 0..GROUP {
+                    acc[r] = (isum[r] as f32).mul_add(dw[r] * da, acc[r]);
+                    acc[r] = mw[r].mul_add(sa, acc[r]);
+                }
+            }
+            out.write16(t, g, &acc);
+        }
+    }
+}
+
+/// Per-row integer dot products of one block.
+fn block_isums(codes: Codes, blk: &[u8], a: &[i8]) -> [i32; GROUP] {
+    let mut isum = [0i32; GROUP];
+    for (r, s) in isum.iter_mut().enumerate() {
+        for j in 0..QBLOCK / 4 {
+            for k in 0..4 {
+                let (code, ai) = match codes {
+                    // Chunk j < 4 holds bytes 4j..4j+4: low nibbles are values 4j+k,
+                    // high nibbles values 16+4j+k.
+                    Codes::Nibble if j < 4 => (blk[j * 64 + r * 4 + k] & 15, 4 * j + k),
+                    Codes::Nibble => (blk[(j - 4) * 64 + r * 4 + k] >> 4, 4 * j + k),
+                    Codes::Byte => (blk[j * 64 + r * 4 + k], 4 * j + k),
+                };
+                *s += code as i32 * a[ai] as i32;
+            }
+        }
+    }
+    isum
+}
+
+/// Dequantizes one GGUF tensor row-major into f32 (reference and embedding lookups).
+pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            let bb = dtype.block_bytes();
+            for (ob, blk) in out.chunks_exact_mut(QBLOCK).zip(bytes.chunks_exact(bb)) {
+                dequantize_block(dtype, blk, ob);
+            }
+        }
+    }
+}
+
+fn dequantize_block(dtype: DType, blk: &[u8], out: &mut [f32]) {
+    let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+    match dtype {
+        DType::Q8_0 => {
+            for (o, &q) in out.iter_mut().zip(&blk[2..34]) {
+                *o = d * (q as i8) as f32;
+            }
+        }
+        DType::Q4_0 | DType::Q4_1 => {
+            let (m, qs) = if dtype == DType::Q4_1 {
+                (f16::from_le_bytes([blk[2], blk[3]]).to_f32(), &blk[4..20])
+            } else {
+                (-8.0 * d, &blk[2..18])
+            };
+            for (j, &q) in qs.iter().enumerate() {
+                out[j] = d * (q & 15) as f32 + m;
+                out[j + 16] = d * (q >> 4) as f32 + m;
+            }
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+#[path = "quant_tests.rs"]
+mod tests;

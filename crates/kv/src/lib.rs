@@ -1,1 +1,32 @@
-//! placeholder
+//! KV block bookkeeping for one worker: which block holds what, who owns it, and which
+//! complete blocks can be reused as prefix cache.
+//!
+//! Place in the request path: under the engine's scheduler. The scheduler admits a
+//! sequence by matching its prompt's block hashes against the pool
+//! ([`BlockPool::match_prefix`]), then grows a [`BlockTable`] as tokens are computed.
+//! The engine keeps the K/V bytes in per-layer arrays indexed by [`BlockId`]; this crate
+//! never touches them. The router consumes [`KvEvent`]s (via [`BlockPool::take_events`])
+//! to keep its prefix index of what each worker holds.
+//!
+//! Lifecycle (typestate): [`MutableBlock`] (being written) → [`ImmutableBlock`]
+//! (complete, hashed, shareable) → cached (inside the pool, no handles, findable by
+//! hash, evicted least-recently-used first). Handles give their block back in `Drop`
+//! and there is no way to free a block by id, so leaks and double frees cannot be
+//! written.
+
+mod block;
+mod event;
+mod hash;
+mod lru;
+mod pool;
+mod state;
+mod table;
+
+#[cfg(test)]
+mod proptests;
+
+pub use block::{ImmutableBlock, MutableBlock};
+pub use event::KvEvent;
+pub use hash::{block_hashes, hash_block, BlockHash, BlockId};
+pub use pool::{BlockPool, PoolExhausted, PoolStats};
+pub use table::BlockTable;

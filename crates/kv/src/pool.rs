@@ -1,0 +1,142 @@
+//! The shared block pool handle and its public operations.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::block::{ImmutableBlock, MutableBlock};
+use crate::event::KvEvent;
+use crate::hash::BlockHash;
+use crate::state::PoolState;
+
+/// Not enough free or cached blocks for a request; nothing was allocated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("KV block pool exhausted: requested {requested} blocks, {available} available")]
+pub struct PoolExhausted {
+    /// Blocks asked for.
+    pub requested: usize,
+    /// Blocks that could have been handed out (free plus cached).
+    pub available: usize,
+}
+
+/// Block counts by state; `free + used + cached == total` always holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Blocks in the pool.
+    pub total: usize,
+    /// Hold no data anyone can find.
+    pub free: usize,
+    /// Held by at least one handle (mutable or immutable).
+    pub used: usize,
+    /// Registered complete blocks with no handle: reusable by hash, evictable.
+    pub cached: usize,
+}
+
+/// One worker's KV blocks. Cloning is cheap and shares the pool.
+#[derive(Clone)]
+pub struct BlockPool {
+    state: Arc<Mutex<PoolState>>,
+    block_size: usize,
+    num_blocks: usize,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks of `block_size` tokens each, all free.
+    ///
+    /// # Panics
+    /// If `block_size` is 0 or `num_blocks` does not fit a `u32` block id: both are
+    /// configuration errors that no later call could recover from.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        assert!(block_size > 0, "block_size must be positive");
+        assert!(
+            u32::try_from(num_blocks).is_ok_and(|n| n < u32::MAX),
+            "too many blocks"
+        );
+        Self {
+            state: Arc::new(Mutex::new(PoolState::new(num_blocks))),
+            block_size,
+            num_blocks,
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks in the pool, in every state.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// One block to write into. Evicts the least recently used cached block when no
+    /// block is free.
+    pub fn allocate(&self) -> Result<MutableBlock, PoolExhausted> {
+        let mut blocks = self.allocate_many(1)?;
+        blocks.pop().ok_or(PoolExhausted {
+            requested: 1,
+            available: 0,
+        })
+    }
+
+    /// `n` blocks to write into, or none at all.
+    pub fn allocate_many(&self, n: usize) -> Result<Vec<MutableBlock>, PoolExhausted> {
+        let ids = self.lock().take_mutable(n)?;
+        // Handles are built after the lock is released: their `Drop` takes it.
+        Ok(ids
+            .into_iter()
+            .map(|id| MutableBlock::new(self.clone(), id))
+            .collect())
+    }
+
+    /// Blocks `allocate` can still hand out: free plus cached.
+    pub fn available(&self) -> usize {
+        self.lock().available()
+    }
+
+    /// References to the blocks of the longest prefix of `hashes` this pool holds,
+    /// whether in use by another sequence or cached. Cached ones leave the LRU.
+    pub fn match_prefix(&self, hashes: &[BlockHash]) -> Vec<ImmutableBlock> {
+        let hits = self.lock().match_prefix(hashes);
+        hits.into_iter()
+            .map(|(id, hash)| ImmutableBlock::new(self.clone(), id, hash))
+            .collect()
+    }
+
+    /// Block counts by state, for the `pdserve_kv_blocks` gauge and admission.
+    pub fn stats(&self) -> PoolStats {
+        self.lock().stats()
+    }
+
+    /// Drains the events since the last call, oldest first. The owner is expected to
+    /// drain every scheduler step; undrained events accumulate.
+    pub fn take_events(&self) -> Vec<KvEvent> {
+        self.lock().take_events()
+    }
+
+    /// Evicts every cached block (emitting `Removed` for each); blocks in use stay.
+    pub fn clear_cache(&self) {
+        self.lock().clear_cache();
+    }
+
+    /// The state never panics while locked (no user code runs under the lock), so a
+    /// poisoned mutex still holds consistent state: keep serving rather than cascade.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn same_pool(&self, other: &BlockPool) -> bool {
+        Arc::ptr_eq(&self.state, &other.state)
+    }
+}
+
+impl fmt::Debug for BlockPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockPool")
+            .field("block_size", &self.block_size)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests;

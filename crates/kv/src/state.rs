@@ -1,0 +1,281 @@
+//! The pool's state behind its mutex: one slot per block plus the free list, the LRU of
+//! cached blocks, the hash registry and the pending events.
+//!
+//! Every transition of a block happens here, in one place, so the invariant
+//! "each block is in exactly one of free / used / cached" is checked by one audit.
+
+use std::collections::HashMap;
+
+use crate::event::KvEvent;
+use crate::hash::{BlockHash, BlockId};
+use crate::lru::Lru;
+use crate::pool::{PoolExhausted, PoolStats};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    Free,
+    /// Owned by exactly one `MutableBlock`.
+    Mutable,
+    /// Shared by `refs` (≥ 1) `ImmutableBlock`s. `registered` means the registry points
+    /// here for `hash`; a duplicate of an already registered hash is not registered.
+    Held {
+        refs: u32,
+        hash: BlockHash,
+        registered: bool,
+    },
+    /// No handles, still registered: reusable by hash until evicted.
+    Cached {
+        hash: BlockHash,
+    },
+}
+
+#[derive(Debug)]
+pub(crate) struct PoolState {
+    slots: Vec<Slot>,
+    free: Vec<BlockId>,
+    lru: Lru,
+    registry: HashMap<BlockHash, BlockId>,
+    events: Vec<KvEvent>,
+    used: usize,
+}
+
+impl PoolState {
+    pub(crate) fn new(num_blocks: usize) -> Self {
+        // Reversed so that the first allocations get ids 0, 1, 2, ... (easier to read).
+        let free = (0..num_blocks as u32).rev().map(BlockId).collect();
+        Self {
+            slots: vec![Slot::Free; num_blocks],
+            free,
+            lru: Lru::new(num_blocks),
+            registry: HashMap::with_capacity(num_blocks),
+            events: Vec::new(),
+            used: 0,
+        }
+    }
+
+    pub(crate) fn available(&self) -> usize {
+        self.free.len() + self.lru.len()
+    }
+
+    pub(crate) fn stats(&self) -> PoolStats {
+        PoolStats {
+            total: self.slots.len(),
+            free: self.free.len(),
+            used: self.used,
+            cached: self.lru.len(),
+        }
+    }
+
+    pub(crate) fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Takes `n` blocks for writing, all or none. Free blocks go first; only then are
+    /// cached blocks evicted, oldest first, since they may still save a prefill.
+    pub(crate) fn take_mutable(&mut self, n: usize) -> Result<Vec<BlockId>, PoolExhausted> {
+        let available = self.available();
+        if n > available {
+            return Err(PoolExhausted {
+                requested: n,
+                available,
+            });
+        }
+        let ids: Vec<BlockId> = (0..n).filter_map(|_| self.take_one()).collect();
+        debug_assert_eq!(ids.len(), n);
+        for &id in &ids {
+            self.slots[id.index()] = Slot::Mutable;
+        }
+        self.used += ids.len();
+        Ok(ids)
+    }
+
+    fn take_one(&mut self) -> Option<BlockId> {
+        self.free.pop().or_else(|| self.evict_oldest())
+    }
+
+    /// Unregisters the least recently used cached block; the caller decides its new state.
+    fn evict_oldest(&mut self) -> Option<BlockId> {
+        let id = self.lru.pop_front()?;
+        if let Slot::Cached { hash } = self.slots[id.index()] {
+            self.registry.remove(&hash);
+            self.events.push(KvEvent::Removed { hash });
+        }
+        self.slots[id.index()] = Slot::Free;
+        Some(id)
+    }
+
+    /// Evicts every cached block to the free list.
+    pub(crate) fn clear_cache(&mut self) {
+        while let Some(id) = self.evict_oldest() {
+            self.free.push(id);
+        }
+    }
+
+    pub(crate) fn release_mutable(&mut self, id: BlockId) {
+        debug_assert_eq!(self.slots[id.index()], Slot::Mutable);
+        self.slots[id.index()] = Slot::Free;
+        self.free.push(id);
+        self.used -= 1;
+    }
+
+    /// Turns a mutable block into a shared one with a single reference. Registers it
+    /// under `hash` unless another block already is: the first copy stays the one that
+    /// prefix matches find, and the router has already been told about it.
+    pub(crate) fn complete(&mut self, id: BlockId, hash: BlockHash, parent: Option<BlockHash>) {
+        debug_assert_eq!(self.slots[id.index()], Slot::Mutable);
+        let registered = !self.registry.contains_key(&hash);
+        if registered {
+            self.registry.insert(hash, id);
+            self.events.push(KvEvent::Stored { hash, parent });
+        }
+        self.slots[id.index()] = Slot::Held {
+            refs: 1,
+            hash,
+            registered,
+        };
+    }
+
+    pub(crate) fn add_ref(&mut self, id: BlockId) {
+        let slot = &mut self.slots[id.index()];
+        debug_assert!(
+            matches!(slot, Slot::Held { .. }),
+            "add_ref on unheld {id:?}"
+        );
+        if let Slot::Held { refs, .. } = slot {
+            *refs += 1;
+        }
+    }
+
+    /// Drops one reference; the last one parks a registered block in the cache (most
+    /// recently used end) and frees an unregistered one.
+    pub(crate) fn release_ref(&mut self, id: BlockId) {
+        let slot = &mut self.slots[id.index()];
+        debug_assert!(
+            matches!(slot, Slot::Held { .. }),
+            "release_ref on unheld {id:?}"
+        );
+        let Slot::Held {
+            refs,
+            hash,
+            registered,
+        } = slot
+        else {
+            return;
+        };
+        *refs -= 1;
+        if *refs > 0 {
+            return;
+        }
+        if *registered {
+            *slot = Slot::Cached { hash: *hash };
+            self.lru.push_back(id);
+        } else {
+            *slot = Slot::Free;
+            self.free.push(id);
+        }
+        self.used -= 1;
+    }
+
+    /// Takes a reference to each block of the longest registered prefix of `hashes`,
+    /// reviving cached ones out of the LRU.
+    pub(crate) fn match_prefix(&mut self, hashes: &[BlockHash]) -> Vec<(BlockId, BlockHash)> {
+        let mut hits = Vec::new();
+        for &hash in hashes {
+            let Some(&id) = self.registry.get(&hash) else {
+                break;
+            };
+            match self.slots[id.index()] {
+                Slot::Cached { .. } => {
+                    self.lru.remove(id);
+                    self.slots[id.index()] = Slot::Held {
+                        refs: 1,
+                        hash,
+                        registered: true,
+                    };
+                    self.used += 1;
+                }
+                _ => self.add_ref(id),
+            }
+            hits.push((id, hash));
+        }
+        hits
+    }
+}
+
+#[cfg(test)]
+impl PoolState {
+    /// Checks every cross-structure invariant; used after each step of the property test.
+    pub(crate) fn audit(&self) -> Result<(), String> {
+        let count = |pred: fn(&Slot) -> bool| self.slots.iter().filter(|s| pred(s)).count();
+        let n_free = count(|s| matches!(s, Slot::Free));
+        let n_used = count(|s| matches!(s, Slot::Mutable | Slot::Held { .. }));
+        let n_cached = count(|s| matches!(s, Slot::Cached { .. }));
+        let n_registered_held = count(|s| {
+            matches!(
+                s,
+                Slot::Held {
+                    registered: true,
+                    ..
+                }
+            )
+        });
+        let checks = [
+            (self.free.len() == n_free, "free list length"),
+            (self.lru.len() == n_cached, "lru length"),
+            (self.used == n_used, "used counter"),
+            (n_free + n_used + n_cached == self.slots.len(), "state sum"),
+            (
+                self.registry.len() == n_registered_held + n_cached,
+                "registry size",
+            ),
+            (
+                self.free
+                    .iter()
+                    .all(|id| self.slots[id.index()] == Slot::Free),
+                "free ids",
+            ),
+            (self.lru.iter().all(|id| self.is_cached(id)), "lru ids"),
+            (
+                self.registry
+                    .iter()
+                    .all(|(h, id)| self.registered_as(*id, *h)),
+                "registry ids",
+            ),
+        ];
+        match checks.iter().find(|(ok, _)| !ok) {
+            Some((_, what)) => Err(format!("{what} inconsistent: {self:?}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Reference count of a held block, 0 otherwise.
+    pub(crate) fn refs(&self, id: BlockId) -> u32 {
+        match self.slots[id.index()] {
+            Slot::Held { refs, .. } => refs,
+            _ => 0,
+        }
+    }
+
+    pub(crate) fn registered_hashes(&self) -> std::collections::HashSet<BlockHash> {
+        self.registry.keys().copied().collect()
+    }
+
+    /// Ids of cached blocks, least recently used first.
+    pub(crate) fn lru_order(&self) -> Vec<BlockId> {
+        self.lru.iter().collect()
+    }
+
+    fn is_cached(&self, id: BlockId) -> bool {
+        matches!(self.slots[id.index()], Slot::Cached { .. })
+    }
+
+    fn registered_as(&self, id: BlockId, h: BlockHash) -> bool {
+        match self.slots[id.index()] {
+            Slot::Cached { hash } => hash == h,
+            Slot::Held {
+                hash, registered, ..
+            } => registered && hash == h,
+            _ => false,
+        }
+    }
+}

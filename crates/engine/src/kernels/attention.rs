@@ -1,0 +1,202 @@
+//! Causal attention over the paged f16 KV cache.
+//!
+//! Work is split by (sequence, KV head, tile of query tokens). The tile converts each
+//! cache block to f32 once and reuses it for all its queries and for the query heads
+//! sharing the KV head (GQA). Each query keeps its own online-softmax state and visits
+//! blocks in order 0, 1, 2, …, so its result is the same whether it is decoded alone or
+//! prefilled in a chunk with others.
+
+use super::ops::{dot, fast_exp};
+use super::Isa;
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// One layer's K and V pools: `[block][kv_head][slot][head_dim]`.
+pub struct LayerKv<'a> {
+    pub k: &'a [f16],
+    pub v: &'a [f16],
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl LayerKv<'_> {
+    fn head_block<'b>(&self, pool: &'b [f16], block: u32, g: usize) -> &'b [f16] {
+        let per_head = self.block_size * self.head_dim;
+        let start = (block as usize * self.n_kv_heads + g) * per_head;
+        &pool[start..start + per_head]
+    }
+}
+
+/// The queries of one work item.
+pub struct Queries<'a> {
+    /// `n × n_rep × head_dim`, already rotated.
+    pub q: &'a [f32],
+    /// Absolute position of each query token; it sees positions `0..=pos`.
+    pub pos: &'a [usize],
+    /// Query heads per KV head.
+    pub n_rep: usize,
+    pub scale: f32,
+}
+
+/// Reused buffers, one per thread.
+#[derive(Default)]
+pub struct AttnScratch {
+    kf: Vec<f32>,
+    vf: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+/// Attention of `qs` against KV head `g` of a sequence whose blocks are `blocks`;
+/// writes `n × n_rep × head_dim` into `out`.
+pub fn attend(isa: Isa, kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
+    match isa {
+        // SAFETY: the ISA was detected on this CPU.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => unsafe { attend_avx512(kv, g, blocks, qs, out, s) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { attend_avx2(kv, g, blocks, qs, out, s) },
+        _ => attend_impl(kv, g, blocks, qs, out, s),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn attend_avx512(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
+    attend_impl(kv, g, blocks, qs, out, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_avx2(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
+    attend_impl(kv, g, blocks, qs, out, s)
+}
+
+#[inline(always)]
+fn attend_impl(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
+    let (hd, bs) = (kv.head_dim, kv.block_size);
+    let nvec = qs.pos.len() * qs.n_rep;
+    s.m.clear();
+    s.m.resize(nvec, f32::NEG_INFINITY);
+    s.l.clear();
+    s.l.resize(nvec, 0.0);
+    s.acc.clear();
+    s.acc.resize(nvec * hd, 0.0);
+    s.kf.resize(bs * hd, 0.0);
+    s.vf.resize(bs * hd, 0.0);
+    let max_pos = qs.pos.iter().copied().max().unwrap_or(0);
+    for (bi, &block) in blocks.iter().enumerate().take(max_pos / bs + 1) {
+        kv.head_block(kv.k, block, g).convert_to_f32_slice(&mut s.kf);
+        kv.head_block(kv.v, block, g).convert_to_f32_slice(&mut s.vf);
+        let base = bi * bs;
+        for (i, &p) in qs.pos.iter().enumerate() {
+            if base > p {
+                continue;
+            }
+            let valid = bs.min(p + 1 - base);
+            for r in 0..qs.n_rep {
+                let v = i * qs.n_rep + r;
+                let q = &qs.q[v * hd..(v + 1) * hd];
+                let st = OnlineSoftmax { m: &mut s.m[v], l: &mut s.l[v], acc: &mut s.acc[v * hd..(v + 1) * hd] };
+                st.update(q, &s.kf[..valid * hd], &s.vf[..valid * hd], hd, qs.scale);
+            }
+        }
+    }
+    for v in 0..nvec {
+        let inv = if s.l[v] > 0.0 { 1.0 / s.l[v] } else { 0.0 };
+        for (o, a) in out[v * hd..(v + 1) * hd].iter_mut().zip(&s.acc[v * hd..(v + 1) * hd]) {
+            *o = a * inv;
+        }
+    }
+}
+
+/// One query's running max, normalizer and weighted value sum.
+struct OnlineSoftmax<'a> {
+    m: &'a mut f32,
+    l: &'a mut f32,
+    acc: &'a mut [f32],
+}
+
+impl OnlineSoftmax<'_> {
+    #[inline(always)]
+    fn update(self, q: &[f32], k: &[f32], v: &[f32], hd: usize, scale: f32) {
+        let n = k.len() / hd;
+        let mut scores = [0f32; 64];
+        let mut bmax = f32::NEG_INFINITY;
+        for j in 0..n {
+            scores[j] = dot(q, &k[j * hd..(j + 1) * hd]) * scale;
+            bmax = bmax.max(scores[j]);
+        }
+        let m_new = self.m.max(bmax);
+        let corr = fast_exp(*self.m - m_new);
+        *self.l *= corr;
+        for a in self.acc.iter_mut() {
+            *a *= corr;
+        }
+        for j in 0..n {
+            let p = fast_exp(scores[j] - m_new);
+            *self.l += p;
+            for (a, x) in self.acc.iter_mut().zip(&v[j * hd..(j + 1) * hd]) {
+                *a += p * x;
+            }
+        }
+        *self.m = m_new;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Plain softmax attention in f64 over dequantized K/V.
+    fn reference(k: &[f32], v: &[f32], q: &[f32], upto: usize, hd: usize, scale: f32) -> Vec<f32> {
+        let sc: Vec<f64> = (0..=upto).map(|p| (dot(q, &k[p * hd..(p + 1) * hd]) * scale) as f64).collect();
+        let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
+        let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
+        let z: f64 = e.iter().sum();
+        (0..hd).map(|d| (0..=upto).map(|p| e[p] / z * v[p * hd + d] as f64).sum::<f64>() as f32).collect()
+    }
+
+    #[test]
+    fn matches_reference_and_is_tile_invariant() {
+        let (hd, bs, nkv, n_rep, ctx) = (16, 16, 2, 3, 40);
+        let nblocks = ctx / bs + 1;
+        let mut seed = 1u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        // Blocks stored out of order, as a paged cache does.
+        let order: Vec<u32> = vec![2, 0, 1];
+        let kpool: Vec<f16> = (0..nblocks * nkv * bs * hd).map(|_| f16::from_f32(rnd())).collect();
+        let vpool: Vec<f16> = (0..nblocks * nkv * bs * hd).map(|_| f16::from_f32(rnd())).collect();
+        let kv = LayerKv { k: &kpool, v: &vpool, n_kv_heads: nkv, head_dim: hd, block_size: bs };
+        let g = 1;
+        let logical = |pool: &[f16]| -> Vec<f32> {
+            (0..ctx).flat_map(|p| kv.head_block(pool, order[p / bs], g)[(p % bs) * hd..(p % bs + 1) * hd].iter().map(|x| x.to_f32()).collect::<Vec<_>>()).collect()
+        };
+        let (kl, vl) = (logical(&kpool), logical(&vpool));
+        let pos: Vec<usize> = (20..ctx).collect();
+        let q: Vec<f32> = (0..pos.len() * n_rep * hd).map(|_| rnd()).collect();
+        for isa in Isa::available() {
+            let mut all = vec![0f32; q.len()];
+            let qs = Queries { q: &q, pos: &pos, n_rep, scale: 0.25 };
+            attend(isa, &kv, g, &order, &qs, &mut all, &mut AttnScratch::default());
+            for (i, &p) in pos.iter().enumerate() {
+                let one_q = &q[i * n_rep * hd..(i + 1) * n_rep * hd];
+                let mut one = vec![0f32; n_rep * hd];
+                let qs1 = Queries { q: one_q, pos: &[p], n_rep, scale: 0.25 };
+                attend(isa, &kv, g, &order, &qs1, &mut one, &mut AttnScratch::default());
+                assert_eq!(one, all[i * n_rep * hd..(i + 1) * n_rep * hd], "tile changed the result");
+                for r in 0..n_rep {
+                    let want = reference(&kl, &vl, &one_q[r * hd..(r + 1) * hd], p, hd, 0.25);
+                    for (a, b) in one[r * hd..(r + 1) * hd].iter().zip(&want) {
+                        assert!((a - b).abs() < 1e-4, "{isa}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -157,7 +157,13 @@ pub struct QuantActs {
 impl QuantActs {
     /// Quantizes `x` (`rows × cols`, row-major), reusing this buffer's allocations.
     pub fn quantize(&mut self, x: &[f32], rows: usize, cols: usize) {
-        debug_assert_eq!(x.len(), rows * cols);
+        self.resize(rows, cols);
+        let (q, d, s, qsum) = self.parts_mut();
+        quantize_rows(x, q, d, s, qsum);
+    }
+
+    /// Sizes the buffers for `rows × cols` (contents unspecified until quantized).
+    pub fn resize(&mut self, rows: usize, cols: usize) {
         debug_assert_eq!(cols % QBLOCK, 0);
         let nb = rows * cols / QBLOCK;
         self.rows = rows;
@@ -166,17 +172,26 @@ impl QuantActs {
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
         self.qsum.resize(nb, 0);
-        for (i, xb) in x.chunks_exact(QBLOCK).enumerate() {
-            let qb = &mut self.q[i * QBLOCK..(i + 1) * QBLOCK];
-            let (d, sum) = quantize_block(xb, qb);
-            self.d[i] = d;
-            self.qsum[i] = sum;
-            self.s[i] = d * sum as f32;
-        }
+    }
+
+    /// The four buffers, for filling them in parallel.
+    pub fn parts_mut(&mut self) -> (&mut [i8], &mut [f32], &mut [f32], &mut [i32]) {
+        (&mut self.q, &mut self.d, &mut self.s, &mut self.qsum)
     }
 
     pub(crate) fn blocks(&self) -> usize {
         self.cols / QBLOCK
+    }
+}
+
+/// Quantizes whole rows: `x` and `q` hold the same number of values, `d`, `s` and
+/// `qsum` one entry per 32 of them.
+pub fn quantize_rows(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], qsum: &mut [i32]) {
+    for (i, (xb, qb)) in x.chunks_exact(QBLOCK).zip(q.chunks_exact_mut(QBLOCK)).enumerate() {
+        let (di, sum) = quantize_block(xb, qb);
+        d[i] = di;
+        qsum[i] = sum;
+        s[i] = di * sum as f32;
     }
 }
 
@@ -212,6 +227,8 @@ pub struct OutRows<'a> {
     ptr: *mut f32,
     rows: usize,
     stride: usize,
+    /// The window `col0..col0 + cols` of each row that this matrix's outputs fill.
+    col0: usize,
     cols: usize,
     _life: std::marker::PhantomData<&'a mut [f32]>,
 }
@@ -223,12 +240,24 @@ unsafe impl Sync for OutRows<'_> {}
 
 impl<'a> OutRows<'a> {
     pub fn new(out: &'a mut [f32], rows: usize, cols: usize) -> Self {
-        assert!(out.len() >= rows * cols, "output buffer too small");
-        OutRows { ptr: out.as_mut_ptr(), rows, stride: cols, cols, _life: std::marker::PhantomData }
+        Self::window(out, rows, cols, 0, cols)
+    }
+
+    /// Rows of `stride` values of which columns `col0..col0 + cols` are written: how
+    /// fused projections (q|k|v, gate|up) share one output matrix.
+    pub fn window(out: &'a mut [f32], rows: usize, stride: usize, col0: usize, cols: usize) -> Self {
+        assert!(col0 + cols <= stride && out.len() >= rows * stride, "output buffer too small");
+        OutRows { ptr: out.as_mut_ptr(), rows, stride, col0, cols, _life: std::marker::PhantomData }
     }
 
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    /// The columns `col0..col0 + cols` of this window, for one part of a fused matmul.
+    pub fn sub(&self, col0: usize, cols: usize) -> OutRows<'_> {
+        assert!(col0 + cols <= self.cols, "sub-window outside the window");
+        OutRows { col0: self.col0 + col0, cols, _life: std::marker::PhantomData, ..*self }
     }
 
     /// Writes up to 16 values of token row `t` starting at column `g * 16`, clipped to
@@ -243,7 +272,7 @@ impl<'a> OutRows<'a> {
         // SAFETY: bounds checked above; disjointness of groups across threads is the
         // caller's contract, so no two threads write the same element.
         unsafe {
-            std::ptr::copy_nonoverlapping(vals.as_ptr(), self.ptr.add(t * self.stride + c0), n);
+            std::ptr::copy_nonoverlapping(vals.as_ptr(), self.ptr.add(t * self.stride + self.col0 + c0), n);
         }
     }
 }

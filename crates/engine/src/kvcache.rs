@@ -1,0 +1,78 @@
+//! The K/V bytes behind the block ids that `pdserve-kv` hands out: per layer, one K
+//! and one V pool laid out `[block][kv_head][slot][head_dim]` in f16.
+
+use crate::config::ModelConfig;
+use crate::kernels::attention::LayerKv;
+use half::f16;
+use half::slice::HalfBitsSliceExt;
+
+pub struct KvStorage {
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Raw f16 bits; zeroed allocation so untouched blocks cost no resident memory.
+    k: Vec<Vec<u16>>,
+    v: Vec<Vec<u16>>,
+}
+
+impl KvStorage {
+    pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
+        let per_layer = num_blocks * cfg.n_kv_heads * block_size * cfg.head_dim;
+        KvStorage {
+            n_layers: cfg.n_layers,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            block_size,
+            num_blocks,
+            k: (0..cfg.n_layers).map(|_| vec![0u16; per_layer]).collect(),
+            v: (0..cfg.n_layers).map(|_| vec![0u16; per_layer]).collect(),
+        }
+    }
+
+    /// Values one block holds for one layer (K or V).
+    pub fn block_elems(&self) -> usize {
+        self.n_kv_heads * self.block_size * self.head_dim
+    }
+
+    pub fn layer(&self, l: usize) -> LayerKv<'_> {
+        LayerKv {
+            k: self.k[l].reinterpret_cast(),
+            v: self.v[l].reinterpret_cast(),
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            block_size: self.block_size,
+        }
+    }
+
+    /// Stores token `pos`'s K and V rows (`n_kv_heads × head_dim` each) for layer `l`.
+    pub fn write(&mut self, l: usize, blocks: &[u32], pos: usize, k: &[f32], v: &[f32]) {
+        let (bs, hd) = (self.block_size, self.head_dim);
+        let block = blocks[pos / bs] as usize;
+        let slot = pos % bs;
+        for g in 0..self.n_kv_heads {
+            let at = ((block * self.n_kv_heads + g) * bs + slot) * hd;
+            for (dst, src) in [(&mut self.k[l], k), (&mut self.v[l], v)] {
+                for (d, s) in dst[at..at + hd].iter_mut().zip(&src[g * hd..(g + 1) * hd]) {
+                    *d = f16::from_f32(*s).to_bits();
+                }
+            }
+        }
+    }
+
+    /// One block's K and V for layer `l`, as raw f16 bits (for export).
+    pub fn block(&self, l: usize, block: u32) -> (&[u16], &[u16]) {
+        let n = self.block_elems();
+        let at = block as usize * n;
+        (&self.k[l][at..at + n], &self.v[l][at..at + n])
+    }
+
+    /// Overwrites one block's K and V for layer `l` (for import).
+    pub fn set_block(&mut self, l: usize, block: u32, k: &[u16], v: &[u16]) {
+        let n = self.block_elems();
+        let at = block as usize * n;
+        self.k[l][at..at + n].copy_from_slice(k);
+        self.v[l][at..at + n].copy_from_slice(v);
+    }
+}

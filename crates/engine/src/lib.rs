@@ -9,3 +9,5 @@
 pub mod config;
 pub mod format;
 pub mod models;
+pub mod tokenizer;
+pub mod chat;

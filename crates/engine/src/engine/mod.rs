@@ -1,0 +1,193 @@
+//! The engine: sequences in, sampled tokens out, one scheduler step at a time.
+//!
+//! The caller (a worker, or the CLI) owns the loop: `add` requests, call `step` while
+//! `has_work`, route each [`StepOutput`] to its client, `cancel` when a client goes
+//! away. Dropping a sequence drops its block table, which returns every block.
+
+mod scheduler;
+mod sequence;
+mod transfer;
+
+pub use sequence::FinishReason;
+pub use transfer::{KvFrame, KvImport};
+
+use crate::kernels::Isa;
+use crate::kvcache::KvStorage;
+use crate::model::{ForwardScratch, Model};
+use crate::sampler::Sampled;
+use crate::threadpool::ThreadPool;
+use pdserve_kv::{BlockPool, PoolStats};
+use pdserve_types::{RequestId, SamplingParams};
+use sequence::Sequence;
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+pub const BLOCK_SIZE: usize = 16;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Compute threads (the calling thread counts as one).
+    pub threads: usize,
+    /// KV blocks of `BLOCK_SIZE` tokens.
+    pub num_blocks: usize,
+    /// Tokens per step: decodes first, then prefill chunks fill the rest.
+    pub max_batch_tokens: usize,
+    /// Sequences running at once.
+    pub max_seqs: usize,
+    /// Salt mixed into prefix-cache hashes (e.g. a model or adapter id).
+    pub cache_salt: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { threads: 1, num_blocks: 1024, max_batch_tokens: 512, max_seqs: 64, cache_salt: 0 }
+    }
+}
+
+/// Why a request was refused; no state was changed.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum EngineError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the context length {context}")]
+    TooLong { prompt: usize, max_tokens: usize, context: usize },
+    #[error("the request needs {needed} KV blocks but the cache has {total}")]
+    TooLargeForCache { needed: usize, total: usize },
+    #[error("token id {0} is outside the vocabulary")]
+    BadToken(u32),
+    #[error("request {0} already exists")]
+    Duplicate(RequestId),
+    #[error("request {0} is unknown")]
+    Unknown(RequestId),
+    #[error("no free KV blocks for the transfer")]
+    NoBlocks,
+    #[error("KV frame does not fit: {0}")]
+    BadFrame(String),
+}
+
+/// One token for one request.
+#[derive(Debug, Clone)]
+pub struct StepOutput {
+    pub id: RequestId,
+    pub sampled: Sampled,
+    /// Set on the request's last token; the sequence is gone from the engine.
+    pub finish: Option<FinishReason>,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct EngineStats {
+    pub waiting: usize,
+    pub running: usize,
+    pub blocks: PoolStats,
+}
+
+pub struct Engine {
+    model: Arc<Model>,
+    cfg: EngineConfig,
+    isa: Isa,
+    pool: ThreadPool,
+    kv: KvStorage,
+    blocks: BlockPool,
+    scratch: ForwardScratch,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    importing: Vec<KvImport>,
+    eog: Vec<u32>,
+    next_seed: u64,
+}
+
+impl Engine {
+    /// `eog` lists the end-of-generation token ids (from the tokenizer).
+    pub fn new(model: Arc<Model>, cfg: EngineConfig, eog: Vec<u32>) -> Self {
+        Engine {
+            kv: KvStorage::new(&model.cfg, cfg.num_blocks, BLOCK_SIZE),
+            blocks: BlockPool::new(cfg.num_blocks, BLOCK_SIZE),
+            pool: ThreadPool::new(cfg.threads),
+            isa: Isa::detect(),
+            scratch: ForwardScratch::default(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            importing: Vec::new(),
+            next_seed: 0x5eed,
+            model,
+            cfg,
+            eog,
+        }
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Queues a request (FCFS). Fails without side effects on a bad request.
+    pub fn add(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<(), EngineError> {
+        self.check_new(id, &prompt, &params)?;
+        let seed = self.fresh_seed();
+        self.waiting.push_back(Sequence::new(id, prompt, params, seed));
+        Ok(())
+    }
+
+    fn check_new(&self, id: RequestId, prompt: &[u32], params: &SamplingParams) -> Result<(), EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.cfg.vocab_size) {
+            return Err(EngineError::BadToken(bad));
+        }
+        let context = self.model.cfg.context_length;
+        let total = prompt.len() + params.max_tokens as usize;
+        if total > context {
+            return Err(EngineError::TooLong { prompt: prompt.len(), max_tokens: params.max_tokens as usize, context });
+        }
+        let needed = total.div_ceil(BLOCK_SIZE);
+        if needed > self.cfg.num_blocks {
+            return Err(EngineError::TooLargeForCache { needed, total: self.cfg.num_blocks });
+        }
+        if self.contains(id) {
+            return Err(EngineError::Duplicate(id));
+        }
+        Ok(())
+    }
+
+    fn fresh_seed(&mut self) -> u64 {
+        self.next_seed = self.next_seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        self.next_seed
+    }
+
+    fn contains(&self, id: RequestId) -> bool {
+        self.waiting.iter().chain(&self.running).any(|s| s.id == id) || self.importing.iter().any(|i| i.id == id)
+    }
+
+    /// Drops a request in any state; its blocks return to the pool at once.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        let before = self.waiting.len() + self.running.len() + self.importing.len();
+        self.waiting.retain(|s| s.id != id);
+        self.running.retain(|s| s.id != id);
+        self.importing.retain(|i| i.id != id);
+        before != self.waiting.len() + self.running.len() + self.importing.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats { waiting: self.waiting.len(), running: self.running.len(), blocks: self.blocks.stats() }
+    }
+
+    /// The block pool, for metrics and prefix-cache events.
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.blocks
+    }
+
+    /// Compute threads in use.
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+}

@@ -1,0 +1,183 @@
+//! One scheduler step: continuous batching under a token budget. Decoding sequences go
+//! first (one token each), then running prefills continue, then waiting requests are
+//! admitted in arrival order with chunked prefill. When blocks run out, the most
+//! recently admitted sequence is preempted and will be recomputed later.
+
+use super::sequence::{FinishReason, Sequence};
+use super::{Engine, StepOutput, BLOCK_SIZE};
+use crate::kvcache::KvStorage;
+use crate::model::SeqBatch;
+use pdserve_kv::{block_hashes, BlockTable};
+
+/// What a layer hook learns about each sequence in the step.
+pub(crate) struct LayerSeq {
+    pub blocks: Vec<u32>,
+    /// This step finishes the sequence's pending tokens (its K/V are then complete).
+    pub last_chunk: bool,
+}
+
+/// One running sequence's share of a step.
+pub(crate) struct Planned {
+    /// Index into `running`.
+    pub seq: usize,
+    pub n: usize,
+    pub logits: bool,
+}
+
+impl Engine {
+    /// Runs one batch and returns one output per sequence that sampled a token.
+    pub fn step(&mut self) -> Vec<StepOutput> {
+        self.step_with(&mut |_, _, _| {})
+    }
+
+    /// [`step`](Self::step) with a hook called after each layer's K/V are written.
+    pub(crate) fn step_with(&mut self, on_layer: &mut dyn FnMut(usize, &KvStorage, &[LayerSeq])) -> Vec<StepOutput> {
+        let plan = self.schedule();
+        if plan.is_empty() {
+            return Vec::new();
+        }
+        let ids: Vec<LayerSeq> = plan.iter().map(|p| LayerSeq { blocks: table_ids(&self.running[p.seq]), last_chunk: p.logits }).collect();
+        let batch: Vec<SeqBatch<'_>> = plan
+            .iter()
+            .zip(&ids)
+            .map(|(p, ls)| {
+                let s = &self.running[p.seq];
+                SeqBatch { tokens: &s.tokens[s.computed..s.computed + p.n], start_pos: s.computed, blocks: &ls.blocks, logits: p.logits }
+            })
+            .collect();
+        let logits = self.model.forward(self.isa, &self.pool, &batch, &mut self.kv, &mut self.scratch, &mut |l, kv| on_layer(l, kv, &ids)).to_vec();
+        drop(batch);
+        self.finish_step(&plan, logits)
+    }
+
+    fn schedule(&mut self) -> Vec<Planned> {
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut plan = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let s = &self.running[i];
+            let n = s.pending().min(budget);
+            if self.reserve(i, s.computed + n, !s.is_decoding()) {
+                let s = &self.running[i];
+                plan.push(Planned { seq: i, n, logits: s.computed + n == s.tokens.len() });
+                budget -= n;
+                i += 1;
+            } else if i >= self.running.len() || !self.running[i].is_decoding() {
+                break;
+            }
+        }
+        self.admit(&mut plan, budget);
+        plan
+    }
+
+    /// Makes room for `tokens` in running sequence `i`. A decode that cannot grow
+    /// preempts the newest sequence (possibly itself); a prefill simply waits.
+    fn reserve(&mut self, i: usize, tokens: usize, is_prefill: bool) -> bool {
+        loop {
+            let Some(table) = self.running[i].table.as_mut() else { return false };
+            if table.ensure_capacity(tokens).is_ok() {
+                return true;
+            }
+            if is_prefill {
+                return false;
+            }
+            let Some(mut victim) = self.running.pop() else { return false };
+            victim.preempt();
+            let was_self = self.running.len() == i;
+            self.waiting.push_front(victim);
+            if was_self {
+                return false;
+            }
+        }
+    }
+
+    /// Admits waiting sequences in arrival order while budget, slots and blocks last.
+    fn admit(&mut self, plan: &mut Vec<Planned>, mut budget: usize) {
+        while budget > 0 && self.running.len() < self.cfg.max_seqs {
+            let Some(mut s) = self.waiting.pop_front() else { break };
+            if s.table.is_none() {
+                self.attach_prefix(&mut s);
+            }
+            let n = s.pending().min(budget);
+            let fits = s.table.as_mut().is_some_and(|t| t.ensure_capacity(s.computed + n).is_ok());
+            if !fits {
+                // Strict FCFS: nobody overtakes the head of the queue.
+                s.preempt();
+                self.waiting.push_front(s);
+                break;
+            }
+            budget -= n;
+            plan.push(Planned { seq: self.running.len(), n, logits: s.computed + n == s.tokens.len() });
+            self.running.push(s);
+        }
+    }
+
+    /// Starts the sequence's block table from the longest cached prefix, always
+    /// leaving at least one token to compute so the step yields logits.
+    fn attach_prefix(&self, s: &mut Sequence) {
+        let usable = (s.tokens.len() - 1) / BLOCK_SIZE * BLOCK_SIZE;
+        let hashes = block_hashes(&s.tokens[..usable], BLOCK_SIZE, self.cfg.cache_salt);
+        let hits = self.blocks.match_prefix(&hashes);
+        let table = BlockTable::with_prefix(&self.blocks, self.cfg.cache_salt, hits);
+        s.computed = table.cached_prefix_tokens();
+        s.cached_tokens = s.computed;
+        s.table = Some(table);
+    }
+
+    fn finish_step(&mut self, plan: &[Planned], logits: Vec<f32>) -> Vec<StepOutput> {
+        let vocab = self.model.cfg.vocab_size;
+        let mut rows = logits.chunks_exact(vocab);
+        let mut out = Vec::new();
+        let mut done = Vec::new();
+        for p in plan {
+            let s = &mut self.running[p.seq];
+            s.computed += p.n;
+            if let Some(t) = s.table.as_mut() {
+                t.commit(&s.tokens[..s.computed]);
+            }
+            if !p.logits {
+                continue;
+            }
+            let Some(row) = rows.next() else { break };
+            let (output, finished) = sample_next(s, row, &self.eog, self.model.cfg.context_length);
+            if finished {
+                done.push(p.seq);
+            }
+            out.push(output);
+        }
+        done.sort_unstable();
+        for i in done.into_iter().rev() {
+            self.running.remove(i);
+        }
+        out
+    }
+}
+
+fn table_ids(s: &Sequence) -> Vec<u32> {
+    s.table.as_ref().map(|t| t.block_ids().into_iter().map(|b| b.0).collect()).unwrap_or_default()
+}
+
+/// Samples the sequence's next token and decides whether it finished.
+pub(crate) fn sample_next(s: &mut Sequence, row: &[f32], eog: &[u32], context: usize) -> (StepOutput, bool) {
+    let stop_ids = &s.params.stop.token_ids;
+    let min_reached = s.generated() >= s.params.min_tokens as usize;
+    s.sampler.clear_bans();
+    if !min_reached {
+        s.sampler.ban(eog);
+        s.sampler.ban(stop_ids);
+    }
+    let mut row = row.to_vec();
+    let sampled = s.sampler.sample(&mut row, &s.history);
+    let tok = sampled.token;
+    s.tokens.push(tok);
+    s.history.push(tok);
+    let finish = if (eog.contains(&tok) && !s.params.ignore_eos) || stop_ids.contains(&tok) {
+        Some(FinishReason::Stop)
+    } else if s.generated() >= s.params.max_tokens as usize || s.tokens.len() >= context {
+        Some(FinishReason::Length)
+    } else {
+        None
+    };
+    let output = StepOutput { id: s.id, sampled, finish, prompt_tokens: s.prompt_len, cached_tokens: s.cached_tokens };
+    (output, finish.is_some())
+}

@@ -1,0 +1,67 @@
+//! One request inside the engine: its tokens, its cache blocks, its sampler.
+
+use crate::sampler::{Sampler, TokenHistory};
+use pdserve_kv::BlockTable;
+use pdserve_types::{RequestId, SamplingParams};
+
+/// Why a sequence stopped generating.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End-of-generation token or a stop token id.
+    Stop,
+    /// `max_tokens` or the context length reached.
+    Length,
+}
+
+pub(crate) struct Sequence {
+    pub id: RequestId,
+    pub prompt_len: usize,
+    /// Prompt followed by every generated token.
+    pub tokens: Vec<u32>,
+    /// Tokens whose K/V are in the cache (always a prefix of `tokens`).
+    pub computed: usize,
+    /// `None` while waiting (never admitted, or preempted).
+    pub table: Option<BlockTable>,
+    pub params: SamplingParams,
+    pub sampler: Sampler,
+    pub history: TokenHistory,
+    /// Prompt tokens served from the prefix cache at the last admission.
+    pub cached_tokens: usize,
+}
+
+impl Sequence {
+    pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams, seed: u64) -> Self {
+        Sequence {
+            id,
+            prompt_len: prompt.len(),
+            history: TokenHistory::new(&prompt),
+            sampler: Sampler::new(&params, seed),
+            tokens: prompt,
+            computed: 0,
+            table: None,
+            params,
+            cached_tokens: 0,
+        }
+    }
+
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens still to run through the model before the next sample.
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// True once the prompt is in the cache and each step feeds one sampled token.
+    pub fn is_decoding(&self) -> bool {
+        self.computed >= self.prompt_len && self.pending() == 1
+    }
+
+    /// Forgets the cache (preemption by recompute): the tokens are kept and will be
+    /// prefilled again, with the same numerics, on re-admission.
+    pub fn preempt(&mut self) {
+        self.table = None;
+        self.computed = 0;
+    }
+}

@@ -1,0 +1,136 @@
+//! KV export and import, the engine half of disaggregated serving.
+//!
+//! A prefill engine runs a prompt and hands out its K/V as frames, one per (layer,
+//! block), each layer's frames as soon as that layer is computed. A decode engine
+//! reserves blocks first, writes frames straight into them, then continues decoding
+//! as if it had prefilled the prompt itself. The numerics of both engines are the same
+//! row-wise kernels, so the tokens are identical to one engine doing both.
+
+use super::sequence::Sequence;
+use super::{Engine, EngineError, StepOutput};
+use crate::kvcache::KvStorage;
+use pdserve_kv::BlockTable;
+use pdserve_types::{RequestId, SamplingParams};
+
+/// One block of one layer: `n_kv_heads × block_size × head_dim` f16 values each of K
+/// and V, as raw bits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvFrame {
+    pub layer: u32,
+    /// The block's index within the sequence (position / block size).
+    pub index: u32,
+    pub k: Vec<u16>,
+    pub v: Vec<u16>,
+}
+
+/// Blocks reserved on a decode engine for a transfer in flight.
+pub struct KvImport {
+    pub(crate) id: RequestId,
+    prompt_len: usize,
+    table: BlockTable,
+    ids: Vec<u32>,
+}
+
+impl Engine {
+    /// Prefills `prompt` alone, streaming its K/V through `on_frame` layer by layer,
+    /// and returns the first sampled token. The prompt's full blocks stay in this
+    /// engine's prefix cache.
+    pub fn prefill_export(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        on_frame: &mut dyn FnMut(KvFrame),
+    ) -> Result<StepOutput, EngineError> {
+        self.check_new(id, &prompt, &params)?;
+        if self.has_work() {
+            // Keep the batch this step runs to the one sequence being exported.
+            return Err(EngineError::BadFrame("prefill_export needs an idle engine".into()));
+        }
+        let seed = self.fresh_seed();
+        self.waiting.push_back(Sequence::new(id, prompt, params, seed));
+        loop {
+            let mut outs = self.step_with(&mut |l, kv, seqs| {
+                for s in seqs.iter().filter(|s| s.last_chunk) {
+                    export_layer(kv, l, &s.blocks, on_frame);
+                }
+            });
+            if let Some(first) = outs.pop() {
+                self.cancel(id);
+                return Ok(first);
+            }
+            if !self.has_work() {
+                return Err(EngineError::NoBlocks);
+            }
+        }
+    }
+
+    /// Reserves blocks for a prompt of `prompt_len` tokens whose K/V will arrive as
+    /// frames. Fails at once when the pool cannot hold them.
+    pub fn reserve_import(&mut self, id: RequestId, prompt_len: usize) -> Result<(), EngineError> {
+        if self.contains(id) {
+            return Err(EngineError::Duplicate(id));
+        }
+        let mut table = BlockTable::new(&self.blocks, self.cfg.cache_salt);
+        table.ensure_capacity(prompt_len).map_err(|_| EngineError::NoBlocks)?;
+        let ids = table.block_ids().into_iter().map(|b| b.0).collect();
+        self.importing.push(KvImport { id, prompt_len, table, ids });
+        Ok(())
+    }
+
+    /// Writes one frame into the reserved blocks of `id`.
+    pub fn import_frame(&mut self, id: RequestId, f: &KvFrame) -> Result<(), EngineError> {
+        let imp = self.importing.iter().find(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
+        let block = *imp.ids.get(f.index as usize).ok_or_else(|| EngineError::BadFrame(format!("block index {} out of range", f.index)))?;
+        let n = self.kv.block_elems();
+        if f.layer as usize >= self.kv.n_layers || f.k.len() != n || f.v.len() != n {
+            return Err(EngineError::BadFrame(format!("layer {} with {} values", f.layer, f.k.len())));
+        }
+        self.kv.set_block(f.layer as usize, block, &f.k, &f.v);
+        Ok(())
+    }
+
+    /// Turns a completed import into a decoding sequence whose first generated token
+    /// (sampled by the prefill side) is `first`. Returns the output of that token when
+    /// it already ends the request, in which case nothing is queued.
+    pub fn finish_import(&mut self, id: RequestId, prompt: Vec<u32>, first: u32, params: SamplingParams) -> Result<Option<StepOutput>, EngineError> {
+        let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
+        if self.importing[at].prompt_len != prompt.len() {
+            return Err(EngineError::BadFrame("prompt length differs from the reservation".into()));
+        }
+        let imp = self.importing.swap_remove(at);
+        let seed = self.fresh_seed();
+        let mut s = Sequence::new(id, prompt, params, seed);
+        s.sampler.replay_draw();
+        s.computed = s.prompt_len;
+        let mut table = imp.table;
+        table.commit(&s.tokens);
+        s.table = Some(table);
+        // Record the first token exactly as a local step would have.
+        s.tokens.push(first);
+        s.history.push(first);
+        if self.first_token_finishes(&s, first) {
+            return Ok(None);
+        }
+        self.running.push(s);
+        Ok(None)
+    }
+
+    fn first_token_finishes(&self, s: &Sequence, tok: u32) -> bool {
+        (self.eog.contains(&tok) && !s.params.ignore_eos) || s.params.stop.token_ids.contains(&tok) || s.generated() >= s.params.max_tokens as usize
+    }
+
+    /// Gives up a transfer; its blocks return to the pool.
+    pub fn abort_import(&mut self, id: RequestId) -> bool {
+        let before = self.importing.len();
+        self.importing.retain(|i| i.id != id);
+        before != self.importing.len()
+    }
+}
+
+fn export_layer(kv: &KvStorage, l: usize, blocks: &[u32], on_frame: &mut dyn FnMut(KvFrame)) {
+    for (index, &b) in blocks.iter().enumerate() {
+        let (k, v) = kv.block(l, b);
+        on_frame(KvFrame { layer: l as u32, index: index as u32, k: k.to_vec(), v: v.to_vec() });
+    }
+}

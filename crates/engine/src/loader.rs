@@ -1,0 +1,64 @@
+//! Opens a model from disk: a GGUF file or a Hugging Face safetensors directory, with
+//! its tokenizer and chat template.
+
+use crate::chat::ChatTemplate;
+use crate::config::ModelConfig;
+use crate::format::gguf::GgufFile;
+use crate::format::safetensors::SafetensorsModel;
+use crate::format::FormatError;
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+use std::path::Path;
+use std::sync::Arc;
+
+/// Everything a worker or frontend needs from a model directory or file.
+pub struct LoadedModel {
+    pub model: Arc<Model>,
+    pub tokenizer: Arc<Tokenizer>,
+    /// The model's own template, or ChatML when it ships none.
+    pub chat: Arc<ChatTemplate>,
+    /// File or directory name, used as the served model id.
+    pub name: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Chat(String),
+}
+
+/// Loads `path`: a `.gguf` file, or a directory with config.json and *.safetensors.
+pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let (model, tokenizer) = if path.is_dir() { load_safetensors(path)? } else { load_gguf(path)? };
+    let chat = match tokenizer.chat_template() {
+        Some(src) => {
+            let tok_text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
+            ChatTemplate::new(src, &tok_text(tokenizer.bos_id()), &tok_text(tokenizer.eos_id())).map_err(|e| LoadError::Chat(e.to_string()))?
+        }
+        None => ChatTemplate::fallback_chatml(),
+    };
+    Ok(LoadedModel { model: Arc::new(model), tokenizer: Arc::new(tokenizer), chat: Arc::new(chat), name })
+}
+
+fn load_gguf(path: &Path) -> Result<(Model, Tokenizer), LoadError> {
+    let file = GgufFile::open(path)?;
+    let cfg = ModelConfig::from_gguf(&file.header)?;
+    let tokenizer = Tokenizer::from_gguf(&file.header).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+    Ok((Model::load(&file, cfg)?, tokenizer))
+}
+
+fn load_safetensors(dir: &Path) -> Result<(Model, Tokenizer), LoadError> {
+    let st = SafetensorsModel::open(dir)?;
+    let json = st.tokenizer_json_path().ok_or_else(|| LoadError::Tokenizer(format!("no tokenizer.json in {}", dir.display())))?;
+    let mut tokenizer = Tokenizer::from_json_file(&json).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+    if let Some(cfg_path) = st.tokenizer_config_path() {
+        tokenizer = tokenizer.with_config_file(&cfg_path).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+    }
+    let model = Model::load(&st, st.config().clone())?;
+    Ok((model, tokenizer))
+}

@@ -1,0 +1,93 @@
+//! Cutting special tokens out of text before pre-tokenization.
+//!
+//! Like llama.cpp, tokens are searched longest first, each in the text that longer ones
+//! left over, so `<|im_end|>` wins over a shorter token that is a prefix of it.
+//! Control tokens are cut only when the caller parses specials; user-defined tokens
+//! (non-special added tokens) are always cut, as Hugging Face does.
+
+use super::vocab::TokenEntry;
+
+#[derive(Debug)]
+struct SpecialToken {
+    id: u32,
+    text: String,
+    always: bool,
+    lstrip: bool,
+    rstrip: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fragment<'t> {
+    Text(&'t str),
+    Token(u32),
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Specials {
+    /// Longest text first; ties by id so the order does not depend on a sort's whims.
+    tokens: Vec<SpecialToken>,
+}
+
+impl Specials {
+    pub fn new(entries: &[TokenEntry]) -> Self {
+        let mut tokens: Vec<SpecialToken> = (0u32..)
+            .zip(entries)
+            .filter(|(_, e)| e.kind.is_literal() && !e.bytes.is_empty())
+            .filter_map(|(id, e)| {
+                let text = String::from_utf8(e.bytes.clone()).ok()?;
+                let always = e.kind == super::TokenKind::UserDefined;
+                Some(SpecialToken {
+                    id,
+                    text,
+                    always,
+                    lstrip: e.lstrip,
+                    rstrip: e.rstrip,
+                })
+            })
+            .collect();
+        tokens.sort_by(|a, b| b.text.len().cmp(&a.text.len()).then(a.id.cmp(&b.id)));
+        Specials { tokens }
+    }
+
+    /// `text` as plain-text fragments and special tokens, in order. Empty text
+    /// fragments are dropped.
+    pub fn split<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {
+        let mut frags = vec![Fragment::Text(text)];
+        for tok in self.tokens.iter().filter(|t| parse_special || t.always) {
+            let found = frags
+                .iter()
+                .any(|f| matches!(f, Fragment::Text(t) if t.contains(tok.text.as_str())));
+            if found {
+                frags = cut(frags, tok);
+            }
+        }
+        frags.retain(|f| !matches!(f, Fragment::Text("")));
+        frags
+    }
+}
+
+/// Splits every text fragment at each occurrence of `tok`.
+fn cut<'t>(frags: Vec<Fragment<'t>>, tok: &SpecialToken) -> Vec<Fragment<'t>> {
+    let mut out = Vec::with_capacity(frags.len() + 2);
+    for frag in frags {
+        let Fragment::Text(mut rest) = frag else {
+            out.push(frag);
+            continue;
+        };
+        while let Some(pos) = rest.find(tok.text.as_str()) {
+            let (mut left, right) = (&rest[..pos], &rest[pos + tok.text.len()..]);
+            if tok.lstrip {
+                left = left.trim_end();
+            }
+            out.push(Fragment::Text(left));
+            out.push(Fragment::Token(tok.id));
+            rest = if tok.rstrip {
+                right.trim_start()
+            } else {
+                right
+            };
+        }
+        out.push(Fragment::Text(rest));
+    }
+    out
+}

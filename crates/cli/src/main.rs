@@ -1,1 +1,45 @@
-fn main() {}
+//! The `pdserve` binary: argument parsing and wiring, nothing else. Each subcommand
+//! lives in `cmd/`; the work happens in the library crates.
+
+mod cmd;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "pdserve", version, about = "Disaggregated LLM serving: prefill and decode on separate workers")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) into the cache.
+    Pull,
+    /// Generate text from a prompt and stream it to stdout.
+    Generate(cmd::generate::Args),
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        what: cmd::bench::What,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Pull => cmd::pull::run(),
+        Command::Generate(args) => cmd::generate::run(args),
+        Command::Bench { what } => cmd::bench::run(what),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line a user can act on; the chain gives the cause.
+            let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+            eprintln!("error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -9,5 +9,13 @@
 pub mod config;
 pub mod format;
 pub mod models;
+pub mod kernels;
+pub mod threadpool;
+pub mod sampler;
 pub mod tokenizer;
 pub mod chat;
+pub mod testing;
+pub mod kvcache;
+pub mod model;
+pub mod engine;
+pub mod loader;

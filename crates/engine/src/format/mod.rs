@@ -129,3 +129,4 @@ pub enum FormatError {
 
 #[cfg(test)]
 mod tests;
+pub mod safetensors;

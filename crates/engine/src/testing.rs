@@ -244,15 +244,17 @@ impl Gaussian {
         (sum - 6.0) as f32
     }
 
-    /// Matrices are scaled by 1/sqrt(fan-in) rather than the usual 0.02: with weights
-    /// that small every attention score is near zero, attention is uniform, and a RoPE
-    /// layout mistake would not show in the logits these models are compared on.
+    /// Matrices (the embedding too) are scaled by 1/sqrt(fan-in), not the usual 0.02:
+    /// with weights that small every attention score is near zero, attention is uniform,
+    /// and a RoPE layout mistake would not show in the logits the two copies are
+    /// compared on. (Checked: loading the GGUF copy as Neox moves logprobs by ~1.)
     fn values(&mut self, shape: &[usize], role: Role) -> Vec<f32> {
         let n: usize = shape.iter().product();
         let fan_in = shape.last().copied().unwrap_or(1).max(1) as f32;
         let (offset, scale) = match role {
-            Role::Embedding => (0.0, 1.0),
-            Role::Matrix | Role::RopeMatrix(_) => (0.0, 1.0 / fan_in.sqrt()),
+            // Tied models read logits off the embedding too, so it gets the same
+            // scale: logits come out roughly N(0, 1) either way.
+            Role::Embedding | Role::Matrix | Role::RopeMatrix(_) => (0.0, 1.0 / fan_in.sqrt()),
             Role::Norm => (1.0, 0.1),
             Role::Bias => (0.0, 0.1),
         };

@@ -44,13 +44,14 @@ impl ModelConfig {
         if self.n_layers == 0 || self.hidden == 0 || self.ffn_hidden == 0 || self.vocab_size == 0 {
             return bad("zero-sized dimension");
         }
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad("head count must be a positive multiple of the KV head count");
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad("head dimension must be even");
         }
-        if !(self.rms_eps > 0.0) || !(self.rope_theta > 0.0) {
+        let positive = |x: f32| x.is_finite() && x > 0.0;
+        if !positive(self.rms_eps) || !positive(self.rope_theta) {
             return bad("rms epsilon and rope theta must be positive");
         }
         if self.context_length == 0 {
@@ -96,7 +97,7 @@ impl ModelConfig {
         let n_heads = int("attention.head_count")?;
         let n_kv_heads = int("attention.head_count_kv").unwrap_or(n_heads);
         let head_dim = int("attention.key_length").or_else(|_| int("rope.dimension_count"));
-        let head_dim = head_dim.unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 });
+        let head_dim = head_dim.unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let vocab_size = match h.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
             Some(tokens) => tokens.len(),
             None => h

@@ -182,6 +182,34 @@ impl Drop for ThreadPool {
     }
 }
 
+/// A mutable slice that pool tasks write disjoint parts of.
+pub struct DisjointMut<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _life: std::marker::PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: access goes through `part`, whose contract forbids overlapping ranges.
+unsafe impl<T: Send> Send for DisjointMut<'_, T> {}
+unsafe impl<T: Send> Sync for DisjointMut<'_, T> {}
+
+impl<'a, T> DisjointMut<'a, T> {
+    pub fn new(s: &'a mut [T]) -> Self {
+        DisjointMut { ptr: s.as_mut_ptr(), len: s.len(), _life: std::marker::PhantomData }
+    }
+
+    /// The sub-slice `range`.
+    ///
+    /// # Safety
+    /// Ranges used concurrently (by any task of the same job) must not overlap.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn part(&self, range: std::ops::Range<usize>) -> &mut [T] {
+        assert!(range.start <= range.end && range.end <= self.len, "range outside the slice");
+        // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,33 +241,5 @@ mod tests {
             });
         }
         assert_eq!(total.load(SeqCst), 5000);
-    }
-}
-
-/// A mutable slice that pool tasks write disjoint parts of.
-pub struct DisjointMut<'a, T> {
-    ptr: *mut T,
-    len: usize,
-    _life: std::marker::PhantomData<&'a mut [T]>,
-}
-
-// SAFETY: access goes through `part`, whose contract forbids overlapping ranges.
-unsafe impl<T: Send> Send for DisjointMut<'_, T> {}
-unsafe impl<T: Send> Sync for DisjointMut<'_, T> {}
-
-impl<'a, T> DisjointMut<'a, T> {
-    pub fn new(s: &'a mut [T]) -> Self {
-        DisjointMut { ptr: s.as_mut_ptr(), len: s.len(), _life: std::marker::PhantomData }
-    }
-
-    /// The sub-slice `range`.
-    ///
-    /// # Safety
-    /// Ranges used concurrently (by any task of the same job) must not overlap.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn part(&self, range: std::ops::Range<usize>) -> &mut [T] {
-        assert!(range.start <= range.end && range.end <= self.len, "range outside the slice");
-        // SAFETY: in bounds (asserted); exclusivity is the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
     }
 }

@@ -65,17 +65,55 @@ pub fn attend(isa: Isa, kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
 unsafe fn attend_avx512(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
-    attend_impl(kv, g, blocks, qs, out, s)
+    attend_with(kv, g, blocks, qs, out, s, f16c::to_f32)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn attend_avx2(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
-    attend_impl(kv, g, blocks, qs, out, s)
+    attend_with(kv, g, blocks, qs, out, s, f16c::to_f32)
+}
+
+fn attend_impl(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
+    attend_with(kv, g, blocks, qs, out, s, |src, dst| src.convert_to_f32_slice(dst))
+}
+
+/// F16C conversion, eight values per instruction.
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    pub fn to_f32(src: &[f16], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len());
+        let n8 = src.len() / 8 * 8;
+        // SAFETY: only reached from kernels dispatched on CPUs with F16C; indices stay
+        // below `n8 <= len` for both slices.
+        unsafe { convert(src.as_ptr().cast(), dst.as_mut_ptr(), n8) };
+        for (d, s) in dst[n8..].iter_mut().zip(&src[n8..]) {
+            *d = s.to_f32();
+        }
+    }
+
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn convert(src: *const u16, dst: *mut f32, n8: usize) {
+        for i in (0..n8).step_by(8) {
+            // SAFETY: the caller guarantees `n8` readable and writable elements.
+            unsafe { _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(_mm_loadu_si128(src.add(i).cast()))) };
+        }
+    }
 }
 
 #[inline(always)]
-fn attend_impl(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
+fn attend_with(
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    out: &mut [f32],
+    s: &mut AttnScratch,
+    to_f32: impl Fn(&[f16], &mut [f32]),
+) {
     let (hd, bs) = (kv.head_dim, kv.block_size);
     let nvec = qs.pos.len() * qs.n_rep;
     s.m.clear();
@@ -88,8 +126,8 @@ fn attend_impl(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out
     s.vf.resize(bs * hd, 0.0);
     let max_pos = qs.pos.iter().copied().max().unwrap_or(0);
     for (bi, &block) in blocks.iter().enumerate().take(max_pos / bs + 1) {
-        kv.head_block(kv.k, block, g).convert_to_f32_slice(&mut s.kf);
-        kv.head_block(kv.v, block, g).convert_to_f32_slice(&mut s.vf);
+        to_f32(kv.head_block(kv.k, block, g), &mut s.kf);
+        to_f32(kv.head_block(kv.v, block, g), &mut s.vf);
         let base = bi * bs;
         for (i, &p) in qs.pos.iter().enumerate() {
             if base > p {

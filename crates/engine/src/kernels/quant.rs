@@ -92,7 +92,7 @@ impl QuantMatrix {
             DType::Q8_0 => Codes::Byte,
             other => return Err(RepackError::NotQuantized(other)),
         };
-        if cols % QBLOCK != 0 {
+        if !cols.is_multiple_of(QBLOCK) {
             return Err(RepackError::Cols(cols));
         }
         let blocks = cols / QBLOCK;

@@ -71,6 +71,10 @@ pub fn run(what: What) -> anyhow::Result<()> {
             println!("prefill  threads={threads} prompt={p:<5}        {tps:8.1} tok/s");
             rows.push(Row { kind: "prefill", threads, prompt: p, batch: 1, tokens_per_s: tps });
         }
+        // llama-bench's tg128: generation from an (almost) empty context.
+        let tps = best_of(a.reps, || decode(&m, threads, 1, 1, a.decode_tokens));
+        println!("decode   threads={threads} prompt=1     batch=1   {tps:8.1} tok/s");
+        rows.push(Row { kind: "decode", threads, prompt: 1, batch: 1, tokens_per_s: tps });
         for &b in &a.batch {
             let tps = best_of(a.reps, || decode(&m, threads, b, a.decode_prompt, a.decode_tokens));
             println!("decode   threads={threads} prompt={:<5} batch={b:<3} {tps:8.1} tok/s", a.decode_prompt);

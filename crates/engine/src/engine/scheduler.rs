@@ -63,7 +63,10 @@ impl Engine {
                 budget -= n;
                 i += 1;
             } else if i >= self.running.len() || !self.running[i].is_decoding() {
-                break;
+                // Out of blocks. Admitting newcomers now would let them take the blocks
+                // the stalled sequence waits for, and sit behind it unscheduled: once
+                // the older decodes finish, nothing could run again.
+                return plan;
             }
         }
         self.admit(&mut plan, budget);

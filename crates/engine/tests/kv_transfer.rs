@@ -1,0 +1,347 @@
+//! Disaggregation at the engine level, on the real model: a prefill engine exports a
+//! prompt's K/V as frames, a decode engine imports them and continues. The tokens (and
+//! their logprobs) must equal one engine doing both, for greedy and for seeded sampling;
+//! frames arrive layer by layer; bad frames are refused without touching the cache; and
+//! every block comes back on both sides.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pdserve_engine::engine::{Engine, EngineConfig, EngineError, FinishReason, KvFrame, StepOutput};
+use pdserve_engine::loader::{self, LoadedModel};
+use pdserve_engine::sampler::Sampled;
+use pdserve_types::{RequestId, SamplingParams, StopCondition};
+use std::sync::OnceLock;
+
+const BLOCK: usize = 16;
+
+fn model() -> &'static LoadedModel {
+    static M: OnceLock<LoadedModel> = OnceLock::new();
+    M.get_or_init(|| loader::load(&pdserve_engine::models::require_default_model()).unwrap())
+}
+
+const TEXT: &str = "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished the great lens until it gleamed, and wound the clockwork that turned the light. Ships passing in the night never saw him, but they trusted the steady beam that swept across the dark water, warning them away from the rocks below the cliff. One winter night, a storm rolled in from the north, and the waves rose higher than anyone in the village could remember. The keeper watched the sea from the gallery, wrapped in his heavy coat, as the wind howled around the tower and";
+
+/// The first `n` tokens of a fixed text (BOS included).
+fn prompt(n: usize) -> Vec<u32> {
+    let ids = model().tokenizer.encode_with_bos(TEXT, false);
+    assert!(ids.len() >= n, "the text has only {} tokens", ids.len());
+    ids[..n].to_vec()
+}
+
+fn engine(num_blocks: usize, max_batch_tokens: usize) -> Engine {
+    let m = model();
+    let cfg = EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 16, cache_salt: 7 };
+    Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec())
+}
+
+fn greedy(max_tokens: u32) -> SamplingParams {
+    SamplingParams { max_tokens, ignore_eos: true, logprobs: true, top_logprobs: 3, ..Default::default() }
+        .validate()
+        .unwrap()
+}
+
+fn seeded(max_tokens: u32) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        temperature: 0.8,
+        top_p: 0.9,
+        seed: Some(42),
+        ignore_eos: true,
+        logprobs: true,
+        ..Default::default()
+    }
+    .validate()
+    .unwrap()
+}
+
+/// Steps `e` until idle; the outputs of request `id`, checking the finish flags.
+fn drain(e: &mut Engine, id: RequestId) -> Vec<StepOutput> {
+    let mut out = Vec::new();
+    let mut steps = 0;
+    while e.has_work() {
+        out.extend(e.step().into_iter().filter(|o| o.id == id));
+        steps += 1;
+        assert!(steps < 10_000, "the engine does not make progress");
+    }
+    out
+}
+
+/// One engine doing everything.
+fn aggregated(prompt: &[u32], params: &SamplingParams) -> Vec<Sampled> {
+    let mut e = engine(64, 512);
+    e.add(RequestId(1), prompt.to_vec(), params.clone()).unwrap();
+    let out = drain(&mut e, RequestId(1));
+    assert!(out.last().unwrap().finish.is_some());
+    out.into_iter().map(|o| o.sampled).collect()
+}
+
+/// Prefill on a fresh `P` (with `p_batch` tokens per step), returning its first token
+/// and the frames it streamed. Checks P holds no block afterwards.
+fn export(id: RequestId, prompt: &[u32], params: &SamplingParams, p_batch: usize) -> (StepOutput, Vec<KvFrame>) {
+    let mut p = engine(64, p_batch);
+    let mut frames = Vec::new();
+    let first = p.prefill_export(id, prompt.to_vec(), params.clone(), &mut |f| frames.push(f)).unwrap();
+    assert_eq!(first.id, id);
+    assert_eq!(first.prompt_tokens, prompt.len());
+    let s = p.stats();
+    assert!(!p.has_work());
+    assert_eq!(s.blocks.used, 0, "P keeps blocks in use: {:?}", s.blocks);
+    assert_eq!(s.blocks.free + s.blocks.cached, s.blocks.total);
+    // The prompt's full blocks stay in P's prefix cache.
+    assert_eq!(s.blocks.cached, prompt.len() / BLOCK);
+    (first, frames)
+}
+
+/// Frames come layer by layer: all blocks of layer l, in order, before layer l + 1.
+fn check_frame_order(frames: &[KvFrame], prompt_len: usize) {
+    let cfg = &model().model.cfg;
+    let n_blocks = prompt_len.div_ceil(BLOCK);
+    let elems = cfg.n_kv_heads * BLOCK * cfg.head_dim;
+    let order: Vec<(u32, u32)> = frames.iter().map(|f| (f.layer, f.index)).collect();
+    let want: Vec<(u32, u32)> =
+        (0..cfg.n_layers as u32).flat_map(|l| (0..n_blocks as u32).map(move |b| (l, b))).collect();
+    assert_eq!(order, want);
+    assert!(frames.iter().all(|f| f.k.len() == elems && f.v.len() == elems));
+    // Real data: some non-zero K and V in every layer.
+    for l in 0..cfg.n_layers as u32 {
+        assert!(frames
+            .iter()
+            .filter(|f| f.layer == l)
+            .any(|f| f.k.iter().any(|&x| x != 0) && f.v.iter().any(|&x| x != 0)));
+    }
+}
+
+/// Imports `frames` into `d` and finishes the import; returns D's outputs for `id`.
+fn import(
+    d: &mut Engine,
+    id: RequestId,
+    prompt: &[u32],
+    first: &StepOutput,
+    frames: &[KvFrame],
+    params: &SamplingParams,
+) -> Vec<StepOutput> {
+    d.reserve_import(id, prompt.len()).unwrap();
+    for f in frames {
+        d.import_frame(id, f).unwrap();
+    }
+    d.finish_import(id, prompt.to_vec(), first.sampled.token, params.clone()).unwrap();
+    drain(d, id)
+}
+
+fn disaggregated(prompt: &[u32], params: &SamplingParams, p_batch: usize) -> Vec<Sampled> {
+    let id = RequestId(9);
+    let (first, frames) = export(id, prompt, params, p_batch);
+    check_frame_order(&frames, prompt.len());
+    assert_eq!(first.finish, None);
+    let mut d = engine(64, 512);
+    let rest = import(&mut d, id, prompt, &first, &frames, params);
+    assert_eq!(rest.last().unwrap().finish, Some(FinishReason::Length));
+    assert!(rest[..rest.len() - 1].iter().all(|o| o.finish.is_none()));
+    assert_eq!(d.stats().blocks.used, 0);
+    std::iter::once(first.sampled).chain(rest.into_iter().map(|o| o.sampled)).collect()
+}
+
+fn tokens(s: &[Sampled]) -> Vec<u32> {
+    s.iter().map(|x| x.token).collect()
+}
+
+fn assert_same(what: &str, want: &[Sampled], got: &[Sampled]) {
+    assert_eq!(tokens(want), tokens(got), "{what}: tokens");
+    assert_eq!(want, got, "{what}: logprobs");
+}
+
+#[test]
+fn greedy_tokens_match_one_engine() {
+    // Lengths: not a block multiple, exactly two blocks, longer than P's step budget
+    // (so P exports after several chunked steps).
+    for (n, p_batch) in [(37, 512), (32, 512), (83, 32)] {
+        let p = prompt(n);
+        let want = aggregated(&p, &greedy(20));
+        assert_eq!(want.len(), 20);
+        assert_same(&format!("greedy, {n} tokens"), &want, &disaggregated(&p, &greedy(20), p_batch));
+    }
+}
+
+#[test]
+fn seeded_sampling_matches_one_engine() {
+    let p = prompt(50);
+    let want = aggregated(&p, &seeded(24));
+    assert_eq!(want.len(), 24);
+    // The sampling really is random: it leaves the greedy path.
+    assert_ne!(tokens(&want), tokens(&aggregated(&p, &greedy(24))));
+    assert_same("seeded", &want, &disaggregated(&p, &seeded(24), 512));
+}
+
+#[test]
+fn import_joins_a_busy_decode_batch() {
+    let p = prompt(45);
+    let want = aggregated(&p, &greedy(16));
+    let id = RequestId(5);
+    let (first, frames) = export(id, &p, &greedy(16), 512);
+    // D is already decoding another request when the import lands.
+    let mut d = engine(64, 512);
+    let local = prompt(21);
+    let local_want = aggregated(&local, &greedy(30));
+    d.add(RequestId(6), local.clone(), greedy(30)).unwrap();
+    let mut local_out = Vec::new();
+    for _ in 0..4 {
+        local_out.extend(d.step().into_iter().map(|o| o.sampled));
+    }
+    d.reserve_import(id, p.len()).unwrap();
+    for (i, f) in frames.iter().enumerate() {
+        d.import_frame(id, f).unwrap();
+        if i % 10 == 0 {
+            // Decoding goes on while frames arrive.
+            local_out.extend(d.step().into_iter().map(|o| o.sampled));
+        }
+    }
+    d.finish_import(id, p.clone(), first.sampled.token, greedy(16)).unwrap();
+    let mut mine = vec![first.sampled];
+    while d.has_work() {
+        for o in d.step() {
+            if o.id == id {
+                mine.push(o.sampled);
+            } else {
+                local_out.push(o.sampled);
+            }
+        }
+    }
+    assert_same("imported", &want, &mine);
+    assert_same("local", &local_want, &local_out);
+    assert_eq!(d.stats().blocks.used, 0);
+}
+
+#[test]
+fn bad_frames_are_rejected_and_change_nothing() {
+    let p = prompt(40);
+    let params = greedy(12);
+    let want = aggregated(&p, &params);
+    let id = RequestId(3);
+    let (first, frames) = export(id, &p, &params, 512);
+    let mut d = engine(64, 512);
+    d.reserve_import(id, p.len()).unwrap();
+    let used = d.stats().blocks.used;
+    assert_eq!(used, p.len().div_ceil(BLOCK));
+    for f in &frames {
+        d.import_frame(id, f).unwrap();
+    }
+    // Sent after the good frames: had any of them been written, the tokens would change.
+    let garbage = |f: &KvFrame| KvFrame { k: vec![0x7bff; f.k.len()], v: vec![0x7bff; f.v.len()], ..f.clone() };
+    let good = garbage(&frames[0]);
+    let n_layers = model().model.cfg.n_layers as u32;
+    let bad = [
+        KvFrame { index: p.len().div_ceil(BLOCK) as u32, ..good.clone() },
+        KvFrame { index: u32::MAX, ..good.clone() },
+        KvFrame { layer: n_layers, ..good.clone() },
+        KvFrame { k: good.k[1..].to_vec(), ..good.clone() },
+        KvFrame { v: [good.v.clone(), vec![0]].concat(), ..good.clone() },
+        KvFrame { k: Vec::new(), v: Vec::new(), ..good.clone() },
+    ];
+    for f in &bad {
+        let err = d.import_frame(id, f).unwrap_err();
+        assert!(
+            matches!(err, EngineError::BadFrame(_)),
+            "layer {} index {} len {}: {err:?}",
+            f.layer,
+            f.index,
+            f.k.len()
+        );
+    }
+    assert_eq!(d.import_frame(RequestId(4), &frames[0]), Err(EngineError::Unknown(RequestId(4))));
+    // A finish that does not match the reservation is refused and keeps the import.
+    let err = d.finish_import(id, p[..p.len() - 1].to_vec(), first.sampled.token, params.clone()).unwrap_err();
+    assert!(matches!(err, EngineError::BadFrame(_)), "{err:?}");
+    let err = d.finish_import(RequestId(4), p.clone(), first.sampled.token, params.clone()).unwrap_err();
+    assert_eq!(err, EngineError::Unknown(RequestId(4)));
+    assert_eq!(d.stats().blocks.used, used);
+    assert!(!d.has_work());
+    d.finish_import(id, p.clone(), first.sampled.token, params.clone()).unwrap();
+    let got: Vec<Sampled> =
+        std::iter::once(first.sampled).chain(drain(&mut d, id).into_iter().map(|o| o.sampled)).collect();
+    assert_same("after rejected frames", &want, &got);
+}
+
+#[test]
+fn aborted_and_cancelled_imports_return_their_blocks() {
+    let p = prompt(70);
+    let id = RequestId(11);
+    let (_, frames) = export(id, &p, &greedy(8), 512);
+    let mut d = engine(16, 512);
+    let total = d.stats().blocks.total;
+
+    d.reserve_import(id, p.len()).unwrap();
+    assert_eq!(d.stats().blocks.used, 5);
+    assert_eq!(d.reserve_import(id, p.len()), Err(EngineError::Duplicate(id)));
+    assert_eq!(d.add(id, p.clone(), greedy(8)), Err(EngineError::Duplicate(id)));
+    for f in &frames[..frames.len() / 2] {
+        d.import_frame(id, f).unwrap();
+    }
+    assert!(d.abort_import(id));
+    assert_eq!(d.stats().blocks.used, 0);
+    assert_eq!(d.stats().blocks.free, total);
+    assert!(!d.abort_import(id));
+    assert_eq!(d.import_frame(id, &frames[0]), Err(EngineError::Unknown(id)));
+
+    // `cancel` also ends an import in flight.
+    d.reserve_import(id, p.len()).unwrap();
+    assert!(d.cancel(id));
+    assert_eq!(d.stats().blocks.used, 0);
+
+    // A reservation the pool cannot hold fails at once and takes nothing.
+    d.reserve_import(RequestId(12), 200).unwrap();
+    assert_eq!(d.stats().blocks.used, 13);
+    assert_eq!(d.reserve_import(RequestId(13), 60), Err(EngineError::NoBlocks));
+    assert_eq!(d.stats().blocks.used, 13);
+    assert!(d.abort_import(RequestId(12)));
+    assert_eq!(d.stats().blocks.used, 0);
+    assert!(!d.has_work());
+}
+
+#[test]
+fn first_token_that_ends_the_request_queues_nothing() {
+    let p = prompt(30);
+    // max_tokens 1: the prefill side's token is the whole answer.
+    let (first, frames) = export(RequestId(1), &p, &greedy(1), 512);
+    assert_eq!(first.finish, Some(FinishReason::Length));
+    let mut d = engine(16, 512);
+    let rest = import(&mut d, RequestId(1), &p, &first, &frames, &greedy(1));
+    assert!(rest.is_empty());
+    assert_eq!(d.stats().blocks.used, 0);
+
+    // A stop token id as the first token.
+    let stop = SamplingParams {
+        stop: StopCondition { token_ids: vec![first.sampled.token], ..Default::default() },
+        ..greedy(10)
+    };
+    let (first, frames) = export(RequestId(2), &p, &stop, 512);
+    assert_eq!(first.finish, Some(FinishReason::Stop));
+    let rest = import(&mut d, RequestId(2), &p, &first, &frames, &stop);
+    assert!(rest.is_empty());
+    assert!(!d.has_work());
+    assert_eq!(d.stats().blocks.used, 0);
+}
+
+#[test]
+fn prefill_export_needs_an_idle_engine_and_a_valid_request() {
+    let mut p = engine(64, 512);
+    let mut frames = Vec::new();
+    assert_eq!(
+        p.prefill_export(RequestId(1), Vec::new(), greedy(4), &mut |f| frames.push(f)).unwrap_err(),
+        EngineError::EmptyPrompt
+    );
+    p.add(RequestId(2), prompt(20), greedy(4)).unwrap();
+    assert!(p.prefill_export(RequestId(3), prompt(20), greedy(4), &mut |f| frames.push(f)).is_err());
+    assert!(frames.is_empty());
+    assert_eq!(p.stats().waiting, 1);
+    assert_eq!(drain(&mut p, RequestId(2)).len(), 4);
+    // Once idle it exports, and a second export of the same prompt (now a prefix-cache
+    // hit on P) streams the same frames.
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let first_a = p.prefill_export(RequestId(4), prompt(40), greedy(4), &mut |f| a.push(f)).unwrap();
+    let first_b = p.prefill_export(RequestId(5), prompt(40), greedy(4), &mut |f| b.push(f)).unwrap();
+    assert_eq!(first_b.cached_tokens, 32);
+    assert_eq!(first_a.sampled, first_b.sampled);
+    check_frame_order(&b, 40);
+    assert!(a == b, "frames differ on a prefix-cache hit");
+    assert_eq!(p.stats().blocks.used, 0);
+}

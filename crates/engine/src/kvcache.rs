@@ -1,5 +1,7 @@
 //! The K/V bytes behind the block ids that `pdserve-kv` hands out: per layer, one K
-//! and one V pool laid out `[block][kv_head][slot][head_dim]` in f16.
+//! pool laid out `[block][kv_head][head_dim][slot]` and one V pool laid out
+//! `[block][kv_head][slot][head_dim]`, in f16. K is transposed inside a block so that
+//! attention computes a block's 16 scores as one vector.
 
 use crate::config::ModelConfig;
 use crate::kernels::attention::LayerKv;
@@ -52,11 +54,13 @@ impl KvStorage {
         let block = blocks[pos / bs] as usize;
         let slot = pos % bs;
         for g in 0..self.n_kv_heads {
-            let at = ((block * self.n_kv_heads + g) * bs + slot) * hd;
-            for (dst, src) in [(&mut self.k[l], k), (&mut self.v[l], v)] {
-                for (d, s) in dst[at..at + hd].iter_mut().zip(&src[g * hd..(g + 1) * hd]) {
-                    *d = f16::from_f32(*s).to_bits();
-                }
+            let head = (block * self.n_kv_heads + g) * bs * hd;
+            for (i, x) in k[g * hd..(g + 1) * hd].iter().enumerate() {
+                self.k[l][head + i * bs + slot] = f16::from_f32(*x).to_bits();
+            }
+            let at = head + slot * hd;
+            for (d, x) in self.v[l][at..at + hd].iter_mut().zip(&v[g * hd..(g + 1) * hd]) {
+                *d = f16::from_f32(*x).to_bits();
             }
         }
     }

@@ -2,25 +2,30 @@
 //! range of tasks. Workers spin only briefly after a job and then sleep on a condvar, so
 //! two engines sharing two cores slow down gracefully instead of collapsing (a spinning
 //! pool holds a core that the other engine needs).
+//!
+//! Tasks are claimed with a compare-and-swap on one word holding the job's generation
+//! and the next task index, and the caller waits only for tasks, never for workers: a
+//! worker that is descheduled or asleep when a job starts simply claims nothing, and
+//! the caller runs the tasks itself.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-/// Spin iterations before a worker sleeps: about tens of microseconds, enough to catch
-/// the next layer's job during a forward pass.
+/// Spin iterations before a worker sleeps: long enough to catch the next layer's job
+/// during a forward pass, short enough to give the core away between steps.
 const SPIN_ITERS: u32 = 20_000;
 
 type Job = *const (dyn Fn(usize) + Sync);
 
 struct Shared {
-    generation: AtomicU64,
+    /// Generation in the high 32 bits, next unclaimed task in the low 32.
+    state: AtomicU64,
     job: UnsafeCell<Option<Job>>,
     n_tasks: AtomicUsize,
-    next_task: AtomicUsize,
-    /// Workers still inside the current generation's job.
-    busy: AtomicUsize,
+    /// Tasks of the current generation that have finished.
+    done: AtomicUsize,
     sleepers: AtomicUsize,
     panicked: AtomicBool,
     shutdown: AtomicBool,
@@ -28,9 +33,9 @@ struct Shared {
     wake: Condvar,
 }
 
-// SAFETY: `job` is written only by the thread inside `run` while no worker can read it
-// (all workers finished the previous generation), and read by workers only between the
-// generation bump and their `busy` decrement, during which `run` keeps it alive.
+// SAFETY: `job` is written only by `run` before it publishes a new generation, and a
+// task of a generation can only be claimed (and the job read) while that generation's
+// tasks are not all done, which `run` waits for before returning or writing again.
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
@@ -44,11 +49,10 @@ impl ThreadPool {
     /// A pool using `threads` threads in total (the caller counts as one).
     pub fn new(threads: usize) -> Self {
         let shared = Arc::new(Shared {
-            generation: AtomicU64::new(0),
+            state: AtomicU64::new(0),
             job: UnsafeCell::new(None),
             n_tasks: AtomicUsize::new(0),
-            next_task: AtomicUsize::new(0),
-            busy: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
             sleepers: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
@@ -75,24 +79,25 @@ impl ThreadPool {
             (0..n_tasks).for_each(f);
             return;
         }
+        assert!(n_tasks < u32::MAX as usize, "too many tasks");
         let _one_at_a_time = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         let s = &*self.shared;
-        // SAFETY: erasing the lifetime is sound because we do not return before every
-        // worker has left this generation (`busy == 0`), after which none touches `f`.
+        // SAFETY: erasing the lifetime is sound because we return only after every task
+        // is done, and no task can be claimed afterwards (all indices are taken).
         let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
-        // SAFETY: no worker reads `job` now: the previous generation ended with busy == 0.
+        // SAFETY: the previous generation is complete, so nobody reads `job` now.
         unsafe { *s.job.get() = Some(job) };
         s.n_tasks.store(n_tasks, Relaxed);
-        s.next_task.store(0, Relaxed);
-        s.busy.store(self.workers.len(), SeqCst);
-        s.generation.fetch_add(1, SeqCst);
+        s.done.store(0, Relaxed);
+        let gen = (s.state.load(Relaxed) >> 32).wrapping_add(1) & 0xffff_ffff;
+        s.state.store(gen << 32, SeqCst);
         if s.sleepers.load(SeqCst) > 0 {
             let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
-        drain(s, f);
+        work_on(s, gen);
         let mut spins = 0u32;
-        while s.busy.load(Acquire) != 0 {
+        while s.done.load(Acquire) < n_tasks {
             spins += 1;
             if spins < SPIN_ITERS {
                 std::hint::spin_loop();
@@ -117,14 +122,26 @@ impl ThreadPool {
     }
 }
 
-fn drain(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
-    let n = s.n_tasks.load(Relaxed);
+/// Claims and runs tasks of generation `gen` until none are left.
+fn work_on(s: &Shared, gen: u64) {
     loop {
-        let i = s.next_task.fetch_add(1, Relaxed);
-        if i >= n {
-            break;
+        let st = s.state.load(Acquire);
+        let i = (st & 0xffff_ffff) as usize;
+        if st >> 32 != gen || i >= s.n_tasks.load(Acquire) {
+            return;
         }
-        f(i);
+        if s.state.compare_exchange_weak(st, st + 1, AcqRel, Relaxed).is_err() {
+            continue;
+        }
+        // SAFETY: we hold an unfinished task of `gen`, so `run` is still waiting and
+        // the job it published for `gen` is alive.
+        if let Some(job) = unsafe { *s.job.get() } {
+            let f = unsafe { &*job };
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(i))).is_err() {
+                s.panicked.store(true, SeqCst);
+            }
+        }
+        s.done.fetch_add(1, Release);
     }
 }
 
@@ -133,37 +150,30 @@ fn worker(s: &Shared) {
     loop {
         let mut spins = 0u32;
         let gen = loop {
-            let g = s.generation.load(Acquire);
-            if g != seen || s.shutdown.load(Relaxed) {
+            if s.shutdown.load(Acquire) {
+                return;
+            }
+            let g = s.state.load(Acquire) >> 32;
+            if g != seen {
                 break g;
             }
             spins += 1;
             if spins < SPIN_ITERS {
                 std::hint::spin_loop();
-                continue;
+            } else {
+                sleep_until_changed(s, seen);
+                spins = 0;
             }
-            sleep_until_changed(s, seen);
-            spins = 0;
         };
-        if s.shutdown.load(Acquire) {
-            return;
-        }
         seen = gen;
-        // SAFETY: see `Shared`: the job stays valid until we decrement `busy`.
-        if let Some(job) = unsafe { *s.job.get() } {
-            let f = unsafe { &*job };
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drain(s, f))).is_err() {
-                s.panicked.store(true, SeqCst);
-            }
-        }
-        s.busy.fetch_sub(1, Release);
+        work_on(s, gen);
     }
 }
 
 fn sleep_until_changed(s: &Shared, seen: u64) {
     let mut guard = s.lock.lock().unwrap_or_else(|e| e.into_inner());
     s.sleepers.fetch_add(1, SeqCst);
-    while s.generation.load(SeqCst) == seen && !s.shutdown.load(SeqCst) {
+    while s.state.load(SeqCst) >> 32 == seen && !s.shutdown.load(SeqCst) {
         guard = s.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
     }
     s.sleepers.fetch_sub(1, SeqCst);

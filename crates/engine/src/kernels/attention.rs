@@ -6,12 +6,13 @@
 //! blocks in order 0, 1, 2, …, so its result is the same whether it is decoded alone or
 //! prefilled in a chunk with others.
 
-use super::ops::{dot, fast_exp};
+use super::ops::fast_exp;
 use super::Isa;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-/// One layer's K and V pools: `[block][kv_head][slot][head_dim]`.
+/// One layer's K pool, `[block][kv_head][head_dim][slot]`, and V pool,
+/// `[block][kv_head][slot][head_dim]`.
 pub struct LayerKv<'a> {
     pub k: &'a [f16],
     pub v: &'a [f16],
@@ -115,6 +116,7 @@ fn attend_with(
     to_f32: impl Fn(&[f16], &mut [f32]),
 ) {
     let (hd, bs) = (kv.head_dim, kv.block_size);
+    assert_eq!(bs, BS, "attention is written for blocks of 16 tokens");
     let nvec = qs.pos.len() * qs.n_rep;
     s.m.clear();
     s.m.resize(nvec, f32::NEG_INFINITY);
@@ -138,7 +140,7 @@ fn attend_with(
                 let v = i * qs.n_rep + r;
                 let q = &qs.q[v * hd..(v + 1) * hd];
                 let st = OnlineSoftmax { m: &mut s.m[v], l: &mut s.l[v], acc: &mut s.acc[v * hd..(v + 1) * hd] };
-                st.update(q, &s.kf[..valid * hd], &s.vf[..valid * hd], hd, qs.scale);
+                st.update(q, &s.kf, &s.vf, valid, qs.scale);
             }
         }
     }
@@ -150,6 +152,9 @@ fn attend_with(
     }
 }
 
+/// Cache block size the vectorized score loop is written for.
+const BS: usize = 16;
+
 /// One query's running max, normalizer and weighted value sum.
 struct OnlineSoftmax<'a> {
     m: &'a mut f32,
@@ -158,26 +163,37 @@ struct OnlineSoftmax<'a> {
 }
 
 impl OnlineSoftmax<'_> {
+    /// Folds in one block: `kt` is K transposed (`head_dim × 16`), `v` is `16 ×
+    /// head_dim`, of which the first `valid` positions are visible to this query.
     #[inline(always)]
-    fn update(self, q: &[f32], k: &[f32], v: &[f32], hd: usize, scale: f32) {
-        let n = k.len() / hd;
-        let mut scores = [0f32; 64];
+    fn update(self, q: &[f32], kt: &[f32], v: &[f32], valid: usize, scale: f32) {
+        let mut s = [0f32; BS];
+        for (d, &qd) in q.iter().enumerate() {
+            let col = &kt[d * BS..(d + 1) * BS];
+            for j in 0..BS {
+                s[j] += qd * col[j];
+            }
+        }
         let mut bmax = f32::NEG_INFINITY;
-        for j in 0..n {
-            scores[j] = dot(q, &k[j * hd..(j + 1) * hd]) * scale;
-            bmax = bmax.max(scores[j]);
+        for (j, x) in s.iter_mut().enumerate() {
+            *x = if j < valid { *x * scale } else { f32::NEG_INFINITY };
+            bmax = bmax.max(*x);
         }
         let m_new = self.m.max(bmax);
         let corr = fast_exp(*self.m - m_new);
-        *self.l *= corr;
+        let mut p = [0f32; BS];
+        let mut psum = 0.0;
+        for j in 0..BS {
+            p[j] = if j < valid { fast_exp(s[j] - m_new) } else { 0.0 };
+            psum += p[j];
+        }
+        *self.l = *self.l * corr + psum;
         for a in self.acc.iter_mut() {
             *a *= corr;
         }
-        for j in 0..n {
-            let p = fast_exp(scores[j] - m_new);
-            *self.l += p;
-            for (a, x) in self.acc.iter_mut().zip(&v[j * hd..(j + 1) * hd]) {
-                *a += p * x;
+        for (j, &pj) in p.iter().enumerate().take(valid) {
+            for (a, x) in self.acc.iter_mut().zip(&v[j * q.len()..(j + 1) * q.len()]) {
+                *a += pj * x;
             }
         }
         *self.m = m_new;
@@ -187,6 +203,7 @@ impl OnlineSoftmax<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::ops::dot;
 
     /// Plain softmax attention in f64 over dequantized K/V.
     fn reference(k: &[f32], v: &[f32], q: &[f32], upto: usize, hd: usize, scale: f32) -> Vec<f32> {
@@ -212,10 +229,16 @@ mod tests {
         let vpool: Vec<f16> = (0..nblocks * nkv * bs * hd).map(|_| f16::from_f32(rnd())).collect();
         let kv = LayerKv { k: &kpool, v: &vpool, n_kv_heads: nkv, head_dim: hd, block_size: bs };
         let g = 1;
-        let logical = |pool: &[f16]| -> Vec<f32> {
-            (0..ctx).flat_map(|p| kv.head_block(pool, order[p / bs], g)[(p % bs) * hd..(p % bs + 1) * hd].iter().map(|x| x.to_f32()).collect::<Vec<_>>()).collect()
+        let logical = |pool: &[f16], transposed: bool| -> Vec<f32> {
+            (0..ctx)
+                .flat_map(|p| {
+                    let blk = kv.head_block(pool, order[p / bs], g);
+                    let at = |d: usize| if transposed { d * bs + p % bs } else { (p % bs) * hd + d };
+                    (0..hd).map(|d| blk[at(d)].to_f32()).collect::<Vec<_>>()
+                })
+                .collect()
         };
-        let (kl, vl) = (logical(&kpool), logical(&vpool));
+        let (kl, vl) = (logical(&kpool, true), logical(&vpool, false));
         let pos: Vec<usize> = (20..ctx).collect();
         let q: Vec<f32> = (0..pos.len() * n_rep * hd).map(|_| rnd()).collect();
         for isa in Isa::available() {

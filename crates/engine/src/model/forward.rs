@@ -94,6 +94,10 @@ impl Model {
             for j in 0..b.tokens.len() {
                 let row = &mut s.qkv[i * width..(i + 1) * width];
                 rope.apply(c.rope_style, i, &mut row[..qd + kvd]);
+                // Queries meet f16 keys at f16 precision, as in llama.cpp.
+                for x in &mut row[..qd] {
+                    *x = half::f16::from_f32(*x).to_f32();
+                }
                 kv.write(l, b.blocks, b.start_pos + j, &row[qd..qd + kvd], &row[qd + kvd..]);
                 i += 1;
             }

@@ -23,10 +23,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 }
 
@@ -67,13 +64,8 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.set_unknown_method_callback(py_method);
-        env.add_template_owned(NAME, source.to_string())
-            .map_err(ChatError::Compile)?;
-        Ok(ChatTemplate {
-            kind: Kind::Jinja(Box::new(env)),
-            bos: bos.into(),
-            eos: eos.into(),
-        })
+        env.add_template_owned(NAME, source.to_string()).map_err(ChatError::Compile)?;
+        Ok(ChatTemplate { kind: Kind::Jinja(Box::new(env)), bos: bos.into(), eos: eos.into() })
     }
 
     /// ChatML (`<|im_start|>role\ncontent<|im_end|>\n` per message), for models that
@@ -81,11 +73,7 @@ impl ChatTemplate {
     /// use, so it is the least-bad guess; a model trained on another format will still
     /// answer, less well. Rendered in Rust, so it cannot fail.
     pub fn fallback_chatml() -> Self {
-        ChatTemplate {
-            kind: Kind::ChatMl,
-            bos: String::new(),
-            eos: String::new(),
-        }
+        ChatTemplate { kind: Kind::ChatMl, bos: String::new(), eos: String::new() }
     }
 
     /// The tokenizer's own template with its BOS and EOS texts, or ChatML without one.
@@ -99,11 +87,7 @@ impl ChatTemplate {
 
     /// The prompt for `messages`; with `add_generation_prompt`, ending with the header
     /// of the assistant turn the model is to write.
-    pub fn render(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, ChatError> {
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatError> {
         let env = match &self.kind {
             Kind::Jinja(env) => env,
             Kind::ChatMl => return Ok(render_chatml(messages, add_generation_prompt)),
@@ -122,10 +106,7 @@ impl ChatTemplate {
 fn render_chatml(messages: &[ChatMessage], add_generation_prompt: bool) -> String {
     let mut out = String::new();
     for m in messages {
-        out.push_str(&format!(
-            "<|im_start|>{}\n{}<|im_end|>\n",
-            m.role, m.content
-        ));
+        out.push_str(&format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content));
     }
     if add_generation_prompt {
         out.push_str("<|im_start|>assistant\n");
@@ -147,8 +128,8 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let _: Option<Value> = kwargs.get("ensure_ascii")?;
     let _: Option<Value> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(value)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json =
+        serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
     write_json(&json, indent, 0, &mut out);
     Ok(Value::from_safe_string(out))
@@ -201,14 +182,9 @@ fn py_method(_: &State, value: &Value, method: &str, args: &[Value]) -> Result<V
 
 fn str_method(s: &str, method: &str, args: &[Value]) -> Result<Value, Error> {
     let arg = |i: usize| args.get(i).and_then(Value::as_str);
-    let needed = |i: usize| {
-        arg(i).ok_or_else(|| Error::new(ErrorKind::MissingArgument, format!("str.{method}")))
-    };
+    let needed = |i: usize| arg(i).ok_or_else(|| Error::new(ErrorKind::MissingArgument, format!("str.{method}")));
     let set = arg(0).map(|c| c.chars().collect::<Vec<_>>());
-    let strip_char = |c: char| {
-        set.as_ref()
-            .map_or(c.is_whitespace(), |set| set.contains(&c))
-    };
+    let strip_char = |c: char| set.as_ref().map_or(c.is_whitespace(), |set| set.contains(&c));
     Ok(match method {
         "strip" => s.trim_matches(strip_char).into(),
         "lstrip" => s.trim_start_matches(strip_char).into(),
@@ -235,10 +211,7 @@ fn split(s: &str, sep: Option<&str>) -> Vec<String> {
 fn capitalize(s: &str) -> String {
     let mut chars = s.chars();
     match chars.next() {
-        Some(first) => first
-            .to_uppercase()
-            .chain(chars.flat_map(char::to_lowercase))
-            .collect(),
+        Some(first) => first.to_uppercase().chain(chars.flat_map(char::to_lowercase)).collect(),
         None => String::new(),
     }
 }
@@ -247,12 +220,7 @@ fn map_method(map: &Value, method: &str, args: &[Value]) -> Result<Value, Error>
     let keys = || map.try_iter().map(|it| it.collect::<Vec<_>>());
     Ok(match method {
         "keys" => Value::from(keys()?),
-        "values" => Value::from(
-            keys()?
-                .iter()
-                .map(|k| map.get_item(k))
-                .collect::<Result<Vec<_>, _>>()?,
-        ),
+        "values" => Value::from(keys()?.iter().map(|k| map.get_item(k)).collect::<Result<Vec<_>, _>>()?),
         "items" => Value::from(
             keys()?
                 .into_iter()
@@ -275,9 +243,7 @@ fn map_method(map: &Value, method: &str, args: &[Value]) -> Result<Value, Error>
 /// `strftime_now(format)`: the current UTC time in strftime notation. Supports the
 /// fields date-stamping templates use (`%d %b %Y` and friends; `%-d` unpadded).
 fn strftime_now(format: String) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     strftime(&format, i64::try_from(secs).unwrap_or(0))
 }
 
@@ -295,15 +261,7 @@ const MONTHS: [&str; 12] = [
     "November",
     "December",
 ];
-const DAYS: [&str; 7] = [
-    "Sunday",
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-];
+const DAYS: [&str; 7] = ["Sunday", "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday"];
 
 fn strftime(format: &str, unix_secs: i64) -> String {
     let days = unix_secs.div_euclid(86_400);
@@ -355,8 +313,7 @@ fn civil_from_days(days: i64) -> (i64, i64, i64) {
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
     let day_of_era = z.rem_euclid(146_097);
-    let year_of_era =
-        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
     let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
     let mp = (5 * day_of_year + 2) / 153; // month counted from March
     let day = day_of_year - (153 * mp + 2) / 5 + 1;
@@ -379,55 +336,36 @@ mod tests {
     fn renders_a_chatml_template() {
         let t = ChatTemplate::new(SMOL, "", "").unwrap();
         let out = t.render(&user("Hi"), true).unwrap();
-        let want = "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
+        let want =
+            "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
         assert_eq!(out, want);
-        assert!(!t
-            .render(&user("Hi"), false)
-            .unwrap()
-            .ends_with("assistant\n"));
+        assert!(!t.render(&user("Hi"), false).unwrap().ends_with("assistant\n"));
     }
 
     #[test]
     fn fallback_matches_the_jinja_chatml() {
         let src = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-        let msgs = vec![
-            ChatMessage::new("system", "S"),
-            ChatMessage::new("user", "U"),
-        ];
-        let jinja = ChatTemplate::new(src, "", "")
-            .unwrap()
-            .render(&msgs, true)
-            .unwrap();
-        assert_eq!(
-            ChatTemplate::fallback_chatml().render(&msgs, true).unwrap(),
-            jinja
-        );
+        let msgs = vec![ChatMessage::new("system", "S"), ChatMessage::new("user", "U")];
+        let jinja = ChatTemplate::new(src, "", "").unwrap().render(&msgs, true).unwrap();
+        assert_eq!(ChatTemplate::fallback_chatml().render(&msgs, true).unwrap(), jinja);
     }
 
     #[test]
     fn trims_blocks_like_transformers() {
-        let src = "{% for m in messages %}\n  {% if m.role == 'user' %}\n[{{ m.content }}]\n  {% endif %}\n{% endfor %}\n";
-        let out = ChatTemplate::new(src, "", "")
-            .unwrap()
-            .render(&user("x"), false)
-            .unwrap();
+        let src =
+            "{% for m in messages %}\n  {% if m.role == 'user' %}\n[{{ m.content }}]\n  {% endif %}\n{% endfor %}\n";
+        let out = ChatTemplate::new(src, "", "").unwrap().render(&user("x"), false).unwrap();
         assert_eq!(out, "[x]\n");
     }
 
     #[test]
     fn errors_are_errors_not_panics() {
-        assert!(matches!(
-            ChatTemplate::new("{% for %}", "", ""),
-            Err(ChatError::Compile(_))
-        ));
+        assert!(matches!(ChatTemplate::new("{% for %}", "", ""), Err(ChatError::Compile(_))));
         let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").unwrap();
         let err = t.render(&user("x"), true).unwrap_err();
         assert!(err.to_string().contains("roles must alternate"), "{err}");
         let t = ChatTemplate::new("{{ messages[0].content.nosuchmethod() }}", "", "").unwrap();
-        assert!(matches!(
-            t.render(&user("x"), true),
-            Err(ChatError::Render(_))
-        ));
+        assert!(matches!(t.render(&user("x"), true), Err(ChatError::Render(_))));
         let t = ChatTemplate::new("{{ messages[5].content.strip() }}", "", "").unwrap();
         assert!(t.render(&user("x"), true).is_err());
     }
@@ -436,19 +374,13 @@ mod tests {
     fn python_methods_and_tokens() {
         let src = "{{ bos_token }}{{ messages[0].content.strip().upper() }}|{{ messages[0].content.split()|length }}|{{ {'a': 1}.get('b', 'no') }}|{% for k, v in {'k': 2}.items() %}{{ k }}={{ v }}{% endfor %}{{ eos_token }}";
         let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
-        assert_eq!(
-            t.render(&user("  a b  "), false).unwrap(),
-            "<s>A B|2|no|k=2</s>"
-        );
+        assert_eq!(t.render(&user("  a b  "), false).unwrap(), "<s>A B|2|no|k=2</s>");
     }
 
     #[test]
     fn tojson_is_python_style() {
         let src = "{{ {'a': [1, 'é<'], 'b': none}|tojson }}|{{ [1]|tojson(indent=2) }}";
-        let out = ChatTemplate::new(src, "", "")
-            .unwrap()
-            .render(&[], false)
-            .unwrap();
+        let out = ChatTemplate::new(src, "", "").unwrap().render(&[], false).unwrap();
         assert_eq!(out, "{\"a\": [1, \"é<\"], \"b\": null}|[\n  1\n]");
     }
 
@@ -457,10 +389,7 @@ mod tests {
         // 2024-07-26 13:25:09 UTC, a Friday.
         let t = 1_722_000_309;
         assert_eq!(strftime("%d %b %Y", t), "26 Jul 2024");
-        assert_eq!(
-            strftime("%A %-d %B %H:%M:%S %%", t),
-            "Friday 26 July 13:25:09 %"
-        );
+        assert_eq!(strftime("%A %-d %B %H:%M:%S %%", t), "Friday 26 July 13:25:09 %");
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(-1), (1969, 12, 31));
         assert_eq!(civil_from_days(19_782), (2024, 2, 29));

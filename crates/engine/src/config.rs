@@ -90,9 +90,8 @@ impl ModelConfig {
                 .map(|v| v as usize)
                 .ok_or_else(|| FormatError::Missing(format!("metadata {}", key(k))))
         };
-        let float = |k: &str, default: f64| -> f32 {
-            h.get(&key(k)).and_then(|v| v.as_f64()).unwrap_or(default) as f32
-        };
+        let float =
+            |k: &str, default: f64| -> f32 { h.get(&key(k)).and_then(|v| v.as_f64()).unwrap_or(default) as f32 };
         let hidden = int("embedding_length")?;
         let n_heads = int("attention.head_count")?;
         let n_kv_heads = int("attention.head_count_kv").unwrap_or(n_heads);

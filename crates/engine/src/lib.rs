@@ -6,16 +6,16 @@
 //! samples, and returns tokens. It can also export a sequence's KV layer by layer and
 //! import it on another engine, which is what disaggregated serving is built on.
 
-pub mod config;
-pub mod format;
-pub mod models;
-pub mod kernels;
-pub mod threadpool;
-pub mod sampler;
-pub mod tokenizer;
 pub mod chat;
-pub mod testing;
-pub mod kvcache;
-pub mod model;
+pub mod config;
 pub mod engine;
+pub mod format;
+pub mod kernels;
+pub mod kvcache;
 pub mod loader;
+pub mod model;
+pub mod models;
+pub mod sampler;
+pub mod testing;
+pub mod threadpool;
+pub mod tokenizer;

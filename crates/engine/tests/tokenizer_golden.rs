@@ -9,10 +9,7 @@ use pdserve_engine::models::require_default_model;
 use pdserve_engine::tokenizer::Tokenizer;
 use serde::Deserialize;
 
-const GOLDEN: &str = include_str!(concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/tests/golden/smollm2-135m-q4_1.json"
-));
+const GOLDEN: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/golden/smollm2-135m-q4_1.json"));
 
 #[derive(Deserialize)]
 struct Golden {
@@ -62,9 +59,7 @@ fn metadata_matches_the_model_card() {
     assert_eq!(tok.token_id("<|im_end|>"), Some(2));
     assert!(tok.is_special(1) && !tok.is_special(504));
     assert_eq!(tok.token_bytes(504), Some(&b"The"[..]));
-    assert!(tok
-        .chat_template()
-        .is_some_and(|t| t.contains("<|im_start|>")));
+    assert!(tok.chat_template().is_some_and(|t| t.contains("<|im_start|>")));
 }
 
 #[test]
@@ -78,13 +73,7 @@ fn every_golden_tokenization_matches() {
             (got != c.ids).then(|| format!("{:?}\n  want {:?}\n  got  {:?}", c.text, c.ids, got))
         })
         .collect();
-    assert!(
-        failures.is_empty(),
-        "{} of {} differ:\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n")
-    );
+    assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
 }
 
 #[test]
@@ -99,22 +88,14 @@ fn golden_texts_round_trip() {
 #[test]
 fn stream_decoder_reproduces_decode_one_id_at_a_time() {
     let tok = tokenizer().unwrap();
-    let multibyte = golden()
-        .unwrap()
-        .tokenize
-        .into_iter()
-        .filter(|c| !c.text.is_ascii());
+    let multibyte = golden().unwrap().tokenize.into_iter().filter(|c| !c.text.is_ascii());
     let mut seen = 0;
     for c in multibyte {
         let mut stream = tok.stream_decoder();
         let mut text = String::new();
         for &id in &c.ids {
             let piece = stream.push(id);
-            assert!(
-                !piece.contains('\u{FFFD}'),
-                "{:?}: a character was split",
-                c.text
-            );
+            assert!(!piece.contains('\u{FFFD}'), "{:?}: a character was split", c.text);
             text.push_str(&piece);
         }
         text.push_str(&stream.finish());
@@ -129,9 +110,7 @@ fn every_golden_chat_prompt_matches() {
     let tok = tokenizer().unwrap();
     let template = ChatTemplate::for_tokenizer(&tok).expect("model template compiles");
     for c in golden().unwrap().chat {
-        let got = template
-            .render(&c.messages, c.add_generation_prompt)
-            .expect("renders");
+        let got = template.render(&c.messages, c.add_generation_prompt).expect("renders");
         assert_eq!(got, c.prompt);
     }
 }
@@ -140,12 +119,7 @@ fn every_golden_chat_prompt_matches() {
 fn chat_prompt_tokenizes_with_specials() {
     let tok = tokenizer().unwrap();
     let template = ChatTemplate::for_tokenizer(&tok).unwrap();
-    let prompt = template
-        .render(
-            &[ChatMessage::new("user", "What is the capital of France?")],
-            true,
-        )
-        .unwrap();
+    let prompt = template.render(&[ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
     let ids = tok.encode_with_bos(&prompt, true);
     // The model card's count for this prompt, starting <|im_start|> "system" "\n".
     assert_eq!(ids.len(), 37);
@@ -155,14 +129,7 @@ fn chat_prompt_tokenizes_with_specials() {
 #[test]
 fn encodes_a_long_prompt_quickly() {
     let tok = tokenizer().unwrap();
-    let text = golden()
-        .unwrap()
-        .tokenize
-        .iter()
-        .map(|c| c.text.as_str())
-        .collect::<Vec<_>>()
-        .join(" ")
-        .repeat(10);
+    let text = golden().unwrap().tokenize.iter().map(|c| c.text.as_str()).collect::<Vec<_>>().join(" ").repeat(10);
     let start = std::time::Instant::now();
     let ids = tok.encode(&text, true);
     let took = start.elapsed();

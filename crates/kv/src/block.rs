@@ -15,10 +15,7 @@ pub struct MutableBlock {
 
 impl MutableBlock {
     pub(crate) fn new(pool: BlockPool, id: BlockId) -> Self {
-        Self {
-            id,
-            pool: Some(pool),
-        }
+        Self { id, pool: Some(pool) }
     }
 
     /// Where the engine writes this block's K/V.
@@ -97,9 +94,6 @@ impl Drop for ImmutableBlock {
 
 impl fmt::Debug for ImmutableBlock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ImmutableBlock")
-            .field("id", &self.id)
-            .field("hash", &self.hash)
-            .finish()
+        f.debug_struct("ImmutableBlock").field("id", &self.id).field("hash", &self.hash).finish()
     }
 }

@@ -21,13 +21,7 @@ pub(crate) struct Lru {
 
 impl Lru {
     pub(crate) fn new(capacity: usize) -> Self {
-        Self {
-            prev: vec![NIL; capacity],
-            next: vec![NIL; capacity],
-            head: NIL,
-            tail: NIL,
-            len: 0,
-        }
+        Self { prev: vec![NIL; capacity], next: vec![NIL; capacity], head: NIL, tail: NIL, len: 0 }
     }
 
     pub(crate) fn len(&self) -> usize {

@@ -47,15 +47,8 @@ impl BlockPool {
     /// configuration errors that no later call could recover from.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         assert!(block_size > 0, "block_size must be positive");
-        assert!(
-            u32::try_from(num_blocks).is_ok_and(|n| n < u32::MAX),
-            "too many blocks"
-        );
-        Self {
-            state: Arc::new(Mutex::new(PoolState::new(num_blocks))),
-            block_size,
-            num_blocks,
-        }
+        assert!(u32::try_from(num_blocks).is_ok_and(|n| n < u32::MAX), "too many blocks");
+        Self { state: Arc::new(Mutex::new(PoolState::new(num_blocks))), block_size, num_blocks }
     }
 
     /// Tokens per block.
@@ -72,20 +65,14 @@ impl BlockPool {
     /// block is free.
     pub fn allocate(&self) -> Result<MutableBlock, PoolExhausted> {
         let mut blocks = self.allocate_many(1)?;
-        blocks.pop().ok_or(PoolExhausted {
-            requested: 1,
-            available: 0,
-        })
+        blocks.pop().ok_or(PoolExhausted { requested: 1, available: 0 })
     }
 
     /// `n` blocks to write into, or none at all.
     pub fn allocate_many(&self, n: usize) -> Result<Vec<MutableBlock>, PoolExhausted> {
         let ids = self.lock().take_mutable(n)?;
         // Handles are built after the lock is released: their `Drop` takes it.
-        Ok(ids
-            .into_iter()
-            .map(|id| MutableBlock::new(self.clone(), id))
-            .collect())
+        Ok(ids.into_iter().map(|id| MutableBlock::new(self.clone(), id)).collect())
     }
 
     /// Blocks `allocate` can still hand out: free plus cached.
@@ -97,9 +84,7 @@ impl BlockPool {
     /// whether in use by another sequence or cached. Cached ones leave the LRU.
     pub fn match_prefix(&self, hashes: &[BlockHash]) -> Vec<ImmutableBlock> {
         let hits = self.lock().match_prefix(hashes);
-        hits.into_iter()
-            .map(|(id, hash)| ImmutableBlock::new(self.clone(), id, hash))
-            .collect()
+        hits.into_iter().map(|(id, hash)| ImmutableBlock::new(self.clone(), id, hash)).collect()
     }
 
     /// Block counts by state, for the `pdserve_kv_blocks` gauge and admission.
@@ -131,10 +116,7 @@ impl BlockPool {
 
 impl fmt::Debug for BlockPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BlockPool")
-            .field("block_size", &self.block_size)
-            .field("stats", &self.stats())
-            .finish()
+        f.debug_struct("BlockPool").field("block_size", &self.block_size).field("stats", &self.stats()).finish()
     }
 }
 

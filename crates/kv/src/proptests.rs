@@ -205,11 +205,7 @@ fn run_case(ops: Vec<Op>, cov: &Coverage) -> TestCaseResult {
 
 #[test]
 fn pool_invariants_hold_under_random_interleavings() {
-    let mut runner = TestRunner::new(Config {
-        cases: 2048,
-        failure_persistence: None,
-        ..Config::default()
-    });
+    let mut runner = TestRunner::new(Config { cases: 2048, failure_persistence: None, ..Config::default() });
     let cov = Coverage::default();
     let ops = prop::collection::vec(op(), 1..80);
     if let Err(e) = runner.run(&ops, |ops| run_case(ops, &cov)) {

@@ -58,12 +58,7 @@ impl PoolState {
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
-        PoolStats {
-            total: self.slots.len(),
-            free: self.free.len(),
-            used: self.used,
-            cached: self.lru.len(),
-        }
+        PoolStats { total: self.slots.len(), free: self.free.len(), used: self.used, cached: self.lru.len() }
     }
 
     pub(crate) fn take_events(&mut self) -> Vec<KvEvent> {
@@ -75,10 +70,7 @@ impl PoolState {
     pub(crate) fn take_mutable(&mut self, n: usize) -> Result<Vec<BlockId>, PoolExhausted> {
         let available = self.available();
         if n > available {
-            return Err(PoolExhausted {
-                requested: n,
-                available,
-            });
+            return Err(PoolExhausted { requested: n, available });
         }
         let ids: Vec<BlockId> = (0..n).filter_map(|_| self.take_one()).collect();
         debug_assert_eq!(ids.len(), n);
@@ -128,19 +120,12 @@ impl PoolState {
             self.registry.insert(hash, id);
             self.events.push(KvEvent::Stored { hash, parent });
         }
-        self.slots[id.index()] = Slot::Held {
-            refs: 1,
-            hash,
-            registered,
-        };
+        self.slots[id.index()] = Slot::Held { refs: 1, hash, registered };
     }
 
     pub(crate) fn add_ref(&mut self, id: BlockId) {
         let slot = &mut self.slots[id.index()];
-        debug_assert!(
-            matches!(slot, Slot::Held { .. }),
-            "add_ref on unheld {id:?}"
-        );
+        debug_assert!(matches!(slot, Slot::Held { .. }), "add_ref on unheld {id:?}");
         if let Slot::Held { refs, .. } = slot {
             *refs += 1;
         }
@@ -150,16 +135,8 @@ impl PoolState {
     /// recently used end) and frees an unregistered one.
     pub(crate) fn release_ref(&mut self, id: BlockId) {
         let slot = &mut self.slots[id.index()];
-        debug_assert!(
-            matches!(slot, Slot::Held { .. }),
-            "release_ref on unheld {id:?}"
-        );
-        let Slot::Held {
-            refs,
-            hash,
-            registered,
-        } = slot
-        else {
+        debug_assert!(matches!(slot, Slot::Held { .. }), "release_ref on unheld {id:?}");
+        let Slot::Held { refs, hash, registered } = slot else {
             return;
         };
         *refs -= 1;
@@ -187,11 +164,7 @@ impl PoolState {
             match self.slots[id.index()] {
                 Slot::Cached { .. } => {
                     self.lru.remove(id);
-                    self.slots[id.index()] = Slot::Held {
-                        refs: 1,
-                        hash,
-                        registered: true,
-                    };
+                    self.slots[id.index()] = Slot::Held { refs: 1, hash, registered: true };
                     self.used += 1;
                 }
                 _ => self.add_ref(id),
@@ -210,37 +183,16 @@ impl PoolState {
         let n_free = count(|s| matches!(s, Slot::Free));
         let n_used = count(|s| matches!(s, Slot::Mutable | Slot::Held { .. }));
         let n_cached = count(|s| matches!(s, Slot::Cached { .. }));
-        let n_registered_held = count(|s| {
-            matches!(
-                s,
-                Slot::Held {
-                    registered: true,
-                    ..
-                }
-            )
-        });
+        let n_registered_held = count(|s| matches!(s, Slot::Held { registered: true, .. }));
         let checks = [
             (self.free.len() == n_free, "free list length"),
             (self.lru.len() == n_cached, "lru length"),
             (self.used == n_used, "used counter"),
             (n_free + n_used + n_cached == self.slots.len(), "state sum"),
-            (
-                self.registry.len() == n_registered_held + n_cached,
-                "registry size",
-            ),
-            (
-                self.free
-                    .iter()
-                    .all(|id| self.slots[id.index()] == Slot::Free),
-                "free ids",
-            ),
+            (self.registry.len() == n_registered_held + n_cached, "registry size"),
+            (self.free.iter().all(|id| self.slots[id.index()] == Slot::Free), "free ids"),
             (self.lru.iter().all(|id| self.is_cached(id)), "lru ids"),
-            (
-                self.registry
-                    .iter()
-                    .all(|(h, id)| self.registered_as(*id, *h)),
-                "registry ids",
-            ),
+            (self.registry.iter().all(|(h, id)| self.registered_as(*id, *h)), "registry ids"),
         ];
         match checks.iter().find(|(ok, _)| !ok) {
             Some((_, what)) => Err(format!("{what} inconsistent: {self:?}")),
@@ -272,9 +224,7 @@ impl PoolState {
     fn registered_as(&self, id: BlockId, h: BlockHash) -> bool {
         match self.slots[id.index()] {
             Slot::Cached { hash } => hash == h,
-            Slot::Held {
-                hash, registered, ..
-            } => registered && hash == h,
+            Slot::Held { hash, registered, .. } => registered && hash == h,
             _ => false,
         }
     }

@@ -22,13 +22,7 @@ impl BlockTable {
     /// An empty table drawing from `pool`; `salt` separates hash spaces (e.g. per model
     /// or LoRA adapter) so equal tokens under different salts never share blocks.
     pub fn new(pool: &BlockPool, salt: u64) -> Self {
-        Self {
-            pool: pool.clone(),
-            salt,
-            full: Vec::new(),
-            partial: VecDeque::new(),
-            adopted: 0,
-        }
+        Self { pool: pool.clone(), salt, full: Vec::new(), partial: VecDeque::new(), adopted: 0 }
     }
 
     /// A table that starts with a prefix-cache hit (the result of
@@ -69,8 +63,7 @@ impl BlockTable {
     /// Block ids in sequence order: what the engine's attention reads.
     pub fn block_ids(&self) -> Vec<BlockId> {
         let full = self.full.iter().map(ImmutableBlock::id);
-        full.chain(self.partial.iter().map(MutableBlock::id))
-            .collect()
+        full.chain(self.partial.iter().map(MutableBlock::id)).collect()
     }
 
     /// The id of block `i`, if the table has that many blocks.

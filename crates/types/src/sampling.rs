@@ -107,10 +107,7 @@ impl SamplingParams {
         if !finite(self.repetition_penalty) || self.repetition_penalty <= 0.0 {
             return err("repetition_penalty", "must be greater than 0");
         }
-        for (name, v) in [
-            ("frequency_penalty", self.frequency_penalty),
-            ("presence_penalty", self.presence_penalty),
-        ] {
+        for (name, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
             if !finite(v) || !(-2.0..=2.0).contains(&v) {
                 return err(name, "must be between -2 and 2");
             }

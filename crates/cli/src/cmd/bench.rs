@@ -81,10 +81,16 @@ pub fn run(what: What) -> anyhow::Result<()> {
             rows.push(Row { kind: "decode", threads, prompt: a.decode_prompt, batch: b, tokens_per_s: tps });
         }
     }
-    let report = Report { model: m.name.clone(), isa: pdserve_engine::kernels::Isa::detect().to_string(), rows, peak_rss_mb: peak_rss_mb() };
+    let report = Report {
+        model: m.name.clone(),
+        isa: pdserve_engine::kernels::Isa::detect().to_string(),
+        rows,
+        peak_rss_mb: peak_rss_mb(),
+    };
     println!("peak RSS {:.0} MB, kernels {}", report.peak_rss_mb, report.isa);
     if let Some(path) = &a.out {
-        std::fs::write(path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }
@@ -94,7 +100,13 @@ fn best_of(reps: usize, mut f: impl FnMut() -> f64) -> f64 {
 }
 
 fn engine(m: &LoadedModel, threads: usize, tokens: usize, seqs: usize) -> Engine {
-    let cfg = EngineConfig { threads, num_blocks: tokens.div_ceil(16) + seqs + 8, max_batch_tokens: 512, max_seqs: seqs.max(1), cache_salt: 0 };
+    let cfg = EngineConfig {
+        threads,
+        num_blocks: tokens.div_ceil(16) + seqs + 8,
+        max_batch_tokens: 512,
+        max_seqs: seqs.max(1),
+        cache_salt: 0,
+    };
     Engine::new(m.model.clone(), cfg, Vec::new())
 }
 
@@ -154,6 +166,8 @@ fn decode(m: &LoadedModel, threads: usize, batch: usize, prompt: usize, gen: u32
 fn peak_rss_mb() -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
         .map_or(0.0, |kb| kb / 1024.0)
 }

@@ -46,8 +46,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         m.tokenizer.encode(&a.prompt, false)
     };
-    let params = SamplingParams { max_tokens: a.max_tokens, temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed, ..Default::default() }
-        .validate()?;
+    let params = SamplingParams {
+        max_tokens: a.max_tokens,
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        seed: a.seed,
+        ..Default::default()
+    }
+    .validate()?;
     let threads = a.threads.unwrap_or_else(default_threads);
     let cfg = EngineConfig { threads, ..Default::default() };
     let mut engine = Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec());

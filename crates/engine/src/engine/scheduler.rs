@@ -36,16 +36,25 @@ impl Engine {
         if plan.is_empty() {
             return Vec::new();
         }
-        let ids: Vec<LayerSeq> = plan.iter().map(|p| LayerSeq { blocks: table_ids(&self.running[p.seq]), last_chunk: p.logits }).collect();
+        let ids: Vec<LayerSeq> =
+            plan.iter().map(|p| LayerSeq { blocks: table_ids(&self.running[p.seq]), last_chunk: p.logits }).collect();
         let batch: Vec<SeqBatch<'_>> = plan
             .iter()
             .zip(&ids)
             .map(|(p, ls)| {
                 let s = &self.running[p.seq];
-                SeqBatch { tokens: &s.tokens[s.computed..s.computed + p.n], start_pos: s.computed, blocks: &ls.blocks, logits: p.logits }
+                SeqBatch {
+                    tokens: &s.tokens[s.computed..s.computed + p.n],
+                    start_pos: s.computed,
+                    blocks: &ls.blocks,
+                    logits: p.logits,
+                }
             })
             .collect();
-        let logits = self.model.forward(self.isa, &self.pool, &batch, &mut self.kv, &mut self.scratch, &mut |l, kv| on_layer(l, kv, &ids)).to_vec();
+        let logits = self
+            .model
+            .forward(self.isa, &self.pool, &batch, &mut self.kv, &mut self.scratch, &mut |l, kv| on_layer(l, kv, &ids))
+            .to_vec();
         drop(batch);
         self.finish_step(&plan, logits)
     }

@@ -81,7 +81,10 @@ impl Engine {
     /// Writes one frame into the reserved blocks of `id`.
     pub fn import_frame(&mut self, id: RequestId, f: &KvFrame) -> Result<(), EngineError> {
         let imp = self.importing.iter().find(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
-        let block = *imp.ids.get(f.index as usize).ok_or_else(|| EngineError::BadFrame(format!("block index {} out of range", f.index)))?;
+        let block = *imp
+            .ids
+            .get(f.index as usize)
+            .ok_or_else(|| EngineError::BadFrame(format!("block index {} out of range", f.index)))?;
         let n = self.kv.block_elems();
         if f.layer as usize >= self.kv.n_layers || f.k.len() != n || f.v.len() != n {
             return Err(EngineError::BadFrame(format!("layer {} with {} values", f.layer, f.k.len())));
@@ -93,7 +96,13 @@ impl Engine {
     /// Turns a completed import into a decoding sequence whose first generated token
     /// (sampled by the prefill side) is `first`. Returns the output of that token when
     /// it already ends the request, in which case nothing is queued.
-    pub fn finish_import(&mut self, id: RequestId, prompt: Vec<u32>, first: u32, params: SamplingParams) -> Result<Option<StepOutput>, EngineError> {
+    pub fn finish_import(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        first: u32,
+        params: SamplingParams,
+    ) -> Result<Option<StepOutput>, EngineError> {
         let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
         if self.importing[at].prompt_len != prompt.len() {
             return Err(EngineError::BadFrame("prompt length differs from the reservation".into()));
@@ -117,7 +126,9 @@ impl Engine {
     }
 
     fn first_token_finishes(&self, s: &Sequence, tok: u32) -> bool {
-        (self.eog.contains(&tok) && !s.params.ignore_eos) || s.params.stop.token_ids.contains(&tok) || s.generated() >= s.params.max_tokens as usize
+        (self.eog.contains(&tok) && !s.params.ignore_eos)
+            || s.params.stop.token_ids.contains(&tok)
+            || s.generated() >= s.params.max_tokens as usize
     }
 
     /// Gives up a transfer; its blocks return to the pool.

@@ -123,16 +123,15 @@ impl GgufHeader {
             infos.push(r.tensor_info()?);
         }
         let alignment = match metadata.get("general.alignment") {
-            Some(v) => v.as_u64().filter(|a| a.is_power_of_two()).ok_or_else(|| {
-                r.corrupt("general.alignment must be a power of two")
-            })?,
+            Some(v) => v
+                .as_u64()
+                .filter(|a| a.is_power_of_two())
+                .ok_or_else(|| r.corrupt("general.alignment must be a power of two"))?,
             None => DEFAULT_ALIGNMENT,
         };
         let data_start = (r.pos as u64).div_ceil(alignment) * alignment;
-        let tensors = infos
-            .into_iter()
-            .map(|t| t.locate(data_start, bytes.len() as u64))
-            .collect::<Result<Vec<_>, _>>()?;
+        let tensors =
+            infos.into_iter().map(|t| t.locate(data_start, bytes.len() as u64)).collect::<Result<Vec<_>, _>>()?;
         Ok(GgufHeader { version, metadata, tensors })
     }
 
@@ -155,8 +154,9 @@ struct RawTensor {
 
 impl RawTensor {
     fn locate(self, data_start: u64, file_len: u64) -> Result<TensorInfo, FormatError> {
-        let dtype = DType::from_ggml(self.ggml_type).ok_or_else(|| {
-            FormatError::UnsupportedTensorType { tensor: self.name.clone(), ggml_type: self.ggml_type }
+        let dtype = DType::from_ggml(self.ggml_type).ok_or_else(|| FormatError::UnsupportedTensorType {
+            tensor: self.name.clone(),
+            ggml_type: self.ggml_type,
         })?;
         // GGUF lists dims innermost first; we store them outermost first like every
         // other tensor library.
@@ -166,9 +166,9 @@ impl RawTensor {
             .rev()
             .map(|&d| usize::try_from(d).map_err(|_| self.bad("dimension too large")))
             .collect::<Result<_, _>>()?;
-        let n_bytes = dtype.storage_bytes(&shape).ok_or_else(|| {
-            self.bad("shape does not fit its type (innermost dim not a whole number of blocks)")
-        })?;
+        let n_bytes = dtype
+            .storage_bytes(&shape)
+            .ok_or_else(|| self.bad("shape does not fit its type (innermost dim not a whole number of blocks)"))?;
         let start = data_start.checked_add(self.offset).ok_or_else(|| self.bad("offset overflow"))?;
         let end = start.checked_add(n_bytes as u64).ok_or_else(|| self.bad("size overflow"))?;
         if end > file_len {
@@ -196,9 +196,11 @@ impl<'a> Reader<'a> {
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], FormatError> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| {
-            FormatError::Truncated(format!("header ends early at byte {}", self.bytes.len()))
-        })?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.bytes.len())
+            .ok_or_else(|| FormatError::Truncated(format!("header ends early at byte {}", self.bytes.len())))?;
         let s = &self.bytes[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -312,10 +314,6 @@ impl GgufFile {
 impl super::TensorSource for GgufFile {
     fn tensor(&self, name: &str) -> Option<super::TensorView<'_>> {
         let t = &self.header.tensors[*self.index.get(name)?];
-        Some(super::TensorView {
-            dtype: t.dtype,
-            shape: &t.shape,
-            bytes: &self.map[t.offset..t.offset + t.n_bytes],
-        })
+        Some(super::TensorView { dtype: t.dtype, shape: &t.shape, bytes: &self.map[t.offset..t.offset + t.n_bytes] })
     }
 }

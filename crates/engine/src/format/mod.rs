@@ -127,6 +127,6 @@ pub enum FormatError {
     Io { path: String, source: std::io::Error },
 }
 
+pub mod safetensors;
 #[cfg(test)]
 mod tests;
-pub mod safetensors;

@@ -72,10 +72,7 @@ impl SafetensorsModel {
         };
         let files = safetensors_files(dir)?;
         if files.is_empty() {
-            return Err(FormatError::Missing(format!(
-                "*.safetensors files in {}",
-                dir.display()
-            )));
+            return Err(FormatError::Missing(format!("*.safetensors files in {}", dir.display())));
         }
         for path in files {
             model.add_file(&path)?;
@@ -112,10 +109,7 @@ impl SafetensorsModel {
     }
 
     fn add_file(&mut self, path: &Path) -> Result<(), FormatError> {
-        let io = |source| FormatError::Io {
-            path: path.display().to_string(),
-            source,
-        };
+        let io = |source| FormatError::Io { path: path.display().to_string(), source };
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the map is read-only; pdserve never writes model files, and a file
         // changed underneath a running server is outside what any loader can guard.
@@ -128,15 +122,8 @@ impl SafetensorsModel {
             let Some(name) = gguf_name(&t.name) else {
                 continue;
             }; // e.g. rotary inv_freq
-            let dtype = supported_dtype(&t.dtype)
-                .ok_or_else(|| here(unsupported_dtype(&t.name, &t.dtype)))?;
-            let located = Located {
-                map: index,
-                dtype,
-                shape: t.shape,
-                start: t.start,
-                end: t.end,
-            };
+            let dtype = supported_dtype(&t.dtype).ok_or_else(|| here(unsupported_dtype(&t.name, &t.dtype)))?;
+            let located = Located { map: index, dtype, shape: t.shape, start: t.start, end: t.end };
             if self.tensors.insert(name, located).is_some() {
                 let why = format!("tensor `{}` appears in more than one file", t.name);
                 return Err(here(FormatError::Corrupt(why)));
@@ -171,11 +158,7 @@ impl TensorSource for SafetensorsModel {
     fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
         let t = self.tensors.get(name)?;
         let bytes = self.maps.get(t.map)?.get(t.start..t.end)?;
-        Some(TensorView {
-            dtype: t.dtype,
-            shape: &t.shape,
-            bytes,
-        })
+        Some(TensorView { dtype: t.dtype, shape: &t.shape, bytes })
     }
 }
 
@@ -197,10 +180,7 @@ fn in_file(e: FormatError, path: &Path) -> FormatError {
 /// Every `*.safetensors` file in `dir`, sorted so shards load in a stable order. The
 /// optional `model.safetensors.index.json` adds nothing a directory scan does not find.
 fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, FormatError> {
-    let io = |source| FormatError::Io {
-        path: dir.display().to_string(),
-        source,
-    };
+    let io = |source| FormatError::Io { path: dir.display().to_string(), source };
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io)? {
         let path = entry.map_err(io)?.path();
@@ -221,19 +201,15 @@ fn parse_header(bytes: &[u8]) -> Result<Vec<RawTensor>, FormatError> {
     let header_len = u64::from_le_bytes(len_bytes);
     let available = bytes.len() as u64 - 8;
     if header_len > available {
-        return Err(FormatError::Truncated(format!(
-            "header claims {header_len} bytes but only {available} follow"
-        )));
+        return Err(FormatError::Truncated(format!("header claims {header_len} bytes but only {available} follow")));
     }
     if header_len > MAX_HEADER_BYTES {
-        return Err(FormatError::Corrupt(format!(
-            "header of {header_len} bytes is too large"
-        )));
+        return Err(FormatError::Corrupt(format!("header of {header_len} bytes is too large")));
     }
     let data_start = 8 + header_len as usize;
     let json = bytes.get(8..data_start).unwrap_or_default();
-    let entries: BTreeMap<String, serde_json::Value> = serde_json::from_slice(json)
-        .map_err(|e| FormatError::Corrupt(format!("header is not a JSON object: {e}")))?;
+    let entries: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(json).map_err(|e| FormatError::Corrupt(format!("header is not a JSON object: {e}")))?;
     let data_len = bytes.len() - data_start;
     entries
         .into_iter()
@@ -258,10 +234,8 @@ fn locate(
         .iter()
         .map(|&d| usize::try_from(d).map_err(|_| bad("dimension too large".into())))
         .collect::<Result<Vec<_>, _>>()?;
-    let n_bytes = shape
-        .iter()
-        .try_fold(elem, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| bad("size overflows".into()))?;
+    let n_bytes =
+        shape.iter().try_fold(elem, |acc, &d| acc.checked_mul(d)).ok_or_else(|| bad("size overflows".into()))?;
     let [begin, end] = e.data_offsets;
     if begin > end || end > data_len as u64 {
         return Err(FormatError::Truncated(format!(
@@ -270,22 +244,12 @@ fn locate(
         )));
     }
     if end - begin != n_bytes as u64 {
-        let why = format!(
-            "shape {shape:?} of {} needs {n_bytes} bytes, offsets span {}",
-            e.dtype,
-            end - begin
-        );
+        let why = format!("shape {shape:?} of {} needs {n_bytes} bytes, offsets span {}", e.dtype, end - begin);
         return Err(bad(why));
     }
     // Both are at most `data_len`, so the additions cannot overflow.
     let start = data_start + begin as usize;
-    Ok(RawTensor {
-        dtype: e.dtype,
-        shape,
-        start,
-        end: start + n_bytes,
-        name,
-    })
+    Ok(RawTensor { dtype: e.dtype, shape, start, end: start + n_bytes, name })
 }
 
 /// Element sizes of every dtype the format defines, so files that also hold tensors
@@ -374,14 +338,11 @@ fn read_config(dir: &Path) -> Result<(ModelConfig, bool), FormatError> {
         if source.kind() == std::io::ErrorKind::NotFound {
             FormatError::Missing(format!("config.json in {}", dir.display()))
         } else {
-            FormatError::Io {
-                path: path.display().to_string(),
-                source,
-            }
+            FormatError::Io { path: path.display().to_string(), source }
         }
     })?;
-    let hf: HfConfig = serde_json::from_str(&text)
-        .map_err(|e| FormatError::Invalid(format!("{}: {e}", path.display())))?;
+    let hf: HfConfig =
+        serde_json::from_str(&text).map_err(|e| FormatError::Invalid(format!("{}: {e}", path.display())))?;
     let tied = hf.tie_word_embeddings.unwrap_or(false);
     Ok((hf.into_model_config()?, tied))
 }
@@ -422,10 +383,7 @@ impl HfConfig {
             ffn_hidden: self.intermediate_size,
             n_heads: heads,
             n_kv_heads: self.num_key_value_heads.unwrap_or(heads),
-            head_dim: self
-                .head_dim
-                .or(self.hidden_size.checked_div(heads))
-                .unwrap_or(0),
+            head_dim: self.head_dim.or(self.hidden_size.checked_div(heads)).unwrap_or(0),
             vocab_size: self.vocab_size,
             rms_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
             rope_theta: self.rope_theta.unwrap_or(10000.0) as f32,
@@ -457,10 +415,7 @@ pub fn to_safetensors_bytes(tensors: &[TensorToWrite<'_>]) -> Result<Vec<u8>, Fo
             }
         };
         if dtype.storage_bytes(shape) != Some(data.len()) {
-            let why = format!(
-                "`{name}`: {} bytes do not match shape {shape:?}",
-                data.len()
-            );
+            let why = format!("`{name}`: {} bytes do not match shape {shape:?}", data.len());
             return Err(FormatError::Invalid(why));
         }
         let entry = serde_json::json!({

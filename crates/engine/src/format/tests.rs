@@ -7,10 +7,7 @@ fn sample_file() -> Vec<u8> {
     let mut w = GgufWriter::new();
     w.meta("general.architecture", MetaValue::Str("llama".into()))
         .meta("llama.block_count", MetaValue::U32(2))
-        .meta(
-            "tokenizer.ggml.tokens",
-            MetaValue::Array(vec![MetaValue::Str("a".into()), MetaValue::Str("b".into())]),
-        )
+        .meta("tokenizer.ggml.tokens", MetaValue::Array(vec![MetaValue::Str("a".into()), MetaValue::Str("b".into())]))
         .f32_tensor("x", &[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
         .tensor("q", DType::Q8_0, &[1, 32], vec![7u8; 34]);
     w.to_bytes()

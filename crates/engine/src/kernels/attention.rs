@@ -52,7 +52,15 @@ pub struct AttnScratch {
 
 /// Attention of `qs` against KV head `g` of a sequence whose blocks are `blocks`;
 /// writes `n × n_rep × head_dim` into `out`.
-pub fn attend(isa: Isa, kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
+pub fn attend(
+    isa: Isa,
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    out: &mut [f32],
+    s: &mut AttnScratch,
+) {
     match isa {
         // SAFETY: the ISA was detected on this CPU.
         #[cfg(target_arch = "x86_64")]
@@ -65,13 +73,27 @@ pub fn attend(isa: Isa, kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-unsafe fn attend_avx512(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
+unsafe fn attend_avx512(
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    out: &mut [f32],
+    s: &mut AttnScratch,
+) {
     attend_with(kv, g, blocks, qs, out, s, f16c::to_f32)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
+unsafe fn attend_avx2(
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    out: &mut [f32],
+    s: &mut AttnScratch,
+) {
     attend_with(kv, g, blocks, qs, out, s, f16c::to_f32)
 }
 

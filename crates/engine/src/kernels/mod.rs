@@ -46,7 +46,8 @@ impl Isa {
     #[cfg(target_arch = "x86_64")]
     fn hardware() -> Isa {
         use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") && has!("f16c") && has!("fma") {
+        if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") && has!("f16c") && has!("fma")
+        {
             Isa::Avx512Vnni
         } else if has!("avx2") && has!("fma") && has!("f16c") {
             Isa::Avx2

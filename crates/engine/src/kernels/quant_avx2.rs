@@ -104,7 +104,7 @@ unsafe fn isums_byte(blk: *const u8, a: *const i8) -> [__m256i; 2] {
         for (h, s) in isum.iter_mut().enumerate() {
             let p = unsafe { _mm256_loadu_si256(blk.add(j * 64 + h * 32).cast()) };
             let wv = _mm256_xor_si256(p, flip); // back to signed weights
-            // |w| ≤ 128 and |q| ≤ 127 keep maddubs' pair sums below i16 saturation.
+                                                // |w| ≤ 128 and |q| ≤ 127 keep maddubs' pair sums below i16 saturation.
             let prod = dot4(_mm256_abs_epi8(wv), _mm256_sign_epi8(av, wv));
             *s = _mm256_add_epi32(*s, prod);
         }

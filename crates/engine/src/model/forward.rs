@@ -56,7 +56,8 @@ impl Model {
     ) -> &'s [f32] {
         let c = &self.cfg;
         let t: usize = batch.iter().map(|b| b.tokens.len()).sum();
-        let positions: Vec<usize> = batch.iter().flat_map(|b| (0..b.tokens.len()).map(move |j| b.start_pos + j)).collect();
+        let positions: Vec<usize> =
+            batch.iter().flat_map(|b| (0..b.tokens.len()).map(move |j| b.start_pos + j)).collect();
         let rope = RopeTable::new(c.head_dim, c.rope_theta, &positions);
         s.x.resize(t * c.hidden, 0.0);
         for (i, tok) in batch.iter().flat_map(|b| b.tokens.iter()).enumerate() {
@@ -110,7 +111,16 @@ impl Model {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn attend_all(&self, isa: Isa, pool: &ThreadPool, l: usize, batch: &[SeqBatch<'_>], positions: &[usize], kv: &KvStorage, s: &mut ForwardScratch) {
+    fn attend_all(
+        &self,
+        isa: Isa,
+        pool: &ThreadPool,
+        l: usize,
+        batch: &[SeqBatch<'_>],
+        positions: &[usize],
+        kv: &KvStorage,
+        s: &mut ForwardScratch,
+    ) {
         let c = &self.cfg;
         let (qd, hd, n_rep) = (c.q_dim(), c.head_dim, c.n_heads / c.n_kv_heads);
         let width = qd + 2 * c.kv_dim();

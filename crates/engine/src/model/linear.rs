@@ -74,7 +74,15 @@ impl Linear {
     }
 
     /// `out[t] = W x[t]` for `tokens` rows; `out` is `tokens × out_features`.
-    pub fn forward(&self, isa: Isa, pool: &ThreadPool, x: &[f32], tokens: usize, out: &mut [f32], s: &mut LinearScratch) {
+    pub fn forward(
+        &self,
+        isa: Isa,
+        pool: &ThreadPool,
+        x: &[f32],
+        tokens: usize,
+        out: &mut [f32],
+        s: &mut LinearScratch,
+    ) {
         if tokens == 0 {
             return;
         }
@@ -155,7 +163,12 @@ fn quantize_parallel(pool: &ThreadPool, x: &[f32], rows: usize, cols: usize, act
     pool.for_ranges(rows, pool.threads().min(rows), &|r| {
         // SAFETY: each task owns the rows `r` of every buffer.
         let (q, d, s, qs) = unsafe {
-            (q.part(r.start * cols..r.end * cols), d.part(r.start * nb..r.end * nb), s.part(r.start * nb..r.end * nb), qs.part(r.start * nb..r.end * nb))
+            (
+                q.part(r.start * cols..r.end * cols),
+                d.part(r.start * nb..r.end * nb),
+                s.part(r.start * nb..r.end * nb),
+                qs.part(r.start * nb..r.end * nb),
+            )
         };
         quant::quantize_rows(&x[r.start * cols..r.end * cols], q, d, s, qs);
     });

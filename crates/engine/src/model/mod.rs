@@ -54,7 +54,11 @@ impl Model {
 
     /// Bytes of weights held in memory.
     pub fn weight_bytes(&self) -> usize {
-        let layers: usize = self.layers.iter().map(|l| l.qkv.size_bytes() + l.o.size_bytes() + l.gate_up.size_bytes() + l.down.size_bytes()).sum();
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| l.qkv.size_bytes() + l.o.size_bytes() + l.gate_up.size_bytes() + l.down.size_bytes())
+            .sum();
         layers + self.lm_head.size_bytes() + self.embd.data.len()
     }
 

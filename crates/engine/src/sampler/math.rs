@@ -23,15 +23,7 @@ pub(super) fn exp_det(x: f32) -> f32 {
     let r = xc - n * LN2_HI - n * LN2_LO; // |r| <= ln2 / 2
                                           // Taylor to degree 7: the remainder is below 1e-8 for |r| <= 0.35.
     let mut p = 1.0 / 5040.0;
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
         p = p * r + c;
     }
     // n is in [-126, 127], so 2^n is a normal float; wrapping ops keep NaN inputs
@@ -97,11 +89,7 @@ pub(super) fn lane_sum(xs: &[f32]) -> f64 {
 fn sum_weights(xs: &[f32], max: f32, scale: f32) -> f64 {
     let mut lanes = [0.0f32; LANES];
     let chunks = xs.chunks_exact(LANES);
-    let rest: f64 = chunks
-        .remainder()
-        .iter()
-        .map(|&x| f64::from(weight(x, max, scale)))
-        .sum();
+    let rest: f64 = chunks.remainder().iter().map(|&x| f64::from(weight(x, max, scale))).sum();
     for chunk in chunks {
         for (s, &x) in lanes.iter_mut().zip(chunk) {
             *s += weight(x, max, scale);
@@ -124,31 +112,14 @@ pub(super) struct LogSoftmax {
 impl LogSoftmax {
     pub(super) fn of(logits: &[f32]) -> Self {
         let max = max_value(logits);
-        let n_inf = if max == f32::INFINITY {
-            logits.iter().filter(|&&x| x == f32::INFINITY).count()
-        } else {
-            0
-        };
-        let z = if max.is_finite() {
-            sum_weights(logits, max, 1.0)
-        } else {
-            0.0
-        };
-        LogSoftmax {
-            max,
-            log_z: z.ln() as f32,
-            n_inf,
-            n: logits.len(),
-        }
+        let n_inf = if max == f32::INFINITY { logits.iter().filter(|&&x| x == f32::INFINITY).count() } else { 0 };
+        let z = if max.is_finite() { sum_weights(logits, max, 1.0) } else { 0.0 };
+        LogSoftmax { max, log_z: z.ln() as f32, n_inf, n: logits.len() }
     }
 
     pub(super) fn logprob(&self, x: f32) -> f32 {
         if self.max == f32::INFINITY {
-            return if x == f32::INFINITY {
-                -(self.n_inf as f32).ln()
-            } else {
-                f32::NEG_INFINITY
-            };
+            return if x == f32::INFINITY { -(self.n_inf as f32).ln() } else { f32::NEG_INFINITY };
         }
         if self.max == f32::NEG_INFINITY {
             return -(self.n.max(1) as f32).ln(); // nothing to prefer: uniform
@@ -181,19 +152,7 @@ mod tests {
 
     #[test]
     fn reductions_ignore_nan_and_handle_short_slices() {
-        let xs = [
-            1.0,
-            f32::NAN,
-            3.0,
-            -2.0,
-            3.0,
-            0.0,
-            0.5,
-            0.25,
-            2.0,
-            f32::NAN,
-            1.5,
-        ];
+        let xs = [1.0, f32::NAN, 3.0, -2.0, 3.0, 0.0, 0.5, 0.25, 2.0, f32::NAN, 1.5];
         assert_eq!(max_value(&xs), 3.0);
         assert_eq!(argmax(&xs), 2);
         assert_eq!(argmax(&[f32::NAN, f32::NAN]), 0);
@@ -202,11 +161,7 @@ mod tests {
         let ones = [1.0f32; 19];
         assert_eq!(lane_sum(&ones), 19.0);
         let z = sum_weights(&xs, 3.0, 1.0);
-        let want: f64 = xs
-            .iter()
-            .filter(|x| !x.is_nan())
-            .map(|&x| f64::from(x - 3.0).exp())
-            .sum();
+        let want: f64 = xs.iter().filter(|x| !x.is_nan()).map(|&x| f64::from(x - 3.0).exp()).sum();
         assert!((z - want).abs() < 1e-6, "{z} vs {want}");
     }
 

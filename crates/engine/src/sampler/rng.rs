@@ -13,12 +13,7 @@ impl Rng {
         let mut x = seed;
         // splitmix64 is a bijection of its counter, so four outputs are never all zero
         // (the one state xoshiro cannot leave).
-        let s = [
-            splitmix64(&mut x),
-            splitmix64(&mut x),
-            splitmix64(&mut x),
-            splitmix64(&mut x),
-        ];
+        let s = [splitmix64(&mut x), splitmix64(&mut x), splitmix64(&mut x), splitmix64(&mut x)];
         Rng { s }
     }
 
@@ -57,10 +52,7 @@ mod tests {
         // Golden values: changing them breaks every seeded request's reproducibility.
         let mut r = Rng::new(0);
         let got: Vec<u64> = (0..3).map(|_| r.next_u64()).collect();
-        assert_eq!(
-            got,
-            [0x99ec5f36cb75f2b4, 0xbf6e1f784956452a, 0x1a5f849d4933e6e0]
-        );
+        assert_eq!(got, [0x99ec5f36cb75f2b4, 0xbf6e1f784956452a, 0x1a5f849d4933e6e0]);
     }
 
     #[test]

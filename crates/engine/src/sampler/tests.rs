@@ -7,28 +7,20 @@ use proptest::prelude::*;
 use super::Rng;
 
 fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
-    let mut p = SamplingParams {
-        temperature: 1.0,
-        seed: Some(7),
-        ..Default::default()
-    };
+    let mut p = SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() };
     f(&mut p);
     p.validate().unwrap()
 }
 
 fn random_logits(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = Rng::new(seed);
-    (0..n)
-        .map(|_| (rng.next_f64() * 10.0 - 5.0) as f32)
-        .collect()
+    (0..n).map(|_| (rng.next_f64() * 10.0 - 5.0) as f32).collect()
 }
 
 fn run(p: &SamplingParams, logits: &[f32], steps: usize) -> Vec<u32> {
     let mut s = Sampler::new(p, 0);
     let h = TokenHistory::new(&[]);
-    (0..steps)
-        .map(|_| s.sample(&mut logits.to_vec(), &h).token)
-        .collect()
+    (0..steps).map(|_| s.sample(&mut logits.to_vec(), &h).token).collect()
 }
 
 fn softmax(xs: &[f32]) -> Vec<f64> {
@@ -57,9 +49,7 @@ fn same_seed_same_tokens_and_different_seeds_differ() {
     let none = params(|p| p.seed = None);
     let mut s1 = Sampler::new(&none, 42);
     let h = TokenHistory::new(&[]);
-    let via_fallback: Vec<u32> = (0..64)
-        .map(|_| s1.sample(&mut logits.clone(), &h).token)
-        .collect();
+    let via_fallback: Vec<u32> = (0..64).map(|_| s1.sample(&mut logits.clone(), &h).token).collect();
     assert_eq!(via_fallback, run(&a, &logits, 64));
 }
 
@@ -68,14 +58,8 @@ fn top_k_one_and_tiny_top_p_equal_greedy() {
     for seed in 0..20 {
         let logits = random_logits(500, seed);
         let greedy = run(&SamplingParams::greedy(1), &logits, 1);
-        assert_eq!(
-            run(&params(|p| p.top_k = 1), &logits, 5),
-            vec![greedy[0]; 5]
-        );
-        assert_eq!(
-            run(&params(|p| p.top_p = 1e-6), &logits, 5),
-            vec![greedy[0]; 5]
-        );
+        assert_eq!(run(&params(|p| p.top_k = 1), &logits, 5), vec![greedy[0]; 5]);
+        assert_eq!(run(&params(|p| p.top_p = 1e-6), &logits, 5), vec![greedy[0]; 5]);
     }
 }
 
@@ -125,37 +109,13 @@ fn penalties_change_the_choice() {
         p.validate().unwrap()
     };
     let rep = greedy(|p| p.repetition_penalty = 1.2);
-    assert_eq!(
-        greedy_after(&rep, &[2.0, 1.9], &[0], &[]),
-        1,
-        "positive logit divided"
-    );
-    assert_eq!(
-        greedy_after(&rep, &[-1.0, -1.1], &[0], &[]),
-        1,
-        "negative logit multiplied"
-    );
-    assert_eq!(
-        greedy_after(&rep, &[2.0, 1.9], &[], &[]),
-        0,
-        "unseen tokens untouched"
-    );
+    assert_eq!(greedy_after(&rep, &[2.0, 1.9], &[0], &[]), 1, "positive logit divided");
+    assert_eq!(greedy_after(&rep, &[-1.0, -1.1], &[0], &[]), 1, "negative logit multiplied");
+    assert_eq!(greedy_after(&rep, &[2.0, 1.9], &[], &[]), 0, "unseen tokens untouched");
     let freq = greedy(|p| p.frequency_penalty = 0.3);
-    assert_eq!(
-        greedy_after(&freq, &[1.0, 0.5], &[], &[0]),
-        0,
-        "0.7 still wins"
-    );
-    assert_eq!(
-        greedy_after(&freq, &[1.0, 0.5], &[], &[0, 0]),
-        1,
-        "0.4 loses"
-    );
-    assert_eq!(
-        greedy_after(&freq, &[1.0, 0.5], &[0, 0, 0], &[]),
-        0,
-        "prompt not counted"
-    );
+    assert_eq!(greedy_after(&freq, &[1.0, 0.5], &[], &[0]), 0, "0.7 still wins");
+    assert_eq!(greedy_after(&freq, &[1.0, 0.5], &[], &[0, 0]), 1, "0.4 loses");
+    assert_eq!(greedy_after(&freq, &[1.0, 0.5], &[0, 0, 0], &[]), 0, "prompt not counted");
     let pres = greedy(|p| p.presence_penalty = 0.6);
     assert_eq!(greedy_after(&pres, &[1.0, 0.5], &[], &[0]), 1);
     let negative = greedy(|p| p.presence_penalty = -1.0);
@@ -166,10 +126,7 @@ fn penalties_change_the_choice() {
 
 #[test]
 fn bans_mask_until_cleared() {
-    let p = SamplingParams {
-        top_logprobs: 1,
-        ..SamplingParams::greedy(8)
-    };
+    let p = SamplingParams { top_logprobs: 1, ..SamplingParams::greedy(8) };
     let mut s = Sampler::new(&p, 0);
     let h = TokenHistory::new(&[]);
     let logits = [0.0, 3.0, 1.0];
@@ -202,17 +159,10 @@ fn logprobs_are_raw_normalized_and_sorted() {
         assert!(out.top.windows(2).all(|w| w[0].1 >= w[1].1));
         let best = raw.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         assert_eq!(raw[out.top[0].0 as usize], best);
-        let reference = -raw
-            .iter()
-            .map(|&x| f64::from(x - best).exp())
-            .sum::<f64>()
-            .ln();
+        let reference = -raw.iter().map(|&x| f64::from(x - best).exp()).sum::<f64>().ln();
         assert!((f64::from(out.top[0].1) - reference).abs() < 1e-4);
     }
-    assert!(Sampler::new(&params(|_| ()), 0)
-        .sample(&mut raw.clone(), &h)
-        .top
-        .is_empty());
+    assert!(Sampler::new(&params(|_| ()), 0).sample(&mut raw.clone(), &h).top.is_empty());
 }
 
 #[test]
@@ -228,10 +178,7 @@ fn nan_and_infinite_logits_do_not_panic() {
         &[],
     ];
     let all = [
-        SamplingParams {
-            top_logprobs: 3,
-            ..SamplingParams::greedy(1)
-        },
+        SamplingParams { top_logprobs: 3, ..SamplingParams::greedy(1) },
         params(|p| p.top_logprobs = 3),
         params(|p| (p.top_k, p.top_p, p.min_p) = (2, 0.5, 0.1)),
         params(|p| (p.repetition_penalty, p.frequency_penalty) = (1.3, 2.0)),
@@ -346,10 +293,7 @@ fn history_counts_incrementally() {
     h.push(5);
     h.push(7);
     h.push(7);
-    assert_eq!(
-        (h.output_count(5), h.output_count(7), h.output_len()),
-        (1, 2, 3)
-    );
+    assert_eq!((h.output_count(5), h.output_count(7), h.output_len()), (1, 2, 3));
     assert!(h.in_prompt(5) && !h.in_prompt(7));
     assert_eq!(h.seen.len(), 3);
 }
@@ -388,21 +332,13 @@ proptest! {
 fn replay_draw_catches_up_with_a_sampler_that_sampled_one_more_step() {
     let logits = random_logits(300, 4);
     let h = TokenHistory::new(&[]);
-    for p in [
-        params(|_| ()),
-        params(|p| p.top_k = 20),
-        SamplingParams::greedy(4),
-    ] {
+    for p in [params(|_| ()), params(|p| p.top_k = 20), SamplingParams::greedy(4)] {
         let mut local = Sampler::new(&p, 9);
         let mut remote = Sampler::new(&p, 9);
         local.sample(&mut logits.clone(), &h);
         remote.replay_draw();
-        let a: Vec<u32> = (0..20)
-            .map(|_| local.sample(&mut logits.clone(), &h).token)
-            .collect();
-        let b: Vec<u32> = (0..20)
-            .map(|_| remote.sample(&mut logits.clone(), &h).token)
-            .collect();
+        let a: Vec<u32> = (0..20).map(|_| local.sample(&mut logits.clone(), &h).token).collect();
+        let b: Vec<u32> = (0..20).map(|_| remote.sample(&mut logits.clone(), &h).token).collect();
         assert_eq!(a, b, "{p:?}");
     }
 }

@@ -51,11 +51,7 @@ struct Symbol {
 }
 
 impl Bpe {
-    pub fn new(
-        vocab: &Vocab,
-        merges: &[MergeRule],
-        ignore_merges: bool,
-    ) -> Result<Self, TokenizerError> {
+    pub fn new(vocab: &Vocab, merges: &[MergeRule], ignore_merges: bool) -> Result<Self, TokenizerError> {
         let mut interner = Interner::new(vocab)?;
         let byte_sym = std::array::from_fn(|b| interner.intern(&[b as u8]));
         let byte_token = std::array::from_fn(|b| vocab.id_of(&[b as u8]));
@@ -68,19 +64,10 @@ impl Bpe {
             table.entry(key).or_insert(Merge { rank, result });
         }
         if interner.overflowed {
-            return Err(TokenizerError::Invalid(
-                "too many distinct merge strings".into(),
-            ));
+            return Err(TokenizerError::Invalid("too many distinct merge strings".into()));
         }
         let n_vocab = interner.n_vocab;
-        Ok(Bpe {
-            merges: table,
-            byte_sym,
-            byte_token,
-            n_vocab,
-            synthetic: interner.synthetic,
-            ignore_merges,
-        })
+        Ok(Bpe { merges: table, byte_sym, byte_token, n_vocab, synthetic: interner.synthetic, ignore_merges })
     }
 
     /// Appends the tokens of `word` to `out`.
@@ -106,11 +93,7 @@ impl Bpe {
         for (i, &b) in (0u32..).zip(word) {
             let next = if i as usize == last { NONE } else { i + 1 };
             let prev = if i == 0 { NONE } else { i - 1 };
-            s.syms.push(Symbol {
-                id: self.byte_sym[usize::from(b)],
-                prev,
-                next,
-            });
+            s.syms.push(Symbol { id: self.byte_sym[usize::from(b)], prev, next });
         }
         for i in 0..s.syms.len().saturating_sub(1) {
             self.push_pair(s, i as u32);
@@ -141,11 +124,7 @@ impl Bpe {
         if l.id == DEAD || r.id == DEAD {
             return;
         }
-        let Some(m) = self
-            .merges
-            .get(&pair(l.id, r.id))
-            .filter(|m| m.rank == rank)
-        else {
+        let Some(m) = self.merges.get(&pair(l.id, r.id)).filter(|m| m.rank == rank) else {
             return;
         };
         s.syms[left as usize].id = m.result;
@@ -174,15 +153,8 @@ impl Bpe {
 
     /// A synthetic symbol: its bytes one by one, skipping bytes that have no token.
     fn emit_bytes(&self, id: u32, out: &mut Vec<u32>) {
-        let bytes = self
-            .synthetic
-            .get((id - self.n_vocab) as usize)
-            .map_or(&[][..], |b| b);
-        out.extend(
-            bytes
-                .iter()
-                .filter_map(|&b| self.byte_token[usize::from(b)]),
-        );
+        let bytes = self.synthetic.get((id - self.n_vocab) as usize).map_or(&[][..], |b| b);
+        out.extend(bytes.iter().filter_map(|&b| self.byte_token[usize::from(b)]));
     }
 }
 
@@ -201,34 +173,24 @@ struct Interner {
 
 impl Interner {
     fn new(vocab: &Vocab) -> Result<Self, TokenizerError> {
-        let n_vocab = u32::try_from(vocab.len())
-            .map_err(|_| TokenizerError::Invalid("vocabulary too large".into()))?;
+        let n_vocab = u32::try_from(vocab.len()).map_err(|_| TokenizerError::Invalid("vocabulary too large".into()))?;
         let mut ids = HashMap::with_capacity(vocab.len());
-        let normal_first = vocab
-            .iter()
-            .filter(|t| t.2 == TokenKind::Normal)
-            .chain(vocab.iter().filter(|t| t.2 != TokenKind::Normal));
+        let normal_first =
+            vocab.iter().filter(|t| t.2 == TokenKind::Normal).chain(vocab.iter().filter(|t| t.2 != TokenKind::Normal));
         for (id, bytes, _) in normal_first {
             if !bytes.is_empty() {
                 ids.entry(bytes.to_vec()).or_insert(id);
             }
         }
-        Ok(Interner {
-            ids,
-            n_vocab,
-            synthetic: Vec::new(),
-            overflowed: false,
-        })
+        Ok(Interner { ids, n_vocab, synthetic: Vec::new(), overflowed: false })
     }
 
     fn intern(&mut self, bytes: &[u8]) -> u32 {
         if let Some(&id) = self.ids.get(bytes) {
             return id;
         }
-        let id = u32::try_from(self.synthetic.len())
-            .ok()
-            .and_then(|n| self.n_vocab.checked_add(n))
-            .filter(|&id| id < DEAD);
+        let id =
+            u32::try_from(self.synthetic.len()).ok().and_then(|n| self.n_vocab.checked_add(n)).filter(|&id| id < DEAD);
         let Some(id) = id else {
             self.overflowed = true;
             return DEAD;

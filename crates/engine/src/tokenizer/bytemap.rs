@@ -29,9 +29,7 @@ pub(crate) fn char_to_byte(c: char) -> Option<u8> {
     let c = u32::from(c);
     match u8::try_from(c) {
         Ok(b) => is_printable(b).then_some(b),
-        Err(_) => SHIFTED
-            .get(usize::try_from(c.checked_sub(256)?).ok()?)
-            .copied(),
+        Err(_) => SHIFTED.get(usize::try_from(c.checked_sub(256)?).ok()?).copied(),
     }
 }
 

@@ -12,15 +12,10 @@ impl Tokenizer {
     pub fn from_gguf(h: &GgufHeader) -> Result<Tokenizer, TokenizerError> {
         let model = string(h, "tokenizer.ggml.model")?;
         if model != "gpt2" {
-            return Err(TokenizerError::Unsupported(format!(
-                "GGUF tokenizer model `{model}`"
-            )));
+            return Err(TokenizerError::Unsupported(format!("GGUF tokenizer model `{model}`")));
         }
         // llama.cpp treats a missing `pre` as its default; GPT-2's split is ours.
-        let pre_name = h
-            .get("tokenizer.ggml.pre")
-            .and_then(MetaValue::as_str)
-            .unwrap_or("gpt2");
+        let pre_name = h.get("tokenizer.ggml.pre").and_then(MetaValue::as_str).unwrap_or("gpt2");
         let is_llama3 = matches!(pre_name, "llama-bpe" | "llama3" | "llama-v3");
         let id = |key: &str| h.get(key).and_then(MetaValue::as_u64);
         let eog = ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"];
@@ -34,53 +29,33 @@ impl Tokenizer {
             bos: id("tokenizer.ggml.bos_token_id"),
             eos: id("tokenizer.ggml.eos_token_id"),
             eog: eog.iter().filter_map(|k| id(k)).collect(),
-            add_bos: h
-                .get("tokenizer.ggml.add_bos_token")
-                .and_then(MetaValue::as_bool)
-                .unwrap_or(is_llama3),
-            chat_template: h
-                .get("tokenizer.chat_template")
-                .and_then(MetaValue::as_str)
-                .map(str::to_string),
+            add_bos: h.get("tokenizer.ggml.add_bos_token").and_then(MetaValue::as_bool).unwrap_or(is_llama3),
+            chat_template: h.get("tokenizer.chat_template").and_then(MetaValue::as_str).map(str::to_string),
         })
     }
 }
 
 fn string<'h>(h: &'h GgufHeader, key: &str) -> Result<&'h str, TokenizerError> {
-    h.get(key)
-        .and_then(MetaValue::as_str)
-        .ok_or_else(|| TokenizerError::MissingKey(key.into()))
+    h.get(key).and_then(MetaValue::as_str).ok_or_else(|| TokenizerError::MissingKey(key.into()))
 }
 
 fn array<'h>(h: &'h GgufHeader, key: &str) -> Result<&'h [MetaValue], TokenizerError> {
-    h.get(key)
-        .and_then(MetaValue::as_array)
-        .ok_or_else(|| TokenizerError::MissingKey(key.into()))
+    h.get(key).and_then(MetaValue::as_array).ok_or_else(|| TokenizerError::MissingKey(key.into()))
 }
 
 /// Special tokens keep their text; normal ones are stored in the GPT-2 mapping.
 fn tokens(h: &GgufHeader) -> Result<Vec<TokenEntry>, TokenizerError> {
     let texts = array(h, "tokenizer.ggml.tokens")?;
-    let types = h
-        .get("tokenizer.ggml.token_type")
-        .and_then(MetaValue::as_array)
-        .unwrap_or(&[]);
+    let types = h.get("tokenizer.ggml.token_type").and_then(MetaValue::as_array).unwrap_or(&[]);
     texts
         .iter()
         .enumerate()
         .map(|(i, t)| {
-            let text = t.as_str().ok_or_else(|| {
-                TokenizerError::Invalid(format!("tokenizer.ggml.tokens[{i}] is not a string"))
-            })?;
-            let kind = types
-                .get(i)
-                .and_then(MetaValue::as_i64)
-                .map_or(TokenKind::Normal, TokenKind::from_gguf);
-            let bytes = if kind.is_literal() {
-                text.as_bytes().to_vec()
-            } else {
-                unmap(text)
-            };
+            let text = t
+                .as_str()
+                .ok_or_else(|| TokenizerError::Invalid(format!("tokenizer.ggml.tokens[{i}] is not a string")))?;
+            let kind = types.get(i).and_then(MetaValue::as_i64).map_or(TokenKind::Normal, TokenKind::from_gguf);
+            let bytes = if kind.is_literal() { text.as_bytes().to_vec() } else { unmap(text) };
             Ok(TokenEntry::new(bytes, kind))
         })
         .collect()
@@ -91,9 +66,9 @@ fn merges(h: &GgufHeader) -> Result<Vec<MergeRule>, TokenizerError> {
         .iter()
         .enumerate()
         .map(|(i, m)| {
-            m.as_str().and_then(parse_merge).ok_or_else(|| {
-                TokenizerError::Invalid(format!("tokenizer.ggml.merges[{i}] is not `left right`"))
-            })
+            m.as_str()
+                .and_then(parse_merge)
+                .ok_or_else(|| TokenizerError::Invalid(format!("tokenizer.ggml.merges[{i}] is not `left right`")))
         })
         .collect()
 }

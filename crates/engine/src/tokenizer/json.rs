@@ -119,21 +119,14 @@ impl Tokenizer {
     fn from_json(file: TokenizerJson) -> Result<Tokenizer, TokenizerError> {
         let kind = file.model.kind.as_deref().unwrap_or("BPE");
         if kind != "BPE" || !mentions_byte_level(&[&file.pre_tokenizer, &file.decoder]) {
-            return Err(TokenizerError::Unsupported(format!(
-                "tokenizer.json model `{kind}` without ByteLevel"
-            )));
+            return Err(TokenizerError::Unsupported(format!("tokenizer.json model `{kind}` without ByteLevel")));
         }
         let tokens = json_tokens(&file.model.vocab, &file.added_tokens)?;
         let bos = leading_special(&file.post_processor)
             .and_then(|t| tokens.iter().position(|e| e.bytes == t.as_bytes()))
             .map(|i| i as u64);
         Tokenizer::build(Parts {
-            merges: file
-                .model
-                .merges
-                .iter()
-                .map(MergeJson::parse)
-                .collect::<Result<_, _>>()?,
+            merges: file.model.merges.iter().map(MergeJson::parse).collect::<Result<_, _>>()?,
             tokens,
             pre: Some(pre_tokenizer(&file.pre_tokenizer)?),
             ignore_merges: file.model.ignore_merges,
@@ -146,8 +139,7 @@ impl Tokenizer {
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, TokenizerError> {
     let p = || path.display().to_string();
-    let text =
-        std::fs::read_to_string(path).map_err(|source| TokenizerError::Io { path: p(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io { path: p(), source })?;
     serde_json::from_str(&text).map_err(|source| TokenizerError::Json { path: p(), source })
 }
 
@@ -158,10 +150,7 @@ fn read_sibling_template(config: &Path) -> Result<Option<String>, TokenizerError
     }
     std::fs::read_to_string(&path)
         .map(Some)
-        .map_err(|source| TokenizerError::Io {
-            path: path.display().to_string(),
-            source,
-        })
+        .map_err(|source| TokenizerError::Io { path: path.display().to_string(), source })
 }
 
 impl TokenRef {
@@ -197,33 +186,19 @@ impl MergeJson {
 
 /// Vocabulary entries by id. Added tokens override the vocabulary's entry for their
 /// id and keep their text as is; ids nobody names become unused placeholders.
-fn json_tokens(
-    vocab: &HashMap<String, u32>,
-    added: &[AddedToken],
-) -> Result<Vec<TokenEntry>, TokenizerError> {
-    let max_id = vocab
-        .values()
-        .chain(added.iter().map(|a| &a.id))
-        .copied()
-        .max();
+fn json_tokens(vocab: &HashMap<String, u32>, added: &[AddedToken]) -> Result<Vec<TokenEntry>, TokenizerError> {
+    let max_id = vocab.values().chain(added.iter().map(|a| &a.id)).copied().max();
     let size = max_id.map_or(0, |m| m as usize + 1);
     // Refuse ids so sparse that the table would be mostly holes (a corrupt file).
     if size > 2 * (vocab.len() + added.len()) + 1024 {
-        return Err(TokenizerError::Invalid(format!(
-            "token id {} is far beyond the vocabulary",
-            size - 1
-        )));
+        return Err(TokenizerError::Invalid(format!("token id {} is far beyond the vocabulary", size - 1)));
     }
     let mut tokens = vec![TokenEntry::new(Vec::new(), TokenKind::Unused); size];
     for (text, &id) in vocab {
         tokens[id as usize] = TokenEntry::new(unmap(text), TokenKind::Normal);
     }
     for a in added {
-        let kind = if a.special {
-            TokenKind::Control
-        } else {
-            TokenKind::UserDefined
-        };
+        let kind = if a.special { TokenKind::Control } else { TokenKind::UserDefined };
         let mut entry = TokenEntry::new(a.content.as_bytes().to_vec(), kind);
         (entry.lstrip, entry.rstrip) = (a.lstrip, a.rstrip);
         tokens[a.id as usize] = entry;
@@ -234,10 +209,7 @@ fn json_tokens(
 /// Pre-tokenizer components in order, with `Sequence`s flattened.
 fn components(v: &Value) -> Vec<&Value> {
     let nested = ["pretokenizers", "decoders", "processors"];
-    match nested
-        .iter()
-        .find_map(|k| v.get(k).and_then(Value::as_array))
-    {
+    match nested.iter().find_map(|k| v.get(k).and_then(Value::as_array)) {
         Some(list) => list.iter().flat_map(components).collect(),
         None if v.is_null() => Vec::new(),
         None => vec![v],
@@ -249,10 +221,7 @@ fn type_of(v: &Value) -> &str {
 }
 
 fn mentions_byte_level(parts: &[&Value]) -> bool {
-    parts
-        .iter()
-        .flat_map(|v| components(v))
-        .any(|c| type_of(c) == "ByteLevel")
+    parts.iter().flat_map(|v| components(v)).any(|c| type_of(c) == "ByteLevel")
 }
 
 /// One regex stage per Split / Digits / ByteLevel component; GPT-2's split when none.
@@ -271,8 +240,7 @@ fn pre_tokenizer(v: &Value) -> Result<PreTokenizer, TokenizerError> {
 }
 
 fn stage_pattern(c: &Value) -> Result<Option<String>, TokenizerError> {
-    let unsupported =
-        |what: &str| Err(TokenizerError::Unsupported(format!("pre-tokenizer {what}")));
+    let unsupported = |what: &str| Err(TokenizerError::Unsupported(format!("pre-tokenizer {what}")));
     match type_of(c) {
         "ByteLevel" if c.get("add_prefix_space").and_then(Value::as_bool) == Some(true) => {
             unsupported("ByteLevel with add_prefix_space")
@@ -282,15 +250,8 @@ fn stage_pattern(c: &Value) -> Result<Option<String>, TokenizerError> {
             Ok(use_regex.then(|| GPT2.to_string()))
         }
         "Digits" => {
-            let single = c
-                .get("individual_digits")
-                .and_then(Value::as_bool)
-                .unwrap_or(false);
-            Ok(Some(if single {
-                DIGITS.to_string()
-            } else {
-                r"\p{N}+".to_string()
-            }))
+            let single = c.get("individual_digits").and_then(Value::as_bool).unwrap_or(false);
+            Ok(Some(if single { DIGITS.to_string() } else { r"\p{N}+".to_string() }))
         }
         "Split" => split_pattern(c).map(Some),
         other => unsupported(&format!("`{other}`")),
@@ -300,41 +261,25 @@ fn stage_pattern(c: &Value) -> Result<Option<String>, TokenizerError> {
 /// A Split's pattern. Only the `Isolated` behaviour (matches and gaps both kept) is
 /// what our stages do.
 fn split_pattern(c: &Value) -> Result<String, TokenizerError> {
-    let behavior = c
-        .get("behavior")
-        .and_then(Value::as_str)
-        .unwrap_or("Isolated");
+    let behavior = c.get("behavior").and_then(Value::as_str).unwrap_or("Isolated");
     let invert = c.get("invert").and_then(Value::as_bool).unwrap_or(false);
     if behavior != "Isolated" || invert {
-        return Err(TokenizerError::Unsupported(format!(
-            "Split with behavior {behavior}, invert {invert}"
-        )));
+        return Err(TokenizerError::Unsupported(format!("Split with behavior {behavior}, invert {invert}")));
     }
     let pattern = c.get("pattern");
     if let Some(re) = pattern.and_then(|p| p.get("Regex")).and_then(Value::as_str) {
         return Ok(re.to_string());
     }
-    match pattern
-        .and_then(|p| p.get("String"))
-        .and_then(Value::as_str)
-    {
+    match pattern.and_then(|p| p.get("String")).and_then(Value::as_str) {
         Some(s) => Ok(fancy_regex::escape(s).into_owned()),
-        None => Err(TokenizerError::Invalid(
-            "Split pre-tokenizer without a pattern".into(),
-        )),
+        None => Err(TokenizerError::Invalid("Split pre-tokenizer without a pattern".into())),
     }
 }
 
 /// The special token a TemplateProcessing post-processor puts before every sequence
 /// (Llama 3's `<|begin_of_text|>`): that is how tokenizer.json says "add BOS".
 fn leading_special(v: &Value) -> Option<String> {
-    let template = components(v)
-        .into_iter()
-        .find(|c| type_of(c) == "TemplateProcessing")?;
+    let template = components(v).into_iter().find(|c| type_of(c) == "TemplateProcessing")?;
     let first = template.get("single")?.as_array()?.first()?;
-    first
-        .get("SpecialToken")?
-        .get("id")?
-        .as_str()
-        .map(str::to_string)
+    first.get("SpecialToken")?.get("id")?.as_str().map(str::to_string)
 }

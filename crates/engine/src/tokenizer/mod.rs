@@ -30,24 +30,16 @@ use vocab::{TokenEntry, Vocab};
 pub enum TokenizerError {
     #[error("tokenizer metadata `{0}` is missing or has the wrong type")]
     MissingKey(String),
-    #[error("unsupported tokenizer `{0}`: pdserve supports byte-level BPE (GGUF `gpt2`, tokenizer.json BPE with ByteLevel)")]
+    #[error(
+        "unsupported tokenizer `{0}`: pdserve supports byte-level BPE (GGUF `gpt2`, tokenizer.json BPE with ByteLevel)"
+    )]
     Unsupported(String),
     #[error("{what} id {id} is outside the vocabulary of {size} tokens")]
-    IdOutOfRange {
-        what: &'static str,
-        id: u64,
-        size: usize,
-    },
+    IdOutOfRange { what: &'static str, id: u64, size: usize },
     #[error("cannot read {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    Io { path: String, source: std::io::Error },
     #[error("{path} is not valid tokenizer JSON: {source}")]
-    Json {
-        path: String,
-        source: serde_json::Error,
-    },
+    Json { path: String, source: serde_json::Error },
     #[error("pre-tokenizer regex `{pattern}` does not compile: {message}")]
     Regex { pattern: String, message: String },
     #[error("invalid tokenizer: {0}")]
@@ -81,10 +73,7 @@ impl TokenKind {
 
     /// Stored and matched as literal text rather than through BPE.
     fn is_literal(self) -> bool {
-        matches!(
-            self,
-            TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown
-        )
+        matches!(self, TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown)
     }
 }
 
@@ -172,10 +161,9 @@ impl Tokenizer {
         for frag in self.specials.split(text, parse_special) {
             match frag {
                 Fragment::Token(id) => out.push(id),
-                Fragment::Text(t) => self.pre.split(t, &mut |word| {
-                    self.bpe
-                        .encode_word(word.as_bytes(), &self.vocab, &mut scratch, &mut out)
-                }),
+                Fragment::Text(t) => self
+                    .pre
+                    .split(t, &mut |word| self.bpe.encode_word(word.as_bytes(), &self.vocab, &mut scratch, &mut out)),
             }
         }
         out
@@ -233,10 +221,7 @@ impl Tokenizer {
 
     /// Control (and unknown) tokens: the ones `skip_special_tokens` would drop.
     pub fn is_special(&self, id: u32) -> bool {
-        matches!(
-            self.vocab.kind(id),
-            Some(TokenKind::Control | TokenKind::Unknown)
-        )
+        matches!(self.vocab.kind(id), Some(TokenKind::Control | TokenKind::Unknown))
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -277,17 +262,11 @@ impl Tokenizer {
 
     /// The text of token `id` for messages and templates (`<|im_end|>`), lossy.
     pub fn token_text(&self, id: u32) -> Option<String> {
-        self.vocab
-            .bytes(id)
-            .map(|b| String::from_utf8_lossy(b).into_owned())
+        self.vocab.bytes(id).map(|b| String::from_utf8_lossy(b).into_owned())
     }
 }
 
-fn check_id(
-    what: &'static str,
-    id: Option<u64>,
-    size: usize,
-) -> Result<Option<u32>, TokenizerError> {
+fn check_id(what: &'static str, id: Option<u64>, size: usize) -> Result<Option<u32>, TokenizerError> {
     let Some(id) = id else { return Ok(None) };
     match u32::try_from(id) {
         Ok(v) if (v as usize) < size => Ok(Some(v)),

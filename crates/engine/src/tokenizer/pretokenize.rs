@@ -10,8 +10,7 @@ use fancy_regex::Regex;
 
 /// GPT-2's word split. llama.cpp's copy drops the final `|\s+` but keeps unmatched gaps
 /// as pieces, which splits the same way.
-pub(crate) const GPT2: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+pub(crate) const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
 /// Every digit on its own (SmolLM / StarCoder run this before [`GPT2`]).
 pub(crate) const DIGITS: &str = r"\p{N}";
@@ -44,14 +43,8 @@ impl PreTokenizer {
     }
 
     pub fn new(name: &str, patterns: &[&str]) -> Result<Self, TokenizerError> {
-        let stages = patterns
-            .iter()
-            .map(|p| compile(p))
-            .collect::<Result<_, _>>()?;
-        Ok(PreTokenizer {
-            name: name.to_string(),
-            stages,
-        })
+        let stages = patterns.iter().map(|p| compile(p)).collect::<Result<_, _>>()?;
+        Ok(PreTokenizer { name: name.to_string(), stages })
     }
 
     pub fn name(&self) -> &str {
@@ -84,8 +77,5 @@ impl PreTokenizer {
 }
 
 fn compile(pattern: &str) -> Result<Regex, TokenizerError> {
-    Regex::new(pattern).map_err(|e| TokenizerError::Regex {
-        pattern: pattern.to_string(),
-        message: e.to_string(),
-    })
+    Regex::new(pattern).map_err(|e| TokenizerError::Regex { pattern: pattern.to_string(), message: e.to_string() })
 }

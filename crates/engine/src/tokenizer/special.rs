@@ -36,13 +36,7 @@ impl Specials {
             .filter_map(|(id, e)| {
                 let text = String::from_utf8(e.bytes.clone()).ok()?;
                 let always = e.kind == super::TokenKind::UserDefined;
-                Some(SpecialToken {
-                    id,
-                    text,
-                    always,
-                    lstrip: e.lstrip,
-                    rstrip: e.rstrip,
-                })
+                Some(SpecialToken { id, text, always, lstrip: e.lstrip, rstrip: e.rstrip })
             })
             .collect();
         tokens.sort_by(|a, b| b.text.len().cmp(&a.text.len()).then(a.id.cmp(&b.id)));
@@ -54,9 +48,7 @@ impl Specials {
     pub fn split<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {
         let mut frags = vec![Fragment::Text(text)];
         for tok in self.tokens.iter().filter(|t| parse_special || t.always) {
-            let found = frags
-                .iter()
-                .any(|f| matches!(f, Fragment::Text(t) if t.contains(tok.text.as_str())));
+            let found = frags.iter().any(|f| matches!(f, Fragment::Text(t) if t.contains(tok.text.as_str())));
             if found {
                 frags = cut(frags, tok);
             }
@@ -81,11 +73,7 @@ fn cut<'t>(frags: Vec<Fragment<'t>>, tok: &SpecialToken) -> Vec<Fragment<'t>> {
             }
             out.push(Fragment::Text(left));
             out.push(Fragment::Token(tok.id));
-            rest = if tok.rstrip {
-                right.trim_start()
-            } else {
-                right
-            };
+            rest = if tok.rstrip { right.trim_start() } else { right };
         }
         out.push(Fragment::Text(rest));
     }

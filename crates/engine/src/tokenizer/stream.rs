@@ -21,10 +21,7 @@ pub struct StreamDecoder<T: Deref<Target = Tokenizer>> {
 
 impl<T: Deref<Target = Tokenizer>> StreamDecoder<T> {
     pub fn new(tokenizer: T) -> Self {
-        StreamDecoder {
-            tokenizer,
-            pending: Vec::new(),
-        }
+        StreamDecoder { tokenizer, pending: Vec::new() }
     }
 
     /// The text that `id` completes (possibly empty).
@@ -38,11 +35,7 @@ impl<T: Deref<Target = Tokenizer>> StreamDecoder<T> {
     pub fn push_into(&mut self, id: u32, out: &mut String) {
         if self.pending.is_empty() {
             // The common case: a token that is whole characters by itself.
-            if let Some(s) = self
-                .tokenizer
-                .token_bytes(id)
-                .and_then(|b| std::str::from_utf8(b).ok())
-            {
+            if let Some(s) = self.tokenizer.token_bytes(id).and_then(|b| std::str::from_utf8(b).ok()) {
                 out.push_str(s);
                 return;
             }

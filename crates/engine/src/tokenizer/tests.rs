@@ -37,25 +37,16 @@ impl Tiny<'_> {
     fn header(&self) -> GgufHeader {
         let tokens = self.tokens();
         let types = (0..tokens.len()).map(|i| MetaValue::I32(if i < 3 { 3 } else { 1 }));
-        let merges = self
-            .merges
-            .iter()
-            .map(|(a, b)| format!("{} {}", map(a.as_bytes()), map(b.as_bytes())));
+        let merges = self.merges.iter().map(|(a, b)| format!("{} {}", map(a.as_bytes()), map(b.as_bytes())));
         let mut w = GgufWriter::new();
         w.meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()))
             .meta("tokenizer.ggml.pre", MetaValue::Str(self.pre.into()))
             .meta("tokenizer.ggml.tokens", strs(tokens))
-            .meta(
-                "tokenizer.ggml.token_type",
-                MetaValue::Array(types.collect()),
-            )
+            .meta("tokenizer.ggml.token_type", MetaValue::Array(types.collect()))
             .meta("tokenizer.ggml.merges", strs(merges.collect()))
             .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(1))
             .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(2))
-            .meta(
-                "tokenizer.chat_template",
-                MetaValue::Str("{{ messages }}".into()),
-            );
+            .meta("tokenizer.chat_template", MetaValue::Str("{{ messages }}".into()));
         GgufHeader::parse(&w.to_bytes()).unwrap()
     }
 
@@ -81,17 +72,11 @@ const HELLO: &[(&str, &str)] = &[
 ];
 
 fn hello() -> Tokenizer {
-    Tiny {
-        pre: "gpt2",
-        merges: HELLO,
-        not_tokens: &[],
-    }
-    .build()
+    Tiny { pre: "gpt2", merges: HELLO, not_tokens: &[] }.build()
 }
 
 fn id(tok: &Tokenizer, text: &str) -> u32 {
-    tok.token_id(text)
-        .unwrap_or_else(|| panic!("no token {text:?}"))
+    tok.token_id(text).unwrap_or_else(|| panic!("no token {text:?}"))
 }
 
 fn byte(b: u8) -> u32 {
@@ -111,59 +96,27 @@ fn byte_map_is_a_bijection() {
 #[test]
 fn merges_apply_by_rank() {
     let tok = hello();
-    assert_eq!(
-        tok.encode("hello world", false),
-        vec![id(&tok, "hello"), id(&tok, " world")]
-    );
+    assert_eq!(tok.encode("hello world", false), vec![id(&tok, "hello"), id(&tok, " world")]);
     // ` wor`+`ld` outranks `l`+`d`, yet `ld` has to form first: a pair is queued
     // when it comes into being, not only at the start.
-    assert_eq!(
-        tok.encode("hellx", false),
-        vec![id(&tok, "hell"), byte(b'x')]
-    );
+    assert_eq!(tok.encode("hellx", false), vec![id(&tok, "hell"), byte(b'x')]);
     assert_eq!(tok.decode(&tok.encode("hello world", false)), "hello world");
 }
 
 #[test]
 fn lower_rank_wins_and_ties_go_left() {
-    let ab_first = Tiny {
-        pre: "gpt2",
-        merges: &[("a", "b"), ("b", "c")],
-        not_tokens: &[],
-    }
-    .build();
-    assert_eq!(
-        ab_first.encode("abc", false),
-        vec![id(&ab_first, "ab"), byte(b'c')]
-    );
-    let bc_first = Tiny {
-        pre: "gpt2",
-        merges: &[("b", "c"), ("a", "b")],
-        not_tokens: &[],
-    }
-    .build();
-    assert_eq!(
-        bc_first.encode("abc", false),
-        vec![byte(b'a'), id(&bc_first, "bc")]
-    );
-    let aa = Tiny {
-        pre: "gpt2",
-        merges: &[("a", "a")],
-        not_tokens: &[],
-    }
-    .build();
+    let ab_first = Tiny { pre: "gpt2", merges: &[("a", "b"), ("b", "c")], not_tokens: &[] }.build();
+    assert_eq!(ab_first.encode("abc", false), vec![id(&ab_first, "ab"), byte(b'c')]);
+    let bc_first = Tiny { pre: "gpt2", merges: &[("b", "c"), ("a", "b")], not_tokens: &[] }.build();
+    assert_eq!(bc_first.encode("abc", false), vec![byte(b'a'), id(&bc_first, "bc")]);
+    let aa = Tiny { pre: "gpt2", merges: &[("a", "a")], not_tokens: &[] }.build();
     assert_eq!(aa.encode("aaa", false), vec![id(&aa, "aa"), byte(b'a')]);
 }
 
 #[test]
 fn merges_through_strings_that_are_not_tokens() {
     let merges = &[("x", "y"), ("xy", "z")];
-    let tok = Tiny {
-        pre: "gpt2",
-        merges,
-        not_tokens: &["xy"],
-    }
-    .build();
+    let tok = Tiny { pre: "gpt2", merges, not_tokens: &["xy"] }.build();
     assert_eq!(tok.token_id("xy"), None);
     assert_eq!(tok.encode("xyz", false), vec![id(&tok, "xyz")]);
     assert_eq!(tok.encode("xy", false), vec![byte(b'x'), byte(b'y')]);
@@ -201,33 +154,18 @@ fn pre_tokenizers_split_like_llama_cpp() {
         p.split(text, &mut |w| out.push(w.to_string()));
         out
     };
-    assert_eq!(
-        pieces("gpt2", "Hi  there's 42\n\n x"),
-        ["Hi", " ", " there", "'s", " 42", "\n\n", " x"]
-    );
-    assert_eq!(
-        pieces("smollm", "ab 123 c"),
-        ["ab", " ", "1", "2", "3", " c"]
-    );
-    assert_eq!(
-        pieces("llama-bpe", "It'S 12345!\n\n  ok"),
-        ["It", "'S", " ", "123", "45", "!\n\n", " ", " ok"]
-    );
+    assert_eq!(pieces("gpt2", "Hi  there's 42\n\n x"), ["Hi", " ", " there", "'s", " 42", "\n\n", " x"]);
+    assert_eq!(pieces("smollm", "ab 123 c"), ["ab", " ", "1", "2", "3", " c"]);
+    assert_eq!(pieces("llama-bpe", "It'S 12345!\n\n  ok"), ["It", "'S", " ", "123", "45", "!\n\n", " ", " ok"]);
     assert_eq!(pieces("qwen2", "x 12"), ["x", " ", "1", "2"]);
     assert_eq!(pieces("trailing", "a  "), ["a", "  "]);
-    assert!(PreTokenizer::for_gguf("no-such-pre")
-        .unwrap()
-        .name()
-        .contains("fallback"));
+    assert!(PreTokenizer::for_gguf("no-such-pre").unwrap().name().contains("fallback"));
 }
 
 #[test]
 fn decode_never_panics_on_bad_ids() {
     let tok = hello();
-    assert_eq!(
-        tok.decode(&[byte(b'a'), 999_999, u32::MAX]),
-        "a\u{FFFD}\u{FFFD}"
-    );
+    assert_eq!(tok.decode(&[byte(b'a'), 999_999, u32::MAX]), "a\u{FFFD}\u{FFFD}");
     assert_eq!(tok.token_bytes(999_999), None);
     // A lone continuation byte decodes lossily, not as a panic.
     assert_eq!(tok.decode(&[byte(0x80)]), "\u{FFFD}");
@@ -264,31 +202,18 @@ fn stream_decoder_works_over_an_arc() {
 #[test]
 fn huge_inputs_stay_fast_and_exact() {
     let tok = hello();
-    for text in [
-        "a".repeat(200_000),
-        " ".repeat(200_000),
-        "\u{1F680}".repeat(50_000),
-    ] {
+    for text in ["a".repeat(200_000), " ".repeat(200_000), "\u{1F680}".repeat(50_000)] {
         let start = std::time::Instant::now();
         let ids = tok.encode(&text, true);
         assert_eq!(tok.decode(&ids), text);
-        assert!(
-            start.elapsed().as_secs() < 5,
-            "{} bytes took {:?}",
-            text.len(),
-            start.elapsed()
-        );
+        assert!(start.elapsed().as_secs() < 5, "{} bytes took {:?}", text.len(), start.elapsed());
     }
 }
 
 #[test]
 fn ignore_merges_takes_whole_words_for_llama3() {
     // `abc` is a token but the merges only build `ab`.
-    let mut t = Tiny {
-        pre: "llama-bpe",
-        merges: &[("a", "b")],
-        not_tokens: &[],
-    };
+    let mut t = Tiny { pre: "llama-bpe", merges: &[("a", "b")], not_tokens: &[] };
     let mut h = t.header();
     if let Some(MetaValue::Array(tokens)) = h.metadata.get_mut("tokenizer.ggml.tokens") {
         tokens.push(MetaValue::Str("abc".into()));
@@ -297,30 +222,19 @@ fn ignore_merges_takes_whole_words_for_llama3() {
         }
     }
     let llama = Tokenizer::from_gguf(&h).unwrap();
-    assert_eq!(
-        llama.encode("abc", false),
-        vec![llama.token_id("abc").unwrap()]
-    );
+    assert_eq!(llama.encode("abc", false), vec![llama.token_id("abc").unwrap()]);
     assert!(llama.add_bos(), "Llama 3 adds BOS by default");
     assert_eq!(llama.encode_with_bos("abc", false)[0], 1);
     t.pre = "gpt2";
     let gpt2 = t.build();
-    assert_eq!(
-        gpt2.encode("abc", false),
-        vec![gpt2.token_id("ab").unwrap(), byte(b'c')]
-    );
+    assert_eq!(gpt2.encode("abc", false), vec![gpt2.token_id("ab").unwrap(), byte(b'c')]);
     assert!(!gpt2.add_bos());
 }
 
 #[test]
 fn gguf_errors_are_reported() {
     let with = |edit: &dyn Fn(&mut GgufHeader)| {
-        let mut h = Tiny {
-            pre: "gpt2",
-            merges: HELLO,
-            not_tokens: &[],
-        }
-        .header();
+        let mut h = Tiny { pre: "gpt2", merges: HELLO, not_tokens: &[] }.header();
         edit(&mut h);
         Tokenizer::from_gguf(&h)
     };
@@ -335,17 +249,11 @@ fn gguf_errors_are_reported() {
         h.metadata.remove("tokenizer.ggml.merges");
     });
     assert!(matches!(r, Err(TokenizerError::MissingKey(_))));
-    let r = with(&set(
-        "tokenizer.ggml.bos_token_id",
-        MetaValue::U32(1_000_000),
-    ));
+    let r = with(&set("tokenizer.ggml.bos_token_id", MetaValue::U32(1_000_000)));
     assert!(matches!(r, Err(TokenizerError::IdOutOfRange { .. })));
     let r = with(&set("tokenizer.ggml.merges", strs(vec!["nospace".into()])));
     assert!(matches!(r, Err(TokenizerError::Invalid(_))));
-    let r = with(&set(
-        "tokenizer.ggml.tokens",
-        MetaValue::Array(vec![MetaValue::U8(1)]),
-    ));
+    let r = with(&set("tokenizer.ggml.tokens", MetaValue::Array(vec![MetaValue::U8(1)])));
     assert!(matches!(r, Err(TokenizerError::Invalid(_))));
 }
 
@@ -375,17 +283,9 @@ impl Drop for TempDir {
 /// The `hello` vocabulary as tokenizer.json, merges in both spellings, with the
 /// Llama 3 style Split + ByteLevel pre-tokenizer and a BOS-adding post-processor.
 fn hello_json() -> String {
-    let tiny = Tiny {
-        pre: "gpt2",
-        merges: HELLO,
-        not_tokens: &[],
-    };
-    let vocab: serde_json::Map<String, serde_json::Value> = tiny
-        .tokens()
-        .into_iter()
-        .zip(0u32..)
-        .map(|(t, i)| (t, i.into()))
-        .collect();
+    let tiny = Tiny { pre: "gpt2", merges: HELLO, not_tokens: &[] };
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        tiny.tokens().into_iter().zip(0u32..).map(|(t, i)| (t, i.into())).collect();
     let merges: Vec<serde_json::Value> = HELLO
         .iter()
         .enumerate()
@@ -423,30 +323,17 @@ fn loads_tokenizer_json_like_gguf() {
     let dir = TempDir::new("json");
     let tok = Tokenizer::from_json_file(&dir.write("tokenizer.json", &hello_json())).unwrap();
     let gguf = hello();
-    for text in [
-        "hello world",
-        "hello  world 1234",
-        "<|im_start|>  hello<|im_end|>",
-    ] {
+    for text in ["hello world", "hello  world 1234", "<|im_start|>  hello<|im_end|>"] {
         let want = gguf.encode(&text.replace("<|im_start|>  ", "<|im_start|>"), true);
-        assert_eq!(
-            tok.encode(text, true),
-            want,
-            "{text:?} (rstrip eats the spaces)"
-        );
+        assert_eq!(tok.encode(text, true), want, "{text:?} (rstrip eats the spaces)");
     }
     assert_eq!(tok.bos_id(), Some(1));
     assert!(tok.add_bos());
     assert_eq!(tok.eos_id(), None);
     let cfg = r#"{"add_bos_token": false, "bos_token": {"content": "<|im_start|>"}, "eos_token": "<|im_end|>",
         "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}"#;
-    let tok = tok
-        .with_config_file(&dir.write("tokenizer_config.json", cfg))
-        .unwrap();
-    assert_eq!(
-        (tok.bos_id(), tok.eos_id(), tok.add_bos()),
-        (Some(1), Some(2), false)
-    );
+    let tok = tok.with_config_file(&dir.write("tokenizer_config.json", cfg)).unwrap();
+    assert_eq!((tok.bos_id(), tok.eos_id(), tok.add_bos()), (Some(1), Some(2), false));
     assert_eq!(tok.chat_template(), Some("D"));
     assert_eq!(tok.eog_ids(), &[0, 2]);
 }
@@ -456,9 +343,7 @@ fn sibling_chat_template_file_is_used() {
     let dir = TempDir::new("sibling");
     let tok = Tokenizer::from_json_file(&dir.write("tokenizer.json", &hello_json())).unwrap();
     dir.write("chat_template.jinja", "J");
-    let tok = tok
-        .with_config_file(&dir.write("tokenizer_config.json", "{}"))
-        .unwrap();
+    let tok = tok.with_config_file(&dir.write("tokenizer_config.json", "{}")).unwrap();
     assert_eq!(tok.chat_template(), Some("J"));
 }
 
@@ -466,20 +351,10 @@ fn sibling_chat_template_file_is_used() {
 fn bad_tokenizer_json_is_an_error() {
     let dir = TempDir::new("bad");
     let load = |text: &str| Tokenizer::from_json_file(&dir.write("t.json", text));
-    assert!(matches!(
-        load("{not json"),
-        Err(TokenizerError::Json { .. })
-    ));
-    assert!(matches!(
-        load(r#"{"model": {}}"#),
-        Err(TokenizerError::Json { .. })
-    ));
-    let wordpiece =
-        r#"{"model": {"type": "WordPiece", "vocab": {"a": 0}}, "decoder": {"type": "ByteLevel"}}"#;
-    assert!(matches!(
-        load(wordpiece),
-        Err(TokenizerError::Unsupported(_))
-    ));
+    assert!(matches!(load("{not json"), Err(TokenizerError::Json { .. })));
+    assert!(matches!(load(r#"{"model": {}}"#), Err(TokenizerError::Json { .. })));
+    let wordpiece = r#"{"model": {"type": "WordPiece", "vocab": {"a": 0}}, "decoder": {"type": "ByteLevel"}}"#;
+    assert!(matches!(load(wordpiece), Err(TokenizerError::Unsupported(_))));
     let sparse = r#"{"model": {"type": "BPE", "vocab": {"a": 4000000000}}, "decoder": {"type": "ByteLevel"}}"#;
     assert!(matches!(load(sparse), Err(TokenizerError::Invalid(_))));
     let bad_re = r#"{"model": {"type": "BPE", "vocab": {"a": 0}}, "decoder": {"type": "ByteLevel"},

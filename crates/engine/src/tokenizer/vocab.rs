@@ -16,12 +16,7 @@ pub(crate) struct TokenEntry {
 
 impl TokenEntry {
     pub fn new(bytes: Vec<u8>, kind: TokenKind) -> Self {
-        TokenEntry {
-            bytes,
-            kind,
-            lstrip: false,
-            rstrip: false,
-        }
+        TokenEntry { bytes, kind, lstrip: false, rstrip: false }
     }
 }
 
@@ -37,10 +32,7 @@ pub(crate) struct Vocab {
 impl Vocab {
     pub fn new(entries: &[TokenEntry]) -> Result<Self, TokenizerError> {
         if u32::try_from(entries.len()).map_or(true, |n| n == u32::MAX) {
-            return Err(TokenizerError::Invalid(format!(
-                "{} tokens is too many",
-                entries.len()
-            )));
+            return Err(TokenizerError::Invalid(format!("{} tokens is too many", entries.len())));
         }
         let mut data = Vec::with_capacity(entries.iter().map(|e| e.bytes.len()).sum());
         let mut starts = Vec::with_capacity(entries.len() + 1);
@@ -50,12 +42,7 @@ impl Vocab {
         }
         starts.push(data.len());
         let kinds = entries.iter().map(|e| e.kind).collect();
-        Ok(Vocab {
-            data,
-            starts,
-            kinds,
-            by_bytes: index_by_bytes(entries),
-        })
+        Ok(Vocab { data, starts, kinds, by_bytes: index_by_bytes(entries) })
     }
 
     pub fn len(&self) -> usize {
@@ -93,12 +80,7 @@ fn index_by_bytes(entries: &[TokenEntry]) -> HashMap<Box<[u8]>, u32> {
         .iter()
         .zip(0u32..)
         .filter(|(e, _)| e.kind.is_literal())
-        .chain(
-            entries
-                .iter()
-                .zip(0u32..)
-                .filter(|(e, _)| !e.kind.is_literal()),
-        );
+        .chain(entries.iter().zip(0u32..).filter(|(e, _)| !e.kind.is_literal()));
     for (e, id) in specials_first {
         if !e.bytes.is_empty() {
             map.entry(e.bytes.clone().into_boxed_slice()).or_insert(id);

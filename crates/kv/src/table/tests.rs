@@ -15,13 +15,7 @@ fn ensure_capacity_allocates_missing_blocks_only() {
     t.ensure_capacity(8).unwrap();
     assert_eq!(t.num_blocks(), 2);
     let err = t.ensure_capacity(17).unwrap_err();
-    assert_eq!(
-        err,
-        PoolExhausted {
-            requested: 3,
-            available: 2
-        }
-    );
+    assert_eq!(err, PoolExhausted { requested: 3, available: 2 });
     assert_eq!(t.num_blocks(), 2);
     assert_eq!(t.block_ids(), [BlockId(0), BlockId(1)]);
     assert_eq!((t.id_at(1), t.id_at(2)), (Some(BlockId(1)), None));
@@ -81,26 +75,10 @@ fn adopted_prefix_is_shared_and_extended() {
     second.ensure_capacity(longer.len()).unwrap();
     second.commit(&longer);
     assert_eq!(second.full_block_hashes(), block_hashes(&longer, 4, 0));
-    assert_eq!(
-        pool.stats(),
-        PoolStats {
-            total: 6,
-            free: 2,
-            used: 4,
-            cached: 0
-        }
-    );
+    assert_eq!(pool.stats(), PoolStats { total: 6, free: 2, used: 4, cached: 0 });
     // The first table's partial block is freed; the three complete blocks are cached.
     drop((first, second));
-    assert_eq!(
-        pool.stats(),
-        PoolStats {
-            total: 6,
-            free: 3,
-            used: 0,
-            cached: 3
-        }
-    );
+    assert_eq!(pool.stats(), PoolStats { total: 6, free: 3, used: 0, cached: 3 });
 }
 
 #[test]
@@ -112,15 +90,7 @@ fn dropped_table_frees_mutable_and_caches_full_tail_first() {
     t.commit(&toks);
     let ids = t.block_ids();
     drop(t);
-    assert_eq!(
-        pool.stats(),
-        PoolStats {
-            total: 4,
-            free: 2,
-            used: 0,
-            cached: 2
-        }
-    );
+    assert_eq!(pool.stats(), PoolStats { total: 4, free: 2, used: 0, cached: 2 });
     // The tail was released first, so it is the oldest and evicted first.
     assert_eq!(pool.lock().lru_order(), [ids[1], ids[0]]);
 }
@@ -131,12 +101,5 @@ fn adopt_into_empty_table() {
     let block = pool.allocate().unwrap().complete(BlockHash(1), None);
     let mut t = BlockTable::new(&pool, 0);
     t.adopt_prefix(vec![block]);
-    assert_eq!(
-        (
-            t.num_blocks(),
-            t.num_full_blocks(),
-            t.cached_prefix_tokens()
-        ),
-        (1, 1, 2)
-    );
+    assert_eq!((t.num_blocks(), t.num_full_blocks(), t.cached_prefix_tokens()), (1, 1, 2));
 }

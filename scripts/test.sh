@@ -11,4 +11,13 @@ cargo build --profile test --bin pdserve
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --profile test -- -D warnings
-cargo test --workspace --no-fail-fast
+# Library, binary and integration tests (there are no doc tests); the summary line
+# at the end adds up every test binary's result.
+log=$(mktemp)
+set +e
+cargo test --workspace --lib --bins --tests --no-fail-fast 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+awk '/^test result:/ { p += $4; f += $6 } END { printf "%d passed, %d failed\n", p, f }' "$log"
+rm -f "$log"
+exit "$status"

@@ -36,8 +36,13 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // One line a user can act on; the chain gives the cause.
-            let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+            // One line a user can act on; causes are appended unless already said.
+            let mut msg = String::new();
+            for cause in e.chain().map(|c| c.to_string()) {
+                if !msg.contains(&cause) {
+                    msg = if msg.is_empty() { cause } else { format!("{msg}: {cause}") };
+                }
+            }
             eprintln!("error: {msg}");
             ExitCode::FAILURE
         }

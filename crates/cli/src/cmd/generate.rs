@@ -20,7 +20,7 @@ pub struct Args {
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,

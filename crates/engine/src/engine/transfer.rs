@@ -94,15 +94,16 @@ impl Engine {
     }
 
     /// Turns a completed import into a decoding sequence whose first generated token
-    /// (sampled by the prefill side) is `first`. Returns the output of that token when
-    /// it already ends the request, in which case nothing is queued.
+    /// (sampled by the prefill side) is `first`. Returns whether the sequence goes on
+    /// decoding: `false` when `first` already ends the request (the prefill side
+    /// reported it as the last token), in which case the blocks are released.
     pub fn finish_import(
         &mut self,
         id: RequestId,
         prompt: Vec<u32>,
         first: u32,
         params: SamplingParams,
-    ) -> Result<Option<StepOutput>, EngineError> {
+    ) -> Result<bool, EngineError> {
         let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
         if self.importing[at].prompt_len != prompt.len() {
             return Err(EngineError::BadFrame("prompt length differs from the reservation".into()));
@@ -119,10 +120,10 @@ impl Engine {
         s.tokens.push(first);
         s.history.push(first);
         if self.first_token_finishes(&s, first) {
-            return Ok(None);
+            return Ok(false);
         }
         self.running.push(s);
-        Ok(None)
+        Ok(true)
     }
 
     fn first_token_finishes(&self, s: &Sequence, tok: u32) -> bool {

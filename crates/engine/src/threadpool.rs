@@ -82,6 +82,10 @@ impl ThreadPool {
         assert!(n_tasks < u32::MAX as usize, "too many tasks");
         let _one_at_a_time = self.run_lock.lock().unwrap_or_else(|e| e.into_inner());
         let s = &*self.shared;
+        // Close the previous generation first: a worker that read its state just before
+        // may still try to claim with it, and must fail before we reuse `n_tasks`.
+        let prev = s.state.load(Relaxed) >> 32;
+        s.state.store((prev << 32) | 0xffff_ffff, SeqCst);
         // SAFETY: erasing the lifetime is sound because we return only after every task
         // is done, and no task can be claimed afterwards (all indices are taken).
         let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
@@ -89,7 +93,7 @@ impl ThreadPool {
         unsafe { *s.job.get() = Some(job) };
         s.n_tasks.store(n_tasks, Relaxed);
         s.done.store(0, Relaxed);
-        let gen = (s.state.load(Relaxed) >> 32).wrapping_add(1) & 0xffff_ffff;
+        let gen = prev.wrapping_add(1) & 0xffff_ffff;
         s.state.store(gen << 32, SeqCst);
         if s.sleepers.load(SeqCst) > 0 {
             let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -251,5 +255,32 @@ mod tests {
             });
         }
         assert_eq!(total.load(SeqCst), 5000);
+    }
+}
+
+#[cfg(test)]
+mod stress {
+    use super::*;
+
+    /// Back-to-back jobs of different sizes: a worker finishing job k must never claim
+    /// a task of job k+1 with job k's bookkeeping, nor run past `run`'s return.
+    #[test]
+    fn consecutive_jobs_never_mix() {
+        let pool = ThreadPool::new(2);
+        for iter in 0..20_000usize {
+            let n = 2 + iter % 7;
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            let live = AtomicBool::new(true);
+            pool.run(n, &|i| {
+                assert!(i < n, "task {i} of a job with {n} tasks");
+                assert!(live.load(SeqCst), "task ran after run returned");
+                for _ in 0..(i * 37) % 500 {
+                    std::hint::spin_loop();
+                }
+                hits[i].fetch_add(1, SeqCst);
+            });
+            live.store(false, SeqCst);
+            assert!(hits.iter().all(|h| h.load(SeqCst) == 1), "iteration {iter}");
+        }
     }
 }

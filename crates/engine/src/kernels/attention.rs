@@ -64,7 +64,11 @@ pub fn attend(
     match isa {
         // SAFETY: the ISA was detected on this CPU.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => unsafe { attend_avx512(kv, g, blocks, qs, out, s) },
+        Isa::Avx512Vnni => {
+            if !super::attention_avx512::attend(kv, g, blocks, qs, out) {
+                unsafe { attend_avx512(kv, g, blocks, qs, out, s) }
+            }
+        }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { attend_avx2(kv, g, blocks, qs, out, s) },
         _ => attend_impl(kv, g, blocks, qs, out, s),
@@ -238,7 +242,14 @@ mod tests {
 
     #[test]
     fn matches_reference_and_is_tile_invariant() {
-        let (hd, bs, nkv, n_rep, ctx) = (16, 16, 2, 3, 40);
+        // 64 and 128 take the AVX-512 register kernel, 16 the portable one.
+        for hd in [16, 64, 128] {
+            check_head_dim(hd);
+        }
+    }
+
+    fn check_head_dim(hd: usize) {
+        let (bs, nkv, n_rep, ctx) = (16, 2, 3, 40);
         let nblocks = ctx / bs + 1;
         let mut seed = 1u64;
         let mut rnd = || {

@@ -9,6 +9,7 @@
 //! makes a sequence's tokens independent of what it is batched with.
 
 pub mod attention;
+mod attention_avx512;
 pub mod dense;
 pub mod ops;
 pub mod quant;

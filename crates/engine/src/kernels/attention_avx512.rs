@@ -1,0 +1,146 @@
+//! AVX-512 attention for head sizes that are a multiple of 16 with 16-token blocks.
+//!
+//! Query vectors are taken four at a time; their scores, softmax state and value
+//! accumulators all live in registers while the loop walks the cache blocks, and K/V
+//! are converted from f16 in registers as they are used. Each vector's result depends
+//! only on its own query and position, never on which vectors share its group.
+
+#![cfg(target_arch = "x86_64")]
+
+use super::attention::{LayerKv, Queries};
+use std::arch::x86_64::*;
+
+const BS: usize = 16;
+const MAX_GROUP: usize = 4;
+
+/// Handles `head_dim` 64 and 128; returns false for other shapes (callers fall back).
+pub(super) fn attend(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32]) -> bool {
+    if kv.block_size != BS {
+        return false;
+    }
+    let nvec = qs.pos.len() * qs.n_rep;
+    assert!(qs.q.len() >= nvec * kv.head_dim && out.len() >= nvec * kv.head_dim);
+    let mut v0 = 0;
+    while v0 < nvec {
+        let n = MAX_GROUP.min(nvec - v0);
+        // SAFETY: the caller dispatched here on a CPU with AVX-512F and F16C; slice
+        // bounds are asserted above and block ids are checked against the pools.
+        unsafe {
+            match (kv.head_dim, n) {
+                (64, 4) => group::<4, 4>(kv, g, blocks, qs, v0, out),
+                (64, 3) => group::<4, 3>(kv, g, blocks, qs, v0, out),
+                (64, 2) => group::<4, 2>(kv, g, blocks, qs, v0, out),
+                (64, 1) => group::<4, 1>(kv, g, blocks, qs, v0, out),
+                (128, 4) => group::<8, 4>(kv, g, blocks, qs, v0, out),
+                (128, 3) => group::<8, 3>(kv, g, blocks, qs, v0, out),
+                (128, 2) => group::<8, 2>(kv, g, blocks, qs, v0, out),
+                (128, 1) => group::<8, 1>(kv, g, blocks, qs, v0, out),
+                _ => return false,
+            }
+        }
+        v0 += n;
+    }
+    true
+}
+
+/// Vectors `v0..v0 + G` (vector `v` is query token `v / n_rep`, head `v % n_rep`),
+/// head size `16 * C`.
+#[target_feature(enable = "avx512f,f16c,fma")]
+unsafe fn group<const C: usize, const G: usize>(
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    v0: usize,
+    out: &mut [f32],
+) {
+    let hd = 16 * C;
+    let pos: [usize; G] = std::array::from_fn(|k| qs.pos[(v0 + k) / qs.n_rep]);
+    let q: [&[f32]; G] = std::array::from_fn(|k| &qs.q[(v0 + k) * hd..(v0 + k + 1) * hd]);
+    let mut m = [f32::NEG_INFINITY; G];
+    let mut l = [0f32; G];
+    let mut acc = [[_mm512_setzero_ps(); C]; G];
+    let last = pos.iter().copied().max().unwrap_or(0) / BS;
+    let per_head = BS * hd;
+    for (bi, &block) in blocks.iter().enumerate().take(last + 1) {
+        let start = (block as usize * kv.n_kv_heads + g) * per_head;
+        let (kt, vb) = (&kv.k[start..start + per_head], &kv.v[start..start + per_head]);
+        let kt = kt.as_ptr().cast::<u16>();
+        let vb = vb.as_ptr().cast::<u16>();
+        // Scores: s[k][j] = q_k · K[:, j].
+        let mut s = [_mm512_setzero_ps(); G];
+        for d in 0..hd {
+            // SAFETY: `kt` holds `hd × 16` values.
+            let kcol = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(kt.add(d * BS).cast())) };
+            for k in 0..G {
+                s[k] = _mm512_fmadd_ps(_mm512_set1_ps(q[k][d]), kcol, s[k]);
+            }
+        }
+        let base = bi * BS;
+        let mut p = [_mm512_setzero_ps(); G];
+        let mut corr = [_mm512_set1_ps(1.0); G];
+        for k in 0..G {
+            if base > pos[k] {
+                continue;
+            }
+            let valid = BS.min(pos[k] + 1 - base);
+            let mask: __mmask16 = if valid == BS { 0xffff } else { (1u16 << valid) - 1 };
+            let sk = _mm512_mask_mov_ps(
+                _mm512_set1_ps(f32::NEG_INFINITY),
+                mask,
+                _mm512_mul_ps(s[k], _mm512_set1_ps(qs.scale)),
+            );
+            let m_new = m[k].max(_mm512_reduce_max_ps(sk));
+            let c = super::ops::fast_exp(m[k] - m_new);
+            p[k] = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sk, _mm512_set1_ps(m_new))));
+            l[k] = l[k] * c + _mm512_reduce_add_ps(p[k]);
+            corr[k] = _mm512_set1_ps(c);
+            m[k] = m_new;
+        }
+        for k in 0..G {
+            for a in acc[k].iter_mut() {
+                *a = _mm512_mul_ps(*a, corr[k]);
+            }
+        }
+        // Values: acc[k] += Σ_j p[k][j] · V[j, :].
+        let mut pj = [[0f32; BS]; G];
+        for k in 0..G {
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(pj[k].as_mut_ptr(), p[k]) };
+        }
+        for j in 0..BS {
+            for c in 0..C {
+                // SAFETY: `vb` holds `16 × hd` values.
+                let vrow = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(vb.add(j * hd + c * 16).cast())) };
+                for k in 0..G {
+                    acc[k][c] = _mm512_fmadd_ps(_mm512_set1_ps(pj[k][j]), vrow, acc[k][c]);
+                }
+            }
+        }
+    }
+    for k in 0..G {
+        let inv = _mm512_set1_ps(if l[k] > 0.0 { 1.0 / l[k] } else { 0.0 });
+        let o = &mut out[(v0 + k) * hd..(v0 + k + 1) * hd];
+        for c in 0..C {
+            // SAFETY: `o` holds `hd` floats.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(c * 16), _mm512_mul_ps(acc[k][c], inv)) };
+        }
+    }
+}
+
+/// `fast_exp` on 16 lanes: the same reduction and polynomial, with `scalef` for 2^k.
+#[target_feature(enable = "avx512f,fma")]
+fn exp512(x: __m512) -> __m512 {
+    let x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0)), _mm512_set1_ps(-87.0));
+    let k = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693_145_75), x);
+    let r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428_606_8e-6), r);
+    let mut p = _mm512_set1_ps(1.0 / 5040.0);
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    _mm512_scalef_ps(p, k)
+}

@@ -45,6 +45,9 @@ pub(super) fn attend(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_
 
 /// Vectors `v0..v0 + G` (vector `v` is query token `v / n_rep`, head `v % n_rep`),
 /// head size `16 * C`.
+// Register-blocked loops index several arrays by the same counters; iterators would
+// obscure which registers pair up.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,f16c,fma")]
 unsafe fn group<const C: usize, const G: usize>(
     kv: &LayerKv<'_>,

@@ -29,7 +29,7 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
 /// SwiGLU: `out[i] = silu(gate[i]) * up[i]`.
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
+        *o = g / (1.0 + fast_exp(-g)) * u;
     }
 }
 

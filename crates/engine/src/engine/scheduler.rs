@@ -7,6 +7,7 @@ use super::sequence::{FinishReason, Sequence};
 use super::{Engine, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
 use crate::model::SeqBatch;
+use crate::threadpool::DisjointMut;
 use pdserve_kv::{block_hashes, BlockTable};
 
 /// What a layer hook learns about each sequence in the step.
@@ -51,12 +52,15 @@ impl Engine {
                 }
             })
             .collect();
+        // The scratch leaves `self` for the step so the logits can be sampled in place.
+        let mut scratch = std::mem::take(&mut self.scratch);
         let logits = self
             .model
-            .forward(self.isa, &self.pool, &batch, &mut self.kv, &mut self.scratch, &mut |l, kv| on_layer(l, kv, &ids))
-            .to_vec();
+            .forward(self.isa, &self.pool, &batch, &mut self.kv, &mut scratch, &mut |l, kv| on_layer(l, kv, &ids));
         drop(batch);
-        self.finish_step(&plan, logits)
+        let out = self.finish_step(&plan, logits);
+        self.scratch = scratch;
+        out
     }
 
     fn schedule(&mut self) -> Vec<Planned> {
@@ -136,32 +140,46 @@ impl Engine {
         s.table = Some(table);
     }
 
-    fn finish_step(&mut self, plan: &[Planned], logits: Vec<f32>) -> Vec<StepOutput> {
-        let vocab = self.model.cfg.vocab_size;
-        let mut rows = logits.chunks_exact(vocab);
-        let mut out = Vec::new();
-        let mut done = Vec::new();
+    fn finish_step(&mut self, plan: &[Planned], logits: &mut [f32]) -> Vec<StepOutput> {
         for p in plan {
             let s = &mut self.running[p.seq];
             s.computed += p.n;
             if let Some(t) = s.table.as_mut() {
                 t.commit(&s.tokens[..s.computed]);
             }
-            if !p.logits {
-                continue;
-            }
-            let Some(row) = rows.next() else { break };
-            let (output, finished) = sample_next(s, row, &self.eog, self.model.cfg.context_length);
-            if finished {
-                done.push(p.seq);
-            }
-            out.push(output);
         }
+        let sampled: Vec<usize> = plan.iter().filter(|p| p.logits).map(|p| p.seq).collect();
+        let results = self.sample_all(&sampled, logits);
+        let mut done: Vec<usize> = sampled.iter().zip(&results).filter(|(_, (_, fin))| *fin).map(|(&i, _)| i).collect();
         done.sort_unstable();
         for i in done.into_iter().rev() {
             self.running.remove(i);
         }
-        out
+        results.into_iter().map(|(o, _)| o).collect()
+    }
+
+    /// Samples running sequences `seqs` (distinct indices) from their logits rows, in
+    /// parallel: each touches only its own sequence, so the split changes nothing.
+    fn sample_all(&mut self, seqs: &[usize], logits: &mut [f32]) -> Vec<(StepOutput, bool)> {
+        let vocab = self.model.cfg.vocab_size;
+        let (eog, context) = (&self.eog, self.model.cfg.context_length);
+        let mut results: Vec<Option<(StepOutput, bool)>> = (0..seqs.len()).map(|_| None).collect();
+        let running = DisjointMut::new(&mut self.running[..]);
+        let rows = DisjointMut::new(logits);
+        let slots = DisjointMut::new(&mut results[..]);
+        self.pool.run(seqs.len(), &|k| {
+            // SAFETY: sequence indices are distinct, and row and slot `k` belong to
+            // task `k` alone.
+            let (s, row, slot) = unsafe {
+                (
+                    &mut running.part(seqs[k]..seqs[k] + 1)[0],
+                    rows.part(k * vocab..(k + 1) * vocab),
+                    &mut slots.part(k..k + 1)[0],
+                )
+            };
+            *slot = Some(sample_next(s, row, eog, context));
+        });
+        results.into_iter().flatten().collect()
     }
 }
 
@@ -170,7 +188,7 @@ fn table_ids(s: &Sequence) -> Vec<u32> {
 }
 
 /// Samples the sequence's next token and decides whether it finished.
-pub(crate) fn sample_next(s: &mut Sequence, row: &[f32], eog: &[u32], context: usize) -> (StepOutput, bool) {
+pub(crate) fn sample_next(s: &mut Sequence, row: &mut [f32], eog: &[u32], context: usize) -> (StepOutput, bool) {
     let stop_ids = &s.params.stop.token_ids;
     let min_reached = s.generated() >= s.params.min_tokens as usize;
     s.sampler.clear_bans();
@@ -178,8 +196,7 @@ pub(crate) fn sample_next(s: &mut Sequence, row: &[f32], eog: &[u32], context: u
         s.sampler.ban(eog);
         s.sampler.ban(stop_ids);
     }
-    let mut row = row.to_vec();
-    let sampled = s.sampler.sample(&mut row, &s.history);
+    let sampled = s.sampler.sample(row, &s.history);
     let tok = sampled.token;
     s.tokens.push(tok);
     s.history.push(tok);

@@ -53,7 +53,7 @@ impl Model {
         kv: &mut KvStorage,
         s: &'s mut ForwardScratch,
         on_layer: &mut dyn FnMut(usize, &KvStorage),
-    ) -> &'s [f32] {
+    ) -> &'s mut [f32] {
         let c = &self.cfg;
         let t: usize = batch.iter().map(|b| b.tokens.len()).sum();
         let positions: Vec<usize> =
@@ -180,7 +180,13 @@ impl Model {
         add_assign(&mut s.x, &s.proj);
     }
 
-    fn logits<'s>(&self, isa: Isa, pool: &ThreadPool, batch: &[SeqBatch<'_>], s: &'s mut ForwardScratch) -> &'s [f32] {
+    fn logits<'s>(
+        &self,
+        isa: Isa,
+        pool: &ThreadPool,
+        batch: &[SeqBatch<'_>],
+        s: &'s mut ForwardScratch,
+    ) -> &'s mut [f32] {
         let (h, v) = (self.cfg.hidden, self.cfg.vocab_size);
         s.last.clear();
         let mut end = 0;
@@ -194,7 +200,7 @@ impl Model {
         norm_rows(pool, &s.last, &self.norm, self.cfg.rms_eps, h, &mut s.h);
         s.logits.resize(n * v, 0.0);
         self.lm_head.forward(isa, pool, &s.h[..n * h], n, &mut s.logits, &mut s.lin);
-        &s.logits[..n * v]
+        &mut s.logits[..n * v]
     }
 }
 

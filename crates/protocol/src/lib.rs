@@ -1,0 +1,139 @@
+//! The contract between the hops of the request path: the frontend hands a
+//! [`GenerateRequest`] to whatever implements [`Generate`] (the router, or one worker)
+//! and reads an [`Event`] stream back. Dropping the [`TokenStream`] cancels the
+//! request: every hop watches its sender for closure and stops work at once.
+//!
+//! Everything here is token-level; text (templates, detokenization, stop strings)
+//! belongs to the frontend.
+
+use pdserve_types::{RequestId, SamplingParams, TokenId};
+use tokio::sync::mpsc;
+
+/// A validated, tokenized request.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub id: RequestId,
+    pub prompt: Vec<TokenId>,
+    pub params: SamplingParams,
+}
+
+/// One generated token with its logprobs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenOut {
+    pub token: TokenId,
+    pub logprob: f32,
+    /// The requested number of most likely alternatives, most likely first.
+    pub top: Vec<(TokenId, f32)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation or stop token (or, decided by the frontend, a stop string).
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens served from a prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// What a request's stream carries, in order: tokens, then exactly one `Done` or
+/// `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token(TokenOut),
+    Done { reason: FinishReason, usage: Usage },
+    Failed(ServeError),
+}
+
+/// The receiving end of a request. Drop it to cancel.
+pub struct TokenStream {
+    rx: mpsc::Receiver<Event>,
+}
+
+impl TokenStream {
+    /// A stream and the sender a worker writes to. `capacity` bounds the events in
+    /// flight; producers that must never block size it to the request's max tokens.
+    pub fn channel(capacity: usize) -> (EventSender, TokenStream) {
+        let (tx, rx) = mpsc::channel(capacity.max(2));
+        (EventSender { tx }, TokenStream { rx })
+    }
+
+    /// The next event, or `None` when the producer is gone without a final event
+    /// (callers treat that as an internal error).
+    pub async fn next(&mut self) -> Option<Event> {
+        self.rx.recv().await
+    }
+
+    /// Blocking variant for non-async callers and tests.
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        self.rx.blocking_recv()
+    }
+}
+
+/// The producing end of a request's stream.
+#[derive(Clone)]
+pub struct EventSender {
+    tx: mpsc::Sender<Event>,
+}
+
+impl EventSender {
+    /// Sends without waiting; fails when the client is gone (cancel the request) or
+    /// the channel is full (the producer sized it too small).
+    pub fn send(&self, e: Event) -> Result<(), Gone> {
+        self.tx.try_send(e).map_err(|_| Gone)
+    }
+
+    /// True once the consumer dropped its stream: the request is cancelled.
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    /// Resolves when the consumer drops its stream.
+    pub async fn closed(&self) {
+        self.tx.closed().await
+    }
+}
+
+/// The consumer of a stream is gone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gone;
+
+/// Why a request could not be served; mapped to an HTTP status once, in the frontend.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ServeError {
+    /// The request is malformed or out of range (400).
+    #[error("{0}")]
+    Invalid(String),
+    /// Prompt plus max_tokens exceed the model's context (400).
+    #[error("this model's maximum context length is {context} tokens, but the request needs {needed} ({prompt} in the prompt plus max_tokens)")]
+    ContextLength { context: usize, prompt: usize, needed: usize },
+    /// Admission refused the request (429).
+    #[error("overloaded: {0}")]
+    Overloaded(String),
+    /// No worker can take the request (503).
+    #[error("no worker available: {0}")]
+    NoWorker(String),
+    /// A phase ran past its deadline (504).
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// Shutting down; no new requests (503).
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// A bug or a lost worker (500).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// One hop that turns requests into token streams: a worker, or the router in front
+/// of several.
+pub trait Generate: Send + Sync + 'static {
+    fn generate(&self, req: GenerateRequest) -> Result<TokenStream, ServeError>;
+    /// Whether at least one worker can take requests.
+    fn ready(&self) -> bool;
+}

@@ -1,0 +1,169 @@
+//! The disaggregated handoff, one task per request:
+//!
+//! ```text
+//! Routed ─► Reserved(D) ─► Prefilling(P) + Transferring ─► DecodeReady ─► Streaming ─► Done
+//!    │           │                  │                           │
+//!    └───────────┴──── Failed / Cancelled: abort D's reservation; on a prefill
+//!                      failure or timeout, prefill locally on D instead
+//! ```
+//!
+//! Every state waits with a deadline and watches the client: a client that leaves
+//! cancels at once, and every exit path releases what the state held (D's reserved
+//! blocks). Once D streams, D's worker loop owns the request and its cancellation.
+
+use pdserve_protocol::{Event, EventSender, GenerateRequest, ServeError, TokenStream, Usage};
+use pdserve_worker::{FirstToken, FrameSink, Worker};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Per-phase time limits; the prefill limit grows with the prompt.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadlines {
+    pub reserve: Duration,
+    pub prefill_base: Duration,
+    /// Allowance per prompt token, generous against the measured prefill rate.
+    pub prefill_per_token: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Deadlines {
+            reserve: Duration::from_secs(5),
+            prefill_base: Duration::from_secs(10),
+            prefill_per_token: Duration::from_millis(20),
+        }
+    }
+}
+
+impl Deadlines {
+    fn prefill(&self, prompt_len: usize) -> Duration {
+        self.prefill_base + self.prefill_per_token * prompt_len as u32
+    }
+}
+
+/// Where a handoff ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// D is streaming the rest (or the first token ended the request).
+    Streaming,
+    /// The prefill side failed or timed out; D prefills locally instead.
+    LocalFallback,
+    Cancelled,
+    Failed,
+}
+
+/// Starts the handoff of `req` from prefill worker `p` to decode worker `d`.
+pub fn start(rt: &tokio::runtime::Handle, p: Worker, d: Worker, req: GenerateRequest, dl: Deadlines) -> TokenStream {
+    let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
+    rt.spawn(run(p, d, req, client, dl));
+    stream
+}
+
+enum Wait<T> {
+    Done(T),
+    TimedOut,
+    Cancelled,
+}
+
+/// Waits for `fut` unless the deadline passes or the client leaves first.
+async fn wait<T>(limit: Duration, client: &EventSender, fut: impl Future<Output = T>) -> Wait<T> {
+    tokio::select! {
+        r = tokio::time::timeout(limit, fut) => r.map_or(Wait::TimedOut, Wait::Done),
+        _ = client.closed() => Wait::Cancelled,
+    }
+}
+
+fn fail(client: &EventSender, e: ServeError) -> Outcome {
+    let _ = client.send(Event::Failed(e));
+    Outcome::Failed
+}
+
+pub async fn run(p: Worker, d: Worker, req: GenerateRequest, client: EventSender, dl: Deadlines) -> Outcome {
+    let id = req.id;
+    // Reserved(D): blocks first, so a transfer never arrives where it cannot land.
+    let reserved = match d.reserve(id, req.prompt.len()) {
+        Ok(rx) => wait(dl.reserve, &client, rx).await,
+        Err(e) => return fail(&client, e),
+    };
+    match reserved {
+        Wait::Done(Ok(Ok(()))) => {}
+        Wait::Done(Ok(Err(e))) => return fail(&client, e),
+        Wait::Done(Err(_)) => return fail(&client, ServeError::NoWorker(format!("worker {} stopped", d.name()))),
+        Wait::TimedOut => {
+            d.abort_import(id);
+            return fail(&client, ServeError::Timeout("reserving KV blocks".into()));
+        }
+        Wait::Cancelled => {
+            d.abort_import(id);
+            return Outcome::Cancelled;
+        }
+    }
+    // Prefilling(P), frames flowing into D as each layer completes (Transferring).
+    let broken = Arc::new(AtomicBool::new(false));
+    let sink = frame_sink(d.clone(), id, broken.clone(), client.clone());
+    let first = match p.prefill(req.clone(), sink) {
+        Ok(rx) => wait(dl.prefill(req.prompt.len()), &client, rx).await,
+        Err(_) => Wait::TimedOut,
+    };
+    let first = match first {
+        Wait::Done(Ok(Ok(first))) if !broken.load(Ordering::SeqCst) => first,
+        Wait::Cancelled => {
+            d.abort_import(id);
+            return Outcome::Cancelled;
+        }
+        Wait::Done(Ok(Err(e @ (ServeError::Invalid(_) | ServeError::ContextLength { .. })))) => {
+            d.abort_import(id);
+            return fail(&client, e);
+        }
+        // Prefill failed, its worker is gone, the transfer broke, or it ran past the
+        // deadline: D prefills locally, on the same client stream.
+        _ => {
+            d.abort_import(id);
+            return match d.generate_into(req, client.clone()) {
+                Ok(()) => Outcome::LocalFallback,
+                Err(e) => fail(&client, e),
+            };
+        }
+    };
+    decode_ready(&d, req, first, client)
+}
+
+/// DecodeReady: the first token goes to the client at once, then D takes over.
+fn decode_ready(d: &Worker, req: GenerateRequest, first: FirstToken, client: EventSender) -> Outcome {
+    let id = req.id;
+    if client.send(Event::Token(first.token.clone())).is_err() {
+        d.abort_import(id);
+        return Outcome::Cancelled;
+    }
+    if let Some(reason) = first.finished {
+        d.abort_import(id);
+        let usage =
+            Usage { prompt_tokens: first.prompt_tokens, completion_tokens: 1, cached_tokens: first.cached_tokens };
+        let _ = client.send(Event::Done { reason, usage });
+        return Outcome::Streaming;
+    }
+    match d.finish_import(id, req.prompt, first.token.token, req.params, client.clone()) {
+        Ok(()) => Outcome::Streaming,
+        Err(e) => {
+            d.abort_import(id);
+            fail(&client, e)
+        }
+    }
+}
+
+/// Forwards frames to D; a frame D cannot queue, or a client that left, breaks the
+/// transfer (the prefill side then stops sending).
+fn frame_sink(d: Worker, id: pdserve_types::RequestId, broken: Arc<AtomicBool>, client: EventSender) -> FrameSink {
+    Box::new(move |frame| {
+        if broken.load(Ordering::SeqCst) || client.is_closed() {
+            return false;
+        }
+        let ok = d.frame(id, frame).is_ok();
+        if !ok {
+            broken.store(true, Ordering::SeqCst);
+        }
+        ok
+    })
+}

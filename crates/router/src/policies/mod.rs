@@ -1,0 +1,5 @@
+//! Worker selection policies, one per file.
+
+mod least_loaded;
+
+pub use least_loaded::least_loaded;

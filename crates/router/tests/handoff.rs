@@ -1,0 +1,144 @@
+//! The router on the real model: disaggregated in-process gives the same tokens as
+//! aggregated; cancellation and deadline failures in any state leave no KV block used.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pdserve_engine::engine::EngineConfig;
+use pdserve_engine::loader::{load, LoadedModel};
+use pdserve_protocol::{Event, Generate, GenerateRequest, TokenStream};
+use pdserve_router::{Deadlines, Mode, Router};
+use pdserve_types::{RequestId, Role, SamplingParams};
+use pdserve_worker::Worker;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+fn model() -> &'static LoadedModel {
+    static M: OnceLock<LoadedModel> = OnceLock::new();
+    M.get_or_init(|| load(&pdserve_engine::models::require_default_model()).unwrap())
+}
+
+fn worker(name: &str, role: Role) -> Worker {
+    let m = model();
+    let cfg = EngineConfig { threads: 1, num_blocks: 256, ..Default::default() };
+    Worker::spawn(name, role, m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).unwrap()
+}
+
+fn router(mode: Mode, dl: Deadlines) -> Router {
+    let workers = match mode {
+        Mode::Aggregated => vec![worker("mixed", Role::Mixed)],
+        _ => vec![worker("prefill", Role::Prefill), worker("decode", Role::Decode)],
+    };
+    Router::new(workers, mode, dl, tokio::runtime::Handle::current())
+}
+
+fn request(id: u64, text: &str, max_tokens: u32) -> GenerateRequest {
+    let prompt = model().tokenizer.encode(text, false);
+    GenerateRequest {
+        id: RequestId(id),
+        prompt,
+        params: SamplingParams { max_tokens, ..Default::default() }.validate().unwrap(),
+    }
+}
+
+async fn collect(mut s: TokenStream) -> (Vec<u32>, Event) {
+    let mut toks = Vec::new();
+    loop {
+        match s.next().await.expect("stream ended without a final event") {
+            Event::Token(t) => toks.push(t.token),
+            last => return (toks, last),
+        }
+    }
+}
+
+async fn used_blocks(r: &Router) -> usize {
+    let mut used = 0;
+    for w in r.workers() {
+        used += w.stats().await.unwrap().blocks.used;
+    }
+    used
+}
+
+/// Polls until every worker has released its blocks (cancellation is asynchronous).
+async fn settle(r: &Router) -> usize {
+    for _ in 0..200 {
+        if used_blocks(r).await == 0 {
+            return 0;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    used_blocks(r).await
+}
+
+const PROMPTS: [&str; 3] = [
+    "The capital of France is",
+    "Once upon a time, there was a little girl who lived in a village near the forest. Every morning she",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_equals_aggregated() {
+    let agg = router(Mode::Aggregated, Deadlines::default());
+    let dis = router(Mode::Disaggregated, Deadlines::default());
+    for (i, p) in PROMPTS.iter().enumerate() {
+        let (a, a_end) = collect(agg.generate(request(i as u64, p, 24)).unwrap()).await;
+        let (d, d_end) = collect(dis.generate(request(100 + i as u64, p, 24)).unwrap()).await;
+        assert_eq!(a, d, "prompt {i}");
+        assert!(matches!(a_end, Event::Done { .. }) && matches!(d_end, Event::Done { .. }));
+        if let (Event::Done { usage: ua, .. }, Event::Done { usage: ud, .. }) = (&a_end, &d_end) {
+            assert_eq!(ua.completion_tokens, a.len());
+            assert_eq!(ud.completion_tokens, d.len());
+        }
+    }
+    assert_eq!(settle(&agg).await, 0);
+    assert_eq!(settle(&dis).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_timeout_falls_back_to_local_prefill() {
+    let reference = router(Mode::Aggregated, Deadlines::default());
+    let (want, _) = collect(reference.generate(request(1, PROMPTS[1], 16)).unwrap()).await;
+    // A prefill deadline no prefill can meet: every request falls back to D.
+    let dl =
+        Deadlines { prefill_base: Duration::from_nanos(1), prefill_per_token: Duration::ZERO, ..Default::default() };
+    let r = router(Mode::Disaggregated, dl);
+    let (got, end) = collect(r.generate(request(2, PROMPTS[1], 16)).unwrap()).await;
+    assert!(matches!(end, Event::Done { .. }), "{end:?}");
+    assert_eq!(got, want);
+    assert_eq!(settle(&r).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_in_every_state_releases_blocks() {
+    let r = router(Mode::Disaggregated, Deadlines::default());
+    // Routed/Reserved: drop at once. Prefilling: drop after a short delay. Streaming:
+    // drop after a few tokens.
+    for (n, delay_ms, after_tokens) in [(0u64, 0u64, 0usize), (1, 2, 0), (2, 0, 3), (3, 0, 1)] {
+        let mut s = r.generate(request(10 + n, PROMPTS[1], 64)).unwrap();
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        let mut seen = 0;
+        while seen < after_tokens {
+            match s.next().await {
+                Some(Event::Token(_)) => seen += 1,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        drop(s);
+    }
+    assert_eq!(settle(&r).await, 0, "blocks leaked after cancellations");
+    // The workers still serve.
+    let (toks, end) = collect(r.generate(request(99, PROMPTS[0], 8)).unwrap()).await;
+    assert_eq!(toks.len(), 8);
+    assert!(matches!(end, Event::Done { .. }));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_keeps_short_prompts_local_and_matches() {
+    let agg = router(Mode::Aggregated, Deadlines::default());
+    let auto = router(Mode::Auto, Deadlines::default());
+    for (i, p) in PROMPTS.iter().enumerate() {
+        let (a, _) = collect(agg.generate(request(i as u64, p, 12)).unwrap()).await;
+        let (b, _) = collect(auto.generate(request(50 + i as u64, p, 12)).unwrap()).await;
+        assert_eq!(a, b);
+    }
+    assert_eq!(settle(&auto).await, 0);
+}

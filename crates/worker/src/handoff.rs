@@ -1,0 +1,18 @@
+//! The worker's half of a KV handoff: what a prefill returns and where its frames go.
+
+use pdserve_engine::engine::KvFrame;
+use pdserve_protocol::TokenOut;
+
+/// Receives a prefill's frames, layer by layer, on the prefill worker's thread.
+/// Returning `false` aborts the prefill at the next frame (the receiver is gone).
+pub type FrameSink = Box<dyn FnMut(KvFrame) -> bool + Send>;
+
+/// The first generated token, sampled by the prefill worker.
+#[derive(Debug, Clone)]
+pub struct FirstToken {
+    pub token: TokenOut,
+    /// The first token already ends the request (EOS, stop id or max_tokens 1).
+    pub finished: Option<pdserve_protocol::FinishReason>,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+}

@@ -1,0 +1,219 @@
+//! The loop that owns an engine: commands in, one step, tokens out, repeat.
+
+use crate::handoff::FirstToken;
+use crate::Command;
+use pdserve_engine::engine::{Engine, EngineConfig, EngineError, FinishReason as EngineFinish, StepOutput};
+use pdserve_engine::model::Model;
+use pdserve_kv::PoolStats;
+use pdserve_protocol::{Event, EventSender, FinishReason, ServeError, TokenOut, Usage};
+use pdserve_types::RequestId;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A snapshot of the worker's engine.
+#[derive(Debug, Clone, Copy)]
+pub struct WorkerStats {
+    pub waiting: usize,
+    pub running: usize,
+    pub importing: usize,
+    pub blocks: PoolStats,
+}
+
+/// How long an idle loop sleeps before checking imports again.
+const IDLE_POLL: Duration = Duration::from_millis(20);
+/// A reservation whose transfer never completes is released after this long; the
+/// router's own deadline normally aborts it much sooner.
+const IMPORT_TTL: Duration = Duration::from_secs(120);
+
+/// A request this worker is producing tokens for.
+struct Live {
+    events: EventSender,
+    /// Tokens generated so far, including one sampled by a prefill worker.
+    generated: usize,
+}
+
+struct Loop {
+    engine: Engine,
+    streams: HashMap<RequestId, Live>,
+    imports: HashMap<RequestId, Instant>,
+    active: Arc<AtomicUsize>,
+}
+
+pub(crate) fn run(
+    model: Arc<Model>,
+    cfg: EngineConfig,
+    eog: Vec<u32>,
+    rx: Receiver<Command>,
+    active: Arc<AtomicUsize>,
+) {
+    let mut l = Loop { engine: Engine::new(model, cfg, eog), streams: HashMap::new(), imports: HashMap::new(), active };
+    loop {
+        let first = if l.engine.has_work() {
+            match rx.try_recv() {
+                Ok(c) => Some(c),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => return,
+            }
+        } else {
+            match rx.recv_timeout(IDLE_POLL) {
+                Ok(c) => Some(c),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        };
+        let mut next = first;
+        while let Some(c) = next {
+            l.handle(c);
+            next = rx.try_recv().ok();
+        }
+        l.reap();
+        if l.engine.has_work() {
+            for out in l.engine.step() {
+                l.route(out);
+            }
+        }
+    }
+}
+
+impl Loop {
+    fn handle(&mut self, c: Command) {
+        match c {
+            Command::Generate(req, events) => match self.engine.add(req.id, req.prompt, req.params) {
+                Ok(()) => self.track(req.id, events, 0),
+                Err(e) => {
+                    let _ = events.send(Event::Failed(serve_error(e)));
+                }
+            },
+            Command::Prefill { req, mut sink, reply } => {
+                let mut open = true;
+                let res = self.engine.prefill_export(req.id, req.prompt, req.params, &mut |f| {
+                    open = open && sink(f);
+                });
+                let _ = reply.send(res.map(first_token).map_err(serve_error));
+            }
+            Command::Reserve { id, prompt_len, reply } => {
+                let res = self.engine.reserve_import(id, prompt_len).map_err(serve_error);
+                if res.is_ok() {
+                    self.imports.insert(id, Instant::now());
+                }
+                let _ = reply.send(res);
+            }
+            Command::Frame { id, frame } => {
+                if self.engine.import_frame(id, &frame).is_err() {
+                    // A bad frame poisons the transfer; the router sees the failure
+                    // when finishing and falls back.
+                    self.engine.abort_import(id);
+                    self.imports.remove(&id);
+                }
+            }
+            Command::FinishImport { id, prompt, first, params, events } => {
+                self.imports.remove(&id);
+                match self.engine.finish_import(id, prompt, first, params) {
+                    Ok(true) => self.track(id, events, 1),
+                    Ok(false) => {}
+                    Err(e) => {
+                        let _ = events.send(Event::Failed(serve_error(e)));
+                    }
+                }
+            }
+            Command::AbortImport { id } => {
+                self.engine.abort_import(id);
+                self.imports.remove(&id);
+            }
+            Command::Stats(reply) => {
+                let s = self.engine.stats();
+                let _ = reply.send(WorkerStats {
+                    waiting: s.waiting,
+                    running: s.running,
+                    importing: self.imports.len(),
+                    blocks: s.blocks,
+                });
+            }
+        }
+    }
+
+    fn track(&mut self, id: RequestId, events: EventSender, generated: usize) {
+        self.streams.insert(id, Live { events, generated });
+        self.active.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn untrack(&mut self, id: RequestId) {
+        if self.streams.remove(&id).is_some() {
+            self.active.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Cancels requests whose clients left and imports that outlived their TTL.
+    fn reap(&mut self) {
+        let gone: Vec<RequestId> =
+            self.streams.iter().filter(|(_, l)| l.events.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.engine.cancel(id);
+            self.untrack(id);
+        }
+        let stale: Vec<RequestId> =
+            self.imports.iter().filter(|(_, t)| t.elapsed() > IMPORT_TTL).map(|(id, _)| *id).collect();
+        for id in stale {
+            self.engine.abort_import(id);
+            self.imports.remove(&id);
+        }
+    }
+
+    fn route(&mut self, out: StepOutput) {
+        let Some(live) = self.streams.get_mut(&out.id) else { return };
+        live.generated += 1;
+        let sent = live.events.send(Event::Token(token_out(&out))).is_ok();
+        if let Some(reason) = out.finish {
+            let usage = Usage {
+                prompt_tokens: out.prompt_tokens,
+                completion_tokens: live.generated,
+                cached_tokens: out.cached_tokens,
+            };
+            // The sequence already left the engine; a gone client changes nothing.
+            let _ = live.events.send(Event::Done { reason: finish(reason), usage });
+            self.untrack(out.id);
+        } else if !sent {
+            self.engine.cancel(out.id);
+            self.untrack(out.id);
+        }
+    }
+}
+
+fn token_out(o: &StepOutput) -> TokenOut {
+    TokenOut { token: o.sampled.token, logprob: o.sampled.logprob, top: o.sampled.top.clone() }
+}
+
+fn finish(r: EngineFinish) -> FinishReason {
+    match r {
+        EngineFinish::Stop => FinishReason::Stop,
+        EngineFinish::Length => FinishReason::Length,
+    }
+}
+
+fn first_token(o: StepOutput) -> FirstToken {
+    FirstToken {
+        token: token_out(&o),
+        finished: o.finish.map(finish),
+        prompt_tokens: o.prompt_tokens,
+        cached_tokens: o.cached_tokens,
+    }
+}
+
+/// Engine refusals in the terms the frontend maps to HTTP.
+fn serve_error(e: EngineError) -> ServeError {
+    match e {
+        EngineError::TooLong { prompt, max_tokens, context } => {
+            ServeError::ContextLength { context, prompt, needed: prompt + max_tokens }
+        }
+        EngineError::EmptyPrompt | EngineError::BadToken(_) | EngineError::TooLargeForCache { .. } => {
+            ServeError::Invalid(e.to_string())
+        }
+        EngineError::NoBlocks => ServeError::Overloaded(e.to_string()),
+        EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) => {
+            ServeError::Internal(e.to_string())
+        }
+    }
+}

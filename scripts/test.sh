@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 # dependencies with the test build below.
 cargo build --profile test --bin pdserve
 ./target/debug/pdserve pull
+# The end-to-end suite talks to `pdserve serve` through the official OpenAI SDK.
+python3 -m pip install -q --disable-pip-version-check openai
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --profile test -- -D warnings
@@ -16,8 +18,11 @@ cargo clippy --workspace --all-targets --profile test -- -D warnings
 log=$(mktemp)
 set +e
 cargo test --workspace --lib --bins --tests --no-fail-fast 2>&1 | tee "$log"
-status=${PIPESTATUS[0]}
+cargo_status=${PIPESTATUS[0]}
+# `pdserve serve` in every mode, driven by the openai SDK and curl, stopped by SIGTERM.
+python3 tests/e2e/test_openai.py ./target/debug/pdserve 2>&1 | tee -a "$log"
+e2e_status=${PIPESTATUS[0]}
 set -e
-awk '/^test result:/ { p += $4; f += $6 } END { printf "%d passed, %d failed\n", p, f }' "$log"
+awk '/^test result:/ { p += $4; f += $6 } /^e2e: / { p += $2; f += $4 } END { printf "%d passed, %d failed\n", p, f }' "$log"
 rm -f "$log"
-exit "$status"
+[ "$cargo_status" -eq 0 ] && [ "$e2e_status" -eq 0 ]

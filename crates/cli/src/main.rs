@@ -19,6 +19,8 @@ enum Command {
     Pull,
     /// Generate text from a prompt and stream it to stdout.
     Generate(cmd::generate::Args),
+    /// Serve the OpenAI-compatible API: frontend, router and workers in one process.
+    Serve(cmd::serve::Args),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -31,6 +33,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Pull => cmd::pull::run(),
         Command::Generate(args) => cmd::generate::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
         Command::Bench { what } => cmd::bench::run(what),
     };
     match result {

@@ -1,6 +1,7 @@
 pub mod bench;
 pub mod generate;
 pub mod pull;
+pub mod serve;
 
 use anyhow::Context;
 use pdserve_engine::loader::{self, LoadedModel};

@@ -20,7 +20,8 @@ import urllib.parse
 def one_request(url, prompt, osl, model):
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = {"prompt": prompt, "max_tokens": osl, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": prompt, "max_tokens": osl, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     if model:
         body["model"] = model
     t0 = time.perf_counter()
@@ -28,7 +29,7 @@ def one_request(url, prompt, osl, model):
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-    times = []
+    times, tokens = [], None
     for raw in resp:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -37,10 +38,13 @@ def one_request(url, prompt, osl, model):
         if data == b"[DONE]":
             break
         chunk = json.loads(data)
-        if chunk.get("choices"):
+        if chunk.get("usage"):
+            tokens = chunk["usage"].get("completion_tokens")
+        # A chunk with text marks a token's arrival (a closing chunk may carry none).
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
             times.append(time.perf_counter())
     conn.close()
-    return t0, times
+    return t0, times, tokens if tokens is not None else len(times)
 
 
 def level(url, c, n, isl, osl, vocab, model, seed):
@@ -69,9 +73,9 @@ def level(url, c, n, isl, osl, vocab, model, seed):
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    ttft = sorted(ts[0] - t0 for t0, ts in results if ts)
-    tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for _, ts in results if len(ts) > 1]
-    tokens = sum(len(ts) for _, ts in results)
+    ttft = sorted(ts[0] - t0 for t0, ts, _ in results if ts)
+    tpot = [(ts[-1] - ts[0]) / (n - 1) for _, ts, n in results if len(ts) > 1 and n > 1]
+    tokens = sum(n for _, _, n in results)
     p99 = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else float("nan")
     return {
         "concurrency": c, "requests": len(results), "errors": len(errors), "output_tok_s": tokens / wall,

@@ -1,0 +1,235 @@
+//! Turns a request's [`TokenStream`] into text: detokenizes with a
+//! [`StreamDecoder`] (never splitting a character), hides end-of-generation and other
+//! special tokens, applies stop strings, counts tokens and records latencies.
+//!
+//! [`Generation`] owns the stream. Dropping it (the client went away, or a stop string
+//! ended the text) drops the stream, which cancels the request on every hop behind us.
+
+use crate::errors::ApiError;
+use crate::metrics::{Metrics, Outcome};
+use crate::stop::StopMatcher;
+use pdserve_engine::tokenizer::{StreamDecoder, Tokenizer};
+use pdserve_protocol::{Event, FinishReason, ServeError, TokenOut, TokenStream, Usage};
+use pdserve_types::{SamplingParams, TokenId};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// One generated token with what the client may ask to see about it.
+#[derive(Debug, Clone)]
+pub struct TokenInfo {
+    pub token: TokenId,
+    pub logprob: f32,
+    pub top: Vec<(TokenId, f32)>,
+    /// Characters of completion text decoded before this token.
+    pub text_offset: usize,
+}
+
+/// Text and tokens, either one step of the stream or the whole answer.
+#[derive(Debug, Default)]
+pub struct Output {
+    pub text: String,
+    /// Filled only when the request asked for logprobs.
+    pub tokens: Vec<TokenInfo>,
+    pub finish: Option<FinishReason>,
+}
+
+impl Output {
+    fn append(&mut self, step: Output) {
+        self.text.push_str(&step.text);
+        self.tokens.extend(step.tokens);
+        self.finish = step.finish.or(self.finish);
+    }
+
+    /// Nothing a client would see.
+    pub fn is_empty(&self) -> bool {
+        self.text.is_empty() && self.tokens.is_empty() && self.finish.is_none()
+    }
+}
+
+/// Latencies and the outcome of one request. Recorded as tokens arrive; the outcome
+/// on drop, `cancelled` unless something else was decided.
+pub struct Tracker {
+    metrics: Metrics,
+    mode: Arc<str>,
+    start: Instant,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    tokens: usize,
+    outcome: Option<Outcome>,
+}
+
+impl Tracker {
+    pub fn new(metrics: Metrics, mode: Arc<str>) -> Self {
+        Tracker { metrics, mode, start: Instant::now(), first: None, last: None, tokens: 0, outcome: None }
+    }
+
+    fn token(&mut self) {
+        let now = Instant::now();
+        match self.last {
+            None => self.metrics.ttft(&self.mode, (now - self.start).as_secs_f64()),
+            Some(last) => self.metrics.itl(&self.mode, (now - last).as_secs_f64()),
+        }
+        self.first.get_or_insert(now);
+        self.last = Some(now);
+        self.tokens += 1;
+    }
+
+    /// Decides the outcome (the first decision sticks).
+    pub fn finish(&mut self, outcome: Outcome) {
+        self.outcome.get_or_insert(outcome);
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        let outcome = self.outcome.unwrap_or(Outcome::Cancelled);
+        self.metrics.outcome(outcome);
+        if outcome != Outcome::Ok {
+            return;
+        }
+        let end = self.last.unwrap_or_else(Instant::now);
+        self.metrics.e2e(&self.mode, (end - self.start).as_secs_f64());
+        if let (Some(first), true) = (self.first, self.tokens > 1) {
+            self.metrics.tpot(&self.mode, (end - first).as_secs_f64() / (self.tokens - 1) as f64);
+        }
+    }
+}
+
+/// Token ids to text, with hidden tokens and stop strings applied.
+struct TextStream {
+    tokenizer: Arc<Tokenizer>,
+    decoder: StreamDecoder<Arc<Tokenizer>>,
+    stop: StopMatcher,
+    stop_ids: Vec<TokenId>,
+    min_tokens: usize,
+    generated: usize,
+    decoded_chars: usize,
+}
+
+impl TextStream {
+    fn new(tokenizer: Arc<Tokenizer>, params: &SamplingParams) -> Self {
+        TextStream {
+            decoder: StreamDecoder::new(tokenizer.clone()),
+            tokenizer,
+            stop: StopMatcher::new(params.stop.strings.clone()),
+            stop_ids: params.stop.token_ids.clone(),
+            min_tokens: params.min_tokens as usize,
+            generated: 0,
+            decoded_chars: 0,
+        }
+    }
+
+    /// End-of-generation, control and stop tokens are not shown as text.
+    fn hidden(&self, id: TokenId) -> bool {
+        self.tokenizer.is_eog(id) || self.tokenizer.is_special(id) || self.stop_ids.contains(&id)
+    }
+
+    /// The visible text `id` releases and whether a stop string ended the text.
+    fn push(&mut self, id: TokenId) -> (String, bool) {
+        self.generated += 1;
+        if self.hidden(id) {
+            return (String::new(), false);
+        }
+        let piece = self.decoder.push(id);
+        self.decoded_chars += piece.chars().count();
+        let r = self.stop.push(&piece, self.generated >= self.min_tokens);
+        (r.text, r.stopped)
+    }
+
+    /// The text still held back at the end of the stream.
+    fn finish(&mut self) -> String {
+        let tail = self.decoder.finish();
+        let r = self.stop.push(&tail, true);
+        if r.stopped {
+            r.text
+        } else {
+            r.text + &self.stop.finish()
+        }
+    }
+}
+
+/// A request in flight: pulls events and hands out [`Output`] steps.
+pub struct Generation {
+    /// `None` once finished; dropping it cancels the request downstream.
+    stream: Option<TokenStream>,
+    text: TextStream,
+    tracker: Tracker,
+    logprobs: bool,
+    usage: Usage,
+}
+
+impl Generation {
+    pub fn new(
+        stream: TokenStream,
+        tokenizer: Arc<Tokenizer>,
+        params: &SamplingParams,
+        prompt_tokens: usize,
+        tracker: Tracker,
+    ) -> Self {
+        Generation {
+            stream: Some(stream),
+            text: TextStream::new(tokenizer, params),
+            tracker,
+            logprobs: params.logprobs,
+            usage: Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0 },
+        }
+    }
+
+    /// The next step, or `None` after the step that carried the finish reason.
+    pub async fn next(&mut self) -> Result<Option<Output>, ApiError> {
+        let Some(stream) = self.stream.as_mut() else { return Ok(None) };
+        let event = stream.next().await;
+        let step = match event {
+            Some(Event::Token(t)) => self.on_token(t),
+            Some(Event::Done { reason, usage }) => self.on_done(reason, usage),
+            Some(Event::Failed(e)) => return Err(self.fail(e)),
+            None => {
+                return Err(self.fail(ServeError::Internal("the worker stopped without finishing the request".into())))
+            }
+        };
+        if step.finish.is_some() {
+            self.stream = None;
+            self.tracker.finish(Outcome::Ok);
+        }
+        Ok(Some(step))
+    }
+
+    /// Everything until the end, as one output.
+    pub async fn collect(&mut self) -> Result<Output, ApiError> {
+        let mut all = Output::default();
+        while let Some(step) = self.next().await? {
+            all.append(step);
+        }
+        Ok(all)
+    }
+
+    /// Token counts so far (final once `next` returned the finish). When a stop
+    /// string ends the text, the worker's `Done` never arrives, so `cached_tokens`
+    /// stays 0 for that request.
+    pub fn usage(&self) -> Usage {
+        self.usage
+    }
+
+    fn on_token(&mut self, t: TokenOut) -> Output {
+        self.tracker.token();
+        self.usage.completion_tokens += 1;
+        let text_offset = self.text.decoded_chars;
+        let (text, stopped) = self.text.push(t.token);
+        let tokens = match self.logprobs {
+            true => vec![TokenInfo { token: t.token, logprob: t.logprob, top: t.top, text_offset }],
+            false => Vec::new(),
+        };
+        Output { text, tokens, finish: stopped.then_some(FinishReason::Stop) }
+    }
+
+    fn on_done(&mut self, reason: FinishReason, usage: Usage) -> Output {
+        self.usage.cached_tokens = usage.cached_tokens;
+        Output { text: self.text.finish(), tokens: Vec::new(), finish: Some(reason) }
+    }
+
+    fn fail(&mut self, e: ServeError) -> ApiError {
+        self.stream = None;
+        self.tracker.finish(Outcome::Error);
+        ApiError::Serve(e)
+    }
+}

@@ -1,0 +1,316 @@
+//! Every Prometheus metric pdserve exports, in one place: names, label keys, buckets.
+//!
+//! The frontend records request latencies and outcomes itself; the router and the
+//! workers record phases, routes, KV transfers, block counts, prefix hits and roles
+//! through the methods of a shared [`Metrics`] handle. `/metrics` serves it all in the
+//! Prometheus text format 0.0.4.
+
+use pdserve_types::Role;
+use prometheus_client::encoding::text::encode_registry;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::Arc;
+
+// Counter names lack `_total`: the encoder appends it.
+const REQUEST_TTFT: &str = "pdserve_request_ttft_seconds";
+const REQUEST_TPOT: &str = "pdserve_request_tpot_seconds";
+const REQUEST_ITL: &str = "pdserve_request_itl_seconds";
+const REQUEST_E2E: &str = "pdserve_request_e2e_seconds";
+const REQUESTS: &str = "pdserve_requests";
+const PHASE: &str = "pdserve_phase_seconds";
+const PREFILL_ROUTE: &str = "pdserve_prefill_route";
+const KV_TRANSFER_BYTES: &str = "pdserve_kv_transfer_bytes";
+const KV_BLOCKS: &str = "pdserve_kv_blocks";
+const PREFIX_HIT_TOKENS: &str = "pdserve_prefix_hit_tokens";
+const WORKER_ROLE: &str = "pdserve_worker_role";
+
+/// The content type `/metrics` answers with.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+type Label1 = [(&'static str, String); 1];
+type Label2 = [(&'static str, String); 2];
+type Histograms = Family<Label1, Histogram, fn() -> Histogram>;
+
+/// 0.5 ms to ~65 s: token gaps through whole requests.
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+}
+
+/// How a request ended, for `pdserve_requests_total{outcome}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    /// The client went away before the end.
+    Cancelled,
+    /// Accepted, then failed.
+    Error,
+    /// Refused before generation: invalid input or admission.
+    Rejected,
+}
+
+/// A phase of a request's life, for `pdserve_phase_seconds{phase}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    QueuePrefill,
+    Prefill,
+    KvTransfer,
+    QueueDecode,
+    Decode,
+}
+
+/// Where a prompt was prefilled, for `pdserve_prefill_route_total{where}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillRoute {
+    /// On the decode worker itself.
+    Local,
+    /// On a prefill worker, with the KV shipped to the decode worker.
+    Remote,
+}
+
+/// Which prefix-cache figure, for `pdserve_prefix_hit_tokens_total{kind}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixHit {
+    /// What the router's index expected when routing.
+    Predicted,
+    /// What the worker actually found in its cache.
+    Realized,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Error => "error",
+            Outcome::Rejected => "rejected",
+        }
+    }
+}
+
+impl Phase {
+    fn as_str(self) -> &'static str {
+        match self {
+            Phase::QueuePrefill => "queue_prefill",
+            Phase::Prefill => "prefill",
+            Phase::KvTransfer => "kv_transfer",
+            Phase::QueueDecode => "queue_decode",
+            Phase::Decode => "decode",
+        }
+    }
+}
+
+/// The shared metrics handle: cheap to clone, safe to record into from any thread.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    registry: Registry,
+    ttft: Histograms,
+    tpot: Histograms,
+    itl: Histograms,
+    e2e: Histograms,
+    requests: Family<Label1, Counter>,
+    phase: Histograms,
+    prefill_route: Family<Label1, Counter>,
+    kv_transfer_bytes: Family<Label1, Counter>,
+    kv_blocks: Family<Label2, Gauge>,
+    prefix_hit_tokens: Family<Label1, Counter>,
+    worker_role: Family<Label2, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Metrics {
+    /// A fresh registry holding every pdserve metric.
+    pub fn new() -> Self {
+        let histograms = || Histograms::new_with_constructor(latency_histogram);
+        let inner = Inner {
+            registry: Registry::default(),
+            ttft: histograms(),
+            tpot: histograms(),
+            itl: histograms(),
+            e2e: histograms(),
+            requests: Family::default(),
+            phase: histograms(),
+            prefill_route: Family::default(),
+            kv_transfer_bytes: Family::default(),
+            kv_blocks: Family::default(),
+            prefix_hit_tokens: Family::default(),
+            worker_role: Family::default(),
+        };
+        Metrics { inner: Arc::new(inner.registered()) }
+    }
+
+    /// Time from the request's arrival to its first token.
+    pub fn ttft(&self, mode: &str, seconds: f64) {
+        self.inner.ttft.get_or_create(&[("mode", mode.into())]).observe(seconds);
+    }
+
+    /// Mean time per output token after the first.
+    pub fn tpot(&self, mode: &str, seconds: f64) {
+        self.inner.tpot.get_or_create(&[("mode", mode.into())]).observe(seconds);
+    }
+
+    /// One gap between consecutive tokens of a request.
+    pub fn itl(&self, mode: &str, seconds: f64) {
+        self.inner.itl.get_or_create(&[("mode", mode.into())]).observe(seconds);
+    }
+
+    /// Time from the request's arrival to its last token.
+    pub fn e2e(&self, mode: &str, seconds: f64) {
+        self.inner.e2e.get_or_create(&[("mode", mode.into())]).observe(seconds);
+    }
+
+    /// Counts one finished request.
+    pub fn outcome(&self, outcome: Outcome) {
+        self.inner.requests.get_or_create(&[("outcome", outcome.as_str().into())]).inc();
+    }
+
+    /// Time a request spent in one phase.
+    pub fn phase(&self, phase: Phase, seconds: f64) {
+        self.inner.phase.get_or_create(&[("phase", phase.as_str().into())]).observe(seconds);
+    }
+
+    /// Counts one routing decision for a prefill.
+    pub fn route(&self, route: PrefillRoute) {
+        let label = match route {
+            PrefillRoute::Local => "local",
+            PrefillRoute::Remote => "remote",
+        };
+        self.inner.prefill_route.get_or_create(&[("where", label.into())]).inc();
+    }
+
+    /// Adds KV bytes moved over `transport` (`inproc`, `shm`, `tcp`, ...).
+    pub fn kv_transfer_bytes(&self, transport: &str, bytes: u64) {
+        self.inner.kv_transfer_bytes.get_or_create(&[("transport", transport.into())]).inc_by(bytes);
+    }
+
+    /// The current block counts of `worker`'s KV pool.
+    pub fn set_kv_blocks(&self, worker: &str, free: usize, used: usize, cached: usize) {
+        for (state, n) in [("free", free), ("used", used), ("cached", cached)] {
+            let labels = [("worker", worker.into()), ("state", state.into())];
+            self.inner.kv_blocks.get_or_create(&labels).set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Adds prompt tokens found in a prefix cache.
+    pub fn prefix_hit(&self, kind: PrefixHit, tokens: u64) {
+        let label = match kind {
+            PrefixHit::Predicted => "predicted",
+            PrefixHit::Realized => "realized",
+        };
+        self.inner.prefix_hit_tokens.get_or_create(&[("kind", label.into())]).inc_by(tokens);
+    }
+
+    /// Marks `worker`'s current role: 1 for it, 0 for the others.
+    pub fn set_role(&self, worker: &str, role: Role) {
+        for r in [Role::Prefill, Role::Decode, Role::Mixed] {
+            let labels = [("worker", worker.into()), ("role", r.to_string())];
+            self.inner.worker_role.get_or_create(&labels).set(i64::from(r == role));
+        }
+    }
+
+    /// Everything in the Prometheus text format 0.0.4.
+    pub fn render(&self) -> String {
+        let mut open_metrics = String::new();
+        // Writing into a String cannot fail; a failure would only truncate the page.
+        let _ = encode_registry(&mut open_metrics, &self.inner.registry);
+        to_prometheus_text(&open_metrics)
+    }
+}
+
+impl Inner {
+    fn registered(mut self) -> Self {
+        let r = &mut self.registry;
+        r.register(REQUEST_TTFT, "Time to first token", self.ttft.clone());
+        r.register(REQUEST_TPOT, "Mean time per output token after the first", self.tpot.clone());
+        r.register(REQUEST_ITL, "Gap between consecutive output tokens", self.itl.clone());
+        r.register(REQUEST_E2E, "Request latency, arrival to last token", self.e2e.clone());
+        r.register(REQUESTS, "Finished requests by outcome", self.requests.clone());
+        r.register(PHASE, "Time spent per request phase", self.phase.clone());
+        r.register(PREFILL_ROUTE, "Prefills by where they ran", self.prefill_route.clone());
+        r.register(KV_TRANSFER_BYTES, "KV cache bytes moved between workers", self.kv_transfer_bytes.clone());
+        r.register(KV_BLOCKS, "KV cache blocks per worker and state", self.kv_blocks.clone());
+        r.register(PREFIX_HIT_TOKENS, "Prompt tokens found in a prefix cache", self.prefix_hit_tokens.clone());
+        r.register(WORKER_ROLE, "1 for each worker's current role", self.worker_role.clone());
+        self
+    }
+}
+
+/// prometheus-client writes OpenMetrics, whose counter families are named without
+/// `_total` and which ends with `# EOF`. The 0.0.4 format names the family like its
+/// samples, so the HELP and TYPE lines of counters get the suffix back.
+fn to_prometheus_text(open_metrics: &str) -> String {
+    let counters: Vec<&str> =
+        open_metrics.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
+    let mut out = String::with_capacity(open_metrics.len() + 64);
+    for line in open_metrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        out.push_str(&rename_counter(line, &counters).unwrap_or_else(|| line.to_string()));
+        out.push('\n');
+    }
+    out
+}
+
+/// `# HELP name ...` / `# TYPE name counter` of a counter, with `name_total`.
+fn rename_counter(line: &str, counters: &[&str]) -> Option<String> {
+    let (tag, rest) =
+        line.strip_prefix("# HELP ").map(|r| ("HELP", r)).or(line.strip_prefix("# TYPE ").map(|r| ("TYPE", r)))?;
+    let (name, tail) = rest.split_once(' ')?;
+    counters.contains(&name).then(|| format!("# {tag} {name}_total {tail}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_keep_their_total_suffix() {
+        let m = Metrics::new();
+        m.outcome(Outcome::Ok);
+        m.kv_transfer_bytes("tcp", 42);
+        let text = m.render();
+        assert!(text.contains("# TYPE pdserve_requests_total counter\n"), "{text}");
+        assert!(text.contains("pdserve_requests_total{outcome=\"ok\"} 1\n"), "{text}");
+        assert!(text.contains("pdserve_kv_transfer_bytes_total{transport=\"tcp\"} 42\n"), "{text}");
+        assert!(!text.contains("# EOF"));
+    }
+
+    #[test]
+    fn roles_and_blocks_are_gauges() {
+        let m = Metrics::new();
+        m.set_role("w0", Role::Decode);
+        m.set_kv_blocks("w0", 10, 2, 3);
+        let text = m.render();
+        assert!(text.contains("pdserve_worker_role{worker=\"w0\",role=\"decode\"} 1\n"), "{text}");
+        assert!(text.contains("pdserve_worker_role{worker=\"w0\",role=\"prefill\"} 0\n"), "{text}");
+        assert!(text.contains("pdserve_kv_blocks{worker=\"w0\",state=\"cached\"} 3\n"), "{text}");
+    }
+
+    #[test]
+    fn histograms_have_buckets() {
+        let m = Metrics::new();
+        m.ttft("auto", 0.01);
+        m.phase(Phase::KvTransfer, 0.002);
+        let text = m.render();
+        assert!(text.contains("pdserve_request_ttft_seconds_count{mode=\"auto\"} 1\n"), "{text}");
+        assert!(text.contains("pdserve_phase_seconds_bucket{le=\"+Inf\",phase=\"kv_transfer\"} 1\n"), "{text}");
+    }
+}

@@ -1,0 +1,249 @@
+//! OpenAI requests → [`ValidRequest`]: the model checked, the prompt rendered and
+//! tokenized, every sampling value range-checked. Code past this point trusts it.
+//!
+//! Defaults follow OpenAI and vLLM:
+//! - `temperature` 1, `top_p` 1, no top-k, min-p or penalties.
+//! - `max_tokens` 16 for completions. For chat, the rest of the context
+//!   (`context_length − prompt`), capped at [`DEFAULT_CHAT_MAX_TOKENS`] so a forgotten
+//!   limit cannot hold a worker for minutes. Defaults shrink to fit the context; an
+//!   explicit `max_tokens` that does not fit is a 400.
+//! - Text prompts are tokenized without parsing special tokens (`<|im_end|>` in user
+//!   text stays text); rendered chat prompts parse them. BOS is added only when the
+//!   tokenizer asks for it, and never twice.
+//! - Token-id prompts are used as given.
+
+use crate::errors::ApiError;
+use crate::openai::{ChatRequest, CommonParams, CompletionRequest, Content, Message, Prompt, Stop};
+use pdserve_engine::chat::{ChatMessage, ChatTemplate};
+use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_protocol::ServeError;
+use pdserve_types::{SamplingParams, StopCondition, TokenId};
+use std::sync::Arc;
+
+/// `max_tokens` of completions when the request names none.
+pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
+/// Upper bound of the chat default (`context_length − prompt`).
+pub const DEFAULT_CHAT_MAX_TOKENS: usize = 4096;
+/// Most alternatives per token (OpenAI allows 20).
+const MAX_TOP_LOGPROBS: i64 = 20;
+
+/// A request that passed every check, ready for [`pdserve_protocol::Generate`].
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    pub prompt: Vec<TokenId>,
+    pub params: SamplingParams,
+    pub stream: bool,
+    /// Streamed responses end with a usage chunk.
+    pub include_usage: bool,
+}
+
+/// What validation needs to know about the served model.
+#[derive(Debug, Clone)]
+pub struct Validator {
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat: Arc<ChatTemplate>,
+    pub model_id: String,
+    pub context_length: usize,
+}
+
+impl Validator {
+    pub fn completion(&self, req: CompletionRequest) -> Result<ValidRequest, ApiError> {
+        self.check_common(&req.common)?;
+        if req.echo == Some(true) {
+            return Err(ApiError::invalid("echo", "echo is not supported"));
+        }
+        let top = match req.logprobs {
+            None => None,
+            Some(k) if (0..=MAX_TOP_LOGPROBS).contains(&k) => Some(k as u32),
+            Some(_) => return Err(ApiError::invalid("logprobs", "logprobs must be between 0 and 20")),
+        };
+        let prompt = self.prompt_ids(req.prompt)?;
+        let explicit = count("max_tokens", req.common.max_tokens)?;
+        let max_tokens = self.fit(prompt.len(), explicit, DEFAULT_COMPLETION_MAX_TOKENS)?;
+        self.finish(prompt, max_tokens, top, &req.common)
+    }
+
+    pub fn chat(&self, req: ChatRequest) -> Result<ValidRequest, ApiError> {
+        self.check_common(&req.common)?;
+        let top = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
+            (_, Some(k)) if !(0..=MAX_TOP_LOGPROBS).contains(&k) => {
+                return Err(ApiError::invalid("top_logprobs", "top_logprobs must be between 0 and 20"))
+            }
+            (false, Some(_)) => return Err(ApiError::invalid("top_logprobs", "top_logprobs requires logprobs: true")),
+            (true, k) => Some(k.unwrap_or(0) as u32),
+            (false, None) => None,
+        };
+        let prompt = self.chat_ids(&req.messages)?;
+        let explicit = match req.max_completion_tokens {
+            Some(_) => count("max_completion_tokens", req.max_completion_tokens)?,
+            None => count("max_tokens", req.common.max_tokens)?,
+        };
+        let default = self.context_length.saturating_sub(prompt.len()).min(DEFAULT_CHAT_MAX_TOKENS);
+        let max_tokens = self.fit(prompt.len(), explicit, default)?;
+        self.finish(prompt, max_tokens, top, &req.common)
+    }
+
+    /// Checks that do not need the prompt: model, `n`.
+    fn check_common(&self, c: &CommonParams) -> Result<(), ApiError> {
+        if let Some(model) = c.model.as_deref().filter(|m| *m != self.model_id) {
+            return Err(ApiError::ModelNotFound(model.to_string()));
+        }
+        match c.n {
+            None | Some(1) => Ok(()),
+            Some(_) => Err(ApiError::invalid("n", "only n = 1 is supported")),
+        }
+    }
+
+    /// `max_tokens`, the default shrunk to fit the context, or a context error.
+    fn fit(&self, prompt: usize, explicit: Option<usize>, default: usize) -> Result<usize, ApiError> {
+        let context = self.context_length;
+        let too_long = |needed| ApiError::Serve(ServeError::ContextLength { context, prompt, needed });
+        match explicit {
+            _ if prompt >= context => Err(too_long(prompt + 1)),
+            Some(n) if prompt.saturating_add(n) > context => Err(too_long(prompt.saturating_add(n))),
+            Some(n) => Ok(n),
+            None => Ok(default.min(context - prompt)),
+        }
+    }
+
+    fn finish(
+        &self,
+        prompt: Vec<TokenId>,
+        max_tokens: usize,
+        top_logprobs: Option<u32>,
+        c: &CommonParams,
+    ) -> Result<ValidRequest, ApiError> {
+        let params = SamplingParams {
+            max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
+            min_tokens: count("min_tokens", c.min_tokens)?.map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
+            temperature: c.temperature.unwrap_or(1.0),
+            top_k: top_k(c.top_k)?,
+            top_p: c.top_p.unwrap_or(1.0),
+            min_p: c.min_p.unwrap_or(0.0),
+            repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
+            frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: c.presence_penalty.unwrap_or(0.0),
+            // Negative seeds are accepted (vLLM does) and reinterpreted as u64.
+            seed: c.seed.map(|s| s as u64),
+            ignore_eos: c.ignore_eos.unwrap_or(false),
+            logprobs: top_logprobs.is_some(),
+            top_logprobs: top_logprobs.unwrap_or(0),
+            stop: StopCondition { strings: stop_strings(&c.stop), token_ids: self.stop_ids(&c.stop_token_ids)? },
+        }
+        .validate()?;
+        let stream = c.stream.unwrap_or(false);
+        let include_usage = stream && c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+        Ok(ValidRequest { prompt, params, stream, include_usage })
+    }
+
+    fn prompt_ids(&self, prompt: Prompt) -> Result<Vec<TokenId>, ApiError> {
+        let single = |n: usize| match n {
+            1 => Ok(()),
+            0 => Err(ApiError::invalid("prompt", "prompt must not be empty")),
+            _ => Err(ApiError::invalid("prompt", "batched prompts are not supported: send one prompt per request")),
+        };
+        match prompt {
+            Prompt::Text(text) => self.text_ids(&text),
+            Prompt::Texts(mut texts) => {
+                single(texts.len())?;
+                self.text_ids(&texts.swap_remove(0))
+            }
+            Prompt::Ids(ids) => self.checked_ids("prompt", &ids),
+            Prompt::IdBatch(mut batch) => {
+                single(batch.len())?;
+                self.checked_ids("prompt", &batch.swap_remove(0))
+            }
+        }
+    }
+
+    fn text_ids(&self, text: &str) -> Result<Vec<TokenId>, ApiError> {
+        if text.is_empty() {
+            return Err(ApiError::invalid("prompt", "prompt must not be empty"));
+        }
+        Ok(self.tokenizer.encode_with_bos(text, false))
+    }
+
+    fn checked_ids(&self, param: &'static str, ids: &[i64]) -> Result<Vec<TokenId>, ApiError> {
+        if ids.is_empty() && param == "prompt" {
+            return Err(ApiError::invalid(param, "prompt must not be empty"));
+        }
+        let vocab = self.tokenizer.vocab_size();
+        ids.iter()
+            .map(|&id| match u32::try_from(id) {
+                Ok(t) if (t as usize) < vocab => Ok(t),
+                _ => {
+                    Err(ApiError::invalid(param, format!("token id {id} is outside the vocabulary of {vocab} tokens")))
+                }
+            })
+            .collect()
+    }
+
+    fn stop_ids(&self, ids: &Option<Vec<i64>>) -> Result<Vec<TokenId>, ApiError> {
+        ids.as_deref().map_or(Ok(Vec::new()), |ids| self.checked_ids("stop_token_ids", ids))
+    }
+
+    fn chat_ids(&self, messages: &[Message]) -> Result<Vec<TokenId>, ApiError> {
+        if messages.is_empty() {
+            return Err(ApiError::invalid("messages", "messages must not be empty"));
+        }
+        let turns = messages.iter().map(to_chat_message).collect::<Result<Vec<_>, _>>()?;
+        let text = self.chat.render(&turns, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        let mut ids = self.tokenizer.encode(&text, true);
+        if let (true, Some(bos)) = (self.tokenizer.add_bos(), self.tokenizer.bos_id()) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        if ids.is_empty() {
+            return Err(ApiError::invalid("messages", "the conversation renders to an empty prompt"));
+        }
+        Ok(ids)
+    }
+}
+
+fn to_chat_message(m: &Message) -> Result<ChatMessage, ApiError> {
+    let content = match &m.content {
+        None => String::new(),
+        Some(Content::Text(s)) => s.clone(),
+        Some(Content::Parts(parts)) => {
+            let texts = parts.iter().map(|p| match (p.kind.as_str(), &p.text) {
+                ("text", Some(t)) => Ok(t.as_str()),
+                ("text", None) => Err(ApiError::invalid("messages", "a text content part needs `text`")),
+                (other, _) => Err(ApiError::invalid(
+                    "messages",
+                    format!("content parts of type `{other}` are not supported; only `text` is"),
+                )),
+            });
+            texts.collect::<Result<Vec<_>, _>>()?.join("\n")
+        }
+    };
+    Ok(ChatMessage::new(m.role.clone(), content))
+}
+
+/// An optional non-negative count.
+fn count(param: &'static str, v: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match v {
+        None => Ok(None),
+        Some(n) => {
+            usize::try_from(n).map(Some).map_err(|_| ApiError::invalid(param, format!("{param} must not be negative")))
+        }
+    }
+}
+
+/// `top_k`: -1 and 0 disable it (vLLM uses -1).
+fn top_k(v: Option<i64>) -> Result<u32, ApiError> {
+    match v {
+        None | Some(-1) | Some(0) => Ok(0),
+        Some(k) => {
+            u32::try_from(k).map_err(|_| ApiError::invalid("top_k", "top_k must be -1, 0 (disabled) or positive"))
+        }
+    }
+}
+
+fn stop_strings(stop: &Option<Stop>) -> Vec<String> {
+    match stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s.clone()],
+        Some(Stop::Many(v)) => v.clone(),
+    }
+}

@@ -1,0 +1,286 @@
+//! Test support: the real tokenizer and chat template of the default model, a fake
+//! `Generate` backend with scripted behaviour, a server on 127.0.0.1:0 and a raw
+//! HTTP/1.1 client over tokio's TcpStream.
+#![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
+
+use pdserve_engine::chat::ChatTemplate;
+use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_frontend::{Frontend, Metrics};
+use pdserve_protocol::{
+    Event, EventSender, FinishReason, Generate, GenerateRequest, ServeError, TokenOut, TokenStream, Usage,
+};
+use serde_json::Value;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// A small context so tests can overflow it cheaply.
+pub const CONTEXT: usize = 512;
+/// `cached_tokens` the fake reports in its usage.
+pub const CACHED: usize = 3;
+
+pub struct Model {
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat: Arc<ChatTemplate>,
+    pub name: String,
+}
+
+/// The default model's tokenizer and template, loaded once per test binary.
+pub fn model() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let path = pdserve_engine::models::require_default_model();
+        let loaded = pdserve_engine::loader::load(&path).expect("load the default model");
+        Model { tokenizer: loaded.tokenizer, chat: loaded.chat, name: loaded.name }
+    })
+}
+
+/// What the fake backend does with each request.
+#[derive(Clone)]
+pub enum Script {
+    /// Streams the tokens of this text, then EOS (or stops at max_tokens).
+    Reply(String),
+    /// `generate` itself fails.
+    Refuse(ServeError),
+    /// Streams this many tokens of "hello", then fails.
+    FailAfter(usize, ServeError),
+    /// A token every 5 ms until the client is gone.
+    Endless,
+}
+
+pub struct Fake {
+    script: Script,
+    tokenizer: Arc<Tokenizer>,
+    pub ready: AtomicBool,
+    pub last: Mutex<Option<GenerateRequest>>,
+    /// Set once an endless stream saw its consumer go away.
+    pub cancelled: Arc<AtomicBool>,
+}
+
+impl Fake {
+    pub fn new(script: Script) -> Fake {
+        Fake {
+            script,
+            tokenizer: model().tokenizer.clone(),
+            ready: AtomicBool::new(true),
+            last: Mutex::new(None),
+            cancelled: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    fn token(id: u32, n_top: u32) -> Event {
+        let top = (0..n_top).map(|i| (id + i, -0.25 - i as f32)).collect();
+        Event::Token(TokenOut { token: id, logprob: -0.25, top })
+    }
+
+    fn reply(&self, req: &GenerateRequest, text: &str, tx: &EventSender) {
+        let mut ids = self.tokenizer.encode(text, false);
+        ids.extend(self.tokenizer.eos_id());
+        let max = req.params.max_tokens as usize;
+        let n = ids.len().min(max);
+        for &id in &ids[..n] {
+            tx.send(Fake::token(id, req.params.top_logprobs)).unwrap();
+        }
+        let reason = if n == ids.len() { FinishReason::Stop } else { FinishReason::Length };
+        let usage = Usage { prompt_tokens: req.prompt.len(), completion_tokens: n, cached_tokens: CACHED };
+        tx.send(Event::Done { reason, usage }).unwrap();
+    }
+
+    fn endless(&self, tx: EventSender) {
+        let id = self.tokenizer.encode(" hi", false)[0];
+        let cancelled = self.cancelled.clone();
+        tokio::spawn(async move {
+            loop {
+                if tx.is_closed() {
+                    cancelled.store(true, Ordering::SeqCst);
+                    return;
+                }
+                let _ = tx.send(Fake::token(id, 0));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+    }
+}
+
+impl Generate for Fake {
+    fn generate(&self, req: GenerateRequest) -> Result<TokenStream, ServeError> {
+        *self.last.lock().unwrap() = Some(req.clone());
+        let (tx, stream) = TokenStream::channel(1024);
+        match &self.script {
+            Script::Reply(text) => self.reply(&req, text, &tx),
+            Script::Refuse(e) => return Err(e.clone()),
+            Script::FailAfter(n, e) => {
+                let id = self.tokenizer.encode("hello", false)[0];
+                for _ in 0..*n {
+                    tx.send(Fake::token(id, 0)).unwrap();
+                }
+                tx.send(Event::Failed(e.clone())).unwrap();
+            }
+            Script::Endless => self.endless(tx),
+        }
+        Ok(stream)
+    }
+
+    fn ready(&self) -> bool {
+        self.ready.load(Ordering::SeqCst)
+    }
+}
+
+pub struct Server {
+    pub addr: SocketAddr,
+    pub fake: Arc<Fake>,
+    pub metrics: Metrics,
+}
+
+impl Server {
+    pub async fn start(script: Script) -> Server {
+        let m = model();
+        let fake = Arc::new(Fake::new(script));
+        let metrics = Metrics::new();
+        let frontend =
+            Frontend::new(fake.clone(), m.tokenizer.clone(), m.chat.clone(), m.name.clone(), CONTEXT, metrics.clone());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(pdserve_frontend::serve(listener, frontend.router(), std::future::pending()));
+        Server { addr, fake, metrics }
+    }
+
+    pub fn last_request(&self) -> GenerateRequest {
+        self.fake.last.lock().unwrap().clone().expect("a request reached the backend")
+    }
+
+    pub async fn post(&self, path: &str, body: &str) -> Reply {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        self.raw(&[head.as_bytes(), body.as_bytes()].concat()).await
+    }
+
+    pub async fn post_json(&self, path: &str, body: &Value) -> Reply {
+        self.post(path, &body.to_string()).await
+    }
+
+    pub async fn get(&self, path: &str) -> Reply {
+        self.raw(format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes()).await
+    }
+
+    /// Sends raw bytes and reads the whole response (the server closes after it).
+    pub async fn raw(&self, request: &[u8]) -> Reply {
+        let mut conn = TcpStream::connect(self.addr).await.unwrap();
+        conn.write_all(request).await.unwrap();
+        let mut bytes = Vec::new();
+        tokio::time::timeout(Duration::from_secs(30), conn.read_to_end(&mut bytes))
+            .await
+            .expect("response within 30 s")
+            .unwrap();
+        Reply::parse(&bytes)
+    }
+
+    /// Writes `request` while reading the answer, for servers that answer before
+    /// reading the whole body (and may reset the connection once they have).
+    pub async fn raw_eager(&self, request: Vec<u8>) -> Reply {
+        let conn = TcpStream::connect(self.addr).await.unwrap();
+        let (mut rd, mut wr) = conn.into_split();
+        let writer = tokio::spawn(async move {
+            let _ = wr.write_all(&request).await;
+            wr
+        });
+        let mut bytes = Vec::new();
+        let mut buf = vec![0u8; 64 << 10];
+        let read = async {
+            loop {
+                match rd.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => bytes.extend_from_slice(&buf[..n]),
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), read).await.expect("response within 30 s");
+        writer.abort();
+        Reply::parse(&bytes)
+    }
+}
+
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    fn parse(bytes: &[u8]) -> Reply {
+        let split = bytes.windows(4).position(|w| w == b"\r\n\r\n").expect("end of headers");
+        let head = std::str::from_utf8(&bytes[..split]).unwrap();
+        let mut lines = head.split("\r\n");
+        let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+        let headers: Vec<(String, String)> = lines
+            .map(|l| {
+                let (k, v) = l.split_once(':').unwrap();
+                (k.trim().to_ascii_lowercase(), v.trim().to_string())
+            })
+            .collect();
+        let raw = &bytes[split + 4..];
+        let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
+        let body = if chunked { dechunk(raw) } else { raw.to_vec() };
+        Reply { status, headers, body }
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8(self.body.clone()).unwrap()
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+
+    /// The `data:` payloads of an SSE body, checking the framing on the way.
+    pub fn events(&self) -> Vec<String> {
+        let text = self.text();
+        assert!(text.ends_with("\n\n"), "SSE body must end with a blank line: {text:?}");
+        text.trim_end_matches("\n\n")
+            .split("\n\n")
+            .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {e:?}")).to_string())
+            .collect()
+    }
+
+    /// The JSON chunks of an SSE body; asserts it ends with `[DONE]`.
+    pub fn chunks(&self) -> Vec<Value> {
+        let mut events = self.events();
+        assert_eq!(events.pop().as_deref(), Some("[DONE]"));
+        events.iter().map(|e| serde_json::from_str(e).unwrap()).collect()
+    }
+
+    /// Asserts an OpenAI error body with this status; returns the `error` object.
+    pub fn error(&self, status: u16) -> Value {
+        assert_eq!(self.status, status, "{}", self.text());
+        let v = self.json();
+        let e = v["error"].clone();
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        assert!(e["type"].is_string(), "{v}");
+        assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
+        e
+    }
+}
+
+fn dechunk(mut raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let eol = raw.windows(2).position(|w| w == b"\r\n").expect("chunk size line");
+        let size = usize::from_str_radix(std::str::from_utf8(&raw[..eol]).unwrap().trim(), 16).unwrap();
+        raw = &raw[eol + 2..];
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&raw[..size]);
+        raw = &raw[size + 2..];
+    }
+}

@@ -51,24 +51,7 @@ pub enum Outcome {
     Rejected,
 }
 
-/// A phase of a request's life, for `pdserve_phase_seconds{phase}`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    QueuePrefill,
-    Prefill,
-    KvTransfer,
-    QueueDecode,
-    Decode,
-}
-
-/// Where a prompt was prefilled, for `pdserve_prefill_route_total{where}`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PrefillRoute {
-    /// On the decode worker itself.
-    Local,
-    /// On a prefill worker, with the KV shipped to the decode worker.
-    Remote,
-}
+pub use pdserve_protocol::{Phase, PrefillRoute};
 
 /// Which prefix-cache figure, for `pdserve_prefix_hit_tokens_total{kind}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,15 +73,14 @@ impl Outcome {
     }
 }
 
-impl Phase {
-    fn as_str(self) -> &'static str {
-        match self {
-            Phase::QueuePrefill => "queue_prefill",
-            Phase::Prefill => "prefill",
-            Phase::KvTransfer => "kv_transfer",
-            Phase::QueueDecode => "queue_decode",
-            Phase::Decode => "decode",
-        }
+/// The `phase` label value.
+fn phase_label(phase: Phase) -> &'static str {
+    match phase {
+        Phase::QueuePrefill => "queue_prefill",
+        Phase::Prefill => "prefill",
+        Phase::KvTransfer => "kv_transfer",
+        Phase::QueueDecode => "queue_decode",
+        Phase::Decode => "decode",
     }
 }
 
@@ -183,7 +165,7 @@ impl Metrics {
 
     /// Time a request spent in one phase.
     pub fn phase(&self, phase: Phase, seconds: f64) {
-        self.inner.phase.get_or_create(&[("phase", phase.as_str().into())]).observe(seconds);
+        self.inner.phase.get_or_create(&[("phase", phase_label(phase).into())]).observe(seconds);
     }
 
     /// Counts one routing decision for a prefill.
@@ -275,6 +257,20 @@ fn rename_counter(line: &str, counters: &[&str]) -> Option<String> {
         line.strip_prefix("# HELP ").map(|r| ("HELP", r)).or(line.strip_prefix("# TYPE ").map(|r| ("TYPE", r)))?;
     let (name, tail) = rest.split_once(' ')?;
     counters.contains(&name).then(|| format!("# {tag} {name}_total {tail}"))
+}
+
+impl pdserve_protocol::Telemetry for Metrics {
+    fn phase(&self, phase: Phase, seconds: f64) {
+        Metrics::phase(self, phase, seconds)
+    }
+
+    fn route(&self, route: PrefillRoute) {
+        Metrics::route(self, route)
+    }
+
+    fn kv_transfer_bytes(&self, transport: &str, bytes: u64) {
+        Metrics::kv_transfer_bytes(self, transport, bytes)
+    }
 }
 
 #[cfg(test)]

@@ -137,3 +137,39 @@ pub trait Generate: Send + Sync + 'static {
     /// Whether at least one worker can take requests.
     fn ready(&self) -> bool;
 }
+
+/// A phase of a request's life, for `pdserve_phase_seconds{phase}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    QueuePrefill,
+    Prefill,
+    KvTransfer,
+    QueueDecode,
+    Decode,
+}
+
+/// Where a prompt was prefilled, for `pdserve_prefill_route_total{where}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillRoute {
+    /// On the decode worker itself.
+    Local,
+    /// On a prefill worker, with the KV shipped to the decode worker.
+    Remote,
+}
+
+/// What the router and workers report; the frontend's metrics implement it, so each
+/// figure is recorded where it is known without the lower hops knowing Prometheus.
+pub trait Telemetry: Send + Sync + 'static {
+    fn phase(&self, phase: Phase, seconds: f64);
+    fn route(&self, route: PrefillRoute);
+    fn kv_transfer_bytes(&self, transport: &str, bytes: u64);
+}
+
+/// Records nothing (tests, embedded use without metrics).
+pub struct NoTelemetry;
+
+impl Telemetry for NoTelemetry {
+    fn phase(&self, _: Phase, _: f64) {}
+    fn route(&self, _: PrefillRoute) {}
+    fn kv_transfer_bytes(&self, _: &str, _: u64) {}
+}

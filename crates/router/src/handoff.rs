@@ -11,12 +11,12 @@
 //! cancels at once, and every exit path releases what the state held (D's reserved
 //! blocks). Once D streams, D's worker loop owns the request and its cancellation.
 
-use pdserve_protocol::{Event, EventSender, GenerateRequest, ServeError, TokenStream, Usage};
+use pdserve_protocol::{Event, EventSender, GenerateRequest, Phase, ServeError, Telemetry, TokenStream, Usage};
 use pdserve_worker::{FirstToken, FrameSink, Worker};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Per-phase time limits; the prefill limit grows with the prompt.
 #[derive(Debug, Clone, Copy)]
@@ -54,10 +54,18 @@ pub enum Outcome {
     Failed,
 }
 
-/// Starts the handoff of `req` from prefill worker `p` to decode worker `d`.
-pub fn start(rt: &tokio::runtime::Handle, p: Worker, d: Worker, req: GenerateRequest, dl: Deadlines) -> TokenStream {
+/// The two workers of one handoff and what governs it.
+pub struct Hop {
+    pub p: Worker,
+    pub d: Worker,
+    pub deadlines: Deadlines,
+    pub telemetry: Arc<dyn Telemetry>,
+}
+
+/// Starts the handoff of `req` from prefill worker `hop.p` to decode worker `hop.d`.
+pub fn start(rt: &tokio::runtime::Handle, hop: Hop, req: GenerateRequest) -> TokenStream {
     let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-    rt.spawn(run(p, d, req, client, dl));
+    rt.spawn(run(hop, req, client));
     stream
 }
 
@@ -80,7 +88,8 @@ fn fail(client: &EventSender, e: ServeError) -> Outcome {
     Outcome::Failed
 }
 
-pub async fn run(p: Worker, d: Worker, req: GenerateRequest, client: EventSender, dl: Deadlines) -> Outcome {
+pub async fn run(hop: Hop, req: GenerateRequest, client: EventSender) -> Outcome {
+    let Hop { p, d, deadlines: dl, telemetry } = hop;
     let id = req.id;
     // Reserved(D): blocks first, so a transfer never arrives where it cannot land.
     let reserved = match d.reserve(id, req.prompt.len()) {
@@ -102,11 +111,15 @@ pub async fn run(p: Worker, d: Worker, req: GenerateRequest, client: EventSender
     }
     // Prefilling(P), frames flowing into D as each layer completes (Transferring).
     let broken = Arc::new(AtomicBool::new(false));
-    let sink = frame_sink(d.clone(), id, broken.clone(), client.clone());
+    let bytes = Arc::new(AtomicU64::new(0));
+    let sink = frame_sink(d.clone(), id, broken.clone(), client.clone(), bytes.clone());
+    let started = Instant::now();
     let first = match p.prefill(req.clone(), sink) {
         Ok(rx) => wait(dl.prefill(req.prompt.len()), &client, rx).await,
         Err(_) => Wait::TimedOut,
     };
+    telemetry.phase(Phase::Prefill, started.elapsed().as_secs_f64());
+    telemetry.kv_transfer_bytes("inproc", bytes.load(Ordering::Relaxed));
     let first = match first {
         Wait::Done(Ok(Ok(first))) if !broken.load(Ordering::SeqCst) => first,
         Wait::Cancelled => {
@@ -155,11 +168,18 @@ fn decode_ready(d: &Worker, req: GenerateRequest, first: FirstToken, client: Eve
 
 /// Forwards frames to D; a frame D cannot queue, or a client that left, breaks the
 /// transfer (the prefill side then stops sending).
-fn frame_sink(d: Worker, id: pdserve_types::RequestId, broken: Arc<AtomicBool>, client: EventSender) -> FrameSink {
+fn frame_sink(
+    d: Worker,
+    id: pdserve_types::RequestId,
+    broken: Arc<AtomicBool>,
+    client: EventSender,
+    bytes: Arc<AtomicU64>,
+) -> FrameSink {
     Box::new(move |frame| {
         if broken.load(Ordering::SeqCst) || client.is_closed() {
             return false;
         }
+        bytes.fetch_add(2 * (frame.k.len() + frame.v.len()) as u64, Ordering::Relaxed);
         let ok = d.frame(id, frame).is_ok();
         if !ok {
             broken.store(true, Ordering::SeqCst);

@@ -13,10 +13,11 @@ pub mod policies;
 pub use handoff::Deadlines;
 pub use mode::Mode;
 
-use pdserve_protocol::{Generate, GenerateRequest, ServeError, TokenStream};
+use pdserve_protocol::{Generate, GenerateRequest, NoTelemetry, PrefillRoute, ServeError, Telemetry, TokenStream};
 use pdserve_types::Role;
 use pdserve_worker::Worker;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 pub struct Router {
     workers: Vec<Worker>,
@@ -24,12 +25,19 @@ pub struct Router {
     deadlines: Deadlines,
     runtime: tokio::runtime::Handle,
     draining: AtomicBool,
+    telemetry: Arc<dyn Telemetry>,
 }
 
 impl Router {
     /// `runtime` runs the handoff tasks.
     pub fn new(workers: Vec<Worker>, mode: Mode, deadlines: Deadlines, runtime: tokio::runtime::Handle) -> Self {
-        Router { workers, mode, deadlines, runtime, draining: AtomicBool::new(false) }
+        Router { workers, mode, deadlines, runtime, draining: AtomicBool::new(false), telemetry: Arc::new(NoTelemetry) }
+    }
+
+    /// Reports routing decisions, phase times and transfer bytes to `t`.
+    pub fn with_telemetry(mut self, t: Arc<dyn Telemetry>) -> Self {
+        self.telemetry = t;
+        self
     }
 
     pub fn workers(&self) -> &[Worker] {
@@ -68,8 +76,20 @@ impl Generate for Router {
             }
         };
         match remote {
-            None => d.generate(req),
-            Some(p) => Ok(handoff::start(&self.runtime, p.clone(), d.clone(), req, self.deadlines)),
+            None => {
+                self.telemetry.route(PrefillRoute::Local);
+                d.generate(req)
+            }
+            Some(p) => {
+                self.telemetry.route(PrefillRoute::Remote);
+                let hop = handoff::Hop {
+                    p: p.clone(),
+                    d: d.clone(),
+                    deadlines: self.deadlines,
+                    telemetry: self.telemetry.clone(),
+                };
+                Ok(handoff::start(&self.runtime, hop, req))
+            }
         }
     }
 

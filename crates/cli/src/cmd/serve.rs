@@ -59,7 +59,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
-        let router = Arc::new(Router::new(workers, a.mode, Deadlines::default(), tokio::runtime::Handle::current()));
+        let router = Arc::new(
+            Router::new(workers, a.mode, Deadlines::default(), tokio::runtime::Handle::current())
+                .with_telemetry(Arc::new(metrics.clone())),
+        );
         let mode = format!("{:?}", a.mode).to_lowercase();
         let frontend = Frontend::new(
             router.clone() as Arc<dyn Generate>,

@@ -1,0 +1,186 @@
+//! The receiving side: a decode worker's registry of handoffs it expects, fed by any
+//! number of transports at once.
+
+use crate::{Frame, HandoffId, TransferError};
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::pin;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::{self, Thread};
+use tokio::sync::mpsc;
+
+/// How a handoff ended, set once by its feed before the feed drops its channel.
+type End = Arc<OnceLock<Result<(), TransferError>>>;
+
+/// The handoffs a decode worker expects. Cheap to clone; every transport's receiver
+/// delivers into the same one.
+#[derive(Clone)]
+pub struct Inboxes {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    capacity: usize,
+    expected: Mutex<HashMap<HandoffId, Feed>>,
+}
+
+impl Inboxes {
+    /// Each handoff buffers up to `capacity` frames before its sender waits.
+    pub fn new(capacity: usize) -> Inboxes {
+        let shared = Shared { capacity: capacity.max(1), expected: Mutex::new(HashMap::new()) };
+        Inboxes { shared: Arc::new(shared) }
+    }
+
+    /// Starts expecting handoff `id`; its frames arrive on the returned inbox.
+    /// Dropping the inbox tells the sender the receiver is gone.
+    pub fn expect(&self, id: HandoffId) -> Result<Inbox, TransferError> {
+        let mut expected = self.shared.expected.lock().unwrap_or_else(PoisonError::into_inner);
+        if expected.get(&id).is_some_and(|f| !f.tx.is_closed()) {
+            return Err(TransferError::Duplicate(id));
+        }
+        let (tx, rx) = mpsc::channel(self.shared.capacity);
+        let end = End::default();
+        expected.insert(id, Feed { tx, end: end.clone() });
+        Ok(Inbox { id, rx, end, shared: self.shared.clone() })
+    }
+
+    /// Takes the feed of an expected handoff, once: the first link to claim it owns it.
+    pub(crate) fn claim(&self, id: HandoffId) -> Option<Feed> {
+        let mut expected = self.shared.expected.lock().unwrap_or_else(PoisonError::into_inner);
+        expected.remove(&id).filter(|f| !f.tx.is_closed())
+    }
+}
+
+/// The frames of one handoff, in the order they were sent.
+pub struct Inbox {
+    id: HandoffId,
+    rx: mpsc::Receiver<Frame>,
+    end: End,
+    shared: Arc<Shared>,
+}
+
+impl Inbox {
+    pub fn id(&self) -> HandoffId {
+        self.id
+    }
+
+    /// The next frame; `Ok(None)` once the sender finished and every frame arrived.
+    /// An error ends the handoff: the sender aborted, a frame was corrupt or missing,
+    /// or the link went down.
+    pub async fn recv(&mut self) -> Result<Option<Frame>, TransferError> {
+        match self.rx.recv().await {
+            Some(f) => Ok(Some(f)),
+            None => match self.end.get() {
+                Some(Ok(())) => Ok(None),
+                Some(Err(e)) => Err(e.clone()),
+                None => Err(TransferError::Disconnected("the receiving link stopped".into())),
+            },
+        }
+    }
+
+    /// [`Inbox::recv`] for a plain thread.
+    pub fn blocking_recv(&mut self) -> Result<Option<Frame>, TransferError> {
+        block_on(self.recv())
+    }
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        let mut expected = self.shared.expected.lock().unwrap_or_else(PoisonError::into_inner);
+        if expected.get(&self.id).is_some_and(|f| Arc::ptr_eq(&f.end, &self.end)) {
+            expected.remove(&self.id);
+        }
+    }
+}
+
+/// The producer half of one handoff's inbox, held by the link that claimed it.
+pub(crate) struct Feed {
+    tx: mpsc::Sender<Frame>,
+    end: End,
+}
+
+/// The inbox was dropped.
+#[derive(Debug)]
+pub(crate) struct Gone;
+
+impl Feed {
+    pub async fn deliver(&self, frame: Frame) -> Result<(), Gone> {
+        self.tx.send(frame).await.map_err(|_| Gone)
+    }
+
+    pub fn blocking_deliver(&self, frame: Frame) -> Result<(), Gone> {
+        block_on(self.deliver(frame))
+    }
+
+    pub fn is_gone(&self) -> bool {
+        self.tx.is_closed()
+    }
+
+    /// Ends the handoff: the inbox yields its remaining frames, then `result`.
+    pub fn end(self, result: Result<(), TransferError>) {
+        let _ = self.end.set(result);
+    }
+}
+
+/// Runs a future to completion on this thread. Only for tokio's runtime-agnostic
+/// channel operations, which is all the blocking halves need.
+pub(crate) fn block_on<F: Future>(fut: F) -> F::Output {
+    struct Unpark(Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    let mut fut = pin!(fut);
+    loop {
+        if let Poll::Ready(out) = fut.as_mut().poll(&mut cx) {
+            return out;
+        }
+        thread::park();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(id: u64, index: u32) -> Frame {
+        Frame { handoff: HandoffId(id), layer: 0, index, k: vec![1], v: vec![2] }
+    }
+
+    #[test]
+    fn frames_then_the_end() {
+        let inboxes = Inboxes::new(4);
+        let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
+        assert!(matches!(inboxes.expect(HandoffId(1)), Err(TransferError::Duplicate(_))));
+        let feed = inboxes.claim(HandoffId(1)).unwrap();
+        assert!(inboxes.claim(HandoffId(1)).is_none(), "a handoff is claimed once");
+        feed.blocking_deliver(frame(1, 0)).unwrap();
+        feed.end(Ok(()));
+        assert_eq!(inbox.blocking_recv().unwrap(), Some(frame(1, 0)));
+        assert_eq!(inbox.blocking_recv().unwrap(), None);
+    }
+
+    #[test]
+    fn a_dropped_inbox_is_unclaimable_and_gone() {
+        let inboxes = Inboxes::new(4);
+        drop(inboxes.expect(HandoffId(2)).unwrap());
+        assert!(inboxes.claim(HandoffId(2)).is_none());
+        let inbox = inboxes.expect(HandoffId(3)).unwrap();
+        let feed = inboxes.claim(HandoffId(3)).unwrap();
+        drop(inbox);
+        assert!(feed.is_gone());
+        assert!(feed.blocking_deliver(frame(3, 0)).is_err());
+    }
+
+    #[test]
+    fn a_vanished_feed_reads_as_disconnected() {
+        let inboxes = Inboxes::new(4);
+        let mut inbox = inboxes.expect(HandoffId(4)).unwrap();
+        drop(inboxes.claim(HandoffId(4)));
+        assert!(matches!(inbox.blocking_recv(), Err(TransferError::Disconnected(_))));
+    }
+}

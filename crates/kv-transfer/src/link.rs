@@ -1,0 +1,392 @@
+//! The sending end of a connection to a remote receiver (TCP, or the control socket
+//! of a shared-memory segment), shared by every handoff sent to that receiver.
+//!
+//! Sinks write whole records under a lock on the calling thread; one reader thread
+//! per link applies the receiver's answers (a handoff failed, a handoff is done, a
+//! slot is free) and wakes whoever waits on them.
+
+use crate::shm::Segment;
+use crate::wire::{self, to_receiver, to_sender, Body, Record, Status};
+use crate::{Frame, HandoffId, KvSink, TransferError};
+use std::collections::{HashMap, HashSet};
+use std::io::{self, BufReader, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+/// How long a sender waits on its peer (a write, a free slot, the answer to `END`)
+/// before it gives the handoff up.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    pub fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+        })
+    }
+
+    fn shutdown(&self) {
+        let _ = match self {
+            Stream::Tcp(s) => s.shutdown(Shutdown::Both),
+            Stream::Unix(s) => s.shutdown(Shutdown::Both),
+        };
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+pub struct Link {
+    name: &'static str,
+    writer: Mutex<Stream>,
+    shared: Arc<Shared>,
+    /// Present on shared-memory links: frames go into its slots.
+    segment: Option<Segment>,
+    reader: Option<JoinHandle<()>>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    /// Why the connection is unusable.
+    broken: Option<String>,
+    /// Handoffs the receiver failed before their end.
+    failed: HashMap<HandoffId, Status>,
+    /// Answers to `END`: status and frames received.
+    done: HashMap<HandoffId, (Status, u32)>,
+    /// Handoffs with a sink on this link.
+    open: HashSet<HandoffId>,
+    /// Free shared-memory slots, most recently freed (warmest) last.
+    free: Vec<u32>,
+    busy: Vec<bool>,
+}
+
+impl Link {
+    /// Starts the reader thread on `stream`, whose handshake (if any) is done.
+    pub fn start(name: &'static str, stream: Stream, segment: Option<Segment>) -> io::Result<Arc<Link>> {
+        let slots = segment.as_ref().map_or(0, |s| s.slots() as u32);
+        let state = State { free: (0..slots).rev().collect(), busy: vec![false; slots as usize], ..State::default() };
+        let shared = Arc::new(Shared { state: Mutex::new(state), changed: Condvar::new() });
+        let reader = BufReader::with_capacity(16 << 10, stream.try_clone()?);
+        let s = shared.clone();
+        let reader =
+            thread::Builder::new().name(format!("kv-{name}-replies")).spawn(move || read_replies(reader, s))?;
+        Ok(Arc::new(Link { name, writer: Mutex::new(stream), shared, segment, reader: Some(reader) }))
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    pub fn open(self: &Arc<Self>, id: HandoffId) -> Result<Box<dyn KvSink>, TransferError> {
+        let mut st = self.shared.lock();
+        if let Some(why) = &st.broken {
+            return Err(TransferError::Disconnected(why.clone()));
+        }
+        if !st.open.insert(id) {
+            return Err(TransferError::Duplicate(id));
+        }
+        st.failed.remove(&id);
+        st.done.remove(&id);
+        drop(st);
+        Ok(Box::new(LinkSink { link: self.clone(), id, sent: 0, buf: Vec::new(), open: true }))
+    }
+
+    fn write(&self, bytes: &[u8]) -> Result<(), TransferError> {
+        let mut w = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        w.write_all(bytes).map_err(|e| {
+            let err = match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => TransferError::TimedOut,
+                _ => TransferError::Disconnected(e.to_string()),
+            };
+            self.shared.fail(format!("write: {e}"));
+            err
+        })
+    }
+
+    /// Fails if the link is down or the receiver gave up on `id`.
+    fn check(&self, id: HandoffId, sent: u32) -> Result<(), TransferError> {
+        check(&self.shared.lock(), id, sent)
+    }
+
+    /// Waits for a free slot of the segment.
+    fn take_slot(&self, id: HandoffId, sent: u32) -> Result<u32, TransferError> {
+        let deadline = Instant::now() + IO_TIMEOUT;
+        let mut st = self.shared.lock();
+        loop {
+            check(&st, id, sent)?;
+            if let Some(slot) = st.free.pop() {
+                st.busy[slot as usize] = true;
+                return Ok(slot);
+            }
+            st = self.shared.wait_until(st, deadline)?;
+        }
+    }
+
+    fn release_slot(&self, slot: u32) {
+        let mut st = self.shared.lock();
+        st.busy[slot as usize] = false;
+        st.free.push(slot);
+        self.shared.changed.notify_all();
+    }
+
+    /// Waits for the receiver's answer to `END`.
+    fn wait_done(&self, id: HandoffId, sent: u32) -> Result<(), TransferError> {
+        let deadline = Instant::now() + IO_TIMEOUT;
+        let mut st = self.shared.lock();
+        let result = loop {
+            if let Some((status, received)) = st.done.remove(&id) {
+                break status_result(id, status, sent, received);
+            }
+            if let Some(why) = &st.broken {
+                break Err(TransferError::Disconnected(why.clone()));
+            }
+            match self.shared.wait_until(st, deadline) {
+                Ok(next) => st = next,
+                Err(e) => return Err(e),
+            }
+        };
+        st.failed.remove(&id);
+        result
+    }
+
+    fn forget(&self, id: HandoffId) {
+        let mut st = self.shared.lock();
+        st.failed.remove(&id);
+        st.done.remove(&id);
+        st.open.remove(&id);
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown();
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn wait_until<'a>(
+        &self,
+        st: MutexGuard<'a, State>,
+        deadline: Instant,
+    ) -> Result<MutexGuard<'a, State>, TransferError> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(TransferError::TimedOut);
+        }
+        Ok(self.changed.wait_timeout(st, left).unwrap_or_else(PoisonError::into_inner).0)
+    }
+
+    fn fail(&self, why: String) {
+        let mut st = self.lock();
+        st.broken.get_or_insert(why);
+        self.changed.notify_all();
+    }
+
+    fn apply(&self, rec: Record, body: &[u8]) -> io::Result<()> {
+        let mut b = Body(body);
+        let mut st = self.lock();
+        match rec.tag {
+            to_sender::NOTICE => {
+                st.failed.insert(rec.handoff, b.status()?);
+            }
+            to_sender::DONE => {
+                let status = b.status()?;
+                st.done.insert(rec.handoff, (status, b.u32()?));
+            }
+            to_sender::FREE => {
+                let slot = b.u32()?;
+                // Only a slot in flight comes back, so each is in the free list once.
+                if st.busy.get(slot as usize).copied().unwrap_or(false) {
+                    st.busy[slot as usize] = false;
+                    st.free.push(slot);
+                }
+            }
+            tag => return Err(wire::invalid(format!("unexpected record {tag} from the receiver"))),
+        }
+        self.changed.notify_all();
+        Ok(())
+    }
+}
+
+fn read_replies(mut r: BufReader<Stream>, shared: Arc<Shared>) {
+    let mut body = Vec::new();
+    let why = loop {
+        match wire::read_sync(&mut r, &mut body) {
+            Ok(Some(rec)) => {
+                if let Err(e) = shared.apply(rec, &body[..rec.len]) {
+                    break e.to_string();
+                }
+            }
+            Ok(None) => break "the receiver closed the connection".to_string(),
+            Err(e) => break e.to_string(),
+        }
+    };
+    shared.fail(why);
+}
+
+fn check(st: &State, id: HandoffId, sent: u32) -> Result<(), TransferError> {
+    if let Some(why) = &st.broken {
+        return Err(TransferError::Disconnected(why.clone()));
+    }
+    match st.failed.get(&id) {
+        Some(&status) => status_result(id, status, sent, 0),
+        None => Ok(()),
+    }
+}
+
+fn status_result(id: HandoffId, status: Status, sent: u32, received: u32) -> Result<(), TransferError> {
+    match status {
+        Status::Delivered => Ok(()),
+        Status::Gone => Err(TransferError::ReceiverGone(id)),
+        Status::Rejected => Err(TransferError::Rejected),
+        Status::Incomplete => Err(TransferError::Incomplete { sent, received }),
+        Status::Refused => Err(TransferError::Disconnected("the receiver refused the segment".into())),
+    }
+}
+
+struct LinkSink {
+    link: Arc<Link>,
+    id: HandoffId,
+    sent: u32,
+    /// The record being written, reused frame after frame.
+    buf: Vec<u8>,
+    /// Neither finished nor aborted yet.
+    open: bool,
+}
+
+impl LinkSink {
+    /// TCP: the frame travels inside its record.
+    fn send_inline(&mut self, frame: &Frame) -> Result<(), TransferError> {
+        let len = wire::PREFIX_BYTES + frame.encoded_len();
+        if self.buf.len() < len {
+            self.buf.resize(len, 0);
+        }
+        frame.encode_to_slice(&mut self.buf[wire::PREFIX_BYTES..len]).map_err(TransferError::Frame)?;
+        let prefix = wire::prefix(to_receiver::FRAME, self.id, frame.encoded_len());
+        self.buf[..wire::PREFIX_BYTES].copy_from_slice(&prefix);
+        self.link.write(&self.buf[..len])
+    }
+
+    /// Shared memory: the frame goes into a slot, the record says which.
+    fn send_in_slot(&mut self, segment: &Segment, frame: &Frame) -> Result<(), TransferError> {
+        let bytes = frame.encoded_len();
+        if bytes > segment.slot_bytes() {
+            return Err(TransferError::SlotTooSmall { bytes, slot: segment.slot_bytes() });
+        }
+        let slot = self.link.take_slot(self.id, self.sent)?;
+        if let Err(e) = segment.write(slot, frame) {
+            self.link.release_slot(slot);
+            return Err(TransferError::Frame(e));
+        }
+        let mut body = [0u8; 8];
+        body[..4].copy_from_slice(&slot.to_le_bytes());
+        body[4..].copy_from_slice(&(bytes as u32).to_le_bytes());
+        self.buf.clear();
+        wire::put(&mut self.buf, to_receiver::SLOT, self.id, &body);
+        self.link.write(&self.buf)
+    }
+
+    fn control(&mut self, tag: u8, body: &[u8]) -> Result<(), TransferError> {
+        self.buf.clear();
+        wire::put(&mut self.buf, tag, self.id, body);
+        self.link.write(&self.buf)
+    }
+}
+
+impl KvSink for LinkSink {
+    fn send(&mut self, frame: Frame) -> Result<(), TransferError> {
+        if frame.handoff != self.id {
+            return Err(TransferError::WrongHandoff { sink: self.id, frame: frame.handoff });
+        }
+        self.link.check(self.id, self.sent)?;
+        let link = self.link.clone();
+        match &link.segment {
+            Some(segment) => self.send_in_slot(segment, &frame)?,
+            None => self.send_inline(&frame)?,
+        }
+        self.sent += 1;
+        Ok(())
+    }
+
+    fn finish(mut self: Box<Self>) -> Result<(), TransferError> {
+        self.open = false;
+        let sent = self.sent;
+        let result = self.control(to_receiver::END, &sent.to_le_bytes());
+        let result = result.and_then(|()| self.link.wait_done(self.id, sent));
+        self.link.forget(self.id);
+        result
+    }
+
+    fn abort(self: Box<Self>) {}
+}
+
+impl Drop for LinkSink {
+    fn drop(&mut self) {
+        if self.open {
+            self.open = false;
+            let _ = self.control(to_receiver::ABORT, &[]);
+            self.link.forget(self.id);
+        }
+    }
+}
+
+#[cfg(test)]
+impl Link {
+    /// Sends `frame` with byte `at` of its encoding flipped, as a faulty link would.
+    pub fn send_corrupted(&self, frame: &Frame, at: usize) -> Result<(), TransferError> {
+        let mut bytes = Vec::new();
+        frame.encode_into(&mut bytes).map_err(TransferError::Frame)?;
+        bytes[at] ^= 0x40;
+        let mut out = Vec::new();
+        match &self.segment {
+            Some(segment) => {
+                let slot = self.take_slot(frame.handoff, 0)?;
+                segment.write_raw(slot, &bytes);
+                let mut body = slot.to_le_bytes().to_vec();
+                body.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+                wire::put(&mut out, to_receiver::SLOT, frame.handoff, &body);
+            }
+            None => wire::put(&mut out, to_receiver::FRAME, frame.handoff, &bytes),
+        }
+        self.write(&out)
+    }
+}

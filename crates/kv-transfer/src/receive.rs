@@ -1,0 +1,172 @@
+//! The receiving end of one connection (TCP, or a shared-memory control socket):
+//! reads records, decodes frames, and routes each to its handoff's inbox.
+//!
+//! A frame that fails its checks fails only its own handoff (the inbox yields
+//! [`TransferError::Corrupt`], the sender is told to stop); the connection goes on. A
+//! record that cannot be parsed ends the connection, and every handoff still open on
+//! it ends with [`TransferError::Disconnected`].
+
+use crate::frame;
+use crate::inbox::Feed;
+use crate::shm::Mapping;
+use crate::wire::{self, to_receiver, to_sender, Body, Status};
+use crate::{HandoffId, Inboxes, TransferError};
+use std::collections::HashMap;
+use std::io;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+
+/// Answers are flushed at this size at the latest.
+const FLUSH_BYTES: usize = 4 << 10;
+
+enum Route {
+    Open { feed: Feed, received: u32 },
+    Failed(Status),
+}
+
+struct Conn<'a> {
+    inboxes: &'a Inboxes,
+    routes: HashMap<HandoffId, Route>,
+    /// Answers not yet written.
+    out: Vec<u8>,
+    /// `out` holds an answer other than `FREE`.
+    urgent: bool,
+    /// `FREE` answers in `out`.
+    unacked: usize,
+    /// Free slots are answered in batches of this many: the sender runs short only
+    /// when more than half its slots wait here, and then the batch goes out.
+    ack_every: usize,
+}
+
+/// Serves one connection until it ends. `slots` is the shared-memory segment the
+/// sender writes frames into; without it, frames arrive inline.
+pub async fn serve<R, W>(r: &mut BufReader<R>, w: &mut W, inboxes: &Inboxes, slots: Option<&Mapping>) -> io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let ack_every = slots.map_or(1, |m| m.slots().div_ceil(2));
+    let mut conn = Conn { inboxes, routes: HashMap::new(), out: Vec::new(), urgent: false, unacked: 0, ack_every };
+    let mut body = Vec::new();
+    let result = loop {
+        let rec = match wire::read_async(r, &mut body).await {
+            Ok(Some(rec)) => rec,
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        };
+        let b = &body[..rec.len];
+        let step = match (rec.tag, slots) {
+            (to_receiver::FRAME, None) => {
+                conn.frame(rec.handoff, b).await;
+                Ok(())
+            }
+            (to_receiver::SLOT, Some(map)) => conn.slot(rec.handoff, Body(b), map).await,
+            (to_receiver::END, _) => Body(b).u32().map(|sent| conn.end(rec.handoff, sent)),
+            (to_receiver::ABORT, _) => {
+                conn.abort(rec.handoff);
+                Ok(())
+            }
+            (tag, _) => Err(wire::invalid(format!("unexpected record {tag}"))),
+        };
+        if let Err(e) = step {
+            break Err(e);
+        }
+        let idle = r.buffer().is_empty();
+        if (idle && conn.urgent) || conn.unacked >= conn.ack_every || conn.out.len() >= FLUSH_BYTES {
+            if let Err(e) = w.write_all(&conn.out).await {
+                break Err(e);
+            }
+            conn.out.clear();
+            conn.urgent = false;
+            conn.unacked = 0;
+        }
+    };
+    let _ = w.flush().await;
+    for (_, route) in conn.routes.drain() {
+        if let Route::Open { feed, .. } = route {
+            let why = match &result {
+                Ok(()) => "the sender closed the connection".to_string(),
+                Err(e) => format!("connection failed: {e}"),
+            };
+            feed.end(Err(TransferError::Disconnected(why)));
+        }
+    }
+    result
+}
+
+impl Conn<'_> {
+    fn answer(&mut self, tag: u8, id: HandoffId, body: &[u8]) {
+        wire::put(&mut self.out, tag, id, body);
+        if tag == to_sender::FREE {
+            self.unacked += 1;
+        } else {
+            self.urgent = true;
+        }
+    }
+
+    fn route(&mut self, id: HandoffId) -> Option<Route> {
+        self.routes.remove(&id).or_else(|| self.inboxes.claim(id).map(|feed| Route::Open { feed, received: 0 }))
+    }
+
+    async fn frame(&mut self, id: HandoffId, bytes: &[u8]) {
+        let next = match self.route(id) {
+            None => self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id)),
+            Some(Route::Failed(s)) => Route::Failed(s),
+            Some(Route::Open { feed, received }) => match frame::decode(bytes) {
+                Ok(f) if f.handoff == id => match feed.deliver(f).await {
+                    Ok(()) => Route::Open { feed, received: received + 1 },
+                    Err(_) => self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id)),
+                },
+                Ok(f) => {
+                    let e = TransferError::WrongHandoff { sink: id, frame: f.handoff };
+                    self.fail(id, Some(feed), Status::Rejected, e)
+                }
+                Err(e) => self.fail(id, Some(feed), Status::Rejected, TransferError::Corrupt(e)),
+            },
+        };
+        self.routes.insert(id, next);
+    }
+
+    async fn slot(&mut self, id: HandoffId, mut b: Body<'_>, map: &Mapping) -> io::Result<()> {
+        let slot = b.u32()?;
+        let len = b.u32()?;
+        self.frame(id, map.slot(slot, len)?).await;
+        self.answer(to_sender::FREE, HandoffId(0), &slot.to_le_bytes());
+        Ok(())
+    }
+
+    /// Fails handoff `id`: its inbox (if still there) learns why, its sender is told.
+    fn fail(&mut self, id: HandoffId, feed: Option<Feed>, status: Status, why: TransferError) -> Route {
+        if let Some(feed) = feed {
+            feed.end(Err(why));
+        }
+        self.answer(to_sender::NOTICE, id, &[status as u8]);
+        Route::Failed(status)
+    }
+
+    fn end(&mut self, id: HandoffId, sent: u32) {
+        let (status, received) = match self.route(id) {
+            None => (Status::Gone, 0),
+            Some(Route::Failed(s)) => (s, 0),
+            Some(Route::Open { feed, received }) => {
+                if feed.is_gone() {
+                    (Status::Gone, received)
+                } else if received == sent {
+                    feed.end(Ok(()));
+                    (Status::Delivered, received)
+                } else {
+                    feed.end(Err(TransferError::Incomplete { sent, received }));
+                    (Status::Incomplete, received)
+                }
+            }
+        };
+        let mut body = [status as u8, 0, 0, 0, 0];
+        body[1..].copy_from_slice(&received.to_le_bytes());
+        self.answer(to_sender::DONE, id, &body);
+    }
+
+    fn abort(&mut self, id: HandoffId) {
+        if let Some(Route::Open { feed, .. }) = self.route(id) {
+            feed.end(Err(TransferError::Aborted));
+        }
+    }
+}

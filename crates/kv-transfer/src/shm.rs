@@ -1,0 +1,368 @@
+//! KV through shared memory, for two processes on one host.
+//!
+//! The sender creates one segment in `/dev/shm`, a ring of equal slots, and touches
+//! every page of it up front: first-touch faults cost several times the copy itself
+//! (reference/performance.md), so no transfer ever pays them, and slots are reused
+//! most-recently-freed first so they stay warm in cache. A Unix socket carries the
+//! control records: `HELLO` (segment name and shape) once, then per frame "handoff H,
+//! slot S, length L" one way and "slot S is free" back. The sender encodes each frame
+//! straight into its slot; the receiver checks and copies it out, then frees the slot.
+//!
+//! The segment's name is unlinked as soon as the receiver has mapped it, and on drop
+//! in any case, so a crash leaves nothing behind in `/dev/shm`.
+
+use crate::link::{Link, Stream, IO_TIMEOUT};
+use crate::wire::{self, to_receiver, to_sender, Body, Status};
+use crate::{frame, receive, Frame, FrameError, HandoffId, Inboxes, KvSink, KvTransport, TransferError};
+use memmap2::{Mmap, MmapMut, MmapOptions};
+use std::fs::{self, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::io::{AsyncWriteExt, BufReader as AsyncBufReader};
+use tokio::net::UnixListener;
+use tokio::task::{JoinHandle, JoinSet};
+
+const DIR: &str = "/dev/shm";
+const PREFIX: &str = "pdserve-kv-";
+const PAGE: usize = 4096;
+/// The largest segment a receiver maps.
+const MAX_SEGMENT_BYTES: u64 = 16 << 30;
+
+/// The shape of a sender's segment.
+#[derive(Debug, Clone, Copy)]
+pub struct ShmConfig {
+    /// Frames in flight at most.
+    pub slots: usize,
+    /// Bytes per slot, the largest encoded frame this link can carry (a real block
+    /// of the default model encodes to 12 320 bytes).
+    pub slot_bytes: usize,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig { slots: 64, slot_bytes: 256 << 10 }
+    }
+}
+
+/// The sending side: a segment and a control connection to a [`ShmReceiver`].
+pub struct ShmTransport {
+    link: Arc<Link>,
+}
+
+impl ShmTransport {
+    /// Creates and pre-faults a segment, connects to the receiver's socket at
+    /// `socket` and waits until it has mapped the segment (blocking).
+    pub fn connect(socket: impl AsRef<Path>, cfg: ShmConfig) -> Result<ShmTransport, TransferError> {
+        let min = frame::HEADER_BYTES + frame::CHECKSUM_BYTES;
+        if cfg.slots == 0 || cfg.slots > u32::MAX as usize || cfg.slot_bytes < min || cfg.slot_bytes > u32::MAX as usize
+        {
+            let msg = format!("{} slots of {} bytes", cfg.slots, cfg.slot_bytes);
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, msg).into());
+        }
+        let segment = Segment::create(cfg)?;
+        let mut stream = UnixStream::connect(socket)?;
+        stream.set_write_timeout(Some(IO_TIMEOUT))?;
+        stream.set_read_timeout(Some(IO_TIMEOUT))?;
+        let mut hello = Vec::new();
+        hello.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
+        hello.extend_from_slice(&(cfg.slot_bytes as u64).to_le_bytes());
+        hello.extend_from_slice(segment.path.as_os_str().as_encoded_bytes());
+        let mut out = Vec::new();
+        wire::put(&mut out, to_receiver::HELLO, HandoffId(0), &hello);
+        io::Write::write_all(&mut stream, &out)?;
+        let mut body = Vec::new();
+        let welcome = wire::read_sync(&mut stream, &mut body)?;
+        let status = match welcome {
+            Some(rec) if rec.tag == to_sender::WELCOME => Body(&body[..rec.len]).status()?,
+            _ => return Err(TransferError::Disconnected("no answer to HELLO".into())),
+        };
+        if status != Status::Delivered {
+            return Err(TransferError::Disconnected("the receiver refused the segment".into()));
+        }
+        segment.unlink();
+        stream.set_read_timeout(None)?;
+        Ok(ShmTransport { link: Link::start("shm", Stream::Unix(stream), Some(segment))? })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn link(&self) -> &Link {
+        &self.link
+    }
+}
+
+impl KvTransport for ShmTransport {
+    fn open(&self, id: HandoffId) -> Result<Box<dyn KvSink>, TransferError> {
+        self.link.open(id)
+    }
+
+    fn name(&self) -> &'static str {
+        self.link.name()
+    }
+}
+
+/// The sender's segment: slots it writes frames into.
+pub struct Segment {
+    path: PathBuf,
+    map: Mutex<MmapMut>,
+    slots: usize,
+    slot_bytes: usize,
+}
+
+impl Segment {
+    fn create(cfg: ShmConfig) -> io::Result<Segment> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let path = PathBuf::from(format!("{DIR}/{PREFIX}{}-{seq}-{nanos:x}", std::process::id()));
+        let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
+        let segment =
+            |map| Segment { path: path.clone(), map: Mutex::new(map), slots: cfg.slots, slot_bytes: cfg.slot_bytes };
+        let bytes = cfg.slots as u64 * cfg.slot_bytes as u64;
+        let mapped = file.set_len(bytes).and_then(|()| {
+            // SAFETY: the file was just created by this process, with a unique name and
+            // mode 0600; only the receiver it is handed to maps it besides us, and that
+            // one only reads. Its size is fixed from here on.
+            unsafe { MmapOptions::new().populate().map_mut(&file) }
+        });
+        let mut map = match mapped {
+            Ok(map) => map,
+            Err(e) => {
+                let _ = fs::remove_file(&path);
+                return Err(e);
+            }
+        };
+        // Fault every page in now, writable, so that no transfer does.
+        for page in map.chunks_mut(PAGE) {
+            page[0] = 0;
+        }
+        Ok(segment(map))
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Encodes `frame` into `slot`, which the caller owns (taken from the free list).
+    pub fn write(&self, slot: u32, frame: &Frame) -> Result<usize, FrameError> {
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        let start = slot as usize * self.slot_bytes;
+        frame.encode_to_slice(&mut map[start..start + self.slot_bytes])
+    }
+
+    #[cfg(test)]
+    pub fn write_raw(&self, slot: u32, bytes: &[u8]) {
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        let start = slot as usize * self.slot_bytes;
+        map[start..start + bytes.len()].copy_from_slice(bytes);
+    }
+
+    fn unlink(&self) {
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        self.unlink();
+    }
+}
+
+/// The receiver's read-only view of a sender's segment.
+pub struct Mapping {
+    map: Mmap,
+    slots: usize,
+    slot_bytes: usize,
+}
+
+impl Mapping {
+    /// Maps the segment a `HELLO` names, after checking it is one of ours and has
+    /// the announced size.
+    fn open(hello: &[u8]) -> io::Result<Mapping> {
+        let mut b = Body(hello);
+        let slots = b.u32()? as usize;
+        let slot_bytes = b.u64()?;
+        let path = std::str::from_utf8(b.rest()).map_err(|_| wire::invalid("segment path is not UTF-8".into()))?;
+        let name = path.strip_prefix(DIR).and_then(|p| p.strip_prefix('/')).unwrap_or("");
+        if !name.starts_with(PREFIX) || name.contains('/') {
+            return Err(wire::invalid(format!("{path:?} is not a pdserve segment")));
+        }
+        let bytes = slots as u64 * slot_bytes;
+        if slots == 0 || slot_bytes > u64::from(u32::MAX) || bytes > MAX_SEGMENT_BYTES {
+            return Err(wire::invalid(format!("{slots} slots of {slot_bytes} bytes")));
+        }
+        // A regular file, not a link to one elsewhere: lstat and the opened file agree.
+        let named = fs::symlink_metadata(path)?;
+        let file = OpenOptions::new().read(true).open(path)?;
+        let meta = file.metadata()?;
+        if !named.file_type().is_file() || (named.dev(), named.ino()) != (meta.dev(), meta.ino()) {
+            return Err(wire::invalid(format!("{path} is not a regular file")));
+        }
+        if meta.len() != bytes {
+            return Err(wire::invalid(format!("{path} is not {bytes} bytes")));
+        }
+        // SAFETY: the segment is shared with its sender, which never resizes it and
+        // writes a slot only while it owns it: before announcing it in a SLOT record,
+        // and after this side frees it. This side reads a slot only in between.
+        let map = unsafe { MmapOptions::new().populate().map(&file)? };
+        Ok(Mapping { map, slots, slot_bytes: slot_bytes as usize })
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// The first `len` bytes of `slot`.
+    pub fn slot(&self, slot: u32, len: u32) -> io::Result<&[u8]> {
+        let (slot, len) = (slot as usize, len as usize);
+        if slot >= self.slots || len > self.slot_bytes {
+            return Err(wire::invalid(format!("slot {slot} length {len} is outside the segment")));
+        }
+        let start = slot * self.slot_bytes;
+        Ok(&self.map[start..start + len])
+    }
+}
+
+/// The receiving side: a Unix socket that senders on this host connect to. Dropping
+/// it closes the socket, removes its file and ends every connection.
+pub struct ShmReceiver {
+    path: PathBuf,
+    task: JoinHandle<()>,
+}
+
+impl ShmReceiver {
+    /// Listens on the Unix socket `path`, replacing a stale socket file there; must
+    /// run inside a tokio runtime.
+    pub async fn bind(path: impl AsRef<Path>, inboxes: Inboxes) -> io::Result<ShmReceiver> {
+        let path = path.as_ref().to_path_buf();
+        if fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_socket()) {
+            fs::remove_file(&path)?;
+        }
+        let listener = UnixListener::bind(&path)?;
+        let task = tokio::spawn(accept(listener, inboxes));
+        Ok(ShmReceiver { path, task })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for ShmReceiver {
+    fn drop(&mut self) {
+        self.task.abort();
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
+async fn accept(listener: UnixListener, inboxes: Inboxes) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    conns.spawn(serve(stream, inboxes.clone()));
+                }
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            },
+            Some(_) = conns.join_next() => {}
+        }
+    }
+}
+
+async fn serve(stream: tokio::net::UnixStream, inboxes: Inboxes) -> io::Result<()> {
+    let (r, mut w) = stream.into_split();
+    let mut r = AsyncBufReader::with_capacity(64 << 10, r);
+    let mut body = Vec::new();
+    let hello = match wire::read_async(&mut r, &mut body).await? {
+        Some(rec) if rec.tag == to_receiver::HELLO => &body[..rec.len],
+        _ => return Err(wire::invalid("expected HELLO".into())),
+    };
+    let mapping = Mapping::open(hello);
+    let status = if mapping.is_ok() { Status::Delivered } else { Status::Refused };
+    let mut out = Vec::new();
+    wire::put(&mut out, to_sender::WELCOME, HandoffId(0), &[status as u8]);
+    w.write_all(&out).await?;
+    receive::serve(&mut r, &mut w, &inboxes, Some(&mapping?)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(id: u64, index: u32) -> Frame {
+        Frame { handoff: HandoffId(id), layer: 2, index, k: vec![index as u16 + 1; 3072], v: vec![9; 3072] }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_corrupt_slot_fails_its_handoff_only() {
+        let dir = std::env::temp_dir().join(format!("pdkv-corrupt-{}.sock", std::process::id()));
+        let inboxes = Inboxes::new(64);
+        let rx = ShmReceiver::bind(&dir, inboxes.clone()).await.unwrap();
+        let mut bad = inboxes.expect(HandoffId(1)).unwrap();
+        let mut good = inboxes.expect(HandoffId(2)).unwrap();
+        let path = rx.path().to_path_buf();
+        let sender = tokio::task::spawn_blocking(move || {
+            let t = ShmTransport::connect(&path, ShmConfig { slots: 4, slot_bytes: 16 << 10 }).unwrap();
+            let mut b = t.open(HandoffId(1)).unwrap();
+            t.link().send_corrupted(&frame(1, 0), 10).unwrap();
+            let mut g = t.open(HandoffId(2)).unwrap();
+            for i in 0..20 {
+                g.send(frame(2, i)).unwrap();
+            }
+            let _ = b.send(frame(1, 1));
+            (b.finish(), g.finish())
+        });
+        assert!(matches!(bad.recv().await, Err(TransferError::Corrupt(_))));
+        for i in 0..20 {
+            assert_eq!(good.recv().await.unwrap(), Some(frame(2, i)));
+        }
+        assert_eq!(good.recv().await.unwrap(), None);
+        let (b, g) = sender.await.unwrap();
+        assert!(matches!(b, Err(TransferError::Rejected)), "{b:?}");
+        g.unwrap();
+    }
+
+    #[test]
+    fn segments_are_prefaulted_and_unlinked() {
+        let seg = Segment::create(ShmConfig { slots: 2, slot_bytes: 8192 }).unwrap();
+        let path = seg.path.clone();
+        assert!(path.exists());
+        assert_eq!(fs::metadata(&path).unwrap().len(), 16384);
+        drop(seg);
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn mapping_refuses_foreign_paths_and_wrong_sizes() {
+        let hello = |slots: u32, bytes: u64, path: &str| {
+            let mut h = slots.to_le_bytes().to_vec();
+            h.extend_from_slice(&bytes.to_le_bytes());
+            h.extend_from_slice(path.as_bytes());
+            h
+        };
+        assert!(Mapping::open(&hello(1, 4096, "/etc/passwd")).is_err());
+        assert!(Mapping::open(&hello(1, 4096, "/dev/shm/pdserve-kv-../../etc/passwd")).is_err());
+        let link = format!("{DIR}/{PREFIX}test-link-{}", std::process::id());
+        std::os::unix::fs::symlink("/etc/hostname", &link).unwrap();
+        let len = fs::metadata("/etc/hostname").unwrap().len();
+        let refused = Mapping::open(&hello(1, len, &link));
+        fs::remove_file(&link).unwrap();
+        assert!(refused.is_err(), "a symlink is not a segment");
+        let seg = Segment::create(ShmConfig { slots: 2, slot_bytes: 8192 }).unwrap();
+        let p = seg.path.to_str().unwrap();
+        assert!(Mapping::open(&hello(3, 8192, p)).is_err());
+        let m = Mapping::open(&hello(2, 8192, p)).unwrap();
+        assert!(m.slot(1, 8192).is_ok());
+        assert!(m.slot(2, 1).is_err());
+        assert!(m.slot(0, 8193).is_err());
+    }
+}

@@ -1,0 +1,198 @@
+//! The records a link carries around frames, on a TCP connection or the control
+//! socket of a shared-memory link:
+//!
+//! ```text
+//! len u32 | tag u8 | handoff u64 | body (len - 9 bytes)      all little-endian
+//! ```
+//!
+//! Frames carry their own checksum; a record that cannot be parsed means the stream
+//! lost its framing, and the connection is closed.
+
+use crate::frame::MAX_FRAME_BYTES;
+use crate::HandoffId;
+use std::io::{self, Read};
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+pub const PREFIX_BYTES: usize = 13;
+/// The largest record: a frame of the largest size.
+const MAX_RECORD: usize = 9 + MAX_FRAME_BYTES;
+
+/// Sender → receiver.
+pub mod to_receiver {
+    /// body: one encoded frame.
+    pub const FRAME: u8 = 1;
+    /// body: slot u32, length u32; the frame lies in that shared-memory slot.
+    pub const SLOT: u8 = 2;
+    /// body: frames sent u32. The receiver answers with `DONE`.
+    pub const END: u8 = 3;
+    /// body: empty.
+    pub const ABORT: u8 = 4;
+    /// body: slots u32, slot bytes u64, segment path. Answered with `WELCOME`.
+    pub const HELLO: u8 = 5;
+}
+
+/// Receiver → sender.
+pub mod to_sender {
+    /// body: status u8. The handoff failed before its end; stop sending.
+    pub const NOTICE: u8 = 16;
+    /// body: status u8, frames received u32. The answer to `END`.
+    pub const DONE: u8 = 17;
+    /// body: slot u32. The receiver has copied the slot out; it may be reused.
+    pub const FREE: u8 = 18;
+    /// body: status u8 (`DELIVERED` when the segment is mapped).
+    pub const WELCOME: u8 = 19;
+}
+
+/// How a handoff ended, as the receiver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Status {
+    Delivered = 0,
+    /// Nobody expects the handoff, or its inbox was dropped.
+    Gone = 1,
+    /// A frame failed its checksum or checks.
+    Rejected = 2,
+    /// `END` counted more frames than arrived.
+    Incomplete = 3,
+    /// The shared-memory segment could not be used.
+    Refused = 4,
+}
+
+impl Status {
+    pub fn from_u8(b: u8) -> Option<Status> {
+        [Status::Delivered, Status::Gone, Status::Rejected, Status::Incomplete, Status::Refused]
+            .into_iter()
+            .find(|s| *s as u8 == b)
+    }
+}
+
+/// The fixed part of a record; its body is in the caller's buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct Record {
+    pub tag: u8,
+    pub handoff: HandoffId,
+    pub len: usize,
+}
+
+/// Appends one record.
+pub fn put(out: &mut Vec<u8>, tag: u8, handoff: HandoffId, body: &[u8]) {
+    out.extend_from_slice(&prefix(tag, handoff, body.len()));
+    out.extend_from_slice(body);
+}
+
+/// The first [`PREFIX_BYTES`] of a record whose body is `body_len` bytes.
+pub fn prefix(tag: u8, handoff: HandoffId, body_len: usize) -> [u8; PREFIX_BYTES] {
+    let mut p = [0u8; PREFIX_BYTES];
+    p[0..4].copy_from_slice(&((9 + body_len) as u32).to_le_bytes());
+    p[4] = tag;
+    p[5..13].copy_from_slice(&handoff.0.to_le_bytes());
+    p
+}
+
+fn parse_prefix(p: &[u8; PREFIX_BYTES]) -> io::Result<Record> {
+    let len = u32::from_le_bytes([p[0], p[1], p[2], p[3]]) as usize;
+    if !(9..=MAX_RECORD).contains(&len) {
+        return Err(invalid(format!("record of {len} bytes")));
+    }
+    let mut id = [0u8; 8];
+    id.copy_from_slice(&p[5..13]);
+    Ok(Record { tag: p[4], handoff: HandoffId(u64::from_le_bytes(id)), len: len - 9 })
+}
+
+/// Reads one record, its body into `body[..record.len]` (grown as needed, never
+/// shrunk, so it is zeroed only once). `None` at a clean end of stream.
+pub async fn read_async<R: AsyncRead + Unpin>(r: &mut R, body: &mut Vec<u8>) -> io::Result<Option<Record>> {
+    let mut p = [0u8; PREFIX_BYTES];
+    match r.read_exact(&mut p[..1]).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    r.read_exact(&mut p[1..]).await?;
+    let rec = parse_prefix(&p)?;
+    if body.len() < rec.len {
+        body.resize(rec.len, 0);
+    }
+    r.read_exact(&mut body[..rec.len]).await?;
+    Ok(Some(rec))
+}
+
+/// [`read_async`] for a blocking stream.
+pub fn read_sync<R: Read>(r: &mut R, body: &mut Vec<u8>) -> io::Result<Option<Record>> {
+    let mut p = [0u8; PREFIX_BYTES];
+    match r.read_exact(&mut p[..1]) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    r.read_exact(&mut p[1..])?;
+    let rec = parse_prefix(&p)?;
+    if body.len() < rec.len {
+        body.resize(rec.len, 0);
+    }
+    r.read_exact(&mut body[..rec.len])?;
+    Ok(Some(rec))
+}
+
+pub fn invalid(msg: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, msg)
+}
+
+/// A little-endian reader over a record body that fails instead of panicking.
+pub struct Body<'a>(pub &'a [u8]);
+
+impl<'a> Body<'a> {
+    fn take<const N: usize>(&mut self) -> io::Result<[u8; N]> {
+        let Some((head, rest)) = self.0.split_first_chunk::<N>() else {
+            return Err(invalid(format!("record body too short for {N} more bytes")));
+        };
+        self.0 = rest;
+        Ok(*head)
+    }
+
+    pub fn u8(&mut self) -> io::Result<u8> {
+        Ok(self.take::<1>()?[0])
+    }
+
+    pub fn u32(&mut self) -> io::Result<u32> {
+        Ok(u32::from_le_bytes(self.take()?))
+    }
+
+    pub fn u64(&mut self) -> io::Result<u64> {
+        Ok(u64::from_le_bytes(self.take()?))
+    }
+
+    pub fn status(&mut self) -> io::Result<Status> {
+        let b = self.u8()?;
+        Status::from_u8(b).ok_or_else(|| invalid(format!("unknown status {b}")))
+    }
+
+    pub fn rest(self) -> &'a [u8] {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_bad_lengths_fail() {
+        let mut out = Vec::new();
+        put(&mut out, to_receiver::END, HandoffId(7), &5u32.to_le_bytes());
+        put(&mut out, to_receiver::ABORT, HandoffId(8), &[]);
+        let mut r = &out[..];
+        let mut body = Vec::new();
+        let a = read_sync(&mut r, &mut body).unwrap().unwrap();
+        assert_eq!((a.tag, a.handoff, a.len), (to_receiver::END, HandoffId(7), 4));
+        assert_eq!(Body(&body[..a.len]).u32().unwrap(), 5);
+        let b = read_sync(&mut r, &mut body).unwrap().unwrap();
+        assert_eq!((b.tag, b.handoff, b.len), (to_receiver::ABORT, HandoffId(8), 0));
+        assert!(read_sync(&mut r, &mut body).unwrap().is_none());
+        let huge = prefix(to_receiver::FRAME, HandoffId(1), MAX_RECORD);
+        assert!(read_sync(&mut &huge[..], &mut body).is_err());
+        assert!(read_sync(&mut &out[..5], &mut body).is_err(), "a record cut short is an error");
+        assert!(Body(&[1, 2]).u32().is_err());
+        assert!(Body(&[9]).status().is_err());
+    }
+}

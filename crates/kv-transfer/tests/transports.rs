@@ -1,0 +1,302 @@
+//! Every transport against the same contract: frames arrive whole and in order per
+//! handoff, handoffs sharing a link stay apart, an abort or a vanished receiver ends
+//! the handoff on the other side, and nothing hangs.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pdserve_engine::engine::KvFrame;
+use pdserve_kv_transfer::{
+    measure, measure_copy, Frame, HandoffId, InProcess, Inboxes, KvTransport, ShmConfig, ShmReceiver, ShmTransport,
+    TcpReceiver, TcpTransport, TransferError,
+};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+/// One block of the default model: 3 KV heads × 16 slots × 64 dims.
+const REAL: usize = 3 * 16 * 64;
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    InProcess,
+    Tcp,
+    Shm,
+}
+
+const KINDS: [Kind; 3] = [Kind::InProcess, Kind::Tcp, Kind::Shm];
+
+/// A transport and the inboxes it delivers into; the receiver lives as long as this.
+struct Pair {
+    inboxes: Inboxes,
+    transport: Arc<dyn KvTransport>,
+    _tcp: Option<TcpReceiver>,
+    _shm: Option<ShmReceiver>,
+}
+
+fn socket_path() -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    std::env::temp_dir().join(format!("pdkv-test-{}-{n}.sock", std::process::id()))
+}
+
+async fn pair(kind: Kind, cfg: ShmConfig) -> Pair {
+    let inboxes = Inboxes::new(32);
+    let mut p =
+        Pair { inboxes: inboxes.clone(), transport: Arc::new(InProcess::new(inboxes.clone())), _tcp: None, _shm: None };
+    match kind {
+        Kind::InProcess => {}
+        Kind::Tcp => {
+            let rx = TcpReceiver::bind("127.0.0.1:0", inboxes).await.unwrap();
+            let addr = rx.local_addr();
+            p.transport =
+                Arc::new(tokio::task::spawn_blocking(move || TcpTransport::connect(addr)).await.unwrap().unwrap());
+            p._tcp = Some(rx);
+        }
+        Kind::Shm => {
+            let rx = ShmReceiver::bind(socket_path(), inboxes).await.unwrap();
+            let path = rx.path().to_path_buf();
+            let t = tokio::task::spawn_blocking(move || ShmTransport::connect(path, cfg)).await.unwrap().unwrap();
+            p.transport = Arc::new(t);
+            p._shm = Some(rx);
+        }
+    }
+    p
+}
+
+fn frame(id: HandoffId, layer: u32, index: u32, elems: usize) -> Frame {
+    let seed = (id.0 as u16).wrapping_mul(7919) ^ (layer as u16) << 8 ^ index as u16;
+    Frame {
+        handoff: id,
+        layer,
+        index,
+        k: (0..elems).map(|i| seed.wrapping_add(i as u16)).collect(),
+        v: (0..elems).map(|i| seed ^ (i as u16).rotate_left(3)).collect(),
+    }
+}
+
+/// The frames of a prompt of `blocks` blocks on a model of `layers` layers, layer-major.
+fn prompt(id: HandoffId, layers: u32, blocks: u32, elems: usize) -> Vec<Frame> {
+    (0..layers).flat_map(|l| (0..blocks).map(move |b| frame(id, l, b, elems))).collect()
+}
+
+/// Sends `frames` as handoff `id` on a plain thread; returns what `finish` said.
+fn send(
+    t: &Arc<dyn KvTransport>,
+    id: HandoffId,
+    frames: Vec<Frame>,
+) -> tokio::task::JoinHandle<Result<(), TransferError>> {
+    let t = t.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut sink = t.open(id)?;
+        for f in frames {
+            sink.send(f)?;
+        }
+        sink.finish()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_frames_round_trip_through_every_transport() {
+    for kind in KINDS {
+        let p = pair(kind, ShmConfig { slots: 8, slot_bytes: 16 << 10 }).await;
+        for (n, elems) in [(1u64, REAL), (2, 1), (3, 0), (4, 999)] {
+            let id = HandoffId(n);
+            let mut inbox = p.inboxes.expect(id).unwrap();
+            let frames = prompt(id, 30, 8, elems);
+            let sender = send(&p.transport, id, frames.clone());
+            for want in &frames {
+                assert_eq!(inbox.recv().await.unwrap().as_ref(), Some(want), "{kind:?}");
+            }
+            assert_eq!(inbox.recv().await.unwrap(), None, "{kind:?}");
+            sender.await.unwrap().unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_frames_survive_the_trip() {
+    for kind in KINDS {
+        let p = pair(kind, ShmConfig::default()).await;
+        let id = HandoffId(77);
+        let mut inbox = p.inboxes.expect(id).unwrap();
+        let kv = KvFrame { layer: 29, index: 31, k: vec![0x3c00; REAL], v: vec![0xbc00; REAL] };
+        send(&p.transport, id, vec![Frame::from_kv(id, kv.clone())]).await.unwrap().unwrap();
+        assert_eq!(inbox.recv().await.unwrap().map(Frame::into_kv), Some(kv), "{kind:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_handoffs_on_one_link_stay_apart() {
+    for kind in KINDS {
+        // Fewer slots than frames in flight: senders also contend for slots.
+        let p = pair(kind, ShmConfig { slots: 3, slot_bytes: 16 << 10 }).await;
+        let ids: Vec<HandoffId> = (10..16).map(HandoffId).collect();
+        let mut inboxes: Vec<_> = ids.iter().map(|&id| p.inboxes.expect(id).unwrap()).collect();
+        let senders: Vec<_> = ids.iter().map(|&id| send(&p.transport, id, prompt(id, 6, 10, REAL))).collect();
+        let receivers: Vec<_> = inboxes
+            .drain(..)
+            .map(|mut inbox| {
+                tokio::spawn(async move {
+                    let mut got = Vec::new();
+                    while let Some(f) = inbox.recv().await.unwrap() {
+                        got.push(f);
+                    }
+                    (inbox.id(), got)
+                })
+            })
+            .collect();
+        for s in senders {
+            s.await.unwrap().unwrap();
+        }
+        for r in receivers {
+            let (id, got) = r.await.unwrap();
+            assert!(got == prompt(id, 6, 10, REAL), "{kind:?}: {id} got {} frames, mixed or out of order", got.len());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_reaches_the_receiver() {
+    for kind in KINDS {
+        let p = pair(kind, ShmConfig::default()).await;
+        // After some frames, explicitly.
+        let id = HandoffId(20);
+        let mut inbox = p.inboxes.expect(id).unwrap();
+        let t = p.transport.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut sink = t.open(id).unwrap();
+            sink.send(frame(id, 0, 0, REAL)).unwrap();
+            sink.abort();
+        })
+        .await
+        .unwrap();
+        assert_eq!(inbox.recv().await.unwrap(), Some(frame(id, 0, 0, REAL)), "{kind:?}");
+        assert!(matches!(inbox.recv().await, Err(TransferError::Aborted)), "{kind:?}");
+        // Before any frame, by dropping the sink.
+        let id = HandoffId(21);
+        let mut inbox = p.inboxes.expect(id).unwrap();
+        let t = p.transport.clone();
+        tokio::task::spawn_blocking(move || drop(t.open(id).unwrap())).await.unwrap();
+        assert!(matches!(inbox.recv().await, Err(TransferError::Aborted)), "{kind:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_receiver_fails_the_sender() {
+    for kind in KINDS {
+        let p = pair(kind, ShmConfig { slots: 2, slot_bytes: 16 << 10 }).await;
+        // The inbox goes away mid-transfer: sending more than the inbox and link buffer
+        // would block forever if the sender were not told.
+        let id = HandoffId(30);
+        let inbox = p.inboxes.expect(id).unwrap();
+        let t = p.transport.clone();
+        let sender = tokio::task::spawn_blocking(move || {
+            let mut sink = t.open(id)?;
+            for f in prompt(id, 100, 100, REAL) {
+                sink.send(f)?;
+            }
+            sink.finish()
+        });
+        drop(inbox);
+        let r = sender.await.unwrap();
+        assert!(matches!(r, Err(TransferError::ReceiverGone(x)) if x == id), "{kind:?}: {r:?}");
+        // Never expected at all: the error comes at open or at the latest at finish.
+        let r = send(&p.transport, HandoffId(31), vec![frame(HandoffId(31), 0, 0, REAL)]).await.unwrap();
+        assert!(matches!(r, Err(TransferError::ReceiverGone(_))), "{kind:?}: {r:?}");
+        // The link still works for the next handoff.
+        let id = HandoffId(32);
+        let mut inbox = p.inboxes.expect(id).unwrap();
+        send(&p.transport, id, vec![frame(id, 1, 1, REAL)]).await.unwrap().unwrap();
+        assert_eq!(inbox.recv().await.unwrap(), Some(frame(id, 1, 1, REAL)), "{kind:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_listener_fails_both_sides() {
+    for kind in [Kind::Tcp, Kind::Shm] {
+        let mut p = pair(kind, ShmConfig::default()).await;
+        let id = HandoffId(40);
+        let mut inbox = p.inboxes.expect(id).unwrap();
+        let t = p.transport.clone();
+        let (sent_one, proceed) = std::sync::mpsc::channel::<()>();
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let sender = tokio::task::spawn_blocking(move || {
+            let mut sink = t.open(id)?;
+            sink.send(frame(id, 0, 0, REAL))?;
+            sent_one.send(()).unwrap();
+            wait.recv().unwrap();
+            for f in prompt(id, 100, 100, REAL) {
+                sink.send(f)?;
+            }
+            sink.finish()
+        });
+        proceed.recv().unwrap();
+        assert!(inbox.recv().await.unwrap().is_some());
+        p._tcp = None;
+        p._shm = None;
+        go.send(()).unwrap();
+        let r = sender.await.unwrap();
+        assert!(matches!(r, Err(TransferError::Disconnected(_))), "{kind:?}: {r:?}");
+        assert!(matches!(inbox.recv().await, Err(TransferError::Disconnected(_))), "{kind:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misuse_is_an_error_not_a_panic() {
+    for kind in KINDS {
+        let p = pair(kind, ShmConfig { slots: 2, slot_bytes: 4096 }).await;
+        let id = HandoffId(50);
+        let _inbox = p.inboxes.expect(id).unwrap();
+        assert!(matches!(p.inboxes.expect(id), Err(TransferError::Duplicate(_))));
+        let t = p.transport.clone();
+        let (wrong, mismatched, big) = tokio::task::spawn_blocking(move || {
+            let mut sink = t.open(id).unwrap();
+            assert!(t.open(id).is_err(), "a handoff has one sink");
+            let wrong = sink.send(frame(HandoffId(51), 0, 0, 4));
+            let mismatched = sink.send(Frame { v: vec![1], ..frame(id, 0, 0, 4) });
+            let big = sink.send(frame(id, 0, 0, REAL));
+            (wrong, mismatched, big)
+        })
+        .await
+        .unwrap();
+        assert!(matches!(wrong, Err(TransferError::WrongHandoff { .. })), "{kind:?}");
+        assert!(matches!(mismatched, Err(TransferError::Frame(_))), "{kind:?}: {mismatched:?}");
+        if matches!(kind, Kind::Shm) {
+            assert!(matches!(big, Err(TransferError::SlotTooSmall { .. })), "{big:?}");
+        }
+    }
+}
+
+/// Prints each transport's throughput next to a plain copy of the same bytes; run
+/// with `-- --nocapture` to see it. Timings are printed, never asserted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throughput_is_measurable() {
+    const BYTES: usize = 128 << 20;
+    let copy = tokio::task::spawn_blocking(|| measure_copy(BYTES)).await.unwrap();
+    println!("copy_from_slice            {copy}");
+    for kind in KINDS {
+        for (label, elems) in [("12 KiB frames", REAL), ("1 MiB frames", 1 << 18)] {
+            let cfg = ShmConfig { slots: 16, slot_bytes: (4 << 20) + 64 };
+            let p = pair(kind, cfg).await;
+            let (t, inboxes) = (p.transport.clone(), p.inboxes.clone());
+            // A warm-up pass, then the measured one.
+            let tp = tokio::task::spawn_blocking(move || {
+                measure(t.as_ref(), &inboxes, 16 << 20, elems)?;
+                measure(t.as_ref(), &inboxes, BYTES, elems)
+            })
+            .await
+            .unwrap()
+            .unwrap();
+            assert_eq!(tp.bytes as usize, BYTES.div_ceil(4 * elems) * 4 * elems);
+            println!("{:<10} {label:<15} {tp}", t_name(kind));
+        }
+    }
+}
+
+fn t_name(kind: Kind) -> &'static str {
+    match kind {
+        Kind::InProcess => "in-process",
+        Kind::Tcp => "tcp",
+        Kind::Shm => "shm",
+    }
+}

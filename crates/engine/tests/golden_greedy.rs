@@ -53,7 +53,7 @@ fn greedy_matches_llama_cpp() {
         let mut pos = 0;
         for (i, step) in steps.iter().enumerate() {
             let b = SeqBatch { tokens: &tokens[pos..], start_pos: pos, blocks: &blocks, logits: true };
-            let logits = model.forward(isa, &pool, &[b], &mut kv, &mut s, &mut |_, _| {}).to_vec();
+            let logits = model.forward(isa, &pool, &[b], &mut kv, &mut s, &mut |_, _| true).unwrap().to_vec();
             pos = tokens.len();
             let lp = log_softmax(&logits);
             let want = step["id"].as_u64().unwrap() as u32;

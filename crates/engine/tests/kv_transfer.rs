@@ -80,7 +80,12 @@ fn aggregated(prompt: &[u32], params: &SamplingParams) -> Vec<Sampled> {
 fn export(id: RequestId, prompt: &[u32], params: &SamplingParams, p_batch: usize) -> (StepOutput, Vec<KvFrame>) {
     let mut p = engine(64, p_batch);
     let mut frames = Vec::new();
-    let first = p.prefill_export(id, prompt.to_vec(), params.clone(), &mut |f| frames.push(f)).unwrap();
+    let first = p
+        .prefill_export(id, prompt.to_vec(), params.clone(), &mut |f| {
+            frames.push(f);
+            true
+        })
+        .unwrap();
     assert_eq!(first.id, id);
     assert_eq!(first.prompt_tokens, prompt.len());
     let s = p.stats();
@@ -326,22 +331,73 @@ fn prefill_export_needs_an_idle_engine_and_a_valid_request() {
     let mut p = engine(64, 512);
     let mut frames = Vec::new();
     assert_eq!(
-        p.prefill_export(RequestId(1), Vec::new(), greedy(4), &mut |f| frames.push(f)).unwrap_err(),
+        p.prefill_export(RequestId(1), Vec::new(), greedy(4), &mut |f| {
+            frames.push(f);
+            true
+        })
+        .unwrap_err(),
         EngineError::EmptyPrompt
     );
     p.add(RequestId(2), prompt(20), greedy(4)).unwrap();
-    assert!(p.prefill_export(RequestId(3), prompt(20), greedy(4), &mut |f| frames.push(f)).is_err());
+    assert!(p
+        .prefill_export(RequestId(3), prompt(20), greedy(4), &mut |f| {
+            frames.push(f);
+            true
+        })
+        .is_err());
     assert!(frames.is_empty());
     assert_eq!(p.stats().waiting, 1);
     assert_eq!(drain(&mut p, RequestId(2)).len(), 4);
     // Once idle it exports, and a second export of the same prompt (now a prefix-cache
     // hit on P) streams the same frames.
     let (mut a, mut b) = (Vec::new(), Vec::new());
-    let first_a = p.prefill_export(RequestId(4), prompt(40), greedy(4), &mut |f| a.push(f)).unwrap();
-    let first_b = p.prefill_export(RequestId(5), prompt(40), greedy(4), &mut |f| b.push(f)).unwrap();
+    let first_a = p
+        .prefill_export(RequestId(4), prompt(40), greedy(4), &mut |f| {
+            a.push(f);
+            true
+        })
+        .unwrap();
+    let first_b = p
+        .prefill_export(RequestId(5), prompt(40), greedy(4), &mut |f| {
+            b.push(f);
+            true
+        })
+        .unwrap();
     assert_eq!(first_b.cached_tokens, 32);
     assert_eq!(first_a.sampled, first_b.sampled);
     check_frame_order(&b, 40);
     assert!(a == b, "frames differ on a prefix-cache hit");
     assert_eq!(p.stats().blocks.used, 0);
+}
+
+/// A receiver that goes away mid-transfer stops the prefill at the next layer
+/// boundary: no more frames after the refusal, no first token, no blocks held.
+#[test]
+fn refused_frame_stops_prefill_at_layer_boundary() {
+    let m = model();
+    let mut p = Engine::new(
+        m.model.clone(),
+        EngineConfig { threads: 1, num_blocks: 64, ..Default::default() },
+        m.tokenizer.eog_ids().to_vec(),
+    );
+    let prompt: Vec<u32> = m.tokenizer.encode("The capital of France is Paris, and the capital of Italy is", false);
+    let mut layers_seen = Vec::new();
+    let err = p
+        .prefill_export(RequestId(7), prompt.clone(), SamplingParams::greedy(4), &mut |f| {
+            layers_seen.push(f.layer);
+            f.layer < 2
+        })
+        .unwrap_err();
+    assert_eq!(err, EngineError::Cancelled);
+    assert_eq!(*layers_seen.iter().max().unwrap(), 2, "frames kept coming after the refusal");
+    assert!(!p.has_work());
+    assert_eq!(p.stats().blocks.used, 0);
+    // The engine is fine afterwards.
+    let mut n = 0;
+    p.prefill_export(RequestId(8), prompt, SamplingParams::greedy(4), &mut |_| {
+        n += 1;
+        true
+    })
+    .unwrap();
+    assert!(n > 0);
 }

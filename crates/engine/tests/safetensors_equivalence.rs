@@ -74,7 +74,8 @@ fn run(model: &Model, prompts: &[Vec<u32>], decode: usize) -> Vec<Vec<f32>> {
             .zip(&blocks)
             .map(|((t, &p), b)| SeqBatch { tokens: &t[p..], start_pos: p, blocks: b, logits: true })
             .collect();
-        let logits = model.forward(Isa::detect(), &pool, &batch, &mut kv, &mut scratch, &mut |_, _| {}).to_vec();
+        let logits =
+            model.forward(Isa::detect(), &pool, &batch, &mut kv, &mut scratch, &mut |_, _| true).unwrap().to_vec();
         assert_eq!(logits.len(), prompts.len() * cfg.vocab_size);
         assert!(logits.iter().all(|x| x.is_finite()));
         steps.push(logits);

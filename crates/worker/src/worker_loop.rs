@@ -88,10 +88,7 @@ impl Loop {
                 }
             },
             Command::Prefill { req, mut sink, reply } => {
-                let mut open = true;
-                let res = self.engine.prefill_export(req.id, req.prompt, req.params, &mut |f| {
-                    open = open && sink(f);
-                });
+                let res = self.engine.prefill_export(req.id, req.prompt, req.params, &mut |f| sink(f));
                 let _ = reply.send(res.map(first_token).map_err(serve_error));
             }
             Command::Reserve { id, prompt_len, reply } => {
@@ -212,7 +209,7 @@ fn serve_error(e: EngineError) -> ServeError {
             ServeError::Invalid(e.to_string())
         }
         EngineError::NoBlocks => ServeError::Overloaded(e.to_string()),
-        EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) => {
+        EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) | EngineError::Cancelled => {
             ServeError::Internal(e.to_string())
         }
     }

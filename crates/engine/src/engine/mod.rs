@@ -63,6 +63,8 @@ pub enum EngineError {
     NoBlocks,
     #[error("KV frame does not fit: {0}")]
     BadFrame(String),
+    #[error("cancelled: the receiver of the prefill is gone")]
+    Cancelled,
 }
 
 /// One token for one request.

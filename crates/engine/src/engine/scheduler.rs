@@ -28,11 +28,16 @@ pub(crate) struct Planned {
 impl Engine {
     /// Runs one batch and returns one output per sequence that sampled a token.
     pub fn step(&mut self) -> Vec<StepOutput> {
-        self.step_with(&mut |_, _, _| {})
+        self.step_with(&mut |_, _, _| true)
     }
 
     /// [`step`](Self::step) with a hook called after each layer's K/V are written.
-    pub(crate) fn step_with(&mut self, on_layer: &mut dyn FnMut(usize, &KvStorage, &[LayerSeq])) -> Vec<StepOutput> {
+    /// A hook returning `false` abandons the step: nothing advances, and the caller
+    /// cancels what it no longer wants (partial K/V are overwritten if it resumes).
+    pub(crate) fn step_with(
+        &mut self,
+        on_layer: &mut dyn FnMut(usize, &KvStorage, &[LayerSeq]) -> bool,
+    ) -> Vec<StepOutput> {
         let plan = self.schedule();
         if plan.is_empty() {
             return Vec::new();
@@ -58,7 +63,10 @@ impl Engine {
             .model
             .forward(self.isa, &self.pool, &batch, &mut self.kv, &mut scratch, &mut |l, kv| on_layer(l, kv, &ids));
         drop(batch);
-        let out = self.finish_step(&plan, logits);
+        let out = match logits {
+            Some(logits) => self.finish_step(&plan, logits),
+            None => Vec::new(),
+        };
         self.scratch = scratch;
         out
     }

@@ -32,7 +32,8 @@ pub struct KvImport {
 }
 
 impl Engine {
-    /// Prefills `prompt` alone, streaming its K/V through `on_frame` layer by layer,
+    /// Prefills `prompt` alone, streaming its K/V through `on_frame` layer by layer
+    /// (`on_frame` returning `false` stops the prefill at the next layer boundary),
     /// and returns the first sampled token. The prompt's full blocks stay in this
     /// engine's prefix cache.
     pub fn prefill_export(
@@ -40,7 +41,7 @@ impl Engine {
         id: RequestId,
         prompt: Vec<u32>,
         params: SamplingParams,
-        on_frame: &mut dyn FnMut(KvFrame),
+        on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<StepOutput, EngineError> {
         self.check_new(id, &prompt, &params)?;
         if self.has_work() {
@@ -50,11 +51,18 @@ impl Engine {
         let seed = self.fresh_seed();
         self.waiting.push_back(Sequence::new(id, prompt, params, seed));
         loop {
+            let mut stopped = false;
             let mut outs = self.step_with(&mut |l, kv, seqs| {
                 for s in seqs.iter().filter(|s| s.last_chunk) {
-                    export_layer(kv, l, &s.blocks, on_frame);
+                    stopped |= !export_layer(kv, l, &s.blocks, on_frame);
                 }
+                !stopped
             });
+            if stopped {
+                // The receiver is gone: stop at this layer boundary, free the blocks.
+                self.cancel(id);
+                return Err(EngineError::Cancelled);
+            }
             if let Some(first) = outs.pop() {
                 self.cancel(id);
                 return Ok(first);
@@ -140,9 +148,10 @@ impl Engine {
     }
 }
 
-fn export_layer(kv: &KvStorage, l: usize, blocks: &[u32], on_frame: &mut dyn FnMut(KvFrame)) {
-    for (index, &b) in blocks.iter().enumerate() {
+/// Sends layer `l` of `blocks`; false once the receiver refuses a frame.
+fn export_layer(kv: &KvStorage, l: usize, blocks: &[u32], on_frame: &mut dyn FnMut(KvFrame) -> bool) -> bool {
+    blocks.iter().enumerate().all(|(index, &b)| {
         let (k, v) = kv.block(l, b);
-        on_frame(KvFrame { layer: l as u32, index: index as u32, k: k.to_vec(), v: v.to_vec() });
-    }
+        on_frame(KvFrame { layer: l as u32, index: index as u32, k: k.to_vec(), v: v.to_vec() })
+    })
 }

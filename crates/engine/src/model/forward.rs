@@ -44,7 +44,8 @@ thread_local! {
 impl Model {
     /// Runs `batch` through the model, writing its K/V into `kv`. Returns the logits of
     /// the sequences that asked for them, `vocab_size` values each, in batch order.
-    /// `on_layer(l, kv)` is called once layer `l`'s K/V are written for the whole batch.
+    /// `on_layer(l, kv)` is called once layer `l`'s K/V are written for the whole batch;
+    /// returning `false` stops the pass there (a cancelled prefill) and yields `None`.
     pub fn forward<'s>(
         &self,
         isa: Isa,
@@ -52,8 +53,8 @@ impl Model {
         batch: &[SeqBatch<'_>],
         kv: &mut KvStorage,
         s: &'s mut ForwardScratch,
-        on_layer: &mut dyn FnMut(usize, &KvStorage),
-    ) -> &'s mut [f32] {
+        on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
+    ) -> Option<&'s mut [f32]> {
         let c = &self.cfg;
         let t: usize = batch.iter().map(|b| b.tokens.len()).sum();
         let positions: Vec<usize> =
@@ -65,10 +66,12 @@ impl Model {
         }
         for (l, layer) in self.layers.iter().enumerate() {
             self.attention_block(isa, pool, l, layer, batch, &positions, &rope, kv, s);
-            on_layer(l, kv);
+            if !on_layer(l, kv) {
+                return None;
+            }
             self.ffn_block(isa, pool, layer, t, s);
         }
-        self.logits(isa, pool, batch, s)
+        Some(self.logits(isa, pool, batch, s))
     }
 
     #[allow(clippy::too_many_arguments)]

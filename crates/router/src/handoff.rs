@@ -11,11 +11,12 @@
 //! cancels at once, and every exit path releases what the state held (D's reserved
 //! blocks). Once D streams, D's worker loop owns the request and its cancellation.
 
+use pdserve_kv_transfer::{Frame, HandoffId, Inboxes, KvSink, KvTransport, TransferError};
 use pdserve_protocol::{Event, EventSender, GenerateRequest, Phase, ServeError, Telemetry, TokenStream, Usage};
 use pdserve_worker::{FirstToken, FrameSink, Worker};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Per-phase time limits; the prefill limit grows with the prompt.
@@ -60,6 +61,24 @@ pub struct Hop {
     pub d: Worker,
     pub deadlines: Deadlines,
     pub telemetry: Arc<dyn Telemetry>,
+    /// `None`: frames go straight into D's queue (same process, no copy).
+    pub link: Option<Arc<KvLink>>,
+}
+
+/// A transport for KV frames and the inboxes its receiver fills on D's side.
+pub struct KvLink {
+    pub transport: Arc<dyn KvTransport>,
+    pub inboxes: Inboxes,
+}
+
+/// The sending half of a linked transfer, shared by P's frame sink (which sends) and
+/// the handoff task (which finishes it once P is done).
+type SharedSink = Arc<Mutex<Option<Box<dyn KvSink>>>>;
+
+/// A linked transfer in flight: its sink and the task forwarding D's inbox into D.
+struct Linked {
+    sink: SharedSink,
+    forward: tokio::task::JoinHandle<bool>,
 }
 
 /// Starts the handoff of `req` from prefill worker `hop.p` to decode worker `hop.d`.
@@ -89,7 +108,7 @@ fn fail(client: &EventSender, e: ServeError) -> Outcome {
 }
 
 pub async fn run(hop: Hop, req: GenerateRequest, client: EventSender) -> Outcome {
-    let Hop { p, d, deadlines: dl, telemetry } = hop;
+    let Hop { p, d, deadlines: dl, telemetry, link } = hop;
     let id = req.id;
     // Reserved(D): blocks first, so a transfer never arrives where it cannot land.
     let reserved = match d.reserve(id, req.prompt.len()) {
@@ -112,14 +131,36 @@ pub async fn run(hop: Hop, req: GenerateRequest, client: EventSender) -> Outcome
     // Prefilling(P), frames flowing into D as each layer completes (Transferring).
     let broken = Arc::new(AtomicBool::new(false));
     let bytes = Arc::new(AtomicU64::new(0));
-    let sink = frame_sink(d.clone(), id, broken.clone(), client.clone(), bytes.clone());
+    let (sink, linked) = match &link {
+        None => (frame_sink(d.clone(), id, broken.clone(), client.clone(), bytes.clone()), None),
+        Some(link) => match open_link(link, &d, id, &broken, &client, &bytes) {
+            Ok((sink, linked)) => (sink, Some(linked)),
+            Err(e) => {
+                d.abort_import(id);
+                return fail(&client, ServeError::Internal(format!("KV transfer: {e}")));
+            }
+        },
+    };
+    let transport = link.as_ref().map_or("inproc", |l| l.transport.name());
     let started = Instant::now();
     let first = match p.prefill(req.clone(), sink) {
         Ok(rx) => wait(dl.prefill(req.prompt.len()), &client, rx).await,
         Err(_) => Wait::TimedOut,
     };
     telemetry.phase(Phase::Prefill, started.elapsed().as_secs_f64());
-    telemetry.kv_transfer_bytes("inproc", bytes.load(Ordering::Relaxed));
+    // Over a link, D must hold every frame before it may decode.
+    let delivered = match linked {
+        Some(l) if matches!(first, Wait::Done(Ok(Ok(_)))) => finish_link(l).await,
+        Some(l) => {
+            l.forward.abort();
+            false
+        }
+        None => true,
+    };
+    if !delivered {
+        broken.store(true, Ordering::SeqCst);
+    }
+    telemetry.kv_transfer_bytes(transport, bytes.load(Ordering::Relaxed));
     let first = match first {
         Wait::Done(Ok(Ok(first))) if !broken.load(Ordering::SeqCst) => first,
         Wait::Cancelled => {
@@ -186,4 +227,63 @@ fn frame_sink(
         }
         ok
     })
+}
+
+/// Opens a linked transfer: D's inbox first (so the first frame has somewhere to go),
+/// a task that forwards it into D's reservation, and P's sink over the transport.
+fn open_link(
+    link: &KvLink,
+    d: &Worker,
+    id: pdserve_types::RequestId,
+    broken: &Arc<AtomicBool>,
+    client: &EventSender,
+    bytes: &Arc<AtomicU64>,
+) -> Result<(FrameSink, Linked), TransferError> {
+    let hid = HandoffId(id.0);
+    let mut inbox = link.inboxes.expect(hid)?;
+    let (d, fwd_bytes) = (d.clone(), bytes.clone());
+    let forward = tokio::spawn(async move {
+        loop {
+            match inbox.recv().await {
+                Ok(Some(f)) => {
+                    fwd_bytes.fetch_add(f.payload_bytes() as u64, Ordering::Relaxed);
+                    if d.frame(id, f.into_kv()).is_err() {
+                        return false;
+                    }
+                }
+                Ok(None) => return true,
+                Err(_) => return false,
+            }
+        }
+    });
+    let shared: SharedSink = Arc::new(Mutex::new(Some(link.transport.open(hid)?)));
+    let (sink_shared, broken, client) = (shared.clone(), broken.clone(), client.clone());
+    let sink: FrameSink = Box::new(move |frame| {
+        if broken.load(Ordering::SeqCst) || client.is_closed() {
+            return false;
+        }
+        let mut guard = sink_shared.lock().unwrap_or_else(|e| e.into_inner());
+        let ok = guard.as_mut().is_some_and(|s| s.send(Frame::from_kv(hid, frame)).is_ok());
+        if !ok {
+            broken.store(true, Ordering::SeqCst);
+        }
+        ok
+    });
+    Ok((sink, Linked { sink: shared, forward }))
+}
+
+/// Ends a linked transfer after P is done: the sink's finish waits (off the async
+/// workers) until the receiver holds every frame, then the forwarder drains them into D.
+async fn finish_link(l: Linked) -> bool {
+    let sink = l.sink.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let Some(sink) = sink else {
+        l.forward.abort();
+        return false;
+    };
+    let finished = tokio::task::spawn_blocking(move || sink.finish().is_ok()).await.unwrap_or(false);
+    if !finished {
+        l.forward.abort();
+        return false;
+    }
+    l.forward.await.unwrap_or(false)
 }

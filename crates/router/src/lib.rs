@@ -10,7 +10,7 @@ pub mod handoff;
 mod mode;
 pub mod policies;
 
-pub use handoff::Deadlines;
+pub use handoff::{Deadlines, KvLink};
 pub use mode::Mode;
 
 use pdserve_protocol::{Generate, GenerateRequest, NoTelemetry, PrefillRoute, ServeError, Telemetry, TokenStream};
@@ -26,12 +26,28 @@ pub struct Router {
     runtime: tokio::runtime::Handle,
     draining: AtomicBool,
     telemetry: Arc<dyn Telemetry>,
+    link: Option<Arc<KvLink>>,
 }
 
 impl Router {
     /// `runtime` runs the handoff tasks.
     pub fn new(workers: Vec<Worker>, mode: Mode, deadlines: Deadlines, runtime: tokio::runtime::Handle) -> Self {
-        Router { workers, mode, deadlines, runtime, draining: AtomicBool::new(false), telemetry: Arc::new(NoTelemetry) }
+        Router {
+            workers,
+            mode,
+            deadlines,
+            runtime,
+            draining: AtomicBool::new(false),
+            telemetry: Arc::new(NoTelemetry),
+            link: None,
+        }
+    }
+
+    /// Ships KV frames over `link` (TCP, shared memory) instead of handing them to
+    /// the decode worker directly.
+    pub fn with_kv_link(mut self, link: KvLink) -> Self {
+        self.link = Some(Arc::new(link));
+        self
     }
 
     /// Reports routing decisions, phase times and transfer bytes to `t`.
@@ -87,6 +103,7 @@ impl Generate for Router {
                     d: d.clone(),
                     deadlines: self.deadlines,
                     telemetry: self.telemetry.clone(),
+                    link: self.link.clone(),
                 };
                 Ok(handoff::start(&self.runtime, hop, req))
             }

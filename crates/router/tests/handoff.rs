@@ -188,3 +188,64 @@ async fn drain_some(live: &mut Vec<(u64, TokenStream)>) {
         }
     }
 }
+
+/// The same handoff with frames over loopback TCP and over shared memory: the tokens
+/// are the ones one engine produces alone, and no block is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_and_shm_links_give_the_same_tokens() {
+    use pdserve_kv_transfer::{Inboxes, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport};
+    use pdserve_router::KvLink;
+    use std::sync::Arc;
+
+    let agg = router(Mode::Aggregated, Deadlines::default());
+    let mut want = Vec::new();
+    for (i, p) in PROMPTS.iter().enumerate() {
+        want.push(collect(agg.generate(request(i as u64, p, 16)).unwrap()).await.0);
+    }
+    let inboxes = Inboxes::new(64);
+    let tcp_rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+    let tcp = TcpTransport::connect(tcp_rx.local_addr()).unwrap();
+    let shm_inboxes = Inboxes::new(64);
+    let sock = std::env::temp_dir().join(format!("pdserve-router-test-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&sock);
+    let shm_rx = ShmReceiver::bind(&sock, shm_inboxes.clone()).await.unwrap();
+    let shm = ShmTransport::connect(shm_rx.path(), ShmConfig::default()).unwrap();
+    let links =
+        [KvLink { transport: Arc::new(tcp), inboxes }, KvLink { transport: Arc::new(shm), inboxes: shm_inboxes }];
+    let cfg = &model().model.cfg;
+    for (k, link) in links.into_iter().enumerate() {
+        let name = link.transport.name();
+        let seen = Arc::new(Bytes::default());
+        let r = router(Mode::Disaggregated, Deadlines::default()).with_kv_link(link).with_telemetry(seen.clone());
+        for (i, p) in PROMPTS.iter().enumerate() {
+            let req = request(200 + 10 * k as u64 + i as u64, p, 16);
+            // Every layer's blocks, K and V in f16: what must have crossed the link.
+            let blocks = req.prompt.len().div_ceil(16);
+            let expect = (cfg.n_layers * blocks * 2 * cfg.n_kv_heads * 16 * cfg.head_dim * 2) as u64;
+            let (got, end) = collect(r.generate(req).unwrap()).await;
+            assert!(matches!(end, Event::Done { .. }), "{end:?}");
+            assert_eq!(got, want[i], "link {k}, prompt {i}");
+            assert_eq!(seen.take(name), expect, "{name}: the frames did not all cross the link");
+        }
+        assert_eq!(settle(&r).await, 0);
+    }
+    let _ = std::fs::remove_file(&sock);
+}
+
+/// Counts transfer bytes per transport name.
+#[derive(Default)]
+struct Bytes(std::sync::Mutex<std::collections::HashMap<String, u64>>);
+
+impl Bytes {
+    fn take(&self, name: &str) -> u64 {
+        self.0.lock().unwrap().remove(name).unwrap_or(0)
+    }
+}
+
+impl pdserve_protocol::Telemetry for Bytes {
+    fn phase(&self, _: pdserve_protocol::Phase, _: f64) {}
+    fn route(&self, _: pdserve_protocol::PrefillRoute) {}
+    fn kv_transfer_bytes(&self, transport: &str, bytes: u64) {
+        *self.0.lock().unwrap().entry(transport.to_string()).or_default() += bytes;
+    }
+}

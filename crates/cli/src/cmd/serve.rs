@@ -3,8 +3,9 @@
 use anyhow::Context;
 use pdserve_engine::engine::EngineConfig;
 use pdserve_frontend::{Frontend, Metrics};
+use pdserve_kv_transfer::{Inboxes, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport};
 use pdserve_protocol::Generate;
-use pdserve_router::{Deadlines, Mode, Router};
+use pdserve_router::{Deadlines, KvLink, Mode, Router};
 use pdserve_types::Role;
 use pdserve_worker::Worker;
 use std::sync::Arc;
@@ -37,6 +38,11 @@ pub struct Args {
     host: String,
     #[arg(long, default_value_t = 8000)]
     port: u16,
+    /// How KV moves from prefill to decode workers: inproc (hand over the frames),
+    /// tcp (loopback socket) or shm (shared-memory ring); tcp and shm exercise the
+    /// transports a multi-process deployment uses.
+    #[arg(long, default_value = "inproc")]
+    kv_transport: String,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace_seconds: u64,
@@ -59,10 +65,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
-        let router = Arc::new(
-            Router::new(workers, a.mode, Deadlines::default(), tokio::runtime::Handle::current())
-                .with_telemetry(Arc::new(metrics.clone())),
-        );
+        let mut router = Router::new(workers, a.mode, Deadlines::default(), tokio::runtime::Handle::current())
+            .with_telemetry(Arc::new(metrics.clone()));
+        // The receivers must outlive the server; they stop when dropped.
+        let (link, _receivers) = kv_link(&a.kv_transport).await?;
+        if let Some(link) = link {
+            router = router.with_kv_link(link);
+        }
+        let router = Arc::new(router);
         let mode = format!("{:?}", a.mode).to_lowercase();
         let frontend = Frontend::new(
             router.clone() as Arc<dyn Generate>,
@@ -150,5 +160,32 @@ async fn report_blocks(router: Arc<Router>, metrics: Metrics) {
                 metrics.set_kv_blocks(w.name(), s.blocks.free, s.blocks.used, s.blocks.cached);
             }
         }
+    }
+}
+
+/// Holds a transport's receiving end alive.
+enum Receiver {
+    Tcp(#[allow(dead_code)] pdserve_kv_transfer::TcpReceiver),
+    Shm(#[allow(dead_code)] pdserve_kv_transfer::ShmReceiver),
+}
+
+/// Builds the KV link for `--kv-transport`: `None` for in-process hand-over.
+async fn kv_link(kind: &str) -> anyhow::Result<(Option<KvLink>, Option<Receiver>)> {
+    let inboxes = Inboxes::new(256);
+    match kind {
+        "inproc" => Ok((None, None)),
+        "tcp" => {
+            let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.context("KV receiver")?;
+            let tx = TcpTransport::connect(rx.local_addr())?;
+            Ok((Some(KvLink { transport: Arc::new(tx), inboxes }), Some(Receiver::Tcp(rx))))
+        }
+        "shm" => {
+            let sock = std::env::temp_dir().join(format!("pdserve-kv-{}.sock", std::process::id()));
+            let _ = std::fs::remove_file(&sock);
+            let rx = ShmReceiver::bind(&sock, inboxes.clone()).await.context("KV receiver")?;
+            let tx = ShmTransport::connect(rx.path(), ShmConfig::default())?;
+            Ok((Some(KvLink { transport: Arc::new(tx), inboxes }), Some(Receiver::Shm(rx))))
+        }
+        other => anyhow::bail!("unknown --kv-transport `{other}` (expected inproc, tcp or shm)"),
     }
 }

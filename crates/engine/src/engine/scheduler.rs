@@ -3,7 +3,7 @@
 //! admitted in arrival order with chunked prefill. When blocks run out, the most
 //! recently admitted sequence is preempted and will be recomputed later.
 
-use super::sequence::{FinishReason, Sequence};
+use super::sequence::Sequence;
 use super::{Engine, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
 use crate::model::SeqBatch;
@@ -208,13 +208,7 @@ pub(crate) fn sample_next(s: &mut Sequence, row: &mut [f32], eog: &[u32], contex
     let tok = sampled.token;
     s.tokens.push(tok);
     s.history.push(tok);
-    let finish = if (eog.contains(&tok) && !s.params.ignore_eos) || stop_ids.contains(&tok) {
-        Some(FinishReason::Stop)
-    } else if s.generated() >= s.params.max_tokens as usize || s.tokens.len() >= context {
-        Some(FinishReason::Length)
-    } else {
-        None
-    };
+    let finish = s.finish_reason(eog, context);
     let output = StepOutput { id: s.id, sampled, finish, prompt_tokens: s.prompt_len, cached_tokens: s.cached_tokens };
     (output, finish.is_some())
 }

@@ -58,6 +58,19 @@ impl Sequence {
         self.computed >= self.prompt_len && self.pending() == 1
     }
 
+    /// Whether the last token ends the sequence: an end-of-generation token (unless
+    /// `ignore_eos`) or a stop id → Stop; `max_tokens` or the context → Length.
+    pub fn finish_reason(&self, eog: &[u32], context: usize) -> Option<FinishReason> {
+        let last = *self.tokens.last()?;
+        if (eog.contains(&last) && !self.params.ignore_eos) || self.params.stop.token_ids.contains(&last) {
+            Some(FinishReason::Stop)
+        } else if self.generated() >= self.params.max_tokens as usize || self.tokens.len() >= context {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+
     /// Forgets the cache (preemption by recompute): the tokens are kept and will be
     /// prefilled again, with the same numerics, on re-admission.
     pub fn preempt(&mut self) {

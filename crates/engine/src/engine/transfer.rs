@@ -127,17 +127,11 @@ impl Engine {
         // Record the first token exactly as a local step would have.
         s.tokens.push(first);
         s.history.push(first);
-        if self.first_token_finishes(&s, first) {
+        if s.finish_reason(&self.eog, self.model.cfg.context_length).is_some() {
             return Ok(false);
         }
         self.running.push(s);
         Ok(true)
-    }
-
-    fn first_token_finishes(&self, s: &Sequence, tok: u32) -> bool {
-        (self.eog.contains(&tok) && !s.params.ignore_eos)
-            || s.params.stop.token_ids.contains(&tok)
-            || s.generated() >= s.params.max_tokens as usize
     }
 
     /// Gives up a transfer; its blocks return to the pool.

@@ -208,7 +208,7 @@ fn serve_error(e: EngineError) -> ServeError {
         EngineError::EmptyPrompt | EngineError::BadToken(_) | EngineError::TooLargeForCache { .. } => {
             ServeError::Invalid(e.to_string())
         }
-        EngineError::NoBlocks => ServeError::Overloaded(e.to_string()),
+        EngineError::NoBlocks | EngineError::Busy => ServeError::Overloaded(e.to_string()),
         EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) | EngineError::Cancelled => {
             ServeError::Internal(e.to_string())
         }

@@ -46,7 +46,7 @@ impl Engine {
         self.check_new(id, &prompt, &params)?;
         if self.has_work() {
             // Keep the batch this step runs to the one sequence being exported.
-            return Err(EngineError::BadFrame("prefill_export needs an idle engine".into()));
+            return Err(EngineError::Busy);
         }
         let seed = self.fresh_seed();
         self.waiting.push_back(Sequence::new(id, prompt, params, seed));

@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 # dependencies with the test build below.
 cargo build --profile test --bin pdserve
 ./target/debug/pdserve pull
-# The end-to-end suite talks to `pdserve serve` through the official OpenAI SDK.
-python3 -m pip install -q --disable-pip-version-check openai
+# The end-to-end suite talks to `pdserve serve` through the official OpenAI SDK and
+# parses /metrics with the Prometheus client library's parser.
+python3 -m pip install -q --disable-pip-version-check openai prometheus-client
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --profile test -- -D warnings

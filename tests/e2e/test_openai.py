@@ -1,5 +1,8 @@
-"""End-to-end: `pdserve serve` on the real model, driven by the official openai SDK and
-curl, then stopped with SIGTERM. Run by scripts/test.sh; prints one summary line.
+"""End-to-end: `pdserve serve` on the real model in every mode, and the same roles as
+separate processes (`pdserve worker` x2 behind `pdserve frontend`), driven by the
+official openai SDK and curl, /metrics parsed by the Prometheus client library's
+text-format parser, then stopped with SIGTERM. Run by scripts/test.sh; prints one
+summary line.
 
 Usage: python3 tests/e2e/test_openai.py PATH_TO_PDSERVE
 """
@@ -13,6 +16,7 @@ import time
 import urllib.request
 
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 PDSERVE = sys.argv[1]
 RESULTS = []
@@ -40,16 +44,28 @@ def curl(*args):
     return int(code), body
 
 
+def spawn(*args):
+    return subprocess.Popen([PDSERVE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def start(mode):
+    """The server for `mode`: the front process last in the list."""
     port = free_port()
-    proc = subprocess.Popen([PDSERVE, "serve", "--mode", mode, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if mode == "processes":
+        ports = [free_port(), free_port()]
+        procs = [spawn("worker", "--role", role, "--listen", f"127.0.0.1:{p}")
+                 for role, p in zip(("prefill", "decode"), ports)]
+        workers = ",".join(f"127.0.0.1:{p}" for p in ports)
+        procs.append(spawn("frontend", "--workers", workers, "--mode", "disaggregated", "--port", str(port)))
+    else:
+        procs = [spawn("serve", "--mode", mode, "--port", str(port))]
+    proc = procs[-1]
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
             with urllib.request.urlopen(url + "/health", timeout=1) as r:
                 if r.status == 200:
-                    return proc, url
+                    return procs, url
         except Exception:
             time.sleep(0.1)
         if proc.poll() is not None:
@@ -121,24 +137,39 @@ def suite(mode, url):
         code, body = curl(url + "/metrics")
         assert code == 200 and "pdserve_requests_total" in body, code
 
+    def metrics_parse():
+        # The official client library's parser stands in for promtool (not on PyPI).
+        code, body = curl(url + "/metrics")
+        families = {f.name: f for f in text_string_to_metric_families(body)}
+        for name in ("pdserve_requests", "pdserve_request_ttft_seconds", "pdserve_phase_seconds", "pdserve_kv_blocks"):
+            assert name in families, (name, sorted(families))
+        phases = {s.labels.get("phase") for s in families["pdserve_phase_seconds"].samples}
+        assert "decode" in phases, phases
+        if mode in ("disaggregated", "processes"):
+            assert {"queue_prefill", "prefill", "kv_transfer"} <= phases, phases
+
     for name, fn in [("completion", completion), ("completion_stream", completion_stream), ("chat", chat),
                      ("chat_stream_logprobs", chat_stream_logprobs), ("stop_string", stop_string),
-                     ("bad_requests", bad_requests), ("curl", curl_calls)]:
+                     ("bad_requests", bad_requests), ("curl", curl_calls), ("metrics_parse", metrics_parse)]:
         check(f"{mode}/{name}", fn)
 
 
 def main():
-    for mode in ("aggregated", "disaggregated", "auto"):
-        proc, url = start(mode)
+    for mode in ("aggregated", "disaggregated", "auto", "processes"):
+        procs, url = start(mode)
         try:
             suite(mode, url)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                rc = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = "hung"
+            # The front process first (it drains), then any workers behind it.
+            rc = None
+            for proc in reversed(procs):
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    code = proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code = "hung"
+                rc = code if rc is None else rc
             check(f"{mode}/sigterm_exit_0", lambda: (_ for _ in ()).throw(AssertionError(f"exit {rc}")) if rc != 0 else None)
     failed = sum(1 for _, e in RESULTS if e)
     print(f"e2e: {len(RESULTS) - failed} passed, {failed} failed")

@@ -21,6 +21,10 @@ enum Command {
     Generate(cmd::generate::Args),
     /// Serve the OpenAI-compatible API: frontend, router and workers in one process.
     Serve(cmd::serve::Args),
+    /// Run one worker in this process, for a `pdserve frontend` elsewhere.
+    Worker(cmd::worker::Args),
+    /// Serve the OpenAI-compatible API in front of `pdserve worker` processes.
+    Frontend(cmd::frontend::Args),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -34,6 +38,8 @@ fn main() -> ExitCode {
         Command::Pull => cmd::pull::run(),
         Command::Generate(args) => cmd::generate::run(args),
         Command::Serve(args) => cmd::serve::run(args),
+        Command::Worker(args) => cmd::worker::run(args),
+        Command::Frontend(args) => cmd::frontend::run(args),
         Command::Bench { what } => cmd::bench::run(what),
     };
     match result {

@@ -31,19 +31,56 @@ pub enum LoadError {
     Chat(String),
 }
 
+/// What a frontend needs of a model: no weights.
+pub struct ModelMeta {
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat: Arc<ChatTemplate>,
+    pub name: String,
+    pub context_length: usize,
+}
+
 /// Loads `path`: a `.gguf` file, or a directory with config.json and *.safetensors.
 pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let name = model_name(path);
     let (model, tokenizer) = if path.is_dir() { load_safetensors(path)? } else { load_gguf(path)? };
-    let chat = match tokenizer.chat_template() {
+    let chat = chat_template(&tokenizer)?;
+    Ok(LoadedModel { model: Arc::new(model), tokenizer: Arc::new(tokenizer), chat: Arc::new(chat), name })
+}
+
+/// Loads only the tokenizer, chat template and context length of `path` (a frontend
+/// process serving workers elsewhere).
+pub fn load_meta(path: &Path) -> Result<ModelMeta, LoadError> {
+    let (cfg, tokenizer) = if path.is_dir() {
+        let st = SafetensorsModel::open(path)?;
+        (st.config().clone(), safetensors_tokenizer(&st, path)?)
+    } else {
+        let file = GgufFile::open(path)?;
+        let tokenizer = Tokenizer::from_gguf(&file.header).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+        (ModelConfig::from_gguf(&file.header)?, tokenizer)
+    };
+    let chat = chat_template(&tokenizer)?;
+    Ok(ModelMeta {
+        tokenizer: Arc::new(tokenizer),
+        chat: Arc::new(chat),
+        name: model_name(path),
+        context_length: cfg.context_length,
+    })
+}
+
+fn model_name(path: &Path) -> String {
+    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+}
+
+/// The model's own template, or ChatML when it ships none.
+fn chat_template(tokenizer: &Tokenizer) -> Result<ChatTemplate, LoadError> {
+    match tokenizer.chat_template() {
         Some(src) => {
             let tok_text = |id: Option<u32>| id.and_then(|i| tokenizer.token_text(i)).unwrap_or_default();
             ChatTemplate::new(src, &tok_text(tokenizer.bos_id()), &tok_text(tokenizer.eos_id()))
-                .map_err(|e| LoadError::Chat(e.to_string()))?
+                .map_err(|e| LoadError::Chat(e.to_string()))
         }
-        None => ChatTemplate::fallback_chatml(),
-    };
-    Ok(LoadedModel { model: Arc::new(model), tokenizer: Arc::new(tokenizer), chat: Arc::new(chat), name })
+        None => Ok(ChatTemplate::fallback_chatml()),
+    }
 }
 
 fn load_gguf(path: &Path) -> Result<(Model, Tokenizer), LoadError> {
@@ -55,6 +92,12 @@ fn load_gguf(path: &Path) -> Result<(Model, Tokenizer), LoadError> {
 
 fn load_safetensors(dir: &Path) -> Result<(Model, Tokenizer), LoadError> {
     let st = SafetensorsModel::open(dir)?;
+    let tokenizer = safetensors_tokenizer(&st, dir)?;
+    let model = Model::load(&st, st.config().clone())?;
+    Ok((model, tokenizer))
+}
+
+fn safetensors_tokenizer(st: &SafetensorsModel, dir: &Path) -> Result<Tokenizer, LoadError> {
     let json = st
         .tokenizer_json_path()
         .ok_or_else(|| LoadError::Tokenizer(format!("no tokenizer.json in {}", dir.display())))?;
@@ -62,6 +105,5 @@ fn load_safetensors(dir: &Path) -> Result<(Model, Tokenizer), LoadError> {
     if let Some(cfg_path) = st.tokenizer_config_path() {
         tokenizer = tokenizer.with_config_file(&cfg_path).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
     }
-    let model = Model::load(&st, st.config().clone())?;
-    Ok((model, tokenizer))
+    Ok(tokenizer)
 }

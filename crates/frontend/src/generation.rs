@@ -6,7 +6,7 @@
 //! ended the text) drops the stream, which cancels the request on every hop behind us.
 
 use crate::errors::ApiError;
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Metrics, Outcome, Phase};
 use crate::stop::StopMatcher;
 use pdserve_engine::tokenizer::{StreamDecoder, Tokenizer};
 use pdserve_protocol::{Event, FinishReason, ServeError, TokenOut, TokenStream, Usage};
@@ -91,6 +91,7 @@ impl Drop for Tracker {
         self.metrics.e2e(&self.mode, (end - self.start).as_secs_f64());
         if let (Some(first), true) = (self.first, self.tokens > 1) {
             self.metrics.tpot(&self.mode, (end - first).as_secs_f64() / (self.tokens - 1) as f64);
+            self.metrics.phase(Phase::Decode, (end - first).as_secs_f64());
         }
     }
 }

@@ -19,7 +19,7 @@ pub struct PoolExhausted {
 }
 
 /// Block counts by state; `free + used + cached == total` always holds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PoolStats {
     /// Blocks in the pool.
     pub total: usize,

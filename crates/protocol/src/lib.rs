@@ -7,10 +7,11 @@
 //! belongs to the frontend.
 
 use pdserve_types::{RequestId, SamplingParams, TokenId};
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 /// A validated, tokenized request.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GenerateRequest {
     pub id: RequestId,
     pub prompt: Vec<TokenId>,
@@ -18,7 +19,7 @@ pub struct GenerateRequest {
 }
 
 /// One generated token with its logprobs.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TokenOut {
     pub token: TokenId,
     pub logprob: f32,
@@ -26,7 +27,7 @@ pub struct TokenOut {
     pub top: Vec<(TokenId, f32)>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FinishReason {
     /// An end-of-generation or stop token (or, decided by the frontend, a stop string).
     Stop,
@@ -34,7 +35,7 @@ pub enum FinishReason {
     Length,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -44,7 +45,7 @@ pub struct Usage {
 
 /// What a request's stream carries, in order: tokens, then exactly one `Done` or
 /// `Failed`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Event {
     Token(TokenOut),
     Done { reason: FinishReason, usage: Usage },
@@ -105,7 +106,7 @@ impl EventSender {
 pub struct Gone;
 
 /// Why a request could not be served; mapped to an HTTP status once, in the frontend.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
 pub enum ServeError {
     /// The request is malformed or out of range (400).
     #[error("{0}")]

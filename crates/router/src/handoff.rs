@@ -11,13 +11,19 @@
 //! cancels at once, and every exit path releases what the state held (D's reserved
 //! blocks). Once D streams, D's worker loop owns the request and its cancellation.
 
-use pdserve_kv_transfer::{Frame, HandoffId, Inboxes, KvSink, KvTransport, TransferError};
+use crate::cost::{PrefillLoad, TransferCost};
+use crate::node::Node;
+use pdserve_kv_transfer::{HandoffId, Inboxes, KvTransport, TransferError};
 use pdserve_protocol::{Event, EventSender, GenerateRequest, Phase, ServeError, Telemetry, TokenStream, Usage};
+use pdserve_remote::linked::{forward, SharedSink};
+use pdserve_remote::{CancelOnDrop, Prefilled};
 use pdserve_worker::{FirstToken, FrameSink, Worker};
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
 
 /// Per-phase time limits; the prefill limit grows with the prompt.
 #[derive(Debug, Clone, Copy)]
@@ -57,12 +63,18 @@ pub enum Outcome {
 
 /// The two workers of one handoff and what governs it.
 pub struct Hop {
-    pub p: Worker,
-    pub d: Worker,
+    pub p: Node,
+    pub d: Node,
+    /// P's queue and rate, for `auto`'s cost model.
+    pub p_load: Arc<PrefillLoad>,
+    pub transfer: Arc<TransferCost>,
     pub deadlines: Deadlines,
     pub telemetry: Arc<dyn Telemetry>,
-    /// `None`: frames go straight into D's queue (same process, no copy).
+    /// Workers in this process: `None` hands frames straight into D's queue (no
+    /// copy); a link ships them over TCP or shared memory.
     pub link: Option<Arc<KvLink>>,
+    /// Workers in other processes: the transport P uses to reach D ("tcp", "shm").
+    pub remote_transport: &'static str,
 }
 
 /// A transport for KV frames and the inboxes its receiver fills on D's side.
@@ -71,14 +83,16 @@ pub struct KvLink {
     pub inboxes: Inboxes,
 }
 
-/// The sending half of a linked transfer, shared by P's frame sink (which sends) and
-/// the handoff task (which finishes it once P is done).
-type SharedSink = Arc<Mutex<Option<Box<dyn KvSink>>>>;
-
-/// A linked transfer in flight: its sink and the task forwarding D's inbox into D.
-struct Linked {
-    sink: SharedSink,
-    forward: tokio::task::JoinHandle<bool>,
+/// How this handoff's KV travels, and what must happen once P is done.
+enum Transfer {
+    /// Frames went straight into D's queue.
+    Direct,
+    /// Over a link inside this process: finish the sink, then drain D's inbox.
+    Linked { sink: SharedSink, forward: tokio::task::JoinHandle<bool> },
+    /// Between worker processes: P finished its sink before answering, and D
+    /// checks every frame arrived when told to decode. Dropping the guard before P
+    /// answered cancels P's prefill.
+    Remote(CancelOnDrop),
 }
 
 /// Starts the handoff of `req` from prefill worker `hop.p` to decode worker `hop.d`.
@@ -108,11 +122,11 @@ fn fail(client: &EventSender, e: ServeError) -> Outcome {
 }
 
 pub async fn run(hop: Hop, req: GenerateRequest, client: EventSender) -> Outcome {
-    let Hop { p, d, deadlines: dl, telemetry, link } = hop;
     let id = req.id;
+    let d = hop.d.clone();
     // Reserved(D): blocks first, so a transfer never arrives where it cannot land.
     let reserved = match d.reserve(id, req.prompt.len()) {
-        Ok(rx) => wait(dl.reserve, &client, rx).await,
+        Ok(rx) => wait(hop.deadlines.reserve, &client, rx).await,
         Err(e) => return fail(&client, e),
     };
     match reserved {
@@ -129,51 +143,29 @@ pub async fn run(hop: Hop, req: GenerateRequest, client: EventSender) -> Outcome
         }
     }
     // Prefilling(P), frames flowing into D as each layer completes (Transferring).
-    let broken = Arc::new(AtomicBool::new(false));
-    let bytes = Arc::new(AtomicU64::new(0));
-    let (sink, linked) = match &link {
-        None => (frame_sink(d.clone(), id, broken.clone(), client.clone(), bytes.clone()), None),
-        Some(link) => match open_link(link, &d, id, &broken, &client, &bytes) {
-            Ok((sink, linked)) => (sink, Some(linked)),
-            Err(e) => {
-                d.abort_import(id);
-                return fail(&client, ServeError::Internal(format!("KV transfer: {e}")));
-            }
-        },
-    };
-    let transport = link.as_ref().map_or("inproc", |l| l.transport.name());
     let started = Instant::now();
-    let first = match p.prefill(req.clone(), sink) {
-        Ok(rx) => wait(dl.prefill(req.prompt.len()), &client, rx).await,
-        Err(_) => Wait::TimedOut,
-    };
-    telemetry.phase(Phase::Prefill, started.elapsed().as_secs_f64());
-    // Over a link, D must hold every frame before it may decode.
-    let delivered = match linked {
-        Some(l) if matches!(first, Wait::Done(Ok(Ok(_)))) => finish_link(l).await,
-        Some(l) => {
-            l.forward.abort();
-            false
+    let ticket = hop.p_load.admit(req.prompt.len());
+    let ahead = hop.p_load.queued() - req.prompt.len();
+    let prefilled = prefill(&hop, &req, &client).await;
+    drop(ticket);
+    let first = match prefilled {
+        Ok(first) => {
+            hop.p_load.observe(ahead, req.prompt.len(), started.elapsed());
+            hop.telemetry.phase(Phase::QueuePrefill, first.queued_seconds);
+            hop.telemetry.phase(Phase::Prefill, first.prefill_seconds);
+            first
         }
-        None => true,
-    };
-    if !delivered {
-        broken.store(true, Ordering::SeqCst);
-    }
-    telemetry.kv_transfer_bytes(transport, bytes.load(Ordering::Relaxed));
-    let first = match first {
-        Wait::Done(Ok(Ok(first))) if !broken.load(Ordering::SeqCst) => first,
-        Wait::Cancelled => {
+        Err(Wait::Cancelled) => {
             d.abort_import(id);
             return Outcome::Cancelled;
         }
-        Wait::Done(Ok(Err(e @ (ServeError::Invalid(_) | ServeError::ContextLength { .. })))) => {
+        Err(Wait::Done(e @ (ServeError::Invalid(_) | ServeError::ContextLength { .. }))) => {
             d.abort_import(id);
             return fail(&client, e);
         }
         // Prefill failed, its worker is gone, the transfer broke, or it ran past the
         // deadline: D prefills locally, on the same client stream.
-        _ => {
+        Err(_) => {
             d.abort_import(id);
             return match d.generate_into(req, client.clone()) {
                 Ok(()) => Outcome::LocalFallback,
@@ -184,8 +176,92 @@ pub async fn run(hop: Hop, req: GenerateRequest, client: EventSender) -> Outcome
     decode_ready(&d, req, first, client)
 }
 
+/// Runs the prefill on P and moves its KV into D's reservation: the first token once
+/// D holds every frame, or why not.
+async fn prefill(hop: &Hop, req: &GenerateRequest, client: &EventSender) -> Result<FirstToken, Wait<ServeError>> {
+    let limit = hop.deadlines.prefill(req.prompt.len());
+    let broken = Arc::new(AtomicBool::new(false));
+    let bytes = Arc::new(AtomicU64::new(0));
+    let (transfer, rx) = start_prefill(hop, req, client, &broken, &bytes).map_err(Wait::Done)?;
+    let first = match wait(limit, client, rx).await {
+        Wait::Done(Ok(Ok(first))) => Ok(first),
+        Wait::Done(Ok(Err(e))) => Err(Wait::Done(e)),
+        Wait::Done(Err(_)) => Err(Wait::Done(ServeError::NoWorker(format!("worker {} stopped", hop.p.name())))),
+        Wait::TimedOut => Err(Wait::TimedOut),
+        Wait::Cancelled => Err(Wait::Cancelled),
+    };
+    let tail = Instant::now();
+    let delivered = match transfer {
+        Transfer::Direct => first.is_ok(),
+        Transfer::Linked { sink, forward } if first.is_ok() => finish_link(sink, forward).await,
+        Transfer::Linked { forward, .. } => {
+            forward.abort();
+            false
+        }
+        Transfer::Remote(guard) => {
+            if first.is_ok() {
+                guard.done();
+            }
+            first.is_ok()
+        }
+    };
+    hop.transfer.observe(req.prompt.len(), tail.elapsed());
+    if delivered {
+        hop.telemetry.phase(Phase::KvTransfer, tail.elapsed().as_secs_f64());
+    }
+    let remote_bytes = first.as_ref().map_or(0, |(_, b)| *b);
+    hop.telemetry.kv_transfer_bytes(transport_name(hop), bytes.load(Ordering::Relaxed) + remote_bytes);
+    let (first, _) = first?;
+    if !delivered || broken.load(Ordering::SeqCst) {
+        return Err(Wait::Done(ServeError::Internal("the KV transfer broke".into())));
+    }
+    Ok(first)
+}
+
+fn transport_name(hop: &Hop) -> &'static str {
+    match (&hop.p, &hop.link) {
+        (Node::Remote(_), _) => hop.remote_transport,
+        (_, Some(link)) => link.transport.name(),
+        (_, None) => "inproc",
+    }
+}
+
+/// Resolves to P's first token and the KV bytes P reported sending (remote only;
+/// in this process the frame sinks count them), or an error if P is gone.
+type FirstRx = Pin<Box<dyn Future<Output = Result<Prefilled, oneshot::error::RecvError>> + Send>>;
+
+/// Starts P's prefill with its frames going to D by whichever path the pair allows.
+fn start_prefill(
+    hop: &Hop,
+    req: &GenerateRequest,
+    client: &EventSender,
+    broken: &Arc<AtomicBool>,
+    bytes: &Arc<AtomicU64>,
+) -> Result<(Transfer, FirstRx), ServeError> {
+    let id = req.id;
+    match (&hop.p, &hop.d) {
+        (Node::Local(p), Node::Local(d)) => {
+            let (transfer, sink) = match &hop.link {
+                None => (Transfer::Direct, frame_sink(d.clone(), id, broken.clone(), client.clone(), bytes.clone())),
+                Some(link) => open_link(link, d, id, broken, client, bytes)
+                    .map_err(|e| ServeError::Internal(format!("KV transfer: {e}")))?,
+            };
+            let rx = p.prefill(req.clone(), sink)?;
+            Ok((transfer, Box::pin(async move { rx.await.map(|r| r.map(|f| (f, 0))) })))
+        }
+        (Node::Remote(p), Node::Remote(d)) => {
+            let to = d.kv_addr(hop.remote_transport).ok_or_else(|| {
+                ServeError::Internal(format!("worker {} has no {} KV receiver", d.name(), hop.remote_transport))
+            })?;
+            let call = p.prefill_to(req.clone(), to)?;
+            Ok((Transfer::Remote(call.guard), Box::pin(call.result)))
+        }
+        _ => Err(ServeError::Internal("a handoff needs both workers in this process or both remote".into())),
+    }
+}
+
 /// DecodeReady: the first token goes to the client at once, then D takes over.
-fn decode_ready(d: &Worker, req: GenerateRequest, first: FirstToken, client: EventSender) -> Outcome {
+fn decode_ready(d: &Node, req: GenerateRequest, first: FirstToken, client: EventSender) -> Outcome {
     let id = req.id;
     if client.send(Event::Token(first.token.clone())).is_err() {
         d.abort_import(id);
@@ -238,52 +314,21 @@ fn open_link(
     broken: &Arc<AtomicBool>,
     client: &EventSender,
     bytes: &Arc<AtomicU64>,
-) -> Result<(FrameSink, Linked), TransferError> {
+) -> Result<(Transfer, FrameSink), TransferError> {
     let hid = HandoffId(id.0);
-    let mut inbox = link.inboxes.expect(hid)?;
-    let (d, fwd_bytes) = (d.clone(), bytes.clone());
-    let forward = tokio::spawn(async move {
-        loop {
-            match inbox.recv().await {
-                Ok(Some(f)) => {
-                    fwd_bytes.fetch_add(f.payload_bytes() as u64, Ordering::Relaxed);
-                    if d.frame(id, f.into_kv()).is_err() {
-                        return false;
-                    }
-                }
-                Ok(None) => return true,
-                Err(_) => return false,
-            }
-        }
-    });
-    let shared: SharedSink = Arc::new(Mutex::new(Some(link.transport.open(hid)?)));
-    let (sink_shared, broken, client) = (shared.clone(), broken.clone(), client.clone());
-    let sink: FrameSink = Box::new(move |frame| {
-        if broken.load(Ordering::SeqCst) || client.is_closed() {
-            return false;
-        }
-        let mut guard = sink_shared.lock().unwrap_or_else(|e| e.into_inner());
-        let ok = guard.as_mut().is_some_and(|s| s.send(Frame::from_kv(hid, frame)).is_ok());
-        if !ok {
-            broken.store(true, Ordering::SeqCst);
-        }
-        ok
-    });
-    Ok((sink, Linked { sink: shared, forward }))
+    let forward = forward(link.inboxes.expect(hid)?, d.clone(), id);
+    let sink = SharedSink::new(link.transport.open(hid)?);
+    let client = client.clone();
+    let frames = sink.frame_sink(hid, move || client.is_closed(), broken.clone(), bytes.clone());
+    Ok((Transfer::Linked { sink, forward }, frames))
 }
 
-/// Ends a linked transfer after P is done: the sink's finish waits (off the async
-/// workers) until the receiver holds every frame, then the forwarder drains them into D.
-async fn finish_link(l: Linked) -> bool {
-    let sink = l.sink.lock().unwrap_or_else(|e| e.into_inner()).take();
-    let Some(sink) = sink else {
-        l.forward.abort();
-        return false;
-    };
-    let finished = tokio::task::spawn_blocking(move || sink.finish().is_ok()).await.unwrap_or(false);
-    if !finished {
-        l.forward.abort();
+/// Ends a linked transfer after P is done: the sink's finish waits until the receiver
+/// holds every frame, then the forwarder drains them into D.
+async fn finish_link(sink: SharedSink, forward: tokio::task::JoinHandle<bool>) -> bool {
+    if !sink.finish().await {
+        forward.abort();
         return false;
     }
-    l.forward.await.unwrap_or(false)
+    forward.await.unwrap_or(false)
 }

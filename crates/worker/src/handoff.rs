@@ -8,11 +8,14 @@ use pdserve_protocol::TokenOut;
 pub type FrameSink = Box<dyn FnMut(KvFrame) -> bool + Send>;
 
 /// The first generated token, sampled by the prefill worker.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct FirstToken {
     pub token: TokenOut,
     /// The first token already ends the request (EOS, stop id or max_tokens 1).
     pub finished: Option<pdserve_protocol::FinishReason>,
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
+    /// Seconds the prefill waited in the worker's queue, then computed.
+    pub queued_seconds: f64,
+    pub prefill_seconds: f64,
 }

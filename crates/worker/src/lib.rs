@@ -23,11 +23,31 @@ use tokio::sync::oneshot;
 /// Commands queued for the loop; bounded, so a flooded worker says "overloaded".
 pub(crate) enum Command {
     Generate(GenerateRequest, EventSender),
-    Prefill { req: GenerateRequest, sink: FrameSink, reply: oneshot::Sender<Result<FirstToken, ServeError>> },
-    Reserve { id: RequestId, prompt_len: usize, reply: oneshot::Sender<Result<(), ServeError>> },
-    Frame { id: RequestId, frame: KvFrame },
-    FinishImport { id: RequestId, prompt: Vec<u32>, first: u32, params: SamplingParams, events: EventSender },
-    AbortImport { id: RequestId },
+    Prefill {
+        req: GenerateRequest,
+        sink: FrameSink,
+        reply: oneshot::Sender<Result<FirstToken, ServeError>>,
+        sent: std::time::Instant,
+    },
+    Reserve {
+        id: RequestId,
+        prompt_len: usize,
+        reply: oneshot::Sender<Result<(), ServeError>>,
+    },
+    Frame {
+        id: RequestId,
+        frame: KvFrame,
+    },
+    FinishImport {
+        id: RequestId,
+        prompt: Vec<u32>,
+        first: u32,
+        params: SamplingParams,
+        events: EventSender,
+    },
+    AbortImport {
+        id: RequestId,
+    },
     Stats(oneshot::Sender<WorkerStats>),
 }
 
@@ -102,7 +122,7 @@ impl Worker {
         sink: FrameSink,
     ) -> Result<oneshot::Receiver<Result<FirstToken, ServeError>>, ServeError> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::Prefill { req, sink, reply })?;
+        self.send(Command::Prefill { req, sink, reply, sent: std::time::Instant::now() })?;
         Ok(rx)
     }
 

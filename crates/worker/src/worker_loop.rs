@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A snapshot of the worker's engine.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct WorkerStats {
     pub waiting: usize,
     pub running: usize,
@@ -87,9 +87,15 @@ impl Loop {
                     let _ = events.send(Event::Failed(serve_error(e)));
                 }
             },
-            Command::Prefill { req, mut sink, reply } => {
+            Command::Prefill { req, mut sink, reply, sent } => {
+                let started = Instant::now();
                 let res = self.engine.prefill_export(req.id, req.prompt, req.params, &mut |f| sink(f));
-                let _ = reply.send(res.map(first_token).map_err(serve_error));
+                let first = res.map(|o| FirstToken {
+                    queued_seconds: (started - sent).as_secs_f64(),
+                    prefill_seconds: started.elapsed().as_secs_f64(),
+                    ..first_token(o)
+                });
+                let _ = reply.send(first.map_err(serve_error));
             }
             Command::Reserve { id, prompt_len, reply } => {
                 let res = self.engine.reserve_import(id, prompt_len).map_err(serve_error);
@@ -196,6 +202,8 @@ fn first_token(o: StepOutput) -> FirstToken {
         finished: o.finish.map(finish),
         prompt_tokens: o.prompt_tokens,
         cached_tokens: o.cached_tokens,
+        queued_seconds: 0.0,
+        prefill_seconds: 0.0,
     }
 }
 

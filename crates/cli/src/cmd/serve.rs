@@ -1,11 +1,11 @@
 //! `pdserve serve`: frontend, router and workers in one process.
 
+use super::http::{self, Listen, Served};
 use anyhow::Context;
 use pdserve_engine::engine::EngineConfig;
-use pdserve_frontend::{Frontend, Metrics};
+use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::{Inboxes, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport};
-use pdserve_protocol::Generate;
-use pdserve_router::{Deadlines, KvLink, Mode, Router};
+use pdserve_router::{Deadlines, KvLink, Mode, Policy, Router};
 use pdserve_types::Role;
 use pdserve_worker::Worker;
 use std::sync::Arc;
@@ -16,16 +16,20 @@ pub struct Args {
     /// `default` or a path to a GGUF file or safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
-    /// aggregated | disaggregated | auto (per request: short prompts prefill locally).
+    /// aggregated | disaggregated | auto (per request, from live measurements: prefill
+    /// on the decode worker or on another worker, whichever gives the first token sooner).
     #[arg(long, default_value = "auto")]
     mode: Mode,
+    /// How to pick among workers of one role: least-loaded | round-robin.
+    #[arg(long, default_value = "least-loaded")]
+    policy: Policy,
     /// Prefill workers (disaggregated and auto; default 1).
     #[arg(long)]
     prefill: Option<usize>,
     /// Decode workers (disaggregated and auto; default 1).
     #[arg(long)]
     decode: Option<usize>,
-    /// Mixed workers (aggregated; default 1).
+    /// Mixed workers (aggregated, or auto over mixed workers; default 1).
     #[arg(long)]
     workers: Option<usize>,
     /// Compute threads per worker (default: the cores divided among the workers).
@@ -66,47 +70,30 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let mut router = Router::new(workers, a.mode, Deadlines::default(), tokio::runtime::Handle::current())
+            .with_policy(a.policy)
             .with_telemetry(Arc::new(metrics.clone()));
         // The receivers must outlive the server; they stop when dropped.
         let (link, _receivers) = kv_link(&a.kv_transport).await?;
         if let Some(link) = link {
             router = router.with_kv_link(link);
         }
-        let router = Arc::new(router);
-        let mode = format!("{:?}", a.mode).to_lowercase();
-        let frontend = Frontend::new(
-            router.clone() as Arc<dyn Generate>,
-            m.tokenizer.clone(),
-            m.chat.clone(),
-            m.name.clone(),
-            m.model.cfg.context_length,
-            metrics.clone(),
-        )
-        .with_mode(&mode);
-        let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
-            .await
-            .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
-        let addr = listener.local_addr()?;
-        eprintln!(
-            "pdserve: serving {} ({} mode, workers: {}, {threads} thread(s) each) at http://{addr}/v1 — try: curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'",
-            m.name,
-            mode,
+        let model = Served {
+            tokenizer: m.tokenizer.clone(),
+            chat: m.chat.clone(),
+            name: m.name.clone(),
+            context_length: m.model.cfg.context_length,
+        };
+        let at = Listen {
+            host: &a.host,
+            port: a.port,
+            grace: Duration::from_secs(a.grace_seconds),
+            mode: format!("{:?}", a.mode).to_lowercase(),
+        };
+        let banner = format!(
+            "workers: {}, {threads} thread(s) each",
             roles.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
         );
-        tokio::spawn(report_blocks(router.clone(), metrics));
-        let shutdown = shutdown_signal(router.clone());
-        let server = pdserve_frontend::serve(listener, frontend.router(), shutdown);
-        // Graceful: stop accepting, let streams finish; after the grace period the
-        // process exits and dropping the streams cancels what is left.
-        let grace = Duration::from_secs(a.grace_seconds);
-        tokio::select! {
-            r = server => r.context("http server")?,
-            _ = async { draining(&router).await; tokio::time::sleep(grace).await } => {
-                eprintln!("pdserve: grace period over, cancelling {} request(s)", router.in_flight());
-            }
-        }
-        eprintln!("pdserve: stopped");
-        Ok(())
+        http::serve(router, metrics, model, at, &banner).await
     })
 }
 
@@ -114,51 +101,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 fn topology(a: &Args) -> Vec<Role> {
     match a.mode {
         Mode::Aggregated => vec![Role::Mixed; a.workers.unwrap_or(1).max(1)],
+        // Auto over mixed workers: any of them may prefill for another.
+        Mode::Auto if a.workers.is_some() => vec![Role::Mixed; a.workers.unwrap_or(1).max(1)],
         _ => {
             let mut r = vec![Role::Prefill; a.prefill.unwrap_or(1)];
             r.extend(vec![Role::Decode; a.decode.unwrap_or(1).max(1)]);
             r
-        }
-    }
-}
-
-/// Resolves on SIGINT or SIGTERM, after telling the router to refuse new requests.
-async fn shutdown_signal(router: Arc<Router>) {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
-    eprintln!("pdserve: shutting down, finishing {} request(s) in flight", router.in_flight());
-    router.drain();
-}
-
-/// Resolves once the router is draining.
-async fn draining(router: &Router) {
-    while router.ready() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Publishes each worker's KV block counts to the metrics once a second.
-async fn report_blocks(router: Arc<Router>, metrics: Metrics) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    loop {
-        tick.tick().await;
-        for w in router.workers() {
-            if let Some(s) = w.stats().await {
-                metrics.set_kv_blocks(w.name(), s.blocks.free, s.blocks.used, s.blocks.cached);
-            }
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Least loaded: the worker with the fewest requests in flight; ties go to the first.
 
-use pdserve_worker::Worker;
+use crate::node::Node;
 
-pub fn least_loaded<'a>(workers: &[&'a Worker]) -> Option<&'a Worker> {
+pub fn least_loaded<'a>(workers: &[&'a Node]) -> Option<&'a Node> {
     workers.iter().copied().min_by_key(|w| w.load())
 }

@@ -1,0 +1,143 @@
+//! The `auto` mode's cost model: predicted time to first token of prefilling a prompt
+//! on the decode worker itself versus on another worker with a KV handoff, from
+//! figures measured live per worker:
+//!
+//! - queue: prompt tokens the router has sent a worker that it has not finished
+//!   prefilling yet;
+//! - compute: seconds per prompt token, an moving average over finished prefills;
+//! - transfer: the handoff's extra cost, seconds per prompt token (KV bytes over the
+//!   link rate, measured as the time between the prefill side finishing and the
+//!   decode side holding every frame) plus a fixed per-handoff cost.
+//!
+//! To the time to first token the router adds what a prefill costs the sequences
+//! decoding on the same worker (they wait out its compute), so a decode worker busy
+//! decoding hands long prompts to an idle prefill worker, while workers that all
+//! decode (mixed) keep prompts local unless one is backed up. A prompt goes remote
+//! only when that is predicted clearly cheaper, so ties keep the copy-free local
+//! path.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Before any measurement: the default model's single-thread prefill rate here
+/// (~1000 tok/s, docs/benchmarks.md) and a handoff's fixed cost.
+const PRIOR_SECONDS_PER_TOKEN: f64 = 1e-3;
+const PRIOR_TRANSFER_PER_TOKEN: f64 = 2e-5;
+const HANDOFF_FIXED: f64 = 2e-3;
+/// Weight of the newest measurement in the moving averages.
+const ALPHA: f64 = 0.2;
+/// Remote must win by this fraction to be chosen.
+const MARGIN: f64 = 0.15;
+
+/// What the router knows about one worker's prefill side.
+#[derive(Debug, Default)]
+pub struct PrefillLoad {
+    queued_tokens: AtomicUsize,
+    seconds_per_token: Mutex<Option<f64>>,
+}
+
+impl PrefillLoad {
+    /// Counts `tokens` as queued here until the returned ticket is dropped.
+    pub fn admit(self: &Arc<Self>, tokens: usize) -> Ticket {
+        self.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
+        Ticket { load: self.clone(), tokens }
+    }
+
+    pub fn queued(&self) -> usize {
+        self.queued_tokens.load(Ordering::Relaxed)
+    }
+
+    pub fn seconds_per_token(&self) -> f64 {
+        lock(&self.seconds_per_token).unwrap_or(PRIOR_SECONDS_PER_TOKEN)
+    }
+
+    /// A prefill of `tokens` that found `ahead` tokens queued before it finished
+    /// after `took`: the worker spent `took` on `ahead + tokens` tokens at most.
+    pub fn observe(&self, ahead: usize, tokens: usize, took: Duration) {
+        if tokens == 0 {
+            return;
+        }
+        let rate = took.as_secs_f64() / (ahead + tokens) as f64;
+        ewma(&mut lock(&self.seconds_per_token), rate);
+    }
+
+    /// Predicted seconds until a prompt of `tokens` sent now has its first token.
+    pub fn predict(&self, tokens: usize) -> f64 {
+        (self.queued() + tokens) as f64 * self.seconds_per_token()
+    }
+}
+
+/// A prompt counted in a worker's queue; dropping it (prefill done or abandoned)
+/// takes it out.
+pub struct Ticket {
+    load: Arc<PrefillLoad>,
+    tokens: usize,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.load.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+    }
+}
+
+/// The extra cost of a handoff, measured on the handoffs made.
+#[derive(Debug, Default)]
+pub struct TransferCost {
+    seconds_per_token: Mutex<Option<f64>>,
+}
+
+impl TransferCost {
+    pub fn observe(&self, tokens: usize, took: Duration) {
+        if tokens > 0 {
+            ewma(&mut lock(&self.seconds_per_token), took.as_secs_f64() / tokens as f64);
+        }
+    }
+
+    pub fn predict(&self, tokens: usize) -> f64 {
+        HANDOFF_FIXED + tokens as f64 * lock(&self.seconds_per_token).unwrap_or(PRIOR_TRANSFER_PER_TOKEN)
+    }
+}
+
+/// Whether a remote prefill predicted at `remote` seconds beats `local` seconds.
+pub fn prefer_remote(local: f64, remote: f64) -> bool {
+    remote < local * (1.0 - MARGIN)
+}
+
+fn ewma(slot: &mut Option<f64>, x: f64) {
+    *slot = Some(match *slot {
+        None => x,
+        Some(old) => old + ALPHA * (x - old),
+    });
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queue_and_rate_shape_the_prediction() {
+        let l = Arc::new(PrefillLoad::default());
+        l.observe(0, 1000, Duration::from_millis(500));
+        assert!((l.predict(100) - 0.05).abs() < 1e-9);
+        let t = l.admit(900);
+        assert!((l.predict(100) - 0.5).abs() < 1e-9);
+        drop(t);
+        assert_eq!(l.queued(), 0);
+    }
+
+    #[test]
+    fn a_busy_decode_worker_sends_long_prompts_away() {
+        let (d, p) = (Arc::new(PrefillLoad::default()), PrefillLoad::default());
+        let _busy = d.admit(4000);
+        let x = TransferCost::default();
+        assert!(prefer_remote(d.predict(512), p.predict(512) + x.predict(512)));
+        // Idle on both sides: the local path is cheaper, no handoff.
+        drop(_busy);
+        assert!(!prefer_remote(d.predict(512), p.predict(512) + x.predict(512)));
+    }
+}

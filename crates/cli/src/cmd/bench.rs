@@ -1,20 +1,183 @@
-//! `pdserve bench engine`: prefill and decode throughput of the engine alone.
+//! `pdserve bench`: `engine` measures the engine alone (below); `load` and `compare`
+//! are argument parsing over `pdserve-bench` (docs/bench.md).
 //!
-//! Prompts are random token ids (no special tokens), generation ignores EOS, so every
-//! run does exactly the work it reports. Prefill is timed from `add` to the first
-//! token; decode is timed once every sequence has its first token, until all finish.
+//! `bench engine`: prompts are random token ids (no special tokens), generation
+//! ignores EOS, so every run does exactly the work it reports. Prefill is timed from
+//! `add` to the first token; decode is timed once every sequence has its first token,
+//! until all finish.
 
 use anyhow::Context;
+use pdserve_bench::arrivals::ArrivalKind;
+use pdserve_bench::compare::suite::Named;
+use pdserve_bench::compare::{run_compare, CompareOptions};
+use pdserve_bench::lengths::LengthSpec;
+use pdserve_bench::load::{run_load, LoadOptions, Sweep};
+use pdserve_bench::metrics::Slo;
+use pdserve_bench::openai::{BodyOptions, Endpoint};
+use pdserve_bench::prompt::{PromptKind, TokenRange};
+use pdserve_bench::workload::WorkloadFlags;
 use pdserve_engine::engine::{Engine, EngineConfig};
 use pdserve_engine::loader::LoadedModel;
 use pdserve_types::{RequestId, SamplingParams};
 use serde::Serialize;
-use std::time::Instant;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 #[derive(clap::Subcommand)]
 pub enum What {
     /// Prefill and batched-decode throughput of one engine.
     Engine(EngineArgs),
+    /// Load an OpenAI-compatible server (pdserve, llama-server, vLLM) and report
+    /// TTFT, TPOT, ITL, E2E, throughput and goodput per point.
+    Load(LoadArgs),
+    /// Start every serving topology of a thread budget in turn and compare them.
+    Compare(CompareArgs),
+}
+
+#[derive(clap::Args)]
+pub struct LoadArgs {
+    /// Server base URL (with or without /v1).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// Allow a non-loopback URL.
+    #[arg(long)]
+    allow_remote: bool,
+    /// completions | chat.
+    #[arg(long, default_value = "completions")]
+    endpoint: Endpoint,
+    /// ids (token-id prompts, exact lengths) | text (words); default ids, text for chat.
+    #[arg(long)]
+    prompt: Option<PromptKind>,
+    /// The `model` field (default: the first model of the server's /v1/models).
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Closed loop at each of these concurrencies (default 1).
+    #[arg(long, value_delimiter = ',')]
+    concurrency: Option<Vec<usize>>,
+    /// Open loop at each of these request rates (requests/s) instead.
+    #[arg(long, value_delimiter = ',')]
+    rate: Vec<f64>,
+    /// Open-loop arrivals: poisson | gamma.
+    #[arg(long, default_value = "poisson")]
+    arrivals: ArrivalKind,
+    /// Gamma shape (1 = Poisson, < 1 burstier).
+    #[arg(long, default_value_t = 1.0)]
+    burstiness: f64,
+    /// Prompt length: N, MIN..MAX (uniform) or MEAN~STD (normal).
+    #[arg(long, default_value = "512")]
+    input_len: LengthSpec,
+    /// Output length, same forms (exact: min_tokens = max_tokens, ignore_eos).
+    #[arg(long, default_value = "128")]
+    output_len: LengthSpec,
+    /// Number of shared system prefixes (0: none); each request = a prefix + --input-len.
+    #[arg(long, default_value_t = 0)]
+    shared_prefixes: usize,
+    /// Tokens per shared prefix.
+    #[arg(long, default_value_t = 1024)]
+    prefix_len: usize,
+    /// Replay a Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Tokens per trace hash id.
+    #[arg(long, default_value_t = 512)]
+    trace_block_size: usize,
+    /// Replay the trace this many times faster.
+    #[arg(long, default_value_t = 1.0)]
+    trace_speedup: f64,
+    /// Token ids are drawn from LO..HI (avoid the special tokens).
+    #[arg(long, default_value = "1000..40000")]
+    token_range: TokenRange,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Requests per point at most (closed loop: at least 2 × concurrency).
+    #[arg(long, default_value_t = 100)]
+    requests: usize,
+    /// Seconds per point at most (issuing stops; requests in flight finish).
+    #[arg(long, default_value_t = 120.0)]
+    seconds: f64,
+    /// Per-request timeout.
+    #[arg(long, default_value_t = 600)]
+    timeout_seconds: u64,
+    /// Goodput SLO on TTFT.
+    #[arg(long, default_value_t = 5000.0)]
+    slo_ttft_ms: f64,
+    /// Goodput SLO on TPOT.
+    #[arg(long, default_value_t = 50.0)]
+    slo_tpot_ms: f64,
+    /// Requests sent one at a time before measuring.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Also run every point against an instant in-process server (client floor).
+    #[arg(long)]
+    calibrate: bool,
+    /// Write every request record and the summaries as JSON here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(clap::Args)]
+pub struct CompareArgs {
+    /// Total compute threads every topology gets.
+    #[arg(long, default_value_t = 2)]
+    budget: usize,
+    /// prefill-heavy, decode-heavy, balanced, shared-prefix.
+    #[arg(long, value_delimiter = ',', default_value = "prefill-heavy,decode-heavy,balanced,shared-prefix")]
+    workloads: Vec<Named>,
+    /// Closed-loop concurrencies.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    concurrency: Vec<usize>,
+    /// Open-loop request rates instead of concurrencies.
+    #[arg(long, value_delimiter = ',')]
+    rate: Vec<f64>,
+    #[arg(long, default_value = "poisson")]
+    arrivals: ArrivalKind,
+    #[arg(long, default_value_t = 1.0)]
+    burstiness: f64,
+    /// Requests per point at most (closed loop: at least 2 × concurrency).
+    #[arg(long, default_value_t = 32)]
+    requests_per_point: usize,
+    /// Seconds per point at most.
+    #[arg(long, default_value_t = 30.0)]
+    seconds_per_point: f64,
+    /// Topologies to run (names, or the families replicated and disagg; default all).
+    #[arg(long, value_delimiter = ',')]
+    topologies: Vec<String>,
+    /// Also measure an external OpenAI-compatible server already running here.
+    #[arg(long)]
+    peer_url: Option<String>,
+    #[arg(long)]
+    allow_remote: bool,
+    /// Output directory: results.json, results.md, plots/*.svg, logs/.
+    #[arg(long, default_value = "bench-results/compare")]
+    out: PathBuf,
+    /// Model every topology serves (`default` or a path).
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// KV blocks per worker for every topology.
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+    /// Extra argument for every `pdserve serve` (repeat it).
+    #[arg(long, allow_hyphen_values = true)]
+    serve_arg: Vec<String>,
+    #[arg(long, default_value = "ids")]
+    prompt: PromptKind,
+    #[arg(long, default_value = "1000..40000")]
+    token_range: TokenRange,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long, default_value_t = 5000.0)]
+    slo_ttft_ms: f64,
+    #[arg(long, default_value_t = 50.0)]
+    slo_tpot_ms: f64,
+    #[arg(long, default_value_t = 600)]
+    timeout_seconds: u64,
+    /// How long a topology may take to answer /health.
+    #[arg(long, default_value_t = 300)]
+    startup_timeout_seconds: u64,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
 }
 
 #[derive(clap::Args)]
@@ -62,7 +225,78 @@ struct Report {
 }
 
 pub fn run(what: What) -> anyhow::Result<()> {
-    let What::Engine(a) = what;
+    match what {
+        What::Engine(a) => engine_bench(a),
+        What::Load(a) => load(a),
+        What::Compare(a) => compare(a),
+    }
+}
+
+fn load(a: LoadArgs) -> anyhow::Result<()> {
+    let trace_speedup = a.trace.as_ref().map(|_| a.trace_speedup);
+    let workload = WorkloadFlags {
+        input: a.input_len,
+        output: a.output_len,
+        shared_prefixes: a.shared_prefixes,
+        prefix_len: a.prefix_len,
+        trace: a.trace,
+        trace_block_size: a.trace_block_size,
+        range: a.token_range,
+        seed: a.seed,
+    };
+    let default_prompt = if a.endpoint == Endpoint::Chat { PromptKind::Text } else { PromptKind::Ids };
+    let opts = LoadOptions {
+        url: a.url,
+        allow_remote: a.allow_remote,
+        body: BodyOptions {
+            endpoint: a.endpoint,
+            prompt_kind: a.prompt.unwrap_or(default_prompt),
+            model: a.model,
+            temperature: a.temperature,
+        },
+        workload: workload.build()?,
+        sweep: Sweep::from_flags(a.concurrency, a.rate, a.arrivals, a.burstiness, trace_speedup)?,
+        requests: a.requests,
+        seconds: a.seconds,
+        timeout: Duration::from_secs(a.timeout_seconds),
+        slo: Slo { ttft_ms: a.slo_ttft_ms, tpot_ms: a.slo_tpot_ms },
+        warmup: a.warmup,
+        calibrate: a.calibrate,
+        out: a.out,
+    };
+    run_load(&opts)?;
+    Ok(())
+}
+
+fn compare(a: CompareArgs) -> anyhow::Result<()> {
+    let concurrency = if a.rate.is_empty() { Some(a.concurrency) } else { None };
+    let opts = CompareOptions {
+        budget: a.budget,
+        workloads: a.workloads,
+        sweep: Sweep::from_flags(concurrency, a.rate, a.arrivals, a.burstiness, None)?,
+        requests_per_point: a.requests_per_point,
+        seconds_per_point: a.seconds_per_point,
+        topologies: a.topologies,
+        peer_url: a.peer_url,
+        allow_remote: a.allow_remote,
+        out: a.out,
+        model: a.model,
+        kv_blocks: a.kv_blocks,
+        serve_args: a.serve_arg,
+        body: BodyOptions { endpoint: Endpoint::Completions, prompt_kind: a.prompt, model: None, temperature: 0.0 },
+        range: a.token_range,
+        seed: a.seed,
+        slo: Slo { ttft_ms: a.slo_ttft_ms, tpot_ms: a.slo_tpot_ms },
+        timeout: Duration::from_secs(a.timeout_seconds),
+        startup_timeout: Duration::from_secs(a.startup_timeout_seconds),
+        warmup: a.warmup,
+        exe: None,
+    };
+    run_compare(&opts)?;
+    Ok(())
+}
+
+fn engine_bench(a: EngineArgs) -> anyhow::Result<()> {
     let m = super::load_model(&a.model)?;
     let mut rows = Vec::new();
     for &threads in &a.threads {

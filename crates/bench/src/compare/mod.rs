@@ -1,0 +1,282 @@
+//! `pdserve bench compare`: every topology of a compute budget, one after another on
+//! this machine, each swept over the same workloads and points with the same prompts;
+//! then tables, plots and crossovers (see docs/bench.md).
+
+pub mod analyze;
+pub mod suite;
+
+use crate::calibrate::{self, Calibration};
+use crate::client::{first_model, Client};
+use crate::error::BenchError;
+use crate::load::{measure, plans, runtime, warm_up, PointResult, Sweep};
+use crate::metrics::Slo;
+use crate::openai::BodyOptions;
+use crate::point::PointPlan;
+use crate::process::ServerProcess;
+use crate::prompt::TokenRange;
+use crate::report::{compare_markdown, json, plots};
+use crate::target::Target;
+use crate::topology::{self, Topology};
+use analyze::Analysis;
+use std::path::PathBuf;
+use std::time::Duration;
+use suite::Named;
+
+/// Everything `bench compare` needs.
+#[derive(Clone, Debug)]
+pub struct CompareOptions {
+    /// Total compute threads every topology gets.
+    pub budget: usize,
+    pub workloads: Vec<Named>,
+    /// Concurrencies (closed loop) or rates (open loop).
+    pub sweep: Sweep,
+    pub requests_per_point: usize,
+    pub seconds_per_point: f64,
+    /// Topology names to keep (empty: all of the budget).
+    pub topologies: Vec<String>,
+    pub peer_url: Option<String>,
+    pub allow_remote: bool,
+    pub out: PathBuf,
+    /// `--model` of `pdserve serve`.
+    pub model: String,
+    /// `--kv-blocks` of `pdserve serve`, when set.
+    pub kv_blocks: Option<usize>,
+    /// Extra arguments appended to every `pdserve serve`.
+    pub serve_args: Vec<String>,
+    pub body: BodyOptions,
+    pub range: TokenRange,
+    pub seed: u64,
+    pub slo: Slo,
+    pub timeout: Duration,
+    pub startup_timeout: Duration,
+    pub warmup: usize,
+    /// The `pdserve` binary to start (default: the running executable).
+    pub exe: Option<PathBuf>,
+}
+
+/// One topology's measurements.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TopologyRun {
+    pub topology: Topology,
+    /// The command line it ran with (absent for a peer).
+    pub command: Option<String>,
+    /// Why it could not be measured, if it could not.
+    pub error: Option<String>,
+    pub workloads: Vec<WorkloadRun>,
+}
+
+/// One topology × workload.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct WorkloadRun {
+    pub workload: Named,
+    pub error: Option<String>,
+    pub points: Vec<PointResult>,
+}
+
+/// A workload of the comparison and what it is.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct WorkloadInfo {
+    pub name: Named,
+    pub description: String,
+}
+
+/// The output of `bench compare` (results.json).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CompareReport {
+    pub budget: usize,
+    pub model: String,
+    pub cores: usize,
+    /// "concurrency" or "rate".
+    pub x_name: String,
+    pub xs: Vec<f64>,
+    pub workloads: Vec<WorkloadInfo>,
+    pub slo: Slo,
+    pub requests_per_point: usize,
+    pub seconds_per_point: f64,
+    pub calibration: Option<Calibration>,
+    pub runs: Vec<TopologyRun>,
+    pub analysis: Analysis,
+}
+
+/// Runs the comparison, writing results.json (after every topology), results.md and
+/// plots/*.svg under `out`, and printing the Markdown to stdout.
+pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport, BenchError> {
+    opts.body.validate()?;
+    if matches!(opts.sweep, Sweep::Trace { .. }) {
+        return Err(BenchError::BadFlag("bench compare sweeps concurrencies or rates, not a trace".into()));
+    }
+    let plans = plans(&opts.sweep, opts.requests_per_point, opts.seconds_per_point, None)?;
+    let topologies = selected(opts)?;
+    let exe = match &opts.exe {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().map_err(|e| BenchError::Runtime(format!("cannot find pdserve: {e}")))?,
+    };
+    let logs = opts.out.join("logs");
+    std::fs::create_dir_all(&logs).map_err(|e| BenchError::io(&logs, e))?;
+    let mut report = empty_report(opts, &plans);
+    eprintln!(
+        "bench compare: {} topologies × {} workloads × {} points, up to {} s or {} requests per point",
+        topologies.len(),
+        opts.workloads.len(),
+        plans.len(),
+        opts.seconds_per_point,
+        opts.requests_per_point
+    );
+    runtime()?.block_on(async {
+        report.calibration = calibration(opts, &plans).await;
+        for t in &topologies {
+            let run = run_topology(opts, &exe, t, &plans, &logs).await;
+            if let Some(e) = &run.error {
+                eprintln!("{}: {e}", t.name);
+            }
+            report.runs.push(run);
+            report.analysis = Analysis::of(&report);
+            json::write(&opts.out.join("results.json"), &report)?;
+        }
+        Ok::<_, BenchError>(())
+    })?;
+    report.analysis = Analysis::of(&report);
+    write_outputs(opts, &report)?;
+    Ok(report)
+}
+
+fn selected(opts: &CompareOptions) -> Result<Vec<Topology>, BenchError> {
+    let mut all = topology::for_budget(opts.budget)?;
+    for t in &mut all {
+        if opts.model != "default" {
+            t.serve_args.extend(["--model".to_string(), opts.model.clone()]);
+        }
+        if let Some(k) = opts.kv_blocks {
+            t.serve_args.extend(["--kv-blocks".to_string(), k.to_string()]);
+        }
+        t.serve_args.extend(opts.serve_args.iter().cloned());
+    }
+    if let Some(url) = &opts.peer_url {
+        Target::parse(url, opts.allow_remote)?;
+        all.push(Topology::peer(url));
+    }
+    topology::select(all, &opts.topologies)
+}
+
+fn empty_report(opts: &CompareOptions, plans: &[PointPlan]) -> CompareReport {
+    let x_name = match opts.sweep {
+        Sweep::Rates { .. } => "rate",
+        _ => "concurrency",
+    };
+    CompareReport {
+        budget: opts.budget,
+        model: opts.model.clone(),
+        cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        x_name: x_name.into(),
+        xs: plans.iter().filter_map(PointPlan::x).collect(),
+        workloads: opts
+            .workloads
+            .iter()
+            .map(|w| WorkloadInfo { name: *w, description: w.workload(opts.seed, opts.range).describe() })
+            .collect(),
+        slo: opts.slo,
+        requests_per_point: opts.requests_per_point,
+        seconds_per_point: opts.seconds_per_point,
+        calibration: None,
+        runs: Vec::new(),
+        analysis: Analysis::default(),
+    }
+}
+
+/// The client floor at the largest point of the first workload (short: ≤ 128 requests).
+async fn calibration(opts: &CompareOptions, plans: &[PointPlan]) -> Option<Calibration> {
+    let (w, plan) = (opts.workloads.first()?, plans.last()?);
+    let mut plan = plan.clone();
+    plan.bounds.max_requests = plan.bounds.max_requests.min(128);
+    plan.bounds.max_seconds = plan.bounds.max_seconds.min(20.0);
+    plan.label = format!("{} {}", w.name(), plan.label);
+    match calibrate::floor(&opts.body, &w.workload(opts.seed, opts.range), &plan).await {
+        Ok(c) => Some(c),
+        Err(e) => {
+            eprintln!("calibration skipped: {e}");
+            None
+        }
+    }
+}
+
+/// Starts (unless a peer), sweeps every workload, stops.
+async fn run_topology(
+    opts: &CompareOptions,
+    exe: &std::path::Path,
+    t: &Topology,
+    plans: &[PointPlan],
+    logs: &std::path::Path,
+) -> TopologyRun {
+    let mut run = TopologyRun { topology: t.clone(), command: None, error: None, workloads: Vec::new() };
+    let mut server = None;
+    let url = match &t.url {
+        Some(url) => url.clone(),
+        None => match ServerProcess::spawn(&t.name, exe, &t.serve_args, logs.join(format!("{}.log", t.name))) {
+            Ok(mut s) => {
+                run.command = t.command("pdserve", s.port);
+                eprintln!("{}: {}", t.name, run.command.as_deref().unwrap_or_default());
+                if let Err(e) = s.wait_healthy(opts.startup_timeout).await {
+                    run.error = Some(e.to_string());
+                    return run;
+                }
+                let url = s.url();
+                server = Some(s);
+                url
+            }
+            Err(e) => {
+                run.error = Some(e.to_string());
+                return run;
+            }
+        },
+    };
+    match sweep_workloads(opts, t, &url, plans).await {
+        Ok(w) => run.workloads = w,
+        Err(e) => run.error = Some(e.to_string()),
+    }
+    if let Some(s) = server {
+        if let Err(e) = s.stop(Duration::from_secs(60)).await {
+            eprintln!("{e}");
+        }
+    }
+    run
+}
+
+async fn sweep_workloads(
+    opts: &CompareOptions,
+    t: &Topology,
+    url: &str,
+    plans: &[PointPlan],
+) -> Result<Vec<WorkloadRun>, BenchError> {
+    let target = Target::parse(url, opts.allow_remote)?;
+    let model = match &opts.body.model {
+        Some(m) => Some(m.clone()),
+        None => first_model(&target).await?,
+    };
+    let client = Client { target, body: BodyOptions { model, ..opts.body.clone() }, timeout: opts.timeout };
+    let mut out = Vec::new();
+    for &named in &opts.workloads {
+        let w = named.workload(opts.seed, opts.range);
+        if let Err(e) = warm_up(&client, &w, opts.warmup).await {
+            out.push(WorkloadRun { workload: named, error: Some(e.to_string()), points: Vec::new() });
+            continue;
+        }
+        let labelled: Vec<PointPlan> = plans
+            .iter()
+            .map(|p| PointPlan { label: format!("{} {} {}", t.name, named.name(), p.label), ..p.clone() })
+            .collect();
+        let points = measure(&client, &w, &labelled, opts.slo, crate::progress::enabled()).await;
+        out.push(WorkloadRun { workload: named, error: None, points });
+    }
+    Ok(out)
+}
+
+fn write_outputs(opts: &CompareOptions, report: &CompareReport) -> Result<(), BenchError> {
+    json::write(&opts.out.join("results.json"), report)?;
+    let plot_files = plots::write_all(&opts.out.join("plots"), report)?;
+    let md = compare_markdown::render(report, &plot_files);
+    let path = opts.out.join("results.md");
+    std::fs::write(&path, &md).map_err(|e| BenchError::io(&path, e))?;
+    print!("{md}");
+    eprintln!("wrote {}/results.json, results.md and {} plots", opts.out.display(), plot_files.len());
+    Ok(())
+}

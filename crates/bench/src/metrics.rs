@@ -1,0 +1,240 @@
+//! Metric definitions, pinned (docs/bench.md repeats them):
+//!
+//! - **TTFT**: request sent → first chunk carrying generated text.
+//! - **TPOT**: (last − first content chunk time) / (output tokens − 1); only for
+//!   requests with at least 2 output tokens.
+//! - **ITL**: every gap between consecutive content chunks, pooled over requests.
+//! - **E2E**: request sent → response complete.
+//! - **Duration** of a point: first send → last completion (failed requests included).
+//! - **Throughput**: successful requests, their output (input, total) tokens, per
+//!   second of duration.
+//! - **Goodput**: successful requests with TTFT ≤ SLO and TPOT ≤ SLO (TPOT only where
+//!   defined), per second of duration; **attainment** = those / all requests sent.
+//! - **Percentiles**: nearest rank — the smallest sample with at least p % of the
+//!   samples at or below it. Successful requests only.
+
+use crate::record::RequestRecord;
+
+/// Request sent → first content chunk.
+pub fn ttft(chunk_times_s: &[f64]) -> Option<f64> {
+    chunk_times_s.first().copied()
+}
+
+/// (last − first content chunk) / (output tokens − 1).
+pub fn tpot(chunk_times_s: &[f64], output_tokens: u64) -> Option<f64> {
+    let (first, last) = (chunk_times_s.first()?, chunk_times_s.last()?);
+    (output_tokens >= 2).then(|| (last - first) / (output_tokens - 1) as f64)
+}
+
+/// Nearest-rank percentile of sorted samples (`p` in 0..=100).
+pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted.get(rank.clamp(1, sorted.len()) - 1).copied()
+}
+
+/// Distribution summary of one metric, in the unit it was built with.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Stats {
+    pub count: usize,
+    pub mean: Option<f64>,
+    pub p50: Option<f64>,
+    pub p90: Option<f64>,
+    pub p99: Option<f64>,
+    pub max: Option<f64>,
+}
+
+impl Stats {
+    /// Summary of `values` multiplied by `scale` (e.g. 1000 for seconds → ms).
+    pub fn of(values: impl IntoIterator<Item = f64>, scale: f64) -> Self {
+        let mut v: Vec<f64> = values.into_iter().filter(|x| x.is_finite()).map(|x| x * scale).collect();
+        v.sort_by(f64::total_cmp);
+        let mean = (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+        Self {
+            count: v.len(),
+            mean,
+            p50: percentile(&v, 50.0),
+            p90: percentile(&v, 90.0),
+            p99: percentile(&v, 99.0),
+            max: v.last().copied(),
+        }
+    }
+}
+
+/// Service-level objectives for goodput.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Slo {
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
+}
+
+impl Default for Slo {
+    /// Interactive use on a small CPU server: first token within 5 s, then at least
+    /// 20 tokens per second.
+    fn default() -> Self {
+        Self { ttft_ms: 5000.0, tpot_ms: 50.0 }
+    }
+}
+
+impl Slo {
+    /// Does a request count toward goodput?
+    pub fn met_by(&self, r: &RequestRecord) -> bool {
+        let ttft_ok = r.ttft_s.is_some_and(|t| t * 1000.0 <= self.ttft_ms);
+        let tpot_ok = r.tpot_s.is_none_or(|t| t * 1000.0 <= self.tpot_ms);
+        r.ok && ttft_ok && tpot_ok
+    }
+}
+
+/// Everything reported for one sweep point.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Summary {
+    pub requests: usize,
+    pub ok: usize,
+    pub failed: usize,
+    pub duration_s: f64,
+    pub request_throughput: f64,
+    pub output_token_throughput: f64,
+    pub input_token_throughput: f64,
+    pub total_token_throughput: f64,
+    pub ttft_ms: Stats,
+    pub tpot_ms: Stats,
+    pub itl_ms: Stats,
+    pub e2e_ms: Stats,
+    pub slo: Slo,
+    pub goodput: f64,
+    pub slo_attainment_pct: f64,
+    /// Client work per request (see `RequestRecord::client_busy_s`), ms.
+    pub client_busy_ms: Stats,
+    /// Open loop: how late requests were sent relative to their schedule, ms.
+    pub send_lag_ms: Stats,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_error: Option<String>,
+}
+
+impl Summary {
+    pub fn of(records: &[RequestRecord], slo: Slo) -> Self {
+        let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.ok).collect();
+        let duration_s = duration(records);
+        let per_s = |x: f64| if duration_s > 0.0 { x / duration_s } else { 0.0 };
+        let out_tokens = ok.iter().map(|r| r.output_tokens as f64).sum::<f64>();
+        let in_tokens = ok.iter().map(|r| r.input_tokens as f64).sum::<f64>();
+        let good = records.iter().filter(|r| slo.met_by(r)).count();
+        Self {
+            requests: records.len(),
+            ok: ok.len(),
+            failed: records.len() - ok.len(),
+            duration_s,
+            request_throughput: per_s(ok.len() as f64),
+            output_token_throughput: per_s(out_tokens),
+            input_token_throughput: per_s(in_tokens),
+            total_token_throughput: per_s(out_tokens + in_tokens),
+            ttft_ms: Stats::of(ok.iter().filter_map(|r| r.ttft_s), 1e3),
+            tpot_ms: Stats::of(ok.iter().filter_map(|r| r.tpot_s), 1e3),
+            itl_ms: Stats::of(ok.iter().flat_map(|r| r.itls()), 1e3),
+            e2e_ms: Stats::of(ok.iter().map(|r| r.e2e_s), 1e3),
+            slo,
+            goodput: per_s(good as f64),
+            slo_attainment_pct: if records.is_empty() { 0.0 } else { 100.0 * good as f64 / records.len() as f64 },
+            client_busy_ms: Stats::of(records.iter().map(|r| r.client_busy_s), 1e3),
+            send_lag_ms: Stats::of(records.iter().filter_map(|r| Some(r.start_s - r.scheduled_s?)), 1e3),
+            first_error: records.iter().find_map(|r| r.error.clone()),
+        }
+    }
+}
+
+/// First send → last completion.
+pub fn duration(records: &[RequestRecord]) -> f64 {
+    let start = records.iter().map(|r| r.start_s).fold(f64::INFINITY, f64::min);
+    let end = records.iter().map(RequestRecord::end_s).fold(f64::NEG_INFINITY, f64::max);
+    if records.is_empty() {
+        0.0
+    } else {
+        (end - start).max(0.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: Option<f64>, b: f64) -> bool {
+        a.is_some_and(|a| (a - b).abs() < 1e-9)
+    }
+
+    #[test]
+    fn ttft_tpot_and_itl_follow_their_definitions() {
+        // Sent at 0; chunks at 0.5, 0.6, 0.8, 1.1; 4 tokens.
+        let r = RequestRecord::succeeded(0, 0.0, vec![0.5, 0.6, 0.8, 1.1], 4, 1.2);
+        assert!(close(r.ttft_s, 0.5));
+        assert!(close(r.tpot_s, 0.2)); // (1.1 - 0.5) / 3
+        let itl: Vec<f64> = r.itls().collect();
+        assert_eq!(itl.len(), 3);
+        assert!(itl.iter().zip([0.1, 0.2, 0.3]).all(|(a, b)| (a - b).abs() < 1e-9));
+        // Usage may report more tokens than chunks (several tokens per chunk): TPOT
+        // divides by tokens, ITL stays per chunk.
+        let r = RequestRecord::succeeded(0, 0.0, vec![0.5, 1.1], 4, 1.2);
+        assert!(close(r.tpot_s, 0.2));
+        assert_eq!(r.itls().count(), 1);
+        assert_eq!(tpot(&[0.5], 1), None);
+        assert_eq!(tpot(&[], 5), None);
+        assert_eq!(ttft(&[]), None);
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), Some(50.0));
+        assert_eq!(percentile(&v, 90.0), Some(90.0));
+        assert_eq!(percentile(&v, 99.0), Some(99.0));
+        assert_eq!(percentile(&v, 100.0), Some(100.0));
+        assert_eq!(percentile(&v, 0.0), Some(1.0));
+        assert_eq!(percentile(&[7.0], 99.0), Some(7.0));
+        assert_eq!(percentile(&[1.0, 2.0, 3.0], 50.0), Some(2.0));
+        assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 50.0), Some(2.0));
+        assert_eq!(percentile(&[], 50.0), None);
+        let s = Stats::of([3.0, 1.0, 2.0, f64::NAN], 1000.0);
+        assert_eq!((s.count, s.mean, s.p50, s.max), (3, Some(2000.0), Some(2000.0), Some(3000.0)));
+        assert_eq!(Stats::of([], 1.0), Stats::default());
+    }
+
+    #[test]
+    fn summary_throughput_and_goodput() {
+        let slo = Slo { ttft_ms: 600.0, tpot_ms: 150.0 };
+        let mut records = vec![
+            // meets both SLOs: ttft 0.5, tpot 0.1
+            RequestRecord::succeeded(0, 0.0, vec![0.5, 0.6, 0.7], 3, 0.8),
+            // misses TTFT
+            RequestRecord::succeeded(1, 0.5, vec![0.7, 0.8], 2, 1.0),
+            // misses TPOT: (1.0 - 0.1) / 3 = 0.3
+            RequestRecord::succeeded(2, 1.0, vec![0.1, 1.0], 4, 1.0),
+            // one token: TPOT undefined, only TTFT counts
+            RequestRecord::succeeded(3, 1.0, vec![0.2], 1, 0.3),
+            RequestRecord::failed(4, 1.5, 0.5, "HTTP 500".into()),
+        ];
+        for r in &mut records {
+            r.input_tokens = 10;
+        }
+        let s = Summary::of(&records, slo);
+        assert_eq!((s.requests, s.ok, s.failed), (5, 4, 1));
+        assert!((s.duration_s - 2.0).abs() < 1e-9);
+        assert!((s.request_throughput - 2.0).abs() < 1e-9);
+        assert!((s.output_token_throughput - 5.0).abs() < 1e-9);
+        assert!((s.input_token_throughput - 20.0).abs() < 1e-9);
+        assert!((s.goodput - 1.0).abs() < 1e-9);
+        assert!((s.slo_attainment_pct - 40.0).abs() < 1e-9);
+        assert_eq!(s.itl_ms.count, 4);
+        assert_eq!(s.tpot_ms.count, 3);
+        assert_eq!(s.first_error.as_deref(), Some("HTTP 500"));
+        assert_eq!(Summary::of(&[], slo).duration_s, 0.0);
+    }
+
+    #[test]
+    fn failed_requests_never_meet_the_slo() {
+        let mut r = RequestRecord::succeeded(0, 0.0, vec![0.01], 1, 0.02);
+        assert!(Slo::default().met_by(&r));
+        r.ok = false;
+        assert!(!Slo::default().met_by(&r));
+    }
+}

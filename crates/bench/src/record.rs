@@ -1,0 +1,64 @@
+//! What the client saw of one request. Records are the raw data: every summary,
+//! table and plot is computed from them, and all of them go into the JSON output.
+
+use crate::metrics;
+
+/// One request, as measured by the client. Times are seconds.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RequestRecord {
+    pub index: usize,
+    /// When the request was sent, from the start of its sweep point.
+    pub start_s: f64,
+    /// When an open-loop schedule wanted it sent (lag = `start_s - scheduled_s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_s: Option<f64>,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Prompt tokens: the server's usage when reported, else what was sent.
+    pub input_tokens: u64,
+    /// Generated tokens: the server's usage when reported, else content chunks.
+    pub output_tokens: u64,
+    /// What was asked for (`max_tokens = min_tokens`).
+    pub requested_output_tokens: u32,
+    /// Arrival of each chunk carrying generated text, from when the request was sent.
+    pub chunk_times_s: Vec<f64>,
+    /// Derived: request sent → first content chunk.
+    pub ttft_s: Option<f64>,
+    /// Derived: (last − first content chunk) / (output tokens − 1).
+    pub tpot_s: Option<f64>,
+    /// Request sent → `[DONE]` (or the end of the body, or the failure).
+    pub e2e_s: f64,
+    /// Time the client spent working on this request rather than waiting for the
+    /// socket: building the body, parsing SSE and JSON, bookkeeping.
+    pub client_busy_s: f64,
+}
+
+impl RequestRecord {
+    /// Fills the derived fields from the raw ones.
+    pub fn derive(mut self) -> Self {
+        self.ttft_s = metrics::ttft(&self.chunk_times_s);
+        self.tpot_s = metrics::tpot(&self.chunk_times_s, self.output_tokens);
+        self
+    }
+
+    /// A successful record from its raw parts (hand-made records in tests).
+    pub fn succeeded(index: usize, start_s: f64, chunk_times_s: Vec<f64>, output_tokens: u64, e2e_s: f64) -> Self {
+        Self { index, start_s, ok: true, chunk_times_s, output_tokens, e2e_s, ..Self::default() }.derive()
+    }
+
+    /// A failed record.
+    pub fn failed(index: usize, start_s: f64, e2e_s: f64, error: String) -> Self {
+        Self { index, start_s, e2e_s, error: Some(error), ..Self::default() }
+    }
+
+    /// Inter-token latencies: every gap between consecutive content chunks.
+    pub fn itls(&self) -> impl Iterator<Item = f64> + '_ {
+        self.chunk_times_s.windows(2).map(|w| w[1] - w[0])
+    }
+
+    /// When the request finished, from the start of its point.
+    pub fn end_s(&self) -> f64 {
+        self.start_s + self.e2e_s
+    }
+}

@@ -1,0 +1,117 @@
+//! Markdown tables: one row per point, the metrics of docs/bench.md.
+
+use crate::load::LoadReport;
+use crate::metrics::Summary;
+use std::fmt::Write;
+
+/// A number with `d` decimals, or an em dash when there is none.
+pub fn num(v: Option<f64>, d: usize) -> String {
+    match v {
+        Some(x) if x.is_finite() => format!("{x:.d$}"),
+        _ => "—".into(),
+    }
+}
+
+/// The columns of a summary row (after the row's own label columns).
+pub const SUMMARY_HEADER: &str = "req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | E2E p50 ms | goodput req/s (SLO %) | client ms/req | ok | failed";
+
+/// One summary as table cells.
+pub fn summary_cells(s: &Summary) -> String {
+    format!(
+        "{} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {} | {} | {}",
+        num(Some(s.request_throughput), 2),
+        num(Some(s.output_token_throughput), 1),
+        num(s.ttft_ms.p50, 0),
+        num(s.ttft_ms.p99, 0),
+        num(s.tpot_ms.p50, 1),
+        num(s.tpot_ms.p99, 1),
+        num(s.itl_ms.p99, 1),
+        num(s.e2e_ms.p50, 0),
+        num(Some(s.goodput), 2),
+        num(Some(s.slo_attainment_pct), 0),
+        num(s.client_busy_ms.mean, 3),
+        s.ok,
+        s.failed
+    )
+}
+
+/// `| a | b |` header and separator for `labels` followed by the summary columns.
+pub fn header(labels: &[&str]) -> String {
+    let cols = labels.len() + SUMMARY_HEADER.split(" | ").count();
+    format!("| {} | {SUMMARY_HEADER} |\n|{}\n", labels.join(" | "), "---|".repeat(cols))
+}
+
+/// The progress log line printed after each point.
+pub fn one_line(label: &str, s: &Summary, wall_s: f64) -> String {
+    let mut line = format!(
+        "{label}: {} ok, {} failed in {wall_s:.1} s; {} req/s, {} out tok/s, TTFT p50/p99 {}/{} ms, TPOT p50/p99 {}/{} ms, goodput {} req/s ({}%)",
+        s.ok,
+        s.failed,
+        num(Some(s.request_throughput), 2),
+        num(Some(s.output_token_throughput), 1),
+        num(s.ttft_ms.p50, 0),
+        num(s.ttft_ms.p99, 0),
+        num(s.tpot_ms.p50, 1),
+        num(s.tpot_ms.p99, 1),
+        num(Some(s.goodput), 2),
+        num(Some(s.slo_attainment_pct), 0),
+    );
+    if let Some(e) = &s.first_error {
+        let _ = write!(line, "; first error: {e}");
+    }
+    line
+}
+
+/// The stdout report of `bench load`.
+pub fn load_report(r: &LoadReport) -> String {
+    let mut out = String::new();
+    let model = r.model.as_deref().unwrap_or("(none)");
+    let _ = writeln!(out, "\n## bench load: {} (model {model})\n\nWorkload: {}.", r.url, r.workload);
+    if let Some(p) = r.points.first() {
+        let slo = p.summary.slo;
+        let _ = writeln!(out, "Goodput SLO: TTFT ≤ {} ms and TPOT ≤ {} ms.\n", slo.ttft_ms, slo.tpot_ms);
+    }
+    out.push_str(&header(&["point"]));
+    for p in &r.points {
+        let _ = writeln!(out, "| {} | {} |", p.plan.label, summary_cells(&p.summary));
+    }
+    if !r.calibration.is_empty() {
+        out.push_str("\nClient floor (same points against an instant in-process server):\n\n");
+        out.push_str("| point | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | client ms/req |\n|---|---|---|---|---|---|\n");
+        for c in &r.calibration {
+            let s = &c.summary;
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {} |",
+                c.label,
+                num(s.ttft_ms.p50, 3),
+                num(s.ttft_ms.p99, 3),
+                num(s.itl_ms.p50, 3),
+                num(s.itl_ms.p99, 3),
+                num(s.client_busy_ms.mean, 3)
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Slo;
+    use crate::record::RequestRecord;
+
+    #[test]
+    fn rows_have_as_many_cells_as_the_header() {
+        let s = Summary::of(&[RequestRecord::succeeded(0, 0.0, vec![0.1, 0.2], 2, 0.3)], Slo::default());
+        let h = header(&["topology", "C"]);
+        let row = format!("| x | 1 | {} |", summary_cells(&s));
+        let count = |l: &str| l.matches('|').count();
+        let lines: Vec<&str> = h.lines().collect();
+        assert_eq!(count(lines[0]), count(&row));
+        assert_eq!(count(lines[1]), count(&row));
+        assert_eq!(num(None, 2), "—");
+        assert_eq!(num(Some(1.234), 1), "1.2");
+        assert!(one_line("C=1", &s, 1.0).contains("1 ok, 0 failed"));
+    }
+}

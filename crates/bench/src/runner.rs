@@ -1,0 +1,115 @@
+//! Runs one sweep point against one client and returns its records, sorted by index.
+//!
+//! Everything runs in the calling task (joined futures, no spawning), so it works on
+//! a single-threaded runtime and the client stays off the server's cores as much as a
+//! client can.
+
+use crate::client::Client;
+use crate::point::{Issue, PointPlan};
+use crate::progress::{self, Counters};
+use crate::record::RequestRecord;
+use crate::rng::{mix, Rng};
+use crate::workload::Workload;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use std::cell::Cell;
+use std::time::{Duration, Instant};
+
+/// Runs a point, with a progress bar when `show_progress`.
+pub async fn run_point(
+    client: &Client,
+    workload: &Workload,
+    plan: &PointPlan,
+    show_progress: bool,
+) -> Vec<RequestRecord> {
+    let counters = Counters::default();
+    let work = async {
+        match &plan.issue {
+            Issue::Closed { concurrency } => closed(client, workload, plan, *concurrency, &counters).await,
+            Issue::Open { arrivals } => {
+                let mut rng = Rng::new(mix(&[workload.seed, plan.seed, 0xa771_7a15]));
+                let mut t = 0.0;
+                let times = std::iter::from_fn(move || {
+                    let now = t;
+                    t += arrivals.next_gap(&mut rng);
+                    Some(now)
+                });
+                open(client, workload, plan, times, &counters).await
+            }
+            Issue::Trace { speedup } => {
+                let times = workload.trace_offsets(*speedup).unwrap_or_default();
+                open(client, workload, plan, times.into_iter(), &counters).await
+            }
+        }
+    };
+    let mut records = if show_progress {
+        let label = plan.label.as_str();
+        let r = tokio::select! {
+            r = work => r,
+            _ = progress::draw_forever(label, plan.bounds, &counters) => Vec::new(),
+        };
+        progress::clear();
+        r
+    } else {
+        work.await
+    };
+    records.sort_by_key(|r| r.index);
+    records
+}
+
+/// `c` clients, each sending back to back, sharing one request counter.
+async fn closed(client: &Client, w: &Workload, plan: &PointPlan, c: usize, n: &Counters) -> Vec<RequestRecord> {
+    let origin = Instant::now();
+    let next = Cell::new(0usize);
+    let one_client = || async {
+        let mut out = Vec::new();
+        loop {
+            let i = next.get();
+            if !plan.bounds.may_issue(i, origin.elapsed().as_secs_f64()) {
+                return out;
+            }
+            next.set(i + 1);
+            let spec = w.request(plan.seed, i);
+            n.on_sent();
+            let rec = client.send(&spec, origin, None).await;
+            n.on_done(rec.ok);
+            out.push(rec);
+        }
+    };
+    futures_util::future::join_all((0..c.max(1)).map(|_| one_client())).await.into_iter().flatten().collect()
+}
+
+/// Sends request `i` at `times[i]` seconds after the start, whatever is in flight.
+async fn open(
+    client: &Client,
+    w: &Workload,
+    plan: &PointPlan,
+    times: impl Iterator<Item = f64>,
+    n: &Counters,
+) -> Vec<RequestRecord> {
+    let origin = Instant::now();
+    let mut in_flight = FuturesUnordered::new();
+    let mut out = Vec::new();
+    for (i, at) in times.enumerate() {
+        if !plan.bounds.may_issue(i, at) {
+            break;
+        }
+        let due = tokio::time::Instant::from_std(origin + Duration::from_secs_f64(at));
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(due) => break,
+                Some(rec) = in_flight.next(), if !in_flight.is_empty() => out.push(rec),
+            }
+        }
+        let spec = w.request(plan.seed, i);
+        n.on_sent();
+        in_flight.push(async move {
+            let rec = client.send(&spec, origin, Some(at)).await;
+            n.on_done(rec.ok);
+            rec
+        });
+    }
+    while let Some(rec) = in_flight.next().await {
+        out.push(rec);
+    }
+    out
+}

@@ -1,0 +1,193 @@
+//! What each request asks for: its prompt and its exact output length.
+//!
+//! Requests are made on demand from `(seed, point, index)`, so a workload is the same
+//! for every topology (fair comparisons) but different at every sweep point (no prefix
+//! cache hits carried over from an earlier point), and nothing is pre-generated.
+
+use crate::lengths::LengthSpec;
+use crate::prompt::{Prompt, TokenRange};
+use crate::rng::{mix, Rng};
+use crate::trace::TraceRow;
+use std::sync::Arc;
+
+/// Where prompts and lengths come from.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// Independent random prompts.
+    Random { input: LengthSpec, output: LengthSpec },
+    /// `prefixes` system prompts of `prefix_len` random tokens, fixed per point; request
+    /// `i` uses prefix `i % prefixes` followed by its own random suffix of `input` tokens.
+    SharedPrefix { prefixes: usize, prefix_len: usize, input: LengthSpec, output: LengthSpec },
+    /// Rows of a trace, in order.
+    Trace { rows: Arc<Vec<TraceRow>>, block_size: usize },
+}
+
+/// A workload: a source plus how tokens are drawn.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    pub source: Source,
+    pub range: TokenRange,
+    pub seed: u64,
+}
+
+/// The workload flags of `bench load`, before validation.
+#[derive(Clone, Debug)]
+pub struct WorkloadFlags {
+    pub input: LengthSpec,
+    pub output: LengthSpec,
+    /// Number of shared prefixes (0: none).
+    pub shared_prefixes: usize,
+    pub prefix_len: usize,
+    pub trace: Option<std::path::PathBuf>,
+    pub trace_block_size: usize,
+    pub range: TokenRange,
+    pub seed: u64,
+}
+
+impl WorkloadFlags {
+    /// A trace wins over lengths; shared prefixes apply to random prompts.
+    pub fn build(&self) -> Result<Workload, crate::error::BenchError> {
+        let bad = |m: &str| Err(crate::error::BenchError::BadFlag(m.into()));
+        let source = match &self.trace {
+            Some(_) if self.shared_prefixes > 0 => return bad("--shared-prefixes and --trace do not mix"),
+            Some(_) if self.trace_block_size == 0 => return bad("--trace-block-size must be at least 1"),
+            Some(path) => {
+                Source::Trace { rows: Arc::new(crate::trace::load(path)?), block_size: self.trace_block_size }
+            }
+            None if self.shared_prefixes > 0 && self.prefix_len == 0 => return bad("--prefix-len must be at least 1"),
+            None if self.shared_prefixes > 0 => Source::SharedPrefix {
+                prefixes: self.shared_prefixes,
+                prefix_len: self.prefix_len,
+                input: self.input,
+                output: self.output,
+            },
+            None => Source::Random { input: self.input, output: self.output },
+        };
+        Ok(Workload { source, range: self.range, seed: self.seed })
+    }
+}
+
+/// One request to send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestSpec {
+    pub index: usize,
+    pub prompt: Prompt,
+    pub output_len: u32,
+}
+
+impl Workload {
+    /// Request `index` of sweep point `point`.
+    pub fn request(&self, point: u64, index: usize) -> RequestSpec {
+        let mut rng = Rng::new(mix(&[self.seed, point, index as u64]));
+        let (prompt, output_len) = match &self.source {
+            Source::Random { input, output } => {
+                let n = input.sample(&mut rng) as usize;
+                (Prompt { prefix: Vec::new(), body: self.range.random_ids(&mut rng, n) }, output.sample(&mut rng))
+            }
+            Source::SharedPrefix { prefixes, prefix_len, input, output } => {
+                let prefix = self.prefix(point, index % (*prefixes).max(1), *prefix_len);
+                let n = input.sample(&mut rng) as usize;
+                (Prompt { prefix, body: self.range.random_ids(&mut rng, n) }, output.sample(&mut rng))
+            }
+            Source::Trace { rows, block_size } => match rows.get(index % rows.len().max(1)) {
+                Some(row) => (row.prompt(*block_size, self.range, self.seed, rng.next_u64()), row.output_length),
+                None => (Prompt::default(), 1),
+            },
+        };
+        RequestSpec { index, prompt, output_len }
+    }
+
+    /// Shared prefix `j` of a point: the same tokens for every request that uses it.
+    pub fn prefix(&self, point: u64, j: usize, len: usize) -> Vec<u32> {
+        self.range.random_ids(&mut Rng::new(mix(&[self.seed, point, 0x9f1e_f1c5, j as u64])), len)
+    }
+
+    /// The number of rows when the workload is a trace (its natural request bound).
+    pub fn trace_len(&self) -> Option<usize> {
+        match &self.source {
+            Source::Trace { rows, .. } => Some(rows.len()),
+            _ => None,
+        }
+    }
+
+    /// Trace arrival offsets in seconds from the first row, divided by `speedup`.
+    pub fn trace_offsets(&self, speedup: f64) -> Option<Vec<f64>> {
+        let Source::Trace { rows, .. } = &self.source else { return None };
+        let t0 = rows.first().map_or(0.0, |r| r.timestamp);
+        Some(rows.iter().map(|r| (r.timestamp - t0) / 1000.0 / speedup).collect())
+    }
+
+    /// A short description for reports.
+    pub fn describe(&self) -> String {
+        match &self.source {
+            Source::Random { input, output } => format!("random ISL {input} / OSL {output}"),
+            Source::SharedPrefix { prefixes, prefix_len, input, output } => {
+                format!("shared prefix: {prefixes} × {prefix_len} tokens + ISL {input} / OSL {output}")
+            }
+            Source::Trace { rows, block_size } => format!("trace of {} rows (block {block_size})", rows.len()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared(prefixes: usize) -> Workload {
+        Workload {
+            source: Source::SharedPrefix {
+                prefixes,
+                prefix_len: 64,
+                input: LengthSpec::Fixed(16),
+                output: LengthSpec::Fixed(8),
+            },
+            range: TokenRange::default(),
+            seed: 3,
+        }
+    }
+
+    #[test]
+    fn shared_prefixes_are_really_shared_and_suffixes_are_not() {
+        let w = shared(2);
+        let reqs: Vec<RequestSpec> = (0..6).map(|i| w.request(0, i)).collect();
+        assert_eq!(reqs[0].prompt.prefix, reqs[2].prompt.prefix);
+        assert_eq!(reqs[0].prompt.prefix, reqs[4].prompt.prefix);
+        assert_eq!(reqs[1].prompt.prefix, reqs[3].prompt.prefix);
+        assert_ne!(reqs[0].prompt.prefix, reqs[1].prompt.prefix);
+        assert_ne!(reqs[0].prompt.body, reqs[2].prompt.body);
+        assert!(reqs.iter().all(|r| r.prompt.len() == 80 && r.output_len == 8));
+        assert_eq!(reqs[0].prompt.ids()[..64], reqs[2].prompt.ids()[..64]);
+    }
+
+    #[test]
+    fn requests_are_reproducible_and_differ_between_points() {
+        let w = Workload {
+            source: Source::Random { input: LengthSpec::Fixed(32), output: LengthSpec::Uniform { min: 1, max: 9 } },
+            range: TokenRange::default(),
+            seed: 1,
+        };
+        assert_eq!(w.request(0, 5), w.request(0, 5));
+        assert_ne!(w.request(0, 5).prompt, w.request(1, 5).prompt);
+        assert_ne!(w.request(0, 5).prompt, w.request(0, 6).prompt);
+        assert_ne!(shared(1).request(0, 0).prompt.prefix, shared(1).request(1, 0).prompt.prefix);
+    }
+
+    #[test]
+    fn trace_workload_follows_rows_and_offsets() {
+        let rows = crate::trace::parse(
+            "{\"timestamp\": 1000, \"input_length\": 8, \"output_length\": 3}\n\
+             {\"timestamp\": 1500, \"input_length\": 4, \"output_length\": 2}\n",
+            "t",
+        )
+        .unwrap();
+        let w = Workload {
+            source: Source::Trace { rows: Arc::new(rows), block_size: 16 },
+            range: TokenRange::default(),
+            seed: 1,
+        };
+        assert_eq!(w.trace_len(), Some(2));
+        assert_eq!(w.trace_offsets(2.0), Some(vec![0.0, 0.25]));
+        let r = w.request(0, 1);
+        assert_eq!((r.prompt.len(), r.output_len), (4, 2));
+    }
+}

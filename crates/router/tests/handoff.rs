@@ -171,7 +171,19 @@ async fn random_cancels_leak_nothing() {
             drain_some(&mut live).await;
         }
         assert_eq!(settle(&r).await, 0, "{mode:?}: blocks leaked");
+        assert_eq!(idle(&r).await, 0, "{mode:?}: the load count did not return to 0");
     }
+}
+
+/// Waits until the router counts no request in flight on any worker.
+async fn idle(r: &Router) -> usize {
+    for _ in 0..200 {
+        if r.in_flight() == 0 {
+            return 0;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    r.in_flight()
 }
 
 async fn drain_some(live: &mut Vec<(u64, TokenStream)>) {

@@ -90,9 +90,18 @@ impl Worker {
         self.role
     }
 
-    /// Requests in flight on this worker.
+    /// Requests and prefills queued or in flight on this worker.
     pub fn load(&self) -> usize {
         self.active.load(Ordering::Relaxed)
+    }
+
+    /// Queues a command that counts toward the load from now until the loop is done
+    /// with it, so requests routed in a burst see each other.
+    fn send_counted(&self, c: Command) -> Result<(), ServeError> {
+        self.active.fetch_add(1, Ordering::Relaxed);
+        self.send(c).inspect_err(|_| {
+            self.active.fetch_sub(1, Ordering::Relaxed);
+        })
     }
 
     fn send(&self, c: Command) -> Result<(), ServeError> {
@@ -112,7 +121,7 @@ impl Worker {
     /// Like [`generate`](Self::generate), writing into an existing stream (a router
     /// falling back to local prefill keeps the client's stream).
     pub fn generate_into(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError> {
-        self.send(Command::Generate(req, events))
+        self.send_counted(Command::Generate(req, events))
     }
 
     /// Prefill only: K/V go to `sink` layer by layer; resolves to the first token.
@@ -122,7 +131,7 @@ impl Worker {
         sink: FrameSink,
     ) -> Result<oneshot::Receiver<Result<FirstToken, ServeError>>, ServeError> {
         let (reply, rx) = oneshot::channel();
-        self.send(Command::Prefill { req, sink, reply, sent: std::time::Instant::now() })?;
+        self.send_counted(Command::Prefill { req, sink, reply, sent: std::time::Instant::now() })?;
         Ok(rx)
     }
 
@@ -151,7 +160,7 @@ impl Worker {
         params: SamplingParams,
         events: EventSender,
     ) -> Result<(), ServeError> {
-        self.send(Command::FinishImport { id, prompt, first, params, events })
+        self.send_counted(Command::FinishImport { id, prompt, first, params, events })
     }
 
     /// Releases a reservation (transfer failed, timed out or was cancelled).

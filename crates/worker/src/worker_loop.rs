@@ -84,6 +84,7 @@ impl Loop {
             Command::Generate(req, events) => match self.engine.add(req.id, req.prompt, req.params) {
                 Ok(()) => self.track(req.id, events, 0),
                 Err(e) => {
+                    self.done();
                     let _ = events.send(Event::Failed(serve_error(e)));
                 }
             },
@@ -95,6 +96,7 @@ impl Loop {
                     prefill_seconds: started.elapsed().as_secs_f64(),
                     ..first_token(o)
                 });
+                self.done();
                 let _ = reply.send(first.map_err(serve_error));
             }
             Command::Reserve { id, prompt_len, reply } => {
@@ -116,8 +118,9 @@ impl Loop {
                 self.imports.remove(&id);
                 match self.engine.finish_import(id, prompt, first, params) {
                     Ok(true) => self.track(id, events, 1),
-                    Ok(false) => {}
+                    Ok(false) => self.done(),
                     Err(e) => {
+                        self.done();
                         let _ = events.send(Event::Failed(serve_error(e)));
                     }
                 }
@@ -138,9 +141,14 @@ impl Loop {
         }
     }
 
+    /// The sender counted the request in `active` when it queued the command.
     fn track(&mut self, id: RequestId, events: EventSender, generated: usize) {
         self.streams.insert(id, Live { events, generated });
-        self.active.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A counted command ended without a stream to track.
+    fn done(&self) {
+        self.active.fetch_sub(1, Ordering::Relaxed);
     }
 
     fn untrack(&mut self, id: RequestId) {

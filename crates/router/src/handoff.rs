@@ -28,6 +28,10 @@ use tokio::sync::oneshot;
 /// Per-phase time limits; the prefill limit grows with the prompt.
 #[derive(Debug, Clone, Copy)]
 pub struct Deadlines {
+    /// Waiting for a slot on the prefill worker (the router's prefill queue).
+    pub queue: Duration,
+    /// Waiting for D to have room for the prompt's blocks; past it, D prefills the
+    /// request itself (its engine queues it).
     pub reserve: Duration,
     pub prefill_base: Duration,
     /// Allowance per prompt token, generous against the measured prefill rate.
@@ -37,7 +41,8 @@ pub struct Deadlines {
 impl Default for Deadlines {
     fn default() -> Self {
         Deadlines {
-            reserve: Duration::from_secs(5),
+            queue: Duration::from_secs(600),
+            reserve: Duration::from_secs(10),
             prefill_base: Duration::from_secs(10),
             prefill_per_token: Duration::from_millis(20),
         }
@@ -67,6 +72,8 @@ pub struct Hop {
     pub d: Node,
     /// P's queue and rate, for `auto`'s cost model.
     pub p_load: Arc<PrefillLoad>,
+    /// P's prefill slots: a handoff holds one from before reserving on D until P is done.
+    pub p_slots: Arc<tokio::sync::Semaphore>,
     pub transfer: Arc<TransferCost>,
     pub deadlines: Deadlines,
     pub telemetry: Arc<dyn Telemetry>,
@@ -124,34 +131,39 @@ fn fail(client: &EventSender, e: ServeError) -> Outcome {
 pub async fn run(hop: Hop, req: GenerateRequest, client: EventSender) -> Outcome {
     let id = req.id;
     let d = hop.d.clone();
-    // Reserved(D): blocks first, so a transfer never arrives where it cannot land.
-    let reserved = match d.reserve(id, req.prompt.len()) {
-        Ok(rx) => wait(hop.deadlines.reserve, &client, rx).await,
-        Err(e) => return fail(&client, e),
-    };
-    match reserved {
-        Wait::Done(Ok(Ok(()))) => {}
-        Wait::Done(Ok(Err(e))) => return fail(&client, e),
-        Wait::Done(Err(_)) => return fail(&client, ServeError::NoWorker(format!("worker {} stopped", d.name()))),
-        Wait::TimedOut => {
-            d.abort_import(id);
-            return fail(&client, ServeError::Timeout("reserving KV blocks".into()));
-        }
-        Wait::Cancelled => {
-            d.abort_import(id);
-            return Outcome::Cancelled;
-        }
-    }
-    // Prefilling(P), frames flowing into D as each layer completes (Transferring).
     let started = Instant::now();
     let ticket = hop.p_load.admit(req.prompt.len());
     let ahead = hop.p_load.queued() - req.prompt.len();
+    // Queued(P): wait for a prefill slot first, so D's blocks are held only by
+    // prompts about to be prefilled, not by the whole queue.
+    let slot = match wait(hop.deadlines.queue, &client, hop.p_slots.clone().acquire_owned()).await {
+        Wait::Done(Ok(slot)) => slot,
+        Wait::Done(Err(_)) => return fail(&client, ServeError::Internal("the prefill queue closed".into())),
+        Wait::TimedOut => return fail(&client, ServeError::Timeout("waiting for a prefill worker".into())),
+        Wait::Cancelled => return Outcome::Cancelled,
+    };
+    let router_queue = started.elapsed().as_secs_f64();
+    // Reserved(D): blocks next, so a transfer never arrives where it cannot land.
+    match reserve(&d, &req, &client, hop.deadlines.reserve).await {
+        Reserve::Held => {}
+        Reserve::Failed(e) => return fail(&client, e),
+        Reserve::Cancelled => return Outcome::Cancelled,
+        // D stays full: let its engine queue the request and prefill it there.
+        Reserve::Full => {
+            drop((slot, ticket));
+            return match d.generate_into(req, client.clone()) {
+                Ok(()) => Outcome::LocalFallback,
+                Err(e) => fail(&client, e),
+            };
+        }
+    }
+    // Prefilling(P), frames flowing into D as each layer completes (Transferring).
     let prefilled = prefill(&hop, &req, &client).await;
-    drop(ticket);
+    drop((slot, ticket));
     let first = match prefilled {
         Ok(first) => {
             hop.p_load.observe(ahead, req.prompt.len(), started.elapsed());
-            hop.telemetry.phase(Phase::QueuePrefill, first.queued_seconds);
+            hop.telemetry.phase(Phase::QueuePrefill, router_queue + first.queued_seconds);
             hop.telemetry.phase(Phase::Prefill, first.prefill_seconds);
             first
         }
@@ -174,6 +186,49 @@ pub async fn run(hop: Hop, req: GenerateRequest, client: EventSender) -> Outcome
         }
     };
     decode_ready(&d, req, first, client)
+}
+
+enum Reserve {
+    Held,
+    /// D had no room for the whole reserve deadline.
+    Full,
+    Failed(ServeError),
+    Cancelled,
+}
+
+/// How often a full decode worker is asked again for blocks.
+const RESERVE_RETRY: Duration = Duration::from_millis(20);
+
+/// Reserves the prompt's blocks on D, retrying while D is full (its decodes finish and
+/// free blocks) until `limit`; every exit but `Held` leaves nothing reserved.
+async fn reserve(d: &Node, req: &GenerateRequest, client: &EventSender, limit: Duration) -> Reserve {
+    let deadline = Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let answer = match d.reserve(req.id, req.prompt.len()) {
+            Ok(rx) => wait(left, client, rx).await,
+            Err(e) => Wait::Done(Ok(Err(e))),
+        };
+        match answer {
+            Wait::Done(Ok(Ok(()))) => return Reserve::Held,
+            Wait::Done(Ok(Err(ServeError::Overloaded(_)))) if Instant::now() + RESERVE_RETRY < deadline => {
+                if let Wait::Cancelled = wait(RESERVE_RETRY, client, std::future::pending::<()>()).await {
+                    return Reserve::Cancelled;
+                }
+            }
+            Wait::Done(Ok(Err(ServeError::Overloaded(_)))) => return Reserve::Full,
+            Wait::Done(Ok(Err(e))) => return Reserve::Failed(e),
+            Wait::Done(Err(_)) => return Reserve::Failed(ServeError::NoWorker(format!("worker {} stopped", d.name()))),
+            Wait::TimedOut => {
+                d.abort_import(req.id);
+                return Reserve::Full;
+            }
+            Wait::Cancelled => {
+                d.abort_import(req.id);
+                return Reserve::Cancelled;
+            }
+        }
+    }
 }
 
 /// Runs the prefill on P and moves its KV into D's reservation: the first token once

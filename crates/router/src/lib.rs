@@ -26,11 +26,19 @@ use pdserve_types::Role;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+use tokio::sync::Semaphore;
+
+/// Handoffs one prefill worker runs at once: one prefilling and one reserving its
+/// blocks, so the worker never idles between prompts; the rest wait in the router
+/// (holding nothing on any worker) in arrival order.
+pub const PREFILL_SLOTS: usize = 2;
 
 pub struct Router {
     workers: Vec<Node>,
     /// Per worker (same index): prompt tokens queued and the measured prefill rate.
     loads: Vec<Arc<PrefillLoad>>,
+    /// Per worker: handoffs it may be prefilling at once (see [`PREFILL_SLOTS`]).
+    slots: Vec<Arc<Semaphore>>,
     transfer: Arc<TransferCost>,
     mode: Mode,
     policy: Policy,
@@ -55,6 +63,7 @@ impl Router {
         let workers: Vec<Node> = workers.into_iter().map(Into::into).collect();
         Router {
             loads: workers.iter().map(|_| Arc::default()).collect(),
+            slots: workers.iter().map(|_| Arc::new(Semaphore::new(PREFILL_SLOTS))).collect(),
             workers,
             transfer: Arc::default(),
             mode,
@@ -204,6 +213,7 @@ impl Generate for Router {
                     p: self.workers[p].clone(),
                     d: self.workers[d].clone(),
                     p_load: self.loads[p].clone(),
+                    p_slots: self.slots[p].clone(),
                     transfer: self.transfer.clone(),
                     deadlines: self.deadlines,
                     telemetry: self.telemetry.clone(),

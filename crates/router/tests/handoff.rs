@@ -261,3 +261,30 @@ impl pdserve_protocol::Telemetry for Bytes {
         *self.0.lock().unwrap().entry(transport.to_string()).or_default() += bytes;
     }
 }
+
+/// More long prompts at once than the decode worker has blocks for: they wait (for a
+/// prefill slot, then for blocks) instead of failing, and all finish with the tokens
+/// one engine gives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_decode_worker_makes_handoffs_wait_not_fail() {
+    let m = model();
+    let small = EngineConfig { threads: 1, num_blocks: 40, ..Default::default() };
+    let d =
+        Worker::spawn("small-decode", Role::Decode, m.model.clone(), small, m.tokenizer.eog_ids().to_vec()).unwrap();
+    let r = Router::new([worker("prefill", Role::Prefill), d], Mode::Disaggregated, Deadlines::default(), rt());
+    let agg = router(Mode::Aggregated, Deadlines::default());
+    // ~230 tokens: 15 blocks each, so two fit on the decode worker at a time.
+    let text = PROMPTS[1].repeat(10);
+    let (want, _) = collect(agg.generate(request(1, &text, 8)).unwrap()).await;
+    let streams: Vec<_> = (0..6).map(|i| r.generate(request(100 + i, &text, 8)).unwrap()).collect();
+    for s in streams {
+        let (got, end) = collect(s).await;
+        assert!(matches!(end, Event::Done { .. }), "{end:?}");
+        assert_eq!(got, want);
+    }
+    assert_eq!(settle(&r).await, 0);
+}
+
+fn rt() -> tokio::runtime::Handle {
+    tokio::runtime::Handle::current()
+}

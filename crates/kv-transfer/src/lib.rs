@@ -47,7 +47,7 @@ use std::sync::Arc;
 pub use frame::{Frame, FrameError};
 pub use in_process::InProcess;
 pub use inbox::{Inbox, Inboxes};
-pub use measure::{measure, measure_copy, Throughput};
+pub use measure::{measure, measure_copy, measure_raw_shm, measure_raw_tcp, Throughput};
 pub use shm::{ShmConfig, ShmReceiver, ShmTransport};
 pub use tcp::{TcpReceiver, TcpTransport};
 
@@ -88,12 +88,18 @@ pub trait KvSink: Send {
     /// frame, or the link failed): stop computing frames for it.
     fn send(&mut self, frame: Frame) -> Result<(), TransferError>;
 
+    /// Sends frames the sink is still gathering into a batch (TCP); `finish` does it
+    /// too. A no-op for sinks that send each frame at once.
+    fn flush(&mut self) -> Result<(), TransferError> {
+        Ok(())
+    }
+
     /// Ends the handoff. Returns once the receiver has every frame, intact, queued in
     /// its inbox, or with the reason it has not.
     fn finish(self: Box<Self>) -> Result<(), TransferError>;
 
     /// Gives the handoff up; the receiver's inbox yields [`TransferError::Aborted`]
-    /// after the frames already sent.
+    /// after the frames already sent (frames still batched are dropped).
     fn abort(self: Box<Self>);
 }
 

@@ -4,6 +4,8 @@
 use crate::frame::MAX_ELEMS;
 use crate::{Frame, HandoffId, Inboxes, KvTransport, TransferError};
 use std::fmt;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -93,4 +95,60 @@ pub fn measure_copy(bytes: usize) -> Throughput {
     let elapsed = start.elapsed();
     std::hint::black_box(&dst);
     Throughput { bytes: bytes as u64, elapsed }
+}
+
+/// The same bytes over a bare loopback TCP connection, written `chunk` bytes at a time
+/// and read on another thread into one reused buffer: no framing, no checksum, no
+/// decoding — what the TCP transport is compared with.
+pub fn measure_raw_tcp(bytes: usize, chunk: usize) -> io::Result<Throughput> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let reader = thread::spawn(move || -> io::Result<u64> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; 256 << 10];
+        let mut got = 0u64;
+        loop {
+            match s.read(&mut buf)? {
+                0 => return Ok(got),
+                n => got += n as u64,
+            }
+        }
+    });
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let data = vec![0x5au8; chunk.max(1)];
+    let start = Instant::now();
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(data.len());
+        s.write_all(&data[..n])?;
+        left -= n;
+    }
+    s.shutdown(Shutdown::Write)?;
+    let got = reader.join().map_err(|_| io::Error::other("reader thread panicked"))??;
+    Ok(Throughput { bytes: got, elapsed: start.elapsed() })
+}
+
+/// The same bytes through a pre-faulted shared-memory ring in `chunk`-byte pieces:
+/// each piece copied from a source as large as the transfer into a slot and out again
+/// into a destination as large (one thread, no signalling): the two copies every
+/// shared-memory transport makes, and nothing else.
+pub fn measure_raw_shm(bytes: usize, chunk: usize) -> io::Result<Throughput> {
+    const SLOTS: usize = 64;
+    let chunk = chunk.max(1);
+    let mut ring = memmap2::MmapMut::map_anon(SLOTS * chunk)?;
+    ring.fill(0);
+    // Both written before timing, so no page is faulted in while copying.
+    let src = vec![0x5au8; bytes];
+    let mut dst = vec![0xa5u8; bytes];
+    let start = Instant::now();
+    for (i, (from, to)) in src.chunks(chunk).zip(dst.chunks_mut(chunk)).enumerate() {
+        let at = (i % SLOTS) * chunk;
+        let slot = &mut ring[at..at + from.len()];
+        slot.copy_from_slice(from);
+        to.copy_from_slice(slot);
+    }
+    let elapsed = start.elapsed();
+    std::hint::black_box(&dst);
+    Ok(Throughput { bytes: bytes as u64, elapsed })
 }

@@ -116,6 +116,7 @@ mod tests {
             let t = TcpTransport::connect(addr).unwrap();
             let mut b = t.open(HandoffId(1)).unwrap();
             b.send(frame(1, 0)).unwrap();
+            b.flush().unwrap();
             t.link().send_corrupted(&frame(1, 1), 40 + 2 * 3072).unwrap();
             let mut g = t.open(HandoffId(2)).unwrap();
             for i in 0..10 {

@@ -10,7 +10,7 @@ use crate::rng::Rng;
 use std::str::FromStr;
 
 /// Which distribution the inter-arrival gaps follow.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ArrivalKind {
     Poisson,
@@ -29,7 +29,7 @@ impl FromStr for ArrivalKind {
 }
 
 /// An arrival process at a given mean rate (requests per second).
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Arrivals {
     pub kind: ArrivalKind,
     pub rate: f64,

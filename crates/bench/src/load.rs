@@ -73,7 +73,7 @@ pub struct LoadOptions {
 }
 
 /// One measured point.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct PointResult {
     pub plan: PointPlan,
     pub summary: Summary,

@@ -4,7 +4,7 @@
 use crate::arrivals::Arrivals;
 
 /// How requests are issued during a point.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Issue {
     /// `concurrency` clients, each sending its next request when the previous ends.
@@ -17,7 +17,7 @@ pub enum Issue {
 
 /// When a point stops issuing requests. Requests in flight then finish (each bounded
 /// by the request timeout).
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Bounds {
     /// Never more than this many requests.
     pub max_requests: usize,
@@ -47,7 +47,7 @@ impl Bounds {
 }
 
 /// One point of a sweep.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PointPlan {
     pub label: String,
     pub issue: Issue,

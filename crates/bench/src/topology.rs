@@ -9,7 +9,7 @@
 use crate::error::BenchError;
 
 /// The family a topology belongs to, for crossovers and ratios.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Family {
     Single,
@@ -20,7 +20,7 @@ pub enum Family {
 }
 
 /// One topology to measure.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Topology {
     pub name: String,
     pub family: Family,

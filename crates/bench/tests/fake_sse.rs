@@ -256,6 +256,7 @@ fn bench_compare_against_a_peer_writes_every_output() {
         startup_timeout: Duration::from_secs(5),
         warmup: 1,
         exe: None,
+        reuse: None,
     };
     let report = run_compare(&opts).unwrap();
     assert_eq!(report.runs.len(), 1);
@@ -267,5 +268,27 @@ fn bench_compare_against_a_peer_writes_every_output() {
     }
     let md = std::fs::read_to_string(dir.join("results.md")).unwrap();
     assert!(md.contains("| peer | 2 |"), "{md}");
+    reuse_keeps_the_earlier_runs_not_selected(opts, &dir);
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The peer's run of `dir/results.json`, renamed `single`, is reused; `peer` is measured again.
+fn reuse_keeps_the_earlier_runs_not_selected(mut opts: CompareOptions, dir: &std::path::Path) {
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    v["runs"][0]["topology"] = json!({"name": "single", "family": "single", "serve_args": []});
+    v["runs"][0]["command"] = json!("old single");
+    let earlier = dir.join("earlier.json");
+    std::fs::write(&earlier, v.to_string()).unwrap();
+    opts.reuse = Some(earlier.clone());
+    opts.requests_per_point = 3;
+    let e = run_compare(&opts).unwrap_err().to_string();
+    assert_eq!(e, format!("--reuse {}: a different sweep: requests per point 2 there, 3 here", earlier.display()));
+    opts.requests_per_point = 2;
+    let report = run_compare(&opts).unwrap();
+    let names: Vec<&str> = report.runs.iter().map(|r| r.topology.name.as_str()).collect();
+    assert_eq!(names, vec!["single", "peer"]);
+    assert_eq!(report.runs[0].command.as_deref(), Some("old single"));
+    assert!(report.runs[1].workloads[0].points.iter().all(|p| p.summary.failed == 0));
+    let md = std::fs::read_to_string(dir.join("results.md")).unwrap();
+    assert!(md.contains("| single | `old single` |") && md.contains("| single | 2 |"), "{md}");
 }

@@ -3,6 +3,7 @@
 //! then tables, plots and crossovers (see docs/bench.md).
 
 pub mod analyze;
+pub mod reuse;
 pub mod suite;
 
 use crate::calibrate::{self, Calibration};
@@ -52,10 +53,13 @@ pub struct CompareOptions {
     pub warmup: usize,
     /// The `pdserve` binary to start (default: the running executable).
     pub exe: Option<PathBuf>,
+    /// An earlier results.json of the same sweep: its runs of the topologies not
+    /// selected here are kept instead of measured.
+    pub reuse: Option<PathBuf>,
 }
 
 /// One topology's measurements.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct TopologyRun {
     pub topology: Topology,
     /// The command line it ran with (absent for a peer).
@@ -66,7 +70,7 @@ pub struct TopologyRun {
 }
 
 /// One topology × workload.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct WorkloadRun {
     pub workload: Named,
     pub error: Option<String>,
@@ -74,7 +78,7 @@ pub struct WorkloadRun {
 }
 
 /// A workload of the comparison and what it is.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct WorkloadInfo {
     pub name: Named,
     pub description: String,
@@ -111,9 +115,10 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport, BenchError> {
         Some(p) => p.clone(),
         None => std::env::current_exe().map_err(|e| BenchError::Runtime(format!("cannot find pdserve: {e}")))?,
     };
+    let mut report = empty_report(opts, &plans);
+    reuse_earlier(opts, &mut report, &topologies)?;
     let logs = opts.out.join("logs");
     std::fs::create_dir_all(&logs).map_err(|e| BenchError::io(&logs, e))?;
-    let mut report = empty_report(opts, &plans);
     eprintln!(
         "bench compare: {} topologies × {} workloads × {} points, up to {} s or {} requests per point",
         topologies.len(),
@@ -130,6 +135,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport, BenchError> {
                 eprintln!("{}: {e}", t.name);
             }
             report.runs.push(run);
+            reuse::sort_runs(&mut report.runs, opts.budget);
             report.analysis = Analysis::of(&report);
             json::write(&opts.out.join("results.json"), &report)?;
         }
@@ -156,6 +162,16 @@ fn selected(opts: &CompareOptions) -> Result<Vec<Topology>, BenchError> {
         all.push(Topology::peer(url));
     }
     topology::select(all, &opts.topologies)
+}
+
+/// With `--reuse`: the earlier runs of the topologies not selected, checked to be of
+/// the same sweep.
+fn reuse_earlier(opts: &CompareOptions, report: &mut CompareReport, selected: &[Topology]) -> Result<(), BenchError> {
+    let Some(path) = &opts.reuse else { return Ok(()) };
+    let names = reuse::merge(report, reuse::Earlier::load(path)?, selected)?;
+    let list = if names.is_empty() { "none".to_string() } else { names.join(", ") };
+    eprintln!("bench compare: reused from {}: {list}", path.display());
+    Ok(())
 }
 
 fn empty_report(opts: &CompareOptions, plans: &[PointPlan]) -> CompareReport {

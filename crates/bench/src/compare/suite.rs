@@ -15,7 +15,7 @@ use crate::workload::{Source, Workload};
 use std::str::FromStr;
 
 /// A workload of the comparison suite.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Named {
     PrefillHeavy,

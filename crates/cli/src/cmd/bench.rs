@@ -178,6 +178,9 @@ pub struct CompareArgs {
     startup_timeout_seconds: u64,
     #[arg(long, default_value_t = 2)]
     warmup: usize,
+    /// Keep the runs of this earlier results.json (same sweep) for the topologies not selected.
+    #[arg(long)]
+    reuse: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -291,6 +294,7 @@ fn compare(a: CompareArgs) -> anyhow::Result<()> {
         startup_timeout: Duration::from_secs(a.startup_timeout_seconds),
         warmup: a.warmup,
         exe: None,
+        reuse: a.reuse,
     };
     run_compare(&opts)?;
     Ok(())

@@ -146,7 +146,7 @@ def suite(mode, url):
         phases = {s.labels.get("phase") for s in families["pdserve_phase_seconds"].samples}
         assert "decode" in phases, phases
         if mode in ("disaggregated", "processes"):
-            assert {"queue_prefill", "prefill", "kv_transfer"} <= phases, phases
+            assert {"queue_prefill", "prefill", "kv_transfer", "queue_decode"} <= phases, phases
 
     for name, fn in [("completion", completion), ("completion_stream", completion_stream), ("chat", chat),
                      ("chat_stream_logprobs", chat_stream_logprobs), ("stop_string", stop_string),

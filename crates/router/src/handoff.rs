@@ -185,7 +185,7 @@ pub async fn run(hop: Hop, req: GenerateRequest, client: EventSender) -> Outcome
             };
         }
     };
-    decode_ready(&d, req, first, client)
+    decode_ready(&d, req, first, client, hop.telemetry.clone())
 }
 
 enum Reserve {
@@ -316,7 +316,13 @@ fn start_prefill(
 }
 
 /// DecodeReady: the first token goes to the client at once, then D takes over.
-fn decode_ready(d: &Node, req: GenerateRequest, first: FirstToken, client: EventSender) -> Outcome {
+fn decode_ready(
+    d: &Node,
+    req: GenerateRequest,
+    first: FirstToken,
+    client: EventSender,
+    telemetry: Arc<dyn Telemetry>,
+) -> Outcome {
     let id = req.id;
     if client.send(Event::Token(first.token.clone())).is_err() {
         d.abort_import(id);
@@ -329,8 +335,15 @@ fn decode_ready(d: &Node, req: GenerateRequest, first: FirstToken, client: Event
         let _ = client.send(Event::Done { reason, usage });
         return Outcome::Streaming;
     }
-    match d.finish_import(id, req.prompt, first.token.token, req.params, client.clone()) {
-        Ok(()) => Outcome::Streaming,
+    // D's events pass through a relay that times D's first decode step (queue_decode).
+    let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
+    let handed = Instant::now();
+    match d.finish_import(id, req.prompt, first.token.token, req.params, inner_tx) {
+        Ok(()) => {
+            let on_first = move |_: &Event| telemetry.phase(Phase::QueueDecode, handed.elapsed().as_secs_f64());
+            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, on_first);
+            Outcome::Streaming
+        }
         Err(e) => {
             d.abort_import(id);
             fail(&client, e)

@@ -12,6 +12,7 @@ pub mod handoff;
 mod mode;
 mod node;
 pub mod policies;
+mod relay;
 
 pub use handoff::{Deadlines, KvLink};
 pub use mode::Mode;
@@ -167,29 +168,17 @@ impl Router {
             node.generate_into(req, client)?;
             return Ok(stream);
         }
-        let (inner_tx, mut inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
+        let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (load, n) = (self.loads[d].clone(), req.prompt.len());
         let ahead = load.queued();
         let ticket = load.admit(n);
         node.generate_into(req, inner_tx)?;
         let started = Instant::now();
-        self.runtime.spawn(async move {
-            let mut ticket = Some(ticket);
-            loop {
-                let ev = tokio::select! {
-                    ev = inner.next() => ev,
-                    // The client left: dropping `inner` cancels on the worker.
-                    _ = client.closed() => return,
-                };
-                let Some(ev) = ev else { return };
-                if ticket.take().is_some() && matches!(ev, Event::Token(_)) {
-                    load.observe(ahead, n, started.elapsed());
-                }
-                let last = !matches!(ev, Event::Token(_));
-                if client.send(ev).is_err() || last {
-                    return;
-                }
+        relay::relay(&self.runtime, inner, client, move |first| {
+            if matches!(first, Event::Token(_)) {
+                load.observe(ahead, n, started.elapsed());
             }
+            drop(ticket);
         });
         Ok(stream)
     }

@@ -20,9 +20,8 @@
 //! above, as OpenAI and vLLM report them by default. NaN logits count as `-inf`.
 
 mod math;
-mod rng;
 
-pub use rng::Rng;
+pub use pdserve_types::rng::Rng;
 
 use math::{argmax, exp_det, lane_sum, max_value, weight, LogSoftmax};
 use pdserve_types::SamplingParams;

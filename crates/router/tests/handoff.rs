@@ -3,25 +3,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{collect, model, request, rt, worker, PROMPTS};
+
 use pdserve_engine::engine::EngineConfig;
-use pdserve_engine::loader::{load, LoadedModel};
-use pdserve_protocol::{Event, Generate, GenerateRequest, TokenStream};
+use pdserve_protocol::{Event, Generate, TokenStream};
 use pdserve_router::{Deadlines, Mode, Router};
-use pdserve_types::{RequestId, Role, SamplingParams};
+use pdserve_types::Role;
 use pdserve_worker::Worker;
-use std::sync::OnceLock;
 use std::time::Duration;
-
-fn model() -> &'static LoadedModel {
-    static M: OnceLock<LoadedModel> = OnceLock::new();
-    M.get_or_init(|| load(&pdserve_engine::models::require_default_model()).unwrap())
-}
-
-fn worker(name: &str, role: Role) -> Worker {
-    let m = model();
-    let cfg = EngineConfig { threads: 1, num_blocks: 256, ..Default::default() };
-    Worker::spawn(name, role, m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).unwrap()
-}
 
 fn router(mode: Mode, dl: Deadlines) -> Router {
     let workers = match mode {
@@ -29,25 +20,6 @@ fn router(mode: Mode, dl: Deadlines) -> Router {
         _ => vec![worker("prefill", Role::Prefill), worker("decode", Role::Decode)],
     };
     Router::new(workers, mode, dl, tokio::runtime::Handle::current())
-}
-
-fn request(id: u64, text: &str, max_tokens: u32) -> GenerateRequest {
-    let prompt = model().tokenizer.encode(text, false);
-    GenerateRequest {
-        id: RequestId(id),
-        prompt,
-        params: SamplingParams { max_tokens, ..Default::default() }.validate().unwrap(),
-    }
-}
-
-async fn collect(mut s: TokenStream) -> (Vec<u32>, Event) {
-    let mut toks = Vec::new();
-    loop {
-        match s.next().await.expect("stream ended without a final event") {
-            Event::Token(t) => toks.push(t.token),
-            last => return (toks, last),
-        }
-    }
 }
 
 async fn used_blocks(r: &Router) -> usize {
@@ -68,12 +40,6 @@ async fn settle(r: &Router) -> usize {
     }
     used_blocks(r).await
 }
-
-const PROMPTS: [&str; 3] = [
-    "The capital of France is",
-    "Once upon a time, there was a little girl who lived in a village near the forest. Every morning she",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_equals_aggregated() {
@@ -283,8 +249,4 @@ async fn a_full_decode_worker_makes_handoffs_wait_not_fail() {
         assert_eq!(got, want);
     }
     assert_eq!(settle(&r).await, 0);
-}
-
-fn rt() -> tokio::runtime::Handle {
-    tokio::runtime::Handle::current()
 }

@@ -6,27 +6,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::engine::EngineConfig;
-use pdserve_engine::loader::{load, LoadedModel};
+mod common;
+
+use common::{collect, request, rt, worker, PROMPTS};
+
 use pdserve_kv_transfer::{Inboxes, ShmReceiver, TcpReceiver};
-use pdserve_protocol::{Event, Generate, GenerateRequest, TokenStream};
+use pdserve_protocol::{Event, Generate, TokenStream};
 use pdserve_remote::{RemoteWorker, WorkerInfo, WorkerServer, PROTOCOL_VERSION};
 use pdserve_router::{Deadlines, Mode, Node, Router};
-use pdserve_types::{RequestId, Role, SamplingParams};
+use pdserve_types::Role;
 use pdserve_worker::Worker;
-use std::sync::OnceLock;
 use std::time::Duration;
-
-fn model() -> &'static LoadedModel {
-    static M: OnceLock<LoadedModel> = OnceLock::new();
-    M.get_or_init(|| load(&pdserve_engine::models::require_default_model()).unwrap())
-}
-
-fn worker(name: &str, role: Role) -> Worker {
-    let m = model();
-    let cfg = EngineConfig { threads: 1, num_blocks: 256, ..Default::default() };
-    Worker::spawn(name, role, m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).unwrap()
-}
 
 /// A worker served over loopback, as `pdserve worker` does, and its local handle.
 struct Served {
@@ -60,31 +50,6 @@ async fn serve(name: &str, role: Role) -> Served {
     tokio::spawn(WorkerServer::new(local.clone(), info, inboxes).serve(listener, std::future::pending()));
     let remote = RemoteWorker::connect(addr).await.unwrap();
     Served { local, remote, _receivers: receivers }
-}
-
-const PROMPTS: [&str; 3] = [
-    "The capital of France is",
-    "Once upon a time, there was a little girl who lived in a village near the forest. Every morning she",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-];
-
-fn request(id: u64, text: &str, max_tokens: u32) -> GenerateRequest {
-    let prompt = model().tokenizer.encode(text, false);
-    GenerateRequest {
-        id: RequestId(id),
-        prompt,
-        params: SamplingParams { max_tokens, ..Default::default() }.validate().unwrap(),
-    }
-}
-
-async fn collect(mut s: TokenStream) -> (Vec<u32>, Event) {
-    let mut toks = Vec::new();
-    loop {
-        match s.next().await.expect("stream ended without a final event") {
-            Event::Token(t) => toks.push(t.token),
-            last => return (toks, last),
-        }
-    }
 }
 
 /// Used blocks on the workers themselves, once cancellations have settled.
@@ -171,8 +136,4 @@ async fn drain(live: &mut Vec<(u64, TokenStream)>) {
             }
         }
     }
-}
-
-fn rt() -> tokio::runtime::Handle {
-    tokio::runtime::Handle::current()
 }

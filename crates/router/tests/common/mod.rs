@@ -1,0 +1,53 @@
+//! What the router's integration tests share: the real model, workers on it, the
+//! prompts, and reading a stream to its end.
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use pdserve_engine::engine::EngineConfig;
+use pdserve_engine::loader::{load, LoadedModel};
+use pdserve_protocol::{Event, GenerateRequest, TokenStream};
+use pdserve_types::{RequestId, Role, SamplingParams};
+use pdserve_worker::Worker;
+use std::sync::OnceLock;
+
+pub const PROMPTS: [&str; 3] = [
+    "The capital of France is",
+    "Once upon a time, there was a little girl who lived in a village near the forest. Every morning she",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+];
+
+pub fn model() -> &'static LoadedModel {
+    static M: OnceLock<LoadedModel> = OnceLock::new();
+    M.get_or_init(|| load(&pdserve_engine::models::require_default_model()).unwrap())
+}
+
+/// A one-thread worker with 256 blocks on the default model.
+pub fn worker(name: &str, role: Role) -> Worker {
+    let m = model();
+    let cfg = EngineConfig { threads: 1, num_blocks: 256, ..Default::default() };
+    Worker::spawn(name, role, m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).unwrap()
+}
+
+pub fn request(id: u64, text: &str, max_tokens: u32) -> GenerateRequest {
+    let prompt = model().tokenizer.encode(text, false);
+    GenerateRequest {
+        id: RequestId(id),
+        prompt,
+        params: SamplingParams { max_tokens, ..Default::default() }.validate().unwrap(),
+    }
+}
+
+/// The stream's tokens and its final event.
+pub async fn collect(mut s: TokenStream) -> (Vec<u32>, Event) {
+    let mut toks = Vec::new();
+    loop {
+        match s.next().await.expect("stream ended without a final event") {
+            Event::Token(t) => toks.push(t.token),
+            last => return (toks, last),
+        }
+    }
+}
+
+pub fn rt() -> tokio::runtime::Handle {
+    tokio::runtime::Handle::current()
+}

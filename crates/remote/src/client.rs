@@ -265,11 +265,9 @@ impl Conn {
         match msg {
             FromWorker::Event { call, event } => self.deliver_event(call, event),
             FromWorker::Prefilled { call, result, kv_bytes } => {
-                if let Some(p @ Pending::Prefill(_)) = self.take(call) {
-                    self.finished(&p);
-                    if let Pending::Prefill(tx) = p {
-                        let _ = tx.send(result.map(|f| (f, kv_bytes)));
-                    }
+                if let Some(Pending::Prefill(tx)) = self.take(call) {
+                    self.active.fetch_sub(1, Ordering::Relaxed);
+                    let _ = tx.send(result.map(|f| (f, kv_bytes)));
                 }
             }
             FromWorker::Reserved { call, result } => {

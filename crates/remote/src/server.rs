@@ -4,7 +4,7 @@
 
 use crate::linked::{forward, SharedSink};
 use crate::links::Links;
-use crate::wire::{self, CallId, FromWorker, KvAddr, ToWorker, WorkerInfo, PROTOCOL_VERSION};
+use crate::wire::{self, CallId, FromWorker, KvAddr, ToWorker, WorkerInfo};
 use pdserve_kv_transfer::{HandoffId, Inboxes};
 use pdserve_protocol::{Event, GenerateRequest, ServeError, TokenStream};
 use pdserve_types::{RequestId, SamplingParams};
@@ -129,13 +129,9 @@ impl Drop for AbortOnDrop {
 impl Session {
     fn handle(self: Arc<Self>, msg: ToWorker) {
         match msg {
-            ToWorker::Hello { protocol } => {
-                let reply = if protocol == PROTOCOL_VERSION {
-                    FromWorker::Hello(self.srv.info.clone())
-                } else {
-                    FromWorker::Hello(WorkerInfo { protocol: PROTOCOL_VERSION, ..self.srv.info.clone() })
-                };
-                let _ = self.out.try_send(reply);
+            // The router compares versions and hangs up on a mismatch.
+            ToWorker::Hello { .. } => {
+                let _ = self.out.try_send(FromWorker::Hello(self.srv.info.clone()));
             }
             ToWorker::Generate { call, req } => {
                 let stream = self.srv.worker.generate(req);

@@ -37,8 +37,8 @@ pub struct Args {
 
 /// Holds the KV receivers alive for the life of the process.
 struct Receivers {
-    _tcp: TcpReceiver,
-    _shm: ShmReceiver,
+    tcp: TcpReceiver,
+    shm: ShmReceiver,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -63,8 +63,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             name: name.clone(),
             role: a.role,
             model: m.name.clone(),
-            kv_tcp_port: receivers.as_ref().map(|r| r._tcp.local_addr().port()),
-            kv_shm: receivers.as_ref().map(|r| r._shm.path().to_path_buf()),
+            kv_tcp_port: receivers.as_ref().map(|r| r.tcp.local_addr().port()),
+            kv_shm: receivers.as_ref().map(|r| r.shm.path().to_path_buf()),
         };
         eprintln!(
             "pdserve worker: {name} ({} role, {} thread(s)) listening on {}{}",
@@ -86,5 +86,5 @@ async fn kv_receivers(tcp: SocketAddr) -> anyhow::Result<(Inboxes, Receivers)> {
     let sock = std::env::temp_dir().join(format!("pdserve-kv-{}-{}.sock", std::process::id(), tcp.local_addr().port()));
     let _ = std::fs::remove_file(&sock);
     let shm = ShmReceiver::bind(&sock, inboxes.clone()).await.context("shared-memory KV receiver")?;
-    Ok((inboxes, Receivers { _tcp: tcp, _shm: shm }))
+    Ok((inboxes, Receivers { tcp, shm }))
 }

@@ -9,8 +9,14 @@ cd "$(dirname "$0")/.."
 cargo build --profile test --bin pdserve
 ./target/debug/pdserve pull
 # The end-to-end suite talks to `pdserve serve` through the official OpenAI SDK and
-# parses /metrics with the Prometheus client library's parser.
+# checks /metrics with promtool (Debian's prometheus package) and the Prometheus
+# client library's parser.
 python3 -m pip install -q --disable-pip-version-check openai prometheus-client
+if ! command -v promtool >/dev/null; then
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    install="$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus"
+    $install >/dev/null || { $sudo apt-get update -q >/dev/null && $install >/dev/null; }
+fi
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --profile test -- -D warnings

@@ -1,7 +1,8 @@
 """End-to-end: `pdserve serve` on the real model in every mode, and the same roles as
 separate processes (`pdserve worker` x2 behind `pdserve frontend`), driven by the
-official openai SDK and curl, /metrics parsed by the Prometheus client library's
-text-format parser, then stopped with SIGTERM. Run by scripts/test.sh; prints one
+official openai SDK and curl, /metrics checked by `promtool check metrics` (Debian's
+prometheus package) and parsed by the Prometheus client library, then stopped with
+SIGTERM. Run by scripts/test.sh; prints one
 summary line.
 
 Usage: python3 tests/e2e/test_openai.py PATH_TO_PDSERVE
@@ -138,8 +139,10 @@ def suite(mode, url):
         assert code == 200 and "pdserve_requests_total" in body, code
 
     def metrics_parse():
-        # The official client library's parser stands in for promtool (not on PyPI).
         code, body = curl(url + "/metrics")
+        # promtool is Prometheus's own checker: the text format and its lint rules.
+        lint = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True)
+        assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), (lint.stdout, lint.stderr)
         families = {f.name: f for f in text_string_to_metric_families(body)}
         for name in ("pdserve_requests", "pdserve_request_ttft_seconds", "pdserve_phase_seconds", "pdserve_kv_blocks"):
             assert name in families, (name, sorted(families))

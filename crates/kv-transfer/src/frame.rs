@@ -4,15 +4,21 @@
 //! offset  size       field
 //!      0     4       magic "PDKV"
 //!      4     2       version (1)
-//!      6     2       flags (0; reserved for other payload types)
+//!      6     2       flags (0, or LOCAL: no checksum, shared memory only)
 //!      8     8       handoff id
 //!     16     4       layer
 //!     20     4       block index within the sequence
 //!     24     4       n: values in K, and in V
 //!     28    2n       K, f16 bits as little-endian u16
 //!  28+2n    2n       V, likewise
-//!  28+4n     4       CRC-32C of every byte before it
+//!  28+4n     4       CRC-32C of every byte before it (0 when LOCAL)
 //! ```
+//!
+//! Frames that cross a network carry the checksum. Frames written into a shared
+//! memory segment on the same host may leave it out ([`FLAG_LOCAL`]): no wire stands
+//! between sender and receiver, and the checksum would cost more than the copy.
+//! [`decode`] accepts only checksummed frames, [`decode_reusing`] both when told the
+//! frame came from shared memory.
 //!
 //! All integers are little-endian. [`decode`] checks everything before it allocates,
 //! so no input, however corrupt, makes it panic or allocate more than
@@ -24,6 +30,8 @@ use pdserve_engine::engine::KvFrame;
 
 pub const MAGIC: [u8; 4] = *b"PDKV";
 pub const VERSION: u16 = 1;
+/// The frame was written into shared memory and carries no checksum.
+pub const FLAG_LOCAL: u16 = 1;
 pub const HEADER_BYTES: usize = 28;
 pub const CHECKSUM_BYTES: usize = 4;
 /// The largest encoded frame accepted (64 MiB); a block of a real model is far smaller.
@@ -102,25 +110,39 @@ impl Frame {
         Ok(())
     }
 
-    /// Encodes the frame at the start of `out` (a shared-memory slot) and returns its
-    /// length; `out` must hold [`Frame::encoded_len`] bytes.
+    /// Encodes the frame at the start of `out` and returns its length; `out` must
+    /// hold [`Frame::encoded_len`] bytes.
     pub fn encode_to_slice(&self, out: &mut [u8]) -> Result<usize, FrameError> {
+        self.encode_at(out, true)
+    }
+
+    /// [`Frame::encode_to_slice`] without the checksum, for a shared-memory slot.
+    pub fn encode_local(&self, out: &mut [u8]) -> Result<usize, FrameError> {
+        self.encode_at(out, false)
+    }
+
+    fn encode_at(&self, out: &mut [u8], checksum: bool) -> Result<usize, FrameError> {
         self.check()?;
         let len = self.encoded_len();
         let Some(out) = out.get_mut(..len) else {
             return Err(FrameError::Length { expected: len, actual: out.len() });
         };
-        self.write(out);
+        self.write_with(out, checksum);
         Ok(len)
     }
 
     /// Writes the frame into `out`, which is exactly `encoded_len` bytes.
     fn write(&self, out: &mut [u8]) {
+        self.write_with(out, true)
+    }
+
+    fn write_with(&self, out: &mut [u8], checksum: bool) {
         let n = self.k.len();
         let (header, rest) = out.split_at_mut(HEADER_BYTES);
         header[0..4].copy_from_slice(&MAGIC);
         header[4..6].copy_from_slice(&VERSION.to_le_bytes());
-        header[6..8].copy_from_slice(&0u16.to_le_bytes());
+        let flags = if checksum { 0 } else { FLAG_LOCAL };
+        header[6..8].copy_from_slice(&flags.to_le_bytes());
         header[8..16].copy_from_slice(&self.handoff.0.to_le_bytes());
         header[16..20].copy_from_slice(&self.layer.to_le_bytes());
         header[20..24].copy_from_slice(&self.index.to_le_bytes());
@@ -130,28 +152,54 @@ impl Frame {
         put_u16s(k, &self.k);
         put_u16s(v, &self.v);
         let body = out.len() - CHECKSUM_BYTES;
-        let crc = crc32c(&out[..body]);
+        let crc = if checksum { crc32c(&out[..body]) } else { 0 };
         out[body..].copy_from_slice(&crc.to_le_bytes());
     }
 }
 
-/// Decodes one frame that fills `bytes` exactly.
+/// Decodes one checksummed frame that fills `bytes` exactly.
 pub fn decode(bytes: &[u8]) -> Result<Frame, FrameError> {
     let header = peek(bytes)?;
+    if header.flags != 0 {
+        return Err(FrameError::Flags(header.flags));
+    }
+    decode_into(bytes, header, Vec::new(), Vec::new())
+}
+
+/// Decodes one frame into `k` and `v` (buffers to reuse; their contents are
+/// replaced). A [`FLAG_LOCAL`] frame, without checksum, is accepted only when
+/// `local` says it was read from shared memory.
+pub fn decode_reusing(bytes: &[u8], local: bool, k: Vec<u16>, v: Vec<u16>) -> Result<Frame, FrameError> {
+    let header = peek(bytes)?;
+    if header.flags != 0 && !local {
+        return Err(FrameError::Flags(header.flags));
+    }
+    decode_into(bytes, header, k, v)
+}
+
+fn decode_into(bytes: &[u8], header: Header, mut k: Vec<u16>, mut v: Vec<u16>) -> Result<Frame, FrameError> {
     let n = header.elems;
     let expected = HEADER_BYTES + 4 * n + CHECKSUM_BYTES;
     if bytes.len() != expected {
         return Err(FrameError::Length { expected, actual: bytes.len() });
     }
     let (body, crc) = bytes.split_at(expected - CHECKSUM_BYTES);
-    let stored = u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]);
-    let actual = crc32c(body);
-    if stored != actual {
-        return Err(FrameError::Checksum { expected: stored, actual });
+    if header.flags & FLAG_LOCAL == 0 {
+        let stored = u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]);
+        let actual = crc32c(body);
+        if stored != actual {
+            return Err(FrameError::Checksum { expected: stored, actual });
+        }
     }
-    let payload = &body[HEADER_BYTES..];
-    let (k, v) = payload.split_at(2 * n);
-    Ok(Frame { handoff: header.handoff, layer: header.layer, index: header.index, k: get_u16s(k), v: get_u16s(v) })
+    let (k_bytes, v_bytes) = body[HEADER_BYTES..].split_at(2 * n);
+    get_u16s(k_bytes, &mut k);
+    get_u16s(v_bytes, &mut v);
+    Ok(Frame { handoff: header.handoff, layer: header.layer, index: header.index, k, v })
+}
+
+/// The encoded length of the frame starting at `bytes`, read from its header.
+pub(crate) fn encoded_len_at(bytes: &[u8]) -> Result<usize, FrameError> {
+    Ok(HEADER_BYTES + 4 * peek(bytes)?.elems + CHECKSUM_BYTES)
 }
 
 /// The fixed header fields, checked for magic, version, flags and size but not yet
@@ -162,6 +210,7 @@ pub(crate) struct Header {
     pub layer: u32,
     pub index: u32,
     pub elems: usize,
+    pub flags: u16,
 }
 
 pub(crate) fn peek(bytes: &[u8]) -> Result<Header, FrameError> {
@@ -177,15 +226,16 @@ pub(crate) fn peek(bytes: &[u8]) -> Result<Header, FrameError> {
     if u16_at(4) != VERSION {
         return Err(FrameError::Version(u16_at(4)));
     }
-    if u16_at(6) != 0 {
-        return Err(FrameError::Flags(u16_at(6)));
+    let flags = u16_at(6);
+    if flags & !FLAG_LOCAL != 0 {
+        return Err(FrameError::Flags(flags));
     }
     let elems = u32_at(24) as usize;
     if elems > MAX_ELEMS {
         return Err(FrameError::TooLarge { elems });
     }
     let handoff = HandoffId(u64::from(u32_at(8)) | u64::from(u32_at(12)) << 32);
-    Ok(Header { handoff, layer: u32_at(16), index: u32_at(20), elems })
+    Ok(Header { handoff, layer: u32_at(16), index: u32_at(20), elems, flags })
 }
 
 // Fixed-size chunks let these compile to plain copies on little-endian hosts.
@@ -195,8 +245,10 @@ fn put_u16s(dst: &mut [u8], src: &[u16]) {
     }
 }
 
-fn get_u16s(src: &[u8]) -> Vec<u16> {
-    src.as_chunks::<2>().0.iter().map(|&c| u16::from_le_bytes(c)).collect()
+fn get_u16s(src: &[u8], dst: &mut Vec<u16>) {
+    // `extend` over an exact-size iterator writes each value once (no zeroing first).
+    dst.clear();
+    dst.extend(src.as_chunks::<2>().0.iter().map(|&c| u16::from_le_bytes(c)));
 }
 
 #[cfg(test)]
@@ -230,6 +282,22 @@ mod tests {
         let mut slot = vec![0xaau8; bytes.len() + 100];
         assert_eq!(f.encode_to_slice(&mut slot).unwrap(), bytes.len());
         assert_eq!(&slot[..bytes.len()], &bytes[..]);
+        assert_eq!(decode_reusing(&bytes, false, vec![7; 3], Vec::new()).unwrap(), f);
+    }
+
+    #[test]
+    fn local_frames_skip_the_checksum_and_only_decode_locally() {
+        let f = frame(3 * 16 * 64, 9);
+        let mut slot = vec![0u8; f.encoded_len()];
+        f.encode_local(&mut slot).unwrap();
+        assert_eq!(u16::from_le_bytes([slot[6], slot[7]]), FLAG_LOCAL);
+        assert_eq!(&slot[slot.len() - 4..], &[0; 4]);
+        assert_eq!(decode(&slot), Err(FrameError::Flags(FLAG_LOCAL)));
+        assert_eq!(decode_reusing(&slot, false, Vec::new(), Vec::new()), Err(FrameError::Flags(FLAG_LOCAL)));
+        assert_eq!(decode_reusing(&slot, true, Vec::new(), vec![1; 10_000]).unwrap(), f);
+        // The header is still checked.
+        slot[0] = b'X';
+        assert!(matches!(decode_reusing(&slot, true, Vec::new(), Vec::new()), Err(FrameError::BadMagic(_))));
     }
 
     #[test]

@@ -40,7 +40,7 @@ impl KvSink for InProcessSink {
         }
         frame.check().map_err(TransferError::Frame)?;
         let feed = self.feed.as_ref().ok_or(TransferError::ReceiverGone(self.id))?;
-        if feed.blocking_deliver(frame).is_err() {
+        if feed.blocking_deliver(vec![frame]).is_err() {
             self.feed = None;
             return Err(TransferError::ReceiverGone(self.id));
         }

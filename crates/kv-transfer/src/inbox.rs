@@ -8,7 +8,7 @@ use std::pin::pin;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::{self, Thread};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 /// How a handoff ended, set once by its feed before the feed drops its channel.
 type End = Arc<OnceLock<Result<(), TransferError>>>;
@@ -20,15 +20,28 @@ pub struct Inboxes {
     shared: Arc<Shared>,
 }
 
+/// Frames move into an inbox in batches of at most this many: a link that read
+/// several frames of one handoff in one go hands them over with one send and one
+/// wake-up of the consumer, not one each.
+pub(crate) const MAX_BATCH: usize = 64;
+
+/// Payload buffers kept for reuse, at most this many and this many bytes: a steady
+/// transfer then decodes into memory that is already mapped and warm.
+const POOL_BUFFERS: usize = 4 * MAX_BATCH;
+const POOL_BYTES: usize = 32 << 20;
+
 struct Shared {
+    /// Frames an inbox holds at most.
     capacity: usize,
+    /// Payload buffers handed back by consumers.
+    pool: Mutex<Pool>,
     expected: Mutex<HashMap<HandoffId, Feed>>,
 }
 
 impl Inboxes {
     /// Each handoff buffers up to `capacity` frames before its sender waits.
     pub fn new(capacity: usize) -> Inboxes {
-        let shared = Shared { capacity: capacity.max(1), expected: Mutex::new(HashMap::new()) };
+        let shared = Shared { capacity: capacity.max(1), pool: Mutex::default(), expected: Mutex::new(HashMap::new()) };
         Inboxes { shared: Arc::new(shared) }
     }
 
@@ -39,10 +52,25 @@ impl Inboxes {
         if expected.get(&id).is_some_and(|f| !f.tx.is_closed()) {
             return Err(TransferError::Duplicate(id));
         }
-        let (tx, rx) = mpsc::channel(self.shared.capacity);
+        // The channel is unbounded; `room` bounds it, in frames.
+        let (tx, rx) = mpsc::unbounded_channel();
+        let room = Arc::new(Semaphore::new(self.shared.capacity));
         let end = End::default();
-        expected.insert(id, Feed { tx, end: end.clone() });
-        Ok(Inbox { id, rx, end, shared: self.shared.clone() })
+        let max_batch = self.shared.capacity.min(MAX_BATCH);
+        expected.insert(id, Feed { tx, room: room.clone(), max_batch, end: end.clone() });
+        Ok(Inbox { id, rx, room, ready: Vec::new().into_iter(), end, shared: self.shared.clone() })
+    }
+
+    /// Gives a frame's payload buffers back for later frames to be decoded into.
+    pub fn recycle(&self, k: Vec<u16>, v: Vec<u16>) {
+        let mut pool = self.shared.pool.lock().unwrap_or_else(PoisonError::into_inner);
+        pool.put(k);
+        pool.put(v);
+    }
+
+    /// A buffer to decode a payload into: a recycled one if there is one.
+    pub(crate) fn buffer(&self) -> Vec<u16> {
+        self.shared.pool.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 
     /// Takes the feed of an expected handoff, once: the first link to claim it owns it.
@@ -52,10 +80,36 @@ impl Inboxes {
     }
 }
 
+#[derive(Default)]
+struct Pool {
+    buffers: Vec<Vec<u16>>,
+    bytes: usize,
+}
+
+impl Pool {
+    fn put(&mut self, buf: Vec<u16>) {
+        let bytes = 2 * buf.capacity();
+        if buf.capacity() > 0 && self.buffers.len() < POOL_BUFFERS && self.bytes + bytes <= POOL_BYTES {
+            self.bytes += bytes;
+            self.buffers.push(buf);
+        }
+    }
+
+    fn take(&mut self) -> Vec<u16> {
+        let buf = self.buffers.pop().unwrap_or_default();
+        self.bytes -= 2 * buf.capacity();
+        buf
+    }
+}
+
 /// The frames of one handoff, in the order they were sent.
 pub struct Inbox {
     id: HandoffId,
-    rx: mpsc::Receiver<Frame>,
+    rx: mpsc::UnboundedReceiver<Vec<Frame>>,
+    /// Free places for frames; a batch's places come back when it is taken out.
+    room: Arc<Semaphore>,
+    /// The rest of the batch last taken out.
+    ready: std::vec::IntoIter<Frame>,
     end: End,
     shared: Arc<Shared>,
 }
@@ -65,17 +119,31 @@ impl Inbox {
         self.id
     }
 
+    /// The registry this inbox belongs to, whose pool takes back frame buffers.
+    pub fn pool(&self) -> Inboxes {
+        Inboxes { shared: self.shared.clone() }
+    }
+
     /// The next frame; `Ok(None)` once the sender finished and every frame arrived.
     /// An error ends the handoff: the sender aborted, a frame was corrupt or missing,
     /// or the link went down.
     pub async fn recv(&mut self) -> Result<Option<Frame>, TransferError> {
-        match self.rx.recv().await {
-            Some(f) => Ok(Some(f)),
-            None => match self.end.get() {
-                Some(Ok(())) => Ok(None),
-                Some(Err(e)) => Err(e.clone()),
-                None => Err(TransferError::Disconnected("the receiving link stopped".into())),
-            },
+        loop {
+            if let Some(f) = self.ready.next() {
+                return Ok(Some(f));
+            }
+            match self.rx.recv().await {
+                Some(batch) => {
+                    self.room.add_permits(batch.len());
+                    self.ready = batch.into_iter();
+                }
+                None => break,
+            }
+        }
+        match self.end.get() {
+            Some(Ok(())) => Ok(None),
+            Some(Err(e)) => Err(e.clone()),
+            None => Err(TransferError::Disconnected("the receiving link stopped".into())),
         }
     }
 
@@ -87,6 +155,8 @@ impl Inbox {
 
 impl Drop for Inbox {
     fn drop(&mut self) {
+        // A feed waiting for room learns the inbox is gone.
+        self.room.close();
         let mut expected = self.shared.expected.lock().unwrap_or_else(PoisonError::into_inner);
         if expected.get(&self.id).is_some_and(|f| Arc::ptr_eq(&f.end, &self.end)) {
             expected.remove(&self.id);
@@ -96,7 +166,10 @@ impl Drop for Inbox {
 
 /// The producer half of one handoff's inbox, held by the link that claimed it.
 pub(crate) struct Feed {
-    tx: mpsc::Sender<Frame>,
+    tx: mpsc::UnboundedSender<Vec<Frame>>,
+    room: Arc<Semaphore>,
+    /// The most frames one `deliver` takes.
+    max_batch: usize,
     end: End,
 }
 
@@ -105,12 +178,21 @@ pub(crate) struct Feed {
 pub(crate) struct Gone;
 
 impl Feed {
-    pub async fn deliver(&self, frame: Frame) -> Result<(), Gone> {
-        self.tx.send(frame).await.map_err(|_| Gone)
+    /// Hands over up to [`Feed::max_batch`] frames in order, waiting while the
+    /// inbox is full.
+    pub async fn deliver(&self, frames: Vec<Frame>) -> Result<(), Gone> {
+        let n = u32::try_from(frames.len()).map_err(|_| Gone)?;
+        debug_assert!(frames.len() <= self.max_batch);
+        self.room.acquire_many(n).await.map_err(|_| Gone)?.forget();
+        self.tx.send(frames).map_err(|_| Gone)
     }
 
-    pub fn blocking_deliver(&self, frame: Frame) -> Result<(), Gone> {
-        block_on(self.deliver(frame))
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    pub fn blocking_deliver(&self, frames: Vec<Frame>) -> Result<(), Gone> {
+        block_on(self.deliver(frames))
     }
 
     pub fn is_gone(&self) -> bool {
@@ -158,9 +240,10 @@ mod tests {
         assert!(matches!(inboxes.expect(HandoffId(1)), Err(TransferError::Duplicate(_))));
         let feed = inboxes.claim(HandoffId(1)).unwrap();
         assert!(inboxes.claim(HandoffId(1)).is_none(), "a handoff is claimed once");
-        feed.blocking_deliver(frame(1, 0)).unwrap();
+        feed.blocking_deliver(vec![frame(1, 0), frame(1, 1)]).unwrap();
         feed.end(Ok(()));
         assert_eq!(inbox.blocking_recv().unwrap(), Some(frame(1, 0)));
+        assert_eq!(inbox.blocking_recv().unwrap(), Some(frame(1, 1)));
         assert_eq!(inbox.blocking_recv().unwrap(), None);
     }
 
@@ -173,7 +256,7 @@ mod tests {
         let feed = inboxes.claim(HandoffId(3)).unwrap();
         drop(inbox);
         assert!(feed.is_gone());
-        assert!(feed.blocking_deliver(frame(3, 0)).is_err());
+        assert!(feed.blocking_deliver(vec![frame(3, 0)]).is_err());
     }
 
     #[test]

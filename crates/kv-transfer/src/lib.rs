@@ -47,7 +47,7 @@ use std::sync::Arc;
 pub use frame::{Frame, FrameError};
 pub use in_process::InProcess;
 pub use inbox::{Inbox, Inboxes};
-pub use measure::{measure, measure_copy, measure_raw_shm, measure_raw_tcp, Throughput};
+pub use measure::{measure, measure_copy, measure_copy_twice, measure_raw_shm, measure_raw_tcp, Throughput};
 pub use shm::{ShmConfig, ShmReceiver, ShmTransport};
 pub use tcp::{TcpReceiver, TcpTransport};
 
@@ -87,6 +87,12 @@ pub trait KvSink: Send {
     /// full. An error means the handoff is over (the receiver is gone or rejected a
     /// frame, or the link failed): stop computing frames for it.
     fn send(&mut self, frame: Frame) -> Result<(), TransferError>;
+
+    /// [`KvSink::send`], handing the frame back when the link copied it out (TCP,
+    /// shared memory) so that its buffers can be filled again instead of freed.
+    fn send_returning(&mut self, frame: Frame) -> Result<Option<Frame>, TransferError> {
+        self.send(frame).map(|()| None)
+    }
 
     /// Sends frames the sink is still gathering into a batch (TCP); `finish` does it
     /// too. A no-op for sinks that send each frame at once.

@@ -4,6 +4,10 @@
 //! Sinks write whole records under a lock on the calling thread; one reader thread
 //! per link applies the receiver's answers (a handoff failed, a handoff is done, a
 //! slot is free) and wakes whoever waits on them.
+//!
+//! A 12 KiB frame is too small to pay a system call of its own: a TCP sink gathers
+//! its frames into writes of about 256 KiB, and a shared-memory sink packs its frames
+//! into a slot (256 KiB by default) and announces the slot once it is full.
 
 use crate::shm::Segment;
 use crate::wire::{self, to_receiver, to_sender, Body, Record, Status};
@@ -125,7 +129,7 @@ impl Link {
         st.failed.remove(&id);
         st.done.remove(&id);
         drop(st);
-        Ok(Box::new(LinkSink { link: self.clone(), id, sent: 0, buf: Vec::new(), open: true }))
+        Ok(Box::new(LinkSink { link: self.clone(), id, sent: 0, buf: Vec::new(), slot: None, open: true }))
     }
 
     fn write(&self, bytes: &[u8]) -> Result<(), TransferError> {
@@ -294,6 +298,8 @@ struct LinkSink {
     sent: u32,
     /// Records not written yet (inline frames batch here), reused write after write.
     buf: Vec<u8>,
+    /// Shared memory: the slot being filled and the bytes in it so far.
+    slot: Option<(u32, usize)>,
     /// Neither finished nor aborted yet.
     open: bool,
 }
@@ -316,25 +322,34 @@ impl LinkSink {
         Ok(())
     }
 
-    /// Shared memory: the frame goes into a slot, the record says which.
+    /// Shared memory: the frame goes after the others in this sink's slot; the slot
+    /// goes to the receiver (one record) when the next frame does not fit.
     fn send_in_slot(&mut self, segment: &Segment, frame: &Frame) -> Result<(), TransferError> {
         let bytes = frame.encoded_len();
         if bytes > segment.slot_bytes() {
             return Err(TransferError::SlotTooSmall { bytes, slot: segment.slot_bytes() });
         }
-        let slot = self.link.take_slot(self.id, self.sent)?;
-        if let Err(e) = segment.write(slot, frame) {
-            self.link.release_slot(slot);
-            return Err(TransferError::Frame(e));
+        if self.slot.is_some_and(|(_, used)| used + bytes > segment.slot_bytes()) {
+            self.announce_slot()?;
         }
+        let (slot, used) = match self.slot {
+            Some(open) => open,
+            None => (self.link.take_slot(self.id, self.sent)?, 0),
+        };
+        // Held before writing, so that a failure below still returns it on drop.
+        self.slot = Some((slot, used));
+        segment.write(slot, used, frame).map_err(TransferError::Frame)?;
+        self.slot = Some((slot, used + bytes));
+        Ok(())
+    }
+
+    /// Hands the slot being filled to the receiver.
+    fn announce_slot(&mut self) -> Result<(), TransferError> {
+        let Some((slot, used)) = self.slot.take() else { return Ok(()) };
         let mut body = [0u8; 8];
         body[..4].copy_from_slice(&slot.to_le_bytes());
-        body[4..].copy_from_slice(&(bytes as u32).to_le_bytes());
-        self.buf.clear();
-        wire::put(&mut self.buf, to_receiver::SLOT, self.id, &body);
-        let written = self.link.write(&self.buf);
-        self.buf.clear();
-        written
+        body[4..].copy_from_slice(&(used as u32).to_le_bytes());
+        self.control(to_receiver::SLOT, &body)
     }
 
     /// Writes a control record at once; records still batched are dropped (callers
@@ -350,6 +365,10 @@ impl LinkSink {
 
 impl KvSink for LinkSink {
     fn send(&mut self, frame: Frame) -> Result<(), TransferError> {
+        self.send_returning(frame).map(drop)
+    }
+
+    fn send_returning(&mut self, frame: Frame) -> Result<Option<Frame>, TransferError> {
         if frame.handoff != self.id {
             return Err(TransferError::WrongHandoff { sink: self.id, frame: frame.handoff });
         }
@@ -360,10 +379,13 @@ impl KvSink for LinkSink {
             None => self.send_inline(&frame)?,
         }
         self.sent += 1;
-        Ok(())
+        Ok(Some(frame))
     }
 
     fn flush(&mut self) -> Result<(), TransferError> {
+        if self.slot.is_some() {
+            return self.announce_slot();
+        }
         if self.buf.is_empty() {
             return Ok(());
         }
@@ -386,6 +408,10 @@ impl KvSink for LinkSink {
 
 impl Drop for LinkSink {
     fn drop(&mut self) {
+        // A slot never announced was never seen by the receiver: it is free again.
+        if let Some((slot, _)) = self.slot.take() {
+            self.link.release_slot(slot);
+        }
         if self.open {
             self.open = false;
             let _ = self.control(to_receiver::ABORT, &[]);

@@ -59,6 +59,8 @@ pub fn measure(
             let mut got = 0u64;
             while let Some(f) = inbox.blocking_recv()? {
                 got += f.payload_bytes() as u64;
+                // As a decode worker does once the frame is in its cache.
+                inboxes.recycle(f.k, f.v);
             }
             Ok::<u64, TransferError>(got)
         });
@@ -72,17 +74,20 @@ pub fn measure(
         }
         let got = consumer.join().unwrap_or(Err(TransferError::Aborted));
         let elapsed = start.elapsed();
-        sent?;
+        drop(sent?);
         Ok(Throughput { bytes: got?, elapsed })
     })
 }
 
-fn send_all(transport: &dyn KvTransport, id: HandoffId, frames: Vec<Frame>) -> Result<(), TransferError> {
+/// Sends every frame; the frames a link hands back are kept, not freed, until the
+/// clock has stopped (they are the source, like the raw baselines' source buffer).
+fn send_all(transport: &dyn KvTransport, id: HandoffId, frames: Vec<Frame>) -> Result<Vec<Frame>, TransferError> {
+    let mut sent = Vec::with_capacity(frames.len());
     let mut sink = transport.open(id)?;
     for f in frames {
-        sink.send(f)?;
+        sent.extend(sink.send_returning(f)?);
     }
-    sink.finish()
+    sink.finish().map(|()| sent)
 }
 
 /// A plain `copy_from_slice` of `bytes` between two pre-faulted buffers: the ceiling
@@ -129,16 +134,57 @@ pub fn measure_raw_tcp(bytes: usize, chunk: usize) -> io::Result<Throughput> {
     Ok(Throughput { bytes: got, elapsed: start.elapsed() })
 }
 
-/// The same bytes through a pre-faulted shared-memory ring in `chunk`-byte pieces:
-/// each piece copied from a source as large as the transfer into a slot and out again
-/// into a destination as large (one thread, no signalling): the two copies every
-/// shared-memory transport makes, and nothing else.
+/// The same bytes through a pre-faulted shared-memory ring in `chunk`-byte pieces,
+/// between two threads as between two processes: a writer copies each piece from a
+/// source as large as the transfer into a free slot and publishes it, a reader copies
+/// it out into a destination as large and frees the slot. The two copies every
+/// shared-memory transport makes and the least signalling there is (two counters,
+/// polled) — no framing, no checksum, no control socket: the bare transport the
+/// shared-memory figure compares with.
 pub fn measure_raw_shm(bytes: usize, chunk: usize) -> io::Result<Throughput> {
     const SLOTS: usize = 64;
     let chunk = chunk.max(1);
     let mut ring = memmap2::MmapMut::map_anon(SLOTS * chunk)?;
     ring.fill(0);
     // Both written before timing, so no page is faulted in while copying.
+    let src = vec![0x5au8; bytes];
+    let mut dst = vec![0xa5u8; bytes];
+    let ring = Ring { base: ring.as_mut_ptr(), chunk, written: AtomicU64::new(0), read: AtomicU64::new(0) };
+    let pieces = bytes.div_ceil(chunk) as u64;
+    let start = Instant::now();
+    thread::scope(|s| {
+        s.spawn(|| {
+            for (i, to) in dst.chunks_mut(chunk).enumerate() {
+                let i = i as u64;
+                wait_until(|| ring.written.load(Ordering::Acquire) > i);
+                // SAFETY: slot `i % SLOTS` holds piece `i` (published above) and the
+                // writer leaves it alone until `read` passes `i`.
+                to.copy_from_slice(unsafe { ring.slot(i, to.len()) });
+                ring.read.store(i + 1, Ordering::Release);
+            }
+        });
+        for (i, from) in src.chunks(chunk).enumerate() {
+            let i = i as u64;
+            wait_until(|| ring.read.load(Ordering::Acquire) + SLOTS as u64 > i);
+            // SAFETY: the reader is done with the slot's previous piece (`read` passed
+            // it) and reads this one only after `written` says so.
+            unsafe { ring.slot_mut(i, from.len()) }.copy_from_slice(from);
+            ring.written.store(i + 1, Ordering::Release);
+        }
+    });
+    let elapsed = start.elapsed();
+    debug_assert_eq!(ring.read.load(Ordering::Relaxed), pieces);
+    std::hint::black_box(&dst);
+    Ok(Throughput { bytes: bytes as u64, elapsed })
+}
+
+/// The memory bound: each `chunk`-byte piece copied into a ring slot and out again on
+/// one thread, with nothing between the copies.
+pub fn measure_copy_twice(bytes: usize, chunk: usize) -> io::Result<Throughput> {
+    const SLOTS: usize = 64;
+    let chunk = chunk.max(1);
+    let mut ring = memmap2::MmapMut::map_anon(SLOTS * chunk)?;
+    ring.fill(0);
     let src = vec![0x5au8; bytes];
     let mut dst = vec![0xa5u8; bytes];
     let start = Instant::now();
@@ -151,4 +197,47 @@ pub fn measure_raw_shm(bytes: usize, chunk: usize) -> io::Result<Throughput> {
     let elapsed = start.elapsed();
     std::hint::black_box(&dst);
     Ok(Throughput { bytes: bytes as u64, elapsed })
+}
+
+/// A ring of 64 slots shared by one writer and one reader thread.
+struct Ring {
+    base: *mut u8,
+    chunk: usize,
+    /// Pieces published by the writer.
+    written: AtomicU64,
+    /// Pieces the reader is done with.
+    read: AtomicU64,
+}
+
+// SAFETY: the two threads touch a slot only in turn, ordered by the two counters.
+unsafe impl Sync for Ring {}
+
+impl Ring {
+    /// # Safety
+    /// The caller must be the only one touching piece `i`'s slot.
+    unsafe fn slot(&self, i: u64, len: usize) -> &[u8] {
+        // SAFETY: slot `i % 64` lies inside the mapping and the caller owns it.
+        unsafe { std::slice::from_raw_parts(self.base.add((i % 64) as usize * self.chunk), len) }
+    }
+
+    /// # Safety
+    /// As for [`Ring::slot`].
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slot_mut(&self, i: u64, len: usize) -> &mut [u8] {
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(self.base.add((i % 64) as usize * self.chunk), len) }
+    }
+}
+
+/// Polls `ready`, yielding the core after a short spin (two threads, two cores).
+fn wait_until(ready: impl Fn() -> bool) {
+    let mut spins = 0u32;
+    while !ready() {
+        if spins < 64 {
+            std::hint::spin_loop();
+            spins += 1;
+        } else {
+            thread::yield_now();
+        }
+    }
 }

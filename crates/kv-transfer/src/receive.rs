@@ -6,7 +6,7 @@
 //! record that cannot be parsed ends the connection, and every handoff still open on
 //! it ends with [`TransferError::Disconnected`].
 
-use crate::frame;
+use crate::frame::{self, Frame};
 use crate::inbox::Feed;
 use crate::shm::Mapping;
 use crate::wire::{self, to_receiver, to_sender, Body, Status};
@@ -33,8 +33,12 @@ struct Conn<'a> {
     /// `FREE` answers in `out`.
     unacked: usize,
     /// Free slots are answered in batches of this many: the sender runs short only
-    /// when more than half its slots wait here, and then the batch goes out.
+    /// when more than a quarter of its slots wait here, and then the batch goes out.
     ack_every: usize,
+    /// Frames of one handoff decoded but not yet in its inbox: they go in together
+    /// when the connection has nothing more buffered, when a record of another
+    /// handoff comes, or when the inbox's batch is full.
+    batch: Option<(HandoffId, Vec<Frame>)>,
 }
 
 /// Serves one connection until it ends. `slots` is the shared-memory segment the
@@ -44,8 +48,9 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let ack_every = slots.map_or(1, |m| m.slots().div_ceil(2));
-    let mut conn = Conn { inboxes, routes: HashMap::new(), out: Vec::new(), urgent: false, unacked: 0, ack_every };
+    let ack_every = slots.map_or(1, |m| m.slots().div_ceil(4));
+    let mut conn =
+        Conn { inboxes, routes: HashMap::new(), out: Vec::new(), urgent: false, unacked: 0, ack_every, batch: None };
     let mut body = Vec::new();
     let result = loop {
         let rec = match wire::read_async(r, &mut body).await {
@@ -56,13 +61,19 @@ where
         let b = &body[..rec.len];
         let step = match (rec.tag, slots) {
             (to_receiver::FRAME, None) => {
-                conn.frame(rec.handoff, b).await;
+                conn.frame(rec.handoff, b, false).await;
                 Ok(())
             }
             (to_receiver::SLOT, Some(map)) => conn.slot(rec.handoff, Body(b), map).await,
-            (to_receiver::END, _) => Body(b).u32().map(|sent| conn.end(rec.handoff, sent)),
+            (to_receiver::END, _) => match Body(b).u32() {
+                Ok(sent) => {
+                    conn.end(rec.handoff, sent).await;
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            },
             (to_receiver::ABORT, _) => {
-                conn.abort(rec.handoff);
+                conn.abort(rec.handoff).await;
                 Ok(())
             }
             (tag, _) => Err(wire::invalid(format!("unexpected record {tag}"))),
@@ -71,6 +82,9 @@ where
             break Err(e);
         }
         let idle = r.buffer().is_empty();
+        if idle {
+            conn.deliver().await;
+        }
         if (idle && conn.urgent) || conn.unacked >= conn.ack_every || conn.out.len() >= FLUSH_BYTES {
             if let Err(e) = w.write_all(&conn.out).await {
                 break Err(e);
@@ -107,15 +121,25 @@ impl Conn<'_> {
         self.routes.remove(&id).or_else(|| self.inboxes.claim(id).map(|feed| Route::Open { feed, received: 0 }))
     }
 
-    async fn frame(&mut self, id: HandoffId, bytes: &[u8]) {
+    async fn frame(&mut self, id: HandoffId, bytes: &[u8], local: bool) {
+        if self.batch.as_ref().is_some_and(|(batched, _)| *batched != id) {
+            self.deliver().await;
+        }
         let next = match self.route(id) {
             None => self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id)),
             Some(Route::Failed(s)) => Route::Failed(s),
-            Some(Route::Open { feed, received }) => match frame::decode(bytes) {
-                Ok(f) if f.handoff == id => match feed.deliver(f).await {
-                    Ok(()) => Route::Open { feed, received: received + 1 },
-                    Err(_) => self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id)),
-                },
+            Some(Route::Open { feed, received }) => match decode(self.inboxes, bytes, local) {
+                Ok(f) if f.handoff == id => {
+                    let max = feed.max_batch();
+                    let (_, frames) = self.batch.get_or_insert_with(|| (id, Vec::with_capacity(max)));
+                    frames.push(f);
+                    let full = frames.len() >= max;
+                    self.routes.insert(id, Route::Open { feed, received: received + 1 });
+                    if full {
+                        self.deliver().await;
+                    }
+                    return;
+                }
                 Ok(f) => {
                     let e = TransferError::WrongHandoff { sink: id, frame: f.handoff };
                     self.fail(id, Some(feed), Status::Rejected, e)
@@ -126,10 +150,33 @@ impl Conn<'_> {
         self.routes.insert(id, next);
     }
 
+    /// Hands the batched frames to their inbox.
+    async fn deliver(&mut self) {
+        let Some((id, frames)) = self.batch.take() else { return };
+        // A handoff that failed since its frames were batched keeps its failure.
+        let next = match self.routes.remove(&id) {
+            Some(Route::Open { feed, received }) => match feed.deliver(frames).await {
+                Ok(()) => Route::Open { feed, received },
+                Err(_) => self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id)),
+            },
+            Some(failed) => failed,
+            None => return,
+        };
+        self.routes.insert(id, next);
+    }
+
     async fn slot(&mut self, id: HandoffId, mut b: Body<'_>, map: &Mapping) -> io::Result<()> {
         let slot = b.u32()?;
         let len = b.u32()?;
-        self.frame(id, map.slot(slot, len)?).await;
+        // A slot holds frames of one handoff back to back. Past a header that does not
+        // parse, the rest goes in as one frame, fails, and fails the handoff.
+        let mut bytes = map.slot(slot, len)?;
+        while !bytes.is_empty() {
+            let n = frame::encoded_len_at(bytes).unwrap_or(bytes.len()).min(bytes.len());
+            let (one, rest) = bytes.split_at(n);
+            self.frame(id, one, true).await;
+            bytes = rest;
+        }
         self.answer(to_sender::FREE, HandoffId(0), &slot.to_le_bytes());
         Ok(())
     }
@@ -143,7 +190,8 @@ impl Conn<'_> {
         Route::Failed(status)
     }
 
-    fn end(&mut self, id: HandoffId, sent: u32) {
+    async fn end(&mut self, id: HandoffId, sent: u32) {
+        self.deliver().await;
         let (status, received) = match self.route(id) {
             None => (Status::Gone, 0),
             Some(Route::Failed(s)) => (s, 0),
@@ -164,9 +212,16 @@ impl Conn<'_> {
         self.answer(to_sender::DONE, id, &body);
     }
 
-    fn abort(&mut self, id: HandoffId) {
+    async fn abort(&mut self, id: HandoffId) {
+        self.deliver().await;
         if let Some(Route::Open { feed, .. }) = self.route(id) {
             feed.end(Err(TransferError::Aborted));
         }
     }
+}
+
+/// Frames decode into recycled buffers; only those read from a shared-memory slot
+/// may come without a checksum.
+fn decode(inboxes: &Inboxes, bytes: &[u8], local: bool) -> Result<Frame, frame::FrameError> {
+    frame::decode_reusing(bytes, local, inboxes.buffer(), inboxes.buffer())
 }

@@ -1,9 +1,10 @@
 //! The two ends of a KV transfer over a link, shared by the in-process router (which
 //! owns both ends) and worker processes (each owning one).
 
+use pdserve_engine::engine::KvFrame;
 use pdserve_kv_transfer::{Frame, HandoffId, Inbox, KvSink};
 use pdserve_types::RequestId;
-use pdserve_worker::{FrameSink, Worker};
+use pdserve_worker::{FrameRecycler, FrameSink, Worker};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -58,11 +59,13 @@ impl SharedSink {
 /// Feeds the frames arriving in `inbox` into `worker`'s reservation for `id`; the task
 /// ends true once every frame arrived, false if the transfer broke.
 pub fn forward(mut inbox: Inbox, worker: Worker, id: RequestId) -> tokio::task::JoinHandle<bool> {
+    let pool = inbox.pool();
+    let recycle: FrameRecycler = Arc::new(move |f: KvFrame| pool.recycle(f.k, f.v));
     tokio::spawn(async move {
         loop {
             match inbox.recv().await {
                 Ok(Some(f)) => {
-                    if worker.frame(id, f.into_kv()).is_err() {
+                    if worker.frame_recycled(id, f.into_kv(), recycle.clone()).is_err() {
                         return false;
                     }
                 }

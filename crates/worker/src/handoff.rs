@@ -7,6 +7,10 @@ use pdserve_protocol::TokenOut;
 /// Returning `false` aborts the prefill at the next frame (the receiver is gone).
 pub type FrameSink = Box<dyn FnMut(KvFrame) -> bool + Send>;
 
+/// Takes an imported frame's buffers back (to the link's pool), so that the next
+/// frames decode into memory already mapped instead of freshly allocated.
+pub type FrameRecycler = std::sync::Arc<dyn Fn(KvFrame) + Send + Sync>;
+
 /// The first generated token, sampled by the prefill worker.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct FirstToken {

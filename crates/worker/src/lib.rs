@@ -8,7 +8,7 @@
 mod handoff;
 mod worker_loop;
 
-pub use handoff::{FirstToken, FrameSink};
+pub use handoff::{FirstToken, FrameRecycler, FrameSink};
 pub use worker_loop::WorkerStats;
 
 use pdserve_engine::engine::{EngineConfig, KvFrame};
@@ -37,6 +37,7 @@ pub(crate) enum Command {
     Frame {
         id: RequestId,
         frame: KvFrame,
+        recycle: Option<FrameRecycler>,
     },
     FinishImport {
         id: RequestId,
@@ -148,7 +149,12 @@ impl Worker {
 
     /// Writes one transferred frame into the reserved blocks.
     pub fn frame(&self, id: RequestId, frame: KvFrame) -> Result<(), ServeError> {
-        self.send(Command::Frame { id, frame })
+        self.send(Command::Frame { id, frame, recycle: None })
+    }
+
+    /// [`Worker::frame`], handing the frame's buffers to `recycle` once written.
+    pub fn frame_recycled(&self, id: RequestId, frame: KvFrame, recycle: FrameRecycler) -> Result<(), ServeError> {
+        self.send(Command::Frame { id, frame, recycle: Some(recycle) })
     }
 
     /// Starts decoding a transferred sequence; tokens after `first` go to `events`.

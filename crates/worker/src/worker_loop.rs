@@ -106,12 +106,15 @@ impl Loop {
                 }
                 let _ = reply.send(res);
             }
-            Command::Frame { id, frame } => {
+            Command::Frame { id, frame, recycle } => {
                 if self.engine.import_frame(id, &frame).is_err() {
                     // A bad frame poisons the transfer; the router sees the failure
                     // when finishing and falls back.
                     self.engine.abort_import(id);
                     self.imports.remove(&id);
+                }
+                if let Some(recycle) = recycle {
+                    recycle(frame);
                 }
             }
             Command::FinishImport { id, prompt, first, params, events } => {

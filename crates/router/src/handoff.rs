@@ -4,7 +4,8 @@
 //! Routed ─► Reserved(D) ─► Prefilling(P) + Transferring ─► DecodeReady ─► Streaming ─► Done
 //!    │           │                  │                           │
 //!    └───────────┴──── Failed / Cancelled: abort D's reservation; on a prefill
-//!                      failure or timeout, prefill locally on D instead
+//!                      failure or timeout, start over once with a spare prefill
+//!                      worker if there is one, else prefill locally on D
 //! ```
 //!
 //! Every state waits with a deadline and watches the client: a client that leaves
@@ -74,6 +75,8 @@ pub struct Hop {
     pub p_load: Arc<PrefillLoad>,
     /// P's prefill slots: a handoff holds one from before reserving on D until P is done.
     pub p_slots: Arc<tokio::sync::Semaphore>,
+    /// Another prefill worker to start over with if P fails.
+    pub spare: Option<Prefiller>,
     pub transfer: Arc<TransferCost>,
     pub deadlines: Deadlines,
     pub telemetry: Arc<dyn Telemetry>,
@@ -82,6 +85,21 @@ pub struct Hop {
     pub link: Option<Arc<KvLink>>,
     /// Workers in other processes: the transport P uses to reach D ("tcp", "shm").
     pub remote_transport: &'static str,
+}
+
+/// A prefill worker with its queue figures and slots.
+pub struct Prefiller {
+    pub node: Node,
+    pub load: Arc<PrefillLoad>,
+    pub slots: Arc<tokio::sync::Semaphore>,
+}
+
+impl Hop {
+    /// This hop with its spare as P, and no spare left; `None` without a spare.
+    fn with_spare(mut self) -> Option<Hop> {
+        let spare = self.spare.take()?;
+        Some(Hop { p: spare.node, p_load: spare.load, p_slots: spare.slots, ..self })
+    }
 }
 
 /// A transport for KV frames and the inboxes its receiver fills on D's side.
@@ -171,14 +189,22 @@ pub async fn run(hop: Hop, req: GenerateRequest, client: EventSender) -> Outcome
             d.abort_import(id);
             return Outcome::Cancelled;
         }
-        Err(Wait::Done(e @ (ServeError::Invalid(_) | ServeError::ContextLength { .. }))) => {
+        // The model's limit holds on every worker. Other refusals may be P's own (a
+        // prompt larger than its whole cache), so they fall through: another worker
+        // serves the request or repeats the refusal.
+        Err(Wait::Done(e @ ServeError::ContextLength { .. })) => {
             d.abort_import(id);
             return fail(&client, e);
         }
         // Prefill failed, its worker is gone, the transfer broke, or it ran past the
-        // deadline: D prefills locally, on the same client stream.
+        // deadline: start over with the spare prefill worker (D's reservation is
+        // released first and taken again, so no frame of the failed attempt counts),
+        // or else D prefills locally, on the same client stream.
         Err(_) => {
             d.abort_import(id);
+            if let Some(next) = hop.with_spare() {
+                return Box::pin(run(next, req, client)).await;
+            }
             return match d.generate_into(req, client.clone()) {
                 Ok(()) => Outcome::LocalFallback,
                 Err(e) => fail(&client, e),

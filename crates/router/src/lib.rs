@@ -198,7 +198,19 @@ impl Generate for Router {
             }
             Some(p) => {
                 self.telemetry.route(PrefillRoute::Remote);
+                // In disaggregated mode a second prefill worker stands by; in auto the
+                // decode worker itself is the fallback.
+                let spare = match self.mode {
+                    Mode::Disaggregated => self.pick(&self.with_role(&[Role::Prefill], Some(p))),
+                    _ => None,
+                };
+                let spare = spare.map(|s| handoff::Prefiller {
+                    node: self.workers[s].clone(),
+                    load: self.loads[s].clone(),
+                    slots: self.slots[s].clone(),
+                });
                 let hop = handoff::Hop {
+                    spare,
                     p: self.workers[p].clone(),
                     d: self.workers[d].clone(),
                     p_load: self.loads[p].clone(),

@@ -12,6 +12,7 @@ use pdserve_protocol::{Event, Generate, TokenStream};
 use pdserve_router::{Deadlines, Mode, Router};
 use pdserve_types::Role;
 use pdserve_worker::Worker;
+use std::sync::Arc;
 use std::time::Duration;
 
 fn router(mode: Mode, dl: Deadlines) -> Router {
@@ -173,7 +174,6 @@ async fn drain_some(live: &mut Vec<(u64, TokenStream)>) {
 async fn tcp_and_shm_links_give_the_same_tokens() {
     use pdserve_kv_transfer::{Inboxes, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport};
     use pdserve_router::KvLink;
-    use std::sync::Arc;
 
     let agg = router(Mode::Aggregated, Deadlines::default());
     let mut want = Vec::new();
@@ -247,6 +247,37 @@ async fn a_full_decode_worker_makes_handoffs_wait_not_fail() {
         let (got, end) = collect(s).await;
         assert!(matches!(end, Event::Done { .. }), "{end:?}");
         assert_eq!(got, want);
+    }
+    assert_eq!(settle(&r).await, 0);
+}
+
+/// A prefill worker that fails (too few blocks for the prompt) is replaced by the
+/// other prefill worker, not by local prefill on D: every frame crosses to D, the
+/// tokens are one engine's, and nothing stays reserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_prefill_starts_over_on_the_spare_prefill_worker() {
+    let m = model();
+    let tiny = EngineConfig { threads: 1, num_blocks: 4, ..Default::default() };
+    let bad =
+        Worker::spawn("tiny-prefill", Role::Prefill, m.model.clone(), tiny, m.tokenizer.eog_ids().to_vec()).unwrap();
+    // The failing worker comes first, so least-loaded picks it first every time.
+    let workers = [bad, worker("prefill", Role::Prefill), worker("decode", Role::Decode)];
+    let seen = Arc::new(Bytes::default());
+    let r = Router::new(workers, Mode::Disaggregated, Deadlines::default(), rt()).with_telemetry(seen.clone());
+    let agg = router(Mode::Aggregated, Deadlines::default());
+    let cfg = &m.model.cfg;
+    // ~90 tokens: 6 blocks, more than the tiny worker has.
+    let text = PROMPTS[1].repeat(4);
+    let (want, _) = collect(agg.generate(request(1, &text, 8)).unwrap()).await;
+    for i in 0..3 {
+        let req = request(10 + i, &text, 8);
+        let blocks = req.prompt.len().div_ceil(16);
+        assert!(blocks > 4);
+        let expect = (cfg.n_layers * blocks * 2 * cfg.n_kv_heads * 16 * cfg.head_dim * 2) as u64;
+        let (got, end) = collect(r.generate(req).unwrap()).await;
+        assert!(matches!(end, Event::Done { .. }), "{end:?}");
+        assert_eq!(got, want);
+        assert_eq!(seen.take("inproc"), expect, "the prompt was not prefilled remotely");
     }
     assert_eq!(settle(&r).await, 0);
 }

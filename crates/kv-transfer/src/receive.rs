@@ -141,13 +141,25 @@ impl Conn<'_> {
                     return;
                 }
                 Ok(f) => {
+                    self.deliver_before_failing(id, &feed).await;
                     let e = TransferError::WrongHandoff { sink: id, frame: f.handoff };
                     self.fail(id, Some(feed), Status::Rejected, e)
                 }
-                Err(e) => self.fail(id, Some(feed), Status::Rejected, TransferError::Corrupt(e)),
+                Err(e) => {
+                    self.deliver_before_failing(id, &feed).await;
+                    self.fail(id, Some(feed), Status::Rejected, TransferError::Corrupt(e))
+                }
             },
         };
         self.routes.insert(id, next);
+    }
+
+    /// The good frames batched before a bad one still reach the inbox, ahead of the
+    /// error (whose route is already out of the map, so `deliver` cannot do it).
+    async fn deliver_before_failing(&mut self, id: HandoffId, feed: &Feed) {
+        if let Some((_, frames)) = self.batch.take_if(|(batched, _)| *batched == id) {
+            let _ = feed.deliver(frames).await;
+        }
     }
 
     /// Hands the batched frames to their inbox.
@@ -224,4 +236,37 @@ impl Conn<'_> {
 /// may come without a checksum.
 fn decode(inboxes: &Inboxes, bytes: &[u8], local: bool) -> Result<Frame, frame::FrameError> {
     frame::decode_reusing(bytes, local, inboxes.buffer(), inboxes.buffer())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(index: u32) -> Frame {
+        Frame { handoff: HandoffId(1), layer: 0, index, k: vec![index as u16; 64], v: vec![1; 64] }
+    }
+
+    /// Records read in one go are batched; a bad frame among them still comes after
+    /// the good frames before it, not instead of them.
+    #[tokio::test]
+    async fn frames_before_a_corrupt_one_are_delivered_first() {
+        let mut input = Vec::new();
+        for (i, corrupt) in [(0, false), (1, false), (2, true)] {
+            let mut bytes = Vec::new();
+            frame(i).encode_into(&mut bytes).unwrap();
+            if corrupt {
+                bytes[40] ^= 1;
+            }
+            wire::put(&mut input, to_receiver::FRAME, HandoffId(1), &bytes);
+        }
+        let inboxes = Inboxes::new(64);
+        let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
+        let mut r = BufReader::new(&input[..]);
+        let mut answers = Vec::new();
+        serve(&mut r, &mut answers, &inboxes, None).await.unwrap();
+        assert_eq!(inbox.recv().await.unwrap(), Some(frame(0)));
+        assert_eq!(inbox.recv().await.unwrap(), Some(frame(1)));
+        assert!(matches!(inbox.recv().await, Err(TransferError::Corrupt(_))));
+        assert!(!answers.is_empty(), "the sender is told");
+    }
 }

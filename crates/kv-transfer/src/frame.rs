@@ -106,7 +106,7 @@ impl Frame {
         self.check()?;
         let start = out.len();
         out.resize(start + self.encoded_len(), 0);
-        self.write(&mut out[start..]);
+        self.write(&mut out[start..], true);
         Ok(())
     }
 
@@ -127,16 +127,12 @@ impl Frame {
         let Some(out) = out.get_mut(..len) else {
             return Err(FrameError::Length { expected: len, actual: out.len() });
         };
-        self.write_with(out, checksum);
+        self.write(out, checksum);
         Ok(len)
     }
 
     /// Writes the frame into `out`, which is exactly `encoded_len` bytes.
-    fn write(&self, out: &mut [u8]) {
-        self.write_with(out, true)
-    }
-
-    fn write_with(&self, out: &mut [u8], checksum: bool) {
+    fn write(&self, out: &mut [u8], checksum: bool) {
         let n = self.k.len();
         let (header, rest) = out.split_at_mut(HEADER_BYTES);
         header[0..4].copy_from_slice(&MAGIC);

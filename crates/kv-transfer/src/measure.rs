@@ -142,13 +142,8 @@ pub fn measure_raw_tcp(bytes: usize, chunk: usize) -> io::Result<Throughput> {
 /// polled) — no framing, no checksum, no control socket: the bare transport the
 /// shared-memory figure compares with.
 pub fn measure_raw_shm(bytes: usize, chunk: usize) -> io::Result<Throughput> {
-    const SLOTS: usize = 64;
     let chunk = chunk.max(1);
-    let mut ring = memmap2::MmapMut::map_anon(SLOTS * chunk)?;
-    ring.fill(0);
-    // Both written before timing, so no page is faulted in while copying.
-    let src = vec![0x5au8; bytes];
-    let mut dst = vec![0xa5u8; bytes];
+    let (mut ring, src, mut dst) = prefaulted(bytes, chunk)?;
     let ring = Ring { base: ring.as_mut_ptr(), chunk, written: AtomicU64::new(0), read: AtomicU64::new(0) };
     let pieces = bytes.div_ceil(chunk) as u64;
     let start = Instant::now();
@@ -157,7 +152,7 @@ pub fn measure_raw_shm(bytes: usize, chunk: usize) -> io::Result<Throughput> {
             for (i, to) in dst.chunks_mut(chunk).enumerate() {
                 let i = i as u64;
                 wait_until(|| ring.written.load(Ordering::Acquire) > i);
-                // SAFETY: slot `i % SLOTS` holds piece `i` (published above) and the
+                // SAFETY: slot `i % RING_SLOTS` holds piece `i` (published above) and the
                 // writer leaves it alone until `read` passes `i`.
                 to.copy_from_slice(unsafe { ring.slot(i, to.len()) });
                 ring.read.store(i + 1, Ordering::Release);
@@ -165,7 +160,7 @@ pub fn measure_raw_shm(bytes: usize, chunk: usize) -> io::Result<Throughput> {
         });
         for (i, from) in src.chunks(chunk).enumerate() {
             let i = i as u64;
-            wait_until(|| ring.read.load(Ordering::Acquire) + SLOTS as u64 > i);
+            wait_until(|| ring.read.load(Ordering::Acquire) + RING_SLOTS as u64 > i);
             // SAFETY: the reader is done with the slot's previous piece (`read` passed
             // it) and reads this one only after `written` says so.
             unsafe { ring.slot_mut(i, from.len()) }.copy_from_slice(from);
@@ -181,15 +176,11 @@ pub fn measure_raw_shm(bytes: usize, chunk: usize) -> io::Result<Throughput> {
 /// The memory bound: each `chunk`-byte piece copied into a ring slot and out again on
 /// one thread, with nothing between the copies.
 pub fn measure_copy_twice(bytes: usize, chunk: usize) -> io::Result<Throughput> {
-    const SLOTS: usize = 64;
     let chunk = chunk.max(1);
-    let mut ring = memmap2::MmapMut::map_anon(SLOTS * chunk)?;
-    ring.fill(0);
-    let src = vec![0x5au8; bytes];
-    let mut dst = vec![0xa5u8; bytes];
+    let (mut ring, src, mut dst) = prefaulted(bytes, chunk)?;
     let start = Instant::now();
     for (i, (from, to)) in src.chunks(chunk).zip(dst.chunks_mut(chunk)).enumerate() {
-        let at = (i % SLOTS) * chunk;
+        let at = (i % RING_SLOTS) * chunk;
         let slot = &mut ring[at..at + from.len()];
         slot.copy_from_slice(from);
         to.copy_from_slice(slot);
@@ -199,7 +190,18 @@ pub fn measure_copy_twice(bytes: usize, chunk: usize) -> io::Result<Throughput> 
     Ok(Throughput { bytes: bytes as u64, elapsed })
 }
 
-/// A ring of 64 slots shared by one writer and one reader thread.
+/// Slots of the raw baselines' ring.
+const RING_SLOTS: usize = 64;
+
+/// The ring of `chunk`-byte slots, a source and a destination of `bytes`, all written
+/// before timing so that no page is faulted in while copying.
+fn prefaulted(bytes: usize, chunk: usize) -> io::Result<(memmap2::MmapMut, Vec<u8>, Vec<u8>)> {
+    let mut ring = memmap2::MmapMut::map_anon(RING_SLOTS * chunk)?;
+    ring.fill(0);
+    Ok((ring, vec![0x5au8; bytes], vec![0xa5u8; bytes]))
+}
+
+/// A ring of [`RING_SLOTS`] slots shared by one writer and one reader thread.
 struct Ring {
     base: *mut u8,
     chunk: usize,
@@ -216,8 +218,8 @@ impl Ring {
     /// # Safety
     /// The caller must be the only one touching piece `i`'s slot.
     unsafe fn slot(&self, i: u64, len: usize) -> &[u8] {
-        // SAFETY: slot `i % 64` lies inside the mapping and the caller owns it.
-        unsafe { std::slice::from_raw_parts(self.base.add((i % 64) as usize * self.chunk), len) }
+        // SAFETY: slot `i % RING_SLOTS` lies inside the mapping and the caller owns it.
+        unsafe { std::slice::from_raw_parts(self.base.add((i % RING_SLOTS as u64) as usize * self.chunk), len) }
     }
 
     /// # Safety
@@ -225,7 +227,7 @@ impl Ring {
     #[allow(clippy::mut_from_ref)]
     unsafe fn slot_mut(&self, i: u64, len: usize) -> &mut [u8] {
         // SAFETY: as above.
-        unsafe { std::slice::from_raw_parts_mut(self.base.add((i % 64) as usize * self.chunk), len) }
+        unsafe { std::slice::from_raw_parts_mut(self.base.add((i % RING_SLOTS as u64) as usize * self.chunk), len) }
     }
 }
 

@@ -68,9 +68,10 @@ impl Inboxes {
         pool.put(v);
     }
 
-    /// A buffer to decode a payload into: a recycled one if there is one.
-    pub(crate) fn buffer(&self) -> Vec<u16> {
-        self.shared.pool.lock().unwrap_or_else(PoisonError::into_inner).take()
+    /// Buffers to decode a K and a V payload into: recycled ones if there are any.
+    pub(crate) fn buffers(&self) -> (Vec<u16>, Vec<u16>) {
+        let mut pool = self.shared.pool.lock().unwrap_or_else(PoisonError::into_inner);
+        (pool.take(), pool.take())
     }
 
     /// Takes the feed of an expected handoff, once: the first link to claim it owns it.
@@ -149,7 +150,11 @@ impl Inbox {
 
     /// [`Inbox::recv`] for a plain thread.
     pub fn blocking_recv(&mut self) -> Result<Option<Frame>, TransferError> {
-        block_on(self.recv())
+        // The rest of a batch needs no waker.
+        match self.ready.next() {
+            Some(f) => Ok(Some(f)),
+            None => block_on(self.recv()),
+        }
     }
 }
 

@@ -17,18 +17,20 @@
 //! - [`InProcess`]: the frame itself moves through a bounded channel; no copy.
 //! - [`TcpTransport`] → [`TcpReceiver`]: length-prefixed frames on one connection per
 //!   peer, any number of handoffs interleaved on it.
-//! - [`ShmTransport`] → [`ShmReceiver`] (same host): frames are written into a ring of
-//!   pre-faulted slots in a `/dev/shm` segment, and a Unix socket carries "handoff H,
-//!   slot S, length L" one way and "slot S is free" back; one copy on each side.
+//! - [`ShmTransport`] → [`ShmReceiver`] (same host): frames are packed into a ring of
+//!   pre-faulted slots in a `/dev/shm` segment, a Unix socket carries "handoff H, slot
+//!   S, length L" per slot, and slots come back through words in the segment itself;
+//!   one copy on each side.
 //!
 //! Senders block (they run on the engine's thread); receivers are tokio tasks that
 //! feed per-handoff bounded channels, so a slow consumer slows its sender down.
 //!
-//! Cost, from [`measure`] on the 2-core development machine: a frame of the default
-//! model is 12 KiB, and at that size the system calls and thread wake-ups per frame
-//! (a few µs) dominate, so TCP and shared memory both carry ~1.5–1.9 GB/s; with 1 MiB
-//! frames TCP reaches ~2.7–2.9 GB/s and shared memory ~5–11 GB/s. A 512-token prompt
-//! (11.8 MB) therefore takes ~7 ms, overlapped with seconds of prefill.
+//! Cost, from [`measure`] on the 2-core development machine (docs/benchmarks.md): a
+//! frame of the default model is 12 KiB; shared memory carries such frames at about
+//! the speed of a bare two-thread ring (15–21 GB/s), TCP at ~3–5 GB/s (faster than a
+//! bare socket written 12 KiB at a time, since frames go out in 256 KiB writes). A
+//! 512-token prompt (11.8 MB) therefore takes ~1 ms over shared memory and ~3 ms over
+//! loopback TCP, overlapped with seconds of prefill.
 
 mod crc32c;
 pub mod frame;

@@ -9,13 +9,15 @@
 //! its frames into writes of about 256 KiB, and a shared-memory sink packs its frames
 //! into a slot (256 KiB by default) and announces the slot once it is full.
 
-use crate::shm::Segment;
+use crate::shm::{HeldSlot, Segment};
 use crate::wire::{self, to_receiver, to_sender, Body, Record, Status};
 use crate::{Frame, HandoffId, KvSink, TransferError};
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -28,6 +30,10 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 /// per ~20 frames of the default model instead of one per 12 KiB frame. The last
 /// partial batch goes out with `END`, which the decode side waits for anyway.
 const BATCH_BYTES: usize = 256 << 10;
+
+/// How often a sender waiting for a shared-memory slot looks at the segment even if
+/// nobody woke it.
+const RECHECK: Duration = Duration::from_millis(20);
 
 pub enum Stream {
     Tcp(TcpStream),
@@ -47,6 +53,25 @@ impl Stream {
             Stream::Tcp(s) => s.shutdown(Shutdown::Both),
             Stream::Unix(s) => s.shutdown(Shutdown::Both),
         };
+    }
+}
+
+impl Stream {
+    /// Blocks until there is something to read (or the connection ended).
+    ///
+    /// A thread blocked in `read` wakes whenever the peer *reads* too (Linux shares one
+    /// wait queue per socket between readers and writers), i.e. on every record the
+    /// receiver takes: `poll` waits for input only.
+    fn wait_readable(&self) {
+        let fd = match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Unix(s) => s.as_raw_fd(),
+        };
+        let mut want = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: `want` is one valid pollfd for the duration of the call, and `fd`
+        // stays open while `self` is borrowed. Errors (EINTR) fall through to `read`,
+        // which blocks or reports them.
+        unsafe { libc::poll(&mut want, 1, -1) };
     }
 }
 
@@ -84,6 +109,19 @@ pub struct Link {
 struct Shared {
     state: Mutex<State>,
     changed: Condvar,
+    /// Set once the link broke or a handoff failed: until then a frame's send need
+    /// not look at `state`.
+    alert: AtomicBool,
+}
+
+/// A shared-memory slot as the sender sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotUse {
+    Free,
+    /// A sink holds it and writes frames into it.
+    Filling,
+    /// Announced; free again once the receiver clears its word in the segment.
+    Sent,
 }
 
 #[derive(Default)]
@@ -96,17 +134,17 @@ struct State {
     done: HashMap<HandoffId, (Status, u32)>,
     /// Handoffs with a sink on this link.
     open: HashSet<HandoffId>,
-    /// Free shared-memory slots, most recently freed (warmest) last.
-    free: Vec<u32>,
-    busy: Vec<bool>,
+    /// Shared-memory slots, by index.
+    slots: Vec<SlotUse>,
 }
 
 impl Link {
     /// Starts the reader thread on `stream`, whose handshake (if any) is done.
     pub fn start(name: &'static str, stream: Stream, segment: Option<Segment>) -> io::Result<Arc<Link>> {
-        let slots = segment.as_ref().map_or(0, |s| s.slots() as u32);
-        let state = State { free: (0..slots).rev().collect(), busy: vec![false; slots as usize], ..State::default() };
-        let shared = Arc::new(Shared { state: Mutex::new(state), changed: Condvar::new() });
+        let slots = segment.as_ref().map_or(0, |s| s.slots());
+        let state = State { slots: vec![SlotUse::Free; slots], ..State::default() };
+        let shared =
+            Arc::new(Shared { state: Mutex::new(state), changed: Condvar::new(), alert: AtomicBool::new(false) });
         let reader = BufReader::with_capacity(16 << 10, stream.try_clone()?);
         let s = shared.clone();
         let reader =
@@ -146,28 +184,50 @@ impl Link {
 
     /// Fails if the link is down or the receiver gave up on `id`.
     fn check(&self, id: HandoffId, sent: u32) -> Result<(), TransferError> {
+        if !self.shared.alert.load(Ordering::Acquire) {
+            return Ok(());
+        }
         check(&self.shared.lock(), id, sent)
     }
 
-    /// Waits for a free slot of the segment.
-    fn take_slot(&self, id: HandoffId, sent: u32) -> Result<u32, TransferError> {
+    /// Waits for a free slot of the segment: the lowest one, so that a steady transfer
+    /// cycles through few slots that stay in cache.
+    fn take_slot(&self, segment: &Segment, id: HandoffId, sent: u32) -> Result<HeldSlot, TransferError> {
         let deadline = Instant::now() + IO_TIMEOUT;
         let mut st = self.shared.lock();
         loop {
             check(&st, id, sent)?;
-            if let Some(slot) = st.free.pop() {
-                st.busy[slot as usize] = true;
+            if let Some(slot) = reclaim(&mut st.slots, segment) {
                 return Ok(slot);
             }
-            st = self.shared.wait_until(st, deadline)?;
+            // Asleep from here until the receiver frees a slot and answers FREE; look
+            // once more in case it freed one before it could see the flag. The flag is
+            // left set by whoever finds a slot (another sink may sleep on it).
+            segment.set_waiting();
+            if let Some(slot) = reclaim(&mut st.slots, segment) {
+                return Ok(slot);
+            }
+            // Looking again now and then costs nothing and survives a lost wake-up.
+            st = self.shared.wait_until(st, deadline.min(Instant::now() + RECHECK))?;
         }
     }
 
-    fn release_slot(&self, slot: u32) {
+    /// Gives back a slot that was never announced.
+    fn release_slot(&self, slot: HeldSlot) {
         let mut st = self.shared.lock();
-        st.busy[slot as usize] = false;
-        st.free.push(slot);
+        if let Some(s) = st.slots.get_mut(slot.index as usize) {
+            *s = SlotUse::Free;
+        }
         self.shared.changed.notify_all();
+    }
+
+    /// Hands a held slot to the receiver (its `SLOT` record goes next).
+    fn mark_sent(&self, segment: &Segment, slot: &HeldSlot) {
+        let mut st = self.shared.lock();
+        if let Some(s) = st.slots.get_mut(slot.index as usize) {
+            *s = SlotUse::Sent;
+        }
+        segment.mark_sent(slot);
     }
 
     /// Waits for the receiver's answer to `END`.
@@ -227,6 +287,7 @@ impl Shared {
     fn fail(&self, why: String) {
         let mut st = self.lock();
         st.broken.get_or_insert(why);
+        self.alert.store(true, Ordering::Release);
         self.changed.notify_all();
     }
 
@@ -236,18 +297,16 @@ impl Shared {
         match rec.tag {
             to_sender::NOTICE => {
                 st.failed.insert(rec.handoff, b.status()?);
+                self.alert.store(true, Ordering::Release);
             }
             to_sender::DONE => {
                 let status = b.status()?;
                 st.done.insert(rec.handoff, (status, b.u32()?));
             }
+            // A slot came back while a sink slept waiting for one (the slot itself
+            // is marked free in the segment): just wake the sleepers.
             to_sender::FREE => {
-                let slot = b.u32()?;
-                // Only a slot in flight comes back, so each is in the free list once.
-                if st.busy.get(slot as usize).copied().unwrap_or(false) {
-                    st.busy[slot as usize] = false;
-                    st.free.push(slot);
-                }
+                b.u32()?;
             }
             tag => return Err(wire::invalid(format!("unexpected record {tag} from the receiver"))),
         }
@@ -259,6 +318,9 @@ impl Shared {
 fn read_replies(mut r: BufReader<Stream>, shared: Arc<Shared>) {
     let mut body = Vec::new();
     let why = loop {
+        if r.buffer().is_empty() {
+            r.get_ref().wait_readable();
+        }
         match wire::read_sync(&mut r, &mut body) {
             Ok(Some(rec)) => {
                 if let Err(e) = shared.apply(rec, &body[..rec.len]) {
@@ -270,6 +332,21 @@ fn read_replies(mut r: BufReader<Stream>, shared: Arc<Shared>) {
         }
     };
     shared.fail(why);
+}
+
+/// The lowest slot that is free, now held, after noting which sent slots the receiver
+/// has finished with.
+fn reclaim(slots: &mut [SlotUse], segment: &Segment) -> Option<HeldSlot> {
+    for (index, s) in slots.iter_mut().enumerate() {
+        if *s == SlotUse::Sent && segment.is_free(index) {
+            *s = SlotUse::Free;
+        }
+        if *s == SlotUse::Free {
+            *s = SlotUse::Filling;
+            return Some(HeldSlot { index: index as u32, used: 0 });
+        }
+    }
+    None
 }
 
 fn check(st: &State, id: HandoffId, sent: u32) -> Result<(), TransferError> {
@@ -298,8 +375,8 @@ struct LinkSink {
     sent: u32,
     /// Records not written yet (inline frames batch here), reused write after write.
     buf: Vec<u8>,
-    /// Shared memory: the slot being filled and the bytes in it so far.
-    slot: Option<(u32, usize)>,
+    /// Shared memory: the slot being filled.
+    slot: Option<HeldSlot>,
     /// Neither finished nor aborted yet.
     open: bool,
 }
@@ -324,31 +401,32 @@ impl LinkSink {
 
     /// Shared memory: the frame goes after the others in this sink's slot; the slot
     /// goes to the receiver (one record) when the next frame does not fit.
-    fn send_in_slot(&mut self, segment: &Segment, frame: &Frame) -> Result<(), TransferError> {
+    fn send_in_slot(&mut self, frame: &Frame) -> Result<(), TransferError> {
         let bytes = frame.encoded_len();
-        if bytes > segment.slot_bytes() {
-            return Err(TransferError::SlotTooSmall { bytes, slot: segment.slot_bytes() });
+        let slot_bytes = self.link.segment.as_ref().map_or(0, Segment::slot_bytes);
+        if bytes > slot_bytes {
+            return Err(TransferError::SlotTooSmall { bytes, slot: slot_bytes });
         }
-        if self.slot.is_some_and(|(_, used)| used + bytes > segment.slot_bytes()) {
+        if self.slot.as_ref().is_some_and(|s| s.used + bytes > slot_bytes) {
             self.announce_slot()?;
         }
-        let (slot, used) = match self.slot {
-            Some(open) => open,
-            None => (self.link.take_slot(self.id, self.sent)?, 0),
+        let Some(segment) = &self.link.segment else { return Ok(()) };
+        // Held in the sink before writing, so that a failure below still returns it.
+        let slot = match &mut self.slot {
+            Some(slot) => slot,
+            None => self.slot.insert(self.link.take_slot(segment, self.id, self.sent)?),
         };
-        // Held before writing, so that a failure below still returns it on drop.
-        self.slot = Some((slot, used));
-        segment.write(slot, used, frame).map_err(TransferError::Frame)?;
-        self.slot = Some((slot, used + bytes));
+        segment.write(slot, frame).map_err(TransferError::Frame)?;
         Ok(())
     }
 
     /// Hands the slot being filled to the receiver.
     fn announce_slot(&mut self) -> Result<(), TransferError> {
-        let Some((slot, used)) = self.slot.take() else { return Ok(()) };
+        let (Some(segment), Some(slot)) = (&self.link.segment, self.slot.take()) else { return Ok(()) };
+        self.link.mark_sent(segment, &slot);
         let mut body = [0u8; 8];
-        body[..4].copy_from_slice(&slot.to_le_bytes());
-        body[4..].copy_from_slice(&(used as u32).to_le_bytes());
+        body[..4].copy_from_slice(&slot.index.to_le_bytes());
+        body[4..].copy_from_slice(&(slot.used as u32).to_le_bytes());
         self.control(to_receiver::SLOT, &body)
     }
 
@@ -373,9 +451,8 @@ impl KvSink for LinkSink {
             return Err(TransferError::WrongHandoff { sink: self.id, frame: frame.handoff });
         }
         self.link.check(self.id, self.sent)?;
-        let link = self.link.clone();
-        match &link.segment {
-            Some(segment) => self.send_in_slot(segment, &frame)?,
+        match self.link.segment {
+            Some(_) => self.send_in_slot(&frame)?,
             None => self.send_inline(&frame)?,
         }
         self.sent += 1;
@@ -383,7 +460,7 @@ impl KvSink for LinkSink {
     }
 
     fn flush(&mut self) -> Result<(), TransferError> {
-        if self.slot.is_some() {
+        if self.link.segment.is_some() {
             return self.announce_slot();
         }
         if self.buf.is_empty() {
@@ -409,7 +486,7 @@ impl KvSink for LinkSink {
 impl Drop for LinkSink {
     fn drop(&mut self) {
         // A slot never announced was never seen by the receiver: it is free again.
-        if let Some((slot, _)) = self.slot.take() {
+        if let Some(slot) = self.slot.take() {
             self.link.release_slot(slot);
         }
         if self.open {
@@ -430,9 +507,10 @@ impl Link {
         let mut out = Vec::new();
         match &self.segment {
             Some(segment) => {
-                let slot = self.take_slot(frame.handoff, 0)?;
-                segment.write_raw(slot, &bytes);
-                let mut body = slot.to_le_bytes().to_vec();
+                let mut slot = self.take_slot(segment, frame.handoff, 0)?;
+                segment.write_raw(&mut slot, &bytes);
+                self.mark_sent(segment, &slot);
+                let mut body = slot.index.to_le_bytes().to_vec();
                 body.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
                 wire::put(&mut out, to_receiver::SLOT, frame.handoff, &body);
             }

@@ -28,13 +28,10 @@ struct Conn<'a> {
     routes: HashMap<HandoffId, Route>,
     /// Answers not yet written.
     out: Vec<u8>,
-    /// `out` holds an answer other than `FREE`.
+    /// `out` holds an answer: it goes out once nothing more is buffered to read.
     urgent: bool,
-    /// `FREE` answers in `out`.
-    unacked: usize,
-    /// Free slots are answered in batches of this many: the sender runs short only
-    /// when more than a quarter of its slots wait here, and then the batch goes out.
-    ack_every: usize,
+    /// `out` holds a `FREE` for a sender that sleeps: it goes out at once.
+    wake: bool,
     /// Frames of one handoff decoded but not yet in its inbox: they go in together
     /// when the connection has nothing more buffered, when a record of another
     /// handoff comes, or when the inbox's batch is full.
@@ -48,9 +45,7 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let ack_every = slots.map_or(1, |m| m.slots().div_ceil(4));
-    let mut conn =
-        Conn { inboxes, routes: HashMap::new(), out: Vec::new(), urgent: false, unacked: 0, ack_every, batch: None };
+    let mut conn = Conn { inboxes, routes: HashMap::new(), out: Vec::new(), urgent: false, wake: false, batch: None };
     let mut body = Vec::new();
     let result = loop {
         let rec = match wire::read_async(r, &mut body).await {
@@ -85,13 +80,13 @@ where
         if idle {
             conn.deliver().await;
         }
-        if (idle && conn.urgent) || conn.unacked >= conn.ack_every || conn.out.len() >= FLUSH_BYTES {
+        if (idle && conn.urgent) || conn.wake || conn.out.len() >= FLUSH_BYTES {
             if let Err(e) = w.write_all(&conn.out).await {
                 break Err(e);
             }
             conn.out.clear();
             conn.urgent = false;
-            conn.unacked = 0;
+            conn.wake = false;
         }
     };
     let _ = w.flush().await;
@@ -110,11 +105,8 @@ where
 impl Conn<'_> {
     fn answer(&mut self, tag: u8, id: HandoffId, body: &[u8]) {
         wire::put(&mut self.out, tag, id, body);
-        if tag == to_sender::FREE {
-            self.unacked += 1;
-        } else {
-            self.urgent = true;
-        }
+        self.urgent = true;
+        self.wake |= tag == to_sender::FREE;
     }
 
     fn route(&mut self, id: HandoffId) -> Option<Route> {
@@ -125,33 +117,34 @@ impl Conn<'_> {
         if self.batch.as_ref().is_some_and(|(batched, _)| *batched != id) {
             self.deliver().await;
         }
-        let next = match self.route(id) {
-            None => self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id)),
-            Some(Route::Failed(s)) => Route::Failed(s),
-            Some(Route::Open { feed, received }) => match decode(self.inboxes, bytes, local) {
-                Ok(f) if f.handoff == id => {
-                    let max = feed.max_batch();
-                    let (_, frames) = self.batch.get_or_insert_with(|| (id, Vec::with_capacity(max)));
-                    frames.push(f);
-                    let full = frames.len() >= max;
-                    self.routes.insert(id, Route::Open { feed, received: received + 1 });
-                    if full {
-                        self.deliver().await;
-                    }
-                    return;
+        if !self.routes.contains_key(&id) {
+            let route = match self.inboxes.claim(id) {
+                Some(feed) => Route::Open { feed, received: 0 },
+                None => self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id)),
+            };
+            self.routes.insert(id, route);
+        }
+        // Frames of a failed handoff are dropped.
+        let Some(Route::Open { feed, received }) = self.routes.get_mut(&id) else { return };
+        let why = match decode(self.inboxes, bytes, local) {
+            Ok(f) if f.handoff == id => {
+                *received += 1;
+                let max = feed.max_batch();
+                let (_, frames) = self.batch.get_or_insert_with(|| (id, Vec::with_capacity(max)));
+                frames.push(f);
+                if frames.len() >= max {
+                    self.deliver().await;
                 }
-                Ok(f) => {
-                    self.deliver_before_failing(id, &feed).await;
-                    let e = TransferError::WrongHandoff { sink: id, frame: f.handoff };
-                    self.fail(id, Some(feed), Status::Rejected, e)
-                }
-                Err(e) => {
-                    self.deliver_before_failing(id, &feed).await;
-                    self.fail(id, Some(feed), Status::Rejected, TransferError::Corrupt(e))
-                }
-            },
+                return;
+            }
+            Ok(f) => TransferError::WrongHandoff { sink: id, frame: f.handoff },
+            Err(e) => TransferError::Corrupt(e),
         };
-        self.routes.insert(id, next);
+        if let Some(Route::Open { feed, .. }) = self.routes.remove(&id) {
+            self.deliver_before_failing(id, &feed).await;
+            let failed = self.fail(id, Some(feed), Status::Rejected, why);
+            self.routes.insert(id, failed);
+        }
     }
 
     /// The good frames batched before a bad one still reach the inbox, ahead of the
@@ -189,7 +182,9 @@ impl Conn<'_> {
             self.frame(id, one, true).await;
             bytes = rest;
         }
-        self.answer(to_sender::FREE, HandoffId(0), &slot.to_le_bytes());
+        if map.free(slot) {
+            self.answer(to_sender::FREE, HandoffId(0), &slot.to_le_bytes());
+        }
         Ok(())
     }
 
@@ -235,7 +230,8 @@ impl Conn<'_> {
 /// Frames decode into recycled buffers; only those read from a shared-memory slot
 /// may come without a checksum.
 fn decode(inboxes: &Inboxes, bytes: &[u8], local: bool) -> Result<Frame, frame::FrameError> {
-    frame::decode_reusing(bytes, local, inboxes.buffer(), inboxes.buffer())
+    let (k, v) = inboxes.buffers();
+    frame::decode_reusing(bytes, local, k, v)
 }
 
 #[cfg(test)]

@@ -2,14 +2,19 @@
 //!
 //! The sender creates one segment in `/dev/shm`, a ring of equal slots, and touches
 //! every page of it up front: first-touch faults cost several times the copy itself
-//! (reference/performance.md), so no transfer ever pays them, and slots are reused
-//! most-recently-freed first so they stay warm in cache. A Unix socket carries the
-//! control records: `HELLO` (segment name and shape) once, then per slot "handoff H,
-//! slot S, length L" one way and "slot S is free" back (in batches). The sender
-//! encodes frames straight into a slot, one after another until the next does not
-//! fit, without a checksum (no wire lies between the two processes); the receiver
-//! checks each frame's header and copies the frames out into reused buffers, then
-//! frees the slot.
+//! (reference/performance.md), so no transfer ever pays them. A Unix socket carries
+//! the control records: `HELLO` (segment name and shape) once, then per slot
+//! "handoff H, slot S, length L". The sender encodes frames straight into a slot, one
+//! after another until the next does not fit, without a checksum (no wire lies
+//! between the two processes); the receiver checks each frame's header, copies the
+//! frames out into reused buffers and hands the slot back.
+//!
+//! Slots come back through the segment itself, not the socket: its first page holds
+//! one word per slot, which the receiver clears when it is done with the slot, and a
+//! word where a sender that found no free slot says it sleeps. Only then does the
+//! receiver answer `FREE` on the socket to wake it. So a steady transfer costs one
+//! record per slot and no replies, and the sender always refills the lowest free slot,
+//! which keeps the slots in use few and warm in cache.
 //!
 //! The segment's name is unlinked as soon as the receiver has mapped it, and on drop
 //! in any case, so a crash leaves nothing behind in `/dev/shm`.
@@ -23,8 +28,9 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::io::{AsyncWriteExt, BufReader as AsyncBufReader};
 use tokio::net::UnixListener;
@@ -35,6 +41,22 @@ const PREFIX: &str = "pdserve-kv-";
 const PAGE: usize = 4096;
 /// The largest segment a receiver maps.
 const MAX_SEGMENT_BYTES: u64 = 16 << 30;
+/// The most slots a segment has (its control words then fill two pages).
+pub const MAX_SLOTS: usize = 2000;
+/// Where in the control area the sender's "waiting for a slot" word lies...
+const WAITING_AT: usize = 0;
+/// ...and where the slots' words start (a cache line further, apart from it).
+const STATES_AT: usize = 64;
+/// A slot's word: the sender may write the slot.
+const SLOT_FREE: u32 = 0;
+/// A slot's word: announced, the receiver has not finished reading it.
+const SLOT_SENT: u32 = 1;
+
+/// Bytes before the first slot: the control words, rounded up to whole pages so that
+/// the slots can be mapped on their own.
+fn control_bytes(slots: usize) -> usize {
+    (STATES_AT + 4 * slots).next_multiple_of(PAGE)
+}
 
 /// The shape of a sender's segment.
 #[derive(Debug, Clone, Copy)]
@@ -62,8 +84,7 @@ impl ShmTransport {
     /// `socket` and waits until it has mapped the segment (blocking).
     pub fn connect(socket: impl AsRef<Path>, cfg: ShmConfig) -> Result<ShmTransport, TransferError> {
         let min = frame::HEADER_BYTES + frame::CHECKSUM_BYTES;
-        if cfg.slots == 0 || cfg.slots > u32::MAX as usize || cfg.slot_bytes < min || cfg.slot_bytes > u32::MAX as usize
-        {
+        if cfg.slots == 0 || cfg.slots > MAX_SLOTS || cfg.slot_bytes < min || cfg.slot_bytes > u32::MAX as usize {
             let msg = format!("{} slots of {} bytes", cfg.slots, cfg.slot_bytes);
             return Err(io::Error::new(io::ErrorKind::InvalidInput, msg).into());
         }
@@ -108,13 +129,53 @@ impl KvTransport for ShmTransport {
     }
 }
 
+/// The words at the start of a segment that both sides write, atomically.
+struct Control {
+    base: NonNull<u8>,
+    slots: usize,
+}
+
+impl Control {
+    /// Set by a sender that found no free slot and sleeps until `FREE` wakes it.
+    fn waiting(&self) -> &AtomicU32 {
+        // SAFETY: the control area is mapped, shared and writable for as long as `self`
+        // (owned by the mapping's holder) lives; the word is 4-aligned (page-aligned
+        // base) and both processes only ever access it atomically.
+        unsafe { AtomicU32::from_ptr(self.base.as_ptr().add(WAITING_AT).cast()) }
+    }
+
+    /// `SLOT_FREE` or `SLOT_SENT`; out-of-range slots have no word.
+    fn state(&self, slot: usize) -> Option<&AtomicU32> {
+        // SAFETY: as for `waiting`; slot < slots keeps the word inside the area.
+        (slot < self.slots).then(|| unsafe { AtomicU32::from_ptr(self.base.as_ptr().add(STATES_AT + 4 * slot).cast()) })
+    }
+}
+
+/// A slot that one sink fills: the link hands each slot out to one holder at a time,
+/// so the holder may write it without a lock.
+#[derive(Debug)]
+pub(crate) struct HeldSlot {
+    pub index: u32,
+    /// Bytes written so far.
+    pub used: usize,
+}
+
 /// The sender's segment: slots it writes frames into.
 pub struct Segment {
     path: PathBuf,
-    map: Mutex<MmapMut>,
+    /// Keeps the mapping alive; written only through `control` and `slots_base`.
+    _map: MmapMut,
+    control: Control,
+    slots_base: NonNull<u8>,
     slots: usize,
     slot_bytes: usize,
 }
+
+// SAFETY: the mapping's memory is shared on purpose: the control words are atomics and
+// each slot is written by the one holder of its `HeldSlot` (see `Segment::write`).
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
 
 impl Segment {
     fn create(cfg: ShmConfig) -> io::Result<Segment> {
@@ -123,13 +184,12 @@ impl Segment {
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
         let path = PathBuf::from(format!("{DIR}/{PREFIX}{}-{seq}-{nanos:x}", std::process::id()));
         let file = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(&path)?;
-        let segment =
-            |map| Segment { path: path.clone(), map: Mutex::new(map), slots: cfg.slots, slot_bytes: cfg.slot_bytes };
-        let bytes = cfg.slots as u64 * cfg.slot_bytes as u64;
+        let control = control_bytes(cfg.slots);
+        let bytes = control as u64 + cfg.slots as u64 * cfg.slot_bytes as u64;
         let mapped = file.set_len(bytes).and_then(|()| {
             // SAFETY: the file was just created by this process, with a unique name and
             // mode 0600; only the receiver it is handed to maps it besides us, and that
-            // one only reads. Its size is fixed from here on.
+            // one writes only the control words. Its size is fixed from here on.
             unsafe { MmapOptions::new().populate().map_mut(&file) }
         });
         let mut map = match mapped {
@@ -139,11 +199,22 @@ impl Segment {
                 return Err(e);
             }
         };
-        // Fault every page in now, writable, so that no transfer does.
+        // Fault every page in now, writable, so that no transfer does (zero: every
+        // slot starts free).
         for page in map.chunks_mut(PAGE) {
             page[0] = 0;
         }
-        Ok(segment(map))
+        let base = NonNull::new(map.as_mut_ptr()).ok_or_else(|| io::Error::other("null mapping"))?;
+        // SAFETY: `control` bytes lie inside the mapping (it is `control` + slots long).
+        let slots_base = unsafe { base.add(control) };
+        Ok(Segment {
+            path,
+            _map: map,
+            control: Control { base, slots: cfg.slots },
+            slots_base,
+            slots: cfg.slots,
+            slot_bytes: cfg.slot_bytes,
+        })
     }
 
     pub fn slots(&self) -> usize {
@@ -154,19 +225,47 @@ impl Segment {
         self.slot_bytes
     }
 
-    /// Encodes `frame` at byte `at` of `slot`, which the caller owns (taken from the
-    /// free list), without a checksum: the receiver reads the very memory written here.
-    pub fn write(&self, slot: u32, at: usize, frame: &Frame) -> Result<usize, FrameError> {
-        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        let start = slot as usize * self.slot_bytes;
-        frame.encode_local(&mut map[start..start + self.slot_bytes][at..])
+    /// Whether the receiver has finished reading `slot` (true for a slot never sent).
+    pub(crate) fn is_free(&self, slot: usize) -> bool {
+        self.control.state(slot).is_some_and(|w| w.load(Ordering::Acquire) == SLOT_FREE)
+    }
+
+    /// Marks `slot` as the receiver's, before its `SLOT` record goes out.
+    pub(crate) fn mark_sent(&self, slot: &HeldSlot) {
+        if let Some(w) = self.control.state(slot.index as usize) {
+            w.store(SLOT_SENT, Ordering::Release);
+        }
+    }
+
+    /// Says that a sender sleeps until a slot comes back; then the receiver wakes it.
+    pub(crate) fn set_waiting(&self) {
+        self.control.waiting().store(1, Ordering::SeqCst);
+    }
+
+    /// Encodes `frame` after the frames already in `slot`, without a checksum (the
+    /// receiver reads the very memory written here), and returns its length.
+    pub(crate) fn write(&self, slot: &mut HeldSlot, frame: &Frame) -> Result<usize, FrameError> {
+        let used = slot.used;
+        let n = frame.encode_local(&mut self.slot_mut(slot)[used..])?;
+        slot.used += n;
+        Ok(n)
+    }
+
+    /// The whole of a held slot.
+    fn slot_mut<'a>(&'a self, slot: &'a mut HeldSlot) -> &'a mut [u8] {
+        let index = (slot.index as usize).min(self.slots - 1);
+        // SAFETY: the slot lies inside the mapping, and the `HeldSlot` (borrowed mutably
+        // here, handed out once per slot by the link) is the one license to write it;
+        // the receiver reads a slot only after it was announced, which ends the hold.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.slots_base.as_ptr().add(index * self.slot_bytes), self.slot_bytes)
+        }
     }
 
     #[cfg(test)]
-    pub fn write_raw(&self, slot: u32, bytes: &[u8]) {
-        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        let start = slot as usize * self.slot_bytes;
-        map[start..start + bytes.len()].copy_from_slice(bytes);
+    pub(crate) fn write_raw(&self, slot: &mut HeldSlot, bytes: &[u8]) {
+        self.slot_mut(slot)[..bytes.len()].copy_from_slice(bytes);
+        slot.used = bytes.len();
     }
 
     fn unlink(&self) {
@@ -180,12 +279,21 @@ impl Drop for Segment {
     }
 }
 
-/// The receiver's read-only view of a sender's segment.
+/// The receiver's view of a sender's segment: the control words writable, the
+/// slots read-only.
 pub struct Mapping {
+    /// Keeps the control area mapped for `control`.
+    _control_map: MmapMut,
+    control: Control,
     map: Mmap,
     slots: usize,
     slot_bytes: usize,
 }
+
+// SAFETY: `control` points into `_control_map`, owned alongside; its words are atomics.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps the segment a `HELLO` names, after checking it is one of ours and has
@@ -199,13 +307,15 @@ impl Mapping {
         if !name.starts_with(PREFIX) || name.contains('/') {
             return Err(wire::invalid(format!("{path:?} is not a pdserve segment")));
         }
-        let bytes = slots as u64 * slot_bytes;
-        if slots == 0 || slot_bytes > u64::from(u32::MAX) || bytes > MAX_SEGMENT_BYTES {
+        let slot_area = slots as u64 * slot_bytes;
+        if slots == 0 || slots > MAX_SLOTS || slot_bytes > u64::from(u32::MAX) || slot_area > MAX_SEGMENT_BYTES {
             return Err(wire::invalid(format!("{slots} slots of {slot_bytes} bytes")));
         }
+        let control = control_bytes(slots);
+        let bytes = control as u64 + slot_area;
         // A regular file, not a link to one elsewhere: lstat and the opened file agree.
         let named = fs::symlink_metadata(path)?;
-        let file = OpenOptions::new().read(true).open(path)?;
+        let file = OpenOptions::new().read(true).write(true).open(path)?;
         let meta = file.metadata()?;
         if !named.file_type().is_file() || (named.dev(), named.ino()) != (meta.dev(), meta.ino()) {
             return Err(wire::invalid(format!("{path} is not a regular file")));
@@ -213,15 +323,16 @@ impl Mapping {
         if meta.len() != bytes {
             return Err(wire::invalid(format!("{path} is not {bytes} bytes")));
         }
-        // SAFETY: the segment is shared with its sender, which never resizes it and
-        // writes a slot only while it owns it: before announcing it in a SLOT record,
-        // and after this side frees it. This side reads a slot only in between.
-        let map = unsafe { MmapOptions::new().populate().map(&file)? };
-        Ok(Mapping { map, slots, slot_bytes: slot_bytes as usize })
-    }
-
-    pub fn slots(&self) -> usize {
-        self.slots
+        // SAFETY: the control area is shared with the sender, and both sides access its
+        // words only atomically (`Control`); its size is fixed.
+        let mut control_map = unsafe { MmapOptions::new().len(control).map_mut(&file)? };
+        let base = NonNull::new(control_map.as_mut_ptr()).ok_or_else(|| io::Error::other("null mapping"))?;
+        // SAFETY: the slots are shared with their sender, which never resizes the file
+        // and writes a slot only while it holds it: before announcing it in a SLOT
+        // record, and after this side frees it. This side reads a slot only in between.
+        let map = unsafe { MmapOptions::new().offset(control as u64).len(slot_area as usize).populate().map(&file)? };
+        let control = Control { base, slots };
+        Ok(Mapping { _control_map: control_map, control, map, slots, slot_bytes: slot_bytes as usize })
     }
 
     /// The first `len` bytes of `slot`.
@@ -232,6 +343,17 @@ impl Mapping {
         }
         let start = slot * self.slot_bytes;
         Ok(&self.map[start..start + len])
+    }
+
+    /// Hands `slot` back to the sender once its frames are copied out. True when the
+    /// sender sleeps waiting for a slot and must be woken with `FREE`.
+    pub fn free(&self, slot: u32) -> bool {
+        let Some(word) = self.control.state(slot as usize) else { return false };
+        word.store(SLOT_FREE, Ordering::SeqCst);
+        // Pairs with the sender's `set_waiting` then re-check: either it sees this
+        // slot free, or this sees it waiting.
+        let waiting = self.control.waiting();
+        waiting.load(Ordering::SeqCst) != 0 && waiting.swap(0, Ordering::SeqCst) != 0
     }
 }
 
@@ -383,12 +505,35 @@ mod tests {
         assert_eq!(got_b, (0..100).map(|i| small(2, i)).collect::<Vec<_>>());
     }
 
+    /// The slot words as the two sides use them: the receiver's `free` makes a sent
+    /// slot reusable and says whether a sleeping sender needs waking.
+    #[test]
+    fn slots_come_back_through_the_segment() {
+        let seg = Segment::create(ShmConfig { slots: 3, slot_bytes: 4096 }).unwrap();
+        let mut hello = 3u32.to_le_bytes().to_vec();
+        hello.extend_from_slice(&4096u64.to_le_bytes());
+        hello.extend_from_slice(seg.path.as_os_str().as_encoded_bytes());
+        let rx = Mapping::open(&hello).unwrap();
+        assert!((0..3).all(|i| seg.is_free(i)), "a new segment's slots are all free");
+        for index in 0..2 {
+            seg.mark_sent(&HeldSlot { index, used: 0 });
+        }
+        assert!(!seg.is_free(0) && !seg.is_free(1) && seg.is_free(2));
+        assert!(!rx.free(1), "nobody sleeps: no wake-up");
+        assert!(seg.is_free(1) && !seg.is_free(0));
+        seg.set_waiting();
+        assert!(rx.free(0), "a sleeping sender is woken...");
+        seg.mark_sent(&HeldSlot { index: 0, used: 0 });
+        assert!(!rx.free(0), "...once");
+        assert!(!rx.free(7), "a slot outside the segment is ignored");
+    }
+
     #[test]
     fn segments_are_prefaulted_and_unlinked() {
         let seg = Segment::create(ShmConfig { slots: 2, slot_bytes: 8192 }).unwrap();
         let path = seg.path.clone();
         assert!(path.exists());
-        assert_eq!(fs::metadata(&path).unwrap().len(), 16384);
+        assert_eq!(fs::metadata(&path).unwrap().len(), PAGE as u64 + 16384);
         drop(seg);
         assert!(!path.exists());
     }

@@ -271,14 +271,14 @@ async fn misuse_is_an_error_not_a_panic() {
 }
 
 /// Prints each transport's throughput next to the bare transport moving the same
-/// bytes in the same pieces, as medians of five alternating runs (this machine's
+/// bytes in the same pieces, as medians of seven alternating runs (this machine's
 /// memory and loopback figures drift by tens of percent from run to run); run with
 /// `-- --nocapture` to see it, and `KV_BENCH_ONLY="shm 12 KiB frames"` to run one
 /// line. Timings are printed, never asserted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn throughput_is_measurable() {
     const BYTES: usize = 128 << 20;
-    const ROUNDS: usize = 5;
+    const ROUNDS: usize = 7;
     let copy = tokio::task::spawn_blocking(|| measure_copy(BYTES)).await.unwrap();
     println!("copy_from_slice            {copy}");
     let only = std::env::var("KV_BENCH_ONLY").ok();

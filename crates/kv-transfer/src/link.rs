@@ -3,7 +3,7 @@
 //!
 //! Sinks write whole records under a lock on the calling thread; one reader thread
 //! per link applies the receiver's answers (a handoff failed, a handoff is done, a
-//! slot is free) and wakes whoever waits on them.
+//! slot came back while a sink slept for one) and wakes whoever waits on them.
 //!
 //! A 12 KiB frame is too small to pay a system call of its own: a TCP sink gathers
 //! its frames into writes of about 256 KiB, and a shared-memory sink packs its frames
@@ -54,9 +54,7 @@ impl Stream {
             Stream::Unix(s) => s.shutdown(Shutdown::Both),
         };
     }
-}
 
-impl Stream {
     /// Blocks until there is something to read (or the connection ended).
     ///
     /// A thread blocked in `read` wakes whenever the peer *reads* too (Linux shares one
@@ -349,6 +347,14 @@ fn reclaim(slots: &mut [SlotUse], segment: &Segment) -> Option<HeldSlot> {
     None
 }
 
+/// The body of a `SLOT` record: the slot and the bytes of frames in it.
+fn slot_body(index: u32, used: usize) -> [u8; 8] {
+    let mut body = [0u8; 8];
+    body[..4].copy_from_slice(&index.to_le_bytes());
+    body[4..].copy_from_slice(&(used as u32).to_le_bytes());
+    body
+}
+
 fn check(st: &State, id: HandoffId, sent: u32) -> Result<(), TransferError> {
     if let Some(why) = &st.broken {
         return Err(TransferError::Disconnected(why.clone()));
@@ -424,10 +430,7 @@ impl LinkSink {
     fn announce_slot(&mut self) -> Result<(), TransferError> {
         let (Some(segment), Some(slot)) = (&self.link.segment, self.slot.take()) else { return Ok(()) };
         self.link.mark_sent(segment, &slot);
-        let mut body = [0u8; 8];
-        body[..4].copy_from_slice(&slot.index.to_le_bytes());
-        body[4..].copy_from_slice(&(slot.used as u32).to_le_bytes());
-        self.control(to_receiver::SLOT, &body)
+        self.control(to_receiver::SLOT, &slot_body(slot.index, slot.used))
     }
 
     /// Writes a control record at once; records still batched are dropped (callers
@@ -510,9 +513,7 @@ impl Link {
                 let mut slot = self.take_slot(segment, frame.handoff, 0)?;
                 segment.write_raw(&mut slot, &bytes);
                 self.mark_sent(segment, &slot);
-                let mut body = slot.index.to_le_bytes().to_vec();
-                body.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-                wire::put(&mut out, to_receiver::SLOT, frame.handoff, &body);
+                wire::put(&mut out, to_receiver::SLOT, frame.handoff, &slot_body(slot.index, bytes.len()));
             }
             None => wire::put(&mut out, to_receiver::FRAME, frame.handoff, &bytes),
         }

@@ -97,10 +97,7 @@ impl ShmTransport {
         let mut stream = UnixStream::connect(socket)?;
         stream.set_write_timeout(Some(IO_TIMEOUT))?;
         stream.set_read_timeout(Some(IO_TIMEOUT))?;
-        let mut hello = Vec::new();
-        hello.extend_from_slice(&(cfg.slots as u32).to_le_bytes());
-        hello.extend_from_slice(&(cfg.slot_bytes as u64).to_le_bytes());
-        hello.extend_from_slice(segment.path.as_os_str().as_encoded_bytes());
+        let hello = hello(cfg.slots as u32, cfg.slot_bytes as u64, segment.path.as_os_str().as_encoded_bytes());
         let mut out = Vec::new();
         wire::put(&mut out, to_receiver::HELLO, HandoffId(0), &hello);
         io::Write::write_all(&mut stream, &out)?;
@@ -132,6 +129,15 @@ impl KvTransport for ShmTransport {
     fn name(&self) -> &'static str {
         self.link.name()
     }
+}
+
+/// The body of `HELLO`: the segment's shape and path, as [`Mapping::open`] reads it.
+fn hello(slots: u32, slot_bytes: u64, path: &[u8]) -> Vec<u8> {
+    let mut body = Vec::with_capacity(12 + path.len());
+    body.extend_from_slice(&slots.to_le_bytes());
+    body.extend_from_slice(&slot_bytes.to_le_bytes());
+    body.extend_from_slice(path);
+    body
 }
 
 /// The words at the start of a segment that both sides write, atomically.
@@ -515,10 +521,7 @@ mod tests {
     #[test]
     fn slots_come_back_through_the_segment() {
         let seg = Segment::create(ShmConfig { slots: 3, slot_bytes: 4096 }).unwrap();
-        let mut hello = 3u32.to_le_bytes().to_vec();
-        hello.extend_from_slice(&4096u64.to_le_bytes());
-        hello.extend_from_slice(seg.path.as_os_str().as_encoded_bytes());
-        let rx = Mapping::open(&hello).unwrap();
+        let rx = Mapping::open(&hello(3, 4096, seg.path.as_os_str().as_encoded_bytes())).unwrap();
         assert!((0..3).all(|i| seg.is_free(i)), "a new segment's slots are all free");
         for index in 0..2 {
             seg.mark_sent(&HeldSlot { index, used: 0 });
@@ -545,12 +548,7 @@ mod tests {
 
     #[test]
     fn mapping_refuses_foreign_paths_and_wrong_sizes() {
-        let hello = |slots: u32, bytes: u64, path: &str| {
-            let mut h = slots.to_le_bytes().to_vec();
-            h.extend_from_slice(&bytes.to_le_bytes());
-            h.extend_from_slice(path.as_bytes());
-            h
-        };
+        let hello = |slots: u32, bytes: u64, path: &str| super::hello(slots, bytes, path.as_bytes());
         assert!(Mapping::open(&hello(1, 4096, "/etc/passwd")).is_err());
         assert!(Mapping::open(&hello(1, 4096, "/dev/shm/pdserve-kv-../../etc/passwd")).is_err());
         let link = format!("{DIR}/{PREFIX}test-link-{}", std::process::id());

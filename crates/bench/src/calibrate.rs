@@ -31,7 +31,7 @@ pub async fn floor(body: &BodyOptions, workload: &Workload, plan: &PointPlan) ->
     let server = FakeServer::start()?;
     let target = Target::parse(&server.url(), false)?;
     let client = Client { target, body: BodyOptions { model: None, ..body.clone() }, timeout: Duration::from_secs(60) };
-    let records = run_point(&client, workload, plan, false).await;
+    let records = run_point(&client, workload, plan, None).await;
     drop(server);
     Ok(Calibration { label: plan.label.clone(), summary: Summary::of(&records, Slo::default()) })
 }

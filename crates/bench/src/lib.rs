@@ -29,6 +29,7 @@ pub mod progress;
 pub mod prompt;
 pub mod record;
 pub mod report;
+pub mod reuse;
 pub mod rng;
 pub mod runner;
 pub mod sse;

@@ -10,6 +10,7 @@ use crate::openai::BodyOptions;
 use crate::point::{Bounds, Issue, PointPlan};
 use crate::record::RequestRecord;
 use crate::report::{json, markdown};
+use crate::reuse::SentBlocks;
 use crate::runner::run_point;
 use crate::target::Target;
 use crate::workload::Workload;
@@ -160,8 +161,9 @@ pub fn run_load(opts: &LoadOptions) -> Result<LoadReport, BenchError> {
         };
         let body = BodyOptions { model: model.clone(), ..opts.body.clone() };
         let client = Client { target, body, timeout: opts.timeout };
-        warm_up(&client, &opts.workload, opts.warmup).await?;
-        let points = measure(&client, &opts.workload, &plans, opts.slo, crate::progress::enabled()).await;
+        let mut sent = SentBlocks::default();
+        warm_up(&client, &opts.workload, opts.warmup, &mut sent).await?;
+        let points = measure(&client, &opts.workload, &plans, opts.slo, &mut sent).await;
         let mut calibration = Vec::new();
         if opts.calibrate {
             for plan in &plans {
@@ -186,13 +188,23 @@ pub fn run_load(opts: &LoadOptions) -> Result<LoadReport, BenchError> {
     Ok(report)
 }
 
-/// Runs every point in order, logging one line per point to stderr.
-pub async fn measure(client: &Client, w: &Workload, plans: &[PointPlan], slo: Slo, progress: bool) -> Vec<PointResult> {
+/// Runs every point in order, logging one line per point to stderr. `sent` holds the
+/// prompt blocks this server has seen earlier in the run.
+pub async fn measure(
+    client: &Client,
+    w: &Workload,
+    plans: &[PointPlan],
+    slo: Slo,
+    sent: &mut SentBlocks,
+) -> Vec<PointResult> {
     let mut out = Vec::new();
     for plan in plans {
         let t = Instant::now();
-        let records = run_point(client, w, plan, progress).await;
-        let summary = Summary::of(&records, slo);
+        let records = run_point(client, w, plan, Some(crate::progress::Style::detect())).await;
+        let mut summary = Summary::of(&records, slo);
+        for r in &records {
+            summary.prompt_blocks += sent.record(&w.request(plan.seed, r.index).prompt.ids());
+        }
         eprintln!("{}", markdown::one_line(&plan.label, &summary, t.elapsed().as_secs_f64()));
         out.push(PointResult { plan: plan.clone(), summary, records });
     }
@@ -201,12 +213,14 @@ pub async fn measure(client: &Client, w: &Workload, plans: &[PointPlan], slo: Sl
 
 /// Sends `n` requests one at a time with prompts no point uses. Fails only if every
 /// one of them fails: then measuring would only record that error.
-pub async fn warm_up(client: &Client, w: &Workload, n: usize) -> Result<(), BenchError> {
+pub async fn warm_up(client: &Client, w: &Workload, n: usize, sent: &mut SentBlocks) -> Result<(), BenchError> {
     let origin = Instant::now();
     let mut last_error = None;
     let mut ok = 0;
     for i in 0..n {
-        let rec = client.send(&w.request(u64::MAX, i), origin, None).await;
+        let spec = w.request(u64::MAX, i);
+        sent.record(&spec.prompt.ids());
+        let rec = client.send(&spec, origin, None).await;
         if rec.ok {
             ok += 1;
         } else {

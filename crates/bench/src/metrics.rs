@@ -111,6 +111,10 @@ pub struct Summary {
     pub send_lag_ms: Stats,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_error: Option<String>,
+    /// The point's full prompt blocks and how many the run had sent before them
+    /// (a prefix cache may hold those): filled by `load::measure`.
+    #[serde(default)]
+    pub prompt_blocks: crate::reuse::BlockReuse,
 }
 
 impl Summary {
@@ -140,6 +144,7 @@ impl Summary {
             client_busy_ms: Stats::of(records.iter().map(|r| r.client_busy_s), 1e3),
             send_lag_ms: Stats::of(records.iter().filter_map(|r| Some(r.start_s - r.scheduled_s?)), 1e3),
             first_error: records.iter().find_map(|r| r.error.clone()),
+            prompt_blocks: Default::default(),
         }
     }
 }

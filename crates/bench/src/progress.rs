@@ -1,5 +1,6 @@
-//! A one-line progress bar on stderr, redrawn with `\r`, only when stderr is a
-//! terminal (logs and pipes stay clean).
+//! Progress on stderr while a point runs: on a terminal, a one-line bar redrawn with
+//! `\r`; otherwise (logs, pipes, CI) a plain line every 10 s, so a long benchmark
+//! never looks hung.
 
 use crate::point::Bounds;
 use std::io::{IsTerminal, Write};
@@ -27,28 +28,54 @@ impl Counters {
     }
 }
 
-/// Whether to draw at all.
-pub fn enabled() -> bool {
-    std::io::stderr().is_terminal()
+/// How progress is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Style {
+    /// A bar redrawn in place every 200 ms (stderr is a terminal).
+    Bar,
+    /// A line every 10 s.
+    Lines,
 }
 
-/// Redraws the bar every 200 ms, forever (the caller drops it when the point ends).
-pub async fn draw_forever(label: &str, bounds: Bounds, counters: &Counters) {
+impl Style {
+    pub fn detect() -> Style {
+        if std::io::stderr().is_terminal() {
+            Style::Bar
+        } else {
+            Style::Lines
+        }
+    }
+
+    fn period(self) -> Duration {
+        match self {
+            Style::Bar => Duration::from_millis(200),
+            Style::Lines => Duration::from_secs(10),
+        }
+    }
+}
+
+/// Shows progress forever (the caller drops it when the point ends).
+pub async fn draw_forever(label: &str, bounds: Bounds, counters: &Counters, style: Style) {
     let start = Instant::now();
     loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(style.period()).await;
         let line = render(label, bounds, counters, start.elapsed().as_secs_f64());
         let mut err = std::io::stderr().lock();
-        let _ = write!(err, "\r\x1b[2K{line}");
+        let _ = match style {
+            Style::Bar => write!(err, "\r\x1b[2K{line}"),
+            Style::Lines => writeln!(err, "{line}"),
+        };
         let _ = err.flush();
     }
 }
 
-/// Erases the bar.
-pub fn clear() {
-    let mut err = std::io::stderr().lock();
-    let _ = write!(err, "\r\x1b[2K");
-    let _ = err.flush();
+/// Erases the bar (lines stay).
+pub fn clear(style: Style) {
+    if style == Style::Bar {
+        let mut err = std::io::stderr().lock();
+        let _ = write!(err, "\r\x1b[2K");
+        let _ = err.flush();
+    }
 }
 
 /// The bar's text: progress is the nearer of the request and the time bound.

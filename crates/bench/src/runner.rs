@@ -14,12 +14,12 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
-/// Runs a point, with a progress bar when `show_progress`.
+/// Runs a point, showing progress on stderr in `style` (none when `None`).
 pub async fn run_point(
     client: &Client,
     workload: &Workload,
     plan: &PointPlan,
-    show_progress: bool,
+    style: Option<progress::Style>,
 ) -> Vec<RequestRecord> {
     let counters = Counters::default();
     let work = async {
@@ -41,16 +41,17 @@ pub async fn run_point(
             }
         }
     };
-    let mut records = if show_progress {
-        let label = plan.label.as_str();
-        let r = tokio::select! {
-            r = work => r,
-            _ = progress::draw_forever(label, plan.bounds, &counters) => Vec::new(),
-        };
-        progress::clear();
-        r
-    } else {
-        work.await
+    let mut records = match style {
+        Some(style) => {
+            let label = plan.label.as_str();
+            let r = tokio::select! {
+                r = work => r,
+                _ = progress::draw_forever(label, plan.bounds, &counters, style) => Vec::new(),
+            };
+            progress::clear(style);
+            r
+        }
+        None => work.await,
     };
     records.sort_by_key(|r| r.index);
     records

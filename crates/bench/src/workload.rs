@@ -173,6 +173,37 @@ mod tests {
     }
 
     #[test]
+    fn ten_thousand_points_requests_and_prefixes_give_ten_thousand_prompts() {
+        let w = shared(10);
+        let mut seen = std::collections::HashSet::new();
+        let mut prefixes = std::collections::HashSet::new();
+        for point in 0..10 {
+            for index in 0..1000 {
+                let r = w.request(point, index);
+                prefixes.insert(r.prompt.prefix.clone());
+                assert!(seen.insert(r.prompt.ids()), "point {point} request {index} repeats an earlier prompt");
+            }
+        }
+        // Ten prefixes per point, none shared between points.
+        assert_eq!((seen.len(), prefixes.len()), (10_000, 100));
+    }
+
+    #[test]
+    fn a_sweep_sends_no_prompt_block_twice() {
+        let w = Workload {
+            source: Source::Random { input: LengthSpec::Fixed(512), output: LengthSpec::Fixed(8) },
+            range: TokenRange::default(),
+            seed: 0,
+        };
+        let mut sent = crate::reuse::SentBlocks::default();
+        for point in [u64::MAX, 0, 1, 2] {
+            for index in 0..100 {
+                assert_eq!(sent.record(&w.request(point, index).prompt.ids()).reused, 0);
+            }
+        }
+    }
+
+    #[test]
     fn trace_workload_follows_rows_and_offsets() {
         let rows = crate::trace::parse(
             "{\"timestamp\": 1000, \"input_length\": 8, \"output_length\": 3}\n\

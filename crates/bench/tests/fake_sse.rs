@@ -119,7 +119,7 @@ fn closed(c: usize, requests: usize) -> pdserve_bench::point::PointPlan {
 async fn measured_ttft_and_itl_match_the_injected_delays() {
     let addr = start_server();
     for endpoint in [Endpoint::Completions, Endpoint::Chat] {
-        let records = run_point(&client(addr, "ok", endpoint), &workload(5), &closed(2, 4), false).await;
+        let records = run_point(&client(addr, "ok", endpoint), &workload(5), &closed(2, 4), None).await;
         assert_eq!(records.len(), 4);
         for r in &records {
             assert!(r.ok, "{:?}", r.error);
@@ -149,7 +149,7 @@ async fn server_misbehaviour_becomes_failed_records_with_reasons() {
         ("cut", "ended without [DONE]"),
     ];
     for (mode, want) in cases {
-        let records = run_point(&client(addr, mode, Endpoint::Completions), &workload(5), &closed(1, 2), false).await;
+        let records = run_point(&client(addr, mode, Endpoint::Completions), &workload(5), &closed(1, 2), None).await;
         assert_eq!(records.len(), 2);
         for r in &records {
             assert!(!r.ok);
@@ -159,12 +159,12 @@ async fn server_misbehaviour_becomes_failed_records_with_reasons() {
     }
     // A body left open after [DONE]: the request is complete at [DONE].
     let t = std::time::Instant::now();
-    let records = run_point(&client(addr, "linger", Endpoint::Completions), &workload(3), &closed(1, 1), false).await;
+    let records = run_point(&client(addr, "linger", Endpoint::Completions), &workload(3), &closed(1, 1), None).await;
     assert!(records[0].ok, "{:?}", records[0].error);
     assert!(records[0].e2e_s < 1.0 && t.elapsed() < Duration::from_secs(10));
     // Nobody listening: a failed record, not a panic.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let records = run_point(&client(port, "ok", Endpoint::Completions), &workload(2), &closed(1, 1), false).await;
+    let records = run_point(&client(port, "ok", Endpoint::Completions), &workload(2), &closed(1, 1), None).await;
     assert_eq!(records[0].error.as_deref(), Some("connect: connection refused"));
 }
 
@@ -173,7 +173,7 @@ async fn open_loop_sends_on_schedule() {
     let addr = start_server();
     let sweep = Sweep::Rates { rates: vec![50.0], kind: ArrivalKind::Gamma, burstiness: 2.0 };
     let plan = plans(&sweep, 10, 60.0, None).unwrap().remove(0);
-    let records = run_point(&client(addr, "ok", Endpoint::Completions), &workload(2), &plan, false).await;
+    let records = run_point(&client(addr, "ok", Endpoint::Completions), &workload(2), &plan, None).await;
     assert_eq!(records.len(), 10);
     assert!(records.iter().all(|r| r.ok));
     for w in records.windows(2) {

@@ -16,6 +16,7 @@ use crate::point::PointPlan;
 use crate::process::ServerProcess;
 use crate::prompt::TokenRange;
 use crate::report::{compare_markdown, json, plots};
+use crate::reuse::SentBlocks;
 use crate::target::Target;
 use crate::topology::{self, Topology};
 use analyze::Analysis;
@@ -270,9 +271,11 @@ async fn sweep_workloads(
     };
     let client = Client { target, body: BodyOptions { model, ..opts.body.clone() }, timeout: opts.timeout };
     let mut out = Vec::new();
+    // One server serves every workload in turn: its cache outlives each of them.
+    let mut sent = SentBlocks::default();
     for &named in &opts.workloads {
         let w = named.workload(opts.seed, opts.range);
-        if let Err(e) = warm_up(&client, &w, opts.warmup).await {
+        if let Err(e) = warm_up(&client, &w, opts.warmup, &mut sent).await {
             out.push(WorkloadRun { workload: named, error: Some(e.to_string()), points: Vec::new() });
             continue;
         }
@@ -280,7 +283,7 @@ async fn sweep_workloads(
             .iter()
             .map(|p| PointPlan { label: format!("{} {} {}", t.name, named.name(), p.label), ..p.clone() })
             .collect();
-        let points = measure(&client, &w, &labelled, opts.slo, crate::progress::enabled()).await;
+        let points = measure(&client, &w, &labelled, opts.slo, &mut sent).await;
         out.push(WorkloadRun { workload: named, error: None, points });
     }
     Ok(out)

@@ -13,12 +13,12 @@ pub fn num(v: Option<f64>, d: usize) -> String {
 }
 
 /// The columns of a summary row (after the row's own label columns).
-pub const SUMMARY_HEADER: &str = "req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | E2E p50 ms | goodput req/s (SLO %) | client ms/req | ok | failed";
+pub const SUMMARY_HEADER: &str = "req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | E2E p50 ms | goodput req/s (SLO %) | client ms/req | reused prompt blocks | ok | failed";
 
 /// One summary as table cells.
 pub fn summary_cells(s: &Summary) -> String {
     format!(
-        "{} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {} | {} | {}",
+        "{} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {} | {} | {} | {}",
         num(Some(s.request_throughput), 2),
         num(Some(s.output_token_throughput), 1),
         num(s.ttft_ms.p50, 0),
@@ -30,9 +30,16 @@ pub fn summary_cells(s: &Summary) -> String {
         num(Some(s.goodput), 2),
         num(Some(s.slo_attainment_pct), 0),
         num(s.client_busy_ms.mean, 3),
+        reuse(s),
         s.ok,
         s.failed
     )
+}
+
+/// `R/B (P %)`: prompt blocks sent earlier in the run, of all the point's blocks.
+fn reuse(s: &Summary) -> String {
+    let b = s.prompt_blocks;
+    format!("{}/{} ({:.0} %)", b.reused, b.blocks, b.percent())
 }
 
 /// `| a | b |` header and separator for `labels` followed by the summary columns.
@@ -56,6 +63,7 @@ pub fn one_line(label: &str, s: &Summary, wall_s: f64) -> String {
         num(Some(s.goodput), 2),
         num(Some(s.slo_attainment_pct), 0),
     );
+    let _ = write!(line, "; prompt blocks sent before: {}", reuse(s));
     if let Some(e) = &s.first_error {
         let _ = write!(line, "; first error: {e}");
     }

@@ -1,0 +1,78 @@
+//! Which prompt blocks a run has already sent, so that prefix-cache reuse in a
+//! benchmark is always visible: a point whose prompts repeat earlier ones measures
+//! the cache, not the server.
+//!
+//! Blocks are 16 ids, chained (a block's key covers every id before it), like a
+//! server's prefix cache: a block counts as reused only when the whole prompt up to
+//! its end was sent before.
+
+use crate::rng::mix;
+use std::collections::HashSet;
+
+/// Tokens per block, pdserve's and vLLM's default KV block size.
+pub const BLOCK: usize = 16;
+
+/// Full blocks in one point's prompts, and how many of them the run had sent before.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BlockReuse {
+    pub blocks: usize,
+    pub reused: usize,
+}
+
+impl BlockReuse {
+    pub fn percent(&self) -> f64 {
+        if self.blocks == 0 {
+            0.0
+        } else {
+            100.0 * self.reused as f64 / self.blocks as f64
+        }
+    }
+}
+
+/// Every block sent so far in one run (one server).
+#[derive(Debug, Default)]
+pub struct SentBlocks {
+    seen: HashSet<u64>,
+}
+
+impl SentBlocks {
+    /// Counts `ids`'s full blocks and those sent before, then remembers them all.
+    pub fn record(&mut self, ids: &[u32]) -> BlockReuse {
+        let mut r = BlockReuse::default();
+        let mut key = 0u64;
+        for block in ids.chunks_exact(BLOCK) {
+            let mut parts = Vec::with_capacity(BLOCK + 1);
+            parts.push(key);
+            parts.extend(block.iter().map(|&t| u64::from(t)));
+            key = mix(&parts);
+            r.blocks += 1;
+            r.reused += usize::from(!self.seen.insert(key));
+        }
+        r
+    }
+}
+
+impl std::ops::AddAssign for BlockReuse {
+    fn add_assign(&mut self, o: BlockReuse) {
+        self.blocks += o.blocks;
+        self.reused += o.reused;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_repeated_prefix_counts_only_its_full_blocks() {
+        let mut s = SentBlocks::default();
+        let a: Vec<u32> = (0..40).collect();
+        assert_eq!(s.record(&a), BlockReuse { blocks: 2, reused: 0 });
+        let mut b: Vec<u32> = (0..32).collect();
+        b.extend(100..120);
+        assert_eq!(s.record(&b), BlockReuse { blocks: 3, reused: 2 });
+        // The same block after a different history is a different block.
+        let c: Vec<u32> = (16..48).collect();
+        assert_eq!(s.record(&c), BlockReuse { blocks: 2, reused: 0 });
+    }
+}

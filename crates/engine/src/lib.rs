@@ -6,9 +6,9 @@
 //! samples, and returns tokens. It can also export a sequence's KV layer by layer and
 //! import it on another engine, which is what disaggregated serving is built on.
 
+pub mod batch;
 pub mod chat;
 pub mod config;
-pub mod engine;
 pub mod format;
 pub mod kernels;
 pub mod kvcache;
@@ -19,3 +19,5 @@ pub mod sampler;
 pub mod testing;
 pub mod threadpool;
 pub mod tokenizer;
+
+pub use batch::{Engine, EngineConfig, EngineError};

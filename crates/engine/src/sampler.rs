@@ -24,7 +24,7 @@ mod math;
 pub use pdserve_types::rng::Rng;
 
 use math::{argmax, exp_det, lane_sum, max_value, weight, LogSoftmax};
-use pdserve_types::SamplingParams;
+use pdserve_types::{SamplingParams, TokenOut};
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -99,17 +99,6 @@ impl TokenHistory {
         });
         &mut self.seen[i]
     }
-}
-
-/// One sampled token and its logprobs under the raw model distribution.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sampled {
-    pub token: u32,
-    /// Log-softmax of the raw logits at `token`.
-    pub logprob: f32,
-    /// The `top_logprobs` most likely tokens by raw logits, most likely first (ties
-    /// to the lower id); empty when none were asked for.
-    pub top: Vec<(u32, f32)>,
 }
 
 /// The numeric parameters, copied out of [`SamplingParams`] once.
@@ -227,7 +216,7 @@ impl Sampler {
     /// Chooses the next token. `logits` is used as scratch: penalties are applied in
     /// place and undone before returning, so it ends holding the raw logits again
     /// (NaN included). An empty vocabulary yields token 0.
-    pub fn sample(&mut self, logits: &mut [f32], history: &TokenHistory) -> Sampled {
+    pub fn sample(&mut self, logits: &mut [f32], history: &TokenHistory) -> TokenOut {
         let u = self.rng.next_f64(); // drawn even when unused: see `replay_draw`
         self.saved.clear();
         self.apply_penalties(logits, history);
@@ -240,7 +229,7 @@ impl Sampler {
         let lsm = LogSoftmax::of(logits);
         let logprob = logits.get(token).map_or(0.0, |&x| lsm.logprob(x));
         let top = self.top_logprobs(logits, &lsm);
-        Sampled { token: token as u32, logprob, top }
+        TokenOut { token: token as u32, logprob, top }
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], history: &TokenHistory) {

@@ -5,9 +5,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::engine::{Engine, EngineConfig, StepOutput};
+use pdserve_engine::batch::{Engine, EngineConfig, StepOutput};
 use pdserve_engine::loader::{self, LoadedModel};
-use pdserve_engine::sampler::Sampled;
+use pdserve_types::TokenOut;
 use pdserve_types::{RequestId, SamplingParams};
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -62,11 +62,11 @@ fn engine(threads: usize, max_batch_tokens: usize) -> Engine {
 }
 
 /// Outputs per request id, and the step at which each request sampled its first token.
-type Run = (BTreeMap<u64, Vec<Sampled>>, BTreeMap<u64, usize>);
+type Run = (BTreeMap<u64, Vec<TokenOut>>, BTreeMap<u64, usize>);
 
 /// Runs every request queued on `e` to the end.
 fn drain(e: &mut Engine) -> Run {
-    let mut out: BTreeMap<u64, Vec<Sampled>> = BTreeMap::new();
+    let mut out: BTreeMap<u64, Vec<TokenOut>> = BTreeMap::new();
     let mut first = BTreeMap::new();
     let mut steps = 0;
     while e.has_work() {
@@ -82,7 +82,7 @@ fn drain(e: &mut Engine) -> Run {
 }
 
 /// Target `i` alone on a fresh engine.
-fn alone(i: usize, threads: usize) -> Vec<Sampled> {
+fn alone(i: usize, threads: usize) -> Vec<TokenOut> {
     let mut e = engine(threads, 512);
     e.add(RequestId(i as u64), tokens(TARGETS[i]), greedy()).unwrap();
     let (mut out, _) = drain(&mut e);
@@ -110,17 +110,17 @@ fn together(threads: usize, max_batch_tokens: usize) -> Run {
     run
 }
 
-fn assert_same(what: &str, want: &[Sampled], got: &[Sampled]) {
-    let ids = |s: &[Sampled]| s.iter().map(|x| x.token).collect::<Vec<_>>();
-    let lps = |s: &[Sampled]| s.iter().map(|x| x.logprob).collect::<Vec<_>>();
-    let tops = |s: &[Sampled]| s.iter().map(|x| x.top.clone()).collect::<Vec<_>>();
+fn assert_same(what: &str, want: &[TokenOut], got: &[TokenOut]) {
+    let ids = |s: &[TokenOut]| s.iter().map(|x| x.token).collect::<Vec<_>>();
+    let lps = |s: &[TokenOut]| s.iter().map(|x| x.logprob).collect::<Vec<_>>();
+    let tops = |s: &[TokenOut]| s.iter().map(|x| x.top.clone()).collect::<Vec<_>>();
     assert_eq!(ids(want), ids(got), "{what}: tokens differ");
     assert_eq!(lps(want), lps(got), "{what}: logprobs differ");
     assert_eq!(tops(want), tops(got), "{what}: top logprobs differ");
 }
 
-fn baseline() -> &'static Vec<Vec<Sampled>> {
-    static B: OnceLock<Vec<Vec<Sampled>>> = OnceLock::new();
+fn baseline() -> &'static Vec<Vec<TokenOut>> {
+    static B: OnceLock<Vec<Vec<TokenOut>>> = OnceLock::new();
     B.get_or_init(|| {
         (0..TARGETS.len())
             .map(|i| {

@@ -6,9 +6,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::engine::{Engine, EngineConfig, EngineError, FinishReason, KvFrame, StepOutput};
+use pdserve_engine::batch::{Engine, EngineConfig, EngineError, FinishReason, KvFrame, StepOutput};
 use pdserve_engine::loader::{self, LoadedModel};
-use pdserve_engine::sampler::Sampled;
+use pdserve_types::TokenOut;
 use pdserve_types::{RequestId, SamplingParams, StopCondition};
 use std::sync::OnceLock;
 
@@ -67,7 +67,7 @@ fn drain(e: &mut Engine, id: RequestId) -> Vec<StepOutput> {
 }
 
 /// One engine doing everything.
-fn aggregated(prompt: &[u32], params: &SamplingParams) -> Vec<Sampled> {
+fn aggregated(prompt: &[u32], params: &SamplingParams) -> Vec<TokenOut> {
     let mut e = engine(64, 512);
     e.add(RequestId(1), prompt.to_vec(), params.clone()).unwrap();
     let out = drain(&mut e, RequestId(1));
@@ -133,7 +133,7 @@ fn import(
     drain(d, id)
 }
 
-fn disaggregated(prompt: &[u32], params: &SamplingParams, p_batch: usize) -> Vec<Sampled> {
+fn disaggregated(prompt: &[u32], params: &SamplingParams, p_batch: usize) -> Vec<TokenOut> {
     let id = RequestId(9);
     let (first, frames) = export(id, prompt, params, p_batch);
     check_frame_order(&frames, prompt.len());
@@ -146,11 +146,11 @@ fn disaggregated(prompt: &[u32], params: &SamplingParams, p_batch: usize) -> Vec
     std::iter::once(first.sampled).chain(rest.into_iter().map(|o| o.sampled)).collect()
 }
 
-fn tokens(s: &[Sampled]) -> Vec<u32> {
+fn tokens(s: &[TokenOut]) -> Vec<u32> {
     s.iter().map(|x| x.token).collect()
 }
 
-fn assert_same(what: &str, want: &[Sampled], got: &[Sampled]) {
+fn assert_same(what: &str, want: &[TokenOut], got: &[TokenOut]) {
     assert_eq!(tokens(want), tokens(got), "{what}: tokens");
     assert_eq!(want, got, "{what}: logprobs");
 }
@@ -261,7 +261,7 @@ fn bad_frames_are_rejected_and_change_nothing() {
     assert_eq!(d.stats().blocks.used, used);
     assert!(!d.has_work());
     d.finish_import(id, p.clone(), first.sampled.token, params.clone()).unwrap();
-    let got: Vec<Sampled> =
+    let got: Vec<TokenOut> =
         std::iter::once(first.sampled).chain(drain(&mut d, id).into_iter().map(|o| o.sampled)).collect();
     assert_same("after rejected frames", &want, &got);
 }

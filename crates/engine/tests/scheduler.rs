@@ -4,9 +4,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::engine::{Engine, EngineConfig, EngineError, FinishReason, StepOutput};
+use pdserve_engine::batch::{Engine, EngineConfig, EngineError, FinishReason, StepOutput};
 use pdserve_engine::loader::{self, LoadedModel};
-use pdserve_engine::sampler::Sampled;
+use pdserve_types::TokenOut;
 use pdserve_kv::PoolStats;
 use pdserve_types::{RequestId, SamplingParams, StopCondition};
 use std::collections::{BTreeMap, BTreeSet};
@@ -66,7 +66,7 @@ fn drain(e: &mut Engine) -> BTreeMap<u64, Vec<StepOutput>> {
     out
 }
 
-fn sampled(outs: &[StepOutput]) -> Vec<Sampled> {
+fn sampled(outs: &[StepOutput]) -> Vec<TokenOut> {
     outs.iter().map(|o| o.sampled.clone()).collect()
 }
 

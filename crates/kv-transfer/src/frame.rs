@@ -26,7 +26,7 @@
 
 use crate::crc32c::crc32c;
 use crate::HandoffId;
-use pdserve_engine::engine::KvFrame;
+use pdserve_types::KvFrame;
 
 pub const MAGIC: [u8; 4] = *b"PDKV";
 pub const VERSION: u16 = 1;

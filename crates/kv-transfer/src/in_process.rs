@@ -2,7 +2,7 @@
 //! handoff's bounded channel. Nothing is encoded, copied or checksummed.
 
 use crate::inbox::Feed;
-use crate::{Frame, HandoffId, Inboxes, KvSink, KvTransport, TransferError};
+use crate::{Frame, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError, TransportKind};
 
 /// Delivers straight into a decode worker's [`Inboxes`] in this process.
 #[derive(Clone)]
@@ -17,13 +17,13 @@ impl InProcess {
 }
 
 impl KvTransport for InProcess {
-    fn open(&self, id: HandoffId) -> Result<Box<dyn KvSink>, TransferError> {
-        let feed = self.inboxes.claim(id).ok_or(TransferError::ReceiverGone(id))?;
+    fn open(&self, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
+        let feed = self.inboxes.claim(id, token).ok_or(TransferError::ReceiverGone(id))?;
         Ok(Box::new(InProcessSink { id, feed: Some(feed) }))
     }
 
-    fn name(&self) -> &'static str {
-        "in-process"
+    fn kind(&self) -> TransportKind {
+        TransportKind::Inproc
     }
 }
 

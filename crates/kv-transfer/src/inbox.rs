@@ -1,7 +1,7 @@
 //! The receiving side: a decode worker's registry of handoffs it expects, fed by any
 //! number of transports at once.
 
-use crate::{Frame, HandoffId, TransferError};
+use crate::{Frame, HandoffId, HandoffToken, TransferError};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::pin;
@@ -45,8 +45,9 @@ impl Inboxes {
         Inboxes { shared: Arc::new(shared) }
     }
 
-    /// Starts expecting handoff `id`; its frames arrive on the returned inbox.
-    /// Dropping the inbox tells the sender the receiver is gone.
+    /// Starts expecting handoff `id`; its frames arrive on the returned inbox, from
+    /// the one sink that presents the inbox's [`token`](Inbox::token). Dropping the
+    /// inbox tells the sender the receiver is gone.
     pub fn expect(&self, id: HandoffId) -> Result<Inbox, TransferError> {
         let mut expected = self.shared.expected.lock().unwrap_or_else(PoisonError::into_inner);
         if expected.get(&id).is_some_and(|f| !f.tx.is_closed()) {
@@ -57,8 +58,9 @@ impl Inboxes {
         let room = Arc::new(Semaphore::new(self.shared.capacity));
         let end = End::default();
         let max_batch = self.shared.capacity.min(MAX_BATCH);
-        expected.insert(id, Feed { tx, room: room.clone(), max_batch, end: end.clone() });
-        Ok(Inbox { id, rx, room, ready: Vec::new().into_iter(), end, shared: self.shared.clone() })
+        let token = HandoffToken::random();
+        expected.insert(id, Feed { tx, room: room.clone(), max_batch, end: end.clone(), token });
+        Ok(Inbox { id, token, rx, room, ready: Vec::new().into_iter(), end, shared: self.shared.clone() })
     }
 
     /// Gives a frame's payload buffers back for later frames to be decoded into.
@@ -74,9 +76,14 @@ impl Inboxes {
         (pool.take(), pool.take())
     }
 
-    /// Takes the feed of an expected handoff, once: the first link to claim it owns it.
-    pub(crate) fn claim(&self, id: HandoffId) -> Option<Feed> {
+    /// Takes the feed of an expected handoff, once, for the sink that presents its
+    /// token: the first link to claim it owns it. A wrong token claims nothing and
+    /// leaves the handoff to its real sender.
+    pub(crate) fn claim(&self, id: HandoffId, token: HandoffToken) -> Option<Feed> {
         let mut expected = self.shared.expected.lock().unwrap_or_else(PoisonError::into_inner);
+        if expected.get(&id).is_some_and(|f| f.token != token) {
+            return None;
+        }
         expected.remove(&id).filter(|f| !f.tx.is_closed())
     }
 }
@@ -106,6 +113,7 @@ impl Pool {
 /// The frames of one handoff, in the order they were sent.
 pub struct Inbox {
     id: HandoffId,
+    token: HandoffToken,
     rx: mpsc::UnboundedReceiver<Vec<Frame>>,
     /// Free places for frames; a batch's places come back when it is taken out.
     room: Arc<Semaphore>,
@@ -118,6 +126,11 @@ pub struct Inbox {
 impl Inbox {
     pub fn id(&self) -> HandoffId {
         self.id
+    }
+
+    /// What the sender must present to deliver into this inbox.
+    pub fn token(&self) -> HandoffToken {
+        self.token
     }
 
     /// The registry this inbox belongs to, whose pool takes back frame buffers.
@@ -176,6 +189,7 @@ pub(crate) struct Feed {
     /// The most frames one `deliver` takes.
     max_batch: usize,
     end: End,
+    token: HandoffToken,
 }
 
 /// The inbox was dropped.
@@ -243,8 +257,9 @@ mod tests {
         let inboxes = Inboxes::new(4);
         let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
         assert!(matches!(inboxes.expect(HandoffId(1)), Err(TransferError::Duplicate(_))));
-        let feed = inboxes.claim(HandoffId(1)).unwrap();
-        assert!(inboxes.claim(HandoffId(1)).is_none(), "a handoff is claimed once");
+        assert!(inboxes.claim(HandoffId(1), HandoffToken([0; 16])).is_none(), "a wrong token claims nothing");
+        let feed = inboxes.claim(HandoffId(1), inbox.token()).unwrap();
+        assert!(inboxes.claim(HandoffId(1), inbox.token()).is_none(), "a handoff is claimed once");
         feed.blocking_deliver(vec![frame(1, 0), frame(1, 1)]).unwrap();
         feed.end(Ok(()));
         assert_eq!(inbox.blocking_recv().unwrap(), Some(frame(1, 0)));
@@ -255,10 +270,12 @@ mod tests {
     #[test]
     fn a_dropped_inbox_is_unclaimable_and_gone() {
         let inboxes = Inboxes::new(4);
-        drop(inboxes.expect(HandoffId(2)).unwrap());
-        assert!(inboxes.claim(HandoffId(2)).is_none());
+        let dropped = inboxes.expect(HandoffId(2)).unwrap();
+        let token = dropped.token();
+        drop(dropped);
+        assert!(inboxes.claim(HandoffId(2), token).is_none());
         let inbox = inboxes.expect(HandoffId(3)).unwrap();
-        let feed = inboxes.claim(HandoffId(3)).unwrap();
+        let feed = inboxes.claim(HandoffId(3), inbox.token()).unwrap();
         drop(inbox);
         assert!(feed.is_gone());
         assert!(feed.blocking_deliver(vec![frame(3, 0)]).is_err());
@@ -268,7 +285,7 @@ mod tests {
     fn a_vanished_feed_reads_as_disconnected() {
         let inboxes = Inboxes::new(4);
         let mut inbox = inboxes.expect(HandoffId(4)).unwrap();
-        drop(inboxes.claim(HandoffId(4)));
+        drop(inboxes.claim(HandoffId(4), inbox.token()));
         assert!(matches!(inbox.blocking_recv(), Err(TransferError::Disconnected(_))));
     }
 }

@@ -7,13 +7,18 @@
 //!                        KvSink::finish()     ─────►            Ok(None): every frame arrived
 //! ```
 //!
-//! The decode side first [`Inboxes::expect`]s the handoff (after reserving blocks), then
-//! the prefill side [`KvTransport::open`]s a sink for it and streams one [`Frame`] per
-//! (layer, block) as each layer completes. Frames of one handoff arrive in order.
+//! The decode side first [`Inboxes::expect`]s the handoff (after reserving blocks),
+//! which makes an unguessable [`HandoffToken`]; the prefill side, told the token by
+//! the router, [`KvTransport::open`]s a sink for it and streams one [`Frame`] per
+//! (layer, block) as each layer completes. A receiver routes frames only to a handoff
+//! whose sink presented its token, so no other process can write into (or spoil) a
+//! reservation it did not get. Frames of one handoff arrive in order.
 //! Every link that leaves the process carries frames in the checksummed [wire
 //! format](frame), so a corrupt frame fails its handoff instead of poisoning the cache.
 //!
-//! Transports, all behind [`KvTransport`]:
+//! Transports, all behind [`KvTransport`] and named by [`TransportKind`]; a decode
+//! worker says where it receives with a [`KvTarget`], and [`Links`] opens a sink to
+//! any target, so the sending side has one code path for all of them:
 //! - [`InProcess`]: the frame itself moves through a bounded channel; no copy.
 //! - [`TcpTransport`] → [`TcpReceiver`]: length-prefixed frames on one connection per
 //!   peer, any number of handoffs interleaved on it.
@@ -37,11 +42,13 @@ pub mod frame;
 mod in_process;
 mod inbox;
 mod link;
+mod links;
 mod measure;
 mod receive;
+mod records;
 mod shm;
+mod target;
 mod tcp;
-mod wire;
 
 use std::fmt;
 use std::sync::Arc;
@@ -49,6 +56,8 @@ use std::sync::Arc;
 pub use frame::{Frame, FrameError};
 pub use in_process::InProcess;
 pub use inbox::{Inbox, Inboxes};
+pub use links::Links;
+pub use target::{HandoffToken, KvAddr, KvTarget, TransportKind};
 pub use measure::{measure, measure_copy, measure_copy_twice, measure_raw_shm, measure_raw_tcp, Throughput};
 pub use shm::{ShmConfig, ShmReceiver, ShmTransport};
 pub use tcp::{TcpReceiver, TcpTransport};
@@ -72,13 +81,13 @@ impl From<pdserve_types::RequestId> for HandoffId {
 /// The sending side of KV transfer to one receiver (a decode worker's [`Inboxes`],
 /// here or on a peer). Object safe: the router holds `Arc<dyn KvTransport>` per pair.
 pub trait KvTransport: Send + Sync {
-    /// Opens the sink of handoff `id`. The receiver must already expect `id`; a link
-    /// that can tell at once (in-process) fails here, the others at the first send
-    /// or at [`KvSink::finish`].
-    fn open(&self, id: HandoffId) -> Result<Box<dyn KvSink>, TransferError>;
+    /// Opens the sink of handoff `id`, presenting the receiver's `token`. The receiver
+    /// must already expect `id` with that token; a link that can tell at once
+    /// (in-process) fails here, the others at the first send or at
+    /// [`KvSink::finish`].
+    fn open(&self, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError>;
 
-    /// A short name for logs and probes: "in-process", "tcp", "shm".
-    fn name(&self) -> &'static str;
+    fn kind(&self) -> TransportKind;
 }
 
 /// The sending half of one handoff. Calls block, so they belong on a plain thread

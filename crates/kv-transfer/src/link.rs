@@ -10,8 +10,8 @@
 //! into a slot (256 KiB by default) and announces the slot once it is full.
 
 use crate::shm::{HeldSlot, Segment};
-use crate::wire::{self, to_receiver, to_sender, Body, Record, Status};
-use crate::{Frame, HandoffId, KvSink, TransferError};
+use crate::records::{self, to_receiver, to_sender, Body, Record, Status};
+use crate::{Frame, HandoffId, HandoffToken, KvSink, TransferError, TransportKind};
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -96,7 +96,7 @@ impl Write for Stream {
 }
 
 pub struct Link {
-    name: &'static str,
+    kind: TransportKind,
     writer: Mutex<Stream>,
     shared: Arc<Shared>,
     /// Present on shared-memory links: frames go into its slots.
@@ -138,7 +138,7 @@ struct State {
 
 impl Link {
     /// Starts the reader thread on `stream`, whose handshake (if any) is done.
-    pub fn start(name: &'static str, stream: Stream, segment: Option<Segment>) -> io::Result<Arc<Link>> {
+    pub fn start(kind: TransportKind, stream: Stream, segment: Option<Segment>) -> io::Result<Arc<Link>> {
         let slots = segment.as_ref().map_or(0, |s| s.slots());
         let state = State { slots: vec![SlotUse::Free; slots], ..State::default() };
         let shared =
@@ -146,15 +146,17 @@ impl Link {
         let reader = BufReader::with_capacity(16 << 10, stream.try_clone()?);
         let s = shared.clone();
         let reader =
-            thread::Builder::new().name(format!("kv-{name}-replies")).spawn(move || read_replies(reader, s))?;
-        Ok(Arc::new(Link { name, writer: Mutex::new(stream), shared, segment, reader: Some(reader) }))
+            thread::Builder::new().name(format!("kv-{kind}-replies")).spawn(move || read_replies(reader, s))?;
+        Ok(Arc::new(Link { kind, writer: Mutex::new(stream), shared, segment, reader: Some(reader) }))
     }
 
-    pub fn name(&self) -> &'static str {
-        self.name
+    pub fn kind(&self) -> TransportKind {
+        self.kind
     }
 
-    pub fn open(self: &Arc<Self>, id: HandoffId) -> Result<Box<dyn KvSink>, TransferError> {
+    /// Opens a sink and tells the receiver at once, presenting `token`, so that the
+    /// receiver routes the frames that follow (a wrong token fails the handoff).
+    pub fn open(self: &Arc<Self>, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
         let mut st = self.shared.lock();
         if let Some(why) = &st.broken {
             return Err(TransferError::Disconnected(why.clone()));
@@ -165,7 +167,9 @@ impl Link {
         st.failed.remove(&id);
         st.done.remove(&id);
         drop(st);
-        Ok(Box::new(LinkSink { link: self.clone(), id, sent: 0, buf: Vec::new(), slot: None, open: true }))
+        let mut sink = LinkSink { link: self.clone(), id, sent: 0, buf: Vec::new(), slot: None, open: true };
+        sink.control(to_receiver::OPEN, &token.0)?;
+        Ok(Box::new(sink))
     }
 
     fn write(&self, bytes: &[u8]) -> Result<(), TransferError> {
@@ -306,7 +310,7 @@ impl Shared {
             to_sender::FREE => {
                 b.u32()?;
             }
-            tag => return Err(wire::invalid(format!("unexpected record {tag} from the receiver"))),
+            tag => return Err(records::invalid(format!("unexpected record {tag} from the receiver"))),
         }
         self.changed.notify_all();
         Ok(())
@@ -319,7 +323,7 @@ fn read_replies(mut r: BufReader<Stream>, shared: Arc<Shared>) {
         if r.buffer().is_empty() {
             r.get_ref().wait_readable();
         }
-        match wire::read_sync(&mut r, &mut body) {
+        match records::read_sync(&mut r, &mut body) {
             Ok(Some(rec)) => {
                 if let Err(e) = shared.apply(rec, &body[..rec.len]) {
                     break e.to_string();
@@ -391,14 +395,14 @@ impl LinkSink {
     /// TCP: the frame travels inside its record, records go out in batches.
     fn send_inline(&mut self, frame: &Frame) -> Result<(), TransferError> {
         let start = self.buf.len();
-        let end = start + wire::PREFIX_BYTES + frame.encoded_len();
+        let end = start + records::PREFIX_BYTES + frame.encoded_len();
         self.buf.resize(end, 0);
-        if let Err(e) = frame.encode_to_slice(&mut self.buf[start + wire::PREFIX_BYTES..end]) {
+        if let Err(e) = frame.encode_to_slice(&mut self.buf[start + records::PREFIX_BYTES..end]) {
             self.buf.truncate(start);
             return Err(TransferError::Frame(e));
         }
-        let prefix = wire::prefix(to_receiver::FRAME, self.id, frame.encoded_len());
-        self.buf[start..start + wire::PREFIX_BYTES].copy_from_slice(&prefix);
+        let prefix = records::prefix(to_receiver::FRAME, self.id, frame.encoded_len());
+        self.buf[start..start + records::PREFIX_BYTES].copy_from_slice(&prefix);
         if self.buf.len() >= BATCH_BYTES {
             self.flush()?;
         }
@@ -437,7 +441,7 @@ impl LinkSink {
     /// flush first unless they abort).
     fn control(&mut self, tag: u8, body: &[u8]) -> Result<(), TransferError> {
         self.buf.clear();
-        wire::put(&mut self.buf, tag, self.id, body);
+        records::put(&mut self.buf, tag, self.id, body);
         let written = self.link.write(&self.buf);
         self.buf.clear();
         written
@@ -513,9 +517,9 @@ impl Link {
                 let mut slot = self.take_slot(segment, frame.handoff, 0)?;
                 segment.write_raw(&mut slot, &bytes);
                 self.mark_sent(segment, &slot);
-                wire::put(&mut out, to_receiver::SLOT, frame.handoff, &slot_body(slot.index, bytes.len()));
+                records::put(&mut out, to_receiver::SLOT, frame.handoff, &slot_body(slot.index, bytes.len()));
             }
-            None => wire::put(&mut out, to_receiver::FRAME, frame.handoff, &bytes),
+            None => records::put(&mut out, to_receiver::FRAME, frame.handoff, &bytes),
         }
         self.write(&out)
     }

@@ -2,7 +2,7 @@
 //! model divides a transfer's bytes by.
 
 use crate::frame::MAX_ELEMS;
-use crate::{Frame, HandoffId, Inboxes, KvTransport, TransferError};
+use crate::{Frame, HandoffId, HandoffToken, Inboxes, KvTransport, TransferError};
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -54,6 +54,7 @@ pub fn measure(
         })
         .collect();
     let mut inbox = inboxes.expect(id)?;
+    let token = inbox.token();
     thread::scope(|s| {
         let consumer = s.spawn(move || {
             let mut got = 0u64;
@@ -65,10 +66,10 @@ pub fn measure(
             Ok::<u64, TransferError>(got)
         });
         let start = Instant::now();
-        let sent = send_all(transport, id, frames);
+        let sent = send_all(transport, id, token, frames);
         if sent.is_err() {
             // The sink may never have reached the inbox: end it so the consumer stops.
-            if let Some(feed) = inboxes.claim(id) {
+            if let Some(feed) = inboxes.claim(id, token) {
                 feed.end(Err(TransferError::Aborted));
             }
         }
@@ -81,9 +82,14 @@ pub fn measure(
 
 /// Sends every frame; the frames a link hands back are kept, not freed, until the
 /// clock has stopped (they are the source, like the raw baselines' source buffer).
-fn send_all(transport: &dyn KvTransport, id: HandoffId, frames: Vec<Frame>) -> Result<Vec<Frame>, TransferError> {
+fn send_all(
+    transport: &dyn KvTransport,
+    id: HandoffId,
+    token: HandoffToken,
+    frames: Vec<Frame>,
+) -> Result<Vec<Frame>, TransferError> {
     let mut sent = Vec::with_capacity(frames.len());
-    let mut sink = transport.open(id)?;
+    let mut sink = transport.open(id, token)?;
     for f in frames {
         sent.extend(sink.send_returning(f)?);
     }

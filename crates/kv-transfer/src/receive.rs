@@ -9,8 +9,8 @@
 use crate::frame::{self, Frame};
 use crate::inbox::Feed;
 use crate::shm::Mapping;
-use crate::wire::{self, to_receiver, to_sender, Body, Status};
-use crate::{HandoffId, Inboxes, TransferError};
+use crate::records::{self, to_receiver, to_sender, Body, Status};
+use crate::{HandoffId, HandoffToken, Inboxes, TransferError};
 use std::collections::HashMap;
 use std::io;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
@@ -48,7 +48,7 @@ where
     let mut conn = Conn { inboxes, routes: HashMap::new(), out: Vec::new(), urgent: false, wake: false, batch: None };
     let mut body = Vec::new();
     let result = loop {
-        let rec = match wire::read_async(r, &mut body).await {
+        let rec = match records::read_async(r, &mut body).await {
             Ok(Some(rec)) => rec,
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),
@@ -71,7 +71,8 @@ where
                 conn.abort(rec.handoff).await;
                 Ok(())
             }
-            (tag, _) => Err(wire::invalid(format!("unexpected record {tag}"))),
+            (to_receiver::OPEN, _) => conn.open(rec.handoff, b).await,
+            (tag, _) => Err(records::invalid(format!("unexpected record {tag}"))),
         };
         if let Err(e) = step {
             break Err(e);
@@ -104,13 +105,26 @@ where
 
 impl Conn<'_> {
     fn answer(&mut self, tag: u8, id: HandoffId, body: &[u8]) {
-        wire::put(&mut self.out, tag, id, body);
+        records::put(&mut self.out, tag, id, body);
         self.urgent = true;
         self.wake |= tag == to_sender::FREE;
     }
 
+    /// A sink opened handoff `id` presenting `token`: its frames go to the inbox that
+    /// issued the token; with any other token (or none expected) the handoff fails.
+    async fn open(&mut self, id: HandoffId, body: &[u8]) -> io::Result<()> {
+        let token: [u8; 16] = body.try_into().map_err(|_| records::invalid("OPEN without a 16-byte token".into()))?;
+        self.deliver().await;
+        let route = match self.inboxes.claim(id, HandoffToken(token)) {
+            Some(feed) => Route::Open { feed, received: 0 },
+            None => self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id)),
+        };
+        self.routes.insert(id, route);
+        Ok(())
+    }
+
     fn route(&mut self, id: HandoffId) -> Option<Route> {
-        self.routes.remove(&id).or_else(|| self.inboxes.claim(id).map(|feed| Route::Open { feed, received: 0 }))
+        self.routes.remove(&id)
     }
 
     async fn frame(&mut self, id: HandoffId, bytes: &[u8], local: bool) {
@@ -118,10 +132,8 @@ impl Conn<'_> {
             self.deliver().await;
         }
         if !self.routes.contains_key(&id) {
-            let route = match self.inboxes.claim(id) {
-                Some(feed) => Route::Open { feed, received: 0 },
-                None => self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id)),
-            };
+            // Frames of a handoff this connection never opened go nowhere.
+            let route = self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id));
             self.routes.insert(id, route);
         }
         // Frames of a failed handoff are dropped.
@@ -246,17 +258,18 @@ mod tests {
     /// the good frames before it, not instead of them.
     #[tokio::test]
     async fn frames_before_a_corrupt_one_are_delivered_first() {
+        let inboxes = Inboxes::new(64);
+        let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
         let mut input = Vec::new();
+        records::put(&mut input, to_receiver::OPEN, HandoffId(1), &inbox.token().0);
         for (i, corrupt) in [(0, false), (1, false), (2, true)] {
             let mut bytes = Vec::new();
             frame(i).encode_into(&mut bytes).unwrap();
             if corrupt {
                 bytes[40] ^= 1;
             }
-            wire::put(&mut input, to_receiver::FRAME, HandoffId(1), &bytes);
+            records::put(&mut input, to_receiver::FRAME, HandoffId(1), &bytes);
         }
-        let inboxes = Inboxes::new(64);
-        let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
         let mut r = BufReader::new(&input[..]);
         let mut answers = Vec::new();
         serve(&mut r, &mut answers, &inboxes, None).await.unwrap();

@@ -20,8 +20,10 @@
 //! in any case, so a crash leaves nothing behind in `/dev/shm`.
 
 use crate::link::{Link, Stream, IO_TIMEOUT};
-use crate::wire::{self, to_receiver, to_sender, Body, Status};
-use crate::{frame, receive, Frame, FrameError, HandoffId, Inboxes, KvSink, KvTransport, TransferError};
+use crate::records::{self, to_receiver, to_sender, Body, Status};
+use crate::{
+    frame, receive, Frame, FrameError, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError, TransportKind,
+};
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use std::fs::{self, OpenOptions};
 use std::io;
@@ -99,10 +101,10 @@ impl ShmTransport {
         stream.set_read_timeout(Some(IO_TIMEOUT))?;
         let hello = hello(cfg.slots as u32, cfg.slot_bytes as u64, segment.path.as_os_str().as_encoded_bytes());
         let mut out = Vec::new();
-        wire::put(&mut out, to_receiver::HELLO, HandoffId(0), &hello);
+        records::put(&mut out, to_receiver::HELLO, HandoffId(0), &hello);
         io::Write::write_all(&mut stream, &out)?;
         let mut body = Vec::new();
-        let welcome = wire::read_sync(&mut stream, &mut body)?;
+        let welcome = records::read_sync(&mut stream, &mut body)?;
         let status = match welcome {
             Some(rec) if rec.tag == to_sender::WELCOME => Body(&body[..rec.len]).status()?,
             _ => return Err(TransferError::Disconnected("no answer to HELLO".into())),
@@ -112,7 +114,7 @@ impl ShmTransport {
         }
         segment.unlink();
         stream.set_read_timeout(None)?;
-        Ok(ShmTransport { link: Link::start("shm", Stream::Unix(stream), Some(segment))? })
+        Ok(ShmTransport { link: Link::start(TransportKind::Shm, Stream::Unix(stream), Some(segment))? })
     }
 
     #[cfg(test)]
@@ -122,12 +124,12 @@ impl ShmTransport {
 }
 
 impl KvTransport for ShmTransport {
-    fn open(&self, id: HandoffId) -> Result<Box<dyn KvSink>, TransferError> {
-        self.link.open(id)
+    fn open(&self, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
+        self.link.open(id, token)
     }
 
-    fn name(&self) -> &'static str {
-        self.link.name()
+    fn kind(&self) -> TransportKind {
+        self.link.kind()
     }
 }
 
@@ -313,14 +315,14 @@ impl Mapping {
         let mut b = Body(hello);
         let slots = b.u32()? as usize;
         let slot_bytes = b.u64()?;
-        let path = std::str::from_utf8(b.rest()).map_err(|_| wire::invalid("segment path is not UTF-8".into()))?;
+        let path = std::str::from_utf8(b.rest()).map_err(|_| records::invalid("segment path is not UTF-8".into()))?;
         let name = path.strip_prefix(DIR).and_then(|p| p.strip_prefix('/')).unwrap_or("");
         if !name.starts_with(PREFIX) || name.contains('/') {
-            return Err(wire::invalid(format!("{path:?} is not a pdserve segment")));
+            return Err(records::invalid(format!("{path:?} is not a pdserve segment")));
         }
         let slot_area = slots as u64 * slot_bytes;
         if slots == 0 || slots > MAX_SLOTS || slot_bytes > u64::from(u32::MAX) || slot_area > MAX_SEGMENT_BYTES {
-            return Err(wire::invalid(format!("{slots} slots of {slot_bytes} bytes")));
+            return Err(records::invalid(format!("{slots} slots of {slot_bytes} bytes")));
         }
         let control = control_bytes(slots);
         let bytes = control as u64 + slot_area;
@@ -329,10 +331,10 @@ impl Mapping {
         let file = OpenOptions::new().read(true).write(true).open(path)?;
         let meta = file.metadata()?;
         if !named.file_type().is_file() || (named.dev(), named.ino()) != (meta.dev(), meta.ino()) {
-            return Err(wire::invalid(format!("{path} is not a regular file")));
+            return Err(records::invalid(format!("{path} is not a regular file")));
         }
         if meta.len() != bytes {
-            return Err(wire::invalid(format!("{path} is not {bytes} bytes")));
+            return Err(records::invalid(format!("{path} is not {bytes} bytes")));
         }
         // SAFETY: the control area is shared with the sender, and both sides access its
         // words only atomically (`Control`); its size is fixed.
@@ -350,7 +352,7 @@ impl Mapping {
     pub fn slot(&self, slot: u32, len: u32) -> io::Result<&[u8]> {
         let (slot, len) = (slot as usize, len as usize);
         if slot >= self.slots || len > self.slot_bytes {
-            return Err(wire::invalid(format!("slot {slot} length {len} is outside the segment")));
+            return Err(records::invalid(format!("slot {slot} length {len} is outside the segment")));
         }
         let start = slot * self.slot_bytes;
         Ok(&self.map[start..start + len])
@@ -419,14 +421,14 @@ async fn serve(stream: tokio::net::UnixStream, inboxes: Inboxes) -> io::Result<(
     let (r, mut w) = stream.into_split();
     let mut r = AsyncBufReader::with_capacity(64 << 10, r);
     let mut body = Vec::new();
-    let hello = match wire::read_async(&mut r, &mut body).await? {
+    let hello = match records::read_async(&mut r, &mut body).await? {
         Some(rec) if rec.tag == to_receiver::HELLO => &body[..rec.len],
-        _ => return Err(wire::invalid("expected HELLO".into())),
+        _ => return Err(records::invalid("expected HELLO".into())),
     };
     let mapping = Mapping::open(hello);
     let status = if mapping.is_ok() { Status::Delivered } else { Status::Refused };
     let mut out = Vec::new();
-    wire::put(&mut out, to_sender::WELCOME, HandoffId(0), &[status as u8]);
+    records::put(&mut out, to_sender::WELCOME, HandoffId(0), &[status as u8]);
     w.write_all(&out).await?;
     receive::serve(&mut r, &mut w, &inboxes, Some(&mapping?)).await
 }
@@ -446,12 +448,13 @@ mod tests {
         let rx = ShmReceiver::bind(&dir, inboxes.clone()).await.unwrap();
         let mut bad = inboxes.expect(HandoffId(1)).unwrap();
         let mut good = inboxes.expect(HandoffId(2)).unwrap();
+        let (tb, tg) = (bad.token(), good.token());
         let path = rx.path().to_path_buf();
         let sender = tokio::task::spawn_blocking(move || {
             let t = ShmTransport::connect(&path, ShmConfig { slots: 4, slot_bytes: 16 << 10 }).unwrap();
-            let mut b = t.open(HandoffId(1)).unwrap();
+            let mut b = t.open(HandoffId(1), tb).unwrap();
             t.link().send_corrupted(&frame(1, 0), 10).unwrap();
-            let mut g = t.open(HandoffId(2)).unwrap();
+            let mut g = t.open(HandoffId(2), tg).unwrap();
             for i in 0..20 {
                 g.send(frame(2, i)).unwrap();
             }
@@ -482,16 +485,17 @@ mod tests {
         let rx = ShmReceiver::bind(&sock, inboxes.clone()).await.unwrap();
         let mut a = inboxes.expect(HandoffId(1)).unwrap();
         let mut b = inboxes.expect(HandoffId(2)).unwrap();
+        let (ta, tb) = (a.token(), b.token());
         let path = rx.path().to_path_buf();
         // Two slots of 16 KiB: each holds 15 frames of 1 KiB.
         let sender = tokio::task::spawn_blocking(move || {
             let t = ShmTransport::connect(&path, ShmConfig { slots: 2, slot_bytes: 16 << 10 }).unwrap();
             // A sink dropped with a slot half filled gives the slot back unsent...
-            let mut dropped = t.open(HandoffId(3)).unwrap();
+            let mut dropped = t.open(HandoffId(3), HandoffToken([3; 16])).unwrap();
             dropped.send(small(3, 0)).unwrap();
             drop(dropped);
             // ...so two handoffs interleaving 100 frames each still get both slots.
-            let (mut sa, mut sb) = (t.open(HandoffId(1)).unwrap(), t.open(HandoffId(2)).unwrap());
+            let (mut sa, mut sb) = (t.open(HandoffId(1), ta).unwrap(), t.open(HandoffId(2), tb).unwrap());
             for i in 0..100 {
                 sa.send(small(1, i)).unwrap();
                 sb.send(small(2, i)).unwrap();

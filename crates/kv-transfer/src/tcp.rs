@@ -3,7 +3,7 @@
 
 use crate::link::{Link, Stream, IO_TIMEOUT};
 use crate::receive;
-use crate::{HandoffId, Inboxes, KvSink, KvTransport, TransferError};
+use crate::{HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError, TransportKind};
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -27,7 +27,7 @@ impl TcpTransport {
         let stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)?;
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(IO_TIMEOUT))?;
-        Ok(TcpTransport { link: Link::start("tcp", Stream::Tcp(stream), None)? })
+        Ok(TcpTransport { link: Link::start(TransportKind::Tcp, Stream::Tcp(stream), None)? })
     }
 
     #[cfg(test)]
@@ -37,12 +37,12 @@ impl TcpTransport {
 }
 
 impl KvTransport for TcpTransport {
-    fn open(&self, id: HandoffId) -> Result<Box<dyn KvSink>, TransferError> {
-        self.link.open(id)
+    fn open(&self, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
+        self.link.open(id, token)
     }
 
-    fn name(&self) -> &'static str {
-        self.link.name()
+    fn kind(&self) -> TransportKind {
+        self.link.kind()
     }
 }
 
@@ -111,14 +111,15 @@ mod tests {
         let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
         let mut bad = inboxes.expect(HandoffId(1)).unwrap();
         let mut good = inboxes.expect(HandoffId(2)).unwrap();
+        let (tb, tg) = (bad.token(), good.token());
         let addr = rx.local_addr();
         let sender = tokio::task::spawn_blocking(move || {
             let t = TcpTransport::connect(addr).unwrap();
-            let mut b = t.open(HandoffId(1)).unwrap();
+            let mut b = t.open(HandoffId(1), tb).unwrap();
             b.send(frame(1, 0)).unwrap();
             b.flush().unwrap();
             t.link().send_corrupted(&frame(1, 1), 40 + 2 * 3072).unwrap();
-            let mut g = t.open(HandoffId(2)).unwrap();
+            let mut g = t.open(HandoffId(2), tg).unwrap();
             for i in 0..10 {
                 g.send(frame(2, i)).unwrap();
             }

@@ -4,11 +4,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::engine::KvFrame;
 use pdserve_kv_transfer::{
-    measure, measure_copy, measure_copy_twice, measure_raw_shm, measure_raw_tcp, Frame, HandoffId, InProcess, Inboxes,
-    KvTransport, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport, Throughput, TransferError,
+    measure, measure_copy, measure_copy_twice, measure_raw_shm, measure_raw_tcp, Frame, HandoffId, HandoffToken,
+    InProcess, Inboxes, KvTransport, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport, Throughput,
+    TransferError,
 };
+use pdserve_types::KvFrame;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -83,11 +84,12 @@ fn prompt(id: HandoffId, layers: u32, blocks: u32, elems: usize) -> Vec<Frame> {
 fn send(
     t: &Arc<dyn KvTransport>,
     id: HandoffId,
+    token: HandoffToken,
     frames: Vec<Frame>,
 ) -> tokio::task::JoinHandle<Result<(), TransferError>> {
     let t = t.clone();
     tokio::task::spawn_blocking(move || {
-        let mut sink = t.open(id)?;
+        let mut sink = t.open(id, token)?;
         for f in frames {
             sink.send(f)?;
         }
@@ -103,7 +105,7 @@ async fn many_frames_round_trip_through_every_transport() {
             let id = HandoffId(n);
             let mut inbox = p.inboxes.expect(id).unwrap();
             let frames = prompt(id, 30, 8, elems);
-            let sender = send(&p.transport, id, frames.clone());
+            let sender = send(&p.transport, id, inbox.token(), frames.clone());
             for want in &frames {
                 assert_eq!(inbox.recv().await.unwrap().as_ref(), Some(want), "{kind:?}");
             }
@@ -120,7 +122,7 @@ async fn engine_frames_survive_the_trip() {
         let id = HandoffId(77);
         let mut inbox = p.inboxes.expect(id).unwrap();
         let kv = KvFrame { layer: 29, index: 31, k: vec![0x3c00; REAL], v: vec![0xbc00; REAL] };
-        send(&p.transport, id, vec![Frame::from_kv(id, kv.clone())]).await.unwrap().unwrap();
+        send(&p.transport, id, inbox.token(), vec![Frame::from_kv(id, kv.clone())]).await.unwrap().unwrap();
         assert_eq!(inbox.recv().await.unwrap().map(Frame::into_kv), Some(kv), "{kind:?}");
     }
 }
@@ -132,7 +134,8 @@ async fn concurrent_handoffs_on_one_link_stay_apart() {
         let p = pair(kind, ShmConfig { slots: 3, slot_bytes: 16 << 10 }).await;
         let ids: Vec<HandoffId> = (10..16).map(HandoffId).collect();
         let mut inboxes: Vec<_> = ids.iter().map(|&id| p.inboxes.expect(id).unwrap()).collect();
-        let senders: Vec<_> = ids.iter().map(|&id| send(&p.transport, id, prompt(id, 6, 10, REAL))).collect();
+        let senders: Vec<_> =
+            inboxes.iter().map(|i| send(&p.transport, i.id(), i.token(), prompt(i.id(), 6, 10, REAL))).collect();
         let receivers: Vec<_> = inboxes
             .drain(..)
             .map(|mut inbox| {
@@ -162,9 +165,9 @@ async fn an_abort_reaches_the_receiver() {
         // After some frames, explicitly.
         let id = HandoffId(20);
         let mut inbox = p.inboxes.expect(id).unwrap();
-        let t = p.transport.clone();
+        let (t, token) = (p.transport.clone(), inbox.token());
         tokio::task::spawn_blocking(move || {
-            let mut sink = t.open(id).unwrap();
+            let mut sink = t.open(id, token).unwrap();
             sink.send(frame(id, 0, 0, REAL)).unwrap();
             sink.flush().unwrap();
             sink.abort();
@@ -176,9 +179,26 @@ async fn an_abort_reaches_the_receiver() {
         // Before any frame, by dropping the sink.
         let id = HandoffId(21);
         let mut inbox = p.inboxes.expect(id).unwrap();
-        let t = p.transport.clone();
-        tokio::task::spawn_blocking(move || drop(t.open(id).unwrap())).await.unwrap();
+        let (t, token) = (p.transport.clone(), inbox.token());
+        tokio::task::spawn_blocking(move || drop(t.open(id, token).unwrap())).await.unwrap();
         assert!(matches!(inbox.recv().await, Err(TransferError::Aborted)), "{kind:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_without_the_token_delivers_nothing() {
+    for kind in KINDS {
+        let p = pair(kind, ShmConfig::default()).await;
+        let id = HandoffId(60);
+        let mut inbox = p.inboxes.expect(id).unwrap();
+        // A stranger guessing the id: refused, at open or at the latest at finish.
+        let forged = HandoffToken([0x42; 16]);
+        let r = send(&p.transport, id, forged, vec![frame(id, 9, 9, REAL)]).await.unwrap();
+        assert!(matches!(r, Err(TransferError::ReceiverGone(_))), "{kind:?}: {r:?}");
+        // The real sender still owns the handoff, and only its frame arrives.
+        send(&p.transport, id, inbox.token(), vec![frame(id, 1, 1, REAL)]).await.unwrap().unwrap();
+        assert_eq!(inbox.recv().await.unwrap(), Some(frame(id, 1, 1, REAL)), "{kind:?}");
+        assert_eq!(inbox.recv().await.unwrap(), None, "{kind:?}");
     }
 }
 
@@ -190,9 +210,9 @@ async fn a_dropped_receiver_fails_the_sender() {
         // would block forever if the sender were not told.
         let id = HandoffId(30);
         let inbox = p.inboxes.expect(id).unwrap();
-        let t = p.transport.clone();
+        let (t, token) = (p.transport.clone(), inbox.token());
         let sender = tokio::task::spawn_blocking(move || {
-            let mut sink = t.open(id)?;
+            let mut sink = t.open(id, token)?;
             for f in prompt(id, 100, 100, REAL) {
                 sink.send(f)?;
             }
@@ -202,12 +222,14 @@ async fn a_dropped_receiver_fails_the_sender() {
         let r = sender.await.unwrap();
         assert!(matches!(r, Err(TransferError::ReceiverGone(x)) if x == id), "{kind:?}: {r:?}");
         // Never expected at all: the error comes at open or at the latest at finish.
-        let r = send(&p.transport, HandoffId(31), vec![frame(HandoffId(31), 0, 0, REAL)]).await.unwrap();
+        let r = send(&p.transport, HandoffId(31), HandoffToken([0; 16]), vec![frame(HandoffId(31), 0, 0, REAL)])
+            .await
+            .unwrap();
         assert!(matches!(r, Err(TransferError::ReceiverGone(_))), "{kind:?}: {r:?}");
         // The link still works for the next handoff.
         let id = HandoffId(32);
         let mut inbox = p.inboxes.expect(id).unwrap();
-        send(&p.transport, id, vec![frame(id, 1, 1, REAL)]).await.unwrap().unwrap();
+        send(&p.transport, id, inbox.token(), vec![frame(id, 1, 1, REAL)]).await.unwrap().unwrap();
         assert_eq!(inbox.recv().await.unwrap(), Some(frame(id, 1, 1, REAL)), "{kind:?}");
     }
 }
@@ -218,11 +240,11 @@ async fn a_stopped_listener_fails_both_sides() {
         let mut p = pair(kind, ShmConfig::default()).await;
         let id = HandoffId(40);
         let mut inbox = p.inboxes.expect(id).unwrap();
-        let t = p.transport.clone();
+        let (t, token) = (p.transport.clone(), inbox.token());
         let (sent_one, proceed) = std::sync::mpsc::channel::<()>();
         let (go, wait) = std::sync::mpsc::channel::<()>();
         let sender = tokio::task::spawn_blocking(move || {
-            let mut sink = t.open(id)?;
+            let mut sink = t.open(id, token)?;
             sink.send(frame(id, 0, 0, REAL))?;
             // TCP sinks batch frames; this one must be on its way now.
             sink.flush()?;
@@ -249,12 +271,12 @@ async fn misuse_is_an_error_not_a_panic() {
     for kind in KINDS {
         let p = pair(kind, ShmConfig { slots: 2, slot_bytes: 4096 }).await;
         let id = HandoffId(50);
-        let _inbox = p.inboxes.expect(id).unwrap();
+        let inbox = p.inboxes.expect(id).unwrap();
         assert!(matches!(p.inboxes.expect(id), Err(TransferError::Duplicate(_))));
-        let t = p.transport.clone();
+        let (t, token) = (p.transport.clone(), inbox.token());
         let (wrong, mismatched, big) = tokio::task::spawn_blocking(move || {
-            let mut sink = t.open(id).unwrap();
-            assert!(t.open(id).is_err(), "a handoff has one sink");
+            let mut sink = t.open(id, token).unwrap();
+            assert!(t.open(id, token).is_err(), "a handoff has one sink");
             let wrong = sink.send(frame(HandoffId(51), 0, 0, 4));
             let mismatched = sink.send(Frame { v: vec![1], ..frame(id, 0, 0, 4) });
             let big = sink.send(frame(id, 0, 0, REAL));

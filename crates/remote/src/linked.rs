@@ -1,7 +1,7 @@
 //! The two ends of a KV transfer over a link, shared by the in-process router (which
 //! owns both ends) and worker processes (each owning one).
 
-use pdserve_engine::engine::KvFrame;
+use pdserve_engine::batch::KvFrame;
 use pdserve_kv_transfer::{Frame, HandoffId, Inbox, KvSink};
 use pdserve_types::RequestId;
 use pdserve_worker::{FrameRecycler, FrameSink, Worker};

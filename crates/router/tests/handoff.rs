@@ -7,7 +7,7 @@ mod common;
 
 use common::{collect, model, request, rt, worker, PROMPTS};
 
-use pdserve_engine::engine::EngineConfig;
+use pdserve_engine::batch::EngineConfig;
 use pdserve_protocol::{Event, Generate, TokenStream};
 use pdserve_router::{Deadlines, Mode, Router};
 use pdserve_types::Role;

@@ -1,13 +1,18 @@
-//! Shared vocabulary of pdserve: newtype ids, sampling parameters, worker roles, and
-//! the seeded random-number generator the sampler and the benchmarks share.
+//! Shared vocabulary of pdserve: newtype ids, sampling parameters, worker roles, the
+//! token and KV-frame values every hop passes on, and the seeded random-number
+//! generator the sampler and the benchmarks share.
 //!
 //! Sits under every other crate on the request path; it does no I/O and owns no state.
 
 mod ids;
+mod kv;
 pub mod rng;
 mod role;
 mod sampling;
+mod token;
 
 pub use ids::{RequestId, TokenId};
-pub use role::Role;
+pub use kv::KvFrame;
+pub use role::{Epoch, Role};
 pub use sampling::{SamplingError, SamplingParams, StopCondition};
+pub use token::{FinishReason, TokenOut};

@@ -32,3 +32,32 @@ impl FromStr for Role {
         }
     }
 }
+
+/// Counts a worker's role changes. Work is dispatched for the `(role, epoch)` the
+/// router saw; a worker refuses work for an older epoch (fencing).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Epoch(pub u64);
+
+impl Epoch {
+    pub fn next(self) -> Epoch {
+        Epoch(self.0 + 1)
+    }
+}
+
+impl fmt::Display for Epoch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl Role {
+    /// Whether the role takes decodes (and so receives KV).
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::Decode | Role::Mixed)
+    }
+
+    /// Whether the role takes remote prefills for other workers.
+    pub fn prefills(self) -> bool {
+        matches!(self, Role::Prefill | Role::Mixed)
+    }
+}

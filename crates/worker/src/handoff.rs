@@ -1,6 +1,6 @@
 //! The worker's half of a KV handoff: what a prefill returns and where its frames go.
 
-use pdserve_engine::engine::KvFrame;
+use pdserve_engine::batch::KvFrame;
 use pdserve_protocol::TokenOut;
 
 /// Receives a prefill's frames, layer by layer, on the prefill worker's thread.

@@ -11,7 +11,7 @@ mod worker_loop;
 pub use handoff::{FirstToken, FrameRecycler, FrameSink};
 pub use worker_loop::WorkerStats;
 
-use pdserve_engine::engine::{EngineConfig, KvFrame};
+use pdserve_engine::batch::{EngineConfig, KvFrame};
 use pdserve_engine::model::Model;
 use pdserve_protocol::{EventSender, GenerateRequest, ServeError, TokenStream};
 use pdserve_types::{RequestId, Role, SamplingParams};

@@ -2,7 +2,7 @@
 
 use crate::handoff::FirstToken;
 use crate::Command;
-use pdserve_engine::engine::{Engine, EngineConfig, EngineError, FinishReason as EngineFinish, StepOutput};
+use pdserve_engine::batch::{Engine, EngineConfig, EngineError, FinishReason as EngineFinish, StepOutput};
 use pdserve_engine::model::Model;
 use pdserve_kv::PoolStats;
 use pdserve_protocol::{Event, EventSender, FinishReason, ServeError, TokenOut, Usage};

@@ -16,7 +16,7 @@ use pdserve_bench::metrics::Slo;
 use pdserve_bench::openai::{BodyOptions, Endpoint};
 use pdserve_bench::prompt::{PromptKind, TokenRange};
 use pdserve_bench::workload::WorkloadFlags;
-use pdserve_engine::engine::{Engine, EngineConfig};
+use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::loader::LoadedModel;
 use pdserve_types::{RequestId, SamplingParams};
 use serde::Serialize;

@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context};
 use pdserve_engine::chat::ChatMessage;
-use pdserve_engine::engine::{Engine, EngineConfig, FinishReason};
+use pdserve_engine::batch::{Engine, EngineConfig, FinishReason};
 use pdserve_types::{RequestId, SamplingParams};
 use std::io::Write;
 use std::time::Instant;

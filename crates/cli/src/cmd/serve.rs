@@ -2,7 +2,7 @@
 
 use super::http::{self, Listen, Served};
 use anyhow::Context;
-use pdserve_engine::engine::EngineConfig;
+use pdserve_engine::batch::EngineConfig;
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::{Inboxes, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport};
 use pdserve_router::{Deadlines, KvLink, Mode, Policy, Router};

@@ -2,7 +2,7 @@
 
 use super::http;
 use anyhow::Context;
-use pdserve_engine::engine::EngineConfig;
+use pdserve_engine::batch::EngineConfig;
 use pdserve_kv_transfer::{Inboxes, ShmReceiver, TcpReceiver};
 use pdserve_remote::{WorkerInfo, WorkerServer, PROTOCOL_VERSION};
 use pdserve_types::Role;

@@ -3,7 +3,7 @@
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::engine::EngineConfig;
+use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::loader::{load, LoadedModel};
 use pdserve_protocol::{Event, GenerateRequest, TokenStream};
 use pdserve_types::{RequestId, Role, SamplingParams};

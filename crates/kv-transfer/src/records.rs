@@ -29,6 +29,9 @@ pub mod to_receiver {
     pub const ABORT: u8 = 4;
     /// body: slots u32, slot bytes u64, segment path. Answered with `WELCOME`.
     pub const HELLO: u8 = 5;
+    /// body: the handoff's token (16 bytes). Comes before the handoff's frames; a
+    /// token that does not match the receiver's fails the handoff.
+    pub const OPEN: u8 = 6;
 }
 
 /// Receiver → sender.

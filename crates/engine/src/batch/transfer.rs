@@ -10,18 +10,8 @@ use super::sequence::Sequence;
 use super::{Engine, EngineError, StepOutput};
 use crate::kvcache::KvStorage;
 use pdserve_kv::BlockTable;
-use pdserve_types::{RequestId, SamplingParams};
+use pdserve_types::{KvFrame, RequestId, SamplingParams};
 
-/// One block of one layer: `n_kv_heads × block_size × head_dim` f16 values each of K
-/// and V, as raw bits.
-#[derive(Debug, Clone, PartialEq)]
-pub struct KvFrame {
-    pub layer: u32,
-    /// The block's index within the sequence (position / block size).
-    pub index: u32,
-    pub k: Vec<u16>,
-    pub v: Vec<u16>,
-}
 
 /// Blocks reserved on a decode engine for a transfer in flight.
 pub struct KvImport {

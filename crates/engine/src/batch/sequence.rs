@@ -2,16 +2,8 @@
 
 use crate::sampler::{Sampler, TokenHistory};
 use pdserve_kv::BlockTable;
-use pdserve_types::{RequestId, SamplingParams};
+use pdserve_types::{FinishReason, RequestId, SamplingParams};
 
-/// Why a sequence stopped generating.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// End-of-generation token or a stop token id.
-    Stop,
-    /// `max_tokens` or the context length reached.
-    Length,
-}
 
 pub(crate) struct Sequence {
     pub id: RequestId,

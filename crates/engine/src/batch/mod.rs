@@ -8,13 +8,13 @@ mod scheduler;
 mod sequence;
 mod transfer;
 
-pub use sequence::FinishReason;
-pub use transfer::{KvFrame, KvImport};
+pub use pdserve_types::{FinishReason, KvFrame};
+pub use transfer::KvImport;
 
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{ForwardScratch, Model};
-use crate::sampler::Sampled;
+use pdserve_types::TokenOut;
 use crate::threadpool::ThreadPool;
 use pdserve_kv::{BlockPool, PoolStats};
 use pdserve_types::{RequestId, SamplingParams};
@@ -73,7 +73,7 @@ pub enum EngineError {
 #[derive(Debug, Clone)]
 pub struct StepOutput {
     pub id: RequestId,
-    pub sampled: Sampled,
+    pub sampled: TokenOut,
     /// Set on the request's last token; the sequence is gone from the engine.
     pub finish: Option<FinishReason>,
     pub prompt_tokens: usize,

@@ -2,6 +2,7 @@
 //! lives in `cmd/`; the work happens in the library crates.
 
 mod cmd;
+mod logging;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -9,6 +10,9 @@ use std::process::ExitCode;
 #[derive(Parser)]
 #[command(name = "pdserve", version, about = "Disaggregated LLM serving: prefill and decode on separate workers")]
 struct Cli {
+    /// Log lines as text or as one JSON object each (level and filters: RUST_LOG).
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: logging::LogFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -34,6 +38,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    logging::init(cli.log_format);
     let result = match cli.command {
         Command::Pull => cmd::pull::run(),
         Command::Generate(args) => cmd::generate::run(args),
@@ -42,6 +47,7 @@ fn main() -> ExitCode {
         Command::Frontend(args) => cmd::frontend::run(args),
         Command::Bench { what } => cmd::bench::run(what),
     };
+    cmd::runtime_dir::remove();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -6,8 +6,8 @@
 
 use pdserve_engine::batch::{Engine, EngineConfig, EngineError, FinishReason, StepOutput};
 use pdserve_engine::loader::{self, LoadedModel};
-use pdserve_types::TokenOut;
 use pdserve_kv::PoolStats;
+use pdserve_types::TokenOut;
 use pdserve_types::{RequestId, SamplingParams, StopCondition};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::OnceLock;

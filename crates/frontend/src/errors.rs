@@ -86,6 +86,15 @@ impl ApiError {
         self.parts().0
     }
 
+    /// A stable, machine-readable name for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ApiError::Serve(e) => e.kind(),
+            ApiError::Invalid { .. } => "invalid_request",
+            other => other.parts().3.unwrap_or("invalid_request"),
+        }
+    }
+
     /// The OpenAI error body, also sent as an SSE event when a stream fails midway.
     pub fn body(&self) -> ErrorBody {
         let (_, kind, param, code) = self.parts();

@@ -6,7 +6,7 @@
 //! ended the text) drops the stream, which cancels the request on every hop behind us.
 
 use crate::errors::ApiError;
-use crate::metrics::{Metrics, Outcome, Phase};
+use crate::metrics::{Metrics, Outcome, Phase, PrefixHit};
 use crate::stop::StopMatcher;
 use pdserve_engine::tokenizer::{StreamDecoder, Tokenizer};
 use pdserve_protocol::{Event, FinishReason, ServeError, TokenOut, TokenStream, Usage};
@@ -47,20 +47,30 @@ impl Output {
 }
 
 /// Latencies and the outcome of one request. Recorded as tokens arrive; the outcome
-/// on drop, `cancelled` unless something else was decided.
+/// on drop, `cancelled` unless something else was decided, with one log line.
 pub struct Tracker {
     metrics: Metrics,
     mode: Arc<str>,
+    /// The request's span: the log line carries its id, route and workers.
+    span: tracing::Span,
     start: Instant,
     first: Option<Instant>,
     last: Option<Instant>,
     tokens: usize,
     outcome: Option<Outcome>,
+    /// Why the request failed, as `ServeError::kind` or the API error's type.
+    error: Option<&'static str>,
 }
 
 impl Tracker {
-    pub fn new(metrics: Metrics, mode: Arc<str>) -> Self {
-        Tracker { metrics, mode, start: Instant::now(), first: None, last: None, tokens: 0, outcome: None }
+    pub fn new(metrics: Metrics, mode: Arc<str>, span: tracing::Span) -> Self {
+        let start = Instant::now();
+        Tracker { metrics, mode, span, start, first: None, last: None, tokens: 0, outcome: None, error: None }
+    }
+
+    /// Notes why the request failed, for its log line.
+    pub fn error(&mut self, kind: &'static str) {
+        self.error.get_or_insert(kind);
     }
 
     fn token(&mut self) {
@@ -84,6 +94,17 @@ impl Drop for Tracker {
     fn drop(&mut self) {
         let outcome = self.outcome.unwrap_or(Outcome::Cancelled);
         self.metrics.outcome(outcome);
+        let ms = |t: Option<Instant>| t.map(|t| (t - self.start).as_secs_f64() * 1e3);
+        tracing::info!(
+            parent: &self.span,
+            mode = %self.mode,
+            outcome = outcome.as_str(),
+            error = self.error,
+            tokens = self.tokens,
+            ttft_ms = ms(self.first),
+            duration_ms = self.start.elapsed().as_secs_f64() * 1e3,
+            "request finished"
+        );
         if outcome != Outcome::Ok {
             return;
         }
@@ -225,11 +246,13 @@ impl Generation {
 
     fn on_done(&mut self, reason: FinishReason, usage: Usage) -> Output {
         self.usage.cached_tokens = usage.cached_tokens;
+        self.tracker.metrics.prefix_hit(PrefixHit::Realized, usage.cached_tokens as u64);
         Output { text: self.text.finish(), tokens: Vec::new(), finish: Some(reason) }
     }
 
     fn fail(&mut self, e: ServeError) -> ApiError {
         self.stream = None;
+        self.tracker.error(e.kind());
         self.tracker.finish(Outcome::Error);
         ApiError::Serve(e)
     }

@@ -13,13 +13,14 @@
 //! response (client gone) drops its token stream, which cancels the request on every
 //! hop behind this one.
 
-mod chat;
+mod chat_completions;
 mod completions;
 mod errors;
 mod extract;
 mod generation;
 pub mod metrics;
 mod openai;
+mod request_id;
 mod sse;
 mod stop;
 mod validate;
@@ -41,10 +42,9 @@ use metrics::Outcome;
 use pdserve_engine::chat::ChatTemplate;
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_protocol::{Generate, GenerateRequest, ServeError};
-use pdserve_types::RequestId;
+use request_id::Tagged;
 use sse::Format;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -60,7 +60,6 @@ pub(crate) struct AppState {
     metrics: Metrics,
     /// The `mode` label of the latency histograms.
     mode: Arc<str>,
-    next_id: AtomicU64,
     created: u64,
 }
 
@@ -78,10 +77,7 @@ impl Frontend {
     ) -> Frontend {
         let created = unix_now();
         let validator = Validator { tokenizer, chat, model_id: model_id.into(), context_length };
-        // Ids start at the clock so two frontends (or restarts) rarely collide.
-        let first_id = SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_micros() as u64);
-        let state =
-            AppState { generate, validator, metrics, mode: "auto".into(), next_id: AtomicU64::new(first_id), created };
+        let state = AppState { generate, validator, metrics, mode: "auto".into(), created };
         Frontend { state }
     }
 
@@ -96,13 +92,14 @@ impl Frontend {
     pub fn router(self) -> Router {
         Router::new()
             .route("/v1/completions", post(completions::handler))
-            .route("/v1/chat/completions", post(chat::handler))
+            .route("/v1/chat/completions", post(chat_completions::handler))
             .route("/v1/models", get(models))
             .route("/health", get(health))
             .route("/metrics", get(metrics_text))
             .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
             .fallback(|uri: Uri| async move { ApiError::RouteNotFound(uri.path().to_string()) })
             .layer(DefaultBodyLimit::max(BODY_LIMIT))
+            .layer(axum::middleware::from_fn(request_id::middleware))
             .with_state(Arc::new(self.state))
     }
 }
@@ -118,8 +115,8 @@ pub async fn serve(
 }
 
 impl AppState {
-    fn tracker(&self) -> Tracker {
-        Tracker::new(self.metrics.clone(), self.mode.clone())
+    fn tracker(&self, tagged: &Tagged) -> Tracker {
+        Tracker::new(self.metrics.clone(), self.mode.clone(), tagged.span.clone())
     }
 }
 
@@ -141,33 +138,38 @@ pub(crate) async fn validate_blocking<R: Send + 'static>(
         .map_err(|e| ApiError::Serve(ServeError::Internal(format!("validation failed: {e}"))))?
 }
 
-/// Sends a validated request downstream and answers with JSON or SSE.
+/// Sends a validated request downstream and answers with JSON or SSE. `format`
+/// gets the request's public id.
 pub(crate) async fn run<F: Format>(
     app: Arc<AppState>,
+    tagged: Tagged,
     tracker: Tracker,
     valid: Result<ValidRequest, ApiError>,
-    format: impl FnOnce(u64) -> F,
+    format: impl FnOnce(&str) -> F,
 ) -> Response {
     let ValidRequest { prompt, params, stream, include_usage } = match valid {
         Ok(v) => v,
         Err(e) => return reject(tracker, e),
     };
-    let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let prompt_tokens = prompt.len();
-    let tokens = match app.generate.generate(GenerateRequest { id: RequestId(id), prompt, params: params.clone() }) {
+    let req =
+        GenerateRequest { id: request_id::internal_id(), tag: tagged.tag.clone(), prompt, params: params.clone() };
+    let tokens = match tagged.span.in_scope(|| app.generate.generate(req)) {
         Ok(t) => t,
         Err(e) => return reject(tracker, e.into()),
     };
     let generation = Generation::new(tokens, app.validator.tokenizer.clone(), &params, prompt_tokens, tracker);
+    let format = format(tagged.tag.as_str());
     let answer = match stream {
-        true => sse::streamed(generation, format(id), include_usage).await,
-        false => sse::whole(generation, format(id)).await,
+        true => sse::streamed(generation, format, include_usage).await,
+        false => sse::whole(generation, format).await,
     };
     answer.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Refused before generation started: counted as `rejected`.
 fn reject(mut tracker: Tracker, e: ApiError) -> Response {
+    tracker.error(e.kind());
     tracker.finish(Outcome::Rejected);
     e.into_response()
 }

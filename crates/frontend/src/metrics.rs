@@ -5,6 +5,7 @@
 //! through the methods of a shared [`Metrics`] handle. `/metrics` serves it all in the
 //! Prometheus text format 0.0.4.
 
+use pdserve_kv_transfer::TransportKind;
 use pdserve_types::Role;
 use prometheus_client::encoding::text::encode_registry;
 use prometheus_client::metrics::counter::Counter;
@@ -53,17 +54,16 @@ pub enum Outcome {
 
 pub use pdserve_protocol::{Phase, PrefillRoute};
 
-/// Which prefix-cache figure, for `pdserve_prefix_hit_tokens_total{kind}`.
+/// Which prefix-cache figure, for `pdserve_prefix_hit_tokens_total{kind}`. Only
+/// `realized` is recorded until the router keeps an index of the workers' caches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefixHit {
-    /// What the router's index expected when routing.
-    Predicted,
-    /// What the worker actually found in its cache.
+    /// What the worker actually found in its cache (the usage's `cached_tokens`).
     Realized,
 }
 
 impl Outcome {
-    fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
             Outcome::Cancelled => "cancelled",
@@ -177,9 +177,9 @@ impl Metrics {
         self.inner.prefill_route.get_or_create(&[("where", label.into())]).inc();
     }
 
-    /// Adds KV bytes moved over `transport` (`inproc`, `shm`, `tcp`, ...).
-    pub fn kv_transfer_bytes(&self, transport: &str, bytes: u64) {
-        self.inner.kv_transfer_bytes.get_or_create(&[("transport", transport.into())]).inc_by(bytes);
+    /// Adds KV bytes moved over `transport`.
+    pub fn kv_transfer_bytes(&self, transport: TransportKind, bytes: u64) {
+        self.inner.kv_transfer_bytes.get_or_create(&[("transport", transport.label().into())]).inc_by(bytes);
     }
 
     /// The current block counts of `worker`'s KV pool.
@@ -190,10 +190,19 @@ impl Metrics {
         }
     }
 
+    /// Drops every series of a worker that left, so none keeps its last value.
+    pub fn forget_worker(&self, worker: &str) {
+        for state in ["free", "used", "cached"] {
+            self.inner.kv_blocks.remove(&[("worker", worker.into()), ("state", state.into())]);
+        }
+        for r in [Role::Prefill, Role::Decode, Role::Mixed] {
+            self.inner.worker_role.remove(&[("worker", worker.into()), ("role", r.to_string())]);
+        }
+    }
+
     /// Adds prompt tokens found in a prefix cache.
     pub fn prefix_hit(&self, kind: PrefixHit, tokens: u64) {
         let label = match kind {
-            PrefixHit::Predicted => "predicted",
             PrefixHit::Realized => "realized",
         };
         self.inner.prefix_hit_tokens.get_or_create(&[("kind", label.into())]).inc_by(tokens);
@@ -268,7 +277,7 @@ impl pdserve_protocol::Telemetry for Metrics {
         Metrics::route(self, route)
     }
 
-    fn kv_transfer_bytes(&self, transport: &str, bytes: u64) {
+    fn kv_transfer_bytes(&self, transport: TransportKind, bytes: u64) {
         Metrics::kv_transfer_bytes(self, transport, bytes)
     }
 }
@@ -281,7 +290,7 @@ mod tests {
     fn counters_keep_their_total_suffix() {
         let m = Metrics::new();
         m.outcome(Outcome::Ok);
-        m.kv_transfer_bytes("tcp", 42);
+        m.kv_transfer_bytes(TransportKind::Tcp, 42);
         let text = m.render();
         assert!(text.contains("# TYPE pdserve_requests_total counter\n"), "{text}");
         assert!(text.contains("pdserve_requests_total{outcome=\"ok\"} 1\n"), "{text}");

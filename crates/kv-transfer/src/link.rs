@@ -9,8 +9,8 @@
 //! its frames into writes of about 256 KiB, and a shared-memory sink packs its frames
 //! into a slot (256 KiB by default) and announces the slot once it is full.
 
-use crate::shm::{HeldSlot, Segment};
 use crate::records::{self, to_receiver, to_sender, Body, Record, Status};
+use crate::shm::{HeldSlot, Segment};
 use crate::{Frame, HandoffId, HandoffToken, KvSink, TransferError, TransportKind};
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufReader, Read, Write};

@@ -17,7 +17,12 @@ pub struct Links {
 impl Links {
     /// Opens the sink of handoff `id` at `target`. Connecting blocks (a few seconds at
     /// most), so call it off the async workers.
-    pub fn open(&self, target: &KvTarget, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
+    pub fn open(
+        &self,
+        target: &KvTarget,
+        id: HandoffId,
+        token: HandoffToken,
+    ) -> Result<Box<dyn KvSink>, TransferError> {
         match target {
             KvTarget::InProc(inboxes) => InProcess::new(inboxes.clone()).open(id, token),
             KvTarget::Remote(addr) => {

@@ -8,8 +8,8 @@
 
 use crate::frame::{self, Frame};
 use crate::inbox::Feed;
-use crate::shm::Mapping;
 use crate::records::{self, to_receiver, to_sender, Body, Status};
+use crate::shm::Mapping;
 use crate::{HandoffId, HandoffToken, Inboxes, TransferError};
 use std::collections::HashMap;
 use std::io;

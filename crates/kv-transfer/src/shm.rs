@@ -22,7 +22,8 @@
 use crate::link::{Link, Stream, IO_TIMEOUT};
 use crate::records::{self, to_receiver, to_sender, Body, Status};
 use crate::{
-    frame, receive, Frame, FrameError, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError, TransportKind,
+    frame, receive, Frame, FrameError, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError,
+    TransportKind,
 };
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use std::fs::{self, OpenOptions};

@@ -1,38 +1,57 @@
-//! The contract between the hops of the request path: the frontend hands a
-//! [`GenerateRequest`] to whatever implements [`Generate`] (the router, or one worker)
-//! and reads an [`Event`] stream back. Dropping the [`TokenStream`] cancels the
-//! request: every hop watches its sender for closure and stops work at once.
+//! The contract between the hops of the request path:
 //!
-//! Everything here is token-level; text (templates, detokenization, stop strings)
-//! belongs to the frontend.
+//! - the frontend hands a [`GenerateRequest`] to whatever implements [`Generate`]
+//!   (the router) and reads an [`Event`] stream back;
+//! - the router drives workers through one surface, [`Worker`] ([`worker`]), the same
+//!   for a worker in this process, in another process, or simulated.
+//!
+//! Dropping a [`TokenStream`] cancels its request: every hop watches its sender for
+//! closure and stops work at once. Everything here is token-level; text (templates,
+//! detokenization, stop strings) belongs to the frontend.
+
+pub mod worker;
+
+pub use pdserve_types::{FinishReason, TokenOut};
+pub use worker::{BlockCounts, DecodeHandoff, KvDestination, Prefilled, Reply, Worker, WorkerInfo, WorkerStats};
 
 use pdserve_types::{RequestId, SamplingParams, TokenId};
 use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::sync::Arc;
 use tokio::sync::mpsc;
 
 /// A validated, tokenized request.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GenerateRequest {
+    /// Internal: unique per request, random, never shown to clients.
     pub id: RequestId,
+    /// The id clients and operators know the request by (`X-Request-Id`), carried to
+    /// every hop so each process logs it.
+    pub tag: RequestTag,
     pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
 }
 
-/// One generated token with its logprobs.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TokenOut {
-    pub token: TokenId,
-    pub logprob: f32,
-    /// The requested number of most likely alternatives, most likely first.
-    pub top: Vec<(TokenId, f32)>,
+/// The public id of a request: the client's `X-Request-Id`, or one the frontend made.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RequestTag(pub Arc<str>);
+
+impl RequestTag {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum FinishReason {
-    /// An end-of-generation or stop token (or, decided by the frontend, a stop string).
-    Stop,
-    /// `max_tokens` or the context length.
-    Length,
+impl fmt::Display for RequestTag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for RequestTag {
+    fn from(s: &str) -> Self {
+        RequestTag(s.into())
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,6 +150,27 @@ pub enum ServeError {
     Internal(String),
 }
 
+impl ServeError {
+    /// A stable, machine-readable name for logs and error bodies.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ServeError::Invalid(_) => "invalid_request",
+            ServeError::ContextLength { .. } => "context_length_exceeded",
+            ServeError::Overloaded(_) => "overloaded",
+            ServeError::NoWorker(_) => "no_worker",
+            ServeError::Timeout(_) => "timeout",
+            ServeError::ShuttingDown => "shutting_down",
+            ServeError::Internal(_) => "internal",
+        }
+    }
+
+    /// Whether another worker (or a later attempt) may succeed where this failed:
+    /// the router retries these, and clients may.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, ServeError::Overloaded(_) | ServeError::NoWorker(_) | ServeError::Timeout(_))
+    }
+}
+
 /// One hop that turns requests into token streams: a worker, or the router in front
 /// of several.
 pub trait Generate: Send + Sync + 'static {
@@ -163,7 +203,7 @@ pub enum PrefillRoute {
 pub trait Telemetry: Send + Sync + 'static {
     fn phase(&self, phase: Phase, seconds: f64);
     fn route(&self, route: PrefillRoute);
-    fn kv_transfer_bytes(&self, transport: &str, bytes: u64);
+    fn kv_transfer_bytes(&self, transport: pdserve_kv_transfer::TransportKind, bytes: u64);
 }
 
 /// Records nothing (tests, embedded use without metrics).
@@ -172,5 +212,5 @@ pub struct NoTelemetry;
 impl Telemetry for NoTelemetry {
     fn phase(&self, _: Phase, _: f64) {}
     fn route(&self, _: PrefillRoute) {}
-    fn kv_transfer_bytes(&self, _: &str, _: u64) {}
+    fn kv_transfer_bytes(&self, _: pdserve_kv_transfer::TransportKind, _: u64) {}
 }

@@ -1,18 +1,22 @@
-//! The router's handle on a worker in another process: the same operations as a
-//! local [`pdserve_worker::Worker`], carried as calls over one control connection.
+//! The router's handle on a worker in another process: the [`Worker`] surface, each
+//! operation carried as a call over one control connection.
 //!
 //! Cancellation crosses the hop like any other: when a caller drops a stream or a
-//! pending prefill, a `Cancel` goes to the worker, which drops its own stream (and so
-//! cancels the request in its engine). A lost connection fails every call in flight.
+//! pending reply, a `Cancel` goes to the worker, which drops its own stream or future
+//! (and so cancels the work in its engine). A lost connection fails every call in
+//! flight.
 
-use crate::wire::{self, CallId, FromWorker, KvAddr, ToWorker, WorkerInfo, PROTOCOL_VERSION};
-use pdserve_protocol::{Event, EventSender, GenerateRequest, ServeError};
-use pdserve_types::{RequestId, Role, SamplingParams};
-use pdserve_worker::{FirstToken, WorkerStats};
+use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
+use pdserve_kv_transfer::{HandoffToken, KvAddr, KvTarget, TransportKind};
+use pdserve_protocol::{
+    DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Prefilled, Reply, ServeError, Worker,
+    WorkerInfo, WorkerStats,
+};
+use pdserve_types::RequestId;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -31,18 +35,23 @@ pub enum ConnectError {
     Version { addr: SocketAddr, theirs: u32 },
 }
 
-/// A prefill's result with the payload bytes it sent.
-pub type Prefilled = Result<(FirstToken, u64), ServeError>;
-
 enum Pending {
     Stream(EventSender),
-    Prefill(oneshot::Sender<Prefilled>),
-    Reserve(oneshot::Sender<Result<(), ServeError>>),
-    Stats(oneshot::Sender<Option<WorkerStats>>),
+    /// `counted`: the call counts toward the worker's load while it runs.
+    Reply {
+        tx: oneshot::Sender<Result<Answer, ServeError>>,
+        counted: bool,
+    },
+}
+
+impl Pending {
+    fn counted(&self) -> bool {
+        matches!(self, Pending::Stream(_) | Pending::Reply { counted: true, .. })
+    }
 }
 
 struct Conn {
-    info: WorkerInfo,
+    hello: Handshake,
     addr: SocketAddr,
     out: mpsc::Sender<ToWorker>,
     pending: Mutex<HashMap<CallId, Pending>>,
@@ -50,6 +59,8 @@ struct Conn {
     /// Streams and prefills in flight: the router's load signal.
     active: AtomicUsize,
     alive: AtomicBool,
+    /// Woken when the connection is lost.
+    lost: tokio::sync::Notify,
 }
 
 /// A cheap handle to a worker process.
@@ -58,22 +69,174 @@ pub struct RemoteWorker {
     conn: Arc<Conn>,
 }
 
-/// A prefill in flight: its result, and a guard that cancels the prefill if dropped
-/// before the result arrived.
-pub struct PrefillCall {
-    pub result: oneshot::Receiver<Prefilled>,
-    pub guard: CancelOnDrop,
+impl RemoteWorker {
+    /// Connects and shakes hands; the connection's tasks run on the current runtime.
+    pub async fn connect(addr: SocketAddr) -> Result<RemoteWorker, ConnectError> {
+        let io = |source| ConnectError::Io { addr, source };
+        let stream = TcpStream::connect(addr).await.map_err(io)?;
+        stream.set_nodelay(true).map_err(io)?;
+        let (mut rd, mut wr) = stream.into_split();
+        control::write(&mut wr, &ToWorker::Hello { protocol: PROTOCOL_VERSION }).await.map_err(io)?;
+        let hello = match tokio::time::timeout(HANDSHAKE, control::read::<_, FromWorker>(&mut rd)).await {
+            Ok(Ok(Some(FromWorker::Hello(h)))) => h,
+            _ => return Err(ConnectError::NoHandshake(addr)),
+        };
+        if hello.protocol != PROTOCOL_VERSION {
+            return Err(ConnectError::Version { addr, theirs: hello.protocol });
+        }
+        let (out, mut outbox) = mpsc::channel::<ToWorker>(QUEUE);
+        let conn = Arc::new(Conn {
+            hello,
+            addr,
+            out,
+            pending: Mutex::default(),
+            next_call: AtomicU64::new(1),
+            active: AtomicUsize::new(0),
+            alive: AtomicBool::new(true),
+            lost: tokio::sync::Notify::new(),
+        });
+        tokio::spawn(async move {
+            while let Some(msg) = outbox.recv().await {
+                if control::write(&mut wr, &msg).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let reader = conn.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(msg)) = control::read::<_, FromWorker>(&mut rd).await {
+                reader.deliver(msg);
+            }
+            reader.lost();
+        });
+        Ok(RemoteWorker { conn })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.conn.addr
+    }
+
+    /// Resolves once the connection is lost.
+    pub async fn lost(&self) {
+        loop {
+            let woken = self.conn.lost.notified();
+            if !self.conn.alive.load(Ordering::SeqCst) {
+                return;
+            }
+            woken.await;
+        }
+    }
+
+    /// A call whose events stream to `events`; a client that leaves cancels it.
+    fn stream_call(&self, events: EventSender, op: Op) -> Result<(), ServeError> {
+        let watch = events.clone();
+        let call = self.conn.call(Pending::Stream(events), op)?;
+        let conn = self.conn.clone();
+        tokio::spawn(async move {
+            watch.closed().await;
+            conn.cancel(call);
+        });
+        Ok(())
+    }
+
+    /// A call answered once; dropping the future cancels it.
+    fn reply_call(&self, op: Op, counted: bool) -> Reply<'static, Answer> {
+        let conn = self.conn.clone();
+        Box::pin(async move {
+            let (tx, rx) = oneshot::channel();
+            let call = conn.call(Pending::Reply { tx, counted }, op)?;
+            let guard = CancelOnDrop { conn: conn.clone(), call, armed: true };
+            let answer = rx.await.map_err(|_| conn.gone());
+            guard.disarm();
+            answer?
+        })
+    }
 }
 
-pub struct CancelOnDrop {
+impl Worker for RemoteWorker {
+    fn info(&self) -> &WorkerInfo {
+        &self.conn.hello.info
+    }
+
+    fn load(&self) -> usize {
+        self.conn.active.load(Ordering::Relaxed)
+    }
+
+    fn is_alive(&self) -> bool {
+        self.conn.alive.load(Ordering::SeqCst)
+    }
+
+    fn generate(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError> {
+        self.stream_call(events, Op::Generate { req })
+    }
+
+    /// Reachable over TCP at the host the control connection uses, and over shared
+    /// memory on the same host.
+    fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
+        let h = &self.conn.hello;
+        let addr = match via {
+            TransportKind::Inproc => return None,
+            TransportKind::Tcp => KvAddr::Tcp(SocketAddr::new(self.conn.addr.ip(), h.kv_tcp_port?)),
+            TransportKind::Shm => KvAddr::Shm(h.kv_shm.clone()?),
+        };
+        Some(KvTarget::Remote(addr))
+    }
+
+    fn reserve(&self, id: RequestId, prompt_len: usize) -> Reply<'_, HandoffToken> {
+        let answer = self.reply_call(Op::Reserve { id, prompt_len }, false);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::Token(t) => Ok(t),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
+        let KvTarget::Remote(addr) = to.target else {
+            return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
+        };
+        let answer = self.reply_call(Op::Prefill { req, to: addr, token: to.token }, true);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::Prefilled(p) => Ok(p),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
+        self.stream_call(events, Op::Decode { handoff })
+    }
+
+    fn release(&self, id: RequestId) {
+        let _ = self.conn.send(ToWorker::Call { call: 0, op: Box::new(Op::Release { id }) });
+    }
+
+    fn stats(&self) -> Reply<'_, WorkerStats> {
+        let answer = self.reply_call(Op::Stats, false);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::Stats(s) => Ok(s),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+}
+
+fn unexpected(a: &Answer) -> ServeError {
+    ServeError::Internal(format!("the worker answered with an unexpected {a:?}"))
+}
+
+/// Cancels a call unless disarmed (its answer arrived).
+struct CancelOnDrop {
     conn: Arc<Conn>,
     call: CallId,
     armed: bool,
 }
 
 impl CancelOnDrop {
-    /// The call completed: nothing left to cancel.
-    pub fn done(mut self) {
+    fn disarm(mut self) {
         self.armed = false;
     }
 }
@@ -86,139 +249,6 @@ impl Drop for CancelOnDrop {
     }
 }
 
-impl RemoteWorker {
-    /// Connects and shakes hands; the connection's reader runs on the current runtime.
-    pub async fn connect(addr: SocketAddr) -> Result<RemoteWorker, ConnectError> {
-        let io = |source| ConnectError::Io { addr, source };
-        let stream = TcpStream::connect(addr).await.map_err(io)?;
-        stream.set_nodelay(true).map_err(io)?;
-        let (mut rd, mut wr) = stream.into_split();
-        wire::write(&mut wr, &ToWorker::Hello { protocol: PROTOCOL_VERSION }).await.map_err(io)?;
-        let info = match tokio::time::timeout(HANDSHAKE, wire::read::<_, FromWorker>(&mut rd)).await {
-            Ok(Ok(Some(FromWorker::Hello(info)))) => info,
-            _ => return Err(ConnectError::NoHandshake(addr)),
-        };
-        if info.protocol != PROTOCOL_VERSION {
-            return Err(ConnectError::Version { addr, theirs: info.protocol });
-        }
-        let (out, mut outbox) = mpsc::channel::<ToWorker>(QUEUE);
-        let conn = Arc::new(Conn {
-            info,
-            addr,
-            out,
-            pending: Mutex::default(),
-            next_call: AtomicU64::new(1),
-            active: AtomicUsize::new(0),
-            alive: AtomicBool::new(true),
-        });
-        tokio::spawn(async move {
-            while let Some(msg) = outbox.recv().await {
-                if wire::write(&mut wr, &msg).await.is_err() {
-                    return;
-                }
-            }
-        });
-        let reader = conn.clone();
-        tokio::spawn(async move {
-            while let Ok(Some(msg)) = wire::read::<_, FromWorker>(&mut rd).await {
-                reader.deliver(msg);
-            }
-            reader.lost();
-        });
-        Ok(RemoteWorker { conn })
-    }
-
-    pub fn name(&self) -> &str {
-        &self.conn.info.name
-    }
-
-    pub fn role(&self) -> Role {
-        self.conn.info.role
-    }
-
-    pub fn info(&self) -> &WorkerInfo {
-        &self.conn.info
-    }
-
-    pub fn addr(&self) -> SocketAddr {
-        self.conn.addr
-    }
-
-    pub fn load(&self) -> usize {
-        self.conn.active.load(Ordering::Relaxed)
-    }
-
-    /// False once the connection is lost; the router stops choosing this worker.
-    pub fn is_alive(&self) -> bool {
-        self.conn.alive.load(Ordering::SeqCst)
-    }
-
-    /// Where this worker receives KV over `transport` ("tcp" or "shm"), if it does.
-    pub fn kv_addr(&self, transport: &str) -> Option<KvAddr> {
-        match transport {
-            "shm" => self.conn.info.kv_shm.clone().map(KvAddr::Shm),
-            _ => self.conn.info.kv_tcp_port.map(|p| KvAddr::Tcp(SocketAddr::new(self.conn.addr.ip(), p))),
-        }
-    }
-
-    /// Prefill and decode there; events go to `events`.
-    pub fn generate_into(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError> {
-        self.stream_call(events, |call| ToWorker::Generate { call, req })
-    }
-
-    /// Prefill there, sending the KV to `to`.
-    pub fn prefill_to(&self, req: GenerateRequest, to: KvAddr) -> Result<PrefillCall, ServeError> {
-        let (tx, rx) = oneshot::channel();
-        let call = self.conn.call(Pending::Prefill(tx), |call| ToWorker::Prefill { call, req, to })?;
-        self.conn.active.fetch_add(1, Ordering::Relaxed);
-        Ok(PrefillCall { result: rx, guard: CancelOnDrop { conn: self.conn.clone(), call, armed: true } })
-    }
-
-    pub fn reserve(
-        &self,
-        id: RequestId,
-        prompt_len: usize,
-    ) -> Result<oneshot::Receiver<Result<(), ServeError>>, ServeError> {
-        let (tx, rx) = oneshot::channel();
-        self.conn.call(Pending::Reserve(tx), |call| ToWorker::Reserve { call, id, prompt_len })?;
-        Ok(rx)
-    }
-
-    pub fn finish_import(
-        &self,
-        id: RequestId,
-        prompt: Vec<u32>,
-        first: u32,
-        params: SamplingParams,
-        events: EventSender,
-    ) -> Result<(), ServeError> {
-        self.stream_call(events, |call| ToWorker::FinishImport { call, id, prompt, first, params })
-    }
-
-    pub fn abort_import(&self, id: RequestId) {
-        let _ = self.conn.send(ToWorker::AbortImport { id });
-    }
-
-    pub async fn stats(&self) -> Option<WorkerStats> {
-        let (tx, rx) = oneshot::channel();
-        self.conn.call(Pending::Stats(tx), |call| ToWorker::Stats { call }).ok()?;
-        rx.await.ok().flatten()
-    }
-
-    /// A call whose events stream to `events`; a client that leaves cancels it.
-    fn stream_call(&self, events: EventSender, msg: impl FnOnce(CallId) -> ToWorker) -> Result<(), ServeError> {
-        let watch = events.clone();
-        let call = self.conn.call(Pending::Stream(events), msg)?;
-        self.conn.active.fetch_add(1, Ordering::Relaxed);
-        let conn = self.conn.clone();
-        tokio::spawn(async move {
-            watch.closed().await;
-            conn.cancel(call);
-        });
-        Ok(())
-    }
-}
-
 impl Conn {
     fn send(&self, msg: ToWorker) -> Result<(), ServeError> {
         if !self.alive.load(Ordering::SeqCst) {
@@ -226,58 +256,56 @@ impl Conn {
         }
         self.out.try_send(msg).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => {
-                ServeError::Overloaded(format!("the connection to worker {} is full", self.info.name))
+                ServeError::Overloaded(format!("the connection to worker {} is full", self.hello.info.name))
             }
             mpsc::error::TrySendError::Closed(_) => self.gone(),
         })
     }
 
     fn gone(&self) -> ServeError {
-        ServeError::NoWorker(format!("worker {} ({}) is disconnected", self.info.name, self.addr))
+        ServeError::NoWorker(format!("worker {} ({}) is disconnected", self.hello.info.name, self.addr))
     }
 
     /// Registers `pending` under a new call id, then sends the call.
-    fn call(&self, pending: Pending, msg: impl FnOnce(CallId) -> ToWorker) -> Result<CallId, ServeError> {
+    fn call(&self, pending: Pending, op: Op) -> Result<CallId, ServeError> {
         let call = self.next_call.fetch_add(1, Ordering::Relaxed);
+        if pending.counted() {
+            self.active.fetch_add(1, Ordering::Relaxed);
+        }
         self.lock().insert(call, pending);
-        if let Err(e) = self.send(msg(call)) {
-            self.lock().remove(&call);
+        if let Err(e) = self.send(ToWorker::Call { call, op: Box::new(op) }) {
+            self.forget(call);
             return Err(e);
         }
         Ok(call)
     }
 
-    /// The caller of `call` left: forget it and tell the worker, if still running.
-    fn cancel(&self, call: CallId) {
-        if let Some(p) = self.lock().remove(&call) {
-            self.finished(&p);
-            let _ = self.send(ToWorker::Cancel { call });
+    /// Drops a call's bookkeeping; true if it was still pending.
+    fn forget(&self, call: CallId) -> bool {
+        let p = self.lock().remove(&call);
+        if p.as_ref().is_some_and(Pending::counted) {
+            self.active.fetch_sub(1, Ordering::Relaxed);
         }
+        p.is_some()
     }
 
-    fn finished(&self, p: &Pending) {
-        if matches!(p, Pending::Stream(_) | Pending::Prefill(_)) {
-            self.active.fetch_sub(1, Ordering::Relaxed);
+    /// The caller of `call` left: forget it and tell the worker, if still running.
+    fn cancel(&self, call: CallId) {
+        if self.forget(call) {
+            let _ = self.send(ToWorker::Cancel { call });
         }
     }
 
     fn deliver(&self, msg: FromWorker) {
         match msg {
             FromWorker::Event { call, event } => self.deliver_event(call, event),
-            FromWorker::Prefilled { call, result, kv_bytes } => {
-                if let Some(Pending::Prefill(tx)) = self.take(call) {
+            FromWorker::Reply { call, result } => {
+                let Some(p) = self.lock().remove(&call) else { return };
+                if p.counted() {
                     self.active.fetch_sub(1, Ordering::Relaxed);
-                    let _ = tx.send(result.map(|f| (f, kv_bytes)));
                 }
-            }
-            FromWorker::Reserved { call, result } => {
-                if let Some(Pending::Reserve(tx)) = self.take(call) {
+                if let Pending::Reply { tx, .. } = p {
                     let _ = tx.send(result);
-                }
-            }
-            FromWorker::Stats { call, stats } => {
-                if let Some(Pending::Stats(tx)) = self.take(call) {
-                    let _ = tx.send(stats);
                 }
             }
             FromWorker::Hello(_) => {}
@@ -286,39 +314,36 @@ impl Conn {
 
     fn deliver_event(&self, call: CallId, event: Event) {
         let last = !matches!(event, Event::Token(_));
-        let mut pending = self.lock();
-        let Some(Pending::Stream(events)) = pending.get(&call) else { return };
-        let delivered = events.send(event).is_ok();
+        let delivered = match self.lock().get(&call) {
+            Some(Pending::Stream(events)) => events.send(event).is_ok(),
+            _ => return,
+        };
         if last || !delivered {
-            if let Some(p) = pending.remove(&call) {
-                self.finished(&p);
-            }
-            drop(pending);
+            self.forget(call);
             if !delivered && !last {
                 let _ = self.send(ToWorker::Cancel { call });
             }
         }
     }
 
-    fn take(&self, call: CallId) -> Option<Pending> {
-        self.lock().remove(&call)
-    }
-
     /// The connection is gone: every call in flight fails.
     fn lost(&self) {
         self.alive.store(false, Ordering::SeqCst);
+        self.lost.notify_waiters();
         let drained: Vec<Pending> = self.lock().drain().map(|(_, p)| p).collect();
         for p in drained {
-            self.finished(&p);
+            if p.counted() {
+                self.active.fetch_sub(1, Ordering::Relaxed);
+            }
             if let Pending::Stream(events) = p {
                 let _ = events.send(Event::Failed(self.gone()));
             }
-            // Dropped one-shot senders tell their waiters the worker is gone.
+            // Dropped reply senders tell their waiters the worker is gone.
         }
-        eprintln!("pdserve: lost worker {} ({})", self.info.name, self.addr);
+        tracing::warn!(worker = %self.hello.info.name, addr = %self.addr, "lost the connection to a worker");
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<CallId, Pending>> {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+        self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }

@@ -2,21 +2,22 @@
 //!
 //! ```text
 //! frontend process                      worker process (pdserve worker)
-//!   Router ─► RemoteWorker ══control══► WorkerServer ─► Worker (engine thread)
-//!                                          prefill: KvSink ══KV link══► decode process's Inboxes
+//!   Router ─► RemoteWorker ══control══► WorkerServer ─► LocalWorker (engine thread)
+//!                                          prefill: KV sink ══KV link══► decode process's receiver
 //! ```
 //!
-//! The control connection ([`wire`]) carries calls and token events; KV goes from
-//! the prefill process straight to the decode process over TCP or shared memory,
-//! never through the router. [`linked`] holds the pieces both the in-process router
-//! and the worker processes use to run the two ends of a KV link.
+//! [`RemoteWorker`] and [`WorkerServer`] carry the one worker surface
+//! ([`pdserve_protocol::Worker`]) over the [`control`] protocol: the client turns
+//! each operation into a call, the server runs each call on the worker it serves.
+//! KV goes from the prefill process straight to the decode process over TCP or shared
+//! memory, never through the router.
 
 mod client;
-pub mod linked;
-mod links;
+pub mod control;
 mod server;
-pub mod wire;
+mod supervise;
 
-pub use client::{CancelOnDrop, ConnectError, PrefillCall, Prefilled, RemoteWorker};
+pub use client::{ConnectError, RemoteWorker};
+pub use control::{Handshake, PROTOCOL_VERSION};
 pub use server::WorkerServer;
-pub use wire::{KvAddr, WorkerInfo, PROTOCOL_VERSION};
+pub use supervise::keep_connected;

@@ -1,40 +1,44 @@
-//! A worker process's control server: takes calls from routers over TCP and runs them
-//! on the local [`Worker`]. Every connection owns what its calls started; when it
-//! closes, their requests are cancelled and their reservations released.
+//! A worker process's control server: takes calls from routers over TCP and runs
+//! each on the worker it serves (any [`Worker`]: an engine, or a simulated one).
+//!
+//! Every connection owns what its calls started: it may release or decode only the
+//! reservations it made, and when it closes, its calls are cancelled and those
+//! reservations released.
 
-use crate::linked::{forward, SharedSink};
-use crate::links::Links;
-use crate::wire::{self, CallId, FromWorker, KvAddr, ToWorker, WorkerInfo};
-use pdserve_kv_transfer::{HandoffId, Inboxes};
-use pdserve_protocol::{Event, GenerateRequest, ServeError, TokenStream};
-use pdserve_types::{RequestId, SamplingParams};
-use pdserve_worker::{FirstToken, Worker};
+use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
+use pdserve_kv_transfer::{KvTarget, TransportKind};
+use pdserve_protocol::{Event, KvDestination, ServeError, TokenStream, Worker};
+use pdserve_types::RequestId;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio::task::{AbortHandle, JoinHandle};
+use tokio::task::AbortHandle;
 
-/// How long a finishing import waits for its last frames after the prefill side said
-/// it sent them all (they are normally already here).
-const FRAMES_GRACE: Duration = Duration::from_secs(10);
 /// Replies queued per connection before the sender waits.
 const OUTBOX: usize = 1024;
 
 /// One worker offered to routers.
 pub struct WorkerServer {
-    worker: Worker,
-    info: WorkerInfo,
-    /// Where transfers into this worker land (decode and mixed workers).
-    inboxes: Option<Inboxes>,
-    links: Links,
+    worker: Arc<dyn Worker>,
 }
 
 impl WorkerServer {
-    pub fn new(worker: Worker, info: WorkerInfo, inboxes: Option<Inboxes>) -> Arc<WorkerServer> {
-        Arc::new(WorkerServer { worker, info, inboxes, links: Links::default() })
+    pub fn new(worker: Arc<dyn Worker>) -> Arc<WorkerServer> {
+        Arc::new(WorkerServer { worker })
+    }
+
+    /// What a router learns when it connects.
+    fn handshake(&self) -> Handshake {
+        let port = match self.worker.kv_target(TransportKind::Tcp) {
+            Some(KvTarget::Remote(pdserve_kv_transfer::KvAddr::Tcp(a))) => Some(a.port()),
+            _ => None,
+        };
+        let shm = match self.worker.kv_target(TransportKind::Shm) {
+            Some(KvTarget::Remote(pdserve_kv_transfer::KvAddr::Shm(p))) => Some(p),
+            _ => None,
+        };
+        Handshake { protocol: PROTOCOL_VERSION, info: self.worker.info().clone(), kv_tcp_port: port, kv_shm: shm }
     }
 
     /// Accepts routers until `shutdown` resolves.
@@ -43,11 +47,16 @@ impl WorkerServer {
         loop {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, _)) => {
+                    Ok((stream, peer)) => {
                         let _ = stream.set_nodelay(true);
+                        tracing::debug!(%peer, "router connected");
                         tokio::spawn(self.clone().session(stream));
                     }
-                    Err(e) => eprintln!("pdserve worker: accept failed: {e}"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        // Out of descriptors, most likely: back off instead of spinning.
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
                 },
                 _ = &mut shutdown => return,
             }
@@ -59,18 +68,19 @@ impl WorkerServer {
         let (out, mut outbox) = mpsc::channel::<FromWorker>(OUTBOX);
         let writer = tokio::spawn(async move {
             while let Some(msg) = outbox.recv().await {
-                if wire::write(&mut wr, &msg).await.is_err() {
+                if control::write(&mut wr, &msg).await.is_err() {
                     return;
                 }
             }
         });
-        let s = Arc::new(Session { srv: self, out, calls: Mutex::default(), imports: Mutex::default() });
+        let held = Mutex::new(Some(HashMap::new()));
+        let s = Arc::new(Session { srv: self, out, calls: Mutex::default(), held });
         loop {
-            match wire::read::<_, ToWorker>(&mut rd).await {
+            match control::read::<_, ToWorker>(&mut rd).await {
                 Ok(Some(msg)) => s.clone().handle(msg),
                 Ok(None) => break,
                 Err(e) => {
-                    eprintln!("pdserve worker: dropping a router connection: {e}");
+                    tracing::warn!(error = %e, "dropping a router connection");
                     break;
                 }
             }
@@ -80,249 +90,197 @@ impl WorkerServer {
     }
 }
 
-/// A call in progress: its task, and a flag a running prefill checks between layers.
-struct Running {
-    stop: Arc<AtomicBool>,
-    task: AbortHandle,
-}
-
 /// One router connection and everything its calls hold.
 struct Session {
     srv: Arc<WorkerServer>,
     out: mpsc::Sender<FromWorker>,
-    calls: Mutex<HashMap<CallId, Running>>,
-    /// Transfers into this worker.
-    imports: Mutex<HashMap<RequestId, Import>>,
+    /// Calls in progress, so `Cancel` (or the connection closing) stops them.
+    calls: Mutex<HashMap<CallId, AbortHandle>>,
+    /// Reservations this connection asked for and has neither decoded nor released;
+    /// `None` once the connection closed.
+    held: Mutex<Option<HashMap<RequestId, Hold>>>,
 }
 
-enum Import {
-    /// Blocks asked for; the router may still abort before they are granted.
+/// A reservation as its connection sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// Asked for; the worker has not answered yet.
     Reserving,
-    /// A task feeding the transfer's frames into the reservation.
-    Receiving(JoinHandle<bool>),
-}
-
-type Reply<T> = tokio::sync::oneshot::Receiver<Result<T, ServeError>>;
-
-/// Releases an import (its forwarding task and its reserved blocks) unless disarmed:
-/// the engine took it over.
-struct AbortOnDrop {
-    session: Arc<Session>,
-    id: RequestId,
-    armed: bool,
-}
-
-impl AbortOnDrop {
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        if self.armed {
-            self.session.abort_import(self.id);
-        }
-    }
+    Held,
 }
 
 impl Session {
+    fn worker(&self) -> &dyn Worker {
+        &*self.srv.worker
+    }
+
     fn handle(self: Arc<Self>, msg: ToWorker) {
         match msg {
             // The router compares versions and hangs up on a mismatch.
             ToWorker::Hello { .. } => {
-                let _ = self.out.try_send(FromWorker::Hello(self.srv.info.clone()));
+                let _ = self.out.try_send(FromWorker::Hello(self.srv.handshake()));
             }
-            ToWorker::Generate { call, req } => {
-                let stream = self.srv.worker.generate(req);
-                self.start(call, |s, _| s.pump(call, stream));
-            }
-            ToWorker::Prefill { call, req, to } => self.start(call, move |s, stop| s.prefill(call, req, to, stop)),
-            ToWorker::Reserve { call, id, prompt_len } => {
-                // Queued on the worker now, so an AbortImport that follows lands after it.
-                let reserved = self.begin_reserve(id, prompt_len);
-                self.start(call, move |s, _| s.reserve(call, id, reserved))
-            }
-            ToWorker::FinishImport { call, id, prompt, first, params } => {
-                // Made before the task, so a task cancelled before it ever runs still
-                // releases the import.
-                let guard = AbortOnDrop { session: self.clone(), id, armed: true };
-                self.start(call, move |s, _| s.finish_import(call, guard, prompt, first, params))
-            }
-            ToWorker::AbortImport { id } => self.abort_import(id),
+            ToWorker::Call { call, op } => self.call(call, *op),
             ToWorker::Cancel { call } => {
-                if let Some(r) = lock(&self.calls).remove(&call) {
-                    r.stop.store(true, Ordering::SeqCst);
-                    r.task.abort();
+                if let Some(task) = lock(&self.calls).remove(&call) {
+                    task.abort();
                 }
             }
-            ToWorker::Stats { call } => {
+        }
+    }
+
+    fn call(self: Arc<Self>, call: CallId, op: Op) {
+        match op {
+            Op::Generate { req } => {
+                let span = tracing::info_span!("generate", request_id = %req.tag);
+                let (events, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
+                let started = span.in_scope(|| self.worker().generate(req, events));
+                self.stream(call, started.map(|()| stream));
+            }
+            Op::Decode { handoff } => {
+                let id = handoff.id;
+                // Only a reservation of this connection's own.
+                if !self.unhold(id) {
+                    let e = ServeError::Invalid(format!("this connection holds no reservation {id}"));
+                    return self.stream(call, Err(e));
+                }
+                let (events, stream) = TokenStream::channel(handoff.params.max_tokens as usize + 4);
+                let started = self.worker().decode(handoff, events);
+                self.stream(call, started.map(|()| stream));
+            }
+            Op::Reserve { id, prompt_len } => {
+                // Noted before the call runs, so a release that overtakes its answer
+                // still releases what the worker grants.
+                if let Err(e) = self.expect_hold(id) {
+                    return self.reply(call, async move { Err(e) });
+                }
                 let s = self.clone();
-                tokio::spawn(async move {
-                    let stats = s.srv.worker.stats().await;
-                    let _ = s.out.send(FromWorker::Stats { call, stats }).await;
-                });
+                self.reply(call, async move {
+                    let granted = s.worker().reserve(id, prompt_len).await;
+                    s.granted(id, granted.is_ok())?;
+                    Ok(Answer::Token(granted?))
+                })
+            }
+            Op::Prefill { req, to, token } => {
+                let span = tracing::info_span!("prefill", request_id = %req.tag);
+                let done = self.worker().prefill(req, KvDestination { target: KvTarget::Remote(to), token });
+                self.reply(
+                    call,
+                    tracing::Instrument::instrument(async move { Ok(Answer::Prefilled(done.await?)) }, span),
+                )
+            }
+            Op::Release { id } => {
+                if self.unhold(id) {
+                    self.worker().release(id);
+                }
+            }
+            Op::Stats => {
+                let s = self.clone();
+                self.reply(call, async move { Ok(Answer::Stats(s.worker().stats().await?)) })
             }
         }
     }
 
-    /// Runs a call's task, remembered so `Cancel` (or the connection closing) stops it.
-    fn start<F, Fut>(self: Arc<Self>, call: CallId, f: F)
-    where
-        F: FnOnce(Arc<Session>, Arc<AtomicBool>) -> Fut,
-        Fut: std::future::Future<Output = ()> + Send + 'static,
-    {
-        let stop = Arc::new(AtomicBool::new(false));
-        let task = tokio::spawn(f(self.clone(), stop.clone())).abort_handle();
-        let mut calls = lock(&self.calls);
-        calls.retain(|_, r| !r.task.is_finished());
-        calls.insert(call, Running { stop, task });
-    }
-
-    async fn send_event(&self, call: CallId, event: Event) -> bool {
-        self.out.send(FromWorker::Event { call, event }).await.is_ok()
-    }
-
-    /// Streams a request's events back; dropping the stream (task aborted) cancels it.
-    async fn pump(self: Arc<Self>, call: CallId, stream: Result<TokenStream, ServeError>) {
-        let mut stream = match stream {
-            Ok(s) => s,
-            Err(e) => {
-                self.send_event(call, Event::Failed(e)).await;
-                return;
-            }
-        };
-        while let Some(ev) = stream.next().await {
-            let last = !matches!(ev, Event::Token(_));
-            if !self.send_event(call, ev).await || last {
-                return;
-            }
-        }
-        self.send_event(call, Event::Failed(ServeError::Internal("the worker dropped the request".into()))).await;
-    }
-
-    async fn prefill(self: Arc<Self>, call: CallId, req: GenerateRequest, to: KvAddr, stop: Arc<AtomicBool>) {
-        let bytes = Arc::new(AtomicU64::new(0));
-        let result = self.prefill_to(req, &to, stop, bytes.clone()).await;
-        if result.is_err() {
-            // The next transfer reconnects rather than reuse a link that may be down.
-            self.srv.links.forget(&to);
-        }
-        let kv_bytes = bytes.load(Ordering::Relaxed);
-        let _ = self.out.send(FromWorker::Prefilled { call, result, kv_bytes }).await;
-    }
-
-    async fn prefill_to(
-        &self,
-        req: GenerateRequest,
-        to: &KvAddr,
-        stop: Arc<AtomicBool>,
-        bytes: Arc<AtomicU64>,
-    ) -> Result<FirstToken, ServeError> {
-        let transport = self.srv.links.get(to).await?;
-        let hid = HandoffId(req.id.0);
-        let sink = SharedSink::new(transport.open(hid).map_err(|e| kv_error(to, e))?);
-        let broken = Arc::new(AtomicBool::new(false));
-        let frames = sink.frame_sink(hid, move || stop.load(Ordering::SeqCst), broken.clone(), bytes);
-        let first = self.srv.worker.prefill(req, frames)?.await.map_err(|_| stopped(&self.srv.worker))??;
-        if broken.load(Ordering::SeqCst) || !sink.finish().await {
-            return Err(ServeError::Internal(format!("KV transfer to {to:?} failed")));
-        }
-        Ok(first)
-    }
-
-    fn begin_reserve(&self, id: RequestId, prompt_len: usize) -> Result<Reply<()>, ServeError> {
-        let w = &self.srv.worker;
-        if self.srv.inboxes.is_none() {
-            return Err(ServeError::Invalid(format!("worker {} receives no KV (role {})", w.name(), w.role())));
-        }
-        let reply = w.reserve(id, prompt_len)?;
-        lock(&self.imports).insert(id, Import::Reserving);
-        Ok(reply)
-    }
-
-    async fn reserve(self: Arc<Self>, call: CallId, id: RequestId, reserved: Result<Reply<()>, ServeError>) {
-        let result = self.receive(id, reserved).await;
-        let _ = self.out.send(FromWorker::Reserved { call, result }).await;
-    }
-
-    /// Once the blocks are reserved, starts feeding the transfer's frames into them,
-    /// unless the router aborted the import meanwhile.
-    async fn receive(&self, id: RequestId, reserved: Result<Reply<()>, ServeError>) -> Result<(), ServeError> {
-        let w = &self.srv.worker;
-        reserved?.await.map_err(|_| stopped(w))??;
-        let mut imports = lock(&self.imports);
-        if !matches!(imports.get(&id), Some(Import::Reserving)) {
-            return Err(ServeError::Internal(format!("the import of {id} was aborted")));
-        }
-        let inbox = self.srv.inboxes.as_ref().map(|i| i.expect(HandoffId(id.0)));
-        match inbox {
-            Some(Ok(inbox)) => {
-                imports.insert(id, Import::Receiving(forward(inbox, w.clone(), id)));
-                Ok(())
-            }
-            Some(Err(e)) => {
-                imports.remove(&id);
-                w.abort_import(id);
-                Err(ServeError::Internal(format!("KV receiver: {e}")))
-            }
-            None => Err(ServeError::Internal("no KV receiver".into())),
-        }
-    }
-
-    async fn finish_import(
+    /// Runs a call answered once, remembered so `Cancel` can stop it.
+    fn reply(
         self: Arc<Self>,
         call: CallId,
-        guard: AbortOnDrop,
-        prompt: Vec<u32>,
-        first: u32,
-        params: SamplingParams,
+        answer: impl std::future::Future<Output = Result<Answer, ServeError>> + Send + 'static,
     ) {
-        let (w, id) = (&self.srv.worker, guard.id);
-        let frames = lock(&self.imports).remove(&id);
-        let delivered = match frames {
-            Some(Import::Receiving(task)) => matches!(tokio::time::timeout(FRAMES_GRACE, task).await, Ok(Ok(true))),
-            _ => false,
-        };
-        if !delivered {
-            let e = ServeError::Internal(format!("the KV transfer of {id} did not complete"));
-            self.send_event(call, Event::Failed(e)).await;
-            return;
-        }
-        let (events, stream) = TokenStream::channel(params.max_tokens as usize + 4);
-        let stream = w.finish_import(id, prompt, first, params, events).map(|()| stream);
-        guard.disarm();
-        self.pump(call, stream).await;
+        let s = self.clone();
+        let task = tokio::spawn(async move {
+            let result = answer.await;
+            lock(&s.calls).remove(&call);
+            let _ = s.out.send(FromWorker::Reply { call, result }).await;
+        });
+        self.remember(call, task.abort_handle());
     }
 
-    fn abort_import(&self, id: RequestId) {
-        if let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) {
+    /// Streams a call's events back; aborting the task drops the stream, which
+    /// cancels the request in the worker.
+    fn stream(self: Arc<Self>, call: CallId, stream: Result<TokenStream, ServeError>) {
+        let s = self.clone();
+        let task = tokio::spawn(async move {
+            match stream {
+                Ok(stream) => s.pump(call, stream).await,
+                Err(e) => {
+                    let _ = s.out.send(FromWorker::Event { call, event: Event::Failed(e) }).await;
+                }
+            }
+            lock(&s.calls).remove(&call);
+        });
+        self.remember(call, task.abort_handle());
+    }
+
+    async fn pump(&self, call: CallId, mut stream: TokenStream) {
+        while let Some(event) = stream.next().await {
+            let last = !matches!(event, Event::Token(_));
+            if self.out.send(FromWorker::Event { call, event }).await.is_err() || last {
+                return;
+            }
+        }
+        let e = ServeError::Internal("the worker dropped the request".into());
+        let _ = self.out.send(FromWorker::Event { call, event: Event::Failed(e) }).await;
+    }
+
+    /// Notes a reservation this connection asks for.
+    fn expect_hold(&self, id: RequestId) -> Result<(), ServeError> {
+        let mut held = lock(&self.held);
+        let held = held.as_mut().ok_or_else(|| ServeError::Internal("the connection is closing".into()))?;
+        if held.contains_key(&id) {
+            return Err(ServeError::Invalid(format!("{id} is already reserved on this connection")));
+        }
+        held.insert(id, Hold::Reserving);
+        Ok(())
+    }
+
+    /// The worker answered a reservation. One released meanwhile (or whose connection
+    /// closed) is given back at once.
+    fn granted(&self, id: RequestId, ok: bool) -> Result<(), ServeError> {
+        let mut held = lock(&self.held);
+        let still_wanted = held.as_mut().is_some_and(|h| h.get(&id) == Some(&Hold::Reserving));
+        match (ok, still_wanted) {
+            (true, true) => {
+                held.as_mut().map(|h| h.insert(id, Hold::Held));
+                Ok(())
+            }
+            (true, false) => {
+                drop(held);
+                self.worker().release(id);
+                Err(ServeError::Internal(format!("the reservation of {id} was released")))
+            }
+            (false, _) => {
+                held.as_mut().map(|h| h.remove(&id));
+                Ok(())
+            }
+        }
+    }
+
+    /// Takes a granted reservation back from this connection; false if it holds no
+    /// such one. A reservation still being asked for is forgotten (its answer will
+    /// release it).
+    fn unhold(&self, id: RequestId) -> bool {
+        lock(&self.held).as_mut().and_then(|h| h.remove(&id)) == Some(Hold::Held)
+    }
+
+    fn remember(&self, call: CallId, task: AbortHandle) {
+        let mut calls = lock(&self.calls);
+        calls.retain(|_, t| !t.is_finished());
+        calls.insert(call, task);
+    }
+
+    /// The router is gone: cancel its calls and release its reservations.
+    fn close(&self) {
+        for (_, task) in lock(&self.calls).drain() {
             task.abort();
         }
-        self.srv.worker.abort_import(id);
-    }
-
-    /// The router is gone: cancel its requests and release its reservations.
-    fn close(&self) {
-        for (_, r) in lock(&self.calls).drain() {
-            r.stop.store(true, Ordering::SeqCst);
-            r.task.abort();
-        }
-        let ids: Vec<RequestId> = lock(&self.imports).keys().copied().collect();
-        for id in ids {
-            self.abort_import(id);
+        let held = lock(&self.held).take().unwrap_or_default();
+        for id in held.into_keys() {
+            self.worker().release(id);
         }
     }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn stopped(w: &Worker) -> ServeError {
-    ServeError::NoWorker(format!("worker {} stopped", w.name()))
-}
-
-fn kv_error(to: &KvAddr, e: pdserve_kv_transfer::TransferError) -> ServeError {
-    ServeError::Internal(format!("KV transfer to {to:?}: {e}"))
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -1,98 +1,87 @@
 //! The router: for each request, where it prefills and where it decodes.
 //!
 //! Sits between the frontend (which calls [`Router::generate`] through the
-//! [`Generate`] trait) and the workers, local or in other processes ([`Node`]).
-//! Aggregated requests go to one worker; disaggregated ones run the handoff of
-//! [`handoff`]: reserve on a decode worker, prefill on a prefill worker streaming K/V
-//! into the reservation, first token to the client, decode continues — each state with
-//! a deadline and a cleanup path. `auto` decides per request with [`cost`].
+//! [`Generate`] trait) and a live [`WorkerSet`] of workers behind the one
+//! [`Worker`](pdserve_protocol::Worker) surface, in this process or others.
+//! Aggregated requests go to one worker; disaggregated ones run the [`handoff`]:
+//! reserve on a decode worker, prefill on a prefill worker streaming K/V into the
+//! reservation, first token to the client, decode continues — each state with a
+//! deadline and a cleanup path. `auto` decides per request with [`cost`]; which
+//! worker of a role gets a request is the [`policies`]' call.
 
 pub mod cost;
 pub mod handoff;
 mod mode;
-mod node;
 pub mod policies;
 mod relay;
+pub mod workers;
 
-pub use handoff::{Deadlines, KvLink};
+pub use handoff::{Deadlines, Handoff};
 pub use mode::Mode;
-pub use node::Node;
-pub use policies::Policy;
+pub use policies::{Ask, Candidate, Policy, PolicyKind};
+pub use workers::{Entry, WorkerId, WorkerSet};
 
-use cost::{PrefillLoad, TransferCost};
+use cost::TransferCost;
+use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{
-    Event, Generate, GenerateRequest, NoTelemetry, PrefillRoute, ServeError, Telemetry, TokenStream,
+    Event, Generate, GenerateRequest, NoTelemetry, PrefillRoute, ServeError, Telemetry, TokenStream, Worker,
 };
 use pdserve_types::Role;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::sync::Semaphore;
 
-/// Handoffs one prefill worker runs at once: one prefilling and one reserving its
-/// blocks, so the worker never idles between prompts; the rest wait in the router
-/// (holding nothing on any worker) in arrival order.
-pub const PREFILL_SLOTS: usize = 2;
+/// Salt of the block hashes handed to policies: the engines' default.
+const BLOCK_SALT: u64 = 0;
+/// Tokens per KV block, as every engine pages its cache.
+const BLOCK_SIZE: usize = 16;
 
 pub struct Router {
-    workers: Vec<Node>,
-    /// Per worker (same index): prompt tokens queued and the measured prefill rate.
-    loads: Vec<Arc<PrefillLoad>>,
-    /// Per worker: handoffs it may be prefilling at once (see [`PREFILL_SLOTS`]).
-    slots: Vec<Arc<Semaphore>>,
+    workers: WorkerSet,
     transfer: Arc<TransferCost>,
     mode: Mode,
-    policy: Policy,
-    turn: AtomicUsize,
+    policy: Box<dyn Policy>,
     deadlines: Deadlines,
     runtime: tokio::runtime::Handle,
     draining: AtomicBool,
     telemetry: Arc<dyn Telemetry>,
-    link: Option<Arc<KvLink>>,
-    /// How remote workers ship KV to each other: "tcp" or "shm".
-    remote_transport: &'static str,
+    /// How prefill workers send KV to decode workers.
+    via: TransportKind,
 }
 
 impl Router {
-    /// `runtime` runs the handoff tasks.
+    /// A router over `workers`; `runtime` runs the handoff tasks. KV goes in-process
+    /// until [`Router::with_transport`] says otherwise.
     pub fn new(
-        workers: impl IntoIterator<Item = impl Into<Node>>,
+        workers: impl IntoIterator<Item = Arc<dyn Worker>>,
         mode: Mode,
         deadlines: Deadlines,
         runtime: tokio::runtime::Handle,
     ) -> Self {
-        let workers: Vec<Node> = workers.into_iter().map(Into::into).collect();
+        let set = WorkerSet::default();
+        for w in workers {
+            set.add(w);
+        }
         Router {
-            loads: workers.iter().map(|_| Arc::default()).collect(),
-            slots: workers.iter().map(|_| Arc::new(Semaphore::new(PREFILL_SLOTS))).collect(),
-            workers,
+            workers: set,
             transfer: Arc::default(),
             mode,
-            policy: Policy::default(),
-            turn: AtomicUsize::new(0),
+            policy: PolicyKind::default().build(),
             deadlines,
             runtime,
             draining: AtomicBool::new(false),
             telemetry: Arc::new(NoTelemetry),
-            link: None,
-            remote_transport: "tcp",
+            via: TransportKind::Inproc,
         }
     }
 
-    /// Ships KV frames over `link` (TCP, shared memory) instead of handing them to
-    /// the decode worker directly (workers in this process).
-    pub fn with_kv_link(mut self, link: KvLink) -> Self {
-        self.link = Some(Arc::new(link));
+    /// How prefill workers send KV to decode workers.
+    pub fn with_transport(mut self, via: TransportKind) -> Self {
+        self.via = via;
         self
     }
 
-    /// How workers in other processes send each other KV: "tcp" or "shm".
-    pub fn with_remote_transport(mut self, transport: &'static str) -> Self {
-        self.remote_transport = transport;
-        self
-    }
-
-    pub fn with_policy(mut self, policy: Policy) -> Self {
+    pub fn with_policy(mut self, policy: Box<dyn Policy>) -> Self {
         self.policy = policy;
         self
     }
@@ -103,8 +92,13 @@ impl Router {
         self
     }
 
-    pub fn workers(&self) -> &[Node] {
+    /// The live worker set: add and remove workers while requests flow.
+    pub fn workers(&self) -> &WorkerSet {
         &self.workers
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.mode
     }
 
     /// Refuse new requests (shutdown); requests in flight continue.
@@ -114,65 +108,62 @@ impl Router {
 
     /// Requests in flight on all workers.
     pub fn in_flight(&self) -> usize {
-        self.workers.iter().map(Node::load).sum()
+        self.workers.snapshot().iter().map(|e| e.worker.load()).sum()
     }
 
-    /// Indices of live workers with one of `roles`, except `not`.
-    fn with_role(&self, roles: &[Role], not: Option<usize>) -> Vec<usize> {
-        (0..self.workers.len())
-            .filter(|&i| Some(i) != not && self.workers[i].is_alive() && roles.contains(&self.workers[i].role()))
+    /// Usable workers of `all` whose current role is one of `roles`, except `not`.
+    fn with_role(all: &[Arc<Entry>], roles: &[Role], not: Option<&Entry>) -> Vec<Arc<Entry>> {
+        all.iter()
+            .filter(|e| e.usable() && roles.contains(&e.role()) && not.is_none_or(|n| n.id != e.id))
+            .cloned()
             .collect()
     }
 
-    fn pick(&self, candidates: &[usize]) -> Option<usize> {
-        let nodes: Vec<&Node> = candidates.iter().map(|&i| &self.workers[i]).collect();
-        let chosen = match self.policy {
-            Policy::LeastLoaded => policies::least_loaded(&nodes),
-            Policy::RoundRobin => policies::round_robin(&nodes, &self.turn),
-        }?;
-        candidates.iter().copied().find(|&i| std::ptr::eq(&self.workers[i], chosen))
+    /// The policy's choice among `entries`.
+    fn pick(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<Arc<Entry>> {
+        let candidates: Vec<Candidate<'_>> = entries
+            .iter()
+            .map(|e| Candidate {
+                name: e.name(),
+                role: e.role(),
+                load: e.worker.load(),
+                queued_prompt_tokens: e.prefill.queued(),
+            })
+            .collect();
+        let i = self.policy.pick(ask, &candidates)?;
+        entries.get(i).cloned()
     }
 
     /// The prefill worker for a request decoding on `d`, or `None` to prefill there.
-    fn remote_prefill(&self, d: usize, prompt_len: usize) -> Option<usize> {
+    fn remote_prefill(&self, all: &[Arc<Entry>], d: &Entry, ask: &Ask<'_>) -> Option<Arc<Entry>> {
         match self.mode {
             Mode::Aggregated => None,
-            Mode::Disaggregated => self.pick(&self.with_role(&[Role::Prefill], None)),
+            Mode::Disaggregated => self.pick(ask, &Self::with_role(all, &[Role::Prefill], None)),
             Mode::Auto => {
-                let cost = |w: usize| self.loads[w].predict(prompt_len) + self.interference(w, prompt_len);
+                let n = ask.prompt_len;
+                let cost = |e: &Entry| e.prefill.predict(n) + interference(e, n);
                 let local = cost(d);
-                let candidates = self.with_role(&[Role::Prefill, Role::Mixed], Some(d));
-                let remote = |p: &usize| cost(*p) + self.transfer.predict(prompt_len);
-                let best = candidates.iter().copied().min_by(|a, b| remote(a).total_cmp(&remote(b)))?;
+                let remote = |e: &Entry| cost(e) + self.transfer.predict(n);
+                let candidates = Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d));
+                let best = candidates.into_iter().min_by(|a, b| remote(a).total_cmp(&remote(b)))?;
                 cost::prefer_remote(local, remote(&best)).then_some(best)
             }
         }
     }
 
-    /// What prefilling `tokens` on worker `w` costs the sequences decoding there: each
-    /// waits out the prefill's compute (chunked prefill shares their steps).
-    fn interference(&self, w: usize, tokens: usize) -> f64 {
-        let node = &self.workers[w];
-        if node.role() == Role::Prefill || node.load() == 0 {
-            return 0.0;
-        }
-        tokens as f64 * self.loads[w].seconds_per_token()
-    }
-
     /// Prefill and decode on worker `d`. In `auto`, the first token is watched so
     /// `d`'s queue and rate stay measured.
-    fn local(&self, d: usize, req: GenerateRequest) -> Result<TokenStream, ServeError> {
-        let node = &self.workers[d];
+    fn local(&self, d: &Entry, req: GenerateRequest) -> Result<TokenStream, ServeError> {
         let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
         if self.mode != Mode::Auto {
-            node.generate_into(req, client)?;
+            d.worker.generate(req, client)?;
             return Ok(stream);
         }
         let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
-        let (load, n) = (self.loads[d].clone(), req.prompt.len());
+        let (load, n) = (d.prefill.clone(), req.prompt.len());
         let ahead = load.queued();
         let ticket = load.admit(n);
-        node.generate_into(req, inner_tx)?;
+        d.worker.generate(req, inner_tx)?;
         let started = Instant::now();
         relay::relay(&self.runtime, inner, client, move |first| {
             if matches!(first, Event::Token(_)) {
@@ -182,6 +173,33 @@ impl Router {
         });
         Ok(stream)
     }
+
+    fn handoff(&self, all: &[Arc<Entry>], p: Arc<Entry>, d: Arc<Entry>, ask: &Ask<'_>) -> Handoff {
+        // In disaggregated mode a second prefill worker stands by; in auto the
+        // decode worker itself is the fallback.
+        let spare = match self.mode {
+            Mode::Disaggregated => self.pick(ask, &Self::with_role(all, &[Role::Prefill], Some(&p))),
+            _ => None,
+        };
+        Handoff {
+            prefill: p,
+            decode: d,
+            spare,
+            via: self.via,
+            transfer: self.transfer.clone(),
+            deadlines: self.deadlines,
+            telemetry: self.telemetry.clone(),
+        }
+    }
+}
+
+/// What prefilling `tokens` on worker `e` costs the sequences decoding there: each
+/// waits out the prefill's compute (chunked prefill shares their steps).
+fn interference(e: &Entry, tokens: usize) -> f64 {
+    if e.role() == Role::Prefill || e.worker.load() == 0 {
+        return 0.0;
+    }
+    tokens as f64 * e.prefill.seconds_per_token()
 }
 
 impl Generate for Router {
@@ -189,44 +207,32 @@ impl Generate for Router {
         if self.draining.load(Ordering::SeqCst) {
             return Err(ServeError::ShuttingDown);
         }
-        let decoders = self.with_role(&[Role::Decode, Role::Mixed], None);
-        let d = self.pick(&decoders).ok_or_else(|| ServeError::NoWorker("no live decode or mixed worker".into()))?;
-        match self.remote_prefill(d, req.prompt.len()) {
+        let hashes = pdserve_kv::block_hashes(&req.prompt, BLOCK_SIZE, BLOCK_SALT);
+        let ask = Ask { prompt_len: req.prompt.len(), block_hashes: &hashes };
+        let all = self.workers.snapshot();
+        let decoders = Self::with_role(&all, &[Role::Decode, Role::Mixed], None);
+        let d =
+            self.pick(&ask, &decoders).ok_or_else(|| ServeError::NoWorker("no live decode or mixed worker".into()))?;
+        let span = tracing::Span::current();
+        span.record("decode", d.name());
+        match self.remote_prefill(&all, &d, &ask) {
             None => {
+                span.record("route", "local");
                 self.telemetry.route(PrefillRoute::Local);
-                self.local(d, req)
+                self.local(&d, req)
             }
             Some(p) => {
+                span.record("route", "remote");
+                span.record("prefill", p.name());
                 self.telemetry.route(PrefillRoute::Remote);
-                // In disaggregated mode a second prefill worker stands by; in auto the
-                // decode worker itself is the fallback.
-                let spare = match self.mode {
-                    Mode::Disaggregated => self.pick(&self.with_role(&[Role::Prefill], Some(p))),
-                    _ => None,
-                };
-                let spare = spare.map(|s| handoff::Prefiller {
-                    node: self.workers[s].clone(),
-                    load: self.loads[s].clone(),
-                    slots: self.slots[s].clone(),
-                });
-                let hop = handoff::Hop {
-                    spare,
-                    p: self.workers[p].clone(),
-                    d: self.workers[d].clone(),
-                    p_load: self.loads[p].clone(),
-                    p_slots: self.slots[p].clone(),
-                    transfer: self.transfer.clone(),
-                    deadlines: self.deadlines,
-                    telemetry: self.telemetry.clone(),
-                    link: self.link.clone(),
-                    remote_transport: self.remote_transport,
-                };
-                Ok(handoff::start(&self.runtime, hop, req))
+                let h = self.handoff(&all, p, d, &ask);
+                Ok(handoff::start(&self.runtime, h, req))
             }
         }
     }
 
     fn ready(&self) -> bool {
-        !self.draining.load(Ordering::SeqCst) && !self.with_role(&[Role::Decode, Role::Mixed], None).is_empty()
+        !self.draining.load(Ordering::SeqCst)
+            && !Self::with_role(&self.workers.snapshot(), &[Role::Decode, Role::Mixed], None).is_empty()
     }
 }

@@ -7,11 +7,11 @@ mod common;
 
 use common::{collect, model, request, rt, worker, PROMPTS};
 
-use pdserve_engine::batch::EngineConfig;
-use pdserve_protocol::{Event, Generate, TokenStream};
+use common::local;
+use pdserve_kv_transfer::TransportKind;
+use pdserve_protocol::{Event, Generate, TokenStream, Worker};
 use pdserve_router::{Deadlines, Mode, Router};
 use pdserve_types::Role;
-use pdserve_worker::Worker;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,8 +25,8 @@ fn router(mode: Mode, dl: Deadlines) -> Router {
 
 async fn used_blocks(r: &Router) -> usize {
     let mut used = 0;
-    for w in r.workers() {
-        used += w.stats().await.unwrap().blocks.used;
+    for e in r.workers().snapshot() {
+        used += e.worker.stats().await.unwrap().blocks.used;
     }
     used
 }
@@ -115,13 +115,8 @@ async fn auto_keeps_short_prompts_local_and_matches() {
 /// KV block and every request that was not cancelled ended with a final event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_cancels_leak_nothing() {
-    let mut seed = 0x1234_5678_u64;
-    let mut rnd = move |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let mut rng = pdserve_testkit::rng::Rng::new(0x1234_5678);
+    let mut rnd = move |n: u64| rng.range(0, n);
     for mode in [Mode::Disaggregated, Mode::Auto, Mode::Aggregated] {
         let r = router(mode, Deadlines::default());
         let mut live = Vec::new();
@@ -172,29 +167,27 @@ async fn drain_some(live: &mut Vec<(u64, TokenStream)>) {
 /// are the ones one engine produces alone, and no block is left behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_and_shm_links_give_the_same_tokens() {
-    use pdserve_kv_transfer::{Inboxes, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport};
-    use pdserve_router::KvLink;
-
     let agg = router(Mode::Aggregated, Deadlines::default());
     let mut want = Vec::new();
     for (i, p) in PROMPTS.iter().enumerate() {
         want.push(collect(agg.generate(request(i as u64, p, 16)).unwrap()).await.0);
     }
-    let inboxes = Inboxes::new(64);
-    let tcp_rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
-    let tcp = TcpTransport::connect(tcp_rx.local_addr()).unwrap();
-    let shm_inboxes = Inboxes::new(64);
-    let sock = std::env::temp_dir().join(format!("pdserve-router-test-{}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&sock);
-    let shm_rx = ShmReceiver::bind(&sock, shm_inboxes.clone()).await.unwrap();
-    let shm = ShmTransport::connect(shm_rx.path(), ShmConfig::default()).unwrap();
-    let links =
-        [KvLink { transport: Arc::new(tcp), inboxes }, KvLink { transport: Arc::new(shm), inboxes: shm_inboxes }];
     let cfg = &model().model.cfg;
-    for (k, link) in links.into_iter().enumerate() {
-        let name = link.transport.name();
+    for (k, via) in [TransportKind::Tcp, TransportKind::Shm].into_iter().enumerate() {
+        let d = local("decode", Role::Decode, 256);
+        match via {
+            TransportKind::Tcp => drop(d.listen_tcp("127.0.0.1:0".parse().unwrap()).await.unwrap()),
+            _ => {
+                let sock = std::env::temp_dir().join(format!("pdserve-router-test-{}.sock", std::process::id()));
+                let _ = std::fs::remove_file(&sock);
+                d.listen_shm(&sock).await.unwrap();
+            }
+        }
         let seen = Arc::new(Bytes::default());
-        let r = router(Mode::Disaggregated, Deadlines::default()).with_kv_link(link).with_telemetry(seen.clone());
+        let workers: [Arc<dyn Worker>; 2] = [worker("prefill", Role::Prefill), Arc::new(d)];
+        let r = Router::new(workers, Mode::Disaggregated, Deadlines::default(), rt())
+            .with_transport(via)
+            .with_telemetry(seen.clone());
         for (i, p) in PROMPTS.iter().enumerate() {
             let req = request(200 + 10 * k as u64 + i as u64, p, 16);
             // Every layer's blocks, K and V in f16: what must have crossed the link.
@@ -203,11 +196,10 @@ async fn tcp_and_shm_links_give_the_same_tokens() {
             let (got, end) = collect(r.generate(req).unwrap()).await;
             assert!(matches!(end, Event::Done { .. }), "{end:?}");
             assert_eq!(got, want[i], "link {k}, prompt {i}");
-            assert_eq!(seen.take(name), expect, "{name}: the frames did not all cross the link");
+            assert_eq!(seen.take(via.label()), expect, "{via}: the frames did not all cross the link");
         }
         assert_eq!(settle(&r).await, 0);
     }
-    let _ = std::fs::remove_file(&sock);
 }
 
 /// Counts transfer bytes per transport name.
@@ -223,8 +215,8 @@ impl Bytes {
 impl pdserve_protocol::Telemetry for Bytes {
     fn phase(&self, _: pdserve_protocol::Phase, _: f64) {}
     fn route(&self, _: pdserve_protocol::PrefillRoute) {}
-    fn kv_transfer_bytes(&self, transport: &str, bytes: u64) {
-        *self.0.lock().unwrap().entry(transport.to_string()).or_default() += bytes;
+    fn kv_transfer_bytes(&self, transport: TransportKind, bytes: u64) {
+        *self.0.lock().unwrap().entry(transport.label().to_string()).or_default() += bytes;
     }
 }
 
@@ -233,10 +225,7 @@ impl pdserve_protocol::Telemetry for Bytes {
 /// one engine gives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_decode_worker_makes_handoffs_wait_not_fail() {
-    let m = model();
-    let small = EngineConfig { threads: 1, num_blocks: 40, ..Default::default() };
-    let d =
-        Worker::spawn("small-decode", Role::Decode, m.model.clone(), small, m.tokenizer.eog_ids().to_vec()).unwrap();
+    let d: Arc<dyn Worker> = Arc::new(local("small-decode", Role::Decode, 40));
     let r = Router::new([worker("prefill", Role::Prefill), d], Mode::Disaggregated, Deadlines::default(), rt());
     let agg = router(Mode::Aggregated, Deadlines::default());
     // ~230 tokens: 15 blocks each, so two fit on the decode worker at a time.
@@ -257,9 +246,7 @@ async fn a_full_decode_worker_makes_handoffs_wait_not_fail() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_prefill_starts_over_on_the_spare_prefill_worker() {
     let m = model();
-    let tiny = EngineConfig { threads: 1, num_blocks: 4, ..Default::default() };
-    let bad =
-        Worker::spawn("tiny-prefill", Role::Prefill, m.model.clone(), tiny, m.tokenizer.eog_ids().to_vec()).unwrap();
+    let bad: Arc<dyn Worker> = Arc::new(local("tiny-prefill", Role::Prefill, 4));
     // The failing worker comes first, so least-loaded picks it first every time.
     let workers = [bad, worker("prefill", Role::Prefill), worker("decode", Role::Decode)];
     let seen = Arc::new(Bytes::default());

@@ -8,52 +8,44 @@
 
 mod common;
 
-use common::{collect, request, rt, worker, PROMPTS};
+use common::{collect, local, request, rt, worker, PROMPTS};
 
-use pdserve_kv_transfer::{Inboxes, ShmReceiver, TcpReceiver};
-use pdserve_protocol::{Event, Generate, TokenStream};
-use pdserve_remote::{RemoteWorker, WorkerInfo, WorkerServer, PROTOCOL_VERSION};
-use pdserve_router::{Deadlines, Mode, Node, Router};
+use pdserve_kv_transfer::TransportKind;
+use pdserve_protocol::{Event, Generate, TokenStream, Worker};
+use pdserve_remote::{RemoteWorker, WorkerServer};
+use pdserve_router::{Deadlines, Mode, Router};
+use pdserve_testkit::rng::Rng;
 use pdserve_types::Role;
-use pdserve_worker::Worker;
+use pdserve_worker::LocalWorker;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A worker served over loopback, as `pdserve worker` does, and its local handle.
 struct Served {
-    local: Worker,
+    local: LocalWorker,
     remote: RemoteWorker,
-    _receivers: Option<(TcpReceiver, ShmReceiver)>,
 }
 
 async fn serve(name: &str, role: Role) -> Served {
-    let local = worker(name, role);
-    let (inboxes, receivers) = if role == Role::Prefill {
-        (None, None)
-    } else {
-        let inboxes = Inboxes::new(64);
-        let tcp = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
-        let sock = std::env::temp_dir().join(format!("pdserve-remote-test-{}-{name}.sock", std::process::id()));
-        let _ = std::fs::remove_file(&sock);
-        let shm = ShmReceiver::bind(&sock, inboxes.clone()).await.unwrap();
-        (Some(inboxes), Some((tcp, shm)))
-    };
-    let info = WorkerInfo {
-        protocol: PROTOCOL_VERSION,
-        name: name.into(),
-        role,
-        model: "test".into(),
-        kv_tcp_port: receivers.as_ref().map(|(t, _)| t.local_addr().port()),
-        kv_shm: receivers.as_ref().map(|(_, s)| s.path().to_path_buf()),
-    };
+    let local = local(name, role, 256);
+    local.listen_tcp("127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let sock = std::env::temp_dir().join(format!("pdserve-remote-test-{}-{name}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&sock);
+    local.listen_shm(&sock).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(WorkerServer::new(local.clone(), info, inboxes).serve(listener, std::future::pending()));
+    let served: Arc<dyn Worker> = Arc::new(local.clone());
+    tokio::spawn(WorkerServer::new(served).serve(listener, std::future::pending()));
     let remote = RemoteWorker::connect(addr).await.unwrap();
-    Served { local, remote, _receivers: receivers }
+    Served { local, remote }
+}
+
+fn remotes(p: &Served, d: &Served) -> [Arc<dyn Worker>; 2] {
+    [Arc::new(p.remote.clone()), Arc::new(d.remote.clone())]
 }
 
 /// Used blocks on the workers themselves, once cancellations have settled.
-async fn settle(workers: &[&Worker]) -> usize {
+async fn settle(workers: &[&LocalWorker]) -> usize {
     let mut used = 0;
     for _ in 0..300 {
         used = 0;
@@ -75,9 +67,8 @@ async fn settle(workers: &[&Worker]) -> usize {
 async fn remote_handoff_gives_one_engines_tokens_over_tcp_and_shm() {
     let alone = Router::new([worker("alone", Role::Mixed)], Mode::Aggregated, Deadlines::default(), rt());
     let (p, d) = (serve("p", Role::Prefill).await, serve("d", Role::Decode).await);
-    for transport in ["tcp", "shm"] {
-        let nodes = [Node::Remote(p.remote.clone()), Node::Remote(d.remote.clone())];
-        let r = Router::new(nodes, Mode::Disaggregated, Deadlines::default(), rt()).with_remote_transport(transport);
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        let r = Router::new(remotes(&p, &d), Mode::Disaggregated, Deadlines::default(), rt()).with_transport(transport);
         for (i, text) in PROMPTS.iter().enumerate() {
             let (want, _) = collect(alone.generate(request(i as u64, text, 16)).unwrap()).await;
             let (got, end) = collect(r.generate(request(100 + i as u64, text, 16)).unwrap()).await;
@@ -95,16 +86,10 @@ async fn remote_handoff_gives_one_engines_tokens_over_tcp_and_shm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_cancels_across_the_hop_leak_nothing() {
     let (p, d) = (serve("p2", Role::Prefill).await, serve("d2", Role::Decode).await);
-    let mut seed = 0x9e37_79b9_u64;
-    let mut rnd = move |n: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed % n
-    };
+    let mut rng = Rng::new(0x9e37_79b9);
+    let mut rnd = move |n: u64| rng.range(0, n);
     for (m, mode) in [Mode::Disaggregated, Mode::Auto].into_iter().enumerate() {
-        let nodes = [Node::Remote(p.remote.clone()), Node::Remote(d.remote.clone())];
-        let r = Router::new(nodes, mode, Deadlines::default(), rt());
+        let r = Router::new(remotes(&p, &d), mode, Deadlines::default(), rt()).with_transport(TransportKind::Tcp);
         let mut live = Vec::new();
         for i in 0..500u64 {
             let text = PROMPTS[rnd(3) as usize];

@@ -1,23 +1,34 @@
-//! A worker: one engine on its own OS thread, owned by a loop that takes bounded
-//! commands, steps the engine and routes each token to its request's stream.
+//! A worker in this process: one engine on its own OS thread, owned by a loop that
+//! takes bounded commands, steps the engine and routes each token to its request's
+//! stream; plus the worker's two KV ends — its receivers (inboxes, and TCP or
+//! shared-memory listeners when asked) and its links to other workers' receivers.
 //!
-//! Sits between the router (which calls [`Worker`]'s methods) and the engine. The
-//! loop checks every request's stream between steps and cancels those whose client
-//! is gone, so cancellation reaches the engine within one step.
+//! [`LocalWorker`] implements the router's [`Worker`] surface; a worker process
+//! serves the same surface to remote routers (`pdserve-remote`). The loop checks every
+//! request's stream between steps and cancels those whose client is gone, so
+//! cancellation reaches the engine within one step.
 
-mod handoff;
+mod kv;
 mod worker_loop;
 
-pub use handoff::{FirstToken, FrameRecycler, FrameSink};
-pub use worker_loop::WorkerStats;
-
-use pdserve_engine::batch::{EngineConfig, KvFrame};
+use kv::{forward, Import, SharedSink};
+use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::model::Model;
-use pdserve_protocol::{EventSender, GenerateRequest, ServeError, TokenStream};
-use pdserve_types::{RequestId, Role, SamplingParams};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use pdserve_kv_transfer::{
+    HandoffId, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, TransferError, TransportKind,
+};
+use pdserve_protocol::{
+    DecodeHandoff, EventSender, GenerateRequest, KvDestination, Prefilled, Reply, ServeError, Worker, WorkerInfo,
+    WorkerStats,
+};
+use pdserve_types::{KvFrame, RequestId, Role};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// Commands queued for the loop; bounded, so a flooded worker says "overloaded".
@@ -26,7 +37,7 @@ pub(crate) enum Command {
     Prefill {
         req: GenerateRequest,
         sink: FrameSink,
-        reply: oneshot::Sender<Result<FirstToken, ServeError>>,
+        reply: oneshot::Sender<Result<Prefilled, ServeError>>,
         sent: std::time::Instant,
     },
     Reserve {
@@ -37,63 +48,166 @@ pub(crate) enum Command {
     Frame {
         id: RequestId,
         frame: KvFrame,
-        recycle: Option<FrameRecycler>,
+        recycle: Inboxes,
     },
-    FinishImport {
-        id: RequestId,
-        prompt: Vec<u32>,
-        first: u32,
-        params: SamplingParams,
-        events: EventSender,
-    },
-    AbortImport {
-        id: RequestId,
-    },
+    Decode(DecodeHandoff, EventSender),
+    AbortImport(RequestId),
     Stats(oneshot::Sender<WorkerStats>),
 }
 
+/// Receives a prefill's frames, layer by layer, on the engine's thread. Returning
+/// `false` aborts the prefill at the next layer boundary (the receiver is gone).
+pub(crate) type FrameSink = Box<dyn FnMut(KvFrame) -> bool + Send>;
+
 /// Commands a worker queues before refusing more.
 const QUEUE: usize = 4096;
+/// Frames a handoff's inbox buffers before its sender waits.
+const INBOX_FRAMES: usize = 256;
+/// How long a decode waits for a transfer's last frames after the prefill side said
+/// it sent them all (they are normally already here).
+const FRAMES_GRACE: Duration = Duration::from_secs(10);
 
-/// A cheap handle to a running worker.
-#[derive(Clone)]
-pub struct Worker {
-    name: Arc<str>,
-    role: Role,
-    tx: SyncSender<Command>,
-    /// Requests admitted and not finished: the router's load signal.
-    active: Arc<AtomicUsize>,
+/// What a worker is, before it starts.
+pub struct WorkerOptions {
+    pub name: String,
+    pub role: Role,
+    pub model_name: String,
+    pub engine: EngineConfig,
+    /// End-of-generation token ids (from the tokenizer).
+    pub eog: Vec<u32>,
 }
 
-impl Worker {
-    /// Starts a worker thread around a new engine for `model`.
-    pub fn spawn(
-        name: &str,
-        role: Role,
-        model: Arc<Model>,
-        cfg: EngineConfig,
-        eog: Vec<u32>,
-    ) -> std::io::Result<Worker> {
+/// A cheap handle to a worker in this process.
+#[derive(Clone)]
+pub struct LocalWorker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    info: WorkerInfo,
+    tx: SyncSender<Command>,
+    /// Requests queued or admitted and not finished: the router's load signal.
+    active: Arc<AtomicUsize>,
+    /// Where transfers into this worker land, from any transport.
+    inboxes: Inboxes,
+    receivers: Mutex<Receivers>,
+    /// Connections to other workers' receivers, for prefills sent there.
+    links: Links,
+    /// Transfers into this worker, by request.
+    imports: Mutex<HashMap<RequestId, Import>>,
+    /// Runs the tasks that feed transferred frames into the engine.
+    rt: tokio::runtime::Handle,
+}
+
+#[derive(Default)]
+struct Receivers {
+    tcp: Option<TcpReceiver>,
+    shm: Option<ShmReceiver>,
+}
+
+impl LocalWorker {
+    /// Starts the engine thread; `rt` runs the worker's KV tasks.
+    pub fn spawn(opts: WorkerOptions, model: Arc<Model>, rt: tokio::runtime::Handle) -> std::io::Result<LocalWorker> {
         let (tx, rx) = sync_channel(QUEUE);
         let active = Arc::new(AtomicUsize::new(0));
         let counter = active.clone();
+        let (engine, eog) = (opts.engine, opts.eog);
         std::thread::Builder::new()
-            .name(format!("pdserve-{name}"))
-            .spawn(move || worker_loop::run(model, cfg, eog, rx, counter))?;
-        Ok(Worker { name: name.into(), role, tx, active })
+            .name(format!("pdserve-{}", opts.name))
+            .spawn(move || worker_loop::run(model, engine, eog, rx, counter))?;
+        let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
+        let inner = Inner {
+            info,
+            tx,
+            active,
+            inboxes: Inboxes::new(INBOX_FRAMES),
+            receivers: Mutex::default(),
+            links: Links::default(),
+            imports: Mutex::default(),
+            rt,
+        };
+        Ok(LocalWorker { inner: Arc::new(inner) })
     }
 
     pub fn name(&self) -> &str {
-        &self.name
+        &self.inner.info.name
     }
 
-    pub fn role(&self) -> Role {
-        self.role
+    /// Also receives KV over TCP at `addr` (port 0 picks one); returns the address.
+    pub async fn listen_tcp(&self, addr: SocketAddr) -> std::io::Result<SocketAddr> {
+        let rx = TcpReceiver::bind(addr, self.inner.inboxes.clone()).await?;
+        let bound = rx.local_addr();
+        lock(&self.inner.receivers).tcp = Some(rx);
+        Ok(bound)
     }
 
-    /// Requests and prefills queued or in flight on this worker.
-    pub fn load(&self) -> usize {
-        self.active.load(Ordering::Relaxed)
+    /// Also receives KV through shared memory, announced on the Unix socket `path`.
+    pub async fn listen_shm(&self, path: &Path) -> std::io::Result<()> {
+        let rx = ShmReceiver::bind(path, self.inner.inboxes.clone()).await?;
+        lock(&self.inner.receivers).shm = Some(rx);
+        Ok(())
+    }
+}
+
+impl Worker for LocalWorker {
+    fn info(&self) -> &WorkerInfo {
+        &self.inner.info
+    }
+
+    fn load(&self) -> usize {
+        self.inner.active.load(Ordering::Relaxed)
+    }
+
+    fn is_alive(&self) -> bool {
+        true
+    }
+
+    fn generate(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError> {
+        self.inner.send_counted(Command::Generate(req, events))
+    }
+
+    fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
+        let receivers = lock(&self.inner.receivers);
+        match via {
+            TransportKind::Inproc => Some(KvTarget::InProc(self.inner.inboxes.clone())),
+            TransportKind::Tcp => receivers.tcp.as_ref().map(|r| KvTarget::Remote(KvAddr::Tcp(r.local_addr()))),
+            TransportKind::Shm => receivers.shm.as_ref().map(|r| KvTarget::Remote(KvAddr::Shm(r.path().into()))),
+        }
+    }
+
+    fn reserve(&self, id: RequestId, prompt_len: usize) -> Reply<'_, pdserve_kv_transfer::HandoffToken> {
+        let inner = self.inner.clone();
+        Box::pin(async move { inner.reserve(id, prompt_len).await })
+    }
+
+    fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
+        let inner = self.inner.clone();
+        Box::pin(async move { inner.prefill(req, to).await })
+    }
+
+    fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
+        self.inner.decode(handoff, events)
+    }
+
+    fn release(&self, id: RequestId) {
+        self.inner.release(id);
+    }
+
+    fn stats(&self) -> Reply<'_, WorkerStats> {
+        Box::pin(async move {
+            let (reply, rx) = oneshot::channel();
+            self.inner.send(Command::Stats(reply))?;
+            rx.await.map_err(|_| self.inner.stopped())
+        })
+    }
+}
+
+impl Inner {
+    fn send(&self, c: Command) -> Result<(), ServeError> {
+        self.tx.try_send(c).map_err(|e| match e {
+            TrySendError::Full(_) => ServeError::Overloaded(format!("worker {} queue is full", self.info.name)),
+            TrySendError::Disconnected(_) => self.stopped(),
+        })
     }
 
     /// Queues a command that counts toward the load from now until the loop is done
@@ -105,81 +219,141 @@ impl Worker {
         })
     }
 
-    fn send(&self, c: Command) -> Result<(), ServeError> {
-        self.tx.try_send(c).map_err(|e| match e {
-            TrySendError::Full(_) => ServeError::Overloaded(format!("worker {} queue is full", self.name)),
-            TrySendError::Disconnected(_) => ServeError::NoWorker(format!("worker {} stopped", self.name)),
-        })
+    fn stopped(&self) -> ServeError {
+        ServeError::NoWorker(format!("worker {} stopped", self.info.name))
     }
 
-    /// Prefill and decode here (aggregated).
-    pub fn generate(&self, req: GenerateRequest) -> Result<TokenStream, ServeError> {
-        let (events, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-        self.generate_into(req, events)?;
-        Ok(stream)
-    }
-
-    /// Like [`generate`](Self::generate), writing into an existing stream (a router
-    /// falling back to local prefill keeps the client's stream).
-    pub fn generate_into(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError> {
-        self.send_counted(Command::Generate(req, events))
-    }
-
-    /// Prefill only: K/V go to `sink` layer by layer; resolves to the first token.
-    pub fn prefill(
-        &self,
-        req: GenerateRequest,
-        sink: FrameSink,
-    ) -> Result<oneshot::Receiver<Result<FirstToken, ServeError>>, ServeError> {
-        let (reply, rx) = oneshot::channel();
-        self.send_counted(Command::Prefill { req, sink, reply, sent: std::time::Instant::now() })?;
-        Ok(rx)
-    }
-
-    /// Reserves blocks for an incoming transfer.
-    pub fn reserve(
-        &self,
+    async fn reserve(
+        self: Arc<Self>,
         id: RequestId,
         prompt_len: usize,
-    ) -> Result<oneshot::Receiver<Result<(), ServeError>>, ServeError> {
+    ) -> Result<pdserve_kv_transfer::HandoffToken, ServeError> {
+        if lock(&self.imports).insert(id, Import::Reserving).is_some() {
+            return Err(ServeError::Invalid(format!("{id} already has a reservation")));
+        }
+        // From here every way out but success releases the blocks (a dropped future too).
+        let guard = ReleaseOnDrop { inner: self.clone(), id, armed: true };
         let (reply, rx) = oneshot::channel();
         self.send(Command::Reserve { id, prompt_len, reply })?;
-        Ok(rx)
+        rx.await.map_err(|_| self.stopped())??;
+        let inbox =
+            self.inboxes.expect(HandoffId::from(id)).map_err(|e| ServeError::Internal(format!("KV receiver: {e}")))?;
+        let token = inbox.token();
+        let mut imports = lock(&self.imports);
+        // Released while the engine reserved: the guard gives the blocks back.
+        if !matches!(imports.get(&id), Some(Import::Reserving)) {
+            return Err(ServeError::Internal(format!("the reservation of {id} was released")));
+        }
+        let task = self.rt.spawn(forward(inbox, self.clone(), id));
+        imports.insert(id, Import::Receiving(task));
+        drop(imports);
+        guard.disarm();
+        Ok(token)
     }
 
-    /// Writes one transferred frame into the reserved blocks.
-    pub fn frame(&self, id: RequestId, frame: KvFrame) -> Result<(), ServeError> {
-        self.send(Command::Frame { id, frame, recycle: None })
-    }
-
-    /// [`Worker::frame`], handing the frame's buffers to `recycle` once written.
-    pub fn frame_recycled(&self, id: RequestId, frame: KvFrame, recycle: FrameRecycler) -> Result<(), ServeError> {
-        self.send(Command::Frame { id, frame, recycle: Some(recycle) })
-    }
-
-    /// Starts decoding a transferred sequence; tokens after `first` go to `events`.
-    pub fn finish_import(
-        &self,
-        id: RequestId,
-        prompt: Vec<u32>,
-        first: u32,
-        params: SamplingParams,
-        events: EventSender,
-    ) -> Result<(), ServeError> {
-        self.send_counted(Command::FinishImport { id, prompt, first, params, events })
-    }
-
-    /// Releases a reservation (transfer failed, timed out or was cancelled).
-    pub fn abort_import(&self, id: RequestId) {
-        // A full queue or a stopped worker both end with the blocks freed: the loop
-        // aborts stale imports itself, and a stopped worker holds nothing.
-        let _ = self.send(Command::AbortImport { id });
-    }
-
-    /// Block counts and queue sizes, for metrics and tests.
-    pub async fn stats(&self) -> Option<WorkerStats> {
+    async fn prefill(self: Arc<Self>, req: GenerateRequest, to: KvDestination) -> Result<Prefilled, ServeError> {
+        let hid = HandoffId::from(req.id);
+        let sink = match &to.target {
+            KvTarget::InProc(_) => self.links.open(&to.target, hid, to.token),
+            // Connecting blocks: off the async workers.
+            KvTarget::Remote(_) => {
+                let me = self.clone();
+                let (target, token) = (to.target.clone(), to.token);
+                tokio::task::spawn_blocking(move || me.links.open(&target, hid, token))
+                    .await
+                    .map_err(|e| ServeError::Internal(format!("opening a KV link: {e}")))?
+            }
+        }
+        .map_err(|e| kv_error(&to.target, &e))?;
+        let sink = SharedSink::new(sink);
+        // Set when this future is dropped: the engine stops at the next layer.
+        let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
+        let (broken, bytes) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let frames = sink.frame_sink(hid, stop.0.clone(), broken.clone(), bytes.clone());
         let (reply, rx) = oneshot::channel();
-        self.send(Command::Stats(reply)).ok()?;
-        rx.await.ok()
+        self.send_counted(Command::Prefill { req, sink: frames, reply, sent: std::time::Instant::now() })?;
+        let mut first = rx.await.map_err(|_| self.stopped())??;
+        let tail = std::time::Instant::now();
+        if broken.load(Ordering::SeqCst) || !sink.finish().await {
+            if let KvTarget::Remote(addr) = &to.target {
+                self.links.forget(addr);
+            }
+            return Err(ServeError::Internal(format!("the KV transfer to {:?} failed", to.target)));
+        }
+        first.kv_bytes = bytes.load(Ordering::Relaxed);
+        first.transfer_seconds = tail.elapsed().as_secs_f64();
+        Ok(first)
     }
+
+    fn decode(self: &Arc<Self>, h: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
+        let id = h.id;
+        let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) else {
+            return Err(ServeError::Internal(format!("no transfer into this worker for {id}")));
+        };
+        // Counted now: the sequence is this worker's load while its last frames land.
+        self.active.fetch_add(1, Ordering::Relaxed);
+        let inner = self.clone();
+        self.rt.spawn(async move {
+            let delivered = matches!(tokio::time::timeout(FRAMES_GRACE, task).await, Ok(Ok(true)));
+            let queued = match delivered {
+                true => inner.send(Command::Decode(h, events.clone())),
+                false => Err(ServeError::Internal(format!("the KV transfer of {id} did not complete"))),
+            };
+            if let Err(e) = queued {
+                inner.active.fetch_sub(1, Ordering::Relaxed);
+                inner.release(id);
+                let _ = events.send(pdserve_protocol::Event::Failed(e));
+            }
+        });
+        Ok(())
+    }
+
+    fn release(&self, id: RequestId) {
+        if let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) {
+            task.abort();
+        }
+        // A full queue or a stopped loop both end with the blocks freed: the loop
+        // aborts stale imports itself, and a stopped loop holds nothing.
+        let _ = self.send(Command::AbortImport(id));
+    }
+}
+
+/// Releases a reservation unless disarmed (the reservation succeeded).
+struct ReleaseOnDrop {
+    inner: Arc<Inner>,
+    id: RequestId,
+    armed: bool,
+}
+
+impl ReleaseOnDrop {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            lock(&self.inner.imports).remove(&self.id);
+            self.inner.release(self.id);
+        }
+    }
+}
+
+/// Raises the flag a running prefill checks between layers when the prefill's
+/// future is dropped (its caller gave up).
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn kv_error(target: &KvTarget, e: &TransferError) -> ServeError {
+    ServeError::Internal(format!("KV transfer to {target:?}: {e}"))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

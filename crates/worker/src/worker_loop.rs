@@ -1,26 +1,15 @@
 //! The loop that owns an engine: commands in, one step, tokens out, repeat.
 
-use crate::handoff::FirstToken;
 use crate::Command;
-use pdserve_engine::batch::{Engine, EngineConfig, EngineError, FinishReason as EngineFinish, StepOutput};
+use pdserve_engine::batch::{Engine, EngineConfig, EngineError, StepOutput};
 use pdserve_engine::model::Model;
-use pdserve_kv::PoolStats;
-use pdserve_protocol::{Event, EventSender, FinishReason, ServeError, TokenOut, Usage};
+use pdserve_protocol::{BlockCounts, Event, EventSender, Prefilled, ServeError, Usage, WorkerStats};
 use pdserve_types::RequestId;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// A snapshot of the worker's engine.
-#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
-pub struct WorkerStats {
-    pub waiting: usize,
-    pub running: usize,
-    pub importing: usize,
-    pub blocks: PoolStats,
-}
 
 /// How long an idle loop sleeps before checking imports again.
 const IDLE_POLL: Duration = Duration::from_millis(20);
@@ -33,6 +22,9 @@ struct Live {
     events: EventSender,
     /// Tokens generated so far, including one sampled by a prefill worker.
     generated: usize,
+    /// Prompt tokens a prefill worker found cached, for a transferred sequence (this
+    /// engine computed none of the prompt).
+    cached_elsewhere: usize,
 }
 
 struct Loop {
@@ -82,7 +74,7 @@ impl Loop {
     fn handle(&mut self, c: Command) {
         match c {
             Command::Generate(req, events) => match self.engine.add(req.id, req.prompt, req.params) {
-                Ok(()) => self.track(req.id, events, 0),
+                Ok(()) => self.track(req.id, events, 0, 0),
                 Err(e) => {
                     self.done();
                     let _ = events.send(Event::Failed(serve_error(e)));
@@ -91,10 +83,10 @@ impl Loop {
             Command::Prefill { req, mut sink, reply, sent } => {
                 let started = Instant::now();
                 let res = self.engine.prefill_export(req.id, req.prompt, req.params, &mut |f| sink(f));
-                let first = res.map(|o| FirstToken {
+                let first = res.map(|o| Prefilled {
                     queued_seconds: (started - sent).as_secs_f64(),
                     prefill_seconds: started.elapsed().as_secs_f64(),
-                    ..first_token(o)
+                    ..prefilled(o)
                 });
                 self.done();
                 let _ = reply.send(first.map_err(serve_error));
@@ -113,14 +105,14 @@ impl Loop {
                     self.engine.abort_import(id);
                     self.imports.remove(&id);
                 }
-                if let Some(recycle) = recycle {
-                    recycle(frame);
-                }
+                // The buffers go back to the receiver's pool: the next frames decode
+                // into memory already mapped instead of freshly allocated.
+                recycle.recycle(frame.k, frame.v);
             }
-            Command::FinishImport { id, prompt, first, params, events } => {
-                self.imports.remove(&id);
-                match self.engine.finish_import(id, prompt, first, params) {
-                    Ok(true) => self.track(id, events, 1),
+            Command::Decode(h, events) => {
+                self.imports.remove(&h.id);
+                match self.engine.finish_import(h.id, h.prompt, h.first, h.params) {
+                    Ok(true) => self.track(h.id, events, 1, h.cached_tokens),
                     Ok(false) => self.done(),
                     Err(e) => {
                         self.done();
@@ -128,7 +120,7 @@ impl Loop {
                     }
                 }
             }
-            Command::AbortImport { id } => {
+            Command::AbortImport(id) => {
                 self.engine.abort_import(id);
                 self.imports.remove(&id);
             }
@@ -138,15 +130,15 @@ impl Loop {
                     waiting: s.waiting,
                     running: s.running,
                     importing: self.imports.len(),
-                    blocks: s.blocks,
+                    blocks: BlockCounts { free: s.blocks.free, used: s.blocks.used, cached: s.blocks.cached },
                 });
             }
         }
     }
 
     /// The sender counted the request in `active` when it queued the command.
-    fn track(&mut self, id: RequestId, events: EventSender, generated: usize) {
-        self.streams.insert(id, Live { events, generated });
+    fn track(&mut self, id: RequestId, events: EventSender, generated: usize, cached_elsewhere: usize) {
+        self.streams.insert(id, Live { events, generated, cached_elsewhere });
     }
 
     /// A counted command ended without a stream to track.
@@ -179,15 +171,15 @@ impl Loop {
     fn route(&mut self, out: StepOutput) {
         let Some(live) = self.streams.get_mut(&out.id) else { return };
         live.generated += 1;
-        let sent = live.events.send(Event::Token(token_out(&out))).is_ok();
+        let sent = live.events.send(Event::Token(out.sampled.clone())).is_ok();
         if let Some(reason) = out.finish {
             let usage = Usage {
                 prompt_tokens: out.prompt_tokens,
                 completion_tokens: live.generated,
-                cached_tokens: out.cached_tokens,
+                cached_tokens: out.cached_tokens.max(live.cached_elsewhere),
             };
             // The sequence already left the engine; a gone client changes nothing.
-            let _ = live.events.send(Event::Done { reason: finish(reason), usage });
+            let _ = live.events.send(Event::Done { reason, usage });
             self.untrack(out.id);
         } else if !sent {
             self.engine.cancel(out.id);
@@ -196,25 +188,16 @@ impl Loop {
     }
 }
 
-fn token_out(o: &StepOutput) -> TokenOut {
-    TokenOut { token: o.sampled.token, logprob: o.sampled.logprob, top: o.sampled.top.clone() }
-}
-
-fn finish(r: EngineFinish) -> FinishReason {
-    match r {
-        EngineFinish::Stop => FinishReason::Stop,
-        EngineFinish::Length => FinishReason::Length,
-    }
-}
-
-fn first_token(o: StepOutput) -> FirstToken {
-    FirstToken {
-        token: token_out(&o),
-        finished: o.finish.map(finish),
+fn prefilled(o: StepOutput) -> Prefilled {
+    Prefilled {
+        token: o.sampled,
+        finished: o.finish,
         prompt_tokens: o.prompt_tokens,
         cached_tokens: o.cached_tokens,
         queued_seconds: 0.0,
         prefill_seconds: 0.0,
+        transfer_seconds: 0.0,
+        kv_bytes: 0,
     }
 }
 

@@ -1,15 +1,21 @@
 //! `pdserve frontend`: the OpenAI API and the router in front of worker processes.
+//!
+//! Each worker address is kept connected for the life of the process: a worker that
+//! is down is waited for (and said so in the log), one that dies leaves the router's
+//! set and is reconnected when it comes back. While no worker can decode, requests
+//! get 503; the process only exits on a signal.
 
 use super::http::{self, Listen, Served};
-use anyhow::Context;
 use pdserve_frontend::Metrics;
+use pdserve_kv_transfer::TransportKind;
+use pdserve_protocol::Worker;
 use pdserve_remote::RemoteWorker;
-use pdserve_router::{Deadlines, Mode, Node, Policy, Router};
+use pdserve_router::{Deadlines, Mode, PolicyKind, Router};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-/// Workers may still be loading when the frontend starts.
+/// How long start-up waits for the listed workers before serving without them.
 const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
 
 #[derive(clap::Args)]
@@ -20,48 +26,58 @@ pub struct Args {
     /// The model the workers serve (the frontend loads only its tokenizer).
     #[arg(long, default_value = "default")]
     model: String,
+    /// aggregated | disaggregated | auto.
     #[arg(long, default_value = "auto")]
     mode: Mode,
+    /// How to pick among workers of one role: least-loaded | round-robin.
     #[arg(long, default_value = "least-loaded")]
-    policy: Policy,
+    policy: PolicyKind,
     /// How prefill workers send KV to decode workers: tcp | shm (same host).
     #[arg(long, default_value = "tcp")]
-    kv_transport: String,
+    kv_transport: TransportKind,
+    /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
+    /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8000)]
     port: u16,
+    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace_seconds: u64,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let transport: &'static str = match a.kv_transport.as_str() {
-        "tcp" => "tcp",
-        "shm" => "shm",
-        other => anyhow::bail!("unknown --kv-transport `{other}` (expected tcp or shm)"),
-    };
+    if a.kv_transport == TransportKind::Inproc {
+        anyhow::bail!("--kv-transport inproc needs workers in this process (use `pdserve serve`); pick tcp or shm");
+    }
     let meta = super::load_meta(&a.model)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let metrics = Metrics::new();
-        let mut nodes = Vec::new();
-        for addr in &a.workers {
-            let w = connect(*addr).await?;
-            if w.info().model != meta.name {
-                anyhow::bail!("worker {addr} serves {}, this frontend {}", w.info().model, meta.name);
-            }
-            metrics.set_role(w.name(), w.role());
-            nodes.push(Node::Remote(w));
+        let router = Arc::new(
+            Router::new([], a.mode, Deadlines::default(), tokio::runtime::Handle::current())
+                .with_policy(a.policy.build())
+                .with_transport(a.kv_transport)
+                .with_telemetry(Arc::new(metrics.clone())),
+        );
+        let mut first = Vec::new();
+        for &addr in &a.workers {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            first.push(rx);
+            tokio::spawn(supervise(addr, router.clone(), metrics.clone(), meta.name.clone(), tx));
         }
+        // Serve as soon as every listed worker answered once, or after the patience.
+        let _ = tokio::time::timeout(CONNECT_PATIENCE, futures_join(first)).await;
         let banner = format!(
             "workers: {}",
-            nodes.iter().map(|n| format!("{} ({})", n.name(), n.role())).collect::<Vec<_>>().join(", ")
+            router
+                .workers()
+                .snapshot()
+                .iter()
+                .map(|e| format!("{} ({})", e.name(), e.role()))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
-        let router = Router::new(nodes, a.mode, Deadlines::default(), tokio::runtime::Handle::current())
-            .with_policy(a.policy)
-            .with_remote_transport(transport)
-            .with_telemetry(Arc::new(metrics.clone()));
         let model =
             Served { tokenizer: meta.tokenizer, chat: meta.chat, name: meta.name, context_length: meta.context_length };
         let at = Listen {
@@ -74,14 +90,40 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     })
 }
 
-/// Connects to a worker, retrying while it starts.
-async fn connect(addr: SocketAddr) -> anyhow::Result<RemoteWorker> {
-    let start = Instant::now();
-    loop {
-        match RemoteWorker::connect(addr).await {
-            Ok(w) => return Ok(w),
-            Err(e) if start.elapsed() > CONNECT_PATIENCE => return Err(e).context("giving up"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-        }
+async fn futures_join(rxs: Vec<tokio::sync::oneshot::Receiver<()>>) {
+    for rx in rxs {
+        let _ = rx.await;
     }
+}
+
+/// Keeps the worker at `addr` in the router's set while it is connected.
+async fn supervise(
+    addr: SocketAddr,
+    router: Arc<Router>,
+    metrics: Metrics,
+    model: String,
+    first: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut first = Some(first);
+    pdserve_remote::keep_connected(addr, |w: RemoteWorker| {
+        let (router, metrics, model) = (router.clone(), metrics.clone(), model.clone());
+        let announce = first.take();
+        async move {
+            if let Some(tx) = announce {
+                let _ = tx.send(());
+            }
+            let info = w.info().clone();
+            if info.model != model {
+                tracing::error!(%addr, theirs = %info.model, ours = %model, "worker serves another model; not used");
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            } else {
+                let id = router.workers().add(Arc::new(w.clone()) as Arc<dyn Worker>);
+                metrics.set_role(&info.name, info.role);
+                w.lost().await;
+                router.workers().remove(id);
+                metrics.forget_worker(&info.name);
+            }
+        }
+    })
+    .await
 }

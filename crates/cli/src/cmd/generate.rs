@@ -1,8 +1,8 @@
 //! `pdserve generate`: one prompt through the engine, streamed to stdout.
 
 use anyhow::{bail, Context};
-use pdserve_engine::chat::ChatMessage;
 use pdserve_engine::batch::{Engine, EngineConfig, FinishReason};
+use pdserve_engine::chat::ChatMessage;
 use pdserve_types::{RequestId, SamplingParams};
 use std::io::Write;
 use std::time::Instant;

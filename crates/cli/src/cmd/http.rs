@@ -28,13 +28,12 @@ pub struct Listen<'a> {
 /// Serves the API until SIGINT/SIGTERM, then lets requests in flight finish within
 /// the grace period. `banner` describes the topology in the startup line.
 pub async fn serve(
-    router: Router,
+    router: Arc<Router>,
     metrics: Metrics,
     model: Served,
     at: Listen<'_>,
     banner: &str,
 ) -> anyhow::Result<()> {
-    let router = Arc::new(router);
     let frontend = Frontend::new(
         router.clone() as Arc<dyn Generate>,
         model.tokenizer,
@@ -48,7 +47,7 @@ pub async fn serve(
         .await
         .with_context(|| format!("cannot listen on {}:{}", at.host, at.port))?;
     let addr = listener.local_addr()?;
-    eprintln!(
+    tracing::info!(
         "pdserve: serving {} ({} mode, {banner}) at http://{addr}/v1 — try: curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'",
         model.name, at.mode
     );
@@ -60,10 +59,10 @@ pub async fn serve(
     tokio::select! {
         r = server => r.context("http server")?,
         _ = async { draining(&router).await; tokio::time::sleep(at.grace).await } => {
-            eprintln!("pdserve: grace period over, cancelling {} request(s)", router.in_flight());
+            tracing::warn!("pdserve: grace period over, cancelling {} request(s)", router.in_flight());
         }
     }
-    eprintln!("pdserve: stopped");
+    tracing::info!("pdserve: stopped");
     Ok(())
 }
 
@@ -89,7 +88,7 @@ pub async fn signal() {
 /// Resolves on a signal, after telling the router to refuse new requests.
 async fn shutdown_signal(router: Arc<Router>) {
     signal().await;
-    eprintln!("pdserve: shutting down, finishing {} request(s) in flight", router.in_flight());
+    tracing::info!("pdserve: shutting down, finishing {} request(s) in flight", router.in_flight());
     router.drain();
 }
 
@@ -105,9 +104,9 @@ async fn report_blocks(router: Arc<Router>, metrics: Metrics) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
-        for w in router.workers() {
-            if let Some(s) = w.stats().await {
-                metrics.set_kv_blocks(w.name(), s.blocks.free, s.blocks.used, s.blocks.cached);
+        for e in router.workers().snapshot() {
+            if let Ok(s) = e.worker.stats().await {
+                metrics.set_kv_blocks(e.name(), s.blocks.free, s.blocks.used, s.blocks.cached);
             }
         }
     }

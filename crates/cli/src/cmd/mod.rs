@@ -30,3 +30,50 @@ pub fn load_meta(spec: &str) -> anyhow::Result<ModelMeta> {
     let path = model_path(spec)?;
     loader::load_meta(&path).with_context(|| format!("cannot load model {}", path.display()))
 }
+
+/// The path of a Unix socket named `name` in this process's runtime directory.
+fn socket_path(name: &str) -> anyhow::Result<PathBuf> {
+    Ok(runtime_dir::get()?.join(format!("{name}.sock")))
+}
+
+/// A directory per process for its sockets, `$TMPDIR/pdserve-<pid>`: created on first
+/// use (after removing those left by processes that no longer run) and removed at
+/// exit, so a killed worker leaves nothing behind for long.
+pub mod runtime_dir {
+    use std::path::PathBuf;
+    use std::sync::OnceLock;
+
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+
+    pub fn get() -> std::io::Result<PathBuf> {
+        if let Some(d) = DIR.get() {
+            return Ok(d.clone());
+        }
+        sweep();
+        let dir = std::env::temp_dir().join(format!("pdserve-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        Ok(DIR.get_or_init(|| dir).clone())
+    }
+
+    /// Removes this process's directory (called on the way out).
+    pub fn remove() {
+        if let Some(d) = DIR.get() {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+
+    /// Removes the directories of pdserve processes that are gone.
+    fn sweep() {
+        let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("pdserve-")).and_then(|p| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}

@@ -4,10 +4,12 @@ use super::http::{self, Listen, Served};
 use anyhow::Context;
 use pdserve_engine::batch::EngineConfig;
 use pdserve_frontend::Metrics;
-use pdserve_kv_transfer::{Inboxes, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport};
-use pdserve_router::{Deadlines, KvLink, Mode, Policy, Router};
+use pdserve_kv_transfer::TransportKind;
+use pdserve_protocol::Worker;
+use pdserve_router::{Deadlines, Mode, PolicyKind, Router};
 use pdserve_types::Role;
-use pdserve_worker::Worker;
+use pdserve_worker::{LocalWorker, WorkerOptions};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,7 +24,7 @@ pub struct Args {
     mode: Mode,
     /// How to pick among workers of one role: least-loaded | round-robin.
     #[arg(long, default_value = "least-loaded")]
-    policy: Policy,
+    policy: PolicyKind,
     /// Prefill workers (disaggregated and auto; default 1).
     #[arg(long)]
     prefill: Option<usize>,
@@ -38,15 +40,17 @@ pub struct Args {
     /// KV blocks of 16 tokens per worker.
     #[arg(long, default_value_t = 1024)]
     kv_blocks: usize,
+    /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
+    /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8000)]
     port: u16,
     /// How KV moves from prefill to decode workers: inproc (hand over the frames),
     /// tcp (loopback socket) or shm (shared-memory ring); tcp and shm exercise the
     /// transports a multi-process deployment uses.
     #[arg(long, default_value = "inproc")]
-    kv_transport: String,
+    kv_transport: TransportKind,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace_seconds: u64,
@@ -58,25 +62,38 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let cores = super::generate::default_threads();
     let threads = a.threads_per_worker.unwrap_or_else(|| (cores / roles.len()).max(1));
     let metrics = Metrics::new();
-    let mut workers = Vec::new();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let mut workers: Vec<LocalWorker> = Vec::new();
     for (i, role) in roles.iter().enumerate() {
         let name = format!("{role}-{i}");
-        let cfg = EngineConfig { threads, num_blocks: a.kv_blocks, ..Default::default() };
-        let w = Worker::spawn(&name, *role, m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec())
+        let opts = WorkerOptions {
+            name: name.clone(),
+            role: *role,
+            model_name: m.name.clone(),
+            engine: EngineConfig { threads, num_blocks: a.kv_blocks, ..Default::default() },
+            eog: m.tokenizer.eog_ids().to_vec(),
+        };
+        let w = LocalWorker::spawn(opts, m.model.clone(), rt.handle().clone())
             .with_context(|| format!("starting worker {name}"))?;
         metrics.set_role(&name, *role);
         workers.push(w);
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
-        let mut router = Router::new(workers, a.mode, Deadlines::default(), tokio::runtime::Handle::current())
-            .with_policy(a.policy)
-            .with_telemetry(Arc::new(metrics.clone()));
-        // The receivers must outlive the server; they stop when dropped.
-        let (link, _receivers) = kv_link(&a.kv_transport).await?;
-        if let Some(link) = link {
-            router = router.with_kv_link(link);
+        // The loopback transports need a receiver on each worker that may decode.
+        for w in workers.iter().filter(|w| w.info().role.decodes()) {
+            listen(w, a.kv_transport).await?;
         }
+        let router = Arc::new(
+            Router::new(
+                workers.into_iter().map(|w| Arc::new(w) as Arc<dyn Worker>),
+                a.mode,
+                Deadlines::default(),
+                tokio::runtime::Handle::current(),
+            )
+            .with_policy(a.policy.build())
+            .with_transport(a.kv_transport)
+            .with_telemetry(Arc::new(metrics.clone())),
+        );
         let model = Served {
             tokenizer: m.tokenizer.clone(),
             chat: m.chat.clone(),
@@ -97,6 +114,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     })
 }
 
+/// Binds `w`'s receiver for `via` on loopback (in-process needs none).
+async fn listen(w: &LocalWorker, via: TransportKind) -> anyhow::Result<()> {
+    match via {
+        TransportKind::Inproc => {}
+        TransportKind::Tcp => {
+            w.listen_tcp(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).await.context("KV receiver")?;
+        }
+        TransportKind::Shm => {
+            let sock = super::socket_path(&format!("kv-{}", w.name()))?;
+            w.listen_shm(&sock).await.context("shared-memory KV receiver")?;
+        }
+    }
+    Ok(())
+}
+
 /// Which workers to start, from the mode and the counts given.
 fn topology(a: &Args) -> Vec<Role> {
     match a.mode {
@@ -108,32 +140,5 @@ fn topology(a: &Args) -> Vec<Role> {
             r.extend(vec![Role::Decode; a.decode.unwrap_or(1).max(1)]);
             r
         }
-    }
-}
-
-/// Holds a transport's receiving end alive.
-enum Receiver {
-    Tcp(#[allow(dead_code)] pdserve_kv_transfer::TcpReceiver),
-    Shm(#[allow(dead_code)] pdserve_kv_transfer::ShmReceiver),
-}
-
-/// Builds the KV link for `--kv-transport`: `None` for in-process hand-over.
-async fn kv_link(kind: &str) -> anyhow::Result<(Option<KvLink>, Option<Receiver>)> {
-    let inboxes = Inboxes::new(256);
-    match kind {
-        "inproc" => Ok((None, None)),
-        "tcp" => {
-            let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.context("KV receiver")?;
-            let tx = TcpTransport::connect(rx.local_addr())?;
-            Ok((Some(KvLink { transport: Arc::new(tx), inboxes }), Some(Receiver::Tcp(rx))))
-        }
-        "shm" => {
-            let sock = std::env::temp_dir().join(format!("pdserve-kv-{}.sock", std::process::id()));
-            let _ = std::fs::remove_file(&sock);
-            let rx = ShmReceiver::bind(&sock, inboxes.clone()).await.context("KV receiver")?;
-            let tx = ShmTransport::connect(rx.path(), ShmConfig::default())?;
-            Ok((Some(KvLink { transport: Arc::new(tx), inboxes }), Some(Receiver::Shm(rx))))
-        }
-        other => anyhow::bail!("unknown --kv-transport `{other}` (expected inproc, tcp or shm)"),
     }
 }

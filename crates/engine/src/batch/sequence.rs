@@ -4,7 +4,6 @@ use crate::sampler::{Sampler, TokenHistory};
 use pdserve_kv::BlockTable;
 use pdserve_types::{FinishReason, RequestId, SamplingParams};
 
-
 pub(crate) struct Sequence {
     pub id: RequestId,
     pub prompt_len: usize,

@@ -12,7 +12,6 @@ use crate::kvcache::KvStorage;
 use pdserve_kv::BlockTable;
 use pdserve_types::{KvFrame, RequestId, SamplingParams};
 
-
 /// Blocks reserved on a decode engine for a transfer in flight.
 pub struct KvImport {
     pub(crate) id: RequestId,

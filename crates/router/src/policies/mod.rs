@@ -1,28 +1,81 @@
-//! Worker selection policies, one per file.
+//! Worker selection policies, one per file, behind one trait over plain records:
+//! a policy sees the request's shape and a [`Candidate`] per eligible worker, never
+//! a worker handle, so each is unit-tested without a model or a worker.
 
 mod least_loaded;
 mod round_robin;
 
-pub use least_loaded::least_loaded;
-pub use round_robin::round_robin;
+pub use least_loaded::LeastLoaded;
+pub use round_robin::RoundRobin;
 
+use pdserve_kv::BlockHash;
+use pdserve_types::Role;
 use std::str::FromStr;
 
-/// How the router picks among workers of the same role.
+/// What a policy may know about the request being routed.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    pub prompt_len: usize,
+    /// The prompt's full blocks, chained as every engine hashes them.
+    pub block_hashes: &'a [BlockHash],
+}
+
+/// One worker the request may go to.
+#[derive(Debug, Clone)]
+pub struct Candidate<'a> {
+    pub name: &'a str,
+    pub role: Role,
+    /// Requests and prefills queued or in flight there.
+    pub load: usize,
+    /// Prompt tokens the router has sent it that are not prefilled yet.
+    pub queued_prompt_tokens: usize,
+}
+
+/// Picks one of `candidates` (never empty when called) by index. A policy owns its
+/// state (a turn counter, an index) and must be safe to call from many requests at
+/// once.
+pub trait Policy: Send + Sync {
+    fn name(&self) -> &'static str;
+    fn pick(&self, ask: &Ask<'_>, candidates: &[Candidate<'_>]) -> Option<usize>;
+}
+
+/// The policies `--policy` names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Policy {
+pub enum PolicyKind {
     #[default]
     LeastLoaded,
     RoundRobin,
 }
 
-impl FromStr for Policy {
+impl PolicyKind {
+    pub fn build(self) -> Box<dyn Policy> {
+        match self {
+            PolicyKind::LeastLoaded => Box::new(LeastLoaded),
+            PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
+        }
+    }
+}
+
+impl FromStr for PolicyKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
-            "least-loaded" => Ok(Policy::LeastLoaded),
-            "round-robin" => Ok(Policy::RoundRobin),
+            "least-loaded" => Ok(PolicyKind::LeastLoaded),
+            "round-robin" => Ok(PolicyKind::RoundRobin),
             other => Err(format!("unknown policy `{other}` (expected least-loaded or round-robin)")),
         }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    pub fn ask() -> Ask<'static> {
+        Ask { prompt_len: 100, block_hashes: &[] }
+    }
+
+    pub fn cand(name: &'static str, load: usize) -> Candidate<'static> {
+        Candidate { name, role: Role::Mixed, load, queued_prompt_tokens: 0 }
     }
 }

@@ -5,10 +5,10 @@
 
 use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::loader::{load, LoadedModel};
-use pdserve_protocol::{Event, GenerateRequest, TokenStream};
+use pdserve_protocol::{Event, GenerateRequest, TokenStream, Worker};
 use pdserve_types::{RequestId, Role, SamplingParams};
-use pdserve_worker::Worker;
-use std::sync::OnceLock;
+use pdserve_worker::{LocalWorker, WorkerOptions};
+use std::sync::{Arc, OnceLock};
 
 pub const PROMPTS: [&str; 3] = [
     "The capital of France is",
@@ -22,16 +22,28 @@ pub fn model() -> &'static LoadedModel {
 }
 
 /// A one-thread worker with 256 blocks on the default model.
-pub fn worker(name: &str, role: Role) -> Worker {
+pub fn worker(name: &str, role: Role) -> Arc<dyn Worker> {
+    Arc::new(local(name, role, 256))
+}
+
+/// A one-thread worker with `blocks` blocks on the default model, on the current runtime.
+pub fn local(name: &str, role: Role, blocks: usize) -> LocalWorker {
     let m = model();
-    let cfg = EngineConfig { threads: 1, num_blocks: 256, ..Default::default() };
-    Worker::spawn(name, role, m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).unwrap()
+    let opts = WorkerOptions {
+        name: name.into(),
+        role,
+        model_name: m.name.clone(),
+        engine: EngineConfig { threads: 1, num_blocks: blocks, ..Default::default() },
+        eog: m.tokenizer.eog_ids().to_vec(),
+    };
+    LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current()).unwrap()
 }
 
 pub fn request(id: u64, text: &str, max_tokens: u32) -> GenerateRequest {
     let prompt = model().tokenizer.encode(text, false);
     GenerateRequest {
         id: RequestId(id),
+        tag: format!("test-{id}").as_str().into(),
         prompt,
         params: SamplingParams { max_tokens, ..Default::default() }.validate().unwrap(),
     }

@@ -7,21 +7,27 @@ use crate::openai::{
     ChatChoice, ChatCompletion, ChatDelta, ChatLogprobs, ChatMessageOut, ChatRequest, ChatTokenLogprob, ChatTopLogprob,
     Usage,
 };
+use crate::request_id::Tagged;
 use crate::sse::{finish_reason, to_json, Format};
 use crate::{errors::ApiError, AppState};
 use axum::extract::State;
 use axum::response::Response;
+use axum::Extension;
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_protocol::Usage as TokenUsage;
 use std::sync::Arc;
 
-pub async fn handler(State(app): State<Arc<AppState>>, body: Result<ApiJson<ChatRequest>, ApiError>) -> Response {
-    let tracker = app.tracker();
+pub async fn handler(
+    State(app): State<Arc<AppState>>,
+    Extension(tagged): Extension<Tagged>,
+    body: Result<ApiJson<ChatRequest>, ApiError>,
+) -> Response {
+    let tracker = app.tracker(&tagged);
     let valid = crate::validate_blocking(&app, body, |v, req| v.chat(req)).await;
     let tokenizer = app.validator.tokenizer.clone();
     let model = app.validator.model_id.clone();
-    crate::run(app, tracker, valid, move |id| ChatFormat {
-        id: format!("chatcmpl-{id:x}"),
+    crate::run(app, tagged, tracker, valid, move |id| ChatFormat {
+        id: format!("chatcmpl-{id}"),
         created: crate::unix_now(),
         model,
         tokenizer,

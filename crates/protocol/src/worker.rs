@@ -1,0 +1,135 @@
+//! The one surface the router drives every worker through — an engine thread in this
+//! process, a worker process behind a control connection, or a simulated worker.
+//!
+//! A disaggregated request is three calls on two workers, whatever the transport:
+//!
+//! ```text
+//! router                decode worker D                     prefill worker P
+//!   reserve(id, n) ───► blocks held, inbox open ─► token
+//!   prefill(req, D.kv_target(via) + token) ─────────────────► computes, streams frames to D
+//!                       frames land in the blocks ◄── KV ───  first token ◄── once D has every frame
+//!   decode(handoff) ──► waits for the last frame, decodes; events stream back
+//! ```
+//!
+//! Results are flat (`Result<T, ServeError>`, awaited once). Stream calls
+//! ([`Worker::generate`], [`Worker::decode`]) write to an [`EventSender`] whose
+//! receiver's drop cancels them; dropping a [`Reply`] future cancels its call.
+
+use crate::{EventSender, GenerateRequest, ServeError};
+use pdserve_kv_transfer::{HandoffToken, KvTarget, TransportKind};
+use pdserve_types::{FinishReason, RequestId, Role, SamplingParams, TokenId, TokenOut};
+use serde::{Deserialize, Serialize};
+use std::future::Future;
+use std::pin::Pin;
+
+/// The answer to a call, awaited once; dropping it cancels the call.
+pub type Reply<'a, T> = Pin<Box<dyn Future<Output = Result<T, ServeError>> + Send + 'a>>;
+
+/// A worker as the router sees it. Local, remote and simulated workers implement it;
+/// the router never asks which one it has.
+pub trait Worker: Send + Sync + 'static {
+    /// What the worker said about itself when it joined; fixed for its life.
+    fn info(&self) -> &WorkerInfo;
+
+    /// Requests and prefills queued or in flight here: the policies' load signal.
+    fn load(&self) -> usize;
+
+    /// False once the worker cannot be reached (its connection is lost).
+    fn is_alive(&self) -> bool;
+
+    /// Prefills and decodes `req` here; its events go to `events`. Refusals that
+    /// come later (the engine's checks) arrive as [`crate::Event::Failed`].
+    fn generate(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError>;
+
+    /// Where this worker receives KV sent over `via`, if it can.
+    fn kv_target(&self, via: TransportKind) -> Option<KvTarget>;
+
+    /// Reserves blocks for the `prompt_len` tokens of handoff `id` and starts
+    /// receiving its frames. Answers with the token the sender must present.
+    fn reserve(&self, id: RequestId, prompt_len: usize) -> Reply<'_, HandoffToken>;
+
+    /// Prefills `req` here, sending its KV to `to` layer by layer; resolves once the
+    /// receiver holds every frame. Dropping the future stops the prefill.
+    fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled>;
+
+    /// Decodes a transferred sequence once its last frame has arrived; tokens after
+    /// the first go to `events` (a transfer that did not complete fails there).
+    fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError>;
+
+    /// Gives up the reservation of handoff `id` (the transfer failed or was
+    /// cancelled). Idempotent.
+    fn release(&self, id: RequestId);
+
+    /// Block counts and queue sizes.
+    fn stats(&self) -> Reply<'_, WorkerStats>;
+}
+
+/// Who a worker is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    pub name: String,
+    /// The served model's name; a router refuses workers that disagree.
+    pub model: String,
+    /// The role it started in (the router's worker set holds the current one).
+    pub role: Role,
+}
+
+/// Where a prefill sends its KV: the decode worker's target, and the token its
+/// reservation issued.
+#[derive(Debug, Clone)]
+pub struct KvDestination {
+    pub target: KvTarget,
+    pub token: HandoffToken,
+}
+
+/// What a prefill worker hands the decode worker: the first token it sampled and
+/// the figures of the prefill.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Prefilled {
+    pub token: TokenOut,
+    /// The first token already ends the request (EOS, stop id or max_tokens 1).
+    pub finished: Option<FinishReason>,
+    pub prompt_tokens: usize,
+    /// Prompt tokens the prefill worker found in its prefix cache.
+    pub cached_tokens: usize,
+    /// Seconds the prefill waited in the worker's queue, then computed.
+    pub queued_seconds: f64,
+    pub prefill_seconds: f64,
+    /// Seconds from the first token until the decode worker held every frame: the
+    /// part of the transfer the prefill did not hide.
+    pub transfer_seconds: f64,
+    /// Payload bytes sent to the decode worker.
+    pub kv_bytes: u64,
+}
+
+/// A transferred sequence, ready to decode.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecodeHandoff {
+    pub id: RequestId,
+    pub prompt: Vec<TokenId>,
+    /// The token the prefill worker sampled (already sent to the client).
+    pub first: TokenId,
+    pub params: SamplingParams,
+    /// The prefill side's cache hit, reported in the request's usage.
+    pub cached_tokens: usize,
+}
+
+/// A worker's KV blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockCounts {
+    pub free: usize,
+    /// Held by sequences or reservations.
+    pub used: usize,
+    /// Free but holding a reusable prefix.
+    pub cached: usize,
+}
+
+/// A snapshot of a worker's engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerStats {
+    pub waiting: usize,
+    pub running: usize,
+    /// Reservations waiting for (or receiving) a transfer.
+    pub importing: usize,
+    pub blocks: BlockCounts,
+}

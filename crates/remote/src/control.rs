@@ -1,0 +1,163 @@
+//! The control protocol between a router and a worker process: one TCP connection,
+//! length-prefixed JSON messages, calls multiplexed by [`CallId`]. Each call is one
+//! operation of the [`Worker`](pdserve_protocol::Worker) surface ([`Op`]); KV never
+//! travels here, it goes from the prefill process straight to the decode process's
+//! [`KvAddr`].
+//!
+//! ```text
+//! router                               worker
+//!   Hello{protocol}             ──►
+//!                               ◄──    Hello(Handshake)
+//!   Call{call, op}              ──►    runs op on the worker
+//!                               ◄──    Event{call, ..}*   (generate, decode)
+//!                               ◄──    Reply{call, ..}    (reserve, prefill, stats)
+//!   Cancel{call}                ──►    stops the call
+//! ```
+
+use pdserve_kv_transfer::{HandoffToken, KvAddr};
+use pdserve_protocol::{DecodeHandoff, Event, GenerateRequest, Prefilled, ServeError, WorkerInfo, WorkerStats};
+use pdserve_types::RequestId;
+use serde::{Deserialize, Serialize};
+use std::io;
+use std::path::PathBuf;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Bumped on any incompatible change; both ends check it in the handshake.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The largest message either side accepts. A generate call carries at most a
+/// context's worth of token ids plus its sampling parameters, far below this; a
+/// bigger length prefix is a broken or hostile peer.
+pub const MAX_MESSAGE: usize = 8 << 20;
+
+/// Numbers one call on one connection; its replies carry the same number.
+pub type CallId = u64;
+
+/// What a worker process says about itself when a router connects.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Handshake {
+    pub protocol: u32,
+    pub info: WorkerInfo,
+    /// Port of the TCP KV receiver, on the host the router connected to.
+    pub kv_tcp_port: Option<u16>,
+    /// Socket of the shared-memory KV receiver (same host only).
+    pub kv_shm: Option<PathBuf>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ToWorker {
+    Hello {
+        protocol: u32,
+    },
+    Call {
+        call: CallId,
+        op: Box<Op>,
+    },
+    /// The caller of `call` left: stop its work.
+    Cancel {
+        call: CallId,
+    },
+}
+
+/// One operation of the worker surface.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Op {
+    /// Prefill and decode here; events stream back.
+    Generate {
+        req: GenerateRequest,
+    },
+    /// Reserve blocks for a transfer; answered with [`Answer::Token`].
+    Reserve {
+        id: RequestId,
+        prompt_len: usize,
+    },
+    /// Prefill here and send the KV to `to`; answered with [`Answer::Prefilled`] once
+    /// every frame reached the receiver.
+    Prefill {
+        req: GenerateRequest,
+        to: KvAddr,
+        token: HandoffToken,
+    },
+    /// Decode a transferred sequence; events after the first token stream back.
+    Decode {
+        handoff: DecodeHandoff,
+    },
+    /// Give up a reservation this connection holds. No answer.
+    Release {
+        id: RequestId,
+    },
+    Stats,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum FromWorker {
+    Hello(Handshake),
+    Event { call: CallId, event: Event },
+    Reply { call: CallId, result: Result<Answer, ServeError> },
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Answer {
+    Token(HandoffToken),
+    Prefilled(Prefilled),
+    Stats(WorkerStats),
+}
+
+/// Writes one message: a big-endian u32 length, then JSON.
+pub async fn write<W: AsyncWrite + Unpin, T: Serialize>(w: &mut W, msg: &T) -> io::Result<()> {
+    let body = serde_json::to_vec(msg).map_err(io::Error::other)?;
+    if body.len() > MAX_MESSAGE {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("message of {} bytes", body.len())));
+    }
+    w.write_u32(body.len() as u32).await?;
+    w.write_all(&body).await?;
+    w.flush().await
+}
+
+/// Reads one message; `Ok(None)` at a clean end of stream. The buffer grows as
+/// bytes arrive, so a length prefix alone allocates nothing.
+pub async fn read<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(r: &mut R) -> io::Result<Option<T>> {
+    let len = match r.read_u32().await {
+        Ok(n) => n as usize,
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if len > MAX_MESSAGE {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("message of {len} bytes")));
+    }
+    let mut body = Vec::with_capacity(len.min(64 << 10));
+    let got = r.take(len as u64).read_to_end(&mut body).await?;
+    if got < len {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the connection ended inside a message"));
+    }
+    serde_json::from_slice(&body).map(Some).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_huge_length_prefix_is_refused_without_allocating_it() {
+        let bytes = u32::MAX.to_be_bytes();
+        let r: io::Result<Option<ToWorker>> = read(&mut &bytes[..]).await;
+        assert!(r.is_err());
+        // Announces 1 MiB, sends 3 bytes: an error, not a 1 MiB buffer.
+        let mut short = (1u32 << 20).to_be_bytes().to_vec();
+        short.extend_from_slice(b"{}}");
+        let r: io::Result<Option<ToWorker>> = read(&mut &short[..]).await;
+        assert!(matches!(r, Err(e) if e.kind() == io::ErrorKind::UnexpectedEof));
+    }
+
+    #[tokio::test]
+    async fn messages_round_trip() {
+        let mut buf = Vec::new();
+        write(&mut buf, &ToWorker::Call { call: 7, op: Box::new(Op::Release { id: RequestId(3) }) })
+            .await
+            .unwrap_or_default();
+        let back: Option<ToWorker> = read(&mut &buf[..]).await.ok().flatten();
+        assert!(
+            matches!(back, Some(ToWorker::Call { call: 7, op }) if matches!(*op, Op::Release { id: RequestId(3) }))
+        );
+    }
+}

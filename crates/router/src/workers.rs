@@ -1,0 +1,140 @@
+//! The router's live set of workers. Workers join and leave while requests flow;
+//! each entry carries the worker's current `(role, epoch)`, read at routing time, and
+//! what the router measures about it.
+//!
+//! Removing a worker drains it: it takes no new work, and requests already on it
+//! keep their entry (an `Arc`) until they finish or fail over.
+
+use crate::cost::PrefillLoad;
+use pdserve_protocol::Worker;
+use pdserve_types::{Epoch, Role};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use tokio::sync::Semaphore;
+
+/// Handoffs one prefill worker runs at once: one prefilling and one reserving its
+/// blocks, so the worker never idles between prompts; the rest wait in the router
+/// (holding nothing on any worker) in arrival order.
+pub const PREFILL_SLOTS: usize = 2;
+
+/// Names a worker within one router, for as long as the router runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(pub u64);
+
+impl fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "w{}", self.0)
+    }
+}
+
+/// One worker and what the router knows about it.
+pub struct Entry {
+    pub id: WorkerId,
+    pub worker: Arc<dyn Worker>,
+    state: Mutex<(Role, Epoch)>,
+    draining: AtomicBool,
+    /// Prompt tokens queued here and the measured prefill rate (`auto`'s cost model).
+    pub(crate) prefill: Arc<PrefillLoad>,
+    /// Handoffs it may be prefilling at once (see [`PREFILL_SLOTS`]).
+    pub(crate) slots: Arc<Semaphore>,
+}
+
+impl Entry {
+    pub fn name(&self) -> &str {
+        &self.worker.info().name
+    }
+
+    pub fn role(&self) -> Role {
+        self.state().0
+    }
+
+    pub fn epoch(&self) -> Epoch {
+        self.state().1
+    }
+
+    /// Records a new role, taken with a new epoch.
+    pub fn set_role(&self, role: Role, epoch: Epoch) {
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = (role, epoch);
+    }
+
+    fn state(&self) -> (Role, Epoch) {
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether new work may go here: reachable and not draining.
+    pub fn usable(&self) -> bool {
+        self.worker.is_alive() && !self.draining.load(Ordering::SeqCst)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once nothing runs on the worker any more.
+    pub async fn drained(&self) {
+        while self.worker.load() > 0 && self.worker.is_alive() {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// The workers a router routes to.
+#[derive(Default)]
+pub struct WorkerSet {
+    entries: RwLock<Vec<Arc<Entry>>>,
+    next: AtomicU64,
+}
+
+impl WorkerSet {
+    /// Adds a worker in the role it announced; it is routed to from the next request.
+    pub fn add(&self, worker: Arc<dyn Worker>) -> WorkerId {
+        let id = WorkerId(self.next.fetch_add(1, Ordering::Relaxed));
+        let role = worker.info().role;
+        let entry = Entry {
+            id,
+            worker,
+            state: Mutex::new((role, Epoch::default())),
+            draining: AtomicBool::new(false),
+            prefill: Arc::default(),
+            slots: Arc::new(Semaphore::new(PREFILL_SLOTS)),
+        };
+        self.write().push(Arc::new(entry));
+        id
+    }
+
+    /// Takes a worker out: no new work goes there; requests on it go on (await
+    /// [`Entry::drained`] on the returned entry to know when they are done).
+    pub fn remove(&self, id: WorkerId) -> Option<Arc<Entry>> {
+        let mut entries = self.write();
+        let at = entries.iter().position(|e| e.id == id)?;
+        let entry = entries.remove(at);
+        entry.draining.store(true, Ordering::SeqCst);
+        Some(entry)
+    }
+
+    pub fn get(&self, id: WorkerId) -> Option<Arc<Entry>> {
+        self.read().iter().find(|e| e.id == id).cloned()
+    }
+
+    /// Every worker now in the set, in the order they joined.
+    pub fn snapshot(&self) -> Vec<Arc<Entry>> {
+        self.read().clone()
+    }
+
+    pub fn len(&self) -> usize {
+        self.read().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.read().is_empty()
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Arc<Entry>>> {
+        self.entries.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Vec<Arc<Entry>>> {
+        self.entries.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}

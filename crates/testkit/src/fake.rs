@@ -1,0 +1,344 @@
+//! A fake worker behind the real [`Worker`] surface: no model, deterministic tokens,
+//! KV blocks counted like an engine's, and real KV transfer (small frames through
+//! the real transports, presenting the real tokens). Router, handoff and control
+//! protocol tests run on it in milliseconds, and faults are switches.
+//!
+//! Tokens depend only on the prompt and the position, so a request gives the same
+//! tokens aggregated, disaggregated, or moved between fakes.
+
+use pdserve_kv_transfer::{Frame, HandoffId, HandoffToken, Inbox, Inboxes, KvTarget, Links, TransportKind};
+use pdserve_protocol::{
+    BlockCounts, DecodeHandoff, Event, EventSender, FinishReason, GenerateRequest, KvDestination, Prefilled, Reply,
+    ServeError, TokenOut, Usage, Worker, WorkerInfo, WorkerStats,
+};
+use pdserve_types::{RequestId, Role};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+
+/// Tokens per block, as the engines page.
+const BLOCK: usize = 16;
+/// Frames a fake prefill sends per prompt block (one per "layer").
+const LAYERS: u32 = 2;
+
+/// How a fake behaves; every field may be changed while it runs.
+#[derive(Debug)]
+pub struct Knobs {
+    /// Time per prompt token of a prefill.
+    pub prefill_per_token: Duration,
+    /// Time between generated tokens.
+    pub token_interval: Duration,
+    /// Prefills fail (after their delay).
+    pub fail_prefill: AtomicBool,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            prefill_per_token: Duration::from_micros(20),
+            token_interval: Duration::from_millis(1),
+            fail_prefill: AtomicBool::new(false),
+        }
+    }
+}
+
+/// The token at `position` (0 = the first generated) of a request for `prompt`.
+pub fn token_at(prompt: &[u32], position: usize) -> u32 {
+    let seed = prompt.iter().fold(0x5eed_u64, |h, &t| h.rotate_left(5) ^ u64::from(t));
+    ((seed.wrapping_add(position as u64 * 7919)) % 40_000) as u32 + 1000
+}
+
+/// A model-free worker.
+#[derive(Clone)]
+pub struct FakeWorker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    info: WorkerInfo,
+    knobs: Mutex<Knobs>,
+    total_blocks: usize,
+    /// Blocks held by running requests and reservations.
+    used: AtomicUsize,
+    active: AtomicUsize,
+    alive: AtomicBool,
+    inboxes: Inboxes,
+    links: Links,
+    imports: Mutex<HashMap<RequestId, Import>>,
+}
+
+struct Import {
+    blocks: usize,
+    receiving: Option<JoinHandle<bool>>,
+}
+
+impl FakeWorker {
+    pub fn new(name: &str, role: Role, total_blocks: usize) -> FakeWorker {
+        let info = WorkerInfo { name: name.into(), model: "fake".into(), role };
+        FakeWorker {
+            inner: Arc::new(Inner {
+                info,
+                knobs: Mutex::default(),
+                total_blocks,
+                used: AtomicUsize::new(0),
+                active: AtomicUsize::new(0),
+                alive: AtomicBool::new(true),
+                inboxes: Inboxes::new(64),
+                links: Links::default(),
+                imports: Mutex::default(),
+            }),
+        }
+    }
+
+    /// Changes the fake's behaviour.
+    pub fn knobs(&self, f: impl FnOnce(&mut Knobs)) {
+        f(&mut lock(&self.inner.knobs));
+    }
+
+    /// Blocks held now (requests and reservations).
+    pub fn used_blocks(&self) -> usize {
+        self.inner.used.load(Ordering::SeqCst)
+    }
+
+    /// The worker stops answering: it is no longer alive, and its streams fail.
+    pub fn kill(&self) {
+        self.inner.alive.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Inner {
+    fn take_blocks(&self, tokens: usize) -> Result<usize, ServeError> {
+        let n = tokens.div_ceil(BLOCK);
+        let mut used = self.used.load(Ordering::SeqCst);
+        loop {
+            if used + n > self.total_blocks {
+                return Err(ServeError::Overloaded(format!("{} has no room for {n} blocks", self.info.name)));
+            }
+            match self.used.compare_exchange(used, used + n, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => return Ok(n),
+                Err(now) => used = now,
+            }
+        }
+    }
+
+    fn give_blocks(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::SeqCst);
+    }
+
+    fn check_alive(&self) -> Result<(), ServeError> {
+        match self.alive.load(Ordering::SeqCst) {
+            true => Ok(()),
+            false => Err(ServeError::NoWorker(format!("{} is dead", self.info.name))),
+        }
+    }
+
+    fn interval(&self) -> Duration {
+        lock(&self.knobs).token_interval
+    }
+
+    /// Streams tokens `from..max_tokens` of `prompt` to `events`, holding `blocks`
+    /// until the end, the client's departure or the worker's death.
+    fn stream(
+        self: Arc<Self>,
+        prompt: Vec<u32>,
+        from: usize,
+        max: usize,
+        blocks: usize,
+        events: EventSender,
+        cached: usize,
+    ) {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(async move {
+            for i in from..max {
+                tokio::select! {
+                    _ = tokio::time::sleep(self.interval()) => {}
+                    _ = events.closed() => break,
+                }
+                if self.check_alive().is_err() {
+                    let _ = events.send(Event::Failed(ServeError::NoWorker(format!("{} died", self.info.name))));
+                    break;
+                }
+                let t = TokenOut { token: token_at(&prompt, i), logprob: -0.5, top: Vec::new() };
+                if events.send(Event::Token(t)).is_err() {
+                    break;
+                }
+                if i + 1 == max {
+                    let usage = Usage { prompt_tokens: prompt.len(), completion_tokens: max, cached_tokens: cached };
+                    let _ = events.send(Event::Done { reason: FinishReason::Length, usage });
+                }
+            }
+            self.give_blocks(blocks);
+            self.active.fetch_sub(1, Ordering::SeqCst);
+        });
+    }
+
+    async fn prefill(self: Arc<Self>, req: GenerateRequest, to: KvDestination) -> Result<Prefilled, ServeError> {
+        self.check_alive()?;
+        self.active.fetch_add(1, Ordering::SeqCst);
+        let _done = Decrement(&self.active);
+        let (delay, fail) = {
+            let k = lock(&self.knobs);
+            (k.prefill_per_token * req.prompt.len() as u32, k.fail_prefill.load(Ordering::SeqCst))
+        };
+        tokio::time::sleep(delay).await;
+        self.check_alive()?;
+        if fail {
+            return Err(ServeError::Internal(format!("{} was told to fail prefills", self.info.name)));
+        }
+        let hid = HandoffId::from(req.id);
+        let me = self.clone();
+        let blocks = req.prompt.len().div_ceil(BLOCK) as u32;
+        let sent = tokio::task::spawn_blocking(move || {
+            let mut sink = me.links.open(&to.target, hid, to.token)?;
+            for layer in 0..LAYERS {
+                for index in 0..blocks {
+                    sink.send(Frame {
+                        handoff: hid,
+                        layer,
+                        index,
+                        k: vec![index as u16; 8],
+                        v: vec![layer as u16; 8],
+                    })?;
+                }
+            }
+            sink.finish()
+        })
+        .await
+        .map_err(|e| ServeError::Internal(e.to_string()))?;
+        sent.map_err(|e| ServeError::Internal(format!("KV transfer: {e}")))?;
+        Ok(Prefilled {
+            token: TokenOut { token: token_at(&req.prompt, 0), logprob: -0.5, top: Vec::new() },
+            finished: (req.params.max_tokens == 1).then_some(FinishReason::Length),
+            prompt_tokens: req.prompt.len(),
+            cached_tokens: 0,
+            queued_seconds: 0.0,
+            prefill_seconds: delay.as_secs_f64(),
+            transfer_seconds: 0.0,
+            kv_bytes: u64::from(blocks * LAYERS) * 32,
+        })
+    }
+
+    fn release(&self, id: RequestId) {
+        if let Some(import) = lock(&self.imports).remove(&id) {
+            if let Some(task) = import.receiving {
+                task.abort();
+            }
+            self.give_blocks(import.blocks);
+        }
+    }
+}
+
+/// Counts frames until the sender finishes; true if every frame arrived.
+async fn receive(mut inbox: Inbox) -> bool {
+    loop {
+        match inbox.recv().await {
+            Ok(Some(_)) => {}
+            Ok(None) => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+struct Decrement<'a>(&'a AtomicUsize);
+
+impl Drop for Decrement<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Worker for FakeWorker {
+    fn info(&self) -> &WorkerInfo {
+        &self.inner.info
+    }
+
+    fn load(&self) -> usize {
+        self.inner.active.load(Ordering::SeqCst)
+    }
+
+    fn is_alive(&self) -> bool {
+        self.inner.alive.load(Ordering::SeqCst)
+    }
+
+    fn generate(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError> {
+        self.inner.check_alive()?;
+        let max = req.params.max_tokens as usize;
+        let blocks = self.inner.take_blocks(req.prompt.len() + max)?;
+        self.inner.clone().stream(req.prompt, 0, max, blocks, events, 0);
+        Ok(())
+    }
+
+    fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
+        (via == TransportKind::Inproc).then(|| KvTarget::InProc(self.inner.inboxes.clone()))
+    }
+
+    fn reserve(&self, id: RequestId, prompt_len: usize) -> Reply<'_, HandoffToken> {
+        Box::pin(async move {
+            self.inner.check_alive()?;
+            let blocks = self.inner.take_blocks(prompt_len)?;
+            let inbox = match self.inner.inboxes.expect(HandoffId::from(id)) {
+                Ok(i) => i,
+                Err(e) => {
+                    self.inner.give_blocks(blocks);
+                    return Err(ServeError::Internal(e.to_string()));
+                }
+            };
+            let token = inbox.token();
+            let receiving = Some(tokio::spawn(receive(inbox)));
+            lock(&self.inner.imports).insert(id, Import { blocks, receiving });
+            Ok(token)
+        })
+    }
+
+    fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
+        Box::pin(self.inner.clone().prefill(req, to))
+    }
+
+    fn decode(&self, h: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
+        self.inner.check_alive()?;
+        let Some(import) = lock(&self.inner.imports).remove(&h.id) else {
+            return Err(ServeError::Internal(format!("no transfer for {}", h.id)));
+        };
+        let max = h.params.max_tokens as usize;
+        let more = match self.inner.take_blocks(max) {
+            Ok(n) => n,
+            Err(e) => {
+                self.inner.give_blocks(import.blocks);
+                return Err(e);
+            }
+        };
+        let inner = self.inner.clone();
+        tokio::spawn(async move {
+            let arrived = match import.receiving {
+                Some(task) => task.await.unwrap_or(false),
+                None => false,
+            };
+            if !arrived {
+                inner.give_blocks(import.blocks + more);
+                let _ = events.send(Event::Failed(ServeError::Internal("the transfer did not complete".into())));
+                return;
+            }
+            inner.stream(h.prompt, 1, max, import.blocks + more, events, h.cached_tokens);
+        });
+        Ok(())
+    }
+
+    fn release(&self, id: RequestId) {
+        self.inner.release(id);
+    }
+
+    fn stats(&self) -> Reply<'_, WorkerStats> {
+        Box::pin(async move {
+            self.inner.check_alive()?;
+            let used = self.used_blocks();
+            let blocks = BlockCounts { free: self.inner.total_blocks - used, used, cached: 0 };
+            Ok(WorkerStats { waiting: 0, running: self.load(), importing: lock(&self.inner.imports).len(), blocks })
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the llama.cpp peer (llama-bench, llama-batched-bench, llama-server) from the
 # sources vendored in PyPI llama-cpp-python 0.3.36, for side-by-side benchmarks.
-# AVX-512 on, AMX off: llama.cpp's AMX path crashes on some of these machines
-# (reference/performance.md). Idempotent; prints the bin directory on success.
+# AVX-512 on, AMX off: llama.cpp's AMX path crashes on some of the machines we run
+# on. Idempotent; prints the bin directory on success.
 set -euo pipefail
 ver=0.3.36
 root="${PDSERVE_PEER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pdserve/peer}"

@@ -1,23 +1,45 @@
 #!/usr/bin/env bash
-# Runs every test pdserve has: formatting, lints, unit, property, golden and
-# integration tests on the real default model (fetched first if missing).
+# Runs every test pdserve has: formatting, lints, documentation paths, unit,
+# property, golden and integration tests on the real default model (fetched first if
+# missing), and the end-to-end suite driven by the official openai SDK.
+#
+# Works on a stock Debian/Ubuntu machine: the Python test clients go into a virtual
+# environment under target/ (never into the system's Python), and system packages
+# are installed only when missing, saying which and why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Installs Debian packages that are missing (with sudo unless root).
+need_packages() {
+    local why=$1; shift
+    echo "test.sh: installing Debian package(s) $* ($why)"
+    local sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    local install="$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $*"
+    $install >/dev/null || { $sudo apt-get update -q >/dev/null && $install >/dev/null; }
+}
+
+# The test clients' Python, in target/ so a clean clone starts from nothing.
+venv=target/test-venv
+if [ ! -x "$venv/bin/python" ]; then
+    if ! python3 -m venv "$venv" >/dev/null 2>&1; then
+        rm -rf "$venv"
+        need_packages "python3 -m venv is not available" python3-venv
+        python3 -m venv "$venv"
+    fi
+fi
+"$venv/bin/python" -m pip install -q --disable-pip-version-check openai prometheus-client
+# promtool (Prometheus's own checker) comes with Debian's prometheus package.
+command -v promtool >/dev/null || need_packages "promtool is missing" prometheus
+
+# The venv's pip also fetches the model, should the system Python have none.
+export PATH="$PWD/$venv/bin:$PATH"
 
 # The test profile is optimized (Cargo.toml), so the binary built here shares its
 # dependencies with the test build below.
 cargo build --profile test --bin pdserve
 ./target/debug/pdserve pull
-# The end-to-end suite talks to `pdserve serve` through the official OpenAI SDK and
-# checks /metrics with promtool (Debian's prometheus package) and the Prometheus
-# client library's parser.
-python3 -m pip install -q --disable-pip-version-check openai prometheus-client
-if ! command -v promtool >/dev/null; then
-    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    install="$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus"
-    $install >/dev/null || { $sudo apt-get update -q >/dev/null && $install >/dev/null; }
-fi
 
+python3 scripts/check_doc_paths.py
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --profile test -- -D warnings
 # Library, binary and integration tests (there are no doc tests); the summary line
@@ -26,8 +48,9 @@ log=$(mktemp)
 set +e
 cargo test --workspace --lib --bins --tests --no-fail-fast 2>&1 | tee "$log"
 cargo_status=${PIPESTATUS[0]}
-# `pdserve serve` in every mode, driven by the openai SDK and curl, stopped by SIGTERM.
-python3 tests/e2e/test_openai.py ./target/debug/pdserve 2>&1 | tee -a "$log"
+# `pdserve serve` in every mode and worker+frontend processes, driven by the openai
+# SDK and curl, stopped by SIGTERM.
+"$venv/bin/python" tests/e2e/test_openai.py ./target/debug/pdserve 2>&1 | tee -a "$log"
 e2e_status=${PIPESTATUS[0]}
 set -e
 awk '/^test result:/ { p += $4; f += $6 } /^e2e: / { p += $2; f += $4 } END { printf "%d passed, %d failed\n", p, f }' "$log"

@@ -2,7 +2,6 @@
 //! lives in `cmd/`; the work happens in the library crates.
 
 mod cmd;
-mod logging;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -12,7 +11,11 @@ use std::process::ExitCode;
 struct Cli {
     /// Log lines as text or as one JSON object each (level and filters: RUST_LOG).
     #[arg(long, global = true, value_enum, default_value = "text")]
-    log_format: logging::LogFormat,
+    log_format: pdserve_telemetry::LogFormat,
+    /// Also export spans to this OpenTelemetry collector (OTLP/HTTP, JSON), e.g.
+    /// http://127.0.0.1:4318. Off by default.
+    #[arg(long, global = true)]
+    otlp_endpoint: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -36,9 +39,26 @@ enum Command {
     },
 }
 
+impl Command {
+    fn name(&self) -> &'static str {
+        match self {
+            Command::Pull => "pull",
+            Command::Generate(_) => "generate",
+            Command::Serve(_) => "serve",
+            Command::Worker(_) => "worker",
+            Command::Frontend(_) => "frontend",
+            Command::Bench { .. } => "bench",
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(cli.log_format);
+    let service = format!("pdserve-{}", cli.command.name());
+    if let Err(e) = pdserve_telemetry::init(cli.log_format, cli.otlp_endpoint.as_deref(), &service) {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Pull => cmd::pull::run(),
         Command::Generate(args) => cmd::generate::run(args),

@@ -5,10 +5,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use pdserve_testkit::http::{self, post_request};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const GOLDEN: &str = include_str!("../../engine/tests/golden/smollm2-135m-q4_1.json");
@@ -18,6 +20,14 @@ struct Proc {
     child: Child,
     /// The address it printed ("listening on A" or "at http://A/v1").
     addr: SocketAddr,
+    /// Everything it logged so far.
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    fn logged(&self, needle: &str) -> bool {
+        self.log.lock().unwrap().iter().any(|l| l.contains(needle))
+    }
 }
 
 impl Drop for Proc {
@@ -29,15 +39,23 @@ impl Drop for Proc {
 
 /// Starts `pdserve ARGS` and waits for the line announcing its address.
 fn start(args: &[&str]) -> Proc {
+    start_logging(args, "info")
+}
+
+/// [`start`] with `RUST_LOG=filter`; every line the process logs is kept.
+fn start_logging(args: &[&str], filter: &str) -> Proc {
     let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
         .args(args)
+        .env("RUST_LOG", filter)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let log = Arc::new(Mutex::new(Vec::new()));
     let addr = loop {
         let line = lines.next().expect("process exited before announcing its address").unwrap();
+        log.lock().unwrap().push(line.clone());
         if let Some(rest) = line.split("listening on ").nth(1) {
             break rest.split(',').next().unwrap().trim().parse().unwrap();
         }
@@ -46,8 +64,13 @@ fn start(args: &[&str]) -> Proc {
         }
     };
     // Keep draining stderr so the child never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    Proc { child, addr }
+    let kept = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            kept.lock().unwrap().push(line);
+        }
+    });
+    Proc { child, addr, log }
 }
 
 fn worker(role: &str) -> Proc {
@@ -65,20 +88,12 @@ fn one_process() -> Proc {
 
 /// One HTTP/1.1 request; returns the status and the body.
 fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let body = body.map(|b| b.to_string()).unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let status = out.split(' ').nth(1).unwrap().parse().unwrap();
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    (status, body)
+    let request = match (method, body) {
+        ("POST", Some(b)) => post_request(path, &b.to_string(), &[]),
+        _ => http::get_request(path),
+    };
+    let reply = http::send_blocking(addr, &request);
+    (reply.status, reply.text())
 }
 
 fn complete(addr: SocketAddr, prompt: &Value, max_tokens: u32) -> String {
@@ -180,4 +195,122 @@ fn a_client_leaving_mid_stream_cancels_on_the_worker_process() {
     }
     drop(s);
     assert_eq!(settle_used_blocks(fe.addr), 0.0, "the decode process kept the request's blocks");
+}
+
+/// One request across three processes carries its id: the client's `X-Request-Id`
+/// comes back on the response and appears in the frontend's, the prefill worker's and
+/// the decode worker's log lines.
+#[test]
+fn a_request_id_is_logged_by_every_process_it_crosses() {
+    let filter = "info,pdserve_remote=debug";
+    let worker = |role: &str| {
+        let args = ["worker", "--role", role, "--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "256"];
+        start_logging(&args, filter)
+    };
+    let (p, d) = (worker("prefill"), worker("decode"));
+    let list = format!("{},{}", p.addr, d.addr);
+    let args = ["frontend", "--workers", &list, "--mode", "disaggregated", "--kv-transport", "tcp", "--port", "0"];
+    let fe = start_logging(&args, filter);
+    let id = "trace-me-8c1f";
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 4}).to_string();
+    let reply =
+        http::send_blocking(fe.addr, &post_request("/v1/completions", &body, &[&format!("X-Request-Id: {id}")]));
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-request-id"), Some(id));
+    assert_eq!(reply.json()["id"], format!("cmpl-{id}"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(fe.logged(id) && p.logged(id) && d.logged(id)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (who, proc) in [("frontend", &fe), ("prefill worker", &p), ("decode worker", &d)] {
+        assert!(
+            proc.logged(id),
+            "{who} never logged {id}: {:?} {:?} {:?}",
+            fe.log.lock().unwrap(),
+            p.log.lock().unwrap(),
+            d.log.lock().unwrap()
+        );
+    }
+}
+
+/// A collector on loopback: accepts OTLP/HTTP posts and keeps their JSON bodies.
+fn otlp_receiver() -> (SocketAddr, Arc<Mutex<Vec<Value>>>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let bodies = Arc::new(Mutex::new(Vec::new()));
+    let kept = bodies.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut bytes = Vec::new();
+            let mut buf = [0u8; 8192];
+            let body = loop {
+                let n = conn.read(&mut buf).unwrap_or(0);
+                if n == 0 {
+                    break None;
+                }
+                bytes.extend_from_slice(&buf[..n]);
+                let Some(end) = bytes.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+                let head = String::from_utf8_lossy(&bytes[..end]).to_ascii_lowercase();
+                assert!(head.starts_with("post /v1/traces "), "{head}");
+                let len: usize =
+                    head.split("content-length:").nth(1).unwrap().lines().next().unwrap().trim().parse().unwrap();
+                if bytes.len() >= end + 4 + len {
+                    break Some(bytes[end + 4..end + 4 + len].to_vec());
+                }
+            };
+            let _ = conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n");
+            if let Some(b) = body {
+                kept.lock().unwrap().push(serde_json::from_slice(&b).unwrap());
+            }
+        }
+    });
+    (addr, bodies)
+}
+
+/// With `--otlp-endpoint`, the request's spans reach the collector started here,
+/// in OTLP's JSON shape, carrying the request id.
+#[test]
+fn spans_reach_an_otlp_collector() {
+    let (collector, bodies) = otlp_receiver();
+    let endpoint = format!("http://{collector}");
+    let args =
+        ["serve", "--mode", "disaggregated", "--threads-per-worker", "1", "--port", "0", "--otlp-endpoint", &endpoint];
+    let fe = start(&args);
+    let id = "otlp-span-7e2";
+    let body = json!({"prompt": "Hello", "max_tokens": 2}).to_string();
+    let reply =
+        http::send_blocking(fe.addr, &post_request("/v1/completions", &body, &[&format!("X-Request-Id: {id}")]));
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let found = loop {
+        let spans: Vec<Value> = bodies
+            .lock()
+            .unwrap()
+            .iter()
+            .flat_map(|b| b["resourceSpans"][0]["scopeSpans"][0]["spans"].as_array().cloned().unwrap_or_default())
+            .collect();
+        let request = spans.into_iter().find(|s| {
+            s["name"] == "request"
+                && s["attributes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|a| a["key"] == "request_id" && a["value"]["stringValue"] == id)
+        });
+        if request.is_some() || Instant::now() > deadline {
+            break request;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let span = found.expect("the request's span reached the collector");
+    assert_eq!(span["traceId"].as_str().unwrap().len(), 32);
+    assert_eq!(span["spanId"].as_str().unwrap().len(), 16);
+    let attrs = span["attributes"].as_array().unwrap();
+    assert!(attrs.iter().any(|a| a["key"] == "route" && a["value"]["stringValue"] == "remote"), "{span}");
+    let (start, end): (u128, u128) = (
+        span["startTimeUnixNano"].as_str().unwrap().parse().unwrap(),
+        span["endTimeUnixNano"].as_str().unwrap().parse().unwrap(),
+    );
+    assert!(start > 0 && end >= start);
 }

@@ -1,5 +1,5 @@
 //! The tokenizer and chat template against llama.cpp's answers on the default model
-//! (`tests/golden/smollm2-135m-q4_1.json`): every entry must match exactly.
+//! (`crates/engine/tests/golden/smollm2-135m-q4_1.json`): every entry must match exactly.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

@@ -1,5 +1,5 @@
 //! Bad input gets a 4xx with an OpenAI error body, never a panic, and the server keeps
-//! serving (DESIGN §7.3).
+//! serving (the reliability contract in docs/ARCHITECTURE.md).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;

@@ -63,6 +63,13 @@ impl Inboxes {
         Ok(Inbox { id, token, rx, room, ready: Vec::new().into_iter(), end, shared: self.shared.clone() })
     }
 
+    /// Stops expecting handoff `id` now, even while its inbox is still being dropped
+    /// elsewhere, so that the same id can be expected again at once (a retried
+    /// handoff). A sink that claimed it already keeps it until it ends.
+    pub fn forget(&self, id: HandoffId) {
+        self.shared.expected.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
+    }
+
     /// Gives a frame's payload buffers back for later frames to be decoded into.
     pub fn recycle(&self, k: Vec<u16>, v: Vec<u16>) {
         let mut pool = self.shared.pool.lock().unwrap_or_else(PoisonError::into_inner);

@@ -1,5 +1,5 @@
-//! KV transfer: how a prefill worker's K/V reaches the decode worker (step 4 of the
-//! life of a request in DESIGN.md).
+//! KV transfer: how a prefill worker's K/V reaches the decode worker (the handoff in
+//! docs/ARCHITECTURE.md).
 //!
 //! ```text
 //! prefill engine thread                               decode worker

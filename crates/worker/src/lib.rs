@@ -311,6 +311,7 @@ impl Inner {
     fn release(&self, id: RequestId) {
         if let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) {
             task.abort();
+            self.inboxes.forget(HandoffId::from(id));
         }
         // A full queue or a stopped loop both end with the blocks freed: the loop
         // aborts stale imports itself, and a stopped loop holds nothing.

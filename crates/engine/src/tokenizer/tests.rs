@@ -1,5 +1,5 @@
 //! Unit tests on tiny handmade vocabularies; the real model is checked against
-//! llama.cpp in `tests/tokenizer_golden.rs`.
+//! llama.cpp in `crates/engine/tests/tokenizer_golden.rs`.
 
 use super::bytemap::{byte_to_char, char_to_byte, map};
 use super::pretokenize::PreTokenizer;

@@ -1,0 +1,142 @@
+//! The router over fake workers (no model): the live worker set, the handoff's one
+//! path, and its failure paths, in milliseconds.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pdserve_protocol::{Event, Generate, GenerateRequest, TokenStream, Worker};
+use pdserve_router::{Deadlines, Mode, PolicyKind, Router};
+use pdserve_testkit::fake::{token_at, FakeWorker};
+use pdserve_types::{RequestId, Role, SamplingParams};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn request(id: u64, prompt_len: u32, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        id: RequestId(id),
+        tag: format!("t{id}").as_str().into(),
+        prompt: (0..prompt_len).map(|i| 1000 + i * 7 + id as u32).collect(),
+        params: SamplingParams { max_tokens, ..Default::default() }.validate().unwrap(),
+    }
+}
+
+fn router(workers: &[&FakeWorker], mode: Mode) -> Router {
+    let ws = workers.iter().map(|w| Arc::new((*w).clone()) as Arc<dyn Worker>);
+    Router::new(ws, mode, Deadlines::default(), tokio::runtime::Handle::current())
+}
+
+/// The stream's tokens and its final event.
+async fn collect(mut s: TokenStream) -> (Vec<u32>, Event) {
+    let mut toks = Vec::new();
+    loop {
+        match s.next().await.expect("a final event") {
+            Event::Token(t) => toks.push(t.token),
+            last => return (toks, last),
+        }
+    }
+}
+
+fn expected(req: &GenerateRequest) -> Vec<u32> {
+    (0..req.params.max_tokens as usize).map(|i| token_at(&req.prompt, i)).collect()
+}
+
+async fn settled(workers: &[&FakeWorker]) -> usize {
+    for _ in 0..200 {
+        if workers.iter().all(|w| w.used_blocks() == 0 && w.load() == 0) {
+            return 0;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    workers.iter().map(|w| w.used_blocks()).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_added_to_a_running_router_is_used() {
+    let a = FakeWorker::new("a", Role::Mixed, 1000);
+    let r = router(&[&a], Mode::Aggregated);
+    // Keep `a` busy, then add `b`: least-loaded sends the next requests to `b`.
+    let busy: Vec<_> = (0..4).map(|i| r.generate(request(i, 32, 200)).unwrap()).collect();
+    let b = FakeWorker::new("b", Role::Mixed, 1000);
+    r.workers().add(Arc::new(b.clone()));
+    for i in 10..13 {
+        let req = request(i, 32, 4);
+        let want = expected(&req);
+        let (got, end) = collect(r.generate(req).unwrap()).await;
+        assert_eq!(got, want);
+        assert!(matches!(end, Event::Done { .. }));
+    }
+    assert_eq!(b.served(), 3, "the new worker took the requests the busy one would have");
+    drop(busy);
+    assert_eq!(settled(&[&a, &b]).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removing_a_worker_under_load_drains_it_and_fails_nothing() {
+    let (a, b) = (FakeWorker::new("a", Role::Mixed, 1000), FakeWorker::new("b", Role::Mixed, 1000));
+    let r = router(&[&a, &b], Mode::Aggregated).with_policy(PolicyKind::RoundRobin.build());
+    let reqs: Vec<_> = (0..8).map(|i| request(i, 16, 50)).collect();
+    let streams: Vec<_> = reqs.iter().map(|q| r.generate(q.clone()).unwrap()).collect();
+    // Out of the set while half the requests run on it: no new work goes there...
+    let id_b = r.workers().snapshot()[1].id;
+    let gone = r.workers().remove(id_b).unwrap();
+    let served_before = b.served();
+    for i in 100..104 {
+        let (_, end) = collect(r.generate(request(i, 16, 2)).unwrap()).await;
+        assert!(matches!(end, Event::Done { .. }));
+    }
+    assert_eq!(b.served(), served_before, "a removed worker took new work");
+    // ...and what runs there finishes, with the right tokens.
+    for (q, s) in reqs.iter().zip(streams) {
+        let (got, end) = collect(s).await;
+        assert!(matches!(end, Event::Done { .. }), "{end:?}");
+        assert_eq!(got, expected(q));
+    }
+    tokio::time::timeout(Duration::from_secs(5), gone.drained()).await.unwrap();
+    assert_eq!(settled(&[&a, &b]).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handoff_moves_kv_between_fakes_and_gives_the_same_tokens() {
+    let (p, d) = (FakeWorker::new("p", Role::Prefill, 1000), FakeWorker::new("d", Role::Decode, 1000));
+    let r = router(&[&p, &d], Mode::Disaggregated);
+    for i in 0..20 {
+        let req = request(i, 40 + i as u32, 8);
+        let want = expected(&req);
+        let (got, end) = collect(r.generate(req).unwrap()).await;
+        assert!(matches!(end, Event::Done { .. }), "{end:?}");
+        assert_eq!(got, want);
+    }
+    assert_eq!(d.served(), 20, "every request decoded on the decode worker");
+    assert_eq!(settled(&[&p, &d]).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_prefill_worker_is_replaced_by_the_spare_then_by_local_prefill() {
+    let bad = FakeWorker::new("bad", Role::Prefill, 1000);
+    bad.knobs(|k| k.fail_prefill.store(true, std::sync::atomic::Ordering::SeqCst));
+    let (good, d) = (FakeWorker::new("good", Role::Prefill, 1000), FakeWorker::new("d", Role::Decode, 1000));
+    let r = router(&[&bad, &good, &d], Mode::Disaggregated);
+    let req = request(1, 64, 6);
+    let (got, _) = collect(r.generate(req.clone()).unwrap()).await;
+    assert_eq!(got, expected(&req));
+    // With no spare left, D prefills itself.
+    let r = router(&[&bad, &d], Mode::Disaggregated);
+    let (got, end) = collect(r.generate(req.clone()).unwrap()).await;
+    assert!(matches!(end, Event::Done { .. }), "{end:?}");
+    assert_eq!(got, expected(&req));
+    assert_eq!(settled(&[&bad, &good, &d]).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_is_not_chosen_and_with_none_left_requests_are_refused() {
+    let (d1, d2) = (FakeWorker::new("d1", Role::Mixed, 1000), FakeWorker::new("d2", Role::Mixed, 1000));
+    let r = router(&[&d1, &d2], Mode::Aggregated);
+    d1.kill();
+    for i in 0..4 {
+        let (_, end) = collect(r.generate(request(i, 16, 2)).unwrap()).await;
+        assert!(matches!(end, Event::Done { .. }));
+    }
+    assert_eq!(d1.served(), 0);
+    d2.kill();
+    assert!(!r.ready());
+    assert!(r.generate(request(9, 16, 2)).is_err(), "no live worker: refused at once");
+}

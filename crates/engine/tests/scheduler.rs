@@ -7,6 +7,7 @@
 use pdserve_engine::batch::{Engine, EngineConfig, EngineError, FinishReason, StepOutput};
 use pdserve_engine::loader::{self, LoadedModel};
 use pdserve_kv::PoolStats;
+use pdserve_types::rng::Rng;
 use pdserve_types::TokenOut;
 use pdserve_types::{RequestId, SamplingParams, StopCondition};
 use std::collections::{BTreeMap, BTreeSet};
@@ -23,25 +24,21 @@ fn engine(num_blocks: usize, max_batch_tokens: usize, max_seqs: usize) -> Engine
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec())
 }
 
-/// splitmix64: a small deterministic generator for the random traffic.
-struct Prng(u64);
+/// The project's seeded generator, with the two draws these tests make.
+struct Prng(Rng);
 
 impl Prng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+    fn new(seed: u64) -> Prng {
+        Prng(Rng::new(seed))
     }
 
     /// Uniform in `lo..=hi`.
     fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
+        self.0.range(lo, hi + 1)
     }
 
     fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
+        self.0.range(0, 100) < percent
     }
 }
 
@@ -98,7 +95,7 @@ fn random_traffic_with_cancels_keeps_block_accounting_exact() {
 
 fn random_traffic(seed: u64) {
     const NUM_BLOCKS: usize = 16;
-    let mut rng = Prng(seed);
+    let mut rng = Prng::new(seed);
     let mut reqs: BTreeMap<u64, Req> = BTreeMap::new();
     for id in 0..22u64 {
         let len = rng.range(5, 150) as usize;
@@ -172,8 +169,8 @@ fn random_traffic(seed: u64) {
 #[test]
 fn preempted_request_resumes_with_the_same_tokens() {
     // 12 blocks hold 192 tokens; two requests of 60 + 80 and 50 + 80 tokens need 18.
-    let a = random_prompt(&mut Prng(1), 60);
-    let b = random_prompt(&mut Prng(2), 50);
+    let a = random_prompt(&mut Prng::new(1), 60);
+    let b = random_prompt(&mut Prng::new(2), 50);
     let params =
         SamplingParams { max_tokens: 80, ignore_eos: true, logprobs: true, ..Default::default() }.validate().unwrap();
     let mut e = engine(12, 256, 4);
@@ -201,7 +198,7 @@ fn preempted_request_resumes_with_the_same_tokens() {
 
 #[test]
 fn prefix_cache_serves_a_repeated_prompt() {
-    let prompt = random_prompt(&mut Prng(7), 100);
+    let prompt = random_prompt(&mut Prng::new(7), 100);
     let params =
         SamplingParams { max_tokens: 8, logprobs: true, ignore_eos: true, ..Default::default() }.validate().unwrap();
     let mut e = engine(64, 512, 8);
@@ -282,7 +279,7 @@ fn stop_conditions() {
 fn bad_requests_are_refused_without_side_effects() {
     let cfg = &model().model.cfg;
     let mut e = engine(16, 64, 8);
-    let ok = random_prompt(&mut Prng(3), 20);
+    let ok = random_prompt(&mut Prng::new(3), 20);
     let params =
         SamplingParams { max_tokens: 6, ignore_eos: true, logprobs: true, ..Default::default() }.validate().unwrap();
     let want = alone(&ok, &params);
@@ -334,10 +331,10 @@ fn cancel_frees_blocks_in_every_state() {
     let mut e = engine(32, 16, 2);
     let total = e.stats().blocks.total;
     let params = SamplingParams { max_tokens: 50, ignore_eos: true, ..Default::default() }.validate().unwrap();
-    let a = random_prompt(&mut Prng(4), 10);
+    let a = random_prompt(&mut Prng::new(4), 10);
     e.add(RequestId(1), a.clone(), params.clone()).unwrap();
-    e.add(RequestId(2), random_prompt(&mut Prng(5), 100), params.clone()).unwrap();
-    e.add(RequestId(3), random_prompt(&mut Prng(6), 20), params.clone()).unwrap();
+    e.add(RequestId(2), random_prompt(&mut Prng::new(5), 100), params.clone()).unwrap();
+    e.add(RequestId(3), random_prompt(&mut Prng::new(6), 20), params.clone()).unwrap();
     // Step 1: A prefills and samples; B starts its prefill with the 6 tokens left.
     // Steps 2-3: A decodes, B takes 15 tokens a step. C waits for a slot (max_seqs 2).
     let mut a_out = Vec::new();
@@ -390,9 +387,9 @@ fn a_prefill_waiting_for_blocks_is_not_overtaken() {
     let mut e = engine(8, 32, 8);
     let p = |max_tokens| SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }.validate().unwrap();
     let reqs = [
-        (random_prompt(&mut Prng(11), 20), p(12)),
-        (random_prompt(&mut Prng(12), 120), p(8)),
-        (random_prompt(&mut Prng(13), 10), p(5)),
+        (random_prompt(&mut Prng::new(11), 20), p(12)),
+        (random_prompt(&mut Prng::new(12), 120), p(8)),
+        (random_prompt(&mut Prng::new(13), 10), p(5)),
     ];
     for (i, (prompt, params)) in reqs.iter().enumerate().take(2) {
         e.add(RequestId(i as u64), prompt.clone(), params.clone()).unwrap();

@@ -251,11 +251,8 @@ mod tests {
     fn check_head_dim(hd: usize) {
         let (bs, nkv, n_rep, ctx) = (16, 2, 3, 40);
         let nblocks = ctx / bs + 1;
-        let mut seed = 1u64;
-        let mut rnd = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        };
+        let mut rng = pdserve_types::rng::Rng::new(1);
+        let mut rnd = || (rng.next_f64() * 2.0 - 1.0) as f32;
         // Blocks stored out of order, as a paged cache does.
         let order: Vec<u32> = vec![2, 0, 1];
         let kpool: Vec<f16> = (0..nblocks * nkv * bs * hd).map(|_| f16::from_f32(rnd())).collect();

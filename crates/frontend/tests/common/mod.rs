@@ -9,13 +9,14 @@ use pdserve_frontend::{Frontend, Metrics};
 use pdserve_protocol::{
     Event, EventSender, FinishReason, Generate, GenerateRequest, ServeError, TokenOut, TokenStream, Usage,
 };
+use pdserve_testkit::http;
+pub use pdserve_testkit::http::Reply;
 use serde_json::Value;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 
 /// A small context so tests can overflow it cheaply.
 pub const CONTEXT: usize = 512;
@@ -153,11 +154,7 @@ impl Server {
     }
 
     pub async fn post(&self, path: &str, body: &str) -> Reply {
-        let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            body.len()
-        );
-        self.raw(&[head.as_bytes(), body.as_bytes()].concat()).await
+        http::send(self.addr, &http::post_request(path, body, &[])).await
     }
 
     pub async fn post_json(&self, path: &str, body: &Value) -> Reply {
@@ -165,122 +162,17 @@ impl Server {
     }
 
     pub async fn get(&self, path: &str) -> Reply {
-        self.raw(format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes()).await
+        http::send(self.addr, &http::get_request(path)).await
     }
 
     /// Sends raw bytes and reads the whole response (the server closes after it).
     pub async fn raw(&self, request: &[u8]) -> Reply {
-        let mut conn = TcpStream::connect(self.addr).await.unwrap();
-        conn.write_all(request).await.unwrap();
-        let mut bytes = Vec::new();
-        tokio::time::timeout(Duration::from_secs(30), conn.read_to_end(&mut bytes))
-            .await
-            .expect("response within 30 s")
-            .unwrap();
-        Reply::parse(&bytes)
+        http::send(self.addr, request).await
     }
 
     /// Writes `request` while reading the answer, for servers that answer before
     /// reading the whole body (and may reset the connection once they have).
     pub async fn raw_eager(&self, request: Vec<u8>) -> Reply {
-        let conn = TcpStream::connect(self.addr).await.unwrap();
-        let (mut rd, mut wr) = conn.into_split();
-        let writer = tokio::spawn(async move {
-            let _ = wr.write_all(&request).await;
-            wr
-        });
-        let mut bytes = Vec::new();
-        let mut buf = vec![0u8; 64 << 10];
-        let read = async {
-            loop {
-                match rd.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => bytes.extend_from_slice(&buf[..n]),
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(30), read).await.expect("response within 30 s");
-        writer.abort();
-        Reply::parse(&bytes)
-    }
-}
-
-#[derive(Debug)]
-pub struct Reply {
-    pub status: u16,
-    pub headers: Vec<(String, String)>,
-    pub body: Vec<u8>,
-}
-
-impl Reply {
-    fn parse(bytes: &[u8]) -> Reply {
-        let split = bytes.windows(4).position(|w| w == b"\r\n\r\n").expect("end of headers");
-        let head = std::str::from_utf8(&bytes[..split]).unwrap();
-        let mut lines = head.split("\r\n");
-        let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
-        let headers: Vec<(String, String)> = lines
-            .map(|l| {
-                let (k, v) = l.split_once(':').unwrap();
-                (k.trim().to_ascii_lowercase(), v.trim().to_string())
-            })
-            .collect();
-        let raw = &bytes[split + 4..];
-        let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
-        let body = if chunked { dechunk(raw) } else { raw.to_vec() };
-        Reply { status, headers, body }
-    }
-
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
-    }
-
-    pub fn text(&self) -> String {
-        String::from_utf8(self.body.clone()).unwrap()
-    }
-
-    pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
-    }
-
-    /// The `data:` payloads of an SSE body, checking the framing on the way.
-    pub fn events(&self) -> Vec<String> {
-        let text = self.text();
-        assert!(text.ends_with("\n\n"), "SSE body must end with a blank line: {text:?}");
-        text.trim_end_matches("\n\n")
-            .split("\n\n")
-            .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data event: {e:?}")).to_string())
-            .collect()
-    }
-
-    /// The JSON chunks of an SSE body; asserts it ends with `[DONE]`.
-    pub fn chunks(&self) -> Vec<Value> {
-        let mut events = self.events();
-        assert_eq!(events.pop().as_deref(), Some("[DONE]"));
-        events.iter().map(|e| serde_json::from_str(e).unwrap()).collect()
-    }
-
-    /// Asserts an OpenAI error body with this status; returns the `error` object.
-    pub fn error(&self, status: u16) -> Value {
-        assert_eq!(self.status, status, "{}", self.text());
-        let v = self.json();
-        let e = v["error"].clone();
-        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
-        assert!(e["type"].is_string(), "{v}");
-        assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
-        e
-    }
-}
-
-fn dechunk(mut raw: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let eol = raw.windows(2).position(|w| w == b"\r\n").expect("chunk size line");
-        let size = usize::from_str_radix(std::str::from_utf8(&raw[..eol]).unwrap().trim(), 16).unwrap();
-        raw = &raw[eol + 2..];
-        if size == 0 {
-            return out;
-        }
-        out.extend_from_slice(&raw[..size]);
-        raw = &raw[size + 2..];
+        http::send_eager(self.addr, request).await
     }
 }

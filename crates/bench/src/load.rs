@@ -149,7 +149,8 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, BenchError> {
         .map_err(|e| BenchError::Runtime(format!("starting the runtime: {e}")))
 }
 
-/// Runs `bench load`: measures, prints the table to stdout, writes the JSON.
+/// Runs `bench load`: measures and writes the JSON (the caller prints the table,
+/// `report::markdown::load_report`).
 pub fn run_load(opts: &LoadOptions) -> Result<LoadReport, BenchError> {
     opts.body.validate()?;
     let plans = plans(&opts.sweep, opts.requests, opts.seconds, opts.workload.trace_len())?;
@@ -180,10 +181,9 @@ pub fn run_load(opts: &LoadOptions) -> Result<LoadReport, BenchError> {
             calibration,
         })
     })?;
-    print!("{}", markdown::load_report(&report));
     if let Some(path) = &opts.out {
         json::write(path, &report)?;
-        eprintln!("wrote {}", path.display());
+        tracing::info!("wrote {}", path.display());
     }
     Ok(report)
 }
@@ -205,7 +205,7 @@ pub async fn measure(
         for r in &records {
             summary.prompt_blocks += sent.record(&w.request(plan.seed, r.index).prompt.ids());
         }
-        eprintln!("{}", markdown::one_line(&plan.label, &summary, t.elapsed().as_secs_f64()));
+        tracing::info!("{}", markdown::one_line(&plan.label, &summary, t.elapsed().as_secs_f64()));
         out.push(PointResult { plan: plan.clone(), summary, records });
     }
     out

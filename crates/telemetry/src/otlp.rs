@@ -183,8 +183,8 @@ fn export(rx: Receiver<Finished>, endpoint: Endpoint, service: String) {
         };
         if !batch.is_empty() {
             if let Err(e) = post(&endpoint, &encode(&service, &batch)) {
-                // Said on stderr directly: a log event here would be exported too.
-                eprintln!("pdserve: could not export {} span(s) to {}: {e}", batch.len(), endpoint.addr);
+                // An event, not a span: it is logged, never exported itself.
+                tracing::warn!(spans = batch.len(), collector = %endpoint.addr, error = %e, "could not export spans");
             }
             batch.clear();
         }

@@ -120,7 +120,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport, BenchError> {
     reuse_earlier(opts, &mut report, &topologies)?;
     let logs = opts.out.join("logs");
     std::fs::create_dir_all(&logs).map_err(|e| BenchError::io(&logs, e))?;
-    eprintln!(
+    tracing::info!(
         "bench compare: {} topologies × {} workloads × {} points, up to {} s or {} requests per point",
         topologies.len(),
         opts.workloads.len(),
@@ -133,7 +133,7 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport, BenchError> {
         for t in &topologies {
             let run = run_topology(opts, &exe, t, &plans, &logs).await;
             if let Some(e) = &run.error {
-                eprintln!("{}: {e}", t.name);
+                tracing::warn!("{}: {e}", t.name);
             }
             report.runs.push(run);
             reuse::sort_runs(&mut report.runs, opts.budget);
@@ -171,7 +171,7 @@ fn reuse_earlier(opts: &CompareOptions, report: &mut CompareReport, selected: &[
     let Some(path) = &opts.reuse else { return Ok(()) };
     let names = reuse::merge(report, reuse::Earlier::load(path)?, selected)?;
     let list = if names.is_empty() { "none".to_string() } else { names.join(", ") };
-    eprintln!("bench compare: reused from {}: {list}", path.display());
+    tracing::info!("bench compare: reused from {}: {list}", path.display());
     Ok(())
 }
 
@@ -210,7 +210,7 @@ async fn calibration(opts: &CompareOptions, plans: &[PointPlan]) -> Option<Calib
     match calibrate::floor(&opts.body, &w.workload(opts.seed, opts.range), &plan).await {
         Ok(c) => Some(c),
         Err(e) => {
-            eprintln!("calibration skipped: {e}");
+            tracing::info!("calibration skipped: {e}");
             None
         }
     }
@@ -231,7 +231,7 @@ async fn run_topology(
         None => match ServerProcess::spawn(&t.name, exe, &t.serve_args, logs.join(format!("{}.log", t.name))) {
             Ok(mut s) => {
                 run.command = t.command("pdserve", s.port);
-                eprintln!("{}: {}", t.name, run.command.as_deref().unwrap_or_default());
+                tracing::info!("{}: {}", t.name, run.command.as_deref().unwrap_or_default());
                 if let Err(e) = s.wait_healthy(opts.startup_timeout).await {
                     run.error = Some(e.to_string());
                     return run;
@@ -252,7 +252,7 @@ async fn run_topology(
     }
     if let Some(s) = server {
         if let Err(e) = s.stop(Duration::from_secs(60)).await {
-            eprintln!("{e}");
+            tracing::info!("{e}");
         }
     }
     run
@@ -295,7 +295,6 @@ fn write_outputs(opts: &CompareOptions, report: &CompareReport) -> Result<(), Be
     let md = compare_markdown::render(report, &plot_files);
     let path = opts.out.join("results.md");
     std::fs::write(&path, &md).map_err(|e| BenchError::io(&path, e))?;
-    print!("{md}");
-    eprintln!("wrote {}/results.json, results.md and {} plots", opts.out.display(), plot_files.len());
+    tracing::info!("wrote {}/results.json, results.md and {} plots", opts.out.display(), plot_files.len());
     Ok(())
 }

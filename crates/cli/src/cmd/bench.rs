@@ -267,7 +267,8 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         calibrate: a.calibrate,
         out: a.out,
     };
-    run_load(&opts)?;
+    let report = run_load(&opts)?;
+    print!("{}", pdserve_bench::report::markdown::load_report(&report));
     Ok(())
 }
 
@@ -297,6 +298,8 @@ fn compare(a: CompareArgs) -> anyhow::Result<()> {
         reuse: a.reuse,
     };
     run_compare(&opts)?;
+    let md = opts.out.join("results.md");
+    print!("{}", std::fs::read_to_string(&md).with_context(|| format!("reading {}", md.display()))?);
     Ok(())
 }
 

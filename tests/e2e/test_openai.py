@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 PDSERVE = sys.argv[1]
 RESULTS = []
+# The served names every server answers to (vLLM's --served-model-name).
+NAMES = ["--served-model-name", "smol", "--served-model-name", "smol-alias"]
 
 
 def free_port():
@@ -57,9 +59,9 @@ def start(mode):
         procs = [spawn("worker", "--role", role, "--listen", f"127.0.0.1:{p}")
                  for role, p in zip(("prefill", "decode"), ports)]
         workers = ",".join(f"127.0.0.1:{p}" for p in ports)
-        procs.append(spawn("frontend", "--workers", workers, "--mode", "disaggregated", "--port", str(port)))
+        procs.append(spawn("frontend", "--workers", workers, "--mode", "disaggregated", "--port", str(port), *NAMES))
     else:
-        procs = [spawn("serve", "--mode", mode, "--port", str(port))]
+        procs = [spawn("serve", "--mode", mode, "--port", str(port), *NAMES)]
     proc = procs[-1]
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -126,6 +128,73 @@ def suite(mode, url):
         except openai.NotFoundError:
             pass
 
+    def served_names():
+        assert [m.id for m in client.models.list().data] == ["smol", "smol-alias"]
+        assert client.models.retrieve("smol-alias").id == "smol-alias"
+        r = client.completions.create(model="smol-alias", prompt="Hi", max_tokens=2)
+        assert r.model == "smol-alias", r.model
+
+    def n_choices():
+        r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0, n=2)
+        assert [c.index for c in r.choices] == [0, 1]
+        assert all(c.text == greedy["completion"] for c in r.choices), r.choices
+        assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 16, r.usage
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a color."}],
+                                           max_tokens=8, temperature=1.0, seed=3, n=3)
+        assert len(r.choices) == 3 and all(c.message.content for c in r.choices)
+
+    def batched_prompts():
+        prompts = ["The capital of France is", "Once upon a time"]
+        r = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0)
+        assert len(r.choices) == 2
+        for c, p in zip(sorted(r.choices, key=lambda c: c.index), prompts):
+            alone = client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0)
+            assert c.text == alone.choices[0].text, (c.text, alone.choices[0].text)
+
+    def echo_logprobs():
+        # The logprob of " Paris" when generated equals its score as part of the prompt.
+        gen = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                        logprobs=1)
+        token, lp = gen.choices[0].logprobs.tokens[0], gen.choices[0].logprobs.token_logprobs[0]
+        text = "The capital of France is" + gen.choices[0].text
+        r = client.completions.create(model=model, prompt=text, max_tokens=0, echo=True, logprobs=1, temperature=0)
+        c = r.choices[0]
+        assert c.text == text, c.text
+        assert c.logprobs.token_logprobs[0] is None and c.logprobs.tokens[-1] == token, c.logprobs.tokens
+        assert abs(c.logprobs.token_logprobs[-1] - lp) < 1e-6, (c.logprobs.token_logprobs[-1], lp)
+        assert all(x <= 0 for x in c.logprobs.token_logprobs[1:])
+        # vLLM's prompt_logprobs: the same scores in their own field.
+        r = client.completions.create(model=model, prompt=text, max_tokens=1, temperature=0,
+                                      extra_body={"prompt_logprobs": 0})
+        scores = r.model_dump()["choices"][0]["prompt_logprobs"]
+        assert scores[0] is None and len(scores) == len(c.logprobs.tokens), scores
+        last = scores[-1]
+        assert any(abs(v["logprob"] - lp) < 1e-6 for v in last.values()), last
+
+    def tokenize():
+        code, body = curl(url + "/tokenize", "-H", "Content-Type: application/json",
+                          "-d", json.dumps({"model": "smol", "prompt": "The capital of France is"}))
+        t = json.loads(body)
+        assert code == 200 and t["count"] == 5 and len(t["tokens"]) == 5, (code, body)
+        code, body = curl(url + "/detokenize", "-H", "Content-Type: application/json",
+                          "-d", json.dumps({"tokens": t["tokens"]}))
+        assert code == 200 and json.loads(body)["prompt"] == "The capital of France is", body
+
+    def cached_tokens():
+        # A repeated prompt reports the prefix-cache tokens its engine reused, and the
+        # realized-hit counter moves by exactly that much.
+        prompt = "In the beginning the universe was created. " * 8
+        realized = lambda: sum(s.value for f in text_string_to_metric_families(curl(url + "/metrics")[1])
+                               if f.name == "pdserve_prefix_hit_tokens" for s in f.samples
+                               if s.labels.get("kind") == "realized")
+        client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+        before = realized()
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert 0 <= cached < r.usage.prompt_tokens and realized() - before == cached, (cached, realized(), before)
+        if mode != "auto":  # auto may prefill the repeat on the other worker
+            assert cached >= 64, r.usage
+
     def curl_calls():
         code, body = curl(url + "/v1/completions", "-H", "Content-Type: application/json",
                           "-d", json.dumps({"prompt": "Hello", "max_tokens": 4}))
@@ -153,7 +222,9 @@ def suite(mode, url):
 
     for name, fn in [("completion", completion), ("completion_stream", completion_stream), ("chat", chat),
                      ("chat_stream_logprobs", chat_stream_logprobs), ("stop_string", stop_string),
-                     ("bad_requests", bad_requests), ("curl", curl_calls), ("metrics_parse", metrics_parse)]:
+                     ("bad_requests", bad_requests), ("curl", curl_calls), ("metrics_parse", metrics_parse),
+                     ("served_names", served_names), ("n_choices", n_choices), ("batched_prompts", batched_prompts),
+                     ("echo_logprobs", echo_logprobs), ("tokenize", tokenize), ("cached_tokens", cached_tokens)]:
         check(f"{mode}/{name}", fn)
 
 

@@ -403,24 +403,37 @@ impl Sampler {
     }
 
     fn top_logprobs(&mut self, logits: &[f32], lsm: &LogSoftmax) -> Vec<(u32, f32)> {
-        let n = self.knobs.top_logprobs;
-        if n == 0 {
-            return Vec::new();
-        }
-        self.top.clear();
-        for (i, &x) in logits.iter().enumerate() {
-            let x = if x.is_nan() { f32::NEG_INFINITY } else { x };
-            let full = self.top.len() == n;
-            if full && self.top.last().is_some_and(|w| x <= w.1) {
-                continue;
-            }
-            // After every entry at least as large, so ties keep the lower id first.
-            let at = self.top.partition_point(|t| t.1 >= x);
-            self.top.insert(at, (i as u32, x));
-            self.top.truncate(n);
-        }
-        self.top.iter().map(|&(id, x)| (id, lsm.logprob(x))).collect()
+        top_n(logits, lsm, self.knobs.top_logprobs, &mut self.top)
     }
+}
+
+/// How likely `token` was under the raw `logits`, with the `top` most likely tokens:
+/// what prompt scoring reports for each prompt position.
+pub fn score(logits: &[f32], token: u32, top: usize) -> TokenOut {
+    let lsm = LogSoftmax::of(logits);
+    let logprob = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&x| lsm.logprob(x));
+    TokenOut { token, logprob, top: top_n(logits, &lsm, top, &mut Vec::new()) }
+}
+
+/// The `n` largest logits as (id, logprob), most likely first, ties to the lower id;
+/// `buf` is scratch.
+fn top_n(logits: &[f32], lsm: &LogSoftmax, n: usize, buf: &mut Vec<(u32, f32)>) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    buf.clear();
+    for (i, &x) in logits.iter().enumerate() {
+        let x = if x.is_nan() { f32::NEG_INFINITY } else { x };
+        let full = buf.len() == n;
+        if full && buf.last().is_some_and(|w| x <= w.1) {
+            continue;
+        }
+        // After every entry at least as large, so ties keep the lower id first.
+        let at = buf.partition_point(|t| t.1 >= x);
+        buf.insert(at, (i as u32, x));
+        buf.truncate(n);
+    }
+    buf.iter().map(|&(id, x)| (id, lsm.logprob(x))).collect()
 }
 
 /// The token in block `b` of `weights` where the running sum passes `u`, or the

@@ -25,12 +25,12 @@ pub async fn handler(
     let tracker = app.tracker(&tagged);
     let valid = crate::validate_blocking(&app, body, |v, req| v.chat(req)).await;
     let tokenizer = app.validator.tokenizer.clone();
-    let model = app.validator.model_id.clone();
-    crate::run(app, tagged, tracker, valid, move |id| ChatFormat {
+    crate::run(app, tagged, tracker, valid, move |id, v| ChatFormat {
         id: format!("chatcmpl-{id}"),
         created: crate::unix_now(),
-        model,
+        model: v.model.clone(),
         tokenizer,
+        prompt_field: v.prompt_logprobs,
     })
     .await
 }
@@ -41,6 +41,8 @@ pub struct ChatFormat {
     created: u64,
     model: String,
     tokenizer: Arc<Tokenizer>,
+    /// vLLM's `prompt_logprobs` field was asked for.
+    prompt_field: bool,
 }
 
 impl ChatFormat {
@@ -48,15 +50,21 @@ impl ChatFormat {
         ChatCompletion { id: self.id.clone(), object, created: self.created, model: self.model.clone(), choices, usage }
     }
 
-    fn chunk_of(&self, delta: ChatDelta, out: Option<&Output>) -> String {
+    fn chunk_of(&self, index: u32, delta: ChatDelta, out: Option<&Output>) -> String {
         let choice = ChatChoice {
-            index: 0,
+            index,
             message: None,
             delta: Some(delta),
             logprobs: out.and_then(|o| self.logprobs(&o.tokens)),
             finish_reason: out.and_then(|o| finish_reason(o.finish)),
+            prompt_logprobs: out.and_then(|o| self.prompt_scores(o)),
         };
         to_json(&self.object("chat.completion.chunk", vec![choice], None))
+    }
+
+    fn prompt_scores(&self, o: &Output) -> Option<Vec<Option<serde_json::Value>>> {
+        let scores = o.prompt.as_deref().filter(|_| self.prompt_field)?;
+        Some(crate::completions::vllm_prompt_logprobs(&self.tokenizer, scores))
     }
 
     fn logprobs(&self, tokens: &[TokenInfo]) -> Option<ChatLogprobs> {
@@ -85,27 +93,31 @@ impl ChatFormat {
 }
 
 impl Format for ChatFormat {
-    fn preamble(&self) -> Option<String> {
-        Some(self.chunk_of(ChatDelta { role: Some("assistant"), content: Some(String::new()) }, None))
+    fn preamble(&self, index: u32) -> Option<String> {
+        Some(self.chunk_of(index, ChatDelta { role: Some("assistant"), content: Some(String::new()) }, None))
     }
 
-    fn chunk(&self, step: &Output) -> String {
+    fn chunk(&mut self, index: u32, step: &Output) -> String {
         let content = (!step.text.is_empty()).then(|| step.text.clone());
-        self.chunk_of(ChatDelta { role: None, content }, Some(step))
+        self.chunk_of(index, ChatDelta { role: None, content }, Some(step))
     }
 
     fn usage_chunk(&self, usage: TokenUsage) -> String {
         to_json(&self.object("chat.completion.chunk", Vec::new(), Some(usage.into())))
     }
 
-    fn response(&self, all: &Output, usage: TokenUsage) -> String {
-        let choice = ChatChoice {
-            index: 0,
-            message: Some(ChatMessageOut { role: "assistant", content: all.text.clone() }),
-            delta: None,
-            logprobs: self.logprobs(&all.tokens),
-            finish_reason: finish_reason(all.finish).or(Some("stop")),
-        };
-        to_json(&self.object("chat.completion", vec![choice], Some(usage.into())))
+    fn response(&mut self, choices: &[(u32, Output)], usage: TokenUsage) -> String {
+        let list = choices
+            .iter()
+            .map(|(index, all)| ChatChoice {
+                index: *index,
+                message: Some(ChatMessageOut { role: "assistant", content: all.text.clone() }),
+                delta: None,
+                logprobs: self.logprobs(&all.tokens),
+                finish_reason: finish_reason(all.finish).or(Some("stop")),
+                prompt_logprobs: self.prompt_scores(all),
+            })
+            .collect();
+        to_json(&self.object("chat.completion", list, Some(usage.into())))
     }
 }

@@ -30,6 +30,8 @@ pub struct Output {
     pub text: String,
     /// Filled only when the request asked for logprobs.
     pub tokens: Vec<TokenInfo>,
+    /// The prompt's scores (tokens 2.. given those before), when asked for.
+    pub prompt: Option<Vec<TokenOut>>,
     pub finish: Option<FinishReason>,
 }
 
@@ -37,12 +39,13 @@ impl Output {
     fn append(&mut self, step: Output) {
         self.text.push_str(&step.text);
         self.tokens.extend(step.tokens);
+        self.prompt = step.prompt.or(self.prompt.take());
         self.finish = step.finish.or(self.finish);
     }
 
     /// Nothing a client would see.
     pub fn is_empty(&self) -> bool {
-        self.text.is_empty() && self.tokens.is_empty() && self.finish.is_none()
+        self.text.is_empty() && self.tokens.is_empty() && self.prompt.is_none() && self.finish.is_none()
     }
 }
 
@@ -175,9 +178,14 @@ pub struct Generation {
     /// `None` once finished; dropping it cancels the request downstream.
     stream: Option<TokenStream>,
     text: TextStream,
-    tracker: Tracker,
+    /// The request's metrics and log line; one choice of a request carries it.
+    tracker: Option<Tracker>,
     logprobs: bool,
+    /// The generated tokens are not shown (a prompt-only `echo` request).
+    silent: bool,
     usage: Usage,
+    /// A step fetched ahead by [`Generation::prime`].
+    primed: Option<Result<Option<Output>, ApiError>>,
 }
 
 impl Generation {
@@ -186,22 +194,53 @@ impl Generation {
         tokenizer: Arc<Tokenizer>,
         params: &SamplingParams,
         prompt_tokens: usize,
-        tracker: Tracker,
+        tracker: Option<Tracker>,
     ) -> Self {
         Generation {
             stream: Some(stream),
             text: TextStream::new(tokenizer, params),
             tracker,
             logprobs: params.logprobs,
+            silent: false,
             usage: Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0 },
+            primed: None,
         }
+    }
+
+    /// Shows nothing of what is generated: the prompt (echoed) is the answer.
+    pub fn silent(mut self) -> Self {
+        self.silent = true;
+        self
+    }
+
+    /// Waits for the first step and keeps it for [`Generation::next`]; an error here
+    /// means the request failed before anything was sent.
+    pub async fn prime(&mut self) -> Result<(), ApiError> {
+        if self.primed.is_none() {
+            let first = self.pull().await;
+            if let Err(e) = &first {
+                let e = e.clone();
+                self.primed = Some(first);
+                return Err(e);
+            }
+            self.primed = Some(first);
+        }
+        Ok(())
     }
 
     /// The next step, or `None` after the step that carried the finish reason.
     pub async fn next(&mut self) -> Result<Option<Output>, ApiError> {
+        match self.primed.take() {
+            Some(step) => step,
+            None => self.pull().await,
+        }
+    }
+
+    async fn pull(&mut self) -> Result<Option<Output>, ApiError> {
         let Some(stream) = self.stream.as_mut() else { return Ok(None) };
         let event = stream.next().await;
         let step = match event {
+            Some(Event::Prompt(scores)) => Output { prompt: Some(scores), ..Output::default() },
             Some(Event::Token(t)) => self.on_token(t),
             Some(Event::Done { reason, usage }) => self.on_done(reason, usage),
             Some(Event::Failed(e)) => return Err(self.fail(e)),
@@ -211,7 +250,9 @@ impl Generation {
         };
         if step.finish.is_some() {
             self.stream = None;
-            self.tracker.finish(Outcome::Ok);
+            if let Some(t) = &mut self.tracker {
+                t.finish(Outcome::Ok);
+            }
         }
         Ok(Some(step))
     }
@@ -233,7 +274,12 @@ impl Generation {
     }
 
     fn on_token(&mut self, t: TokenOut) -> Output {
-        self.tracker.token();
+        if let Some(tr) = &mut self.tracker {
+            tr.token();
+        }
+        if self.silent {
+            return Output::default();
+        }
         self.usage.completion_tokens += 1;
         let text_offset = self.text.decoded_chars;
         let (text, stopped) = self.text.push(t.token);
@@ -241,19 +287,31 @@ impl Generation {
             true => vec![TokenInfo { token: t.token, logprob: t.logprob, top: t.top, text_offset }],
             false => Vec::new(),
         };
-        Output { text, tokens, finish: stopped.then_some(FinishReason::Stop) }
+        Output { text, tokens, prompt: None, finish: stopped.then_some(FinishReason::Stop) }
     }
 
     fn on_done(&mut self, reason: FinishReason, usage: Usage) -> Output {
         self.usage.cached_tokens = usage.cached_tokens;
-        self.tracker.metrics.prefix_hit(PrefixHit::Realized, usage.cached_tokens as u64);
-        Output { text: self.text.finish(), tokens: Vec::new(), finish: Some(reason) }
+        if let Some(t) = &self.tracker {
+            t.metrics.prefix_hit(PrefixHit::Realized, usage.cached_tokens as u64);
+        }
+        if self.silent {
+            return Output { finish: Some(FinishReason::Length), ..Output::default() };
+        }
+        Output { text: self.text.finish(), finish: Some(reason), ..Output::default() }
     }
 
     fn fail(&mut self, e: ServeError) -> ApiError {
         self.stream = None;
-        self.tracker.error(e.kind());
-        self.tracker.finish(Outcome::Error);
+        self.failed(e.kind());
         ApiError::Serve(e)
+    }
+
+    /// Marks the request failed (by this choice or another of the same request).
+    pub fn failed(&mut self, kind: &'static str) {
+        if let Some(t) = &mut self.tracker {
+            t.error(kind);
+            t.finish(Outcome::Error);
+        }
     }
 }

@@ -23,6 +23,7 @@ mod openai;
 mod request_id;
 mod sse;
 mod stop;
+mod tokenize;
 mod validate;
 
 pub use errors::ApiError;
@@ -43,6 +44,7 @@ use pdserve_engine::chat::ChatTemplate;
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_protocol::{Generate, GenerateRequest, ServeError};
 use request_id::Tagged;
+use sse::Choice;
 use sse::Format;
 use std::future::Future;
 use std::sync::Arc;
@@ -76,7 +78,7 @@ impl Frontend {
         metrics: Metrics,
     ) -> Frontend {
         let created = unix_now();
-        let validator = Validator { tokenizer, chat, model_id: model_id.into(), context_length };
+        let validator = Validator { tokenizer, chat, model_ids: vec![model_id.into()], context_length };
         let state = AppState { generate, validator, metrics, mode: "auto".into(), created };
         Frontend { state }
     }
@@ -88,12 +90,24 @@ impl Frontend {
         self
     }
 
+    /// The names the model answers to (`--served-model-name`, as vLLM's); the first is
+    /// the one listed first. None given: the model's own name.
+    pub fn with_served_names(mut self, names: Vec<String>) -> Frontend {
+        if !names.is_empty() {
+            self.state.validator.model_ids = names;
+        }
+        self
+    }
+
     /// The axum router with every route, the body limit and JSON fallbacks.
     pub fn router(self) -> Router {
         Router::new()
             .route("/v1/completions", post(completions::handler))
             .route("/v1/chat/completions", post(chat_completions::handler))
             .route("/v1/models", get(models))
+            .route("/v1/models/{*id}", get(model_card))
+            .route("/tokenize", post(tokenize::tokenize))
+            .route("/detokenize", post(tokenize::detokenize))
             .route("/health", get(health))
             .route("/metrics", get(metrics_text))
             .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
@@ -139,51 +153,123 @@ pub(crate) async fn validate_blocking<R: Send + 'static>(
 }
 
 /// Sends a validated request downstream and answers with JSON or SSE. `format`
-/// gets the request's public id.
+/// gets the request's public id and the request.
 pub(crate) async fn run<F: Format>(
     app: Arc<AppState>,
     tagged: Tagged,
     tracker: Tracker,
     valid: Result<ValidRequest, ApiError>,
-    format: impl FnOnce(&str) -> F,
+    format: impl FnOnce(&str, &ValidRequest) -> F,
 ) -> Response {
-    let ValidRequest { prompt, params, stream, include_usage } = match valid {
+    let v = match valid {
         Ok(v) => v,
         Err(e) => return reject(tracker, e),
     };
-    let prompt_tokens = prompt.len();
-    let req =
-        GenerateRequest { id: request_id::internal_id(), tag: tagged.tag.clone(), prompt, params: params.clone() };
-    let tokens = match tagged.span.in_scope(|| app.generate.generate(req)) {
-        Ok(t) => t,
-        Err(e) => return reject(tracker, e.into()),
+    let format = format(tagged.tag.as_str(), &v);
+    let choices = match dispatch(&app, &tagged, tracker, &v).await {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
     };
-    let generation = Generation::new(tokens, app.validator.tokenizer.clone(), &params, prompt_tokens, tracker);
-    let format = format(tagged.tag.as_str());
-    let answer = match stream {
-        true => sse::streamed(generation, format, include_usage).await,
-        false => sse::whole(generation, format).await,
+    let answer = match v.stream {
+        true => sse::streamed(choices, format, v.include_usage).await,
+        false => sse::whole(choices, format).await,
     };
     answer.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// Refused before generation started: counted as `rejected`.
-fn reject(mut tracker: Tracker, e: ApiError) -> Response {
+/// Starts every choice of a request: the first choice of each prompt at once, the
+/// others once that first choice produced its first token, so its prompt is in a
+/// prefix cache and they reuse its KV instead of computing it again. Choice `k` of a
+/// seeded request uses seed + `k`, so the choices differ.
+async fn dispatch(
+    app: &AppState,
+    tagged: &Tagged,
+    tracker: Tracker,
+    v: &ValidRequest,
+) -> Result<Vec<Choice>, ApiError> {
+    let mut tracker = Some(tracker);
+    let mut choices = Vec::with_capacity(v.prompts.len() * v.n);
+    for p in 0..v.prompts.len() {
+        match start(app, tagged, v, (p, 0), &mut tracker) {
+            Ok(c) => choices.push(c),
+            Err(e) => return Err(tracker.take().map_or(e.clone(), |t| reject_quietly(t, e))),
+        }
+    }
+    if v.n > 1 {
+        for c in &mut choices {
+            c.generation.prime().await?;
+        }
+        for p in 0..v.prompts.len() {
+            for k in 1..v.n {
+                choices.push(start(app, tagged, v, (p, k), &mut None)?);
+            }
+        }
+    }
+    Ok(choices)
+}
+
+/// Sends choice `k` of prompt `p` downstream; it takes the tracker (if any) once it
+/// is under way, and leaves it to count a refusal.
+fn start(
+    app: &AppState,
+    tagged: &Tagged,
+    v: &ValidRequest,
+    (p, k): (usize, usize),
+    tracker: &mut Option<Tracker>,
+) -> Result<Choice, ApiError> {
+    let prompt = v.prompts[p].ids.clone();
+    let prompt_tokens = prompt.len();
+    let mut params = v.params.clone();
+    params.seed = params.seed.map(|s| s.wrapping_add(k as u64));
+    let req =
+        GenerateRequest { id: request_id::internal_id(), tag: tagged.tag.clone(), prompt, params: params.clone() };
+    let tokens = tagged.span.in_scope(|| app.generate.generate(req))?;
+    let mut generation =
+        Generation::new(tokens, app.validator.tokenizer.clone(), &params, prompt_tokens, tracker.take());
+    if v.prompt_only {
+        generation = generation.silent();
+    }
+    Ok(Choice { index: (p * v.n + k) as u32, prompt: p, generation })
+}
+
+/// Counts a refusal and hands the error back.
+fn reject_quietly(mut tracker: Tracker, e: ApiError) -> ApiError {
     tracker.error(e.kind());
     tracker.finish(Outcome::Rejected);
-    e.into_response()
+    e
+}
+
+/// Refused before generation started: counted as `rejected`.
+fn reject(tracker: Tracker, e: ApiError) -> Response {
+    reject_quietly(tracker, e).into_response()
+}
+
+impl AppState {
+    fn card(&self, id: &str) -> openai::ModelCard {
+        openai::ModelCard {
+            id: id.to_string(),
+            object: "model",
+            created: self.created,
+            owned_by: "pdserve",
+            max_model_len: self.validator.context_length,
+        }
+    }
 }
 
 async fn models(State(app): State<Arc<AppState>>) -> Json<openai::ModelList> {
-    let v = &app.validator;
-    let card = openai::ModelCard {
-        id: v.model_id.clone(),
-        object: "model",
-        created: app.created,
-        owned_by: "pdserve",
-        max_model_len: v.context_length,
-    };
-    Json(openai::ModelList { object: "list", data: vec![card] })
+    let data = app.validator.model_ids.iter().map(|id| app.card(id)).collect();
+    Json(openai::ModelList { object: "list", data })
+}
+
+/// `GET /v1/models/{id}`: one served name's card, or 404.
+async fn model_card(
+    State(app): State<Arc<AppState>>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<openai::ModelCard>, ApiError> {
+    match app.validator.model_ids.contains(&id) {
+        true => Ok(Json(app.card(&id))),
+        false => Err(ApiError::ModelNotFound(id)),
+    }
 }
 
 async fn health(State(app): State<Arc<AppState>>) -> Response {

@@ -30,6 +30,8 @@ pub struct CommonParams {
     pub ignore_eos: Option<bool>,
     pub min_tokens: Option<i64>,
     pub n: Option<i64>,
+    /// vLLM's extension: score the prompt's tokens, with this many alternatives.
+    pub prompt_logprobs: Option<i64>,
 }
 
 /// `POST /v1/completions`.
@@ -56,7 +58,7 @@ pub struct ChatRequest {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged, expecting = "a string, an array with one string, or an array of token ids")]
+#[serde(untagged, expecting = "a string, an array of strings, an array of token ids, or an array of token-id arrays")]
 pub enum Prompt {
     Text(String),
     Texts(Vec<String>),
@@ -141,14 +143,18 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's extension, when asked for: the prompt's scores (first entry null).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Vec<Option<serde_json::Value>>>,
 }
 
-/// The legacy completions logprobs: parallel arrays, one entry per token.
+/// The legacy completions logprobs: parallel arrays, one entry per token. An echoed
+/// prompt's first token has no logprob (null).
 #[derive(Debug, Default, Serialize)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<TopLogprobs>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<TopLogprobs>>,
     pub text_offset: Vec<usize>,
 }
 
@@ -193,6 +199,9 @@ pub struct ChatChoice {
     pub delta: Option<ChatDelta>,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's extension, when asked for: the prompt's scores (first entry null).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Vec<Option<serde_json::Value>>>,
 }
 
 #[derive(Debug, Serialize)]

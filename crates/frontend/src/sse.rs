@@ -1,16 +1,18 @@
-//! Server-sent events out: `data: {json}\n\n` per chunk, an optional usage chunk,
-//! then `data: [DONE]\n\n`.
+//! Answers: one JSON body, or server-sent events — `data: {json}\n\n` per chunk, an
+//! optional usage chunk, then `data: [DONE]\n\n` — over all the choices of a request
+//! (several prompts, `n` choices each), interleaved as their tokens come.
 //!
-//! The response body owns the [`Generation`], which owns the token stream: when the
-//! client disconnects, hyper drops the body and with it the stream, and the request
-//! is cancelled on every hop behind us.
+//! The response body owns the [`Generation`]s, which own the token streams: when the
+//! client disconnects, hyper drops the body and with it the streams, and every choice
+//! is cancelled on every hop behind us. A stream that fails midway ends with an error
+//! event and `[DONE]`, never a bare end of stream.
 
 use crate::errors::ApiError;
 use crate::generation::{Generation, Output};
 use axum::body::{Body, Bytes};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::response::{IntoResponse, Response};
-use futures_util::stream;
+use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use pdserve_protocol::{FinishReason, Usage};
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -18,16 +20,25 @@ use std::convert::Infallible;
 
 /// How one endpoint (completions or chat) writes its chunks and whole responses.
 pub trait Format: Send + 'static {
-    /// A chunk sent before the first generated text (chat's assistant role).
-    fn preamble(&self) -> Option<String> {
+    /// A chunk sent before choice `index`'s first text (chat's assistant role).
+    fn preamble(&self, _index: u32) -> Option<String> {
         None
     }
-    /// One streamed chunk carrying `step`.
-    fn chunk(&self, step: &Output) -> String;
+    /// One streamed chunk carrying `step` of choice `index`.
+    fn chunk(&mut self, index: u32, step: &Output) -> String;
     /// The last chunk when the client asked for usage: no choices, only usage.
     fn usage_chunk(&self, usage: Usage) -> String;
-    /// The whole, non-streamed response.
-    fn response(&self, all: &Output, usage: Usage) -> String;
+    /// The whole, non-streamed response; `choices` in index order.
+    fn response(&mut self, choices: &[(u32, Output)], usage: Usage) -> String;
+}
+
+/// One choice of a request.
+pub struct Choice {
+    /// Its place in the response's `choices`.
+    pub index: u32,
+    /// Which of the request's prompts it answers.
+    pub prompt: usize,
+    pub generation: Generation,
 }
 
 /// JSON text of a response object. Our response types always serialize, so the
@@ -44,28 +55,110 @@ pub fn finish_reason(reason: Option<FinishReason>) -> Option<&'static str> {
     })
 }
 
-/// Waits for everything, then answers with one JSON body.
-pub async fn whole<F: Format>(mut generation: Generation, format: F) -> Result<Response, ApiError> {
-    let all = generation.collect().await?;
-    let body = format.response(&all, generation.usage());
+/// A request's usage: each prompt counted once (with the best cache hit among its
+/// choices), every choice's completion tokens.
+fn total(parts: &[(usize, Usage)]) -> Usage {
+    let mut by_prompt: Vec<(usize, Usage)> = Vec::new();
+    let mut sum = Usage::default();
+    for &(prompt, u) in parts {
+        sum.completion_tokens += u.completion_tokens;
+        match by_prompt.iter_mut().find(|(p, _)| *p == prompt) {
+            Some((_, seen)) => seen.cached_tokens = seen.cached_tokens.max(u.cached_tokens),
+            None => by_prompt.push((prompt, u)),
+        }
+    }
+    for (_, u) in by_prompt {
+        sum.prompt_tokens += u.prompt_tokens;
+        sum.cached_tokens += u.cached_tokens;
+    }
+    sum
+}
+
+/// Waits for every choice, then answers with one JSON body.
+pub async fn whole<F: Format>(choices: Vec<Choice>, mut format: F) -> Result<Response, ApiError> {
+    let done = futures_util::future::join_all(choices.into_iter().map(|mut c| async move {
+        let out = c.generation.collect().await;
+        (c, out)
+    }))
+    .await;
+    let mut outs = Vec::with_capacity(done.len());
+    let mut usages = Vec::with_capacity(done.len());
+    let mut failure = None;
+    for (c, out) in &done {
+        match out {
+            Ok(_) => usages.push((c.prompt, c.generation.usage())),
+            Err(e) => failure = failure.or(Some(e.clone())),
+        }
+    }
+    if let Some(e) = failure {
+        for (mut c, _) in done {
+            c.generation.failed(e.kind());
+        }
+        return Err(e);
+    }
+    for (c, out) in done {
+        if let Ok(o) = out {
+            outs.push((c.index, o));
+        }
+    }
+    outs.sort_by_key(|(i, _)| *i);
+    let body = format.response(&outs, total(&usages));
     Ok(([(CONTENT_TYPE, "application/json")], body).into_response())
 }
 
-/// Streams the answer. The first step is awaited before the status line goes out,
-/// so a request that fails at once still gets its proper HTTP error.
+/// Streams every choice's steps as they come. The choices' first steps are awaited
+/// before the status line goes out, so a request that fails at once still gets its
+/// proper HTTP error.
 pub async fn streamed<F: Format>(
-    mut generation: Generation,
+    mut choices: Vec<Choice>,
     format: F,
     include_usage: bool,
 ) -> Result<Response, ApiError> {
-    let first = generation.next().await?;
-    let mut state = SseState { generation, format, include_usage, queue: VecDeque::new(), done: false };
-    if let Some(p) = state.format.preamble() {
-        state.queue.push_back(frame(&p));
+    for c in &mut choices {
+        if let Err(e) = c.generation.prime().await {
+            for c in &mut choices {
+                c.generation.failed(e.kind());
+            }
+            return Err(e);
+        }
     }
-    state.on_step(first);
+    let mut state = SseState {
+        steps: SelectAll::new(),
+        format,
+        include_usage,
+        queue: VecDeque::new(),
+        usages: Vec::new(),
+        open: choices.len(),
+        done: false,
+    };
+    for c in choices {
+        if let Some(p) = state.format.preamble(c.index) {
+            state.queue.push_back(frame(&p));
+        }
+        state.steps.push(steps_of(c));
+    }
     let body = Body::from_stream(stream::unfold(state, SseState::next_frame));
     Ok(([(CONTENT_TYPE, "text/event-stream"), (CACHE_CONTROL, "no-cache")], body).into_response())
+}
+
+/// What one choice's stream yields: a step, its end (with its usage), or a failure.
+enum Step {
+    Out(u32, Output),
+    End(usize, Usage),
+    Failed(ApiError),
+}
+
+fn steps_of(c: Choice) -> BoxStream<'static, Step> {
+    let Choice { index, prompt, generation } = c;
+    stream::unfold(Some(generation), move |g| async move {
+        let mut g = g?;
+        match g.next().await {
+            Ok(Some(out)) => Some((Step::Out(index, out), Some(g))),
+            Ok(None) => Some((Step::End(prompt, g.usage()), None)),
+            Err(e) => Some((Step::Failed(e), None)),
+        }
+    })
+    .boxed()
 }
 
 fn frame(json: &str) -> Bytes {
@@ -73,11 +166,14 @@ fn frame(json: &str) -> Bytes {
 }
 
 struct SseState<F> {
-    generation: Generation,
+    steps: SelectAll<BoxStream<'static, Step>>,
     format: F,
     include_usage: bool,
     /// Frames ready to send.
     queue: VecDeque<Bytes>,
+    usages: Vec<(usize, Usage)>,
+    /// Choices not finished yet.
+    open: usize,
     done: bool,
 }
 
@@ -90,24 +186,27 @@ impl<F: Format> SseState<F> {
             if self.done {
                 return None;
             }
-            match self.generation.next().await {
-                Ok(step) => self.on_step(step),
-                Err(e) => {
-                    // The status line is gone; report the error in-band, as vLLM does.
+            match self.steps.next().await {
+                Some(Step::Out(index, out)) => {
+                    if !out.is_empty() {
+                        let chunk = self.format.chunk(index, &out);
+                        self.queue.push_back(frame(&chunk));
+                    }
+                }
+                Some(Step::End(prompt, usage)) => {
+                    self.usages.push((prompt, usage));
+                    self.open -= 1;
+                    if self.open == 0 {
+                        self.end(true);
+                    }
+                }
+                // The status line is gone; report the error in-band, as vLLM does.
+                Some(Step::Failed(e)) => {
                     self.queue.push_back(frame(&to_json(&e.body())));
                     self.end(false);
                 }
+                None => self.end(true),
             }
-        }
-    }
-
-    fn on_step(&mut self, step: Option<Output>) {
-        let Some(step) = step else { return self.end(true) };
-        if !step.is_empty() {
-            self.queue.push_back(frame(&self.format.chunk(&step)));
-        }
-        if step.finish.is_some() {
-            self.end(true);
         }
     }
 
@@ -116,9 +215,23 @@ impl<F: Format> SseState<F> {
             return;
         }
         if ok && self.include_usage {
-            self.queue.push_back(frame(&self.format.usage_chunk(self.generation.usage())));
+            self.queue.push_back(frame(&self.format.usage_chunk(total(&self.usages))));
         }
         self.queue.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
         self.done = true;
+        // Whatever still runs is cancelled.
+        self.steps = SelectAll::new();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_counts_each_prompt_once_and_every_completion() {
+        let u = |p, c, k| Usage { prompt_tokens: p, completion_tokens: c, cached_tokens: k };
+        let t = total(&[(0, u(10, 3, 0)), (0, u(10, 4, 8)), (1, u(5, 2, 0))]);
+        assert_eq!((t.prompt_tokens, t.completion_tokens, t.cached_tokens), (15, 9, 8));
     }
 }

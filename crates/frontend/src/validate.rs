@@ -11,6 +11,12 @@
 //!   text stays text); rendered chat prompts parse them. BOS is added only when the
 //!   tokenizer asks for it, and never twice.
 //! - Token-id prompts are used as given.
+//! - `n` choices per prompt and several prompts per completion request, at most
+//!   [`MAX_CHOICES`] choices in all.
+//! - `echo` (completions) returns the prompt before the completion; with `logprobs`,
+//!   the prompt's tokens are scored too (first token: null), as OpenAI's legacy API
+//!   does, and `max_tokens: 0` then means the prompt alone. vLLM's `prompt_logprobs`
+//!   asks for the scores in its own field.
 
 use crate::errors::ApiError;
 use crate::openai::{ChatRequest, CommonParams, CompletionRequest, Content, Message, Prompt, Stop};
@@ -26,15 +32,36 @@ pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
 pub const DEFAULT_CHAT_MAX_TOKENS: usize = 4096;
 /// Most alternatives per token (OpenAI allows 20).
 const MAX_TOP_LOGPROBS: i64 = 20;
+/// Most choices one request may ask for: prompts × `n`.
+pub const MAX_CHOICES: usize = 128;
 
 /// A request that passed every check, ready for [`pdserve_protocol::Generate`].
 #[derive(Debug, Clone)]
 pub struct ValidRequest {
-    pub prompt: Vec<TokenId>,
+    /// The name the request used for the model (one of the served names).
+    pub model: String,
+    /// One per prompt; completions may send several.
+    pub prompts: Vec<ValidPrompt>,
+    /// Choices per prompt.
+    pub n: usize,
     pub params: SamplingParams,
     pub stream: bool,
     /// Streamed responses end with a usage chunk.
     pub include_usage: bool,
+    /// Completions: each choice's text starts with its prompt (and its logprobs with
+    /// the prompt's scores).
+    pub echo: bool,
+    /// `max_tokens: 0` with `echo`: the prompt alone; the token generated is dropped.
+    pub prompt_only: bool,
+    /// vLLM's `prompt_logprobs`: the prompt's scores in a field of their own.
+    pub prompt_logprobs: bool,
+}
+
+/// One prompt: its tokens, and its text when it came as text.
+#[derive(Debug, Clone)]
+pub struct ValidPrompt {
+    pub ids: Vec<TokenId>,
+    pub text: Option<String>,
 }
 
 /// What validation needs to know about the served model.
@@ -42,29 +69,39 @@ pub struct ValidRequest {
 pub struct Validator {
     pub tokenizer: Arc<Tokenizer>,
     pub chat: Arc<ChatTemplate>,
-    pub model_id: String,
+    /// The names the model answers to (`--served-model-name`), the first one canonical.
+    pub model_ids: Vec<String>,
     pub context_length: usize,
 }
 
 impl Validator {
     pub fn completion(&self, req: CompletionRequest) -> Result<ValidRequest, ApiError> {
-        self.check_common(&req.common)?;
-        if req.echo == Some(true) {
-            return Err(ApiError::invalid("echo", "echo is not supported"));
-        }
+        let model = self.check_common(&req.common)?;
+        let echo = req.echo == Some(true);
         let top = match req.logprobs {
             None => None,
             Some(k) if (0..=MAX_TOP_LOGPROBS).contains(&k) => Some(k as u32),
             Some(_) => return Err(ApiError::invalid("logprobs", "logprobs must be between 0 and 20")),
         };
-        let prompt = self.prompt_ids(req.prompt)?;
+        let prompts = self.prompts(req.prompt)?;
         let explicit = count("max_tokens", req.common.max_tokens)?;
-        let max_tokens = self.fit(prompt.len(), explicit, DEFAULT_COMPLETION_MAX_TOKENS)?;
-        self.finish(prompt, max_tokens, top, &req.common)
+        let prompt_only = explicit == Some(0);
+        if prompt_only && !echo {
+            return Err(ApiError::invalid("max_tokens", "max_tokens must be at least 1 (0 only with echo)"));
+        }
+        // The one token a prompt-only request generates is dropped.
+        let explicit = if prompt_only { Some(1) } else { explicit };
+        let longest = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
+        let max_tokens = self.fit(longest, explicit, DEFAULT_COMPLETION_MAX_TOKENS)?;
+        // Echo with logprobs scores the prompt, as OpenAI's legacy API does.
+        let scored = if echo { top } else { None };
+        let mut v = self.finish(model, prompts, max_tokens, top, scored, &req.common)?;
+        (v.echo, v.prompt_only) = (echo, prompt_only);
+        Ok(v)
     }
 
     pub fn chat(&self, req: ChatRequest) -> Result<ValidRequest, ApiError> {
-        self.check_common(&req.common)?;
+        let model = self.check_common(&req.common)?;
         let top = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
             (_, Some(k)) if !(0..=MAX_TOP_LOGPROBS).contains(&k) => {
                 return Err(ApiError::invalid("top_logprobs", "top_logprobs must be between 0 and 20"))
@@ -78,20 +115,38 @@ impl Validator {
             Some(_) => count("max_completion_tokens", req.max_completion_tokens)?,
             None => count("max_tokens", req.common.max_tokens)?,
         };
+        if explicit == Some(0) {
+            return Err(ApiError::invalid("max_tokens", "max_tokens must be at least 1"));
+        }
         let default = self.context_length.saturating_sub(prompt.len()).min(DEFAULT_CHAT_MAX_TOKENS);
         let max_tokens = self.fit(prompt.len(), explicit, default)?;
-        self.finish(prompt, max_tokens, top, &req.common)
+        let prompts = vec![ValidPrompt { ids: prompt, text: None }];
+        self.finish(model, prompts, max_tokens, top, None, &req.common)
     }
 
-    /// Checks that do not need the prompt: model, `n`.
-    fn check_common(&self, c: &CommonParams) -> Result<(), ApiError> {
-        if let Some(model) = c.model.as_deref().filter(|m| *m != self.model_id) {
-            return Err(ApiError::ModelNotFound(model.to_string()));
+    /// The model's name as the request gave it (or the canonical one), if served.
+    pub(crate) fn check_common(&self, c: &CommonParams) -> Result<String, ApiError> {
+        match c.model.as_deref() {
+            None => Ok(self.model_ids.first().cloned().unwrap_or_default()),
+            Some(m) if self.model_ids.iter().any(|id| id == m) => Ok(m.to_string()),
+            Some(m) => Err(ApiError::ModelNotFound(m.to_string())),
         }
-        match c.n {
-            None | Some(1) => Ok(()),
-            Some(_) => Err(ApiError::invalid("n", "only n = 1 is supported")),
+    }
+
+    /// `n`: 1 to [`MAX_CHOICES`] over all prompts.
+    fn choices(&self, n: Option<i64>, prompts: usize) -> Result<usize, ApiError> {
+        let n = match n {
+            None => 1,
+            Some(k) => usize::try_from(k)
+                .ok()
+                .filter(|&k| k >= 1)
+                .ok_or_else(|| ApiError::invalid("n", "n must be at least 1"))?,
+        };
+        if n.saturating_mul(prompts) > MAX_CHOICES {
+            let msg = format!("at most {MAX_CHOICES} choices per request (prompts × n), asked for {}", n * prompts);
+            return Err(ApiError::invalid("n", msg));
         }
+        Ok(n)
     }
 
     /// `max_tokens`, the default shrunk to fit the context, or a context error.
@@ -108,11 +163,19 @@ impl Validator {
 
     fn finish(
         &self,
-        prompt: Vec<TokenId>,
+        model: String,
+        prompts: Vec<ValidPrompt>,
         max_tokens: usize,
         top_logprobs: Option<u32>,
+        scored: Option<u32>,
         c: &CommonParams,
     ) -> Result<ValidRequest, ApiError> {
+        let n = self.choices(c.n, prompts.len())?;
+        let asked = match c.prompt_logprobs {
+            None => None,
+            Some(k) if (0..=MAX_TOP_LOGPROBS).contains(&k) => Some(k as u32),
+            Some(_) => return Err(ApiError::invalid("prompt_logprobs", "prompt_logprobs must be between 0 and 20")),
+        };
         let params = SamplingParams {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             min_tokens: count("min_tokens", c.min_tokens)?.map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
@@ -128,32 +191,48 @@ impl Validator {
             ignore_eos: c.ignore_eos.unwrap_or(false),
             logprobs: top_logprobs.is_some(),
             top_logprobs: top_logprobs.unwrap_or(0),
+            prompt_logprobs: scored.max(asked),
             stop: StopCondition { strings: stop_strings(&c.stop), token_ids: self.stop_ids(&c.stop_token_ids)? },
         }
         .validate()?;
         let stream = c.stream.unwrap_or(false);
         let include_usage = stream && c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
-        Ok(ValidRequest { prompt, params, stream, include_usage })
+        Ok(ValidRequest {
+            model,
+            prompts,
+            n,
+            params,
+            stream,
+            include_usage,
+            echo: false,
+            prompt_only: false,
+            prompt_logprobs: asked.is_some(),
+        })
     }
 
-    fn prompt_ids(&self, prompt: Prompt) -> Result<Vec<TokenId>, ApiError> {
-        let single = |n: usize| match n {
-            1 => Ok(()),
-            0 => Err(ApiError::invalid("prompt", "prompt must not be empty")),
-            _ => Err(ApiError::invalid("prompt", "batched prompts are not supported: send one prompt per request")),
+    /// The prompts of a completion request: one, or a batch of texts or of token-id
+    /// lists.
+    fn prompts(&self, prompt: Prompt) -> Result<Vec<ValidPrompt>, ApiError> {
+        let prompts: Vec<ValidPrompt> = match prompt {
+            Prompt::Text(text) => vec![self.text_prompt(text)?],
+            Prompt::Texts(texts) => texts.into_iter().map(|t| self.text_prompt(t)).collect::<Result<_, _>>()?,
+            Prompt::Ids(ids) => vec![ValidPrompt { ids: self.checked_ids("prompt", &ids)?, text: None }],
+            Prompt::IdBatch(batch) => batch
+                .iter()
+                .map(|ids| Ok(ValidPrompt { ids: self.checked_ids("prompt", ids)?, text: None }))
+                .collect::<Result<_, ApiError>>()?,
         };
-        match prompt {
-            Prompt::Text(text) => self.text_ids(&text),
-            Prompt::Texts(mut texts) => {
-                single(texts.len())?;
-                self.text_ids(&texts.swap_remove(0))
-            }
-            Prompt::Ids(ids) => self.checked_ids("prompt", &ids),
-            Prompt::IdBatch(mut batch) => {
-                single(batch.len())?;
-                self.checked_ids("prompt", &batch.swap_remove(0))
-            }
+        if prompts.is_empty() {
+            return Err(ApiError::invalid("prompt", "prompt must not be empty"));
         }
+        if prompts.len() > MAX_CHOICES {
+            return Err(ApiError::invalid("prompt", format!("at most {MAX_CHOICES} prompts per request")));
+        }
+        Ok(prompts)
+    }
+
+    fn text_prompt(&self, text: String) -> Result<ValidPrompt, ApiError> {
+        Ok(ValidPrompt { ids: self.text_ids(&text)?, text: Some(text) })
     }
 
     fn text_ids(&self, text: &str) -> Result<Vec<TokenId>, ApiError> {
@@ -163,7 +242,7 @@ impl Validator {
         Ok(self.tokenizer.encode_with_bos(text, false))
     }
 
-    fn checked_ids(&self, param: &'static str, ids: &[i64]) -> Result<Vec<TokenId>, ApiError> {
+    pub(crate) fn checked_ids(&self, param: &'static str, ids: &[i64]) -> Result<Vec<TokenId>, ApiError> {
         if ids.is_empty() && param == "prompt" {
             return Err(ApiError::invalid(param, "prompt must not be empty"));
         }
@@ -182,7 +261,7 @@ impl Validator {
         ids.as_deref().map_or(Ok(Vec::new()), |ids| self.checked_ids("stop_token_ids", ids))
     }
 
-    fn chat_ids(&self, messages: &[Message]) -> Result<Vec<TokenId>, ApiError> {
+    pub(crate) fn chat_ids(&self, messages: &[Message]) -> Result<Vec<TokenId>, ApiError> {
         if messages.is_empty() {
             return Err(ApiError::invalid("messages", "messages must not be empty"));
         }

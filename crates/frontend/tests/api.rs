@@ -296,7 +296,7 @@ async fn health_follows_readiness() {
 async fn metrics_are_prometheus_text() {
     let s = Server::start(reply(ANSWER)).await;
     s.post_json("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 50})).await;
-    s.post_json("/v1/completions", &json!({"prompt": "Hello", "n": 3})).await;
+    s.post_json("/v1/completions", &json!({"prompt": "Hello", "n": 0})).await;
     s.metrics.set_kv_blocks("decode-0", 10, 5, 1);
     s.metrics.set_role("decode-0", pdserve_types::Role::Decode);
     let r = s.get("/metrics").await;
@@ -442,4 +442,90 @@ async fn graceful_shutdown_keeps_streams_in_flight() {
     let done = tokio::time::timeout(Duration::from_secs(10), server).await.expect("serve returns once idle");
     done.unwrap().unwrap();
     assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "no longer listening");
+}
+
+#[tokio::test]
+async fn n_choices_and_batched_prompts() {
+    let s = Server::start(reply(ANSWER)).await;
+    let body = json!({"prompt": ["Hello", "Bonjour"], "n": 3, "max_tokens": 50, "seed": 7});
+    let v = s.post_json("/v1/completions", &body).await.json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], ANSWER);
+    }
+    let reqs = s.requests();
+    assert_eq!(reqs.len(), 6);
+    // Every choice of a seeded request has its own seed.
+    let mut seeds: Vec<_> = reqs.iter().map(|r| r.params.seed).collect();
+    seeds.sort();
+    seeds.dedup();
+    assert_eq!(seeds.len(), 3, "{seeds:?}");
+    // Prompt tokens count each prompt once; completion tokens every choice.
+    let prompts: usize = ["Hello", "Bonjour"].iter().map(|p| model().tokenizer.encode_with_bos(p, false).len()).sum();
+    assert_eq!(v["usage"]["prompt_tokens"], prompts);
+    assert_eq!(v["usage"]["completion_tokens"], 6 * reply_tokens(ANSWER));
+    // Streamed: every choice ends, then one usage chunk, then [DONE].
+    let mut body = body;
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let chunks = s.post_json("/v1/completions", &body).await.chunks();
+    let mut text = vec![String::new(); 6];
+    for c in &chunks {
+        for ch in c["choices"].as_array().unwrap() {
+            text[ch["index"].as_u64().unwrap() as usize] += ch["text"].as_str().unwrap();
+        }
+    }
+    assert!(text.iter().all(|t| t == ANSWER), "{text:?}");
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 6 * reply_tokens(ANSWER));
+}
+
+#[tokio::test]
+async fn echo_with_logprobs_scores_the_prompt() {
+    let s = Server::start(reply(ANSWER)).await;
+    let body = json!({"prompt": "The capital of France", "max_tokens": 0, "echo": true, "logprobs": 1});
+    let v = s.post_json("/v1/completions", &body).await.json();
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], "The capital of France");
+    assert_eq!(c["finish_reason"], "length");
+    let ids = model().tokenizer.encode_with_bos("The capital of France", false);
+    let lp = &c["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), ids.len());
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+    assert_eq!(lp["token_logprobs"][1], -1.5);
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    assert_eq!(s.last_request().params.prompt_logprobs, Some(1));
+    // Echo and a completion: the prompt comes first, then the generated text.
+    let v = s.post_json("/v1/completions", &json!({"prompt": "Hi", "echo": true, "max_tokens": 50})).await.json();
+    assert_eq!(v["choices"][0]["text"], format!("Hi{ANSWER}"));
+    // vLLM's prompt_logprobs field.
+    let v = s.post_json("/v1/completions", &json!({"prompt": "Hi there", "prompt_logprobs": 1})).await.json();
+    let pl = v["choices"][0]["prompt_logprobs"].as_array().unwrap().clone();
+    assert!(pl[0].is_null() && pl[1].is_object(), "{pl:?}");
+}
+
+#[tokio::test]
+async fn served_names_models_by_id_and_tokenize() {
+    let names = vec!["smol".to_string(), "alias".to_string()];
+    let s = Server::start_named(reply(ANSWER), names).await;
+    let v = s.get("/v1/models").await.json();
+    let ids: Vec<_> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids, ["smol", "alias"]);
+    assert_eq!(s.get("/v1/models/alias").await.json()["id"], "alias");
+    s.get("/v1/models/other").await.error(404);
+    let v = s.post_json("/v1/completions", &json!({"model": "alias", "prompt": "x", "max_tokens": 50})).await.json();
+    assert_eq!(v["model"], "alias");
+    s.post_json("/v1/completions", &json!({"model": model().name, "prompt": "x"})).await.error(404);
+    let t = s.post_json("/tokenize", &json!({"prompt": "Hello world"})).await.json();
+    let ids = model().tokenizer.encode_with_bos("Hello world", false);
+    assert_eq!(t["tokens"], json!(ids));
+    assert_eq!(t["count"], ids.len());
+    assert_eq!(t["max_model_len"], common::CONTEXT);
+    let d = s.post_json("/detokenize", &json!({"tokens": model().tokenizer.encode("Hello world", false)})).await.json();
+    assert_eq!(d["prompt"], "Hello world");
+    let chat = s.post_json("/tokenize", &json!({"messages": [{"role": "user", "content": "Hi"}]})).await.json();
+    assert!(chat["count"].as_u64().unwrap() > 3);
+    s.post_json("/detokenize", &json!({"tokens": [-1]})).await.error(400);
+    s.post_json("/tokenize", &json!({})).await.error(400);
 }

@@ -43,11 +43,13 @@ async fn bad_completion_bodies_are_400() {
             Some("min_tokens"),
         ),
         ("empty stop string", json!({"prompt": "x", "stop": ""}).to_string(), Some("stop")),
-        ("n = 2", json!({"prompt": "x", "n": 2}).to_string(), Some("n")),
-        ("echo", json!({"prompt": "x", "echo": true}).to_string(), Some("echo")),
+        ("n = 0", json!({"prompt": "x", "n": 0}).to_string(), Some("n")),
+        ("too many choices", json!({"prompt": ["a", "b"], "n": 100}).to_string(), Some("n")),
+        ("prompt_logprobs 21", json!({"prompt": "x", "prompt_logprobs": 21}).to_string(), Some("prompt_logprobs")),
         ("empty prompt", json!({"prompt": ""}).to_string(), Some("prompt")),
         ("empty id prompt", json!({"prompt": []}).to_string(), Some("prompt")),
-        ("batched prompt", json!({"prompt": ["a", "b"]}).to_string(), Some("prompt")),
+        ("an empty prompt in a batch", json!({"prompt": ["a", ""]}).to_string(), Some("prompt")),
+        ("an empty batch", json!({"prompt": [[1], []]}).to_string(), Some("prompt")),
         ("token id >= vocab", json!({"prompt": [1, vocab]}).to_string(), Some("prompt")),
         ("negative token id", json!({"prompt": [-1]}).to_string(), Some("prompt")),
         (
@@ -93,7 +95,8 @@ async fn bad_chat_bodies_are_400() {
         json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
         json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 30}),
         json!({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}),
-        json!({"messages": [{"role": "user", "content": "x"}], "n": 2}),
+        json!({"messages": [{"role": "user", "content": "x"}], "n": 0}),
+        json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
         json!({"messages": [{"role": "user", "content": "word ".repeat(CONTEXT)}]}),
     ];
     for body in cases {

@@ -62,13 +62,25 @@ pub struct Usage {
     pub cached_tokens: usize,
 }
 
-/// What a request's stream carries, in order: tokens, then exactly one `Done` or
-/// `Failed`.
+/// What a request's stream carries, in order: the prompt's scores (only when asked
+/// for, before the first token), tokens, then exactly one `Done` or `Failed`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Event {
+    /// Each prompt token from the second on, scored given the tokens before it.
+    Prompt(Vec<TokenOut>),
     Token(TokenOut),
-    Done { reason: FinishReason, usage: Usage },
+    Done {
+        reason: FinishReason,
+        usage: Usage,
+    },
     Failed(ServeError),
+}
+
+impl Event {
+    /// Whether this event ends the stream.
+    pub fn is_last(&self) -> bool {
+        matches!(self, Event::Done { .. } | Event::Failed(_))
+    }
 }
 
 /// The receiving end of a request. Drop it to cancel.

@@ -100,6 +100,9 @@ pub struct Prefilled {
     pub transfer_seconds: f64,
     /// Payload bytes sent to the decode worker.
     pub kv_bytes: u64,
+    /// The prompt's scores, when the request asked for them.
+    #[serde(default)]
+    pub prompt_logprobs: Option<Vec<TokenOut>>,
 }
 
 /// A transferred sequence, ready to decode.

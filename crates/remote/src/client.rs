@@ -313,7 +313,7 @@ impl Conn {
     }
 
     fn deliver_event(&self, call: CallId, event: Event) {
-        let last = !matches!(event, Event::Token(_));
+        let last = event.is_last();
         let delivered = match self.lock().get(&call) {
             Some(Pending::Stream(events)) => events.send(event).is_ok(),
             _ => return,

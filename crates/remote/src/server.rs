@@ -225,8 +225,9 @@ impl Session {
                 Event::Token(_) => tokens += 1,
                 Event::Done { .. } => tracing::debug!(tokens, "finished"),
                 Event::Failed(e) => tracing::warn!(tokens, kind = e.kind(), error = %e, "failed"),
+                Event::Prompt(_) => {}
             }
-            let last = !matches!(event, Event::Token(_));
+            let last = event.is_last();
             if self.out.send(FromWorker::Event { call, event }).await.is_err() || last {
                 if !last {
                     tracing::debug!(tokens, "cancelled by the router");

@@ -270,6 +270,9 @@ fn decode_ready(
     telemetry: Arc<dyn Telemetry>,
 ) -> Outcome {
     let id = req.id;
+    if let Some(scores) = first.prompt_logprobs.clone() {
+        let _ = client.send(Event::Prompt(scores));
+    }
     if client.send(Event::Token(first.token.clone())).is_err() {
         d.worker.release(id);
         return Outcome::Cancelled;

@@ -19,10 +19,12 @@ pub fn relay(
                 _ = client.closed() => return,
             };
             let Some(ev) = ev else { return };
-            if let Some(f) = on_first.take() {
-                f(&ev);
+            if matches!(ev, Event::Token(_) | Event::Done { .. } | Event::Failed(_)) {
+                if let Some(f) = on_first.take() {
+                    f(&ev);
+                }
             }
-            let last = !matches!(ev, Event::Token(_));
+            let last = ev.is_last();
             if client.send(ev).is_err() || last {
                 return;
             }

@@ -50,6 +50,11 @@ pub fn token_at(prompt: &[u32], position: usize) -> u32 {
     ((seed.wrapping_add(position as u64 * 7919)) % 40_000) as u32 + 1000
 }
 
+/// Made-up scores of a prompt's tokens from the second on.
+pub fn scores(prompt: &[u32]) -> Vec<TokenOut> {
+    prompt.iter().skip(1).map(|&token| TokenOut { token, logprob: -1.0, top: Vec::new() }).collect()
+}
+
 /// A model-free worker.
 #[derive(Clone)]
 pub struct FakeWorker {
@@ -226,6 +231,7 @@ impl Inner {
             prefill_seconds: delay.as_secs_f64(),
             transfer_seconds: 0.0,
             kv_bytes: u64::from(blocks * LAYERS) * 32,
+            prompt_logprobs: req.params.prompt_logprobs.map(|_| scores(&req.prompt)),
         })
     }
 
@@ -276,6 +282,9 @@ impl Worker for FakeWorker {
         self.inner.check_alive()?;
         let max = req.params.max_tokens as usize;
         let blocks = self.inner.take_blocks(req.prompt.len() + max)?;
+        if req.params.prompt_logprobs.is_some() {
+            let _ = events.send(Event::Prompt(scores(&req.prompt)));
+        }
         self.inner.clone().stream(req.prompt, 0, max, blocks, events, 0);
         Ok(())
     }

@@ -33,6 +33,11 @@ pub struct SamplingParams {
     pub top_logprobs: u32,
     /// Report the chosen token's logprob.
     pub logprobs: bool,
+    /// Also score the prompt: each prompt token's logprob given the tokens before it,
+    /// with this many top alternatives. Such a request computes its whole prompt (no
+    /// prefix-cache reuse), since cached positions have no logits.
+    #[serde(default)]
+    pub prompt_logprobs: Option<u32>,
     pub stop: StopCondition,
 }
 
@@ -61,6 +66,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             top_logprobs: 0,
             logprobs: false,
+            prompt_logprobs: None,
             stop: StopCondition::default(),
         }
     }
@@ -114,6 +120,9 @@ impl SamplingParams {
         }
         if self.top_logprobs > MAX_TOP_LOGPROBS {
             return err("top_logprobs", "must be at most 20");
+        }
+        if self.prompt_logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return err("prompt_logprobs", "must be at most 20");
         }
         if self.stop.strings.len() > MAX_STOP_STRINGS {
             return err("stop", "at most 16 stop strings");

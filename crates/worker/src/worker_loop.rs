@@ -171,6 +171,9 @@ impl Loop {
     fn route(&mut self, out: StepOutput) {
         let Some(live) = self.streams.get_mut(&out.id) else { return };
         live.generated += 1;
+        if let Some(scores) = out.prompt_logprobs.clone() {
+            let _ = live.events.send(Event::Prompt(scores));
+        }
         let sent = live.events.send(Event::Token(out.sampled.clone())).is_ok();
         if let Some(reason) = out.finish {
             let usage = Usage {
@@ -198,6 +201,7 @@ fn prefilled(o: StepOutput) -> Prefilled {
         prefill_seconds: 0.0,
         transfer_seconds: 0.0,
         kv_bytes: 0,
+        prompt_logprobs: o.prompt_logprobs,
     }
 }
 

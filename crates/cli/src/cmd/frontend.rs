@@ -44,6 +44,10 @@ pub struct Args {
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace_seconds: u64,
+    /// A name the model answers to in the API (repeat for aliases; the first is listed
+    /// first). Default: the model file's name.
+    #[arg(long = "served-model-name")]
+    served_model_names: Vec<String>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -78,8 +82,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        let model =
-            Served { tokenizer: meta.tokenizer, chat: meta.chat, name: meta.name, context_length: meta.context_length };
+        let model = Served {
+            tokenizer: meta.tokenizer,
+            chat: meta.chat,
+            name: meta.name,
+            served_names: a.served_model_names.clone(),
+            context_length: meta.context_length,
+        };
         let at = Listen {
             host: &a.host,
             port: a.port,

@@ -15,6 +15,8 @@ pub struct Served {
     pub tokenizer: Arc<Tokenizer>,
     pub chat: Arc<ChatTemplate>,
     pub name: String,
+    /// `--served-model-name`s; empty: `name`.
+    pub served_names: Vec<String>,
     pub context_length: usize,
 }
 
@@ -42,7 +44,8 @@ pub async fn serve(
         model.context_length,
         metrics.clone(),
     )
-    .with_mode(&at.mode);
+    .with_mode(&at.mode)
+    .with_served_names(model.served_names.clone());
     let listener = tokio::net::TcpListener::bind((at.host, at.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", at.host, at.port))?;

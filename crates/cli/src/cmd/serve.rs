@@ -54,6 +54,10 @@ pub struct Args {
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace_seconds: u64,
+    /// A name the model answers to in the API (repeat for aliases; the first is listed
+    /// first). Default: the model file's name.
+    #[arg(long = "served-model-name")]
+    served_model_names: Vec<String>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -98,6 +102,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             tokenizer: m.tokenizer.clone(),
             chat: m.chat.clone(),
             name: m.name.clone(),
+            served_names: a.served_model_names.clone(),
             context_length: m.model.cfg.context_length,
         };
         let at = Listen {

@@ -78,6 +78,9 @@ pub struct StepOutput {
     pub finish: Option<FinishReason>,
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
+    /// With a request's first token, when it asked: each prompt token from the second
+    /// on, scored given the tokens before it.
+    pub prompt_logprobs: Option<Vec<TokenOut>>,
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -6,9 +6,11 @@
 use super::sequence::Sequence;
 use super::{Engine, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
-use crate::model::SeqBatch;
+use crate::model::{Scoring, SeqBatch};
 use crate::threadpool::DisjointMut;
 use pdserve_kv::{block_hashes, BlockTable};
+use pdserve_types::TokenOut;
+use std::sync::Mutex;
 
 /// What a layer hook learns about each sequence in the step.
 pub(crate) struct LayerSeq {
@@ -44,16 +46,24 @@ impl Engine {
         }
         let ids: Vec<LayerSeq> =
             plan.iter().map(|p| LayerSeq { blocks: table_ids(&self.running[p.seq]), last_chunk: p.logits }).collect();
+        let scores: Vec<Mutex<Vec<TokenOut>>> = plan.iter().map(|_| Mutex::default()).collect();
         let batch: Vec<SeqBatch<'_>> = plan
             .iter()
             .zip(&ids)
-            .map(|(p, ls)| {
+            .zip(&scores)
+            .map(|((p, ls), out)| {
                 let s = &self.running[p.seq];
+                let score = s.score_targets(p.n).map(|targets| Scoring {
+                    targets,
+                    top: s.params.prompt_logprobs.unwrap_or(0) as usize,
+                    out,
+                });
                 SeqBatch {
                     tokens: &s.tokens[s.computed..s.computed + p.n],
                     start_pos: s.computed,
                     blocks: &ls.blocks,
                     logits: p.logits,
+                    score,
                 }
             })
             .collect();
@@ -64,7 +74,13 @@ impl Engine {
             .forward(self.isa, &self.pool, &batch, &mut self.kv, &mut scratch, &mut |l, kv| on_layer(l, kv, &ids));
         drop(batch);
         let out = match logits {
-            Some(logits) => self.finish_step(&plan, logits),
+            Some(logits) => {
+                for (p, got) in plan.iter().zip(scores) {
+                    let got = got.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    self.running[p.seq].prompt_scores.extend(got);
+                }
+                self.finish_step(&plan, logits)
+            }
             None => Vec::new(),
         };
         self.scratch = scratch;
@@ -137,9 +153,13 @@ impl Engine {
     }
 
     /// Starts the sequence's block table from the longest cached prefix, always
-    /// leaving at least one token to compute so the step yields logits.
+    /// leaving at least one token to compute so the step yields logits. A request
+    /// that scores its prompt computes all of it: cached positions have no logits.
     fn attach_prefix(&self, s: &mut Sequence) {
-        let usable = (s.tokens.len() - 1) / BLOCK_SIZE * BLOCK_SIZE;
+        let usable = match s.params.prompt_logprobs {
+            Some(_) => 0,
+            None => (s.tokens.len() - 1) / BLOCK_SIZE * BLOCK_SIZE,
+        };
         let hashes = block_hashes(&s.tokens[..usable], BLOCK_SIZE, self.cfg.cache_salt);
         let hits = self.blocks.match_prefix(&hashes);
         let table = BlockTable::with_prefix(&self.blocks, self.cfg.cache_salt, hits);
@@ -205,10 +225,19 @@ pub(crate) fn sample_next(s: &mut Sequence, row: &mut [f32], eog: &[u32], contex
         s.sampler.ban(stop_ids);
     }
     let sampled = s.sampler.sample(row, &s.history);
+    let first = s.generated() == 0;
     let tok = sampled.token;
     s.tokens.push(tok);
     s.history.push(tok);
     let finish = s.finish_reason(eog, context);
-    let output = StepOutput { id: s.id, sampled, finish, prompt_tokens: s.prompt_len, cached_tokens: s.cached_tokens };
+    let prompt_logprobs = (first && s.params.prompt_logprobs.is_some()).then(|| std::mem::take(&mut s.prompt_scores));
+    let output = StepOutput {
+        id: s.id,
+        sampled,
+        finish,
+        prompt_tokens: s.prompt_len,
+        cached_tokens: s.cached_tokens,
+        prompt_logprobs,
+    };
     (output, finish.is_some())
 }

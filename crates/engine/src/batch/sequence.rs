@@ -2,7 +2,7 @@
 
 use crate::sampler::{Sampler, TokenHistory};
 use pdserve_kv::BlockTable;
-use pdserve_types::{FinishReason, RequestId, SamplingParams};
+use pdserve_types::{FinishReason, RequestId, SamplingParams, TokenOut};
 
 pub(crate) struct Sequence {
     pub id: RequestId,
@@ -18,6 +18,8 @@ pub(crate) struct Sequence {
     pub history: TokenHistory,
     /// Prompt tokens served from the prefix cache at the last admission.
     pub cached_tokens: usize,
+    /// Scores of prompt tokens 1.. so far, when the request asked for them.
+    pub prompt_scores: Vec<TokenOut>,
 }
 
 impl Sequence {
@@ -32,7 +34,21 @@ impl Sequence {
             table: None,
             params,
             cached_tokens: 0,
+            prompt_scores: Vec::new(),
         }
+    }
+
+    /// The prompt tokens the next `n` computed positions predict, if this request
+    /// scores its prompt (position `p` predicts token `p + 1`).
+    pub fn score_targets(&self, n: usize) -> Option<&[u32]> {
+        self.params.prompt_logprobs?;
+        if self.generated() > 0 {
+            // Scored and sent with the first token already (this is a recompute).
+            return None;
+        }
+        let from = (self.computed + 1).min(self.prompt_len);
+        let to = (self.computed + n + 1).min(self.prompt_len);
+        Some(&self.tokens[from..to])
     }
 
     pub fn generated(&self) -> usize {
@@ -67,5 +83,7 @@ impl Sequence {
     pub fn preempt(&mut self) {
         self.table = None;
         self.computed = 0;
+        // Recomputed positions are scored again, with the same numerics.
+        self.prompt_scores.clear();
     }
 }

@@ -7,7 +7,9 @@ use crate::kernels::ops::{add_assign, rms_norm, silu_mul, RopeTable};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::threadpool::{DisjointMut, ThreadPool};
+use pdserve_types::TokenOut;
 use std::cell::RefCell;
+use std::sync::Mutex;
 
 /// One sequence's part of a step: new tokens at positions `start_pos..`.
 pub struct SeqBatch<'a> {
@@ -17,7 +19,21 @@ pub struct SeqBatch<'a> {
     pub blocks: &'a [u32],
     /// Whether to compute logits for the last new token.
     pub logits: bool,
+    /// Score the tokens that follow the first rows (prompt logprobs).
+    pub score: Option<Scoring<'a>>,
 }
+
+/// Which tokens the rows of a sequence's part predict: row `j` is scored against
+/// `targets[j]`, with `top` alternatives, into `out`.
+pub struct Scoring<'a> {
+    pub targets: &'a [u32],
+    pub top: usize,
+    pub out: &'a Mutex<Vec<TokenOut>>,
+}
+
+/// Rows whose logits are computed at once when scoring a prompt: bounds the logits
+/// buffer (rows × vocabulary) whatever the chunk size.
+const SCORE_ROWS: usize = 16;
 
 /// Buffers reused across steps, so the hot path does not allocate once warmed up.
 #[derive(Default)]
@@ -199,11 +215,38 @@ impl Model {
                 s.last.extend_from_slice(&s.x[(end - 1) * h..end * h]);
             }
         }
+        self.score_rows(isa, pool, batch, s);
         let n = s.last.len() / h;
         norm_rows(pool, &s.last, &self.norm, self.cfg.rms_eps, h, &mut s.h);
         s.logits.resize(n * v, 0.0);
         self.lm_head.forward(isa, pool, &s.h[..n * h], n, &mut s.logits, &mut s.lin);
         &mut s.logits[..n * v]
+    }
+
+    /// Prompt scoring: logits for the rows that asked, a few rows at a time, each
+    /// reduced at once to the logprob of the token that follows it. Every row goes
+    /// through the same kernels as a sampled row, so scores do not depend on the batch.
+    fn score_rows(&self, isa: Isa, pool: &ThreadPool, batch: &[SeqBatch<'_>], s: &mut ForwardScratch) {
+        let (h, v) = (self.cfg.hidden, self.cfg.vocab_size);
+        let mut start = 0;
+        for b in batch {
+            let first_row = start;
+            start += b.tokens.len();
+            let Some(sc) = &b.score else { continue };
+            let rows = sc.targets.len().min(b.tokens.len());
+            let mut scores = Vec::with_capacity(rows);
+            for lo in (0..rows).step_by(SCORE_ROWS) {
+                let n = SCORE_ROWS.min(rows - lo);
+                let x = &s.x[(first_row + lo) * h..(first_row + lo + n) * h];
+                norm_rows(pool, x, &self.norm, self.cfg.rms_eps, h, &mut s.h);
+                s.logits.resize(n * v, 0.0);
+                self.lm_head.forward(isa, pool, &s.h[..n * h], n, &mut s.logits, &mut s.lin);
+                for (j, row) in s.logits[..n * v].chunks_exact(v).enumerate() {
+                    scores.push(crate::sampler::score(row, sc.targets[lo + j], sc.top));
+                }
+            }
+            sc.out.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend(scores);
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 mod forward;
 pub mod linear;
 
-pub use forward::{ForwardScratch, SeqBatch};
+pub use forward::{ForwardScratch, Scoring, SeqBatch};
 
 use crate::config::{Architecture, ModelConfig};
 use crate::format::{DType, FormatError, TensorSource};

@@ -57,6 +57,7 @@ pub struct Fake {
     tokenizer: Arc<Tokenizer>,
     pub ready: AtomicBool,
     pub last: Mutex<Option<GenerateRequest>>,
+    pub all: Mutex<Vec<GenerateRequest>>,
     /// Set once an endless stream saw its consumer go away.
     pub cancelled: Arc<AtomicBool>,
 }
@@ -68,6 +69,7 @@ impl Fake {
             tokenizer: model().tokenizer.clone(),
             ready: AtomicBool::new(true),
             last: Mutex::new(None),
+            all: Mutex::default(),
             cancelled: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -80,6 +82,10 @@ impl Fake {
     fn reply(&self, req: &GenerateRequest, text: &str, tx: &EventSender) {
         let mut ids = self.tokenizer.encode(text, false);
         ids.extend(self.tokenizer.eos_id());
+        if req.params.prompt_logprobs.is_some() {
+            let scores = req.prompt.iter().skip(1).map(|&t| TokenOut { token: t, logprob: -1.5, top: vec![(t, -1.5)] });
+            tx.send(Event::Prompt(scores.collect())).unwrap();
+        }
         let max = req.params.max_tokens as usize;
         let n = ids.len().min(max);
         for &id in &ids[..n] {
@@ -109,6 +115,7 @@ impl Fake {
 impl Generate for Fake {
     fn generate(&self, req: GenerateRequest) -> Result<TokenStream, ServeError> {
         *self.last.lock().unwrap() = Some(req.clone());
+        self.all.lock().unwrap().push(req.clone());
         let (tx, stream) = TokenStream::channel(1024);
         match &self.script {
             Script::Reply(text) => self.reply(&req, text, &tx),
@@ -138,11 +145,17 @@ pub struct Server {
 
 impl Server {
     pub async fn start(script: Script) -> Server {
+        Server::start_named(script, Vec::new()).await
+    }
+
+    /// A server answering to `names` (`--served-model-name`).
+    pub async fn start_named(script: Script, names: Vec<String>) -> Server {
         let m = model();
         let fake = Arc::new(Fake::new(script));
         let metrics = Metrics::new();
         let frontend =
-            Frontend::new(fake.clone(), m.tokenizer.clone(), m.chat.clone(), m.name.clone(), CONTEXT, metrics.clone());
+            Frontend::new(fake.clone(), m.tokenizer.clone(), m.chat.clone(), m.name.clone(), CONTEXT, metrics.clone())
+                .with_served_names(names);
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(pdserve_frontend::serve(listener, frontend.router(), std::future::pending()));
@@ -151,6 +164,11 @@ impl Server {
 
     pub fn last_request(&self) -> GenerateRequest {
         self.fake.last.lock().unwrap().clone().expect("a request reached the backend")
+    }
+
+    /// Every request that reached the backend, oldest first.
+    pub fn requests(&self) -> Vec<GenerateRequest> {
+        self.fake.all.lock().unwrap().clone()
     }
 
     pub async fn post(&self, path: &str, body: &str) -> Reply {

@@ -1,0 +1,73 @@
+//! `POST /tokenize` and `POST /detokenize`, as vLLM has them: the served model's
+//! tokenizer and chat template, without generating anything.
+//!
+//! - `/tokenize` takes `{"prompt": "..."}` (BOS added as for a completion unless
+//!   `add_special_tokens` is false) or `{"messages": [...]}` (rendered by the chat
+//!   template, as for a chat completion), and answers `{"count", "max_model_len",
+//!   "tokens"}` (and `"token_strs"` when `return_token_strs` is true).
+//! - `/detokenize` takes `{"tokens": [...]}` and answers `{"prompt": "..."}`.
+
+use crate::errors::ApiError;
+use crate::extract::ApiJson;
+use crate::openai::{CommonParams, Message};
+use crate::AppState;
+use axum::extract::State;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+#[derive(Debug, Deserialize)]
+pub struct TokenizeRequest {
+    model: Option<String>,
+    prompt: Option<String>,
+    messages: Option<Vec<Message>>,
+    add_special_tokens: Option<bool>,
+    return_token_strs: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<i64>,
+}
+
+fn check_model(app: &AppState, model: Option<String>) -> Result<(), ApiError> {
+    app.validator.check_common(&CommonParams { model, ..Default::default() }).map(drop)
+}
+
+pub async fn tokenize(
+    State(app): State<Arc<AppState>>,
+    body: Result<ApiJson<TokenizeRequest>, ApiError>,
+) -> Result<Json<Value>, ApiError> {
+    let ApiJson(req) = body?;
+    check_model(&app, req.model)?;
+    let v = app.validator.clone();
+    let tokens = tokio::task::spawn_blocking(move || match (req.prompt, req.messages) {
+        (Some(text), None) => Ok(match req.add_special_tokens.unwrap_or(true) {
+            true => v.tokenizer.encode_with_bos(&text, false),
+            false => v.tokenizer.encode(&text, false),
+        }),
+        (None, Some(messages)) => v.chat_ids(&messages),
+        _ => Err(ApiError::malformed("send either `prompt` or `messages`")),
+    })
+    .await
+    .map_err(|e| ApiError::malformed(format!("tokenization failed: {e}")))??;
+    let mut out = json!({"count": tokens.len(), "max_model_len": app.validator.context_length, "tokens": tokens});
+    if req.return_token_strs == Some(true) {
+        let strs: Vec<String> =
+            tokens.iter().map(|&t| app.validator.tokenizer.token_text(t).unwrap_or_default()).collect();
+        out["token_strs"] = json!(strs);
+    }
+    Ok(Json(out))
+}
+
+pub async fn detokenize(
+    State(app): State<Arc<AppState>>,
+    body: Result<ApiJson<DetokenizeRequest>, ApiError>,
+) -> Result<Json<Value>, ApiError> {
+    let ApiJson(req) = body?;
+    check_model(&app, req.model)?;
+    let ids = app.validator.checked_ids("tokens", &req.tokens)?;
+    Ok(Json(json!({"prompt": app.validator.tokenizer.decode(&ids)})))
+}

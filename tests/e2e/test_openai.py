@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -195,6 +196,42 @@ def suite(mode, url):
         if mode != "auto":  # auto may prefill the repeat on the other worker
             assert cached >= 64, r.usage
 
+    def lm_eval_loglikelihood():
+        # lm-eval's local-completions loglikelihood path, offline: a task file written
+        # here, pdserve's own tokenizer through /tokenizer_info and /tokenize, and the
+        # answers checked against the same sums computed through our API.
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = [{"question": "The capital of France is", "choices": ["Paris", "Berlin", "Madrid"], "answer": 0},
+                    {"question": "Two plus two equals", "choices": ["four", "seven", "ten"], "answer": 0}]
+            with open(os.path.join(tmp, "tiny.jsonl"), "w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+            with open(os.path.join(tmp, "tiny.yaml"), "w") as f:
+                f.write(f"task: pdserve_tiny\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                        f"    test: {tmp}/tiny.jsonl\ntest_split: test\noutput_type: multiple_choice\n"
+                        "doc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+                        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+            args = (f"model={model},base_url={url}/v1/completions,tokenizer_backend=remote,"
+                    "tokenized_requests=True,num_concurrent=1")
+            env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+            out = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
+                                  "--tasks", "pdserve_tiny", "--include_path", tmp, "--output_path", tmp + "/out",
+                                  "--log_samples"], capture_output=True, text=True, env=env, timeout=600)
+            assert out.returncode == 0, out.stderr[-3000:]
+            samples = [os.path.join(d, f) for d, _, fs in os.walk(tmp + "/out") for f in fs if f.startswith("samples")]
+            docs = [json.loads(l) for l in open(samples[0])]
+        tok = lambda text: json.loads(curl(url + "/tokenize", "-H", "Content-Type: application/json", "-d",
+                                           json.dumps({"prompt": text, "add_special_tokens": False}))[1])["tokens"]
+        checked = 0
+        for d in docs:
+            for k, resp in enumerate(d["resps"]):
+                gen = d["arguments"][f"gen_args_{k}"]
+                ctx, cont = tok(gen["arg_0"]), tok(gen["arg_1"])
+                r = client.completions.create(model=model, prompt=ctx + cont, max_tokens=0, echo=True, logprobs=0)
+                ours = sum(r.choices[0].logprobs.token_logprobs[-len(cont):])
+                assert abs(float(resp[0][0]) - ours) < 1e-3, (d["doc"], k, resp, ours)
+                checked += 1
+        assert checked == 6, checked
+
     def curl_calls():
         code, body = curl(url + "/v1/completions", "-H", "Content-Type: application/json",
                           "-d", json.dumps({"prompt": "Hello", "max_tokens": 4}))
@@ -225,6 +262,9 @@ def suite(mode, url):
                      ("bad_requests", bad_requests), ("curl", curl_calls), ("metrics_parse", metrics_parse),
                      ("served_names", served_names), ("n_choices", n_choices), ("batched_prompts", batched_prompts),
                      ("echo_logprobs", echo_logprobs), ("tokenize", tokenize), ("cached_tokens", cached_tokens)]:
+        check(f"{mode}/{name}", fn)
+    # lm-eval takes a few seconds to start: once in one process, once across processes.
+    for name, fn in [("lm_eval_loglikelihood", lm_eval_loglikelihood)] if mode in ("aggregated", "processes") else []:
         check(f"{mode}/{name}", fn)
 
 

@@ -52,6 +52,18 @@ impl Command {
     }
 }
 
+/// What a supervisor learns from a server's exit: 0 when every request in flight at
+/// the signal finished, [`CUT`] when the grace period (or a second signal) cut some.
+fn exit_code(stopped: cmd::Stopped) -> ExitCode {
+    match stopped {
+        cmd::Stopped::Drained => ExitCode::SUCCESS,
+        cmd::Stopped::Cut(_) => ExitCode::from(CUT),
+    }
+}
+
+/// Exit code of a server that had to cut requests short.
+const CUT: u8 = 3;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let service = format!("pdserve-{}", cli.command.name());
@@ -60,16 +72,16 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let result = match cli.command {
-        Command::Pull => cmd::pull::run(),
-        Command::Generate(args) => cmd::generate::run(args),
-        Command::Serve(args) => cmd::serve::run(args),
-        Command::Worker(args) => cmd::worker::run(args),
-        Command::Frontend(args) => cmd::frontend::run(args),
-        Command::Bench { what } => cmd::bench::run(what),
+        Command::Pull => cmd::pull::run().map(|()| ExitCode::SUCCESS),
+        Command::Generate(args) => cmd::generate::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Serve(args) => cmd::serve::run(args).map(exit_code),
+        Command::Worker(args) => cmd::worker::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Frontend(args) => cmd::frontend::run(args).map(exit_code),
+        Command::Bench { what } => cmd::bench::run(what).map(|()| ExitCode::SUCCESS),
     };
     cmd::runtime_dir::remove();
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             // One line a user can act on; causes are appended unless already said.
             let mut msg = String::new();
@@ -81,5 +93,34 @@ fn main() -> ExitCode {
             eprintln!("error: {msg}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every subcommand and every flag says what it is for in `--help`.
+    #[test]
+    fn every_help_entry_has_a_description() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if id != "help" && id != "version" && arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{path} --{}", arg.get_long().unwrap_or(id)));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                let name = format!("{path} {}", sub.get_name());
+                if sub.get_about().is_none() && sub.get_name() != "help" {
+                    missing.push(name.clone());
+                }
+                walk(sub, &name, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "pdserve", &mut missing);
+        assert!(missing.is_empty(), "no description: {missing:#?}");
     }
 }

@@ -63,12 +63,25 @@ pub struct Tracker {
     outcome: Option<Outcome>,
     /// Why the request failed, as `ServeError::kind` or the API error's type.
     error: Option<&'static str>,
+    /// Counts the request as open until it is answered.
+    _open: crate::lifecycle::Open,
 }
 
 impl Tracker {
-    pub fn new(metrics: Metrics, mode: Arc<str>, span: tracing::Span) -> Self {
+    pub(crate) fn new(metrics: Metrics, mode: Arc<str>, span: tracing::Span, open: crate::lifecycle::Open) -> Self {
         let start = Instant::now();
-        Tracker { metrics, mode, span, start, first: None, last: None, tokens: 0, outcome: None, error: None }
+        Tracker {
+            metrics,
+            mode,
+            span,
+            start,
+            first: None,
+            last: None,
+            tokens: 0,
+            outcome: None,
+            error: None,
+            _open: open,
+        }
     }
 
     /// Notes why the request failed, for its log line.

@@ -15,9 +15,11 @@
 
 mod chat_completions;
 mod completions;
+mod cors;
 mod errors;
 mod extract;
 mod generation;
+mod lifecycle;
 pub mod metrics;
 mod openai;
 mod request_id;
@@ -26,8 +28,10 @@ mod stop;
 mod tokenize;
 mod validate;
 
+pub use cors::Origins;
 pub use errors::ApiError;
 pub use extract::BODY_LIMIT;
+pub use lifecycle::Lifecycle;
 pub use metrics::Metrics;
 pub use validate::{ValidRequest, Validator, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS};
 
@@ -46,7 +50,6 @@ use pdserve_protocol::{Generate, GenerateRequest, ServeError};
 use request_id::Tagged;
 use sse::Choice;
 use sse::Format;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -63,6 +66,9 @@ pub(crate) struct AppState {
     /// The `mode` label of the latency histograms.
     mode: Arc<str>,
     created: u64,
+    life: Lifecycle,
+    /// Browser origins allowed to call the API (CORS); none by default.
+    origins: Option<Origins>,
 }
 
 impl Frontend {
@@ -79,7 +85,8 @@ impl Frontend {
     ) -> Frontend {
         let created = unix_now();
         let validator = Validator { tokenizer, chat, model_ids: vec![model_id.into()], context_length };
-        let state = AppState { generate, validator, metrics, mode: "auto".into(), created };
+        let life = Lifecycle::default();
+        let state = AppState { generate, validator, metrics, mode: "auto".into(), created, life, origins: None };
         Frontend { state }
     }
 
@@ -99,38 +106,52 @@ impl Frontend {
         self
     }
 
+    /// Lets browsers on `origins` call the API (CORS).
+    pub fn with_cors(mut self, origins: Option<Origins>) -> Frontend {
+        self.state.origins = origins;
+        self
+    }
+
+    /// Drains and cuts this frontend's requests at shutdown.
+    pub fn lifecycle(&self) -> Lifecycle {
+        self.state.life.clone()
+    }
+
     /// The axum router with every route, the body limit and JSON fallbacks.
     pub fn router(self) -> Router {
-        Router::new()
+        let origins = self.state.origins.clone();
+        let app = Router::new()
             .route("/v1/completions", post(completions::handler))
             .route("/v1/chat/completions", post(chat_completions::handler))
             .route("/v1/models", get(models))
             .route("/v1/models/{*id}", get(model_card))
             .route("/tokenize", post(tokenize::tokenize))
             .route("/detokenize", post(tokenize::detokenize))
+            .route("/tokenizer_info", get(tokenize::info))
             .route("/health", get(health))
             .route("/metrics", get(metrics_text))
             .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
             .fallback(|uri: Uri| async move { ApiError::RouteNotFound(uri.path().to_string()) })
             .layer(DefaultBodyLimit::max(BODY_LIMIT))
             .layer(axum::middleware::from_fn(request_id::middleware))
-            .with_state(Arc::new(self.state))
+            .with_state(Arc::new(self.state));
+        match origins {
+            Some(o) => app.layer(axum::middleware::from_fn(move |req, next| cors::middleware(o.clone(), req, next))),
+            None => app,
+        }
     }
 }
 
-/// Serves `app` on `listener` until `shutdown` resolves, then finishes the requests in
-/// flight (streams included) and returns.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    app: Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+/// Serves `app` on `listener` until the process ends. Shutting down is the caller's
+/// [`Lifecycle`]: it drains (new requests get 503, connections are still accepted),
+/// waits, then cuts what is left.
+pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::Result<()> {
+    axum::serve(listener, app).await
 }
 
 impl AppState {
     fn tracker(&self, tagged: &Tagged) -> Tracker {
-        Tracker::new(self.metrics.clone(), self.mode.clone(), tagged.span.clone())
+        Tracker::new(self.metrics.clone(), self.mode.clone(), tagged.span.clone(), self.life.enter())
     }
 }
 
@@ -162,6 +183,7 @@ pub(crate) async fn run<F: Format>(
     format: impl FnOnce(&str, &ValidRequest) -> F,
 ) -> Response {
     let v = match valid {
+        Ok(_) if app.life.is_draining() => return reject(tracker, ApiError::Serve(ServeError::ShuttingDown)),
         Ok(v) => v,
         Err(e) => return reject(tracker, e),
     };
@@ -171,8 +193,8 @@ pub(crate) async fn run<F: Format>(
         Err(e) => return e.into_response(),
     };
     let answer = match v.stream {
-        true => sse::streamed(choices, format, v.include_usage).await,
-        false => sse::whole(choices, format).await,
+        true => sse::streamed(choices, format, v.include_usage, app.life.clone()).await,
+        false => sse::whole(choices, format, app.life.clone()).await,
     };
     answer.unwrap_or_else(IntoResponse::into_response)
 }
@@ -273,6 +295,9 @@ async fn model_card(
 }
 
 async fn health(State(app): State<Arc<AppState>>) -> Response {
+    if app.life.is_draining() {
+        return ApiError::Serve(ServeError::ShuttingDown).into_response();
+    }
     match app.generate.ready() {
         true => Json(serde_json::json!({"status": "ok"})).into_response(),
         false => ApiError::Serve(ServeError::NoWorker("no worker is ready".into())).into_response(),

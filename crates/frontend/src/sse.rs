@@ -9,11 +9,12 @@
 
 use crate::errors::ApiError;
 use crate::generation::{Generation, Output};
+use crate::lifecycle::Lifecycle;
 use axum::body::{Body, Bytes};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
-use pdserve_protocol::{FinishReason, Usage};
+use pdserve_protocol::{FinishReason, ServeError, Usage};
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -74,13 +75,17 @@ fn total(parts: &[(usize, Usage)]) -> Usage {
     sum
 }
 
-/// Waits for every choice, then answers with one JSON body.
-pub async fn whole<F: Format>(choices: Vec<Choice>, mut format: F) -> Result<Response, ApiError> {
-    let done = futures_util::future::join_all(choices.into_iter().map(|mut c| async move {
+/// Waits for every choice, then answers with one JSON body (503 if the server's
+/// grace period ends first).
+pub async fn whole<F: Format>(choices: Vec<Choice>, mut format: F, life: Lifecycle) -> Result<Response, ApiError> {
+    let all = futures_util::future::join_all(choices.into_iter().map(|mut c| async move {
         let out = c.generation.collect().await;
         (c, out)
-    }))
-    .await;
+    }));
+    let done = tokio::select! {
+        done = all => done,
+        _ = life.cut_signal() => return Err(ApiError::Serve(ServeError::ShuttingDown)),
+    };
     let mut outs = Vec::with_capacity(done.len());
     let mut usages = Vec::with_capacity(done.len());
     let mut failure = None;
@@ -113,6 +118,7 @@ pub async fn streamed<F: Format>(
     mut choices: Vec<Choice>,
     format: F,
     include_usage: bool,
+    life: Lifecycle,
 ) -> Result<Response, ApiError> {
     for c in &mut choices {
         if let Err(e) = c.generation.prime().await {
@@ -130,6 +136,7 @@ pub async fn streamed<F: Format>(
         usages: Vec::new(),
         open: choices.len(),
         done: false,
+        life,
     };
     for c in choices {
         if let Some(p) = state.format.preamble(c.index) {
@@ -175,6 +182,8 @@ struct SseState<F> {
     /// Choices not finished yet.
     open: usize,
     done: bool,
+    /// Cuts the stream at the server's grace deadline.
+    life: Lifecycle,
 }
 
 impl<F: Format> SseState<F> {
@@ -186,7 +195,11 @@ impl<F: Format> SseState<F> {
             if self.done {
                 return None;
             }
-            match self.steps.next().await {
+            let step = tokio::select! {
+                step = self.steps.next() => step,
+                _ = self.life.cut_signal() => Some(Step::Failed(ApiError::Serve(ServeError::ShuttingDown))),
+            };
+            match step {
                 Some(Step::Out(index, out)) => {
                     if !out.is_empty() {
                         let chunk = self.format.chunk(index, &out);

@@ -6,6 +6,8 @@
 //!   template, as for a chat completion), and answers `{"count", "max_model_len",
 //!   "tokens"}` (and `"token_strs"` when `return_token_strs` is true).
 //! - `/detokenize` takes `{"tokens": [...]}` and answers `{"prompt": "..."}`.
+//! - `GET /tokenizer_info` describes the tokenizer (special tokens, chat template,
+//!   context), which lets clients such as lm-eval's remote tokenizer use ours.
 
 use crate::errors::ApiError;
 use crate::extract::ApiJson;
@@ -70,4 +72,20 @@ pub async fn detokenize(
     check_model(&app, req.model)?;
     let ids = app.validator.checked_ids("tokens", &req.tokens)?;
     Ok(Json(json!({"prompt": app.validator.tokenizer.decode(&ids)})))
+}
+
+/// `GET /tokenizer_info`.
+pub async fn info(State(app): State<Arc<AppState>>) -> Json<Value> {
+    let t = &app.validator.tokenizer;
+    let text = |id: Option<u32>| id.and_then(|i| t.token_text(i));
+    Json(json!({
+        "tokenizer_class": "pdserve-bpe",
+        "bos_token": text(t.bos_id()),
+        "eos_token": text(t.eos_id()),
+        "pad_token": Value::Null,
+        "add_bos_token": t.add_bos(),
+        "chat_template": t.chat_template(),
+        "model_max_length": app.validator.context_length,
+        "vocab_size": t.vocab_size(),
+    }))
 }

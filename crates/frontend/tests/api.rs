@@ -413,7 +413,7 @@ async fn client_disconnect_cancels_the_backend() {
 /// After the signal the server stops accepting, keeps streaming to the client it has,
 /// and returns once that stream is gone.
 #[tokio::test]
-async fn graceful_shutdown_keeps_streams_in_flight() {
+async fn draining_answers_503_and_the_deadline_ends_streams_with_an_error_event() {
     let m = model();
     let fake = std::sync::Arc::new(common::Fake::new(Script::Endless));
     let frontend = pdserve_frontend::Frontend::new(
@@ -425,23 +425,36 @@ async fn graceful_shutdown_keeps_streams_in_flight() {
         pdserve_frontend::Metrics::new(),
     )
     .with_mode("test");
+    let life = frontend.lifecycle();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(pdserve_frontend::serve(listener, frontend.router(), async {
-        let _ = stopped.await;
-    }));
+    tokio::spawn(pdserve_frontend::serve(listener, frontend.router()));
     let mut conn = open_stream(addr).await;
-    stop.send(()).unwrap();
+    assert_eq!(life.open(), 1);
+    life.drain();
     let mut buf = [0u8; 4096];
     for _ in 0..5 {
-        assert!(conn.read(&mut buf).await.unwrap() > 0, "the stream keeps going after the signal");
+        assert!(conn.read(&mut buf).await.unwrap() > 0, "the stream keeps going while draining");
     }
-    assert!(!server.is_finished());
-    drop(conn);
-    let done = tokio::time::timeout(Duration::from_secs(10), server).await.expect("serve returns once idle");
-    done.unwrap().unwrap();
-    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "no longer listening");
+    // New requests are still accepted, and answered 503.
+    let body = json!({"prompt": "x", "max_tokens": 2}).to_string();
+    let r =
+        pdserve_testkit::http::send(addr, &pdserve_testkit::http::post_request("/v1/completions", &body, &[])).await;
+    r.error(503);
+    pdserve_testkit::http::send(addr, &pdserve_testkit::http::get_request("/health")).await.error(503);
+    // At the deadline the stream ends with an error event, then [DONE].
+    life.cut();
+    let mut text = String::new();
+    let read = async {
+        while !text.contains("data: [DONE]") {
+            let n = conn.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the stream ended without [DONE]: {text}");
+            text.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read).await.unwrap();
+    assert!(text.contains("shutting down") && text.contains("data: [DONE]"), "{text}");
+    tokio::time::timeout(Duration::from_secs(5), life.drained()).await.expect("no request left open");
 }
 
 #[tokio::test]
@@ -528,4 +541,27 @@ async fn served_names_models_by_id_and_tokenize() {
     assert!(chat["count"].as_u64().unwrap() > 3);
     s.post_json("/detokenize", &json!({"tokens": [-1]})).await.error(400);
     s.post_json("/tokenize", &json!({})).await.error(400);
+}
+
+#[tokio::test]
+async fn cors_only_for_allowed_origins() {
+    let preflight = |origin: &str| {
+        format!("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: t\r\nOrigin: {origin}\r\nAccess-Control-Request-Method: POST\r\nConnection: close\r\n\r\n")
+    };
+    let get =
+        |origin: &str| format!("GET /v1/models HTTP/1.1\r\nHost: t\r\nOrigin: {origin}\r\nConnection: close\r\n\r\n");
+    // Off by default: no CORS headers at all.
+    let off = Server::start(reply(ANSWER)).await;
+    assert!(off.raw(get("https://app.example").as_bytes()).await.header("access-control-allow-origin").is_none());
+    let s = Server::start_with(reply(ANSWER), Vec::new(), &["https://app.example".to_string()]).await;
+    let r = s.raw(preflight("https://app.example").as_bytes()).await;
+    assert_eq!(r.status, 204);
+    assert_eq!(r.header("access-control-allow-origin"), Some("https://app.example"));
+    assert!(r.header("access-control-allow-methods").unwrap().contains("POST"));
+    let r = s.raw(get("https://app.example").as_bytes()).await;
+    assert_eq!((r.status, r.header("access-control-allow-origin")), (200, Some("https://app.example")));
+    let r = s.raw(get("https://evil.example").as_bytes()).await;
+    assert!(r.header("access-control-allow-origin").is_none());
+    let any = Server::start_with(reply(ANSWER), Vec::new(), &["*".to_string()]).await;
+    assert_eq!(any.raw(get("https://x").as_bytes()).await.header("access-control-allow-origin"), Some("*"));
 }

@@ -160,6 +160,10 @@ fn selected(opts: &CompareOptions) -> Result<Vec<Topology>, BenchError> {
     }
     if let Some(url) = &opts.peer_url {
         Target::parse(url, opts.allow_remote)?;
+        if !opts.topologies.is_empty() && !opts.topologies.iter().any(|t| t == "peer") {
+            let msg = "--peer-url is given but --topologies does not name `peer`: add it, or drop --peer-url";
+            return Err(BenchError::BadFlag(msg.into()));
+        }
         all.push(Topology::peer(url));
     }
     topology::select(all, &opts.topologies)

@@ -51,6 +51,7 @@ pub struct LoadArgs {
     /// The `model` field (default: the first model of the server's /v1/models).
     #[arg(long)]
     model: Option<String>,
+    /// Sampling temperature of every request (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
     /// Closed loop at each of these concurrencies (default 1).
@@ -89,6 +90,7 @@ pub struct LoadArgs {
     /// Token ids are drawn from LO..HI (avoid the special tokens).
     #[arg(long, default_value = "1000..40000")]
     token_range: TokenRange,
+    /// Seed of the workload: the same seed gives the same prompts and lengths.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Requests per point at most (closed loop: at least 2 × concurrency).
@@ -131,8 +133,10 @@ pub struct CompareArgs {
     /// Open-loop request rates instead of concurrencies.
     #[arg(long, value_delimiter = ',')]
     rate: Vec<f64>,
+    /// Open-loop arrivals: poisson | gamma.
     #[arg(long, default_value = "poisson")]
     arrivals: ArrivalKind,
+    /// Gamma shape (1 = Poisson, < 1 burstier).
     #[arg(long, default_value_t = 1.0)]
     burstiness: f64,
     /// Requests per point at most (closed loop: at least 2 × concurrency).
@@ -147,6 +151,7 @@ pub struct CompareArgs {
     /// Also measure an external OpenAI-compatible server already running here.
     #[arg(long)]
     peer_url: Option<String>,
+    /// Allow a non-loopback URL.
     #[arg(long)]
     allow_remote: bool,
     /// Output directory: results.json, results.md, plots/*.svg, logs/.
@@ -161,21 +166,28 @@ pub struct CompareArgs {
     /// Extra argument for every `pdserve serve` (repeat it).
     #[arg(long, allow_hyphen_values = true)]
     serve_arg: Vec<String>,
+    /// ids (token-id prompts, exact lengths) | text (words).
     #[arg(long, default_value = "ids")]
     prompt: PromptKind,
+    /// Token ids are drawn from LO..HI (avoid the special tokens).
     #[arg(long, default_value = "1000..40000")]
     token_range: TokenRange,
+    /// Seed of the workload: the same seed gives the same prompts and lengths.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Goodput SLO on TTFT.
     #[arg(long, default_value_t = 5000.0)]
     slo_ttft_ms: f64,
+    /// Goodput SLO on TPOT.
     #[arg(long, default_value_t = 50.0)]
     slo_tpot_ms: f64,
+    /// Per-request timeout.
     #[arg(long, default_value_t = 600)]
     timeout_seconds: u64,
     /// How long a topology may take to answer /health.
     #[arg(long, default_value_t = 300)]
     startup_timeout_seconds: u64,
+    /// Requests sent one at a time before measuring, per topology.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
     /// Keep the runs of this earlier results.json (same sweep) for the topologies not selected.
@@ -185,6 +197,7 @@ pub struct CompareArgs {
 
 #[derive(clap::Args)]
 pub struct EngineArgs {
+    /// `default` or a path to a GGUF file or safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
     /// Thread counts to measure.

@@ -32,9 +32,9 @@ pub struct Args {
     /// How to pick among workers of one role: least-loaded | round-robin.
     #[arg(long, default_value = "least-loaded")]
     policy: PolicyKind,
-    /// How prefill workers send KV to decode workers: tcp | shm (same host).
-    #[arg(long, default_value = "tcp")]
-    kv_transport: TransportKind,
+    /// How prefill workers send KV to decode workers: tcp (the default) | shm (same host).
+    #[arg(long)]
+    kv_transport: Option<TransportKind>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -48,12 +48,20 @@ pub struct Args {
     /// first). Default: the model file's name.
     #[arg(long = "served-model-name")]
     served_model_names: Vec<String>,
+    /// Browser origins allowed to call the API (CORS), comma separated, or `*`. Off by
+    /// default.
+    #[arg(long, value_delimiter = ',')]
+    allowed_origins: Vec<String>,
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.kv_transport == TransportKind::Inproc {
-        anyhow::bail!("--kv-transport inproc needs workers in this process (use `pdserve serve`); pick tcp or shm");
-    }
+pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
+    let via = match (a.mode, a.kv_transport) {
+        (_, Some(TransportKind::Inproc)) => {
+            anyhow::bail!("--kv-transport inproc needs workers in this process (use `pdserve serve`); pick tcp or shm")
+        }
+        (Mode::Aggregated, Some(_)) => anyhow::bail!("--kv-transport needs --mode disaggregated or auto"),
+        (_, via) => via.unwrap_or(TransportKind::Tcp),
+    };
     let meta = super::load_meta(&a.model)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
@@ -61,7 +69,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let router = Arc::new(
             Router::new([], a.mode, Deadlines::default(), tokio::runtime::Handle::current())
                 .with_policy(a.policy.build())
-                .with_transport(a.kv_transport)
+                .with_transport(via)
                 .with_telemetry(Arc::new(metrics.clone())),
         );
         let mut first = Vec::new();
@@ -87,6 +95,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             chat: meta.chat,
             name: meta.name,
             served_names: a.served_model_names.clone(),
+            allowed_origins: a.allowed_origins.clone(),
             context_length: meta.context_length,
         };
         let at = Listen {

@@ -12,20 +12,25 @@ pub struct Args {
     /// `default` or a path to a GGUF file or safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
+    /// The prompt text (with --chat, the user's message).
     #[arg(long)]
     prompt: String,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long)]
     chat: bool,
+    /// Tokens to generate at most.
     #[arg(long, default_value_t = 128)]
     max_tokens: u32,
     /// 0 = greedy.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens whose probabilities add up to this (1 = off).
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// Sample among the k most likely tokens only (0 = off).
     #[arg(long, default_value_t = 0)]
     top_k: u32,
+    /// Seed of the sampler: the same seed, prompt and settings give the same tokens.
     #[arg(long)]
     seed: Option<u64>,
     /// Compute threads (default: all cores).

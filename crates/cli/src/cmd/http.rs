@@ -4,7 +4,7 @@
 use anyhow::Context;
 use pdserve_engine::chat::ChatTemplate;
 use pdserve_engine::tokenizer::Tokenizer;
-use pdserve_frontend::{Frontend, Metrics};
+use pdserve_frontend::{Frontend, Lifecycle, Metrics};
 use pdserve_protocol::Generate;
 use pdserve_router::Router;
 use std::sync::Arc;
@@ -17,6 +17,8 @@ pub struct Served {
     pub name: String,
     /// `--served-model-name`s; empty: `name`.
     pub served_names: Vec<String>,
+    /// `--allowed-origins` (CORS); empty: off.
+    pub allowed_origins: Vec<String>,
     pub context_length: usize,
 }
 
@@ -27,15 +29,26 @@ pub struct Listen<'a> {
     pub mode: String,
 }
 
-/// Serves the API until SIGINT/SIGTERM, then lets requests in flight finish within
-/// the grace period. `banner` describes the topology in the startup line.
+/// How serving ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// Every request in flight at the signal finished.
+    Drained,
+    /// The grace period ended (or a second signal came) with this many requests
+    /// still open; their streams were ended with an error event.
+    Cut(usize),
+}
+
+/// Serves the API until SIGINT/SIGTERM, then drains: requests in flight finish
+/// within the grace period while new ones get 503; what is left then is cut. A second
+/// signal cuts at once. `banner` describes the topology in the startup line.
 pub async fn serve(
     router: Arc<Router>,
     metrics: Metrics,
     model: Served,
     at: Listen<'_>,
     banner: &str,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Stopped> {
     let frontend = Frontend::new(
         router.clone() as Arc<dyn Generate>,
         model.tokenizer,
@@ -45,7 +58,8 @@ pub async fn serve(
         metrics.clone(),
     )
     .with_mode(&at.mode)
-    .with_served_names(model.served_names.clone());
+    .with_served_names(model.served_names.clone())
+    .with_cors(pdserve_frontend::Origins::parse(&model.allowed_origins));
     let listener = tokio::net::TcpListener::bind((at.host, at.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", at.host, at.port))?;
@@ -55,18 +69,37 @@ pub async fn serve(
         model.name, at.mode
     );
     tokio::spawn(report_blocks(router.clone(), metrics));
-    let shutdown = shutdown_signal(router.clone());
-    let server = pdserve_frontend::serve(listener, frontend.router(), shutdown);
-    // Graceful: stop accepting, let streams finish; after the grace period the
-    // process exits and dropping the streams cancels what is left.
-    tokio::select! {
-        r = server => r.context("http server")?,
-        _ = async { draining(&router).await; tokio::time::sleep(at.grace).await } => {
-            tracing::warn!("pdserve: grace period over, cancelling {} request(s)", router.in_flight());
+    let life = frontend.lifecycle();
+    let server = pdserve_frontend::serve(listener, frontend.router());
+    let stopped = tokio::select! {
+        r = server => {
+            r.context("http server")?;
+            Stopped::Drained
         }
-    }
+        stopped = shut_down(router, life, at.grace) => stopped,
+    };
     tracing::info!("pdserve: stopped");
-    Ok(())
+    Ok(stopped)
+}
+
+/// Waits for a signal, drains, and cuts what the grace period (or a second signal)
+/// leaves open.
+async fn shut_down(router: Arc<Router>, life: Lifecycle, grace: Duration) -> Stopped {
+    signal().await;
+    tracing::info!("pdserve: shutting down, finishing {} request(s) in flight (grace {grace:?})", life.open());
+    router.drain();
+    life.drain();
+    let why = tokio::select! {
+        _ = life.drained() => return Stopped::Drained,
+        _ = tokio::time::sleep(grace) => "grace period over",
+        _ = signal() => "second signal",
+    };
+    let open = life.open();
+    tracing::warn!("pdserve: {why}, cutting {open} request(s)");
+    life.cut();
+    // The cut streams send their last events; then the process exits.
+    let _ = tokio::time::timeout(Duration::from_secs(2), life.drained()).await;
+    Stopped::Cut(open)
 }
 
 /// Resolves on SIGINT or SIGTERM.
@@ -86,20 +119,6 @@ pub async fn signal() {
     #[cfg(not(unix))]
     let term = std::future::pending::<()>();
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
-}
-
-/// Resolves on a signal, after telling the router to refuse new requests.
-async fn shutdown_signal(router: Arc<Router>) {
-    signal().await;
-    tracing::info!("pdserve: shutting down, finishing {} request(s) in flight", router.in_flight());
-    router.drain();
-}
-
-/// Resolves once the router is draining.
-async fn draining(router: &Router) {
-    while router.ready() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// Publishes each worker's KV block counts to the metrics once a second.

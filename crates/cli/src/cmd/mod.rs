@@ -2,6 +2,7 @@ pub mod bench;
 pub mod frontend;
 pub mod generate;
 mod http;
+pub use http::Stopped;
 pub mod pull;
 pub mod serve;
 pub mod worker;

@@ -46,11 +46,11 @@ pub struct Args {
     /// Port to listen on (0 picks a free one).
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// How KV moves from prefill to decode workers: inproc (hand over the frames),
-    /// tcp (loopback socket) or shm (shared-memory ring); tcp and shm exercise the
-    /// transports a multi-process deployment uses.
-    #[arg(long, default_value = "inproc")]
-    kv_transport: TransportKind,
+    /// How KV moves from prefill to decode workers: inproc (hand over the frames; the
+    /// default), tcp (loopback socket) or shm (shared-memory ring); tcp and shm exercise
+    /// the transports a multi-process deployment uses.
+    #[arg(long)]
+    kv_transport: Option<TransportKind>,
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace_seconds: u64,
@@ -58,9 +58,33 @@ pub struct Args {
     /// first). Default: the model file's name.
     #[arg(long = "served-model-name")]
     served_model_names: Vec<String>,
+    /// Browser origins allowed to call the API (CORS), comma separated, or `*`. Off by
+    /// default.
+    #[arg(long, value_delimiter = ',')]
+    allowed_origins: Vec<String>,
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
+/// Refuses flags that mean nothing in the chosen mode, before anything loads.
+fn check(a: &Args) -> anyhow::Result<()> {
+    let split = a.prefill.is_some() || a.decode.is_some();
+    match a.mode {
+        Mode::Aggregated if split => anyhow::bail!("--prefill and --decode need --mode disaggregated or auto"),
+        Mode::Aggregated if a.kv_transport.is_some() => {
+            anyhow::bail!("--kv-transport needs --mode disaggregated or auto (aggregated moves no KV)")
+        }
+        Mode::Disaggregated if a.workers.is_some() => {
+            anyhow::bail!("--workers (mixed workers) does not fit --mode disaggregated: use --prefill and --decode")
+        }
+        Mode::Auto if split && a.workers.is_some() => {
+            anyhow::bail!("--workers (mixed workers) and --prefill/--decode exclude each other")
+        }
+        _ => Ok(()),
+    }
+}
+
+pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
+    check(&a)?;
+    let via = a.kv_transport.unwrap_or(TransportKind::Inproc);
     let m = super::load_model(&a.model)?;
     let roles = topology(&a);
     let cores = super::generate::default_threads();
@@ -85,7 +109,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     rt.block_on(async move {
         // The loopback transports need a receiver on each worker that may decode.
         for w in workers.iter().filter(|w| w.info().role.decodes()) {
-            listen(w, a.kv_transport).await?;
+            listen(w, via).await?;
         }
         let router = Arc::new(
             Router::new(
@@ -95,7 +119,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 tokio::runtime::Handle::current(),
             )
             .with_policy(a.policy.build())
-            .with_transport(a.kv_transport)
+            .with_transport(via)
             .with_telemetry(Arc::new(metrics.clone())),
         );
         let model = Served {
@@ -103,6 +127,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             chat: m.chat.clone(),
             name: m.name.clone(),
             served_names: a.served_model_names.clone(),
+            allowed_origins: a.allowed_origins.clone(),
             context_length: m.model.cfg.context_length,
         };
         let at = Listen {

@@ -150,15 +150,21 @@ impl Server {
 
     /// A server answering to `names` (`--served-model-name`).
     pub async fn start_named(script: Script, names: Vec<String>) -> Server {
+        Server::start_with(script, names, &[]).await
+    }
+
+    /// A server answering to `names`, with CORS for `origins`.
+    pub async fn start_with(script: Script, names: Vec<String>, origins: &[String]) -> Server {
         let m = model();
         let fake = Arc::new(Fake::new(script));
         let metrics = Metrics::new();
         let frontend =
             Frontend::new(fake.clone(), m.tokenizer.clone(), m.chat.clone(), m.name.clone(), CONTEXT, metrics.clone())
-                .with_served_names(names);
+                .with_served_names(names)
+                .with_cors(pdserve_frontend::Origins::parse(origins));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        tokio::spawn(pdserve_frontend::serve(listener, frontend.router(), std::future::pending()));
+        tokio::spawn(pdserve_frontend::serve(listener, frontend.router()));
         Server { addr, fake, metrics }
     }
 

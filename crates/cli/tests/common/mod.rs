@@ -1,0 +1,130 @@
+//! What the process tests share: `pdserve` children killed when a test ends, their
+//! logs, and one-line HTTP helpers.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use pdserve_testkit::http::{self, post_request};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const GOLDEN: &str = include_str!("../../../engine/tests/golden/smollm2-135m-q4_1.json");
+
+/// A child process killed when the test ends, however it ends.
+pub struct Proc {
+    pub child: Child,
+    /// The address it printed ("listening on A" or "at http://A/v1").
+    pub addr: SocketAddr,
+    /// Everything it logged so far.
+    pub log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    pub fn logged(&self, needle: &str) -> bool {
+        self.log.lock().unwrap().iter().any(|l| l.contains(needle))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `pdserve ARGS` and waits for the line announcing its address.
+pub fn start(args: &[&str]) -> Proc {
+    start_logging(args, "info")
+}
+
+/// [`start`] with `RUST_LOG=filter`; every line the process logs is kept.
+pub fn start_logging(args: &[&str], filter: &str) -> Proc {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .args(args)
+        .env("RUST_LOG", filter)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let addr = loop {
+        let line = lines.next().expect("process exited before announcing its address").unwrap();
+        log.lock().unwrap().push(line.clone());
+        if let Some(rest) = line.split("listening on ").nth(1) {
+            break rest.split(',').next().unwrap().trim().parse().unwrap();
+        }
+        if let Some(rest) = line.split("at http://").nth(1) {
+            break rest.split('/').next().unwrap().parse().unwrap();
+        }
+    };
+    // Keep draining stderr so the child never blocks on a full pipe.
+    let kept = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            kept.lock().unwrap().push(line);
+        }
+    });
+    Proc { child, addr, log }
+}
+
+pub fn worker(role: &str) -> Proc {
+    start(&["worker", "--role", role, "--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "512"])
+}
+
+pub fn frontend(workers: &[&Proc], mode: &str, transport: &str) -> Proc {
+    let list = workers.iter().map(|w| w.addr.to_string()).collect::<Vec<_>>().join(",");
+    start(&["frontend", "--workers", &list, "--mode", mode, "--kv-transport", transport, "--port", "0"])
+}
+
+pub fn one_process() -> Proc {
+    start(&["serve", "--mode", "aggregated", "--workers", "1", "--threads-per-worker", "1", "--port", "0"])
+}
+
+/// One HTTP/1.1 request; returns the status and the body.
+pub fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
+    let request = match (method, body) {
+        ("POST", Some(b)) => post_request(path, &b.to_string(), &[]),
+        _ => http::get_request(path),
+    };
+    let reply = http::send_blocking(addr, &request);
+    (reply.status, reply.text())
+}
+
+pub fn complete(addr: SocketAddr, prompt: &Value, max_tokens: u32) -> String {
+    let req = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+    let (status, body) = http(addr, "POST", "/v1/completions", Some(&req));
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+pub fn golden_prompts() -> Vec<Value> {
+    let g: Value = serde_json::from_str(GOLDEN).unwrap();
+    g["greedy"].as_array().unwrap().iter().map(|c| c["prompt_ids"].clone()).collect()
+}
+
+/// Sum of a metric's samples whose line contains `filter`.
+pub fn metric(addr: SocketAddr, name: &str, filter: &str) -> f64 {
+    let (_, text) = http(addr, "GET", "/metrics", None);
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(filter))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits (the frontend refreshes block counts once a second) until no worker holds
+/// a used block, and returns what is still used at the end.
+pub fn settle_used_blocks(addr: SocketAddr) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    std::thread::sleep(Duration::from_millis(1200));
+    loop {
+        let used = metric(addr, "pdserve_kv_blocks{", "state=\"used\"");
+        if used == 0.0 || Instant::now() > deadline {
+            return used;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

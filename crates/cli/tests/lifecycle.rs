@@ -1,0 +1,129 @@
+//! How servers start, wait and stop, as an operator sees it: flags that do not fit are
+//! refused in one line; a frontend outlives its workers and reconnects; SIGTERM drains
+//! (503 to newcomers, streams go on), the grace deadline ends streams with an error
+//! event and `[DONE]`, a second signal stops at once, and the exit code says whether
+//! requests were cut.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{complete, start, Proc};
+use pdserve_testkit::http::{self, post_request};
+use serde_json::json;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Exit code of a server that cut requests at shutdown.
+const CUT: i32 = 3;
+
+fn kill(p: &Proc, signal: &str) {
+    let ok = Command::new("kill").args([signal, &p.child.id().to_string()]).status().unwrap();
+    assert!(ok.success());
+}
+
+/// Waits for the process to exit; its exit code.
+fn exit_code(p: &mut Proc, within: Duration) -> Option<i32> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Some(status) = p.child.try_wait().unwrap() {
+            return status.code();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+fn status(addr: SocketAddr, path: &str) -> u16 {
+    http::send_blocking(addr, &http::get_request(path)).status
+}
+
+/// A streamed completion that runs for a long time, read until a few chunks came.
+fn long_stream(addr: SocketAddr) -> (TcpStream, Vec<u8>) {
+    let body = json!({"prompt": [504, 3575, 282], "max_tokens": 3000, "ignore_eos": true, "stream": true}).to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(&post_request("/v1/completions", &body, &[])).unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while String::from_utf8_lossy(&seen).matches("data:").count() < 5 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    (s, seen)
+}
+
+#[test]
+fn flags_that_do_not_fit_the_mode_are_refused_in_one_line() {
+    let cases: [&[&str]; 4] = [
+        &["serve", "--mode", "aggregated", "--prefill", "1"],
+        &["serve", "--mode", "disaggregated", "--workers", "2"],
+        &["frontend", "--workers", "127.0.0.1:9", "--mode", "aggregated", "--kv-transport", "shm"],
+        &["bench", "compare", "--peer-url", "http://127.0.0.1:9", "--topologies", "single"],
+    ];
+    for args in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_pdserve")).args(args).stderr(Stdio::piped()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.starts_with("error: --"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn a_frontend_outlives_its_workers_and_reconnects_when_one_comes_back() {
+    let w = start(&["worker", "--role", "mixed", "--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "256"]);
+    let addr = w.addr.to_string();
+    let fe = start(&["frontend", "--workers", &addr, "--mode", "aggregated", "--port", "0", "--grace-seconds", "1"]);
+    assert!(!complete(fe.addr, &json!([504, 3575, 282]), 4).is_empty());
+    drop(w);
+    // It used to shut itself down once its last worker was gone; it must keep serving
+    // (503s), say what it waits for, and not exit.
+    std::thread::sleep(Duration::from_secs(3));
+    let mut fe = fe;
+    assert!(fe.child.try_wait().unwrap().is_none(), "the frontend exited");
+    assert_eq!(status(fe.addr, "/health"), 503);
+    let body = json!({"prompt": "x", "max_tokens": 2}).to_string();
+    assert_eq!(http::send_blocking(fe.addr, &post_request("/v1/completions", &body, &[])).status, 503);
+    assert!(fe.logged("waiting for worker"), "{:?}", fe.log.lock().unwrap());
+    // The worker comes back on its address: used again.
+    let _w = start(&["worker", "--role", "mixed", "--listen", &addr, "--threads", "1", "--kv-blocks", "256"]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while status(fe.addr, "/health") != 200 {
+        assert!(Instant::now() < deadline, "never reconnected");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!complete(fe.addr, &json!([504, 3575, 282]), 4).is_empty());
+}
+
+#[test]
+fn sigterm_drains_then_cuts_streams_cleanly_at_the_deadline() {
+    let mut s = start(&["serve", "--mode", "aggregated", "--port", "0", "--grace-seconds", "2"]);
+    let (mut stream, mut seen) = long_stream(s.addr);
+    kill(&s, "-TERM");
+    std::thread::sleep(Duration::from_millis(300));
+    // Draining: connections are still accepted, and answered 503.
+    assert_eq!(status(s.addr, "/health"), 503);
+    let body = json!({"prompt": "x", "max_tokens": 2}).to_string();
+    assert_eq!(http::send_blocking(s.addr, &post_request("/v1/completions", &body, &[])).status, 503);
+    // The stream goes on, then ends with an error event and [DONE].
+    let _ = stream.read_to_end(&mut seen);
+    let mut events = http::Reply::parse(&seen).events();
+    assert_eq!(events.pop().as_deref(), Some("[DONE]"), "the stream must end with [DONE]");
+    let last = events.pop().unwrap();
+    assert!(last.contains("\"error\"") && last.contains("shutting down"), "{last}");
+    assert_eq!(exit_code(&mut s, Duration::from_secs(10)), Some(CUT), "requests were cut: exit {CUT}");
+}
+
+#[test]
+fn a_second_signal_stops_at_once() {
+    let mut s = start(&["serve", "--mode", "aggregated", "--port", "0", "--grace-seconds", "120"]);
+    let (_stream, _) = long_stream(s.addr);
+    kill(&s, "-TERM");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(s.child.try_wait().unwrap().is_none(), "still draining after one signal");
+    kill(&s, "-INT");
+    assert_eq!(exit_code(&mut s, Duration::from_secs(10)), Some(CUT));
+}

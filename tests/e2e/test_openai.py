@@ -57,10 +57,14 @@ def start(mode):
     port = free_port()
     if mode == "processes":
         ports = [free_port(), free_port()]
-        procs = [spawn("worker", "--role", role, "--listen", f"127.0.0.1:{p}")
+        token = os.path.join(tempfile.mkdtemp(), "token")
+        with open(token, "w") as f:
+            f.write(os.urandom(24).hex())
+        procs = [spawn("worker", "--role", role, "--listen", f"127.0.0.1:{p}", "--cluster-token-file", token)
                  for role, p in zip(("prefill", "decode"), ports)]
         workers = ",".join(f"127.0.0.1:{p}" for p in ports)
-        procs.append(spawn("frontend", "--workers", workers, "--mode", "disaggregated", "--port", str(port), *NAMES))
+        procs.append(spawn("frontend", "--workers", workers, "--mode", "disaggregated", "--port", str(port), *NAMES,
+                           "--cluster-token-file", token))
     else:
         procs = [spawn("serve", "--mode", mode, "--port", str(port), *NAMES)]
     proc = procs[-1]

@@ -57,10 +57,11 @@ fn long_stream(addr: SocketAddr) -> (TcpStream, Vec<u8>) {
 
 #[test]
 fn flags_that_do_not_fit_the_mode_are_refused_in_one_line() {
-    let cases: [&[&str]; 4] = [
+    let cases: [&[&str]; 5] = [
+        &["worker", "--role", "mixed", "--listen", "127.0.0.1:0"],
         &["serve", "--mode", "aggregated", "--prefill", "1"],
         &["serve", "--mode", "disaggregated", "--workers", "2"],
-        &["frontend", "--workers", "127.0.0.1:9", "--mode", "aggregated", "--kv-transport", "shm"],
+        &["frontend", "--workers", "127.0.0.1:9", "--mode", "aggregated", "--kv-transport", "shm", "--insecure"],
         &["bench", "compare", "--peer-url", "http://127.0.0.1:9", "--topologies", "single"],
     ];
     for args in cases {
@@ -68,7 +69,7 @@ fn flags_that_do_not_fit_the_mode_are_refused_in_one_line() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
         assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
-        assert!(err.starts_with("error: --"), "{args:?}: {err}");
+        assert!(err.starts_with("error: --") || err.starts_with("error: no cluster token"), "{args:?}: {err}");
     }
 }
 

@@ -39,6 +39,11 @@ pub const MAX_FRAME_BYTES: usize = 64 << 20;
 /// The most values K (and V) may hold.
 pub const MAX_ELEMS: usize = (MAX_FRAME_BYTES - HEADER_BYTES - CHECKSUM_BYTES) / 4;
 
+/// Bytes of an encoded frame whose K and V hold `elems` values each.
+pub fn encoded_len_for(elems: usize) -> usize {
+    HEADER_BYTES + 4 * elems + CHECKSUM_BYTES
+}
+
 /// One block of one layer: `n_kv_heads × block_size × head_dim` f16 values each of K
 /// and V, as raw bits.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,7 +1,8 @@
 //! The receiving side: a decode worker's registry of handoffs it expects, fed by any
 //! number of transports at once.
 
-use crate::{Frame, HandoffId, HandoffToken, TransferError};
+use crate::frame::MAX_FRAME_BYTES;
+use crate::{ClusterKey, Frame, HandoffId, HandoffToken, TransferError};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::pin;
@@ -33,6 +34,10 @@ const POOL_BYTES: usize = 32 << 20;
 struct Shared {
     /// Frames an inbox holds at most.
     capacity: usize,
+    /// What a peer must prove before its frames are read.
+    key: ClusterKey,
+    /// The largest record a receiver reads: a frame of the served model's size.
+    record_limit: usize,
     /// Payload buffers handed back by consumers.
     pool: Mutex<Pool>,
     expected: Mutex<HashMap<HandoffId, Feed>>,
@@ -40,9 +45,32 @@ struct Shared {
 
 impl Inboxes {
     /// Each handoff buffers up to `capacity` frames before its sender waits.
+    /// Inboxes that accept any peer and any frame size up to the format's limit; see
+    /// [`Inboxes::guarded`].
     pub fn new(capacity: usize) -> Inboxes {
-        let shared = Shared { capacity: capacity.max(1), pool: Mutex::default(), expected: Mutex::new(HashMap::new()) };
+        Inboxes::guarded(capacity, ClusterKey::insecure(), MAX_FRAME_BYTES)
+    }
+
+    /// Inboxes whose receivers let in only peers that prove `key`, and read no frame
+    /// larger than `max_frame_bytes` (a block of the served model).
+    pub fn guarded(capacity: usize, key: ClusterKey, max_frame_bytes: usize) -> Inboxes {
+        let shared = Shared {
+            capacity: capacity.max(1),
+            key,
+            record_limit: crate::records::record_limit(max_frame_bytes.min(MAX_FRAME_BYTES)),
+            pool: Mutex::default(),
+            expected: Mutex::new(HashMap::new()),
+        };
         Inboxes { shared: Arc::new(shared) }
+    }
+
+    pub(crate) fn key(&self) -> &ClusterKey {
+        &self.shared.key
+    }
+
+    /// The largest record this receiver reads.
+    pub(crate) fn record_limit(&self) -> usize {
+        self.shared.record_limit
     }
 
     /// Starts expecting handoff `id`; its frames arrive on the returned inbox, from

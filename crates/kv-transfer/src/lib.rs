@@ -37,6 +37,7 @@
 //! 512-token prompt (11.8 MB) therefore takes ~1 ms over shared memory and ~3 ms over
 //! loopback TCP, overlapped with seconds of prefill.
 
+pub mod auth;
 mod crc32c;
 pub mod frame;
 mod in_process;
@@ -53,6 +54,7 @@ mod tcp;
 use std::fmt;
 use std::sync::Arc;
 
+pub use auth::ClusterKey;
 pub use frame::{Frame, FrameError};
 pub use in_process::InProcess;
 pub use inbox::{Inbox, Inboxes};
@@ -61,6 +63,9 @@ pub use measure::{measure, measure_copy, measure_copy_twice, measure_raw_shm, me
 pub use shm::{ShmConfig, ShmReceiver, ShmTransport};
 pub use target::{HandoffToken, KvAddr, KvTarget, TransportKind};
 pub use tcp::{TcpReceiver, TcpTransport};
+
+/// Connections a receiver serves at once; more are closed as they arrive.
+pub const MAX_CONNECTIONS: usize = 64;
 
 /// Names one transfer of one sequence's KV from a prefill to a decode worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

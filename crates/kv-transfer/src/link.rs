@@ -323,7 +323,7 @@ fn read_replies(mut r: BufReader<Stream>, shared: Arc<Shared>) {
         if r.buffer().is_empty() {
             r.get_ref().wait_readable();
         }
-        match records::read_sync(&mut r, &mut body) {
+        match records::read_sync(&mut r, &mut body, records::REPLY_LIMIT) {
             Ok(Some(rec)) => {
                 if let Err(e) = shared.apply(rec, &body[..rec.len]) {
                     break e.to_string();

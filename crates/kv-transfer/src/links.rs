@@ -2,8 +2,8 @@
 //! opens a sink, whatever the target.
 
 use crate::{
-    HandoffId, HandoffToken, InProcess, KvAddr, KvSink, KvTarget, KvTransport, ShmConfig, ShmTransport, TcpTransport,
-    TransferError,
+    ClusterKey, HandoffId, HandoffToken, InProcess, KvAddr, KvSink, KvTarget, KvTransport, ShmConfig, ShmTransport,
+    TcpTransport, TransferError,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -11,10 +11,17 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// Open connections to remote receivers, connected on first use and kept.
 #[derive(Default)]
 pub struct Links {
+    /// What this side proves to receivers.
+    key: ClusterKey,
     open: Mutex<HashMap<KvAddr, Arc<dyn KvTransport>>>,
 }
 
 impl Links {
+    /// Links that prove `key` to the receivers they connect to.
+    pub fn new(key: ClusterKey) -> Links {
+        Links { key, open: Mutex::default() }
+    }
+
     /// Opens the sink of handoff `id` at `target`. Connecting blocks (a few seconds at
     /// most), so call it off the async workers.
     pub fn open(
@@ -43,8 +50,8 @@ impl Links {
             return Ok(t.clone());
         }
         let connected: Arc<dyn KvTransport> = match addr {
-            KvAddr::Tcp(a) => Arc::new(TcpTransport::connect(*a)?),
-            KvAddr::Shm(path) => Arc::new(ShmTransport::connect(path, ShmConfig::default())?),
+            KvAddr::Tcp(a) => Arc::new(TcpTransport::connect(*a, &self.key)?),
+            KvAddr::Shm(path) => Arc::new(ShmTransport::connect(path, ShmConfig::default(), &self.key)?),
         };
         Ok(self.lock().entry(addr.clone()).or_insert(connected).clone())
     }

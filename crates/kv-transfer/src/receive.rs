@@ -48,7 +48,7 @@ where
     let mut conn = Conn { inboxes, routes: HashMap::new(), out: Vec::new(), urgent: false, wake: false, batch: None };
     let mut body = Vec::new();
     let result = loop {
-        let rec = match records::read_async(r, &mut body).await {
+        let rec = match records::read_async(r, &mut body, inboxes.record_limit()).await {
             Ok(Some(rec)) => rec,
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),

@@ -32,6 +32,8 @@ pub mod to_receiver {
     /// body: the handoff's token (16 bytes). Comes before the handoff's frames; a
     /// token that does not match the receiver's fails the handoff.
     pub const OPEN: u8 = 6;
+    /// body: the answer to `CHALLENGE` (32 bytes), the connection's first record.
+    pub const PROOF: u8 = 7;
 }
 
 /// Receiver → sender.
@@ -44,6 +46,8 @@ pub mod to_sender {
     pub const FREE: u8 = 18;
     /// body: status u8 (`DELIVERED` when the segment is mapped).
     pub const WELCOME: u8 = 19;
+    /// body: a nonce (16 bytes), sent as soon as the connection is accepted.
+    pub const CHALLENGE: u8 = 20;
 }
 
 /// How a handoff ended, as the receiver reports it.
@@ -92,9 +96,9 @@ pub fn prefix(tag: u8, handoff: HandoffId, body_len: usize) -> [u8; PREFIX_BYTES
     p
 }
 
-fn parse_prefix(p: &[u8; PREFIX_BYTES]) -> io::Result<Record> {
+fn parse_prefix(p: &[u8; PREFIX_BYTES], limit: usize) -> io::Result<Record> {
     let len = u32::from_le_bytes([p[0], p[1], p[2], p[3]]) as usize;
-    if !(9..=MAX_RECORD).contains(&len) {
+    if !(9..=limit.min(MAX_RECORD)).contains(&len) {
         return Err(invalid(format!("record of {len} bytes")));
     }
     let mut id = [0u8; 8];
@@ -102,9 +106,18 @@ fn parse_prefix(p: &[u8; PREFIX_BYTES]) -> io::Result<Record> {
     Ok(Record { tag: p[4], handoff: HandoffId(u64::from_le_bytes(id)), len: len - 9 })
 }
 
-/// Reads one record, its body into `body[..record.len]` (grown as needed, never
-/// shrunk, so it is zeroed only once). `None` at a clean end of stream.
-pub async fn read_async<R: AsyncRead + Unpin>(r: &mut R, body: &mut Vec<u8>) -> io::Result<Option<Record>> {
+/// Body bytes read (and buffer grown) at a time: a length prefix alone never
+/// allocates more than this.
+const GROW: usize = 64 << 10;
+
+/// Reads one record, its body into `body[..record.len]` (grown as the bytes arrive,
+/// never shrunk, so it is zeroed only once). A record over `limit` bytes is an error.
+/// `None` at a clean end of stream.
+pub async fn read_async<R: AsyncRead + Unpin>(
+    r: &mut R,
+    body: &mut Vec<u8>,
+    limit: usize,
+) -> io::Result<Option<Record>> {
     let mut p = [0u8; PREFIX_BYTES];
     match r.read_exact(&mut p[..1]).await {
         Ok(_) => {}
@@ -112,16 +125,21 @@ pub async fn read_async<R: AsyncRead + Unpin>(r: &mut R, body: &mut Vec<u8>) -> 
         Err(e) => return Err(e),
     }
     r.read_exact(&mut p[1..]).await?;
-    let rec = parse_prefix(&p)?;
-    if body.len() < rec.len {
-        body.resize(rec.len, 0);
+    let rec = parse_prefix(&p, limit)?;
+    let mut filled = 0;
+    while filled < rec.len {
+        let end = (filled + GROW).min(rec.len);
+        if body.len() < end {
+            body.resize(end, 0);
+        }
+        r.read_exact(&mut body[filled..end]).await?;
+        filled = end;
     }
-    r.read_exact(&mut body[..rec.len]).await?;
     Ok(Some(rec))
 }
 
 /// [`read_async`] for a blocking stream.
-pub fn read_sync<R: Read>(r: &mut R, body: &mut Vec<u8>) -> io::Result<Option<Record>> {
+pub fn read_sync<R: Read>(r: &mut R, body: &mut Vec<u8>, limit: usize) -> io::Result<Option<Record>> {
     let mut p = [0u8; PREFIX_BYTES];
     match r.read_exact(&mut p[..1]) {
         Ok(()) => {}
@@ -129,13 +147,26 @@ pub fn read_sync<R: Read>(r: &mut R, body: &mut Vec<u8>) -> io::Result<Option<Re
         Err(e) => return Err(e),
     }
     r.read_exact(&mut p[1..])?;
-    let rec = parse_prefix(&p)?;
-    if body.len() < rec.len {
-        body.resize(rec.len, 0);
+    let rec = parse_prefix(&p, limit)?;
+    let mut filled = 0;
+    while filled < rec.len {
+        let end = (filled + GROW).min(rec.len);
+        if body.len() < end {
+            body.resize(end, 0);
+        }
+        r.read_exact(&mut body[filled..end])?;
+        filled = end;
     }
-    r.read_exact(&mut body[..rec.len])?;
     Ok(Some(rec))
 }
+
+/// The largest record that carries a frame of `frame_bytes`.
+pub fn record_limit(frame_bytes: usize) -> usize {
+    9 + frame_bytes
+}
+
+/// Records the sender side reads: answers, challenges, a few bytes each.
+pub const REPLY_LIMIT: usize = 4096;
 
 pub fn invalid(msg: String) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, msg)
@@ -180,21 +211,37 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_length_prefix_alone_allocates_nothing_and_limits_hold() {
+        // Announces 60 MiB, sends 3 bytes: an error, and the buffer never grew past a
+        // first step.
+        let mut bytes = prefix(to_receiver::FRAME, HandoffId(1), 60 << 20).to_vec();
+        bytes.extend_from_slice(b"abc");
+        let mut body = Vec::new();
+        assert!(read_sync(&mut &bytes[..], &mut body, usize::MAX).is_err());
+        assert!(body.capacity() <= GROW, "{} bytes allocated", body.capacity());
+        // Over the receiver's limit: refused before reading the body.
+        let mut ok = Vec::new();
+        put(&mut ok, to_receiver::FRAME, HandoffId(1), &[0u8; 100]);
+        assert!(read_sync(&mut &ok[..], &mut Vec::new(), record_limit(50)).is_err());
+        assert!(read_sync(&mut &ok[..], &mut Vec::new(), record_limit(100)).is_ok());
+    }
+
+    #[test]
     fn records_round_trip_and_bad_lengths_fail() {
         let mut out = Vec::new();
         put(&mut out, to_receiver::END, HandoffId(7), &5u32.to_le_bytes());
         put(&mut out, to_receiver::ABORT, HandoffId(8), &[]);
         let mut r = &out[..];
         let mut body = Vec::new();
-        let a = read_sync(&mut r, &mut body).unwrap().unwrap();
+        let a = read_sync(&mut r, &mut body, usize::MAX).unwrap().unwrap();
         assert_eq!((a.tag, a.handoff, a.len), (to_receiver::END, HandoffId(7), 4));
         assert_eq!(Body(&body[..a.len]).u32().unwrap(), 5);
-        let b = read_sync(&mut r, &mut body).unwrap().unwrap();
+        let b = read_sync(&mut r, &mut body, usize::MAX).unwrap().unwrap();
         assert_eq!((b.tag, b.handoff, b.len), (to_receiver::ABORT, HandoffId(8), 0));
-        assert!(read_sync(&mut r, &mut body).unwrap().is_none());
+        assert!(read_sync(&mut r, &mut body, usize::MAX).unwrap().is_none());
         let huge = prefix(to_receiver::FRAME, HandoffId(1), MAX_RECORD);
-        assert!(read_sync(&mut &huge[..], &mut body).is_err());
-        assert!(read_sync(&mut &out[..5], &mut body).is_err(), "a record cut short is an error");
+        assert!(read_sync(&mut &huge[..], &mut body, usize::MAX).is_err());
+        assert!(read_sync(&mut &out[..5], &mut body, usize::MAX).is_err(), "a record cut short is an error");
         assert!(Body(&[1, 2]).u32().is_err());
         assert!(Body(&[9]).status().is_err());
     }

@@ -22,8 +22,8 @@
 use crate::link::{Link, Stream, IO_TIMEOUT};
 use crate::records::{self, to_receiver, to_sender, Body, Status};
 use crate::{
-    frame, receive, Frame, FrameError, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError,
-    TransportKind,
+    auth, frame, receive, ClusterKey, Frame, FrameError, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport,
+    TransferError, TransportKind,
 };
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use std::fs::{self, OpenOptions};
@@ -90,7 +90,7 @@ pub struct ShmTransport {
 impl ShmTransport {
     /// Creates and pre-faults a segment, connects to the receiver's socket at
     /// `socket` and waits until it has mapped the segment (blocking).
-    pub fn connect(socket: impl AsRef<Path>, cfg: ShmConfig) -> Result<ShmTransport, TransferError> {
+    pub fn connect(socket: impl AsRef<Path>, cfg: ShmConfig, key: &ClusterKey) -> Result<ShmTransport, TransferError> {
         let min = frame::HEADER_BYTES + frame::CHECKSUM_BYTES;
         if cfg.slots == 0 || cfg.slots > MAX_SLOTS || cfg.slot_bytes < min || cfg.slot_bytes > u32::MAX as usize {
             let msg = format!("{} slots of {} bytes", cfg.slots, cfg.slot_bytes);
@@ -99,13 +99,14 @@ impl ShmTransport {
         let segment = Segment::create(cfg)?;
         let mut stream = UnixStream::connect(socket)?;
         stream.set_write_timeout(Some(IO_TIMEOUT))?;
-        stream.set_read_timeout(Some(IO_TIMEOUT))?;
+        stream.set_read_timeout(Some(auth::exchange_timeout()))?;
+        auth::answer(&mut stream, key)?;
         let hello = hello(cfg.slots as u32, cfg.slot_bytes as u64, segment.path.as_os_str().as_encoded_bytes());
         let mut out = Vec::new();
         records::put(&mut out, to_receiver::HELLO, HandoffId(0), &hello);
         io::Write::write_all(&mut stream, &out)?;
         let mut body = Vec::new();
-        let welcome = records::read_sync(&mut stream, &mut body)?;
+        let welcome = records::read_sync(&mut stream, &mut body, records::REPLY_LIMIT)?;
         let status = match welcome {
             Some(rec) if rec.tag == to_sender::WELCOME => Body(&body[..rec.len]).status()?,
             _ => return Err(TransferError::Disconnected("no answer to HELLO".into())),
@@ -408,6 +409,8 @@ async fn accept(listener: UnixListener, inboxes: Inboxes) {
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
+                // Over the cap: dropped at once.
+                Ok(_) if conns.len() >= crate::MAX_CONNECTIONS => {}
                 Ok((stream, _)) => {
                     conns.spawn(serve(stream, inboxes.clone()));
                 }
@@ -421,8 +424,9 @@ async fn accept(listener: UnixListener, inboxes: Inboxes) {
 async fn serve(stream: tokio::net::UnixStream, inboxes: Inboxes) -> io::Result<()> {
     let (r, mut w) = stream.into_split();
     let mut r = AsyncBufReader::with_capacity(64 << 10, r);
+    auth::challenge(&mut r, &mut w, inboxes.key()).await?;
     let mut body = Vec::new();
-    let hello = match records::read_async(&mut r, &mut body).await? {
+    let hello = match records::read_async(&mut r, &mut body, records::REPLY_LIMIT).await? {
         Some(rec) if rec.tag == to_receiver::HELLO => &body[..rec.len],
         _ => return Err(records::invalid("expected HELLO".into())),
     };
@@ -452,7 +456,8 @@ mod tests {
         let (tb, tg) = (bad.token(), good.token());
         let path = rx.path().to_path_buf();
         let sender = tokio::task::spawn_blocking(move || {
-            let t = ShmTransport::connect(&path, ShmConfig { slots: 4, slot_bytes: 16 << 10 }).unwrap();
+            let t = ShmTransport::connect(&path, ShmConfig { slots: 4, slot_bytes: 16 << 10 }, &ClusterKey::insecure())
+                .unwrap();
             let mut b = t.open(HandoffId(1), tb).unwrap();
             t.link().send_corrupted(&frame(1, 0), 10).unwrap();
             let mut g = t.open(HandoffId(2), tg).unwrap();
@@ -490,7 +495,8 @@ mod tests {
         let path = rx.path().to_path_buf();
         // Two slots of 16 KiB: each holds 15 frames of 1 KiB.
         let sender = tokio::task::spawn_blocking(move || {
-            let t = ShmTransport::connect(&path, ShmConfig { slots: 2, slot_bytes: 16 << 10 }).unwrap();
+            let t = ShmTransport::connect(&path, ShmConfig { slots: 2, slot_bytes: 16 << 10 }, &ClusterKey::insecure())
+                .unwrap();
             // A sink dropped with a slot half filled gives the slot back unsent...
             let mut dropped = t.open(HandoffId(3), HandoffToken([3; 16])).unwrap();
             dropped.send(small(3, 0)).unwrap();

@@ -3,7 +3,7 @@
 
 use crate::link::{Link, Stream, IO_TIMEOUT};
 use crate::receive;
-use crate::{HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError, TransportKind};
+use crate::{auth, ClusterKey, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError, TransportKind};
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -22,11 +22,15 @@ pub struct TcpTransport {
 }
 
 impl TcpTransport {
-    /// Connects to the receiver at `addr` (blocking, at most a few seconds).
-    pub fn connect(addr: SocketAddr) -> Result<TcpTransport, TransferError> {
-        let stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)?;
+    /// Connects to the receiver at `addr` and proves `key` (blocking, a few seconds at
+    /// most: a peer that accepts but never answers fails the connect).
+    pub fn connect(addr: SocketAddr, key: &ClusterKey) -> Result<TcpTransport, TransferError> {
+        let mut stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)?;
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(IO_TIMEOUT))?;
+        stream.set_read_timeout(Some(auth::exchange_timeout()))?;
+        auth::answer(&mut stream, key)?;
+        stream.set_read_timeout(None)?;
         Ok(TcpTransport { link: Link::start(TransportKind::Tcp, Stream::Tcp(stream), None)? })
     }
 
@@ -79,13 +83,17 @@ async fn accept(listener: TcpListener, inboxes: Inboxes) {
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
+                // Over the cap: dropped at once (the peer sees the connection close).
+                Ok(_) if conns.len() >= crate::MAX_CONNECTIONS => {}
                 Ok((stream, _)) => {
                     let _ = stream.set_nodelay(true);
                     let inboxes = inboxes.clone();
                     conns.spawn(async move {
                         let (r, mut w) = stream.into_split();
                         let mut r = BufReader::with_capacity(READ_BUFFER, r);
-                        let _ = receive::serve(&mut r, &mut w, &inboxes, None).await;
+                        if auth::challenge(&mut r, &mut w, inboxes.key()).await.is_ok() {
+                            let _ = receive::serve(&mut r, &mut w, &inboxes, None).await;
+                        }
                     });
                 }
                 // Out of descriptors, most likely: back off instead of spinning.
@@ -114,7 +122,7 @@ mod tests {
         let (tb, tg) = (bad.token(), good.token());
         let addr = rx.local_addr();
         let sender = tokio::task::spawn_blocking(move || {
-            let t = TcpTransport::connect(addr).unwrap();
+            let t = TcpTransport::connect(addr, &ClusterKey::insecure()).unwrap();
             let mut b = t.open(HandoffId(1), tb).unwrap();
             b.send(frame(1, 0)).unwrap();
             b.flush().unwrap();

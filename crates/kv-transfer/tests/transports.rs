@@ -5,9 +5,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pdserve_kv_transfer::{
-    measure, measure_copy, measure_copy_twice, measure_raw_shm, measure_raw_tcp, Frame, HandoffId, HandoffToken,
-    InProcess, Inboxes, KvTransport, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport, Throughput,
-    TransferError,
+    measure, measure_copy, measure_copy_twice, measure_raw_shm, measure_raw_tcp, ClusterKey, Frame, HandoffId,
+    HandoffToken, InProcess, Inboxes, KvTransport, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport,
+    Throughput, TransferError,
 };
 use pdserve_types::KvFrame;
 use std::path::PathBuf;
@@ -40,8 +40,14 @@ fn socket_path() -> PathBuf {
     std::env::temp_dir().join(format!("pdkv-test-{}-{n}.sock", std::process::id()))
 }
 
+/// The cluster secret of the tests' receivers.
+fn key() -> ClusterKey {
+    static KEY: std::sync::OnceLock<ClusterKey> = std::sync::OnceLock::new();
+    KEY.get_or_init(ClusterKey::random).clone()
+}
+
 async fn pair(kind: Kind, cfg: ShmConfig) -> Pair {
-    let inboxes = Inboxes::new(256);
+    let inboxes = Inboxes::guarded(256, key(), 64 << 20);
     let mut p =
         Pair { inboxes: inboxes.clone(), transport: Arc::new(InProcess::new(inboxes.clone())), _tcp: None, _shm: None };
     match kind {
@@ -49,14 +55,16 @@ async fn pair(kind: Kind, cfg: ShmConfig) -> Pair {
         Kind::Tcp => {
             let rx = TcpReceiver::bind("127.0.0.1:0", inboxes).await.unwrap();
             let addr = rx.local_addr();
-            p.transport =
-                Arc::new(tokio::task::spawn_blocking(move || TcpTransport::connect(addr)).await.unwrap().unwrap());
+            p.transport = Arc::new(
+                tokio::task::spawn_blocking(move || TcpTransport::connect(addr, &key())).await.unwrap().unwrap(),
+            );
             p._tcp = Some(rx);
         }
         Kind::Shm => {
             let rx = ShmReceiver::bind(socket_path(), inboxes).await.unwrap();
             let path = rx.path().to_path_buf();
-            let t = tokio::task::spawn_blocking(move || ShmTransport::connect(path, cfg)).await.unwrap().unwrap();
+            let t =
+                tokio::task::spawn_blocking(move || ShmTransport::connect(path, cfg, &key())).await.unwrap().unwrap();
             p.transport = Arc::new(t);
             p._shm = Some(rx);
         }
@@ -200,6 +208,37 @@ async fn a_sink_without_the_token_delivers_nothing() {
         assert_eq!(inbox.recv().await.unwrap(), Some(frame(id, 1, 1, REAL)), "{kind:?}");
         assert_eq!(inbox.recv().await.unwrap(), None, "{kind:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_without_the_cluster_key_cannot_connect() {
+    let inboxes = Inboxes::guarded(16, key(), 64 << 20);
+    let tcp = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+    let addr = tcp.local_addr();
+    let r = tokio::task::spawn_blocking(move || TcpTransport::connect(addr, &ClusterKey::random())).await.unwrap();
+    // The receiver closes the connection: the first send or the finish fails.
+    let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
+    if let Ok(t) = r {
+        let token = inbox.token();
+        let sent = tokio::task::spawn_blocking(move || {
+            let mut sink = t.open(HandoffId(1), token)?;
+            sink.send(frame(HandoffId(1), 0, 0, REAL))?;
+            sink.finish()
+        })
+        .await
+        .unwrap();
+        assert!(sent.is_err(), "a stranger's frames were accepted");
+    }
+    let sock = socket_path();
+    let shm = ShmReceiver::bind(&sock, inboxes.clone()).await.unwrap();
+    let path = shm.path().to_path_buf();
+    let r =
+        tokio::task::spawn_blocking(move || ShmTransport::connect(path, ShmConfig::default(), &ClusterKey::random()))
+            .await
+            .unwrap();
+    assert!(r.is_err(), "the shared-memory receiver took a stranger's segment");
+    // Nothing reached the inbox.
+    assert!(tokio::time::timeout(std::time::Duration::from_millis(200), inbox.recv()).await.is_err());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,7 @@
 //! flight.
 
 use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
-use pdserve_kv_transfer::{HandoffToken, KvAddr, KvTarget, TransportKind};
+use pdserve_kv_transfer::{auth, ClusterKey, HandoffToken, KvAddr, KvTarget, TransportKind};
 use pdserve_protocol::{
     DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Prefilled, Reply, ServeError, Worker,
     WorkerInfo, WorkerStats,
@@ -24,6 +24,11 @@ use tokio::sync::{mpsc, oneshot};
 /// Calls queued for the connection before callers are told the worker is overloaded.
 const QUEUE: usize = 4096;
 const HANDSHAKE: Duration = Duration::from_secs(10);
+/// How often the router asks a worker whether it is there.
+const PING_EVERY: Duration = Duration::from_secs(1);
+/// A worker silent this long (three missed pings) is taken for lost: it gets no new
+/// work and its calls in flight fail, so the router can go elsewhere.
+const SILENCE: Duration = Duration::from_secs(3);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -33,6 +38,10 @@ pub enum ConnectError {
     NoHandshake(SocketAddr),
     #[error("worker {addr} speaks protocol {theirs}, this build speaks {PROTOCOL_VERSION}")]
     Version { addr: SocketAddr, theirs: u32 },
+    #[error("worker {0} refused this router's cluster token")]
+    Refused(SocketAddr),
+    #[error("worker {0} could not prove it holds the cluster token")]
+    Impostor(SocketAddr),
 }
 
 enum Pending {
@@ -61,6 +70,9 @@ struct Conn {
     alive: AtomicBool,
     /// Woken when the connection is lost.
     lost: tokio::sync::Notify,
+    /// When the worker was last heard from, in milliseconds since `epoch`.
+    heard: AtomicU64,
+    epoch: std::time::Instant,
 }
 
 /// A cheap handle to a worker process.
@@ -70,19 +82,31 @@ pub struct RemoteWorker {
 }
 
 impl RemoteWorker {
-    /// Connects and shakes hands; the connection's tasks run on the current runtime.
-    pub async fn connect(addr: SocketAddr) -> Result<RemoteWorker, ConnectError> {
+    /// Connects, and both sides prove they hold `key`; the connection's tasks run on
+    /// the current runtime.
+    pub async fn connect(addr: SocketAddr, key: &ClusterKey) -> Result<RemoteWorker, ConnectError> {
         let io = |source| ConnectError::Io { addr, source };
         let stream = TcpStream::connect(addr).await.map_err(io)?;
         stream.set_nodelay(true).map_err(io)?;
         let (mut rd, mut wr) = stream.into_split();
-        control::write(&mut wr, &ToWorker::Hello { protocol: PROTOCOL_VERSION }).await.map_err(io)?;
+        let challenge = match tokio::time::timeout(HANDSHAKE, control::read::<_, FromWorker>(&mut rd)).await {
+            Ok(Ok(Some(FromWorker::Challenge { nonce }))) => nonce,
+            _ => return Err(ConnectError::NoHandshake(addr)),
+        };
+        let ours = auth::nonce();
+        let proof = key.prove(control::ROUTER_LABEL, &challenge).to_vec();
+        let hello = ToWorker::Hello { protocol: PROTOCOL_VERSION, proof, nonce: ours.to_vec() };
+        control::write(&mut wr, &hello).await.map_err(io)?;
         let hello = match tokio::time::timeout(HANDSHAKE, control::read::<_, FromWorker>(&mut rd)).await {
             Ok(Ok(Some(FromWorker::Hello(h)))) => h,
+            Ok(Ok(None)) | Ok(Err(_)) => return Err(ConnectError::Refused(addr)),
             _ => return Err(ConnectError::NoHandshake(addr)),
         };
         if hello.protocol != PROTOCOL_VERSION {
             return Err(ConnectError::Version { addr, theirs: hello.protocol });
+        }
+        if !key.verify(control::WORKER_LABEL, &ours, &hello.proof) {
+            return Err(ConnectError::Impostor(addr));
         }
         let (out, mut outbox) = mpsc::channel::<ToWorker>(QUEUE);
         let conn = Arc::new(Conn {
@@ -94,6 +118,8 @@ impl RemoteWorker {
             active: AtomicUsize::new(0),
             alive: AtomicBool::new(true),
             lost: tokio::sync::Notify::new(),
+            heard: AtomicU64::new(0),
+            epoch: std::time::Instant::now(),
         });
         tokio::spawn(async move {
             while let Some(msg) = outbox.recv().await {
@@ -103,12 +129,14 @@ impl RemoteWorker {
             }
         });
         let reader = conn.clone();
-        tokio::spawn(async move {
+        let reading = tokio::spawn(async move {
             while let Ok(Some(msg)) = control::read::<_, FromWorker>(&mut rd).await {
+                reader.heard();
                 reader.deliver(msg);
             }
-            reader.lost();
+            reader.lost("the connection closed");
         });
+        tokio::spawn(heartbeat(conn.clone(), reading.abort_handle()));
         Ok(RemoteWorker { conn })
     }
 
@@ -224,6 +252,22 @@ impl Worker for RemoteWorker {
     }
 }
 
+/// Pings the worker every second; one silent for [`SILENCE`] (hung, stopped, or cut
+/// off) is lost: its calls fail now rather than at their deadlines.
+async fn heartbeat(conn: Arc<Conn>, reading: tokio::task::AbortHandle) {
+    let mut tick = tokio::time::interval(PING_EVERY);
+    while conn.alive.load(Ordering::SeqCst) {
+        tick.tick().await;
+        let silent = conn.epoch.elapsed().saturating_sub(Duration::from_millis(conn.heard.load(Ordering::SeqCst)));
+        if silent > SILENCE {
+            reading.abort();
+            conn.lost("no answer to pings for 3 s");
+            return;
+        }
+        let _ = conn.out.try_send(ToWorker::Ping);
+    }
+}
+
 fn unexpected(a: &Answer) -> ServeError {
     ServeError::Internal(format!("the worker answered with an unexpected {a:?}"))
 }
@@ -308,7 +352,7 @@ impl Conn {
                     let _ = tx.send(result);
                 }
             }
-            FromWorker::Hello(_) => {}
+            FromWorker::Hello(_) | FromWorker::Challenge { .. } | FromWorker::Pong => {}
         }
     }
 
@@ -326,9 +370,15 @@ impl Conn {
         }
     }
 
+    fn heard(&self) {
+        self.heard.store(self.epoch.elapsed().as_millis() as u64, Ordering::SeqCst);
+    }
+
     /// The connection is gone: every call in flight fails.
-    fn lost(&self) {
-        self.alive.store(false, Ordering::SeqCst);
+    fn lost(&self, why: &str) {
+        if !self.alive.swap(false, Ordering::SeqCst) {
+            return;
+        }
         self.lost.notify_waiters();
         let drained: Vec<Pending> = self.lock().drain().map(|(_, p)| p).collect();
         for p in drained {
@@ -340,7 +390,7 @@ impl Conn {
             }
             // Dropped reply senders tell their waiters the worker is gone.
         }
-        tracing::warn!(worker = %self.hello.info.name, addr = %self.addr, "lost the connection to a worker");
+        tracing::warn!(worker = %self.hello.info.name, addr = %self.addr, reason = why, "lost a worker");
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<CallId, Pending>> {

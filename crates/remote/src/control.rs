@@ -6,13 +6,19 @@
 //!
 //! ```text
 //! router                               worker
-//!   Hello{protocol}             ──►
-//!                               ◄──    Hello(Handshake)
+//!                               ◄──    Challenge{nonce}
+//!   Hello{protocol, proof, nonce} ──►  checks the proof (else closes)
+//!                               ◄──    Hello(Handshake{.., proof})   the router checks it
 //!   Call{call, op}              ──►    runs op on the worker
 //!                               ◄──    Event{call, ..}*   (generate, decode)
 //!                               ◄──    Reply{call, ..}    (reserve, prefill, stats)
 //!   Cancel{call}                ──►    stops the call
+//!   Ping                        ──►    (every second)
+//!                               ◄──    Pong
 //! ```
+//!
+//! Both sides prove they hold the cluster's secret (HMAC of the other's nonce), so
+//! neither a stranger's router nor a stranger's worker gets in.
 
 use pdserve_kv_transfer::{HandoffToken, KvAddr};
 use pdserve_protocol::{DecodeHandoff, Event, GenerateRequest, Prefilled, ServeError, WorkerInfo, WorkerStats};
@@ -23,7 +29,12 @@ use std::path::PathBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
+
+/// What the router proves it knows.
+pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
+/// What the worker proves it knows.
+pub const WORKER_LABEL: &[u8] = b"pdserve-control-worker";
 
 /// The largest message either side accepts. A generate call carries at most a
 /// context's worth of token ids plus its sampling parameters, far below this; a
@@ -42,13 +53,21 @@ pub struct Handshake {
     pub kv_tcp_port: Option<u16>,
     /// Socket of the shared-memory KV receiver (same host only).
     pub kv_shm: Option<PathBuf>,
+    /// The worker's answer to the router's nonce.
+    pub proof: Vec<u8>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
 pub enum ToWorker {
     Hello {
         protocol: u32,
+        /// The answer to the worker's challenge.
+        proof: Vec<u8>,
+        /// The router's challenge to the worker.
+        nonce: Vec<u8>,
     },
+    /// Are you there? (Answered with `Pong`.)
+    Ping,
     Call {
         call: CallId,
         op: Box<Op>,
@@ -91,7 +110,9 @@ pub enum Op {
 
 #[derive(Debug, Serialize, Deserialize)]
 pub enum FromWorker {
+    Challenge { nonce: Vec<u8> },
     Hello(Handshake),
+    Pong,
     Event { call: CallId, event: Event },
     Reply { call: CallId, result: Result<Answer, ServeError> },
 }

@@ -6,30 +6,42 @@
 //! reservations released.
 
 use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
-use pdserve_kv_transfer::{KvTarget, TransportKind};
-use pdserve_protocol::{Event, KvDestination, ServeError, TokenStream, Worker};
+use pdserve_kv_transfer::{auth, ClusterKey, KvTarget, TransportKind};
+use pdserve_protocol::{Event, GenerateRequest, KvDestination, ServeError, TokenStream, Worker};
 use pdserve_types::RequestId;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
 /// Replies queued per connection before the sender waits.
 const OUTBOX: usize = 1024;
+/// Router connections served at once; more are closed as they arrive.
+const MAX_CONNECTIONS: usize = 64;
+/// Reservations one connection may hold at once.
+const MAX_HELD: usize = 256;
+/// How long a new connection has to prove it holds the cluster token.
+const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// One worker offered to routers.
 pub struct WorkerServer {
     worker: Arc<dyn Worker>,
+    key: ClusterKey,
+    connections: Arc<tokio::sync::Semaphore>,
 }
 
 impl WorkerServer {
-    pub fn new(worker: Arc<dyn Worker>) -> Arc<WorkerServer> {
-        Arc::new(WorkerServer { worker })
+    /// Serves `worker` to routers that prove `key`.
+    pub fn new(worker: Arc<dyn Worker>, key: ClusterKey) -> Arc<WorkerServer> {
+        let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        Arc::new(WorkerServer { worker, key, connections })
     }
 
-    /// What a router learns when it connects.
-    fn handshake(&self) -> Handshake {
+    /// What a router learns once it proved the token: who this is, and this worker's
+    /// answer to the router's nonce.
+    fn handshake(&self, router_nonce: &[u8]) -> Handshake {
         let port = match self.worker.kv_target(TransportKind::Tcp) {
             Some(KvTarget::Remote(pdserve_kv_transfer::KvAddr::Tcp(a))) => Some(a.port()),
             _ => None,
@@ -38,7 +50,14 @@ impl WorkerServer {
             Some(KvTarget::Remote(pdserve_kv_transfer::KvAddr::Shm(p))) => Some(p),
             _ => None,
         };
-        Handshake { protocol: PROTOCOL_VERSION, info: self.worker.info().clone(), kv_tcp_port: port, kv_shm: shm }
+        let proof = self.key.prove(control::WORKER_LABEL, router_nonce).to_vec();
+        Handshake {
+            protocol: PROTOCOL_VERSION,
+            info: self.worker.info().clone(),
+            kv_tcp_port: port,
+            kv_shm: shm,
+            proof,
+        }
     }
 
     /// Accepts routers until `shutdown` resolves.
@@ -48,9 +67,17 @@ impl WorkerServer {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => {
+                        let Ok(permit) = self.connections.clone().try_acquire_owned() else {
+                            tracing::warn!(%peer, "too many router connections; closing a new one");
+                            continue;
+                        };
                         let _ = stream.set_nodelay(true);
                         tracing::debug!(%peer, "router connected");
-                        tokio::spawn(self.clone().session(stream));
+                        let me = self.clone();
+                        tokio::spawn(async move {
+                            me.session(stream).await;
+                            drop(permit);
+                        });
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
@@ -63,8 +90,31 @@ impl WorkerServer {
         }
     }
 
+    /// Challenges a new connection; the router's nonce once it answered right.
+    async fn authenticate(&self, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf) -> Option<Vec<u8>> {
+        let nonce = auth::nonce();
+        control::write(wr, &FromWorker::Challenge { nonce: nonce.to_vec() }).await.ok()?;
+        let hello = tokio::time::timeout(HANDSHAKE, control::read::<_, ToWorker>(rd)).await;
+        match hello {
+            Ok(Ok(Some(ToWorker::Hello { proof, nonce: theirs, .. })))
+                if self.key.verify(control::ROUTER_LABEL, &nonce, &proof) =>
+            {
+                Some(theirs)
+            }
+            _ => {
+                let peer = rd.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                tracing::warn!(%peer, "refused a router: no handshake or a wrong cluster token");
+                None
+            }
+        }
+    }
+
     async fn session(self: Arc<Self>, stream: TcpStream) {
         let (mut rd, mut wr) = stream.into_split();
+        let Some(router_nonce) = self.authenticate(&mut rd, &mut wr).await else { return };
+        if control::write(&mut wr, &FromWorker::Hello(self.handshake(&router_nonce))).await.is_err() {
+            return;
+        }
         let (out, mut outbox) = mpsc::channel::<FromWorker>(OUTBOX);
         let writer = tokio::spawn(async move {
             while let Some(msg) = outbox.recv().await {
@@ -116,9 +166,10 @@ impl Session {
 
     fn handle(self: Arc<Self>, msg: ToWorker) {
         match msg {
-            // The router compares versions and hangs up on a mismatch.
-            ToWorker::Hello { .. } => {
-                let _ = self.out.try_send(FromWorker::Hello(self.srv.handshake()));
+            // Answered once, before this session started.
+            ToWorker::Hello { .. } => {}
+            ToWorker::Ping => {
+                let _ = self.out.try_send(FromWorker::Pong);
             }
             ToWorker::Call { call, op } => self.call(call, *op),
             ToWorker::Cancel { call } => {
@@ -130,6 +181,11 @@ impl Session {
     }
 
     fn call(self: Arc<Self>, call: CallId, op: Op) {
+        // Nothing from the wire is trusted: the same checks as the frontend's.
+        let op = match checked(op) {
+            Ok(op) => op,
+            Err(e) => return self.refuse(call, e),
+        };
         match op {
             Op::Generate { req } => {
                 let span = tracing::info_span!("generate", request_id = %req.tag);
@@ -183,6 +239,16 @@ impl Session {
                 self.reply(call, async move { Ok(Answer::Stats(s.worker().stats().await?)) })
             }
         }
+    }
+
+    /// Answers a call that cannot run: an error event for a stream call, else an error
+    /// reply.
+    fn refuse(self: Arc<Self>, call: CallId, e: ServeError) {
+        tracing::warn!(kind = e.kind(), error = %e, "refused a call");
+        let msg = FromWorker::Reply { call, result: Err(e.clone()) };
+        let event = FromWorker::Event { call, event: Event::Failed(e) };
+        let _ = self.out.try_send(event);
+        let _ = self.out.try_send(msg);
     }
 
     /// Runs a call answered once, remembered so `Cancel` can stop it.
@@ -246,6 +312,9 @@ impl Session {
         if held.contains_key(&id) {
             return Err(ServeError::Invalid(format!("{id} is already reserved on this connection")));
         }
+        if held.len() >= MAX_HELD {
+            return Err(ServeError::Overloaded(format!("this connection holds {MAX_HELD} reservations already")));
+        }
         held.insert(id, Hold::Reserving);
         Ok(())
     }
@@ -299,4 +368,28 @@ impl Session {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// An operation whose requests pass the checks every request passes at the frontend:
+/// sampling values in range, a prompt that is not empty.
+fn checked(op: Op) -> Result<Op, ServeError> {
+    let valid = |mut req: GenerateRequest| {
+        if req.prompt.is_empty() {
+            return Err(ServeError::Invalid("the prompt is empty".into()));
+        }
+        req.params = req.params.validate().map_err(|e| ServeError::Invalid(e.to_string()))?;
+        Ok(req)
+    };
+    Ok(match op {
+        Op::Generate { req } => Op::Generate { req: valid(req)? },
+        Op::Prefill { req, to, token } => Op::Prefill { req: valid(req)?, to, token },
+        Op::Decode { mut handoff } => {
+            if handoff.prompt.is_empty() {
+                return Err(ServeError::Invalid("the prompt is empty".into()));
+            }
+            handoff.params = handoff.params.validate().map_err(|e| ServeError::Invalid(e.to_string()))?;
+            Op::Decode { handoff }
+        }
+        other => other,
+    })
 }

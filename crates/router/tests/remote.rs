@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{collect, local, request, rt, worker, PROMPTS};
+use common::{collect, key, local, request, rt, worker, PROMPTS};
 
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, Generate, TokenStream, Worker};
@@ -35,8 +35,8 @@ async fn serve(name: &str, role: Role) -> Served {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let served: Arc<dyn Worker> = Arc::new(local.clone());
-    tokio::spawn(WorkerServer::new(served).serve(listener, std::future::pending()));
-    let remote = RemoteWorker::connect(addr).await.unwrap();
+    tokio::spawn(WorkerServer::new(served, key()).serve(listener, std::future::pending()));
+    let remote = RemoteWorker::connect(addr, &key()).await.unwrap();
     Served { local, remote }
 }
 
@@ -61,6 +61,21 @@ async fn settle(workers: &[&LocalWorker]) -> usize {
         eprintln!("{}: {:?}", w.name(), w.stats().await);
     }
     used
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_routers_and_workers_holding_the_cluster_key_meet() {
+    let d = serve("dk", Role::Decode).await;
+    let stranger = pdserve_kv_transfer::ClusterKey::random();
+    let r = RemoteWorker::connect(d.remote.addr(), &stranger).await;
+    assert!(matches!(r, Err(pdserve_remote::ConnectError::Refused(_))), "{:?}", r.err());
+    // An impostor worker: answers the challenge without the key.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake: Arc<dyn Worker> = Arc::new(local("impostor", Role::Decode, 16));
+    tokio::spawn(WorkerServer::new(fake, stranger).serve(listener, std::future::pending()));
+    let r = RemoteWorker::connect(addr, &key()).await;
+    assert!(r.is_err(), "a worker without the key was accepted");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

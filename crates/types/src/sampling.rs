@@ -84,6 +84,8 @@ pub struct SamplingError {
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// Stop strings per request (OpenAI allows 4; we are more generous).
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Bytes of one stop string at most.
+pub const MAX_STOP_BYTES: usize = 1024;
 
 impl SamplingParams {
     /// Greedy decoding of at most `max_tokens` tokens.
@@ -129,6 +131,9 @@ impl SamplingParams {
         }
         if self.stop.strings.iter().any(|s| s.is_empty()) {
             return err("stop", "stop strings must not be empty");
+        }
+        if self.stop.strings.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+            return err("stop", "a stop string may be at most 1024 bytes");
         }
         Ok(self)
     }

@@ -13,9 +13,11 @@ mod worker_loop;
 
 use kv::{forward, Import, SharedSink};
 use pdserve_engine::batch::EngineConfig;
+use pdserve_engine::batch::BLOCK_SIZE;
 use pdserve_engine::model::Model;
 use pdserve_kv_transfer::{
-    HandoffId, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, TransferError, TransportKind,
+    frame, ClusterKey, HandoffId, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, TransferError,
+    TransportKind,
 };
 use pdserve_protocol::{
     DecodeHandoff, EventSender, GenerateRequest, KvDestination, Prefilled, Reply, ServeError, Worker, WorkerInfo,
@@ -75,6 +77,9 @@ pub struct WorkerOptions {
     pub engine: EngineConfig,
     /// End-of-generation token ids (from the tokenizer).
     pub eog: Vec<u32>,
+    /// The cluster's secret: what this worker's KV receivers ask of senders, and what
+    /// its links prove to other workers' receivers.
+    pub key: ClusterKey,
 }
 
 /// A cheap handle to a worker in this process.
@@ -111,21 +116,18 @@ impl LocalWorker {
         let (tx, rx) = sync_channel(QUEUE);
         let active = Arc::new(AtomicUsize::new(0));
         let counter = active.clone();
+        // A frame is one block of one layer: K and V of every KV head.
+        let c = &model.cfg;
+        let frame_bytes = frame::encoded_len_for(c.n_kv_heads * BLOCK_SIZE * c.head_dim);
+        let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
+        let links = Links::new(opts.key);
         let (engine, eog) = (opts.engine, opts.eog);
         std::thread::Builder::new()
             .name(format!("pdserve-{}", opts.name))
             .spawn(move || worker_loop::run(model, engine, eog, rx, counter))?;
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
-        let inner = Inner {
-            info,
-            tx,
-            active,
-            inboxes: Inboxes::new(INBOX_FRAMES),
-            receivers: Mutex::default(),
-            links: Links::default(),
-            imports: Mutex::default(),
-            rt,
-        };
+        let inner =
+            Inner { info, tx, active, inboxes, receivers: Mutex::default(), links, imports: Mutex::default(), rt };
         Ok(LocalWorker { inner: Arc::new(inner) })
     }
 

@@ -7,7 +7,7 @@
 
 use super::http::{self, Listen, Served};
 use pdserve_frontend::Metrics;
-use pdserve_kv_transfer::TransportKind;
+use pdserve_kv_transfer::{ClusterKey, TransportKind};
 use pdserve_protocol::Worker;
 use pdserve_remote::RemoteWorker;
 use pdserve_router::{Deadlines, Mode, PolicyKind, Router};
@@ -52,6 +52,8 @@ pub struct Args {
     /// default.
     #[arg(long, value_delimiter = ',')]
     allowed_origins: Vec<String>,
+    #[command(flatten)]
+    security: super::Security,
 }
 
 pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
@@ -62,6 +64,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         (Mode::Aggregated, Some(_)) => anyhow::bail!("--kv-transport needs --mode disaggregated or auto"),
         (_, via) => via.unwrap_or(TransportKind::Tcp),
     };
+    let key = a.security.key()?;
     let meta = super::load_meta(&a.model)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
@@ -76,7 +79,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         for &addr in &a.workers {
             let (tx, rx) = tokio::sync::oneshot::channel();
             first.push(rx);
-            tokio::spawn(supervise(addr, router.clone(), metrics.clone(), meta.name.clone(), tx));
+            tokio::spawn(supervise(addr, key.clone(), router.clone(), metrics.clone(), meta.name.clone(), tx));
         }
         // Serve as soon as every listed worker answered once, or after the patience.
         let _ = tokio::time::timeout(CONNECT_PATIENCE, futures_join(first)).await;
@@ -117,13 +120,14 @@ async fn futures_join(rxs: Vec<tokio::sync::oneshot::Receiver<()>>) {
 /// Keeps the worker at `addr` in the router's set while it is connected.
 async fn supervise(
     addr: SocketAddr,
+    key: ClusterKey,
     router: Arc<Router>,
     metrics: Metrics,
     model: String,
     first: tokio::sync::oneshot::Sender<()>,
 ) {
     let mut first = Some(first);
-    pdserve_remote::keep_connected(addr, |w: RemoteWorker| {
+    pdserve_remote::keep_connected(addr, key, |w: RemoteWorker| {
         let (router, metrics, model) = (router.clone(), metrics.clone(), model.clone());
         let announce = first.take();
         async move {

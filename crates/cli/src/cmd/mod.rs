@@ -78,3 +78,28 @@ pub mod runtime_dir {
         }
     }
 }
+
+/// Who may use a worker's ports: the cluster's shared secret.
+#[derive(clap::Args)]
+pub struct Security {
+    /// File holding the cluster's shared secret (at least 16 bytes; make one with
+    /// `head -c 32 /dev/urandom | base64 > FILE`). Workers and frontends prove it to
+    /// each other on every control and KV connection.
+    #[arg(long, conflicts_with = "insecure")]
+    cluster_token_file: Option<PathBuf>,
+    /// Run without a cluster token: anyone who can reach the ports may use them.
+    #[arg(long)]
+    insecure: bool,
+}
+
+impl Security {
+    fn key(&self) -> anyhow::Result<pdserve_kv_transfer::ClusterKey> {
+        match (&self.cluster_token_file, self.insecure) {
+            (Some(path), _) => pdserve_kv_transfer::ClusterKey::from_file(path).map_err(anyhow::Error::msg),
+            (None, true) => Ok(pdserve_kv_transfer::ClusterKey::insecure()),
+            (None, false) => anyhow::bail!(
+                "no cluster token: give --cluster-token-file FILE (make one with `head -c 32 /dev/urandom | base64 > FILE`), or --insecure to let anyone who reaches the ports in"
+            ),
+        }
+    }
+}

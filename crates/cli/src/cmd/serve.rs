@@ -91,6 +91,8 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     let threads = a.threads_per_worker.unwrap_or_else(|| (cores / roles.len()).max(1));
     let metrics = Metrics::new();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    // Both ends of every KV link are in this process: a key of its own.
+    let key = pdserve_kv_transfer::ClusterKey::random();
     let mut workers: Vec<LocalWorker> = Vec::new();
     for (i, role) in roles.iter().enumerate() {
         let name = format!("{role}-{i}");
@@ -100,6 +102,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             model_name: m.name.clone(),
             engine: EngineConfig { threads, num_blocks: a.kv_blocks, ..Default::default() },
             eog: m.tokenizer.eog_ids().to_vec(),
+            key: key.clone(),
         };
         let w = LocalWorker::spawn(opts, m.model.clone(), rt.handle().clone())
             .with_context(|| format!("starting worker {name}"))?;

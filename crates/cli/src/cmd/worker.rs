@@ -34,9 +34,12 @@ pub struct Args {
     /// Name in metrics and logs (default: ROLE@LISTEN).
     #[arg(long)]
     name: Option<String>,
+    #[command(flatten)]
+    security: super::Security,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    let key = a.security.key()?;
     let m = super::load_model(&a.model)?;
     let name = a.name.clone().unwrap_or_else(|| format!("{}@{}", a.role, a.listen));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
@@ -46,6 +49,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         model_name: m.name.clone(),
         engine: EngineConfig { threads: a.threads.max(1), num_blocks: a.kv_blocks, ..Default::default() },
         eog: m.tokenizer.eog_ids().to_vec(),
+        key: key.clone(),
     };
     let worker = LocalWorker::spawn(opts, m.model.clone(), rt.handle().clone())
         .with_context(|| format!("starting worker {name}"))?;
@@ -64,7 +68,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             listener.local_addr()?,
             kv.port()
         );
-        WorkerServer::new(Arc::new(worker) as Arc<dyn Worker>).serve(listener, http::signal()).await;
+        WorkerServer::new(Arc::new(worker) as Arc<dyn Worker>, key).serve(listener, http::signal()).await;
         tracing::info!("pdserve worker: stopped");
         Ok(())
     })

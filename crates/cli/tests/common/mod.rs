@@ -10,6 +10,18 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// A cluster token for this test binary's workers and frontends.
+pub fn token_file() -> &'static str {
+    static PATH: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let path = std::env::temp_dir().join(format!("pdserve-test-token-{}", std::process::id()));
+        let token: String =
+            (0..32).map(|i| char::from(b'a' + ((std::process::id() as usize * 7 + i * 13) % 26) as u8)).collect();
+        std::fs::write(&path, token).unwrap();
+        path.to_string_lossy().into_owned()
+    })
+}
+
 const GOLDEN: &str = include_str!("../../../engine/tests/golden/smollm2-135m-q4_1.json");
 
 /// A child process killed when the test ends, however it ends.
@@ -41,8 +53,12 @@ pub fn start(args: &[&str]) -> Proc {
 
 /// [`start`] with `RUST_LOG=filter`; every line the process logs is kept.
 pub fn start_logging(args: &[&str], filter: &str) -> Proc {
+    // Workers and frontends share the tests' cluster token.
+    let token = ["--cluster-token-file", token_file()];
+    let secured = matches!(args.first(), Some(&"worker" | &"frontend"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
         .args(args)
+        .args(if secured { &token[..] } else { &[] })
         .env("RUST_LOG", filter)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

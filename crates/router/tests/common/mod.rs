@@ -35,8 +35,15 @@ pub fn local(name: &str, role: Role, blocks: usize) -> LocalWorker {
         model_name: m.name.clone(),
         engine: EngineConfig { threads: 1, num_blocks: blocks, ..Default::default() },
         eog: m.tokenizer.eog_ids().to_vec(),
+        key: key(),
     };
     LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current()).unwrap()
+}
+
+/// The cluster secret every test worker and router shares.
+pub fn key() -> pdserve_kv_transfer::ClusterKey {
+    static KEY: OnceLock<pdserve_kv_transfer::ClusterKey> = OnceLock::new();
+    KEY.get_or_init(pdserve_kv_transfer::ClusterKey::random).clone()
 }
 
 pub fn request(id: u64, text: &str, max_tokens: u32) -> GenerateRequest {

@@ -1,7 +1,9 @@
-//! Who may talk to a worker's ports: every connection starts with a challenge. The
-//! side that accepted sends a random nonce; the side that connected answers with
-//! HMAC-SHA256 of the nonce under the cluster's shared secret; a wrong answer closes
-//! the connection. The secret itself never crosses the wire.
+//! Who may talk to a worker's ports: every connection starts with a mutual challenge.
+//! Each side sends a random nonce and answers the other's with HMAC-SHA256 of it under
+//! the cluster's shared secret; a wrong answer closes the connection. So a receiver
+//! takes frames only from a sender that holds the secret, and a sender sends frames
+//! only to a receiver that holds it (not to whatever address it was told). The secret
+//! itself never crosses the wire.
 //!
 //! A process started with `--insecure` uses the empty key: the exchange still runs,
 //! and any peer can answer it.
@@ -93,12 +95,24 @@ fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     outer.finalize().into()
 }
 
-/// What the two ends prove they know, on KV links.
-const KV_LABEL: &[u8] = b"pdserve-kv";
+/// What a KV sender proves it knows.
+const SENDER_LABEL: &[u8] = b"pdserve-kv-sender";
+/// What a KV receiver proves it knows.
+const RECEIVER_LABEL: &[u8] = b"pdserve-kv-receiver";
 /// How long either end waits for the other's part of the exchange.
-const EXCHANGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+const EXCHANGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
-/// The accepting side: challenges the peer; `Ok` once it answered right.
+fn denied(why: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::PermissionDenied, why.to_string())
+}
+
+/// The accepting side (a receiver): `Ok` once the sender proved the key.
+///
+/// ```text
+/// sender ── KNOCK{nonce_s} ──────────────────────► receiver
+///        ◄── CHALLENGE{nonce_r, proof of nonce_s} ─
+///        ── PROOF{proof of nonce_r} ─────────────►
+/// ```
 pub(crate) async fn challenge<R, W>(r: &mut R, w: &mut W, key: &ClusterKey) -> std::io::Result<()>
 where
     R: tokio::io::AsyncRead + Unpin,
@@ -106,38 +120,59 @@ where
 {
     use crate::records::{self, to_receiver, to_sender};
     use tokio::io::AsyncWriteExt;
-    let n = nonce();
-    let mut out = Vec::new();
-    records::put(&mut out, to_sender::CHALLENGE, crate::HandoffId(0), &n);
-    w.write_all(&out).await?;
     let mut body = Vec::new();
-    let rec = tokio::time::timeout(EXCHANGE_TIMEOUT, records::read_async(r, &mut body, records::REPLY_LIMIT))
-        .await
-        .map_err(|_| records::invalid("no answer to the challenge".into()))??;
-    match rec {
-        Some(rec) if rec.tag == to_receiver::PROOF && key.verify(KV_LABEL, &n, &body[..rec.len]) => Ok(()),
-        _ => Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, "wrong cluster token")),
+    let next = async |r: &mut R, body: &mut Vec<u8>| {
+        tokio::time::timeout(EXCHANGE_TIMEOUT, records::read_async(r, body, records::REPLY_LIMIT))
+            .await
+            .map_err(|_| denied("no answer to the challenge"))?
+    };
+    let theirs = match next(r, &mut body).await? {
+        Some(rec) if rec.tag == to_receiver::KNOCK && rec.len == NONCE_BYTES => body[..rec.len].to_vec(),
+        _ => return Err(denied("the sender did not knock")),
+    };
+    let ours = nonce();
+    let mut out = Vec::new();
+    let mut challenge = ours.to_vec();
+    challenge.extend_from_slice(&key.prove(RECEIVER_LABEL, &theirs));
+    records::put(&mut out, to_sender::CHALLENGE, crate::HandoffId(0), &challenge);
+    w.write_all(&out).await?;
+    match next(r, &mut body).await? {
+        Some(rec) if rec.tag == to_receiver::PROOF && key.verify(SENDER_LABEL, &ours, &body[..rec.len]) => Ok(()),
+        _ => Err(denied("wrong cluster token")),
     }
 }
 
-/// The connecting side: answers the challenge on a fresh (blocking) connection.
+/// The connecting side (a sender), on a fresh blocking connection whose read timeout
+/// bounds each wait: `Ok` once both sides proved the key.
 pub(crate) fn answer<S: std::io::Read + std::io::Write>(
     s: &mut S,
     key: &ClusterKey,
 ) -> Result<(), crate::TransferError> {
     use crate::records::{self, to_receiver, to_sender};
-    let mut body = Vec::new();
-    let n = match records::read_sync(s, &mut body, records::REPLY_LIMIT)? {
-        Some(rec) if rec.tag == to_sender::CHALLENGE && rec.len == NONCE_BYTES => body[..rec.len].to_vec(),
-        _ => return Err(crate::TransferError::Disconnected("the receiver sent no challenge".into())),
-    };
+    let ours = nonce();
     let mut out = Vec::new();
-    records::put(&mut out, to_receiver::PROOF, crate::HandoffId(0), &key.prove(KV_LABEL, &n));
+    records::put(&mut out, to_receiver::KNOCK, crate::HandoffId(0), &ours);
+    s.write_all(&out)?;
+    let mut body = Vec::new();
+    let rec = match records::read_sync(s, &mut body, records::REPLY_LIMIT) {
+        Ok(Some(rec)) => rec,
+        _ => return Err(crate::TransferError::Disconnected("the receiver did not answer the knock".into())),
+    };
+    let got = &body[..rec.len];
+    if rec.tag != to_sender::CHALLENGE || got.len() != NONCE_BYTES + PROOF_BYTES {
+        return Err(crate::TransferError::Disconnected("the receiver sent no challenge".into()));
+    }
+    let (theirs, proof) = got.split_at(NONCE_BYTES);
+    if !key.verify(RECEIVER_LABEL, &ours, proof) {
+        return Err(crate::TransferError::Disconnected("the receiver does not hold the cluster token".into()));
+    }
+    out.clear();
+    records::put(&mut out, to_receiver::PROOF, crate::HandoffId(0), &key.prove(SENDER_LABEL, theirs));
     s.write_all(&out)?;
     Ok(())
 }
 
-/// How long a connecting side waits for the challenge.
+/// How long a connecting side waits for each step of the exchange.
 pub(crate) fn exchange_timeout() -> std::time::Duration {
     EXCHANGE_TIMEOUT
 }

@@ -7,13 +7,26 @@ use crate::{
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// A receiver that refused or did not answer is not tried again for this long: the
+/// handoffs sent its way fail at once (and fall back) instead of each waiting out a
+/// connection timeout.
+const COOL_DOWN: Duration = Duration::from_secs(10);
 
 /// Open connections to remote receivers, connected on first use and kept.
 #[derive(Default)]
 pub struct Links {
-    /// What this side proves to receivers.
+    /// What this side proves to receivers, and asks them to prove.
     key: ClusterKey,
-    open: Mutex<HashMap<KvAddr, Arc<dyn KvTransport>>>,
+    open: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    links: HashMap<KvAddr, Arc<dyn KvTransport>>,
+    /// Receivers that failed to connect, and when.
+    failed: HashMap<KvAddr, Instant>,
 }
 
 impl Links {
@@ -42,21 +55,38 @@ impl Links {
     /// Drops the link to `addr` (after a failure), so the next handoff reconnects
     /// rather than reuse a link that may be down.
     pub fn forget(&self, addr: &KvAddr) {
-        self.lock().remove(addr);
+        self.lock().links.remove(addr);
     }
 
     fn link(&self, addr: &KvAddr) -> Result<Arc<dyn KvTransport>, TransferError> {
-        if let Some(t) = self.lock().get(addr) {
-            return Ok(t.clone());
+        {
+            let st = self.lock();
+            if let Some(t) = st.links.get(addr) {
+                return Ok(t.clone());
+            }
+            if st.failed.get(addr).is_some_and(|t| t.elapsed() < COOL_DOWN) {
+                return Err(TransferError::Disconnected(format!("{addr:?} failed recently; not retried yet")));
+            }
         }
-        let connected: Arc<dyn KvTransport> = match addr {
-            KvAddr::Tcp(a) => Arc::new(TcpTransport::connect(*a, &self.key)?),
-            KvAddr::Shm(path) => Arc::new(ShmTransport::connect(path, ShmConfig::default(), &self.key)?),
+        let connected: Result<Arc<dyn KvTransport>, TransferError> = match addr {
+            KvAddr::Tcp(a) => TcpTransport::connect(*a, &self.key).map(|t| Arc::new(t) as Arc<dyn KvTransport>),
+            KvAddr::Shm(path) => ShmTransport::connect(path, ShmConfig::default(), &self.key)
+                .map(|t| Arc::new(t) as Arc<dyn KvTransport>),
         };
-        Ok(self.lock().entry(addr.clone()).or_insert(connected).clone())
+        let mut st = self.lock();
+        match connected {
+            Ok(t) => {
+                st.failed.remove(addr);
+                Ok(st.links.entry(addr.clone()).or_insert(t).clone())
+            }
+            Err(e) => {
+                st.failed.insert(addr.clone(), Instant::now());
+                Err(e)
+            }
+        }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<KvAddr, Arc<dyn KvTransport>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.open.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }

@@ -32,8 +32,10 @@ pub mod to_receiver {
     /// body: the handoff's token (16 bytes). Comes before the handoff's frames; a
     /// token that does not match the receiver's fails the handoff.
     pub const OPEN: u8 = 6;
-    /// body: the answer to `CHALLENGE` (32 bytes), the connection's first record.
+    /// body: the answer to `CHALLENGE` (32 bytes).
     pub const PROOF: u8 = 7;
+    /// body: the sender's nonce (16 bytes), the connection's first record.
+    pub const KNOCK: u8 = 8;
 }
 
 /// Receiver → sender.
@@ -46,7 +48,7 @@ pub mod to_sender {
     pub const FREE: u8 = 18;
     /// body: status u8 (`DELIVERED` when the segment is mapped).
     pub const WELCOME: u8 = 19;
-    /// body: a nonce (16 bytes), sent as soon as the connection is accepted.
+    /// body: the receiver's nonce (16 bytes) and its answer to `KNOCK` (32 bytes).
     pub const CHALLENGE: u8 = 20;
 }
 

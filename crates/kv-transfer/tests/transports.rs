@@ -6,8 +6,8 @@
 
 use pdserve_kv_transfer::{
     measure, measure_copy, measure_copy_twice, measure_raw_shm, measure_raw_tcp, ClusterKey, Frame, HandoffId,
-    HandoffToken, InProcess, Inboxes, KvTransport, ShmConfig, ShmReceiver, ShmTransport, TcpReceiver, TcpTransport,
-    Throughput, TransferError,
+    HandoffToken, InProcess, Inboxes, KvAddr, KvTarget, KvTransport, Links, ShmConfig, ShmReceiver, ShmTransport,
+    TcpReceiver, TcpTransport, Throughput, TransferError,
 };
 use pdserve_types::KvFrame;
 use std::path::PathBuf;
@@ -211,34 +211,48 @@ async fn a_sink_without_the_token_delivers_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sender_without_the_cluster_key_cannot_connect() {
+async fn senders_and_receivers_without_the_same_cluster_key_never_meet() {
     let inboxes = Inboxes::guarded(16, key(), 64 << 20);
     let tcp = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
     let addr = tcp.local_addr();
-    let r = tokio::task::spawn_blocking(move || TcpTransport::connect(addr, &ClusterKey::random())).await.unwrap();
-    // The receiver closes the connection: the first send or the finish fails.
-    let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
-    if let Ok(t) = r {
-        let token = inbox.token();
-        let sent = tokio::task::spawn_blocking(move || {
-            let mut sink = t.open(HandoffId(1), token)?;
-            sink.send(frame(HandoffId(1), 0, 0, REAL))?;
-            sink.finish()
-        })
-        .await
-        .unwrap();
-        assert!(sent.is_err(), "a stranger's frames were accepted");
-    }
-    let sock = socket_path();
-    let shm = ShmReceiver::bind(&sock, inboxes.clone()).await.unwrap();
-    let path = shm.path().to_path_buf();
+    let stranger = ClusterKey::random();
+    let other = stranger.clone();
+    let r = tokio::task::spawn_blocking(move || TcpTransport::connect(addr, &other)).await.unwrap();
+    assert!(r.is_err(), "a sender without the key connected over TCP");
+    let shm = ShmReceiver::bind(socket_path(), inboxes.clone()).await.unwrap();
+    let (path, other) = (shm.path().to_path_buf(), stranger.clone());
     let r =
-        tokio::task::spawn_blocking(move || ShmTransport::connect(path, ShmConfig::default(), &ClusterKey::random()))
-            .await
-            .unwrap();
-    assert!(r.is_err(), "the shared-memory receiver took a stranger's segment");
-    // Nothing reached the inbox.
-    assert!(tokio::time::timeout(std::time::Duration::from_millis(200), inbox.recv()).await.is_err());
+        tokio::task::spawn_blocking(move || ShmTransport::connect(path, ShmConfig::default(), &other)).await.unwrap();
+    assert!(r.is_err(), "a sender without the key connected over shared memory");
+    // A receiver without the key: the sender refuses to send it anything.
+    let theirs = Inboxes::guarded(16, stranger, 64 << 20);
+    let fake = TcpReceiver::bind("127.0.0.1:0", theirs).await.unwrap();
+    let fake_addr = fake.local_addr();
+    let r = tokio::task::spawn_blocking(move || TcpTransport::connect(fake_addr, &key())).await.unwrap();
+    assert!(r.is_err(), "a sender trusted a receiver without the key");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_that_never_answers_fails_fast_and_then_at_once() {
+    // A listener that accepts and then says nothing.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let held: Vec<_> = listener.incoming().take(2).collect();
+        std::thread::sleep(std::time::Duration::from_secs(30));
+        drop(held);
+    });
+    let links = Arc::new(Links::new(key()));
+    let target = KvTarget::Remote(KvAddr::Tcp(addr));
+    let (l, t) = (links.clone(), target.clone());
+    let started = std::time::Instant::now();
+    let first =
+        tokio::task::spawn_blocking(move || l.open(&t, HandoffId(1), HandoffToken([0; 16])).map(drop)).await.unwrap();
+    assert!(first.is_err());
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "took {:?}", started.elapsed());
+    let again = std::time::Instant::now();
+    assert!(links.open(&target, HandoffId(2), HandoffToken([0; 16])).is_err());
+    assert!(again.elapsed() < std::time::Duration::from_millis(100), "no cool-down: {:?}", again.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -128,3 +128,45 @@ fn a_second_signal_stops_at_once() {
     kill(&s, "-INT");
     assert_eq!(exit_code(&mut s, Duration::from_secs(10)), Some(CUT));
 }
+
+/// A worker that stops answering (SIGSTOP) is taken out within seconds: requests go
+/// to the other worker, `/health` stays up, its `pdserve_worker_up` turns 0 and its
+/// block series go; once it answers again (SIGCONT) it is used again.
+#[test]
+fn a_hung_worker_is_detected_and_comes_back() {
+    let args = |port: &str| {
+        ["worker", "--role", "mixed", "--listen", port, "--threads", "1", "--kv-blocks", "256"].map(String::from)
+    };
+    let a = start(&args("127.0.0.1:0").iter().map(String::as_str).collect::<Vec<_>>());
+    let b = start(&args("127.0.0.1:0").iter().map(String::as_str).collect::<Vec<_>>());
+    let list = format!("{},{}", a.addr, b.addr);
+    let fe = start(&["frontend", "--workers", &list, "--mode", "aggregated", "--port", "0"]);
+    let name_a = format!("mixed@{}", a.addr);
+    kill(&a, "-STOP");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let up = |v: u8| {
+        common::http(fe.addr, "GET", "/metrics", None)
+            .1
+            .contains(&format!("pdserve_worker_up{{worker=\"{name_a}\"}} {v}"))
+    };
+    assert!(up(1), "the worker's up series");
+    while !up(0) {
+        assert!(Instant::now() < deadline, "the stopped worker was never taken out");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(fe.logged("lost a worker"));
+    assert_eq!(status(fe.addr, "/health"), 200);
+    for _ in 0..6 {
+        assert!(!complete(fe.addr, &json!([504, 3575, 282]), 3).is_empty(), "a request went to the stopped worker");
+    }
+    std::thread::sleep(Duration::from_millis(1200));
+    let (_, text) = common::http(fe.addr, "GET", "/metrics", None);
+    assert!(!text.contains(&format!("pdserve_kv_blocks{{worker=\"{name_a}\"")), "stale block series");
+    kill(&a, "-CONT");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !up(1) {
+        assert!(Instant::now() < deadline, "the worker was not used again");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(b);
+}

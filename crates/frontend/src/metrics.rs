@@ -27,6 +27,7 @@ const KV_TRANSFER_BYTES: &str = "pdserve_kv_transfer_bytes";
 const KV_BLOCKS: &str = "pdserve_kv_blocks";
 const PREFIX_HIT_TOKENS: &str = "pdserve_prefix_hit_tokens";
 const WORKER_ROLE: &str = "pdserve_worker_role";
+const WORKER_UP: &str = "pdserve_worker_up";
 
 /// The content type `/metrics` answers with.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -103,6 +104,7 @@ struct Inner {
     kv_blocks: Family<Label2, Gauge>,
     prefix_hit_tokens: Family<Label1, Counter>,
     worker_role: Family<Label2, Gauge>,
+    worker_up: Family<Label1, Gauge>,
 }
 
 impl Default for Metrics {
@@ -134,6 +136,7 @@ impl Metrics {
             kv_blocks: Family::default(),
             prefix_hit_tokens: Family::default(),
             worker_role: Family::default(),
+            worker_up: Family::default(),
         };
         Metrics { inner: Arc::new(inner.registered()) }
     }
@@ -190,13 +193,25 @@ impl Metrics {
         }
     }
 
-    /// Drops every series of a worker that left, so none keeps its last value.
+    /// 1 while `worker` answers (its connection is up and it answers pings), else 0.
+    pub fn set_worker_up(&self, worker: &str, up: bool) {
+        self.inner.worker_up.get_or_create(&[("worker", worker.into())]).set(i64::from(up));
+    }
+
+    /// Drops every block and role series of a worker that left, so none keeps its last
+    /// value (its `pdserve_worker_up` stays, at 0).
     pub fn forget_worker(&self, worker: &str) {
-        for state in ["free", "used", "cached"] {
-            self.inner.kv_blocks.remove(&[("worker", worker.into()), ("state", state.into())]);
-        }
+        self.set_worker_up(worker, false);
+        self.forget_blocks(worker);
         for r in [Role::Prefill, Role::Decode, Role::Mixed] {
             self.inner.worker_role.remove(&[("worker", worker.into()), ("role", r.to_string())]);
+        }
+    }
+
+    /// Drops a worker's block counts (it did not answer for them: no stale figures).
+    pub fn forget_blocks(&self, worker: &str) {
+        for state in ["free", "used", "cached"] {
+            self.inner.kv_blocks.remove(&[("worker", worker.into()), ("state", state.into())]);
         }
     }
 
@@ -239,6 +254,7 @@ impl Inner {
         r.register(KV_BLOCKS, "KV cache blocks per worker and state", self.kv_blocks.clone());
         r.register(PREFIX_HIT_TOKENS, "Prompt tokens found in a prefix cache", self.prefix_hit_tokens.clone());
         r.register(WORKER_ROLE, "1 for each worker's current role", self.worker_role.clone());
+        r.register(WORKER_UP, "1 while the worker answers, 0 once it is lost", self.worker_up.clone());
         self
     }
 }

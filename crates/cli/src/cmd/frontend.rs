@@ -141,6 +141,7 @@ async fn supervise(
             } else {
                 let id = router.workers().add(Arc::new(w.clone()) as Arc<dyn Worker>);
                 metrics.set_role(&info.name, info.role);
+                metrics.set_worker_up(&info.name, true);
                 w.lost().await;
                 router.workers().remove(id);
                 metrics.forget_worker(&info.name);

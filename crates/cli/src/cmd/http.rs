@@ -127,8 +127,10 @@ async fn report_blocks(router: Arc<Router>, metrics: Metrics) {
     loop {
         tick.tick().await;
         for e in router.workers().snapshot() {
-            if let Ok(s) = e.worker.stats().await {
-                metrics.set_kv_blocks(e.name(), s.blocks.free, s.blocks.used, s.blocks.cached);
+            // A hung worker must not hold up the others' figures, nor keep its own.
+            match tokio::time::timeout(Duration::from_millis(500), e.worker.stats()).await {
+                Ok(Ok(s)) => metrics.set_kv_blocks(e.name(), s.blocks.free, s.blocks.used, s.blocks.cached),
+                _ => metrics.forget_blocks(e.name()),
             }
         }
     }

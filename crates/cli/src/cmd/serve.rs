@@ -107,6 +107,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         let w = LocalWorker::spawn(opts, m.model.clone(), rt.handle().clone())
             .with_context(|| format!("starting worker {name}"))?;
         metrics.set_role(&name, *role);
+        metrics.set_worker_up(&name, true);
         workers.push(w);
     }
     rt.block_on(async move {

@@ -41,21 +41,22 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let key = a.security.key()?;
     let m = super::load_model(&a.model)?;
-    let name = a.name.clone().unwrap_or_else(|| format!("{}@{}", a.role, a.listen));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-    let opts = WorkerOptions {
-        name: name.clone(),
-        role: a.role,
-        model_name: m.name.clone(),
-        engine: EngineConfig { threads: a.threads.max(1), num_blocks: a.kv_blocks, ..Default::default() },
-        eog: m.tokenizer.eog_ids().to_vec(),
-        key: key.clone(),
-    };
-    let worker = LocalWorker::spawn(opts, m.model.clone(), rt.handle().clone())
-        .with_context(|| format!("starting worker {name}"))?;
     rt.block_on(async move {
         let listener =
             tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
+        // Named by the address it actually listens on (port 0 picks one).
+        let name = a.name.clone().unwrap_or(format!("{}@{}", a.role, listener.local_addr()?));
+        let opts = WorkerOptions {
+            name: name.clone(),
+            role: a.role,
+            model_name: m.name.clone(),
+            engine: EngineConfig { threads: a.threads.max(1), num_blocks: a.kv_blocks, ..Default::default() },
+            eog: m.tokenizer.eog_ids().to_vec(),
+            key: key.clone(),
+        };
+        let worker = LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current())
+            .with_context(|| format!("starting worker {name}"))?;
         // Every worker receives KV: its role may change to decode at run time.
         let kv = a.kv_listen.unwrap_or(SocketAddr::new(a.listen.ip(), 0));
         let kv = worker.listen_tcp(kv).await.with_context(|| format!("KV receiver on {kv}"))?;

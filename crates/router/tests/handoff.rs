@@ -268,3 +268,29 @@ async fn a_failed_prefill_starts_over_on_the_spare_prefill_worker() {
     }
     assert_eq!(settle(&r).await, 0);
 }
+
+/// Long prompts arriving together on the default topology (one prefill and one decode
+/// worker of 1024 blocks): every one is served — none refused because the decode
+/// worker's command queue filled with frames — and no block stays reserved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_long_prompts_are_served_not_refused() {
+    let workers = [
+        Arc::new(local("prefill", Role::Prefill, 1024)) as Arc<dyn Worker>,
+        Arc::new(local("decode", Role::Decode, 1024)),
+    ];
+    let r = Router::new(workers, Mode::Auto, Deadlines::default(), rt());
+    let long = |i: u64| {
+        let mut req = request(500 + i, PROMPTS[1], 8);
+        req.prompt = (0..4000u32).map(|t| 1000 + (t * 7919 + i as u32 * 31) % 30000).collect();
+        req
+    };
+    for round in 0..2u64 {
+        let streams: Vec<_> = (0..3).map(|i| r.generate(long(round * 3 + i)).unwrap()).collect();
+        for s in streams {
+            let (toks, end) = collect(s).await;
+            assert!(matches!(end, Event::Done { .. }), "{end:?}");
+            assert_eq!(toks.len(), 8);
+        }
+    }
+    assert_eq!(settle(&r).await, 0);
+}

@@ -78,7 +78,7 @@ pub(crate) async fn forward(mut inbox: Inbox, worker: Arc<Inner>, id: RequestId)
             match inbox.recv().await {
                 Ok(Some(f)) => {
                     let frame = Command::Frame { id, frame: f.into_kv(), recycle: recycle.clone() };
-                    if worker.send(frame).is_err() {
+                    if worker.send_waiting(frame).await.is_err() {
                         return false;
                     }
                 }

@@ -91,6 +91,8 @@ pub struct LocalWorker {
 struct Inner {
     info: WorkerInfo,
     tx: SyncSender<Command>,
+    /// Reservations to give up: never refused, however full `tx` is.
+    releases: std::sync::mpsc::Sender<RequestId>,
     /// Requests queued or admitted and not finished: the router's load signal.
     active: Arc<AtomicUsize>,
     /// Where transfers into this worker land, from any transport.
@@ -114,6 +116,7 @@ impl LocalWorker {
     /// Starts the engine thread; `rt` runs the worker's KV tasks.
     pub fn spawn(opts: WorkerOptions, model: Arc<Model>, rt: tokio::runtime::Handle) -> std::io::Result<LocalWorker> {
         let (tx, rx) = sync_channel(QUEUE);
+        let (releases, released) = std::sync::mpsc::channel();
         let active = Arc::new(AtomicUsize::new(0));
         let counter = active.clone();
         // A frame is one block of one layer: K and V of every KV head.
@@ -122,12 +125,22 @@ impl LocalWorker {
         let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
         let links = Links::new(opts.key);
         let (engine, eog) = (opts.engine, opts.eog);
-        std::thread::Builder::new()
-            .name(format!("pdserve-{}", opts.name))
-            .spawn(move || worker_loop::run(model, engine, eog, rx, counter))?;
+        std::thread::Builder::new().name(format!("pdserve-{}", opts.name)).spawn(move || {
+            let queues = worker_loop::Queues { commands: rx, releases: released };
+            worker_loop::run(model, engine, eog, queues, counter)
+        })?;
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
-        let inner =
-            Inner { info, tx, active, inboxes, receivers: Mutex::default(), links, imports: Mutex::default(), rt };
+        let inner = Inner {
+            info,
+            tx,
+            releases,
+            active,
+            inboxes,
+            receivers: Mutex::default(),
+            links,
+            imports: Mutex::default(),
+            rt,
+        };
         Ok(LocalWorker { inner: Arc::new(inner) })
     }
 
@@ -205,6 +218,21 @@ impl Worker for LocalWorker {
 }
 
 impl Inner {
+    /// Queues a command, waiting while the queue is full (frames of a transfer: the
+    /// wait backs up into the link, which slows the sender down).
+    async fn send_waiting(&self, mut c: Command) -> Result<(), ServeError> {
+        loop {
+            match self.tx.try_send(c) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Full(back)) => {
+                    c = back;
+                    tokio::time::sleep(Duration::from_micros(500)).await;
+                }
+                Err(TrySendError::Disconnected(_)) => return Err(self.stopped()),
+            }
+        }
+    }
+
     fn send(&self, c: Command) -> Result<(), ServeError> {
         self.tx.try_send(c).map_err(|e| match e {
             TrySendError::Full(_) => ServeError::Overloaded(format!("worker {} queue is full", self.info.name)),
@@ -315,9 +343,8 @@ impl Inner {
             task.abort();
             self.inboxes.forget(HandoffId::from(id));
         }
-        // A full queue or a stopped loop both end with the blocks freed: the loop
-        // aborts stale imports itself, and a stopped loop holds nothing.
-        let _ = self.send(Command::AbortImport(id));
+        // A stopped loop holds nothing, so a failed send frees nothing it should.
+        let _ = self.releases.send(id);
     }
 }
 

@@ -8,7 +8,7 @@
 //! | wrong method | 405 | `invalid_request_error` | `method_not_allowed` |
 //! | body over the limit | 413 | `invalid_request_error` | `request_too_large` |
 //! | content type not JSON | 415 | `invalid_request_error` | `unsupported_media_type` |
-//! | admission refused ([`ServeError::Overloaded`]) | 429 | `rate_limit_error` | `rate_limit_exceeded` |
+//! | admission refused ([`ServeError::Overloaded`], [`ServeError::QueueFull`]; with `Retry-After`) | 429 | `rate_limit_error` | `rate_limit_exceeded` |
 //! | no worker, shutting down | 503 | `server_error` | `service_unavailable` |
 //! | a phase timed out | 504 | `server_error` | `timeout` |
 //! | anything else | 500 | `server_error` | null |
@@ -70,7 +70,7 @@ impl ApiError {
                 ServeError::ContextLength { .. } => {
                     (StatusCode::BAD_REQUEST, BAD, Some("max_tokens"), Some("context_length_exceeded"))
                 }
-                ServeError::Overloaded(_) => {
+                ServeError::Overloaded(_) | ServeError::QueueFull { .. } => {
                     (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", None, Some("rate_limit_exceeded"))
                 }
                 ServeError::NoWorker(_) | ServeError::ShuttingDown => {
@@ -108,9 +108,24 @@ impl From<SamplingError> for ApiError {
     }
 }
 
+impl ApiError {
+    /// Seconds a client should wait before trying again, for `Retry-After`.
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            ApiError::Serve(ServeError::QueueFull { wait_s, limit_s }) => Some(wait_s.saturating_sub(*limit_s).max(1)),
+            ApiError::Serve(ServeError::Overloaded(_)) => Some(1),
+            _ => None,
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status(), Json(self.body())).into_response()
+        let mut resp = (self.status(), Json(self.body())).into_response();
+        if let Some(s) = self.retry_after() {
+            resp.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        resp
     }
 }
 

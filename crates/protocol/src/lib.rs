@@ -148,6 +148,10 @@ pub enum ServeError {
     /// Admission refused the request (429).
     #[error("overloaded: {0}")]
     Overloaded(String),
+    /// The request would wait longer than the admission limit to start (429, with
+    /// `Retry-After`).
+    #[error("overloaded: the request would wait about {wait_s} s to start, over the limit of {limit_s} s")]
+    QueueFull { wait_s: u64, limit_s: u64 },
     /// No worker can take the request (503).
     #[error("no worker available: {0}")]
     NoWorker(String),
@@ -169,6 +173,7 @@ impl ServeError {
             ServeError::Invalid(_) => "invalid_request",
             ServeError::ContextLength { .. } => "context_length_exceeded",
             ServeError::Overloaded(_) => "overloaded",
+            ServeError::QueueFull { .. } => "queue_full",
             ServeError::NoWorker(_) => "no_worker",
             ServeError::Timeout(_) => "timeout",
             ServeError::ShuttingDown => "shutting_down",
@@ -179,7 +184,10 @@ impl ServeError {
     /// Whether another worker (or a later attempt) may succeed where this failed:
     /// the router retries these, and clients may.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, ServeError::Overloaded(_) | ServeError::NoWorker(_) | ServeError::Timeout(_))
+        matches!(
+            self,
+            ServeError::Overloaded(_) | ServeError::QueueFull { .. } | ServeError::NoWorker(_) | ServeError::Timeout(_)
+        )
     }
 }
 

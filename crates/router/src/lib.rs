@@ -29,7 +29,7 @@ use pdserve_protocol::{
 use pdserve_types::Role;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Salt of the block hashes handed to policies: the engines' default.
 const BLOCK_SALT: u64 = 0;
@@ -47,6 +47,8 @@ pub struct Router {
     telemetry: Arc<dyn Telemetry>,
     /// How prefill workers send KV to decode workers.
     via: TransportKind,
+    /// Refuse requests predicted to wait longer than this to start.
+    max_queue: Option<Duration>,
 }
 
 impl Router {
@@ -72,7 +74,15 @@ impl Router {
             draining: AtomicBool::new(false),
             telemetry: Arc::new(NoTelemetry),
             via: TransportKind::Inproc,
+            max_queue: None,
         }
+    }
+
+    /// Admission: a request predicted to wait longer than `limit` before its prefill
+    /// starts is refused at once (429 with `Retry-After`) rather than queued.
+    pub fn with_admission(mut self, limit: Option<Duration>) -> Self {
+        self.max_queue = limit;
+        self
     }
 
     /// How prefill workers send KV to decode workers.
@@ -151,14 +161,21 @@ impl Router {
         }
     }
 
-    /// Prefill and decode on worker `d`. In `auto`, the first token is watched so
-    /// `d`'s queue and rate stay measured.
+    /// Refuses a request whose prefill, queued behind `queued_s` seconds of others on
+    /// its worker, would start later than the admission limit.
+    fn admit(&self, queued_s: f64) -> Result<(), ServeError> {
+        match self.max_queue {
+            Some(limit) if queued_s > limit.as_secs_f64() => {
+                Err(ServeError::QueueFull { wait_s: queued_s.ceil() as u64, limit_s: limit.as_secs() })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Prefill and decode on worker `d`. The first token is watched so `d`'s prompt
+    /// queue and prefill rate stay measured (admission and `auto` read them).
     fn local(&self, d: &Entry, req: GenerateRequest) -> Result<TokenStream, ServeError> {
         let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-        if self.mode != Mode::Auto {
-            d.worker.generate(req, client)?;
-            return Ok(stream);
-        }
         let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (load, n) = (d.prefill.clone(), req.prompt.len());
         let ahead = load.queued();
@@ -217,11 +234,13 @@ impl Generate for Router {
         span.record("decode", d.name());
         match self.remote_prefill(&all, &d, &ask) {
             None => {
+                self.admit(d.prefill.queued() as f64 * d.prefill.seconds_per_token())?;
                 span.record("route", "local");
                 self.telemetry.route(PrefillRoute::Local);
                 self.local(&d, req)
             }
             Some(p) => {
+                self.admit(p.prefill.queued() as f64 * p.prefill.seconds_per_token())?;
                 span.record("route", "remote");
                 span.record("prefill", p.name());
                 self.telemetry.route(PrefillRoute::Remote);

@@ -140,3 +140,23 @@ async fn a_dead_worker_is_not_chosen_and_with_none_left_requests_are_refused() {
     assert!(!r.ready());
     assert!(r.generate(request(9, 16, 2)).is_err(), "no live worker: refused at once");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_refuses_what_would_wait_too_long_and_says_when_to_retry() {
+    let w = FakeWorker::new("w", Role::Mixed, 100_000);
+    // First tokens come late, so prompts stay queued while more arrive.
+    w.knobs(|k| k.token_interval = Duration::from_millis(300));
+    let r = router(&[&w], Mode::Aggregated).with_admission(Some(Duration::from_secs(1)));
+    // Before any measurement a prompt token is taken to cost ~1 ms: two prompts of 600
+    // tokens queue 1.2 s of work.
+    let a = r.generate(request(1, 600, 2)).unwrap();
+    let b = r.generate(request(2, 600, 2)).unwrap();
+    match r.generate(request(3, 600, 2)) {
+        Err(pdserve_protocol::ServeError::QueueFull { wait_s, limit_s }) => assert!(wait_s >= 1 && limit_s == 1),
+        other => panic!("expected a refusal, got {:?}", other.map(|_| "a stream")),
+    }
+    // Admitted requests finish; once the queue drained, requests are admitted again.
+    assert!(matches!(collect(a).await.1, Event::Done { .. }));
+    assert!(matches!(collect(b).await.1, Event::Done { .. }));
+    assert!(r.generate(request(4, 600, 2)).is_ok());
+}

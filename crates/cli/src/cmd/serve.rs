@@ -54,6 +54,10 @@ pub struct Args {
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace_seconds: u64,
+    /// Refuse (429 with Retry-After) a request predicted to wait longer than this
+    /// before its prefill starts; 0 turns admission control off.
+    #[arg(long, default_value_t = 30.0)]
+    max_queue_seconds: f64,
     /// A name the model answers to in the API (repeat for aliases; the first is listed
     /// first). Default: the model file's name.
     #[arg(long = "served-model-name")]
@@ -123,6 +127,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
                 tokio::runtime::Handle::current(),
             )
             .with_policy(a.policy.build())
+            .with_admission(super::admission(a.max_queue_seconds))
             .with_transport(via)
             .with_telemetry(Arc::new(metrics.clone())),
         );

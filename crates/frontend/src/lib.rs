@@ -20,6 +20,7 @@ mod errors;
 mod extract;
 mod generation;
 mod lifecycle;
+mod listen;
 pub mod metrics;
 mod openai;
 mod request_id;
@@ -32,6 +33,7 @@ pub use cors::Origins;
 pub use errors::ApiError;
 pub use extract::BODY_LIMIT;
 pub use lifecycle::Lifecycle;
+pub use listen::HttpLimits;
 pub use metrics::Metrics;
 pub use validate::{ValidRequest, Validator, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS};
 
@@ -142,11 +144,16 @@ impl Frontend {
     }
 }
 
-/// Serves `app` on `listener` until the process ends. Shutting down is the caller's
-/// [`Lifecycle`]: it drains (new requests get 503, connections are still accepted),
-/// waits, then cuts what is left.
+/// Serves `app` on `listener` with the default [`HttpLimits`] until the process ends.
+/// Shutting down is the caller's [`Lifecycle`]: it drains (new requests get 503,
+/// connections are still accepted), waits, then cuts what is left.
 pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::Result<()> {
-    axum::serve(listener, app).await
+    listen::serve(listener, app, HttpLimits::default()).await
+}
+
+/// [`serve`] under `limits`.
+pub async fn serve_with(listener: tokio::net::TcpListener, app: Router, limits: HttpLimits) -> std::io::Result<()> {
+    listen::serve(listener, app, limits).await
 }
 
 impl AppState {

@@ -573,3 +573,39 @@ async fn a_full_queue_is_429_with_retry_after() {
     r.error(429);
     assert_eq!(r.header("retry-after"), Some("15"));
 }
+
+#[tokio::test]
+async fn connections_are_capped_and_idle_or_half_sent_ones_closed() {
+    let m = model();
+    let fake = std::sync::Arc::new(common::Fake::new(reply(ANSWER)));
+    let frontend = pdserve_frontend::Frontend::new(
+        fake,
+        m.tokenizer.clone(),
+        m.chat.clone(),
+        m.name.clone(),
+        common::CONTEXT,
+        pdserve_frontend::Metrics::new(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = pdserve_frontend::HttpLimits { max_connections: 2, header_timeout: Duration::from_millis(500) };
+    tokio::spawn(pdserve_frontend::serve_with(listener, frontend.router(), limits));
+    // Two connections that send half a request hold both slots...
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        held.push(c);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // ...so a third gets a 503 at once, not a hang.
+    pdserve_testkit::http::send(addr, &pdserve_testkit::http::get_request("/health")).await.error(503);
+    // The half-sent requests time out and their connections close...
+    for mut c in held {
+        let mut buf = Vec::new();
+        let n = tokio::time::timeout(Duration::from_secs(5), c.read_to_end(&mut buf)).await.expect("closed");
+        assert!(n.is_ok());
+    }
+    // ...and the server serves again.
+    assert_eq!(pdserve_testkit::http::send(addr, &pdserve_testkit::http::get_request("/health")).await.status, 200);
+}

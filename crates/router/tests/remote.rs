@@ -137,3 +137,54 @@ async fn drain(live: &mut Vec<(u64, TokenStream)>) {
         }
     }
 }
+
+/// A worker checks what it is sent (D1): values out of range are refused before
+/// anything is computed, and the worker goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refuses_messages_out_of_range_and_survives() {
+    let w = serve("v", Role::Mixed).await;
+    let mut bad = request(1, PROMPTS[0], 4);
+    // What the frontend would never send: no validation ran on these.
+    bad.params.top_logprobs = u32::MAX;
+    let mut worse = request(2, PROMPTS[0], 4);
+    worse.params.temperature = -5.0;
+    worse.params.min_tokens = 100;
+    for req in [bad, worse] {
+        let (tx, stream) = TokenStream::channel(8);
+        w.remote.generate(req, tx).unwrap();
+        let (_, end) = collect(stream).await;
+        assert!(matches!(end, Event::Failed(pdserve_protocol::ServeError::Invalid(_))), "{end:?}");
+    }
+    let (tx, stream) = TokenStream::channel(16);
+    w.remote.generate(request(3, PROMPTS[0], 4), tx).unwrap();
+    assert!(matches!(collect(stream).await.1, Event::Done { .. }));
+}
+
+/// A connection acts only on what it started (D3, D4): another router's release does
+/// not touch a reservation, and it cannot decode it either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cannot_touch_another_connections_reservations() {
+    let d = serve("own", Role::Decode).await;
+    let intruder = RemoteWorker::connect(d.remote.addr(), &key()).await.unwrap();
+    let id = pdserve_types::RequestId(77);
+    d.remote.reserve(id, 40).await.unwrap();
+    intruder.release(id);
+    let handoff = pdserve_protocol::DecodeHandoff {
+        id,
+        tag: "x".into(),
+        prompt: vec![1; 40],
+        first: 5,
+        params: request(0, PROMPTS[0], 4).params,
+        cached_tokens: 0,
+    };
+    let (tx, stream) = TokenStream::channel(8);
+    intruder.decode(handoff, tx).unwrap();
+    assert!(matches!(collect(stream).await.1, Event::Failed(_)));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stats = d.local.stats().await.unwrap();
+    assert_eq!(stats.importing, 1, "the reservation survived the intruder");
+    assert!(stats.blocks.used >= 3);
+    // Its owner releases it; nothing stays.
+    d.remote.release(id);
+    assert_eq!(settle(&[&d.local]).await, 0);
+}

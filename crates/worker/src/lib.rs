@@ -91,8 +91,6 @@ pub struct LocalWorker {
 struct Inner {
     info: WorkerInfo,
     tx: SyncSender<Command>,
-    /// Reservations to give up: never refused, however full `tx` is.
-    releases: std::sync::mpsc::Sender<RequestId>,
     /// Requests queued or admitted and not finished: the router's load signal.
     active: Arc<AtomicUsize>,
     /// Where transfers into this worker land, from any transport.
@@ -116,7 +114,6 @@ impl LocalWorker {
     /// Starts the engine thread; `rt` runs the worker's KV tasks.
     pub fn spawn(opts: WorkerOptions, model: Arc<Model>, rt: tokio::runtime::Handle) -> std::io::Result<LocalWorker> {
         let (tx, rx) = sync_channel(QUEUE);
-        let (releases, released) = std::sync::mpsc::channel();
         let active = Arc::new(AtomicUsize::new(0));
         let counter = active.clone();
         // A frame is one block of one layer: K and V of every KV head.
@@ -125,22 +122,12 @@ impl LocalWorker {
         let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
         let links = Links::new(opts.key);
         let (engine, eog) = (opts.engine, opts.eog);
-        std::thread::Builder::new().name(format!("pdserve-{}", opts.name)).spawn(move || {
-            let queues = worker_loop::Queues { commands: rx, releases: released };
-            worker_loop::run(model, engine, eog, queues, counter)
-        })?;
+        std::thread::Builder::new()
+            .name(format!("pdserve-{}", opts.name))
+            .spawn(move || worker_loop::run(model, engine, eog, rx, counter))?;
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
-        let inner = Inner {
-            info,
-            tx,
-            releases,
-            active,
-            inboxes,
-            receivers: Mutex::default(),
-            links,
-            imports: Mutex::default(),
-            rt,
-        };
+        let inner =
+            Inner { info, tx, active, inboxes, receivers: Mutex::default(), links, imports: Mutex::default(), rt };
         Ok(LocalWorker { inner: Arc::new(inner) })
     }
 
@@ -343,8 +330,18 @@ impl Inner {
             task.abort();
             self.inboxes.forget(HandoffId::from(id));
         }
-        // A stopped loop holds nothing, so a failed send frees nothing it should.
-        let _ = self.releases.send(id);
+        // Through the command queue, so it lands after the reservation it undoes; when
+        // the queue is full, a task waits for room (a release is never dropped).
+        if let Err(TrySendError::Full(c)) = self.tx.try_send(Command::AbortImport(id)) {
+            let tx = self.tx.clone();
+            self.rt.spawn(async move {
+                let mut c = c;
+                while let Err(TrySendError::Full(back)) = tx.try_send(c) {
+                    c = back;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            });
+        }
     }
 }
 

@@ -34,20 +34,15 @@ struct Loop {
     active: Arc<AtomicUsize>,
 }
 
-/// The two queues a loop reads: bounded commands, and releases, which are never
-/// refused (a full command queue must not keep blocks reserved).
-pub(crate) struct Queues {
-    pub commands: Receiver<Command>,
-    pub releases: Receiver<RequestId>,
-}
-
-pub(crate) fn run(model: Arc<Model>, cfg: EngineConfig, eog: Vec<u32>, q: Queues, active: Arc<AtomicUsize>) {
+pub(crate) fn run(
+    model: Arc<Model>,
+    cfg: EngineConfig,
+    eog: Vec<u32>,
+    rx: Receiver<Command>,
+    active: Arc<AtomicUsize>,
+) {
     let mut l = Loop { engine: Engine::new(model, cfg, eog), streams: HashMap::new(), imports: HashMap::new(), active };
-    let rx = q.commands;
     loop {
-        for id in q.releases.try_iter() {
-            l.handle(Command::AbortImport(id));
-        }
         let first = if l.engine.has_work() {
             match rx.try_recv() {
                 Ok(c) => Some(c),

@@ -4,7 +4,7 @@
 use anyhow::Context;
 use pdserve_engine::chat::ChatTemplate;
 use pdserve_engine::tokenizer::Tokenizer;
-use pdserve_frontend::{Frontend, Lifecycle, Metrics};
+use pdserve_frontend::{Frontend, HttpLimits, Lifecycle, Metrics};
 use pdserve_protocol::Generate;
 use pdserve_router::Router;
 use std::sync::Arc;
@@ -70,7 +70,7 @@ pub async fn serve(
     );
     tokio::spawn(report_blocks(router.clone(), metrics));
     let life = frontend.lifecycle();
-    let server = pdserve_frontend::serve(listener, frontend.router());
+    let server = pdserve_frontend::serve_with(listener, frontend.router(), http_limits());
     let stopped = tokio::select! {
         r = server => {
             r.context("http server")?;
@@ -100,6 +100,30 @@ async fn shut_down(router: Arc<Router>, life: Lifecycle, grace: Duration) -> Sto
     // The cut streams send their last events; then the process exits.
     let _ = tokio::time::timeout(Duration::from_secs(2), life.drained()).await;
     Stopped::Cut(open)
+}
+
+/// Connections to accept at most: below the descriptor limit (raised to its hard
+/// limit first), leaving room for worker, KV and file descriptors.
+fn http_limits() -> HttpLimits {
+    let soft = raise_fd_limit();
+    let limits = HttpLimits { max_connections: soft.saturating_sub(256).clamp(16, 16_384), ..HttpLimits::default() };
+    tracing::debug!(descriptors = soft, max_connections = limits.max_connections, "HTTP limits");
+    limits
+}
+
+/// Raises the soft limit on open descriptors to the hard limit; the soft limit after.
+fn raise_fd_limit() -> usize {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `lim` is a valid rlimit for getrlimit to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return 1024;
+    }
+    let want = libc::rlimit { rlim_cur: lim.rlim_max.min(1 << 20), rlim_max: lim.rlim_max };
+    // SAFETY: `want` is a valid rlimit, its soft limit within the hard one.
+    if want.rlim_cur > lim.rlim_cur && unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+        lim = want;
+    }
+    lim.rlim_cur as usize
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -86,7 +86,11 @@ impl Frontend {
         metrics: Metrics,
     ) -> Frontend {
         let created = unix_now();
-        let validator = Validator { tokenizer, chat, model_ids: vec![model_id.into()], context_length };
+        let longest =
+            (0..tokenizer.vocab_size() as u32).filter_map(|t| tokenizer.token_bytes(t)).map(<[u8]>::len).max();
+        let max_prompt_bytes = context_length.saturating_mul(longest.unwrap_or(1).max(1));
+        let validator =
+            Validator { tokenizer, chat, model_ids: vec![model_id.into()], context_length, max_prompt_bytes };
         let life = Lifecycle::default();
         let state = AppState { generate, validator, metrics, mode: "auto".into(), created, life, origins: None };
         Frontend { state }

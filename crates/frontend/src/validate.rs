@@ -72,6 +72,9 @@ pub struct Validator {
     /// The names the model answers to (`--served-model-name`), the first one canonical.
     pub model_ids: Vec<String>,
     pub context_length: usize,
+    /// Text longer than this cannot fit the context (every token covers at most the
+    /// longest token's bytes): refused before any tokenization is spent on it.
+    pub max_prompt_bytes: usize,
 }
 
 impl Validator {
@@ -235,10 +238,23 @@ impl Validator {
         Ok(ValidPrompt { ids: self.text_ids(&text)?, text: Some(text) })
     }
 
+    /// Refuses text that cannot fit the context whatever its tokens, by length alone.
+    fn fits(&self, param: &'static str, bytes: usize) -> Result<(), ApiError> {
+        if bytes > self.max_prompt_bytes {
+            let msg = format!(
+                "the prompt is {bytes} bytes; no prompt over {} bytes fits this model's context of {} tokens",
+                self.max_prompt_bytes, self.context_length
+            );
+            return Err(ApiError::invalid(param, msg));
+        }
+        Ok(())
+    }
+
     fn text_ids(&self, text: &str) -> Result<Vec<TokenId>, ApiError> {
         if text.is_empty() {
             return Err(ApiError::invalid("prompt", "prompt must not be empty"));
         }
+        self.fits("prompt", text.len())?;
         Ok(self.tokenizer.encode_with_bos(text, false))
     }
 
@@ -265,6 +281,12 @@ impl Validator {
         if messages.is_empty() {
             return Err(ApiError::invalid("messages", "messages must not be empty"));
         }
+        let bytes = messages.iter().map(|m| match &m.content {
+            Some(Content::Text(t)) => t.len(),
+            Some(Content::Parts(p)) => p.iter().map(|x| x.text.as_deref().map_or(0, str::len)).sum(),
+            None => 0,
+        });
+        self.fits("messages", bytes.sum())?;
         let turns = messages.iter().map(to_chat_message).collect::<Result<Vec<_>, _>>()?;
         let text = self.chat.render(&turns, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
         let mut ids = self.tokenizer.encode(&text, true);

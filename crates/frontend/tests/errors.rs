@@ -191,3 +191,17 @@ async fn mangled_bodies_never_break_the_server() {
     }
     still_serving(&s).await;
 }
+
+#[tokio::test]
+async fn a_prompt_too_long_for_any_tokenization_is_refused_by_its_length() {
+    let s = server().await;
+    // 3.9 MB of text, under the body limit: refused by its length (the message says so),
+    // without tokenizing it.
+    let big = "a".repeat(3_900_000);
+    let e = s.post_json("/v1/completions", &json!({"prompt": big})).await.error(400);
+    assert!(e["message"].as_str().unwrap().contains("bytes"), "{e}");
+    let e =
+        s.post_json("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": big}]})).await.error(400);
+    assert!(e["message"].as_str().unwrap().contains("bytes"), "{e}");
+    still_serving(&s).await;
+}

@@ -1,7 +1,8 @@
 //! The roles as separate processes: `pdserve worker` ×2 behind `pdserve frontend`,
 //! against `pdserve serve` in one process. Greedy tokens must not depend on where the
-//! prefill ran or how its KV travelled (TCP, shared memory), and killing the prefill
-//! process mid-prefill must not lose the request or leak a block.
+//! prefill ran or how its KV travelled (TCP, shared memory), killing the prefill
+//! process mid-prefill must not lose the request or leak a block, and a client that
+//! stops reading must not keep a sequence computing.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -80,6 +81,75 @@ fn a_client_leaving_mid_stream_cancels_on_the_worker_process() {
     }
     drop(s);
     assert_eq!(settle_used_blocks(fe.addr), 0.0, "the decode process kept the request's blocks");
+}
+
+/// A streamed completion from a client with a small receive buffer that reads nothing
+/// yet: the server feels it stop within a few hundred tokens.
+fn stalled_stream(addr: SocketAddr, max_tokens: u32) -> TcpStream {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+    s.set_recv_buffer_size(4096).unwrap();
+    s.connect(&addr.into()).unwrap();
+    let mut s: TcpStream = s.into();
+    let req = json!({"prompt": [504, 3575, 282], "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "temperature": 0});
+    s.write_all(&post_request("/v1/completions", &req.to_string(), &[])).unwrap();
+    s
+}
+
+/// Reads a streamed answer to its end; its JSON chunks (checked to end with `[DONE]`).
+fn read_stream(s: &mut TcpStream) -> Vec<Value> {
+    let mut bytes = Vec::new();
+    let mut buf = [0u8; 65536];
+    while !bytes.ends_with(b"\r\n0\r\n\r\n") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the connection closed mid-stream");
+        bytes.extend_from_slice(&buf[..n]);
+    }
+    http::Reply::parse(&bytes).chunks()
+}
+
+fn stream_text(chunks: &[Value]) -> String {
+    chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect()
+}
+
+/// Waits until the frontend reports `n` paused requests.
+fn wait_paused(addr: SocketAddr, n: f64, within: Duration) {
+    let deadline = Instant::now() + within;
+    while metric(addr, "pdserve_paused_requests", "") != n {
+        assert!(Instant::now() < deadline, "never {n} paused request(s)");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A client that stops reading pauses its sequence on the decode worker process while
+/// others are served; once it reads again it gets the same text as a client that
+/// never stalled. One that never reads again is cut off after
+/// `--client-stall-seconds` with an error event and `[DONE]`, and nothing stays held.
+#[test]
+fn a_client_that_stops_reading_is_paused_then_resumed_or_cut_off() {
+    let (p, d) = (worker("prefill"), worker("decode"));
+    let list = format!("{},{}", p.addr, d.addr);
+    let args = ["--mode", "disaggregated", "--kv-transport", "tcp", "--port", "0", "--client-stall-seconds", "15"];
+    let fe = start(&[&["frontend", "--workers", &list][..], &args].concat());
+    let expected = complete(fe.addr, &json!([504, 3575, 282]), 2000);
+
+    let mut slow = stalled_stream(fe.addr, 2000);
+    wait_paused(fe.addr, 1.0, Duration::from_secs(120));
+    assert!(!complete(fe.addr, &json!([504, 3575]), 4).is_empty(), "others wait for a paused stream");
+    let chunks = read_stream(&mut slow);
+    assert_eq!(stream_text(&chunks), expected, "a resumed stream lost or changed tokens");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+    wait_paused(fe.addr, 0.0, Duration::from_secs(10));
+
+    let mut gone = stalled_stream(fe.addr, 2000);
+    wait_paused(fe.addr, 1.0, Duration::from_secs(120));
+    wait_paused(fe.addr, 0.0, Duration::from_secs(60));
+    assert_eq!(settle_used_blocks(fe.addr), 0.0, "a cut-off stream kept its blocks");
+    let chunks = read_stream(&mut gone);
+    let (last, tokens) = chunks.split_last().unwrap();
+    assert_eq!(last["error"]["code"], "timeout", "{last}");
+    assert!(expected.starts_with(&stream_text(tokens)), "the tokens before the cut differ");
+    assert!(fe.logged("the client stopped reading"));
 }
 
 /// One request across three processes carries its id: the client's `X-Request-Id`

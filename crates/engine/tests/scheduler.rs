@@ -49,6 +49,13 @@ fn check_pool(s: PoolStats, num_blocks: usize) {
 
 /// Steps until idle, checking the pool after every step; outputs by request id.
 fn drain(e: &mut Engine) -> BTreeMap<u64, Vec<StepOutput>> {
+    let out = drain_while_working(e);
+    assert_eq!(e.stats().blocks.used, 0);
+    out
+}
+
+/// [`drain`], where something may stay behind holding blocks (a paused request).
+fn drain_while_working(e: &mut Engine) -> BTreeMap<u64, Vec<StepOutput>> {
     let mut out: BTreeMap<u64, Vec<StepOutput>> = BTreeMap::new();
     let mut steps = 0;
     while e.has_work() {
@@ -59,7 +66,6 @@ fn drain(e: &mut Engine) -> BTreeMap<u64, Vec<StepOutput>> {
         steps += 1;
         assert!(steps < 20_000, "the engine does not make progress: {:?}", e.stats());
     }
-    assert_eq!(e.stats().blocks.used, 0);
     out
 }
 
@@ -194,6 +200,36 @@ fn preempted_request_resumes_with_the_same_tokens() {
     assert!(n > 0 && n < 80, "preempted after {n} tokens");
     assert_eq!(sampled(&out[&1]), sampled(&alone(&a, &params)));
     assert_eq!(sampled(&out[&2]), sampled(&alone(&b, &params)));
+}
+
+#[test]
+fn a_paused_request_waits_without_its_slot_and_resumes_with_the_same_tokens() {
+    let a = random_prompt(&mut Prng::new(3), 40);
+    let b = random_prompt(&mut Prng::new(4), 30);
+    let params =
+        SamplingParams { max_tokens: 30, ignore_eos: true, logprobs: true, ..Default::default() }.validate().unwrap();
+    // One slot: B can only run while A is paused.
+    let mut e = engine(64, 256, 1);
+    e.add(RequestId(1), a.clone(), params.clone()).unwrap();
+    let mut out: BTreeMap<u64, Vec<StepOutput>> = BTreeMap::new();
+    while out.get(&1).map_or(0, Vec::len) < 10 {
+        for o in e.step() {
+            out.entry(o.id.0).or_default().push(o);
+        }
+    }
+    assert!(e.pause(RequestId(1)));
+    e.add(RequestId(2), b.clone(), params.clone()).unwrap();
+    let while_paused = drain_while_working(&mut e);
+    assert_eq!(out[&1].len(), 10, "a paused request produced tokens");
+    assert!(!while_paused.contains_key(&1));
+    // B got the slot and finished; A kept its blocks all along.
+    assert_eq!(sampled(&while_paused[&2]), sampled(&alone(&b, &params)));
+    assert!(e.stats().blocks.used > 0);
+    assert!(!e.has_work(), "only a paused request is left");
+    assert!(e.resume(RequestId(1)));
+    out.entry(1).or_default().extend(drain(&mut e).remove(&1).unwrap());
+    assert_eq!(sampled(&out[&1]), sampled(&alone(&a, &params)));
+    assert!(!e.pause(RequestId(1)), "a finished request cannot be paused");
 }
 
 #[test]

@@ -2,7 +2,9 @@
 //! connections (past it, a 503 and the connection closes, so the process never runs
 //! out of descriptors), and a deadline for a request's headers that also closes idle
 //! keep-alive connections (a client that opens connections and sends half a request
-//! holds nothing for long).
+//! holds nothing for long). Little of an answer is buffered per connection, so a
+//! client that stops reading a stream is felt upstream within a few hundred tokens and
+//! its sequence pauses (see `pdserve_protocol::pace`).
 
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -12,6 +14,13 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+
+/// Bytes of an answer the kernel may hold for a client (it doubles this): fixed, not
+/// grown by autotuning to megabytes, which would hide a stalled reader for thousands
+/// of tokens. A token's SSE event is about 250 bytes.
+const SEND_BUFFER: usize = 64 * 1024;
+/// Bytes hyper buffers per connection, each way (headers must fit in it).
+const HTTP_BUFFER: usize = 64 * 1024;
 
 /// What one listener allows.
 #[derive(Debug, Clone, Copy)]
@@ -58,9 +67,10 @@ pub async fn serve(listener: TcpListener, app: Router, limits: HttpLimits) -> st
 }
 
 async fn connection(stream: TcpStream, app: Router, limits: HttpLimits) {
+    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER);
     let service = TowerToHyperService::new(app);
     let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout);
+    http.timer(TokioTimer::new()).header_read_timeout(limits.header_timeout).max_buf_size(HTTP_BUFFER);
     // Errors here are the client's (reset, timeout, garbage); nothing to do about them.
     let _ = http.serve_connection(TokioIo::new(stream), service).await;
 }

@@ -6,6 +6,7 @@
 //! Prometheus text format 0.0.4.
 
 use pdserve_kv_transfer::TransportKind;
+use pdserve_protocol::WorkerStats;
 use pdserve_types::Role;
 use prometheus_client::encoding::text::encode_registry;
 use prometheus_client::metrics::counter::Counter;
@@ -28,6 +29,7 @@ const KV_BLOCKS: &str = "pdserve_kv_blocks";
 const PREFIX_HIT_TOKENS: &str = "pdserve_prefix_hit_tokens";
 const WORKER_ROLE: &str = "pdserve_worker_role";
 const WORKER_UP: &str = "pdserve_worker_up";
+const PAUSED: &str = "pdserve_paused_requests";
 
 /// The content type `/metrics` answers with.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -105,6 +107,7 @@ struct Inner {
     prefix_hit_tokens: Family<Label1, Counter>,
     worker_role: Family<Label2, Gauge>,
     worker_up: Family<Label1, Gauge>,
+    paused: Family<Label1, Gauge>,
 }
 
 impl Default for Metrics {
@@ -137,6 +140,7 @@ impl Metrics {
             prefix_hit_tokens: Family::default(),
             worker_role: Family::default(),
             worker_up: Family::default(),
+            paused: Family::default(),
         };
         Metrics { inner: Arc::new(inner.registered()) }
     }
@@ -186,11 +190,14 @@ impl Metrics {
     }
 
     /// The current block counts of `worker`'s KV pool.
-    pub fn set_kv_blocks(&self, worker: &str, free: usize, used: usize, cached: usize) {
-        for (state, n) in [("free", free), ("used", used), ("cached", cached)] {
+    /// A worker's block counts and paused requests, as it last reported them.
+    pub fn set_worker_stats(&self, worker: &str, s: &WorkerStats) {
+        let b = s.blocks;
+        for (state, n) in [("free", b.free), ("used", b.used), ("cached", b.cached)] {
             let labels = [("worker", worker.into()), ("state", state.into())];
-            self.inner.kv_blocks.get_or_create(&labels).set(i64::try_from(n).unwrap_or(i64::MAX));
+            self.inner.kv_blocks.get_or_create(&labels).set(gauge(n));
         }
+        self.inner.paused.get_or_create(&[("worker", worker.into())]).set(gauge(s.paused));
     }
 
     /// 1 while `worker` answers (its connection is up and it answers pings), else 0.
@@ -202,17 +209,18 @@ impl Metrics {
     /// value (its `pdserve_worker_up` stays, at 0).
     pub fn forget_worker(&self, worker: &str) {
         self.set_worker_up(worker, false);
-        self.forget_blocks(worker);
+        self.forget_stats(worker);
         for r in [Role::Prefill, Role::Decode, Role::Mixed] {
             self.inner.worker_role.remove(&[("worker", worker.into()), ("role", r.to_string())]);
         }
     }
 
-    /// Drops a worker's block counts (it did not answer for them: no stale figures).
-    pub fn forget_blocks(&self, worker: &str) {
+    /// Drops a worker's reported figures (it did not answer for them: none stale).
+    pub fn forget_stats(&self, worker: &str) {
         for state in ["free", "used", "cached"] {
             self.inner.kv_blocks.remove(&[("worker", worker.into()), ("state", state.into())]);
         }
+        self.inner.paused.remove(&[("worker", worker.into())]);
     }
 
     /// Adds prompt tokens found in a prefix cache.
@@ -255,6 +263,7 @@ impl Inner {
         r.register(PREFIX_HIT_TOKENS, "Prompt tokens found in a prefix cache", self.prefix_hit_tokens.clone());
         r.register(WORKER_ROLE, "1 for each worker's current role", self.worker_role.clone());
         r.register(WORKER_UP, "1 while the worker answers, 0 once it is lost", self.worker_up.clone());
+        r.register(PAUSED, "Requests paused because their clients stopped reading", self.paused.clone());
         self
     }
 }
@@ -298,9 +307,15 @@ impl pdserve_protocol::Telemetry for Metrics {
     }
 }
 
+/// A count as a gauge's value.
+fn gauge(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdserve_protocol::BlockCounts;
 
     #[test]
     fn counters_keep_their_total_suffix() {
@@ -318,11 +333,13 @@ mod tests {
     fn roles_and_blocks_are_gauges() {
         let m = Metrics::new();
         m.set_role("w0", Role::Decode);
-        m.set_kv_blocks("w0", 10, 2, 3);
+        let blocks = BlockCounts { free: 10, used: 2, cached: 3 };
+        m.set_worker_stats("w0", &WorkerStats { paused: 1, blocks, ..Default::default() });
         let text = m.render();
         assert!(text.contains("pdserve_worker_role{worker=\"w0\",role=\"decode\"} 1\n"), "{text}");
         assert!(text.contains("pdserve_worker_role{worker=\"w0\",role=\"prefill\"} 0\n"), "{text}");
         assert!(text.contains("pdserve_kv_blocks{worker=\"w0\",state=\"cached\"} 3\n"), "{text}");
+        assert!(text.contains("pdserve_paused_requests{worker=\"w0\"} 1\n"), "{text}");
     }
 
     #[test]

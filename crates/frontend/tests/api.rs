@@ -297,7 +297,8 @@ async fn metrics_are_prometheus_text() {
     let s = Server::start(reply(ANSWER)).await;
     s.post_json("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 50})).await;
     s.post_json("/v1/completions", &json!({"prompt": "Hello", "n": 0})).await;
-    s.metrics.set_kv_blocks("decode-0", 10, 5, 1);
+    let blocks = pdserve_protocol::BlockCounts { free: 10, used: 5, cached: 1 };
+    s.metrics.set_worker_stats("decode-0", &pdserve_protocol::WorkerStats { blocks, ..Default::default() });
     s.metrics.set_role("decode-0", pdserve_types::Role::Decode);
     let r = s.get("/metrics").await;
     assert_eq!(r.status, 200);

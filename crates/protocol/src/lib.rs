@@ -18,7 +18,7 @@ use pdserve_types::{RequestId, SamplingParams, TokenId};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 
 /// A validated, tokenized request.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -83,9 +83,24 @@ impl Event {
     }
 }
 
+/// How far a stream's consumer may fall behind its producer. A client that stops
+/// reading must not keep a sequence computing (or its stream buffering) forever:
+/// a hop that forwards a stream waits once [`WINDOW`](pace::WINDOW) events are unread
+/// downstream, so events pile up at the worker, which pauses the sequence at
+/// [`PAUSE_AT`](pace::PAUSE_AT) unread and resumes it below
+/// [`RESUME_BELOW`](pace::RESUME_BELOW). The router cancels a stream whose client read
+/// nothing for its stall deadline.
+pub mod pace {
+    pub const WINDOW: usize = 32;
+    pub const PAUSE_AT: usize = 64;
+    pub const RESUME_BELOW: usize = 16;
+}
+
 /// The receiving end of a request. Drop it to cancel.
 pub struct TokenStream {
     rx: mpsc::Receiver<Event>,
+    /// Told each time an event is taken, so a producer can wait for its consumer.
+    taken: Arc<Notify>,
 }
 
 impl TokenStream {
@@ -93,18 +108,23 @@ impl TokenStream {
     /// flight; producers that must never block size it to the request's max tokens.
     pub fn channel(capacity: usize) -> (EventSender, TokenStream) {
         let (tx, rx) = mpsc::channel(capacity.max(2));
-        (EventSender { tx }, TokenStream { rx })
+        let taken = Arc::new(Notify::new());
+        (EventSender { tx, taken: taken.clone() }, TokenStream { rx, taken })
     }
 
     /// The next event, or `None` when the producer is gone without a final event
     /// (callers treat that as an internal error).
     pub async fn next(&mut self) -> Option<Event> {
-        self.rx.recv().await
+        let e = self.rx.recv().await;
+        self.taken.notify_waiters();
+        e
     }
 
     /// Blocking variant for non-async callers and tests.
     pub fn blocking_next(&mut self) -> Option<Event> {
-        self.rx.blocking_recv()
+        let e = self.rx.blocking_recv();
+        self.taken.notify_waiters();
+        e
     }
 }
 
@@ -112,6 +132,7 @@ impl TokenStream {
 #[derive(Clone)]
 pub struct EventSender {
     tx: mpsc::Sender<Event>,
+    taken: Arc<Notify>,
 }
 
 impl EventSender {
@@ -119,6 +140,26 @@ impl EventSender {
     /// the channel is full (the producer sized it too small).
     pub fn send(&self, e: Event) -> Result<(), Gone> {
         self.tx.try_send(e).map_err(|_| Gone)
+    }
+
+    /// Events sent and not yet taken: how far the consumer is behind.
+    pub fn unread(&self) -> usize {
+        self.tx.max_capacity() - self.tx.capacity()
+    }
+
+    /// Resolves once fewer than `n` events are unread, or the consumer is gone.
+    pub async fn room(&self, n: usize) {
+        loop {
+            // Registered before the check, so a take between the two still wakes us.
+            let taken = self.taken.notified();
+            if self.unread() < n || self.tx.is_closed() {
+                return;
+            }
+            tokio::select! {
+                _ = taken => {}
+                _ = self.tx.closed() => return,
+            }
+        }
     }
 
     /// True once the consumer dropped its stream: the request is cancelled.
@@ -233,4 +274,40 @@ impl Telemetry for NoTelemetry {
     fn phase(&self, _: Phase, _: f64) {}
     fn route(&self, _: PrefillRoute) {}
     fn kv_transfer_bytes(&self, _: pdserve_kv_transfer::TransportKind, _: u64) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn token(i: u32) -> Event {
+        Event::Token(TokenOut { token: i, logprob: 0.0, top: Vec::new() })
+    }
+
+    #[tokio::test]
+    async fn a_producer_sees_its_consumer_fall_behind_and_waits_for_it() {
+        let (tx, mut rx) = TokenStream::channel(16);
+        for i in 0..10 {
+            tx.send(token(i)).unwrap();
+        }
+        assert_eq!(tx.unread(), 10);
+        // Nobody reads: the wait does not end.
+        assert!(tokio::time::timeout(Duration::from_millis(50), tx.room(5)).await.is_err());
+        let waiter = tokio::spawn({
+            let tx = tx.clone();
+            async move { tx.room(5).await }
+        });
+        for _ in 0..6 {
+            rx.next().await.unwrap();
+        }
+        tokio::time::timeout(Duration::from_secs(5), waiter).await.unwrap().unwrap();
+        assert_eq!(tx.unread(), 4);
+        // A consumer that leaves ends the wait too.
+        for i in 0..10 {
+            tx.send(token(i)).unwrap();
+        }
+        drop(rx);
+        tokio::time::timeout(Duration::from_secs(5), tx.room(1)).await.unwrap();
+    }
 }

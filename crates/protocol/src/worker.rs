@@ -136,5 +136,7 @@ pub struct WorkerStats {
     pub running: usize,
     /// Reservations waiting for (or receiving) a transfer.
     pub importing: usize,
+    /// Running sequences paused because their clients fell behind.
+    pub paused: usize,
     pub blocks: BlockCounts,
 }

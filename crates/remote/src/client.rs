@@ -9,7 +9,7 @@
 use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
 use pdserve_kv_transfer::{auth, ClusterKey, HandoffToken, KvAddr, KvTarget, TransportKind};
 use pdserve_protocol::{
-    DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Prefilled, Reply, ServeError, Worker,
+    pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Prefilled, Reply, ServeError, Worker,
     WorkerInfo, WorkerStats,
 };
 use pdserve_types::RequestId;
@@ -45,17 +45,15 @@ pub enum ConnectError {
 }
 
 enum Pending {
-    Stream(EventSender),
+    /// `paced`: the worker was asked to hold the events back until `events` drains.
+    Stream { events: EventSender, paced: bool },
     /// `counted`: the call counts toward the worker's load while it runs.
-    Reply {
-        tx: oneshot::Sender<Result<Answer, ServeError>>,
-        counted: bool,
-    },
+    Reply { tx: oneshot::Sender<Result<Answer, ServeError>>, counted: bool },
 }
 
 impl Pending {
     fn counted(&self) -> bool {
-        matches!(self, Pending::Stream(_) | Pending::Reply { counted: true, .. })
+        matches!(self, Pending::Stream { .. } | Pending::Reply { counted: true, .. })
     }
 }
 
@@ -158,7 +156,7 @@ impl RemoteWorker {
     /// A call whose events stream to `events`; a client that leaves cancels it.
     fn stream_call(&self, events: EventSender, op: Op) -> Result<(), ServeError> {
         let watch = events.clone();
-        let call = self.conn.call(Pending::Stream(events), op)?;
+        let call = self.conn.call(Pending::Stream { events, paced: false }, op)?;
         let conn = self.conn.clone();
         tokio::spawn(async move {
             watch.closed().await;
@@ -340,7 +338,7 @@ impl Conn {
         }
     }
 
-    fn deliver(&self, msg: FromWorker) {
+    fn deliver(self: &Arc<Self>, msg: FromWorker) {
         match msg {
             FromWorker::Event { call, event } => self.deliver_event(call, event),
             FromWorker::Reply { call, result } => {
@@ -356,18 +354,44 @@ impl Conn {
         }
     }
 
-    fn deliver_event(&self, call: CallId, event: Event) {
+    fn deliver_event(self: &Arc<Self>, call: CallId, event: Event) {
         let last = event.is_last();
-        let delivered = match self.lock().get(&call) {
-            Some(Pending::Stream(events)) => events.send(event).is_ok(),
+        let mut behind = None;
+        let delivered = match self.lock().get_mut(&call) {
+            Some(Pending::Stream { events, paced }) => {
+                let sent = events.send(event).is_ok();
+                if !*paced && events.unread() >= pace::PAUSE_AT {
+                    *paced = true;
+                    behind = Some(events.clone());
+                }
+                sent
+            }
             _ => return,
         };
+        if let Some(events) = behind.filter(|_| !last) {
+            self.pace(call, events);
+        }
         if last || !delivered {
             self.forget(call);
             if !delivered && !last {
                 let _ = self.send(ToWorker::Cancel { call });
             }
         }
+    }
+
+    /// Holds stream `call` back at the worker until `events`' consumer catches up.
+    fn pace(self: &Arc<Self>, call: CallId, events: EventSender) {
+        let _ = self.send(ToWorker::Pace { call, paused: true });
+        let conn = self.clone();
+        tokio::spawn(async move {
+            events.room(pace::RESUME_BELOW).await;
+            if let Some(Pending::Stream { paced, .. }) = conn.lock().get_mut(&call) {
+                *paced = false;
+            } else {
+                return;
+            }
+            let _ = conn.send(ToWorker::Pace { call, paused: false });
+        });
     }
 
     fn heard(&self) {
@@ -385,7 +409,7 @@ impl Conn {
             if p.counted() {
                 self.active.fetch_sub(1, Ordering::Relaxed);
             }
-            if let Pending::Stream(events) = p {
+            if let Pending::Stream { events, .. } = p {
                 let _ = events.send(Event::Failed(self.gone()));
             }
             // Dropped reply senders tell their waiters the worker is gone.

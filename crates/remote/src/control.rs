@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
@@ -75,6 +75,12 @@ pub enum ToWorker {
     /// The caller of `call` left: stop its work.
     Cancel {
         call: CallId,
+    },
+    /// The consumer of stream `call` fell behind (`paused`), or caught up: the worker
+    /// stops sending its events meanwhile, so the sequence pauses there.
+    Pace {
+        call: CallId,
+        paused: bool,
     },
 }
 

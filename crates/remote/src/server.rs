@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
 /// Replies queued per connection before the sender waits.
@@ -124,7 +124,7 @@ impl WorkerServer {
             }
         });
         let held = Mutex::new(Some(HashMap::new()));
-        let s = Arc::new(Session { srv: self, out, calls: Mutex::default(), held });
+        let s = Arc::new(Session { srv: self, out, calls: Mutex::default(), paces: Mutex::default(), held });
         loop {
             match control::read::<_, ToWorker>(&mut rd).await {
                 Ok(Some(msg)) => s.clone().handle(msg),
@@ -146,6 +146,8 @@ struct Session {
     out: mpsc::Sender<FromWorker>,
     /// Calls in progress, so `Cancel` (or the connection closing) stops them.
     calls: Mutex<HashMap<CallId, AbortHandle>>,
+    /// Whether the router asked each stream call to hold its events back.
+    paces: Mutex<HashMap<CallId, watch::Sender<bool>>>,
     /// Reservations this connection asked for and has neither decoded nor released;
     /// `None` once the connection closed.
     held: Mutex<Option<HashMap<RequestId, Hold>>>,
@@ -173,8 +175,14 @@ impl Session {
             }
             ToWorker::Call { call, op } => self.call(call, *op),
             ToWorker::Cancel { call } => {
+                lock(&self.paces).remove(&call);
                 if let Some(task) = lock(&self.calls).remove(&call) {
                     task.abort();
+                }
+            }
+            ToWorker::Pace { call, paused } => {
+                if let Some(pace) = lock(&self.paces).get(&call) {
+                    pace.send_replace(paused);
                 }
             }
         }
@@ -270,23 +278,31 @@ impl Session {
     /// cancels the request in the worker.
     fn stream(self: Arc<Self>, call: CallId, stream: Result<TokenStream, ServeError>, span: tracing::Span) {
         let s = self.clone();
+        let (pace, paced) = watch::channel(false);
+        lock(&self.paces).insert(call, pace);
         let pump = async move {
             match stream {
-                Ok(stream) => s.pump(call, stream).await,
+                Ok(stream) => s.pump(call, stream, paced).await,
                 Err(e) => {
                     tracing::warn!(kind = e.kind(), error = %e, "refused");
                     let _ = s.out.send(FromWorker::Event { call, event: Event::Failed(e) }).await;
                 }
             }
             lock(&s.calls).remove(&call);
+            lock(&s.paces).remove(&call);
         };
         let task = tokio::spawn(tracing::Instrument::instrument(pump, span));
         self.remember(call, task.abort_handle());
     }
 
-    async fn pump(&self, call: CallId, mut stream: TokenStream) {
+    /// Sends `stream`'s events while the router is not pacing it: held back, they
+    /// pile up in the stream and the worker pauses the sequence.
+    async fn pump(&self, call: CallId, mut stream: TokenStream, mut paced: watch::Receiver<bool>) {
         let mut tokens = 0usize;
-        while let Some(event) = stream.next().await {
+        loop {
+            // An error means the pace is gone with the call: nothing holds us back.
+            let _ = paced.wait_for(|paused| !paused).await;
+            let Some(event) = stream.next().await else { break };
             match &event {
                 Event::Token(_) => tokens += 1,
                 Event::Done { .. } => tracing::debug!(tokens, "finished"),

@@ -38,6 +38,9 @@ pub struct Deadlines {
     pub prefill_base: Duration,
     /// Allowance per prompt token, generous against the measured prefill rate.
     pub prefill_per_token: Duration,
+    /// A streaming client that reads nothing for this long is cut off and its
+    /// request cancelled (its sequence is paused meanwhile).
+    pub client_stall: Duration,
 }
 
 impl Default for Deadlines {
@@ -47,6 +50,7 @@ impl Default for Deadlines {
             reserve: Duration::from_secs(10),
             prefill_base: Duration::from_secs(10),
             prefill_per_token: Duration::from_millis(20),
+            client_stall: Duration::from_secs(30),
         }
     }
 }
@@ -194,7 +198,7 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender) -> Outco
             return fall_back(&d, req, &client);
         }
     };
-    decode_ready(&d, req, first, client, h.telemetry.clone())
+    decode_ready(&d, req, first, client, &h)
 }
 
 fn secs(s: f64) -> Duration {
@@ -262,13 +266,7 @@ async fn prefill(
 }
 
 /// DecodeReady: the first token goes to the client at once, then D takes over.
-fn decode_ready(
-    d: &Entry,
-    req: GenerateRequest,
-    first: Prefilled,
-    client: EventSender,
-    telemetry: Arc<dyn Telemetry>,
-) -> Outcome {
+fn decode_ready(d: &Entry, req: GenerateRequest, first: Prefilled, client: EventSender, h: &Handoff) -> Outcome {
     let id = req.id;
     if let Some(scores) = first.prompt_logprobs.clone() {
         let _ = client.send(Event::Prompt(scores));
@@ -297,8 +295,10 @@ fn decode_ready(
     };
     match d.worker.decode(handoff, inner_tx) {
         Ok(()) => {
+            let telemetry = h.telemetry.clone();
             let on_first = move |_: &Event| telemetry.phase(Phase::QueueDecode, handed.elapsed().as_secs_f64());
-            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, on_first);
+            let stall = h.deadlines.client_stall;
+            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first);
             Outcome::Streaming
         }
         Err(e) => {

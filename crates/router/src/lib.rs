@@ -182,7 +182,7 @@ impl Router {
         let ticket = load.admit(n);
         d.worker.generate(req, inner_tx)?;
         let started = Instant::now();
-        relay::relay(&self.runtime, inner, client, move |first| {
+        relay::relay(&self.runtime, inner, client, self.deadlines.client_stall, move |first| {
             if matches!(first, Event::Token(_)) {
                 load.observe(ahead, n, started.elapsed());
             }

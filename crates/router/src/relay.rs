@@ -1,14 +1,20 @@
 //! A hop the router puts between a worker's stream and the client's when it wants to
-//! see the first event (to time it), without owning the rest.
+//! see the first event (to time it), without owning the rest. It also paces the
+//! worker to its client: see [`pdserve_protocol::pace`].
 
-use pdserve_protocol::{Event, EventSender, TokenStream};
+use pdserve_protocol::{pace, Event, EventSender, ServeError, TokenStream};
+use std::time::Duration;
 
 /// Forwards `inner` to `client` on a task of `rt`, calling `on_first` with the first
 /// event. A client that leaves drops `inner`, which cancels the request upstream.
+/// While `pace::WINDOW` events wait unread in `client`, nothing more is forwarded, so
+/// they pile up in `inner` and the worker pauses the sequence; a client that reads
+/// nothing for `stall` gets an error and the request is cancelled.
 pub fn relay(
     rt: &tokio::runtime::Handle,
     mut inner: TokenStream,
     client: EventSender,
+    stall: Duration,
     on_first: impl FnOnce(&Event) + Send + 'static,
 ) {
     rt.spawn(async move {
@@ -23,6 +29,13 @@ pub fn relay(
                 if let Some(f) = on_first.take() {
                     f(&ev);
                 }
+            }
+            if tokio::time::timeout(stall, client.room(pace::WINDOW)).await.is_err() {
+                let e = ServeError::Timeout(format!("the client read nothing for {} s", stall.as_secs()));
+                tracing::warn!(unread = client.unread(), "cancelled: the client stopped reading");
+                // The channel holds max tokens + 4, so the error always fits.
+                let _ = client.send(Event::Failed(e));
+                return;
             }
             let last = ev.is_last();
             if client.send(ev).is_err() || last {

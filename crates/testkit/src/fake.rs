@@ -353,7 +353,13 @@ impl Worker for FakeWorker {
             self.inner.check_alive()?;
             let used = self.used_blocks();
             let blocks = BlockCounts { free: self.inner.total_blocks - used, used, cached: 0 };
-            Ok(WorkerStats { waiting: 0, running: self.load(), importing: lock(&self.inner.imports).len(), blocks })
+            Ok(WorkerStats {
+                waiting: 0,
+                running: self.load(),
+                importing: lock(&self.inner.imports).len(),
+                paused: 0,
+                blocks,
+            })
         })
     }
 }

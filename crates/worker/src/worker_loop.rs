@@ -3,7 +3,7 @@
 use crate::Command;
 use pdserve_engine::batch::{Engine, EngineConfig, EngineError, StepOutput};
 use pdserve_engine::model::Model;
-use pdserve_protocol::{BlockCounts, Event, EventSender, Prefilled, ServeError, Usage, WorkerStats};
+use pdserve_protocol::{pace, BlockCounts, Event, EventSender, Prefilled, ServeError, Usage, WorkerStats};
 use pdserve_types::RequestId;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,6 +16,9 @@ const IDLE_POLL: Duration = Duration::from_millis(20);
 /// A reservation whose transfer never completes is released after this long; the
 /// router's own deadline normally aborts it much sooner.
 const IMPORT_TTL: Duration = Duration::from_secs(120);
+/// A sequence paused longer than this is cancelled: the router cuts a stalled client
+/// off much sooner; this only bounds a caller that never resumes.
+const PAUSED_TTL: Duration = Duration::from_secs(300);
 
 /// A request this worker is producing tokens for.
 struct Live {
@@ -25,6 +28,8 @@ struct Live {
     /// Prompt tokens a prefill worker found cached, for a transferred sequence (this
     /// engine computed none of the prompt).
     cached_elsewhere: usize,
+    /// Since when the sequence has been paused for its consumer to catch up.
+    paused: Option<Instant>,
 }
 
 struct Loop {
@@ -62,6 +67,7 @@ pub(crate) fn run(
             next = rx.try_recv().ok();
         }
         l.reap();
+        l.pace();
         if l.engine.has_work() {
             for out in l.engine.step() {
                 l.route(out);
@@ -130,6 +136,7 @@ impl Loop {
                     waiting: s.waiting,
                     running: s.running,
                     importing: self.imports.len(),
+                    paused: self.streams.values().filter(|l| l.paused.is_some()).count(),
                     blocks: BlockCounts { free: s.blocks.free, used: s.blocks.used, cached: s.blocks.cached },
                 });
             }
@@ -138,7 +145,7 @@ impl Loop {
 
     /// The sender counted the request in `active` when it queued the command.
     fn track(&mut self, id: RequestId, events: EventSender, generated: usize, cached_elsewhere: usize) {
-        self.streams.insert(id, Live { events, generated, cached_elsewhere });
+        self.streams.insert(id, Live { events, generated, cached_elsewhere, paused: None });
     }
 
     /// A counted command ended without a stream to track.
@@ -149,6 +156,34 @@ impl Loop {
     fn untrack(&mut self, id: RequestId) {
         if self.streams.remove(&id).is_some() {
             self.active.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Pauses sequences whose consumers fell behind and resumes those that caught up
+    /// (see `pdserve_protocol::pace`).
+    fn pace(&mut self) {
+        let mut expired = Vec::new();
+        for (&id, live) in &mut self.streams {
+            let unread = live.events.unread();
+            if live.paused.is_some_and(|since| since.elapsed() > PAUSED_TTL) {
+                expired.push(id);
+            } else if unread >= pace::PAUSE_AT {
+                // Again each time: a preempted sequence comes back unpaused.
+                if self.engine.pause(id) && live.paused.is_none() {
+                    tracing::debug!(request = %id, unread, "paused: the client fell behind");
+                    live.paused = Some(Instant::now());
+                }
+            } else if unread < pace::RESUME_BELOW && live.paused.take().is_some() {
+                self.engine.resume(id);
+            }
+        }
+        for id in expired {
+            let e = ServeError::Timeout(format!("paused for {} s behind its client", PAUSED_TTL.as_secs()));
+            if let Some(live) = self.streams.get(&id) {
+                let _ = live.events.send(Event::Failed(e));
+            }
+            self.engine.cancel(id);
+            self.untrack(id);
         }
     }
 

@@ -5,12 +5,12 @@
 //! set and is reconnected when it comes back. While no worker can decode, requests
 //! get 503; the process only exits on a signal.
 
-use super::http::{self, Listen, Served};
+use super::http::{self, ApiArgs, Served};
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
 use pdserve_protocol::Worker;
 use pdserve_remote::RemoteWorker;
-use pdserve_router::{Deadlines, Mode, PolicyKind, Router};
+use pdserve_router::{Mode, PolicyKind, Router};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,27 +35,8 @@ pub struct Args {
     /// How prefill workers send KV to decode workers: tcp (the default) | shm (same host).
     #[arg(long)]
     kv_transport: Option<TransportKind>,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// Port to listen on (0 picks a free one).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
-    #[arg(long, default_value_t = 30)]
-    grace_seconds: u64,
-    /// Refuse (429 with Retry-After) a request predicted to wait longer than this
-    /// before its prefill starts; 0 turns admission control off.
-    #[arg(long, default_value_t = 30.0)]
-    max_queue_seconds: f64,
-    /// A name the model answers to in the API (repeat for aliases; the first is listed
-    /// first). Default: the model file's name.
-    #[arg(long = "served-model-name")]
-    served_model_names: Vec<String>,
-    /// Browser origins allowed to call the API (CORS), comma separated, or `*`. Off by
-    /// default.
-    #[arg(long, value_delimiter = ',')]
-    allowed_origins: Vec<String>,
+    #[command(flatten)]
+    api: ApiArgs,
     #[command(flatten)]
     security: super::Security,
 }
@@ -74,9 +55,9 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     rt.block_on(async move {
         let metrics = Metrics::new();
         let router = Arc::new(
-            Router::new([], a.mode, Deadlines::default(), tokio::runtime::Handle::current())
+            Router::new([], a.mode, a.api.deadlines(), tokio::runtime::Handle::current())
                 .with_policy(a.policy.build())
-                .with_admission(super::admission(a.max_queue_seconds))
+                .with_admission(a.api.admission())
                 .with_transport(via)
                 .with_telemetry(Arc::new(metrics.clone())),
         );
@@ -98,21 +79,9 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        let model = Served {
-            tokenizer: meta.tokenizer,
-            chat: meta.chat,
-            name: meta.name,
-            served_names: a.served_model_names.clone(),
-            allowed_origins: a.allowed_origins.clone(),
-            context_length: meta.context_length,
-        };
-        let at = Listen {
-            host: &a.host,
-            port: a.port,
-            grace: Duration::from_secs(a.grace_seconds),
-            mode: format!("{:?}", a.mode).to_lowercase(),
-        };
-        http::serve(router, metrics, model, at, &banner).await
+        let model =
+            Served { tokenizer: meta.tokenizer, chat: meta.chat, name: meta.name, context_length: meta.context_length };
+        http::serve(router, metrics, model, &a.api, &banner).await
     })
 }
 

@@ -6,7 +6,7 @@ use pdserve_engine::chat::ChatTemplate;
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_frontend::{Frontend, HttpLimits, Lifecycle, Metrics};
 use pdserve_protocol::Generate;
-use pdserve_router::Router;
+use pdserve_router::{Deadlines, Router};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,18 +15,49 @@ pub struct Served {
     pub tokenizer: Arc<Tokenizer>,
     pub chat: Arc<ChatTemplate>,
     pub name: String,
-    /// `--served-model-name`s; empty: `name`.
-    pub served_names: Vec<String>,
-    /// `--allowed-origins` (CORS); empty: off.
-    pub allowed_origins: Vec<String>,
     pub context_length: usize,
 }
 
-pub struct Listen<'a> {
-    pub host: &'a str,
-    pub port: u16,
-    pub grace: Duration,
-    pub mode: String,
+/// The API's flags, the same for `serve` and `frontend`.
+#[derive(clap::Args)]
+pub struct ApiArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    grace_seconds: u64,
+    /// Refuse (429 with Retry-After) a request predicted to wait longer than this
+    /// before its prefill starts; 0 turns admission control off.
+    #[arg(long, default_value_t = 30.0)]
+    max_queue_seconds: f64,
+    /// A streaming client that reads nothing for this many seconds gets an error and
+    /// its request is cancelled (its sequence is paused while it lags).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    client_stall_seconds: u64,
+    /// A name the model answers to in the API (repeat for aliases; the first is listed
+    /// first). Default: the model file's name.
+    #[arg(long = "served-model-name")]
+    served_model_names: Vec<String>,
+    /// Browser origins allowed to call the API (CORS), comma separated, or `*`. Off by
+    /// default.
+    #[arg(long, value_delimiter = ',')]
+    allowed_origins: Vec<String>,
+}
+
+impl ApiArgs {
+    /// The router's deadlines, with the client stall from the flags.
+    pub fn deadlines(&self) -> Deadlines {
+        Deadlines { client_stall: Duration::from_secs(self.client_stall_seconds), ..Deadlines::default() }
+    }
+
+    /// `--max-queue-seconds`: a positive limit, or none.
+    pub fn admission(&self) -> Option<Duration> {
+        Duration::try_from_secs_f64(self.max_queue_seconds).ok().filter(|d| !d.is_zero())
+    }
 }
 
 /// How serving ended.
@@ -46,9 +77,10 @@ pub async fn serve(
     router: Arc<Router>,
     metrics: Metrics,
     model: Served,
-    at: Listen<'_>,
+    api: &ApiArgs,
     banner: &str,
 ) -> anyhow::Result<Stopped> {
+    let mode = format!("{:?}", router.mode()).to_lowercase();
     let frontend = Frontend::new(
         router.clone() as Arc<dyn Generate>,
         model.tokenizer,
@@ -57,16 +89,16 @@ pub async fn serve(
         model.context_length,
         metrics.clone(),
     )
-    .with_mode(&at.mode)
-    .with_served_names(model.served_names.clone())
-    .with_cors(pdserve_frontend::Origins::parse(&model.allowed_origins));
-    let listener = tokio::net::TcpListener::bind((at.host, at.port))
+    .with_mode(&mode)
+    .with_served_names(api.served_model_names.clone())
+    .with_cors(pdserve_frontend::Origins::parse(&api.allowed_origins));
+    let listener = tokio::net::TcpListener::bind((api.host.as_str(), api.port))
         .await
-        .with_context(|| format!("cannot listen on {}:{}", at.host, at.port))?;
+        .with_context(|| format!("cannot listen on {}:{}", api.host, api.port))?;
     let addr = listener.local_addr()?;
     tracing::info!(
         "pdserve: serving {} ({} mode, {banner}) at http://{addr}/v1 — try: curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'",
-        model.name, at.mode
+        model.name, mode
     );
     tokio::spawn(report_blocks(router.clone(), metrics));
     let life = frontend.lifecycle();
@@ -76,7 +108,7 @@ pub async fn serve(
             r.context("http server")?;
             Stopped::Drained
         }
-        stopped = shut_down(router, life, at.grace) => stopped,
+        stopped = shut_down(router, life, Duration::from_secs(api.grace_seconds)) => stopped,
     };
     tracing::info!("pdserve: stopped");
     Ok(stopped)
@@ -153,8 +185,8 @@ async fn report_blocks(router: Arc<Router>, metrics: Metrics) {
         for e in router.workers().snapshot() {
             // A hung worker must not hold up the others' figures, nor keep its own.
             match tokio::time::timeout(Duration::from_millis(500), e.worker.stats()).await {
-                Ok(Ok(s)) => metrics.set_kv_blocks(e.name(), s.blocks.free, s.blocks.used, s.blocks.cached),
-                _ => metrics.forget_blocks(e.name()),
+                Ok(Ok(s)) => metrics.set_worker_stats(e.name(), &s),
+                _ => metrics.forget_stats(e.name()),
             }
         }
     }

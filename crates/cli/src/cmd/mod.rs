@@ -32,11 +32,6 @@ pub fn load_meta(spec: &str) -> anyhow::Result<ModelMeta> {
     loader::load_meta(&path).with_context(|| format!("cannot load model {}", path.display()))
 }
 
-/// `--max-queue-seconds`: a positive limit, or none.
-fn admission(seconds: f64) -> Option<std::time::Duration> {
-    std::time::Duration::try_from_secs_f64(seconds).ok().filter(|d| !d.is_zero())
-}
-
 /// The path of a Unix socket named `name` in this process's runtime directory.
 fn socket_path(name: &str) -> anyhow::Result<PathBuf> {
     Ok(runtime_dir::get()?.join(format!("{name}.sock")))

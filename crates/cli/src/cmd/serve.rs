@@ -1,17 +1,16 @@
 //! `pdserve serve`: frontend, router and workers in one process.
 
-use super::http::{self, Listen, Served};
+use super::http::{self, ApiArgs, Served};
 use anyhow::Context;
 use pdserve_engine::batch::EngineConfig;
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::Worker;
-use pdserve_router::{Deadlines, Mode, PolicyKind, Router};
+use pdserve_router::{Mode, PolicyKind, Router};
 use pdserve_types::Role;
 use pdserve_worker::{LocalWorker, WorkerOptions};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -40,32 +39,13 @@ pub struct Args {
     /// KV blocks of 16 tokens per worker.
     #[arg(long, default_value_t = 1024)]
     kv_blocks: usize,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// Port to listen on (0 picks a free one).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
     /// How KV moves from prefill to decode workers: inproc (hand over the frames; the
     /// default), tcp (loopback socket) or shm (shared-memory ring); tcp and shm exercise
     /// the transports a multi-process deployment uses.
     #[arg(long)]
     kv_transport: Option<TransportKind>,
-    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
-    #[arg(long, default_value_t = 30)]
-    grace_seconds: u64,
-    /// Refuse (429 with Retry-After) a request predicted to wait longer than this
-    /// before its prefill starts; 0 turns admission control off.
-    #[arg(long, default_value_t = 30.0)]
-    max_queue_seconds: f64,
-    /// A name the model answers to in the API (repeat for aliases; the first is listed
-    /// first). Default: the model file's name.
-    #[arg(long = "served-model-name")]
-    served_model_names: Vec<String>,
-    /// Browser origins allowed to call the API (CORS), comma separated, or `*`. Off by
-    /// default.
-    #[arg(long, value_delimiter = ',')]
-    allowed_origins: Vec<String>,
+    #[command(flatten)]
+    api: ApiArgs,
 }
 
 /// Refuses flags that mean nothing in the chosen mode, before anything loads.
@@ -123,11 +103,11 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             Router::new(
                 workers.into_iter().map(|w| Arc::new(w) as Arc<dyn Worker>),
                 a.mode,
-                Deadlines::default(),
+                a.api.deadlines(),
                 tokio::runtime::Handle::current(),
             )
             .with_policy(a.policy.build())
-            .with_admission(super::admission(a.max_queue_seconds))
+            .with_admission(a.api.admission())
             .with_transport(via)
             .with_telemetry(Arc::new(metrics.clone())),
         );
@@ -135,21 +115,13 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             tokenizer: m.tokenizer.clone(),
             chat: m.chat.clone(),
             name: m.name.clone(),
-            served_names: a.served_model_names.clone(),
-            allowed_origins: a.allowed_origins.clone(),
             context_length: m.model.cfg.context_length,
-        };
-        let at = Listen {
-            host: &a.host,
-            port: a.port,
-            grace: Duration::from_secs(a.grace_seconds),
-            mode: format!("{:?}", a.mode).to_lowercase(),
         };
         let banner = format!(
             "workers: {}, {threads} thread(s) each",
             roles.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
         );
-        http::serve(router, metrics, model, at, &banner).await
+        http::serve(router, metrics, model, &a.api, &banner).await
     })
 }
 

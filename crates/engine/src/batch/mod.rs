@@ -180,8 +180,24 @@ impl Engine {
         before != self.waiting.len() + self.running.len() + self.importing.len()
     }
 
+    /// Whether a step would compute anything (paused sequences wait).
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        !self.waiting.is_empty() || self.running.iter().any(|s| !s.paused)
+    }
+
+    /// Stops stepping running request `id` (its client reads slower than it is
+    /// generated) until [`Engine::resume`]; it keeps its blocks and its numerics.
+    pub fn pause(&mut self, id: RequestId) -> bool {
+        self.set_paused(id, true)
+    }
+
+    pub fn resume(&mut self, id: RequestId) -> bool {
+        self.set_paused(id, false)
+    }
+
+    fn set_paused(&mut self, id: RequestId, paused: bool) -> bool {
+        let s = self.running.iter_mut().find(|s| s.id == id);
+        s.map(|s| s.paused = paused).is_some()
     }
 
     pub fn stats(&self) -> EngineStats {

@@ -93,6 +93,10 @@ impl Engine {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let s = &self.running[i];
+            if s.paused {
+                i += 1;
+                continue;
+            }
             let n = s.pending().min(budget);
             if self.reserve(i, s.computed + n, !s.is_decoding()) {
                 let s = &self.running[i];
@@ -132,8 +136,10 @@ impl Engine {
     }
 
     /// Admits waiting sequences in arrival order while budget, slots and blocks last.
+    /// Paused sequences keep their blocks but not their slots.
     fn admit(&mut self, plan: &mut Vec<Planned>, mut budget: usize) {
-        while budget > 0 && self.running.len() < self.cfg.max_seqs {
+        let mut busy = self.running.iter().filter(|s| !s.paused).count();
+        while budget > 0 && busy < self.cfg.max_seqs {
             let Some(mut s) = self.waiting.pop_front() else { break };
             if s.table.is_none() {
                 self.attach_prefix(&mut s);
@@ -149,6 +155,7 @@ impl Engine {
             budget -= n;
             plan.push(Planned { seq: self.running.len(), n, logits: s.computed + n == s.tokens.len() });
             self.running.push(s);
+            busy += 1;
         }
     }
 

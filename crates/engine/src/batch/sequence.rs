@@ -20,6 +20,8 @@ pub(crate) struct Sequence {
     pub cached_tokens: usize,
     /// Scores of prompt tokens 1.. so far, when the request asked for them.
     pub prompt_scores: Vec<TokenOut>,
+    /// Not stepped while set: its consumer has fallen behind (it keeps its blocks).
+    pub paused: bool,
 }
 
 impl Sequence {
@@ -35,6 +37,7 @@ impl Sequence {
             params,
             cached_tokens: 0,
             prompt_scores: Vec::new(),
+            paused: false,
         }
     }
 
@@ -85,5 +88,6 @@ impl Sequence {
         self.computed = 0;
         // Recomputed positions are scored again, with the same numerics.
         self.prompt_scores.clear();
+        self.paused = false;
     }
 }

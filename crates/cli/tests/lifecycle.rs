@@ -170,3 +170,32 @@ fn a_hung_worker_is_detected_and_comes_back() {
     }
     drop(b);
 }
+
+/// A worker keeps its socket files in `$TMPDIR/pdserve-<pid>`: a worker killed with
+/// SIGKILL leaves its directory, the next pdserve process to start removes it, and a
+/// worker that stops normally removes its own.
+#[test]
+fn socket_files_of_a_killed_worker_are_removed_by_the_next_start() {
+    let tmp = std::env::temp_dir().join(format!("pdserve-sockets-test-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    let env = [("TMPDIR", tmp.to_str().unwrap())];
+    let args = ["worker", "--role", "decode", "--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "64"];
+    let dir_of = |p: &Proc| tmp.join(format!("pdserve-{}", p.child.id()));
+    let sockets = |p: &Proc| std::fs::read_dir(dir_of(p)).map(|d| d.count()).unwrap_or(0);
+
+    let killed = common::start_with(&args, &env);
+    assert_eq!(sockets(&killed), 1, "the worker's KV socket");
+    kill(&killed, "-KILL");
+    let left = dir_of(&killed);
+    drop(killed);
+    assert!(left.exists(), "SIGKILL cannot clean up");
+
+    let mut next = common::start_with(&args, &env);
+    assert!(!left.exists(), "the next start did not remove a dead process's sockets");
+    assert_eq!(sockets(&next), 1);
+    let own = dir_of(&next);
+    kill(&next, "-TERM");
+    assert_eq!(exit_code(&mut next, Duration::from_secs(10)), Some(0));
+    assert!(!own.exists(), "a worker that stopped left its sockets");
+    std::fs::remove_dir_all(&tmp).unwrap();
+}

@@ -53,13 +53,19 @@ pub fn start(args: &[&str]) -> Proc {
 
 /// [`start`] with `RUST_LOG=filter`; every line the process logs is kept.
 pub fn start_logging(args: &[&str], filter: &str) -> Proc {
+    start_with(args, &[("RUST_LOG", filter)])
+}
+
+/// [`start`] with these environment variables set.
+pub fn start_with(args: &[&str], env: &[(&str, &str)]) -> Proc {
     // Workers and frontends share the tests' cluster token.
     let token = ["--cluster-token-file", token_file()];
     let secured = matches!(args.first(), Some(&"worker" | &"frontend"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
         .args(args)
         .args(if secured { &token[..] } else { &[] })
-        .env("RUST_LOG", filter)
+        .env("RUST_LOG", "info")
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

@@ -37,6 +37,8 @@ struct StreamState {
     done: bool,
     finished: bool,
     busy: Duration,
+    /// Refused to shed load, with the `Retry-After` seconds.
+    shed: Option<f64>,
 }
 
 impl Client {
@@ -47,10 +49,10 @@ impl Client {
         let mut p = StreamState { busy: t.elapsed(), ..StreamState::default() };
         let sent = Instant::now();
         let path = self.target.api_path(self.body.endpoint.path());
-        let outcome = match tokio::time::timeout(self.timeout, self.exchange(&path, payload, sent, &mut p)).await {
-            Ok(r) => r,
-            Err(_) => Err(format!("timed out after {:.0} s", self.timeout.as_secs_f64())),
-        };
+        let exchange = tokio::time::timeout(self.timeout, self.exchange(&path, payload, sent, &mut p)).await;
+        let timed_out = exchange.is_err();
+        let outcome =
+            exchange.unwrap_or_else(|_| Err(format!("timed out after {:.0} s", self.timeout.as_secs_f64())));
         let e2e_s = p.done_at_s.unwrap_or_else(|| sent.elapsed().as_secs_f64());
         let t = Instant::now();
         let mut rec = RequestRecord {
@@ -61,6 +63,8 @@ impl Client {
             input_tokens: p.usage.prompt_tokens.unwrap_or(spec.prompt.len() as u64),
             output_tokens: p.usage.completion_tokens.unwrap_or(p.chunk_times_s.len() as u64),
             e2e_s,
+            shed: p.shed,
+            timed_out,
             ..RequestRecord::default()
         };
         match outcome.and_then(|()| complete(&p)) {
@@ -75,6 +79,9 @@ impl Client {
     async fn exchange(&self, path: &str, payload: Vec<u8>, sent: Instant, p: &mut StreamState) -> Result<(), String> {
         let resp = self.post(path, payload).await?;
         let status = resp.status();
+        if matches!(status.as_u16(), 429 | 503) {
+            p.shed = Some(retry_after(resp.headers()));
+        }
         let mut body = resp.into_body();
         if !status.is_success() {
             let text = read_text(&mut body).await;
@@ -113,6 +120,11 @@ impl Client {
             .map_err(|e| format!("building the request: {e}"))?;
         send(&self.target, req).await
     }
+}
+
+/// A `Retry-After` in seconds (0 when absent or a date).
+fn retry_after(h: &hyper::HeaderMap) -> f64 {
+    h.get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.trim().parse().ok()).unwrap_or(0.0)
 }
 
 /// Folds one stream item into the progress; an in-band error ends the request.

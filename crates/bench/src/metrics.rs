@@ -93,6 +93,12 @@ pub struct Summary {
     pub requests: usize,
     pub ok: usize,
     pub failed: usize,
+    /// Of the failed: refused by the server to shed load (429/503).
+    #[serde(default)]
+    pub shed: usize,
+    /// Of the failed: given up by the client.
+    #[serde(default)]
+    pub timed_out: usize,
     pub duration_s: f64,
     pub request_throughput: f64,
     pub output_token_throughput: f64,
@@ -129,6 +135,8 @@ impl Summary {
             requests: records.len(),
             ok: ok.len(),
             failed: records.len() - ok.len(),
+            shed: records.iter().filter(|r| !r.ok && r.shed.is_some()).count(),
+            timed_out: records.iter().filter(|r| r.timed_out).count(),
             duration_s,
             request_throughput: per_s(ok.len() as f64),
             output_token_throughput: per_s(out_tokens),

@@ -15,6 +15,13 @@ pub struct RequestRecord {
     pub ok: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The server shed the request (HTTP 429 or 503) and asked to come back after
+    /// this many seconds (0 when it did not say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shed: Option<f64>,
+    /// The client gave up waiting (`--timeout-seconds`).
+    #[serde(default)]
+    pub timed_out: bool,
     /// Prompt tokens: the server's usage when reported, else what was sent.
     pub input_tokens: u64,
     /// Generated tokens: the server's usage when reported, else content chunks.

@@ -57,7 +57,9 @@ pub async fn run_point(
     records
 }
 
-/// `c` clients, each sending back to back, sharing one request counter.
+/// `c` clients, each sending back to back, sharing one request counter. A client the
+/// server sheds waits its `Retry-After` before its next request, as the OpenAI SDKs
+/// do, instead of hammering it.
 async fn closed(client: &Client, w: &Workload, plan: &PointPlan, c: usize, n: &Counters) -> Vec<RequestRecord> {
     let origin = Instant::now();
     let next = Cell::new(0usize);
@@ -73,7 +75,11 @@ async fn closed(client: &Client, w: &Workload, plan: &PointPlan, c: usize, n: &C
             n.on_sent();
             let rec = client.send(&spec, origin, None).await;
             n.on_done(rec.ok);
+            let back_off = rec.shed.filter(|_| !rec.ok);
             out.push(rec);
+            if let Some(after) = back_off {
+                tokio::time::sleep(Duration::from_secs_f64(after.clamp(0.0, 600.0))).await;
+            }
         }
     };
     futures_util::future::join_all((0..c.max(1)).map(|_| one_client())).await.into_iter().flatten().collect()

@@ -54,10 +54,13 @@ fn frame(v: Value) -> Bytes {
 
 /// `ok`: TTFT_MS, then a token every ITL_MS, usage, [DONE]; `fast`: the same without
 /// delays; `linger`: `fast` but the body stays open 30 s after [DONE]. `status500`: an error status. `midstream`: two tokens then an in-band
-/// error. `cut`: two tokens then EOF.
+/// error. `cut`: two tokens then EOF. `shed`: 429 with `Retry-After: 1`.
 async fn completions(Path(mode): Path<String>, Json(req): Json<Value>) -> Response {
     if mode == "status500" {
         return (StatusCode::INTERNAL_SERVER_ERROR, "engine on fire").into_response();
+    }
+    if mode == "shed" {
+        return (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "1")], "queue full").into_response();
     }
     let n = req["max_tokens"].as_u64().unwrap();
     let chat = req.get("messages").is_some();
@@ -157,6 +160,12 @@ async fn server_misbehaviour_becomes_failed_records_with_reasons() {
             assert!(e.contains(want), "{mode}: {e:?}");
         }
     }
+    // Shed: counted apart, and a closed-loop client waits the Retry-After.
+    let records = run_point(&client(addr, "shed", Endpoint::Completions), &workload(2), &closed(1, 2), None).await;
+    assert!(records.iter().all(|r| !r.ok && r.shed == Some(1.0) && !r.timed_out), "{records:?}");
+    assert!(records[1].start_s >= records[0].start_s + 1.0, "no back-off: {records:?}");
+    let s = pdserve_bench::metrics::Summary::of(&records, Slo { ttft_ms: 1e3, tpot_ms: 1e3 });
+    assert_eq!((s.failed, s.shed, s.timed_out), (2, 2, 0));
     // A body left open after [DONE]: the request is complete at [DONE].
     let t = std::time::Instant::now();
     let records = run_point(&client(addr, "linger", Endpoint::Completions), &workload(3), &closed(1, 1), None).await;

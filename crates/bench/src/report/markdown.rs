@@ -13,12 +13,12 @@ pub fn num(v: Option<f64>, d: usize) -> String {
 }
 
 /// The columns of a summary row (after the row's own label columns).
-pub const SUMMARY_HEADER: &str = "req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | E2E p50 ms | goodput req/s (SLO %) | client ms/req | reused prompt blocks | ok | failed";
+pub const SUMMARY_HEADER: &str = "req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | E2E p50 ms | goodput req/s (SLO %) | client ms/req | reused prompt blocks | ok | failed (shed, timed out)";
 
 /// One summary as table cells.
 pub fn summary_cells(s: &Summary) -> String {
     format!(
-        "{} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {} | {} | {} | {}",
+        "{} | {} | {} | {} | {} | {} | {} | {} | {} ({}) | {} | {} | {} | {} ({}, {})",
         num(Some(s.request_throughput), 2),
         num(Some(s.output_token_throughput), 1),
         num(s.ttft_ms.p50, 0),
@@ -32,7 +32,9 @@ pub fn summary_cells(s: &Summary) -> String {
         num(s.client_busy_ms.mean, 3),
         reuse(s),
         s.ok,
-        s.failed
+        s.failed,
+        s.shed,
+        s.timed_out
     )
 }
 
@@ -51,9 +53,11 @@ pub fn header(labels: &[&str]) -> String {
 /// The progress log line printed after each point.
 pub fn one_line(label: &str, s: &Summary, wall_s: f64) -> String {
     let mut line = format!(
-        "{label}: {} ok, {} failed in {wall_s:.1} s; {} req/s, {} out tok/s, TTFT p50/p99 {}/{} ms, TPOT p50/p99 {}/{} ms, goodput {} req/s ({}%)",
+        "{label}: {} ok, {} failed ({} shed, {} timed out) in {wall_s:.1} s; {} req/s, {} out tok/s, TTFT p50/p99 {}/{} ms, TPOT p50/p99 {}/{} ms, goodput {} req/s ({}%)",
         s.ok,
         s.failed,
+        s.shed,
+        s.timed_out,
         num(Some(s.request_throughput), 2),
         num(Some(s.output_token_throughput), 1),
         num(s.ttft_ms.p50, 0),
@@ -120,6 +124,6 @@ mod tests {
         assert_eq!(count(lines[1]), count(&row));
         assert_eq!(num(None, 2), "—");
         assert_eq!(num(Some(1.234), 1), "1.2");
-        assert!(one_line("C=1", &s, 1.0).contains("1 ok, 0 failed"));
+        assert!(one_line("C=1", &s, 1.0).contains("1 ok, 0 failed (0 shed, 0 timed out)"));
     }
 }

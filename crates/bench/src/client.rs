@@ -51,8 +51,7 @@ impl Client {
         let path = self.target.api_path(self.body.endpoint.path());
         let exchange = tokio::time::timeout(self.timeout, self.exchange(&path, payload, sent, &mut p)).await;
         let timed_out = exchange.is_err();
-        let outcome =
-            exchange.unwrap_or_else(|_| Err(format!("timed out after {:.0} s", self.timeout.as_secs_f64())));
+        let outcome = exchange.unwrap_or_else(|_| Err(format!("timed out after {:.0} s", self.timeout.as_secs_f64())));
         let e2e_s = p.done_at_s.unwrap_or_else(|| sent.elapsed().as_secs_f64());
         let t = Instant::now();
         let mut rec = RequestRecord {

@@ -18,7 +18,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Before any measurement: the default model's single-thread prefill rate here
 /// (~1000 tok/s, docs/benchmarks.md) and a handoff's fixed cost.
@@ -81,6 +81,68 @@ impl Drop for Ticket {
     }
 }
 
+/// A decode worker's requests that have not had their first token yet, and how long
+/// requests took to get it for the backlog they found: admission's second signal.
+/// A prefill queue sees compute only; this sees whatever holds requests back
+/// (prefill, KV blocks freed only as other sequences finish, transfers, a queue
+/// served out of order), measured on real first tokens rather than modelled.
+#[derive(Debug, Default)]
+pub struct Backlog {
+    /// Prompt tokens of the requests waiting.
+    pending: AtomicUsize,
+    /// Moving average of time to first token per prompt token waiting at arrival
+    /// (the request's own included).
+    seconds_per_token: Mutex<Option<f64>>,
+}
+
+impl Backlog {
+    /// Counts a request of `tokens` prompt tokens as waiting until the guard goes.
+    pub fn enter(self: &Arc<Self>, tokens: usize) -> Waiting {
+        let ahead = self.pending.fetch_add(tokens, Ordering::Relaxed);
+        Waiting { backlog: self.clone(), tokens, ahead, since: Instant::now() }
+    }
+
+    /// Seconds a request arriving now waits for those ahead of it to start. Until
+    /// measured, the prefill prior stands in for the pace.
+    pub fn predict(&self) -> f64 {
+        let pace = lock(&self.seconds_per_token).unwrap_or(PRIOR_SECONDS_PER_TOKEN);
+        self.pending.load(Ordering::Relaxed) as f64 * pace
+    }
+}
+
+/// A request in a [`Backlog`]; dropped without [`Waiting::started`], it failed or
+/// left before its first token.
+pub struct Waiting {
+    backlog: Arc<Backlog>,
+    tokens: usize,
+    /// Prompt tokens waiting when it arrived.
+    ahead: usize,
+    since: Instant,
+}
+
+impl Waiting {
+    /// Its first token is out.
+    pub fn started(self) {
+        let behind = self.ahead + self.tokens;
+        if behind > 0 {
+            let pace = self.since.elapsed().as_secs_f64() / behind as f64;
+            let mut slot = lock(&self.backlog.seconds_per_token);
+            // Up at once, down gently: admitting too much costs every accepted
+            // request its deadline, refusing a little too much costs a few retries.
+            match *slot {
+                Some(old) if pace > old => *slot = Some(pace),
+                _ => ewma(&mut slot, pace),
+            }
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.backlog.pending.fetch_sub(self.tokens, Ordering::Relaxed);
+    }
+}
+
 /// The extra cost of a handoff, measured on the handoffs made.
 #[derive(Debug, Default)]
 pub struct TransferCost {
@@ -128,6 +190,39 @@ mod tests {
         assert!((l.predict(100) - 0.5).abs() < 1e-9);
         drop(t);
         assert_eq!(l.queued(), 0);
+    }
+
+    #[test]
+    fn a_backlog_predicts_from_the_pace_of_first_tokens_while_others_wait() {
+        let b = Arc::new(Backlog::default());
+        let waiting: Vec<Waiting> = (0..4).map(|_| b.enter(100)).collect();
+        // Unmeasured: the prior pace.
+        assert!((b.predict() - 400.0 * PRIOR_SECONDS_PER_TOKEN).abs() < 1e-9);
+        let mut waiting = waiting.into_iter();
+        // The first request found none ahead and started after ~100 ms: 1 ms/token.
+        std::thread::sleep(Duration::from_millis(100));
+        waiting.next().unwrap().started();
+        let p = b.predict();
+        assert!((0.3..0.6).contains(&p), "300 tokens at about 1 ms each: {p}");
+        // A request that fails leaves the backlog without counting as a start.
+        drop(waiting);
+        assert_eq!(b.predict(), 0.0);
+    }
+
+    #[test]
+    fn a_backlog_pace_rises_at_once_and_falls_gently() {
+        let b = Arc::new(Backlog::default());
+        *lock(&b.seconds_per_token) = Some(1e-3);
+        // A request that waited 100 ms behind 10 tokens: 10 ms/token, taken at once.
+        let w = b.enter(10);
+        std::thread::sleep(Duration::from_millis(100));
+        w.started();
+        let slow = lock(&b.seconds_per_token).unwrap();
+        assert!(slow >= 9e-3, "{slow}");
+        // One fast start moves it only part of the way back.
+        b.enter(1_000_000).started();
+        let eased = lock(&b.seconds_per_token).unwrap();
+        assert!(eased < slow && eased > 0.5 * slow, "{slow} -> {eased}");
     }
 
     #[test]

@@ -15,7 +15,7 @@
 //! exit path releases what the state held. Once D streams, D owns the request and its
 //! cancellation.
 
-use crate::cost::TransferCost;
+use crate::cost::{TransferCost, Waiting};
 use crate::workers::Entry;
 use pdserve_kv_transfer::{HandoffToken, TransportKind};
 use pdserve_protocol::{
@@ -86,17 +86,23 @@ pub struct Handoff {
 }
 
 impl Handoff {
-    /// This handoff with its spare as the prefill worker, and no spare left.
-    fn with_spare(mut self) -> Option<Handoff> {
-        let spare = self.spare.take()?;
-        Some(Handoff { prefill: spare, ..self })
+    /// Makes its spare the prefill worker, leaving no spare; false when it has none.
+    fn use_spare(&mut self) -> bool {
+        match self.spare.take() {
+            Some(spare) => {
+                self.prefill = spare;
+                true
+            }
+            None => false,
+        }
     }
 }
 
 /// Starts the handoff of `req`, in the current span, on `rt`.
-pub fn start(rt: &tokio::runtime::Handle, h: Handoff, req: GenerateRequest) -> TokenStream {
+/// `waiting` counts it in the decode worker's backlog until its first token.
+pub fn start(rt: &tokio::runtime::Handle, h: Handoff, req: GenerateRequest, waiting: Waiting) -> TokenStream {
     let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-    rt.spawn(run(h, req, client).instrument(tracing::Span::current()));
+    rt.spawn(run(h, req, client, waiting).instrument(tracing::Span::current()));
     stream
 }
 
@@ -120,16 +126,26 @@ fn fail(client: &EventSender, e: ServeError) -> Outcome {
     Outcome::Failed
 }
 
-/// D prefills the request itself, on the client's stream.
-fn fall_back(d: &Entry, req: GenerateRequest, client: &EventSender) -> Outcome {
+/// D prefills the request itself, its events relayed to the client's stream.
+fn fall_back(h: &Handoff, req: GenerateRequest, client: EventSender, waiting: Waiting) -> Outcome {
+    let d = &h.decode;
     tracing::info!(decode = d.name(), "prefilling on the decode worker instead");
-    match d.worker.generate(req, client.clone()) {
-        Ok(()) => Outcome::LocalFallback,
-        Err(e) => fail(client, e),
+    let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
+    match d.worker.generate(req, inner_tx) {
+        Ok(()) => {
+            let on_first = move |first: &Event| {
+                if matches!(first, Event::Token(_)) {
+                    waiting.started();
+                }
+            };
+            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, h.deadlines.client_stall, on_first);
+            Outcome::LocalFallback
+        }
+        Err(e) => fail(&client, e),
     }
 }
 
-pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender) -> Outcome {
+pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, waiting: Waiting) -> Outcome {
     let id = req.id;
     let d = h.decode.clone();
     let started = Instant::now();
@@ -153,7 +169,7 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender) -> Outco
         // D stays full: let its engine queue the request and prefill it there.
         Reserve::Full => {
             drop((slot, ticket));
-            return fall_back(&d, req, &client);
+            return fall_back(&h, req, client, waiting);
         }
     };
     // Prefilling(P), frames flowing into D as each layer completes (Transferring).
@@ -191,14 +207,15 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender) -> Outco
             };
             tracing::warn!(prefill = h.prefill.name(), reason = %why, "the prefill failed");
             d.worker.release(id);
-            if let Some(next) = h.with_spare() {
-                tracing::info!(prefill = next.prefill.name(), "starting over on the spare prefill worker");
-                return Box::pin(run(next, req, client)).await;
+            let mut h = h;
+            if h.use_spare() {
+                tracing::info!(prefill = h.prefill.name(), "starting over on the spare prefill worker");
+                return Box::pin(run(h, req, client, waiting)).await;
             }
-            return fall_back(&d, req, &client);
+            return fall_back(&h, req, client, waiting);
         }
     };
-    decode_ready(&d, req, first, client, &h)
+    decode_ready(&d, req, first, client, &h, waiting)
 }
 
 fn secs(s: f64) -> Duration {
@@ -266,7 +283,14 @@ async fn prefill(
 }
 
 /// DecodeReady: the first token goes to the client at once, then D takes over.
-fn decode_ready(d: &Entry, req: GenerateRequest, first: Prefilled, client: EventSender, h: &Handoff) -> Outcome {
+fn decode_ready(
+    d: &Entry,
+    req: GenerateRequest,
+    first: Prefilled,
+    client: EventSender,
+    h: &Handoff,
+    waiting: Waiting,
+) -> Outcome {
     let id = req.id;
     if let Some(scores) = first.prompt_logprobs.clone() {
         let _ = client.send(Event::Prompt(scores));
@@ -275,6 +299,7 @@ fn decode_ready(d: &Entry, req: GenerateRequest, first: Prefilled, client: Event
         d.worker.release(id);
         return Outcome::Cancelled;
     }
+    waiting.started();
     if let Some(reason) = first.finished {
         d.worker.release(id);
         let usage =

@@ -35,6 +35,8 @@ use std::time::{Duration, Instant};
 const BLOCK_SALT: u64 = 0;
 /// Tokens per KV block, as every engine pages its cache.
 const BLOCK_SIZE: usize = 16;
+/// How long `auto` waits for a full decode worker's blocks before prefilling there.
+const AUTO_RESERVE: Duration = Duration::from_millis(500);
 
 pub struct Router {
     workers: WorkerSet,
@@ -154,16 +156,23 @@ impl Router {
                 let cost = |e: &Entry| e.prefill.predict(n) + interference(e, n);
                 let local = cost(d);
                 let remote = |e: &Entry| cost(e) + self.transfer.predict(n);
-                let candidates = Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d));
-                let best = candidates.into_iter().min_by(|a, b| remote(a).total_cmp(&remote(b)))?;
+                // Only a worker that can start now: a prompt queued there would reach
+                // `d` behind prompts that arrived after it (which went straight to
+                // `d`'s own queue), and find `d`'s blocks taken.
+                let candidates = Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d))
+                    .into_iter()
+                    .filter(|e| e.slots.available_permits() > 0);
+                let best = candidates.min_by(|a, b| remote(a).total_cmp(&remote(b)))?;
                 cost::prefer_remote(local, remote(&best)).then_some(best)
             }
         }
     }
 
-    /// Refuses a request whose prefill, queued behind `queued_s` seconds of others on
-    /// its worker, would start later than the admission limit.
-    fn admit(&self, queued_s: f64) -> Result<(), ServeError> {
+    /// Refuses a request predicted to get its first token later than the admission
+    /// limit: behind `queued_s` seconds of prompts on its prefill worker, or behind
+    /// the backlog of decode worker `d`, whichever is longer.
+    fn admit(&self, d: &Entry, queued_s: f64) -> Result<(), ServeError> {
+        let queued_s = queued_s.max(d.backlog.predict());
         match self.max_queue {
             Some(limit) if queued_s > limit.as_secs_f64() => {
                 Err(ServeError::QueueFull { wait_s: queued_s.ceil() as u64, limit_s: limit.as_secs() })
@@ -180,11 +189,13 @@ impl Router {
         let (load, n) = (d.prefill.clone(), req.prompt.len());
         let ahead = load.queued();
         let ticket = load.admit(n);
+        let waiting = d.backlog.enter(n);
         d.worker.generate(req, inner_tx)?;
         let started = Instant::now();
         relay::relay(&self.runtime, inner, client, self.deadlines.client_stall, move |first| {
             if matches!(first, Event::Token(_)) {
                 load.observe(ahead, n, started.elapsed());
+                waiting.started();
             }
             drop(ticket);
         });
@@ -198,13 +209,20 @@ impl Router {
             Mode::Disaggregated => self.pick(ask, &Self::with_role(all, &[Role::Prefill], Some(&p))),
             _ => None,
         };
+        // In auto a decode worker out of blocks is not waited for: its own queue is
+        // where the request would end up anyway, and joining it now keeps arrival
+        // order (and frees the prefill slot for a handoff that can land).
+        let reserve = match self.mode {
+            Mode::Auto => self.deadlines.reserve.min(AUTO_RESERVE),
+            _ => self.deadlines.reserve,
+        };
         Handoff {
             prefill: p,
             decode: d,
             spare,
             via: self.via,
             transfer: self.transfer.clone(),
-            deadlines: self.deadlines,
+            deadlines: Deadlines { reserve, ..self.deadlines },
             telemetry: self.telemetry.clone(),
         }
     }
@@ -234,18 +252,19 @@ impl Generate for Router {
         span.record("decode", d.name());
         match self.remote_prefill(&all, &d, &ask) {
             None => {
-                self.admit(d.prefill.queued() as f64 * d.prefill.seconds_per_token())?;
+                self.admit(&d, d.prefill.queued() as f64 * d.prefill.seconds_per_token())?;
                 span.record("route", "local");
                 self.telemetry.route(PrefillRoute::Local);
                 self.local(&d, req)
             }
             Some(p) => {
-                self.admit(p.prefill.queued() as f64 * p.prefill.seconds_per_token())?;
+                self.admit(&d, p.prefill.queued() as f64 * p.prefill.seconds_per_token())?;
                 span.record("route", "remote");
                 span.record("prefill", p.name());
                 self.telemetry.route(PrefillRoute::Remote);
+                let waiting = d.backlog.enter(req.prompt.len());
                 let h = self.handoff(&all, p, d, &ask);
-                Ok(handoff::start(&self.runtime, h, req))
+                Ok(handoff::start(&self.runtime, h, req, waiting))
             }
         }
     }

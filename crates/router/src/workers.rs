@@ -5,7 +5,7 @@
 //! Removing a worker drains it: it takes no new work, and requests already on it
 //! keep their entry (an `Arc`) until they finish or fail over.
 
-use crate::cost::PrefillLoad;
+use crate::cost::{Backlog, PrefillLoad};
 use pdserve_protocol::Worker;
 use pdserve_types::{Epoch, Role};
 use std::fmt;
@@ -38,6 +38,8 @@ pub struct Entry {
     pub(crate) prefill: Arc<PrefillLoad>,
     /// Handoffs it may be prefilling at once (see [`PREFILL_SLOTS`]).
     pub(crate) slots: Arc<Semaphore>,
+    /// Requests it will decode still waiting for their first token (admission).
+    pub(crate) backlog: Arc<Backlog>,
 }
 
 impl Entry {
@@ -98,6 +100,7 @@ impl WorkerSet {
             draining: AtomicBool::new(false),
             prefill: Arc::default(),
             slots: Arc::new(Semaphore::new(PREFILL_SLOTS)),
+            backlog: Arc::default(),
         };
         self.write().push(Arc::new(entry));
         id

@@ -195,7 +195,8 @@ fn socket_files_of_a_killed_worker_are_removed_by_the_next_start() {
     assert_eq!(sockets(&next), 1);
     let own = dir_of(&next);
     kill(&next, "-TERM");
-    assert_eq!(exit_code(&mut next, Duration::from_secs(10)), Some(0));
+    // Generous: the other tests of this file load the model on the same cores.
+    assert_eq!(exit_code(&mut next, Duration::from_secs(30)), Some(0), "SIGTERM: exit 0 (None: killed or hung)");
     assert!(!own.exists(), "a worker that stopped left its sockets");
     std::fs::remove_dir_all(&tmp).unwrap();
 }

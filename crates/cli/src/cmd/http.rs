@@ -96,6 +96,7 @@ pub async fn serve(
         .await
         .with_context(|| format!("cannot listen on {}:{}", api.host, api.port))?;
     let addr = listener.local_addr()?;
+    let first_signal = signal();
     tracing::info!(
         "pdserve: serving {} ({} mode, {banner}) at http://{addr}/v1 — try: curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'",
         model.name, mode
@@ -108,16 +109,21 @@ pub async fn serve(
             r.context("http server")?;
             Stopped::Drained
         }
-        stopped = shut_down(router, life, Duration::from_secs(api.grace_seconds)) => stopped,
+        stopped = shut_down(router, life, Duration::from_secs(api.grace_seconds), first_signal) => stopped,
     };
     tracing::info!("pdserve: stopped");
     Ok(stopped)
 }
 
-/// Waits for a signal, drains, and cuts what the grace period (or a second signal)
-/// leaves open.
-async fn shut_down(router: Arc<Router>, life: Lifecycle, grace: Duration) -> Stopped {
-    signal().await;
+/// Waits for `first_signal`, drains, and cuts what the grace period (or a second
+/// signal) leaves open.
+async fn shut_down(
+    router: Arc<Router>,
+    life: Lifecycle,
+    grace: Duration,
+    first_signal: impl std::future::Future<Output = ()>,
+) -> Stopped {
+    first_signal.await;
     tracing::info!("pdserve: shutting down, finishing {} request(s) in flight (grace {grace:?})", life.open());
     router.drain();
     life.drain();
@@ -158,23 +164,30 @@ fn raise_fd_limit() -> usize {
     lim.rlim_cur as usize
 }
 
-/// Resolves on SIGINT or SIGTERM.
-pub async fn signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Takes over SIGINT and SIGTERM now and resolves on the first that arrives. Called
+/// before a process announces itself, so a signal sent right after the announcement
+/// is handled rather than killing the process by default.
+pub fn signal() -> impl std::future::Future<Output = ()> + Send {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    {
+        use tokio::signal::unix::{signal as listen, SignalKind};
+        let (int, term) = (listen(SignalKind::interrupt()).ok(), listen(SignalKind::terminate()).ok());
+        async move {
+            let wait = |s: Option<tokio::signal::unix::Signal>| async move {
+                match s {
+                    Some(mut s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! { _ = wait(int) => {}, _ = wait(term) => {} }
         }
-    };
+    }
     #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    async {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 /// Publishes each worker's KV block counts to the metrics once a second.

@@ -62,6 +62,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let kv = worker.listen_tcp(kv).await.with_context(|| format!("KV receiver on {kv}"))?;
         let sock = super::socket_path(&format!("kv-{}", kv.port()))?;
         worker.listen_shm(&sock).await.context("shared-memory KV receiver")?;
+        let stop = http::signal();
         tracing::info!(
             "pdserve worker: {name} ({} role, {} thread(s)) listening on {}, KV on tcp port {}",
             a.role,
@@ -69,7 +70,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             listener.local_addr()?,
             kv.port()
         );
-        WorkerServer::new(Arc::new(worker) as Arc<dyn Worker>, key).serve(listener, http::signal()).await;
+        WorkerServer::new(Arc::new(worker) as Arc<dyn Worker>, key).serve(listener, stop).await;
         tracing::info!("pdserve worker: stopped");
         Ok(())
     })

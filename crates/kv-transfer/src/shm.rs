@@ -517,8 +517,17 @@ mod tests {
             got
         });
         let mut got_b = Vec::new();
-        while let Some(f) = b.recv().await.unwrap() {
-            got_b.push(f);
+        let receive_b = async {
+            while let Some(f) = b.recv().await.unwrap() {
+                got_b.push(f);
+            }
+        };
+        // Seen once in CI under load: the receivers waited forever after the sender
+        // had returned. Fail with what the sender said instead of hanging the suite.
+        if tokio::time::timeout(std::time::Duration::from_secs(60), receive_b).await.is_err() {
+            let finished = sender.is_finished();
+            let said = if finished { format!("{:?}", sender.await.unwrap()) } else { "still sending".into() };
+            panic!("handoff 2 got nothing for 60 s; sender finished: {finished}, returned: {said}");
         }
         let (fa, fb) = sender.await.unwrap();
         fa.unwrap();

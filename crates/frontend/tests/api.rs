@@ -413,11 +413,11 @@ async fn client_disconnect_cancels_the_backend() {
 
 /// After the signal the server stops accepting, keeps streaming to the client it has,
 /// and returns once that stream is gone.
-#[tokio::test]
-async fn draining_answers_503_and_the_deadline_ends_streams_with_an_error_event() {
+/// A frontend over a fake backend that follows `script`, for tests that serve it themselves.
+fn frontend(script: Script) -> pdserve_frontend::Frontend {
     let m = model();
-    let fake = std::sync::Arc::new(common::Fake::new(Script::Endless));
-    let frontend = pdserve_frontend::Frontend::new(
+    let fake = std::sync::Arc::new(common::Fake::new(script));
+    pdserve_frontend::Frontend::new(
         fake,
         m.tokenizer.clone(),
         m.chat.clone(),
@@ -425,7 +425,11 @@ async fn draining_answers_503_and_the_deadline_ends_streams_with_an_error_event(
         common::CONTEXT,
         pdserve_frontend::Metrics::new(),
     )
-    .with_mode("test");
+}
+
+#[tokio::test]
+async fn draining_answers_503_and_the_deadline_ends_streams_with_an_error_event() {
+    let frontend = frontend(Script::Endless).with_mode("test");
     let life = frontend.lifecycle();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -577,16 +581,7 @@ async fn a_full_queue_is_429_with_retry_after() {
 
 #[tokio::test]
 async fn connections_are_capped_and_idle_or_half_sent_ones_closed() {
-    let m = model();
-    let fake = std::sync::Arc::new(common::Fake::new(reply(ANSWER)));
-    let frontend = pdserve_frontend::Frontend::new(
-        fake,
-        m.tokenizer.clone(),
-        m.chat.clone(),
-        m.name.clone(),
-        common::CONTEXT,
-        pdserve_frontend::Metrics::new(),
-    );
+    let frontend = frontend(reply(ANSWER));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let limits = pdserve_frontend::HttpLimits { max_connections: 2, header_timeout: Duration::from_millis(500) };

@@ -73,7 +73,7 @@ impl ApiError {
                 ServeError::Overloaded(_) | ServeError::QueueFull { .. } => {
                     (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", None, Some("rate_limit_exceeded"))
                 }
-                ServeError::NoWorker(_) | ServeError::ShuttingDown => {
+                ServeError::NoWorker(_) | ServeError::WorkerLost(_) | ServeError::ShuttingDown => {
                     (StatusCode::SERVICE_UNAVAILABLE, SERVER, None, Some("service_unavailable"))
                 }
                 ServeError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, SERVER, None, Some("timeout")),
@@ -153,6 +153,7 @@ mod tests {
         let cases = [
             (ServeError::Overloaded("queue full".into()), 429),
             (ServeError::NoWorker("none".into()), 503),
+            (ServeError::WorkerLost("gone".into()), 503),
             (ServeError::ShuttingDown, 503),
             (ServeError::Timeout("prefill".into()), 504),
             (ServeError::Internal("bug".into()), 500),

@@ -24,6 +24,7 @@ const REQUEST_E2E: &str = "pdserve_request_e2e_seconds";
 const REQUESTS: &str = "pdserve_requests";
 const PHASE: &str = "pdserve_phase_seconds";
 const PREFILL_ROUTE: &str = "pdserve_prefill_route";
+const MIGRATED: &str = "pdserve_requests_migrated";
 const KV_TRANSFER_BYTES: &str = "pdserve_kv_transfer_bytes";
 const KV_BLOCKS: &str = "pdserve_kv_blocks";
 const PREFIX_HIT_TOKENS: &str = "pdserve_prefix_hit_tokens";
@@ -102,6 +103,7 @@ struct Inner {
     requests: Family<Label1, Counter>,
     phase: Histograms,
     prefill_route: Family<Label1, Counter>,
+    migrated: Family<Label1, Counter>,
     kv_transfer_bytes: Family<Label1, Counter>,
     kv_blocks: Family<Label2, Gauge>,
     prefix_hit_tokens: Family<Label1, Counter>,
@@ -135,6 +137,7 @@ impl Metrics {
             requests: Family::default(),
             phase: histograms(),
             prefill_route: Family::default(),
+            migrated: Family::default(),
             kv_transfer_bytes: Family::default(),
             kv_blocks: Family::default(),
             prefix_hit_tokens: Family::default(),
@@ -182,6 +185,11 @@ impl Metrics {
             PrefillRoute::Remote => "remote",
         };
         self.inner.prefill_route.get_or_create(&[("where", label.into())]).inc();
+    }
+
+    /// Counts one request moved to another worker mid-flight.
+    pub fn migrated(&self, reason: &str) {
+        self.inner.migrated.get_or_create(&[("reason", reason.into())]).inc();
     }
 
     /// Adds KV bytes moved over `transport`.
@@ -258,6 +266,7 @@ impl Inner {
         r.register(REQUESTS, "Finished requests by outcome", self.requests.clone());
         r.register(PHASE, "Time spent per request phase", self.phase.clone());
         r.register(PREFILL_ROUTE, "Prefills by where they ran", self.prefill_route.clone());
+        r.register(MIGRATED, "Requests moved to another worker mid-flight, by reason", self.migrated.clone());
         r.register(KV_TRANSFER_BYTES, "KV cache bytes moved between workers", self.kv_transfer_bytes.clone());
         r.register(KV_BLOCKS, "KV cache blocks per worker and state", self.kv_blocks.clone());
         r.register(PREFIX_HIT_TOKENS, "Prompt tokens found in a prefix cache", self.prefix_hit_tokens.clone());
@@ -304,6 +313,10 @@ impl pdserve_protocol::Telemetry for Metrics {
 
     fn kv_transfer_bytes(&self, transport: TransportKind, bytes: u64) {
         Metrics::kv_transfer_bytes(self, transport, bytes)
+    }
+
+    fn migrated(&self, reason: &'static str) {
+        Metrics::migrated(self, reason)
     }
 }
 

@@ -202,7 +202,11 @@ pub enum ServeError {
     /// Shutting down; no new requests (503).
     #[error("the server is shutting down")]
     ShuttingDown,
-    /// A bug or a lost worker (500).
+    /// The worker serving the request stopped answering (its process died or its
+    /// connection broke) (503). The router may move the request elsewhere.
+    #[error("worker lost: {0}")]
+    WorkerLost(String),
+    /// A bug (500).
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -218,6 +222,7 @@ impl ServeError {
             ServeError::NoWorker(_) => "no_worker",
             ServeError::Timeout(_) => "timeout",
             ServeError::ShuttingDown => "shutting_down",
+            ServeError::WorkerLost(_) => "worker_lost",
             ServeError::Internal(_) => "internal",
         }
     }
@@ -265,6 +270,8 @@ pub trait Telemetry: Send + Sync + 'static {
     fn phase(&self, phase: Phase, seconds: f64);
     fn route(&self, route: PrefillRoute);
     fn kv_transfer_bytes(&self, transport: pdserve_kv_transfer::TransportKind, bytes: u64);
+    /// A request moved to another worker, and why (`worker_lost`).
+    fn migrated(&self, reason: &'static str);
 }
 
 /// Records nothing (tests, embedded use without metrics).
@@ -274,6 +281,7 @@ impl Telemetry for NoTelemetry {
     fn phase(&self, _: Phase, _: f64) {}
     fn route(&self, _: PrefillRoute) {}
     fn kv_transfer_bytes(&self, _: pdserve_kv_transfer::TransportKind, _: u64) {}
+    fn migrated(&self, _: &'static str) {}
 }
 
 #[cfg(test)]

@@ -305,7 +305,7 @@ impl Conn {
     }
 
     fn gone(&self) -> ServeError {
-        ServeError::NoWorker(format!("worker {} ({}) is disconnected", self.hello.info.name, self.addr))
+        ServeError::WorkerLost(format!("worker {} ({}) is disconnected", self.hello.info.name, self.addr))
     }
 
     /// Registers `pending` under a new call id, then sends the call.

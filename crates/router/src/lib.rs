@@ -7,16 +7,19 @@
 //! reserve on a decode worker, prefill on a prefill worker streaming K/V into the
 //! reservation, first token to the client, decode continues — each state with a
 //! deadline and a cleanup path. `auto` decides per request with [`cost`]; which
-//! worker of a role gets a request is the [`policies`]' call.
+//! worker of a role gets a request is the [`policies`]' call. [`Migrating`] moves a
+//! request whose worker is lost mid-stream to another worker.
 
 pub mod cost;
 pub mod handoff;
+mod migrate;
 mod mode;
 pub mod policies;
 mod relay;
 pub mod workers;
 
 pub use handoff::{Deadlines, Handoff};
+pub use migrate::Migrating;
 pub use mode::Mode;
 pub use policies::{Ask, Candidate, Policy, PolicyKind};
 pub use workers::{Entry, WorkerId, WorkerSet};

@@ -30,17 +30,24 @@ pub fn relay(
                     f(&ev);
                 }
             }
-            if tokio::time::timeout(stall, client.room(pace::WINDOW)).await.is_err() {
-                let e = ServeError::Timeout(format!("the client read nothing for {} s", stall.as_secs()));
-                tracing::warn!(unread = client.unread(), "cancelled: the client stopped reading");
-                // The channel holds max tokens + 4, so the error always fits.
-                let _ = client.send(Event::Failed(e));
-                return;
-            }
-            let last = ev.is_last();
-            if client.send(ev).is_err() || last {
+            if !forward(&client, ev, stall).await {
                 return;
             }
         }
     });
+}
+
+/// Sends `ev` to `client` once fewer than `pace::WINDOW` events wait unread there.
+/// False when the stream is over: `ev` was its last event, the client left, or it
+/// read nothing for `stall` (then it gets an error instead).
+pub(crate) async fn forward(client: &EventSender, ev: Event, stall: Duration) -> bool {
+    if tokio::time::timeout(stall, client.room(pace::WINDOW)).await.is_err() {
+        let e = ServeError::Timeout(format!("the client read nothing for {} s", stall.as_secs()));
+        tracing::warn!(unread = client.unread(), "cancelled: the client stopped reading");
+        // The channel holds max tokens + 4, so the error always fits.
+        let _ = client.send(Event::Failed(e));
+        return false;
+    }
+    let last = ev.is_last();
+    client.send(ev).is_ok() && !last
 }

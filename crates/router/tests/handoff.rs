@@ -218,6 +218,7 @@ impl pdserve_protocol::Telemetry for Bytes {
     fn kv_transfer_bytes(&self, transport: TransportKind, bytes: u64) {
         *self.0.lock().unwrap().entry(transport.label().to_string()).or_default() += bytes;
     }
+    fn migrated(&self, _: &'static str) {}
 }
 
 /// More long prompts at once than the decode worker has blocks for: they wait (for a

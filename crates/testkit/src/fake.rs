@@ -3,8 +3,9 @@
 //! the real transports, presenting the real tokens). Router, handoff and control
 //! protocol tests run on it in milliseconds, and faults are switches.
 //!
-//! Tokens depend only on the prompt and the position, so a request gives the same
-//! tokens aggregated, disaggregated, or moved between fakes.
+//! Each token depends only on the tokens before it, as a greedy model's would, so a
+//! request gives the same tokens aggregated, disaggregated, moved between fakes, or
+//! resumed from its prompt plus the tokens it had already generated.
 
 use pdserve_kv_transfer::{Frame, HandoffId, HandoffToken, Inbox, Inboxes, KvTarget, Links, TransportKind};
 use pdserve_protocol::{
@@ -46,8 +47,21 @@ impl Default for Knobs {
 
 /// The token at `position` (0 = the first generated) of a request for `prompt`.
 pub fn token_at(prompt: &[u32], position: usize) -> u32 {
-    let seed = prompt.iter().fold(0x5eed_u64, |h, &t| h.rotate_left(5) ^ u64::from(t));
-    ((seed.wrapping_add(position as u64 * 7919)) % 40_000) as u32 + 1000
+    tokens_after(prompt).nth(position).unwrap_or_default()
+}
+
+/// The tokens a fake generates after `prompt`, each a function of all before it.
+pub fn tokens_after(prompt: &[u32]) -> impl Iterator<Item = u32> {
+    let mut state = prompt.iter().fold(0x5eed_u64, |h, &t| absorb(h, t));
+    std::iter::repeat_with(move || {
+        let t = (state.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) as u32 % 40_000 + 1000;
+        state = absorb(state, t);
+        t
+    })
+}
+
+fn absorb(h: u64, t: u32) -> u64 {
+    h.rotate_left(5) ^ u64::from(t)
 }
 
 /// Made-up scores of a prompt's tokens from the second on.
@@ -143,7 +157,7 @@ impl Inner {
     fn check_alive(&self) -> Result<(), ServeError> {
         match self.alive.load(Ordering::SeqCst) {
             true => Ok(()),
-            false => Err(ServeError::NoWorker(format!("{} is dead", self.info.name))),
+            false => Err(ServeError::WorkerLost(format!("{} is dead", self.info.name))),
         }
     }
 
@@ -165,16 +179,17 @@ impl Inner {
         self.active.fetch_add(1, Ordering::SeqCst);
         self.served.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
+            let mut tokens = tokens_after(&prompt).skip(from);
             for i in from..max {
                 tokio::select! {
                     _ = tokio::time::sleep(self.interval()) => {}
                     _ = events.closed() => break,
                 }
                 if self.check_alive().is_err() {
-                    let _ = events.send(Event::Failed(ServeError::NoWorker(format!("{} died", self.info.name))));
+                    let _ = events.send(Event::Failed(ServeError::WorkerLost(format!("{} died", self.info.name))));
                     break;
                 }
-                let t = TokenOut { token: token_at(&prompt, i), logprob: -0.5, top: Vec::new() };
+                let t = TokenOut { token: tokens.next().unwrap_or_default(), logprob: -0.5, top: Vec::new() };
                 if events.send(Event::Token(t)).is_err() {
                     break;
                 }

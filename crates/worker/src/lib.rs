@@ -237,7 +237,7 @@ impl Inner {
     }
 
     fn stopped(&self) -> ServeError {
-        ServeError::NoWorker(format!("worker {} stopped", self.info.name))
+        ServeError::WorkerLost(format!("worker {} stopped", self.info.name))
     }
 
     async fn reserve(

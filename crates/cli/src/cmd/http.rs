@@ -6,7 +6,7 @@ use pdserve_engine::chat::ChatTemplate;
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_frontend::{Frontend, HttpLimits, Lifecycle, Metrics};
 use pdserve_protocol::Generate;
-use pdserve_router::{Deadlines, Router};
+use pdserve_router::{Deadlines, Migrating, Router};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -46,6 +46,10 @@ pub struct ApiArgs {
     /// default.
     #[arg(long, value_delimiter = ',')]
     allowed_origins: Vec<String>,
+    /// How many times a request whose worker is lost mid-stream may move to another
+    /// worker (its prompt plus the tokens already sent are replayed there); 0: never.
+    #[arg(long, default_value_t = 1)]
+    max_migrations: u32,
 }
 
 impl ApiArgs {
@@ -82,7 +86,7 @@ pub async fn serve(
 ) -> anyhow::Result<Stopped> {
     let mode = format!("{:?}", router.mode()).to_lowercase();
     let frontend = Frontend::new(
-        router.clone() as Arc<dyn Generate>,
+        Arc::new(Migrating::new(router.clone(), api.max_migrations)) as Arc<dyn Generate>,
         model.tokenizer,
         model.chat,
         model.name.clone(),

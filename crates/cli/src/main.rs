@@ -32,6 +32,8 @@ enum Command {
     Worker(cmd::worker::Args),
     /// Serve the OpenAI-compatible API in front of `pdserve worker` processes.
     Frontend(cmd::frontend::Args),
+    /// The nodes of a NATS fleet: roles, addresses, load, KV blocks, heartbeats.
+    Fleet(cmd::fleet::Args),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -47,6 +49,7 @@ impl Command {
             Command::Serve(_) => "serve",
             Command::Worker(_) => "worker",
             Command::Frontend(_) => "frontend",
+            Command::Fleet(_) => "fleet",
             Command::Bench { .. } => "bench",
         }
     }
@@ -77,6 +80,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => cmd::serve::run(args).map(exit_code),
         Command::Worker(args) => cmd::worker::run(args).map(|()| ExitCode::SUCCESS),
         Command::Frontend(args) => cmd::frontend::run(args).map(exit_code),
+        Command::Fleet(args) => cmd::fleet::run(args).map(|()| ExitCode::SUCCESS),
         Command::Bench { what } => cmd::bench::run(what).map(|()| ExitCode::SUCCESS),
     };
     cmd::runtime_dir::remove();

@@ -138,5 +138,8 @@ pub struct WorkerStats {
     pub importing: usize,
     /// Running sequences paused because their clients fell behind.
     pub paused: usize,
+    /// Prompt tokens queued or being prefilled, not computed yet.
+    #[serde(default)]
+    pub queued_prompt_tokens: usize,
     pub blocks: BlockCounts,
 }

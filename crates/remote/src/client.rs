@@ -65,6 +65,9 @@ struct Conn {
     next_call: AtomicU64,
     /// Streams and prefills in flight: the router's load signal.
     active: AtomicUsize,
+    /// Requests the worker itself last said it holds, from every router (the fleet
+    /// bucket carries it): other frontends' work counts too.
+    reported: AtomicUsize,
     alive: AtomicBool,
     /// Woken when the connection is lost.
     lost: tokio::sync::Notify,
@@ -114,6 +117,7 @@ impl RemoteWorker {
             pending: Mutex::default(),
             next_call: AtomicU64::new(1),
             active: AtomicUsize::new(0),
+            reported: AtomicUsize::new(0),
             alive: AtomicBool::new(true),
             lost: tokio::sync::Notify::new(),
             heard: AtomicU64::new(0),
@@ -177,6 +181,12 @@ impl RemoteWorker {
             answer?
         })
     }
+
+    /// Records the load the worker reported for itself (all routers' requests); the
+    /// policies then see the larger of it and this router's own calls in flight.
+    pub fn report_load(&self, requests: usize) {
+        self.conn.reported.store(requests, Ordering::Relaxed);
+    }
 }
 
 impl Worker for RemoteWorker {
@@ -185,7 +195,7 @@ impl Worker for RemoteWorker {
     }
 
     fn load(&self) -> usize {
-        self.conn.active.load(Ordering::Relaxed)
+        self.conn.active.load(Ordering::Relaxed).max(self.conn.reported.load(Ordering::Relaxed))
     }
 
     fn is_alive(&self) -> bool {

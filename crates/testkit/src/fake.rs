@@ -373,6 +373,7 @@ impl Worker for FakeWorker {
                 running: self.load(),
                 importing: lock(&self.inner.imports).len(),
                 paused: 0,
+                queued_prompt_tokens: 0,
                 blocks,
             })
         })

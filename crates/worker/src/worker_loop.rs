@@ -137,6 +137,7 @@ impl Loop {
                     running: s.running,
                     importing: self.imports.len(),
                     paused: self.streams.values().filter(|l| l.paused.is_some()).count(),
+                    queued_prompt_tokens: s.queued_prompt_tokens,
                     blocks: BlockCounts { free: s.blocks.free, used: s.blocks.used, cached: s.blocks.cached },
                 });
             }

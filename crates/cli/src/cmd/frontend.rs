@@ -1,19 +1,26 @@
 //! `pdserve frontend`: the OpenAI API and the router in front of worker processes.
 //!
-//! Each worker address is kept connected for the life of the process: a worker that
-//! is down is waited for (and said so in the log), one that dies leaves the router's
-//! set and is reconnected when it comes back. While no worker can decode, requests
-//! get 503; the process only exits on a signal.
+//! Workers come from `--workers` (a fixed list) or `--nats` (the fleet bucket), or
+//! both. A listed worker is kept connected for the life of the process: one that is
+//! down is waited for (and said so in the log), one that dies leaves the router's set
+//! and is reconnected when it comes back. A fleet worker is followed while its record
+//! is in the bucket: connected when it appears, dropped when it leaves, its reported
+//! load handed to the policies. While no worker can decode, requests get 503; the
+//! process only exits on a signal.
 
+use super::fleet::NatsArgs;
 use super::http::{self, ApiArgs, Served};
+use pdserve_fleet::{Change, NatsConfig, NodeId};
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
 use pdserve_protocol::Worker;
 use pdserve_remote::RemoteWorker;
 use pdserve_router::{Mode, PolicyKind, Router};
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::watch;
 
 /// How long start-up waits for the listed workers before serving without them.
 const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
@@ -21,8 +28,10 @@ const CONNECT_PATIENCE: Duration = Duration::from_secs(60);
 #[derive(clap::Args)]
 pub struct Args {
     /// Worker control addresses (`pdserve worker --listen`), comma separated.
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',', required_unless_present = "nats")]
     workers: Vec<SocketAddr>,
+    #[command(flatten)]
+    nats: NatsArgs,
     /// The model the workers serve (the frontend loads only its tokenizer).
     #[arg(long, default_value = "default")]
     model: String,
@@ -65,7 +74,14 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         for &addr in &a.workers {
             let (tx, rx) = tokio::sync::oneshot::channel();
             first.push(rx);
-            tokio::spawn(supervise(addr, key.clone(), router.clone(), metrics.clone(), meta.name.clone(), tx));
+            let to =
+                Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
+            tokio::spawn(supervise(addr, to, Some(tx), None));
+        }
+        if let Some(cfg) = a.nats.config("pdserve-frontend") {
+            let to =
+                Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
+            tokio::spawn(follow_fleet(cfg, to));
         }
         // Serve as soon as every listed worker answered once, or after the patience.
         let _ = tokio::time::timeout(CONNECT_PATIENCE, futures_join(first)).await;
@@ -91,36 +107,128 @@ async fn futures_join(rxs: Vec<tokio::sync::oneshot::Receiver<()>>) {
     }
 }
 
-/// Keeps the worker at `addr` in the router's set while it is connected.
-async fn supervise(
-    addr: SocketAddr,
+/// Where workers that join go, and what they must serve.
+#[derive(Clone)]
+struct Target {
     key: ClusterKey,
     router: Arc<Router>,
     metrics: Metrics,
     model: String,
-    first: tokio::sync::oneshot::Sender<()>,
+}
+
+/// Keeps the worker at `addr` in the router's set while it is connected; `load`
+/// carries the load it reports through the fleet, if it is in one.
+async fn supervise(
+    addr: SocketAddr,
+    to: Target,
+    mut first: Option<tokio::sync::oneshot::Sender<()>>,
+    load: Option<watch::Receiver<usize>>,
 ) {
-    let mut first = Some(first);
-    pdserve_remote::keep_connected(addr, key, |w: RemoteWorker| {
-        let (router, metrics, model) = (router.clone(), metrics.clone(), model.clone());
-        let announce = first.take();
+    pdserve_remote::keep_connected(addr, to.key.clone(), |w: RemoteWorker| {
+        let (to, announce, load) = (to.clone(), first.take(), load.clone());
         async move {
             if let Some(tx) = announce {
                 let _ = tx.send(());
             }
             let info = w.info().clone();
-            if info.model != model {
-                tracing::error!(%addr, theirs = %info.model, ours = %model, "worker serves another model; not used");
+            if info.model != to.model {
+                tracing::error!(%addr, theirs = %info.model, ours = %to.model, "worker serves another model; not used");
                 tokio::time::sleep(Duration::from_secs(30)).await;
-            } else {
-                let id = router.workers().add(Arc::new(w.clone()) as Arc<dyn Worker>);
-                metrics.set_role(&info.name, info.role);
-                metrics.set_worker_up(&info.name, true);
-                w.lost().await;
-                router.workers().remove(id);
-                metrics.forget_worker(&info.name);
+                return;
+            }
+            let _in_set = InSet::add(&to, &w);
+            match load {
+                Some(load) => report_load(&w, load).await,
+                None => w.lost().await,
             }
         }
     })
     .await
+}
+
+/// Hands the worker's reported load to its handle until the worker is lost.
+async fn report_load(w: &RemoteWorker, mut load: watch::Receiver<usize>) {
+    loop {
+        w.report_load(*load.borrow_and_update());
+        tokio::select! {
+            _ = w.lost() => return,
+            changed = load.changed() => if changed.is_err() { return w.lost().await },
+        }
+    }
+}
+
+/// A worker's place in the router's set, given up when dropped (the worker was
+/// lost, or its supervisor was stopped because it left the fleet).
+struct InSet {
+    to: Target,
+    id: pdserve_router::WorkerId,
+    name: String,
+}
+
+impl InSet {
+    fn add(to: &Target, w: &RemoteWorker) -> InSet {
+        let info = w.info();
+        let id = to.router.workers().add(Arc::new(w.clone()) as Arc<dyn Worker>);
+        to.metrics.set_role(&info.name, info.role);
+        to.metrics.set_worker_up(&info.name, true);
+        InSet { to: to.clone(), id, name: info.name.clone() }
+    }
+}
+
+impl Drop for InSet {
+    fn drop(&mut self) {
+        self.to.router.workers().remove(self.id);
+        self.to.metrics.forget_worker(&self.name);
+    }
+}
+
+/// A fleet node this frontend follows.
+struct Follower {
+    control: SocketAddr,
+    load: watch::Sender<usize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Follower {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Keeps the router's set equal to the fleet's nodes serving our model: a node that
+/// registers is connected, one that leaves is dropped (its requests in flight
+/// finish or fail over), one whose control address changed is connected anew.
+async fn follow_fleet(cfg: NatsConfig, to: Target) {
+    let mut changes = pdserve_fleet::follow(cfg);
+    let mut nodes: HashMap<NodeId, Follower> = HashMap::new();
+    let mut other_model: HashSet<NodeId> = HashSet::new();
+    while let Some(change) = changes.recv().await {
+        match change {
+            Change::Up(rec) if rec.model != to.model => {
+                if other_model.insert(rec.node_id.clone()) {
+                    tracing::warn!(node = %rec.node_id, theirs = %rec.model, ours = %to.model, "fleet node serves another model; not used");
+                }
+            }
+            Change::Up(rec) => {
+                let load = rec.load.requests();
+                match nodes.get(&rec.node_id) {
+                    Some(f) if f.control == rec.endpoints.control => {
+                        let _ = f.load.send(load);
+                    }
+                    _ => {
+                        tracing::info!(node = %rec.node_id, control = %rec.endpoints.control, role = %rec.role, "fleet node joined");
+                        let (tx, rx) = watch::channel(load);
+                        let task = tokio::spawn(supervise(rec.endpoints.control, to.clone(), None, Some(rx)));
+                        nodes.insert(rec.node_id, Follower { control: rec.endpoints.control, load: tx, task });
+                    }
+                }
+            }
+            Change::Down(id) => {
+                other_model.remove(&id);
+                if nodes.remove(&id).is_some() {
+                    tracing::info!(node = %id, "fleet node left");
+                }
+            }
+        }
+    }
 }

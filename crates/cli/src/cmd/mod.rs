@@ -1,4 +1,5 @@
 pub mod bench;
+pub mod fleet;
 pub mod frontend;
 pub mod generate;
 mod http;

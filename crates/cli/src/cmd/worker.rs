@@ -1,13 +1,15 @@
 //! `pdserve worker`: one worker in its own process, serving routers over TCP.
 
+use super::fleet::NatsArgs;
 use super::http;
 use anyhow::Context;
 use pdserve_engine::batch::EngineConfig;
+use pdserve_fleet::{Endpoints, KvCache, Load, NodeId, NodeRecord};
 use pdserve_protocol::Worker;
 use pdserve_remote::WorkerServer;
 use pdserve_types::Role;
 use pdserve_worker::{LocalWorker, WorkerOptions};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 #[derive(clap::Args)]
@@ -36,6 +38,15 @@ pub struct Args {
     name: Option<String>,
     #[command(flatten)]
     security: super::Security,
+    #[command(flatten)]
+    nats: NatsArgs,
+    /// The worker's id in the fleet (default: its name with `.`, `@`, `:` as `-`).
+    #[arg(long, requires = "nats")]
+    node_id: Option<NodeId>,
+    /// The address other hosts reach this worker at, when it listens on 0.0.0.0 or
+    /// behind NAT (default: the listen addresses).
+    #[arg(long, requires = "nats")]
+    advertise: Option<IpAddr>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -62,16 +73,86 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let kv = worker.listen_tcp(kv).await.with_context(|| format!("KV receiver on {kv}"))?;
         let sock = super::socket_path(&format!("kv-{}", kv.port()))?;
         worker.listen_shm(&sock).await.context("shared-memory KV receiver")?;
-        let stop = http::signal();
+        let control = listener.local_addr()?;
+        let worker = Arc::new(worker) as Arc<dyn Worker>;
+        let fleet = match a.nats.config(&name) {
+            None => None,
+            Some(cfg) => {
+                let id = a.node_id.clone().unwrap_or_else(|| NodeId::sanitized(&name));
+                let at = |addr: SocketAddr| a.advertise.map_or(addr, |ip| SocketAddr::new(ip, addr.port()));
+                if a.advertise.is_none() && control.ip().is_unspecified() {
+                    anyhow::bail!("a worker listening on {control} must say where others reach it: add --advertise IP");
+                }
+                let node = Node {
+                    id: id.clone(),
+                    worker: worker.clone(),
+                    endpoints: Endpoints { control: at(control), kv: at(kv) },
+                    threads: a.threads.max(1),
+                    blocks: a.kv_blocks,
+                };
+                Some(pdserve_fleet::register(cfg, id, move || node.clone().record()))
+            }
+        };
+        // On SIGINT/SIGTERM the fleet record goes first, so frontends stop sending
+        // work, then the server drains.
+        let signal = http::signal();
+        let stop = async move {
+            signal.await;
+            if let Some(reg) = fleet {
+                reg.deregister().await;
+            }
+        };
         tracing::info!(
             "pdserve worker: {name} ({} role, {} thread(s)) listening on {}, KV on tcp port {}",
             a.role,
             a.threads.max(1),
-            listener.local_addr()?,
+            control,
             kv.port()
         );
-        WorkerServer::new(Arc::new(worker) as Arc<dyn Worker>, key).serve(listener, stop).await;
+        WorkerServer::new(worker, key).serve(listener, stop).await;
         tracing::info!("pdserve worker: stopped");
         Ok(())
     })
+}
+
+/// What this worker writes to the fleet bucket each second.
+#[derive(Clone)]
+struct Node {
+    id: NodeId,
+    worker: Arc<dyn Worker>,
+    endpoints: Endpoints,
+    threads: usize,
+    blocks: usize,
+}
+
+impl Node {
+    async fn record(self) -> NodeRecord {
+        // A worker that cannot answer for its stats is reported idle and empty; its
+        // record still says it is there.
+        let s = self.worker.stats().await.unwrap_or_default();
+        let info = self.worker.info();
+        NodeRecord {
+            node_id: self.id,
+            model: info.model.clone(),
+            role: info.role,
+            epoch: Default::default(),
+            protocol: pdserve_remote::PROTOCOL_VERSION,
+            endpoints: self.endpoints,
+            threads: self.threads,
+            kv_cache: KvCache {
+                block_size: 16,
+                blocks_total: self.blocks,
+                blocks_free: s.blocks.free,
+                blocks_used: s.blocks.used,
+                blocks_cached: s.blocks.cached,
+            },
+            load: Load {
+                queued_prompt_tokens: s.queued_prompt_tokens,
+                waiting: s.waiting,
+                running: s.running,
+                importing: s.importing,
+            },
+            updated_unix_ms: pdserve_fleet::now_unix_ms(),
+        }
+    }
 }

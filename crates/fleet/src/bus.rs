@@ -1,0 +1,184 @@
+//! The connection to NATS and the fleet's bucket.
+//!
+//! Nodes write their [`NodeRecord`] to the JetStream key-value bucket [`BUCKET`]
+//! under `nodes.<node_id>` every [`REFRESH`]; an entry not refreshed for [`TTL`]
+//! expires, which is how a dead node leaves. The bucket keeps one value per key in
+//! memory: it is observed state, rebuilt within a second by the nodes themselves.
+
+use crate::record::{NodeId, NodeRecord};
+use async_nats::jetstream::{self, kv};
+use async_nats::{Client, ConnectOptions, ServerAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The bucket of node records.
+pub const BUCKET: &str = "INFER_LOAD";
+/// How often a node writes its record.
+pub const REFRESH: Duration = Duration::from_secs(1);
+/// How long a record outlives its last write.
+pub const TTL: Duration = Duration::from_secs(3);
+const KEY_PREFIX: &str = "nodes.";
+/// How long a connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the bucket is waited for (a new cluster elects its JetStream leader first).
+const BUCKET_PATIENCE: Duration = Duration::from_secs(30);
+
+/// How to reach NATS. Credentials come from `creds` (a `.creds` file), else from
+/// `PDSERVE_NATS_USER` + `PDSERVE_NATS_PASSWORD` or `PDSERVE_NATS_TOKEN`, else from
+/// the URL itself (`nats://user:pass@host:4222`).
+#[derive(Debug, Clone)]
+pub struct NatsConfig {
+    /// One server or several, comma separated (`nats://a:4222,nats://b:4222`).
+    pub url: String,
+    pub creds: Option<PathBuf>,
+    /// Copies of the bucket in a JetStream cluster (1 on a single server).
+    pub replicas: usize,
+    /// The connection's name, as NATS monitoring shows it.
+    pub client_name: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    #[error("NATS URL `{url}`: {why}")]
+    Url { url: String, why: String },
+    #[error("cannot read NATS credentials {}: {source}", path.display())]
+    Creds { path: PathBuf, source: std::io::Error },
+    #[error("cannot connect to NATS at {url}: {why}")]
+    Connect { url: String, why: String },
+    #[error("NATS bucket {BUCKET}: {0}")]
+    Bucket(String),
+}
+
+/// A connection to NATS with the fleet's bucket open. Cheap to clone.
+#[derive(Clone)]
+pub struct Bus {
+    client: Client,
+    store: kv::Store,
+}
+
+impl Bus {
+    /// Connects once (no retry: callers that must wait for NATS loop on this), then
+    /// opens the bucket, creating it if no one has yet.
+    pub async fn connect(cfg: &NatsConfig) -> Result<Bus, FleetError> {
+        let addrs = server_addrs(&cfg.url)?;
+        let url = cfg.url.clone();
+        let opts = options(cfg).await?;
+        let client = async_nats::connect_with_options(addrs.as_slice(), opts)
+            .await
+            .map_err(|e| FleetError::Connect { url, why: e.to_string() })?;
+        let store = open_bucket(&client, cfg.replicas).await?;
+        Ok(Bus { client, store })
+    }
+
+    /// Whether the connection to NATS is up now.
+    pub fn is_connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// Writes `rec` under its node's key.
+    pub async fn put(&self, rec: &NodeRecord) -> Result<(), FleetError> {
+        let key = key(&rec.node_id);
+        self.store.put(&key, rec.encode().into()).await.map_err(|e| FleetError::Bucket(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Removes a node's record (a clean stop).
+    pub async fn remove(&self, id: &NodeId) -> Result<(), FleetError> {
+        self.store.delete(key(id)).await.map_err(|e| FleetError::Bucket(e.to_string()))
+    }
+
+    /// Every record in the bucket now.
+    pub async fn nodes(&self) -> Result<Vec<NodeRecord>, FleetError> {
+        use futures_util::TryStreamExt;
+        let err = |e: &dyn std::fmt::Display| FleetError::Bucket(e.to_string());
+        let keys: Vec<String> =
+            self.store.keys().await.map_err(|e| err(&e))?.try_collect().await.map_err(|e| err(&e))?;
+        let mut out = Vec::new();
+        for k in keys.iter().filter(|k| k.starts_with(KEY_PREFIX)) {
+            if let Some(v) = self.store.get(k).await.map_err(|e| err(&e))? {
+                match NodeRecord::decode(&v) {
+                    Ok(rec) => out.push(rec),
+                    Err(e) => tracing::warn!(key = %k, error = %e, "ignoring a record that does not parse"),
+                }
+            }
+        }
+        out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        Ok(out)
+    }
+
+    /// Every change to the bucket from now on, after its current content.
+    pub(crate) async fn watch(&self) -> Result<kv::Watch, FleetError> {
+        self.store.watch_all().await.map_err(|e| FleetError::Bucket(e.to_string()))
+    }
+}
+
+/// The node a bucket key names, if it names one.
+pub(crate) fn node_of(key: &str) -> Option<NodeId> {
+    key.strip_prefix(KEY_PREFIX)?.parse().ok()
+}
+
+fn key(id: &NodeId) -> String {
+    format!("{KEY_PREFIX}{id}")
+}
+
+fn server_addrs(url: &str) -> Result<Vec<ServerAddr>, FleetError> {
+    let bad = |why: String| FleetError::Url { url: url.to_string(), why };
+    let addrs: Vec<ServerAddr> = url
+        .split(',')
+        .map(|s| s.trim().parse::<ServerAddr>().map_err(|e| bad(e.to_string())))
+        .collect::<Result<_, _>>()?;
+    if addrs.is_empty() {
+        return Err(bad("no server given".into()));
+    }
+    Ok(addrs)
+}
+
+async fn options(cfg: &NatsConfig) -> Result<ConnectOptions, FleetError> {
+    let mut opts = match &cfg.creds {
+        Some(path) => ConnectOptions::with_credentials_file(path)
+            .await
+            .map_err(|source| FleetError::Creds { path: path.clone(), source })?,
+        None => ConnectOptions::new(),
+    };
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    if let (Some(user), Some(pass)) = (env("PDSERVE_NATS_USER"), env("PDSERVE_NATS_PASSWORD")) {
+        opts = opts.user_and_password(user, pass);
+    } else if let Some(token) = env("PDSERVE_NATS_TOKEN") {
+        opts = opts.token(token);
+    }
+    Ok(opts
+        .name(&cfg.client_name)
+        .connection_timeout(CONNECT_TIMEOUT)
+        // A lost server is noticed within seconds, and the client moves to another.
+        .ping_interval(Duration::from_secs(2))
+        .max_reconnects(None))
+}
+
+/// Opens the bucket, creating it if missing. A bucket made by someone else (a
+/// NimsForest bootstrap, say) is used with its own settings.
+async fn open_bucket(client: &Client, replicas: usize) -> Result<kv::Store, FleetError> {
+    let js = jetstream::new(client.clone());
+    let started = std::time::Instant::now();
+    loop {
+        if let Ok(store) = js.get_key_value(BUCKET).await {
+            return Ok(store);
+        }
+        let config = kv::Config {
+            bucket: BUCKET.into(),
+            description: "pdserve nodes: one record per node, refreshed every second".into(),
+            history: 1,
+            max_age: TTL,
+            storage: jetstream::stream::StorageType::Memory,
+            num_replicas: replicas.max(1),
+            ..Default::default()
+        };
+        match js.create_key_value(config).await {
+            Ok(store) => return Ok(store),
+            Err(e) if started.elapsed() > BUCKET_PATIENCE => return Err(FleetError::Bucket(e.to_string())),
+            Err(e) => {
+                tracing::info!(error = %e, "waiting for JetStream to create the fleet bucket");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}

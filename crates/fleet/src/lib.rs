@@ -1,0 +1,18 @@
+//! The fleet over NATS.
+//!
+//! Workers started with `--nats` [`register`] a [`NodeRecord`] (who they are, where
+//! to reach them, their KV blocks and load) in one JetStream key-value bucket and
+//! refresh it every second; frontends [`follow`] the bucket to keep their worker set
+//! and read each worker's own reported load; `pdserve fleet` prints it. Only this
+//! observed state goes over NATS: control calls use each worker's direct connection,
+//! and KV bytes never touch NATS.
+
+mod bus;
+mod follow;
+mod record;
+mod register;
+
+pub use bus::{Bus, FleetError, NatsConfig, BUCKET, REFRESH, TTL};
+pub use follow::{follow, Change};
+pub use record::{now_unix_ms, Endpoints, KvCache, Load, NodeId, NodeRecord};
+pub use register::{register, Registration};

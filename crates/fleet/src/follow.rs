@@ -54,8 +54,9 @@ pub fn follow(cfg: NatsConfig) -> mpsc::Receiver<Change> {
 
 struct View {
     tx: mpsc::Sender<Change>,
-    /// Nodes up, and when their record was last seen written.
-    seen: HashMap<NodeId, Instant>,
+    /// Nodes up: the write time their record carries, and when this process first
+    /// saw that write. A write seen again (a fresh read, a new watch) is not news.
+    seen: HashMap<NodeId, (u64, Instant)>,
 }
 
 impl View {
@@ -89,7 +90,7 @@ impl View {
                         None => break,
                     },
                     _ = sweep.tick() => {
-                        let stale = self.seen.values().any(|t| t.elapsed() > TTL);
+                        let stale = self.seen.values().any(|(_, t)| t.elapsed() > TTL);
                         // A stale node with NATS up: read the bucket afresh (and watch
                         // anew, in case the watch is what went quiet).
                         if stale && bus.is_connected() {
@@ -138,7 +139,11 @@ impl View {
     }
 
     async fn up(&mut self, rec: NodeRecord) {
-        self.seen.insert(rec.node_id.clone(), Instant::now());
+        let first_seen = match self.seen.get(&rec.node_id) {
+            Some(&(written, at)) if written == rec.updated_unix_ms => at,
+            _ => Instant::now(),
+        };
+        self.seen.insert(rec.node_id.clone(), (rec.updated_unix_ms, first_seen));
         let _ = self.tx.send(Change::Up(rec)).await;
     }
 

@@ -25,10 +25,11 @@ use tokio::sync::{mpsc, oneshot};
 const QUEUE: usize = 4096;
 const HANDSHAKE: Duration = Duration::from_secs(10);
 /// How often the router asks a worker whether it is there.
-const PING_EVERY: Duration = Duration::from_secs(1);
-/// A worker silent this long (three missed pings) is taken for lost: it gets no new
-/// work and its calls in flight fail, so the router can go elsewhere.
-const SILENCE: Duration = Duration::from_secs(3);
+const PING_EVERY: Duration = Duration::from_millis(500);
+/// A worker silent this long (five missed pings) is taken for lost: it gets no new
+/// work and its calls in flight fail, so the router can go elsewhere. Checked each
+/// ping, so a worker that froze is out within 2.5–3 s.
+const SILENCE: Duration = Duration::from_millis(2500);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -260,7 +261,7 @@ impl Worker for RemoteWorker {
     }
 }
 
-/// Pings the worker every second; one silent for [`SILENCE`] (hung, stopped, or cut
+/// Pings the worker every [`PING_EVERY`]; one silent for [`SILENCE`] (hung, stopped, or cut
 /// off) is lost: its calls fail now rather than at their deadlines.
 async fn heartbeat(conn: Arc<Conn>, reading: tokio::task::AbortHandle) {
     let mut tick = tokio::time::interval(PING_EVERY);
@@ -269,7 +270,7 @@ async fn heartbeat(conn: Arc<Conn>, reading: tokio::task::AbortHandle) {
         let silent = conn.epoch.elapsed().saturating_sub(Duration::from_millis(conn.heard.load(Ordering::SeqCst)));
         if silent > SILENCE {
             reading.abort();
-            conn.lost("no answer to pings for 3 s");
+            conn.lost("no answer to pings for 2.5 s");
             return;
         }
         let _ = conn.out.try_send(ToWorker::Ping);

@@ -18,6 +18,8 @@ pub const REFRESH: Duration = Duration::from_secs(1);
 /// How long a record outlives its last write.
 pub const TTL: Duration = Duration::from_secs(3);
 const KEY_PREFIX: &str = "nodes.";
+/// The longest pause between two attempts to reach NATS.
+const MAX_RETRY: Duration = Duration::from_secs(5);
 /// How long a connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the bucket is waited for (a new cluster elects its JetStream leader first).
@@ -68,6 +70,20 @@ impl Bus {
             .map_err(|e| FleetError::Connect { url, why: e.to_string() })?;
         let store = open_bucket(&client, cfg.replicas).await?;
         Ok(Bus { client, store })
+    }
+
+    /// Connects, retrying with backoff (and saying so) until NATS answers. Callers
+    /// that may give up drop the future.
+    pub async fn connect_patiently(cfg: &NatsConfig) -> Bus {
+        let mut wait = Duration::from_millis(200);
+        loop {
+            match Bus::connect(cfg).await {
+                Ok(bus) => return bus,
+                Err(e) => tracing::warn!(error = %e, "waiting for NATS"),
+            }
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(MAX_RETRY);
+        }
     }
 
     /// Whether the connection to NATS is up now.

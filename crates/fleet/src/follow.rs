@@ -14,7 +14,7 @@ use async_nats::jetstream::kv::Operation;
 use futures_util::StreamExt;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 /// What changed in the fleet.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,16 +33,12 @@ const SWEEP: Duration = Duration::from_millis(250);
 pub fn follow(cfg: NatsConfig) -> mpsc::Receiver<Change> {
     let (tx, rx) = mpsc::channel(256);
     tokio::spawn(async move {
-        // Never fired: the follower ends when its receiver goes.
-        let (_keep, mut never) = oneshot::channel::<()>();
         let mut view = View { tx, seen: HashMap::new() };
         loop {
-            let connecting = crate::register::connect_patiently(&cfg, &mut never);
             let bus = tokio::select! {
-                bus = connecting => bus,
+                bus = Bus::connect_patiently(&cfg) => bus,
                 _ = view.tx.closed() => return,
             };
-            let Some(bus) = bus else { return };
             tracing::info!(url = %cfg.url, "following the fleet");
             if !view.run(&bus).await {
                 return;

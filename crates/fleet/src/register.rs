@@ -8,9 +8,6 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-/// The longest pause between two attempts to reach NATS.
-const MAX_RETRY: Duration = Duration::from_secs(5);
-
 /// A node's registration, running until [`Registration::deregister`].
 pub struct Registration {
     stop: oneshot::Sender<()>,
@@ -26,7 +23,10 @@ where
 {
     let (stop, mut stopped) = oneshot::channel();
     let task = tokio::spawn(async move {
-        let Some(bus) = connect_patiently(&cfg, &mut stopped).await else { return };
+        let bus = tokio::select! {
+            bus = Bus::connect_patiently(&cfg) => bus,
+            _ = &mut stopped => return,
+        };
         tracing::info!(node = %id, url = %cfg.url, "registered in the fleet");
         let mut failing = false;
         loop {
@@ -60,21 +60,5 @@ impl Registration {
     pub async fn deregister(self) {
         let _ = self.stop.send(());
         let _ = tokio::time::timeout(Duration::from_secs(3), self.task).await;
-    }
-}
-
-/// Connects, retrying with backoff, until connected or `stop` fires.
-pub(crate) async fn connect_patiently(cfg: &NatsConfig, stop: &mut oneshot::Receiver<()>) -> Option<Bus> {
-    let mut wait = Duration::from_millis(200);
-    loop {
-        match Bus::connect(cfg).await {
-            Ok(bus) => return Some(bus),
-            Err(e) => tracing::warn!(error = %e, "waiting for NATS"),
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = &mut *stop => return None,
-        }
-        wait = (wait * 2).min(MAX_RETRY);
     }
 }

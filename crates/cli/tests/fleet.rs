@@ -1,5 +1,6 @@
 //! The fleet over a real `nats-server` (JetStream on): workers register, the
-//! frontend follows the bucket, `pdserve fleet` shows it; a clean stop deregisters,
+//! frontend follows the bucket, `pdserve fleet` shows it and the links the workers
+//! probed; a clean stop deregisters,
 //! a killed worker expires, and a decode worker killed mid-stream has its request
 //! moved with the text an uninterrupted run gives.
 //!
@@ -133,6 +134,24 @@ fn workers_join_leave_and_come_back_through_the_bucket() {
     assert_eq!(rec["role"], "decode");
     assert_eq!(rec["endpoints"]["control"], d.addr.to_string());
     assert_eq!(rec["kv_cache"]["blocks_total"], 512);
+
+    // The prefill worker probed its link to the decode worker (not the other way:
+    // a prefill worker receives no KV) and publishes it; the table shows it.
+    let link_of = |from: &str| {
+        let rec = fleet(&n).into_iter().find(|r| r["node_id"] == from).unwrap();
+        rec["links"].as_array().unwrap().clone()
+    };
+    eventually("p-1 probed its link to d-1", || !link_of("p-1").is_empty());
+    let links = link_of("p-1");
+    assert_eq!(links.len(), 1, "{links:?}");
+    assert_eq!(links[0]["to"], "d-1");
+    assert_eq!(links[0]["transport"], "tcp");
+    assert!(links[0]["gb_per_s"].as_f64().unwrap() > 0.0 && links[0]["latency_ms"].as_f64().unwrap() > 0.0);
+    assert!(link_of("d-1").is_empty(), "the decode worker sends no KV to a prefill worker");
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve")).args(["fleet", "--nats", &n.url]).output().unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    let row = table.lines().find(|l| l.starts_with("p-1 ") && l.contains("GB/s"));
+    assert!(table.contains("LINK FROM \\ TO") && row.is_some(), "{table}");
 
     // A clean stop deletes the record: the frontend has no decode worker left.
     unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };

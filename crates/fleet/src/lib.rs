@@ -14,5 +14,5 @@ mod register;
 
 pub use bus::{Bus, FleetError, NatsConfig, BUCKET, REFRESH, TTL};
 pub use follow::{follow, Change};
-pub use record::{now_unix_ms, Endpoints, KvCache, Load, NodeId, NodeRecord};
+pub use record::{now_unix_ms, Endpoints, KvCache, LinkRecord, Load, NodeId, NodeRecord};
 pub use register::{register, Registration};

@@ -59,6 +59,9 @@ impl fmt::Display for NodeId {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NodeRecord {
     pub node_id: NodeId,
+    /// The worker's name in logs and metrics (`pdserve worker --name`).
+    #[serde(default)]
+    pub name: String,
     /// The served model's name; frontends use only nodes serving theirs.
     pub model: String,
     pub role: Role,
@@ -69,8 +72,26 @@ pub struct NodeRecord {
     pub threads: usize,
     pub kv_cache: KvCache,
     pub load: Load,
+    /// What the node measured on its KV links to peers that decode (the link probe).
+    #[serde(default)]
+    pub links: Vec<LinkRecord>,
     /// Milliseconds since the Unix epoch when the node wrote this.
     pub updated_unix_ms: u64,
+}
+
+/// One link probe's result: a handoff's round trip and rate from the node that
+/// writes it to the KV receiver of node `to`, over the transport a prefill sent
+/// there would use.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LinkRecord {
+    pub to: NodeId,
+    /// `tcp` (the only transport between hosts).
+    pub transport: String,
+    /// Payload rate of a large handoff, its round trip taken off (decimal GB/s).
+    pub gb_per_s: f64,
+    /// Smallest time of a one-frame handoff on the open link: open, send, acknowledged.
+    pub latency_ms: f64,
+    pub measured_unix_ms: u64,
 }
 
 /// Where to reach a node. KV bytes go to `kv` directly, never over NATS.
@@ -142,6 +163,7 @@ mod tests {
     fn a_record_round_trips_and_a_bad_id_is_refused() {
         let rec = NodeRecord {
             node_id: "n1".parse().unwrap(),
+            name: "decode@127.0.0.1:7001".into(),
             model: "m".into(),
             role: Role::Decode,
             epoch: Epoch(2),
@@ -150,6 +172,13 @@ mod tests {
             threads: 1,
             kv_cache: KvCache { block_size: 16, blocks_total: 8, blocks_free: 5, blocks_used: 3, blocks_cached: 1 },
             load: Load { queued_prompt_tokens: 10, waiting: 1, running: 2, importing: 0 },
+            links: vec![LinkRecord {
+                to: "n2".parse().unwrap(),
+                transport: "tcp".into(),
+                gb_per_s: 1.5,
+                latency_ms: 0.2,
+                measured_unix_ms: 4,
+            }],
             updated_unix_ms: 5,
         };
         assert_eq!(NodeRecord::decode(&rec.encode()).unwrap(), rec);

@@ -2,7 +2,7 @@
 //! moving the same bytes in the same pieces (docs/benchmarks.md).
 
 use crate::frame::MAX_ELEMS;
-use crate::{Frame, HandoffId, HandoffToken, Inboxes, KvTransport, TransferError};
+use crate::{Frame, HandoffId, HandoffToken, Inboxes, KvSink, KvTarget, KvTransport, Links, TransferError};
 use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -44,15 +44,8 @@ pub fn measure(
 ) -> Result<Throughput, TransferError> {
     static PROBES: AtomicU64 = AtomicU64::new(1 << 63);
     let id = HandoffId(PROBES.fetch_add(1, Ordering::Relaxed));
-    let elems = frame_elems.clamp(1, MAX_ELEMS);
-    let n = bytes.div_ceil(4 * elems).max(1);
     // Built up front so that only the transfer is timed.
-    let frames: Vec<Frame> = (0..n)
-        .map(|i| {
-            let fill = (i as u16) | 1;
-            Frame { handoff: id, layer: 0, index: i as u32, k: vec![fill; elems], v: vec![!fill; elems] }
-        })
-        .collect();
+    let frames = probe_frames(id, bytes, frame_elems);
     let mut inbox = inboxes.expect(id)?;
     let token = inbox.token();
     thread::scope(|s| {
@@ -66,7 +59,7 @@ pub fn measure(
             Ok::<u64, TransferError>(got)
         });
         let start = Instant::now();
-        let sent = send_all(transport, id, token, frames);
+        let sent = transport.open(id, token).and_then(|sink| send_all(sink, frames));
         if sent.is_err() {
             // The sink may never have reached the inbox: end it so the consumer stops.
             if let Some(feed) = inboxes.claim(id, token) {
@@ -80,16 +73,44 @@ pub fn measure(
     })
 }
 
-/// Sends every frame; the frames a link hands back are kept, not freed, until the
-/// clock has stopped (they are the source, like the raw baselines' source buffer).
-fn send_all(
-    transport: &dyn KvTransport,
+/// Times one handoff of at least `bytes` of payload (frames of `frame_elems` values
+/// per K and per V) through `links` to a receiver elsewhere, which holds a
+/// reservation for `id` under `token` that throws the frames away: from opening the
+/// sink until the receiver has acknowledged the last frame. A small handoff times
+/// the link's round trip, a large one its rate. Blocks; run it off the async workers.
+pub fn probe(
+    links: &Links,
+    to: &KvTarget,
     id: HandoffId,
     token: HandoffToken,
-    frames: Vec<Frame>,
-) -> Result<Vec<Frame>, TransferError> {
+    bytes: usize,
+    frame_elems: usize,
+) -> Result<Throughput, TransferError> {
+    let frames = probe_frames(id, bytes, frame_elems);
+    let bytes = frames.iter().map(|f| f.payload_bytes() as u64).sum();
+    let start = Instant::now();
+    let sent = links.open(to, id, token).and_then(|sink| send_all(sink, frames));
+    let elapsed = start.elapsed();
+    drop(sent?);
+    Ok(Throughput { bytes, elapsed })
+}
+
+/// The frames of a probe of `bytes`, each filled so a checksum over it is not trivial.
+fn probe_frames(id: HandoffId, bytes: usize, frame_elems: usize) -> Vec<Frame> {
+    let elems = frame_elems.clamp(1, MAX_ELEMS);
+    let n = bytes.div_ceil(4 * elems).max(1);
+    (0..n)
+        .map(|i| {
+            let fill = (i as u16) | 1;
+            Frame { handoff: id, layer: 0, index: i as u32, k: vec![fill; elems], v: vec![!fill; elems] }
+        })
+        .collect()
+}
+
+/// Sends every frame; the frames a link hands back are kept, not freed, until the
+/// clock has stopped (they are the source, like the raw baselines' source buffer).
+fn send_all(mut sink: Box<dyn KvSink>, frames: Vec<Frame>) -> Result<Vec<Frame>, TransferError> {
     let mut sent = Vec::with_capacity(frames.len());
-    let mut sink = transport.open(id, token)?;
     for f in frames {
         sent.extend(sink.send_returning(f)?);
     }

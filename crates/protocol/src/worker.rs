@@ -62,6 +62,14 @@ pub trait Worker: Send + Sync + 'static {
 
     /// Block counts and queue sizes.
     fn stats(&self) -> Reply<'_, WorkerStats>;
+
+    /// Opens an inbox for handoff `id` whose frames are counted and thrown away, so a
+    /// peer can time its link to this worker (the fleet's link probe). Answers with
+    /// the token the sender must present; the inbox closes after a short while.
+    fn probe_inbox(&self, _id: RequestId) -> Reply<'_, HandoffToken> {
+        let name = self.info().name.clone();
+        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} takes no link probes"))) })
+    }
 }
 
 /// Who a worker is.

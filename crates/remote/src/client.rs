@@ -259,6 +259,16 @@ impl Worker for RemoteWorker {
             }
         })
     }
+
+    fn probe_inbox(&self, id: RequestId) -> Reply<'_, HandoffToken> {
+        let answer = self.reply_call(Op::ProbeInbox { id }, false);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::Token(t) => Ok(t),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
 }
 
 /// Pings the worker every [`PING_EVERY`]; one silent for [`SILENCE`] (hung, stopped, or cut

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
@@ -112,6 +112,11 @@ pub enum Op {
         id: RequestId,
     },
     Stats,
+    /// Open an inbox that throws its frames away, for a peer's link probe; answered
+    /// with [`Answer::Token`].
+    ProbeInbox {
+        id: RequestId,
+    },
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -7,7 +7,11 @@
 //! - compute: seconds per prompt token, an moving average over finished prefills;
 //! - transfer: the handoff's extra cost, seconds per prompt token (KV bytes over the
 //!   link rate, measured as the time between the prefill side finishing and the
-//!   decode side holding every frame) plus a fixed per-handoff cost.
+//!   decode side holding every frame) plus a fixed per-handoff cost. Where the fleet's
+//!   link probe measured the link between the two workers, the router also works out
+//!   what that link costs — its round trip, plus the time the prompt's KV bytes need
+//!   on the wire beyond the prefill compute they stream under — and takes the larger
+//!   figure, so a slow link steers handoffs to faster pairs before any is measured.
 //!
 //! To the time to first token the router adds what a prefill costs the sequences
 //! decoding on the same worker (they wait out its compute), so a decode worker busy
@@ -143,21 +147,41 @@ impl Drop for Waiting {
     }
 }
 
+/// A KV link from one worker to another, as the fleet's link probe measured it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    pub bytes_per_s: f64,
+    /// A one-frame handoff on the open link: sent and acknowledged.
+    pub round_trip_s: f64,
+}
+
 /// The extra cost of a handoff, measured on the handoffs made.
 #[derive(Debug, Default)]
 pub struct TransferCost {
     seconds_per_token: Mutex<Option<f64>>,
+    /// KV payload per prompt token, from the handoffs made.
+    bytes_per_token: Mutex<Option<f64>>,
 }
 
 impl TransferCost {
-    pub fn observe(&self, tokens: usize, took: Duration) {
+    pub fn observe(&self, tokens: usize, took: Duration, kv_bytes: u64) {
         if tokens > 0 {
             ewma(&mut lock(&self.seconds_per_token), took.as_secs_f64() / tokens as f64);
+            if kv_bytes > 0 {
+                ewma(&mut lock(&self.bytes_per_token), kv_bytes as f64 / tokens as f64);
+            }
         }
     }
 
-    pub fn predict(&self, tokens: usize) -> f64 {
-        HANDOFF_FIXED + tokens as f64 * lock(&self.seconds_per_token).unwrap_or(PRIOR_TRANSFER_PER_TOKEN)
+    /// The extra cost of handing off `tokens` prompt tokens whose prefill computes
+    /// for `compute_s`, over `link` if it was probed.
+    pub fn predict(&self, tokens: usize, link: Option<Link>, compute_s: f64) -> f64 {
+        let learned = HANDOFF_FIXED + tokens as f64 * lock(&self.seconds_per_token).unwrap_or(PRIOR_TRANSFER_PER_TOKEN);
+        let (Some(link), Some(bpt)) = (link, *lock(&self.bytes_per_token)) else { return learned };
+        // Frames leave layer by layer while the prefill computes: only the wire time
+        // beyond the compute delays the first token.
+        let wire = tokens as f64 * bpt / link.bytes_per_s.max(1.0);
+        learned.max(HANDOFF_FIXED + link.round_trip_s + (wire - compute_s).max(0.0))
     }
 }
 
@@ -180,6 +204,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_probed_slow_link_raises_the_transfer_cost_and_a_fast_one_does_not() {
+        let t = TransferCost::default();
+        let fast = Link { bytes_per_s: 2e9, round_trip_s: 1e-4 };
+        let slow = Link { bytes_per_s: 1e6, round_trip_s: 5e-3 };
+        // Nothing learned yet about bytes per token: the link cannot be costed.
+        assert_eq!(t.predict(1000, Some(slow), 1.0), t.predict(1000, None, 1.0));
+        t.observe(1000, Duration::from_millis(20), 23_040_000);
+        let learned = t.predict(1000, None, 1.0);
+        assert!((learned - (HANDOFF_FIXED + 0.02)).abs() < 1e-9);
+        assert_eq!(t.predict(1000, Some(fast), 1.0), learned);
+        // 23 MB at 1 MB/s is 23 s on the wire, 22 of them past a 1 s prefill.
+        let over_slow = t.predict(1000, Some(slow), 1.0);
+        assert!((over_slow - (HANDOFF_FIXED + 5e-3 + 22.04)).abs() < 1e-6, "{over_slow}");
+    }
 
     #[test]
     fn queue_and_rate_shape_the_prediction() {
@@ -230,9 +270,9 @@ mod tests {
         let (d, p) = (Arc::new(PrefillLoad::default()), PrefillLoad::default());
         let _busy = d.admit(4000);
         let x = TransferCost::default();
-        assert!(prefer_remote(d.predict(512), p.predict(512) + x.predict(512)));
+        assert!(prefer_remote(d.predict(512), p.predict(512) + x.predict(512, None, 0.0)));
         // Idle on both sides: the local path is cheaper, no handoff.
         drop(_busy);
-        assert!(!prefer_remote(d.predict(512), p.predict(512) + x.predict(512)));
+        assert!(!prefer_remote(d.predict(512), p.predict(512) + x.predict(512, None, 0.0)));
     }
 }

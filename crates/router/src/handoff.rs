@@ -178,7 +178,7 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, waiting:
     let first = match prefilled {
         Ok(first) => {
             p_load.observe(ahead, req.prompt.len(), started.elapsed().saturating_sub(secs(first.transfer_seconds)));
-            h.transfer.observe(req.prompt.len(), secs(first.transfer_seconds));
+            h.transfer.observe(req.prompt.len(), secs(first.transfer_seconds), first.kv_bytes);
             h.telemetry.phase(Phase::QueuePrefill, router_queue + first.queued_seconds);
             h.telemetry.phase(Phase::Prefill, first.prefill_seconds);
             h.telemetry.phase(Phase::KvTransfer, first.transfer_seconds);

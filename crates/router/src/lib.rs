@@ -158,7 +158,10 @@ impl Router {
                 let n = ask.prompt_len;
                 let cost = |e: &Entry| e.prefill.predict(n) + interference(e, n);
                 let local = cost(d);
-                let remote = |e: &Entry| cost(e) + self.transfer.predict(n);
+                let remote = |e: &Entry| {
+                    let compute = n as f64 * e.prefill.seconds_per_token();
+                    cost(e) + self.transfer.predict(n, e.link_to(d), compute)
+                };
                 // Only a worker that can start now: a prompt queued there would reach
                 // `d` behind prompts that arrived after it (which went straight to
                 // `d`'s own queue), and find `d`'s blocks taken.

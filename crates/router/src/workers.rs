@@ -5,9 +5,10 @@
 //! Removing a worker drains it: it takes no new work, and requests already on it
 //! keep their entry (an `Arc`) until they finish or fail over.
 
-use crate::cost::{Backlog, PrefillLoad};
+use crate::cost::{Backlog, Link, PrefillLoad};
 use pdserve_protocol::Worker;
 use pdserve_types::{Epoch, Role};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
@@ -40,6 +41,8 @@ pub struct Entry {
     pub(crate) slots: Arc<Semaphore>,
     /// Requests it will decode still waiting for their first token (admission).
     pub(crate) backlog: Arc<Backlog>,
+    /// Its probed KV links to other workers, by their names.
+    links: Mutex<HashMap<String, Link>>,
 }
 
 impl Entry {
@@ -58,6 +61,16 @@ impl Entry {
     /// Records a new role, taken with a new epoch.
     pub fn set_role(&self, role: Role, epoch: Epoch) {
         *self.state.lock().unwrap_or_else(PoisonError::into_inner) = (role, epoch);
+    }
+
+    /// Replaces what is known of this worker's links, by receiving worker's name.
+    pub fn set_links(&self, links: HashMap<String, Link>) {
+        *self.links.lock().unwrap_or_else(PoisonError::into_inner) = links;
+    }
+
+    /// The probed link from this worker to `to`, if any.
+    pub fn link_to(&self, to: &Entry) -> Option<Link> {
+        self.links.lock().unwrap_or_else(PoisonError::into_inner).get(to.name()).copied()
     }
 
     fn state(&self) -> (Role, Epoch) {
@@ -101,6 +114,7 @@ impl WorkerSet {
             prefill: Arc::default(),
             slots: Arc::new(Semaphore::new(PREFILL_SLOTS)),
             backlog: Arc::default(),
+            links: Mutex::default(),
         };
         self.write().push(Arc::new(entry));
         id

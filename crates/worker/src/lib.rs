@@ -16,8 +16,8 @@ use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::batch::BLOCK_SIZE;
 use pdserve_engine::model::Model;
 use pdserve_kv_transfer::{
-    frame, ClusterKey, HandoffId, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, TransferError,
-    TransportKind,
+    frame, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver,
+    Throughput, TransferError, TransportKind,
 };
 use pdserve_protocol::{
     DecodeHandoff, EventSender, GenerateRequest, KvDestination, Prefilled, Reply, ServeError, Worker, WorkerInfo,
@@ -68,6 +68,8 @@ const INBOX_FRAMES: usize = 256;
 /// How long a decode waits for a transfer's last frames after the prefill side said
 /// it sent them all (they are normally already here).
 const FRAMES_GRACE: Duration = Duration::from_secs(10);
+/// A link probe's inbox closes after this long, whether or not its frames came.
+const PROBE_TTL: Duration = Duration::from_secs(30);
 
 /// What a worker is, before it starts.
 pub struct WorkerOptions {
@@ -98,6 +100,8 @@ struct Inner {
     receivers: Mutex<Receivers>,
     /// Connections to other workers' receivers, for prefills sent there.
     links: Links,
+    /// Values per K (and per V) in one frame: a block of one layer.
+    frame_elems: usize,
     /// Transfers into this worker, by request.
     imports: Mutex<HashMap<RequestId, Import>>,
     /// Runs the tasks that feed transferred frames into the engine.
@@ -118,7 +122,8 @@ impl LocalWorker {
         let counter = active.clone();
         // A frame is one block of one layer: K and V of every KV head.
         let c = &model.cfg;
-        let frame_bytes = frame::encoded_len_for(c.n_kv_heads * BLOCK_SIZE * c.head_dim);
+        let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
+        let frame_bytes = frame::encoded_len_for(frame_elems);
         let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
         let links = Links::new(opts.key);
         let (engine, eog) = (opts.engine, opts.eog);
@@ -126,9 +131,38 @@ impl LocalWorker {
             .name(format!("pdserve-{}", opts.name))
             .spawn(move || worker_loop::run(model, engine, eog, rx, counter))?;
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
-        let inner =
-            Inner { info, tx, active, inboxes, receivers: Mutex::default(), links, imports: Mutex::default(), rt };
+        let inner = Inner {
+            info,
+            tx,
+            active,
+            inboxes,
+            receivers: Mutex::default(),
+            links,
+            frame_elems,
+            imports: Mutex::default(),
+            rt,
+        };
         Ok(LocalWorker { inner: Arc::new(inner) })
+    }
+
+    /// Times one handoff of `bytes` to the probe inbox `id` a peer opened at `to`
+    /// (under `token`), over the link a prefill sent there would use.
+    pub async fn probe(
+        &self,
+        to: KvAddr,
+        id: RequestId,
+        token: HandoffToken,
+        bytes: usize,
+    ) -> Result<Throughput, ServeError> {
+        let inner = self.inner.clone();
+        let target = KvTarget::Remote(to);
+        tokio::task::spawn_blocking(move || {
+            let hid = HandoffId::from(id);
+            pdserve_kv_transfer::probe(&inner.links, &target, hid, token, bytes, inner.frame_elems)
+                .map_err(|e| kv_error(&target, &e))
+        })
+        .await
+        .map_err(|e| ServeError::Internal(format!("link probe: {e}")))?
     }
 
     pub fn name(&self) -> &str {
@@ -200,6 +234,27 @@ impl Worker for LocalWorker {
             let (reply, rx) = oneshot::channel();
             self.inner.send(Command::Stats(reply))?;
             rx.await.map_err(|_| self.inner.stopped())
+        })
+    }
+
+    fn probe_inbox(&self, id: RequestId) -> Reply<'_, HandoffToken> {
+        let hid = HandoffId::from(id);
+        let opened = self.inner.inboxes.expect(hid).map_err(|e| ServeError::Invalid(format!("link probe: {e}")));
+        Box::pin(async move {
+            let mut inbox = opened?;
+            let token = inbox.token();
+            let inboxes = self.inner.inboxes.clone();
+            self.inner.rt.spawn(async move {
+                let drain = async {
+                    while let Ok(Some(f)) = inbox.recv().await {
+                        inboxes.recycle(f.k, f.v);
+                    }
+                };
+                if tokio::time::timeout(PROBE_TTL, drain).await.is_err() {
+                    inboxes.forget(hid);
+                }
+            });
+            Ok(token)
         })
     }
 }

@@ -1,5 +1,6 @@
-//! `pdserve fleet`: the nodes registered in the NATS fleet, as a table or JSON; and
-//! the NATS flags `worker`, `frontend` and `fleet` share.
+//! `pdserve fleet`: the nodes registered in the NATS fleet and the links they
+//! measured, as tables or JSON; and the NATS flags `worker`, `frontend` and `fleet`
+//! share.
 
 use pdserve_fleet::{Bus, NatsConfig, NodeRecord};
 use std::path::PathBuf;
@@ -54,13 +55,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&nodes)?);
     } else {
         print!("{}", table(&nodes, pdserve_fleet::now_unix_ms()));
+        print!("{}", link_matrix(&nodes));
     }
     Ok(())
 }
 
 /// The nodes as an aligned text table; `now_ms` dates the heartbeats.
 fn table(nodes: &[NodeRecord], now_ms: u64) -> String {
-    let mut rows = vec![[
+    let mut rows = vec![vec![
         "NODE",
         "ROLE/EPOCH",
         "MODEL",
@@ -71,10 +73,12 @@ fn table(nodes: &[NodeRecord], now_ms: u64) -> String {
         "BLOCKS FREE/USED/CACHED",
         "HEARTBEAT",
     ]
-    .map(String::from)];
+    .into_iter()
+    .map(String::from)
+    .collect()];
     for n in nodes {
         let k = &n.kv_cache;
-        rows.push([
+        rows.push(vec![
             n.node_id.to_string(),
             format!("{}/{}", n.role, n.epoch.0),
             n.model.clone(),
@@ -86,15 +90,41 @@ fn table(nodes: &[NodeRecord], now_ms: u64) -> String {
             format!("{:.1} s ago", now_ms.saturating_sub(n.updated_unix_ms) as f64 / 1000.0),
         ]);
     }
+    let mut out = aligned(&rows);
+    if nodes.is_empty() {
+        out.push_str("(no node is registered)\n");
+    }
+    out
+}
+
+/// The probed links: one row per sending node, one column per receiving node, each
+/// cell its rate and round trip; empty when no node has probed a link yet.
+fn link_matrix(nodes: &[NodeRecord]) -> String {
+    let mut to: Vec<&str> = nodes.iter().flat_map(|n| n.links.iter().map(|l| l.to.as_str())).collect();
+    to.sort_unstable();
+    to.dedup();
+    if to.is_empty() {
+        return String::new();
+    }
+    let mut rows = vec![std::iter::once("LINK FROM \\ TO").chain(to.iter().copied()).map(String::from).collect()];
+    for n in nodes.iter().filter(|n| !n.links.is_empty()) {
+        let cell = |peer: &str| match n.links.iter().find(|l| l.to.as_str() == peer) {
+            Some(l) => format!("{:.2} GB/s {:.2} ms", l.gb_per_s, l.latency_ms),
+            None => "-".into(),
+        };
+        rows.push(std::iter::once(n.node_id.to_string()).chain(to.iter().map(|p| cell(p))).collect());
+    }
+    format!("\n{}", aligned(&rows))
+}
+
+/// Rows of cells as left-aligned columns two spaces apart.
+fn aligned(rows: &[Vec<String>]) -> String {
     let widths: Vec<usize> = (0..rows[0].len()).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
     let mut out = String::new();
-    for r in &rows {
+    for r in rows {
         let cells: Vec<String> = r.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
-    }
-    if nodes.is_empty() {
-        out.push_str("(no node is registered)\n");
     }
     out
 }
@@ -102,13 +132,14 @@ fn table(nodes: &[NodeRecord], now_ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pdserve_fleet::{Endpoints, KvCache, Load};
+    use pdserve_fleet::{Endpoints, KvCache, LinkRecord, Load};
     use pdserve_types::{Epoch, Role};
 
     #[test]
     fn the_table_lines_up_and_dates_heartbeats() {
         let n = NodeRecord {
             node_id: "gpu-1".parse().unwrap(),
+            name: "decode@10.0.0.2:7001".into(),
             model: "SmolLM2".into(),
             role: Role::Decode,
             epoch: Epoch(3),
@@ -117,9 +148,10 @@ mod tests {
             threads: 1,
             kv_cache: KvCache { block_size: 16, blocks_total: 10, blocks_free: 6, blocks_used: 4, blocks_cached: 2 },
             load: Load { queued_prompt_tokens: 300, waiting: 1, running: 2, importing: 1 },
+            links: vec![],
             updated_unix_ms: 10_000,
         };
-        let t = table(&[n], 10_400);
+        let t = table(std::slice::from_ref(&n), 10_400);
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 2);
         assert!(lines[1].starts_with("gpu-1 "), "{t}");
@@ -128,5 +160,42 @@ mod tests {
         }
         assert_eq!(lines[0].find("ROLE/EPOCH"), lines[1].find("decode/3"));
         assert!(table(&[], 0).contains("no node"));
+        assert_eq!(link_matrix(&[n]), "");
+    }
+
+    #[test]
+    fn the_link_matrix_has_a_row_per_sender_and_a_column_per_receiver() {
+        let node = |id: &str, links: &[(&str, f64)]| NodeRecord {
+            node_id: id.parse().unwrap(),
+            name: id.into(),
+            model: "m".into(),
+            role: Role::Mixed,
+            epoch: Epoch(0),
+            protocol: 1,
+            endpoints: Endpoints { control: ([10, 0, 0, 2], 7001).into(), kv: ([10, 0, 0, 2], 7101).into() },
+            threads: 1,
+            kv_cache: KvCache::default(),
+            load: Load::default(),
+            links: links
+                .iter()
+                .map(|&(to, gb)| LinkRecord {
+                    to: to.parse().unwrap(),
+                    transport: "tcp".into(),
+                    gb_per_s: gb,
+                    latency_ms: 0.25,
+                    measured_unix_ms: 0,
+                })
+                .collect(),
+            updated_unix_ms: 0,
+        };
+        let nodes = [node("a", &[("b", 1.5), ("c", 0.1)]), node("b", &[("a", 2.0)]), node("c", &[])];
+        let m = link_matrix(&nodes);
+        let lines: Vec<&str> = m.trim().lines().collect();
+        assert_eq!(lines.len(), 3, "{m}");
+        assert!(lines[0].starts_with("LINK FROM \\ TO") && lines[0].ends_with(" c"), "{m}");
+        assert!(lines[1].starts_with("a ") && lines[1].contains("1.50 GB/s 0.25 ms"), "{m}");
+        assert!(lines[1].contains("0.10 GB/s"), "{m}");
+        assert!(lines[2].starts_with("b ") && lines[2].contains("2.00 GB/s"), "{m}");
+        assert_eq!(lines[2].matches('-').count(), 2, "{m}");
     }
 }

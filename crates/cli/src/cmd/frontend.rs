@@ -5,16 +5,17 @@
 //! down is waited for (and said so in the log), one that dies leaves the router's set
 //! and is reconnected when it comes back. A fleet worker is followed while its record
 //! is in the bucket: connected when it appears, dropped when it leaves, its reported
-//! load handed to the policies. While no worker can decode, requests get 503; the
+//! load and probed links handed to the router. While no worker can decode, requests get 503; the
 //! process only exits on a signal.
 
 use super::fleet::NatsArgs;
 use super::http::{self, ApiArgs, Served};
-use pdserve_fleet::{Change, NatsConfig, NodeId};
+use pdserve_fleet::{Change, NatsConfig, NodeId, NodeRecord};
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
 use pdserve_protocol::Worker;
 use pdserve_remote::RemoteWorker;
+use pdserve_router::cost::Link;
 use pdserve_router::{Mode, PolicyKind, Router};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -116,13 +117,21 @@ struct Target {
     model: String,
 }
 
+/// What a fleet node reports about itself that the router uses: its load, and its
+/// probed links by receiving worker's name.
+#[derive(Clone, Default)]
+struct Reported {
+    load: usize,
+    links: HashMap<String, Link>,
+}
+
 /// Keeps the worker at `addr` in the router's set while it is connected; `load`
-/// carries the load it reports through the fleet, if it is in one.
+/// carries what it reports through the fleet, if it is in one.
 async fn supervise(
     addr: SocketAddr,
     to: Target,
     mut first: Option<tokio::sync::oneshot::Sender<()>>,
-    load: Option<watch::Receiver<usize>>,
+    load: Option<watch::Receiver<Reported>>,
 ) {
     pdserve_remote::keep_connected(addr, to.key.clone(), |w: RemoteWorker| {
         let (to, announce, load) = (to.clone(), first.take(), load.clone());
@@ -136,9 +145,9 @@ async fn supervise(
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 return;
             }
-            let _in_set = InSet::add(&to, &w);
+            let in_set = InSet::add(&to, &w);
             match load {
-                Some(load) => report_load(&w, load).await,
+                Some(load) => report(&w, &in_set, load).await,
                 None => w.lost().await,
             }
         }
@@ -146,10 +155,14 @@ async fn supervise(
     .await
 }
 
-/// Hands the worker's reported load to its handle until the worker is lost.
-async fn report_load(w: &RemoteWorker, mut load: watch::Receiver<usize>) {
+/// Hands what the worker reports to its handle and entry until the worker is lost.
+async fn report(w: &RemoteWorker, at: &InSet, mut load: watch::Receiver<Reported>) {
     loop {
-        w.report_load(*load.borrow_and_update());
+        let now = load.borrow_and_update().clone();
+        w.report_load(now.load);
+        if let Some(e) = at.to.router.workers().get(at.id) {
+            e.set_links(now.links);
+        }
         tokio::select! {
             _ = w.lost() => return,
             changed = load.changed() => if changed.is_err() { return w.lost().await },
@@ -185,7 +198,7 @@ impl Drop for InSet {
 /// A fleet node this frontend follows.
 struct Follower {
     control: SocketAddr,
-    load: watch::Sender<usize>,
+    load: watch::Sender<Reported>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -202,6 +215,9 @@ async fn follow_fleet(cfg: NatsConfig, to: Target) {
     let mut changes = pdserve_fleet::follow(cfg);
     let mut nodes: HashMap<NodeId, Follower> = HashMap::new();
     let mut other_model: HashSet<NodeId> = HashSet::new();
+    // Worker names by node id: a record's links name peers by node id, the router
+    // by worker name.
+    let mut names: HashMap<NodeId, String> = HashMap::new();
     while let Some(change) = changes.recv().await {
         match change {
             Change::Up(rec) if rec.model != to.model => {
@@ -210,7 +226,8 @@ async fn follow_fleet(cfg: NatsConfig, to: Target) {
                 }
             }
             Change::Up(rec) => {
-                let load = rec.load.requests();
+                names.insert(rec.node_id.clone(), rec.name.clone());
+                let load = reported(&rec, &names);
                 match nodes.get(&rec.node_id) {
                     Some(f) if f.control == rec.endpoints.control => {
                         let _ = f.load.send(load);
@@ -225,10 +242,24 @@ async fn follow_fleet(cfg: NatsConfig, to: Target) {
             }
             Change::Down(id) => {
                 other_model.remove(&id);
+                names.remove(&id);
                 if nodes.remove(&id).is_some() {
                     tracing::info!(node = %id, "fleet node left");
                 }
             }
         }
     }
+}
+
+/// The load and links of `rec`, its links' peers named as the router names them.
+fn reported(rec: &NodeRecord, names: &HashMap<NodeId, String>) -> Reported {
+    let links = rec
+        .links
+        .iter()
+        .filter_map(|l| {
+            let link = Link { bytes_per_s: l.gb_per_s * 1e9, round_trip_s: l.latency_ms / 1e3 };
+            Some((names.get(&l.to)?.clone(), link))
+        })
+        .collect();
+    Reported { load: rec.load.requests(), links }
 }

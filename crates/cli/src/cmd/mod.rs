@@ -4,6 +4,7 @@ pub mod frontend;
 pub mod generate;
 mod http;
 pub use http::Stopped;
+mod probe;
 pub mod pull;
 pub mod serve;
 pub mod worker;

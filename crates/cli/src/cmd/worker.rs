@@ -1,6 +1,7 @@
 //! `pdserve worker`: one worker in its own process, serving routers over TCP.
 
 use super::fleet::NatsArgs;
+use super::probe::{LinkTable, Prober};
 use super::http;
 use anyhow::Context;
 use pdserve_engine::batch::EngineConfig;
@@ -74,6 +75,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let sock = super::socket_path(&format!("kv-{}", kv.port()))?;
         worker.listen_shm(&sock).await.context("shared-memory KV receiver")?;
         let control = listener.local_addr()?;
+        let local = worker.clone();
         let worker = Arc::new(worker) as Arc<dyn Worker>;
         let fleet = match a.nats.config(&name) {
             None => None,
@@ -83,13 +85,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 if a.advertise.is_none() && control.ip().is_unspecified() {
                     anyhow::bail!("a worker listening on {control} must say where others reach it: add --advertise IP");
                 }
+                let links = Arc::new(LinkTable::default());
                 let node = Node {
                     id: id.clone(),
                     worker: worker.clone(),
                     endpoints: Endpoints { control: at(control), kv: at(kv) },
                     threads: a.threads.max(1),
                     blocks: a.kv_blocks,
+                    links: links.clone(),
                 };
+                let prober = Prober { me: id.clone(), my_kv: at(kv), worker: local, key: key.clone(), table: links };
+                tokio::spawn(prober.run(cfg.clone()));
                 Some(pdserve_fleet::register(cfg, id, move || node.clone().record()))
             }
         };
@@ -123,6 +129,7 @@ struct Node {
     endpoints: Endpoints,
     threads: usize,
     blocks: usize,
+    links: Arc<LinkTable>,
 }
 
 impl Node {
@@ -133,6 +140,7 @@ impl Node {
         let info = self.worker.info();
         NodeRecord {
             node_id: self.id,
+            name: info.name.clone(),
             model: info.model.clone(),
             role: info.role,
             epoch: Default::default(),
@@ -152,6 +160,7 @@ impl Node {
                 running: s.running,
                 importing: s.importing,
             },
+            links: self.links.snapshot(),
             updated_unix_ms: pdserve_fleet::now_unix_ms(),
         }
     }

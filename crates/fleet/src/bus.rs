@@ -163,11 +163,28 @@ async fn options(cfg: &NatsConfig) -> Result<ConnectOptions, FleetError> {
         opts = opts.token(token);
     }
     Ok(opts
+        .event_callback(|event| async move { log_event(event) })
         .name(&cfg.client_name)
         .connection_timeout(CONNECT_TIMEOUT)
         // A lost server is noticed within seconds, and the client moves to another.
         .ping_interval(Duration::from_secs(2))
         .max_reconnects(None))
+}
+
+/// The client's connection events, in this process's log. (The client's own log
+/// lines are filtered out by default: connection errors reach the caller as one
+/// error, and these say the rest once.)
+fn log_event(event: async_nats::Event) {
+    use async_nats::Event;
+    match event {
+        Event::Connected => tracing::info!("NATS connected"),
+        Event::Disconnected => tracing::warn!("NATS disconnected; reconnecting"),
+        Event::ClientError(e) => tracing::warn!(error = %e, "NATS client error"),
+        Event::ServerError(e) => tracing::warn!(error = %e, "NATS server error"),
+        Event::SlowConsumer(_) | Event::LameDuckMode | Event::Draining | Event::Closed => {
+            tracing::debug!(?event, "NATS event")
+        }
+    }
 }
 
 /// Opens the bucket, creating it if missing. A bucket made by someone else (a

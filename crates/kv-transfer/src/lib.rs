@@ -59,7 +59,7 @@ pub use frame::{Frame, FrameError};
 pub use in_process::InProcess;
 pub use inbox::{Inbox, Inboxes};
 pub use links::Links;
-pub use measure::{measure, measure_copy, probe, measure_copy_twice, measure_raw_shm, measure_raw_tcp, Throughput};
+pub use measure::{measure, measure_copy, measure_copy_twice, measure_raw_shm, measure_raw_tcp, probe, Throughput};
 pub use shm::{ShmConfig, ShmReceiver, ShmTransport};
 pub use target::{HandoffToken, KvAddr, KvTarget, TransportKind};
 pub use tcp::{TcpReceiver, TcpTransport};

@@ -1,5 +1,5 @@
 //! Structured logs: `tracing` events to stderr, as text or one JSON object per line,
-//! filtered by `RUST_LOG` (default `info`); spans optionally exported over OTLP.
+//! filtered by `RUST_LOG` (default `info`, the NATS client's own lines off); spans optionally exported over OTLP.
 
 use crate::otlp::{Endpoint, OtlpLayer};
 use tracing_subscriber::layer::SubscriberExt;
@@ -22,7 +22,8 @@ pub fn init(format: LogFormat, otlp: Option<&str>, service: &str) -> Result<(), 
             if std::env::var_os("RUST_LOG").is_some() {
                 eprintln!("warning: ignoring RUST_LOG: {e}");
             }
-            EnvFilter::new("info")
+            // The NATS client's own lines repeat what the fleet code reports once.
+            EnvFilter::new("info,async_nats=off")
         }
     };
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_target(false);

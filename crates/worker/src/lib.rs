@@ -16,8 +16,8 @@ use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::batch::BLOCK_SIZE;
 use pdserve_engine::model::Model;
 use pdserve_kv_transfer::{
-    frame, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver,
-    Throughput, TransferError, TransportKind,
+    frame, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, Throughput,
+    TransferError, TransportKind,
 };
 use pdserve_protocol::{
     DecodeHandoff, EventSender, GenerateRequest, KvDestination, Prefilled, Reply, ServeError, Worker, WorkerInfo,
@@ -68,6 +68,10 @@ const INBOX_FRAMES: usize = 256;
 /// How long a decode waits for a transfer's last frames after the prefill side said
 /// it sent them all (they are normally already here).
 const FRAMES_GRACE: Duration = Duration::from_secs(10);
+/// How long a stats call waits for the engine thread before answering with its last
+/// figures: a long prefill holds the thread for seconds, and the fleet heartbeat must
+/// not wait that long.
+const STATS_PATIENCE: Duration = Duration::from_millis(100);
 /// A link probe's inbox closes after this long, whether or not its frames came.
 const PROBE_TTL: Duration = Duration::from_secs(30);
 
@@ -95,6 +99,11 @@ struct Inner {
     tx: SyncSender<Command>,
     /// Requests queued or admitted and not finished: the router's load signal.
     active: Arc<AtomicUsize>,
+    /// Prompt tokens of prefills sent here (for a KV handoff) and not answered yet:
+    /// they wait in the command queue or run, outside the engine's own queue.
+    prefill_tokens: Arc<AtomicUsize>,
+    /// The engine's last answer to a stats call.
+    last_stats: Mutex<WorkerStats>,
     /// Where transfers into this worker land, from any transport.
     inboxes: Inboxes,
     receivers: Mutex<Receivers>,
@@ -135,6 +144,8 @@ impl LocalWorker {
             info,
             tx,
             active,
+            prefill_tokens: Arc::default(),
+            last_stats: Mutex::default(),
             inboxes,
             receivers: Mutex::default(),
             links,
@@ -233,7 +244,17 @@ impl Worker for LocalWorker {
         Box::pin(async move {
             let (reply, rx) = oneshot::channel();
             self.inner.send(Command::Stats(reply))?;
-            rx.await.map_err(|_| self.inner.stopped())
+            let mut s = match tokio::time::timeout(STATS_PATIENCE, rx).await {
+                Ok(answer) => {
+                    let s = answer.map_err(|_| self.inner.stopped())?;
+                    *lock(&self.inner.last_stats) = s;
+                    s
+                }
+                // Mid-step (a long prefill): what the engine said last.
+                Err(_) => *lock(&self.inner.last_stats),
+            };
+            s.queued_prompt_tokens += self.inner.prefill_tokens.load(Ordering::Relaxed);
+            Ok(s)
         })
     }
 
@@ -343,6 +364,7 @@ impl Inner {
         let (broken, bytes) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
         let frames = sink.frame_sink(hid, stop.0.clone(), broken.clone(), bytes.clone());
         let (reply, rx) = oneshot::channel();
+        let _queued = Counted::add(&self.prefill_tokens, req.prompt.len());
         self.send_counted(Command::Prefill { req, sink: frames, reply, sent: std::time::Instant::now() })?;
         let mut first = rx.await.map_err(|_| self.stopped())??;
         let tail = std::time::Instant::now();
@@ -419,6 +441,22 @@ impl Drop for ReleaseOnDrop {
             lock(&self.inner.imports).remove(&self.id);
             self.inner.release(self.id);
         }
+    }
+}
+
+/// Adds to a counter for as long as it lives.
+struct Counted(Arc<AtomicUsize>, usize);
+
+impl Counted {
+    fn add(counter: &Arc<AtomicUsize>, n: usize) -> Counted {
+        counter.fetch_add(n, Ordering::Relaxed);
+        Counted(counter.clone(), n)
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::Relaxed);
     }
 }
 

@@ -69,7 +69,8 @@ impl Prober {
                     if probing.get(&peer.node_id).is_some_and(|(kv, _)| *kv == peer.endpoints.kv) {
                         continue;
                     }
-                    let (me2, gate, id, kv) = (me.clone(), one_at_a_time.clone(), peer.node_id.clone(), peer.endpoints.kv);
+                    let (me2, gate, id, kv) =
+                        (me.clone(), one_at_a_time.clone(), peer.node_id.clone(), peer.endpoints.kv);
                     let task = tokio::spawn(async move {
                         let _turn = gate.acquire_owned().await;
                         me2.probe_and_record(&peer).await;

@@ -1,8 +1,8 @@
 //! `pdserve worker`: one worker in its own process, serving routers over TCP.
 
 use super::fleet::NatsArgs;
-use super::probe::{LinkTable, Prober};
 use super::http;
+use super::probe::{LinkTable, Prober};
 use anyhow::Context;
 use pdserve_engine::batch::EngineConfig;
 use pdserve_fleet::{Endpoints, KvCache, Load, NodeId, NodeRecord};

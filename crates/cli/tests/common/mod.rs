@@ -58,10 +58,23 @@ pub fn start_logging(args: &[&str], filter: &str) -> Proc {
 
 /// [`start`] with these environment variables set.
 pub fn start_with(args: &[&str], env: &[(&str, &str)]) -> Proc {
+    spawn_announced(Command::new(env!("CARGO_BIN_EXE_pdserve")), args, env)
+}
+
+/// [`start`] inside network namespace `ns` (`ip netns exec`, which becomes the
+/// process: killing the child kills pdserve).
+pub fn start_in(ns: &str, args: &[&str]) -> Proc {
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_pdserve")]);
+    spawn_announced(cmd, args, &[])
+}
+
+/// Runs `cmd ARGS` (a pdserve command line) and waits for its address.
+fn spawn_announced(mut cmd: Command, args: &[&str], env: &[(&str, &str)]) -> Proc {
     // Workers and frontends share the tests' cluster token.
     let token = ["--cluster-token-file", token_file()];
     let secured = matches!(args.first(), Some(&"worker" | &"frontend"));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+    let mut child = cmd
         .args(args)
         .args(if secured { &token[..] } else { &[] })
         .env("RUST_LOG", "info")
@@ -126,6 +139,45 @@ pub fn complete(addr: SocketAddr, prompt: &Value, max_tokens: u32) -> String {
 pub fn golden_prompts() -> Vec<Value> {
     let g: Value = serde_json::from_str(GOLDEN).unwrap();
     g["greedy"].as_array().unwrap().iter().map(|c| c["prompt_ids"].clone()).collect()
+}
+
+/// Waits (bounded: a liveness check, not a timing claim) until `cond` holds.
+pub fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The nats-server the tests run: `PDSERVE_NATS_SERVER`, else the one
+/// `scripts/nats.sh install` put in the target directory.
+pub fn nats_binary() -> String {
+    if let Ok(path) = std::env::var("PDSERVE_NATS_SERVER") {
+        return path;
+    }
+    let local = concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/nats-venv/bin/nats-server");
+    assert!(
+        std::path::Path::new(local).exists(),
+        "no nats-server: run `scripts/nats.sh install` (scripts/test.sh does) or set PDSERVE_NATS_SERVER"
+    );
+    local.to_string()
+}
+
+/// A directory removed when dropped.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `pdserve fleet --json --nats URL`: the node records.
+pub fn fleet_records(url: &str) -> Vec<Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve")).args(["fleet", "--json", "--nats", url]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice::<Value>(&out.stdout).unwrap().as_array().unwrap().clone()
 }
 
 /// Sum of a metric's samples whose line contains `filter`.

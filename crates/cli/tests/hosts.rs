@@ -1,0 +1,470 @@
+//! The fleet across hosts, with faults. Three "hosts" are Linux network namespaces on
+//! one bridge, each with its own address and its own nats-server; the three servers
+//! form one JetStream cluster and the fleet bucket keeps three copies. Workers are
+//! spread over the hosts, one frontend serves them all. While a bounded load runs,
+//! each fault in turn: a decode worker killed mid-stream, a prefill worker killed
+//! mid-prefill, one NATS server killed, a slowed link, a host cut off for 10 s, and
+//! a new host joining. After each, every request ended with its full greedy text or
+//! a clear error, no worker holds a used KV block once idle, and the fleet view
+//! matches the processes that run.
+//!
+//! Needs root (`ip netns`, veth, a bridge, `tc`): CI runs as root, as does this
+//! project's development machine. This kernel has no `netem` queueing discipline, so
+//! the slow link is a token bucket (`tbf`): a real kernel-enforced rate limit with
+//! its queueing delay and tail drops, not netem's fixed delay and random loss.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{eventually, fleet_records, metric, nats_binary, settle_used_blocks, start_in, Proc, TempDir};
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Tokens each load request asks for (ignore_eos: exactly this many).
+const MAX_TOKENS: u32 = 24;
+
+/// Runs a command that must succeed.
+fn sh(args: &[&str]) {
+    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Hosts on a bridge, removed when dropped (after the processes in them).
+struct Net {
+    tag: String,
+    subnet: u8,
+    bridge: String,
+    hosts: Vec<String>,
+}
+
+impl Net {
+    fn new() -> Net {
+        assert_eq!(unsafe { libc::geteuid() }, 0, "the multi-host tests need root (network namespaces)");
+        let pid = std::process::id();
+        let tag = format!("pd{}", pid % 100_000);
+        let subnet = (pid % 200 + 20) as u8;
+        let bridge = format!("{tag}br");
+        let _ = Command::new("ip").args(["link", "del", &bridge]).output();
+        sh(&["ip", "link", "add", &bridge, "type", "bridge"]);
+        sh(&["ip", "addr", "add", &format!("10.231.{subnet}.254/24"), "dev", &bridge]);
+        sh(&["ip", "link", "set", &bridge, "up"]);
+        let mut net = Net { tag, subnet, bridge, hosts: Vec::new() };
+        for _ in 0..3 {
+            net.add_host();
+        }
+        net
+    }
+
+    /// A new host: a namespace with loopback and one veth into the bridge.
+    fn add_host(&mut self) -> usize {
+        let i = self.hosts.len();
+        let ns = format!("{}h{i}", self.tag);
+        let _ = Command::new("ip").args(["netns", "del", &ns]).output();
+        sh(&["ip", "netns", "add", &ns]);
+        let (inner, outer) = (format!("{}i{i}", self.tag), self.veth(i));
+        sh(&["ip", "link", "add", &inner, "type", "veth", "peer", "name", &outer]);
+        sh(&["ip", "link", "set", &inner, "netns", &ns]);
+        sh(&["ip", "link", "set", &outer, "master", &self.bridge, "up"]);
+        sh(&["ip", "netns", "exec", &ns, "ip", "addr", "add", &format!("{}/24", self.ip(i)), "dev", &inner]);
+        sh(&["ip", "netns", "exec", &ns, "ip", "link", "set", &inner, "up"]);
+        sh(&["ip", "netns", "exec", &ns, "ip", "link", "set", "lo", "up"]);
+        self.hosts.push(ns);
+        i
+    }
+
+    fn ip(&self, host: usize) -> String {
+        format!("10.231.{}.{}", self.subnet, host + 1)
+    }
+
+    /// The bridge side of host `i`'s cable.
+    fn veth(&self, host: usize) -> String {
+        format!("{}o{host}", self.tag)
+    }
+
+    fn ns(&self, host: usize) -> &str {
+        &self.hosts[host]
+    }
+
+    /// Unplugs (or plugs back) host `i`'s cable.
+    fn cable(&self, host: usize, up: bool) {
+        sh(&["ip", "link", "set", &self.veth(host), if up { "up" } else { "down" }]);
+    }
+
+    /// Limits what reaches host `i` to 20 Mbit/s with up to 50 ms of queue, or lifts
+    /// the limit.
+    fn throttle(&self, host: usize, on: bool) {
+        let dev = self.veth(host);
+        match on {
+            true => sh(&[
+                "tc", "qdisc", "add", "dev", &dev, "root", "tbf", "rate", "20mbit", "burst", "32kb", "latency", "50ms",
+            ]),
+            false => sh(&["tc", "qdisc", "del", "dev", &dev, "root"]),
+        }
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for ns in &self.hosts {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+        let _ = Command::new("ip").args(["link", "del", &self.bridge]).output();
+    }
+}
+
+/// One nats-server of the cluster, on its host.
+struct NatsNode {
+    child: Child,
+    _dir: TempDir,
+}
+
+impl Drop for NatsNode {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn nats_node(net: &Net, host: usize, cluster: usize) -> NatsNode {
+    let ip = net.ip(host);
+    let dir =
+        std::env::temp_dir().join(format!("pdserve-{}-nats{host}-{}", net.tag, Instant::now().elapsed().as_nanos()));
+    let routes: Vec<String> =
+        (0..cluster).filter(|&h| h != host).map(|h| format!("nats://{}:6222", net.ip(h))).collect();
+    let child = Command::new("ip")
+        .args(["netns", "exec", net.ns(host), &nats_binary(), "-js", "-a", &ip, "-p", "4222"])
+        .args(["--server_name", &format!("n{host}"), "--cluster_name", "pdserve-test"])
+        .args(["--cluster", &format!("nats://{ip}:6222"), "--routes", &routes.join(","), "-sd"])
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr: SocketAddr = format!("{ip}:4222").parse().unwrap();
+    eventually("nats-server listens", || TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok());
+    NatsNode { child, _dir: TempDir(dir) }
+}
+
+/// The cluster's URLs, this host's server first.
+fn urls(net: &Net, first: usize) -> String {
+    let mut hosts: Vec<usize> = (0..3).collect();
+    hosts.sort_by_key(|&h| h != first);
+    hosts.iter().map(|&h| format!("nats://{}:4222", net.ip(h))).collect::<Vec<_>>().join(",")
+}
+
+fn worker(net: &Net, host: usize, role: &str, id: &str) -> Proc {
+    let listen = format!("{}:0", net.ip(host));
+    let nats = urls(net, host.min(2));
+    let args = ["worker", "--role", role, "--listen", &listen, "--threads", "1", "--kv-blocks", "512"];
+    let fleet = ["--nats", &nats, "--nats-replicas", "3", "--node-id", id];
+    start_in(net.ns(host), &[&args[..], &fleet[..]].concat())
+}
+
+/// What one load request came to.
+#[derive(Debug, Clone)]
+enum Outcome {
+    /// The stream ended with `[DONE]`: its text.
+    Done(String),
+    /// A clear refusal or failure: an HTTP error status or an error event, with an
+    /// OpenAI error body.
+    Error(String),
+    /// Anything else: a cut stream, a body that is not an error, no answer in time.
+    Broken(String),
+}
+
+/// Streams one greedy completion; every way it can end is an [`Outcome`].
+fn stream(addr: SocketAddr, prompt: &Value) -> Outcome {
+    let body =
+        json!({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": true, "stream": true})
+            .to_string();
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(5)) else {
+        return Outcome::Broken("cannot connect".into());
+    };
+    s.set_read_timeout(Some(Duration::from_secs(90))).unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    if s.write_all(head.as_bytes()).and_then(|()| s.write_all(body.as_bytes())).is_err() {
+        return Outcome::Broken("cannot send".into());
+    }
+    let mut r = BufReader::new(s);
+    let mut status = String::new();
+    if r.read_line(&mut status).is_err() {
+        return Outcome::Broken("no status line".into());
+    }
+    if !status.contains(" 200 ") {
+        let mut rest = String::new();
+        let _ = r.read_to_string(&mut rest);
+        let body = rest.split("\r\n\r\n").nth(1).unwrap_or("");
+        return match serde_json::from_str::<Value>(body)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(String::from))
+        {
+            Some(msg) => Outcome::Error(format!("{}: {msg}", status.trim())),
+            None => Outcome::Broken(format!("{} with body {body:?}", status.trim())),
+        };
+    }
+    let mut text = String::new();
+    for line in r.lines() {
+        let Ok(line) = line else { return Outcome::Broken(format!("stream cut after {text:?}")) };
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            return Outcome::Done(text);
+        }
+        let Ok(v) = serde_json::from_str::<Value>(data) else { return Outcome::Broken(format!("bad event {data}")) };
+        if let Some(msg) = v["error"]["message"].as_str() {
+            return Outcome::Error(format!("error event: {msg}"));
+        }
+        text.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
+    }
+    Outcome::Broken(format!("stream ended without [DONE] after {text:?}"))
+}
+
+/// Prompts of the load: a few hundred tokens, so a prefill takes long enough to be
+/// caught in the middle.
+fn prompts() -> Vec<Value> {
+    (0..4u64).map(|p| json!((0..300u64).map(|i| 1000 + (i * 37 + p * 101) % 20_000).collect::<Vec<_>>())).collect()
+}
+
+/// A closed-loop load of `clients` streams over [`prompts`] until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    outcomes: Arc<Mutex<Vec<(usize, Outcome)>>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(addr: SocketAddr, clients: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let outcomes = Arc::new(Mutex::new(Vec::new()));
+        let threads = (0..clients)
+            .map(|c| {
+                let (stop, outcomes, prompts) = (stop.clone(), outcomes.clone(), prompts());
+                std::thread::spawn(move || {
+                    let mut i = c;
+                    while !stop.load(Ordering::SeqCst) {
+                        let p = i % prompts.len();
+                        let o = stream(addr, &prompts[p]);
+                        outcomes.lock().unwrap().push((p, o));
+                        i += 1;
+                    }
+                })
+            })
+            .collect();
+        Load { stop, outcomes, threads }
+    }
+
+    fn finished(&self) -> usize {
+        self.outcomes.lock().unwrap().len()
+    }
+
+    /// Stops issuing, waits for the requests in flight, and returns every outcome.
+    fn stop(self) -> Vec<(usize, Outcome)> {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.threads {
+            t.join().unwrap();
+        }
+        Arc::try_unwrap(self.outcomes).unwrap().into_inner().unwrap()
+    }
+}
+
+/// Every outcome is the prompt's greedy text or a clear error; returns the errors.
+fn check(fault: &str, outcomes: &[(usize, Outcome)], want: &[String]) -> usize {
+    assert!(!outcomes.is_empty(), "{fault}: no request finished");
+    let mut errors = 0;
+    for (p, o) in outcomes {
+        match o {
+            Outcome::Done(text) => assert_eq!(text, &want[*p], "{fault}: prompt {p} lost or repeated tokens"),
+            Outcome::Error(e) => {
+                eprintln!("{fault}: a request ended with a clear error: {e}");
+                errors += 1;
+            }
+            Outcome::Broken(why) => panic!("{fault}: a request ended unclearly: {why}"),
+        }
+    }
+    eprintln!(
+        "{fault}: {} requests, {} with their full text, {errors} clear errors",
+        outcomes.len(),
+        outcomes.len() - errors
+    );
+    errors
+}
+
+/// Runs the load until `n` more requests have finished (bounded).
+fn wait_for_requests(load: &Load, n: usize) {
+    let target = load.finished() + n;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while load.finished() < target {
+        assert!(Instant::now() < deadline, "the load stalled");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The node ids in the fleet view, read through NATS server `url`.
+fn fleet_ids(url: &str) -> BTreeSet<String> {
+    fleet_records(url).iter().map(|r| r["node_id"].as_str().unwrap().to_string()).collect()
+}
+
+/// Once the load is stopped: nothing is held on any worker, and the fleet view is
+/// exactly `expected`.
+fn settled(fault: &str, fe: SocketAddr, url: &str, expected: &[&str]) {
+    assert_eq!(settle_used_blocks(fe), 0.0, "{fault}: KV blocks still used once idle");
+    let want: BTreeSet<String> = expected.iter().map(|s| s.to_string()).collect();
+    eventually(&format!("{fault}: the fleet view is {want:?}"), || fleet_ids(url) == want);
+    eventually(&format!("{fault}: the frontend uses {} workers", expected.len()), || {
+        metric(fe, "pdserve_worker_up", "") == expected.len() as f64
+    });
+}
+
+/// The node whose record says it runs a sequence now, among `ids`.
+fn busy_node(url: &str, ids: &[&str], field: &str) -> Option<String> {
+    fleet_records(url)
+        .into_iter()
+        .filter(|r| ids.iter().any(|id| r["node_id"] == *id))
+        .find(|r| r["load"][field].as_u64() > Some(0))
+        .map(|r| r["node_id"].as_str().unwrap().to_string())
+}
+
+#[test]
+fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
+    let mut net = Net::new();
+    let mut nats: Vec<Option<NatsNode>> = (0..3).map(|h| Some(nats_node(&net, h, 3))).collect();
+    let url = urls(&net, 0);
+    // Host 0: the frontend and a prefill worker; host 1: a decode worker; host 2: a
+    // decode and a prefill worker.
+    let mut procs: std::collections::BTreeMap<&str, Proc> = std::collections::BTreeMap::new();
+    procs.insert("p0", worker(&net, 0, "prefill", "p0"));
+    procs.insert("d1", worker(&net, 1, "decode", "d1"));
+    procs.insert("d2", worker(&net, 2, "decode", "d2"));
+    procs.insert("p2", worker(&net, 2, "prefill", "p2"));
+    let fe_host = net.ip(0);
+    let fe = start_in(
+        net.ns(0),
+        &[
+            "frontend",
+            "--nats",
+            &url,
+            "--nats-replicas",
+            "3",
+            "--mode",
+            "disaggregated",
+            "--kv-transport",
+            "tcp",
+            "--host",
+            &fe_host,
+            "--port",
+            "0",
+        ],
+    );
+    let all = ["d1", "d2", "p0", "p2"];
+    settled("start", fe.addr, &url, &all);
+    let rec = fleet_records(&url);
+    eprintln!("fleet at start: {}", serde_json::to_string(&rec).unwrap());
+    // The reference: each prompt's greedy text, with no fault.
+    let want: Vec<String> = prompts()
+        .iter()
+        .map(|p| match stream(fe.addr, p) {
+            Outcome::Done(t) => t,
+            other => panic!("reference run: {other:?}"),
+        })
+        .collect();
+
+    // 1. A decode worker killed mid-stream: its request moves, the text is whole.
+    let load = Load::start(fe.addr, 2);
+    wait_for_requests(&load, 1);
+    let mut victim = None;
+    eventually("a decode worker reports a running sequence", || {
+        victim = busy_node(&url, &["d1", "d2"], "running");
+        victim.is_some()
+    });
+    let victim: &str = if victim.as_deref() == Some("d1") { "d1" } else { "d2" };
+    let mut p = procs.remove(victim).unwrap();
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+    wait_for_requests(&load, 4);
+    let out = load.stop();
+    assert_eq!(check("kill -9 decode", &out, &want), 0, "a migrated request must not fail");
+    assert!(metric(fe.addr, "pdserve_requests_migrated_total", "") >= 1.0, "a request was migrated");
+    settled("kill -9 decode", fe.addr, &url, &all.iter().copied().filter(|n| *n != victim).collect::<Vec<_>>());
+    let host = if victim == "d1" { 1 } else { 2 };
+    procs.insert(victim, worker(&net, host, "decode", victim));
+    settled("decode back", fe.addr, &url, &all);
+
+    // 2. A prefill worker killed mid-prefill: the handoff is retried on the other.
+    let load = Load::start(fe.addr, 2);
+    wait_for_requests(&load, 1);
+    let mut victim = None;
+    eventually("a prefill worker reports a queued prompt", || {
+        victim = busy_node(&url, &["p0", "p2"], "queued_prompt_tokens");
+        victim.is_some()
+    });
+    let victim: &str = if victim.as_deref() == Some("p0") { "p0" } else { "p2" };
+    let mut p = procs.remove(victim).unwrap();
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+    wait_for_requests(&load, 4);
+    let out = load.stop();
+    assert_eq!(check("kill -9 prefill", &out, &want), 0, "a prefill lost is retried");
+    settled("kill -9 prefill", fe.addr, &url, &all.iter().copied().filter(|n| *n != victim).collect::<Vec<_>>());
+    let host = if victim == "p0" { 0 } else { 2 };
+    procs.insert(victim, worker(&net, host, "prefill", victim));
+    settled("prefill back", fe.addr, &url, &all);
+
+    // 3. One NATS server killed (host 1's): requests in flight finish, new ones are
+    // served, the fleet view holds through the other two servers.
+    let load = Load::start(fe.addr, 2);
+    wait_for_requests(&load, 1);
+    drop(nats[1].take());
+    wait_for_requests(&load, 4);
+    let out = load.stop();
+    assert_eq!(check("kill one NATS server", &out, &want), 0, "losing one NATS server fails nothing");
+    settled("kill one NATS server", fe.addr, &url, &all);
+    nats[1] = Some(nats_node(&net, 1, 3));
+
+    // 4. Host 2's link throttled: everything still completes.
+    let load = Load::start(fe.addr, 2);
+    wait_for_requests(&load, 1);
+    net.throttle(2, true);
+    wait_for_requests(&load, 4);
+    net.throttle(2, false);
+    let out = load.stop();
+    assert_eq!(check("throttled link", &out, &want), 0, "a slow link fails nothing");
+    settled("throttled link", fe.addr, &url, &all);
+
+    // 5. Host 2 cut off for 10 s: what was routed there fails over or ends with a
+    // clear error; the host rejoins.
+    let load = Load::start(fe.addr, 2);
+    wait_for_requests(&load, 1);
+    net.cable(2, false);
+    std::thread::sleep(Duration::from_secs(10));
+    net.cable(2, true);
+    wait_for_requests(&load, 4);
+    let out = load.stop();
+    check("host cut off for 10 s", &out, &want);
+    settled("host cut off for 10 s", fe.addr, &url, &all);
+
+    // 6. A new host joins under load: it is used.
+    let load = Load::start(fe.addr, 2);
+    wait_for_requests(&load, 1);
+    let h3 = net.add_host();
+    procs.insert("d3", worker(&net, h3, "decode", "d3"));
+    eventually("the new host's worker serves a sequence", || {
+        fleet_records(&url).iter().any(|r| {
+            r["node_id"] == "d3"
+                && (r["load"]["running"].as_u64() > Some(0) || r["kv_cache"]["blocks_cached"].as_u64() > Some(0))
+        })
+    });
+    let out = load.stop();
+    assert_eq!(check("new host", &out, &want), 0, "a joining host fails nothing");
+    settled("new host", fe.addr, &url, &["d1", "d2", "d3", "p0", "p2"]);
+    drop(procs);
+    drop(fe);
+}

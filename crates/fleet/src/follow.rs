@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Change {
     /// A node wrote its record (new, or a refresh with its current load).
-    Up(NodeRecord),
+    Up(Box<NodeRecord>),
     /// A node left.
     Down(NodeId),
 }
@@ -140,7 +140,7 @@ impl View {
             _ => Instant::now(),
         };
         self.seen.insert(rec.node_id.clone(), (rec.updated_unix_ms, first_seen));
-        let _ = self.tx.send(Change::Up(rec)).await;
+        let _ = self.tx.send(Change::Up(Box::new(rec))).await;
     }
 
     async fn down(&mut self, id: NodeId) {

@@ -6,11 +6,19 @@
    worker's record -> gone from the bucket (TTL).
 2. The fleet path's cost: `pdserve bench load` against `frontend --nats` and
    `frontend --workers` over the same two workers, in turns.
+3. Migration, over --migrations trials: a decode worker killed (-9) mid-stream ->
+   the next token the client gets (from the other decode worker, after the prompt
+   plus the tokens already sent were prefilled again), next to the time to first
+   token of a fresh prompt as long as that (no cached prefix), on the same fleet.
+4. Control calls over NATS request/reply instead of the direct connection: one
+   control-sized message's round trip both ways (crates/fleet/examples/control_rtt.rs).
 
-Usage: python3 scripts/bench_fleet.py [--pdserve target/release/pdserve] [--trials 20] [--out DIR]
+Usage: python3 scripts/bench_fleet.py [--pdserve target/release/pdserve] [--trials 20] [--migrations 5]
+       [--only discovery,overhead,migration,control] [--out DIR]
 Prints a Markdown summary; --out keeps the raw figures as JSON.
 """
 import argparse
+import http.client
 import json
 import os
 import signal
@@ -159,6 +167,82 @@ def overhead(pdserve, nats, tmp, rounds):
         d.stop()
 
 
+def stream(url, prompt, max_tokens, stamps):
+    """Streams a greedy completion, appending each text event's arrival time."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    for raw in conn.getresponse():
+        line = raw.decode().strip()
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            stamps.append(time.perf_counter())
+
+
+def running_decoder(pdserve, nats):
+    out = subprocess.run([pdserve, "fleet", "--json", "--nats", nats], capture_output=True, text=True, check=True)
+    busy = [r["node_id"] for r in json.loads(out.stdout) if r["role"] == "decode" and r["load"]["running"] > 0]
+    return busy[0] if busy else None
+
+
+def migration(pdserve, nats, trials, prompt_len=512, kill_after=200, max_tokens=400):
+    """Kill -> next token of a migrated stream, and a fresh prefill of the same length."""
+    fe = Proc([pdserve, "frontend", "--nats", nats, "--insecure", "--mode", "disaggregated", "--kv-transport", "tcp",
+               "--port", "0"])
+    url = "http://" + fe.addr()
+    prefill = worker(pdserve, nats, "prefill", "mig-p")
+    decoders = {f"mig-d{i}": worker(pdserve, nats, "decode", f"mig-d{i}") for i in range(2)}
+    out = {"kill_to_next_token_s": [], "fresh_prefill_ttft_s": [], "tokens_before_kill": []}
+    try:
+        until(lambda: len([i for i in fleet_ids(pdserve, nats) if i.startswith("mig-")]) == 3, every=0.1)
+        until(lambda: status(url) == 200)
+        for t in range(trials + 1):
+            prompt = [1000 + (i * 37 + t * 101) % 20000 for i in range(prompt_len)]
+            stamps = []
+            th = threading.Thread(target=stream, args=(url, prompt, max_tokens, stamps))
+            th.start()
+            until(lambda: len(stamps) >= kill_after, timeout=120, every=0.001)
+            victim = None
+            while victim is None:
+                victim = running_decoder(pdserve, nats)
+            killed_at = time.perf_counter()
+            decoders.pop(victim).stop()
+            before = sum(1 for s in stamps if s <= killed_at)
+            th.join()
+            after = [b for a, b in zip(stamps, stamps[1:]) if b > killed_at]
+            gaps = [b - a for a, b in zip(stamps, stamps[1:]) if b > killed_at]
+            resumed = after[gaps.index(max(gaps))]
+            # A fresh prompt as long as the replayed one, max_tokens 1: its TTFT.
+            fresh = [1000 + (i * 53 + t * 211 + 7) % 20000 for i in range(prompt_len + before)]
+            t0 = time.perf_counter()
+            stream(url, fresh, 1, [])
+            fresh_s = time.perf_counter() - t0
+            name = f"mig-d{len(decoders) + t + 2}"
+            decoders[name] = worker(pdserve, nats, "decode", name)
+            decoders[name].wait_for("registered in the fleet")
+            until(lambda: status(url) == 200)
+            if t == 0:
+                continue  # warm-up
+            out["kill_to_next_token_s"].append(resumed - killed_at)
+            out["fresh_prefill_ttft_s"].append(fresh_s)
+            out["tokens_before_kill"].append(before)
+    finally:
+        for w in [fe, prefill, *decoders.values()]:
+            w.stop()
+    return out
+
+
+def control(nats):
+    """Round trips of 200 B and 2 KB messages: direct TCP vs NATS request/reply."""
+    subprocess.run(["cargo", "build", "--release", "-q", "-p", "pdserve-fleet", "--example", "control_rtt"], check=True)
+    runs = [subprocess.run(["target/release/examples/control_rtt", nats, str(b), "2000"], capture_output=True,
+                           text=True, check=True).stdout for b in (200, 2048)]
+    return [json.loads(r) for r in runs]
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -169,6 +253,8 @@ def main():
     ap.add_argument("--pdserve", default="target/release/pdserve")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--migrations", type=int, default=5)
+    ap.add_argument("--only", default="discovery,overhead,migration,control")
     ap.add_argument("--out")
     a = ap.parse_args()
     nats_bin = subprocess.run(["scripts/nats.sh", "install"], capture_output=True, text=True, check=True).stdout.strip()
@@ -179,10 +265,25 @@ def main():
         url = f"nats://127.0.0.1:{port}"
         try:
             until(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0)
-            disc = discovery(a.pdserve, url, a.trials)
-            over = overhead(a.pdserve, url, tmp, a.rounds)
+            only = a.only.split(",")
+            disc = discovery(a.pdserve, url, a.trials) if "discovery" in only else {}
+            over = overhead(a.pdserve, url, tmp, a.rounds) if "overhead" in only else {}
+            mig = migration(a.pdserve, url, a.migrations) if "migration" in only else {}
+            ctl = control(url) if "control" in only else []
         finally:
             nats.kill()
+    if ctl:
+        print("| control round trip | bytes | p50 | p99 |\n|---|---|---|---|")
+        for r in ctl:
+            for k in ["direct_tcp", "nats_request_reply"]:
+                print(f"| {k} | {r['bytes']} | {r[k]['p50_us']:.0f} µs | {r[k]['p99_us']:.0f} µs |")
+        print()
+    if mig:
+        print("| migration | trials | p50 | max |\n|---|---|---|---|")
+        for k in ["kill_to_next_token_s", "fresh_prefill_ttft_s"]:
+            xs = mig[k]
+            print(f"| {k} | {len(xs)} | {statistics.median(xs) * 1000:.0f} ms | {max(xs) * 1000:.0f} ms |")
+        print(f"(tokens streamed before the kill: {mig['tokens_before_kill']})\n")
     print("| discovery | trials | p50 | max |\n|---|---|---|---|")
     for k, xs in disc.items():
         print(f"| {k} | {len(xs)} | {statistics.median(xs) * 1000:.0f} ms | {max(xs) * 1000:.0f} ms |")
@@ -202,7 +303,7 @@ def main():
         with open(os.path.join(a.out, "fleet.json"), "w") as f:
             load_points = {k: [[p["summary"] | {"label": p["plan"]["label"]} for p in r["points"]] for r in v]
                            for k, v in over.items()}
-            json.dump({"discovery": disc, "load": load_points}, f, indent=1)
+            json.dump({"discovery": disc, "load": load_points, "migration": mig, "control": ctl}, f, indent=1)
 
 
 if __name__ == "__main__":

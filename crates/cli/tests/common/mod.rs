@@ -64,9 +64,23 @@ pub fn start_with(args: &[&str], env: &[(&str, &str)]) -> Proc {
 /// [`start`] inside network namespace `ns` (`ip netns exec`, which becomes the
 /// process: killing the child kills pdserve).
 pub fn start_in(ns: &str, args: &[&str]) -> Proc {
-    let mut cmd = Command::new("ip");
+    let mut cmd = Command::new(ip());
     cmd.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_pdserve")]);
     spawn_announced(cmd, args, &[])
+}
+
+/// iproute2's `ip`, also where root's PATH lacks `/usr/sbin`.
+pub fn ip() -> &'static str {
+    system_tool("ip")
+}
+
+/// A system tool by absolute path where one of the usual directories has it.
+pub fn system_tool(name: &'static str) -> &'static str {
+    ["/usr/sbin/", "/sbin/", "/usr/bin/", "/bin/"]
+        .iter()
+        .map(|dir| format!("{dir}{name}"))
+        .find(|p| std::path::Path::new(p).exists())
+        .map_or(name, |p| Box::leak(p.into_boxed_str()))
 }
 
 /// Runs `cmd ARGS` (a pdserve command line) and waits for its address.
@@ -175,9 +189,16 @@ impl Drop for TempDir {
 
 /// `pdserve fleet --json --nats URL`: the node records.
 pub fn fleet_records(url: &str) -> Vec<Value> {
+    try_fleet_records(url).unwrap()
+}
+
+/// [`fleet_records`], or the command's error.
+pub fn try_fleet_records(url: &str) -> Result<Vec<Value>, String> {
     let out = Command::new(env!("CARGO_BIN_EXE_pdserve")).args(["fleet", "--json", "--nats", url]).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice::<Value>(&out.stdout).unwrap().as_array().unwrap().clone()
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(serde_json::from_slice::<Value>(&out.stdout).unwrap().as_array().unwrap().clone())
 }
 
 /// Sum of a metric's samples whose line contains `filter`.

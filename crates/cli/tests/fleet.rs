@@ -44,7 +44,11 @@ fn nats() -> Nats {
 
 /// A nats-server started with these extra flags (e.g. to require a password).
 fn nats_with(extra: &[&str]) -> Nats {
-    let port = free_port();
+    nats_on(free_port(), extra)
+}
+
+/// A nats-server on `port` (to bring one back where it was).
+fn nats_on(port: u16, extra: &[&str]) -> Nats {
     let dir = std::env::temp_dir().join(format!("pdserve-nats-{}-{port}", std::process::id()));
     let child = Command::new(nats_binary())
         .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
@@ -280,4 +284,79 @@ fn a_nats_server_that_wants_credentials_refuses_a_fleet_without_them() {
     };
     eventually("the worker with the password joins", || listed() == Some(vec!["ok".to_string()]));
     drop((bad, good));
+}
+
+/// Starts a greedy stream of `max_tokens` at `addr`, reads `events` text events and
+/// stops reading: the sequence pauses on its worker, which keeps it running.
+fn hold_stream(addr: SocketAddr, max_tokens: u32, events: usize) -> BufReader<TcpStream> {
+    let body = json!({"prompt": [504, 3575, 282, 4649, 314], "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": true, "stream": true})
+    .to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut r = BufReader::new(s);
+    let mut seen = 0;
+    let mut line = String::new();
+    while seen < events {
+        line.clear();
+        assert!(r.read_line(&mut line).unwrap() > 0, "the stream ended early");
+        seen += usize::from(line.starts_with("data: {"));
+    }
+    r
+}
+
+/// Sequences running on each node, by node id.
+fn running(n: &Nats) -> Vec<(String, u64)> {
+    fleet(n)
+        .iter()
+        .map(|r| (r["node_id"].as_str().unwrap().to_string(), r["load"]["running"].as_u64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn two_frontends_see_each_workers_own_load_and_do_not_pile_onto_one() {
+    let n = nats();
+    let _m1 = fleet_worker(&n, "mixed", "m-1");
+    eventually("m-1 registered", || ids(&n) == ["m-1"]);
+    let (a, b) = (fleet_frontend(&n, "aggregated"), fleet_frontend(&n, "aggregated"));
+    // m-1 is first in both frontends' sets: on equal load each would pick it.
+    eventually("both frontends route to m-1", || status_of(a.addr, 1) == 200 && status_of(b.addr, 1) == 200);
+    let _m2 = fleet_worker(&n, "mixed", "m-2");
+    for fe in [&a, &b] {
+        eventually("both workers in the set", || metric(fe.addr, "pdserve_worker_up", "") == 2.0);
+    }
+    let _held_a = hold_stream(a.addr, 1000, 5);
+    eventually("m-1 reports the sequence from frontend a", || running(&n) == [("m-1".into(), 1), ("m-2".into(), 0)]);
+    // Frontend b has no request of its own in flight: only m-1's record says it is busy.
+    std::thread::sleep(Duration::from_millis(1500));
+    let _held_b = hold_stream(b.addr, 1000, 5);
+    eventually("each worker runs one sequence", || running(&n) == [("m-1".into(), 1), ("m-2".into(), 1)]);
+}
+
+#[test]
+fn losing_nats_fails_nothing_in_flight_and_the_fleet_comes_back() {
+    let prompt = json!([504, 3575, 282, 4649, 314, 4114, 28, 198, 504, 5250]);
+    let n = nats();
+    let port: u16 = n.url.rsplit(':').next().unwrap().parse().unwrap();
+    let _p = fleet_worker(&n, "prefill", "p-1");
+    let _d = fleet_worker(&n, "decode", "d-1");
+    let fe = fleet_frontend(&n, "disaggregated");
+    eventually("both workers in the set", || metric(fe.addr, "pdserve_worker_up", "") == 2.0);
+    let want = complete(fe.addr, &prompt, 300);
+    let mut n = Some(n);
+    let (text, done) = stream_and_kill(fe.addr, &prompt, 300, 20, || drop(n.take()));
+    assert!(done && text == want, "the stream in flight when NATS went away finished whole");
+    assert_eq!(status_of(fe.addr, 2), 200, "new requests are served while NATS is down");
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(status_of(fe.addr, 2), 200, "past the records' TTL, the workers are still used");
+    // NATS back, empty (its bucket lived in memory): the workers write their records
+    // again and the fleet view is whole.
+    let n = nats_on(port, &[]);
+    eventually("both records are back", || ids(&n) == ["d-1", "p-1"]);
+    assert_eq!(status_of(fe.addr, 2), 200);
 }

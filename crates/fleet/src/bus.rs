@@ -56,6 +56,7 @@ pub enum FleetError {
 pub struct Bus {
     client: Client,
     store: kv::Store,
+    replicas: usize,
 }
 
 impl Bus {
@@ -68,8 +69,8 @@ impl Bus {
         let client = async_nats::connect_with_options(addrs.as_slice(), opts)
             .await
             .map_err(|e| FleetError::Connect { url, why: e.to_string() })?;
-        let store = open_bucket(&client, cfg.replicas).await?;
-        Ok(Bus { client, store })
+        let store = open_bucket(&client, cfg.replicas, BUCKET_PATIENCE).await?;
+        Ok(Bus { client, store, replicas: cfg.replicas })
     }
 
     /// Connects, retrying with backoff (and saying so) until NATS answers. Callers
@@ -89,6 +90,13 @@ impl Bus {
     /// Whether the connection to NATS is up now.
     pub fn is_connected(&self) -> bool {
         self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// Opens the bucket again, creating it if it is gone (a NATS server restarted
+    /// without its memory-backed streams). One try.
+    pub async fn reopen(&mut self) -> Result<(), FleetError> {
+        self.store = open_bucket(&self.client, self.replicas, Duration::ZERO).await?;
+        Ok(())
     }
 
     /// Writes `rec` under its node's key.
@@ -189,7 +197,7 @@ fn log_event(event: async_nats::Event) {
 
 /// Opens the bucket, creating it if missing. A bucket made by someone else (a
 /// NimsForest bootstrap, say) is used with its own settings.
-async fn open_bucket(client: &Client, replicas: usize) -> Result<kv::Store, FleetError> {
+async fn open_bucket(client: &Client, replicas: usize, patience: Duration) -> Result<kv::Store, FleetError> {
     let js = jetstream::new(client.clone());
     let started = std::time::Instant::now();
     loop {
@@ -207,7 +215,7 @@ async fn open_bucket(client: &Client, replicas: usize) -> Result<kv::Store, Flee
         };
         match js.create_key_value(config).await {
             Ok(store) => return Ok(store),
-            Err(e) if started.elapsed() > BUCKET_PATIENCE => return Err(FleetError::Bucket(e.to_string())),
+            Err(e) if started.elapsed() >= patience => return Err(FleetError::Bucket(e.to_string())),
             Err(e) => {
                 tracing::info!(error = %e, "waiting for JetStream to create the fleet bucket");
                 tokio::time::sleep(Duration::from_millis(500)).await;

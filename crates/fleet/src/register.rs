@@ -23,7 +23,7 @@ where
 {
     let (stop, mut stopped) = oneshot::channel();
     let task = tokio::spawn(async move {
-        let bus = tokio::select! {
+        let mut bus = tokio::select! {
             bus = Bus::connect_patiently(&cfg) => bus,
             _ = &mut stopped => return,
         };
@@ -36,11 +36,16 @@ where
                     failing = false;
                 }
                 Ok(()) => {}
-                Err(e) if !failing => {
-                    tracing::warn!(node = %id, error = %e, "cannot write the fleet record; retrying");
-                    failing = true;
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(node = %id, error = %e, "cannot write the fleet record; retrying");
+                        failing = true;
+                    }
+                    // The bucket may be gone with a restarted server: make it again.
+                    if bus.is_connected() {
+                        let _ = bus.reopen().await;
+                    }
                 }
-                Err(_) => {}
             }
             tokio::select! {
                 _ = tokio::time::sleep(REFRESH) => {}

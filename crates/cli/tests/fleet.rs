@@ -85,7 +85,8 @@ fn fleet_worker(n: &Nats, role: &str, id: &str) -> Proc {
 }
 
 fn fleet_frontend(n: &Nats, mode: &str) -> Proc {
-    start(&["frontend", "--nats", &n.url, "--mode", mode, "--kv-transport", "tcp", "--port", "0"])
+    let kv: &[&str] = if mode == "aggregated" { &[] } else { &["--kv-transport", "tcp"] };
+    start(&[&["frontend", "--nats", &n.url, "--mode", mode, "--port", "0"], kv].concat())
 }
 
 /// `pdserve fleet --json`: the registered node ids and their records.

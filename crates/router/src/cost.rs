@@ -20,6 +20,7 @@
 //! only when that is predicted clearly cheaper, so ties keep the copy-free local
 //! path.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,6 +34,15 @@ const HANDOFF_FIXED: f64 = 2e-3;
 const ALPHA: f64 = 0.2;
 /// Remote must win by this fraction to be chosen.
 const MARGIN: f64 = 0.15;
+/// Tokens per KV block.
+const BLOCK_TOKENS: usize = 16;
+/// How far back the pace of freed KV blocks is measured.
+const FREED_WINDOW: Duration = Duration::from_secs(30);
+
+/// KV blocks a sequence of `tokens` tokens holds.
+pub fn blocks_for(tokens: usize) -> usize {
+    tokens.div_ceil(BLOCK_TOKENS)
+}
 
 /// What the router knows about one worker's prefill side.
 #[derive(Debug, Default)]
@@ -94,16 +104,28 @@ impl Drop for Ticket {
 pub struct Backlog {
     /// Prompt tokens of the requests waiting.
     pending: AtomicUsize,
+    /// KV blocks the waiting requests still need on the worker over their life
+    /// (prompt and output; a handoff's reservation, once granted, holds the prompt's
+    /// already).
+    pending_blocks: AtomicUsize,
     /// Moving average of time to first token per prompt token waiting at arrival
     /// (the request's own included).
     seconds_per_token: Mutex<Option<f64>>,
 }
 
 impl Backlog {
-    /// Counts a request of `tokens` prompt tokens as waiting until the guard goes.
-    pub fn enter(self: &Arc<Self>, tokens: usize) -> Waiting {
+    /// Counts a request of `tokens` prompt tokens, which may grow to `life` tokens,
+    /// as waiting until the guard goes.
+    pub fn enter(self: &Arc<Self>, tokens: usize, life: usize) -> Waiting {
         let ahead = self.pending.fetch_add(tokens, Ordering::Relaxed);
-        Waiting { backlog: self.clone(), tokens, ahead, since: Instant::now() }
+        let blocks = blocks_for(life.max(tokens));
+        self.pending_blocks.fetch_add(blocks, Ordering::Relaxed);
+        Waiting { backlog: self.clone(), tokens, blocks, ahead, since: Instant::now() }
+    }
+
+    /// KV blocks the waiting requests still need.
+    pub fn pending_blocks(&self) -> usize {
+        self.pending_blocks.load(Ordering::Relaxed)
     }
 
     /// Seconds a request arriving now waits for those ahead of it to start. Until
@@ -119,12 +141,21 @@ impl Backlog {
 pub struct Waiting {
     backlog: Arc<Backlog>,
     tokens: usize,
+    /// Blocks it still counts as needed.
+    blocks: usize,
     /// Prompt tokens waiting when it arrived.
     ahead: usize,
     since: Instant,
 }
 
 impl Waiting {
+    /// Its prompt's blocks are reserved on the worker: taken, no longer needed.
+    pub fn holds_blocks(&mut self) {
+        let held = blocks_for(self.tokens).min(self.blocks);
+        self.blocks -= held;
+        self.backlog.pending_blocks.fetch_sub(held, Ordering::Relaxed);
+    }
+
     /// Its first token is out.
     pub fn started(self) {
         let behind = self.ahead + self.tokens;
@@ -144,6 +175,64 @@ impl Waiting {
 impl Drop for Waiting {
     fn drop(&mut self) {
         self.backlog.pending.fetch_sub(self.tokens, Ordering::Relaxed);
+        self.backlog.pending_blocks.fetch_sub(self.blocks, Ordering::Relaxed);
+    }
+}
+
+/// What admission knows of a decode worker's KV memory: its free blocks as last
+/// reported, and the pace at which its sequences gave blocks back as they finished.
+/// A first-token pace learned while the cache was empty says nothing of a full one;
+/// this does.
+#[derive(Debug)]
+pub struct KvMemory {
+    free: Mutex<Option<usize>>,
+    /// Blocks freed by sequences that ended within [`FREED_WINDOW`], by end time.
+    freed: Mutex<VecDeque<(Instant, usize)>>,
+    since: Instant,
+}
+
+impl Default for KvMemory {
+    fn default() -> Self {
+        KvMemory { free: Mutex::default(), freed: Mutex::default(), since: Instant::now() }
+    }
+}
+
+impl KvMemory {
+    /// The worker's free blocks now (its stats, polled).
+    pub fn report_free(&self, blocks: usize) {
+        *lock(&self.free) = Some(blocks);
+    }
+
+    /// A sequence of `tokens` tokens (prompt and output) ended here.
+    pub fn finished(&self, tokens: usize) {
+        let mut freed = lock(&self.freed);
+        freed.push_back((Instant::now(), blocks_for(tokens)));
+        prune(&mut freed);
+    }
+
+    /// Seconds until `need` blocks are free here: none while they are free now (or
+    /// before anything was reported); else the missing blocks at the pace blocks were
+    /// freed lately, or twice that window when none were (full, and nothing ends).
+    pub fn wait_for(&self, need: usize) -> f64 {
+        let Some(free) = *lock(&self.free) else { return 0.0 };
+        let missing = need.saturating_sub(free);
+        if missing == 0 {
+            return 0.0;
+        }
+        let mut freed = lock(&self.freed);
+        prune(&mut freed);
+        let blocks: usize = freed.iter().map(|&(_, b)| b).sum();
+        if blocks == 0 {
+            return 2.0 * FREED_WINDOW.as_secs_f64();
+        }
+        let window = self.since.elapsed().min(FREED_WINDOW).as_secs_f64().max(1.0);
+        missing as f64 * window / blocks as f64
+    }
+}
+
+fn prune(freed: &mut VecDeque<(Instant, usize)>) {
+    while freed.front().is_some_and(|(t, _)| t.elapsed() > FREED_WINDOW) {
+        freed.pop_front();
     }
 }
 
@@ -222,6 +311,33 @@ mod tests {
     }
 
     #[test]
+    fn memory_waits_for_missing_blocks_at_the_pace_they_were_freed() {
+        let m = KvMemory::default();
+        assert_eq!(m.wait_for(500), 0.0, "nothing reported: no opinion");
+        m.report_free(100);
+        assert_eq!(m.wait_for(100), 0.0, "fits now");
+        assert_eq!(m.wait_for(101), 60.0, "full and nothing ended lately: refuse");
+        // 3 sequences of 640 tokens (40 blocks each) ended within the first second:
+        // 120 blocks a second; 60 missing blocks are half a second away.
+        for _ in 0..3 {
+            m.finished(640);
+        }
+        assert!((m.wait_for(160) - 0.5).abs() < 1e-9, "{}", m.wait_for(160));
+    }
+
+    #[test]
+    fn a_backlog_counts_the_blocks_its_requests_still_need() {
+        let b = Arc::new(Backlog::default());
+        let mut w1 = b.enter(100, 132);
+        let _w2 = b.enter(16, 16);
+        assert_eq!(b.pending_blocks(), 9 + 1);
+        w1.holds_blocks();
+        assert_eq!(b.pending_blocks(), 2 + 1, "the output's blocks are still to come");
+        drop(w1);
+        assert_eq!(b.pending_blocks(), 1);
+    }
+
+    #[test]
     fn queue_and_rate_shape_the_prediction() {
         let l = Arc::new(PrefillLoad::default());
         l.observe(0, 1000, Duration::from_millis(500));
@@ -235,7 +351,7 @@ mod tests {
     #[test]
     fn a_backlog_predicts_from_the_pace_of_first_tokens_while_others_wait() {
         let b = Arc::new(Backlog::default());
-        let waiting: Vec<Waiting> = (0..4).map(|_| b.enter(100)).collect();
+        let waiting: Vec<Waiting> = (0..4).map(|_| b.enter(100, 100)).collect();
         // Unmeasured: the prior pace.
         assert!((b.predict() - 400.0 * PRIOR_SECONDS_PER_TOKEN).abs() < 1e-9);
         let mut waiting = waiting.into_iter();
@@ -254,13 +370,13 @@ mod tests {
         let b = Arc::new(Backlog::default());
         *lock(&b.seconds_per_token) = Some(1e-3);
         // A request that waited 100 ms behind 10 tokens: 10 ms/token, taken at once.
-        let w = b.enter(10);
+        let w = b.enter(10, 10);
         std::thread::sleep(Duration::from_millis(100));
         w.started();
         let slow = lock(&b.seconds_per_token).unwrap();
         assert!(slow >= 9e-3, "{slow}");
         // One fast start moves it only part of the way back.
-        b.enter(1_000_000).started();
+        b.enter(1_000_000, 1_000_000).started();
         let eased = lock(&b.seconds_per_token).unwrap();
         assert!(eased < slow && eased > 0.5 * slow, "{slow} -> {eased}");
     }

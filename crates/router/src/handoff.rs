@@ -131,6 +131,7 @@ fn fall_back(h: &Handoff, req: GenerateRequest, client: EventSender, waiting: Wa
     let d = &h.decode;
     tracing::info!(decode = d.name(), "prefilling on the decode worker instead");
     let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
+    let (kv, n) = (d.kv.clone(), req.prompt.len());
     match d.worker.generate(req, inner_tx) {
         Ok(()) => {
             let on_first = move |first: &Event| {
@@ -138,14 +139,16 @@ fn fall_back(h: &Handoff, req: GenerateRequest, client: EventSender, waiting: Wa
                     waiting.started();
                 }
             };
-            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, h.deadlines.client_stall, on_first);
+            let on_end = move |out| kv.finished(n + out);
+            let stall = h.deadlines.client_stall;
+            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end);
             Outcome::LocalFallback
         }
         Err(e) => fail(&client, e),
     }
 }
 
-pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, waiting: Waiting) -> Outcome {
+pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut waiting: Waiting) -> Outcome {
     let id = req.id;
     let d = h.decode.clone();
     let started = Instant::now();
@@ -163,7 +166,10 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, waiting:
     let router_queue = started.elapsed().as_secs_f64();
     // Reserved(D): blocks next, so a transfer never arrives where it cannot land.
     let token = match reserve(&d, &req, &client, h.deadlines.reserve).await {
-        Reserve::Held(token) => token,
+        Reserve::Held(token) => {
+            waiting.holds_blocks();
+            token
+        }
         Reserve::Failed(e) => return fail(&client, e),
         Reserve::Cancelled => return Outcome::Cancelled,
         // D stays full: let its engine queue the request and prefill it there.
@@ -310,6 +316,7 @@ fn decode_ready(
     // D's events pass through a relay that times D's first decode step (queue_decode).
     let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
     let handed = Instant::now();
+    let (kv, n) = (d.kv.clone(), req.prompt.len());
     let handoff = DecodeHandoff {
         id,
         tag: req.tag,
@@ -323,7 +330,9 @@ fn decode_ready(
             let telemetry = h.telemetry.clone();
             let on_first = move |_: &Event| telemetry.phase(Phase::QueueDecode, handed.elapsed().as_secs_f64());
             let stall = h.deadlines.client_stall;
-            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first);
+            // The first token came from the prefill: one more than the relay sees.
+            let on_end = move |out| kv.finished(n + 1 + out);
+            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end);
             Outcome::Streaming
         }
         Err(e) => {

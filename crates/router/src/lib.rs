@@ -175,10 +175,12 @@ impl Router {
     }
 
     /// Refuses a request predicted to get its first token later than the admission
-    /// limit: behind `queued_s` seconds of prompts on its prefill worker, or behind
-    /// the backlog of decode worker `d`, whichever is longer.
-    fn admit(&self, d: &Entry, queued_s: f64) -> Result<(), ServeError> {
-        let queued_s = queued_s.max(d.backlog.predict());
+    /// limit: behind `queued_s` seconds of prompts on its prefill worker, behind the
+    /// backlog of decode worker `d`, or until `d` has free the KV blocks its waiting
+    /// requests and this prompt need, whichever is longest.
+    fn admit(&self, d: &Entry, queued_s: f64, life: usize) -> Result<(), ServeError> {
+        let need = d.backlog.pending_blocks() + cost::blocks_for(life);
+        let queued_s = queued_s.max(d.backlog.predict()).max(d.kv.wait_for(need));
         match self.max_queue {
             Some(limit) if queued_s > limit.as_secs_f64() => {
                 Err(ServeError::QueueFull { wait_s: queued_s.ceil() as u64, limit_s: limit.as_secs() })
@@ -195,15 +197,19 @@ impl Router {
         let (load, n) = (d.prefill.clone(), req.prompt.len());
         let ahead = load.queued();
         let ticket = load.admit(n);
-        let waiting = d.backlog.enter(n);
+        let waiting = d.backlog.enter(n, n + req.params.max_tokens as usize);
         d.worker.generate(req, inner_tx)?;
         let started = Instant::now();
-        relay::relay(&self.runtime, inner, client, self.deadlines.client_stall, move |first| {
+        let on_first = move |first: &Event| {
             if matches!(first, Event::Token(_)) {
                 load.observe(ahead, n, started.elapsed());
                 waiting.started();
             }
             drop(ticket);
+        };
+        let kv = d.kv.clone();
+        relay::relay(&self.runtime, inner, client, self.deadlines.client_stall, on_first, move |out| {
+            kv.finished(n + out)
         });
         Ok(stream)
     }
@@ -256,19 +262,21 @@ impl Generate for Router {
             self.pick(&ask, &decoders).ok_or_else(|| ServeError::NoWorker("no live decode or mixed worker".into()))?;
         let span = tracing::Span::current();
         span.record("decode", d.name());
+        // Blocks the request holds at its longest: prompt and every output token.
+        let life = req.prompt.len() + req.params.max_tokens as usize;
         match self.remote_prefill(&all, &d, &ask) {
             None => {
-                self.admit(&d, d.prefill.queued() as f64 * d.prefill.seconds_per_token())?;
+                self.admit(&d, d.prefill.queued() as f64 * d.prefill.seconds_per_token(), life)?;
                 span.record("route", "local");
                 self.telemetry.route(PrefillRoute::Local);
                 self.local(&d, req)
             }
             Some(p) => {
-                self.admit(&d, p.prefill.queued() as f64 * p.prefill.seconds_per_token())?;
+                self.admit(&d, p.prefill.queued() as f64 * p.prefill.seconds_per_token(), life)?;
                 span.record("route", "remote");
                 span.record("prefill", p.name());
                 self.telemetry.route(PrefillRoute::Remote);
-                let waiting = d.backlog.enter(req.prompt.len());
+                let waiting = d.backlog.enter(req.prompt.len(), life);
                 let h = self.handoff(&all, p, d, &ask);
                 Ok(handoff::start(&self.runtime, h, req, waiting))
             }

@@ -6,7 +6,7 @@ use pdserve_protocol::{pace, Event, EventSender, ServeError, TokenStream};
 use std::time::Duration;
 
 /// Forwards `inner` to `client` on a task of `rt`, calling `on_first` with the first
-/// event. A client that leaves drops `inner`, which cancels the request upstream.
+/// event and `on_end` with the tokens forwarded once the stream is over. A client that leaves drops `inner`, which cancels the request upstream.
 /// While `pace::WINDOW` events wait unread in `client`, nothing more is forwarded, so
 /// they pile up in `inner` and the worker pauses the sequence; a client that reads
 /// nothing for `stall` gets an error and the request is cancelled.
@@ -16,24 +16,28 @@ pub fn relay(
     client: EventSender,
     stall: Duration,
     on_first: impl FnOnce(&Event) + Send + 'static,
+    on_end: impl FnOnce(usize) + Send + 'static,
 ) {
     rt.spawn(async move {
         let mut on_first = Some(on_first);
+        let mut tokens = 0;
         loop {
             let ev = tokio::select! {
                 ev = inner.next() => ev,
-                _ = client.closed() => return,
+                _ = client.closed() => break,
             };
-            let Some(ev) = ev else { return };
+            let Some(ev) = ev else { break };
             if matches!(ev, Event::Token(_) | Event::Done { .. } | Event::Failed(_)) {
                 if let Some(f) = on_first.take() {
                     f(&ev);
                 }
             }
+            tokens += usize::from(matches!(ev, Event::Token(_)));
             if !forward(&client, ev, stall).await {
-                return;
+                break;
             }
         }
+        on_end(tokens);
     });
 }
 

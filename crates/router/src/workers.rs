@@ -5,7 +5,7 @@
 //! Removing a worker drains it: it takes no new work, and requests already on it
 //! keep their entry (an `Arc`) until they finish or fail over.
 
-use crate::cost::{Backlog, Link, PrefillLoad};
+use crate::cost::{Backlog, KvMemory, Link, PrefillLoad};
 use pdserve_protocol::Worker;
 use pdserve_types::{Epoch, Role};
 use std::collections::HashMap;
@@ -41,6 +41,8 @@ pub struct Entry {
     pub(crate) slots: Arc<Semaphore>,
     /// Requests it will decode still waiting for their first token (admission).
     pub(crate) backlog: Arc<Backlog>,
+    /// Its free KV blocks and the pace at which they free up (admission).
+    pub(crate) kv: Arc<KvMemory>,
     /// Its probed KV links to other workers, by their names.
     links: Mutex<HashMap<String, Link>>,
 }
@@ -61,6 +63,11 @@ impl Entry {
     /// Records a new role, taken with a new epoch.
     pub fn set_role(&self, role: Role, epoch: Epoch) {
         *self.state.lock().unwrap_or_else(PoisonError::into_inner) = (role, epoch);
+    }
+
+    /// The worker's free KV blocks, as its stats just said.
+    pub fn report_free_blocks(&self, blocks: usize) {
+        self.kv.report_free(blocks);
     }
 
     /// Replaces what is known of this worker's links, by receiving worker's name.
@@ -114,6 +121,7 @@ impl WorkerSet {
             prefill: Arc::default(),
             slots: Arc::new(Semaphore::new(PREFILL_SLOTS)),
             backlog: Arc::default(),
+            kv: Arc::default(),
             links: Mutex::default(),
         };
         self.write().push(Arc::new(entry));

@@ -202,7 +202,10 @@ async fn report_blocks(router: Arc<Router>, metrics: Metrics) {
         for e in router.workers().snapshot() {
             // A hung worker must not hold up the others' figures, nor keep its own.
             match tokio::time::timeout(Duration::from_millis(500), e.worker.stats()).await {
-                Ok(Ok(s)) => metrics.set_worker_stats(e.name(), &s),
+                Ok(Ok(s)) => {
+                    metrics.set_worker_stats(e.name(), &s);
+                    e.report_free_blocks(s.blocks.free);
+                }
                 _ => metrics.forget_stats(e.name()),
             }
         }

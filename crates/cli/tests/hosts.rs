@@ -497,17 +497,26 @@ fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
     check("host cut off for 10 s", &out, &want);
     settled("host cut off for 10 s", fe.addr, &url, &all);
 
-    // 6. A new host joins under load: it is used.
-    let load = Load::start(fe.addr, 2);
+    // 6. A new host joins under load: it is used. Three clients: with two, the
+    // least-loaded policy could keep finding a free worker that joined earlier.
+    let load = Load::start(fe.addr, 3);
     wait_for_requests(&load, 1);
     let h3 = net.add_host();
     procs.insert("d3", worker(&net, h3, "decode", "d3"));
-    eventually("the new host's worker serves a sequence", || {
-        try_fleet_records(&url).unwrap_or_default().iter().any(|r| {
-            r["node_id"] == "d3"
-                && (r["load"]["running"].as_u64() > Some(0) || r["kv_cache"]["blocks_cached"].as_u64() > Some(0))
-        })
-    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !try_fleet_records(&url).unwrap_or_default().iter().any(|r| {
+        r["node_id"] == "d3"
+            && (r["load"]["running"].as_u64() > Some(0) || r["kv_cache"]["blocks_cached"].as_u64() > Some(0))
+    }) {
+        if Instant::now() > deadline {
+            let (_, m) = common::http(fe.addr, "GET", "/metrics", None);
+            let m: Vec<&str> = m.lines().filter(|l| l.contains("worker_up") || l.contains("kv_blocks")).collect();
+            eprintln!("records: {}", serde_json::to_string(&fleet_records(&url)).unwrap());
+            eprintln!("frontend: {m:#?}\nlog: {:#?}", fe.log.lock().unwrap().iter().rev().take(15).collect::<Vec<_>>());
+            panic!("the new host's worker never served a sequence");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let out = load.stop();
     assert_eq!(check("new host", &out, &want), 0, "a joining host fails nothing");
     settled("new host", fe.addr, &url, &["d1", "d2", "d3", "p0", "p2"]);

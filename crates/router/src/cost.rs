@@ -108,6 +108,9 @@ pub struct Backlog {
     /// (prompt and output; a handoff's reservation, once granted, holds the prompt's
     /// already).
     pending_blocks: AtomicUsize,
+    /// Requests handed off toward this worker that have not reached it yet (their
+    /// prefill runs elsewhere): load the worker cannot report, so the policies add it.
+    routed: AtomicUsize,
     /// Moving average of time to first token per prompt token waiting at arrival
     /// (the request's own included).
     seconds_per_token: Mutex<Option<f64>>,
@@ -120,7 +123,21 @@ impl Backlog {
         let ahead = self.pending.fetch_add(tokens, Ordering::Relaxed);
         let blocks = blocks_for(life.max(tokens));
         self.pending_blocks.fetch_add(blocks, Ordering::Relaxed);
-        Waiting { backlog: self.clone(), tokens, blocks, ahead, since: Instant::now() }
+        Waiting { backlog: self.clone(), tokens, blocks, ahead, since: Instant::now(), routed: false }
+    }
+
+    /// [`Backlog::enter`] for a request prefilled elsewhere: also counted as routed
+    /// here until its first token.
+    pub fn enter_routed(self: &Arc<Self>, tokens: usize, life: usize) -> Waiting {
+        let mut w = self.enter(tokens, life);
+        self.routed.fetch_add(1, Ordering::Relaxed);
+        w.routed = true;
+        w
+    }
+
+    /// Requests routed here and still prefilling elsewhere.
+    pub fn routed(&self) -> usize {
+        self.routed.load(Ordering::Relaxed)
     }
 
     /// KV blocks the waiting requests still need.
@@ -146,6 +163,8 @@ pub struct Waiting {
     /// Prompt tokens waiting when it arrived.
     ahead: usize,
     since: Instant,
+    /// Counted in [`Backlog::routed`].
+    routed: bool,
 }
 
 impl Waiting {
@@ -176,6 +195,9 @@ impl Drop for Waiting {
     fn drop(&mut self) {
         self.backlog.pending.fetch_sub(self.tokens, Ordering::Relaxed);
         self.backlog.pending_blocks.fetch_sub(self.blocks, Ordering::Relaxed);
+        if self.routed {
+            self.backlog.routed.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -335,6 +357,10 @@ mod tests {
         assert_eq!(b.pending_blocks(), 2 + 1, "the output's blocks are still to come");
         drop(w1);
         assert_eq!(b.pending_blocks(), 1);
+        let w3 = b.enter_routed(16, 16);
+        assert_eq!(b.routed(), 1);
+        w3.started();
+        assert_eq!(b.routed(), 0);
     }
 
     #[test]

@@ -141,7 +141,7 @@ impl Router {
             .map(|e| Candidate {
                 name: e.name(),
                 role: e.role(),
-                load: e.worker.load(),
+                load: e.worker.load() + e.backlog.routed(),
                 queued_prompt_tokens: e.prefill.queued(),
             })
             .collect();
@@ -276,7 +276,7 @@ impl Generate for Router {
                 span.record("route", "remote");
                 span.record("prefill", p.name());
                 self.telemetry.route(PrefillRoute::Remote);
-                let waiting = d.backlog.enter(req.prompt.len(), life);
+                let waiting = d.backlog.enter_routed(req.prompt.len(), life);
                 let h = self.handoff(&all, p, d, &ask);
                 Ok(handoff::start(&self.runtime, h, req, waiting))
             }

@@ -22,7 +22,7 @@ use common::{
     Proc, TempDir,
 };
 use serde_json::{json, Value};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -369,6 +369,44 @@ fn busy_node(url: &str, ids: &[&str], field: &str) -> Option<String> {
         .map(|r| r["node_id"].as_str().unwrap().to_string())
 }
 
+/// One process fault under load: of `pair` (node id, host), the worker of `role`
+/// whose fresh record shows it busy (a running sequence for decode, a queued prompt
+/// for prefill) is killed with `kill -9`; every request must end with its greedy
+/// text, the rest settle, and the worker is started again on its host. Returns the
+/// one killed.
+fn kill_busy_and_restart(
+    net: &Net,
+    procs: &mut BTreeMap<&'static str, Proc>,
+    fe: SocketAddr,
+    url: &str,
+    want: &[String],
+    role: &str,
+    pair: [(&'static str, usize); 2],
+) -> &'static str {
+    let fault = format!("kill -9 {role}");
+    let field = if role == "decode" { "running" } else { "queued_prompt_tokens" };
+    let load = Load::start(fe, 2);
+    wait_for_requests(&load, 1);
+    let mut busy = None;
+    eventually(&format!("a {role} worker reports {field}"), || {
+        busy = busy_node(url, &[pair[0].0, pair[1].0], field);
+        busy.is_some()
+    });
+    let (victim, host) = if busy.as_deref() == Some(pair[0].0) { pair[0] } else { pair[1] };
+    let mut p = procs.remove(victim).unwrap();
+    p.child.kill().unwrap();
+    p.child.wait().unwrap();
+    wait_for_requests(&load, 4);
+    let out = load.stop();
+    assert_eq!(check(&fault, &out, want), 0, "{fault}: a request failed instead of moving or retrying");
+    let survivors: Vec<&str> = procs.keys().copied().collect();
+    settled(&fault, fe, url, &survivors);
+    procs.insert(victim, worker(net, host, role, victim));
+    let all: Vec<&str> = procs.keys().copied().collect();
+    settled(&format!("{role} back"), fe, url, &all);
+    victim
+}
+
 #[test]
 fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
     let mut net = Net::new();
@@ -376,7 +414,7 @@ fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
     let url = urls(&net, 0);
     // Host 0: the frontend and a prefill worker; host 1: a decode worker; host 2: a
     // decode and a prefill worker.
-    let mut procs: std::collections::BTreeMap<&str, Proc> = std::collections::BTreeMap::new();
+    let mut procs: BTreeMap<&'static str, Proc> = BTreeMap::new();
     procs.insert("p0", worker(&net, 0, "prefill", "p0"));
     procs.insert("d1", worker(&net, 1, "decode", "d1"));
     procs.insert("d2", worker(&net, 2, "decode", "d2"));
@@ -419,25 +457,7 @@ fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
     // one lands on a running stream, which the migration counter shows.
     for attempt in 1.. {
         assert!(attempt <= 5, "no kill landed on a running stream in 4 attempts");
-        let load = Load::start(fe.addr, 2);
-        wait_for_requests(&load, 1);
-        let mut victim = None;
-        eventually("a decode worker reports a running sequence", || {
-            victim = busy_node(&url, &["d1", "d2"], "running");
-            victim.is_some()
-        });
-        let victim: &str = if victim.as_deref() == Some("d1") { "d1" } else { "d2" };
-        let mut p = procs.remove(victim).unwrap();
-        p.child.kill().unwrap();
-        p.child.wait().unwrap();
-        wait_for_requests(&load, 4);
-        let out = load.stop();
-        assert_eq!(check("kill -9 decode", &out, &want), 0, "a migrated request must not fail");
-        let survivors: Vec<&str> = all.iter().copied().filter(|n| *n != victim).collect();
-        settled("kill -9 decode", fe.addr, &url, &survivors);
-        let host = if victim == "d1" { 1 } else { 2 };
-        procs.insert(victim, worker(&net, host, "decode", victim));
-        settled("decode back", fe.addr, &url, &all);
+        let victim = kill_busy_and_restart(&net, &mut procs, fe.addr, &url, &want, "decode", [("d1", 1), ("d2", 2)]);
         if metric(fe.addr, "pdserve_requests_migrated_total", "") >= 1.0 {
             break;
         }
@@ -445,24 +465,7 @@ fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
     }
 
     // 2. A prefill worker killed mid-prefill: the handoff is retried on the other.
-    let load = Load::start(fe.addr, 2);
-    wait_for_requests(&load, 1);
-    let mut victim = None;
-    eventually("a prefill worker reports a queued prompt", || {
-        victim = busy_node(&url, &["p0", "p2"], "queued_prompt_tokens");
-        victim.is_some()
-    });
-    let victim: &str = if victim.as_deref() == Some("p0") { "p0" } else { "p2" };
-    let mut p = procs.remove(victim).unwrap();
-    p.child.kill().unwrap();
-    p.child.wait().unwrap();
-    wait_for_requests(&load, 4);
-    let out = load.stop();
-    assert_eq!(check("kill -9 prefill", &out, &want), 0, "a prefill lost is retried");
-    settled("kill -9 prefill", fe.addr, &url, &all.iter().copied().filter(|n| *n != victim).collect::<Vec<_>>());
-    let host = if victim == "p0" { 0 } else { 2 };
-    procs.insert(victim, worker(&net, host, "prefill", victim));
-    settled("prefill back", fe.addr, &url, &all);
+    kill_busy_and_restart(&net, &mut procs, fe.addr, &url, &want, "prefill", [("p0", 0), ("p2", 2)]);
 
     // 3. One NATS server killed (host 1's): requests in flight finish, new ones are
     // served, the fleet view holds through the other two servers.

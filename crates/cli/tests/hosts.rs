@@ -30,10 +30,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Tokens each load request asks for (ignore_eos: exactly this many): a stream lasts
-/// over a second, longer than a fleet record is old, so a worker its record shows
-/// busy is still busy when killed.
+/// Tokens each streaming load request asks for (ignore_eos: exactly this many): a
+/// stream lasts over a second, longer than a fleet record is old, so a worker its
+/// record shows busy is still busy when killed.
 const MAX_TOKENS: u32 = 120;
+
+/// Prompt tokens of a prefill-heavy request: about a second of prefill on one
+/// thread, so a prefill worker is busy most of the time and its record shows it.
+const LONG_PROMPT: u64 = 1000;
 
 fn tc() -> &'static str {
     system_tool("tc")
@@ -204,9 +208,9 @@ enum Outcome {
 }
 
 /// Streams one greedy completion; every way it can end is an [`Outcome`].
-fn stream(addr: SocketAddr, prompt: &Value) -> Outcome {
+fn stream(addr: SocketAddr, prompt: &Value, max_tokens: u32) -> Outcome {
     let body =
-        json!({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": true, "stream": true})
+        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true})
             .to_string();
     let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(5)) else {
         return Outcome::Broken("cannot connect".into());
@@ -252,33 +256,63 @@ fn stream(addr: SocketAddr, prompt: &Value) -> Outcome {
     Outcome::Broken(format!("stream ended without [DONE] after {text:?}"))
 }
 
-/// Prompts of the load: a few hundred tokens, so a prefill takes long enough to be
-/// caught in the middle.
-fn prompts() -> Vec<Value> {
-    (0..4u64).map(|p| json!((0..300u64).map(|i| 1000 + (i * 37 + p * 101) % 20_000).collect::<Vec<_>>())).collect()
+/// What a load sends.
+#[derive(Clone, Copy)]
+enum Work {
+    /// Four prompts of 300 tokens in turn, [`MAX_TOKENS`] each: decode-heavy, and
+    /// served from the prefix cache once seen.
+    Streams,
+    /// A new prompt of [`LONG_PROMPT`] tokens every time (never a prefix-cache hit),
+    /// eight tokens each: prefill-heavy.
+    LongPrompts,
 }
 
-/// A closed-loop load of `clients` streams over [`prompts`] until stopped.
+impl Work {
+    /// Request `i` of the load: its prompt and token count.
+    fn request(self, i: u64) -> (Value, u32) {
+        let tokens =
+            |n: u64, salt: u64| json!((0..n).map(|t| 1000 + (t * 37 + salt * 101) % 20_000).collect::<Vec<_>>());
+        match self {
+            Work::Streams => (tokens(300, i % 4), MAX_TOKENS),
+            Work::LongPrompts => (tokens(LONG_PROMPT, 1000 + i), 8),
+        }
+    }
+}
+
+/// Each prompt's greedy text, asked of the fleet while no fault runs.
+type Texts = BTreeMap<String, String>;
+
+fn reference_texts(fe: SocketAddr, requests: impl IntoIterator<Item = (Value, u32)>) -> Texts {
+    requests
+        .into_iter()
+        .map(|(prompt, max_tokens)| match stream(fe, &prompt, max_tokens) {
+            Outcome::Done(t) => (prompt.to_string(), t),
+            other => panic!("reference run: {other:?}"),
+        })
+        .collect()
+}
+
+/// A closed-loop load of `clients` streams of `work` until stopped.
 struct Load {
     stop: Arc<AtomicBool>,
-    outcomes: Arc<Mutex<Vec<(usize, Outcome)>>>,
+    outcomes: Arc<Mutex<Vec<(Value, u32, Outcome)>>>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Load {
-    fn start(addr: SocketAddr, clients: usize) -> Load {
+    fn start(addr: SocketAddr, clients: u64, work: Work) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let outcomes = Arc::new(Mutex::new(Vec::new()));
         let threads = (0..clients)
             .map(|c| {
-                let (stop, outcomes, prompts) = (stop.clone(), outcomes.clone(), prompts());
+                let (stop, outcomes) = (stop.clone(), outcomes.clone());
                 std::thread::spawn(move || {
                     let mut i = c;
                     while !stop.load(Ordering::SeqCst) {
-                        let p = i % prompts.len();
-                        let o = stream(addr, &prompts[p]);
-                        outcomes.lock().unwrap().push((p, o));
-                        i += 1;
+                        let (prompt, max_tokens) = work.request(i);
+                        let o = stream(addr, &prompt, max_tokens);
+                        outcomes.lock().unwrap().push((prompt, max_tokens, o));
+                        i += clients;
                     }
                 })
             })
@@ -291,7 +325,7 @@ impl Load {
     }
 
     /// Stops issuing, waits for the requests in flight, and returns every outcome.
-    fn stop(self) -> Vec<(usize, Outcome)> {
+    fn stop(self) -> Vec<(Value, u32, Outcome)> {
         self.stop.store(true, Ordering::SeqCst);
         for t in self.threads {
             t.join().unwrap();
@@ -301,12 +335,14 @@ impl Load {
 }
 
 /// Every outcome is the prompt's greedy text or a clear error; returns the errors.
-fn check(fault: &str, outcomes: &[(usize, Outcome)], want: &[String]) -> usize {
+fn check(fault: &str, outcomes: &[(Value, u32, Outcome)], want: &Texts) -> usize {
     assert!(!outcomes.is_empty(), "{fault}: no request finished");
     let mut errors = 0;
-    for (p, o) in outcomes {
+    for (p, _, o) in outcomes {
         match o {
-            Outcome::Done(text) => assert_eq!(text, &want[*p], "{fault}: prompt {p} lost or repeated tokens"),
+            Outcome::Done(text) => {
+                assert_eq!(Some(text), want.get(&p.to_string()), "{fault}: a prompt lost or repeated tokens")
+            }
             Outcome::Error(e) => {
                 eprintln!("{fault}: a request ended with a clear error: {e}");
                 errors += 1;
@@ -372,20 +408,22 @@ fn busy_node(url: &str, ids: &[&str], field: &str) -> Option<String> {
 /// One process fault under load: of `pair` (node id, host), the worker of `role`
 /// whose fresh record shows it busy (a running sequence for decode, a queued prompt
 /// for prefill) is killed with `kill -9`; every request must end with its greedy
-/// text, the rest settle, and the worker is started again on its host. Returns the
-/// one killed.
+/// text (asked for once the fault is over where `want` lacks it), the rest settle,
+/// and the worker is started again on its host. Decode faults run [`Work::Streams`],
+/// prefill faults [`Work::LongPrompts`]. Returns the one killed.
 fn kill_busy_and_restart(
     net: &Net,
     procs: &mut BTreeMap<&'static str, Proc>,
     fe: SocketAddr,
     url: &str,
-    want: &[String],
+    want: &Texts,
     role: &str,
     pair: [(&'static str, usize); 2],
 ) -> &'static str {
     let fault = format!("kill -9 {role}");
-    let field = if role == "decode" { "running" } else { "queued_prompt_tokens" };
-    let load = Load::start(fe, 2);
+    let (field, work) =
+        if role == "decode" { ("running", Work::Streams) } else { ("queued_prompt_tokens", Work::LongPrompts) };
+    let load = Load::start(fe, 2, work);
     wait_for_requests(&load, 1);
     let mut busy = None;
     eventually(&format!("a {role} worker reports {field}"), || {
@@ -398,13 +436,41 @@ fn kill_busy_and_restart(
     p.child.wait().unwrap();
     wait_for_requests(&load, 4);
     let out = load.stop();
-    assert_eq!(check(&fault, &out, want), 0, "{fault}: a request failed instead of moving or retrying");
     let survivors: Vec<&str> = procs.keys().copied().collect();
     settled(&fault, fe, url, &survivors);
+    let unknown = out.iter().filter(|(p, ..)| !want.contains_key(&p.to_string()));
+    let mut want = want.clone();
+    want.extend(reference_texts(fe, unknown.map(|(p, n, _)| (p.clone(), *n)).collect::<Vec<_>>()));
+    assert_eq!(check(&fault, &out, &want), 0, "{fault}: a request failed instead of moving or retrying");
     procs.insert(victim, worker(net, host, role, victim));
     let all: Vec<&str> = procs.keys().copied().collect();
     settled(&format!("{role} back"), fe, url, &all);
     victim
+}
+
+/// [`kill_busy_and_restart`] until a kill lands on a request in flight, which the
+/// frontend's migration counter shows: a record that showed the worker busy may be up
+/// to 300 ms old, and its work may have ended since. Each attempt is checked alike.
+fn kill_mid_flight(
+    net: &Net,
+    procs: &mut BTreeMap<&'static str, Proc>,
+    fe: SocketAddr,
+    url: &str,
+    want: &Texts,
+    role: &str,
+    pair: [(&'static str, usize); 2],
+) {
+    let reason = if role == "decode" { "reason=\"worker_lost\"" } else { "reason=\"prefill_failed\"" };
+    let moved = || metric(fe, "pdserve_requests_migrated_total", reason);
+    let before = moved();
+    for attempt in 1..=5 {
+        let victim = kill_busy_and_restart(net, procs, fe, url, want, role, pair);
+        if moved() > before {
+            return;
+        }
+        eprintln!("kill -9 {role}: attempt {attempt} found {victim} idle; again");
+    }
+    panic!("kill -9 {role}: no kill landed on a request in flight in 5 attempts");
 }
 
 #[test]
@@ -443,33 +509,17 @@ fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
     let rec = fleet_records(&url);
     eprintln!("fleet at start: {}", serde_json::to_string(&rec).unwrap());
     // The reference: each prompt's greedy text, with no fault.
-    let want: Vec<String> = prompts()
-        .iter()
-        .map(|p| match stream(fe.addr, p) {
-            Outcome::Done(t) => t,
-            other => panic!("reference run: {other:?}"),
-        })
-        .collect();
+    let want = reference_texts(fe.addr, (0..4).map(|i| Work::Streams.request(i)));
 
-    // 1. A decode worker killed mid-stream: its request moves, the text is whole. A
-    // record that showed a sequence may be up to 300 ms old, and the sequence may
-    // have ended since: the kill is repeated (each time checked the same way) until
-    // one lands on a running stream, which the migration counter shows.
-    for attempt in 1.. {
-        assert!(attempt <= 5, "no kill landed on a running stream in 4 attempts");
-        let victim = kill_busy_and_restart(&net, &mut procs, fe.addr, &url, &want, "decode", [("d1", 1), ("d2", 2)]);
-        if metric(fe.addr, "pdserve_requests_migrated_total", "") >= 1.0 {
-            break;
-        }
-        eprintln!("kill -9 decode: attempt {attempt} found {victim} idle; again");
-    }
+    // 1. A decode worker killed mid-stream: its request moves, the text is whole.
+    kill_mid_flight(&net, &mut procs, fe.addr, &url, &want, "decode", [("d1", 1), ("d2", 2)]);
 
-    // 2. A prefill worker killed mid-prefill: the handoff is retried on the other.
-    kill_busy_and_restart(&net, &mut procs, fe.addr, &url, &want, "prefill", [("p0", 0), ("p2", 2)]);
+    // 2. A prefill worker killed mid-prefill: the handoff starts over on the other.
+    kill_mid_flight(&net, &mut procs, fe.addr, &url, &want, "prefill", [("p0", 0), ("p2", 2)]);
 
     // 3. One NATS server killed (host 1's): requests in flight finish, new ones are
     // served, the fleet view holds through the other two servers.
-    let load = Load::start(fe.addr, 2);
+    let load = Load::start(fe.addr, 2, Work::Streams);
     wait_for_requests(&load, 1);
     drop(nats[1].take());
     wait_for_requests(&load, 4);
@@ -479,7 +529,7 @@ fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
     nats[1] = Some(nats_node(&net, 1, 3));
 
     // 4. Host 2's link throttled: everything still completes.
-    let load = Load::start(fe.addr, 2);
+    let load = Load::start(fe.addr, 2, Work::Streams);
     wait_for_requests(&load, 1);
     net.throttle(2, true);
     wait_for_requests(&load, 4);
@@ -490,7 +540,7 @@ fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
 
     // 5. Host 2 cut off for 10 s: what was routed there fails over or ends with a
     // clear error; the host rejoins.
-    let load = Load::start(fe.addr, 2);
+    let load = Load::start(fe.addr, 2, Work::Streams);
     wait_for_requests(&load, 1);
     net.cable(2, false);
     std::thread::sleep(Duration::from_secs(10));
@@ -502,7 +552,7 @@ fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
 
     // 6. A new host joins under load: it is used. Three clients: with two, the
     // least-loaded policy could keep finding a free worker that joined earlier.
-    let load = Load::start(fe.addr, 3);
+    let load = Load::start(fe.addr, 3, Work::Streams);
     wait_for_requests(&load, 1);
     let h3 = net.add_host();
     procs.insert("d3", worker(&net, h3, "decode", "d3"));

@@ -212,6 +212,7 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
                 _ => "it ran past its deadline".to_string(),
             };
             tracing::warn!(prefill = h.prefill.name(), reason = %why, "the prefill failed");
+            h.telemetry.migrated(PREFILL_FAILED);
             d.worker.release(id);
             let mut h = h;
             if h.use_spare() {
@@ -223,6 +224,9 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
     };
     decode_ready(&d, req, first, client, &h, waiting)
 }
+
+/// The migration reason of a request whose prefill moved to a spare worker or to D.
+const PREFILL_FAILED: &str = "prefill_failed";
 
 fn secs(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or_default()

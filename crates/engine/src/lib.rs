@@ -10,6 +10,7 @@ pub mod batch;
 pub mod chat;
 pub mod config;
 pub mod format;
+pub mod grammar;
 pub mod kernels;
 pub mod kvcache;
 pub mod loader;

@@ -10,9 +10,11 @@
 //!    a positive logit is divided by the penalty, any other is multiplied by it;
 //! 2. frequency and presence penalties (OpenAI) over output tokens:
 //!    `logit -= frequency * count + presence * (count > 0)`;
-//! 3. banned ids (see [`Sampler::ban`]) become `-inf`;
-//! 4. greedy (temperature below 1e-5, or top_k = 1): the argmax, ties to the lowest id;
-//! 5. otherwise: temperature, top-k, top-p (nucleus, at least one token kept), min-p
+//! 3. `logit_bias` is added to its tokens;
+//! 4. banned ids (see [`Sampler::ban`]) become `-inf`, and so does every token a
+//!    grammar's mask leaves out (see [`Sampler::sample_masked`]);
+//! 5. greedy (temperature below 1e-5, or top_k = 1): the argmax, ties to the lowest id;
+//! 6. otherwise: temperature, top-k, top-p (nucleus, at least one token kept), min-p
 //!    (drop tokens whose probability is below `min_p` × the top one), then one draw
 //!    from the renormalized distribution.
 //!
@@ -144,7 +146,12 @@ impl Key {
 pub struct Sampler {
     knobs: Knobs,
     rng: Rng,
+    /// `logit_bias`, sorted by id.
+    bias: Vec<(u32, f32)>,
     banned: Vec<u32>,
+    /// The raw row while a mask is applied: masking touches most of the vocabulary,
+    /// so one copy restores it faster than a list of saved values would.
+    raw: Vec<f32>,
     /// Raw values of the logits we overwrote this step, restored before logprobs.
     saved: Vec<(u32, f32)>,
     cand: Vec<Key>,
@@ -175,7 +182,9 @@ impl Sampler {
         Sampler {
             knobs,
             rng: Rng::new(params.seed.unwrap_or(fallback_seed)),
+            bias: params.logit_bias.clone(),
             banned: Vec::new(),
+            raw: Vec::new(),
             saved: Vec::new(),
             cand: Vec::new(),
             heap: BinaryHeap::new(),
@@ -217,14 +226,33 @@ impl Sampler {
     /// place and undone before returning, so it ends holding the raw logits again
     /// (NaN included). An empty vocabulary yields token 0.
     pub fn sample(&mut self, logits: &mut [f32], history: &TokenHistory) -> TokenOut {
+        self.sample_masked(logits, history, None)
+    }
+
+    /// [`sample`](Self::sample), choosing only among the tokens `allowed` has a bit
+    /// set for (bit `i % 32` of word `i / 32`; ids past its end are not allowed).
+    /// When the mask leaves nothing, the raw argmax is taken.
+    pub fn sample_masked(&mut self, logits: &mut [f32], history: &TokenHistory, allowed: Option<&[u32]>) -> TokenOut {
         let u = self.rng.next_f64(); // drawn even when unused: see `replay_draw`
         self.saved.clear();
+        if allowed.is_some() {
+            self.raw.clear();
+            self.raw.extend_from_slice(logits);
+        }
         self.apply_penalties(logits, history);
+        self.apply_bias(logits);
         self.apply_bans(logits);
+        if let Some(words) = allowed {
+            apply_mask(logits, words);
+        }
         let token = if self.knobs.greedy { argmax(logits) } else { self.draw(logits, u) };
-        // Undo in reverse, so a token both penalized and banned gets its raw value back.
-        for &(id, raw) in self.saved.iter().rev() {
-            logits[id as usize] = raw;
+        if allowed.is_some() {
+            logits.copy_from_slice(&self.raw);
+        } else {
+            // Undo in reverse, so a token both penalized and banned gets its raw value back.
+            for &(id, raw) in self.saved.iter().rev() {
+                logits[id as usize] = raw;
+            }
         }
         let lsm = LogSoftmax::of(logits);
         let logprob = logits.get(token).map_or(0.0, |&x| lsm.logprob(x));
@@ -251,6 +279,15 @@ impl Sampler {
             }
             self.saved.push((e.token, raw));
             *slot = x;
+        }
+    }
+
+    fn apply_bias(&mut self, logits: &mut [f32]) {
+        for &(id, b) in &self.bias {
+            if let Some(slot) = logits.get_mut(id as usize) {
+                self.saved.push((id, *slot));
+                *slot += b;
+            }
         }
     }
 
@@ -404,6 +441,22 @@ impl Sampler {
 
     fn top_logprobs(&mut self, logits: &[f32], lsm: &LogSoftmax) -> Vec<(u32, f32)> {
         top_n(logits, lsm, self.knobs.top_logprobs, &mut self.top)
+    }
+}
+
+/// Sets every logit whose bit in `allowed` is clear to `-inf`; whole words at a time,
+/// since a grammar usually allows a few tokens or nearly all of them.
+fn apply_mask(logits: &mut [f32], allowed: &[u32]) {
+    for (w, chunk) in logits.chunks_mut(32).enumerate() {
+        let bits = allowed.get(w).copied().unwrap_or(0);
+        if bits == u32::MAX {
+            continue;
+        }
+        for (b, x) in chunk.iter_mut().enumerate() {
+            if bits & (1 << b) == 0 {
+                *x = f32::NEG_INFINITY;
+            }
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //!
 //! Sits under every other crate on the request path; it does no I/O and owns no state.
 
+mod grammar;
 mod ids;
 mod kv;
 pub mod rng;
@@ -11,6 +12,7 @@ mod role;
 mod sampling;
 mod token;
 
+pub use grammar::{Grammar, GrammarSpec};
 pub use ids::{RequestId, TokenId};
 pub use kv::KvFrame;
 pub use role::{Epoch, Role};

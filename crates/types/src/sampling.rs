@@ -1,4 +1,4 @@
-use crate::TokenId;
+use crate::{Grammar, TokenId};
 use serde::{Deserialize, Serialize};
 
 /// How to pick each next token and when to stop. Build one with struct update syntax
@@ -39,6 +39,14 @@ pub struct SamplingParams {
     #[serde(default)]
     pub prompt_logprobs: Option<u32>,
     pub stop: StopCondition,
+    /// Added to the logits of these tokens before sampling (OpenAI's `logit_bias`,
+    /// each in [-100, 100]); sorted by id, each id once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(TokenId, f32)>,
+    /// The output must match this grammar: tokens that cannot continue it are
+    /// masked before sampling.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grammar: Option<Grammar>,
 }
 
 /// Extra ways to end generation besides EOS and `max_tokens`.
@@ -68,6 +76,8 @@ impl Default for SamplingParams {
             logprobs: false,
             prompt_logprobs: None,
             stop: StopCondition::default(),
+            logit_bias: Vec::new(),
+            grammar: None,
         }
     }
 }
@@ -86,6 +96,10 @@ pub const MAX_TOP_LOGPROBS: u32 = 20;
 pub const MAX_STOP_STRINGS: usize = 16;
 /// Bytes of one stop string at most.
 pub const MAX_STOP_BYTES: usize = 1024;
+/// Largest `logit_bias` magnitude (OpenAI's range).
+pub const MAX_LOGIT_BIAS: f32 = 100.0;
+/// Biased tokens per request at most (OpenAI allows 300; vLLM more).
+pub const MAX_LOGIT_BIAS_TOKENS: usize = 1024;
 
 impl SamplingParams {
     /// Greedy decoding of at most `max_tokens` tokens.
@@ -135,6 +149,15 @@ impl SamplingParams {
         if self.stop.strings.iter().any(|s| s.len() > MAX_STOP_BYTES) {
             return err("stop", "a stop string may be at most 1024 bytes");
         }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS_TOKENS {
+            return err("logit_bias", "at most 1024 biased tokens");
+        }
+        if self.logit_bias.iter().any(|&(_, b)| !b.is_finite() || b.abs() > MAX_LOGIT_BIAS) {
+            return err("logit_bias", "each bias must be between -100 and 100");
+        }
+        if self.logit_bias.windows(2).any(|w| w[0].0 >= w[1].0) {
+            return err("logit_bias", "token ids must be sorted and distinct");
+        }
         Ok(self)
     }
 
@@ -165,6 +188,9 @@ mod tests {
             SamplingParams { presence_penalty: 3.0, ..Default::default() },
             SamplingParams { top_logprobs: 21, ..Default::default() },
             SamplingParams { min_tokens: 20, max_tokens: 10, ..Default::default() },
+            SamplingParams { logit_bias: vec![(5, 100.5)], ..Default::default() },
+            SamplingParams { logit_bias: vec![(5, f32::NAN)], ..Default::default() },
+            SamplingParams { logit_bias: vec![(5, 1.0), (5, 2.0)], ..Default::default() },
         ];
         for p in bad {
             assert!(p.clone().validate().is_err(), "{p:?} should be rejected");

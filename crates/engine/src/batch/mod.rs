@@ -11,6 +11,7 @@ mod transfer;
 pub use pdserve_types::{FinishReason, KvFrame};
 pub use transfer::KvImport;
 
+use crate::grammar::Grammars;
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{ForwardScratch, Model};
@@ -67,6 +68,8 @@ pub enum EngineError {
     Cancelled,
     #[error("the engine is busy; an exporting prefill runs alone")]
     Busy,
+    #[error("grammar: {0}")]
+    Grammar(String),
 }
 
 /// One token for one request.
@@ -105,6 +108,8 @@ pub struct Engine {
     importing: Vec<KvImport>,
     eog: Vec<u32>,
     next_seed: u64,
+    /// Compiles constrained requests' grammars; without it they are refused.
+    grammars: Option<Arc<Grammars>>,
 }
 
 impl Engine {
@@ -123,7 +128,15 @@ impl Engine {
             model,
             cfg,
             eog,
+            grammars: None,
         }
+    }
+
+    /// Serves constrained requests (`SamplingParams::grammar`) with `grammars`, which
+    /// must be built from this model's tokenizer.
+    pub fn with_grammars(mut self, grammars: Arc<Grammars>) -> Self {
+        self.grammars = Some(grammars);
+        self
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -137,9 +150,23 @@ impl Engine {
     /// Queues a request (FCFS). Fails without side effects on a bad request.
     pub fn add(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<(), EngineError> {
         self.check_new(id, &prompt, &params)?;
-        let seed = self.fresh_seed();
-        self.waiting.push_back(Sequence::new(id, prompt, params, seed));
+        let s = self.sequence(id, prompt, params)?;
+        self.waiting.push_back(s);
         Ok(())
+    }
+
+    /// A new sequence with its own seed and, for a constrained request, its grammar's
+    /// state after the tokens it already generated elsewhere.
+    fn sequence(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<Sequence, EngineError> {
+        let constraint = match (&params.grammar, &self.grammars) {
+            (None, _) => None,
+            (Some(_), None) => return Err(EngineError::Grammar("this engine has no grammar support".into())),
+            (Some(g), Some(gs)) => Some(gs.constraint(g, &prompt).map_err(|e| EngineError::Grammar(e.to_string()))?),
+        };
+        let seed = self.fresh_seed();
+        let mut s = Sequence::new(id, prompt, params, seed);
+        s.constraint = constraint;
+        Ok(s)
     }
 
     fn check_new(&self, id: RequestId, prompt: &[u32], params: &SamplingParams) -> Result<(), EngineError> {

@@ -9,7 +9,7 @@ use crate::kvcache::KvStorage;
 use crate::model::{Scoring, SeqBatch};
 use crate::threadpool::DisjointMut;
 use pdserve_kv::{block_hashes, BlockTable};
-use pdserve_types::TokenOut;
+use pdserve_types::{FinishReason, TokenOut};
 use std::sync::Mutex;
 
 /// What a layer hook learns about each sequence in the step.
@@ -231,12 +231,20 @@ pub(crate) fn sample_next(s: &mut Sequence, row: &mut [f32], eog: &[u32], contex
         s.sampler.ban(eog);
         s.sampler.ban(stop_ids);
     }
-    let sampled = s.sampler.sample(row, &s.history);
+    let sampled = match s.constraint.as_mut() {
+        None => s.sampler.sample(row, &s.history),
+        Some(c) => match c.allowed() {
+            Some(mask) => s.sampler.sample_masked(row, &s.history, Some(mask)),
+            // A failed grammar allows nothing more: end the output with what it has.
+            None => s.sampler.sample_masked(row, &s.history, Some(&only(eog.first().copied().unwrap_or(0)))),
+        },
+    };
     let first = s.generated() == 0;
     let tok = sampled.token;
     s.tokens.push(tok);
     s.history.push(tok);
-    let finish = s.finish_reason(eog, context);
+    let broken = s.constraint.as_mut().is_some_and(|c| !c.accept(tok) || c.failed());
+    let finish = if broken { Some(FinishReason::Stop) } else { s.finish_reason(eog, context) };
     let prompt_logprobs = (first && s.params.prompt_logprobs.is_some()).then(|| std::mem::take(&mut s.prompt_scores));
     let output = StepOutput {
         id: s.id,
@@ -247,4 +255,11 @@ pub(crate) fn sample_next(s: &mut Sequence, row: &mut [f32], eog: &[u32], contex
         prompt_logprobs,
     };
     (output, finish.is_some())
+}
+
+/// A token mask that allows `token` alone.
+fn only(token: u32) -> Vec<u32> {
+    let mut words = vec![0; token as usize / 32 + 1];
+    words[token as usize / 32] = 1 << (token % 32);
+    words
 }

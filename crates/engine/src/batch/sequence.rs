@@ -1,5 +1,6 @@
 //! One request inside the engine: its tokens, its cache blocks, its sampler.
 
+use crate::grammar::Constraint;
 use crate::sampler::{Sampler, TokenHistory};
 use pdserve_kv::BlockTable;
 use pdserve_types::{FinishReason, RequestId, SamplingParams, TokenOut};
@@ -22,6 +23,8 @@ pub(crate) struct Sequence {
     pub prompt_scores: Vec<TokenOut>,
     /// Not stepped while set: its consumer has fallen behind (it keeps its blocks).
     pub paused: bool,
+    /// The grammar state of a constrained request.
+    pub constraint: Option<Constraint>,
 }
 
 impl Sequence {
@@ -38,6 +41,7 @@ impl Sequence {
             cached_tokens: 0,
             prompt_scores: Vec::new(),
             paused: false,
+            constraint: None,
         }
     }
 

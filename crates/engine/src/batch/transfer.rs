@@ -6,7 +6,6 @@
 //! as if it had prefilled the prompt itself. The numerics of both engines are the same
 //! row-wise kernels, so the tokens are identical to one engine doing both.
 
-use super::sequence::Sequence;
 use super::{Engine, EngineError, StepOutput};
 use crate::kvcache::KvStorage;
 use pdserve_kv::BlockTable;
@@ -37,8 +36,8 @@ impl Engine {
             // Keep the batch this step runs to the one sequence being exported.
             return Err(EngineError::Busy);
         }
-        let seed = self.fresh_seed();
-        self.waiting.push_back(Sequence::new(id, prompt, params, seed));
+        let s = self.sequence(id, prompt, params)?;
+        self.waiting.push_back(s);
         loop {
             let mut stopped = false;
             let mut outs = self.step_with(&mut |l, kv, seqs| {
@@ -105,9 +104,8 @@ impl Engine {
         if self.importing[at].prompt_len != prompt.len() {
             return Err(EngineError::BadFrame("prompt length differs from the reservation".into()));
         }
+        let mut s = self.sequence(id, prompt, params)?;
         let imp = self.importing.swap_remove(at);
-        let seed = self.fresh_seed();
-        let mut s = Sequence::new(id, prompt, params, seed);
         s.sampler.replay_draw();
         s.computed = s.prompt_len;
         let mut table = imp.table;
@@ -116,6 +114,9 @@ impl Engine {
         // Record the first token exactly as a local step would have.
         s.tokens.push(first);
         s.history.push(first);
+        if s.constraint.as_mut().is_some_and(|c| !c.accept(first)) {
+            return Err(EngineError::Grammar("the prefill side's first token breaks the grammar".into()));
+        }
         if s.finish_reason(&self.eog, self.model.cfg.context_length).is_some() {
             return Ok(false);
         }

@@ -1,0 +1,186 @@
+//! Constrained decoding. A request's [`Grammar`] (JSON Schema, regular expression or
+//! Lark) is compiled by llguidance, the grammar engine vLLM, SGLang and llama.cpp use,
+//! into a per-sequence [`Constraint`]. Each step the constraint gives the set of
+//! tokens that can continue the output; the sampler chooses only among them, and the
+//! chosen token advances the constraint.
+//!
+//! The mask depends only on the tokens generated so far, so a constrained sequence
+//! samples the same tokens alone or batched, chunked or preempted, and a worker that
+//! takes a sequence over rebuilds the state by feeding it those tokens.
+
+use crate::tokenizer::Tokenizer;
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use pdserve_types::{Grammar, GrammarSpec};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GrammarError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the tokens generated so far do not match the grammar: {0}")]
+    Replay(String),
+    #[error("the vocabulary cannot be used for constrained decoding: {0}")]
+    Vocabulary(String),
+}
+
+/// The model's vocabulary as llguidance sees it: each token's bytes, special tokens
+/// marked with a leading 0xFF so no grammar ever matches them as text.
+struct Vocab {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for Vocab {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
+        match std::str::from_utf8(s) {
+            Ok(text) => self.tokenizer.encode(text, false),
+            // Not text: the longest-match split is valid if not canonical.
+            Err(_) => self.trie.greedy_tokenize(s),
+        }
+    }
+}
+
+/// Compiles grammars for one model; shared by every sequence of every engine that
+/// serves it.
+pub struct Grammars {
+    factory: ParserFactory,
+    clock: Arc<MaskClock>,
+}
+
+impl Grammars {
+    /// Builds the token trie (a few hundred milliseconds for a 49k vocabulary).
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Grammars, GrammarError> {
+        let n = tokenizer.vocab_size();
+        let eos = tokenizer.eos_id().or_else(|| tokenizer.eog_ids().first().copied());
+        let eos = eos.ok_or_else(|| GrammarError::Vocabulary("the tokenizer names no end-of-sequence token".into()))?;
+        let words: Vec<Vec<u8>> = (0..n as u32).map(|id| token_word(&tokenizer, id)).collect();
+        let trie = TokTrie::from(&TokRxInfo::new(n as u32, eos), &words);
+        let env: TokEnv = Arc::new(Vocab { trie, tokenizer });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Vocabulary(e.to_string()))?;
+        factory.quiet();
+        Ok(Grammars { factory, clock: Arc::new(MaskClock::default()) })
+    }
+
+    /// A fresh constraint at the start of `g`, with its replayed tokens (the tail of
+    /// `prompt`) consumed.
+    pub fn constraint(&self, g: &Grammar, prompt: &[u32]) -> Result<Constraint, GrammarError> {
+        let top = match &g.spec {
+            GrammarSpec::JsonSchema(text) => {
+                let schema = serde_json::from_str(text).map_err(|e| GrammarError::Invalid(format!("schema: {e}")))?;
+                TopLevelGrammar::from_json_schema(schema)
+            }
+            GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            GrammarSpec::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
+        };
+        let parser = self.factory.create_parser(top).map_err(|e| GrammarError::Invalid(first_line(&e)))?;
+        let mut c = Constraint { matcher: Matcher::new(Ok(parser)), mask: None, clock: self.clock.clone() };
+        let replayed = prompt.len().saturating_sub(g.replayed as usize);
+        c.matcher.consume_tokens(&prompt[replayed..]).map_err(|e| GrammarError::Replay(first_line(&e)))?;
+        Ok(c)
+    }
+
+    /// Checks that `g` compiles, as a request is validated.
+    pub fn check(&self, g: &Grammar) -> Result<(), GrammarError> {
+        self.constraint(&Grammar::new(g.spec.clone()), &[]).map(drop)
+    }
+
+    /// Time spent computing masks, over every constraint made here.
+    pub fn mask_clock(&self) -> Arc<MaskClock> {
+        self.clock.clone()
+    }
+}
+
+fn token_word(t: &Tokenizer, id: u32) -> Vec<u8> {
+    if t.is_special(id) {
+        let mut w = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+        w.extend_from_slice(t.token_text(id).unwrap_or_default().as_bytes());
+        return w;
+    }
+    t.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default()
+}
+
+/// llguidance's errors can be long (a whole schema path); the first line says what.
+fn first_line(e: &anyhow::Error) -> String {
+    e.to_string().lines().next().unwrap_or("grammar error").to_string()
+}
+
+/// One sequence's place in its grammar.
+pub struct Constraint {
+    matcher: Matcher,
+    mask: Option<SimpleVob>,
+    clock: Arc<MaskClock>,
+}
+
+impl Constraint {
+    /// The tokens that may come next, one bit each (bit `i % 32` of word `i / 32`):
+    /// only the end-of-sequence token once the grammar is complete; `None` once the
+    /// constraint failed (the sequence should stop).
+    pub fn allowed(&mut self) -> Option<&[u32]> {
+        let t0 = Instant::now();
+        let mask = self.matcher.compute_mask_or_eos().ok();
+        self.clock.record(t0.elapsed().as_nanos() as u64);
+        self.mask = mask;
+        self.mask.as_ref().map(SimpleVob::as_slice)
+    }
+
+    /// Advances past the chosen token; false if the grammar cannot take it.
+    pub fn accept(&mut self, token: u32) -> bool {
+        if self.matcher.is_stopped() {
+            return true;
+        }
+        self.matcher.consume_token(token).is_ok()
+    }
+
+    /// The grammar hit an error (an unexpected token): the output cannot continue.
+    pub fn failed(&self) -> bool {
+        self.matcher.is_error()
+    }
+}
+
+/// How long mask computations take: a count, a sum and log2 buckets of nanoseconds,
+/// lock-free, for the metrics and the benchmark.
+#[derive(Default)]
+pub struct MaskClock {
+    count: AtomicU64,
+    total_ns: AtomicU64,
+    /// Bucket `b` counts times in `[2^b, 2^(b+1))` ns.
+    buckets: [AtomicU64; 32],
+}
+
+impl MaskClock {
+    fn record(&self, ns: u64) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.total_ns.fetch_add(ns, Ordering::Relaxed);
+        let b = (63 - ns.max(1).leading_zeros() as usize).min(31);
+        self.buckets[b].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Masks computed, and their total time in seconds.
+    pub fn totals(&self) -> (u64, f64) {
+        (self.count.load(Ordering::Relaxed), self.total_ns.load(Ordering::Relaxed) as f64 * 1e-9)
+    }
+
+    /// The quantile `q` of the times, in seconds, as its bucket's upper bound (so
+    /// within a factor of two); 0 with no samples.
+    pub fn quantile(&self, q: f64) -> f64 {
+        let counts: Vec<u64> = self.buckets.iter().map(|b| b.load(Ordering::Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        let rank = (q.clamp(0.0, 1.0) * total as f64).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (b, c) in counts.iter().enumerate() {
+            seen += c;
+            if total > 0 && seen >= rank {
+                return (1u64 << (b + 1)) as f64 * 1e-9;
+            }
+        }
+        0.0
+    }
+}

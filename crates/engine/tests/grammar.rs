@@ -1,0 +1,216 @@
+//! Constrained decoding on the real model: JSON Schema and regex outputs match their
+//! grammar; a constrained request samples the same tokens alone, batched, chunked and
+//! prefilled on another engine; a request replayed with its tokens so far (a moved
+//! request) continues the grammar; bad grammars and `logit_bias`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pdserve_engine::batch::{Engine, EngineConfig, EngineError, StepOutput};
+use pdserve_engine::grammar::Grammars;
+use pdserve_engine::loader::{self, LoadedModel};
+use pdserve_types::{Grammar, GrammarSpec, RequestId, SamplingParams};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+fn model() -> &'static LoadedModel {
+    static M: OnceLock<LoadedModel> = OnceLock::new();
+    M.get_or_init(|| loader::load(&pdserve_engine::models::require_default_model()).unwrap())
+}
+
+fn grammars() -> Arc<Grammars> {
+    static G: OnceLock<Arc<Grammars>> = OnceLock::new();
+    G.get_or_init(|| Arc::new(Grammars::new(model().tokenizer.clone()).unwrap())).clone()
+}
+
+fn engine(max_batch_tokens: usize) -> Engine {
+    let m = model();
+    let cfg = EngineConfig { threads: 1, num_blocks: 256, max_batch_tokens, max_seqs: 16, cache_salt: 0 };
+    Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).with_grammars(grammars())
+}
+
+fn chat(text: &str) -> Vec<u32> {
+    let t = format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n");
+    model().tokenizer.encode(&t, true)
+}
+
+const PERSON: &str = r##"{
+  "type": "object",
+  "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer"},
+    "role": {"$ref": "#/$defs/role"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3}
+  },
+  "required": ["name", "age", "role", "tags"],
+  "additionalProperties": false,
+  "$defs": {"role": {"enum": ["admin", "user", "guest"]}}
+}"##;
+
+fn constrained(spec: GrammarSpec, max_tokens: u32, seed: Option<u64>) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        temperature: if seed.is_some() { 0.9 } else { 0.0 },
+        seed,
+        grammar: Some(Grammar::new(spec)),
+        ..Default::default()
+    }
+    .validate()
+    .unwrap()
+}
+
+/// Runs every request to the end on `e`; tokens by request.
+fn run(e: &mut Engine, reqs: &[(u64, Vec<u32>, SamplingParams)]) -> BTreeMap<u64, Vec<u32>> {
+    for (id, p, params) in reqs {
+        e.add(RequestId(*id), p.clone(), params.clone()).unwrap();
+    }
+    let mut out: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    let mut steps = 0;
+    while e.has_work() {
+        for o in e.step() {
+            out.entry(o.id.0).or_default().push(o.sampled.token);
+        }
+        steps += 1;
+        assert!(steps < 5000, "no progress");
+    }
+    assert_eq!(e.stats().blocks.used, 0);
+    out
+}
+
+fn text(tokens: &[u32]) -> String {
+    let eog = model().tokenizer.eog_ids();
+    let body: Vec<u32> = tokens.iter().copied().filter(|t| !eog.contains(t)).collect();
+    model().tokenizer.decode(&body)
+}
+
+fn check_person(v: &Value) {
+    let o = v.as_object().unwrap_or_else(|| panic!("not an object: {v}"));
+    assert_eq!(o.len(), 4, "{v}");
+    assert!(o["name"].as_str().is_some_and(|s| s.chars().count() <= 20), "{v}");
+    assert!(o["age"].is_i64() || o["age"].is_u64(), "{v}");
+    assert!(["admin", "user", "guest"].contains(&o["role"].as_str().unwrap()), "{v}");
+    assert!(o["tags"].as_array().is_some_and(|a| a.len() <= 3 && a.iter().all(Value::is_string)), "{v}");
+}
+
+#[test]
+fn json_schema_outputs_parse_and_match_greedy_and_sampled() {
+    let prompt = chat("Describe a user of a web shop as JSON.");
+    let spec = GrammarSpec::JsonSchema(PERSON.into());
+    let reqs: Vec<_> = [None, Some(1), Some(2), Some(3)]
+        .into_iter()
+        .enumerate()
+        .map(|(i, seed)| (i as u64, prompt.clone(), constrained(spec.clone(), 200, seed)))
+        .collect();
+    for (id, tokens) in run(&mut engine(512), &reqs) {
+        let last = *tokens.last().unwrap();
+        assert!(model().tokenizer.eog_ids().contains(&last), "request {id} did not finish its JSON: {}", text(&tokens));
+        let v: Value = serde_json::from_str(&text(&tokens)).unwrap_or_else(|e| panic!("{e}: {}", text(&tokens)));
+        check_person(&v);
+    }
+}
+
+#[test]
+fn json_object_and_regex_outputs_match() {
+    let reqs = vec![
+        (
+            1,
+            chat("Give me a JSON object."),
+            constrained(GrammarSpec::JsonSchema(r#"{"type":"object"}"#.into()), 120, None),
+        ),
+        (2, chat("Call me."), constrained(GrammarSpec::Regex(r"\(\d{3}\) \d{3}-\d{4}".into()), 40, None)),
+        (3, chat("Pick one."), constrained(GrammarSpec::Lark(r#"start: "yes" | "no" | "maybe""#.into()), 10, Some(5))),
+    ];
+    let out = run(&mut engine(512), &reqs);
+    let obj: Value = serde_json::from_str(&text(&out[&1])).unwrap_or_else(|e| panic!("{e}: {}", text(&out[&1])));
+    assert!(obj.is_object());
+    let phone = text(&out[&2]);
+    let b = phone.as_bytes();
+    assert_eq!(b.len(), 14, "{phone}");
+    assert!(b[0] == b'(' && b[4] == b')' && b[5] == b' ' && b[9] == b'-', "{phone}");
+    assert!(["yes", "no", "maybe"].contains(&text(&out[&3]).as_str()), "{}", text(&out[&3]));
+}
+
+#[test]
+fn constrained_tokens_do_not_depend_on_batching_chunking_or_where_prefill_ran() {
+    let prompt = chat("Describe a user of a web shop as JSON.");
+    let spec = GrammarSpec::JsonSchema(PERSON.into());
+    for seed in [None, Some(11)] {
+        let params = constrained(spec.clone(), 80, seed);
+        let alone = run(&mut engine(512), &[(1, prompt.clone(), params.clone())])[&1].clone();
+        // Batched with others and chunked 16 tokens a step.
+        let others: Vec<_> = (2..6)
+            .map(|i| (i, chat(&format!("Say something about {i}.")), constrained(spec.clone(), 60, Some(i))))
+            .collect();
+        let mut reqs = vec![(1, prompt.clone(), params.clone())];
+        reqs.extend(others);
+        assert_eq!(run(&mut engine(16), &reqs)[&1], alone, "batched and chunked, seed {seed:?}");
+        // Prefilled on P, decoded on D.
+        let id = RequestId(9);
+        let mut frames = Vec::new();
+        let first = engine(512)
+            .prefill_export(id, prompt.clone(), params.clone(), &mut |f| {
+                frames.push(f);
+                true
+            })
+            .unwrap();
+        let mut d = engine(512);
+        d.reserve_import(id, prompt.len()).unwrap();
+        for f in &frames {
+            d.import_frame(id, f).unwrap();
+        }
+        assert!(d.finish_import(id, prompt.clone(), first.sampled.token, params.clone()).unwrap());
+        let mut tokens = vec![first.sampled.token];
+        while d.has_work() {
+            tokens.extend(d.step().iter().map(|o: &StepOutput| o.sampled.token));
+        }
+        assert_eq!(tokens, alone, "disaggregated, seed {seed:?}");
+    }
+}
+
+#[test]
+fn a_replayed_request_continues_its_grammar() {
+    let prompt = chat("Describe a user of a web shop as JSON.");
+    let params = constrained(GrammarSpec::JsonSchema(PERSON.into()), 120, None);
+    let whole = run(&mut engine(512), &[(1, prompt.clone(), params.clone())])[&1].clone();
+    // Moved after 10 tokens: the prompt carries them, the grammar replays them.
+    let mut moved = params.clone();
+    moved.max_tokens -= 10;
+    moved.grammar.as_mut().unwrap().replayed = 10;
+    let longer = [prompt.clone(), whole[..10].to_vec()].concat();
+    let rest = run(&mut engine(512), &[(2, longer, moved)])[&2].clone();
+    assert_eq!([&whole[..10], &rest[..]].concat(), whole);
+}
+
+#[test]
+fn bad_grammars_are_refused_without_side_effects() {
+    let mut e = engine(512);
+    for spec in [
+        GrammarSpec::JsonSchema("{not json".into()),
+        GrammarSpec::JsonSchema(r#"{"type": "frobnicate"}"#.into()),
+        GrammarSpec::Regex("(unclosed".into()),
+        GrammarSpec::Lark("start: undefined_rule".into()),
+    ] {
+        let r = e.add(RequestId(1), chat("x"), constrained(spec.clone(), 10, None));
+        assert!(matches!(r, Err(EngineError::Grammar(_))), "{spec:?}: {r:?}");
+        assert!(!e.has_work());
+    }
+    // An engine without grammar support refuses constrained requests.
+    let m = model();
+    let mut plain = Engine::new(m.model.clone(), EngineConfig::default(), m.tokenizer.eog_ids().to_vec());
+    let err = plain.add(RequestId(1), chat("x"), constrained(GrammarSpec::Regex("a".into()), 5, None)).unwrap_err();
+    assert!(matches!(err, EngineError::Grammar(_)));
+}
+
+#[test]
+fn logit_bias_moves_the_choice() {
+    let prompt = chat("Hello!");
+    let greedy = SamplingParams { max_tokens: 4, ..Default::default() }.validate().unwrap();
+    let base = run(&mut engine(512), &[(1, prompt.clone(), greedy.clone())])[&1].clone();
+    // -100 on the greedy first token: another one comes first.
+    let banned = SamplingParams { logit_bias: vec![(base[0], -100.0)], ..greedy.clone() }.validate().unwrap();
+    assert_ne!(run(&mut engine(512), &[(1, prompt.clone(), banned)])[&1][0], base[0]);
+    // +100 on a token: it is chosen every step.
+    let forced = model().tokenizer.encode(" banana", false)[0];
+    let pushed = SamplingParams { logit_bias: vec![(forced, 100.0)], ..greedy }.validate().unwrap();
+    assert_eq!(run(&mut engine(512), &[(1, prompt, pushed)])[&1], vec![forced; 4]);
+}

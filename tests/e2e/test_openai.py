@@ -1,6 +1,6 @@
 """End-to-end: `pdserve serve` on the real model in every mode, and the same roles as
 separate processes (`pdserve worker` x2 behind `pdserve frontend`), driven by the
-official openai SDK and curl, /metrics checked by `promtool check metrics` (Debian's
+official openai SDK and curl (structured outputs and tools: structured.py), /metrics checked by `promtool check metrics` (Debian's
 prometheus package) and parsed by the Prometheus client library, then stopped with
 SIGTERM. Run by scripts/test.sh; prints one
 summary line.
@@ -19,6 +19,8 @@ import urllib.request
 
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+
+import structured
 
 PDSERVE = sys.argv[1]
 RESULTS = []
@@ -267,6 +269,7 @@ def suite(mode, url):
                      ("served_names", served_names), ("n_choices", n_choices), ("batched_prompts", batched_prompts),
                      ("echo_logprobs", echo_logprobs), ("tokenize", tokenize), ("cached_tokens", cached_tokens)]:
         check(f"{mode}/{name}", fn)
+    structured.suite(mode, url, check, curl)
     # lm-eval takes a few seconds to start: once in one process, once across processes.
     for name, fn in [("lm_eval_loglikelihood", lm_eval_loglikelihood)] if mode in ("aggregated", "processes") else []:
         check(f"{mode}/{name}", fn)

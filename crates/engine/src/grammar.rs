@@ -55,6 +55,12 @@ pub struct Grammars {
     clock: Arc<MaskClock>,
 }
 
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammars").finish_non_exhaustive()
+    }
+}
+
 impl Grammars {
     /// Builds the token trie (a few hundred milliseconds for a 49k vocabulary).
     pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Grammars, GrammarError> {
@@ -74,7 +80,9 @@ impl Grammars {
     pub fn constraint(&self, g: &Grammar, prompt: &[u32]) -> Result<Constraint, GrammarError> {
         let top = match &g.spec {
             GrammarSpec::JsonSchema(text) => {
-                let schema = serde_json::from_str(text).map_err(|e| GrammarError::Invalid(format!("schema: {e}")))?;
+                let mut schema =
+                    serde_json::from_str(text).map_err(|e| GrammarError::Invalid(format!("schema: {e}")))?;
+                compact_json(&mut schema);
                 TopLevelGrammar::from_json_schema(schema)
             }
             GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
@@ -95,6 +103,19 @@ impl Grammars {
     /// Time spent computing masks, over every constraint made here.
     pub fn mask_clock(&self) -> Arc<MaskClock> {
         self.clock.clone()
+    }
+}
+
+/// Makes a JSON schema's output one line with `", "` and `": "` between items, unless
+/// the schema sets its own layout (llguidance's `x-guidance` options). Free
+/// whitespace lets a model pad its output with newlines until `max_tokens` (the known
+/// failure of JSON modes with small models); one fixed layout also makes outputs
+/// comparable.
+pub fn compact_json(schema: &mut serde_json::Value) {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(
+            || serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
     }
 }
 

@@ -5,16 +5,18 @@ use crate::extract::ApiJson;
 use crate::generation::{Output, TokenInfo};
 use crate::openai::{
     ChatChoice, ChatCompletion, ChatDelta, ChatLogprobs, ChatMessageOut, ChatRequest, ChatTokenLogprob, ChatTopLogprob,
-    Usage,
+    FunctionCall, ToolCall, Usage,
 };
 use crate::request_id::Tagged;
 use crate::sse::{finish_reason, to_json, Format};
+use crate::tools::{Call, Tools};
 use crate::{errors::ApiError, AppState};
 use axum::extract::State;
 use axum::response::Response;
 use axum::Extension;
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_protocol::Usage as TokenUsage;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 pub async fn handler(
@@ -31,6 +33,8 @@ pub async fn handler(
         model: v.model.clone(),
         tokenizer,
         prompt_field: v.prompt_logprobs,
+        tools: v.tools.clone(),
+        held: HashMap::new(),
     })
     .await
 }
@@ -43,6 +47,10 @@ pub struct ChatFormat {
     tokenizer: Arc<Tokenizer>,
     /// vLLM's `prompt_logprobs` field was asked for.
     prompt_field: bool,
+    /// The tools offered, when the reply may be calls.
+    tools: Option<Arc<Tools>>,
+    /// Streamed text held back per choice while it may still be a tool call.
+    held: HashMap<u32, Output>,
 }
 
 impl ChatFormat {
@@ -51,12 +59,16 @@ impl ChatFormat {
     }
 
     fn chunk_of(&self, index: u32, delta: ChatDelta, out: Option<&Output>) -> String {
+        self.chunk_ending(index, delta, out, out.and_then(|o| finish_reason(o.finish)))
+    }
+
+    fn chunk_ending(&self, index: u32, delta: ChatDelta, out: Option<&Output>, finish: Option<&'static str>) -> String {
         let choice = ChatChoice {
             index,
             message: None,
             delta: Some(delta),
             logprobs: out.and_then(|o| self.logprobs(&o.tokens)),
-            finish_reason: out.and_then(|o| finish_reason(o.finish)),
+            finish_reason: finish,
             prompt_logprobs: out.and_then(|o| self.prompt_scores(o)),
         };
         to_json(&self.object("chat.completion.chunk", vec![choice], None))
@@ -85,6 +97,52 @@ impl ChatFormat {
         Some(ChatLogprobs { content })
     }
 
+    /// The reply's calls, when it is calls.
+    fn calls(&self, text: &str) -> Option<Vec<Call>> {
+        self.tools.as_ref()?.calls(text)
+    }
+
+    fn tool_calls(&self, index: u32, calls: Vec<Call>, streamed: bool) -> Vec<ToolCall> {
+        let call = |(i, c): (usize, Call)| ToolCall {
+            index: streamed.then_some(i as u32),
+            id: format!("call_{}_{index}_{i}", self.id.trim_start_matches("chatcmpl-")),
+            kind: "function",
+            function: FunctionCall { name: c.name, arguments: c.arguments },
+        };
+        calls.into_iter().enumerate().map(call).collect()
+    }
+
+    /// The chunks of a streamed step when the reply may be tool calls: text is held
+    /// while it may still become a call, sent as content once it cannot, and sent as
+    /// `tool_calls` deltas when the reply ends as calls.
+    fn tool_chunks(&mut self, index: u32, step: &Output) -> Vec<String> {
+        let Some(tools) = self.tools.clone() else { return vec![self.content_chunk(index, step)] };
+        let Some(held) = self.held.get_mut(&index) else { return vec![self.content_chunk(index, step)] };
+        held.text.push_str(&step.text);
+        held.tokens.extend(step.tokens.iter().cloned());
+        held.finish = step.finish;
+        if step.prompt.is_some() {
+            held.prompt.clone_from(&step.prompt);
+        }
+        let prose = !tools.may_call(&held.text);
+        if step.finish.is_none() && !prose {
+            return Vec::new();
+        }
+        let held = self.held.remove(&index).unwrap_or_default();
+        match self.calls(&held.text).filter(|_| step.finish.is_some()) {
+            Some(calls) => {
+                let delta = ChatDelta { tool_calls: Some(self.tool_calls(index, calls, true)), ..Default::default() };
+                vec![self.chunk_ending(index, delta, Some(&held), Some("tool_calls"))]
+            }
+            None => vec![self.content_chunk(index, &held)],
+        }
+    }
+
+    fn content_chunk(&self, index: u32, step: &Output) -> String {
+        let content = (!step.text.is_empty()).then(|| step.text.clone());
+        self.chunk_of(index, ChatDelta { content, ..Default::default() }, Some(step))
+    }
+
     /// A token's text (lossy for partial characters) and its exact bytes.
     fn token(&self, id: u32) -> (String, Vec<u8>) {
         let bytes = self.tokenizer.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default();
@@ -93,13 +151,16 @@ impl ChatFormat {
 }
 
 impl Format for ChatFormat {
-    fn preamble(&self, index: u32) -> Option<String> {
-        Some(self.chunk_of(index, ChatDelta { role: Some("assistant"), content: Some(String::new()) }, None))
+    fn preamble(&mut self, index: u32) -> Option<String> {
+        if self.tools.is_some() {
+            self.held.insert(index, Output::default());
+        }
+        let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() };
+        Some(self.chunk_of(index, delta, None))
     }
 
-    fn chunk(&mut self, index: u32, step: &Output) -> String {
-        let content = (!step.text.is_empty()).then(|| step.text.clone());
-        self.chunk_of(index, ChatDelta { role: None, content }, Some(step))
+    fn chunk(&mut self, index: u32, step: &Output) -> Vec<String> {
+        self.tool_chunks(index, step)
     }
 
     fn usage_chunk(&self, usage: TokenUsage) -> String {
@@ -109,13 +170,25 @@ impl Format for ChatFormat {
     fn response(&mut self, choices: &[(u32, Output)], usage: TokenUsage) -> String {
         let list = choices
             .iter()
-            .map(|(index, all)| ChatChoice {
-                index: *index,
-                message: Some(ChatMessageOut { role: "assistant", content: all.text.clone() }),
-                delta: None,
-                logprobs: self.logprobs(&all.tokens),
-                finish_reason: finish_reason(all.finish).or(Some("stop")),
-                prompt_logprobs: self.prompt_scores(all),
+            .map(|(index, all)| {
+                let calls = self.calls(&all.text).filter(|_| all.finish.is_some());
+                let finish = finish_reason(all.finish).or(Some("stop"));
+                let message = match calls {
+                    Some(calls) => ChatMessageOut {
+                        role: "assistant",
+                        content: None,
+                        tool_calls: Some(self.tool_calls(*index, calls, false)),
+                    },
+                    None => ChatMessageOut { role: "assistant", content: Some(all.text.clone()), tool_calls: None },
+                };
+                ChatChoice {
+                    index: *index,
+                    finish_reason: if message.tool_calls.is_some() { Some("tool_calls") } else { finish },
+                    message: Some(message),
+                    delta: None,
+                    logprobs: self.logprobs(&all.tokens),
+                    prompt_logprobs: self.prompt_scores(all),
+                }
             })
             .collect();
         to_json(&self.object("chat.completion", list, Some(usage.into())))

@@ -164,11 +164,11 @@ pub(crate) fn vllm_prompt_logprobs(tok: &Tokenizer, scores: &[TokenOut]) -> Vec<
 }
 
 impl Format for CompletionFormat {
-    fn chunk(&mut self, index: u32, step: &Output) -> String {
+    fn chunk(&mut self, index: u32, step: &Output) -> Vec<String> {
         let first = self.echoed.insert(index);
         let logprobs = !step.tokens.is_empty() || (self.echo.is_some() && first && step.prompt.is_some());
         let choice = self.choice(index, step, first, logprobs);
-        to_json(&self.completion(vec![choice], None))
+        vec![to_json(&self.completion(vec![choice], None))]
     }
 
     fn usage_chunk(&self, usage: TokenUsage) -> String {

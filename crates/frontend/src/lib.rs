@@ -26,7 +26,9 @@ mod openai;
 mod request_id;
 mod sse;
 mod stop;
+mod structured;
 mod tokenize;
+mod tools;
 mod validate;
 
 pub use cors::Origins;
@@ -47,6 +49,7 @@ use extract::ApiJson;
 use generation::{Generation, Tracker};
 use metrics::Outcome;
 use pdserve_engine::chat::ChatTemplate;
+use pdserve_engine::grammar::Grammars;
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_protocol::{Generate, GenerateRequest, ServeError};
 use request_id::Tagged;
@@ -89,11 +92,24 @@ impl Frontend {
         let longest =
             (0..tokenizer.vocab_size() as u32).filter_map(|t| tokenizer.token_bytes(t)).map(<[u8]>::len).max();
         let max_prompt_bytes = context_length.saturating_mul(longest.unwrap_or(1).max(1));
-        let validator =
-            Validator { tokenizer, chat, model_ids: vec![model_id.into()], context_length, max_prompt_bytes };
+        let validator = Validator {
+            tokenizer,
+            chat,
+            model_ids: vec![model_id.into()],
+            context_length,
+            max_prompt_bytes,
+            grammars: None,
+        };
         let life = Lifecycle::default();
         let state = AppState { generate, validator, metrics, mode: "auto".into(), created, life, origins: None };
         Frontend { state }
+    }
+
+    /// Serves constrained outputs (`response_format`, tools that must be called, ...)
+    /// with `grammars`, built from the served model's tokenizer.
+    pub fn with_grammars(mut self, grammars: Option<Arc<Grammars>>) -> Frontend {
+        self.state.validator.grammars = grammars;
+        self
     }
 
     /// Sets the `mode` label of the request latency histograms (default `auto`): the

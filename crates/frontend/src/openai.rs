@@ -3,9 +3,10 @@
 //! into a `ValidRequest`.
 //!
 //! Unknown request fields are ignored, as vLLM and OpenAI do, so clients that send
-//! extras (`user`, `logit_bias`, `tools`, ...) keep working. Integer fields are read as
-//! `i64` so a negative value gets a message that names the field instead of a bare
-//! serde error.
+//! extras (`user`, `metadata`, ...) keep working. Integer fields are read as `i64` so
+//! a negative value gets a message that names the field instead of a bare serde
+//! error; the structured-output and tool fields are read as JSON values and checked
+//! by [`crate::structured`] and [`crate::tools`], for the same reason.
 
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +33,17 @@ pub struct CommonParams {
     pub n: Option<i64>,
     /// vLLM's extension: score the prompt's tokens, with this many alternatives.
     pub prompt_logprobs: Option<i64>,
+    /// `{"token id": bias}`, each bias in [-100, 100].
+    pub logit_bias: Option<serde_json::Value>,
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM's structured-output fields.
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<serde_json::Value>,
+    pub guided_choice: Option<serde_json::Value>,
+    pub guided_grammar: Option<serde_json::Value>,
+    pub structured_outputs: Option<serde_json::Value>,
+    /// llama-server's schema field.
+    pub json_schema: Option<serde_json::Value>,
 }
 
 /// `POST /v1/completions`.
@@ -53,6 +65,9 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<i64>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
+    pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: CommonParams,
 }
@@ -83,6 +98,8 @@ pub struct Message {
     pub role: String,
     /// Absent or null for assistant turns that only called tools.
     pub content: Option<Content>,
+    /// An assistant turn's calls.
+    pub tool_calls: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -207,7 +224,10 @@ pub struct ChatChoice {
 #[derive(Debug, Serialize)]
 pub struct ChatMessageOut {
     pub role: &'static str,
-    pub content: String,
+    /// Null when the reply is tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 #[derive(Debug, Default, Serialize)]
@@ -216,6 +236,27 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+/// One call, whole in a response; in a stream, one delta per call carries it whole
+/// (with its `index`), which the SDKs accumulate like any other delta.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCall {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments object as JSON text, as OpenAI sends it.
+    pub arguments: String,
 }
 
 #[derive(Debug, Default, Serialize)]

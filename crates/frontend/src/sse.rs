@@ -22,11 +22,12 @@ use std::convert::Infallible;
 /// How one endpoint (completions or chat) writes its chunks and whole responses.
 pub trait Format: Send + 'static {
     /// A chunk sent before choice `index`'s first text (chat's assistant role).
-    fn preamble(&self, _index: u32) -> Option<String> {
+    fn preamble(&mut self, _index: u32) -> Option<String> {
         None
     }
-    /// One streamed chunk carrying `step` of choice `index`.
-    fn chunk(&mut self, index: u32, step: &Output) -> String;
+    /// The streamed chunks carrying `step` of choice `index`: usually one; none while
+    /// a format holds text back (a reply that may be a tool call).
+    fn chunk(&mut self, index: u32, step: &Output) -> Vec<String>;
     /// The last chunk when the client asked for usage: no choices, only usage.
     fn usage_chunk(&self, usage: Usage) -> String;
     /// The whole, non-streamed response; `choices` in index order.
@@ -202,8 +203,9 @@ impl<F: Format> SseState<F> {
             match step {
                 Some(Step::Out(index, out)) => {
                     if !out.is_empty() {
-                        let chunk = self.format.chunk(index, &out);
-                        self.queue.push_back(frame(&chunk));
+                        for chunk in self.format.chunk(index, &out) {
+                            self.queue.push_back(frame(&chunk));
+                        }
                     }
                 }
                 Some(Step::End(prompt, usage)) => {

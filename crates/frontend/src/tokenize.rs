@@ -50,7 +50,7 @@ pub async fn tokenize(
             true => v.tokenizer.encode_with_bos(&text, false),
             false => v.tokenizer.encode(&text, false),
         }),
-        (None, Some(messages)) => v.chat_ids(&messages),
+        (None, Some(messages)) => v.chat_ids(&messages, None),
         _ => Err(ApiError::malformed("send either `prompt` or `messages`")),
     })
     .await

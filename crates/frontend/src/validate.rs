@@ -20,10 +20,12 @@
 
 use crate::errors::ApiError;
 use crate::openai::{ChatRequest, CommonParams, CompletionRequest, Content, Message, Prompt, Stop};
+use crate::tools::{self, Tools};
 use pdserve_engine::chat::{ChatMessage, ChatTemplate};
+use pdserve_engine::grammar::Grammars;
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_protocol::ServeError;
-use pdserve_types::{SamplingParams, StopCondition, TokenId};
+use pdserve_types::{Grammar, SamplingParams, StopCondition, TokenId};
 use std::sync::Arc;
 
 /// `max_tokens` of completions when the request names none.
@@ -55,6 +57,8 @@ pub struct ValidRequest {
     pub prompt_only: bool,
     /// vLLM's `prompt_logprobs`: the prompt's scores in a field of their own.
     pub prompt_logprobs: bool,
+    /// Chat: the tools offered, whose calls the reply is read for.
+    pub tools: Option<Arc<Tools>>,
 }
 
 /// One prompt: its tokens, and its text when it came as text.
@@ -75,6 +79,9 @@ pub struct Validator {
     /// Text longer than this cannot fit the context (every token covers at most the
     /// longest token's bytes): refused before any tokenization is spent on it.
     pub max_prompt_bytes: usize,
+    /// Compiles output constraints, to refuse a bad one with a 400 before it is
+    /// queued; `None` refuses every constrained request.
+    pub grammars: Option<Arc<Grammars>>,
 }
 
 impl Validator {
@@ -100,6 +107,7 @@ impl Validator {
         let scored = if echo { top } else { None };
         let mut v = self.finish(model, prompts, max_tokens, top, scored, &req.common)?;
         (v.echo, v.prompt_only) = (echo, prompt_only);
+        v.params.grammar = self.checked(crate::structured::grammar(&req.common)?)?;
         Ok(v)
     }
 
@@ -113,7 +121,21 @@ impl Validator {
             (true, k) => Some(k.unwrap_or(0) as u32),
             (false, None) => None,
         };
-        let prompt = self.chat_ids(&req.messages)?;
+        let tools = tools::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
+        let tools = tools.filter(Tools::active);
+        let prompt = self.chat_ids(&req.messages, tools.as_ref())?;
+        let grammar =
+            match (crate::structured::grammar(&req.common)?, tools.as_ref().map(Tools::grammar).transpose()?.flatten())
+            {
+                (Some((param, _)), Some(_)) => {
+                    return Err(ApiError::invalid(
+                        param,
+                        "tool_choice required or a named function already constrains the reply",
+                    ))
+                }
+                (found, None) => found,
+                (None, Some(g)) => Some(("tools", g)),
+            };
         let explicit = match req.max_completion_tokens {
             Some(_) => count("max_completion_tokens", req.max_completion_tokens)?,
             None => count("max_tokens", req.common.max_tokens)?,
@@ -124,7 +146,39 @@ impl Validator {
         let default = self.context_length.saturating_sub(prompt.len()).min(DEFAULT_CHAT_MAX_TOKENS);
         let max_tokens = self.fit(prompt.len(), explicit, default)?;
         let prompts = vec![ValidPrompt { ids: prompt, text: None }];
-        self.finish(model, prompts, max_tokens, top, None, &req.common)
+        let mut v = self.finish(model, prompts, max_tokens, top, None, &req.common)?;
+        v.params.grammar = self.checked(grammar)?;
+        v.tools = tools.map(Arc::new);
+        Ok(v)
+    }
+
+    /// A grammar that compiles, or a 400 naming the field it came from.
+    fn checked(&self, found: Option<(&'static str, Grammar)>) -> Result<Option<Grammar>, ApiError> {
+        let Some((param, g)) = found else { return Ok(None) };
+        let Some(grammars) = &self.grammars else {
+            return Err(ApiError::invalid(param, "this server does not serve constrained outputs"));
+        };
+        grammars.check(&g).map_err(|e| ApiError::invalid(param, format!("{param}: {e}")))?;
+        Ok(Some(g))
+    }
+
+    /// `logit_bias`: `{"token id": bias}`, sorted by id.
+    fn logit_bias(&self, v: &Option<serde_json::Value>) -> Result<Vec<(TokenId, f32)>, ApiError> {
+        const P: &str = "logit_bias";
+        let Some(v) = v.as_ref().filter(|v| !v.is_null()) else { return Ok(Vec::new()) };
+        let map = v.as_object().ok_or_else(|| ApiError::invalid(P, "logit_bias must map token ids to numbers"))?;
+        let vocab = self.tokenizer.vocab_size();
+        let mut out = Vec::with_capacity(map.len());
+        for (k, b) in map {
+            let id = k.trim().parse::<u32>().ok().filter(|&t| (t as usize) < vocab).ok_or_else(|| {
+                ApiError::invalid(P, format!("logit_bias key `{k}` is not a token id below the vocabulary of {vocab}"))
+            })?;
+            let bias =
+                b.as_f64().ok_or_else(|| ApiError::invalid(P, format!("logit_bias of `{k}` is not a number")))?;
+            out.push((id, bias as f32));
+        }
+        out.sort_by_key(|&(id, _)| id);
+        Ok(out)
     }
 
     /// The model's name as the request gave it (or the canonical one), if served.
@@ -196,6 +250,8 @@ impl Validator {
             top_logprobs: top_logprobs.unwrap_or(0),
             prompt_logprobs: scored.max(asked),
             stop: StopCondition { strings: stop_strings(&c.stop), token_ids: self.stop_ids(&c.stop_token_ids)? },
+            logit_bias: self.logit_bias(&c.logit_bias)?,
+            grammar: None,
         }
         .validate()?;
         let stream = c.stream.unwrap_or(false);
@@ -210,6 +266,7 @@ impl Validator {
             echo: false,
             prompt_only: false,
             prompt_logprobs: asked.is_some(),
+            tools: None,
         })
     }
 
@@ -277,7 +334,7 @@ impl Validator {
         ids.as_deref().map_or(Ok(Vec::new()), |ids| self.checked_ids("stop_token_ids", ids))
     }
 
-    pub(crate) fn chat_ids(&self, messages: &[Message]) -> Result<Vec<TokenId>, ApiError> {
+    pub(crate) fn chat_ids(&self, messages: &[Message], tools: Option<&Tools>) -> Result<Vec<TokenId>, ApiError> {
         if messages.is_empty() {
             return Err(ApiError::invalid("messages", "messages must not be empty"));
         }
@@ -287,7 +344,13 @@ impl Validator {
             None => 0,
         });
         self.fits("messages", bytes.sum())?;
-        let turns = messages.iter().map(to_chat_message).collect::<Result<Vec<_>, _>>()?;
+        let mut turns = messages.iter().map(to_chat_message).collect::<Result<Vec<_>, _>>()?;
+        if let Some(t) = tools {
+            match turns.first_mut().filter(|m| m.role == "system") {
+                Some(sys) => sys.content = format!("{}\n\n{}", sys.content, t.prompt()),
+                None => turns.insert(0, ChatMessage::new("system", t.prompt())),
+            }
+        }
         let text = self.chat.render(&turns, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
         let mut ids = self.tokenizer.encode(&text, true);
         if let (true, Some(bos)) = (self.tokenizer.add_bos(), self.tokenizer.bos_id()) {
@@ -317,6 +380,17 @@ fn to_chat_message(m: &Message) -> Result<ChatMessage, ApiError> {
             });
             texts.collect::<Result<Vec<_>, _>>()?.join("\n")
         }
+    };
+    let content = match &m.tool_calls {
+        Some(calls) if !calls.is_null() => {
+            let calls = tools::render_calls(calls)?;
+            if content.is_empty() {
+                calls
+            } else {
+                format!("{content}\n{calls}")
+            }
+        }
+        _ => content,
     };
     Ok(ChatMessage::new(m.role.clone(), content))
 }

@@ -12,8 +12,9 @@ mod kv;
 mod worker_loop;
 
 use kv::{forward, Import, SharedSink};
-use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::batch::BLOCK_SIZE;
+use pdserve_engine::batch::{Engine, EngineConfig};
+use pdserve_engine::grammar::Grammars;
 use pdserve_engine::model::Model;
 use pdserve_kv_transfer::{
     frame, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, Throughput,
@@ -86,6 +87,8 @@ pub struct WorkerOptions {
     /// The cluster's secret: what this worker's KV receivers ask of senders, and what
     /// its links prove to other workers' receivers.
     pub key: ClusterKey,
+    /// Compiles constrained requests' grammars; without it they are refused.
+    pub grammars: Option<Arc<Grammars>>,
 }
 
 /// A cheap handle to a worker in this process.
@@ -135,10 +138,16 @@ impl LocalWorker {
         let frame_bytes = frame::encoded_len_for(frame_elems);
         let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
         let links = Links::new(opts.key);
-        let (engine, eog) = (opts.engine, opts.eog);
-        std::thread::Builder::new()
-            .name(format!("pdserve-{}", opts.name))
-            .spawn(move || worker_loop::run(model, engine, eog, rx, counter))?;
+        let (cfg, eog, grammars) = (opts.engine, opts.eog, opts.grammars);
+        std::thread::Builder::new().name(format!("pdserve-{}", opts.name)).spawn(move || {
+            // Built on its own thread: the engine's pool belongs to it.
+            let engine = Engine::new(model, cfg, eog);
+            let engine = match grammars {
+                Some(g) => engine.with_grammars(g),
+                None => engine,
+            };
+            worker_loop::run(engine, rx, counter)
+        })?;
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
         let inner = Inner {
             info,

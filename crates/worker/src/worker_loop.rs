@@ -1,8 +1,7 @@
 //! The loop that owns an engine: commands in, one step, tokens out, repeat.
 
 use crate::Command;
-use pdserve_engine::batch::{Engine, EngineConfig, EngineError, StepOutput};
-use pdserve_engine::model::Model;
+use pdserve_engine::batch::{Engine, EngineError, StepOutput};
 use pdserve_protocol::{pace, BlockCounts, Event, EventSender, Prefilled, ServeError, Usage, WorkerStats};
 use pdserve_types::RequestId;
 use std::collections::HashMap;
@@ -39,14 +38,8 @@ struct Loop {
     active: Arc<AtomicUsize>,
 }
 
-pub(crate) fn run(
-    model: Arc<Model>,
-    cfg: EngineConfig,
-    eog: Vec<u32>,
-    rx: Receiver<Command>,
-    active: Arc<AtomicUsize>,
-) {
-    let mut l = Loop { engine: Engine::new(model, cfg, eog), streams: HashMap::new(), imports: HashMap::new(), active };
+pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize>) {
+    let mut l = Loop { engine, streams: HashMap::new(), imports: HashMap::new(), active };
     loop {
         let first = if l.engine.has_work() {
             match rx.try_recv() {
@@ -247,9 +240,10 @@ fn serve_error(e: EngineError) -> ServeError {
         EngineError::TooLong { prompt, max_tokens, context } => {
             ServeError::ContextLength { context, prompt, needed: prompt + max_tokens }
         }
-        EngineError::EmptyPrompt | EngineError::BadToken(_) | EngineError::TooLargeForCache { .. } => {
-            ServeError::Invalid(e.to_string())
-        }
+        EngineError::EmptyPrompt
+        | EngineError::BadToken(_)
+        | EngineError::TooLargeForCache { .. }
+        | EngineError::Grammar(_) => ServeError::Invalid(e.to_string()),
         EngineError::NoBlocks | EngineError::Busy => ServeError::Overloaded(e.to_string()),
         EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) | EngineError::Cancelled => {
             ServeError::Internal(e.to_string())

@@ -96,8 +96,13 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        let model =
-            Served { tokenizer: meta.tokenizer, chat: meta.chat, name: meta.name, context_length: meta.context_length };
+        let model = Served {
+            grammars: super::grammars(&meta.tokenizer),
+            tokenizer: meta.tokenizer,
+            chat: meta.chat,
+            name: meta.name,
+            context_length: meta.context_length,
+        };
         http::serve(router, metrics, model, &a.api, &banner).await
     })
 }

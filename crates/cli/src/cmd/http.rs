@@ -12,6 +12,7 @@ use std::time::Duration;
 
 /// What the frontend needs of the model.
 pub struct Served {
+    pub grammars: Option<Arc<pdserve_engine::grammar::Grammars>>,
     pub tokenizer: Arc<Tokenizer>,
     pub chat: Arc<ChatTemplate>,
     pub name: String,
@@ -94,6 +95,7 @@ pub async fn serve(
         metrics.clone(),
     )
     .with_mode(&mode)
+    .with_grammars(model.grammars)
     .with_served_names(api.served_model_names.clone())
     .with_cors(pdserve_frontend::Origins::parse(&api.allowed_origins));
     let listener = tokio::net::TcpListener::bind((api.host.as_str(), api.port))

@@ -10,8 +10,11 @@ pub mod serve;
 pub mod worker;
 
 use anyhow::Context;
+use pdserve_engine::grammar::Grammars;
 use pdserve_engine::loader::{self, LoadedModel, ModelMeta};
+use pdserve_engine::tokenizer::Tokenizer;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Resolves `default` or a path, fetching the default model on first use.
 fn model_path(spec: &str) -> anyhow::Result<PathBuf> {
@@ -26,6 +29,18 @@ fn model_path(spec: &str) -> anyhow::Result<PathBuf> {
 pub fn load_model(spec: &str) -> anyhow::Result<LoadedModel> {
     let path = model_path(spec)?;
     loader::load(&path).with_context(|| format!("cannot load model {}", path.display()))
+}
+
+/// The grammar compiler of a model's vocabulary, for constrained outputs; without
+/// one (a vocabulary llguidance cannot use) such requests are refused with a 400.
+pub fn grammars(tokenizer: &Arc<Tokenizer>) -> Option<Arc<Grammars>> {
+    match Grammars::new(tokenizer.clone()) {
+        Ok(g) => Some(Arc::new(g)),
+        Err(e) => {
+            tracing::warn!(error = %e, "constrained outputs are off");
+            None
+        }
+    }
 }
 
 /// Loads only what a frontend needs of a model.

@@ -77,6 +77,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     // Both ends of every KV link are in this process: a key of its own.
     let key = pdserve_kv_transfer::ClusterKey::random();
+    let grammars = super::grammars(&m.tokenizer);
     let mut workers: Vec<LocalWorker> = Vec::new();
     for (i, role) in roles.iter().enumerate() {
         let name = format!("{role}-{i}");
@@ -87,6 +88,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             engine: EngineConfig { threads, num_blocks: a.kv_blocks, ..Default::default() },
             eog: m.tokenizer.eog_ids().to_vec(),
             key: key.clone(),
+            grammars: grammars.clone(),
         };
         let w = LocalWorker::spawn(opts, m.model.clone(), rt.handle().clone())
             .with_context(|| format!("starting worker {name}"))?;
@@ -112,6 +114,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             .with_telemetry(Arc::new(metrics.clone())),
         );
         let model = Served {
+            grammars: grammars.clone(),
             tokenizer: m.tokenizer.clone(),
             chat: m.chat.clone(),
             name: m.name.clone(),

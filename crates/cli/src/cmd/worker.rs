@@ -66,6 +66,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             engine: EngineConfig { threads: a.threads.max(1), num_blocks: a.kv_blocks, ..Default::default() },
             eog: m.tokenizer.eog_ids().to_vec(),
             key: key.clone(),
+            grammars: super::grammars(&m.tokenizer),
         };
         let worker = LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current())
             .with_context(|| format!("starting worker {name}"))?;

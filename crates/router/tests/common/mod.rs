@@ -36,8 +36,15 @@ pub fn local(name: &str, role: Role, blocks: usize) -> LocalWorker {
         engine: EngineConfig { threads: 1, num_blocks: blocks, ..Default::default() },
         eog: m.tokenizer.eog_ids().to_vec(),
         key: key(),
+        grammars: Some(grammars()),
     };
     LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current()).unwrap()
+}
+
+/// The grammar compiler of the default model, built once.
+pub fn grammars() -> Arc<pdserve_engine::grammar::Grammars> {
+    static G: OnceLock<Arc<pdserve_engine::grammar::Grammars>> = OnceLock::new();
+    G.get_or_init(|| Arc::new(pdserve_engine::grammar::Grammars::new(model().tokenizer.clone()).unwrap())).clone()
 }
 
 /// The cluster secret every test worker and router shares.

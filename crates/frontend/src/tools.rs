@@ -1,0 +1,317 @@
+//! Tool calling on chat, as the OpenAI API defines it: `tools` (functions with JSON
+//! Schema parameters), `tool_choice` and `parallel_tool_calls` in; `tool_calls` and
+//! `finish_reason: "tool_calls"` out; `role: "tool"` results back in the next turn.
+//!
+//! The tools are described to the model in a system message (see [`Tools::prompt`]),
+//! and a call is written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`:
+//! the convention most open chat models are tuned on. A reply is a tool call when it
+//! starts with that tag, so streaming and whole responses decide alike.
+//!
+//! - `"auto"` (the default with tools): the model writes prose or calls, unconstrained;
+//!   calls it writes are parsed.
+//! - `"required"`: the reply is constrained to one or more calls (one with
+//!   `parallel_tool_calls: false`, at most [`MAX_PARALLEL_CALLS`] otherwise), each
+//!   naming a tool, its arguments valid against that tool's `parameters`.
+//! - `{"type": "function", "function": {"name": ...}}`: the same, for that tool alone.
+//! - `"none"`: the tools are not shown to the model and nothing is parsed.
+
+use crate::errors::ApiError;
+use pdserve_types::{Grammar, GrammarSpec};
+use serde_json::{json, Map, Value};
+
+pub const CALL_OPEN: &str = "<tool_call>";
+pub const CALL_CLOSE: &str = "</tool_call>";
+/// Calls in one constrained reply at most.
+pub const MAX_PARALLEL_CALLS: usize = 8;
+
+#[derive(Debug, Clone)]
+pub struct Tools {
+    functions: Vec<Function>,
+    choice: ToolChoice,
+    parallel: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Function {
+    name: String,
+    description: Option<String>,
+    parameters: Value,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    /// The index of the one function to call.
+    Named(usize),
+}
+
+/// A call the model made.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Call {
+    pub name: String,
+    /// The arguments object, as JSON text.
+    pub arguments: String,
+}
+
+/// The request's tools, if it has any; every malformed form is a 400.
+pub fn parse(tools: Option<&Value>, choice: Option<&Value>, parallel: Option<bool>) -> Result<Option<Tools>, ApiError> {
+    let functions = match tools {
+        None | Some(Value::Null) => {
+            let harmless = match choice {
+                None | Some(Value::Null) => true,
+                Some(Value::String(s)) => s == "none" || s == "auto",
+                Some(_) => false,
+            };
+            return if harmless {
+                Ok(None)
+            } else {
+                Err(ApiError::invalid("tool_choice", "tool_choice needs `tools`"))
+            };
+        }
+        Some(Value::Array(list)) => list.iter().map(function).collect::<Result<Vec<_>, _>>()?,
+        Some(_) => return Err(ApiError::invalid("tools", "tools must be a list of {\"type\": \"function\", ...}")),
+    };
+    if functions.is_empty() {
+        return Err(ApiError::invalid("tools", "tools must not be an empty list"));
+    }
+    if let Some(dup) = functions.iter().enumerate().find(|(i, f)| functions[..*i].iter().any(|g| g.name == f.name)) {
+        return Err(ApiError::invalid("tools", format!("two tools are named `{}`", dup.1.name)));
+    }
+    let choice = tool_choice(choice, &functions)?;
+    Ok(Some(Tools { functions, choice, parallel: parallel.unwrap_or(true) }))
+}
+
+fn function(v: &Value) -> Result<Function, ApiError> {
+    let bad = |msg: &str| ApiError::invalid("tools", msg.to_string());
+    if v.get("type").and_then(Value::as_str) != Some("function") {
+        return Err(bad("each tool needs \"type\": \"function\""));
+    }
+    let f = v.get("function").filter(|f| f.is_object()).ok_or_else(|| bad("each tool needs a `function` object"))?;
+    let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
+    let valid = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+    if name.is_empty() || name.len() > 64 || !name.chars().all(valid) {
+        return Err(bad("a function name must be 1 to 64 letters, digits, underscores or dashes"));
+    }
+    let parameters = match f.get("parameters") {
+        None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+        Some(p) if p.is_object() => p.clone(),
+        Some(_) => return Err(bad("a function's `parameters` must be a JSON schema object")),
+    };
+    let description = f.get("description").and_then(Value::as_str).map(String::from);
+    Ok(Function { name: name.to_string(), description, parameters })
+}
+
+fn tool_choice(v: Option<&Value>, functions: &[Function]) -> Result<ToolChoice, ApiError> {
+    const P: &str = "tool_choice";
+    match v {
+        None | Some(Value::Null) => Ok(ToolChoice::Auto),
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => Ok(ToolChoice::None),
+            "auto" => Ok(ToolChoice::Auto),
+            "required" => Ok(ToolChoice::Required),
+            other => Err(ApiError::invalid(
+                P,
+                format!("unknown tool_choice `{other}`; use none, auto, required or a function"),
+            )),
+        },
+        Some(o @ Value::Object(_)) => {
+            let name = o.pointer("/function/name").and_then(Value::as_str);
+            let Some(name) = name.filter(|_| o.get("type").and_then(Value::as_str) == Some("function")) else {
+                return Err(ApiError::invalid(
+                    P,
+                    "tool_choice must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ));
+            };
+            match functions.iter().position(|f| f.name == name) {
+                Some(i) => Ok(ToolChoice::Named(i)),
+                None => Err(ApiError::invalid(P, format!("tool_choice names `{name}`, which is not among the tools"))),
+            }
+        }
+        Some(_) => Err(ApiError::invalid(P, "tool_choice must be a string or an object")),
+    }
+}
+
+impl Tools {
+    /// Whether the model is shown the tools and its reply is read for calls.
+    pub fn active(&self) -> bool {
+        self.choice != ToolChoice::None
+    }
+
+    /// The system message that describes the tools and how to call them.
+    pub fn prompt(&self) -> String {
+        let mut s = String::from(
+            "You can call functions to answer the user. The functions, with JSON Schemas for their arguments:\n<tools>\n",
+        );
+        for f in self.shown() {
+            let mut spec = json!({"name": f.name, "parameters": f.parameters});
+            if let Some(d) = &f.description {
+                spec["description"] = Value::from(d.as_str());
+            }
+            s.push_str(&json!({"type": "function", "function": spec}).to_string());
+            s.push('\n');
+        }
+        s.push_str("</tools>\nTo call a function, reply with nothing but one block per call:\n");
+        s.push_str(&format!(
+            "{CALL_OPEN}\n{{\"name\": \"<function name>\", \"arguments\": {{<arguments>}}}}\n{CALL_CLOSE}"
+        ));
+        s
+    }
+
+    fn shown(&self) -> &[Function] {
+        match self.choice {
+            ToolChoice::Named(i) => &self.functions[i..=i],
+            _ => &self.functions,
+        }
+    }
+
+    /// The constraint of `required` and of a named function: the reply is calls only.
+    pub fn grammar(&self) -> Result<Option<Grammar>, ApiError> {
+        if !matches!(self.choice, ToolChoice::Required | ToolChoice::Named(_)) {
+            return Ok(None);
+        }
+        let mut defs = Map::new();
+        let mut calls = Vec::new();
+        for f in self.shown() {
+            let mut params = f.parameters.clone();
+            // Definitions move to the root, where `#/$defs/...` references resolve.
+            if let Some(Value::Object(d)) = params.as_object_mut().and_then(|p| p.remove("$defs")) {
+                for (k, v) in d {
+                    if defs.get(&k).is_some_and(|old| old != &v) {
+                        return Err(ApiError::invalid("tools", format!("two tools define `$defs/{k}` differently")));
+                    }
+                    defs.insert(k, v);
+                }
+            }
+            calls.push(json!({
+                "type": "object",
+                "properties": {"name": {"const": f.name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": false,
+            }));
+        }
+        let mut schema = if calls.len() == 1 { calls.remove(0) } else { json!({"anyOf": calls}) };
+        if !defs.is_empty() {
+            schema["$defs"] = Value::Object(defs);
+        }
+        pdserve_engine::grammar::compact_json(&mut schema);
+        let more =
+            if self.parallel { format!("(\"\\n\" call){{0,{}}}", MAX_PARALLEL_CALLS - 1) } else { String::new() };
+        let lark = format!(
+            "start: call {more}\ncall: {} %json {schema} {}\n",
+            Value::from(format!("{CALL_OPEN}\n")),
+            Value::from(format!("\n{CALL_CLOSE}"))
+        );
+        Ok(Some(Grammar::new(GrammarSpec::Lark(lark))))
+    }
+
+    /// Whether a reply that starts with `text` may still turn out to be a call.
+    pub fn may_call(&self, text: &str) -> bool {
+        let t = text.trim_start();
+        self.active() && (t.starts_with(CALL_OPEN) || CALL_OPEN.starts_with(t))
+    }
+
+    /// The calls of a reply that is nothing but calls to known tools (whitespace
+    /// aside), or `None`: then the reply is prose.
+    pub fn calls(&self, text: &str) -> Option<Vec<Call>> {
+        if !self.active() {
+            return None;
+        }
+        let mut rest = text.trim();
+        let mut calls = Vec::new();
+        while let Some(after) = rest.strip_prefix(CALL_OPEN) {
+            let (body, tail) = after.split_once(CALL_CLOSE).unwrap_or((after, ""));
+            let v: Value = serde_json::from_str(body.trim()).ok()?;
+            let name = v.get("name")?.as_str()?;
+            if !self.functions.iter().any(|f| f.name == name) {
+                return None;
+            }
+            let args = v.get("arguments").filter(|a| a.is_object())?;
+            calls.push(Call { name: name.to_string(), arguments: args.to_string() });
+            rest = tail.trim_start();
+        }
+        (rest.is_empty() && !calls.is_empty()).then_some(calls)
+    }
+}
+
+/// An assistant turn's earlier calls (its `tool_calls`), written as the model writes
+/// them, so the conversation reads as it happened.
+pub fn render_calls(calls: &Value) -> Result<String, ApiError> {
+    let bad = || ApiError::invalid("messages", "an assistant's tool_calls must be a list of function calls");
+    let list = calls.as_array().ok_or_else(bad)?;
+    let mut out = Vec::new();
+    for c in list {
+        let name = c.pointer("/function/name").and_then(Value::as_str).ok_or_else(bad)?;
+        let args = match c.pointer("/function/arguments") {
+            Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::from(s.as_str())),
+            Some(v) => v.clone(),
+            None => json!({}),
+        };
+        out.push(format!("{CALL_OPEN}\n{}\n{CALL_CLOSE}", json!({"name": name, "arguments": args})));
+    }
+    Ok(out.join("\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn weather() -> Value {
+        json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+            {"type": "function", "function": {"name": "get_time"}}])
+    }
+
+    fn tools(choice: Value) -> Tools {
+        parse(Some(&weather()), Some(&choice), None).unwrap().unwrap()
+    }
+
+    #[test]
+    fn malformed_tools_and_choices_are_400s() {
+        let bad: [(Option<Value>, Option<Value>, &str); 8] = [
+            (Some(json!("notalist")), None, "tools"),
+            (Some(json!([])), None, "tools"),
+            (Some(json!([{"type": "function"}])), None, "tools"),
+            (Some(json!([{"type": "retrieval", "function": {"name": "a"}}])), None, "tools"),
+            (Some(json!([{"type": "function", "function": {"name": "a b"}}])), None, "tools"),
+            (Some(weather()), Some(json!({"type": "function", "function": {"name": "nope"}})), "tool_choice"),
+            (Some(weather()), Some(json!("sometimes")), "tool_choice"),
+            (None, Some(json!("required")), "tool_choice"),
+        ];
+        for (t, c, param) in bad {
+            match parse(t.as_ref(), c.as_ref(), None) {
+                Err(ApiError::Invalid { param: Some(p), .. }) => assert_eq!(p, param, "{t:?} {c:?}"),
+                other => panic!("{t:?} {c:?}: {other:?}"),
+            }
+        }
+        assert!(parse(None, Some(&json!("auto")), None).unwrap().is_none());
+    }
+
+    #[test]
+    fn replies_are_calls_only_when_they_are_nothing_but_calls() {
+        let t = tools(json!("auto"));
+        let one = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+        let calls = t.calls(one).unwrap();
+        assert_eq!(calls, vec![Call { name: "get_weather".into(), arguments: r#"{"city":"Oslo"}"#.into() }]);
+        assert_eq!(t.calls(&format!("{one}\n{one}")).unwrap().len(), 2);
+        assert_eq!(t.calls("It is sunny."), None);
+        assert_eq!(t.calls(&format!("Sure! {one}")), None);
+        assert_eq!(t.calls("<tool_call>{\"name\": \"unknown\", \"arguments\": {}}</tool_call>"), None);
+        assert!(t.may_call("  <tool") && t.may_call("<tool_call>{") && !t.may_call("Hi"));
+        assert_eq!(tools(json!("none")).calls(one), None);
+    }
+
+    #[test]
+    fn required_and_named_choices_constrain_to_calls() {
+        assert!(tools(json!("auto")).grammar().unwrap().is_none());
+        let Some(Grammar { spec: GrammarSpec::Lark(all), .. }) = tools(json!("required")).grammar().unwrap() else {
+            panic!("no grammar")
+        };
+        assert!(all.contains("anyOf") && all.contains("get_time") && all.contains("{0,7}"), "{all}");
+        let named = tools(json!({"type": "function", "function": {"name": "get_time"}}));
+        let Some(Grammar { spec: GrammarSpec::Lark(one), .. }) = named.grammar().unwrap() else { panic!("no grammar") };
+        assert!(!one.contains("get_weather") && !one.contains("anyOf"), "{one}");
+        assert!(!named.prompt().contains("get_weather"));
+    }
+}

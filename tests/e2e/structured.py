@@ -6,6 +6,7 @@ form is a 400 that leaves the server up. Called by test_openai.py for each mode.
 """
 import concurrent.futures
 import json
+import time
 
 import jsonschema
 import openai
@@ -212,6 +213,20 @@ def suite(mode, url, check, curl):
                        json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "frob": 1}))
         assert code == 200, code
 
+    def metrics_recorded():
+        # Workers report their mask times with their stats, about once a second.
+        for _ in range(50):
+            body = curl(url + "/metrics")[1]
+            samples = dict(line.rsplit(" ", 1) for line in body.splitlines() if line and not line.startswith("#"))
+            masks = sum(float(v) for k, v in samples.items() if k.startswith("pdserve_grammar_masks_total"))
+            secs = sum(float(v) for k, v in samples.items() if k.startswith("pdserve_grammar_mask_seconds_total"))
+            if masks > 0:
+                break
+            time.sleep(0.1)
+        assert masks > 0 and secs > 0, (masks, secs)
+        assert float(samples['pdserve_constrained_requests_total{field="response_format"}']) > 0
+        assert float(samples['pdserve_constrained_requests_total{field="tools"}']) > 0
+
     def same_in_every_mode():
         for key in ("schema", "tools"):
             seen = GREEDY.get(key, {})
@@ -229,7 +244,8 @@ def suite(mode, url, check, curl):
     tests = [("schemas_validate", schemas_validate), ("json_object", json_object), ("sdk_parse", sdk_parse),
              ("vllm_extensions", vllm_extensions), ("tools_required_and_named", tools_required_and_named),
              ("tools_auto_both_ways", tools_auto_both_ways), ("tool_round_trip", tool_round_trip),
-             ("streamed_tool_calls", streamed_tool_calls), ("logit_bias", logit_bias), ("bad_inputs", bad_inputs)]
+             ("streamed_tool_calls", streamed_tool_calls), ("logit_bias", logit_bias), ("bad_inputs", bad_inputs),
+             ("metrics_recorded", metrics_recorded)]
     if mode == "aggregated":
         tests.append(("langchain", langchain))
     if mode == "processes":

@@ -52,7 +52,6 @@ impl TokenizerEnv for Vocab {
 /// serves it.
 pub struct Grammars {
     factory: ParserFactory,
-    clock: Arc<MaskClock>,
 }
 
 impl std::fmt::Debug for Grammars {
@@ -72,12 +71,12 @@ impl Grammars {
         let env: TokEnv = Arc::new(Vocab { trie, tokenizer });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Vocabulary(e.to_string()))?;
         factory.quiet();
-        Ok(Grammars { factory, clock: Arc::new(MaskClock::default()) })
+        Ok(Grammars { factory })
     }
 
     /// A fresh constraint at the start of `g`, with its replayed tokens (the tail of
-    /// `prompt`) consumed.
-    pub fn constraint(&self, g: &Grammar, prompt: &[u32]) -> Result<Constraint, GrammarError> {
+    /// `prompt`) consumed; its mask times go to `clock`.
+    pub fn constraint(&self, g: &Grammar, prompt: &[u32], clock: Arc<MaskClock>) -> Result<Constraint, GrammarError> {
         let top = match &g.spec {
             GrammarSpec::JsonSchema(text) => {
                 let mut schema =
@@ -89,7 +88,7 @@ impl Grammars {
             GrammarSpec::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
         };
         let parser = self.factory.create_parser(top).map_err(|e| GrammarError::Invalid(first_line(&e)))?;
-        let mut c = Constraint { matcher: Matcher::new(Ok(parser)), mask: None, clock: self.clock.clone() };
+        let mut c = Constraint { matcher: Matcher::new(Ok(parser)), mask: None, clock };
         let replayed = prompt.len().saturating_sub(g.replayed as usize);
         c.matcher.consume_tokens(&prompt[replayed..]).map_err(|e| GrammarError::Replay(first_line(&e)))?;
         Ok(c)
@@ -97,12 +96,7 @@ impl Grammars {
 
     /// Checks that `g` compiles, as a request is validated.
     pub fn check(&self, g: &Grammar) -> Result<(), GrammarError> {
-        self.constraint(&Grammar::new(g.spec.clone()), &[]).map(drop)
-    }
-
-    /// Time spent computing masks, over every constraint made here.
-    pub fn mask_clock(&self) -> Arc<MaskClock> {
-        self.clock.clone()
+        self.constraint(&Grammar::new(g.spec.clone()), &[], Arc::default()).map(drop)
     }
 }
 

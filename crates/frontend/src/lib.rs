@@ -214,6 +214,10 @@ pub(crate) async fn run<F: Format>(
         Ok(v) => v,
         Err(e) => return reject(tracker, e),
     };
+    if let Some(field) = v.constrained_by {
+        app.metrics.constrained(field);
+        tagged.span.record("constrained_by", field);
+    }
     let format = format(tagged.tag.as_str(), &v);
     let choices = match dispatch(&app, &tagged, tracker, &v).await {
         Ok(c) => c,

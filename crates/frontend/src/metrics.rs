@@ -14,6 +14,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 // Counter names lack `_total`: the encoder appends it.
@@ -31,6 +32,9 @@ const PREFIX_HIT_TOKENS: &str = "pdserve_prefix_hit_tokens";
 const WORKER_ROLE: &str = "pdserve_worker_role";
 const WORKER_UP: &str = "pdserve_worker_up";
 const PAUSED: &str = "pdserve_paused_requests";
+const CONSTRAINED: &str = "pdserve_constrained_requests";
+const GRAMMAR_MASKS: &str = "pdserve_grammar_masks";
+const GRAMMAR_MASK_SECONDS: &str = "pdserve_grammar_mask_seconds";
 
 /// The content type `/metrics` answers with.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -110,6 +114,9 @@ struct Inner {
     worker_role: Family<Label2, Gauge>,
     worker_up: Family<Label1, Gauge>,
     paused: Family<Label1, Gauge>,
+    constrained: Family<Label1, Counter>,
+    grammar_masks: Family<Label1, Counter>,
+    grammar_mask_seconds: Family<Label1, Counter<f64, AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -144,6 +151,9 @@ impl Metrics {
             worker_role: Family::default(),
             worker_up: Family::default(),
             paused: Family::default(),
+            constrained: Family::default(),
+            grammar_masks: Family::default(),
+            grammar_mask_seconds: Family::default(),
         };
         Metrics { inner: Arc::new(inner.registered()) }
     }
@@ -206,6 +216,18 @@ impl Metrics {
             self.inner.kv_blocks.get_or_create(&labels).set(gauge(n));
         }
         self.inner.paused.get_or_create(&[("worker", worker.into())]).set(gauge(s.paused));
+        // The worker reports totals since it started; the counters take the growth.
+        let label = [("worker", worker.into())];
+        let masks = self.inner.grammar_masks.get_or_create(&label);
+        masks.inc_by(s.grammar_masks.saturating_sub(masks.get()));
+        let secs = self.inner.grammar_mask_seconds.get_or_create(&label);
+        secs.inc_by((s.grammar_mask_ns as f64 * 1e-9 - secs.get()).max(0.0));
+    }
+
+    /// A request whose output follows a grammar was accepted; `field` is the request
+    /// field that asked (`response_format`, `guided_json`, `tools`, ...).
+    pub fn constrained(&self, field: &'static str) {
+        self.inner.constrained.get_or_create(&[("field", field.into())]).inc();
     }
 
     /// 1 while `worker` answers (its connection is up and it answers pings), else 0.
@@ -273,6 +295,14 @@ impl Inner {
         r.register(WORKER_ROLE, "1 for each worker's current role", self.worker_role.clone());
         r.register(WORKER_UP, "1 while the worker answers, 0 once it is lost", self.worker_up.clone());
         r.register(PAUSED, "Requests paused because their clients stopped reading", self.paused.clone());
+        r.register(
+            CONSTRAINED,
+            "Requests whose output follows a grammar, by the field that asked",
+            self.constrained.clone(),
+        );
+        r.register(GRAMMAR_MASKS, "Token masks computed for constrained requests", self.grammar_masks.clone());
+        let mask_seconds = self.grammar_mask_seconds.clone();
+        r.register(GRAMMAR_MASK_SECONDS, "Time spent computing token masks", mask_seconds);
         self
     }
 }

@@ -58,6 +58,7 @@ pub async fn middleware(mut req: Request, next: Next) -> Response {
         route = tracing::field::Empty,
         prefill = tracing::field::Empty,
         decode = tracing::field::Empty,
+        constrained_by = tracing::field::Empty,
     );
     req.extensions_mut().insert(Tagged { tag: tag.clone(), span: span.clone() });
     let mut resp = next.run(req).instrument(span).await;

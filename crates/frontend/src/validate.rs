@@ -59,6 +59,8 @@ pub struct ValidRequest {
     pub prompt_logprobs: bool,
     /// Chat: the tools offered, whose calls the reply is read for.
     pub tools: Option<Arc<Tools>>,
+    /// The request field whose grammar constrains the output, if any.
+    pub constrained_by: Option<&'static str>,
 }
 
 /// One prompt: its tokens, and its text when it came as text.
@@ -107,7 +109,9 @@ impl Validator {
         let scored = if echo { top } else { None };
         let mut v = self.finish(model, prompts, max_tokens, top, scored, &req.common)?;
         (v.echo, v.prompt_only) = (echo, prompt_only);
-        v.params.grammar = self.checked(crate::structured::grammar(&req.common)?)?;
+        let found = crate::structured::grammar(&req.common)?;
+        v.constrained_by = found.as_ref().map(|(param, _)| *param);
+        v.params.grammar = self.checked(found)?;
         Ok(v)
     }
 
@@ -147,6 +151,7 @@ impl Validator {
         let max_tokens = self.fit(prompt.len(), explicit, default)?;
         let prompts = vec![ValidPrompt { ids: prompt, text: None }];
         let mut v = self.finish(model, prompts, max_tokens, top, None, &req.common)?;
+        v.constrained_by = grammar.as_ref().map(|(param, _)| *param);
         v.params.grammar = self.checked(grammar)?;
         v.tools = tools.map(Arc::new);
         Ok(v)
@@ -267,6 +272,7 @@ impl Validator {
             prompt_only: false,
             prompt_logprobs: asked.is_some(),
             tools: None,
+            constrained_by: None,
         })
     }
 

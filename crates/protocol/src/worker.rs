@@ -150,4 +150,10 @@ pub struct WorkerStats {
     #[serde(default)]
     pub queued_prompt_tokens: usize,
     pub blocks: BlockCounts,
+    /// Token masks computed for constrained requests since the worker started, and
+    /// their total time in nanoseconds.
+    #[serde(default)]
+    pub grammar_masks: u64,
+    #[serde(default)]
+    pub grammar_mask_ns: u64,
 }

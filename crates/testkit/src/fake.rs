@@ -375,6 +375,7 @@ impl Worker for FakeWorker {
                 paused: 0,
                 queued_prompt_tokens: 0,
                 blocks,
+                ..Default::default()
             })
         })
     }

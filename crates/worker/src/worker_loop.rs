@@ -132,6 +132,8 @@ impl Loop {
                     paused: self.streams.values().filter(|l| l.paused.is_some()).count(),
                     queued_prompt_tokens: s.queued_prompt_tokens,
                     blocks: BlockCounts { free: s.blocks.free, used: s.blocks.used, cached: s.blocks.cached },
+                    grammar_masks: s.masks.0,
+                    grammar_mask_ns: (s.masks.1 * 1e9) as u64,
                 });
             }
         }

@@ -11,7 +11,7 @@ mod transfer;
 pub use pdserve_types::{FinishReason, KvFrame};
 pub use transfer::KvImport;
 
-use crate::grammar::Grammars;
+use crate::grammar::{Grammars, MaskClock};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{ForwardScratch, Model};
@@ -93,6 +93,8 @@ pub struct EngineStats {
     /// Prompt tokens not computed yet, of waiting and running sequences.
     pub queued_prompt_tokens: usize,
     pub blocks: PoolStats,
+    /// Token masks computed for constrained sequences, and their total seconds.
+    pub masks: (u64, f64),
 }
 
 pub struct Engine {
@@ -110,6 +112,8 @@ pub struct Engine {
     next_seed: u64,
     /// Compiles constrained requests' grammars; without it they are refused.
     grammars: Option<Arc<Grammars>>,
+    /// How long this engine's constraints took to compute their masks.
+    masks: Arc<MaskClock>,
 }
 
 impl Engine {
@@ -129,7 +133,13 @@ impl Engine {
             cfg,
             eog,
             grammars: None,
+            masks: Arc::default(),
         }
+    }
+
+    /// Times of the token masks of this engine's constrained sequences.
+    pub fn mask_clock(&self) -> &MaskClock {
+        &self.masks
     }
 
     /// Serves constrained requests (`SamplingParams::grammar`) with `grammars`, which
@@ -161,7 +171,10 @@ impl Engine {
         let constraint = match (&params.grammar, &self.grammars) {
             (None, _) => None,
             (Some(_), None) => return Err(EngineError::Grammar("this engine has no grammar support".into())),
-            (Some(g), Some(gs)) => Some(gs.constraint(g, &prompt).map_err(|e| EngineError::Grammar(e.to_string()))?),
+            (Some(g), Some(gs)) => {
+                let c = gs.constraint(g, &prompt, self.masks.clone());
+                Some(c.map_err(|e| EngineError::Grammar(e.to_string()))?)
+            }
         };
         let seed = self.fresh_seed();
         let mut s = Sequence::new(id, prompt, params, seed);
@@ -236,6 +249,7 @@ impl Engine {
             running: self.running.len(),
             queued_prompt_tokens: self.waiting.iter().chain(self.running.iter()).map(left).sum(),
             blocks: self.blocks.stats(),
+            masks: self.masks.totals(),
         }
     }
 

@@ -155,16 +155,10 @@ fn workers_join_leave_and_come_back_through_the_bucket() {
 
 /// Streams a greedy completion of `prompt`; after `kill_after` text events calls
 /// `kill` once, then reads to the end. Returns the text and whether it ended cleanly.
-fn stream_and_kill(
-    addr: SocketAddr,
-    prompt: &Value,
-    max_tokens: u32,
-    kill_after: usize,
-    kill: impl FnOnce(),
-) -> (String, bool) {
-    let body =
-        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true, "stream": true})
-            .to_string();
+fn stream_and_kill(addr: SocketAddr, body: &Value, kill_after: usize, kill: impl FnOnce()) -> (String, bool) {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let body = body.to_string();
     let mut s = TcpStream::connect(addr).unwrap();
     write!(
         s,
@@ -197,8 +191,16 @@ fn stream_and_kill(
 #[test]
 fn a_decode_worker_killed_mid_stream_moves_its_request_with_identical_text() {
     let prompt = json!([504, 3575, 282, 4649, 314, 4114, 28, 198, 504, 5250]);
-    // Long enough that the stream is still running when the kill comes.
-    let want = complete(one_process().addr, &prompt, 1000);
+    // Long enough that the stream is still running when the kill comes, and
+    // constrained: the new worker's grammar must go on from the tokens sent, not
+    // start over (a JSON list of 300 strings does not fit in 1000 tokens).
+    let schema = json!({"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 300});
+    let body =
+        json!({"prompt": prompt, "max_tokens": 1000, "temperature": 0, "ignore_eos": true, "guided_json": schema});
+    let (status, want) = common::http(one_process().addr, "POST", "/v1/completions", Some(&body));
+    assert_eq!(status, 200, "{want}");
+    let want = serde_json::from_str::<Value>(&want).unwrap()["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(want.starts_with("[\""), "{want}");
     let n = nats();
     let _p = fleet_worker(&n, "prefill", "p-1");
     let d1 = fleet_worker(&n, "decode", "d-1");
@@ -206,7 +208,7 @@ fn a_decode_worker_killed_mid_stream_moves_its_request_with_identical_text() {
     let fe = fleet_frontend(&n, "disaggregated");
     eventually("three workers in the set", || metric(fe.addr, "pdserve_worker_up", "") == 3.0);
     let mut decoders = [d1, d2];
-    let (text, done) = stream_and_kill(fe.addr, &prompt, 1000, 20, || {
+    let (text, done) = stream_and_kill(fe.addr, &body, 20, || {
         // The client reads nothing meanwhile, so the sequence pauses where it is;
         // the fleet record (refreshed each second) tells which worker holds it.
         let mut busy = None;
@@ -350,7 +352,8 @@ fn losing_nats_fails_nothing_in_flight_and_the_fleet_comes_back() {
     eventually("both workers in the set", || metric(fe.addr, "pdserve_worker_up", "") == 2.0);
     let want = complete(fe.addr, &prompt, 300);
     let mut n = Some(n);
-    let (text, done) = stream_and_kill(fe.addr, &prompt, 300, 20, || drop(n.take()));
+    let body = json!({"prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": true});
+    let (text, done) = stream_and_kill(fe.addr, &body, 20, || drop(n.take()));
     assert!(done && text == want, "the stream in flight when NATS went away finished whole");
     assert_eq!(status_of(fe.addr, 2), 200, "new requests are served while NATS is down");
     std::thread::sleep(Duration::from_secs(4));

@@ -105,6 +105,10 @@ impl Job {
         req.params.max_tokens = req.params.max_tokens.saturating_sub(done);
         req.params.min_tokens = req.params.min_tokens.saturating_sub(done);
         req.params.prompt_logprobs = None;
+        // The new worker's matcher consumes the tokens sent before going on.
+        if let Some(g) = req.params.grammar.as_mut() {
+            g.replayed += done;
+        }
         tracing::warn!(reason = why, tokens_sent = done, "worker lost mid-request; moving the request");
         self.router.telemetry.migrated(WORKER_LOST);
         self.router.generate(req)

@@ -17,10 +17,12 @@ use pdserve_bench::openai::{BodyOptions, Endpoint};
 use pdserve_bench::prompt::{PromptKind, TokenRange};
 use pdserve_bench::workload::WorkloadFlags;
 use pdserve_engine::batch::{Engine, EngineConfig};
+use pdserve_engine::grammar::Grammars;
 use pdserve_engine::loader::LoadedModel;
 use pdserve_types::{RequestId, SamplingParams};
 use serde::Serialize;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(clap::Subcommand)]
@@ -32,6 +34,29 @@ pub enum What {
     Load(LoadArgs),
     /// Start every serving topology of a thread budget in turn and compare them.
     Compare(CompareArgs),
+    /// Decode throughput of one engine with a JSON-Schema constraint against none,
+    /// and the time of each token mask.
+    Grammar(GrammarArgs),
+}
+
+#[derive(clap::Args)]
+pub struct GrammarArgs {
+    /// `default` or a path to a GGUF file or safetensors directory.
+    #[arg(long, default_value = "default")]
+    model: String,
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Batch sizes (sequences decoding together).
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    batch: Vec<usize>,
+    /// Tokens generated per sequence.
+    #[arg(long, default_value_t = 128)]
+    decode_tokens: u32,
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -245,6 +270,7 @@ pub fn run(what: What) -> anyhow::Result<()> {
         What::Engine(a) => engine_bench(a),
         What::Load(a) => load(a),
         What::Compare(a) => compare(a),
+        What::Grammar(a) => grammar_bench(a),
     }
 }
 
@@ -347,6 +373,98 @@ fn engine_bench(a: EngineArgs) -> anyhow::Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The constraint of the grammar benchmark: a long list of short strings, which no
+/// sequence finishes within the measured tokens, so every step is constrained.
+const BENCH_SCHEMA: &str =
+    r#"{"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 200, "maxItems": 200}"#;
+
+#[derive(Serialize)]
+struct GrammarRow {
+    threads: usize,
+    batch: usize,
+    plain_tokens_per_s: f64,
+    constrained_tokens_per_s: f64,
+    /// constrained / plain.
+    ratio: f64,
+    mask_p50_us: f64,
+    mask_p99_us: f64,
+}
+
+fn grammar_bench(a: GrammarArgs) -> anyhow::Result<()> {
+    let m = super::load_model(&a.model)?;
+    let grammars = super::grammars(&m.tokenizer).context("the model's vocabulary has no grammar support")?;
+    let prompt = m
+        .tokenizer
+        .encode("<|im_start|>user\nList two hundred words as a JSON array.<|im_end|>\n<|im_start|>assistant\n", true);
+    let grammar = pdserve_types::Grammar::new(pdserve_types::GrammarSpec::JsonSchema(BENCH_SCHEMA.into()));
+    let mut rows = Vec::new();
+    println!("| threads | batch | plain tok/s | json_schema tok/s | ratio | mask p50 µs | mask p99 µs |");
+    println!("|---|---|---|---|---|---|---|");
+    for &batch in &a.batch {
+        let plain = best_of(a.reps, || constrained_decode(&m, &prompt, None, a.threads, batch, a.decode_tokens).0);
+        let mut runs = Vec::new();
+        for _ in 0..a.reps.max(1) {
+            let g = Some((&grammars, &grammar));
+            runs.push(constrained_decode(&m, &prompt, g, a.threads, batch, a.decode_tokens));
+        }
+        let (tps, p50, p99) = runs.into_iter().fold((0.0, 0.0, 0.0), |best, r| if r.0 > best.0 { r } else { best });
+        let row = GrammarRow {
+            threads: a.threads,
+            batch,
+            plain_tokens_per_s: plain,
+            constrained_tokens_per_s: tps,
+            ratio: tps / plain,
+            mask_p50_us: p50 * 1e6,
+            mask_p99_us: p99 * 1e6,
+        };
+        println!(
+            "| {} | {batch} | {plain:.1} | {tps:.1} | {:.3} | {:.1} | {:.1} |",
+            a.threads, row.ratio, row.mask_p50_us, row.mask_p99_us
+        );
+        rows.push(row);
+    }
+    if let Some(path) = &a.out {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Decode tokens per second of `batch` copies of `prompt` (their prefill not
+/// counted), constrained by `grammar` or not; with the mask time p50 and p99 (s).
+fn constrained_decode(
+    m: &LoadedModel,
+    prompt: &[u32],
+    grammar: Option<(&Arc<Grammars>, &pdserve_types::Grammar)>,
+    threads: usize,
+    batch: usize,
+    gen: u32,
+) -> (f64, f64, f64) {
+    let mut e = engine(m, threads, batch * (prompt.len() + gen as usize), batch);
+    let mut p = params(gen);
+    if let Some((gs, g)) = grammar {
+        e = e.with_grammars(gs.clone());
+        p.grammar = Some(g.clone());
+    }
+    for i in 0..batch {
+        if e.add(RequestId(i as u64), prompt.to_vec(), p.clone()).is_err() {
+            return (0.0, 0.0, 0.0);
+        }
+    }
+    let mut started = vec![false; batch];
+    while started.iter().any(|s| !s) && e.has_work() {
+        for o in e.step() {
+            started[o.id.0 as usize] = true;
+        }
+    }
+    let (t, mut n) = (Instant::now(), 0usize);
+    while e.has_work() {
+        n += e.step().len();
+    }
+    let clock = e.mask_clock();
+    (n as f64 / t.elapsed().as_secs_f64(), clock.quantile(0.5), clock.quantile(0.99))
 }
 
 fn best_of(reps: usize, mut f: impl FnMut() -> f64) -> f64 {

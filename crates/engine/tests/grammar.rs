@@ -1,6 +1,6 @@
 //! Constrained decoding on the real model: JSON Schema and regex outputs match their
-//! grammar; a constrained request samples the same tokens alone, batched, chunked and
-//! prefilled on another engine; a request replayed with its tokens so far (a moved
+//! grammar; a constrained request samples the same tokens alone, batched, chunked,
+//! preempted and prefilled on another engine; a request replayed with its tokens so far (a moved
 //! request) continues the grammar; bad grammars and `logit_bias`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -24,8 +24,12 @@ fn grammars() -> Arc<Grammars> {
 }
 
 fn engine(max_batch_tokens: usize) -> Engine {
+    engine_with(256, max_batch_tokens)
+}
+
+fn engine_with(num_blocks: usize, max_batch_tokens: usize) -> Engine {
     let m = model();
-    let cfg = EngineConfig { threads: 1, num_blocks: 256, max_batch_tokens, max_seqs: 16, cache_salt: 0 };
+    let cfg = EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 16, cache_salt: 0 };
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).with_grammars(grammars())
 }
 
@@ -164,6 +168,39 @@ fn constrained_tokens_do_not_depend_on_batching_chunking_or_where_prefill_ran() 
             tokens.extend(d.step().iter().map(|o: &StepOutput| o.sampled.token));
         }
         assert_eq!(tokens, alone, "disaggregated, seed {seed:?}");
+    }
+}
+
+#[test]
+fn a_preempted_constrained_request_resumes_with_the_same_tokens() {
+    // 12 blocks hold 192 tokens; two requests of about 30 + 100 tokens need 17.
+    let long = r#"{"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 200}"#;
+    let reqs: Vec<_> = ["List words.", "List more words."]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut params = constrained(GrammarSpec::JsonSchema(long.into()), 100, Some(i as u64));
+            params.ignore_eos = true;
+            (i as u64 + 1, chat(p), params)
+        })
+        .collect();
+    let mut e = engine_with(12, 256);
+    for (id, p, params) in &reqs {
+        e.add(RequestId(*id), p.clone(), params.clone()).unwrap();
+    }
+    let mut out: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    let mut preempted = false;
+    while e.has_work() {
+        for o in e.step() {
+            out.entry(o.id.0).or_default().push(o.sampled.token);
+        }
+        preempted |= out.len() == 2 && e.stats().waiting == 1;
+    }
+    assert!(preempted, "the small cache never preempted a sequence");
+    for (id, p, params) in &reqs {
+        let alone = run(&mut engine(512), &[(*id, p.clone(), params.clone())]);
+        assert_eq!(out[id], alone[id], "request {id}");
+        assert!(text(&out[id]).starts_with("[\""), "{}", text(&out[id]));
     }
 }
 

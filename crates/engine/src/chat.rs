@@ -19,11 +19,16 @@ const NAME: &str = "chat";
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls, `[{"type": "function", "function": {"name",
+    /// "arguments"}}]` with the arguments as an object, for templates that render
+    /// them (see [`ChatTemplate::writes_tool_calls`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), tool_calls: None }
     }
 }
 
@@ -50,6 +55,8 @@ pub struct ChatTemplate {
     kind: Kind,
     bos: String,
     eos: String,
+    /// The template renders a `tools` list and writes calls as `<tool_call>` blocks.
+    tool_calls: bool,
 }
 
 impl ChatTemplate {
@@ -65,7 +72,8 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.set_unknown_method_callback(py_method);
         env.add_template_owned(NAME, source.to_string()).map_err(ChatError::Compile)?;
-        Ok(ChatTemplate { kind: Kind::Jinja(Box::new(env)), bos: bos.into(), eos: eos.into() })
+        let tool_calls = source.contains("tools") && source.contains("<tool_call>");
+        Ok(ChatTemplate { kind: Kind::Jinja(Box::new(env)), bos: bos.into(), eos: eos.into(), tool_calls })
     }
 
     /// ChatML (`<|im_start|>role\ncontent<|im_end|>\n` per message), for models that
@@ -73,7 +81,7 @@ impl ChatTemplate {
     /// use, so it is the least-bad guess; a model trained on another format will still
     /// answer, less well. Rendered in Rust, so it cannot fail.
     pub fn fallback_chatml() -> Self {
-        ChatTemplate { kind: Kind::ChatMl, bos: String::new(), eos: String::new() }
+        ChatTemplate { kind: Kind::ChatMl, bos: String::new(), eos: String::new(), tool_calls: false }
     }
 
     /// The tokenizer's own template with its BOS and EOS texts, or ChatML without one.
@@ -88,6 +96,25 @@ impl ChatTemplate {
     /// The prompt for `messages`; with `add_generation_prompt`, ending with the header
     /// of the assistant turn the model is to write.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Whether the model's own template shows the model a `tools` list and writes
+    /// calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Hermes and
+    /// Qwen style), the format pdserve parses. Other templates get the tools in a
+    /// system message instead.
+    pub fn writes_tool_calls(&self) -> bool {
+        self.tool_calls
+    }
+
+    /// [`render`](Self::render), with `tools` (OpenAI's list of function definitions)
+    /// given to the template as `tools`.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
         let env = match &self.kind {
             Kind::Jinja(env) => env,
             Kind::ChatMl => return Ok(render_chatml(messages, add_generation_prompt)),
@@ -95,6 +122,7 @@ impl ChatTemplate {
         let template = env.get_template(NAME).map_err(ChatError::Render)?;
         let ctx = context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,
@@ -340,6 +368,24 @@ mod tests {
             "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
         assert_eq!(out, want);
         assert!(!t.render(&user("Hi"), false).unwrap().ends_with("assistant\n"));
+    }
+
+    /// The shape of Hermes- and Qwen-style templates' tool handling.
+    const HERMES: &str = "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    #[test]
+    fn tool_templates_see_the_tools_and_earlier_calls() {
+        let t = ChatTemplate::new(HERMES, "", "").unwrap();
+        assert!(t.writes_tool_calls() && !ChatTemplate::new(SMOL, "", "").unwrap().writes_tool_calls());
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls =
+            Some(serde_json::json!([{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]));
+        let out = t.render_with_tools(&[ChatMessage::new("user", "Hi"), call], Some(&tools), true).unwrap();
+        assert!(out.starts_with("<|im_start|>system\n<tools>{") && out.contains(r#""name": "f""#), "{out}");
+        assert!(out.contains("<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>"), "{out}");
+        // Without tools, the same template renders plain turns.
+        assert!(!t.render(&user("Hi"), true).unwrap().contains("<tools>"));
     }
 
     #[test]

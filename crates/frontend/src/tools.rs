@@ -144,12 +144,8 @@ impl Tools {
         let mut s = String::from(
             "You can call functions to answer the user. The functions, with JSON Schemas for their arguments:\n<tools>\n",
         );
-        for f in self.shown() {
-            let mut spec = json!({"name": f.name, "parameters": f.parameters});
-            if let Some(d) = &f.description {
-                spec["description"] = Value::from(d.as_str());
-            }
-            s.push_str(&json!({"type": "function", "function": spec}).to_string());
+        for tool in self.definitions().as_array().into_iter().flatten() {
+            s.push_str(&tool.to_string());
             s.push('\n');
         }
         s.push_str("</tools>\nTo call a function, reply with nothing but one block per call:\n");
@@ -157,6 +153,19 @@ impl Tools {
             "{CALL_OPEN}\n{{\"name\": \"<function name>\", \"arguments\": {{<arguments>}}}}\n{CALL_CLOSE}"
         ));
         s
+    }
+
+    /// The tools shown to the model, as OpenAI's list, for templates that render
+    /// them.
+    pub fn definitions(&self) -> Value {
+        let list = self.shown().iter().map(|f| {
+            let mut spec = json!({"name": f.name, "parameters": f.parameters});
+            if let Some(d) = &f.description {
+                spec["description"] = Value::from(d.as_str());
+            }
+            json!({"type": "function", "function": spec})
+        });
+        Value::Array(list.collect())
     }
 
     fn shown(&self) -> &[Function] {
@@ -235,22 +244,39 @@ impl Tools {
     }
 }
 
-/// An assistant turn's earlier calls (its `tool_calls`), written as the model writes
-/// them, so the conversation reads as it happened.
-pub fn render_calls(calls: &Value) -> Result<String, ApiError> {
+/// An assistant turn's earlier calls (its `tool_calls`) as (name, arguments), the
+/// arguments an object where their JSON text parses.
+fn earlier_calls(calls: &Value) -> Result<Vec<(&str, Value)>, ApiError> {
     let bad = || ApiError::invalid("messages", "an assistant's tool_calls must be a list of function calls");
     let list = calls.as_array().ok_or_else(bad)?;
-    let mut out = Vec::new();
-    for c in list {
-        let name = c.pointer("/function/name").and_then(Value::as_str).ok_or_else(bad)?;
-        let args = match c.pointer("/function/arguments") {
-            Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::from(s.as_str())),
-            Some(v) => v.clone(),
-            None => json!({}),
-        };
-        out.push(format!("{CALL_OPEN}\n{}\n{CALL_CLOSE}", json!({"name": name, "arguments": args})));
-    }
-    Ok(out.join("\n"))
+    list.iter()
+        .map(|c| {
+            let name = c.pointer("/function/name").and_then(Value::as_str).ok_or_else(bad)?;
+            let args = match c.pointer("/function/arguments") {
+                Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::from(s.as_str())),
+                Some(v) => v.clone(),
+                None => json!({}),
+            };
+            Ok((name, args))
+        })
+        .collect()
+}
+
+/// Earlier calls written as the model writes them, so the conversation reads as it
+/// happened.
+pub fn render_calls(calls: &Value) -> Result<String, ApiError> {
+    let blocks = earlier_calls(calls)?
+        .into_iter()
+        .map(|(name, args)| format!("{CALL_OPEN}\n{}\n{CALL_CLOSE}", json!({"name": name, "arguments": args})));
+    Ok(blocks.collect::<Vec<_>>().join("\n"))
+}
+
+/// Earlier calls as a chat template that renders tools reads them.
+pub fn template_calls(calls: &Value) -> Result<Value, ApiError> {
+    let list = earlier_calls(calls)?
+        .into_iter()
+        .map(|(name, args)| json!({"type": "function", "function": {"name": name, "arguments": args}}));
+    Ok(Value::Array(list.collect()))
 }
 
 #[cfg(test)]
@@ -300,6 +326,21 @@ mod tests {
         assert_eq!(t.calls("<tool_call>{\"name\": \"unknown\", \"arguments\": {}}</tool_call>"), None);
         assert!(t.may_call("  <tool") && t.may_call("<tool_call>{") && !t.may_call("Hi"));
         assert_eq!(tools(json!("none")).calls(one), None);
+    }
+
+    #[test]
+    fn earlier_calls_render_as_text_or_for_templates() {
+        let calls = json!([{"id": "c0", "type": "function", "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]);
+        assert_eq!(
+            render_calls(&calls).unwrap(),
+            "<tool_call>\n{\"name\":\"get_time\",\"arguments\":{\"zone\":\"UTC\"}}\n</tool_call>"
+        );
+        let t = template_calls(&calls).unwrap();
+        assert_eq!(t[0]["function"]["arguments"]["zone"], "UTC", "arguments become an object: {t}");
+        assert!(render_calls(&json!("nope")).is_err() && template_calls(&json!([{"x": 1}])).is_err());
+        let defs = tools(json!({"type": "function", "function": {"name": "get_time"}})).definitions();
+        assert_eq!(defs.as_array().unwrap().len(), 1);
+        assert_eq!(defs[0]["function"]["name"], "get_time");
     }
 
     #[test]

@@ -350,14 +350,21 @@ impl Validator {
             None => 0,
         });
         self.fits("messages", bytes.sum())?;
-        let mut turns = messages.iter().map(to_chat_message).collect::<Result<Vec<_>, _>>()?;
-        if let Some(t) = tools {
+        // A template that renders tools gets them, and earlier calls, as it expects;
+        // others get both as text (the tools in a system message).
+        let native = self.chat.writes_tool_calls();
+        let mut turns = messages.iter().map(|m| to_chat_message(m, native)).collect::<Result<Vec<_>, _>>()?;
+        let definitions = tools.filter(|_| native).map(Tools::definitions);
+        if let Some(t) = tools.filter(|_| !native) {
             match turns.first_mut().filter(|m| m.role == "system") {
                 Some(sys) => sys.content = format!("{}\n\n{}", sys.content, t.prompt()),
                 None => turns.insert(0, ChatMessage::new("system", t.prompt())),
             }
         }
-        let text = self.chat.render(&turns, true).map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+        let text = self
+            .chat
+            .render_with_tools(&turns, definitions.as_ref(), true)
+            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
         let mut ids = self.tokenizer.encode(&text, true);
         if let (true, Some(bos)) = (self.tokenizer.add_bos(), self.tokenizer.bos_id()) {
             if ids.first() != Some(&bos) {
@@ -371,7 +378,7 @@ impl Validator {
     }
 }
 
-fn to_chat_message(m: &Message) -> Result<ChatMessage, ApiError> {
+fn to_chat_message(m: &Message, native_tools: bool) -> Result<ChatMessage, ApiError> {
     let content = match &m.content {
         None => String::new(),
         Some(Content::Text(s)) => s.clone(),
@@ -387,18 +394,17 @@ fn to_chat_message(m: &Message) -> Result<ChatMessage, ApiError> {
             texts.collect::<Result<Vec<_>, _>>()?.join("\n")
         }
     };
-    let content = match &m.tool_calls {
-        Some(calls) if !calls.is_null() => {
+    let mut turn = ChatMessage::new(m.role.clone(), content);
+    match &m.tool_calls {
+        Some(calls) if calls.is_null() => {}
+        Some(calls) if native_tools => turn.tool_calls = Some(tools::template_calls(calls)?),
+        Some(calls) => {
             let calls = tools::render_calls(calls)?;
-            if content.is_empty() {
-                calls
-            } else {
-                format!("{content}\n{calls}")
-            }
+            turn.content = if turn.content.is_empty() { calls } else { format!("{}\n{calls}", turn.content) };
         }
-        _ => content,
-    };
-    Ok(ChatMessage::new(m.role.clone(), content))
+        None => {}
+    }
+    Ok(turn)
 }
 
 /// An optional non-negative count.

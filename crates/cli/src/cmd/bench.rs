@@ -44,6 +44,7 @@ pub struct GrammarArgs {
     /// `default` or a path to a GGUF file or safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
+    /// Compute threads of the engine.
     #[arg(long, default_value_t = 1)]
     threads: usize,
     /// Batch sizes (sequences decoding together).
@@ -52,6 +53,7 @@ pub struct GrammarArgs {
     /// Tokens generated per sequence.
     #[arg(long, default_value_t = 128)]
     decode_tokens: u32,
+    /// Repetitions; the best is reported.
     #[arg(long, default_value_t = 3)]
     reps: usize,
     /// Write the results as JSON here.

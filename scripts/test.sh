@@ -28,7 +28,7 @@ if [ ! -x "$venv/bin/python" ]; then
     fi
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check openai prometheus-client "lm-eval[api]==0.4.13" \
-    jsonschema "langchain-openai==1.7.4"
+    jsonschema "langchain-openai==1.7.4" "nats-py==2.16.0"
 # promtool (Prometheus's own checker) comes with Debian's prometheus package.
 command -v promtool >/dev/null || need_packages "promtool is missing" prometheus
 
@@ -57,7 +57,10 @@ cargo_status=${PIPESTATUS[0]}
 # SDK and curl, stopped by SIGTERM.
 "$venv/bin/python" tests/e2e/test_openai.py ./target/debug/pdserve 2>&1 | tee -a "$log"
 e2e_status=${PIPESTATUS[0]}
+# The NimsForest River ingress, with nats-py playing the forest.
+"$venv/bin/python" tests/e2e/test_river.py ./target/debug/pdserve "$PDSERVE_NATS_SERVER" 2>&1 | tee -a "$log"
+river_status=${PIPESTATUS[0]}
 set -e
 awk '/^test result:/ { p += $4; f += $6 } /^e2e: / { p += $2; f += $4 } END { printf "%d passed, %d failed\n", p, f }' "$log"
 rm -f "$log"
-[ "$cargo_status" -eq 0 ] && [ "$e2e_status" -eq 0 ]
+[ "$cargo_status" -eq 0 ] && [ "$e2e_status" -eq 0 ] && [ "$river_status" -eq 0 ]

@@ -88,6 +88,11 @@ impl Bus {
     }
 
     /// Whether the connection to NATS is up now.
+    /// The NATS connection, for other subjects and streams (the River ingress).
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
     pub fn is_connected(&self) -> bool {
         self.client.connection_state() == async_nats::connection::State::Connected
     }

@@ -9,6 +9,7 @@
 
 mod bus;
 mod follow;
+pub mod forest;
 mod record;
 mod register;
 

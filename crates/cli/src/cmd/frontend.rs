@@ -10,6 +10,7 @@
 
 use super::fleet::NatsArgs;
 use super::http::{self, ApiArgs, Served};
+use super::river;
 use pdserve_fleet::{Change, NatsConfig, NodeId, NodeRecord};
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
@@ -33,6 +34,10 @@ pub struct Args {
     workers: Vec<SocketAddr>,
     #[command(flatten)]
     nats: NatsArgs,
+    /// Also take inference requests from a NimsForest River (JetStream stream RIVER,
+    /// subjects river.infer.>) and answer them with Leaves (docs/nimsforest.md).
+    #[arg(long, requires = "nats")]
+    river: bool,
     /// The model the workers serve (the frontend loads only its tokenizer).
     #[arg(long, default_value = "default")]
     model: String,
@@ -103,7 +108,20 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             name: meta.name,
             context_length: meta.context_length,
         };
-        http::serve(router, metrics, model, &a.api, &banner).await
+        let river = a.nats.config("pdserve-river").filter(|_| a.river);
+        http::serve(router, metrics, model, &a.api, &banner, move |addr| {
+            if let Some(cfg) = river {
+                tokio::spawn(async move {
+                    let bus = pdserve_fleet::Bus::connect_patiently(&cfg).await;
+                    let api = match addr.ip().is_unspecified() {
+                        true => SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), addr.port()),
+                        false => addr,
+                    };
+                    river::run(bus.client(), cfg.replicas, api).await
+                });
+            }
+        })
+        .await
     })
 }
 

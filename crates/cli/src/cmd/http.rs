@@ -84,6 +84,7 @@ pub async fn serve(
     model: Served,
     api: &ApiArgs,
     banner: &str,
+    after_bind: impl FnOnce(std::net::SocketAddr),
 ) -> anyhow::Result<Stopped> {
     let mode = format!("{:?}", router.mode()).to_lowercase();
     let frontend = Frontend::new(
@@ -102,6 +103,7 @@ pub async fn serve(
         .await
         .with_context(|| format!("cannot listen on {}:{}", api.host, api.port))?;
     let addr = listener.local_addr()?;
+    after_bind(addr);
     let first_signal = signal();
     tracing::info!(
         "pdserve: serving {} ({} mode, {banner}) at http://{addr}/v1 — try: curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'",

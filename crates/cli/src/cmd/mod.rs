@@ -6,6 +6,7 @@ mod http;
 pub use http::Stopped;
 mod probe;
 pub mod pull;
+mod river;
 pub mod serve;
 pub mod worker;
 

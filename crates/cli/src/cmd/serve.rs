@@ -124,7 +124,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             "workers: {}, {threads} thread(s) each",
             roles.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
         );
-        http::serve(router, metrics, model, &a.api, &banner).await
+        http::serve(router, metrics, model, &a.api, &banner, |_| {}).await
     })
 }
 

@@ -1,0 +1,317 @@
+//! The River ingress (`pdserve frontend --nats URL --river`): inference requests a
+//! NimsForest forest puts on its JetStream stream `RIVER` under `river.infer.>` are
+//! taken by the durable pull consumer `infer-request-parser` (shared by every
+//! frontend), served through this frontend's own OpenAI API, and answered with Leaves.
+//! See `docs/nimsforest.md` for the formats and the delivery contract.
+//!
+//! Delivery: a message is acknowledged once its result Leaf is published (progress
+//! acks keep it ours while it runs), so a frontend that dies mid-request leaves it
+//! to another one. The key `req.<request_id>` in the bucket `INFER_REQ` says
+//! `running` from the start and `done` at the end: a copy of a finished request is
+//! dropped, a second copy published while the first runs waits, and a redelivery
+//! (the first owner died or gave it back) takes over.
+
+use async_nats::jetstream::consumer::{pull, AckPolicy};
+use async_nats::jetstream::message::{AckKind, Message};
+use async_nats::jetstream::{self, kv, stream};
+use async_nats::Client;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use pdserve_fleet::forest::{self, ForestRequest, Leaf, Unusable};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+
+const STREAM: &str = "RIVER";
+const FILTER: &str = "river.infer.>";
+const DURABLE: &str = "infer-request-parser";
+/// The bucket of finished request ids.
+const DONE_BUCKET: &str = "INFER_REQ";
+const SOURCE: &str = "tree:infer-request-parser";
+/// How long a message is ours without an ack; progress acks renew it.
+const ACK_WAIT: Duration = Duration::from_secs(30);
+const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+/// Deliveries of one message before it is given up as failed.
+const MAX_DELIVER: i64 = 5;
+/// The pause before a message refused for a passing reason (overload) comes again.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+/// Requests from the River served at once by this frontend.
+const IN_FLIGHT: usize = 64;
+
+/// Consumes the River until the process ends; the API answers at `api`.
+pub async fn run(client: Client, replicas: usize, api: SocketAddr) {
+    loop {
+        match consume(&client, replicas, api).await {
+            Ok(()) => tracing::warn!("the River consumer ended; starting it again"),
+            Err(e) => tracing::warn!(error = %e, "the River consumer failed; starting it again"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+async fn consume(client: &Client, replicas: usize, api: SocketAddr) -> anyhow::Result<()> {
+    let js = jetstream::new(client.clone());
+    // The forest's own settings, should it not have made the stream yet.
+    let river = js
+        .get_or_create_stream(stream::Config {
+            name: STREAM.into(),
+            subjects: vec!["river.>".into()],
+            storage: stream::StorageType::File,
+            retention: stream::RetentionPolicy::WorkQueue,
+            max_age: Duration::from_secs(24 * 3600),
+            max_messages: 100_000,
+            discard: stream::DiscardPolicy::Old,
+            num_replicas: replicas,
+            ..Default::default()
+        })
+        .await?;
+    let consumer = river
+        .get_or_create_consumer(
+            DURABLE,
+            pull::Config {
+                durable_name: Some(DURABLE.into()),
+                filter_subject: FILTER.into(),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: ACK_WAIT,
+                max_deliver: MAX_DELIVER,
+                ..Default::default()
+            },
+        )
+        .await?;
+    let done = match js.get_key_value(DONE_BUCKET).await {
+        Ok(store) => store,
+        Err(_) => {
+            js.create_key_value(kv::Config {
+                bucket: DONE_BUCKET.into(),
+                history: 1,
+                max_age: Duration::from_secs(24 * 3600),
+                storage: stream::StorageType::File,
+                num_replicas: replicas,
+                ..Default::default()
+            })
+            .await?
+        }
+    };
+    tracing::info!(stream = STREAM, consumer = DURABLE, "taking inference requests from the River");
+    let ctx = Arc::new(Ctx { client: client.clone(), done, api });
+    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+    let mut messages = consumer.messages().await?;
+    while let Some(msg) = messages.next().await {
+        let msg = msg?;
+        let permit = slots.clone().acquire_owned().await?;
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            ctx.handle(msg).await;
+            drop(permit);
+        });
+    }
+    Ok(())
+}
+
+const RUNNING: &[u8] = b"running";
+const DONE: &[u8] = b"done";
+
+enum Claim {
+    Run,
+    /// Finished before: this copy is dropped.
+    Finished,
+    /// Another copy of it runs now: this one comes back later.
+    Running,
+}
+
+struct Ctx {
+    client: Client,
+    done: kv::Store,
+    api: SocketAddr,
+}
+
+/// How serving a request through the API ended.
+enum Served {
+    /// 200: the OpenAI response object.
+    Answer(Value),
+    /// The request itself is wrong (a 4xx other than 429): its error message.
+    Refused(String),
+    /// Worth another try later (429, 503, a broken connection): why.
+    Passing(String),
+}
+
+impl Ctx {
+    async fn handle(&self, msg: Message) {
+        let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
+        let req = match forest::parse_river(&msg.payload) {
+            Ok(r) => r,
+            Err(u) => return self.reject(&msg, u).await,
+        };
+        let key = format!("req.{}", req.request_id);
+        match self.claim(&key, delivered).await {
+            Claim::Run => {}
+            Claim::Finished => {
+                tracing::info!(request_id = %req.request_id, "a finished River request came again; dropped");
+                return ack(&msg, AckKind::Ack).await;
+            }
+            Claim::Running => return ack(&msg, AckKind::Nak(Some(RETRY_AFTER))).await,
+        }
+        if let Some(late) = past_deadline(&req, &msg) {
+            let u = Unusable { request_id: Some(req.request_id.clone()), reason: late, context: req.context.clone() };
+            return self.reject(&msg, u).await;
+        }
+        self.publish(Leaf::new("infer.request.accepted", SOURCE, event(&req, json!({"ingress": "river"})))).await;
+        let t0 = Instant::now();
+        let served = self.serve_with_progress(&req, &msg).await;
+        let e2e_ms = t0.elapsed().as_secs_f64() * 1e3;
+        match served {
+            Served::Answer(mut response) => {
+                let obj = response.as_object_mut();
+                if let Some(o) = obj {
+                    o.insert("request_id".into(), Value::from(req.request_id.as_str()));
+                    o.insert("context".into(), req.context.clone());
+                    o.insert("timings".into(), json!({"e2e_ms": e2e_ms}));
+                }
+                self.publish(Leaf::new(req.reply_to.clone(), SOURCE, response.clone())).await;
+                self.publish(Leaf::new("infer.request.completed", SOURCE, response)).await;
+                self.finish(&key, &msg, AckKind::Ack).await;
+            }
+            Served::Refused(why) => {
+                let u =
+                    Unusable { request_id: Some(req.request_id.clone()), reason: why, context: req.context.clone() };
+                self.publish_rejected(&msg, u).await;
+                self.finish(&key, &msg, AckKind::Term).await;
+            }
+            Served::Passing(why) if delivered < MAX_DELIVER => {
+                tracing::warn!(request_id = %req.request_id, reason = %why, "River request not served now; again later");
+                ack(&msg, AckKind::Nak(Some(RETRY_AFTER))).await;
+            }
+            Served::Passing(why) => {
+                let data = event(&req, json!({"error": why, "deliveries": delivered}));
+                self.publish(Leaf::new("infer.request.failed", SOURCE, data)).await;
+                self.finish(&key, &msg, AckKind::Term).await;
+            }
+        }
+    }
+
+    /// Whether this delivery runs the request: its key is created `running`, or taken
+    /// over when this is a redelivery of one left `running`.
+    async fn claim(&self, key: &str, delivered: i64) -> Claim {
+        if self.done.create(key, Bytes::from_static(RUNNING)).await.is_ok() {
+            return Claim::Run;
+        }
+        match self.done.get(key).await {
+            Ok(Some(v)) if v.as_ref() == DONE => Claim::Finished,
+            Ok(Some(_)) if delivered == 1 => Claim::Running,
+            _ => {
+                let _ = self.done.put(key, Bytes::from_static(RUNNING)).await;
+                Claim::Run
+            }
+        }
+    }
+
+    /// Serves `req`, telling JetStream every [`PROGRESS_EVERY`] that the message is
+    /// still being worked on.
+    async fn serve_with_progress(&self, req: &ForestRequest, msg: &Message) -> Served {
+        let call = serve(self.api, req);
+        tokio::pin!(call);
+        loop {
+            tokio::select! {
+                served = &mut call => return served,
+                _ = tokio::time::sleep(PROGRESS_EVERY) => ack(msg, AckKind::Progress).await,
+            }
+        }
+    }
+
+    /// Records `key` as finished, then acknowledges the message with `kind` (`Term`
+    /// for one that failed: it is not delivered again).
+    async fn finish(&self, key: &str, msg: &Message, kind: AckKind) {
+        if let Err(e) = self.done.put(key, Bytes::from_static(DONE)).await {
+            tracing::warn!(key, error = %e, "cannot record a finished River request");
+        }
+        ack(msg, kind).await;
+    }
+
+    /// A message that is not a usable request: a rejected Leaf, and no redelivery.
+    async fn reject(&self, msg: &Message, u: Unusable) {
+        self.publish_rejected(msg, u).await;
+        ack(msg, AckKind::Term).await;
+    }
+
+    async fn publish_rejected(&self, msg: &Message, u: Unusable) {
+        tracing::info!(request_id = ?u.request_id, reason = %u.reason, "River request rejected");
+        let data = json!({"request_id": u.request_id, "error": u.reason, "context": u.context, "ingress": "river",
+                          "river_subject": msg.subject.as_str()});
+        self.publish(Leaf::new("infer.request.rejected", SOURCE, data)).await;
+    }
+
+    async fn publish(&self, leaf: Leaf) {
+        if let Err(e) = self.client.publish(leaf.subject.clone(), leaf.to_bytes().into()).await {
+            tracing::warn!(subject = %leaf.subject, error = %e, "cannot publish a Leaf");
+        }
+    }
+}
+
+/// A lifecycle Leaf's data: the request's id, endpoint and context, and `extra`.
+fn event(req: &ForestRequest, extra: Value) -> Value {
+    let mut data = json!({"request_id": req.request_id, "api": req.api, "model": req.body.get("model"),
+                          "priority": req.priority, "context": req.context});
+    if let (Some(d), Value::Object(e)) = (data.as_object_mut(), extra) {
+        d.extend(e);
+    }
+    data
+}
+
+async fn ack(msg: &Message, kind: AckKind) {
+    if let Err(e) = msg.ack_with(kind).await {
+        tracing::warn!(error = %e, "cannot acknowledge a River message");
+    }
+}
+
+/// Why `req` may no longer start: its `deadline_ms` after the River took it passed.
+fn past_deadline(req: &ForestRequest, msg: &Message) -> Option<String> {
+    let limit = req.deadline_ms?;
+    let published = msg.info().ok()?.published.unix_timestamp_nanos();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?.as_nanos() as i128;
+    let waited_ms = (now - published) / 1_000_000;
+    (waited_ms >= i128::from(limit)).then(|| format!("deadline_ms {limit} passed before it started ({waited_ms} ms)"))
+}
+
+/// Sends `req` to the API on `api` (loopback), as a client would.
+async fn serve(api: SocketAddr, req: &ForestRequest) -> Served {
+    let mut body = req.body.clone();
+    if let Some(o) = body.as_object_mut() {
+        // Leaves carry whole answers; token streams are not served from the River.
+        o.insert("stream".into(), Value::Bool(false));
+    }
+    let request = hyper::Request::post(req.api.path())
+        .header(hyper::header::HOST, api.to_string())
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .header("x-request-id", &req.request_id)
+        .body(Full::new(Bytes::from(body.to_string())));
+    let Ok(request) = request else { return Served::Refused("the request cannot be sent".into()) };
+    let response = async {
+        let stream = tokio::net::TcpStream::connect(api).await.map_err(|e| e.to_string())?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let resp = sender.send_request(request).await.map_err(|e| e.to_string())?;
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok::<_, String>((status, bytes))
+    };
+    match response.await {
+        Err(e) => Served::Passing(format!("the API did not answer: {e}")),
+        Ok((200, bytes)) => match serde_json::from_slice(&bytes) {
+            Ok(v) => Served::Answer(v),
+            Err(e) => Served::Passing(format!("the API's answer is not JSON: {e}")),
+        },
+        Ok((status, bytes)) => {
+            let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            let msg = v["error"]["message"].as_str().unwrap_or("no message").to_string();
+            match status {
+                429 | 500..=599 => Served::Passing(format!("{status}: {msg}")),
+                _ => Served::Refused(format!("{status}: {msg}")),
+            }
+        }
+    }
+}

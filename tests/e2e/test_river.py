@@ -1,0 +1,209 @@
+"""NimsForest ingress end to end, with nats-py playing the forest: a real nats-server
+with JetStream, one `pdserve worker` and `pdserve frontend --nats URL --river`.
+
+The forest creates its River stream as NimsForest does, publishes RiverData as an
+`http_webhook` Source would (and a bare request with the `nimsforest` object),
+listens on the reply subjects and on `infer.request.>`, validates every Leaf by
+NimsForest's rules, and checks the answer equals the HTTP API's for the same greedy
+request. Bad input is rejected with a Leaf and never redelivered; a request whose
+deadline passed is rejected, not run; a request published twice is answered once.
+
+Usage: python3 tests/e2e/test_river.py PATH_TO_PDSERVE PATH_TO_NATS_SERVER
+"""
+import asyncio
+import base64
+import datetime
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import nats
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+PDSERVE, NATS_SERVER = sys.argv[1], sys.argv[2]
+RESULTS = []
+TS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z$")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_leaf(msg):
+    """NimsForest's Leaf.Validate, plus our own promise: UTC with fractional seconds."""
+    leaf = json.loads(msg.data)
+    assert set(leaf) == {"subject", "data", "source", "ts"}, leaf
+    assert leaf["subject"] == msg.subject, (leaf["subject"], msg.subject)
+    assert leaf["source"] and TS.match(leaf["ts"]), leaf
+    return leaf
+
+
+def river_data(payload):
+    data = base64.b64encode(json.dumps(payload).encode()).decode()
+    ts = datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return json.dumps({"subject": "river.infer.requests", "data": data, "ts": ts}).encode()
+
+
+def http_answer(url, path, body):
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+async def main():
+    tmp = tempfile.mkdtemp()
+    nats_port, http_port = free_port(), free_port()
+    url = f"nats://127.0.0.1:{nats_port}"
+    procs = [subprocess.Popen([NATS_SERVER, "-js", "-sd", tmp, "-p", str(nats_port), "-a", "127.0.0.1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    time.sleep(0.5)
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    # The forest's own River, made first as NimsForest makes it.
+    await js.add_stream(StreamConfig(name="RIVER", subjects=["river.>"], storage=StorageType.FILE,
+                                     retention=RetentionPolicy.WORK_QUEUE, max_age=24 * 3600, max_msgs=100_000,
+                                     discard=DiscardPolicy.OLD))
+    token = os.path.join(tmp, "token")
+    with open(token, "w") as f:
+        f.write(os.urandom(24).hex())
+    procs.append(subprocess.Popen([PDSERVE, "worker", "--role", "mixed", "--listen", "127.0.0.1:0", "--nats", url,
+                                   "--cluster-token-file", token], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    procs.append(subprocess.Popen([PDSERVE, "frontend", "--nats", url, "--river", "--mode", "aggregated",
+                                   "--port", str(http_port), "--cluster-token-file", token],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    api = f"http://127.0.0.1:{http_port}"
+    for _ in range(600):
+        try:
+            # Up once it serves a completion (its worker joined through NATS).
+            http_answer(api, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+            break
+        except Exception:
+            await asyncio.sleep(0.1)
+    leaves = {}  # subject -> [leaf]
+
+    async def collect(msg):
+        try:
+            leaf = check_leaf(msg)
+        except AssertionError as e:
+            leaf = {"invalid": str(e)}
+        leaves.setdefault(msg.subject, []).append(leaf)
+
+    await nc.subscribe("infer.>", cb=collect)
+    await nc.subscribe("forest.replies.>", cb=collect)
+
+    async def wait_for(subject, n=1, timeout=60):
+        t = time.time()
+        while len(leaves.get(subject, [])) < n:
+            assert time.time() - t < timeout, f"no Leaf on {subject}; have {sorted(leaves)}"
+            await asyncio.sleep(0.05)
+        return leaves[subject]
+
+    async def check(name, coro):
+        try:
+            await coro
+            RESULTS.append((name, None))
+            print(f"ok   river/{name}", flush=True)
+        except Exception as e:
+            RESULTS.append((name, e))
+            print(f"FAIL river/{name}: {e!r}", flush=True)
+
+    chat = {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 12, "temperature": 0}
+
+    async def webhook_round_trip():
+        hook = {"headers": {"X-Request-Id": "hook-1", "X-Reply-To": "forest.replies.hook-1"}, "body": chat,
+                "timestamp": "2026-01-15T12:00:00Z", "source": "infer-api"}
+        await js.publish("river.infer.requests", river_data(hook))
+        [result] = await wait_for("forest.replies.hook-1")
+        want = http_answer(api, "/v1/chat/completions", chat)
+        assert result["data"]["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        assert result["data"]["request_id"] == "hook-1" and result["source"] == "tree:infer-request-parser"
+        assert result["data"]["timings"]["e2e_ms"] > 0
+        accepted = [l for l in await wait_for("infer.request.accepted") if l["data"]["request_id"] == "hook-1"]
+        completed = [l for l in await wait_for("infer.request.completed") if l["data"]["request_id"] == "hook-1"]
+        assert len(accepted) == 1 and len(completed) == 1, (accepted, completed)
+
+    async def bare_request_with_context():
+        body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+                "nimsforest": {"request_id": "bare-2", "context": {"chat_id": 42}}}
+        await js.publish("river.infer.requests", json.dumps(body).encode())  # no envelope: lenient
+        [result] = await wait_for("infer.result.bare-2")
+        want = http_answer(api, "/v1/completions", {k: v for k, v in body.items() if k != "nimsforest"})
+        assert result["data"]["choices"][0]["text"] == want["choices"][0]["text"], result
+        assert result["data"]["context"] == {"chat_id": 42}
+
+    async def bad_input_is_rejected_once():
+        before = len(leaves.get("infer.request.rejected", []))
+        bad = [b"not json at all",
+               json.dumps({"subject": "river.infer.requests", "data": "%%%", "ts": "x"}).encode(),
+               river_data({"model": "m", "nimsforest": {"request_id": "bad-body"}}),
+               river_data({"prompt": "hi", "max_tokens": -1, "nimsforest": {"request_id": "bad-max"}}),
+               river_data({"prompt": "word " * 20000, "nimsforest": {"request_id": "bad-long"}})]
+        for b in bad:
+            await js.publish("river.infer.requests", b)
+        rejected = await wait_for("infer.request.rejected", before + len(bad))
+        ids = {l["data"]["request_id"] for l in rejected}
+        assert {"bad-body", "bad-max", "bad-long"} <= ids, ids
+        assert all(l["data"]["error"] for l in rejected)
+        await asyncio.sleep(2)
+        assert len(leaves["infer.request.rejected"]) == before + len(bad), "a bad message came back"
+        info = await js.consumer_info("RIVER", "infer-request-parser")
+        assert info.num_pending == 0 and info.num_ack_pending == 0, info
+        # The server is still up.
+        assert http_answer(api, "/v1/completions", {"prompt": "x", "max_tokens": 1})["choices"]
+
+    async def deadline_passed_is_rejected_not_run():
+        body = {"prompt": "late", "max_tokens": 4, "nimsforest": {"request_id": "late-3", "deadline_ms": 0}}
+        await js.publish("river.infer.requests", river_data(body))
+        for _ in range(100):
+            if any(l["data"]["request_id"] == "late-3" for l in leaves.get("infer.request.rejected", [])):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("no rejection for a passed deadline")
+        await asyncio.sleep(1)
+        assert "infer.result.late-3" not in leaves
+
+    async def twice_published_answered_once():
+        body = {"prompt": "Once", "max_tokens": 8, "temperature": 0, "nimsforest": {"request_id": "twice-4"}}
+        await js.publish("river.infer.requests", river_data(body))
+        await js.publish("river.infer.requests", river_data(body))
+        await wait_for("infer.result.twice-4")
+        await asyncio.sleep(3)
+        assert len(leaves["infer.result.twice-4"]) == 1, leaves["infer.result.twice-4"]
+
+    try:
+        await check("webhook_round_trip", webhook_round_trip())
+        await check("bare_request_with_context", bare_request_with_context())
+        await check("bad_input_is_rejected_once", bad_input_is_rejected_once())
+        await check("deadline_passed_is_rejected_not_run", deadline_passed_is_rejected_not_run())
+        await check("twice_published_answered_once", twice_published_answered_once())
+        invalid = [l for ls in leaves.values() for l in ls if "invalid" in l]
+        await check("every_leaf_valid", asyncio.sleep(0) if not invalid else _fail(invalid))
+    finally:
+        await nc.close()
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    failed = sum(1 for _, e in RESULTS if e)
+    print(f"e2e: {len(RESULTS) - failed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+async def _fail(what):
+    raise AssertionError(what)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -7,6 +7,9 @@ listens on the reply subjects and on `infer.request.>`, validates every Leaf by
 NimsForest's rules, and checks the answer equals the HTTP API's for the same greedy
 request. Bad input is rejected with a Leaf and never redelivered; a request whose
 deadline passed is rejected, not run; a request published twice is answered once.
+Leaves on the Wind (`infer.request.submit`, as a NATS request and as a plain
+publish) are answered the same way. Last, 1000 River requests with a second
+frontend running and the first killed (-9) mid-run: every one answered exactly once.
 
 Usage: python3 tests/e2e/test_river.py PATH_TO_PDSERVE PATH_TO_NATS_SERVER
 """
@@ -77,9 +80,12 @@ async def main():
         f.write(os.urandom(24).hex())
     procs.append(subprocess.Popen([PDSERVE, "worker", "--role", "mixed", "--listen", "127.0.0.1:0", "--nats", url,
                                    "--cluster-token-file", token], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    procs.append(subprocess.Popen([PDSERVE, "frontend", "--nats", url, "--river", "--mode", "aggregated",
-                                   "--port", str(http_port), "--cluster-token-file", token],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    def frontend(port):
+        return subprocess.Popen([PDSERVE, "frontend", "--nats", url, "--river", "--mode", "aggregated",
+                                 "--port", str(port), "--cluster-token-file", token],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    procs.append(frontend(http_port))
     api = f"http://127.0.0.1:{http_port}"
     for _ in range(600):
         try:
@@ -91,6 +97,8 @@ async def main():
     leaves = {}  # subject -> [leaf]
 
     async def collect(msg):
+        if msg.subject == "infer.request.submit":
+            return  # the forest's own requests, some invalid on purpose
         try:
             leaf = check_leaf(msg)
         except AssertionError as e:
@@ -180,12 +188,64 @@ async def main():
         await asyncio.sleep(3)
         assert len(leaves["infer.result.twice-4"]) == 1, leaves["infer.result.twice-4"]
 
+    def submit_leaf(data, subject="infer.request.submit"):
+        ts = datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+        return json.dumps({"subject": subject, "data": data, "source": "treehouse:test", "ts": ts}).encode()
+
+    async def wind_submit():
+        # As a NATS request: accepted at once, answered as Leaves.
+        data = {"request_id": "wind-5", "messages": chat["messages"], "params": {"max_tokens": 12, "temperature": 0},
+                "reply_to": "forest.replies.wind-5", "context": {"tree": "house"}}
+        reply = json.loads((await nc.request("infer.request.submit", submit_leaf(data), timeout=10)).data)
+        assert reply == {"accepted": True, "request_id": "wind-5"}, reply
+        [result] = await wait_for("forest.replies.wind-5")
+        want = http_answer(api, "/v1/chat/completions", chat)
+        assert result["data"]["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        assert result["data"]["context"] == {"tree": "house"} and result["data"]["ingress"] == "wind"
+        # A plain publish, as a Lua TreeHouse drops it; and a copy of a finished one.
+        await nc.publish("infer.request.submit", submit_leaf({"request_id": "wind-6", "prompt": "Hi", "max_tokens": 3}))
+        await wait_for("infer.result.wind-6")
+        reply = json.loads((await nc.request("infer.request.submit", submit_leaf(data), timeout=10)).data)
+        assert reply.get("duplicate") is True, reply
+        # Not a valid Leaf (its subject is not the NATS subject): refused, with a Leaf.
+        bad = json.loads((await nc.request("infer.request.submit", submit_leaf(data, "elsewhere"), timeout=10)).data)
+        assert bad["accepted"] is False and bad["error"], bad
+        await asyncio.sleep(1)
+        assert len(leaves["forest.replies.wind-5"]) == 1
+
+    async def thousand_with_a_frontend_killed():
+        second = frontend(free_port())
+        procs.append(second)
+        await asyncio.sleep(3)  # the second frontend joins the consumer
+        n = 1000
+        for i in range(n):
+            body = {"prompt": f"Count {i}:", "max_tokens": 2, "temperature": 0, "nimsforest": {"request_id": f"k-{i}"}}
+            await js.publish("river.infer.requests", river_data(body))
+        got = lambda: sum(1 for s in leaves if s.startswith("infer.result.k-"))
+        t = time.time()
+        while got() < n // 3:
+            assert time.time() - t < 120, got()
+            await asyncio.sleep(0.05)
+        procs[2].kill()  # the first frontend, mid-run
+        while got() < n:
+            assert time.time() - t < 240, f"{got()} of {n} answered"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2)
+        counts = [len(leaves.get(f"infer.result.k-{i}", [])) for i in range(n)]
+        assert all(c == 1 for c in counts), [i for i, c in enumerate(counts) if c != 1]
+        rejected = [l for l in leaves.get("infer.request.rejected", []) if str(l["data"]["request_id"]).startswith("k-")]
+        failed = [l for l in leaves.get("infer.request.failed", []) if str(l["data"]["request_id"]).startswith("k-")]
+        assert not rejected and not failed, (rejected[:3], failed[:3])
+        print(f"     {n} River requests answered once each in {time.time() - t:.1f} s", flush=True)
+
     try:
         await check("webhook_round_trip", webhook_round_trip())
         await check("bare_request_with_context", bare_request_with_context())
         await check("bad_input_is_rejected_once", bad_input_is_rejected_once())
         await check("deadline_passed_is_rejected_not_run", deadline_passed_is_rejected_not_run())
         await check("twice_published_answered_once", twice_published_answered_once())
+        await check("wind_submit", wind_submit())
+        await check("thousand_with_a_frontend_killed", thousand_with_a_frontend_killed())
         invalid = [l for ls in leaves.values() for l in ls if "invalid" in l]
         await check("every_leaf_valid", asyncio.sleep(0) if not invalid else _fail(invalid))
     finally:

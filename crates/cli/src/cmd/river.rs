@@ -32,15 +32,21 @@ const DURABLE: &str = "infer-request-parser";
 /// The bucket of finished request ids.
 const DONE_BUCKET: &str = "INFER_REQ";
 const SOURCE: &str = "tree:infer-request-parser";
-/// How long a message is ours without an ack; progress acks renew it.
-const ACK_WAIT: Duration = Duration::from_secs(30);
-const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+/// The Wind subject of requests, and the queue group frontends share on it.
+const SUBMIT: &str = "infer.request.submit";
+const QUEUE: &str = "infer-router";
+/// How long a message is ours without an ack (progress acks renew it): also how
+/// long the requests of a frontend that died wait before another one takes them.
+const ACK_WAIT: Duration = Duration::from_secs(10);
+const PROGRESS_EVERY: Duration = Duration::from_secs(3);
 /// Deliveries of one message before it is given up as failed.
 const MAX_DELIVER: i64 = 5;
-/// The pause before a message refused for a passing reason (overload) comes again.
+/// The pause before a message refused for a passing reason (overload) comes again,
+/// times its deliveries so far.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
-/// Requests from the River served at once by this frontend.
-const IN_FLIGHT: usize = 64;
+/// Requests from the River and the Wind served at once by this frontend: enough to
+/// fill a worker's batches, few enough not to crowd out its HTTP clients.
+const IN_FLIGHT: usize = 16;
 
 /// Consumes the River until the process ends; the API answers at `api`.
 pub async fn run(client: Client, replicas: usize, api: SocketAddr) {
@@ -96,9 +102,16 @@ async fn consume(client: &Client, replicas: usize, api: SocketAddr) -> anyhow::R
             .await?
         }
     };
-    tracing::info!(stream = STREAM, consumer = DURABLE, "taking inference requests from the River");
     let ctx = Arc::new(Ctx { client: client.clone(), done, api });
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+    let submits = client.queue_subscribe(SUBMIT, QUEUE.into()).await?;
+    let _wind = AbortOnDrop(tokio::spawn(wind(submits, ctx.clone(), slots.clone())));
+    tracing::info!(
+        stream = STREAM,
+        consumer = DURABLE,
+        submit = SUBMIT,
+        "taking inference requests from the River and the Wind"
+    );
     let mut messages = consumer.messages().await?;
     while let Some(msg) = messages.next().await {
         let msg = msg?;
@@ -123,6 +136,28 @@ enum Claim {
     Running,
 }
 
+/// Takes Leaves from `infer.request.submit` (queue group [`QUEUE`]: each goes to one
+/// frontend) until the subscription ends.
+async fn wind(mut submits: async_nats::Subscriber, ctx: Arc<Ctx>, slots: Arc<Semaphore>) {
+    while let Some(msg) = submits.next().await {
+        let Ok(permit) = slots.clone().acquire_owned().await else { return };
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            ctx.handle_submit(msg).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Stops a task when the scope that started it ends.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 struct Ctx {
     client: Client,
     done: kv::Store,
@@ -140,11 +175,15 @@ enum Served {
 }
 
 impl Ctx {
+    /// One River message: rejected, dropped as a copy, served, or given back.
     async fn handle(&self, msg: Message) {
         let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
         let req = match forest::parse_river(&msg.payload) {
             Ok(r) => r,
-            Err(u) => return self.reject(&msg, u).await,
+            Err(u) => {
+                self.publish_rejected(u, "river").await;
+                return ack(&msg, AckKind::Term).await;
+            }
         };
         let key = format!("req.{}", req.request_id);
         match self.claim(&key, delivered).await {
@@ -155,40 +194,87 @@ impl Ctx {
             }
             Claim::Running => return ack(&msg, AckKind::Nak(Some(RETRY_AFTER))).await,
         }
-        if let Some(late) = past_deadline(&req, &msg) {
-            let u = Unusable { request_id: Some(req.request_id.clone()), reason: late, context: req.context.clone() };
-            return self.reject(&msg, u).await;
+        let late = msg.info().ok().and_then(|i| past_deadline(&req, i.published.unix_timestamp_nanos()));
+        if let Some(late) = late {
+            self.publish_rejected(unusable(&req, late), "river").await;
+            return self.finish(&key, &msg, AckKind::Term).await;
         }
-        self.publish(Leaf::new("infer.request.accepted", SOURCE, event(&req, json!({"ingress": "river"})))).await;
+        let last_try = delivered >= MAX_DELIVER;
+        match self.answer(&req, "river", Some(&msg), last_try).await {
+            Answered::Finished(kind) => self.finish(&key, &msg, kind).await,
+            Answered::Again => ack(&msg, AckKind::Nak(Some(RETRY_AFTER * delivered.max(1) as u32))).await,
+        }
+    }
+
+    /// One Leaf on `infer.request.submit` (at most once, as the Wind is): a NATS
+    /// request gets `{"accepted": ...}` back at once, the answer comes as Leaves.
+    async fn handle_submit(&self, msg: async_nats::Message) {
+        let reply = |v: Value| {
+            let (client, to) = (self.client.clone(), msg.reply.clone());
+            async move {
+                if let Some(to) = to {
+                    let _ = client.publish(to, v.to_string().into()).await;
+                }
+            }
+        };
+        let parsed = Leaf::parse(&msg.payload, msg.subject.as_str()).map_err(|reason| Unusable {
+            request_id: None,
+            reason,
+            context: Value::Null,
+        });
+        let req = match parsed.and_then(|leaf| forest::parse_submit(&leaf)) {
+            Ok(r) => r,
+            Err(u) => {
+                reply(json!({"accepted": false, "request_id": u.request_id, "error": u.reason})).await;
+                return self.publish_rejected(u, "wind").await;
+            }
+        };
+        let key = format!("req.{}", req.request_id);
+        if self.done.create(&key, Bytes::from_static(RUNNING)).await.is_err() {
+            // A copy (TreeHouses on several nodes send one each): the first answers.
+            return reply(json!({"accepted": true, "request_id": req.request_id, "duplicate": true})).await;
+        }
+        if let Some(late) = past_deadline(&req, now_ns() - 1) {
+            reply(json!({"accepted": false, "request_id": req.request_id, "error": late})).await;
+            self.publish_rejected(unusable(&req, late), "wind").await;
+            return self.mark_done(&key).await;
+        }
+        reply(json!({"accepted": true, "request_id": req.request_id})).await;
+        self.answer(&req, "wind", None, true).await;
+        self.mark_done(&key).await;
+    }
+
+    /// Serves an accepted request and publishes what came of it. `Again` (only when
+    /// not `last_try`) when it may succeed later: overload, no worker.
+    async fn answer(&self, req: &ForestRequest, ingress: &str, msg: Option<&Message>, last_try: bool) -> Answered {
+        self.publish(Leaf::new("infer.request.accepted", SOURCE, event(req, json!({"ingress": ingress})))).await;
         let t0 = Instant::now();
-        let served = self.serve_with_progress(&req, &msg).await;
+        let served = self.serve_with_progress(req, msg).await;
         let e2e_ms = t0.elapsed().as_secs_f64() * 1e3;
         match served {
             Served::Answer(mut response) => {
-                let obj = response.as_object_mut();
-                if let Some(o) = obj {
+                if let Some(o) = response.as_object_mut() {
                     o.insert("request_id".into(), Value::from(req.request_id.as_str()));
                     o.insert("context".into(), req.context.clone());
+                    o.insert("ingress".into(), Value::from(ingress));
                     o.insert("timings".into(), json!({"e2e_ms": e2e_ms}));
                 }
                 self.publish(Leaf::new(req.reply_to.clone(), SOURCE, response.clone())).await;
                 self.publish(Leaf::new("infer.request.completed", SOURCE, response)).await;
-                self.finish(&key, &msg, AckKind::Ack).await;
+                Answered::Finished(AckKind::Ack)
             }
             Served::Refused(why) => {
-                let u =
-                    Unusable { request_id: Some(req.request_id.clone()), reason: why, context: req.context.clone() };
-                self.publish_rejected(&msg, u).await;
-                self.finish(&key, &msg, AckKind::Term).await;
+                self.publish_rejected(unusable(req, why), ingress).await;
+                Answered::Finished(AckKind::Term)
             }
-            Served::Passing(why) if delivered < MAX_DELIVER => {
-                tracing::warn!(request_id = %req.request_id, reason = %why, "River request not served now; again later");
-                ack(&msg, AckKind::Nak(Some(RETRY_AFTER))).await;
+            Served::Passing(why) if !last_try => {
+                tracing::warn!(request_id = %req.request_id, reason = %why, "request not served now; again later");
+                Answered::Again
             }
             Served::Passing(why) => {
-                let data = event(&req, json!({"error": why, "deliveries": delivered}));
+                let data = event(req, json!({"error": why, "ingress": ingress}));
                 self.publish(Leaf::new("infer.request.failed", SOURCE, data)).await;
-                self.finish(&key, &msg, AckKind::Term).await;
+                Answered::Finished(AckKind::Term)
             }
         }
     }
@@ -211,13 +297,17 @@ impl Ctx {
 
     /// Serves `req`, telling JetStream every [`PROGRESS_EVERY`] that the message is
     /// still being worked on.
-    async fn serve_with_progress(&self, req: &ForestRequest, msg: &Message) -> Served {
+    async fn serve_with_progress(&self, req: &ForestRequest, msg: Option<&Message>) -> Served {
         let call = serve(self.api, req);
         tokio::pin!(call);
         loop {
             tokio::select! {
                 served = &mut call => return served,
-                _ = tokio::time::sleep(PROGRESS_EVERY) => ack(msg, AckKind::Progress).await,
+                _ = tokio::time::sleep(PROGRESS_EVERY) => {
+                    if let Some(msg) = msg {
+                        ack(msg, AckKind::Progress).await;
+                    }
+                }
             }
         }
     }
@@ -225,22 +315,19 @@ impl Ctx {
     /// Records `key` as finished, then acknowledges the message with `kind` (`Term`
     /// for one that failed: it is not delivered again).
     async fn finish(&self, key: &str, msg: &Message, kind: AckKind) {
-        if let Err(e) = self.done.put(key, Bytes::from_static(DONE)).await {
-            tracing::warn!(key, error = %e, "cannot record a finished River request");
-        }
+        self.mark_done(key).await;
         ack(msg, kind).await;
     }
 
-    /// A message that is not a usable request: a rejected Leaf, and no redelivery.
-    async fn reject(&self, msg: &Message, u: Unusable) {
-        self.publish_rejected(msg, u).await;
-        ack(msg, AckKind::Term).await;
+    async fn mark_done(&self, key: &str) {
+        if let Err(e) = self.done.put(key, Bytes::from_static(DONE)).await {
+            tracing::warn!(key, error = %e, "cannot record a finished request");
+        }
     }
 
-    async fn publish_rejected(&self, msg: &Message, u: Unusable) {
-        tracing::info!(request_id = ?u.request_id, reason = %u.reason, "River request rejected");
-        let data = json!({"request_id": u.request_id, "error": u.reason, "context": u.context, "ingress": "river",
-                          "river_subject": msg.subject.as_str()});
+    async fn publish_rejected(&self, u: Unusable, ingress: &str) {
+        tracing::info!(request_id = ?u.request_id, reason = %u.reason, ingress, "request rejected");
+        let data = json!({"request_id": u.request_id, "error": u.reason, "context": u.context, "ingress": ingress});
         self.publish(Leaf::new("infer.request.rejected", SOURCE, data)).await;
     }
 
@@ -249,6 +336,22 @@ impl Ctx {
             tracing::warn!(subject = %leaf.subject, error = %e, "cannot publish a Leaf");
         }
     }
+}
+
+fn now_ns() -> i128 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i128)
+}
+
+fn unusable(req: &ForestRequest, reason: String) -> Unusable {
+    Unusable { request_id: Some(req.request_id.clone()), reason, context: req.context.clone() }
+}
+
+/// What came of answering a request.
+enum Answered {
+    /// Its message is acknowledged with this.
+    Finished(AckKind),
+    /// Worth another try later.
+    Again,
 }
 
 /// A lifecycle Leaf's data: the request's id, endpoint and context, and `extra`.
@@ -267,12 +370,11 @@ async fn ack(msg: &Message, kind: AckKind) {
     }
 }
 
-/// Why `req` may no longer start: its `deadline_ms` after the River took it passed.
-fn past_deadline(req: &ForestRequest, msg: &Message) -> Option<String> {
+/// Why `req` may no longer start: its `deadline_ms` after `since` (ns since the
+/// epoch: when the River took it, or when it arrived on the Wind) passed.
+fn past_deadline(req: &ForestRequest, since: i128) -> Option<String> {
     let limit = req.deadline_ms?;
-    let published = msg.info().ok()?.published.unix_timestamp_nanos();
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?.as_nanos() as i128;
-    let waited_ms = (now - published) / 1_000_000;
+    let waited_ms = (now_ns() - since) / 1_000_000;
     (waited_ms >= i128::from(limit)).then(|| format!("deadline_ms {limit} passed before it started ({waited_ms} ms)"))
 }
 

@@ -109,19 +109,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             context_length: meta.context_length,
         };
         let river = a.nats.config("pdserve-river").filter(|_| a.river);
-        http::serve(router, metrics, model, &a.api, &banner, move |addr| {
-            if let Some(cfg) = river {
-                tokio::spawn(async move {
-                    let bus = pdserve_fleet::Bus::connect_patiently(&cfg).await;
-                    let api = match addr.ip().is_unspecified() {
-                        true => SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), addr.port()),
-                        false => addr,
-                    };
-                    river::run(bus.client(), cfg.replicas, api).await
-                });
-            }
-        })
-        .await
+        http::serve(router, metrics, model, &a.api, &banner, river::after_bind(river)).await
     })
 }
 

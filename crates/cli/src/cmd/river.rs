@@ -20,6 +20,7 @@ use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use pdserve_fleet::forest::{self, ForestRequest, Leaf, Unusable};
+use pdserve_fleet::NatsConfig;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -47,6 +48,23 @@ const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// Requests from the River and the Wind served at once by this frontend: enough to
 /// fill a worker's batches, few enough not to crowd out its HTTP clients.
 const IN_FLIGHT: usize = 16;
+
+/// What an API server does once it listens on `addr`: with `cfg`, consume the River
+/// and the Wind, sending their requests to that address (loopback when it listens
+/// on every interface).
+pub fn after_bind(cfg: Option<NatsConfig>) -> impl FnOnce(SocketAddr) {
+    move |addr| {
+        let Some(cfg) = cfg else { return };
+        let api = match addr.ip().is_unspecified() {
+            true => SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), addr.port()),
+            false => addr,
+        };
+        tokio::spawn(async move {
+            let bus = pdserve_fleet::Bus::connect_patiently(&cfg).await;
+            run(bus.client(), cfg.replicas, api).await
+        });
+    }
+}
 
 /// Consumes the River until the process ends; the API answers at `api`.
 pub async fn run(client: Client, replicas: usize, api: SocketAddr) {

@@ -17,6 +17,14 @@ pub struct Args {
     /// `default` or a path to a GGUF file or safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
+    /// The NATS of a NimsForest forest, for --river (this process's own workers do
+    /// not join a fleet).
+    #[command(flatten)]
+    nats: super::fleet::NatsArgs,
+    /// Also take inference requests from the forest's River and Wind and answer them
+    /// with Leaves (docs/nimsforest.md).
+    #[arg(long, requires = "nats")]
+    river: bool,
     /// aggregated | disaggregated | auto (per request, from live measurements: prefill
     /// on the decode worker or on another worker, whichever gives the first token sooner).
     #[arg(long, default_value = "auto")]
@@ -68,6 +76,11 @@ fn check(a: &Args) -> anyhow::Result<()> {
 
 pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     check(&a)?;
+    if a.nats.nats.is_some() && !a.river {
+        anyhow::bail!(
+            "serve uses --nats only with --river (its workers do not join a fleet; use `pdserve worker --nats`)"
+        );
+    }
     let via = a.kv_transport.unwrap_or(TransportKind::Inproc);
     let m = super::load_model(&a.model)?;
     let roles = topology(&a);
@@ -124,7 +137,8 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             "workers: {}, {threads} thread(s) each",
             roles.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
         );
-        http::serve(router, metrics, model, &a.api, &banner, |_| {}).await
+        let river = a.nats.config("pdserve-river").filter(|_| a.river);
+        http::serve(router, metrics, model, &a.api, &banner, super::river::after_bind(river)).await
     })
 }
 

@@ -8,7 +8,8 @@ NimsForest's rules, and checks the answer equals the HTTP API's for the same gre
 request. Bad input is rejected with a Leaf and never redelivered; a request whose
 deadline passed is rejected, not run; a request published twice is answered once.
 Leaves on the Wind (`infer.request.submit`, as a NATS request and as a plain
-publish) are answered the same way. Last, 1000 River requests with a second
+publish) are answered the same way; a request that asks for `stream` sends its
+tokens as Leaves on `infer.stream.<request_id>` that add up to the answer. Last, 1000 River requests with a second
 frontend running and the first killed (-9) mid-run: every one answered exactly once.
 
 Usage: python3 tests/e2e/test_river.py PATH_TO_PDSERVE PATH_TO_NATS_SERVER
@@ -213,6 +214,20 @@ async def main():
         await asyncio.sleep(1)
         assert len(leaves["forest.replies.wind-5"]) == 1
 
+    async def streamed_as_leaves():
+        body = {**chat, "max_tokens": 40, "stream": True, "nimsforest": {"request_id": "stream-7"}}
+        await js.publish("river.infer.requests", river_data(body))
+        [result] = await wait_for("infer.result.stream-7")
+        parts = leaves.get("infer.stream.stream-7", [])
+        assert parts, "no stream Leaves"
+        assert [p["data"]["seq"] for p in parts] == list(range(1, len(parts) + 1)), parts
+        assert all(p["data"]["tokens"] <= 16 for p in parts) and parts[-1]["data"]["finish_reason"], parts[-1]
+        text = "".join(p["data"]["delta"] for p in parts)
+        assert text == result["data"]["choices"][0]["message"]["content"], (text, result)
+        want = http_answer(api, "/v1/chat/completions", {**chat, "max_tokens": 40})
+        assert text == want["choices"][0]["message"]["content"], (text, want)
+        assert result["data"]["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+
     async def thousand_with_a_frontend_killed():
         second = frontend(free_port())
         procs.append(second)
@@ -245,6 +260,7 @@ async def main():
         await check("deadline_passed_is_rejected_not_run", deadline_passed_is_rejected_not_run())
         await check("twice_published_answered_once", twice_published_answered_once())
         await check("wind_submit", wind_submit())
+        await check("streamed_as_leaves", streamed_as_leaves())
         await check("thousand_with_a_frontend_killed", thousand_with_a_frontend_killed())
         invalid = [l for ls in leaves.values() for l in ls if "invalid" in l]
         await check("every_leaf_valid", asyncio.sleep(0) if not invalid else _fail(invalid))

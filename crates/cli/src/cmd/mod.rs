@@ -4,6 +4,7 @@ pub mod frontend;
 pub mod generate;
 mod http;
 pub use http::Stopped;
+mod leaf_stream;
 mod probe;
 pub mod pull;
 mod river;

@@ -11,6 +11,7 @@
 //! dropped, a second copy published while the first runs waits, and a redelivery
 //! (the first owner died or gave it back) takes over.
 
+use super::leaf_stream;
 use async_nats::jetstream::consumer::{pull, AckPolicy};
 use async_nats::jetstream::message::{AckKind, Message};
 use async_nats::jetstream::{self, kv, stream};
@@ -190,6 +191,8 @@ enum Served {
     Refused(String),
     /// Worth another try later (429, 503, a broken connection): why.
     Passing(String),
+    /// Failed after tokens went out as stream Leaves: not tried again.
+    Failed(String),
 }
 
 impl Ctx {
@@ -285,6 +288,11 @@ impl Ctx {
                 self.publish_rejected(unusable(req, why), ingress).await;
                 Answered::Finished(AckKind::Term)
             }
+            Served::Failed(why) => {
+                let data = event(req, json!({"error": why, "ingress": ingress}));
+                self.publish(Leaf::new("infer.request.failed", SOURCE, data)).await;
+                Answered::Finished(AckKind::Term)
+            }
             Served::Passing(why) if !last_try => {
                 tracing::warn!(request_id = %req.request_id, reason = %why, "request not served now; again later");
                 Answered::Again
@@ -316,7 +324,7 @@ impl Ctx {
     /// Serves `req`, telling JetStream every [`PROGRESS_EVERY`] that the message is
     /// still being worked on.
     async fn serve_with_progress(&self, req: &ForestRequest, msg: Option<&Message>) -> Served {
-        let call = serve(self.api, req);
+        let call = serve(self.api, req, &self.client);
         tokio::pin!(call);
         loop {
             tokio::select! {
@@ -350,9 +358,7 @@ impl Ctx {
     }
 
     async fn publish(&self, leaf: Leaf) {
-        if let Err(e) = self.client.publish(leaf.subject.clone(), leaf.to_bytes().into()).await {
-            tracing::warn!(subject = %leaf.subject, error = %e, "cannot publish a Leaf");
-        }
+        publish_all(&self.client, vec![leaf]).await;
     }
 }
 
@@ -396,12 +402,16 @@ fn past_deadline(req: &ForestRequest, since: i128) -> Option<String> {
     (waited_ms >= i128::from(limit)).then(|| format!("deadline_ms {limit} passed before it started ({waited_ms} ms)"))
 }
 
-/// Sends `req` to the API on `api` (loopback), as a client would.
-async fn serve(api: SocketAddr, req: &ForestRequest) -> Served {
+/// Sends `req` to the API on `api` (loopback), as a client would. A request that
+/// asks for `stream` streams its tokens as Leaves on the way (see [`leaf_stream`]).
+async fn serve(api: SocketAddr, req: &ForestRequest, client: &Client) -> Served {
+    let streaming = req.body.get("stream") == Some(&Value::Bool(true));
     let mut body = req.body.clone();
     if let Some(o) = body.as_object_mut() {
-        // Leaves carry whole answers; token streams are not served from the River.
-        o.insert("stream".into(), Value::Bool(false));
+        o.insert("stream".into(), Value::Bool(streaming));
+        if streaming {
+            o.insert("stream_options".into(), json!({"include_usage": true}));
+        }
     }
     let request = hyper::Request::post(req.api.path())
         .header(hyper::header::HOST, api.to_string())
@@ -409,29 +419,83 @@ async fn serve(api: SocketAddr, req: &ForestRequest) -> Served {
         .header("x-request-id", &req.request_id)
         .body(Full::new(Bytes::from(body.to_string())));
     let Ok(request) = request else { return Served::Refused("the request cannot be sent".into()) };
-    let response = async {
+    let sent = async {
         let stream = tokio::net::TcpStream::connect(api).await.map_err(|e| e.to_string())?;
         let (mut sender, conn) =
             hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
         tokio::spawn(conn);
-        let resp = sender.send_request(request).await.map_err(|e| e.to_string())?;
-        let status = resp.status().as_u16();
-        let bytes = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
-        Ok::<_, String>((status, bytes))
+        sender.send_request(request).await.map_err(|e| e.to_string())
     };
-    match response.await {
-        Err(e) => Served::Passing(format!("the API did not answer: {e}")),
-        Ok((200, bytes)) => match serde_json::from_slice(&bytes) {
+    let resp = match sent.await {
+        Ok(r) => r,
+        Err(e) => return Served::Passing(format!("the API did not answer: {e}")),
+    };
+    let status = resp.status().as_u16();
+    if status == 200 && streaming {
+        return stream_leaves(resp.into_body(), req, client).await;
+    }
+    let bytes = match resp.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return Served::Passing(format!("the API's answer broke off: {e}")),
+    };
+    if status == 200 {
+        return match serde_json::from_slice(&bytes) {
             Ok(v) => Served::Answer(v),
             Err(e) => Served::Passing(format!("the API's answer is not JSON: {e}")),
-        },
-        Ok((status, bytes)) => {
-            let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-            let msg = v["error"]["message"].as_str().unwrap_or("no message").to_string();
-            match status {
-                429 | 500..=599 => Served::Passing(format!("{status}: {msg}")),
-                _ => Served::Refused(format!("{status}: {msg}")),
+        };
+    }
+    let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let msg = v["error"]["message"].as_str().unwrap_or("no message").to_string();
+    match status {
+        429 | 500..=599 => Served::Passing(format!("{status}: {msg}")),
+        _ => Served::Refused(format!("{status}: {msg}")),
+    }
+}
+
+/// Reads an SSE answer, publishing stream Leaves as tokens come, and returns the
+/// whole response. Tokens were already sent when it fails: it fails for good.
+async fn stream_leaves(mut body: hyper::body::Incoming, req: &ForestRequest, client: &Client) -> Served {
+    let mut lines = leaf_stream::SseLines::default();
+    let mut acc = leaf_stream::Assembler::new(req, SOURCE);
+    loop {
+        let due = acc.due();
+        let frame = tokio::select! {
+            f = body.frame() => f,
+            _ = sleep_until(due) => {
+                publish_all(client, acc.flush()).await;
+                continue;
             }
+        };
+        let data = match frame {
+            Some(Ok(f)) => f.into_data().unwrap_or_default(),
+            Some(Err(e)) => return Served::Failed(format!("the token stream broke off: {e}")),
+            None => return Served::Failed("the token stream ended without [DONE]".into()),
+        };
+        for line in lines.push(&data) {
+            if line == "[DONE]" {
+                publish_all(client, acc.flush()).await;
+                return Served::Answer(acc.response());
+            }
+            let chunk: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+            if let Some(msg) = chunk["error"]["message"].as_str() {
+                return Served::Failed(format!("the token stream failed: {msg}"));
+            }
+            publish_all(client, acc.push(chunk)).await;
+        }
+    }
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn publish_all(client: &Client, leaves: Vec<Leaf>) {
+    for leaf in leaves {
+        if let Err(e) = client.publish(leaf.subject.clone(), leaf.to_bytes().into()).await {
+            tracing::warn!(subject = %leaf.subject, error = %e, "cannot publish a Leaf");
         }
     }
 }

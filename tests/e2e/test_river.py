@@ -139,6 +139,29 @@ async def main():
         accepted = [l for l in await wait_for("infer.request.accepted") if l["data"]["request_id"] == "hook-1"]
         completed = [l for l in await wait_for("infer.request.completed") if l["data"]["request_id"] == "hook-1"]
         assert len(accepted) == 1 and len(completed) == 1, (accepted, completed)
+        done = completed[0]["data"]
+        assert done["ingress"] == "river" and done["outcome"] == "ok" and done["decode_node_id"], done
+        assert done["timings"]["ttft_ms"] > 0 and done["timings"]["e2e_ms"] >= done["timings"]["ttft_ms"], done
+
+    async def http_requests_have_lifecycle_leaves():
+        req = urllib.request.Request(api + "/v1/chat/completions", json.dumps(chat).encode(),
+                                     {"Content-Type": "application/json", "X-Request-Id": "http-8"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+        for _ in range(100):
+            done = [l for l in leaves.get("infer.request.completed", []) if l["data"]["request_id"] == "http-8"]
+            if done:
+                break
+            await asyncio.sleep(0.05)
+        assert len(done) == 1, done
+        d = done[0]["data"]
+        assert d["ingress"] == "http" and d["api"] == "/v1/chat/completions" and d["route"] in ("local", "remote"), d
+        assert d["completion_tokens"] == answer["usage"]["completion_tokens"], (d, answer["usage"])
+        assert d["prompt_tokens"] == answer["usage"]["prompt_tokens"] and d["decode_node_id"], d
+        t = d["timings"]
+        assert 0 < t["ttft_ms"] <= t["e2e_ms"] and t["tpot_ms"] > 0, t
+        assert done[0]["source"] == "nim:pdserve"
+        assert any(l["data"]["request_id"] == "http-8" for l in leaves.get("infer.request.accepted", []))
 
     async def bare_request_with_context():
         body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
@@ -256,6 +279,7 @@ async def main():
     try:
         await check("webhook_round_trip", webhook_round_trip())
         await check("bare_request_with_context", bare_request_with_context())
+        await check("http_requests_have_lifecycle_leaves", http_requests_have_lifecycle_leaves())
         await check("bad_input_is_rejected_once", bad_input_is_rejected_once())
         await check("deadline_passed_is_rejected_not_run", deadline_passed_is_rejected_not_run())
         await check("twice_published_answered_once", twice_published_answered_once())

@@ -7,9 +7,10 @@
 
 use crate::errors::ApiError;
 use crate::metrics::{Metrics, Outcome, Phase, PrefixHit};
+use crate::observe::{Observer, RequestRecord};
 use crate::stop::StopMatcher;
 use pdserve_engine::tokenizer::{StreamDecoder, Tokenizer};
-use pdserve_protocol::{Event, FinishReason, ServeError, TokenOut, TokenStream, Usage};
+use pdserve_protocol::{Event, FinishReason, ServeError, TokenOut, TokenStream, Trace, Usage};
 use pdserve_types::{SamplingParams, TokenId};
 use std::sync::Arc;
 use std::time::Instant;
@@ -65,12 +66,18 @@ pub struct Tracker {
     error: Option<&'static str>,
     /// Counts the request as open until it is answered.
     _open: crate::lifecycle::Open,
+    /// What the router learns on the way.
+    trace: Trace,
+    /// Told when the request is accepted and when it ends.
+    observer: Option<(Arc<dyn Observer>, RequestRecord)>,
 }
 
 impl Tracker {
     pub(crate) fn new(metrics: Metrics, mode: Arc<str>, span: tracing::Span, open: crate::lifecycle::Open) -> Self {
         let start = Instant::now();
         Tracker {
+            trace: Trace::default(),
+            observer: None,
             metrics,
             mode,
             span,
@@ -81,6 +88,27 @@ impl Tracker {
             outcome: None,
             error: None,
             _open: open,
+        }
+    }
+
+    /// Reports the request to `observer` (accepted, then finished) as `record`.
+    pub(crate) fn observed(mut self, observer: Arc<dyn Observer>, record: RequestRecord) -> Self {
+        self.trace = Trace::new();
+        self.observer = Some((observer, record));
+        self
+    }
+
+    /// Where the router notes what it learns about the request.
+    pub(crate) fn trace(&self) -> Trace {
+        self.trace.clone()
+    }
+
+    /// The request is valid and about to run.
+    pub(crate) fn accepted(&mut self, model: &str, prompt_tokens: usize) {
+        if let Some((observer, record)) = &mut self.observer {
+            record.model = Some(model.to_string());
+            record.prompt_tokens = prompt_tokens;
+            observer.accepted(record);
         }
     }
 
@@ -121,6 +149,7 @@ impl Drop for Tracker {
             duration_ms = self.start.elapsed().as_secs_f64() * 1e3,
             "request finished"
         );
+        self.report(outcome);
         if outcome != Outcome::Ok {
             return;
         }
@@ -130,6 +159,26 @@ impl Drop for Tracker {
             self.metrics.tpot(&self.mode, (end - first).as_secs_f64() / (self.tokens - 1) as f64);
             self.metrics.phase(Phase::Decode, (end - first).as_secs_f64());
         }
+    }
+}
+
+impl Tracker {
+    /// The finished record, to the observer.
+    fn report(&mut self, outcome: Outcome) {
+        let Some((observer, mut r)) = self.observer.take() else { return };
+        r.add_trace(self.trace.get());
+        r.outcome = Some(outcome.as_str());
+        r.error = self.error;
+        r.completion_tokens = self.tokens;
+        let ms = |a: Instant, b: Instant| Some((b - a).as_secs_f64() * 1e3);
+        let t = &mut r.timings;
+        t.e2e_ms = ms(self.start, self.last.unwrap_or_else(Instant::now));
+        if let (Some(first), Some(last)) = (self.first, self.last) {
+            t.ttft_ms = ms(self.start, first);
+            t.decode_ms = ms(first, last);
+            t.tpot_ms = (self.tokens > 1).then(|| (last - first).as_secs_f64() * 1e3 / (self.tokens - 1) as f64);
+        }
+        observer.finished(&r);
     }
 }
 

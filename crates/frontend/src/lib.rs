@@ -22,6 +22,7 @@ mod generation;
 mod lifecycle;
 mod listen;
 pub mod metrics;
+pub mod observe;
 mod openai;
 mod request_id;
 mod sse;
@@ -48,6 +49,7 @@ use axum::{Json, Router};
 use extract::ApiJson;
 use generation::{Generation, Tracker};
 use metrics::Outcome;
+use observe::{Observer, RequestRecord};
 use pdserve_engine::chat::ChatTemplate;
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::tokenizer::Tokenizer;
@@ -74,6 +76,8 @@ pub(crate) struct AppState {
     life: Lifecycle,
     /// Browser origins allowed to call the API (CORS); none by default.
     origins: Option<Origins>,
+    /// Hears of every request (lifecycle events), if set.
+    observer: Option<Arc<dyn Observer>>,
 }
 
 impl Frontend {
@@ -101,7 +105,16 @@ impl Frontend {
             grammars: None,
         };
         let life = Lifecycle::default();
-        let state = AppState { generate, validator, metrics, mode: "auto".into(), created, life, origins: None };
+        let state = AppState {
+            generate,
+            validator,
+            metrics,
+            mode: "auto".into(),
+            created,
+            life,
+            origins: None,
+            observer: None,
+        };
         Frontend { state }
     }
 
@@ -109,6 +122,13 @@ impl Frontend {
     /// with `grammars`, built from the served model's tokenizer.
     pub fn with_grammars(mut self, grammars: Option<Arc<Grammars>>) -> Frontend {
         self.state.validator.grammars = grammars;
+        self
+    }
+
+    /// Tells `observer` of every request: accepted, then finished with its route,
+    /// workers and phase timings.
+    pub fn with_observer(mut self, observer: Option<Arc<dyn Observer>>) -> Frontend {
+        self.state.observer = observer;
         self
     }
 
@@ -178,7 +198,16 @@ pub async fn serve_with(listener: tokio::net::TcpListener, app: Router, limits: 
 
 impl AppState {
     fn tracker(&self, tagged: &Tagged) -> Tracker {
-        Tracker::new(self.metrics.clone(), self.mode.clone(), tagged.span.clone(), self.life.enter())
+        let t = Tracker::new(self.metrics.clone(), self.mode.clone(), tagged.span.clone(), self.life.enter());
+        let Some(observer) = &self.observer else { return t };
+        let record = RequestRecord {
+            request_id: tagged.tag.to_string(),
+            api: tagged.path.clone(),
+            ingress: tagged.ingress.clone(),
+            context: tagged.context.clone(),
+            ..Default::default()
+        };
+        t.observed(observer.clone(), record)
     }
 }
 
@@ -209,11 +238,13 @@ pub(crate) async fn run<F: Format>(
     valid: Result<ValidRequest, ApiError>,
     format: impl FnOnce(&str, &ValidRequest) -> F,
 ) -> Response {
+    let mut tracker = tracker;
     let v = match valid {
         Ok(_) if app.life.is_draining() => return reject(tracker, ApiError::Serve(ServeError::ShuttingDown)),
         Ok(v) => v,
         Err(e) => return reject(tracker, e),
     };
+    tracker.accepted(&v.model, v.prompts.iter().map(|p| p.ids.len()).sum());
     if let Some(field) = v.constrained_by {
         app.metrics.constrained(field);
         tagged.span.record("constrained_by", field);
@@ -274,8 +305,14 @@ fn start(
     let prompt_tokens = prompt.len();
     let mut params = v.params.clone();
     params.seed = params.seed.map(|s| s.wrapping_add(k as u64));
-    let req =
-        GenerateRequest { id: request_id::internal_id(), tag: tagged.tag.clone(), prompt, params: params.clone() };
+    let trace = tracker.as_ref().map(Tracker::trace).unwrap_or_default();
+    let req = GenerateRequest {
+        id: request_id::internal_id(),
+        tag: tagged.tag.clone(),
+        prompt,
+        params: params.clone(),
+        trace,
+    };
     let tokens = tagged.span.in_scope(|| app.generate.generate(req))?;
     let mut generation =
         Generation::new(tokens, app.validator.tokenizer.clone(), &params, prompt_tokens, tracker.take());

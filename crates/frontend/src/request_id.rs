@@ -24,6 +24,11 @@ const MAX_LEN: usize = 128;
 pub struct Tagged {
     pub tag: RequestTag,
     pub span: tracing::Span,
+    pub path: String,
+    /// `x-pdserve-ingress` (how a gateway in this process got the request), else `http`.
+    pub ingress: String,
+    /// `x-pdserve-context`: the caller's JSON, echoed on the request's lifecycle record.
+    pub context: serde_json::Value,
 }
 
 /// The client's id if it is usable, else a fresh one.
@@ -60,7 +65,14 @@ pub async fn middleware(mut req: Request, next: Next) -> Response {
         decode = tracing::field::Empty,
         constrained_by = tracing::field::Empty,
     );
-    req.extensions_mut().insert(Tagged { tag: tag.clone(), span: span.clone() });
+    let (ingress, context) = {
+        let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(String::from);
+        let ingress = header("x-pdserve-ingress").filter(|s| s.len() <= 32).unwrap_or_else(|| "http".into());
+        let context = header("x-pdserve-context").and_then(|c| serde_json::from_str(&c).ok()).unwrap_or_default();
+        (ingress, context)
+    };
+    let path = req.uri().path().to_string();
+    req.extensions_mut().insert(Tagged { tag: tag.clone(), span: span.clone(), path, ingress, context });
     let mut resp = next.run(req).instrument(span).await;
     if let Ok(v) = HeaderValue::from_str(tag.as_str()) {
         resp.headers_mut().insert(HEADER, v);

@@ -30,6 +30,47 @@ pub struct GenerateRequest {
     pub tag: RequestTag,
     pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
+    /// Where the request ran and how long its phases took, for its lifecycle record.
+    /// Never sent to another process.
+    #[serde(skip)]
+    pub trace: Trace,
+}
+
+/// What the router learns about one request as it goes, shared with the frontend
+/// that reports the request when it ends. Empty (and ignored) unless made with
+/// [`Trace::new`].
+#[derive(Clone, Default)]
+pub struct Trace(Option<Arc<std::sync::Mutex<TraceData>>>);
+
+#[derive(Debug, Clone, Default)]
+pub struct TraceData {
+    pub route: Option<PrefillRoute>,
+    pub prefill: Option<String>,
+    pub decode: Option<String>,
+    /// Seconds per phase, as the hops measured them.
+    pub phases: Vec<(Phase, f64)>,
+}
+
+impl Trace {
+    pub fn new() -> Trace {
+        Trace(Some(Arc::default()))
+    }
+
+    pub fn update(&self, f: impl FnOnce(&mut TraceData)) {
+        if let Some(m) = &self.0 {
+            f(&mut m.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        }
+    }
+
+    pub fn get(&self) -> TraceData {
+        self.0.as_ref().map(|m| m.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()).unwrap_or_default()
+    }
+}
+
+impl fmt::Debug for Trace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Trace")
+    }
 }
 
 /// The public id of a request: the client's `X-Request-Id`, or one the frontend made.

@@ -185,9 +185,15 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
         Ok(first) => {
             p_load.observe(ahead, req.prompt.len(), started.elapsed().saturating_sub(secs(first.transfer_seconds)));
             h.transfer.observe(req.prompt.len(), secs(first.transfer_seconds), first.kv_bytes);
-            h.telemetry.phase(Phase::QueuePrefill, router_queue + first.queued_seconds);
-            h.telemetry.phase(Phase::Prefill, first.prefill_seconds);
-            h.telemetry.phase(Phase::KvTransfer, first.transfer_seconds);
+            let phases = [
+                (Phase::QueuePrefill, router_queue + first.queued_seconds),
+                (Phase::Prefill, first.prefill_seconds),
+                (Phase::KvTransfer, first.transfer_seconds),
+            ];
+            for (phase, s) in phases {
+                h.telemetry.phase(phase, s);
+            }
+            req.trace.update(|t| t.phases.extend(phases));
             h.telemetry.kv_transfer_bytes(h.via, first.kv_bytes);
             first
         }
@@ -321,6 +327,7 @@ fn decode_ready(
     let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
     let handed = Instant::now();
     let (kv, n) = (d.kv.clone(), req.prompt.len());
+    let trace = req.trace.clone();
     let handoff = DecodeHandoff {
         id,
         tag: req.tag,
@@ -332,7 +339,11 @@ fn decode_ready(
     match d.worker.decode(handoff, inner_tx) {
         Ok(()) => {
             let telemetry = h.telemetry.clone();
-            let on_first = move |_: &Event| telemetry.phase(Phase::QueueDecode, handed.elapsed().as_secs_f64());
+            let on_first = move |_: &Event| {
+                let s = handed.elapsed().as_secs_f64();
+                telemetry.phase(Phase::QueueDecode, s);
+                trace.update(|t| t.phases.push((Phase::QueueDecode, s)));
+            };
             let stall = h.deadlines.client_stall;
             // The first token came from the prefill: one more than the relay sees.
             let on_end = move |out| kv.finished(n + 1 + out);

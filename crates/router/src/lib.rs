@@ -262,12 +262,14 @@ impl Generate for Router {
             self.pick(&ask, &decoders).ok_or_else(|| ServeError::NoWorker("no live decode or mixed worker".into()))?;
         let span = tracing::Span::current();
         span.record("decode", d.name());
+        req.trace.update(|t| t.decode = Some(d.name().to_string()));
         // Blocks the request holds at its longest: prompt and every output token.
         let life = req.prompt.len() + req.params.max_tokens as usize;
         match self.remote_prefill(&all, &d, &ask) {
             None => {
                 self.admit(&d, d.prefill.queued() as f64 * d.prefill.seconds_per_token(), life)?;
                 span.record("route", "local");
+                req.trace.update(|t| t.route = Some(PrefillRoute::Local));
                 self.telemetry.route(PrefillRoute::Local);
                 self.local(&d, req)
             }
@@ -275,6 +277,7 @@ impl Generate for Router {
                 self.admit(&d, p.prefill.queued() as f64 * p.prefill.seconds_per_token(), life)?;
                 span.record("route", "remote");
                 span.record("prefill", p.name());
+                req.trace.update(|t| (t.route, t.prefill) = (Some(PrefillRoute::Remote), Some(p.name().to_string())));
                 self.telemetry.route(PrefillRoute::Remote);
                 let waiting = d.backlog.enter_routed(req.prompt.len(), life);
                 let h = self.handoff(&all, p, d, &ask);

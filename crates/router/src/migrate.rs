@@ -143,6 +143,7 @@ mod tests {
             tag: pdserve_protocol::RequestTag("t".into()),
             prompt: vec![1, 2, 3, 4],
             params: Default::default(),
+            trace: Default::default(),
         };
         let job = Job { router, req, sent: vec![9, 9, 9, 8, 8], left: 0, moves: 1 };
         let u = job.usage(Usage { prompt_tokens: 7, completion_tokens: 2, cached_tokens: 6 });

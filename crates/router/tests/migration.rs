@@ -31,6 +31,7 @@ fn request(prompt_len: u32, max_tokens: u32) -> GenerateRequest {
         tag: "t7".into(),
         prompt: (0..prompt_len).map(|i| 1000 + i * 7).collect(),
         params: SamplingParams { max_tokens, ..Default::default() }.validate().unwrap(),
+        trace: Default::default(),
     }
 }
 

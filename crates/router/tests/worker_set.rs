@@ -16,6 +16,7 @@ fn request(id: u64, prompt_len: u32, max_tokens: u32) -> GenerateRequest {
         tag: format!("t{id}").as_str().into(),
         prompt: (0..prompt_len).map(|i| 1000 + i * 7 + id as u32).collect(),
         params: SamplingParams { max_tokens, ..Default::default() }.validate().unwrap(),
+        trace: Default::default(),
     }
 }
 

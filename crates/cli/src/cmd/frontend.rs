@@ -101,14 +101,15 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+        let river = a.nats.config("pdserve-river").filter(|_| a.river);
         let model = Served {
+            observer: river.clone().map(river::LeafObserver::start),
             grammars: super::grammars(&meta.tokenizer),
             tokenizer: meta.tokenizer,
             chat: meta.chat,
             name: meta.name,
             context_length: meta.context_length,
         };
-        let river = a.nats.config("pdserve-river").filter(|_| a.river);
         http::serve(router, metrics, model, &a.api, &banner, river::after_bind(river)).await
     })
 }

@@ -12,6 +12,8 @@ use std::time::Duration;
 
 /// What the frontend needs of the model.
 pub struct Served {
+    /// Hears of every request (the forest's lifecycle Leaves), when set.
+    pub observer: Option<Arc<dyn pdserve_frontend::observe::Observer>>,
     pub grammars: Option<Arc<pdserve_engine::grammar::Grammars>>,
     pub tokenizer: Arc<Tokenizer>,
     pub chat: Arc<ChatTemplate>,
@@ -97,6 +99,7 @@ pub async fn serve(
     )
     .with_mode(&mode)
     .with_grammars(model.grammars)
+    .with_observer(model.observer)
     .with_served_names(api.served_model_names.clone())
     .with_cors(pdserve_frontend::Origins::parse(&api.allowed_origins));
     let listener = tokio::net::TcpListener::bind((api.host.as_str(), api.port))

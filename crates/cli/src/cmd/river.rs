@@ -22,6 +22,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use pdserve_fleet::forest::{self, ForestRequest, Leaf, Unusable};
 use pdserve_fleet::NatsConfig;
+use pdserve_frontend::observe::{Observer, RequestRecord};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,6 +35,8 @@ const DURABLE: &str = "infer-request-parser";
 /// The bucket of finished request ids.
 const DONE_BUCKET: &str = "INFER_REQ";
 const SOURCE: &str = "tree:infer-request-parser";
+/// The source of lifecycle Leaves, which the API publishes for every ingress.
+const LIFECYCLE_SOURCE: &str = "nim:pdserve";
 /// The Wind subject of requests, and the queue group frontends share on it.
 const SUBMIT: &str = "infer.request.submit";
 const QUEUE: &str = "infer-router";
@@ -64,6 +67,51 @@ pub fn after_bind(cfg: Option<NatsConfig>) -> impl FnOnce(SocketAddr) {
             let bus = pdserve_fleet::Bus::connect_patiently(&cfg).await;
             run(bus.client(), cfg.replicas, api).await
         });
+    }
+}
+
+/// Publishes every request's lifecycle, whatever its ingress, as Leaves:
+/// `infer.request.accepted`, then `completed`, `rejected` or `failed`.
+pub struct LeafObserver {
+    tx: tokio::sync::mpsc::Sender<Leaf>,
+}
+
+/// Lifecycle Leaves waiting for NATS at most; more are dropped (and said so).
+const LIFECYCLE_BACKLOG: usize = 4096;
+
+impl LeafObserver {
+    /// Starts the publisher on the current runtime.
+    pub fn start(cfg: NatsConfig) -> Arc<dyn Observer> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Leaf>(LIFECYCLE_BACKLOG);
+        tokio::spawn(async move {
+            let client = pdserve_fleet::Bus::connect_patiently(&cfg).await.client();
+            while let Some(leaf) = rx.recv().await {
+                publish_all(&client, vec![leaf]).await;
+            }
+        });
+        Arc::new(LeafObserver { tx })
+    }
+
+    fn send(&self, subject: &str, r: &RequestRecord) {
+        let leaf = Leaf::new(subject, LIFECYCLE_SOURCE, serde_json::to_value(r).unwrap_or_default());
+        if self.tx.try_send(leaf).is_err() {
+            tracing::warn!(request_id = %r.request_id, subject, "lifecycle Leaf dropped: NATS is behind");
+        }
+    }
+}
+
+impl Observer for LeafObserver {
+    fn accepted(&self, r: &RequestRecord) {
+        self.send("infer.request.accepted", r);
+    }
+
+    fn finished(&self, r: &RequestRecord) {
+        let subject = match r.outcome {
+            Some("ok") => "infer.request.completed",
+            Some("rejected") => "infer.request.rejected",
+            _ => "infer.request.failed",
+        };
+        self.send(subject, r);
     }
 }
 
@@ -268,9 +316,8 @@ impl Ctx {
     /// Serves an accepted request and publishes what came of it. `Again` (only when
     /// not `last_try`) when it may succeed later: overload, no worker.
     async fn answer(&self, req: &ForestRequest, ingress: &str, msg: Option<&Message>, last_try: bool) -> Answered {
-        self.publish(Leaf::new("infer.request.accepted", SOURCE, event(req, json!({"ingress": ingress})))).await;
         let t0 = Instant::now();
-        let served = self.serve_with_progress(req, msg).await;
+        let served = self.serve_with_progress(req, ingress, msg).await;
         let e2e_ms = t0.elapsed().as_secs_f64() * 1e3;
         match served {
             Served::Answer(mut response) => {
@@ -280,12 +327,12 @@ impl Ctx {
                     o.insert("ingress".into(), Value::from(ingress));
                     o.insert("timings".into(), json!({"e2e_ms": e2e_ms}));
                 }
-                self.publish(Leaf::new(req.reply_to.clone(), SOURCE, response.clone())).await;
-                self.publish(Leaf::new("infer.request.completed", SOURCE, response)).await;
+                self.publish(Leaf::new(req.reply_to.clone(), SOURCE, response)).await;
                 Answered::Finished(AckKind::Ack)
             }
+            // The API's own lifecycle Leaf (rejected) says why.
             Served::Refused(why) => {
-                self.publish_rejected(unusable(req, why), ingress).await;
+                tracing::info!(request_id = %req.request_id, reason = %why, ingress, "request refused by the API");
                 Answered::Finished(AckKind::Term)
             }
             Served::Failed(why) => {
@@ -323,8 +370,8 @@ impl Ctx {
 
     /// Serves `req`, telling JetStream every [`PROGRESS_EVERY`] that the message is
     /// still being worked on.
-    async fn serve_with_progress(&self, req: &ForestRequest, msg: Option<&Message>) -> Served {
-        let call = serve(self.api, req, &self.client);
+    async fn serve_with_progress(&self, req: &ForestRequest, ingress: &str, msg: Option<&Message>) -> Served {
+        let call = serve(self.api, req, ingress, &self.client);
         tokio::pin!(call);
         loop {
             tokio::select! {
@@ -404,7 +451,7 @@ fn past_deadline(req: &ForestRequest, since: i128) -> Option<String> {
 
 /// Sends `req` to the API on `api` (loopback), as a client would. A request that
 /// asks for `stream` streams its tokens as Leaves on the way (see [`leaf_stream`]).
-async fn serve(api: SocketAddr, req: &ForestRequest, client: &Client) -> Served {
+async fn serve(api: SocketAddr, req: &ForestRequest, ingress: &str, client: &Client) -> Served {
     let streaming = req.body.get("stream") == Some(&Value::Bool(true));
     let mut body = req.body.clone();
     if let Some(o) = body.as_object_mut() {
@@ -417,6 +464,8 @@ async fn serve(api: SocketAddr, req: &ForestRequest, client: &Client) -> Served 
         .header(hyper::header::HOST, api.to_string())
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .header("x-request-id", &req.request_id)
+        .header("x-pdserve-ingress", ingress)
+        .header("x-pdserve-context", req.context.to_string())
         .body(Full::new(Bytes::from(body.to_string())));
     let Ok(request) = request else { return Served::Refused("the request cannot be sent".into()) };
     let sent = async {

@@ -126,7 +126,9 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             .with_transport(via)
             .with_telemetry(Arc::new(metrics.clone())),
         );
+        let river = a.nats.config("pdserve-river").filter(|_| a.river);
         let model = Served {
+            observer: river.clone().map(super::river::LeafObserver::start),
             grammars: grammars.clone(),
             tokenizer: m.tokenizer.clone(),
             chat: m.chat.clone(),
@@ -137,7 +139,6 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             "workers: {}, {threads} thread(s) each",
             roles.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
         );
-        let river = a.nats.config("pdserve-river").filter(|_| a.river);
         http::serve(router, metrics, model, &a.api, &banner, super::river::after_bind(river)).await
     })
 }

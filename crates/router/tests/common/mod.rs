@@ -60,6 +60,7 @@ pub fn request(id: u64, text: &str, max_tokens: u32) -> GenerateRequest {
         tag: format!("test-{id}").as_str().into(),
         prompt,
         params: SamplingParams { max_tokens, ..Default::default() }.validate().unwrap(),
+        trace: Default::default(),
     }
 }
 

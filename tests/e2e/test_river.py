@@ -135,7 +135,8 @@ async def main():
         want = http_answer(api, "/v1/chat/completions", chat)
         assert result["data"]["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
         assert result["data"]["request_id"] == "hook-1" and result["source"] == "tree:infer-request-parser"
-        assert result["data"]["timings"]["e2e_ms"] > 0
+        t = result["data"]["timings"]
+        assert 0 < t["ttft_ms"] <= t["e2e_ms"] and result["data"]["decode_node_id"], result["data"]
         accepted = [l for l in await wait_for("infer.request.accepted") if l["data"]["request_id"] == "hook-1"]
         completed = [l for l in await wait_for("infer.request.completed") if l["data"]["request_id"] == "hook-1"]
         assert len(accepted) == 1 and len(completed) == 1, (accepted, completed)

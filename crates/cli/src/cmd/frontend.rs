@@ -102,15 +102,16 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
                 .join(", ")
         );
         let river = a.nats.config("pdserve-river").filter(|_| a.river);
+        let observer = river.clone().map(river::LeafObserver::start);
         let model = Served {
-            observer: river.clone().map(river::LeafObserver::start),
+            observer: observer.clone().map(|o| o as Arc<dyn pdserve_frontend::observe::Observer>),
             grammars: super::grammars(&meta.tokenizer),
             tokenizer: meta.tokenizer,
             chat: meta.chat,
             name: meta.name,
             context_length: meta.context_length,
         };
-        http::serve(router, metrics, model, &a.api, &banner, river::after_bind(river)).await
+        http::serve(router, metrics, model, &a.api, &banner, river::after_bind(river, observer)).await
     })
 }
 

@@ -56,7 +56,7 @@ const IN_FLIGHT: usize = 16;
 /// What an API server does once it listens on `addr`: with `cfg`, consume the River
 /// and the Wind, sending their requests to that address (loopback when it listens
 /// on every interface).
-pub fn after_bind(cfg: Option<NatsConfig>) -> impl FnOnce(SocketAddr) {
+pub fn after_bind(cfg: Option<NatsConfig>, observer: Option<Arc<LeafObserver>>) -> impl FnOnce(SocketAddr) {
     move |addr| {
         let Some(cfg) = cfg else { return };
         let api = match addr.ip().is_unspecified() {
@@ -65,7 +65,7 @@ pub fn after_bind(cfg: Option<NatsConfig>) -> impl FnOnce(SocketAddr) {
         };
         tokio::spawn(async move {
             let bus = pdserve_fleet::Bus::connect_patiently(&cfg).await;
-            run(bus.client(), cfg.replicas, api).await
+            run(bus.client(), cfg.replicas, api, observer).await
         });
     }
 }
@@ -74,6 +74,8 @@ pub fn after_bind(cfg: Option<NatsConfig>) -> impl FnOnce(SocketAddr) {
 /// `infer.request.accepted`, then `completed`, `rejected` or `failed`.
 pub struct LeafObserver {
     tx: tokio::sync::mpsc::Sender<Leaf>,
+    /// Ingress requests waiting for their finished record, by request id.
+    waiting: std::sync::Mutex<std::collections::HashMap<String, tokio::sync::oneshot::Sender<RequestRecord>>>,
 }
 
 /// Lifecycle Leaves waiting for NATS at most; more are dropped (and said so).
@@ -81,7 +83,7 @@ const LIFECYCLE_BACKLOG: usize = 4096;
 
 impl LeafObserver {
     /// Starts the publisher on the current runtime.
-    pub fn start(cfg: NatsConfig) -> Arc<dyn Observer> {
+    pub fn start(cfg: NatsConfig) -> Arc<LeafObserver> {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<Leaf>(LIFECYCLE_BACKLOG);
         tokio::spawn(async move {
             let client = pdserve_fleet::Bus::connect_patiently(&cfg).await.client();
@@ -89,7 +91,24 @@ impl LeafObserver {
                 publish_all(&client, vec![leaf]).await;
             }
         });
-        Arc::new(LeafObserver { tx })
+        Arc::new(LeafObserver { tx, waiting: Default::default() })
+    }
+
+    /// The record of `request_id` once it finishes (its next attempt through the API).
+    fn expect(&self, request_id: &str) -> tokio::sync::oneshot::Receiver<RequestRecord> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.waiting().insert(request_id.to_string(), tx);
+        rx
+    }
+
+    fn forget(&self, request_id: &str) {
+        self.waiting().remove(request_id);
+    }
+
+    fn waiting(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, tokio::sync::oneshot::Sender<RequestRecord>>> {
+        self.waiting.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn send(&self, subject: &str, r: &RequestRecord) {
@@ -112,13 +131,16 @@ impl Observer for LeafObserver {
             _ => "infer.request.failed",
         };
         self.send(subject, r);
+        if let Some(tx) = self.waiting().remove(&r.request_id) {
+            let _ = tx.send(r.clone());
+        }
     }
 }
 
 /// Consumes the River until the process ends; the API answers at `api`.
-pub async fn run(client: Client, replicas: usize, api: SocketAddr) {
+pub async fn run(client: Client, replicas: usize, api: SocketAddr, observer: Option<Arc<LeafObserver>>) {
     loop {
-        match consume(&client, replicas, api).await {
+        match consume(&client, replicas, api, observer.clone()).await {
             Ok(()) => tracing::warn!("the River consumer ended; starting it again"),
             Err(e) => tracing::warn!(error = %e, "the River consumer failed; starting it again"),
         }
@@ -126,7 +148,12 @@ pub async fn run(client: Client, replicas: usize, api: SocketAddr) {
     }
 }
 
-async fn consume(client: &Client, replicas: usize, api: SocketAddr) -> anyhow::Result<()> {
+async fn consume(
+    client: &Client,
+    replicas: usize,
+    api: SocketAddr,
+    observer: Option<Arc<LeafObserver>>,
+) -> anyhow::Result<()> {
     let js = jetstream::new(client.clone());
     // The forest's own settings, should it not have made the stream yet.
     let river = js
@@ -169,7 +196,7 @@ async fn consume(client: &Client, replicas: usize, api: SocketAddr) -> anyhow::R
             .await?
         }
     };
-    let ctx = Arc::new(Ctx { client: client.clone(), done, api });
+    let ctx = Arc::new(Ctx { client: client.clone(), done, api, observer });
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let submits = client.queue_subscribe(SUBMIT, QUEUE.into()).await?;
     let _wind = AbortOnDrop(tokio::spawn(wind(submits, ctx.clone(), slots.clone())));
@@ -229,6 +256,8 @@ struct Ctx {
     client: Client,
     done: kv::Store,
     api: SocketAddr,
+    /// Gives each answer its request's record (timings, workers) for the result Leaf.
+    observer: Option<Arc<LeafObserver>>,
 }
 
 /// How serving a request through the API ended.
@@ -316,16 +345,32 @@ impl Ctx {
     /// Serves an accepted request and publishes what came of it. `Again` (only when
     /// not `last_try`) when it may succeed later: overload, no worker.
     async fn answer(&self, req: &ForestRequest, ingress: &str, msg: Option<&Message>, last_try: bool) -> Answered {
+        let record = self.observer.as_ref().map(|o| o.expect(&req.request_id));
         let t0 = Instant::now();
         let served = self.serve_with_progress(req, ingress, msg).await;
         let e2e_ms = t0.elapsed().as_secs_f64() * 1e3;
+        // The API reports the request as its answer ends: a moment's wait at most.
+        let record = match record {
+            Some(rx) => tokio::time::timeout(Duration::from_secs(1), rx).await.ok().and_then(Result::ok),
+            None => None,
+        };
+        if let Some(o) = &self.observer {
+            o.forget(&req.request_id);
+        }
         match served {
             Served::Answer(mut response) => {
                 if let Some(o) = response.as_object_mut() {
                     o.insert("request_id".into(), Value::from(req.request_id.as_str()));
                     o.insert("context".into(), req.context.clone());
                     o.insert("ingress".into(), Value::from(ingress));
-                    o.insert("timings".into(), json!({"e2e_ms": e2e_ms}));
+                    let mut timings = json!({"e2e_ms": e2e_ms});
+                    if let Some(r) = record {
+                        timings = serde_json::to_value(&r.timings).unwrap_or(timings);
+                        o.insert("route".into(), json!(r.route));
+                        o.insert("prefill_node_id".into(), json!(r.prefill_node_id));
+                        o.insert("decode_node_id".into(), json!(r.decode_node_id));
+                    }
+                    o.insert("timings".into(), timings);
                 }
                 self.publish(Leaf::new(req.reply_to.clone(), SOURCE, response)).await;
                 Answered::Finished(AckKind::Ack)

@@ -127,8 +127,9 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             .with_telemetry(Arc::new(metrics.clone())),
         );
         let river = a.nats.config("pdserve-river").filter(|_| a.river);
+        let observer = river.clone().map(super::river::LeafObserver::start);
         let model = Served {
-            observer: river.clone().map(super::river::LeafObserver::start),
+            observer: observer.clone().map(|o| o as Arc<dyn pdserve_frontend::observe::Observer>),
             grammars: grammars.clone(),
             tokenizer: m.tokenizer.clone(),
             chat: m.chat.clone(),
@@ -139,7 +140,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             "workers: {}, {threads} thread(s) each",
             roles.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
         );
-        http::serve(router, metrics, model, &a.api, &banner, super::river::after_bind(river)).await
+        http::serve(router, metrics, model, &a.api, &banner, super::river::after_bind(river, observer)).await
     })
 }
 

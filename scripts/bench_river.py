@@ -1,8 +1,8 @@
 """The NimsForest River ingress against HTTP, on one `pdserve serve --nats URL --river`
 (aggregated, default model) and a local nats-server, in the same run.
 
-1. Latency at C=1: the time to the answer of a one-token request (= TTFT plus the
-   ingress's own cost): HTTP POST -> response, against River publish -> result Leaf.
+1. TTFT at C=1, streamed, 32 tokens: HTTP POST -> first content chunk, against River
+   publish -> first Leaf on infer.stream.<request_id>.
 2. Throughput at C=8: completion tokens/s of 8 clients in closed loop, 64 tokens each.
 3. Leaf rate: 2000 one-token River requests published at once; Leaves the frontend
    publishes per second (accepted + result + completed for each) until the last.
@@ -65,8 +65,12 @@ async def main():
     waiting = {}
     leaves = [0]
 
+    first = {}
+
     async def on_leaf(msg):
         leaves[0] += 1
+        if msg.subject.startswith("infer.stream."):
+            first.setdefault(msg.subject[len("infer.stream."):], time.perf_counter())
         if msg.subject.startswith("infer.result."):
             fut = waiting.pop(msg.subject[len("infer.result."):], None)
             if fut and not fut.done():
@@ -91,14 +95,40 @@ async def main():
         await asyncio.to_thread(post, api + "/v1/completions", body(seq[0], max_tokens))
         return time.perf_counter() - t
 
+    def http_ttft_blocking(i):
+        b = {**body(i, 32), "stream": True}
+        req = urllib.request.Request(api + "/v1/completions", json.dumps(b).encode(), {"Content-Type": "application/json"})
+        t = time.perf_counter()
+        ttft = None
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                if ttft is None and line.startswith(b"data: {") and b'"text":""' not in line:
+                    ttft = time.perf_counter() - t
+        return ttft
+
+    async def http_ttft():
+        seq[0] += 1
+        return await asyncio.to_thread(http_ttft_blocking, seq[0])
+
+    async def river_ttft():
+        seq[0] += 1
+        rid = f"b{seq[0]}"
+        fut = asyncio.get_running_loop().create_future()
+        waiting[rid] = fut
+        t = time.perf_counter()
+        b = {**body(seq[0], 32), "stream": True, "nimsforest": {"request_id": rid}}
+        await js.publish("river.infer.requests", json.dumps(b).encode())
+        await asyncio.wait_for(fut, 120)
+        return first[rid] - t
+
     out = {}
-    # 1. one-token latency at C=1, interleaved so drift hits both alike.
+    # 1. TTFT at C=1, streamed, interleaved so drift hits both alike.
     lat = {"http": [], "river": []}
     for _ in range(3):
-        await http(1), await river(1)
+        await http_ttft(), await river_ttft()
     for _ in range(60):
-        lat["http"].append(await http(1))
-        lat["river"].append(await river(1))
+        lat["http"].append(await http_ttft())
+        lat["river"].append(await river_ttft())
     for k, v in lat.items():
         out[f"{k}_c1_p50_ms"] = statistics.median(v) * 1e3
         out[f"{k}_c1_p90_ms"] = sorted(v)[int(0.9 * len(v))] * 1e3

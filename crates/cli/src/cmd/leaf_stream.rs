@@ -1,7 +1,8 @@
 //! Token streams of River and Wind requests that ask for `stream`: the API's SSE
-//! chunks become Leaves on `infer.stream.<request_id>`, a few tokens at a time (at
-//! most [`BATCH_TOKENS`] or [`BATCH_AGE`] apart), and are put together into the
-//! response object the result Leaf carries, as if the request had not streamed.
+//! chunks become Leaves on `infer.stream.<request_id>`, the first token at once (it is
+//! the time to first token the caller sees), then a few at a time (at most
+//! [`BATCH_TOKENS`] or [`BATCH_AGE`] apart), and are put together into the response
+//! object the result Leaf carries, as if the request had not streamed.
 
 use pdserve_fleet::forest::{Api, ForestRequest, Leaf};
 use serde_json::{json, Map, Value};
@@ -93,8 +94,9 @@ impl<'a> Assembler<'a> {
             self.since.get_or_insert_with(Instant::now);
         }
         self.first.get_or_insert(chunk);
+        let first = self.seq == 0 && self.pending.values().any(|p| p.1 > 0);
         let full = self.pending.values().any(|p| p.1 >= BATCH_TOKENS || p.2.is_some());
-        if full {
+        if first || full {
             self.flush()
         } else {
             Vec::new()
@@ -170,8 +172,10 @@ mod tests {
         let req = parse_river(br#"{"messages": [], "stream": true, "nimsforest": {"request_id": "s-1"}}"#).unwrap();
         let mut a = Assembler::new(&req, "test");
         let chunk = |text: &str, finish: Value| json!({"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]});
+        let first = a.push(chunk("ab", Value::Null));
+        assert_eq!((first.len(), first[0].data["tokens"].as_u64()), (1, Some(1)), "the first token goes at once");
         let mut leaves = Vec::new();
-        for _ in 0..BATCH_TOKENS {
+        for _ in 1..=BATCH_TOKENS {
             leaves.extend(a.push(chunk("ab", Value::Null)));
         }
         assert_eq!(leaves.len(), 1, "a full batch goes out at once");
@@ -182,7 +186,7 @@ mod tests {
         assert_eq!(last[0].subject, "infer.stream.s-1");
         a.push(json!({"choices": [], "usage": {"completion_tokens": 17}}));
         let r = a.response();
-        assert_eq!(r["choices"][0]["message"]["content"], "ab".repeat(BATCH_TOKENS) + "c");
+        assert_eq!(r["choices"][0]["message"]["content"], "ab".repeat(BATCH_TOKENS + 1) + "c");
         assert_eq!(
             (r["choices"][0]["finish_reason"].as_str(), r["object"].as_str()),
             (Some("stop"), Some("chat.completion"))

@@ -4,6 +4,7 @@
 //!
 //! Sits under every other crate on the request path; it does no I/O and owns no state.
 
+pub mod civil;
 mod grammar;
 mod ids;
 mod kv;

@@ -455,18 +455,9 @@ fn constrained_decode(
             return (0.0, 0.0, 0.0);
         }
     }
-    let mut started = vec![false; batch];
-    while started.iter().any(|s| !s) && e.has_work() {
-        for o in e.step() {
-            started[o.id.0 as usize] = true;
-        }
-    }
-    let (t, mut n) = (Instant::now(), 0usize);
-    while e.has_work() {
-        n += e.step().len();
-    }
+    let rate = decode_rate(&mut e, batch);
     let clock = e.mask_clock();
-    (n as f64 / t.elapsed().as_secs_f64(), clock.quantile(0.5), clock.quantile(0.99))
+    (rate, clock.quantile(0.5), clock.quantile(0.99))
 }
 
 fn best_of(reps: usize, mut f: impl FnMut() -> f64) -> f64 {
@@ -522,7 +513,12 @@ fn decode(m: &LoadedModel, threads: usize, batch: usize, prompt: usize, gen: u32
             return 0.0;
         }
     }
-    // Prefill everything first; tokens sampled meanwhile are not counted.
+    decode_rate(&mut e, batch)
+}
+
+/// Tokens per second of `e`'s `batch` queued requests (ids 0..batch) once all of them
+/// have started: their prefills, and tokens sampled meanwhile, are not counted.
+fn decode_rate(e: &mut Engine, batch: usize) -> f64 {
     let mut started = vec![false; batch];
     while started.iter().any(|s| !s) && e.has_work() {
         for o in e.step() {

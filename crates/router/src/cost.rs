@@ -201,8 +201,10 @@ impl Drop for Waiting {
     }
 }
 
-/// What admission knows of a decode worker's KV memory: its free blocks as last
-/// reported, and the pace at which its sequences gave blocks back as they finished.
+/// What admission knows of a decode worker's KV memory: the blocks it could give a
+/// new sequence as last reported (free, or held only by its prefix cache, which
+/// evicts them on demand), and the pace at which its sequences gave blocks back as
+/// they finished.
 /// A first-token pace learned while the cache was empty says nothing of a full one;
 /// this does.
 #[derive(Debug)]

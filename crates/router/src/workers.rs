@@ -65,7 +65,8 @@ impl Entry {
         *self.state.lock().unwrap_or_else(PoisonError::into_inner) = (role, epoch);
     }
 
-    /// The worker's free KV blocks, as its stats just said.
+    /// The KV blocks the worker could give a new sequence (free or only cached), as its
+    /// stats just said.
     pub fn report_free_blocks(&self, blocks: usize) {
         self.kv.report_free(blocks);
     }

@@ -211,7 +211,8 @@ async fn report_blocks(router: Arc<Router>, metrics: Metrics) {
             match tokio::time::timeout(Duration::from_millis(500), e.worker.stats()).await {
                 Ok(Ok(s)) => {
                     metrics.set_worker_stats(e.name(), &s);
-                    e.report_free_blocks(s.blocks.free);
+                    // Blocks only the prefix cache holds are given up on demand.
+                    e.report_free_blocks(s.blocks.free + s.blocks.cached);
                 }
                 _ => metrics.forget_stats(e.name()),
             }

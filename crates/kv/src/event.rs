@@ -7,7 +7,7 @@ use crate::hash::BlockHash;
 /// `Stored` is emitted once per hash when a block is first registered; `Removed` when
 /// that block is evicted. Duplicates of an already registered hash emit nothing, so a
 /// consumer that applies the events in order holds exactly the pool's registered set.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum KvEvent {
     /// A complete block with this hash became findable.
     Stored {

@@ -5,7 +5,7 @@
 pub struct BlockId(pub u32);
 
 /// Identity of a complete block's contents together with everything before it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct BlockHash(pub u64);
 
 impl BlockId {

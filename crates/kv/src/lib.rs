@@ -5,8 +5,9 @@
 //! sequence by matching its prompt's block hashes against the pool
 //! ([`BlockPool::match_prefix`]), then grows a [`BlockTable`] as tokens are computed.
 //! The engine keeps the K/V bytes in per-layer arrays indexed by [`BlockId`]; this crate
-//! never touches them. The router consumes [`KvEvent`]s (via [`BlockPool::take_events`])
-//! to keep its prefix index of what each worker holds.
+//! never touches them. Routers follow the pool's numbered [`KvEvent`]s
+//! ([`BlockPool::events_since`], resyncing from [`BlockPool::snapshot`]) to keep their
+//! index of what each worker holds.
 //!
 //! Lifecycle (typestate): [`MutableBlock`] (being written) → [`ImmutableBlock`]
 //! (complete, hashed, shareable) → cached (inside the pool, no handles, findable by
@@ -17,6 +18,7 @@
 mod block;
 mod event;
 mod hash;
+mod log;
 mod lru;
 mod pool;
 mod state;
@@ -28,5 +30,6 @@ mod proptests;
 pub use block::{ImmutableBlock, MutableBlock};
 pub use event::KvEvent;
 pub use hash::{block_hashes, hash_block, BlockHash, BlockId};
-pub use pool::{BlockPool, PoolExhausted, PoolStats};
+pub use log::{EventGap, LoggedEvent};
+pub use pool::{BlockPool, KvSnapshot, PoolExhausted, PoolStats};
 pub use table::BlockTable;

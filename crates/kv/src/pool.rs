@@ -4,8 +4,8 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::block::{ImmutableBlock, MutableBlock};
-use crate::event::KvEvent;
 use crate::hash::BlockHash;
+use crate::log::{EventGap, LoggedEvent};
 use crate::state::PoolState;
 
 /// Not enough free or cached blocks for a request; nothing was allocated.
@@ -29,6 +29,14 @@ pub struct PoolStats {
     pub used: usize,
     /// Registered complete blocks with no handle: reusable by hash, evictable.
     pub cached: usize,
+}
+
+/// The registry at one event number: where a reader of the event log starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvSnapshot {
+    pub instance: u64,
+    pub seq: u64,
+    pub hashes: Vec<BlockHash>,
 }
 
 /// One worker's KV blocks. Cloning is cheap and shares the pool.
@@ -92,9 +100,23 @@ impl BlockPool {
         self.lock().stats()
     }
 
-    /// Drains the events since the last call, oldest first. The owner is expected to
-    /// drain every scheduler step; undrained events accumulate.
-    pub fn take_events(&self) -> Vec<KvEvent> {
+    /// The events after number `after` of log `instance`, oldest first, or a gap:
+    /// the reader must start over from [`BlockPool::snapshot`].
+    pub fn events_since(&self, instance: u64, after: u64) -> Result<Vec<LoggedEvent>, EventGap> {
+        self.lock().events.since(instance, after)
+    }
+
+    /// Every hash the pool can serve from, taken with the event number it reflects:
+    /// a reader applies the events after that number on top.
+    pub fn snapshot(&self) -> KvSnapshot {
+        let state = self.lock();
+        let (seq, hashes) = state.snapshot();
+        KvSnapshot { instance: state.events.instance(), seq, hashes }
+    }
+
+    /// The events since the last call (tests follow one reader).
+    #[cfg(test)]
+    pub(crate) fn take_events(&self) -> Vec<crate::event::KvEvent> {
         self.lock().take_events()
     }
 

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use crate::event::KvEvent;
 use crate::hash::{BlockHash, BlockId};
+use crate::log::EventLog;
 use crate::lru::Lru;
 use crate::pool::{PoolExhausted, PoolStats};
 
@@ -35,8 +36,11 @@ pub(crate) struct PoolState {
     free: Vec<BlockId>,
     lru: Lru,
     registry: HashMap<BlockHash, BlockId>,
-    events: Vec<KvEvent>,
+    pub(crate) events: EventLog,
     used: usize,
+    /// Where `take_events` left off.
+    #[cfg(test)]
+    taken: u64,
 }
 
 impl PoolState {
@@ -48,8 +52,12 @@ impl PoolState {
             free,
             lru: Lru::new(num_blocks),
             registry: HashMap::with_capacity(num_blocks),
-            events: Vec::new(),
+            // Four events per block: a reader that polls every few milliseconds never
+            // falls behind, even while the whole pool turns over.
+            events: EventLog::new(4 * num_blocks.max(256)),
             used: 0,
+            #[cfg(test)]
+            taken: 0,
         }
     }
 
@@ -61,8 +69,9 @@ impl PoolState {
         PoolStats { total: self.slots.len(), free: self.free.len(), used: self.used, cached: self.lru.len() }
     }
 
-    pub(crate) fn take_events(&mut self) -> Vec<KvEvent> {
-        std::mem::take(&mut self.events)
+    /// Every registered hash, with the number of the last event they reflect.
+    pub(crate) fn snapshot(&self) -> (u64, Vec<BlockHash>) {
+        (self.events.last(), self.registry.keys().copied().collect())
     }
 
     /// Takes `n` blocks for writing, all or none. Free blocks go first; only then are
@@ -177,6 +186,13 @@ impl PoolState {
 
 #[cfg(test)]
 impl PoolState {
+    /// The events since the last call, for tests that follow one reader.
+    pub(crate) fn take_events(&mut self) -> Vec<KvEvent> {
+        let got = self.events.since(self.events.instance(), self.taken).expect("tests keep up");
+        self.taken = self.events.last();
+        got.into_iter().map(|e| e.event).collect()
+    }
+
     /// Checks every cross-structure invariant; used after each step of the property test.
     pub(crate) fn audit(&self) -> Result<(), String> {
         let count = |pred: fn(&Slot) -> bool| self.slots.iter().filter(|s| pred(s)).count();

@@ -12,7 +12,9 @@
 pub mod worker;
 
 pub use pdserve_types::{FinishReason, TokenOut};
-pub use worker::{BlockCounts, DecodeHandoff, KvDestination, Prefilled, Reply, Worker, WorkerInfo, WorkerStats};
+pub use worker::{
+    BlockCounts, DecodeHandoff, KvCursor, KvDestination, KvEvents, Prefilled, Reply, Worker, WorkerInfo, WorkerStats,
+};
 
 use pdserve_types::{RequestId, SamplingParams, TokenId};
 use serde::{Deserialize, Serialize};
@@ -313,6 +315,12 @@ pub trait Telemetry: Send + Sync + 'static {
     fn kv_transfer_bytes(&self, transport: pdserve_kv_transfer::TransportKind, bytes: u64);
     /// A request moved to another worker, and why (`worker_lost`).
     fn migrated(&self, reason: &'static str);
+    /// The router's KV index applied events `lags` seconds after they happened,
+    /// resynced from `resyncs` snapshots, and now holds `blocks` distinct blocks.
+    fn kv_index(&self, _lags: &[f64], _resyncs: usize, _blocks: usize) {}
+    /// A finished request's cached prompt tokens, as the router predicted them and as
+    /// the engine reused them; `cause` says why they differ.
+    fn prefix_hit(&self, _predicted: usize, _realized: usize, _cause: Option<&'static str>) {}
 }
 
 /// Records nothing (tests, embedded use without metrics).

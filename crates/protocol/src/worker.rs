@@ -16,6 +16,7 @@
 //! receiver's drop cancels them; dropping a [`Reply`] future cancels its call.
 
 use crate::{EventSender, GenerateRequest, ServeError};
+use pdserve_kv::{BlockHash, KvEvent};
 use pdserve_kv_transfer::{HandoffToken, KvTarget, TransportKind};
 use pdserve_types::{FinishReason, RequestId, Role, SamplingParams, TokenId, TokenOut};
 use serde::{Deserialize, Serialize};
@@ -62,6 +63,13 @@ pub trait Worker: Send + Sync + 'static {
 
     /// Block counts and queue sizes.
     fn stats(&self) -> Reply<'_, WorkerStats>;
+
+    /// The worker's prefix-cache events after `after`; when they cannot follow it
+    /// (another instance, or fallen out of the worker's log), a snapshot first.
+    fn kv_events(&self, _after: KvCursor) -> Reply<'_, KvEvents> {
+        let name = self.info().name.clone();
+        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} publishes no KV events"))) })
+    }
 
     /// Opens an inbox for handoff `id` whose frames are counted and thrown away, so a
     /// peer can time its link to this worker (the fleet's link probe). Answers with
@@ -125,6 +133,26 @@ pub struct DecodeHandoff {
     pub params: SamplingParams,
     /// The prefill side's cache hit, reported in the request's usage.
     pub cached_tokens: usize,
+}
+
+/// Where a reader of a worker's KV events stands: the worker's event log and the
+/// number of the last event applied.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCursor {
+    pub instance: u64,
+    pub seq: u64,
+}
+
+/// A worker's KV events after a cursor.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvEvents {
+    /// Present when the cursor could not be followed: what the worker holds now,
+    /// to replace everything known of it before `events` apply.
+    pub snapshot: Option<Vec<BlockHash>>,
+    /// Oldest first, each with its age in seconds on the worker's clock when sent.
+    pub events: Vec<(KvEvent, f32)>,
+    /// The cursor after applying all of this.
+    pub cursor: KvCursor,
 }
 
 /// A worker's KV blocks.

@@ -9,8 +9,8 @@
 use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
 use pdserve_kv_transfer::{auth, ClusterKey, HandoffToken, KvAddr, KvTarget, TransportKind};
 use pdserve_protocol::{
-    pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Prefilled, Reply, ServeError, Worker,
-    WorkerInfo, WorkerStats,
+    pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply,
+    ServeError, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::RequestId;
 use std::collections::HashMap;
@@ -255,6 +255,16 @@ impl Worker for RemoteWorker {
         Box::pin(async move {
             match answer.await? {
                 Answer::Stats(s) => Ok(s),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
+        let answer = self.reply_call(Op::KvEvents { after }, false);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::KvEvents(e) => Ok(e),
                 other => Err(unexpected(&other)),
             }
         })

@@ -21,7 +21,9 @@
 //! neither a stranger's router nor a stranger's worker gets in.
 
 use pdserve_kv_transfer::{HandoffToken, KvAddr};
-use pdserve_protocol::{DecodeHandoff, Event, GenerateRequest, Prefilled, ServeError, WorkerInfo, WorkerStats};
+use pdserve_protocol::{
+    DecodeHandoff, Event, GenerateRequest, KvCursor, KvEvents, Prefilled, ServeError, WorkerInfo, WorkerStats,
+};
 use pdserve_types::RequestId;
 use serde::{Deserialize, Serialize};
 use std::io;
@@ -29,7 +31,7 @@ use std::path::PathBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
@@ -112,6 +114,11 @@ pub enum Op {
         id: RequestId,
     },
     Stats,
+    /// The worker's prefix-cache events after a cursor; answered with
+    /// [`Answer::KvEvents`].
+    KvEvents {
+        after: KvCursor,
+    },
     /// Open an inbox that throws its frames away, for a peer's link probe; answered
     /// with [`Answer::Token`].
     ProbeInbox {
@@ -133,6 +140,7 @@ pub enum Answer {
     Token(HandoffToken),
     Prefilled(Prefilled),
     Stats(WorkerStats),
+    KvEvents(KvEvents),
 }
 
 /// Writes one message: a big-endian u32 length, then JSON.

@@ -246,6 +246,10 @@ impl Session {
                 let s = self.clone();
                 self.reply(call, async move { Ok(Answer::Stats(s.worker().stats().await?)) })
             }
+            Op::KvEvents { after } => {
+                let s = self.clone();
+                self.reply(call, async move { Ok(Answer::KvEvents(s.worker().kv_events(after).await?)) })
+            }
             Op::ProbeInbox { id } => {
                 let s = self.clone();
                 self.reply(call, async move { Ok(Answer::Token(s.worker().probe_inbox(id).await?)) })

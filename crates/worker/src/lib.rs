@@ -8,6 +8,7 @@
 //! request's stream between steps and cancels those whose client is gone, so
 //! cancellation reaches the engine within one step.
 
+mod events;
 mod kv;
 mod worker_loop;
 
@@ -16,13 +17,14 @@ use pdserve_engine::batch::BLOCK_SIZE;
 use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::model::Model;
+use pdserve_kv::BlockPool;
 use pdserve_kv_transfer::{
     frame, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, Throughput,
     TransferError, TransportKind,
 };
 use pdserve_protocol::{
-    DecodeHandoff, EventSender, GenerateRequest, KvDestination, Prefilled, Reply, ServeError, Worker, WorkerInfo,
-    WorkerStats,
+    DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply, ServeError,
+    Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::{KvFrame, RequestId, Role};
 use std::collections::HashMap;
@@ -118,6 +120,8 @@ struct Inner {
     imports: Mutex<HashMap<RequestId, Import>>,
     /// Runs the tasks that feed transferred frames into the engine.
     rt: tokio::runtime::Handle,
+    /// The engine's block pool: its event log is read here, off the engine thread.
+    pool: BlockPool,
 }
 
 #[derive(Default)]
@@ -139,6 +143,7 @@ impl LocalWorker {
         let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
         let links = Links::new(opts.key);
         let (cfg, eog, grammars) = (opts.engine, opts.eog, opts.grammars);
+        let (pool_tx, pool_rx) = sync_channel(1);
         std::thread::Builder::new().name(format!("pdserve-{}", opts.name)).spawn(move || {
             // Built on its own thread: the engine's pool belongs to it.
             let engine = Engine::new(model, cfg, eog);
@@ -146,8 +151,10 @@ impl LocalWorker {
                 Some(g) => engine.with_grammars(g),
                 None => engine,
             };
+            let _ = pool_tx.send(engine.block_pool().clone());
             worker_loop::run(engine, rx, counter)
         })?;
+        let pool = pool_rx.recv().map_err(|_| std::io::Error::other("the engine thread died while starting"))?;
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
         let inner = Inner {
             info,
@@ -161,6 +168,7 @@ impl LocalWorker {
             frame_elems,
             imports: Mutex::default(),
             rt,
+            pool,
         };
         Ok(LocalWorker { inner: Arc::new(inner) })
     }
@@ -265,6 +273,11 @@ impl Worker for LocalWorker {
             s.queued_prompt_tokens += self.inner.prefill_tokens.load(Ordering::Relaxed);
             Ok(s)
         })
+    }
+
+    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
+        let events = events::since(&self.inner.pool, after);
+        Box::pin(async move { Ok(events) })
     }
 
     fn probe_inbox(&self, id: RequestId) -> Reply<'_, HandoffToken> {

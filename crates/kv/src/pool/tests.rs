@@ -1,5 +1,6 @@
 use super::*;
 use crate::hash::{hash_block, BlockId};
+use crate::KvEvent;
 
 fn h(n: u64) -> BlockHash {
     BlockHash(n)

@@ -29,6 +29,11 @@ const MIGRATED: &str = "pdserve_requests_migrated";
 const KV_TRANSFER_BYTES: &str = "pdserve_kv_transfer_bytes";
 const KV_BLOCKS: &str = "pdserve_kv_blocks";
 const PREFIX_HIT_TOKENS: &str = "pdserve_prefix_hit_tokens";
+const PREFIX_HIT_MISMATCH: &str = "pdserve_prefix_hit_mismatch";
+const PREFIX_HIT_DIFFERENCE: &str = "pdserve_prefix_hit_difference_tokens";
+const KV_INDEX_LAG: &str = "pdserve_kv_index_lag_seconds";
+const KV_INDEX_RESYNCS: &str = "pdserve_kv_index_resyncs";
+const KV_INDEX_BLOCKS: &str = "pdserve_kv_index_blocks";
 const WORKER_ROLE: &str = "pdserve_worker_role";
 const WORKER_UP: &str = "pdserve_worker_up";
 const PAUSED: &str = "pdserve_paused_requests";
@@ -62,12 +67,20 @@ pub enum Outcome {
 
 pub use pdserve_protocol::{Phase, PrefillRoute};
 
-/// Which prefix-cache figure, for `pdserve_prefix_hit_tokens_total{kind}`. Only
-/// `realized` is recorded until the router keeps an index of the workers' caches.
+/// Which prefix-cache figure, for `pdserve_prefix_hit_tokens_total{kind}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefixHit {
+    /// What the router's KV index predicted on the worker it chose.
+    Predicted,
     /// What the worker actually found in its cache (the usage's `cached_tokens`).
     Realized,
+}
+
+/// Realized minus predicted cached tokens: ±16 up to ±8192.
+fn difference_histogram() -> Histogram {
+    let up: Vec<f64> = exponential_buckets(16.0, 2.0, 10).collect();
+    let down = up.iter().rev().map(|b| -b);
+    Histogram::new(down.chain([0.0]).chain(up.iter().copied()))
 }
 
 impl Outcome {
@@ -111,6 +124,11 @@ struct Inner {
     kv_transfer_bytes: Family<Label1, Counter>,
     kv_blocks: Family<Label2, Gauge>,
     prefix_hit_tokens: Family<Label1, Counter>,
+    prefix_hit_mismatch: Family<Label1, Counter>,
+    prefix_hit_difference: Histogram,
+    kv_index_lag: Histogram,
+    kv_index_resyncs: Counter,
+    kv_index_blocks: Gauge,
     worker_role: Family<Label2, Gauge>,
     worker_up: Family<Label1, Gauge>,
     paused: Family<Label1, Gauge>,
@@ -148,6 +166,11 @@ impl Metrics {
             kv_transfer_bytes: Family::default(),
             kv_blocks: Family::default(),
             prefix_hit_tokens: Family::default(),
+            prefix_hit_mismatch: Family::default(),
+            prefix_hit_difference: difference_histogram(),
+            kv_index_lag: latency_histogram(),
+            kv_index_resyncs: Counter::default(),
+            kv_index_blocks: Gauge::default(),
             worker_role: Family::default(),
             worker_up: Family::default(),
             paused: Family::default(),
@@ -256,6 +279,7 @@ impl Metrics {
     /// Adds prompt tokens found in a prefix cache.
     pub fn prefix_hit(&self, kind: PrefixHit, tokens: u64) {
         let label = match kind {
+            PrefixHit::Predicted => "predicted",
             PrefixHit::Realized => "realized",
         };
         self.inner.prefix_hit_tokens.get_or_create(&[("kind", label.into())]).inc_by(tokens);
@@ -292,6 +316,15 @@ impl Inner {
         r.register(KV_TRANSFER_BYTES, "KV cache bytes moved between workers", self.kv_transfer_bytes.clone());
         r.register(KV_BLOCKS, "KV cache blocks per worker and state", self.kv_blocks.clone());
         r.register(PREFIX_HIT_TOKENS, "Prompt tokens found in a prefix cache", self.prefix_hit_tokens.clone());
+        let help = "Requests whose realized prefix-cache hit differed from the router's prediction, by cause";
+        r.register(PREFIX_HIT_MISMATCH, help, self.prefix_hit_mismatch.clone());
+        let help = "Realized minus predicted cached prompt tokens per request";
+        r.register(PREFIX_HIT_DIFFERENCE, help, self.prefix_hit_difference.clone());
+        let help = "Age of a worker's KV event when the router's index applied it";
+        r.register(KV_INDEX_LAG, help, self.kv_index_lag.clone());
+        let help = "Times the router's KV index rebuilt a worker from a snapshot";
+        r.register(KV_INDEX_RESYNCS, help, self.kv_index_resyncs.clone());
+        r.register(KV_INDEX_BLOCKS, "Distinct KV blocks in the router's index", self.kv_index_blocks.clone());
         r.register(WORKER_ROLE, "1 for each worker's current role", self.worker_role.clone());
         r.register(WORKER_UP, "1 while the worker answers, 0 once it is lost", self.worker_up.clone());
         r.register(PAUSED, "Requests paused because their clients stopped reading", self.paused.clone());
@@ -347,6 +380,22 @@ impl pdserve_protocol::Telemetry for Metrics {
 
     fn migrated(&self, reason: &'static str) {
         Metrics::migrated(self, reason)
+    }
+
+    fn kv_index(&self, lags: &[f64], resyncs: usize, blocks: usize) {
+        for &lag in lags {
+            self.inner.kv_index_lag.observe(lag);
+        }
+        self.inner.kv_index_resyncs.inc_by(resyncs as u64);
+        self.inner.kv_index_blocks.set(gauge(blocks));
+    }
+
+    fn prefix_hit(&self, predicted: usize, realized: usize, cause: Option<&'static str>) {
+        Metrics::prefix_hit(self, PrefixHit::Predicted, predicted as u64);
+        self.inner.prefix_hit_difference.observe(realized as f64 - predicted as f64);
+        if let Some(cause) = cause {
+            self.inner.prefix_hit_mismatch.get_or_create(&[("cause", cause.into())]).inc();
+        }
     }
 }
 

@@ -17,6 +17,7 @@
 
 use crate::cost::{TransferCost, Waiting};
 use crate::workers::Entry;
+use crate::Ending;
 use pdserve_kv_transfer::{HandoffToken, TransportKind};
 use pdserve_protocol::{
     DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Phase, Prefilled, ServeError, Telemetry,
@@ -100,9 +101,16 @@ impl Handoff {
 
 /// Starts the handoff of `req`, in the current span, on `rt`.
 /// `waiting` counts it in the decode worker's backlog until its first token.
-pub fn start(rt: &tokio::runtime::Handle, h: Handoff, req: GenerateRequest, waiting: Waiting) -> TokenStream {
+/// `end` is settled when it ends (see [`Ending`]).
+pub fn start(
+    rt: &tokio::runtime::Handle,
+    h: Handoff,
+    req: GenerateRequest,
+    waiting: Waiting,
+    end: Ending,
+) -> TokenStream {
     let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-    rt.spawn(run(h, req, client, waiting).instrument(tracing::Span::current()));
+    rt.spawn(run(h, req, client, waiting, end).instrument(tracing::Span::current()));
     stream
 }
 
@@ -127,11 +135,10 @@ fn fail(client: &EventSender, e: ServeError) -> Outcome {
 }
 
 /// D prefills the request itself, its events relayed to the client's stream.
-fn fall_back(h: &Handoff, req: GenerateRequest, client: EventSender, waiting: Waiting) -> Outcome {
+fn fall_back(h: &Handoff, req: GenerateRequest, client: EventSender, waiting: Waiting, end: Ending) -> Outcome {
     let d = &h.decode;
     tracing::info!(decode = d.name(), "prefilling on the decode worker instead");
     let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
-    let (kv, n) = (d.kv.clone(), req.prompt.len());
     match d.worker.generate(req, inner_tx) {
         Ok(()) => {
             let on_first = move |first: &Event| {
@@ -139,7 +146,7 @@ fn fall_back(h: &Handoff, req: GenerateRequest, client: EventSender, waiting: Wa
                     waiting.started();
                 }
             };
-            let on_end = move |out| kv.finished(n + out);
+            let on_end = move |out, cached| end.ended(out, cached);
             let stall = h.deadlines.client_stall;
             crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end);
             Outcome::LocalFallback
@@ -148,7 +155,7 @@ fn fall_back(h: &Handoff, req: GenerateRequest, client: EventSender, waiting: Wa
     }
 }
 
-pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut waiting: Waiting) -> Outcome {
+pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut waiting: Waiting, end: Ending) -> Outcome {
     let id = req.id;
     let d = h.decode.clone();
     let started = Instant::now();
@@ -175,7 +182,7 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
         // D stays full: let its engine queue the request and prefill it there.
         Reserve::Full => {
             drop((slot, ticket));
-            return fall_back(&h, req, client, waiting);
+            return fall_back(&h, req, client, waiting, end.unpredicted());
         }
     };
     // Prefilling(P), frames flowing into D as each layer completes (Transferring).
@@ -223,12 +230,12 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
             let mut h = h;
             if h.use_spare() {
                 tracing::info!(prefill = h.prefill.name(), "starting over on the spare prefill worker");
-                return Box::pin(run(h, req, client, waiting)).await;
+                return Box::pin(run(h, req, client, waiting, end.unpredicted())).await;
             }
-            return fall_back(&h, req, client, waiting);
+            return fall_back(&h, req, client, waiting, end.unpredicted());
         }
     };
-    decode_ready(&d, req, first, client, &h, waiting)
+    decode_ready(&d, req, first, client, &h, (waiting, end))
 }
 
 /// The migration reason of a request whose prefill moved to a spare worker or to D.
@@ -305,7 +312,7 @@ fn decode_ready(
     first: Prefilled,
     client: EventSender,
     h: &Handoff,
-    waiting: Waiting,
+    (waiting, end): (Waiting, Ending),
 ) -> Outcome {
     let id = req.id;
     if let Some(scores) = first.prompt_logprobs.clone() {
@@ -326,7 +333,6 @@ fn decode_ready(
     // D's events pass through a relay that times D's first decode step (queue_decode).
     let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
     let handed = Instant::now();
-    let (kv, n) = (d.kv.clone(), req.prompt.len());
     let trace = req.trace.clone();
     let handoff = DecodeHandoff {
         id,
@@ -346,7 +352,7 @@ fn decode_ready(
             };
             let stall = h.deadlines.client_stall;
             // The first token came from the prefill: one more than the relay sees.
-            let on_end = move |out| kv.finished(n + 1 + out);
+            let on_end = move |out, cached| end.ended(1 + out, cached);
             crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end);
             Outcome::Streaming
         }

@@ -12,6 +12,7 @@
 
 pub mod cost;
 pub mod handoff;
+pub mod index;
 mod migrate;
 mod mode;
 pub mod policies;
@@ -24,7 +25,9 @@ pub use mode::Mode;
 pub use policies::{Ask, Candidate, Policy, PolicyKind};
 pub use workers::{Entry, WorkerId, WorkerSet};
 
+use cost::KvMemory;
 use cost::TransferCost;
+use index::{KvIndex, PredictedHit};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{
     Event, Generate, GenerateRequest, NoTelemetry, PrefillRoute, ServeError, Telemetry, TokenStream, Worker,
@@ -54,6 +57,8 @@ pub struct Router {
     via: TransportKind,
     /// Refuse requests predicted to wait longer than this to start.
     max_queue: Option<Duration>,
+    /// What each worker's prefix cache holds, from their KV events.
+    index: Arc<KvIndex>,
 }
 
 impl Router {
@@ -80,7 +85,35 @@ impl Router {
             telemetry: Arc::new(NoTelemetry),
             via: TransportKind::Inproc,
             max_queue: None,
+            index: Arc::default(),
         }
+    }
+
+    /// Starts following every worker's KV events into the router's index, on its
+    /// runtime, for as long as the router lives.
+    pub fn follow_kv_events(self: &Arc<Self>) {
+        let router = Arc::downgrade(self);
+        self.runtime.spawn(async move {
+            let mut tick = tokio::time::interval(index::POLL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(r) = router.upgrade() else { return };
+                let all = r.workers.snapshot();
+                let names: Vec<&str> = all.iter().map(|e| e.name()).collect();
+                r.index.retain(&names);
+                for e in all.iter().filter(|e| e.worker.is_alive()) {
+                    if let Some(a) = r.index.sync(e.name(), e.worker.as_ref()).await {
+                        r.telemetry.kv_index(&a.lags, a.resyncs, r.index.len());
+                    }
+                }
+            }
+        });
+    }
+
+    /// The router's index of the workers' prefix caches.
+    pub fn kv_index(&self) -> &KvIndex {
+        &self.index
     }
 
     /// Admission: a request predicted to wait longer than `limit` before its prefill
@@ -136,17 +169,39 @@ impl Router {
 
     /// The policy's choice among `entries`.
     fn pick(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<Arc<Entry>> {
+        let cached = self.cached_tokens(ask, entries);
         let candidates: Vec<Candidate<'_>> = entries
             .iter()
-            .map(|e| Candidate {
+            .zip(cached)
+            .map(|(e, cached_tokens)| Candidate {
                 name: e.name(),
                 role: e.role(),
                 load: e.worker.load() + e.backlog.routed(),
                 queued_prompt_tokens: e.prefill.queued(),
+                cached_tokens,
+                seconds_per_token: e.prefill.seconds_per_token(),
             })
             .collect();
         let i = self.policy.pick(ask, &candidates)?;
         entries.get(i).cloned()
+    }
+
+    /// Prompt tokens of `ask` each of `entries` holds in its prefix cache, as indexed.
+    fn cached_tokens(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Vec<usize> {
+        let names: Vec<&str> = entries.iter().map(|e| e.name()).collect();
+        self.index.prefix_blocks(ask.block_hashes, &names).into_iter().map(|b| b * BLOCK_SIZE).collect()
+    }
+
+    /// Prompt tokens of `ask` cached on `e`, as indexed.
+    fn cached_on(&self, ask: &Ask<'_>, e: &Entry) -> usize {
+        self.index.prefix_blocks(ask.block_hashes, &[e.name()])[0] * BLOCK_SIZE
+    }
+
+    /// The predicted cache hit of `ask` prefilled on `e`, to check when it ends.
+    fn predict_hit(&self, ask: &Ask<'_>, e: &Entry) -> PredictedHit {
+        let blocks = self.cached_on(ask, e) / BLOCK_SIZE;
+        let hashes = &ask.block_hashes[..blocks];
+        PredictedHit::new(self.index.clone(), e.name(), hashes, BLOCK_SIZE, self.telemetry.clone())
     }
 
     /// The prefill worker for a request decoding on `d`, or `None` to prefill there.
@@ -156,7 +211,11 @@ impl Router {
             Mode::Disaggregated => self.pick(ask, &Self::with_role(all, &[Role::Prefill], None)),
             Mode::Auto => {
                 let n = ask.prompt_len;
-                let cost = |e: &Entry| e.prefill.predict(n) + interference(e, n);
+                // Only the part of the prompt a worker's cache lacks is computed there.
+                let cost = |e: &Entry| {
+                    let todo = n - self.cached_on(ask, e).min(n);
+                    e.prefill.predict(todo) + interference(e, todo)
+                };
                 let local = cost(d);
                 let remote = |e: &Entry| {
                     let compute = n as f64 * e.prefill.seconds_per_token();
@@ -191,7 +250,7 @@ impl Router {
 
     /// Prefill and decode on worker `d`. The first token is watched so `d`'s prompt
     /// queue and prefill rate stay measured (admission and `auto` read them).
-    fn local(&self, d: &Entry, req: GenerateRequest) -> Result<TokenStream, ServeError> {
+    fn local(&self, d: &Entry, req: GenerateRequest, end: Ending) -> Result<TokenStream, ServeError> {
         let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (load, n) = (d.prefill.clone(), req.prompt.len());
@@ -207,9 +266,8 @@ impl Router {
             }
             drop(ticket);
         };
-        let kv = d.kv.clone();
-        relay::relay(&self.runtime, inner, client, self.deadlines.client_stall, on_first, move |out| {
-            kv.finished(n + out)
+        relay::relay(&self.runtime, inner, client, self.deadlines.client_stall, on_first, move |out, cached| {
+            end.ended(out, cached)
         });
         Ok(stream)
     }
@@ -240,6 +298,29 @@ impl Router {
     }
 }
 
+/// What a routed request settles when it ends: the KV blocks it gives back on its
+/// decode worker, and the cache hit predicted where it is prefilled.
+pub struct Ending {
+    kv: Arc<KvMemory>,
+    prompt: usize,
+    hit: Option<PredictedHit>,
+}
+
+impl Ending {
+    /// The prefill moved to a worker the prediction was not made for.
+    pub(crate) fn unpredicted(self) -> Self {
+        Ending { hit: None, ..self }
+    }
+
+    /// Over after `out` output tokens; `cached` prompt tokens were reused if it finished.
+    pub(crate) fn ended(self, out: usize, cached: Option<usize>) {
+        self.kv.finished(self.prompt + out);
+        if let (Some(hit), Some(cached)) = (self.hit, cached) {
+            hit.check(cached);
+        }
+    }
+}
+
 /// What prefilling `tokens` on worker `e` costs the sequences decoding there: each
 /// waits out the prefill's compute (chunked prefill shares their steps).
 fn interference(e: &Entry, tokens: usize) -> f64 {
@@ -254,7 +335,14 @@ impl Generate for Router {
         if self.draining.load(Ordering::SeqCst) {
             return Err(ServeError::ShuttingDown);
         }
-        let hashes = pdserve_kv::block_hashes(&req.prompt, BLOCK_SIZE, BLOCK_SALT);
+        let mut hashes = pdserve_kv::block_hashes(&req.prompt, BLOCK_SIZE, BLOCK_SALT);
+        // An engine leaves at least one prompt token to compute (for the logits), and
+        // scores a prompt in full when asked for its logprobs.
+        let cacheable = match req.params.prompt_logprobs {
+            Some(_) => 0,
+            None => req.prompt.len().saturating_sub(1) / BLOCK_SIZE,
+        };
+        hashes.truncate(cacheable);
         let ask = Ask { prompt_len: req.prompt.len(), block_hashes: &hashes };
         let all = self.workers.snapshot();
         let decoders = Self::with_role(&all, &[Role::Decode, Role::Mixed], None);
@@ -271,7 +359,8 @@ impl Generate for Router {
                 span.record("route", "local");
                 req.trace.update(|t| t.route = Some(PrefillRoute::Local));
                 self.telemetry.route(PrefillRoute::Local);
-                self.local(&d, req)
+                let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit: Some(self.predict_hit(&ask, &d)) };
+                self.local(&d, req, end)
             }
             Some(p) => {
                 self.admit(&d, p.prefill.queued() as f64 * p.prefill.seconds_per_token(), life)?;
@@ -279,9 +368,10 @@ impl Generate for Router {
                 span.record("prefill", p.name());
                 req.trace.update(|t| (t.route, t.prefill) = (Some(PrefillRoute::Remote), Some(p.name().to_string())));
                 self.telemetry.route(PrefillRoute::Remote);
+                let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit: Some(self.predict_hit(&ask, &p)) };
                 let waiting = d.backlog.enter_routed(req.prompt.len(), life);
                 let h = self.handoff(&all, p, d, &ask);
-                Ok(handoff::start(&self.runtime, h, req, waiting))
+                Ok(handoff::start(&self.runtime, h, req, waiting, end))
             }
         }
     }

@@ -6,7 +6,9 @@ use pdserve_protocol::{pace, Event, EventSender, ServeError, TokenStream};
 use std::time::Duration;
 
 /// Forwards `inner` to `client` on a task of `rt`, calling `on_first` with the first
-/// event and `on_end` with the tokens forwarded once the stream is over. A client that leaves drops `inner`, which cancels the request upstream.
+/// event and `on_end` once the stream is over, with the tokens forwarded and, if it
+/// finished, the prompt tokens served from a prefix cache. A client that leaves drops
+/// `inner`, which cancels the request upstream.
 /// While `pace::WINDOW` events wait unread in `client`, nothing more is forwarded, so
 /// they pile up in `inner` and the worker pauses the sequence; a client that reads
 /// nothing for `stall` gets an error and the request is cancelled.
@@ -16,11 +18,11 @@ pub fn relay(
     client: EventSender,
     stall: Duration,
     on_first: impl FnOnce(&Event) + Send + 'static,
-    on_end: impl FnOnce(usize) + Send + 'static,
+    on_end: impl FnOnce(usize, Option<usize>) + Send + 'static,
 ) {
     rt.spawn(async move {
         let mut on_first = Some(on_first);
-        let mut tokens = 0;
+        let (mut tokens, mut cached) = (0, None);
         loop {
             let ev = tokio::select! {
                 ev = inner.next() => ev,
@@ -33,11 +35,14 @@ pub fn relay(
                 }
             }
             tokens += usize::from(matches!(ev, Event::Token(_)));
+            if let Event::Done { usage, .. } = &ev {
+                cached = Some(usage.cached_tokens);
+            }
             if !forward(&client, ev, stall).await {
                 break;
             }
         }
-        on_end(tokens);
+        on_end(tokens, cached);
     });
 }
 

@@ -44,8 +44,9 @@ pub struct Args {
     /// aggregated | disaggregated | auto.
     #[arg(long, default_value = "auto")]
     mode: Mode,
-    /// How to pick among workers of one role: least-loaded | round-robin.
-    #[arg(long, default_value = "least-loaded")]
+    /// How to pick among workers of one role: kv-aware (the soonest predicted first
+    /// token, counting each worker's cached prefix) | least-loaded | round-robin.
+    #[arg(long, default_value = "kv-aware")]
     policy: PolicyKind,
     /// How prefill workers send KV to decode workers: tcp (the default) | shm (same host).
     #[arg(long)]
@@ -76,6 +77,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
                 .with_transport(via)
                 .with_telemetry(Arc::new(metrics.clone())),
         );
+        router.follow_kv_events();
         let mut first = Vec::new();
         for &addr in &a.workers {
             let (tx, rx) = tokio::sync::oneshot::channel();

@@ -29,8 +29,9 @@ pub struct Args {
     /// on the decode worker or on another worker, whichever gives the first token sooner).
     #[arg(long, default_value = "auto")]
     mode: Mode,
-    /// How to pick among workers of one role: least-loaded | round-robin.
-    #[arg(long, default_value = "least-loaded")]
+    /// How to pick among workers of one role: kv-aware (the soonest predicted first
+    /// token, counting each worker's cached prefix) | least-loaded | round-robin.
+    #[arg(long, default_value = "kv-aware")]
     policy: PolicyKind,
     /// Prefill workers (disaggregated and auto; default 1).
     #[arg(long)]
@@ -126,6 +127,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             .with_transport(via)
             .with_telemetry(Arc::new(metrics.clone())),
         );
+        router.follow_kv_events();
         let river = a.nats.config("pdserve-river").filter(|_| a.river);
         let observer = river.clone().map(super::river::LeafObserver::start);
         let model = Served {

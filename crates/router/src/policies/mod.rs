@@ -2,9 +2,11 @@
 //! a policy sees the request's shape and a [`Candidate`] per eligible worker, never
 //! a worker handle, so each is unit-tested without a model or a worker.
 
+mod kv_aware;
 mod least_loaded;
 mod round_robin;
 
+pub use kv_aware::{predicted_ttft, KvAware};
 pub use least_loaded::LeastLoaded;
 pub use round_robin::RoundRobin;
 
@@ -29,6 +31,10 @@ pub struct Candidate<'a> {
     pub load: usize,
     /// Prompt tokens the router has sent it that are not prefilled yet.
     pub queued_prompt_tokens: usize,
+    /// Prompt tokens its prefix cache holds, as the router's KV index predicts.
+    pub cached_tokens: usize,
+    /// Its measured prefill pace, seconds per prompt token.
+    pub seconds_per_token: f64,
 }
 
 /// Picks one of `candidates` (never empty when called) by index. A policy owns its
@@ -43,6 +49,7 @@ pub trait Policy: Send + Sync {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PolicyKind {
     #[default]
+    KvAware,
     LeastLoaded,
     RoundRobin,
 }
@@ -50,6 +57,7 @@ pub enum PolicyKind {
 impl PolicyKind {
     pub fn build(self) -> Box<dyn Policy> {
         match self {
+            PolicyKind::KvAware => Box::new(KvAware),
             PolicyKind::LeastLoaded => Box::new(LeastLoaded),
             PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
         }
@@ -60,9 +68,10 @@ impl FromStr for PolicyKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
+            "kv-aware" => Ok(PolicyKind::KvAware),
             "least-loaded" => Ok(PolicyKind::LeastLoaded),
             "round-robin" => Ok(PolicyKind::RoundRobin),
-            other => Err(format!("unknown policy `{other}` (expected least-loaded or round-robin)")),
+            other => Err(format!("unknown policy `{other}` (expected kv-aware, least-loaded or round-robin)")),
         }
     }
 }
@@ -76,6 +85,6 @@ pub(crate) mod test_support {
     }
 
     pub fn cand(name: &'static str, load: usize) -> Candidate<'static> {
-        Candidate { name, role: Role::Mixed, load, queued_prompt_tokens: 0 }
+        Candidate { name, role: Role::Mixed, load, queued_prompt_tokens: 0, cached_tokens: 0, seconds_per_token: 1e-3 }
     }
 }

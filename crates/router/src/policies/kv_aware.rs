@@ -1,0 +1,62 @@
+//! KV-aware: the worker where the request is predicted to get its first token
+//! soonest, in seconds: the prompt tokens queued there plus the part of this prompt
+//! its prefix cache does not hold, at the worker's measured prefill pace, plus, where
+//! sequences decode, the same compute again for the delay they suffer (chunked
+//! prefill shares their steps). No overlap weight: a cached block is worth exactly
+//! the prefill it saves. A hot prefix therefore stays on its worker only until that
+//! worker's queue costs more than recomputing the prefix elsewhere, and then spreads.
+//! Ties (nothing cached, nothing queued) go to the fewest requests in flight.
+
+use super::{Ask, Candidate, Policy};
+
+pub struct KvAware;
+
+/// Predicted seconds to first token of `ask` on `c`.
+pub fn predicted_ttft(ask: &Ask<'_>, c: &Candidate<'_>) -> f64 {
+    let compute = ask.prompt_len.saturating_sub(c.cached_tokens) as f64 * c.seconds_per_token;
+    let queue = c.queued_prompt_tokens as f64 * c.seconds_per_token;
+    let interference = if c.load > 0 { compute } else { 0.0 };
+    queue + compute + interference
+}
+
+impl Policy for KvAware {
+    fn name(&self) -> &'static str {
+        "kv-aware"
+    }
+
+    fn pick(&self, ask: &Ask<'_>, candidates: &[Candidate<'_>]) -> Option<usize> {
+        (0..candidates.len()).min_by(|&a, &b| {
+            let (ca, cb) = (&candidates[a], &candidates[b]);
+            predicted_ttft(ask, ca).total_cmp(&predicted_ttft(ask, cb)).then(ca.load.cmp(&cb.load))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policies::test_support::{ask, cand};
+
+    fn cached(name: &'static str, load: usize, cached_tokens: usize) -> Candidate<'static> {
+        Candidate { cached_tokens, ..cand(name, load) }
+    }
+
+    #[test]
+    fn the_worker_holding_the_prefix_wins_until_its_queue_costs_more() {
+        let p = KvAware;
+        let ask = Ask { prompt_len: 1000, ..ask() };
+        // 900 cached tokens on `b` save 0.9 s at 1 ms a token.
+        assert_eq!(p.pick(&ask, &[cached("a", 1, 0), cached("b", 1, 900)]), Some(1));
+        // 2000 prompt tokens queued on `b` cost more than recomputing on `a`.
+        let busy = Candidate { queued_prompt_tokens: 2000, ..cached("b", 1, 900) };
+        assert_eq!(p.pick(&ask, &[cached("a", 1, 0), busy]), Some(0));
+    }
+
+    #[test]
+    fn without_a_cache_it_is_least_loaded_and_spares_decoding_workers() {
+        let p = KvAware;
+        assert_eq!(p.pick(&ask(), &[cand("a", 3), cand("b", 1), cand("c", 2)]), Some(1));
+        assert_eq!(p.pick(&ask(), &[cand("a", 2), cand("b", 0)]), Some(1), "b has no decodes to delay");
+        assert_eq!(p.pick(&ask(), &[]), None);
+    }
+}

@@ -112,7 +112,7 @@ impl ApiError {
     /// Seconds a client should wait before trying again, for `Retry-After`.
     pub fn retry_after(&self) -> Option<u64> {
         match self {
-            ApiError::Serve(ServeError::QueueFull { wait_s, limit_s }) => Some(wait_s.saturating_sub(*limit_s).max(1)),
+            ApiError::Serve(ServeError::QueueFull { retry_s, .. }) => Some((*retry_s).max(1)),
             ApiError::Serve(ServeError::Overloaded(_)) => Some(1),
             _ => None,
         }

@@ -573,7 +573,7 @@ async fn cors_only_for_allowed_origins() {
 
 #[tokio::test]
 async fn a_full_queue_is_429_with_retry_after() {
-    let s = Server::start(Script::Refuse(ServeError::QueueFull { wait_s: 45, limit_s: 30 })).await;
+    let s = Server::start(Script::Refuse(ServeError::QueueFull { wait_s: 45, limit_s: 30, retry_s: 15 })).await;
     let r = s.post_json("/v1/completions", &json!({"prompt": "x"})).await;
     r.error(429);
     assert_eq!(r.header("retry-after"), Some("15"));

@@ -233,9 +233,9 @@ pub enum ServeError {
     #[error("overloaded: {0}")]
     Overloaded(String),
     /// The request would wait longer than the admission limit to start (429, with
-    /// `Retry-After`).
+    /// `Retry-After: retry_s`).
     #[error("overloaded: the request would wait about {wait_s} s to start, over the limit of {limit_s} s")]
-    QueueFull { wait_s: u64, limit_s: u64 },
+    QueueFull { wait_s: u64, limit_s: u64, retry_s: u64 },
     /// No worker can take the request (503).
     #[error("no worker available: {0}")]
     NoWorker(String),

@@ -36,6 +36,13 @@ const ALPHA: f64 = 0.2;
 const MARGIN: f64 = 0.15;
 /// Tokens per KV block.
 const BLOCK_TOKENS: usize = 16;
+/// Predictions shorter than this are not used to calibrate admission: a small
+/// queue's relative error is noise.
+const CALIBRATED_FROM: f64 = 2.0;
+/// First-token misses kept per decode worker for the calibration.
+const MISSES_KEPT: usize = 64;
+/// Sequences that must have ended within [`FREED_WINDOW`] for their pace to count.
+const PACE_FROM: usize = 8;
 /// How far back the pace of freed KV blocks is measured.
 const FREED_WINDOW: Duration = Duration::from_secs(30);
 
@@ -108,12 +115,18 @@ pub struct Backlog {
     /// (prompt and output; a handoff's reservation, once granted, holds the prompt's
     /// already).
     pending_blocks: AtomicUsize,
+    /// Prompt blocks requests started holding since the worker's free count was last
+    /// asked for: its next answer counts them, the last one did not.
+    taken: AtomicUsize,
     /// Requests handed off toward this worker that have not reached it yet (their
     /// prefill runs elsewhere): load the worker cannot report, so the policies add it.
     routed: AtomicUsize,
     /// Moving average of time to first token per prompt token waiting at arrival
     /// (the request's own included).
     seconds_per_token: Mutex<Option<f64>>,
+    /// Measured over predicted time to first token of the latest requests that
+    /// were predicted to wait (see [`Backlog::correction`]).
+    misses: Mutex<VecDeque<f64>>,
 }
 
 impl Backlog {
@@ -123,7 +136,34 @@ impl Backlog {
         let ahead = self.pending.fetch_add(tokens, Ordering::Relaxed);
         let blocks = blocks_for(life.max(tokens));
         self.pending_blocks.fetch_add(blocks, Ordering::Relaxed);
-        Waiting { backlog: self.clone(), tokens, blocks, ahead, since: Instant::now(), routed: false }
+        Waiting {
+            backlog: self.clone(),
+            tokens,
+            blocks,
+            ahead,
+            since: Instant::now(),
+            routed: false,
+            predicted: None,
+            prompt_held: false,
+        }
+    }
+
+    /// What admission's raw prediction is to be multiplied by: the 95th percentile
+    /// of measured over predicted first-token times of the latest requests predicted
+    /// to wait at least [`CALIBRATED_FROM`], within 0.5..4; 1 before 8 of them
+    /// started. The prediction's terms each model one cause of waiting, and their
+    /// error changes with the load (a queue of long prompts behind a full KV pool is
+    /// slower than its parts). Scaling by the error measured on real first tokens
+    /// keeps accepted requests within the admission limit whatever the model misses,
+    /// without feeding back on itself: the ratio is to the raw prediction.
+    pub fn correction(&self) -> f64 {
+        let misses = lock(&self.misses);
+        if misses.len() < 8 {
+            return 1.0;
+        }
+        let mut sorted: Vec<f64> = misses.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        sorted[(sorted.len() * 95 / 100).min(sorted.len() - 1)].clamp(0.5, 4.0)
     }
 
     /// [`Backlog::enter`] for a request prefilled elsewhere: also counted as routed
@@ -140,9 +180,21 @@ impl Backlog {
         self.routed.load(Ordering::Relaxed)
     }
 
-    /// KV blocks the waiting requests still need.
+    /// KV blocks the waiting requests still need, and those taken since the worker's
+    /// free count was last asked for (which it does not show).
     pub fn pending_blocks(&self) -> usize {
-        self.pending_blocks.load(Ordering::Relaxed)
+        self.pending_blocks.load(Ordering::Relaxed) + self.taken.load(Ordering::Relaxed)
+    }
+
+    /// Blocks taken so far; pass it to [`Backlog::counted`] once a free count asked
+    /// for after this call has arrived.
+    pub fn taken_mark(&self) -> usize {
+        self.taken.load(Ordering::Relaxed)
+    }
+
+    /// A free count asked for at `mark` arrived: it shows the blocks taken until then.
+    pub fn counted(&self, mark: usize) {
+        self.taken.fetch_sub(mark.min(self.taken.load(Ordering::Relaxed)), Ordering::Relaxed);
     }
 
     /// Seconds a request arriving now waits for those ahead of it to start. Until
@@ -165,18 +217,41 @@ pub struct Waiting {
     since: Instant,
     /// Counted in [`Backlog::routed`].
     routed: bool,
+    /// Admission's raw prediction of its time to first token.
+    predicted: Option<f64>,
+    /// Its prompt's blocks were counted as taken by [`Waiting::holds_blocks`].
+    prompt_held: bool,
 }
 
 impl Waiting {
+    /// Admission predicted its first token `seconds` from now (before correction).
+    pub fn predicted(mut self, seconds: f64) -> Self {
+        self.predicted = Some(seconds);
+        self
+    }
+
     /// Its prompt's blocks are reserved on the worker: taken, no longer needed.
     pub fn holds_blocks(&mut self) {
         let held = blocks_for(self.tokens).min(self.blocks);
         self.blocks -= held;
         self.backlog.pending_blocks.fetch_sub(held, Ordering::Relaxed);
+        self.backlog.taken.fetch_add(held, Ordering::Relaxed);
+        self.prompt_held = true;
     }
 
-    /// Its first token is out.
+    /// Its first token is out (its prompt's blocks are held now).
     pub fn started(self) {
+        if !self.prompt_held {
+            self.backlog.taken.fetch_add(blocks_for(self.tokens).min(self.blocks), Ordering::Relaxed);
+        }
+        let took = self.since.elapsed().as_secs_f64();
+        if let Some(p) = self.predicted.filter(|&p| p >= CALIBRATED_FROM) {
+            let mut misses = lock(&self.backlog.misses);
+            if misses.len() == MISSES_KEPT {
+                misses.pop_front();
+            }
+            misses.push_back(took / p);
+        }
         let behind = self.ahead + self.tokens;
         if behind > 0 {
             let pace = self.since.elapsed().as_secs_f64() / behind as f64;
@@ -236,7 +311,9 @@ impl KvMemory {
 
     /// Seconds until `need` blocks are free here: none while they are free now (or
     /// before anything was reported); else the missing blocks at the pace blocks were
-    /// freed lately, or twice that window when none were (full, and nothing ends).
+    /// freed lately, or twice that window when fewer than [`PACE_FROM`] sequences
+    /// ended in it (full, and no pace to go by: a few requests that ran alone, such
+    /// as a benchmark's warm-up, would promise a pace no full pool keeps).
     pub fn wait_for(&self, need: usize) -> f64 {
         let Some(free) = *lock(&self.free) else { return 0.0 };
         let missing = need.saturating_sub(free);
@@ -246,7 +323,7 @@ impl KvMemory {
         let mut freed = lock(&self.freed);
         prune(&mut freed);
         let blocks: usize = freed.iter().map(|&(_, b)| b).sum();
-        if blocks == 0 {
+        if freed.len() < PACE_FROM || blocks == 0 {
             return 2.0 * FREED_WINDOW.as_secs_f64();
         }
         let window = self.since.elapsed().min(FREED_WINDOW).as_secs_f64().max(1.0);
@@ -341,12 +418,17 @@ mod tests {
         m.report_free(100);
         assert_eq!(m.wait_for(100), 0.0, "fits now");
         assert_eq!(m.wait_for(101), 60.0, "full and nothing ended lately: refuse");
-        // 3 sequences of 640 tokens (40 blocks each) ended within the first second:
-        // 120 blocks a second; 60 missing blocks are half a second away.
+        // Fewer than 8 ended: no pace yet.
         for _ in 0..3 {
             m.finished(640);
         }
-        assert!((m.wait_for(160) - 0.5).abs() < 1e-9, "{}", m.wait_for(160));
+        assert_eq!(m.wait_for(101), 60.0);
+        // 8 sequences of 640 tokens (40 blocks each) ended within the first second:
+        // 320 blocks a second; 160 missing blocks are half a second away.
+        for _ in 0..5 {
+            m.finished(640);
+        }
+        assert!((m.wait_for(260) - 0.5).abs() < 1e-9, "{}", m.wait_for(260));
     }
 
     #[test]
@@ -355,7 +437,12 @@ mod tests {
         let mut w1 = b.enter(100, 132);
         let _w2 = b.enter(16, 16);
         assert_eq!(b.pending_blocks(), 9 + 1);
+        let mark = b.taken_mark();
         w1.holds_blocks();
+        assert_eq!(b.pending_blocks(), 2 + 7 + 1, "taken, and not yet in a free count");
+        b.counted(mark);
+        assert_eq!(b.pending_blocks(), 2 + 7 + 1, "that count was asked for before");
+        b.counted(b.taken_mark());
         assert_eq!(b.pending_blocks(), 2 + 1, "the output's blocks are still to come");
         drop(w1);
         assert_eq!(b.pending_blocks(), 1);
@@ -363,6 +450,22 @@ mod tests {
         assert_eq!(b.routed(), 1);
         w3.started();
         assert_eq!(b.routed(), 0);
+    }
+
+    #[test]
+    fn admission_is_calibrated_by_how_late_first_tokens_came() {
+        let b = Arc::new(Backlog::default());
+        assert_eq!(b.correction(), 1.0);
+        // Started at once against predictions of 2.5 s: predicted far too long, but
+        // only 8 samples move it, and it never goes below half.
+        for i in 0..8 {
+            assert_eq!(b.correction(), 1.0, "{i} samples");
+            b.enter(10, 10).predicted(2.5).started();
+        }
+        assert_eq!(b.correction(), 0.5);
+        // Short predictions say nothing.
+        b.enter(10, 10).predicted(0.01).started();
+        assert_eq!(lock(&b.misses).len(), 8);
     }
 
     #[test]

@@ -20,8 +20,10 @@ use std::time::{Duration, Instant};
 
 /// Workers the index can tell apart; more are routed without their cache known.
 pub const MAX_INDEXED: usize = 128;
-/// How often every worker is asked for its events.
+/// How often every worker is asked for its events while they flow, and when the
+/// last round brought none.
 pub(crate) const POLL: Duration = Duration::from_millis(20);
+pub(crate) const IDLE_POLL: Duration = Duration::from_millis(100);
 /// A worker that does not answer in this long is skipped until the next round.
 const PATIENCE: Duration = Duration::from_millis(500);
 

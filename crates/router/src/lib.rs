@@ -33,7 +33,7 @@ use pdserve_protocol::{
     Event, Generate, GenerateRequest, NoTelemetry, PrefillRoute, ServeError, Telemetry, TokenStream, Worker,
 };
 use pdserve_types::Role;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -59,6 +59,8 @@ pub struct Router {
     max_queue: Option<Duration>,
     /// What each worker's prefix cache holds, from their KV events.
     index: Arc<KvIndex>,
+    /// Requests refused by admission, to spread their `Retry-After`.
+    refusals: AtomicU64,
 }
 
 impl Router {
@@ -86,6 +88,7 @@ impl Router {
             via: TransportKind::Inproc,
             max_queue: None,
             index: Arc::default(),
+            refusals: AtomicU64::new(0),
         }
     }
 
@@ -94,16 +97,18 @@ impl Router {
     pub fn follow_kv_events(self: &Arc<Self>) {
         let router = Arc::downgrade(self);
         self.runtime.spawn(async move {
-            let mut tick = tokio::time::interval(index::POLL);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut busy = true;
             loop {
-                tick.tick().await;
+                // Quickly while events flow; an idle fleet is asked less often.
+                tokio::time::sleep(if busy { index::POLL } else { index::IDLE_POLL }).await;
                 let Some(r) = router.upgrade() else { return };
                 let all = r.workers.snapshot();
                 let names: Vec<&str> = all.iter().map(|e| e.name()).collect();
                 r.index.retain(&names);
+                busy = false;
                 for e in all.iter().filter(|e| e.worker.is_alive()) {
                     if let Some(a) = r.index.sync(e.name(), e.worker.as_ref()).await {
+                        busy |= !a.lags.is_empty() || a.resyncs > 0;
                         r.telemetry.kv_index(&a.lags, a.resyncs, r.index.len());
                     }
                 }
@@ -237,26 +242,36 @@ impl Router {
     /// limit: behind `queued_s` seconds of prompts on its prefill worker, behind the
     /// backlog of decode worker `d`, or until `d` has free the KV blocks its waiting
     /// requests and this prompt need, whichever is longest.
-    fn admit(&self, d: &Entry, queued_s: f64, life: usize) -> Result<(), ServeError> {
+    /// The prediction is scaled by how late first tokens came against it lately
+    /// ([`cost::Backlog::correction`]). Admitted, the raw prediction is returned.
+    fn admit(&self, d: &Entry, queued_s: f64, life: usize) -> Result<f64, ServeError> {
         let need = d.backlog.pending_blocks() + cost::blocks_for(life);
-        let queued_s = queued_s.max(d.backlog.predict()).max(d.kv.wait_for(need));
+        let raw = queued_s.max(d.backlog.predict()).max(d.kv.wait_for(need));
+        let queued_s = raw * d.backlog.correction();
         match self.max_queue {
             Some(limit) if queued_s > limit.as_secs_f64() => {
-                Err(ServeError::QueueFull { wait_s: queued_s.ceil() as u64, limit_s: limit.as_secs() })
+                // Come back once the excess has drained, spread over up to half as
+                // long again, so that clients refused in one burst do not all return
+                // in the same second (the refusals' order spreads them evenly).
+                let n = self.refusals.fetch_add(1, Ordering::Relaxed) as f64;
+                let spread = 1.0 + 0.5 * (n * 0.618_033_988_75).fract();
+                let excess = (queued_s - limit.as_secs_f64()).min(1e6);
+                let (wait_s, retry_s) = (queued_s.min(1e6).ceil() as u64, (excess * spread).ceil() as u64);
+                Err(ServeError::QueueFull { wait_s, limit_s: limit.as_secs(), retry_s })
             }
-            _ => Ok(()),
+            _ => Ok(raw),
         }
     }
 
     /// Prefill and decode on worker `d`. The first token is watched so `d`'s prompt
     /// queue and prefill rate stay measured (admission and `auto` read them).
-    fn local(&self, d: &Entry, req: GenerateRequest, end: Ending) -> Result<TokenStream, ServeError> {
+    fn local(&self, d: &Entry, req: GenerateRequest, end: Ending, predicted: f64) -> Result<TokenStream, ServeError> {
         let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (load, n) = (d.prefill.clone(), req.prompt.len());
         let ahead = load.queued();
         let ticket = load.admit(n);
-        let waiting = d.backlog.enter(n, n + req.params.max_tokens as usize);
+        let waiting = d.backlog.enter(n, n + req.params.max_tokens as usize).predicted(predicted);
         d.worker.generate(req, inner_tx)?;
         let started = Instant::now();
         let on_first = move |first: &Event| {
@@ -355,21 +370,21 @@ impl Generate for Router {
         let life = req.prompt.len() + req.params.max_tokens as usize;
         match self.remote_prefill(&all, &d, &ask) {
             None => {
-                self.admit(&d, d.prefill.queued() as f64 * d.prefill.seconds_per_token(), life)?;
+                let predicted = self.admit(&d, d.prefill.queued() as f64 * d.prefill.seconds_per_token(), life)?;
                 span.record("route", "local");
                 req.trace.update(|t| t.route = Some(PrefillRoute::Local));
                 self.telemetry.route(PrefillRoute::Local);
                 let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit: Some(self.predict_hit(&ask, &d)) };
-                self.local(&d, req, end)
+                self.local(&d, req, end, predicted)
             }
             Some(p) => {
-                self.admit(&d, p.prefill.queued() as f64 * p.prefill.seconds_per_token(), life)?;
+                let predicted = self.admit(&d, p.prefill.queued() as f64 * p.prefill.seconds_per_token(), life)?;
                 span.record("route", "remote");
                 span.record("prefill", p.name());
                 req.trace.update(|t| (t.route, t.prefill) = (Some(PrefillRoute::Remote), Some(p.name().to_string())));
                 self.telemetry.route(PrefillRoute::Remote);
                 let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit: Some(self.predict_hit(&ask, &p)) };
-                let waiting = d.backlog.enter_routed(req.prompt.len(), life);
+                let waiting = d.backlog.enter_routed(req.prompt.len(), life).predicted(predicted);
                 let h = self.handoff(&all, p, d, &ask);
                 Ok(handoff::start(&self.runtime, h, req, waiting, end))
             }

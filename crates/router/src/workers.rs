@@ -66,9 +66,16 @@ impl Entry {
     }
 
     /// The KV blocks the worker could give a new sequence (free or only cached), as its
-    /// stats just said.
-    pub fn report_free_blocks(&self, blocks: usize) {
+    /// stats just said, asked for at `mark` ([`Entry::taken_mark`]).
+    pub fn report_free_blocks(&self, blocks: usize, mark: usize) {
         self.kv.report_free(blocks);
+        self.backlog.counted(mark);
+    }
+
+    /// Where the count of blocks taken by admitted requests stands, before its stats
+    /// are asked for.
+    pub fn taken_mark(&self) -> usize {
+        self.backlog.taken_mark()
     }
 
     /// Replaces what is known of this worker's links, by receiving worker's name.

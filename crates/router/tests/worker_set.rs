@@ -153,7 +153,9 @@ async fn admission_refuses_what_would_wait_too_long_and_says_when_to_retry() {
     let a = r.generate(request(1, 600, 2)).unwrap();
     let b = r.generate(request(2, 600, 2)).unwrap();
     match r.generate(request(3, 600, 2)) {
-        Err(pdserve_protocol::ServeError::QueueFull { wait_s, limit_s }) => assert!(wait_s >= 1 && limit_s == 1),
+        Err(pdserve_protocol::ServeError::QueueFull { wait_s, limit_s, retry_s }) => {
+            assert!(wait_s >= 1 && limit_s == 1 && retry_s >= 1)
+        }
         other => panic!("expected a refusal, got {:?}", other.map(|_| "a stream")),
     }
     // Admitted requests finish; once the queue drained, requests are admitted again.

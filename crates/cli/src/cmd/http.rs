@@ -112,6 +112,9 @@ pub async fn serve(
         "pdserve: serving {} ({} mode, {banner}) at http://{addr}/v1 — try: curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'",
         model.name, mode
     );
+    // Admission knows every worker's blocks before the first request: a burst at
+    // start-up must not all be admitted on no figures at all.
+    report_once(&router, &metrics).await;
     tokio::spawn(report_blocks(router.clone(), metrics));
     let life = frontend.lifecycle();
     let server = pdserve_frontend::serve_with(listener, frontend.router(), http_limits());
@@ -206,16 +209,22 @@ async fn report_blocks(router: Arc<Router>, metrics: Metrics) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
-        for e in router.workers().snapshot() {
-            // A hung worker must not hold up the others' figures, nor keep its own.
-            match tokio::time::timeout(Duration::from_millis(500), e.worker.stats()).await {
-                Ok(Ok(s)) => {
-                    metrics.set_worker_stats(e.name(), &s);
-                    // Blocks only the prefix cache holds are given up on demand.
-                    e.report_free_blocks(s.blocks.free + s.blocks.cached);
-                }
-                _ => metrics.forget_stats(e.name()),
+        report_once(&router, &metrics).await;
+    }
+}
+
+/// Asks every worker for its stats once: into the metrics and admission.
+async fn report_once(router: &Router, metrics: &Metrics) {
+    for e in router.workers().snapshot() {
+        // A hung worker must not hold up the others' figures, nor keep its own.
+        let mark = e.taken_mark();
+        match tokio::time::timeout(Duration::from_millis(500), e.worker.stats()).await {
+            Ok(Ok(s)) => {
+                metrics.set_worker_stats(e.name(), &s);
+                // Blocks only the prefix cache holds are given up on demand.
+                e.report_free_blocks(s.blocks.free + s.blocks.cached, mark);
             }
+            _ => metrics.forget_stats(e.name()),
         }
     }
 }

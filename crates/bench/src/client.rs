@@ -208,6 +208,12 @@ pub async fn get(target: &Target, path: &str, timeout: Duration) -> Result<(u16,
 }
 
 /// The first model a server lists, to put in the `model` field (vLLM requires it).
+/// The server's prefix-cache hit counters, if it exports pdserve's.
+pub async fn prefix_hits(target: &Target) -> Option<crate::metrics::PrefixHits> {
+    let (status, page) = get(target, "/metrics", Duration::from_secs(5)).await.ok()?;
+    (status == 200).then(|| crate::metrics::PrefixHits::scrape(&page)).flatten()
+}
+
 pub async fn first_model(target: &Target) -> Result<Option<String>, crate::error::BenchError> {
     let path = target.api_path("/models");
     let (status, body) = get(target, &path, Duration::from_secs(10)).await.map_err(|e| {

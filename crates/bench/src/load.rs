@@ -3,7 +3,7 @@
 
 use crate::arrivals::{ArrivalKind, Arrivals};
 use crate::calibrate::{self, Calibration};
-use crate::client::{first_model, Client};
+use crate::client::{first_model, prefix_hits, Client};
 use crate::error::BenchError;
 use crate::metrics::{Slo, Summary};
 use crate::openai::BodyOptions;
@@ -200,8 +200,10 @@ pub async fn measure(
     let mut out = Vec::new();
     for plan in plans {
         let t = Instant::now();
+        let before = prefix_hits(&client.target).await;
         let records = run_point(client, w, plan, Some(crate::progress::Style::detect())).await;
         let mut summary = Summary::of(&records, slo);
+        summary.prefix_hits = prefix_hits(&client.target).await.map(|after| after.since(before));
         for r in &records {
             summary.prompt_blocks += sent.record(&w.request(plan.seed, r.index).prompt.ids());
         }

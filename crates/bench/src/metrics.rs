@@ -121,6 +121,41 @@ pub struct Summary {
     /// (a prefix cache may hold those): filled by `load::measure`.
     #[serde(default)]
     pub prompt_blocks: crate::reuse::BlockReuse,
+    /// Cached prompt tokens during the point as the server's router predicted them
+    /// and as its engines reused them (pdserve's `/metrics`; absent elsewhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix_hits: Option<PrefixHits>,
+}
+
+/// A server's predicted and realized prefix-cache hits, in prompt tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PrefixHits {
+    pub predicted: f64,
+    pub realized: f64,
+}
+
+impl PrefixHits {
+    /// Realized over predicted, in percent (none predicted: none).
+    pub fn realized_pct(&self) -> Option<f64> {
+        (self.predicted > 0.0).then(|| 100.0 * self.realized / self.predicted)
+    }
+
+    /// From a Prometheus text page: `pdserve_prefix_hit_tokens_total{kind=...}`.
+    pub fn scrape(page: &str) -> Option<Self> {
+        let value = |kind: &str| {
+            let key = format!("pdserve_prefix_hit_tokens_total{{kind=\"{kind}\"}} ");
+            page.lines().find_map(|l| l.strip_prefix(key.as_str())?.trim().parse::<f64>().ok())
+        };
+        let (predicted, realized) = (value("predicted"), value("realized"));
+        (predicted.is_some() || realized.is_some())
+            .then(|| PrefixHits { predicted: predicted.unwrap_or(0.0), realized: realized.unwrap_or(0.0) })
+    }
+
+    /// What happened between two scrapes.
+    pub fn since(self, before: Option<PrefixHits>) -> Self {
+        let b = before.unwrap_or_default();
+        PrefixHits { predicted: self.predicted - b.predicted, realized: self.realized - b.realized }
+    }
 }
 
 impl Summary {
@@ -153,6 +188,7 @@ impl Summary {
             send_lag_ms: Stats::of(records.iter().filter_map(|r| Some(r.start_s - r.scheduled_s?)), 1e3),
             first_error: records.iter().find_map(|r| r.error.clone()),
             prompt_blocks: Default::default(),
+            prefix_hits: None,
         }
     }
 }
@@ -171,6 +207,17 @@ pub fn duration(records: &[RequestRecord]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefix_hits_are_read_from_a_metrics_page() {
+        let page = "# TYPE pdserve_prefix_hit_tokens_total counter\n\
+                    pdserve_prefix_hit_tokens_total{kind=\"predicted\"} 4000\n\
+                    pdserve_prefix_hit_tokens_total{kind=\"realized\"} 3900\n";
+        let h = PrefixHits::scrape(page).unwrap().since(Some(PrefixHits { predicted: 1000.0, realized: 1000.0 }));
+        assert_eq!(h, PrefixHits { predicted: 3000.0, realized: 2900.0 });
+        assert!((h.realized_pct().unwrap() - 96.666).abs() < 0.01);
+        assert_eq!(PrefixHits::scrape("other_metric 1\n"), None);
+    }
 
     fn close(a: Option<f64>, b: f64) -> bool {
         a.is_some_and(|a| (a - b).abs() < 1e-9)

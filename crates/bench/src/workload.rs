@@ -18,6 +18,13 @@ pub enum Source {
     /// `prefixes` system prompts of `prefix_len` random tokens, fixed per point; request
     /// `i` uses prefix `i % prefixes` followed by its own random suffix of `input` tokens.
     SharedPrefix { prefixes: usize, prefix_len: usize, input: LengthSpec, output: LengthSpec },
+    /// `users` chat users, each holding one conversation after another, of `turns`
+    /// turns each. A turn's prompt is the conversation so far (every earlier user
+    /// message and reply) plus a new user message of `input` tokens; its reply is
+    /// `output` tokens long, and that many random tokens stand for it in the next
+    /// turn's history. Request `i` belongs to user `i % users`, so users take turns
+    /// and their conversations interleave.
+    MultiTurn { users: usize, turns: LengthSpec, input: LengthSpec, output: LengthSpec },
     /// Rows of a trace, in order.
     Trace { rows: Arc<Vec<TraceRow>>, block_size: usize },
 }
@@ -38,6 +45,9 @@ pub struct WorkloadFlags {
     /// Number of shared prefixes (0: none).
     pub shared_prefixes: usize,
     pub prefix_len: usize,
+    /// Chat users holding multi-turn conversations (0: single requests).
+    pub conversations: usize,
+    pub turns: LengthSpec,
     pub trace: Option<std::path::PathBuf>,
     pub trace_block_size: usize,
     pub range: TokenRange,
@@ -49,6 +59,15 @@ impl WorkloadFlags {
     pub fn build(&self) -> Result<Workload, crate::error::BenchError> {
         let bad = |m: &str| Err(crate::error::BenchError::BadFlag(m.into()));
         let source = match &self.trace {
+            _ if self.conversations > 0 && (self.shared_prefixes > 0 || self.trace.is_some()) => {
+                return bad("--conversations mixes with neither --shared-prefixes nor --trace")
+            }
+            None if self.conversations > 0 => Source::MultiTurn {
+                users: self.conversations,
+                turns: self.turns,
+                input: self.input,
+                output: self.output,
+            },
             Some(_) if self.shared_prefixes > 0 => return bad("--shared-prefixes and --trace do not mix"),
             Some(_) if self.trace_block_size == 0 => return bad("--trace-block-size must be at least 1"),
             Some(path) => {
@@ -89,12 +108,53 @@ impl Workload {
                 let n = input.sample(&mut rng) as usize;
                 (Prompt { prefix, body: self.range.random_ids(&mut rng, n) }, output.sample(&mut rng))
             }
+            Source::MultiTurn { users, turns, input, output } => {
+                let (user, step) = (index % (*users).max(1), index / (*users).max(1));
+                self.turn(point, user, step, *turns, *input, *output)
+            }
             Source::Trace { rows, block_size } => match rows.get(index % rows.len().max(1)) {
                 Some(row) => (row.prompt(*block_size, self.range, self.seed, rng.next_u64()), row.output_length),
                 None => (Prompt::default(), 1),
             },
         };
         RequestSpec { index, prompt, output_len }
+    }
+
+    /// The prompt and reply length of `user`'s `step`-th request: which conversation
+    /// and turn that is, then the conversation up to it.
+    fn turn(
+        &self,
+        point: u64,
+        user: usize,
+        mut step: usize,
+        turns: LengthSpec,
+        input: LengthSpec,
+        output: LengthSpec,
+    ) -> (Prompt, u32) {
+        let rng = |conv: usize, turn: usize, what: u64| {
+            Rng::new(mix(&[self.seed, point, 0x7c3a_11d5, user as u64, conv as u64, turn as u64, what]))
+        };
+        let mut conv = 0;
+        loop {
+            let n = (turns.sample(&mut rng(conv, 0, 0)) as usize).max(1);
+            if step < n {
+                break;
+            }
+            step -= n;
+            conv += 1;
+        }
+        let mut body = Vec::new();
+        for t in 0..=step {
+            let mut r = rng(conv, t, 1);
+            let asked = input.sample(&mut r) as usize;
+            body.extend(self.range.random_ids(&mut r, asked));
+            let reply = output.sample(&mut r);
+            if t == step {
+                return (Prompt { prefix: Vec::new(), body }, reply);
+            }
+            body.extend(self.range.random_ids(&mut r, reply as usize));
+        }
+        unreachable!("the loop returns at its last turn")
     }
 
     /// Shared prefix `j` of a point: the same tokens for every request that uses it.
@@ -123,6 +183,9 @@ impl Workload {
             Source::Random { input, output } => format!("random ISL {input} / OSL {output}"),
             Source::SharedPrefix { prefixes, prefix_len, input, output } => {
                 format!("shared prefix: {prefixes} × {prefix_len} tokens + ISL {input} / OSL {output}")
+            }
+            Source::MultiTurn { users, turns, input, output } => {
+                format!("multi-turn: {users} users, {turns} turns of ISL {input} / OSL {output}")
             }
             Source::Trace { rows, block_size } => format!("trace of {} rows (block {block_size})", rows.len()),
         }
@@ -201,6 +264,28 @@ mod tests {
                 assert_eq!(sent.record(&w.request(point, index).prompt.ids()).reused, 0);
             }
         }
+    }
+
+    #[test]
+    fn a_conversation_grows_turn_by_turn_and_users_interleave() {
+        let w = Workload {
+            source: Source::MultiTurn {
+                users: 3,
+                turns: LengthSpec::Fixed(2),
+                input: LengthSpec::Fixed(10),
+                output: LengthSpec::Fixed(4),
+            },
+            range: TokenRange::default(),
+            seed: 5,
+        };
+        // User 1: turn 0 is request 1, turn 1 is request 4, then a new conversation.
+        let (t0, t1, next) = (w.request(0, 1), w.request(0, 4), w.request(0, 7));
+        assert_eq!((t0.prompt.len(), t1.prompt.len(), next.prompt.len()), (10, 24, 10));
+        let (a, b) = (t0.prompt.ids(), t1.prompt.ids());
+        assert_eq!(b[..10], a[..], "the history starts with the first message");
+        assert_eq!(t0.output_len, 4);
+        assert_ne!(next.prompt.ids(), a, "a new conversation");
+        assert_ne!(w.request(0, 0).prompt.ids(), a, "another user");
     }
 
     #[test]

@@ -68,6 +68,10 @@ pub fn one_line(label: &str, s: &Summary, wall_s: f64) -> String {
         num(Some(s.slo_attainment_pct), 0),
     );
     let _ = write!(line, "; prompt blocks sent before: {}", reuse(s));
+    if let Some(h) = s.prefix_hits {
+        let pct = h.realized_pct().map_or("-".to_string(), |p| format!("{p:.1} %"));
+        let _ = write!(line, "; cached tokens predicted/realized {:.0}/{:.0} ({pct})", h.predicted, h.realized);
+    }
     if let Some(e) = &s.first_error {
         let _ = write!(line, "; first error: {e}");
     }

@@ -105,6 +105,13 @@ pub struct LoadArgs {
     /// Tokens per shared prefix.
     #[arg(long, default_value_t = 1024)]
     prefix_len: usize,
+    /// Chat users holding multi-turn conversations (0: single requests). Each turn's
+    /// prompt is its conversation so far plus a new message of --input-len tokens.
+    #[arg(long, default_value_t = 0)]
+    conversations: usize,
+    /// Turns per conversation, in the forms of --input-len.
+    #[arg(long, default_value = "5..10")]
+    turns: LengthSpec,
     /// Replay a Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -283,6 +290,8 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         output: a.output_len,
         shared_prefixes: a.shared_prefixes,
         prefix_len: a.prefix_len,
+        conversations: a.conversations,
+        turns: a.turns,
         trace: a.trace,
         trace_block_size: a.trace_block_size,
         range: a.token_range,

@@ -29,9 +29,9 @@ pub struct Args {
     /// on the decode worker or on another worker, whichever gives the first token sooner).
     #[arg(long, default_value = "auto")]
     mode: Mode,
-    /// How to pick among workers of one role: kv-aware (the soonest predicted first
-    /// token, counting each worker's cached prefix) | least-loaded | round-robin.
-    #[arg(long, default_value = "kv-aware")]
+    /// How to pick among workers of one role: least-loaded | kv-aware (the soonest
+    /// predicted first token, counting each worker's cached prefix) | round-robin.
+    #[arg(long, default_value = "least-loaded")]
     policy: PolicyKind,
     /// Prefill workers (disaggregated and auto; default 1).
     #[arg(long)]

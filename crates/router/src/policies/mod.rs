@@ -48,8 +48,8 @@ pub trait Policy: Send + Sync {
 /// The policies `--policy` names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PolicyKind {
-    #[default]
     KvAware,
+    #[default]
     LeastLoaded,
     RoundRobin,
 }

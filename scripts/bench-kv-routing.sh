@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# KV-aware routing: multi-turn chat replayed against `pdserve serve --mode aggregated
+# --workers 2` (1 thread each) once per routing policy, each on a fresh server, same
+# workload. Reports TTFT, goodput and the router's predicted vs realized cache hits.
+# See docs/benchmarks.md ("KV-aware routing").
+#   POLICIES="kv-aware least-loaded round-robin"  SECONDS_PER_POINT=180
+#   WORKLOAD="--conversations 17 --turns 5..10 --input-len 100..200 --output-len 32..64"
+#   CONCURRENCY=4
+set -euo pipefail
+cd "$(dirname "$0")/.."
+policies="${POLICIES:-kv-aware least-loaded round-robin}"
+secs="${SECONDS_PER_POINT:-180}"
+workload="${WORKLOAD:---conversations 17 --turns 5..10 --input-len 100..200 --output-len 32..64}"
+c="${CONCURRENCY:-4}"
+out=bench-results/kv-routing; mkdir -p "$out"
+cargo build --release --bin pdserve >&2
+bin=./target/release/pdserve
+port=18095
+wait_up() { for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0; sleep 0.2; done; return 1; }
+
+for p in $policies; do
+  echo "== $p" >&2
+  "$bin" serve --port $port --mode aggregated --workers 2 --policy "$p" >"$out/$p.server.log" 2>&1 &
+  pid=$!; wait_up
+  # shellcheck disable=SC2086  # the workload is a list of flags
+  "$bin" bench load --url "http://127.0.0.1:$port" --concurrency "$c" $workload \
+    --seconds "$secs" --requests 1000000 --slo-ttft-ms 1000 --slo-tpot-ms 200 --out "$out/$p.json" >&2
+  curl -s "http://127.0.0.1:$port/metrics" | grep -E '^pdserve_(prefix_hit_mismatch_total|kv_index_lag_seconds_(sum|count)) ' >"$out/$p.metrics" || true
+  kill $pid; wait $pid 2>/dev/null || true
+done
+
+python3 - "$out" $policies <<'PY'
+import json, sys
+out, policies = sys.argv[1], sys.argv[2:]
+print("| policy | requests | TTFT p50 ms | TTFT p99 ms | goodput req/s | out tok/s | cached tokens predicted | realized | realized/predicted | index lag mean ms |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for p in policies:
+    s = json.load(open(f"{out}/{p}.json"))["points"][0]["summary"]
+    h = s.get("prefix_hits") or {"predicted": 0, "realized": 0}
+    m = dict(l.rsplit(" ", 1) for l in open(f"{out}/{p}.metrics").read().splitlines() if l)
+    lag_n = float(m.get("pdserve_kv_index_lag_seconds_count", 0))
+    lag = 1e3 * float(m.get("pdserve_kv_index_lag_seconds_sum", 0)) / lag_n if lag_n else float("nan")
+    pct = f'{100 * h["realized"] / h["predicted"]:.1f} %' if h["predicted"] else "-"
+    t = s["ttft_ms"]
+    print(f'| {p} | {s["requests"]} | {t["p50"]:.0f} | {t["p99"]:.0f} | {s["goodput"]:.3f} | '
+          f'{s["output_token_throughput"]:.1f} | {h["predicted"]:.0f} | {h["realized"]:.0f} | {pct} | {lag:.1f} |')
+PY

@@ -116,11 +116,6 @@ impl Router {
         });
     }
 
-    /// The router's index of the workers' prefix caches.
-    pub fn kv_index(&self) -> &KvIndex {
-        &self.index
-    }
-
     /// Admission: a request predicted to wait longer than `limit` before its prefill
     /// starts is refused at once (429 with `Retry-After`) rather than queued.
     pub fn with_admission(mut self, limit: Option<Duration>) -> Self {

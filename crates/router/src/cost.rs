@@ -39,8 +39,10 @@ const BLOCK_TOKENS: usize = 16;
 /// Predictions shorter than this are not used to calibrate admission: a small
 /// queue's relative error is noise.
 const CALIBRATED_FROM: f64 = 2.0;
-/// First-token misses kept per decode worker for the calibration.
+/// First-token misses kept per decode worker for the calibration, and how many it
+/// needs before it corrects anything.
 const MISSES_KEPT: usize = 64;
+const MISSES_NEEDED: usize = 8;
 /// Sequences that must have ended within [`FREED_WINDOW`] for their pace to count.
 const PACE_FROM: usize = 8;
 /// How far back the pace of freed KV blocks is measured.
@@ -158,7 +160,7 @@ impl Backlog {
     /// without feeding back on itself: the ratio is to the raw prediction.
     pub fn correction(&self) -> f64 {
         let misses = lock(&self.misses);
-        if misses.len() < 8 {
+        if misses.len() < MISSES_NEEDED {
             return 1.0;
         }
         let mut sorted: Vec<f64> = misses.iter().copied().collect();
@@ -254,7 +256,7 @@ impl Waiting {
         }
         let behind = self.ahead + self.tokens;
         if behind > 0 {
-            let pace = self.since.elapsed().as_secs_f64() / behind as f64;
+            let pace = took / behind as f64;
             let mut slot = lock(&self.backlog.seconds_per_token);
             // Up at once, down gently: admitting too much costs every accepted
             // request its deadline, refusing a little too much costs a few retries.

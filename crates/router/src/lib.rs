@@ -224,11 +224,13 @@ impl Router {
                 // Only a worker that can start now: a prompt queued there would reach
                 // `d` behind prompts that arrived after it (which went straight to
                 // `d`'s own queue), and find `d`'s blocks taken.
-                let candidates = Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d))
+                // Each candidate is costed once (the cost reads the KV index).
+                let (best_s, best) = Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d))
                     .into_iter()
-                    .filter(|e| e.slots.available_permits() > 0);
-                let best = candidates.min_by(|a, b| remote(a).total_cmp(&remote(b)))?;
-                cost::prefer_remote(local, remote(&best)).then_some(best)
+                    .filter(|e| e.slots.available_permits() > 0)
+                    .map(|e| (remote(&e), e))
+                    .min_by(|a, b| a.0.total_cmp(&b.0))?;
+                cost::prefer_remote(local, best_s).then_some(best)
             }
         }
     }

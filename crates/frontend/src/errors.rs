@@ -73,7 +73,10 @@ impl ApiError {
                 ServeError::Overloaded(_) | ServeError::QueueFull { .. } => {
                     (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", None, Some("rate_limit_exceeded"))
                 }
-                ServeError::NoWorker(_) | ServeError::WorkerLost(_) | ServeError::ShuttingDown => {
+                ServeError::NoWorker(_)
+                | ServeError::WorkerLost(_)
+                | ServeError::ShuttingDown
+                | ServeError::StaleEpoch { .. } => {
                     (StatusCode::SERVICE_UNAVAILABLE, SERVER, None, Some("service_unavailable"))
                 }
                 ServeError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, SERVER, None, Some("timeout")),

@@ -307,6 +307,7 @@ fn start(
     params.seed = params.seed.map(|s| s.wrapping_add(k as u64));
     let trace = tracker.as_ref().map(Tracker::trace).unwrap_or_default();
     let req = GenerateRequest {
+        fence: None,
         id: request_id::internal_id(),
         tag: tagged.tag.clone(),
         prompt,

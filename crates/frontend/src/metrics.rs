@@ -35,6 +35,7 @@ const KV_INDEX_LAG: &str = "pdserve_kv_index_lag_seconds";
 const KV_INDEX_RESYNCS: &str = "pdserve_kv_index_resyncs";
 const KV_INDEX_BLOCKS: &str = "pdserve_kv_index_blocks";
 const WORKER_ROLE: &str = "pdserve_worker_role";
+const PLANNER_DECISIONS: &str = "pdserve_planner_decisions";
 const WORKER_UP: &str = "pdserve_worker_up";
 const PAUSED: &str = "pdserve_paused_requests";
 const CONSTRAINED: &str = "pdserve_constrained_requests";
@@ -46,6 +47,7 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 type Label1 = [(&'static str, String); 1];
 type Label2 = [(&'static str, String); 2];
+type Label3 = [(&'static str, String); 3];
 type Histograms = Family<Label1, Histogram, fn() -> Histogram>;
 
 /// 0.5 ms to ~65 s: token gaps through whole requests.
@@ -130,6 +132,7 @@ struct Inner {
     kv_index_resyncs: Counter,
     kv_index_blocks: Gauge,
     worker_role: Family<Label2, Gauge>,
+    planner_decisions: Family<Label3, Counter>,
     worker_up: Family<Label1, Gauge>,
     paused: Family<Label1, Gauge>,
     constrained: Family<Label1, Counter>,
@@ -172,6 +175,7 @@ impl Metrics {
             kv_index_resyncs: Counter::default(),
             kv_index_blocks: Gauge::default(),
             worker_role: Family::default(),
+            planner_decisions: Family::default(),
             worker_up: Family::default(),
             paused: Family::default(),
             constrained: Family::default(),
@@ -326,6 +330,8 @@ impl Inner {
         r.register(KV_INDEX_RESYNCS, help, self.kv_index_resyncs.clone());
         r.register(KV_INDEX_BLOCKS, "Distinct KV blocks in the router's index", self.kv_index_blocks.clone());
         r.register(WORKER_ROLE, "1 for each worker's current role", self.worker_role.clone());
+        let decisions = "Role switches the planner made, by the role vector before and after and why";
+        r.register(PLANNER_DECISIONS, decisions, self.planner_decisions.clone());
         r.register(WORKER_UP, "1 while the worker answers, 0 once it is lost", self.worker_up.clone());
         r.register(PAUSED, "Requests paused because their clients stopped reading", self.paused.clone());
         r.register(
@@ -380,6 +386,15 @@ impl pdserve_protocol::Telemetry for Metrics {
 
     fn migrated(&self, reason: &'static str) {
         Metrics::migrated(self, reason)
+    }
+
+    fn role(&self, worker: &str, role: pdserve_types::Role) {
+        self.set_role(worker, role)
+    }
+
+    fn planned(&self, from: &str, to: &str, reason: &'static str) {
+        let labels = [("from", from.into()), ("to", to.into()), ("reason", reason.into())];
+        self.inner.planner_decisions.get_or_create(&labels).inc();
     }
 
     fn kv_index(&self, lags: &[f64], resyncs: usize, blocks: usize) {

@@ -13,10 +13,11 @@ pub mod worker;
 
 pub use pdserve_types::{FinishReason, TokenOut};
 pub use worker::{
-    BlockCounts, DecodeHandoff, KvCursor, KvDestination, KvEvents, Prefilled, Reply, Worker, WorkerInfo, WorkerStats,
+    BlockCounts, DecodeHandoff, KvCursor, KvDestination, KvEvents, Prefilled, Reply, RoleState, Worker, WorkerInfo,
+    WorkerStats,
 };
 
-use pdserve_types::{RequestId, SamplingParams, TokenId};
+use pdserve_types::{Assignment, Epoch, RequestId, SamplingParams, TokenId};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
@@ -32,6 +33,10 @@ pub struct GenerateRequest {
     pub tag: RequestTag,
     pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
+    /// The epoch of the receiving worker's role that the router routed for; a worker
+    /// at another epoch refuses the call ([`ServeError::StaleEpoch`]). `None`: any.
+    #[serde(default)]
+    pub fence: Option<Epoch>,
     /// Where the request ran and how long its phases took, for its lifecycle record.
     /// Never sent to another process.
     #[serde(skip)]
@@ -249,6 +254,10 @@ pub enum ServeError {
     /// connection broke) (503). The router may move the request elsewhere.
     #[error("worker lost: {0}")]
     WorkerLost(String),
+    /// The worker changed role since the router looked (a role switch): the call was
+    /// refused before any work, and the router routes it again.
+    #[error("worker {worker} is now {now}, not at the epoch routed for")]
+    StaleEpoch { worker: String, now: Assignment },
     /// A bug (500).
     #[error("internal error: {0}")]
     Internal(String),
@@ -266,6 +275,7 @@ impl ServeError {
             ServeError::Timeout(_) => "timeout",
             ServeError::ShuttingDown => "shutting_down",
             ServeError::WorkerLost(_) => "worker_lost",
+            ServeError::StaleEpoch { .. } => "stale_epoch",
             ServeError::Internal(_) => "internal",
         }
     }
@@ -275,7 +285,11 @@ impl ServeError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            ServeError::Overloaded(_) | ServeError::QueueFull { .. } | ServeError::NoWorker(_) | ServeError::Timeout(_)
+            ServeError::Overloaded(_)
+                | ServeError::QueueFull { .. }
+                | ServeError::NoWorker(_)
+                | ServeError::Timeout(_)
+                | ServeError::StaleEpoch { .. }
         )
     }
 }
@@ -315,6 +329,11 @@ pub trait Telemetry: Send + Sync + 'static {
     fn kv_transfer_bytes(&self, transport: pdserve_kv_transfer::TransportKind, bytes: u64);
     /// A request moved to another worker, and why (`worker_lost`).
     fn migrated(&self, reason: &'static str);
+    /// A worker now serves in `role`.
+    fn role(&self, _worker: &str, _role: pdserve_types::Role) {}
+    /// The planner switched roles: the role vectors before and after (`"prefill,decode"`)
+    /// and the reason.
+    fn planned(&self, _from: &str, _to: &str, _reason: &'static str) {}
     /// The router's KV index applied events `lags` seconds after they happened,
     /// resynced from `resyncs` snapshots, and now holds `blocks` distinct blocks.
     fn kv_index(&self, _lags: &[f64], _resyncs: usize, _blocks: usize) {}

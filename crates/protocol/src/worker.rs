@@ -18,7 +18,7 @@
 use crate::{EventSender, GenerateRequest, ServeError};
 use pdserve_kv::{BlockHash, KvEvent};
 use pdserve_kv_transfer::{HandoffToken, KvTarget, TransportKind};
-use pdserve_types::{FinishReason, RequestId, Role, SamplingParams, TokenId, TokenOut};
+use pdserve_types::{Assignment, DecodeSteps, Epoch, FinishReason, RequestId, Role, SamplingParams, TokenId, TokenOut};
 use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::pin::Pin;
@@ -47,7 +47,8 @@ pub trait Worker: Send + Sync + 'static {
 
     /// Reserves blocks for the `prompt_len` tokens of handoff `id` and starts
     /// receiving its frames. Answers with the token the sender must present.
-    fn reserve(&self, id: RequestId, prompt_len: usize) -> Reply<'_, HandoffToken>;
+    /// Refused with [`ServeError::StaleEpoch`] unless the worker is at epoch `fence`.
+    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken>;
 
     /// Prefills `req` here, sending its KV to `to` layer by layer; resolves once the
     /// receiver holds every frame. Dropping the future stops the prefill.
@@ -69,6 +70,15 @@ pub trait Worker: Send + Sync + 'static {
     fn kv_events(&self, _after: KvCursor) -> Reply<'_, KvEvents> {
         let name = self.info().name.clone();
         Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} publishes no KV events"))) })
+    }
+
+    /// Takes role `to.role` if `to.epoch` is newer than the worker's, and answers with
+    /// the assignment it holds afterwards. Nothing is reloaded and the prefix cache
+    /// stays; sequences already running finish here. From then on, work fenced with an
+    /// older epoch is refused.
+    fn set_role(&self, _to: Assignment) -> Reply<'_, Assignment> {
+        let name = self.info().name.clone();
+        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} cannot change role"))) })
     }
 
     /// Opens an inbox for handoff `id` whose frames are counted and thrown away, so a
@@ -166,7 +176,7 @@ pub struct BlockCounts {
 }
 
 /// A snapshot of a worker's engine.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkerStats {
     pub waiting: usize,
     pub running: usize,
@@ -184,4 +194,68 @@ pub struct WorkerStats {
     pub grammar_masks: u64,
     #[serde(default)]
     pub grammar_mask_ns: u64,
+    /// The worker's role and epoch now (absent from workers that predate switching).
+    #[serde(default)]
+    pub assignment: Option<Assignment>,
+    /// Running sums over its decode-only steps since it started.
+    #[serde(default)]
+    pub decode_steps: DecodeSteps,
+}
+
+/// A worker's own side of role switching: the assignment it holds, switched only
+/// forward in epochs, and the fence each new piece of work passes.
+#[derive(Debug)]
+pub struct RoleState(std::sync::Mutex<Assignment>);
+
+impl RoleState {
+    pub fn new(role: Role) -> Self {
+        RoleState(std::sync::Mutex::new(Assignment::new(role, Epoch::default())))
+    }
+
+    pub fn get(&self) -> Assignment {
+        *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Takes `to` if it is newer; answers with what was held before and after.
+    pub fn switch(&self, to: Assignment) -> (Assignment, Assignment) {
+        let mut held = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = *held;
+        if to.epoch > held.epoch {
+            *held = to;
+        }
+        (before, *held)
+    }
+
+    /// Refuses work fenced for another epoch than the worker's, or (defensively)
+    /// work its role does not `take`. Unfenced work passes.
+    pub fn fence(&self, worker: &str, fence: Option<Epoch>, take: fn(Role) -> bool) -> Result<(), ServeError> {
+        let now = self.get();
+        match fence {
+            Some(e) if e != now.epoch || !take(now.role) => {
+                Err(ServeError::StaleEpoch { worker: worker.to_string(), now })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_switch_forward_only_and_fence_older_epochs() {
+        let s = RoleState::new(Role::Decode);
+        assert!(s.fence("w", Some(Epoch(0)), Role::decodes).is_ok());
+        assert!(s.fence("w", None, Role::prefills).is_ok(), "unfenced work is not checked");
+        let to = Assignment::new(Role::Prefill, Epoch(1));
+        assert_eq!(s.switch(to).1, to);
+        // An older or equal epoch changes nothing.
+        assert_eq!(s.switch(Assignment::new(Role::Decode, Epoch(1))), (to, to));
+        let e = s.fence("w", Some(Epoch(0)), Role::prefills).unwrap_err();
+        assert!(matches!(e, ServeError::StaleEpoch { now, .. } if now == to));
+        assert!(e.is_retryable());
+        assert!(s.fence("w", Some(Epoch(1)), Role::prefills).is_ok());
+        assert!(s.fence("w", Some(Epoch(1)), Role::decodes).is_err(), "a prefill worker takes no decode");
+    }
 }

@@ -12,7 +12,7 @@ use pdserve_protocol::{
     pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply,
     ServeError, Worker, WorkerInfo, WorkerStats,
 };
-use pdserve_types::RequestId;
+use pdserve_types::{Assignment, Epoch, RequestId};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -219,8 +219,8 @@ impl Worker for RemoteWorker {
         Some(KvTarget::Remote(addr))
     }
 
-    fn reserve(&self, id: RequestId, prompt_len: usize) -> Reply<'_, HandoffToken> {
-        let answer = self.reply_call(Op::Reserve { id, prompt_len }, false);
+    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
+        let answer = self.reply_call(Op::Reserve { id, prompt_len, fence }, false);
         Box::pin(async move {
             match answer.await? {
                 Answer::Token(t) => Ok(t),
@@ -255,6 +255,16 @@ impl Worker for RemoteWorker {
         Box::pin(async move {
             match answer.await? {
                 Answer::Stats(s) => Ok(s),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
+        let answer = self.reply_call(Op::SetRole { to }, false);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::Assignment(a) => Ok(a),
                 other => Err(unexpected(&other)),
             }
         })

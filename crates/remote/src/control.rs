@@ -24,14 +24,14 @@ use pdserve_kv_transfer::{HandoffToken, KvAddr};
 use pdserve_protocol::{
     DecodeHandoff, Event, GenerateRequest, KvCursor, KvEvents, Prefilled, ServeError, WorkerInfo, WorkerStats,
 };
-use pdserve_types::RequestId;
+use pdserve_types::{Assignment, Epoch, RequestId};
 use serde::{Deserialize, Serialize};
 use std::io;
 use std::path::PathBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
@@ -97,6 +97,9 @@ pub enum Op {
     Reserve {
         id: RequestId,
         prompt_len: usize,
+        /// The epoch the router routed for (see `Worker::set_role`).
+        #[serde(default)]
+        fence: Option<Epoch>,
     },
     /// Prefill here and send the KV to `to`; answered with [`Answer::Prefilled`] once
     /// every frame reached the receiver.
@@ -114,6 +117,10 @@ pub enum Op {
         id: RequestId,
     },
     Stats,
+    /// Switch role if the epoch is newer; answered with [`Answer::Assignment`].
+    SetRole {
+        to: Assignment,
+    },
     /// The worker's prefix-cache events after a cursor; answered with
     /// [`Answer::KvEvents`].
     KvEvents {
@@ -141,6 +148,7 @@ pub enum Answer {
     Prefilled(Prefilled),
     Stats(WorkerStats),
     KvEvents(KvEvents),
+    Assignment(Assignment),
 }
 
 /// Writes one message: a big-endian u32 length, then JSON.

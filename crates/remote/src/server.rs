@@ -213,7 +213,7 @@ impl Session {
                 let started = self.worker().decode(handoff, events);
                 self.stream(call, started.map(|()| stream), span);
             }
-            Op::Reserve { id, prompt_len } => {
+            Op::Reserve { id, prompt_len, fence } => {
                 // Noted before the call runs, so a release that overtakes its answer
                 // still releases what the worker grants.
                 if let Err(e) = self.expect_hold(id) {
@@ -221,7 +221,7 @@ impl Session {
                 }
                 let s = self.clone();
                 self.reply(call, async move {
-                    let granted = s.worker().reserve(id, prompt_len).await;
+                    let granted = s.worker().reserve(id, prompt_len, fence).await;
                     s.granted(id, granted.is_ok())?;
                     Ok(Answer::Token(granted?))
                 })
@@ -245,6 +245,10 @@ impl Session {
             Op::Stats => {
                 let s = self.clone();
                 self.reply(call, async move { Ok(Answer::Stats(s.worker().stats().await?)) })
+            }
+            Op::SetRole { to } => {
+                let s = self.clone();
+                self.reply(call, async move { Ok(Answer::Assignment(s.worker().set_role(to).await?)) })
             }
             Op::KvEvents { after } => {
                 let s = self.clone();

@@ -72,7 +72,12 @@ impl PrefillLoad {
     }
 
     pub fn seconds_per_token(&self) -> f64 {
-        lock(&self.seconds_per_token).unwrap_or(PRIOR_SECONDS_PER_TOKEN)
+        self.measured().unwrap_or(PRIOR_SECONDS_PER_TOKEN)
+    }
+
+    /// The prefill pace measured here, if any prompt was timed yet.
+    pub fn measured(&self) -> Option<f64> {
+        *lock(&self.seconds_per_token)
     }
 
     /// A prefill of `tokens` that found `ahead` tokens queued before it finished

@@ -135,8 +135,9 @@ fn fail(client: &EventSender, e: ServeError) -> Outcome {
 }
 
 /// D prefills the request itself, its events relayed to the client's stream.
-fn fall_back(h: &Handoff, req: GenerateRequest, client: EventSender, waiting: Waiting, end: Ending) -> Outcome {
+fn fall_back(h: &Handoff, mut req: GenerateRequest, client: EventSender, waiting: Waiting, end: Ending) -> Outcome {
     let d = &h.decode;
+    req.fence = Some(d.epoch());
     tracing::info!(decode = d.name(), "prefilling on the decode worker instead");
     let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
     match d.worker.generate(req, inner_tx) {
@@ -151,7 +152,7 @@ fn fall_back(h: &Handoff, req: GenerateRequest, client: EventSender, waiting: Wa
             crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end);
             Outcome::LocalFallback
         }
-        Err(e) => fail(&client, e),
+        Err(e) => fail(&client, d.noted(e)),
     }
 }
 
@@ -177,7 +178,7 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
             waiting.holds_blocks();
             token
         }
-        Reserve::Failed(e) => return fail(&client, e),
+        Reserve::Failed(e) => return fail(&client, d.noted(e)),
         Reserve::Cancelled => return Outcome::Cancelled,
         // D stays full: let its engine queue the request and prefill it there.
         Reserve::Full => {
@@ -221,7 +222,7 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
         // or else D prefills locally, on the same client stream.
         Err(why) => {
             let why = match why {
-                Wait::Done(e) => e.to_string(),
+                Wait::Done(e) => h.prefill.noted(e).to_string(),
                 _ => "it ran past its deadline".to_string(),
             };
             tracing::warn!(prefill = h.prefill.name(), reason = %why, "the prefill failed");
@@ -263,7 +264,7 @@ async fn reserve(d: &Entry, req: &GenerateRequest, client: &EventSender, limit: 
     let deadline = Instant::now() + limit;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        match wait(left, client, d.worker.reserve(req.id, req.prompt.len())).await {
+        match wait(left, client, d.worker.reserve(req.id, req.prompt.len(), Some(d.epoch()))).await {
             Wait::Done(Ok(token)) => return Reserve::Held(token),
             Wait::Done(Err(ServeError::Overloaded(_))) if Instant::now() + RESERVE_RETRY < deadline => {
                 if let Wait::Cancelled = wait(RESERVE_RETRY, client, std::future::pending::<()>()).await {
@@ -296,7 +297,8 @@ async fn prefill(
         let e = format!("worker {} receives no KV over {}", h.decode.name(), h.via);
         return Err(Wait::Done(ServeError::Internal(e)));
     };
-    let call = h.prefill.worker.prefill(req.clone(), KvDestination { target, token });
+    let fenced = GenerateRequest { fence: Some(h.prefill.epoch()), ..req.clone() };
+    let call = h.prefill.worker.prefill(fenced, KvDestination { target, token });
     match wait(h.deadlines.prefill(req.prompt.len()), client, call).await {
         Wait::Done(Ok(first)) => Ok(first),
         Wait::Done(Err(e)) => Err(Wait::Done(e)),

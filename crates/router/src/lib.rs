@@ -15,6 +15,7 @@ pub mod handoff;
 pub mod index;
 mod migrate;
 mod mode;
+pub mod planner;
 pub mod policies;
 mod relay;
 pub mod workers;
@@ -41,6 +42,8 @@ use std::time::{Duration, Instant};
 const BLOCK_SALT: u64 = 0;
 /// Tokens per KV block, as every engine pages its cache.
 const BLOCK_SIZE: usize = 16;
+/// The traffic window the planner judges by.
+const SIGNALS_WINDOW: Duration = Duration::from_secs(12);
 /// How long `auto` waits for a full decode worker's blocks before prefilling there.
 const AUTO_RESERVE: Duration = Duration::from_millis(500);
 
@@ -61,6 +64,8 @@ pub struct Router {
     index: Arc<KvIndex>,
     /// Requests refused by admission, to spread their `Retry-After`.
     refusals: AtomicU64,
+    /// The traffic as clients see it, for the planner.
+    pub(crate) signals: Arc<planner::signals::Signals>,
 }
 
 impl Router {
@@ -89,7 +94,17 @@ impl Router {
             max_queue: None,
             index: Arc::default(),
             refusals: AtomicU64::new(0),
+            signals: Arc::new(planner::signals::Signals::new(SIGNALS_WINDOW)),
         }
+    }
+
+    /// Switches worker `e` to `role` at its next epoch; answers with what it holds
+    /// afterwards. The router routes by the new role from the moment it is known.
+    pub async fn switch_role(&self, e: &Entry, role: Role) -> Result<pdserve_types::Assignment, ServeError> {
+        let now = e.worker.set_role(e.assignment().switch(role)).await?;
+        e.learn(now);
+        self.telemetry.role(e.name(), now.role);
+        Ok(now)
     }
 
     /// Starts following every worker's KV events into the router's index, on its
@@ -209,6 +224,11 @@ impl Router {
         match self.mode {
             Mode::Aggregated => None,
             Mode::Disaggregated => self.pick(ask, &Self::with_role(all, &[Role::Prefill], None)),
+            // A worker given the decode role (by the planner) prefills nothing itself
+            // while a prefill worker is there, however busy.
+            Mode::Auto if d.role() == Role::Decode => {
+                self.pick(ask, &Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d)))
+            }
             Mode::Auto => {
                 let n = ask.prompt_len;
                 // Only the part of the prompt a worker's cache lacks is computed there.
@@ -262,14 +282,21 @@ impl Router {
 
     /// Prefill and decode on worker `d`. The first token is watched so `d`'s prompt
     /// queue and prefill rate stay measured (admission and `auto` read them).
-    fn local(&self, d: &Entry, req: GenerateRequest, end: Ending, predicted: f64) -> Result<TokenStream, ServeError> {
+    fn local(
+        &self,
+        d: &Entry,
+        mut req: GenerateRequest,
+        end: Ending,
+        predicted: f64,
+    ) -> Result<TokenStream, ServeError> {
+        req.fence = Some(d.epoch());
         let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (load, n) = (d.prefill.clone(), req.prompt.len());
         let ahead = load.queued();
         let ticket = load.admit(n);
         let waiting = d.backlog.enter(n, n + req.params.max_tokens as usize).predicted(predicted);
-        d.worker.generate(req, inner_tx)?;
+        d.worker.generate(req, inner_tx).map_err(|e| d.noted(e))?;
         let started = Instant::now();
         let on_first = move |first: &Event| {
             if matches!(first, Event::Token(_)) {

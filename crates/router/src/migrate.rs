@@ -8,16 +8,27 @@
 //! under greedy decoding, so the client sees no duplicate, no gap, and the text an
 //! uninterrupted run gives. Sampled requests continue validly, but from a new random
 //! stream. Every request may move at most `max` times.
+//!
+//! A call refused for a stale epoch ([`ServeError::StaleEpoch`]: its worker switched
+//! role after the router looked) is routed again the same way, with the router's view
+//! updated by the refusal. Nothing ran for it, so this is not counted against `max`;
+//! it is bounded on its own by [`REROUTES`].
 
 use crate::relay::forward;
 use crate::Router;
 use pdserve_protocol::{Event, Generate, GenerateRequest, ServeError, TokenStream, Usage};
 use pdserve_types::{RequestId, TokenId};
 use std::sync::Arc;
+use std::time::Instant;
 use tracing::Instrument;
 
 /// The label of `pdserve_requests_migrated_total` for a lost worker.
 const WORKER_LOST: &str = "worker_lost";
+/// The label for a call refused because its worker switched role.
+const STALE_EPOCH: &str = "stale_epoch";
+/// Re-routes per request after stale-epoch refusals: each one teaches the router a
+/// newer role, so more would mean roles changing faster than requests are routed.
+const REROUTES: u32 = 4;
 
 /// The router, with requests moved off workers that are lost under them.
 pub struct Migrating {
@@ -34,12 +45,29 @@ impl Migrating {
 
 impl Generate for Migrating {
     fn generate(&self, req: GenerateRequest) -> Result<TokenStream, ServeError> {
-        let first = self.router.generate(req.clone())?;
-        if self.max == 0 {
-            return Ok(first);
-        }
+        let mut reroutes = REROUTES;
+        let first = loop {
+            match self.router.generate(req.clone()) {
+                Err(ServeError::StaleEpoch { .. }) if reroutes > 0 => {
+                    reroutes -= 1;
+                    self.router.telemetry.migrated(STALE_EPOCH);
+                }
+                other => break other?,
+            }
+        };
         let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-        let job = Job { router: self.router.clone(), left: self.max, sent: Vec::new(), req, moves: 0 };
+        self.router.signals.arrived(req.prompt.len(), req.params.max_tokens as usize);
+        let job = Job {
+            router: self.router.clone(),
+            left: self.max,
+            reroutes,
+            sent: Vec::new(),
+            req,
+            attempts: 0,
+            moves: 0,
+            arrived: Instant::now(),
+            first: None,
+        };
         let rt = self.router.runtime.clone();
         rt.spawn(job.run(first, client).instrument(tracing::Span::current()));
         Ok(stream)
@@ -59,7 +87,14 @@ struct Job {
     sent: Vec<TokenId>,
     /// Moves still allowed.
     left: u32,
+    /// Re-routes after stale-epoch refusals still allowed.
+    reroutes: u32,
+    /// Times it was routed again, and how many of those replayed sent tokens.
+    attempts: u32,
     moves: u32,
+    /// When it came, and when its first token left (the planner's signals).
+    arrived: Instant,
+    first: Option<Instant>,
 }
 
 impl Job {
@@ -72,20 +107,41 @@ impl Job {
             };
             let Some(ev) = ev else { return };
             let ev = match ev {
-                Event::Failed(ServeError::WorkerLost(why)) if self.left > 0 => match self.resume(&why) {
-                    Ok(next) => {
-                        inner = next;
-                        continue;
+                Event::Failed(ServeError::WorkerLost(why)) if self.left > 0 => {
+                    self.left -= 1;
+                    match self.resume(&why, WORKER_LOST) {
+                        Ok(next) => {
+                            inner = next;
+                            continue;
+                        }
+                        Err(e) => Event::Failed(e),
                     }
-                    Err(e) => Event::Failed(e),
-                },
+                }
+                Event::Failed(e @ ServeError::StaleEpoch { .. }) if self.reroutes > 0 => {
+                    self.reroutes -= 1;
+                    match self.resume(&e.to_string(), STALE_EPOCH) {
+                        Ok(next) => {
+                            inner = next;
+                            continue;
+                        }
+                        Err(e) => Event::Failed(e),
+                    }
+                }
                 // The new worker scores the replayed prompt again: the client has its scores.
                 Event::Prompt(_) if self.moves > 0 => continue,
                 Event::Token(t) => {
                     self.sent.push(t.token);
+                    self.first.get_or_insert_with(Instant::now);
                     Event::Token(t)
                 }
-                Event::Done { reason, usage } => Event::Done { reason, usage: self.usage(usage) },
+                Event::Done { reason, usage } => {
+                    self.report(false);
+                    Event::Done { reason, usage: self.usage(usage) }
+                }
+                Event::Failed(e) => {
+                    self.report(true);
+                    Event::Failed(e)
+                }
                 other => other,
             };
             if !forward(&client, ev, stall).await {
@@ -95,23 +151,35 @@ impl Job {
     }
 
     /// Routes the request again, its prompt extended by the tokens already sent.
-    fn resume(&mut self, why: &str) -> Result<TokenStream, ServeError> {
-        self.left -= 1;
-        self.moves += 1;
+    fn resume(&mut self, why: &str, reason: &'static str) -> Result<TokenStream, ServeError> {
+        self.attempts += 1;
         let done = self.sent.len() as u32;
         let mut req = self.req.clone();
-        req.id = RequestId(self.req.id.0.wrapping_add(0x9e37_79b9_7f4a_7c15_u64.wrapping_mul(u64::from(self.moves))));
-        req.prompt.extend_from_slice(&self.sent);
-        req.params.max_tokens = req.params.max_tokens.saturating_sub(done);
-        req.params.min_tokens = req.params.min_tokens.saturating_sub(done);
-        req.params.prompt_logprobs = None;
-        // The new worker's matcher consumes the tokens sent before going on.
-        if let Some(g) = req.params.grammar.as_mut() {
-            g.replayed += done;
+        req.id =
+            RequestId(self.req.id.0.wrapping_add(0x9e37_79b9_7f4a_7c15_u64.wrapping_mul(u64::from(self.attempts))));
+        // Before the first token the request starts over as it came.
+        if done > 0 {
+            self.moves += 1;
+            req.prompt.extend_from_slice(&self.sent);
+            req.params.max_tokens = req.params.max_tokens.saturating_sub(done);
+            req.params.min_tokens = req.params.min_tokens.saturating_sub(done);
+            req.params.prompt_logprobs = None;
+            // The new worker's matcher consumes the tokens sent before going on.
+            if let Some(g) = req.params.grammar.as_mut() {
+                g.replayed += done;
+            }
         }
-        tracing::warn!(reason = why, tokens_sent = done, "worker lost mid-request; moving the request");
-        self.router.telemetry.migrated(WORKER_LOST);
+        tracing::warn!(reason = why, tokens_sent = done, "moving the request to another worker");
+        self.router.telemetry.migrated(reason);
         self.router.generate(req)
+    }
+
+    /// Tells the planner's signals how the request went.
+    fn report(&self, failed: bool) {
+        let ttft = self.first.map(|f| (f - self.arrived).as_secs_f64());
+        let n = self.sent.len();
+        let tpot = self.first.filter(|_| n > 1).map(|f| f.elapsed().as_secs_f64() / (n - 1) as f64);
+        self.router.signals.ended(n, self.req.params.max_tokens as usize, ttft, tpot, failed);
     }
 
     /// The usage of the request as the client sent it: the replayed tokens count as
@@ -139,13 +207,16 @@ mod tests {
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         let router = Arc::new(Router::new([], crate::Mode::Aggregated, Default::default(), rt.handle().clone()));
         let req = GenerateRequest {
+            fence: None,
             id: RequestId(1),
             tag: pdserve_protocol::RequestTag("t".into()),
             prompt: vec![1, 2, 3, 4],
             params: Default::default(),
             trace: Default::default(),
         };
-        let job = Job { router, req, sent: vec![9, 9, 9, 8, 8], left: 0, moves: 1 };
+        let (arrived, first) = (Instant::now(), None);
+        let job =
+            Job { router, req, sent: vec![9, 9, 9, 8, 8], left: 0, reroutes: 0, attempts: 1, moves: 1, arrived, first };
         let u = job.usage(Usage { prompt_tokens: 7, completion_tokens: 2, cached_tokens: 6 });
         assert_eq!(u, Usage { prompt_tokens: 4, completion_tokens: 5, cached_tokens: 4 });
     }

@@ -6,8 +6,8 @@
 //! keep their entry (an `Arc`) until they finish or fail over.
 
 use crate::cost::{Backlog, KvMemory, Link, PrefillLoad};
-use pdserve_protocol::Worker;
-use pdserve_types::{Epoch, Role};
+use pdserve_protocol::{ServeError, Worker};
+use pdserve_types::{Assignment, Epoch, Role};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -60,9 +60,29 @@ impl Entry {
         self.state().1
     }
 
-    /// Records a new role, taken with a new epoch.
-    pub fn set_role(&self, role: Role, epoch: Epoch) {
-        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = (role, epoch);
+    pub fn assignment(&self) -> Assignment {
+        let (role, epoch) = self.state();
+        Assignment::new(role, epoch)
+    }
+
+    /// Records the worker's assignment if it is newer than the one known (from its
+    /// stats, its fleet record, a refusal, or a switch this process made). Answers
+    /// whether it was.
+    pub fn learn(&self, now: Assignment) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let newer = now.epoch > state.1;
+        if newer {
+            *state = (now.role, now.epoch);
+        }
+        newer
+    }
+
+    /// Learns from `e` if it is a refusal for a stale epoch; gives `e` back.
+    pub fn noted(&self, e: ServeError) -> ServeError {
+        if let ServeError::StaleEpoch { now, .. } = &e {
+            self.learn(*now);
+        }
+        e
     }
 
     /// The KV blocks the worker could give a new sequence (free or only cached), as its

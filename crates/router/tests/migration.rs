@@ -27,6 +27,7 @@ impl pdserve_protocol::Telemetry for Moves {
 
 fn request(prompt_len: u32, max_tokens: u32) -> GenerateRequest {
     GenerateRequest {
+        fence: None,
         id: RequestId(7),
         tag: "t7".into(),
         prompt: (0..prompt_len).map(|i| 1000 + i * 7).collect(),

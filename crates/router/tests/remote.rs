@@ -167,7 +167,7 @@ async fn a_connection_cannot_touch_another_connections_reservations() {
     let d = serve("own", Role::Decode).await;
     let intruder = RemoteWorker::connect(d.remote.addr(), &key()).await.unwrap();
     let id = pdserve_types::RequestId(77);
-    d.remote.reserve(id, 40).await.unwrap();
+    d.remote.reserve(id, 40, None).await.unwrap();
     intruder.release(id);
     let handoff = pdserve_protocol::DecodeHandoff {
         id,

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 fn request(id: u64, prompt_len: u32, max_tokens: u32) -> GenerateRequest {
     GenerateRequest {
+        fence: None,
         id: RequestId(id),
         tag: format!("t{id}").as_str().into(),
         prompt: (0..prompt_len).map(|i| 1000 + i * 7 + id as u32).collect(),

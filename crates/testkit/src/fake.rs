@@ -10,9 +10,9 @@
 use pdserve_kv_transfer::{Frame, HandoffId, HandoffToken, Inbox, Inboxes, KvTarget, Links, TransportKind};
 use pdserve_protocol::{
     BlockCounts, DecodeHandoff, Event, EventSender, FinishReason, GenerateRequest, KvDestination, Prefilled, Reply,
-    ServeError, TokenOut, Usage, Worker, WorkerInfo, WorkerStats,
+    RoleState, ServeError, TokenOut, Usage, Worker, WorkerInfo, WorkerStats,
 };
-use pdserve_types::{RequestId, Role};
+use pdserve_types::{Assignment, Epoch, RequestId, Role};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -77,6 +77,7 @@ pub struct FakeWorker {
 
 struct Inner {
     info: WorkerInfo,
+    role: RoleState,
     knobs: Mutex<Knobs>,
     total_blocks: usize,
     /// Blocks held by running requests and reservations.
@@ -100,6 +101,7 @@ impl FakeWorker {
         let info = WorkerInfo { name: name.into(), model: "fake".into(), role };
         FakeWorker {
             inner: Arc::new(Inner {
+                role: RoleState::new(role),
                 info,
                 knobs: Mutex::default(),
                 total_blocks,
@@ -205,6 +207,7 @@ impl Inner {
 
     async fn prefill(self: Arc<Self>, req: GenerateRequest, to: KvDestination) -> Result<Prefilled, ServeError> {
         self.check_alive()?;
+        self.role.fence(&self.info.name, req.fence, Role::prefills)?;
         self.active.fetch_add(1, Ordering::SeqCst);
         let _done = Decrement(&self.active);
         let (delay, fail) = {
@@ -295,6 +298,7 @@ impl Worker for FakeWorker {
 
     fn generate(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError> {
         self.inner.check_alive()?;
+        self.inner.role.fence(&self.inner.info.name, req.fence, Role::decodes)?;
         let max = req.params.max_tokens as usize;
         let blocks = self.inner.take_blocks(req.prompt.len() + max)?;
         if req.params.prompt_logprobs.is_some() {
@@ -308,9 +312,10 @@ impl Worker for FakeWorker {
         (via == TransportKind::Inproc).then(|| KvTarget::InProc(self.inner.inboxes.clone()))
     }
 
-    fn reserve(&self, id: RequestId, prompt_len: usize) -> Reply<'_, HandoffToken> {
+    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
         Box::pin(async move {
             self.inner.check_alive()?;
+            self.inner.role.fence(&self.inner.info.name, fence, Role::decodes)?;
             let blocks = self.inner.take_blocks(prompt_len)?;
             let inbox = match self.inner.inboxes.expect(HandoffId::from(id)) {
                 Ok(i) => i,
@@ -363,6 +368,11 @@ impl Worker for FakeWorker {
         self.inner.release(id);
     }
 
+    fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
+        let now = self.inner.role.switch(to).1;
+        Box::pin(async move { Ok(now) })
+    }
+
     fn stats(&self) -> Reply<'_, WorkerStats> {
         Box::pin(async move {
             self.inner.check_alive()?;
@@ -375,6 +385,7 @@ impl Worker for FakeWorker {
                 paused: 0,
                 queued_prompt_tokens: 0,
                 blocks,
+                assignment: Some(self.inner.role.get()),
                 ..Default::default()
             })
         })

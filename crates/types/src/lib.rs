@@ -11,11 +11,13 @@ mod kv;
 pub mod rng;
 mod role;
 mod sampling;
+mod steps;
 mod token;
 
 pub use grammar::{Grammar, GrammarSpec};
 pub use ids::{RequestId, TokenId};
 pub use kv::KvFrame;
-pub use role::{Epoch, Role};
+pub use role::{Assignment, Epoch, Role};
 pub use sampling::{SamplingError, SamplingParams, StopCondition};
+pub use steps::DecodeSteps;
 pub use token::{FinishReason, TokenOut};

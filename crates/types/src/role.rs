@@ -61,3 +61,28 @@ impl Role {
         matches!(self, Role::Prefill | Role::Mixed)
     }
 }
+
+/// A worker's role and the epoch it took it at: what a router routes by, and what
+/// a worker checks each new piece of work against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Assignment {
+    pub role: Role,
+    pub epoch: Epoch,
+}
+
+impl Assignment {
+    pub fn new(role: Role, epoch: Epoch) -> Self {
+        Assignment { role, epoch }
+    }
+
+    /// The next assignment, to `role`.
+    pub fn switch(self, role: Role) -> Self {
+        Assignment { role, epoch: self.epoch.next() }
+    }
+}
+
+impl fmt::Display for Assignment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.role, self.epoch)
+    }
+}

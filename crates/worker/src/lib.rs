@@ -23,10 +23,10 @@ use pdserve_kv_transfer::{
     TransferError, TransportKind,
 };
 use pdserve_protocol::{
-    DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply, ServeError,
-    Worker, WorkerInfo, WorkerStats,
+    DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply, RoleState,
+    ServeError, Worker, WorkerInfo, WorkerStats,
 };
-use pdserve_types::{KvFrame, RequestId, Role};
+use pdserve_types::{Assignment, Epoch, KvFrame, RequestId, Role};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -101,6 +101,8 @@ pub struct LocalWorker {
 
 struct Inner {
     info: WorkerInfo,
+    /// The role it serves in now, and since which epoch (see [`Worker::set_role`]).
+    role: RoleState,
     tx: SyncSender<Command>,
     /// Requests queued or admitted and not finished: the router's load signal.
     active: Arc<AtomicUsize>,
@@ -157,6 +159,7 @@ impl LocalWorker {
         let pool = pool_rx.recv().map_err(|_| std::io::Error::other("the engine thread died while starting"))?;
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
         let inner = Inner {
+            role: RoleState::new(info.role),
             info,
             tx,
             active,
@@ -227,6 +230,7 @@ impl Worker for LocalWorker {
     }
 
     fn generate(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError> {
+        self.inner.fence(req.fence, Role::decodes)?;
         self.inner.send_counted(Command::Generate(req, events))
     }
 
@@ -239,14 +243,25 @@ impl Worker for LocalWorker {
         }
     }
 
-    fn reserve(&self, id: RequestId, prompt_len: usize) -> Reply<'_, pdserve_kv_transfer::HandoffToken> {
+    fn reserve(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+        fence: Option<Epoch>,
+    ) -> Reply<'_, pdserve_kv_transfer::HandoffToken> {
         let inner = self.inner.clone();
-        Box::pin(async move { inner.reserve(id, prompt_len).await })
+        Box::pin(async move {
+            inner.fence(fence, Role::decodes)?;
+            inner.reserve(id, prompt_len).await
+        })
     }
 
     fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
         let inner = self.inner.clone();
-        Box::pin(async move { inner.prefill(req, to).await })
+        Box::pin(async move {
+            inner.fence(req.fence, Role::prefills)?;
+            inner.prefill(req, to).await
+        })
     }
 
     fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
@@ -271,8 +286,17 @@ impl Worker for LocalWorker {
                 Err(_) => *lock(&self.inner.last_stats),
             };
             s.queued_prompt_tokens += self.inner.prefill_tokens.load(Ordering::Relaxed);
+            s.assignment = Some(self.inner.role.get());
             Ok(s)
         })
+    }
+
+    fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
+        let (before, now) = self.inner.role.switch(to);
+        if before != now {
+            tracing::info!(worker = %self.inner.info.name, from = %before, to = %now, "role switched");
+        }
+        Box::pin(async move { Ok(now) })
     }
 
     fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
@@ -332,6 +356,11 @@ impl Inner {
         self.send(c).inspect_err(|_| {
             self.active.fetch_sub(1, Ordering::Relaxed);
         })
+    }
+
+    /// Refuses work fenced for another epoch, before anything is queued or computed.
+    fn fence(&self, fence: Option<Epoch>, take: fn(Role) -> bool) -> Result<(), ServeError> {
+        self.role.fence(&self.info.name, fence, take)
     }
 
     fn stopped(&self) -> ServeError {

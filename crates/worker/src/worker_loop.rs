@@ -134,6 +134,9 @@ impl Loop {
                     blocks: BlockCounts { free: s.blocks.free, used: s.blocks.used, cached: s.blocks.cached },
                     grammar_masks: s.masks.0,
                     grammar_mask_ns: (s.masks.1 * 1e9) as u64,
+                    // The handle fills it in: the loop does not know roles.
+                    assignment: None,
+                    decode_steps: s.decode_steps,
                 });
             }
         }

@@ -6,6 +6,7 @@ use pdserve_engine::batch::EngineConfig;
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::Worker;
+use pdserve_router::planner::{model::Slo, Planner, PlannerConfig};
 use pdserve_router::{Mode, PolicyKind, Router};
 use pdserve_types::Role;
 use pdserve_worker::{LocalWorker, WorkerOptions};
@@ -53,6 +54,16 @@ pub struct Args {
     /// the transports a multi-process deployment uses.
     #[arg(long)]
     kv_transport: Option<TransportKind>,
+    /// Let the planner give each worker its role (prefill, decode or mixed) from the
+    /// traffic, switching them in place (needs --mode auto; e.g. --workers 2).
+    #[arg(long)]
+    planner: bool,
+    /// The time-to-first-token objective the planner plans for, in milliseconds.
+    #[arg(long, default_value_t = 5000.0, requires = "planner")]
+    slo_ttft_ms: f64,
+    /// The time-per-output-token objective the planner plans for, in milliseconds.
+    #[arg(long, default_value_t = 50.0, requires = "planner")]
+    slo_tpot_ms: f64,
     #[command(flatten)]
     api: ApiArgs,
 }
@@ -70,6 +81,12 @@ fn check(a: &Args) -> anyhow::Result<()> {
         }
         Mode::Auto if split && a.workers.is_some() => {
             anyhow::bail!("--workers (mixed workers) and --prefill/--decode exclude each other")
+        }
+        Mode::Aggregated | Mode::Disaggregated if a.planner => {
+            anyhow::bail!("--planner needs --mode auto (the planner routes by the roles it gives)")
+        }
+        _ if a.planner && !(a.slo_ttft_ms > 0.0 && a.slo_tpot_ms > 0.0) => {
+            anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive")
         }
         _ => Ok(()),
     }
@@ -111,8 +128,9 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         workers.push(w);
     }
     rt.block_on(async move {
-        // The loopback transports need a receiver on each worker that may decode.
-        for w in workers.iter().filter(|w| w.info().role.decodes()) {
+        // The loopback transports need a receiver on each worker that may decode
+        // (under the planner, any worker may come to).
+        for w in workers.iter().filter(|w| a.planner || w.info().role.decodes()) {
             listen(w, via).await?;
         }
         let router = Arc::new(
@@ -128,6 +146,10 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             .with_telemetry(Arc::new(metrics.clone())),
         );
         router.follow_kv_events();
+        if a.planner {
+            let slo = Slo { ttft_s: a.slo_ttft_ms / 1e3, tpot_s: a.slo_tpot_ms / 1e3 };
+            Planner::spawn(router.clone(), PlannerConfig::new(slo));
+        }
         let river = a.nats.config("pdserve-river").filter(|_| a.river);
         let observer = river.clone().map(super::river::LeafObserver::start);
         let model = Served {

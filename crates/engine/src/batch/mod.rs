@@ -18,7 +18,7 @@ use crate::model::{ForwardScratch, Model};
 use crate::threadpool::ThreadPool;
 use pdserve_kv::{BlockPool, PoolStats};
 use pdserve_types::TokenOut;
-use pdserve_types::{RequestId, SamplingParams};
+use pdserve_types::{DecodeSteps, RequestId, SamplingParams};
 use sequence::Sequence;
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -95,6 +95,8 @@ pub struct EngineStats {
     pub blocks: PoolStats,
     /// Token masks computed for constrained sequences, and their total seconds.
     pub masks: (u64, f64),
+    /// Steps that decoded only (the planner fits its decode cost to them).
+    pub decode_steps: DecodeSteps,
 }
 
 pub struct Engine {
@@ -114,6 +116,7 @@ pub struct Engine {
     grammars: Option<Arc<Grammars>>,
     /// How long this engine's constraints took to compute their masks.
     masks: Arc<MaskClock>,
+    decode_steps: DecodeSteps,
 }
 
 impl Engine {
@@ -134,6 +137,7 @@ impl Engine {
             eog,
             grammars: None,
             masks: Arc::default(),
+            decode_steps: DecodeSteps::default(),
         }
     }
 
@@ -250,6 +254,7 @@ impl Engine {
             queued_prompt_tokens: self.waiting.iter().chain(self.running.iter()).map(left).sum(),
             blocks: self.blocks.stats(),
             masks: self.masks.totals(),
+            decode_steps: self.decode_steps,
         }
     }
 

@@ -67,6 +67,9 @@ impl Engine {
                 }
             })
             .collect();
+        // A step of one token per sequence, every one sampled, decodes only.
+        let decoding = plan.iter().all(|p| p.n == 1 && p.logits && self.running[p.seq].is_decoding());
+        let started = std::time::Instant::now();
         // The scratch leaves `self` for the step so the logits can be sampled in place.
         let mut scratch = std::mem::take(&mut self.scratch);
         let logits = self
@@ -79,7 +82,11 @@ impl Engine {
                     let got = got.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
                     self.running[p.seq].prompt_scores.extend(got);
                 }
-                self.finish_step(&plan, logits)
+                let out = self.finish_step(&plan, logits);
+                if decoding {
+                    self.decode_steps.record(plan.len(), started.elapsed().as_secs_f64());
+                }
+                out
             }
             None => Vec::new(),
         };

@@ -56,6 +56,7 @@ pub fn key() -> pdserve_kv_transfer::ClusterKey {
 pub fn request(id: u64, text: &str, max_tokens: u32) -> GenerateRequest {
     let prompt = model().tokenizer.encode(text, false);
     GenerateRequest {
+        fence: None,
         id: RequestId(id),
         tag: format!("test-{id}").as_str().into(),
         prompt,

@@ -1,0 +1,278 @@
+//! The planner: a controller that gives each worker the role the traffic needs.
+//!
+//! Every tick it reads the traffic of the last window ([`signals`]) and what the
+//! workers measured of themselves (prefill pace, decode step times), asks the
+//! [`model`] for the goodput of each role vector at the SLOs, and switches roles in
+//! place when another vector is predicted to do clearly better, for long enough,
+//! and not too soon after the last switch. Every decision is logged with its inputs
+//! and counted in `pdserve_planner_decisions_total{from,to,reason}`.
+
+pub mod model;
+pub mod signals;
+
+use crate::workers::{Entry, PREFILL_SLOTS};
+use crate::Router;
+use model::{predict, Prediction, Rates, Shape, Slo};
+use pdserve_types::{DecodeSteps, Role};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How the planner decides.
+#[derive(Debug, Clone, Copy)]
+pub struct PlannerConfig {
+    pub slo: Slo,
+    /// How often it looks.
+    pub tick: Duration,
+    /// A better vector must be predicted this much better (relative goodput)...
+    pub margin: f64,
+    /// ...on this many ticks in a row...
+    pub hold: u32,
+    /// ...and this long after the last switch.
+    pub cooldown: Duration,
+    /// A worker leaving decode whose sequences have not finished by then goes back.
+    pub drain: Duration,
+}
+
+impl PlannerConfig {
+    pub fn new(slo: Slo) -> Self {
+        PlannerConfig {
+            slo,
+            tick: Duration::from_secs(1),
+            margin: 0.15,
+            hold: 3,
+            cooldown: Duration::from_secs(15),
+            drain: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Goodput differences below this many requests per second are noise.
+const MIN_GAIN: f64 = 0.02;
+/// How long a stats call may take before the worker is left out of a tick.
+const STATS_WAIT: Duration = Duration::from_millis(500);
+
+/// A decision to move from one vector to another, and what it rests on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub from: Shape,
+    pub to: Shape,
+    pub now: Prediction,
+    pub then: Prediction,
+    pub reason: &'static str,
+}
+
+/// The best of `shapes` for the traffic, if clearly better than `current`.
+pub fn best_move(
+    current: Shape,
+    shapes: &[Shape],
+    predict: impl Fn(Shape) -> Prediction,
+    margin: f64,
+) -> Option<Decision> {
+    let now = predict(current);
+    let (to, then) = shapes
+        .iter()
+        .map(|&s| (s, predict(s)))
+        .max_by(|a, b| a.1.goodput.total_cmp(&b.1.goodput).then(b.0.cmp(&a.0)))?;
+    let better = then.goodput > now.goodput * (1.0 + margin) && then.goodput - now.goodput > MIN_GAIN;
+    // Taking a worker from a role is safe only if those left keep up.
+    let fits = then.utilisation < 0.9 || now.utilisation >= 0.97;
+    (to != current && better && fits).then(|| Decision { from: current, to, now, then, reason: reason(&now, &then) })
+}
+
+fn reason(now: &Prediction, then: &Prediction) -> &'static str {
+    if now.utilisation >= 0.97 {
+        "overloaded"
+    } else if then.ttft_attained - now.ttft_attained >= then.tpot_attained - now.tpot_attained {
+        "ttft"
+    } else {
+        "tpot"
+    }
+}
+
+/// The running controller.
+pub struct Planner {
+    router: Arc<Router>,
+    cfg: PlannerConfig,
+    /// A better vector seen on consecutive ticks, and how many.
+    pending: Option<(Shape, u32)>,
+    last_switch: Option<Instant>,
+    /// Decode-only steps of workers that left the set, kept so the fit survives them.
+    steps: HashMap<String, DecodeSteps>,
+}
+
+impl Planner {
+    /// Starts planning the roles of `router`'s workers on its runtime.
+    pub fn spawn(router: Arc<Router>, cfg: PlannerConfig) {
+        let rt = router.runtime.clone();
+        let mut p = Planner { router, cfg, pending: None, last_switch: None, steps: HashMap::new() };
+        rt.spawn(async move {
+            let mut tick = tokio::time::interval(p.cfg.tick);
+            loop {
+                tick.tick().await;
+                p.tick().await;
+            }
+        });
+    }
+
+    async fn tick(&mut self) {
+        let entries: Vec<Arc<Entry>> = self.router.workers().snapshot().into_iter().filter(|e| e.usable()).collect();
+        if entries.len() < 2 {
+            return;
+        }
+        self.read_steps(&entries).await;
+        let Some(rates) = self.rates(&entries) else { return };
+        let slo = self.cfg.slo;
+        let traffic = self.router.signals.traffic(slo.ttft_s, slo.tpot_s);
+        let current = shape_of(&entries);
+        let shapes = Shape::candidates(entries.len());
+        let decision = best_move(current, &shapes, |s| predict(s, &traffic, &rates, &slo), self.cfg.margin);
+        let Some(d) = decision else {
+            self.pending = None;
+            return;
+        };
+        let seen = match self.pending {
+            Some((s, n)) if s == d.to => n + 1,
+            _ => 1,
+        };
+        self.pending = Some((d.to, seen));
+        let cooling = self.last_switch.is_some_and(|t| t.elapsed() < self.cfg.cooldown);
+        if seen < self.cfg.hold || cooling {
+            return;
+        }
+        tracing::info!(
+            from = %d.from, to = %d.to, reason = d.reason,
+            goodput_now = d.now.goodput, goodput_then = d.then.goodput,
+            ttft_attained = traffic.ttft_attained, tpot_attained = traffic.tpot_attained,
+            rate = traffic.rate, isl_p50 = traffic.isl[1], isl_p90 = traffic.isl[2],
+            osl_p50 = traffic.osl[1], osl_p90 = traffic.osl[2],
+            prefill_ms_per_token = rates.prefill_s_per_token * 1e3,
+            step_ms = rates.step.0 * 1e3, step_ms_per_seq = rates.step.1 * 1e3,
+            "planner: switching roles"
+        );
+        self.router.telemetry.planned(&d.from.to_string(), &d.to.to_string(), d.reason);
+        self.apply(&entries, d.to).await;
+        self.pending = None;
+        self.last_switch = Some(Instant::now());
+    }
+
+    /// Each worker's decode-only step sums, as its stats say.
+    async fn read_steps(&mut self, entries: &[Arc<Entry>]) {
+        for e in entries {
+            if let Ok(Ok(s)) = tokio::time::timeout(STATS_WAIT, e.worker.stats()).await {
+                self.steps.insert(e.name().to_string(), s.decode_steps);
+                if let Some(now) = s.assignment {
+                    e.learn(now);
+                }
+            }
+        }
+    }
+
+    /// The measured rates, once every one of them was measured.
+    fn rates(&self, entries: &[Arc<Entry>]) -> Option<Rates> {
+        // The fastest pace seen is the closest to a worker prefilling alone.
+        let prefill = entries.iter().filter_map(|e| e.prefill.measured()).min_by(f64::total_cmp)?;
+        let mut all = DecodeSteps::default();
+        for s in self.steps.values() {
+            all.add(s);
+        }
+        Some(Rates { prefill_s_per_token: prefill, step: all.fit()? })
+    }
+
+    /// Gives the workers the roles of `to`, moving as few as possible: prefill goes to
+    /// those already prefilling, then to the least loaded.
+    async fn apply(&self, entries: &[Arc<Entry>], to: Shape) {
+        let mut order: Vec<&Arc<Entry>> = entries.iter().collect();
+        order.sort_by_key(|e| (e.role() != Role::Prefill, e.worker.load()));
+        for (i, e) in order.into_iter().enumerate() {
+            let role = match to.mixed {
+                0 if i < to.prefill => Role::Prefill,
+                0 => Role::Decode,
+                _ => Role::Mixed,
+            };
+            if e.role() != role {
+                self.switch(e, role).await;
+            }
+        }
+    }
+
+    /// Switches one worker; one that stops decoding finishes its sequences in place,
+    /// and goes back if they outlast the drain limit.
+    async fn switch(&self, e: &Arc<Entry>, role: Role) {
+        let from = e.role();
+        let asked = Instant::now();
+        match self.router.switch_role(e, role).await {
+            Ok(now) => {
+                tracing::info!(worker = e.name(), to = %now, control_ms = asked.elapsed().as_secs_f64() * 1e3, "role switched")
+            }
+            Err(err) => return tracing::warn!(worker = e.name(), error = %err, "role switch refused"),
+        }
+        if from.decodes() && !role.decodes() {
+            let (router, e, limit) = (self.router.clone(), e.clone(), self.cfg.drain);
+            self.router.runtime.spawn(async move { drain(router, e, from, limit).await });
+        }
+    }
+}
+
+/// Waits for a worker that left decode to finish its decodes; past `limit`, gives
+/// it back its old role.
+async fn drain(router: Arc<Router>, e: Arc<Entry>, from: Role, limit: Duration) {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        let prefilling = PREFILL_SLOTS - e.slots.available_permits();
+        match tokio::time::timeout(STATS_WAIT, e.worker.stats()).await {
+            Ok(Ok(s)) if s.running + s.waiting <= prefilling => {
+                let s = started.elapsed().as_secs_f64();
+                return tracing::info!(worker = e.name(), drain_s = s, "decodes finished after the role switch");
+            }
+            Ok(Err(_)) => return,
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    tracing::warn!(worker = e.name(), limit_s = limit.as_secs(), "decodes outlasted the drain limit; switching back");
+    if let Err(err) = router.switch_role(&e, from).await {
+        tracing::warn!(worker = e.name(), error = %err, "switching back failed");
+    }
+}
+
+/// The role vector of `entries`.
+fn shape_of(entries: &[Arc<Entry>]) -> Shape {
+    let count = |r: Role| entries.iter().filter(|e| e.role() == r).count();
+    let (prefill, decode, mixed) = (count(Role::Prefill), count(Role::Decode), count(Role::Mixed));
+    // A vector that mixes mixed and dedicated workers is weighed as all mixed.
+    match (prefill, decode) {
+        (p, d) if mixed == 0 && p > 0 && d > 0 => Shape { prefill: p, decode: d, mixed: 0 },
+        _ => Shape { prefill: 0, decode: 0, mixed: entries.len() },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pred(goodput: f64) -> Prediction {
+        Prediction { goodput, ttft_attained: 1.0, tpot_attained: 1.0, utilisation: 0.5 }
+    }
+
+    const MIXED: Shape = Shape { prefill: 0, decode: 0, mixed: 2 };
+    const SPLIT: Shape = Shape { prefill: 1, decode: 1, mixed: 0 };
+
+    #[test]
+    fn a_move_needs_a_clear_gain() {
+        let shapes = [MIXED, SPLIT];
+        let g = |mixed: f64, split: f64| move |s: Shape| pred(if s == MIXED { mixed } else { split });
+        assert_eq!(best_move(MIXED, &shapes, g(1.0, 1.1), 0.15), None, "10 % is within the margin");
+        let d = best_move(MIXED, &shapes, g(1.0, 1.3), 0.15).unwrap();
+        assert_eq!((d.from, d.to), (MIXED, SPLIT));
+        // Equal predictions never move, whichever shape holds now.
+        assert_eq!(best_move(SPLIT, &shapes, g(1.0, 1.0), 0.15), None);
+        assert_eq!(best_move(MIXED, &shapes, g(0.0, 0.01), 0.15), None, "gains below noise are not moves");
+    }
+
+    #[test]
+    fn a_move_that_would_leave_survivors_near_full_is_not_made() {
+        let shapes = [MIXED, SPLIT];
+        let busy = |s: Shape| if s == SPLIT { Prediction { utilisation: 0.95, ..pred(2.0) } } else { pred(1.0) };
+        assert_eq!(best_move(MIXED, &shapes, busy, 0.15), None);
+    }
+}

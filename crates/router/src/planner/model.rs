@@ -1,0 +1,240 @@
+//! The planner's cost model, from measured rates: given the traffic of the last
+//! window and what the workers measured of themselves, the goodput each role vector
+//! would give at the SLOs.
+//!
+//! Prefill is a queue: a prompt of `n` tokens takes `n × s` seconds of one worker
+//! (`s` measured per token), prompts wait as in an M/G/1 queue (Pollaczek–Khinchine
+//! mean, exponential tail). Decode is a batch: a step of `B` sequences takes
+//! `a + b·B` (fitted to the workers' decode-only steps) and Little's law gives `B`.
+//! A mixed worker shares its time: decode advances only while it is not
+//! prefilling, and each prompt chunk also pays for the decode step it rides with. Each sampled request of the
+//! window is scored, so a bimodal mix counts as such rather than as its mean.
+
+use super::signals::Traffic;
+
+/// What the workers measured of themselves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rates {
+    /// Prefill seconds per prompt token, on one worker.
+    pub prefill_s_per_token: f64,
+    /// Decode step seconds: fixed part and per sequence in the batch.
+    pub step: (f64, f64),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slo {
+    pub ttft_s: f64,
+    pub tpot_s: f64,
+}
+
+/// How many workers serve in each role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Shape {
+    pub prefill: usize,
+    pub decode: usize,
+    pub mixed: usize,
+}
+
+impl Shape {
+    pub fn workers(&self) -> usize {
+        self.prefill + self.decode + self.mixed
+    }
+
+    /// The shapes the planner weighs for `n` workers: all mixed, and every split
+    /// into dedicated prefill and decode workers.
+    pub fn candidates(n: usize) -> Vec<Shape> {
+        let mut all = vec![Shape { prefill: 0, decode: 0, mixed: n }];
+        all.extend((1..n).map(|p| Shape { prefill: p, decode: n - p, mixed: 0 }));
+        all
+    }
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.mixed {
+            0 => write!(f, "{}P:{}D", self.prefill, self.decode),
+            m => write!(f, "{m}M"),
+        }
+    }
+}
+
+/// The model's answer for one shape.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prediction {
+    /// Requests per second that meet both SLOs.
+    pub goodput: f64,
+    pub ttft_attained: f64,
+    pub tpot_attained: f64,
+    /// Busiest fraction of time among the roles (≥ 1: the queue grows without end).
+    pub utilisation: f64,
+}
+
+/// Prompt tokens per chunk of a mixed worker's steps (the engine's default batch).
+const CHUNK: usize = 512;
+/// Utilisation past which a queue is taken as unstable.
+const STABLE_BELOW: f64 = 0.97;
+
+/// Predicts `shape` serving `t` with `rates`.
+pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Prediction {
+    let none = Prediction { goodput: 0.0, ttft_attained: 0.0, tpot_attained: 0.0, utilisation: f64::INFINITY };
+    if t.samples.is_empty() || t.rate <= 0.0 || shape.workers() == 0 {
+        return Prediction { goodput: 0.0, ttft_attained: 1.0, tpot_attained: 1.0, utilisation: 0.0 };
+    }
+    let s = rates.prefill_s_per_token;
+    let mean_isl = t.samples.iter().map(|&(i, _)| i as f64).sum::<f64>() / t.samples.len() as f64;
+    let mean_osl = t.samples.iter().map(|&(_, o)| o as f64).sum::<f64>() / t.samples.len() as f64;
+    let (prefillers, decoders, mixed) = match shape.mixed {
+        0 => (shape.prefill as f64, shape.decode as f64, false),
+        m => (m as f64, m as f64, true),
+    };
+    if prefillers == 0.0 || decoders == 0.0 {
+        return none;
+    }
+    // Decode first: sequences per decoder and the time a step takes.
+    let per_decoder = t.rate / decoders * mean_osl;
+    let prefill_busy = if mixed { t.rate / prefillers * mean_isl * s } else { 0.0 };
+    let Some((batch, tpot)) = decode_batch(per_decoder, rates.step, prefill_busy) else { return none };
+    // Prefill: a queue. On a mixed worker each chunk rides along a decode step and
+    // pays that step's time too.
+    let step = rates.step.0 + rates.step.1 * batch;
+    let slow = if mixed { 1.0 + step / (CHUNK as f64 * s) } else { 1.0 };
+    let service = |isl: usize| isl as f64 * s * slow;
+    let rho = t.rate / prefillers * mean_isl * s * slow;
+    if rho >= STABLE_BELOW {
+        return Prediction { utilisation: rho, ..none };
+    }
+    let es = t.samples.iter().map(|&(i, _)| service(i)).sum::<f64>() / t.samples.len() as f64;
+    let es2 = t.samples.iter().map(|&(i, _)| service(i).powi(2)).sum::<f64>() / t.samples.len() as f64;
+    let wait = if es > 0.0 { rho / (1.0 - rho) * es2 / (2.0 * es) } else { 0.0 };
+    let ttft_ok = |isl: usize| {
+        let room = slo.ttft_s - service(isl);
+        match room {
+            r if r <= 0.0 => 0.0,
+            _ if wait <= 0.0 => 1.0,
+            r => 1.0 - rho * (-rho * r / wait).exp(),
+        }
+    };
+    let ttft_attained = t.samples.iter().map(|&(i, _)| ttft_ok(i)).sum::<f64>() / t.samples.len() as f64;
+    let step_alone = rates.step.0 + rates.step.1 * batch;
+    let tpot_ok = |isl_osl: (usize, usize)| match mixed {
+        false => soft_below(tpot, slo.tpot_s),
+        true => interfered(isl_osl.1, step_alone, prefill_busy, t.rate / prefillers, mean_isl * s, slo.tpot_s),
+    };
+    let tpot_attained = t.samples.iter().map(|&x| tpot_ok(x)).sum::<f64>() / t.samples.len() as f64;
+    Prediction {
+        goodput: t.rate * ttft_attained * tpot_attained,
+        ttft_attained,
+        tpot_attained,
+        utilisation: rho.max(prefill_busy),
+    }
+}
+
+/// The batch a decoder settles at with `load` = arrival rate × output length
+/// sequence-seconds per second of TPOT, and that TPOT, when a `busy` share of its
+/// time goes to prefills (Little: B = load × TPOT, TPOT = (a + bB) / (1 − busy)).
+/// `None` when no batch keeps up.
+fn decode_batch(load: f64, (a, b): (f64, f64), busy: f64) -> Option<(f64, f64)> {
+    let free = 1.0 - busy;
+    if free <= 1.0 - STABLE_BELOW {
+        return None;
+    }
+    let denom = 1.0 - load * b / free;
+    if denom <= 1.0 - STABLE_BELOW {
+        return None;
+    }
+    let batch = (load * a / free / denom).max(if load > 0.0 { 1.0 } else { 0.0 });
+    Some((batch, (a + b * batch) / free))
+}
+
+/// The chance that a request of `osl` tokens decoding on a mixed worker meets the
+/// TPOT `limit`. Its steps take `step` alone; every prompt prefilled there while it
+/// decodes adds `prefill` seconds to its decode. It finds one under way with chance
+/// `busy` and others arrive at `rate` while it runs: their count is taken as Poisson.
+fn interfered(osl: usize, step: f64, busy: f64, rate: f64, prefill: f64, limit: f64) -> f64 {
+    if step > limit {
+        return 0.0;
+    }
+    let osl = osl.max(1) as f64;
+    // Prefills a request can absorb and still meet the limit.
+    let room = if prefill > 0.0 { ((limit - step) * osl / prefill).floor() as usize } else { usize::MAX };
+    let mean = rate * osl * step + busy;
+    let (mut term, mut sum) = ((-mean).exp(), 0.0);
+    for k in 0..=room.min(64) {
+        sum += term;
+        term *= mean / (k + 1) as f64;
+    }
+    sum.min(1.0)
+}
+
+/// 1 well under `limit`, 0 over it, linear across ±10 %: a step at the SLO would
+/// flip between shapes on measurement noise.
+fn soft_below(x: f64, limit: f64) -> f64 {
+    ((1.1 * limit - x) / (0.2 * limit)).clamp(0.0, 1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This machine's figures, roughly: 1 ms per prompt token, steps of 2 ms + 1.5 ms
+    /// per sequence.
+    const RATES: Rates = Rates { prefill_s_per_token: 0.001, step: (0.002, 0.0015) };
+    const SLO: Slo = Slo { ttft_s: 5.0, tpot_s: 0.05 };
+
+    fn traffic(rate: f64, isl: usize, osl: usize) -> Traffic {
+        Traffic { rate, samples: vec![(isl, osl); 20], ..Default::default() }
+    }
+
+    fn best(t: &Traffic) -> Shape {
+        let shapes = Shape::candidates(2);
+        let score = |s: &Shape| predict(*s, t, &RATES, &SLO).goodput;
+        *shapes.iter().max_by(|a, b| score(a).total_cmp(&score(b))).unwrap()
+    }
+
+    #[test]
+    fn long_prompts_with_short_answers_need_both_workers_prefilling() {
+        // 2048-token prompts at 0.6/s: 1.2 s of prefill per second, more than one
+        // worker has.
+        let t = traffic(0.6, 2048, 32);
+        assert_eq!(best(&t), Shape { prefill: 0, decode: 0, mixed: 2 });
+        let split = predict(Shape { prefill: 1, decode: 1, mixed: 0 }, &t, &RATES, &SLO);
+        assert_eq!(split.goodput, 0.0, "{split:?}");
+    }
+
+    #[test]
+    fn decode_latency_under_prefill_interference_asks_for_a_split() {
+        // 1024-token prompts at 0.5/s with 128-token answers at a 6 ms TPOT SLO: a
+        // mixed worker spends a quarter of its time prefilling, and a request that
+        // meets one prefill misses; one dedicated prefill worker keeps up.
+        let slo = Slo { ttft_s: 5.0, tpot_s: 0.006 };
+        let t = traffic(0.5, 1024, 128);
+        let score = |s| predict(s, &t, &RATES, &slo);
+        let (mixed, split) =
+            (score(Shape { prefill: 0, decode: 0, mixed: 2 }), score(Shape { prefill: 1, decode: 1, mixed: 0 }));
+        assert!(split.goodput > mixed.goodput, "{split:?} against {mixed:?}");
+    }
+
+    #[test]
+    fn decode_heavy_traffic_keeps_two_decoders() {
+        let t = traffic(2.0, 128, 512);
+        assert_eq!(best(&t), Shape { prefill: 0, decode: 0, mixed: 2 });
+    }
+
+    #[test]
+    fn a_bimodal_mix_is_scored_per_request() {
+        // Half the prompts cannot meet the TTFT SLO at all (their own prefill is
+        // longer): attainment near one half, not what the mean length would give.
+        let mut t = traffic(0.05, 100, 16);
+        t.samples = [(100, 16), (8000, 16)].repeat(10);
+        let p = predict(Shape { prefill: 0, decode: 0, mixed: 2 }, &t, &RATES, &Slo { ttft_s: 5.0, tpot_s: 0.1 });
+        assert!((p.ttft_attained - 0.5).abs() < 0.05, "{p:?}");
+    }
+
+    #[test]
+    fn no_traffic_predicts_nothing_to_gain() {
+        let p = predict(Shape { prefill: 1, decode: 1, mixed: 0 }, &Traffic::default(), &RATES, &SLO);
+        assert_eq!(p.goodput, 0.0);
+        assert_eq!(Shape::candidates(3).len(), 3);
+        assert_eq!(Shape { prefill: 1, decode: 2, mixed: 0 }.to_string(), "1P:2D");
+    }
+}

@@ -1,0 +1,142 @@
+//! What the planner measures of the traffic: every request's arrival and end over a
+//! sliding window, fed by the router's front ([`crate::Migrating`]) as the client
+//! sees them.
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Requests kept at most, whatever the window: a bound on memory under a flood.
+const KEPT: usize = 4096;
+
+#[derive(Debug, Clone, Copy)]
+enum Record {
+    Arrived { prompt: usize, max_tokens: usize },
+    Ended { out: usize, max_tokens: usize, ttft: Option<f64>, tpot: Option<f64>, failed: bool },
+}
+
+/// The window of request records.
+pub struct Signals {
+    window: Duration,
+    records: Mutex<VecDeque<(Instant, Record)>>,
+}
+
+/// The window's traffic, summed up.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Traffic {
+    /// Seconds the window covers.
+    pub seconds: f64,
+    /// Arrivals per second.
+    pub rate: f64,
+    pub prompt_tokens_per_s: f64,
+    pub output_tokens_per_s: f64,
+    /// One `(prompt, expected output)` per arrival; the output is `max_tokens` scaled
+    /// by how much of it ended requests used.
+    pub samples: Vec<(usize, usize)>,
+    /// 10th, 50th and 90th percentiles of prompt and output lengths.
+    pub isl: [usize; 3],
+    pub osl: [usize; 3],
+    /// Ended requests, and the shares that met each SLO.
+    pub ended: usize,
+    pub failed: usize,
+    pub ttft_attained: f64,
+    pub tpot_attained: f64,
+}
+
+impl Signals {
+    pub fn new(window: Duration) -> Self {
+        Signals { window, records: Mutex::default() }
+    }
+
+    pub fn arrived(&self, prompt: usize, max_tokens: usize) {
+        self.push(Record::Arrived { prompt, max_tokens });
+    }
+
+    /// A request ended after `out` tokens; `ttft` and `tpot` in seconds when it had a
+    /// first (and a second) token.
+    pub fn ended(&self, out: usize, max_tokens: usize, ttft: Option<f64>, tpot: Option<f64>, failed: bool) {
+        self.push(Record::Ended { out, max_tokens, ttft, tpot, failed });
+    }
+
+    fn push(&self, r: Record) {
+        let now = Instant::now();
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        while records.len() >= KEPT || records.front().is_some_and(|(at, _)| now - *at > self.window) {
+            records.pop_front();
+        }
+        records.push_back((now, r));
+    }
+
+    /// The traffic of the window up to now, judged against the SLOs.
+    pub fn traffic(&self, ttft_slo: f64, tpot_slo: f64) -> Traffic {
+        let now = Instant::now();
+        let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        let live: Vec<Record> = records.iter().filter(|(at, _)| now - *at <= self.window).map(|&(_, r)| r).collect();
+        drop(records);
+        let seconds = self.window.as_secs_f64();
+        let (mut used, mut asked, mut out_tokens) = (0usize, 0usize, 0usize);
+        let (mut ended, mut failed, mut ttft_ok, mut tpot_ok) = (0usize, 0usize, 0usize, 0usize);
+        for r in &live {
+            if let Record::Ended { out, max_tokens, ttft, tpot, failed: f } = *r {
+                ended += 1;
+                failed += usize::from(f);
+                (used, asked, out_tokens) = (used + out, asked + max_tokens, out_tokens + out);
+                ttft_ok += usize::from(!f && ttft.is_some_and(|s| s <= ttft_slo));
+                tpot_ok += usize::from(!f && tpot.is_none_or(|s| s <= tpot_slo));
+            }
+        }
+        let used_share = if asked > 0 { used as f64 / asked as f64 } else { 1.0 };
+        let samples: Vec<(usize, usize)> = live
+            .iter()
+            .filter_map(|r| match *r {
+                Record::Arrived { prompt, max_tokens } => {
+                    Some((prompt, ((max_tokens as f64 * used_share).round() as usize).max(1)))
+                }
+                Record::Ended { .. } => None,
+            })
+            .collect();
+        let share = |ok: usize| if ended > 0 { ok as f64 / ended as f64 } else { 1.0 };
+        Traffic {
+            seconds,
+            rate: samples.len() as f64 / seconds,
+            prompt_tokens_per_s: samples.iter().map(|s| s.0).sum::<usize>() as f64 / seconds,
+            output_tokens_per_s: out_tokens as f64 / seconds,
+            isl: percentiles(samples.iter().map(|s| s.0).collect()),
+            osl: percentiles(samples.iter().map(|s| s.1).collect()),
+            samples,
+            ended,
+            failed,
+            ttft_attained: share(ttft_ok),
+            tpot_attained: share(tpot_ok),
+        }
+    }
+}
+
+fn percentiles(mut v: Vec<usize>) -> [usize; 3] {
+    if v.is_empty() {
+        return [0; 3];
+    }
+    v.sort_unstable();
+    [10, 50, 90].map(|p| v[(v.len() - 1) * p / 100])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_window_sums_rates_lengths_and_attainment() {
+        let s = Signals::new(Duration::from_secs(10));
+        for i in 0..10 {
+            s.arrived(if i % 2 == 0 { 100 } else { 2000 }, 64);
+        }
+        s.ended(32, 64, Some(1.0), Some(0.01), false);
+        s.ended(32, 64, Some(9.0), Some(0.01), false);
+        let t = s.traffic(5.0, 0.05);
+        assert!((t.rate - 1.0).abs() < 1e-9);
+        assert_eq!(t.isl, [100, 100, 2000], "a bimodal mix shows in its percentiles");
+        // Ended requests used half their max_tokens: the expected outputs follow.
+        assert_eq!(t.osl, [32, 32, 32]);
+        assert_eq!((t.ended, t.ttft_attained, t.tpot_attained), (2, 0.5, 1.0));
+    }
+}

@@ -126,6 +126,21 @@ impl Planner {
         let traffic = self.router.signals.traffic(slo.ttft_s, slo.tpot_s);
         let current = shape_of(&entries);
         let shapes = Shape::candidates(entries.len());
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let scores: Vec<String> = shapes
+                .iter()
+                .map(|&s| {
+                    let p = predict(s, &traffic, &rates, &slo);
+                    format!("{s}={:.2}({:.2}/{:.2}/{:.2})", p.goodput, p.ttft_attained, p.tpot_attained, p.utilisation)
+                })
+                .collect();
+            tracing::debug!(
+                current = %current, rate = traffic.rate, isl_p50 = traffic.isl[1], osl_p50 = traffic.osl[1],
+                prefill_ms_per_token = rates.prefill_s_per_token * 1e3,
+                step_ms = rates.step.0 * 1e3, step_ms_per_seq = rates.step.1 * 1e3,
+                predicted = %scores.join(" "), "planner tick"
+            );
+        }
         let decision = best_move(current, &shapes, |s| predict(s, &traffic, &rates, &slo), self.cfg.margin);
         let Some(d) = decision else {
             self.pending = None;

@@ -21,15 +21,25 @@ pub struct KvStorage {
 
 impl KvStorage {
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
-        let per_layer = num_blocks * cfg.n_kv_heads * block_size * cfg.head_dim;
+        KvStorage::shaped(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size)
+    }
+
+    /// Storage of `values` K (and V) values per token and layer, as one head: a timed
+    /// engine's scaled-down stand-in for a model's cache.
+    pub fn with_dims(n_layers: usize, values: usize, num_blocks: usize, block_size: usize) -> Self {
+        KvStorage::shaped(n_layers, 1, values.max(1), num_blocks, block_size)
+    }
+
+    fn shaped(n_layers: usize, n_kv_heads: usize, head_dim: usize, num_blocks: usize, block_size: usize) -> Self {
+        let per_layer = num_blocks * n_kv_heads * block_size * head_dim;
         KvStorage {
-            n_layers: cfg.n_layers,
-            n_kv_heads: cfg.n_kv_heads,
-            head_dim: cfg.head_dim,
+            n_layers,
+            n_kv_heads,
+            head_dim,
             block_size,
             num_blocks,
-            k: (0..cfg.n_layers).map(|_| vec![0u16; per_layer]).collect(),
-            v: (0..cfg.n_layers).map(|_| vec![0u16; per_layer]).collect(),
+            k: (0..n_layers).map(|_| vec![0u16; per_layer]).collect(),
+            v: (0..n_layers).map(|_| vec![0u16; per_layer]).collect(),
         }
     }
 

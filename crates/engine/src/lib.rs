@@ -19,6 +19,7 @@ pub mod models;
 pub mod sampler;
 pub mod testing;
 pub mod threadpool;
+pub mod timed;
 pub mod tokenizer;
 
 pub use batch::{Engine, EngineConfig, EngineError};

@@ -16,6 +16,7 @@ use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{ForwardScratch, Model};
 use crate::threadpool::ThreadPool;
+use crate::timed::TimedModel;
 use pdserve_kv::{BlockPool, PoolStats};
 use pdserve_types::TokenOut;
 use pdserve_types::{DecodeSteps, RequestId, SamplingParams};
@@ -99,8 +100,15 @@ pub struct EngineStats {
     pub decode_steps: DecodeSteps,
 }
 
+/// What computes a step's tokens.
+pub(crate) enum Compute {
+    Model(Arc<Model>),
+    /// A cost model's time and deterministic tokens (simulated workers).
+    Timed(TimedModel),
+}
+
 pub struct Engine {
-    model: Arc<Model>,
+    compute: Compute,
     cfg: EngineConfig,
     isa: Isa,
     pool: ThreadPool,
@@ -117,13 +125,27 @@ pub struct Engine {
     /// How long this engine's constraints took to compute their masks.
     masks: Arc<MaskClock>,
     decode_steps: DecodeSteps,
+    /// Seconds of modelled compute not yet taken by [`Engine::take_charged`].
+    charged: f64,
 }
 
 impl Engine {
     /// `eog` lists the end-of-generation token ids (from the tokenizer).
     pub fn new(model: Arc<Model>, cfg: EngineConfig, eog: Vec<u32>) -> Self {
+        let kv = KvStorage::new(&model.cfg, cfg.num_blocks, BLOCK_SIZE);
+        Engine::with_compute(Compute::Model(model), kv, cfg, eog)
+    }
+
+    /// An engine whose steps take the time `t` predicts and sample deterministic
+    /// tokens (see [`crate::timed`]); it runs single-threaded whatever `cfg` says.
+    pub fn timed(t: TimedModel, cfg: EngineConfig, eog: Vec<u32>) -> Self {
+        let kv = KvStorage::with_dims(t.n_layers, t.kv_values, cfg.num_blocks, BLOCK_SIZE);
+        Engine::with_compute(Compute::Timed(t), kv, EngineConfig { threads: 1, ..cfg }, eog)
+    }
+
+    fn with_compute(compute: Compute, kv: KvStorage, cfg: EngineConfig, eog: Vec<u32>) -> Self {
         Engine {
-            kv: KvStorage::new(&model.cfg, cfg.num_blocks, BLOCK_SIZE),
+            kv,
             blocks: BlockPool::new(cfg.num_blocks, BLOCK_SIZE),
             pool: ThreadPool::new(cfg.threads),
             isa: Isa::detect(),
@@ -132,13 +154,34 @@ impl Engine {
             running: Vec::new(),
             importing: Vec::new(),
             next_seed: 0x5eed,
-            model,
+            compute,
             cfg,
             eog,
             grammars: None,
             masks: Arc::default(),
             decode_steps: DecodeSteps::default(),
+            charged: 0.0,
         }
+    }
+
+    pub(crate) fn vocab_size(&self) -> usize {
+        match &self.compute {
+            Compute::Model(m) => m.cfg.vocab_size,
+            Compute::Timed(t) => t.vocab_size,
+        }
+    }
+
+    pub(crate) fn context_length(&self) -> usize {
+        match &self.compute {
+            Compute::Model(m) => m.cfg.context_length,
+            Compute::Timed(t) => t.context_length,
+        }
+    }
+
+    /// Seconds of modelled compute since the last call (always 0 for a real model):
+    /// what a virtual clock advances by after a timed engine's step.
+    pub fn take_charged(&mut self) -> f64 {
+        std::mem::take(&mut self.charged)
     }
 
     /// Times of the token masks of this engine's constrained sequences.
@@ -151,10 +194,6 @@ impl Engine {
     pub fn with_grammars(mut self, grammars: Arc<Grammars>) -> Self {
         self.grammars = Some(grammars);
         self
-    }
-
-    pub fn model(&self) -> &Arc<Model> {
-        &self.model
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -190,10 +229,10 @@ impl Engine {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.cfg.vocab_size) {
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.vocab_size()) {
             return Err(EngineError::BadToken(bad));
         }
-        let context = self.model.cfg.context_length;
+        let context = self.context_length();
         let total = prompt.len() + params.max_tokens as usize;
         if total > context {
             return Err(EngineError::TooLong { prompt: prompt.len(), max_tokens: params.max_tokens as usize, context });

@@ -4,10 +4,11 @@
 //! recently admitted sequence is preempted and will be recomputed later.
 
 use super::sequence::Sequence;
-use super::{Engine, StepOutput, BLOCK_SIZE};
+use super::{Compute, Engine, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
 use crate::model::{Scoring, SeqBatch};
 use crate::threadpool::DisjointMut;
+use crate::timed::{self, StepShape};
 use pdserve_kv::{block_hashes, BlockTable};
 use pdserve_types::{FinishReason, TokenOut};
 use std::sync::Mutex;
@@ -69,12 +70,29 @@ impl Engine {
             .collect();
         // A step of one token per sequence, every one sampled, decodes only.
         let decoding = plan.iter().all(|p| p.n == 1 && p.logits && self.running[p.seq].is_decoding());
-        let started = std::time::Instant::now();
+        let (started, charged) = (std::time::Instant::now(), self.charged);
         // The scratch leaves `self` for the step so the logits can be sampled in place.
         let mut scratch = std::mem::take(&mut self.scratch);
-        let logits = self
-            .model
-            .forward(self.isa, &self.pool, &batch, &mut self.kv, &mut scratch, &mut |l, kv| on_layer(l, kv, &ids));
+        let layer = &mut |l, kv: &KvStorage| on_layer(l, kv, &ids);
+        let logits = match &self.compute {
+            Compute::Model(m) => {
+                m.forward(self.isa, &self.pool, &batch, &mut self.kv, &mut scratch, layer).map(Logits::Rows)
+            }
+            Compute::Timed(t) => {
+                let shape = batch
+                    .iter()
+                    .fold(StepShape::default(), |s, b| s.add(StepShape::chunk(b.start_pos, b.tokens.len(), b.logits)));
+                let seconds = t.cost.seconds(&shape);
+                self.charged += seconds;
+                let per_layer = seconds / t.n_layers.max(1) as f64;
+                // Layer by layer, so an export streams its frames as a real prefill does.
+                let done = (0..t.n_layers).all(|l| {
+                    timed::spend(t.clock, per_layer);
+                    layer(l, &self.kv)
+                });
+                done.then_some(Logits::Timed)
+            }
+        };
         drop(batch);
         let out = match logits {
             Some(logits) => {
@@ -84,7 +102,12 @@ impl Engine {
                 }
                 let out = self.finish_step(&plan, logits);
                 if decoding {
-                    self.decode_steps.record(plan.len(), started.elapsed().as_secs_f64());
+                    // A timed engine's step took what its model said, on any clock.
+                    let took = match self.compute {
+                        Compute::Model(_) => started.elapsed().as_secs_f64(),
+                        Compute::Timed(_) => self.charged - charged,
+                    };
+                    self.decode_steps.record(plan.len(), took);
                 }
                 out
             }
@@ -182,7 +205,7 @@ impl Engine {
         s.table = Some(table);
     }
 
-    fn finish_step(&mut self, plan: &[Planned], logits: &mut [f32]) -> Vec<StepOutput> {
+    fn finish_step(&mut self, plan: &[Planned], logits: Logits<'_>) -> Vec<StepOutput> {
         for p in plan {
             let s = &mut self.running[p.seq];
             s.computed += p.n;
@@ -202,9 +225,21 @@ impl Engine {
 
     /// Samples running sequences `seqs` (distinct indices) from their logits rows, in
     /// parallel: each touches only its own sequence, so the split changes nothing.
-    fn sample_all(&mut self, seqs: &[usize], logits: &mut [f32]) -> Vec<(StepOutput, bool)> {
-        let vocab = self.model.cfg.vocab_size;
-        let (eog, context) = (&self.eog, self.model.cfg.context_length);
+    fn sample_all(&mut self, seqs: &[usize], logits: Logits<'_>) -> Vec<(StepOutput, bool)> {
+        let (vocab, context) = (self.vocab_size(), self.context_length());
+        let logits = match logits {
+            Logits::Rows(rows) => rows,
+            Logits::Timed => {
+                let eog = &self.eog;
+                let next = |s: &mut Sequence| {
+                    let sampled =
+                        TokenOut { token: timed::next_token(&s.tokens, vocab), logprob: 0.0, top: Vec::new() };
+                    record(s, sampled, eog, context)
+                };
+                return seqs.iter().map(|&i| next(&mut self.running[i])).collect();
+            }
+        };
+        let eog = &self.eog;
         let mut results: Vec<Option<(StepOutput, bool)>> = (0..seqs.len()).map(|_| None).collect();
         let running = DisjointMut::new(&mut self.running[..]);
         let rows = DisjointMut::new(logits);
@@ -223,6 +258,14 @@ impl Engine {
         });
         results.into_iter().flatten().collect()
     }
+}
+
+/// What a step computed to sample from.
+enum Logits<'a> {
+    /// One row of `vocab` logits per sampled sequence.
+    Rows(&'a mut [f32]),
+    /// Nothing: a timed engine's tokens follow from the sequence alone.
+    Timed,
 }
 
 fn table_ids(s: &Sequence) -> Vec<u32> {
@@ -246,6 +289,11 @@ pub(crate) fn sample_next(s: &mut Sequence, row: &mut [f32], eog: &[u32], contex
             None => s.sampler.sample_masked(row, &s.history, Some(&only(eog.first().copied().unwrap_or(0)))),
         },
     };
+    record(s, sampled, eog, context)
+}
+
+/// Appends the sampled token to `s` and decides whether it finished.
+fn record(s: &mut Sequence, sampled: TokenOut, eog: &[u32], context: usize) -> (StepOutput, bool) {
     let first = s.generated() == 0;
     let tok = sampled.token;
     s.tokens.push(tok);

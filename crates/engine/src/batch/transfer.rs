@@ -117,7 +117,7 @@ impl Engine {
         if s.constraint.as_mut().is_some_and(|c| !c.accept(first)) {
             return Err(EngineError::Grammar("the prefill side's first token breaks the grammar".into()));
         }
-        if s.finish_reason(&self.eog, self.model.cfg.context_length).is_some() {
+        if s.finish_reason(&self.eog, self.context_length()).is_some() {
             return Ok(false);
         }
         self.running.push(s);

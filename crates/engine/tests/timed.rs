@@ -1,0 +1,112 @@
+//! The timed engine (simulated workers): the real scheduler and block pool with a
+//! cost model's time and deterministic tokens.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pdserve_engine::batch::{Engine, EngineConfig};
+use pdserve_engine::timed::{Clock, StepCost, StepShape, TimedModel};
+use pdserve_types::{RequestId, SamplingParams};
+use std::collections::BTreeMap;
+
+const COST: StepCost = StepCost { fixed_s: 0.01, token_s: 0.001, pair_s: 1e-6, logits_s: 0.002 };
+
+fn engine(num_blocks: usize, max_batch_tokens: usize) -> Engine {
+    let t = TimedModel {
+        vocab_size: 49152,
+        context_length: 8192,
+        n_layers: 4,
+        kv_values: 2,
+        cost: COST,
+        clock: Clock::Virtual,
+    };
+    Engine::timed(t, EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 64, cache_salt: 0 }, vec![])
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| 1000 + (i * 7 + salt) % 5000).collect()
+}
+
+/// Steps until idle; tokens by request, and the modelled seconds of every step.
+fn drain(e: &mut Engine) -> (BTreeMap<u64, Vec<u32>>, Vec<f64>) {
+    let (mut out, mut steps) = (BTreeMap::<u64, Vec<u32>>::new(), Vec::new());
+    while e.has_work() {
+        for o in e.step() {
+            out.entry(o.id.0).or_default().push(o.sampled.token);
+        }
+        steps.push(e.take_charged());
+        assert!(steps.len() < 10_000);
+    }
+    assert_eq!(e.stats().blocks.used, 0);
+    (out, steps)
+}
+
+#[test]
+fn steps_cost_what_the_model_says() {
+    let mut e = engine(256, 64);
+    e.add(RequestId(1), prompt(100, 0), SamplingParams::greedy(3)).unwrap();
+    let (out, steps) = drain(&mut e);
+    assert_eq!(out[&1].len(), 3);
+    // Chunks of 64 and 36 tokens, then two decode steps.
+    let want = [
+        COST.seconds(&StepShape::chunk(0, 64, false)),
+        COST.seconds(&StepShape::prefill(64, 36)),
+        COST.seconds(&StepShape::decode(1, 100)),
+        COST.seconds(&StepShape::decode(1, 101)),
+    ];
+    assert_eq!(steps.len(), want.len());
+    for (got, want) in steps.iter().zip(want) {
+        assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+    }
+}
+
+#[test]
+fn tokens_are_the_same_batched_alone_or_after_preemption() {
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(40 + 13 * i, i as u32)).collect();
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut e = engine(256, 512);
+            e.add(RequestId(9), p.clone(), SamplingParams::greedy(20)).unwrap();
+            drain(&mut e).0.remove(&9).unwrap()
+        })
+        .collect();
+    // Few blocks: the batch preempts and recomputes, and must not change a token.
+    for blocks in [256, 24] {
+        let mut e = engine(blocks, 512);
+        for (i, p) in prompts.iter().enumerate() {
+            e.add(RequestId(i as u64), p.clone(), SamplingParams::greedy(20)).unwrap();
+        }
+        let (out, _) = drain(&mut e);
+        for (i, want) in alone.iter().enumerate() {
+            assert_eq!(&out[&(i as u64)], want, "request {i} with {blocks} blocks");
+        }
+    }
+}
+
+#[test]
+fn export_and_import_continue_the_same_tokens() {
+    let p = prompt(70, 3);
+    let mut one = engine(64, 512);
+    one.add(RequestId(1), p.clone(), SamplingParams::greedy(8)).unwrap();
+    let want = drain(&mut one).0.remove(&1).unwrap();
+
+    let (mut pre, mut dec) = (engine(64, 512), engine(64, 512));
+    dec.reserve_import(RequestId(1), p.len()).unwrap();
+    let mut frames = Vec::new();
+    let first = pre.prefill_export(RequestId(1), p.clone(), SamplingParams::greedy(8), &mut |f| {
+        frames.push(f);
+        true
+    });
+    let first = first.unwrap().sampled.token;
+    // 70 tokens are 5 blocks, on each of 4 layers.
+    assert_eq!(frames.len(), 5 * 4);
+    for f in &frames {
+        dec.import_frame(RequestId(1), f).unwrap();
+    }
+    assert!(dec.finish_import(RequestId(1), p, first, SamplingParams::greedy(8)).unwrap());
+    let (mut rest, _) = drain(&mut dec);
+    let mut got = vec![first];
+    got.append(rest.get_mut(&1).unwrap());
+    assert_eq!(got, want);
+    assert_eq!(pre.stats().blocks.used, 0);
+}

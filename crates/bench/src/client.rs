@@ -15,8 +15,9 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::{header, Request, Response};
 use hyper_util::rt::TokioIo;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
 /// Sends requests to one target.
 #[derive(Clone, Debug)]
@@ -39,6 +40,12 @@ struct StreamState {
     busy: Duration,
     /// Refused to shed load, with the `Retry-After` seconds.
     shed: Option<f64>,
+}
+
+impl crate::runner::Server for Client {
+    async fn send(&self, spec: &RequestSpec, origin: Instant, scheduled_s: Option<f64>) -> RequestRecord {
+        self.send(spec, origin, scheduled_s).await
+    }
 }
 
 impl Client {

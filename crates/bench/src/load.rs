@@ -16,6 +16,7 @@ use crate::target::Target;
 use crate::workload::Workload;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use tokio::time::Instant as Clock;
 
 /// What varies from point to point.
 #[derive(Clone, Debug)]
@@ -216,7 +217,7 @@ pub async fn measure(
 /// Sends `n` requests one at a time with prompts no point uses. Fails only if every
 /// one of them fails: then measuring would only record that error.
 pub async fn warm_up(client: &Client, w: &Workload, n: usize, sent: &mut SentBlocks) -> Result<(), BenchError> {
-    let origin = Instant::now();
+    let origin = Clock::now();
     let mut last_error = None;
     let mut ok = 0;
     for i in 0..n {

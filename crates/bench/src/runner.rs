@@ -4,19 +4,32 @@
 //! a single-threaded runtime and the client stays off the server's cores as much as a
 //! client can.
 
-use crate::client::Client;
 use crate::point::{Issue, PointPlan};
 use crate::progress::{self, Counters};
 use crate::record::RequestRecord;
 use crate::rng::{mix, Rng};
-use crate::workload::Workload;
+use crate::workload::{RequestSpec, Workload};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use std::cell::Cell;
-use std::time::{Duration, Instant};
+use std::future::Future;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Where a point's requests go: an OpenAI server over HTTP ([`crate::client::Client`]),
+/// or the twin's simulated fleet on a virtual clock. Times are the runtime's clock.
+pub trait Server {
+    /// Sends one request; `origin` is the start of the sweep point.
+    fn send(
+        &self,
+        spec: &RequestSpec,
+        origin: Instant,
+        scheduled_s: Option<f64>,
+    ) -> impl Future<Output = RequestRecord>;
+}
 
 /// Runs a point, showing progress on stderr in `style` (none when `None`).
 pub async fn run_point(
-    client: &Client,
+    client: &impl Server,
     workload: &Workload,
     plan: &PointPlan,
     style: Option<progress::Style>,
@@ -60,7 +73,7 @@ pub async fn run_point(
 /// `c` clients, each sending back to back, sharing one request counter. A client the
 /// server sheds waits its `Retry-After` before its next request, as the OpenAI SDKs
 /// do, instead of hammering it.
-async fn closed(client: &Client, w: &Workload, plan: &PointPlan, c: usize, n: &Counters) -> Vec<RequestRecord> {
+async fn closed(client: &impl Server, w: &Workload, plan: &PointPlan, c: usize, n: &Counters) -> Vec<RequestRecord> {
     let origin = Instant::now();
     let next = Cell::new(0usize);
     let one_client = || async {
@@ -87,7 +100,7 @@ async fn closed(client: &Client, w: &Workload, plan: &PointPlan, c: usize, n: &C
 
 /// Sends request `i` at `times[i]` seconds after the start, whatever is in flight.
 async fn open(
-    client: &Client,
+    client: &impl Server,
     w: &Workload,
     plan: &PointPlan,
     times: impl Iterator<Item = f64>,
@@ -100,7 +113,7 @@ async fn open(
         if !plan.bounds.may_issue(i, at) {
             break;
         }
-        let due = tokio::time::Instant::from_std(origin + Duration::from_secs_f64(at));
+        let due = origin + Duration::from_secs_f64(at);
         loop {
             tokio::select! {
                 _ = tokio::time::sleep_until(due) => break,

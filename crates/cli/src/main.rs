@@ -34,6 +34,11 @@ enum Command {
     Frontend(cmd::frontend::Args),
     /// The nodes of a NATS fleet: roles, addresses, load, KV blocks, heartbeats.
     Fleet(cmd::fleet::Args),
+    /// Time this machine's worker shapes into a profile for the twin (`sim`, `plan`).
+    Profile(cmd::twin::ProfileArgs),
+    /// Simulate a topology under a workload on a virtual clock, from a profile; prints
+    /// and writes what `bench load` would measure.
+    Sim(cmd::twin::SimArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -50,6 +55,8 @@ impl Command {
             Command::Worker(_) => "worker",
             Command::Frontend(_) => "frontend",
             Command::Fleet(_) => "fleet",
+            Command::Profile(_) => "profile",
+            Command::Sim(_) => "sim",
             Command::Bench { .. } => "bench",
         }
     }
@@ -81,6 +88,8 @@ fn main() -> ExitCode {
         Command::Worker(args) => cmd::worker::run(args).map(|()| ExitCode::SUCCESS),
         Command::Frontend(args) => cmd::frontend::run(args).map(exit_code),
         Command::Fleet(args) => cmd::fleet::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Profile(args) => cmd::twin::profile(args).map(|()| ExitCode::SUCCESS),
+        Command::Sim(args) => cmd::twin::sim(args).map(|()| ExitCode::SUCCESS),
         Command::Bench { what } => cmd::bench::run(what).map(|()| ExitCode::SUCCESS),
     };
     cmd::runtime_dir::remove();

@@ -12,8 +12,12 @@ use std::time::Duration;
 pub struct StepShape {
     /// Tokens computed (prompt chunks and decode tokens).
     pub tokens: f64,
-    /// Attention pairs: for each computed token, the positions it attends to.
+    /// Attention pairs of prompt chunks: for each computed token, the positions it
+    /// attends to.
     pub pairs: f64,
+    /// Attention pairs of single-token (decode) rows, which read the cache once per
+    /// token instead of sharing the reads across a chunk.
+    pub decode_pairs: f64,
     /// Rows of logits computed and sampled.
     pub logits: f64,
 }
@@ -21,18 +25,19 @@ pub struct StepShape {
 impl StepShape {
     /// A sequence's share: `n` tokens from position `start`, sampled or not.
     pub fn chunk(start: usize, n: usize, logits: bool) -> StepShape {
-        let (s, n) = (start as f64, n as f64);
+        let logits = f64::from(u8::from(logits));
+        let (s, k) = (start as f64, n as f64);
         // Token j (0-based) attends to start + j + 1 positions.
-        StepShape { tokens: n, pairs: n * s + n * (n + 1.0) / 2.0, logits: f64::from(u8::from(logits)) }
-    }
-
-    pub fn add(self, o: StepShape) -> StepShape {
-        StepShape { tokens: self.tokens + o.tokens, pairs: self.pairs + o.pairs, logits: self.logits + o.logits }
+        let pairs = k * s + k * (k + 1.0) / 2.0;
+        match n {
+            1 => StepShape { tokens: 1.0, pairs: 0.0, decode_pairs: pairs, logits },
+            _ => StepShape { tokens: k, pairs, decode_pairs: 0.0, logits },
+        }
     }
 
     /// A decode step of `batch` sequences, each at `context` positions.
     pub fn decode(batch: usize, context: usize) -> StepShape {
-        (0..batch).fold(StepShape::default(), |s, _| s.add(StepShape::chunk(context, 1, true)))
+        (0..batch).map(|_| StepShape::chunk(context, 1, true)).sum()
     }
 
     /// A lone prefill chunk of `n` tokens after `context` computed ones, sampled at its end.
@@ -41,19 +46,60 @@ impl StepShape {
     }
 }
 
+impl std::ops::Add for StepShape {
+    type Output = StepShape;
+
+    fn add(self, o: StepShape) -> StepShape {
+        StepShape {
+            tokens: self.tokens + o.tokens,
+            pairs: self.pairs + o.pairs,
+            decode_pairs: self.decode_pairs + o.decode_pairs,
+            logits: self.logits + o.logits,
+        }
+    }
+}
+
+impl std::iter::Sum for StepShape {
+    fn sum<I: Iterator<Item = StepShape>>(iter: I) -> StepShape {
+        iter.fold(StepShape::default(), |a, b| a + b)
+    }
+}
+
 /// Seconds a step takes: a fixed part (reading the weights, launching the step) plus
-/// parts linear in its tokens, attention pairs and logits rows.
+/// parts linear in its tokens, attention pairs (of chunks and of decode rows) and
+/// logits rows.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepCost {
     pub fixed_s: f64,
     pub token_s: f64,
     pub pair_s: f64,
+    pub decode_pair_s: f64,
     pub logits_s: f64,
 }
 
 impl StepCost {
     pub fn seconds(&self, s: &StepShape) -> f64 {
-        (self.fixed_s + self.token_s * s.tokens + self.pair_s * s.pairs + self.logits_s * s.logits).max(0.0)
+        let linear = self.token_s * s.tokens
+            + self.pair_s * s.pairs
+            + self.decode_pair_s * s.decode_pairs
+            + self.logits_s * s.logits;
+        (self.fixed_s + linear).max(0.0)
+    }
+
+    /// The coefficients in the order [`StepShape::terms`] lists the shape's parts.
+    pub fn coefficients(&self) -> [f64; 5] {
+        [self.fixed_s, self.token_s, self.pair_s, self.decode_pair_s, self.logits_s]
+    }
+
+    pub fn from_coefficients(c: [f64; 5]) -> StepCost {
+        StepCost { fixed_s: c[0], token_s: c[1], pair_s: c[2], decode_pair_s: c[3], logits_s: c[4] }
+    }
+}
+
+impl StepShape {
+    /// 1 (for the fixed part), then tokens, chunk pairs, decode pairs, logits rows.
+    pub fn terms(&self) -> [f64; 5] {
+        [1.0, self.tokens, self.pairs, self.decode_pairs, self.logits]
     }
 }
 
@@ -114,16 +160,16 @@ mod tests {
     #[test]
     fn shapes_count_attention_pairs() {
         // Three tokens from scratch attend to 1, 2 and 3 positions.
-        assert_eq!(StepShape::prefill(0, 3), StepShape { tokens: 3.0, pairs: 6.0, logits: 1.0 });
+        assert_eq!(StepShape::prefill(0, 3), StepShape { tokens: 3.0, pairs: 6.0, decode_pairs: 0.0, logits: 1.0 });
         // One decode token at 10 computed positions attends to 11.
-        assert_eq!(StepShape::decode(2, 10), StepShape { tokens: 2.0, pairs: 22.0, logits: 2.0 });
+        assert_eq!(StepShape::decode(2, 10), StepShape { tokens: 2.0, pairs: 0.0, decode_pairs: 22.0, logits: 2.0 });
     }
 
     #[test]
     fn cost_is_linear_in_the_shape() {
-        let c = StepCost { fixed_s: 1.0, token_s: 2.0, pair_s: 3.0, logits_s: 4.0 };
-        let s = StepShape { tokens: 1.0, pairs: 1.0, logits: 1.0 };
-        assert_eq!(c.seconds(&s), 10.0);
+        let c = StepCost { fixed_s: 1.0, token_s: 2.0, pair_s: 3.0, decode_pair_s: 5.0, logits_s: 4.0 };
+        let s = StepShape { tokens: 1.0, pairs: 1.0, decode_pairs: 1.0, logits: 1.0 };
+        assert_eq!(c.seconds(&s), 15.0);
         assert_eq!(c.seconds(&StepShape::default()), 1.0);
     }
 

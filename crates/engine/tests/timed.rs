@@ -8,7 +8,7 @@ use pdserve_engine::timed::{Clock, StepCost, StepShape, TimedModel};
 use pdserve_types::{RequestId, SamplingParams};
 use std::collections::BTreeMap;
 
-const COST: StepCost = StepCost { fixed_s: 0.01, token_s: 0.001, pair_s: 1e-6, logits_s: 0.002 };
+const COST: StepCost = StepCost { fixed_s: 0.01, token_s: 0.001, pair_s: 1e-6, decode_pair_s: 2e-6, logits_s: 0.002 };
 
 fn engine(num_blocks: usize, max_batch_tokens: usize) -> Engine {
     let t = TimedModel {

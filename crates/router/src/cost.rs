@@ -23,7 +23,8 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// Before any measurement: the default model's single-thread prefill rate here
 /// (~1000 tok/s, docs/benchmarks.md) and a handoff's fixed cost.

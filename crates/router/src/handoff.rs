@@ -25,7 +25,8 @@ use pdserve_protocol::{
 };
 use std::future::Future;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 use tracing::Instrument;
 
 /// Per-phase time limits; the prefill limit grows with the prompt.

@@ -16,7 +16,8 @@ use pdserve_kv::{BlockHash, KvEvent};
 use pdserve_protocol::{KvCursor, KvEvents, Telemetry, Worker};
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// Workers the index can tell apart; more are routed without their cache known.
 pub const MAX_INDEXED: usize = 128;

@@ -36,7 +36,8 @@ use pdserve_protocol::{
 use pdserve_types::Role;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// Salt of the block hashes handed to policies: the engines' default.
 const BLOCK_SALT: u64 = 0;

@@ -19,7 +19,7 @@ use crate::Router;
 use pdserve_protocol::{Event, Generate, GenerateRequest, ServeError, TokenStream, Usage};
 use pdserve_types::{RequestId, TokenId};
 use std::sync::Arc;
-use std::time::Instant;
+use tokio::time::Instant;
 use tracing::Instrument;
 
 /// The label of `pdserve_requests_migrated_total` for a lost worker.

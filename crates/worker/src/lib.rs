@@ -10,7 +10,10 @@
 
 mod events;
 mod kv;
+pub mod sim;
 mod worker_loop;
+
+pub use sim::{LinkModel, Machine, SimOptions, SimWorker};
 
 use kv::{forward, Import, SharedSink};
 use pdserve_engine::batch::BLOCK_SIZE;
@@ -43,7 +46,7 @@ pub(crate) enum Command {
         req: GenerateRequest,
         sink: FrameSink,
         reply: oneshot::Sender<Result<Prefilled, ServeError>>,
-        sent: std::time::Instant,
+        sent: tokio::time::Instant,
     },
     Reserve {
         id: RequestId,
@@ -416,7 +419,7 @@ impl Inner {
         let frames = sink.frame_sink(hid, stop.0.clone(), broken.clone(), bytes.clone());
         let (reply, rx) = oneshot::channel();
         let _queued = Counted::add(&self.prefill_tokens, req.prompt.len());
-        self.send_counted(Command::Prefill { req, sink: frames, reply, sent: std::time::Instant::now() })?;
+        self.send_counted(Command::Prefill { req, sink: frames, reply, sent: tokio::time::Instant::now() })?;
         let mut first = rx.await.map_err(|_| self.stopped())??;
         let tail = std::time::Instant::now();
         if broken.load(Ordering::SeqCst) || !sink.finish().await {

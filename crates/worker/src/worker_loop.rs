@@ -8,7 +8,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// How long an idle loop sleeps before checking imports again.
 const IDLE_POLL: Duration = Duration::from_millis(20);
@@ -31,15 +32,18 @@ struct Live {
     paused: Option<Instant>,
 }
 
-struct Loop {
+pub(crate) struct Loop {
     engine: Engine,
     streams: HashMap<RequestId, Live>,
     imports: HashMap<RequestId, Instant>,
     active: Arc<AtomicUsize>,
+    /// Modelled seconds a timed engine computed outside `step` (a prefill's export),
+    /// which a virtual clock still has to pass.
+    owed: f64,
 }
 
 pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize>) {
-    let mut l = Loop { engine, streams: HashMap::new(), imports: HashMap::new(), active };
+    let mut l = Loop::new(engine, active);
     loop {
         let first = if l.engine.has_work() {
             match rx.try_recv() {
@@ -69,7 +73,50 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
     }
 }
 
+/// [`run`] on a virtual clock (the twin): the loop is a task of a paused tokio runtime
+/// and sleeps the time each step of its timed engine is modelled to take, so the
+/// runtime's clock jumps from one event to the next.
+pub(crate) async fn run_virtual(
+    engine: Engine,
+    mut rx: tokio::sync::mpsc::Receiver<Command>,
+    active: Arc<AtomicUsize>,
+    machine: Arc<crate::sim::Machine>,
+) {
+    let mut l = Loop::new(engine, active);
+    loop {
+        let first = match l.engine.has_work() {
+            true => rx.try_recv().ok(),
+            false => match rx.recv().await {
+                Some(c) => Some(c),
+                None => return,
+            },
+        };
+        let mut next = first;
+        while let Some(c) = next {
+            l.handle(c);
+            next = rx.try_recv().ok();
+        }
+        l.reap();
+        let mut outs = Vec::new();
+        if l.engine.has_work() {
+            outs = l.engine.step();
+        }
+        let spent = std::mem::take(&mut l.owed) + l.engine.take_charged();
+        if spent > 0.0 {
+            let _busy = machine.busy();
+            tokio::time::sleep(Duration::from_secs_f64(spent * _busy.slowdown())).await;
+        }
+        for out in outs {
+            l.route(out);
+        }
+    }
+}
+
 impl Loop {
+    pub(crate) fn new(engine: Engine, active: Arc<AtomicUsize>) -> Loop {
+        Loop { engine, streams: HashMap::new(), imports: HashMap::new(), active, owed: 0.0 }
+    }
+
     fn handle(&mut self, c: Command) {
         match c {
             Command::Generate(req, events) => match self.engine.add(req.id, req.prompt, req.params) {
@@ -82,9 +129,13 @@ impl Loop {
             Command::Prefill { req, mut sink, reply, sent } => {
                 let started = Instant::now();
                 let res = self.engine.prefill_export(req.id, req.prompt, req.params, &mut |f| sink(f));
+                // A timed engine's prefill took what its model says, on either clock.
+                let modelled = self.engine.take_charged();
+                self.owed += modelled;
+                let took = if modelled > 0.0 { modelled } else { started.elapsed().as_secs_f64() };
                 let first = res.map(|o| Prefilled {
                     queued_seconds: (started - sent).as_secs_f64(),
-                    prefill_seconds: started.elapsed().as_secs_f64(),
+                    prefill_seconds: took,
                     ..prefilled(o)
                 });
                 self.done();

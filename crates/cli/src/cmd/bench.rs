@@ -81,76 +81,83 @@ pub struct LoadArgs {
     /// Sampling temperature of every request (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
-    /// Closed loop at each of these concurrencies (default 1).
-    #[arg(long, value_delimiter = ',')]
-    concurrency: Option<Vec<usize>>,
-    /// Open loop at each of these request rates (requests/s) instead.
-    #[arg(long, value_delimiter = ',')]
-    rate: Vec<f64>,
-    /// Open-loop arrivals: poisson | gamma.
-    #[arg(long, default_value = "poisson")]
-    arrivals: ArrivalKind,
-    /// Gamma shape (1 = Poisson, < 1 burstier).
-    #[arg(long, default_value_t = 1.0)]
-    burstiness: f64,
-    /// Prompt length: N, MIN..MAX (uniform) or MEAN~STD (normal).
-    #[arg(long, default_value = "512")]
-    input_len: LengthSpec,
-    /// Output length, same forms (exact: min_tokens = max_tokens, ignore_eos).
-    #[arg(long, default_value = "128")]
-    output_len: LengthSpec,
-    /// Number of shared system prefixes (0: none); each request = a prefix + --input-len.
-    #[arg(long, default_value_t = 0)]
-    shared_prefixes: usize,
-    /// Tokens per shared prefix.
-    #[arg(long, default_value_t = 1024)]
-    prefix_len: usize,
-    /// Chat users holding multi-turn conversations (0: single requests). Each turn's
-    /// prompt is its conversation so far plus a new message of --input-len tokens.
-    #[arg(long, default_value_t = 0)]
-    conversations: usize,
-    /// Turns per conversation, in the forms of --input-len.
-    #[arg(long, default_value = "5..10")]
-    turns: LengthSpec,
-    /// Replay a Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).
-    #[arg(long)]
-    trace: Option<PathBuf>,
-    /// Tokens per trace hash id.
-    #[arg(long, default_value_t = 512)]
-    trace_block_size: usize,
-    /// Replay the trace this many times faster.
-    #[arg(long, default_value_t = 1.0)]
-    trace_speedup: f64,
-    /// Token ids are drawn from LO..HI (avoid the special tokens).
-    #[arg(long, default_value = "1000..40000")]
-    token_range: TokenRange,
-    /// Seed of the workload: the same seed gives the same prompts and lengths.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Requests per point at most (closed loop: at least 2 × concurrency).
-    #[arg(long, default_value_t = 100)]
-    requests: usize,
-    /// Seconds per point at most (issuing stops; requests in flight finish).
-    #[arg(long, default_value_t = 120.0)]
-    seconds: f64,
+    #[command(flatten)]
+    work: WorkloadArgs,
     /// Per-request timeout.
     #[arg(long, default_value_t = 600)]
     timeout_seconds: u64,
-    /// Goodput SLO on TTFT.
-    #[arg(long, default_value_t = 5000.0)]
-    slo_ttft_ms: f64,
-    /// Goodput SLO on TPOT.
-    #[arg(long, default_value_t = 50.0)]
-    slo_tpot_ms: f64,
-    /// Requests sent one at a time before measuring.
-    #[arg(long, default_value_t = 2)]
-    warmup: usize,
     /// Also run every point against an instant in-process server (client floor).
     #[arg(long)]
     calibrate: bool,
     /// Write every request record and the summaries as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
+}
+
+/// What `bench load` sends and how (and what `pdserve sim` simulates).
+#[derive(clap::Args)]
+pub struct WorkloadArgs {
+    /// Closed loop at each of these concurrencies (default 1).
+    #[arg(long, value_delimiter = ',')]
+    pub concurrency: Option<Vec<usize>>,
+    /// Open loop at each of these request rates (requests/s) instead.
+    #[arg(long, value_delimiter = ',')]
+    pub rate: Vec<f64>,
+    /// Open-loop arrivals: poisson | gamma.
+    #[arg(long, default_value = "poisson")]
+    pub arrivals: ArrivalKind,
+    /// Gamma shape (1 = Poisson, < 1 burstier).
+    #[arg(long, default_value_t = 1.0)]
+    pub burstiness: f64,
+    /// Prompt length: N, MIN..MAX (uniform) or MEAN~STD (normal).
+    #[arg(long, default_value = "512")]
+    pub input_len: LengthSpec,
+    /// Output length, same forms (exact: min_tokens = max_tokens, ignore_eos).
+    #[arg(long, default_value = "128")]
+    pub output_len: LengthSpec,
+    /// Number of shared system prefixes (0: none); each request = a prefix + --input-len.
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefixes: usize,
+    /// Tokens per shared prefix.
+    #[arg(long, default_value_t = 1024)]
+    pub prefix_len: usize,
+    /// Chat users holding multi-turn conversations (0: single requests). Each turn's
+    /// prompt is its conversation so far plus a new message of --input-len tokens.
+    #[arg(long, default_value_t = 0)]
+    pub conversations: usize,
+    /// Turns per conversation, in the forms of --input-len.
+    #[arg(long, default_value = "5..10")]
+    pub turns: LengthSpec,
+    /// Replay a Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Tokens per trace hash id.
+    #[arg(long, default_value_t = 512)]
+    pub trace_block_size: usize,
+    /// Replay the trace this many times faster.
+    #[arg(long, default_value_t = 1.0)]
+    pub trace_speedup: f64,
+    /// Token ids are drawn from LO..HI (avoid the special tokens).
+    #[arg(long, default_value = "1000..40000")]
+    pub token_range: TokenRange,
+    /// Seed of the workload: the same seed gives the same prompts and lengths.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Requests per point at most (closed loop: at least 2 × concurrency).
+    #[arg(long, default_value_t = 100)]
+    pub requests: usize,
+    /// Seconds per point at most (issuing stops; requests in flight finish).
+    #[arg(long, default_value_t = 120.0)]
+    pub seconds: f64,
+    /// Goodput SLO on TTFT.
+    #[arg(long, default_value_t = 5000.0)]
+    pub slo_ttft_ms: f64,
+    /// Goodput SLO on TPOT.
+    #[arg(long, default_value_t = 50.0)]
+    pub slo_tpot_ms: f64,
+    /// Requests sent one at a time before measuring.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
 }
 
 #[derive(clap::Args)]
@@ -283,20 +290,36 @@ pub fn run(what: What) -> anyhow::Result<()> {
     }
 }
 
+impl WorkloadArgs {
+    pub fn workload(&self) -> anyhow::Result<pdserve_bench::workload::Workload> {
+        let flags = WorkloadFlags {
+            input: self.input_len,
+            output: self.output_len,
+            shared_prefixes: self.shared_prefixes,
+            prefix_len: self.prefix_len,
+            conversations: self.conversations,
+            turns: self.turns,
+            trace: self.trace.clone(),
+            trace_block_size: self.trace_block_size,
+            range: self.token_range,
+            seed: self.seed,
+        };
+        Ok(flags.build()?)
+    }
+
+    pub fn sweep(&self) -> anyhow::Result<Sweep> {
+        let trace_speedup = self.trace.as_ref().map(|_| self.trace_speedup);
+        let (c, r) = (self.concurrency.clone(), self.rate.clone());
+        Ok(Sweep::from_flags(c, r, self.arrivals, self.burstiness, trace_speedup)?)
+    }
+
+    pub fn slo(&self) -> Slo {
+        Slo { ttft_ms: self.slo_ttft_ms, tpot_ms: self.slo_tpot_ms }
+    }
+}
+
 fn load(a: LoadArgs) -> anyhow::Result<()> {
-    let trace_speedup = a.trace.as_ref().map(|_| a.trace_speedup);
-    let workload = WorkloadFlags {
-        input: a.input_len,
-        output: a.output_len,
-        shared_prefixes: a.shared_prefixes,
-        prefix_len: a.prefix_len,
-        conversations: a.conversations,
-        turns: a.turns,
-        trace: a.trace,
-        trace_block_size: a.trace_block_size,
-        range: a.token_range,
-        seed: a.seed,
-    };
+    let w = &a.work;
     let default_prompt = if a.endpoint == Endpoint::Chat { PromptKind::Text } else { PromptKind::Ids };
     let opts = LoadOptions {
         url: a.url,
@@ -307,13 +330,13 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
             model: a.model,
             temperature: a.temperature,
         },
-        workload: workload.build()?,
-        sweep: Sweep::from_flags(a.concurrency, a.rate, a.arrivals, a.burstiness, trace_speedup)?,
-        requests: a.requests,
-        seconds: a.seconds,
+        workload: w.workload()?,
+        sweep: w.sweep()?,
+        requests: w.requests,
+        seconds: w.seconds,
         timeout: Duration::from_secs(a.timeout_seconds),
-        slo: Slo { ttft_ms: a.slo_ttft_ms, tpot_ms: a.slo_tpot_ms },
-        warmup: a.warmup,
+        slo: w.slo(),
+        warmup: w.warmup,
         calibrate: a.calibrate,
         out: a.out,
     };

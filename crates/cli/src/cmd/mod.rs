@@ -9,6 +9,7 @@ mod probe;
 pub mod pull;
 mod river;
 pub mod serve;
+pub mod twin;
 pub mod worker;
 
 use anyhow::Context;

@@ -26,38 +26,8 @@ pub struct Args {
     /// with Leaves (docs/nimsforest.md).
     #[arg(long, requires = "nats")]
     river: bool,
-    /// aggregated | disaggregated | auto (per request, from live measurements: prefill
-    /// on the decode worker or on another worker, whichever gives the first token sooner).
-    #[arg(long, default_value = "auto")]
-    mode: Mode,
-    /// How to pick among workers of one role: least-loaded | kv-aware (the soonest
-    /// predicted first token, counting each worker's cached prefix) | round-robin.
-    #[arg(long, default_value = "least-loaded")]
-    policy: PolicyKind,
-    /// Prefill workers (disaggregated and auto; default 1).
-    #[arg(long)]
-    prefill: Option<usize>,
-    /// Decode workers (disaggregated and auto; default 1).
-    #[arg(long)]
-    decode: Option<usize>,
-    /// Mixed workers (aggregated, or auto over mixed workers; default 1).
-    #[arg(long)]
-    workers: Option<usize>,
-    /// Compute threads per worker (default: the cores divided among the workers).
-    #[arg(long)]
-    threads_per_worker: Option<usize>,
-    /// KV blocks of 16 tokens per worker.
-    #[arg(long, default_value_t = 1024)]
-    kv_blocks: usize,
-    /// How KV moves from prefill to decode workers: inproc (hand over the frames; the
-    /// default), tcp (loopback socket) or shm (shared-memory ring); tcp and shm exercise
-    /// the transports a multi-process deployment uses.
-    #[arg(long)]
-    kv_transport: Option<TransportKind>,
-    /// Let the planner give each worker its role (prefill, decode or mixed) from the
-    /// traffic, switching them in place (needs --mode auto; e.g. --workers 2).
-    #[arg(long)]
-    planner: bool,
+    #[command(flatten)]
+    topology: TopologyArgs,
     /// The time-to-first-token objective the planner plans for, in milliseconds.
     #[arg(long, default_value_t = 5000.0, requires = "planner")]
     slo_ttft_ms: f64,
@@ -68,28 +38,94 @@ pub struct Args {
     api: ApiArgs,
 }
 
-/// Refuses flags that mean nothing in the chosen mode, before anything loads.
-fn check(a: &Args) -> anyhow::Result<()> {
-    let split = a.prefill.is_some() || a.decode.is_some();
-    match a.mode {
-        Mode::Aggregated if split => anyhow::bail!("--prefill and --decode need --mode disaggregated or auto"),
-        Mode::Aggregated if a.kv_transport.is_some() => {
-            anyhow::bail!("--kv-transport needs --mode disaggregated or auto (aggregated moves no KV)")
+/// The workers and how requests are routed among them (`serve`, and `sim`).
+#[derive(clap::Args)]
+pub struct TopologyArgs {
+    /// aggregated | disaggregated | auto (per request, from live measurements: prefill
+    /// on the decode worker or on another worker, whichever gives the first token sooner).
+    #[arg(long, default_value = "auto")]
+    pub mode: Mode,
+    /// How to pick among workers of one role: least-loaded | kv-aware (the soonest
+    /// predicted first token, counting each worker's cached prefix) | round-robin.
+    #[arg(long, default_value = "least-loaded")]
+    pub policy: PolicyKind,
+    /// Prefill workers (disaggregated and auto; default 1).
+    #[arg(long)]
+    pub prefill: Option<usize>,
+    /// Decode workers (disaggregated and auto; default 1).
+    #[arg(long)]
+    pub decode: Option<usize>,
+    /// Mixed workers (aggregated, or auto over mixed workers; default 1).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Compute threads per worker (default: the cores divided among the workers).
+    #[arg(long)]
+    pub threads_per_worker: Option<usize>,
+    /// KV blocks of 16 tokens per worker.
+    #[arg(long, default_value_t = 1024)]
+    pub kv_blocks: usize,
+    /// How KV moves from prefill to decode workers: inproc (hand over the frames; the
+    /// default), tcp (loopback socket) or shm (shared-memory ring); tcp and shm exercise
+    /// the transports a multi-process deployment uses.
+    #[arg(long)]
+    pub kv_transport: Option<TransportKind>,
+    /// Let the planner give each worker its role (prefill, decode or mixed) from the
+    /// traffic, switching them in place (needs --mode auto; e.g. --workers 2).
+    #[arg(long)]
+    pub planner: bool,
+}
+
+impl TopologyArgs {
+    /// Refuses flags that mean nothing in the chosen mode, before anything loads.
+    pub fn check(&self) -> anyhow::Result<()> {
+        let a = self;
+        let split = a.prefill.is_some() || a.decode.is_some();
+        match a.mode {
+            Mode::Aggregated if split => anyhow::bail!("--prefill and --decode need --mode disaggregated or auto"),
+            Mode::Aggregated if a.kv_transport.is_some() => {
+                anyhow::bail!("--kv-transport needs --mode disaggregated or auto (aggregated moves no KV)")
+            }
+            Mode::Disaggregated if a.workers.is_some() => {
+                anyhow::bail!("--workers (mixed workers) does not fit --mode disaggregated: use --prefill and --decode")
+            }
+            Mode::Auto if split && a.workers.is_some() => {
+                anyhow::bail!("--workers (mixed workers) and --prefill/--decode exclude each other")
+            }
+            Mode::Aggregated | Mode::Disaggregated if a.planner => {
+                anyhow::bail!("--planner needs --mode auto (the planner routes by the roles it gives)")
+            }
+            _ => Ok(()),
         }
-        Mode::Disaggregated if a.workers.is_some() => {
-            anyhow::bail!("--workers (mixed workers) does not fit --mode disaggregated: use --prefill and --decode")
-        }
-        Mode::Auto if split && a.workers.is_some() => {
-            anyhow::bail!("--workers (mixed workers) and --prefill/--decode exclude each other")
-        }
-        Mode::Aggregated | Mode::Disaggregated if a.planner => {
-            anyhow::bail!("--planner needs --mode auto (the planner routes by the roles it gives)")
-        }
-        _ if a.planner && !(a.slo_ttft_ms > 0.0 && a.slo_tpot_ms > 0.0) => {
-            anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive")
-        }
-        _ => Ok(()),
     }
+
+    /// Which workers to start, from the mode and the counts given.
+    pub fn roles(&self) -> Vec<Role> {
+        let a = self;
+        match a.mode {
+            Mode::Aggregated => vec![Role::Mixed; a.workers.unwrap_or(1).max(1)],
+            // Auto over mixed workers: any of them may prefill for another.
+            Mode::Auto if a.workers.is_some() => vec![Role::Mixed; a.workers.unwrap_or(1).max(1)],
+            _ => {
+                let mut r = vec![Role::Prefill; a.prefill.unwrap_or(1)];
+                r.extend(vec![Role::Decode; a.decode.unwrap_or(1).max(1)]);
+                r
+            }
+        }
+    }
+
+    /// Compute threads per worker: as given, or the cores shared among the workers.
+    pub fn threads(&self, workers: usize) -> usize {
+        let cores = super::generate::default_threads();
+        self.threads_per_worker.unwrap_or_else(|| (cores / workers.max(1)).max(1))
+    }
+}
+
+fn check(a: &Args) -> anyhow::Result<()> {
+    a.topology.check()?;
+    if a.topology.planner && !(a.slo_ttft_ms > 0.0 && a.slo_tpot_ms > 0.0) {
+        anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
+    }
+    Ok(())
 }
 
 pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
@@ -99,11 +135,11 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             "serve uses --nats only with --river (its workers do not join a fleet; use `pdserve worker --nats`)"
         );
     }
-    let via = a.kv_transport.unwrap_or(TransportKind::Inproc);
+    let t = &a.topology;
+    let via = t.kv_transport.unwrap_or(TransportKind::Inproc);
     let m = super::load_model(&a.model)?;
-    let roles = topology(&a);
-    let cores = super::generate::default_threads();
-    let threads = a.threads_per_worker.unwrap_or_else(|| (cores / roles.len()).max(1));
+    let roles = t.roles();
+    let threads = t.threads(roles.len());
     let metrics = Metrics::new();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     // Both ends of every KV link are in this process: a key of its own.
@@ -116,7 +152,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             name: name.clone(),
             role: *role,
             model_name: m.name.clone(),
-            engine: EngineConfig { threads, num_blocks: a.kv_blocks, ..Default::default() },
+            engine: EngineConfig { threads, num_blocks: t.kv_blocks, ..Default::default() },
             eog: m.tokenizer.eog_ids().to_vec(),
             key: key.clone(),
             grammars: grammars.clone(),
@@ -130,23 +166,23 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     rt.block_on(async move {
         // The loopback transports need a receiver on each worker that may decode
         // (under the planner, any worker may come to).
-        for w in workers.iter().filter(|w| a.planner || w.info().role.decodes()) {
+        for w in workers.iter().filter(|w| t.planner || w.info().role.decodes()) {
             listen(w, via).await?;
         }
         let router = Arc::new(
             Router::new(
                 workers.into_iter().map(|w| Arc::new(w) as Arc<dyn Worker>),
-                a.mode,
+                t.mode,
                 a.api.deadlines(),
                 tokio::runtime::Handle::current(),
             )
-            .with_policy(a.policy.build())
+            .with_policy(t.policy.build())
             .with_admission(a.api.admission())
             .with_transport(via)
             .with_telemetry(Arc::new(metrics.clone())),
         );
         router.follow_kv_events();
-        if a.planner {
+        if t.planner {
             let slo = Slo { ttft_s: a.slo_ttft_ms / 1e3, tpot_s: a.slo_tpot_ms / 1e3 };
             Planner::spawn(router.clone(), PlannerConfig::new(slo));
         }
@@ -181,18 +217,4 @@ async fn listen(w: &LocalWorker, via: TransportKind) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-/// Which workers to start, from the mode and the counts given.
-fn topology(a: &Args) -> Vec<Role> {
-    match a.mode {
-        Mode::Aggregated => vec![Role::Mixed; a.workers.unwrap_or(1).max(1)],
-        // Auto over mixed workers: any of them may prefill for another.
-        Mode::Auto if a.workers.is_some() => vec![Role::Mixed; a.workers.unwrap_or(1).max(1)],
-        _ => {
-            let mut r = vec![Role::Prefill; a.prefill.unwrap_or(1)];
-            r.extend(vec![Role::Decode; a.decode.unwrap_or(1).max(1)]);
-            r
-        }
-    }
 }

@@ -79,9 +79,8 @@ impl Engine {
                 m.forward(self.isa, &self.pool, &batch, &mut self.kv, &mut scratch, layer).map(Logits::Rows)
             }
             Compute::Timed(t) => {
-                let shape = batch
-                    .iter()
-                    .fold(StepShape::default(), |s, b| s.add(StepShape::chunk(b.start_pos, b.tokens.len(), b.logits)));
+                let shape: StepShape =
+                    batch.iter().map(|b| StepShape::chunk(b.start_pos, b.tokens.len(), b.logits)).sum();
                 let seconds = t.cost.seconds(&shape);
                 self.charged += seconds;
                 let per_layer = seconds / t.n_layers.max(1) as f64;

@@ -16,7 +16,8 @@ use model::{predict, Prediction, Rates, Shape, Slo};
 use pdserve_types::{DecodeSteps, Role};
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// How the planner decides.
 #[derive(Debug, Clone, Copy)]

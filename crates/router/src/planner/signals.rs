@@ -4,7 +4,8 @@
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// Requests kept at most, whatever the window: a bound on memory under a flood.
 const KEPT: usize = 4096;

@@ -1,0 +1,132 @@
+//! `pdserve profile` and `pdserve sim`: the twin's calibration and its simulator.
+
+use super::bench::WorkloadArgs;
+use super::serve::TopologyArgs;
+use anyhow::Context;
+use pdserve_bench::load::{plans, LoadReport};
+use pdserve_bench::openai::{BodyOptions, Endpoint};
+use pdserve_bench::prompt::PromptKind;
+use pdserve_bench::report::{json, markdown};
+use pdserve_kv_transfer::TransportKind;
+use pdserve_router::planner::model;
+use pdserve_twin::measure;
+use pdserve_twin::profile::Profile;
+use pdserve_twin::sim::{simulate, SimSpec, Topology};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct ProfileArgs {
+    /// `default` or a path to a GGUF file or safetensors directory.
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Compute threads of each worker shape to time (e.g. 1,2).
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    /// KV blocks of 16 tokens per worker the profile states (the simulator's default;
+    /// `pdserve serve` gives 1024).
+    #[arg(long, default_value_t = 1024)]
+    kv_blocks: usize,
+    /// Where to write the profile (JSON).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn profile(a: ProfileArgs) -> anyhow::Result<()> {
+    if a.threads.is_empty() || a.threads.contains(&0) {
+        anyhow::bail!("--threads needs positive thread counts");
+    }
+    let m = super::load_model(&a.model)?;
+    let spec = measure::Spec {
+        model: m.model.clone(),
+        name: m.name.clone(),
+        threads: a.threads.clone(),
+        kv_blocks: a.kv_blocks,
+        machine: machine(),
+        date: today(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+    };
+    let p = measure::profile(&spec, &mut |line| eprintln!("{line}"))?;
+    p.save(&a.out)?;
+    eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
+#[derive(clap::Args)]
+pub struct SimArgs {
+    /// A profile written by `pdserve profile` (or a derived one).
+    #[arg(long)]
+    profile: PathBuf,
+    #[command(flatten)]
+    topology: TopologyArgs,
+    #[command(flatten)]
+    work: WorkloadArgs,
+    /// Write every simulated request and the summaries as JSON here (`bench load`'s
+    /// format).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+pub fn sim(a: SimArgs) -> anyhow::Result<()> {
+    a.topology.check()?;
+    let profile = Profile::load(&a.profile)?;
+    let t = &a.topology;
+    let roles = t.roles();
+    // The profile's widest shape is the machine; its workers share it, as serve's do.
+    let widest = profile.shapes.iter().map(|s| s.threads).max().unwrap_or(1);
+    let threads = t.threads_per_worker.unwrap_or((widest / roles.len()).max(1));
+    let slo = a.work.slo();
+    let topology = Topology {
+        mode: t.mode,
+        roles,
+        policy: t.policy,
+        threads,
+        kv_blocks: Some(t.kv_blocks),
+        via: t.kv_transport.unwrap_or(TransportKind::Inproc),
+        planner: t.planner.then_some(model::Slo { ttft_s: slo.ttft_ms / 1e3, tpot_s: slo.tpot_ms / 1e3 }),
+    };
+    let workload = a.work.workload()?;
+    let plans = plans(&a.work.sweep()?, a.work.requests, a.work.seconds, workload.trace_len())?;
+    let started = Instant::now();
+    let spec = SimSpec { profile: &profile, topology, workload: &workload, plans: &plans, slo, warmup: a.work.warmup };
+    let points = simulate(&spec)?;
+    let simulated: f64 = points.iter().map(|p| p.summary.duration_s).sum();
+    let took = started.elapsed().as_secs_f64();
+    eprintln!("simulated {simulated:.1} s in {took:.2} s ({:.0}× real time)", simulated / took.max(1e-9));
+    let report = LoadReport {
+        url: format!("sim: {} ({})", spec.topology.label(), a.profile.display()),
+        model: Some(profile.model.name.clone()),
+        workload: workload.describe(),
+        body: BodyOptions {
+            endpoint: Endpoint::Completions,
+            prompt_kind: PromptKind::Ids,
+            model: Some(profile.model.name.clone()),
+            temperature: 0.0,
+        },
+        points,
+        calibration: Vec::new(),
+    };
+    if let Some(path) = &a.out {
+        json::write(path, &report).with_context(|| format!("writing {}", path.display()))?;
+    }
+    print!("{}", markdown::load_report(&report));
+    Ok(())
+}
+
+/// The CPU model and core count, for the profile's provenance.
+fn machine() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split(':').nth(1)))
+        .map_or("unknown CPU", str::trim)
+        .to_string();
+    format!("{cpu}, {} cores", super::generate::default_threads())
+}
+
+/// Today's date (UTC), from the system clock.
+fn today() -> String {
+    let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() / 86_400);
+    let (y, m, d) = pdserve_types::civil::civil_from_days(days as i64);
+    format!("{y:04}-{m:02}-{d:02}")
+}

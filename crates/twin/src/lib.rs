@@ -1,0 +1,27 @@
+//! pdserve's twin: the same router, planner and worker loop driven by a virtual clock
+//! and by per-phase costs calibrated on a real machine.
+//!
+//! - [`profile`]: what a worker shape costs (`pdserve profile` writes it; [`measure`]
+//!   times it on this machine).
+//! - [`sim`]: a topology under a `bench load` workload on a virtual clock
+//!   (`pdserve sim`), with `bench load`'s records and summaries as output.
+
+pub mod measure;
+pub mod profile;
+pub mod sim;
+
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TwinError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+impl TwinError {
+    pub fn io(path: &Path, source: std::io::Error) -> TwinError {
+        TwinError::Io { path: path.to_path_buf(), source }
+    }
+}

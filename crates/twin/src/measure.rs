@@ -1,0 +1,387 @@
+//! `pdserve profile`: times one worker shape on this machine with the real model.
+//!
+//! - Prefill: lone prompts of 16 to 2048 tokens in chunks of the engine's default
+//!   budget (512), each chunk one point (its size and the context before it).
+//! - Decode: batches of 1 to 32 sequences at two context lengths, sharing a cached
+//!   prefix so only the batch itself is computed; the median of five steps.
+//! - KV links: a 64 KiB and a 16 MiB handoff over each transport (the best of three):
+//!   the small one is the latency, the difference the rate.
+//! - Overheads: a role switch, and a short request's trip through a worker beyond
+//!   its engine step.
+
+use crate::profile::{self, Link, ModelShape, Point, PointKind, Profile, Provenance, Shape};
+use crate::TwinError;
+use pdserve_engine::batch::{Engine, EngineConfig, BLOCK_SIZE};
+use pdserve_engine::model::Model;
+use pdserve_kv_transfer::{
+    frame, probe, ClusterKey, HandoffId, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, TransportKind,
+};
+use pdserve_protocol::{Event, GenerateRequest, TokenStream, Worker};
+use pdserve_types::{Assignment, Epoch, RequestId, Role, SamplingParams};
+use pdserve_worker::{LocalWorker, WorkerOptions};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const PREFILL_LENS: [usize; 6] = [16, 64, 256, 512, 1024, 2048];
+const DECODE_BATCHES: [usize; 6] = [1, 2, 4, 8, 16, 32];
+const DECODE_CONTEXTS: [usize; 2] = [64, 1024];
+const LINK_SMALL: usize = 64 << 10;
+const LINK_LARGE: usize = 16 << 20;
+
+/// What to time.
+pub struct Spec {
+    pub model: Arc<Model>,
+    pub name: String,
+    /// One shape per entry.
+    pub threads: Vec<usize>,
+    /// KV blocks per worker the profile states (the sim's default).
+    pub kv_blocks: usize,
+    pub machine: String,
+    pub date: String,
+    pub command: String,
+}
+
+/// Times every shape, the links and the overheads.
+pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinError> {
+    let c = &spec.model.cfg;
+    let mut shapes = Vec::new();
+    for &t in &spec.threads {
+        let started = Instant::now();
+        let mut points = prefill_points(&spec.model, t);
+        points.extend(decode_points(&spec.model, t));
+        let step = profile::fit(&mut points);
+        let err = profile::fit_error(&points);
+        log(&format!(
+            "{t} thread(s): {} points in {:.0} s; median fit error {:.1} %",
+            points.len(),
+            started.elapsed().as_secs_f64(),
+            err * 100.0
+        ));
+        shapes.push(Shape { threads: t, step, points });
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| TwinError::Invalid(format!("starting a runtime: {e}")))?;
+    let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
+    let mut links = Vec::new();
+    for kind in [TransportKind::Inproc, TransportKind::Tcp, TransportKind::Shm] {
+        let link = rt.block_on(time_link(kind, frame_elems))?;
+        log(&format!("{}: {:.0} µs, {:.2} GB/s", link.transport, link.latency_s * 1e6, link.bytes_per_s / 1e9));
+        links.push(link);
+    }
+    let threads = spec.threads.iter().copied().min().unwrap_or(1);
+    let co_run_slowdown = co_run(&spec.model);
+    log(&format!("two one-thread workers at once: steps {co_run_slowdown:.2}× as long"));
+    let o = rt.block_on(overheads(&spec.model, threads))?;
+    log(&format!(
+        "role switch {:.1} µs; admission {:.0} µs; {:.0} µs per streamed token beyond the engine",
+        o.switch_s * 1e6,
+        o.admission_s * 1e6,
+        o.token_s * 1e6
+    ));
+    Ok(Profile {
+        schema: profile::SCHEMA,
+        provenance: Provenance::Measured {
+            machine: spec.machine.clone(),
+            date: spec.date.clone(),
+            command: spec.command.clone(),
+        },
+        model: ModelShape {
+            name: spec.name.clone(),
+            vocab_size: c.vocab_size,
+            context_length: c.context_length,
+            n_layers: c.n_layers,
+            // K and V, f16, every layer.
+            kv_bytes_per_token: (2 * 2 * c.n_layers * c.n_kv_heads * c.head_dim) as f64,
+            kv_blocks: spec.kv_blocks,
+        },
+        shapes,
+        links,
+        switch_s: o.switch_s,
+        admission_s: o.admission_s,
+        token_overhead_s: o.token_s,
+        co_run_slowdown,
+    })
+}
+
+fn engine(model: &Arc<Model>, threads: usize, num_blocks: usize) -> Engine {
+    Engine::new(model.clone(), EngineConfig { threads, num_blocks, ..EngineConfig::default() }, Vec::new())
+}
+
+/// A prompt of `n` ordinary tokens no other prompt of the run starts like.
+fn prompt(n: usize, salt: usize) -> Vec<u32> {
+    (0..n).map(|i| 1000 + ((i * 7919 + salt * 104_729) % 30_000) as u32).collect()
+}
+
+fn prefill_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
+    let budget = EngineConfig::default().max_batch_tokens;
+    let lens: Vec<usize> = PREFILL_LENS.iter().copied().filter(|&l| l < model.cfg.context_length).collect();
+    let mut e = engine(model, threads, 4096);
+    let mut points = Vec::new();
+    // One untimed warm-up, then two passes.
+    for pass in 0..3 {
+        for (k, &len) in lens.iter().enumerate() {
+            let id = RequestId((pass * 100 + k) as u64);
+            if e.add(id, prompt(len, pass * 100 + k), SamplingParams::greedy(1)).is_err() {
+                continue;
+            }
+            let mut start = 0;
+            while e.has_work() {
+                let t = Instant::now();
+                e.step();
+                let n = budget.min(len - start);
+                if pass > 0 {
+                    let seconds = t.elapsed().as_secs_f64();
+                    points.push(Point { kind: PointKind::Prefill, size: n, context: start, seconds, fitted: 0.0 });
+                }
+                start += n;
+            }
+        }
+    }
+    points
+}
+
+fn decode_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
+    let mut e = engine(model, threads, 4096);
+    let mut points = Vec::new();
+    let mut next = 10_000u64;
+    for &ctx in DECODE_CONTEXTS.iter().filter(|&&c| c + 16 < model.cfg.context_length) {
+        let base = prompt(ctx, ctx);
+        // Computed once: every batch below finds it in the prefix cache.
+        let _ = e.add(RequestId(next), base.clone(), SamplingParams::greedy(1));
+        next += 1;
+        while e.has_work() {
+            e.step();
+        }
+        for &b in &DECODE_BATCHES {
+            for i in 0..b {
+                let mut p = base.clone();
+                p.push(2000 + i as u32);
+                let params = SamplingParams { max_tokens: 8, min_tokens: 8, ignore_eos: true, ..Default::default() };
+                let _ = e.add(RequestId(next), p, params);
+                next += 1;
+            }
+            // The step that computes each sequence's own last token, then decodes.
+            e.step();
+            let mut times: Vec<f64> = (0..5)
+                .map(|_| {
+                    let t = Instant::now();
+                    e.step();
+                    t.elapsed().as_secs_f64()
+                })
+                .collect();
+            while e.has_work() {
+                e.step();
+            }
+            times.sort_by(f64::total_cmp);
+            // The timed steps ran at contexts ctx + 2 ..= ctx + 6.
+            points.push(Point { kind: PointKind::Decode, size: b, context: ctx + 3, seconds: times[2], fitted: 0.0 });
+        }
+    }
+    points
+}
+
+/// Decode steps (4 sequences at 512 positions) of a one-thread engine alone, then of
+/// two such engines on two threads at once: the ratio of their medians.
+fn co_run(model: &Arc<Model>) -> f64 {
+    let run = |salt: usize| {
+        let mut e = engine(model, 1, 512);
+        for i in 0..4 {
+            let _ = e.add(RequestId(i), prompt(512, salt + i as usize), exactly(40));
+        }
+        while e.stats().queued_prompt_tokens > 0 {
+            e.step();
+        }
+        let mut times: Vec<f64> = (0..30)
+            .map(|_| {
+                let t = Instant::now();
+                e.step();
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        median(std::mem::take(&mut times))
+    };
+    let alone = run(80_000);
+    let both = std::thread::scope(|s| {
+        let a = s.spawn(|| run(81_000));
+        let b = run(82_000);
+        (a.join().unwrap_or(b) + b) / 2.0
+    });
+    (both / alone).max(1.0)
+}
+
+/// The latency and rate of one transport, from a small and a large handoff.
+async fn time_link(kind: TransportKind, frame_elems: usize) -> Result<Link, TwinError> {
+    let key = ClusterKey::random();
+    let inboxes = Inboxes::guarded(256, key.clone(), frame::encoded_len_for(frame_elems));
+    let io = |e: std::io::Error| TwinError::Invalid(format!("{kind} receiver: {e}"));
+    let sock = std::env::temp_dir().join(format!("pdserve-profile-{}.sock", std::process::id()));
+    let (target, _tcp, _shm) = match kind {
+        TransportKind::Inproc => (KvTarget::InProc(inboxes.clone()), None, None),
+        TransportKind::Tcp => {
+            let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.map_err(io)?;
+            (KvTarget::Remote(KvAddr::Tcp(rx.local_addr())), Some(rx), None)
+        }
+        TransportKind::Shm => {
+            let rx = ShmReceiver::bind(&sock, inboxes.clone()).await.map_err(io)?;
+            (KvTarget::Remote(KvAddr::Shm(sock.clone())), None, Some(rx))
+        }
+    };
+    let links = Arc::new(Links::new(key));
+    let mut best = [f64::INFINITY; 2];
+    let mut id = 1;
+    for _ in 0..3 {
+        for (k, bytes) in [LINK_SMALL, LINK_LARGE].into_iter().enumerate() {
+            id += 1;
+            let secs = handoff(&links, &inboxes, &target, id, bytes, frame_elems).await?;
+            best[k] = best[k].min(secs);
+        }
+    }
+    let _ = std::fs::remove_file(&sock);
+    let rate = (LINK_LARGE - LINK_SMALL) as f64 / (best[1] - best[0]).max(1e-9);
+    let latency = (best[0] - LINK_SMALL as f64 / rate).max(0.0);
+    Ok(Link { transport: kind.to_string(), latency_s: latency, bytes_per_s: rate })
+}
+
+async fn handoff(
+    links: &Arc<Links>,
+    inboxes: &Inboxes,
+    target: &KvTarget,
+    id: u64,
+    bytes: usize,
+    frame_elems: usize,
+) -> Result<f64, TwinError> {
+    let hid = HandoffId::from(RequestId(id));
+    let mut inbox = inboxes.expect(hid).map_err(|e| TwinError::Invalid(format!("inbox: {e}")))?;
+    let token = inbox.token();
+    let recycle = inboxes.clone();
+    tokio::spawn(async move {
+        while let Ok(Some(f)) = inbox.recv().await {
+            recycle.recycle(f.k, f.v);
+        }
+    });
+    let (links, target) = (links.clone(), target.clone());
+    let took = tokio::task::spawn_blocking(move || probe(&links, &target, hid, token, bytes, frame_elems))
+        .await
+        .map_err(|e| TwinError::Invalid(format!("link probe: {e}")))?
+        .map_err(|e| TwinError::Invalid(format!("link probe: {e}")))?;
+    Ok(took.elapsed.as_secs_f64())
+}
+
+struct Overheads {
+    switch_s: f64,
+    admission_s: f64,
+    token_s: f64,
+}
+
+/// A role switch in place; a 16-token request's trip through a worker less the same
+/// prefill on a bare engine (medians of 9); and a worker's gap between two tokens of
+/// one stream less a bare engine's decode step (medians of 5).
+async fn overheads(model: &Arc<Model>, threads: usize) -> Result<Overheads, TwinError> {
+    let opts = WorkerOptions {
+        name: "profile".into(),
+        role: Role::Mixed,
+        model_name: "profile".into(),
+        engine: EngineConfig { threads, num_blocks: 256, ..EngineConfig::default() },
+        eog: Vec::new(),
+        key: ClusterKey::random(),
+        grammars: None,
+    };
+    let w = LocalWorker::spawn(opts, model.clone(), tokio::runtime::Handle::current())
+        .map_err(|e| TwinError::Invalid(format!("starting a worker: {e}")))?;
+    let mut switch = Vec::new();
+    for k in 1..=9u64 {
+        let role = if k % 2 == 0 { Role::Mixed } else { Role::Decode };
+        let t = Instant::now();
+        w.set_role(Assignment::new(role, Epoch(k))).await.map_err(|e| TwinError::Invalid(e.to_string()))?;
+        switch.push(t.elapsed().as_secs_f64());
+    }
+    w.set_role(Assignment::new(Role::Mixed, Epoch(100))).await.map_err(|e| TwinError::Invalid(e.to_string()))?;
+    let (mut through, mut bare) = (Vec::new(), Vec::new());
+    let mut e = engine(model, threads, 256);
+    for k in 0..9 {
+        let p = prompt(16, 50_000 + k);
+        let (tx, mut rx) = TokenStream::channel(64);
+        let req = GenerateRequest {
+            id: RequestId(1000 + k as u64),
+            tag: "profile".into(),
+            prompt: p.clone(),
+            params: SamplingParams::greedy(1),
+            fence: None,
+            trace: Default::default(),
+        };
+        let t = Instant::now();
+        w.generate(req, tx).map_err(|e| TwinError::Invalid(e.to_string()))?;
+        while let Some(ev) = rx.next().await {
+            if matches!(ev, Event::Done { .. } | Event::Failed(_)) {
+                break;
+            }
+        }
+        through.push(t.elapsed().as_secs_f64());
+        let q = prompt(16, 60_000 + k);
+        let _ = e.add(RequestId(k as u64), q, SamplingParams::greedy(1));
+        let t = Instant::now();
+        while e.has_work() {
+            e.step();
+        }
+        bare.push(t.elapsed().as_secs_f64());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (mut streamed, mut stepped) = (Vec::new(), Vec::new());
+    for k in 0..5 {
+        streamed.push(stream_gap(&w, 5000 + k as u64, prompt(64, 70_000 + k)).await?);
+        let mut e = engine(model, threads, 256);
+        let _ = e.add(RequestId(1), prompt(64, 71_000 + k), exactly(DECODE_TOKENS));
+        e.step();
+        let t = Instant::now();
+        while e.has_work() {
+            e.step();
+        }
+        stepped.push(t.elapsed().as_secs_f64() / (DECODE_TOKENS - 1) as f64);
+    }
+    Ok(Overheads {
+        switch_s: median(switch),
+        admission_s: (median(through) - median(bare)).max(0.0),
+        token_s: (median(streamed) - median(stepped)).max(0.0),
+    })
+}
+
+/// Tokens of the streams that time a worker's gap between tokens.
+const DECODE_TOKENS: u32 = 65;
+
+fn exactly(n: u32) -> SamplingParams {
+    SamplingParams { max_tokens: n, min_tokens: n, ignore_eos: true, ..SamplingParams::default() }
+}
+
+/// The mean gap between a worker's streamed tokens after the first.
+async fn stream_gap(w: &LocalWorker, id: u64, p: Vec<u32>) -> Result<f64, TwinError> {
+    let (tx, mut rx) = TokenStream::channel(256);
+    let req = GenerateRequest {
+        id: RequestId(id),
+        tag: "profile".into(),
+        prompt: p,
+        params: exactly(DECODE_TOKENS),
+        fence: None,
+        trace: Default::default(),
+    };
+    w.generate(req, tx).map_err(|e| TwinError::Invalid(e.to_string()))?;
+    let mut times = Vec::new();
+    while let Some(ev) = rx.next().await {
+        match ev {
+            Event::Token(_) => times.push(Instant::now()),
+            Event::Done { .. } | Event::Failed(_) => break,
+            Event::Prompt(_) => {}
+        }
+    }
+    match (times.get(1), times.last()) {
+        (Some(a), Some(b)) if times.len() > 2 => Ok((*b - *a).as_secs_f64() / (times.len() - 2) as f64),
+        _ => Err(TwinError::Invalid("the timing stream ended early".into())),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}

@@ -1,0 +1,294 @@
+//! A profile: what one worker shape costs on one machine, as `pdserve profile`
+//! measured it (or as derived from published figures, and then marked so).
+//!
+//! A step's time is fitted as linear in its shape (see
+//! [`pdserve_engine::timed::StepCost`]): a fixed part, per token computed, per
+//! attention pair, per logits row. The measured points stay in the file beside their
+//! fitted values, so anyone can see how well the line fits.
+
+use crate::TwinError;
+use pdserve_engine::timed::{Clock, StepCost, StepShape, TimedModel};
+use pdserve_kv_transfer::TransportKind;
+use pdserve_worker::LinkModel;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+pub const SCHEMA: u32 = 1;
+/// Coefficients of a step cost.
+const TERMS: usize = 5;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    pub schema: u32,
+    /// Where the figures come from.
+    pub provenance: Provenance,
+    pub model: ModelShape,
+    /// One entry per worker shape (compute threads) measured.
+    pub shapes: Vec<Shape>,
+    /// KV links by transport.
+    pub links: Vec<Link>,
+    /// Seconds a worker takes to change role in place.
+    pub switch_s: f64,
+    /// Seconds a request spends getting into a worker's engine beyond its compute
+    /// (queues and hops between the router and the engine).
+    pub admission_s: f64,
+    /// Seconds each token a serving worker streams adds to its step beyond the bare
+    /// engine's (its loop, routing the token to its stream, waking the threads that
+    /// carry it).
+    #[serde(default)]
+    pub token_overhead_s: f64,
+    /// A decode step's time while a second one-thread worker decodes on the same
+    /// machine, over its time alone.
+    #[serde(default = "one")]
+    pub co_run_slowdown: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Provenance {
+    /// Timed on a machine by `pdserve profile`.
+    Measured { machine: String, date: String, command: String },
+    /// Computed from published figures; not measured.
+    Derived { sources: Vec<String>, assumptions: Vec<String> },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelShape {
+    pub name: String,
+    pub vocab_size: usize,
+    pub context_length: usize,
+    pub n_layers: usize,
+    /// Bytes of K and V per token, all layers (what a handoff moves).
+    pub kv_bytes_per_token: f64,
+    /// KV blocks of 16 tokens a worker holds.
+    pub kv_blocks: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Shape {
+    pub threads: usize,
+    pub step: StepCost,
+    /// What the fit was made from.
+    pub points: Vec<Point>,
+}
+
+/// One timed step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Point {
+    #[serde(rename = "type")]
+    pub kind: PointKind,
+    /// Prompt tokens of the chunk, or sequences in the decode batch.
+    pub size: usize,
+    /// Positions already computed (each sequence's, for a decode).
+    pub context: usize,
+    pub seconds: f64,
+    /// What the fitted step cost predicts.
+    #[serde(default)]
+    pub fitted: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PointKind {
+    Prefill,
+    Decode,
+}
+
+impl Point {
+    pub fn shape(&self) -> StepShape {
+        match self.kind {
+            PointKind::Prefill => StepShape::prefill(self.context, self.size),
+            PointKind::Decode => StepShape::decode(self.size, self.context),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Link {
+    /// inproc | tcp | shm
+    pub transport: String,
+    pub latency_s: f64,
+    pub bytes_per_s: f64,
+}
+
+impl Profile {
+    pub fn load(path: &Path) -> Result<Profile, TwinError> {
+        let text = std::fs::read_to_string(path).map_err(|e| TwinError::io(path, e))?;
+        let p: Profile = serde_json::from_str(&text)
+            .map_err(|e| TwinError::Invalid(format!("{} is not a profile: {e}", path.display())))?;
+        p.check().map_err(|e| TwinError::Invalid(format!("{}: {e}", path.display())))?;
+        Ok(p)
+    }
+
+    pub fn save(&self, path: &Path) -> Result<(), TwinError> {
+        let text = serde_json::to_string_pretty(self).map_err(|e| TwinError::Invalid(e.to_string()))?;
+        std::fs::write(path, text + "\n").map_err(|e| TwinError::io(path, e))
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.schema != SCHEMA {
+            return Err(format!("profile schema {} (this build reads {SCHEMA})", self.schema));
+        }
+        if self.shapes.is_empty() {
+            return Err("no worker shape".into());
+        }
+        let m = &self.model;
+        if m.n_layers == 0 || m.vocab_size == 0 || m.context_length == 0 || m.kv_blocks == 0 {
+            return Err("the model's sizes must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// The shape measured with `threads` compute threads, or the nearest below it
+    /// (the smallest when none is below).
+    pub fn shape(&self, threads: usize) -> &Shape {
+        let below = self.shapes.iter().filter(|s| s.threads <= threads).max_by_key(|s| s.threads);
+        below.or_else(|| self.shapes.iter().min_by_key(|s| s.threads)).unwrap_or(&self.shapes[0])
+    }
+
+    /// The timed stand-in of the model for a worker of `threads` threads.
+    pub fn timed(&self, threads: usize, clock: Clock) -> TimedModel {
+        let step = self.shape(threads).step;
+        TimedModel {
+            vocab_size: self.model.vocab_size,
+            context_length: self.model.context_length,
+            n_layers: self.model.n_layers,
+            kv_values: 1,
+            cost: StepCost { logits_s: step.logits_s + self.token_overhead_s, ..step },
+            clock,
+        }
+    }
+
+    /// The modelled links, by transport.
+    pub fn links(&self) -> Vec<(TransportKind, LinkModel)> {
+        self.links
+            .iter()
+            .filter_map(|l| {
+                let kind = l.transport.parse::<TransportKind>().ok()?;
+                Some((kind, LinkModel { latency_s: l.latency_s, bytes_per_s: l.bytes_per_s }))
+            })
+            .collect()
+    }
+}
+
+/// Fits the step cost to `points` by least squares on relative error (short and
+/// long steps count alike), with every coefficient kept non-negative; fills each
+/// point's `fitted`.
+pub fn fit(points: &mut [Point]) -> StepCost {
+    let rows: Vec<([f64; TERMS], f64)> = points
+        .iter()
+        .map(|p| {
+            let w = 1.0 / p.seconds.max(1e-9);
+            (p.shape().terms().map(|t| t * w), 1.0)
+        })
+        .collect();
+    let mut free = [true; TERMS];
+    let mut x = [0.0; TERMS];
+    // Active set: drop a coefficient that comes out negative and solve again.
+    for _ in 0..TERMS {
+        x = solve(&rows, &free);
+        match (0..TERMS).find(|&i| free[i] && x[i] < 0.0) {
+            Some(i) => free[i] = false,
+            None => break,
+        }
+    }
+    let cost = StepCost::from_coefficients(x.map(|c| c.max(0.0)));
+    for p in points.iter_mut() {
+        p.fitted = cost.seconds(&p.shape());
+    }
+    cost
+}
+
+/// Least squares over the free columns (normal equations; the fixed ones are 0).
+fn solve(rows: &[([f64; TERMS], f64)], free: &[bool; TERMS]) -> [f64; TERMS] {
+    let cols: Vec<usize> = (0..TERMS).filter(|&i| free[i]).collect();
+    let n = cols.len();
+    let mut a = vec![vec![0.0; n + 1]; n];
+    for (x, y) in rows {
+        for (r, &i) in cols.iter().enumerate() {
+            for (c, &j) in cols.iter().enumerate() {
+                a[r][c] += x[i] * x[j];
+            }
+            a[r][n] += x[i] * y;
+        }
+    }
+    let sol = gauss(a);
+    let mut out = [0.0; TERMS];
+    for (k, &i) in cols.iter().enumerate() {
+        out[i] = sol[k];
+    }
+    out
+}
+
+/// Solves an augmented system by elimination with partial pivoting; a singular
+/// column solves to 0.
+fn gauss(mut a: Vec<Vec<f64>>) -> Vec<f64> {
+    let n = a.len();
+    for c in 0..n {
+        let Some(p) = (c..n).max_by(|&i, &j| a[i][c].abs().total_cmp(&a[j][c].abs())) else { break };
+        a.swap(c, p);
+        let d = a[c][c];
+        if d.abs() < 1e-300 {
+            continue;
+        }
+        let pivot = a[c].clone();
+        for (_, row) in a.iter_mut().enumerate().filter(|(r, _)| *r != c) {
+            let f = row[c] / d;
+            for (x, p) in row.iter_mut().zip(&pivot).skip(c) {
+                *x -= f * p;
+            }
+        }
+    }
+    (0..n).map(|i| if a[i][i].abs() < 1e-300 { 0.0 } else { a[i][n] / a[i][i] }).collect()
+}
+
+/// Median absolute relative error of the fitted points.
+pub fn fit_error(points: &[Point]) -> f64 {
+    let mut e: Vec<f64> = points.iter().map(|p| ((p.fitted - p.seconds) / p.seconds).abs()).collect();
+    e.sort_by(f64::total_cmp);
+    e.get(e.len() / 2).copied().unwrap_or(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(kind: PointKind, size: usize, context: usize, cost: &StepCost) -> Point {
+        let mut p = Point { kind, size, context, seconds: 0.0, fitted: 0.0 };
+        p.seconds = cost.seconds(&p.shape());
+        p
+    }
+
+    #[test]
+    fn fit_recovers_the_cost_it_was_made_from() {
+        let truth = StepCost { fixed_s: 0.004, token_s: 0.0008, pair_s: 2e-8, decode_pair_s: 9e-8, logits_s: 0.003 };
+        let mut pts = Vec::new();
+        for (n, c) in [(16, 0), (128, 0), (512, 0), (512, 512), (512, 1536), (64, 2048)] {
+            pts.push(point(PointKind::Prefill, n, c, &truth));
+        }
+        for (b, c) in [(1, 64), (4, 64), (16, 64), (1, 1024), (8, 1024), (32, 1024)] {
+            pts.push(point(PointKind::Decode, b, c, &truth));
+        }
+        let got = fit(&mut pts);
+        for (g, t) in got.coefficients().into_iter().zip(truth.coefficients()) {
+            assert!((g - t).abs() <= 1e-6 * t.max(1e-9) + 1e-12, "{got:?} vs {truth:?}");
+        }
+        assert!(fit_error(&pts) < 1e-6);
+    }
+
+    #[test]
+    fn fit_keeps_coefficients_non_negative() {
+        // Times that fall with size would need a negative slope.
+        let mut pts: Vec<Point> = [(1, 0.010), (2, 0.009), (4, 0.008), (8, 0.0085)]
+            .iter()
+            .map(|&(b, s)| Point { kind: PointKind::Decode, size: b, context: 10, seconds: s, fitted: 0.0 })
+            .collect();
+        let c = fit(&mut pts);
+        assert!(c.coefficients().iter().all(|&x| x >= 0.0), "{c:?}");
+        assert!(fit_error(&pts) < 0.2);
+    }
+}

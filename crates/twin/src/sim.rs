@@ -1,0 +1,203 @@
+//! `pdserve sim`: a serving topology and a workload on a virtual clock.
+//!
+//! The fleet is [`SimWorker`]s (the real worker loop, scheduler and block pool around
+//! a timed engine) behind the real [`Router`] — its modes, policies, `auto`'s cost
+//! model, the handoff with its deadlines, and the planner — all on a paused tokio
+//! runtime whose clock jumps from one timer to the next. The load is `bench load`'s
+//! own runner and workloads, and the output its own records and summaries, so a
+//! prediction and a measurement compare field by field.
+
+use crate::profile::Profile;
+use crate::TwinError;
+use pdserve_bench::load::PointResult;
+use pdserve_bench::metrics::{Slo, Summary};
+use pdserve_bench::point::PointPlan;
+use pdserve_bench::record::RequestRecord;
+use pdserve_bench::runner::{run_point, Server};
+use pdserve_bench::workload::{RequestSpec, Workload};
+use pdserve_engine::batch::EngineConfig;
+use pdserve_engine::timed::Clock;
+use pdserve_kv_transfer::TransportKind;
+use pdserve_protocol::{Event, Generate, GenerateRequest, Worker};
+use pdserve_router::planner::{model, Planner, PlannerConfig};
+use pdserve_router::{Deadlines, Mode, PolicyKind, Router};
+use pdserve_types::{RequestId, Role, SamplingParams};
+use pdserve_worker::{Machine, SimOptions, SimWorker};
+use std::cell::Cell;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// A serving topology, in `pdserve serve`'s terms.
+#[derive(Debug, Clone)]
+pub struct Topology {
+    pub mode: Mode,
+    /// Each worker's starting role.
+    pub roles: Vec<Role>,
+    pub policy: PolicyKind,
+    /// Compute threads per worker (picks the profile's shape).
+    pub threads: usize,
+    /// KV blocks per worker (default: the profile's).
+    pub kv_blocks: Option<usize>,
+    pub via: TransportKind,
+    /// The planner's objectives, when it runs.
+    pub planner: Option<model::Slo>,
+}
+
+impl Topology {
+    /// A short name: `agg×2`, `1P1D`, `auto 2M + planner`.
+    pub fn label(&self) -> String {
+        let count = |r: Role| self.roles.iter().filter(|&&x| x == r).count();
+        let (p, d, m) = (count(Role::Prefill), count(Role::Decode), count(Role::Mixed));
+        let base = match self.mode {
+            Mode::Aggregated => format!("aggregated×{m}"),
+            Mode::Disaggregated => format!("{p}P{d}D"),
+            Mode::Auto if m > 0 => format!("auto {m}M"),
+            Mode::Auto => format!("auto {p}P{d}D"),
+        };
+        match self.planner {
+            Some(_) => format!("{base} + planner"),
+            None => base,
+        }
+    }
+}
+
+/// One simulation: a topology, a workload and its points.
+pub struct SimSpec<'a> {
+    pub profile: &'a Profile,
+    pub topology: Topology,
+    pub workload: &'a Workload,
+    pub plans: &'a [PointPlan],
+    pub slo: Slo,
+    /// Requests sent one at a time first, as `bench load` warms a server up.
+    pub warmup: usize,
+}
+
+/// Runs the points in order against one simulated fleet, as `bench load` runs them
+/// against one server.
+pub fn simulate(spec: &SimSpec<'_>) -> Result<Vec<PointResult>, TwinError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .map_err(|e| TwinError::Invalid(format!("starting the simulation's runtime: {e}")))?;
+    rt.block_on(async {
+        let server = SimServer::start(spec.profile, &spec.topology);
+        let origin = Instant::now();
+        for i in 0..spec.warmup {
+            server.send(&spec.workload.request(u64::MAX, i), origin, None).await;
+        }
+        let mut out = Vec::new();
+        for plan in spec.plans {
+            let records = run_point(&server, spec.workload, plan, None).await;
+            let summary = Summary::of(&records, spec.slo);
+            out.push(PointResult { plan: plan.clone(), summary, records });
+        }
+        Ok(out)
+    })
+}
+
+/// The simulated fleet behind its router, taking requests as a client would send them.
+pub struct SimServer {
+    router: Arc<Router>,
+    admission: Duration,
+    next_id: Cell<u64>,
+}
+
+impl SimServer {
+    /// Starts the workers and the router (and the planner) on the current runtime.
+    pub fn start(profile: &Profile, t: &Topology) -> SimServer {
+        // Every worker of a topology shares the profile's machine, as serve's do.
+        let machine = Machine::new(profile.co_run_slowdown);
+        let workers = t.roles.iter().enumerate().map(|(i, &role)| {
+            let opts = SimOptions {
+                name: format!("{role}-{i}"),
+                role,
+                model_name: profile.model.name.clone(),
+                engine: EngineConfig {
+                    threads: t.threads,
+                    num_blocks: t.kv_blocks.unwrap_or(profile.model.kv_blocks),
+                    ..EngineConfig::default()
+                },
+                timed: profile.timed(t.threads, Clock::Virtual),
+                kv_bytes_per_token: profile.model.kv_bytes_per_token,
+                links: profile.links(),
+                machine: machine.clone(),
+            };
+            Arc::new(SimWorker::spawn(opts)) as Arc<dyn Worker>
+        });
+        let router = Router::new(workers, t.mode, Deadlines::default(), tokio::runtime::Handle::current())
+            .with_policy(t.policy.build())
+            .with_transport(t.via);
+        let router = Arc::new(router);
+        if t.policy == PolicyKind::KvAware {
+            router.follow_kv_events();
+        }
+        if let Some(slo) = t.planner {
+            Planner::spawn(router.clone(), PlannerConfig::new(slo));
+        }
+        SimServer { router, admission: Duration::from_secs_f64(profile.admission_s), next_id: Cell::new(1) }
+    }
+
+    pub fn router(&self) -> &Arc<Router> {
+        &self.router
+    }
+}
+
+impl Server for SimServer {
+    async fn send(&self, spec: &RequestSpec, origin: Instant, scheduled_s: Option<f64>) -> RequestRecord {
+        let sent = Instant::now();
+        let start_s = sent.duration_since(origin).as_secs_f64();
+        let id = self.next_id.get();
+        self.next_id.set(id + 1);
+        tokio::time::sleep(self.admission).await;
+        let n = spec.output_len;
+        let req = GenerateRequest {
+            id: RequestId(id),
+            tag: format!("sim-{id}").as_str().into(),
+            prompt: spec.prompt.ids(),
+            // What `bench load` asks for: exactly n tokens.
+            params: SamplingParams { max_tokens: n, min_tokens: n, ignore_eos: true, ..SamplingParams::default() },
+            fence: None,
+            trace: Default::default(),
+        };
+        let mut rec = RequestRecord {
+            index: spec.index,
+            start_s,
+            scheduled_s,
+            requested_output_tokens: n,
+            input_tokens: spec.prompt.len() as u64,
+            ..RequestRecord::default()
+        };
+        let mut stream = match self.router.generate(req) {
+            Ok(s) => s,
+            Err(e) => {
+                rec.error = Some(e.to_string());
+                rec.e2e_s = sent.elapsed().as_secs_f64();
+                return rec;
+            }
+        };
+        let mut chunks = Vec::new();
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Event::Token(_) => chunks.push(sent.elapsed().as_secs_f64()),
+                Event::Prompt(_) => {}
+                Event::Done { usage, .. } => {
+                    rec.ok = true;
+                    rec.output_tokens = usage.completion_tokens as u64;
+                    break;
+                }
+                Event::Failed(e) => {
+                    rec.error = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        if !rec.ok && rec.error.is_none() {
+            rec.error = Some("the stream ended without its last event".into());
+        }
+        rec.e2e_s = sent.elapsed().as_secs_f64();
+        rec.chunk_times_s = chunks;
+        rec.derive()
+    }
+}

@@ -1,0 +1,332 @@
+//! A simulated worker on a virtual clock, for the twin (`pdserve sim`, `pdserve plan`).
+//!
+//! It is this crate's worker loop around a timed engine, run as a task of a paused
+//! tokio runtime: the engine's scheduler, block pool, prefix cache, reservations and
+//! role fencing are the real ones, and only the compute and the KV link are modelled.
+//! A step sleeps the time its shape costs on the profile; a handoff's transfer sleeps
+//! what the profile's link takes for the prompt's bytes, overlapped layer by layer
+//! with the prefill as the real transports overlap it. No frame is moved.
+
+use crate::worker_loop;
+use crate::Command;
+use pdserve_engine::batch::{Engine, EngineConfig};
+use pdserve_engine::timed::TimedModel;
+use pdserve_kv::BlockPool;
+use pdserve_kv_transfer::{HandoffToken, Inboxes, KvAddr, KvTarget, TransportKind};
+use pdserve_protocol::{
+    DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply, RoleState,
+    ServeError, Worker, WorkerInfo, WorkerStats,
+};
+use pdserve_types::{Assignment, Epoch, RequestId, Role};
+use std::collections::HashSet;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use tokio::sync::mpsc::{self, error::TrySendError};
+use tokio::sync::oneshot;
+
+/// Commands a simulated worker queues before refusing more (as a real one).
+const QUEUE: usize = 4096;
+
+/// A KV link as the profile measured it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkModel {
+    /// Seconds before the first byte lands (connection, first frame's round trip).
+    pub latency_s: f64,
+    pub bytes_per_s: f64,
+}
+
+impl LinkModel {
+    /// Seconds from a prefill's end until the receiver holds all `bytes`, when each of
+    /// `layers` layers' share was sent as soon as it was computed during `prefill_s`.
+    pub fn tail(&self, bytes: f64, layers: usize, prefill_s: f64) -> f64 {
+        let layers = layers.max(1) as f64;
+        let send = bytes / self.bytes_per_s.max(1.0);
+        // The last layer is sent after the compute; earlier layers overlap it unless
+        // the link is slower than the compute.
+        let behind = send - prefill_s * (layers - 1.0) / layers;
+        self.latency_s + (send / layers).max(behind)
+    }
+}
+
+/// The machine simulated workers share: a step that runs while another worker of
+/// the machine computes takes longer (memory bandwidth, the threads that carry the
+/// streams), by the factor the profile measured with two engines at once.
+#[derive(Debug, Default)]
+pub struct Machine {
+    busy: AtomicUsize,
+    /// A step's time with another worker computing, over its time alone.
+    pub slowdown: f64,
+}
+
+impl Machine {
+    pub fn new(slowdown: f64) -> Arc<Machine> {
+        Arc::new(Machine { busy: AtomicUsize::new(0), slowdown: slowdown.max(1.0) })
+    }
+
+    /// Marks a worker computing until the guard drops.
+    pub(crate) fn busy(&self) -> Busy<'_> {
+        let others = self.busy.fetch_add(1, Ordering::Relaxed);
+        Busy { machine: self, shared: others > 0 }
+    }
+}
+
+pub(crate) struct Busy<'a> {
+    machine: &'a Machine,
+    shared: bool,
+}
+
+impl Busy<'_> {
+    pub(crate) fn slowdown(&self) -> f64 {
+        if self.shared {
+            self.machine.slowdown
+        } else {
+            1.0
+        }
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.machine.busy.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What a simulated worker is.
+pub struct SimOptions {
+    pub name: String,
+    pub role: Role,
+    pub model_name: String,
+    pub engine: EngineConfig,
+    /// The timed stand-in of the model (its clock must be virtual).
+    pub timed: TimedModel,
+    /// Bytes of K and V one prompt token moves in a handoff (the real model's).
+    pub kv_bytes_per_token: f64,
+    /// The link of each transport the router may send KV over.
+    pub links: Vec<(TransportKind, LinkModel)>,
+    /// The machine it shares with other simulated workers.
+    pub machine: Arc<Machine>,
+}
+
+/// A handle to a simulated worker; the loop lives as long as a handle does.
+#[derive(Clone)]
+pub struct SimWorker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    info: WorkerInfo,
+    role: RoleState,
+    tx: mpsc::Sender<Command>,
+    active: Arc<AtomicUsize>,
+    prefill_tokens: Arc<AtomicUsize>,
+    kv_bytes_per_token: f64,
+    layers: usize,
+    links: Vec<(TransportKind, LinkModel)>,
+    /// Reservations granted and not yet decoded or released.
+    imports: Mutex<HashSet<RequestId>>,
+    /// Stands in for an in-process receiver; nothing is ever sent to it.
+    inboxes: Inboxes,
+    pool: BlockPool,
+}
+
+impl SimWorker {
+    /// Starts the worker's loop as a task of the current (paused) runtime.
+    pub fn spawn(opts: SimOptions) -> SimWorker {
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let active = Arc::new(AtomicUsize::new(0));
+        let layers = opts.timed.n_layers;
+        let engine = Engine::timed(opts.timed, opts.engine, Vec::new());
+        let pool = engine.block_pool().clone();
+        tokio::spawn(worker_loop::run_virtual(engine, rx, active.clone(), opts.machine));
+        let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
+        let inner = Inner {
+            role: RoleState::new(info.role),
+            info,
+            tx,
+            active,
+            prefill_tokens: Arc::default(),
+            kv_bytes_per_token: opts.kv_bytes_per_token,
+            layers,
+            links: opts.links,
+            imports: Mutex::default(),
+            inboxes: Inboxes::new(1),
+            pool,
+        };
+        SimWorker { inner: Arc::new(inner) }
+    }
+}
+
+impl Worker for SimWorker {
+    fn info(&self) -> &WorkerInfo {
+        &self.inner.info
+    }
+
+    fn load(&self) -> usize {
+        self.inner.active.load(Ordering::Relaxed)
+    }
+
+    fn is_alive(&self) -> bool {
+        !self.inner.tx.is_closed()
+    }
+
+    fn generate(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError> {
+        self.inner.fence(req.fence, Role::decodes)?;
+        self.inner.send_counted(Command::Generate(req, events))
+    }
+
+    fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
+        self.inner.link(via)?;
+        Some(match via {
+            TransportKind::Inproc => KvTarget::InProc(self.inner.inboxes.clone()),
+            // Never connected to: the link is modelled.
+            TransportKind::Tcp => KvTarget::Remote(KvAddr::Tcp(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))),
+            TransportKind::Shm => KvTarget::Remote(KvAddr::Shm(format!("sim-{}", self.inner.info.name).into())),
+        })
+    }
+
+    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            inner.fence(fence, Role::decodes)?;
+            let (reply, rx) = oneshot::channel();
+            inner.send(Command::Reserve { id, prompt_len, reply })?;
+            rx.await.map_err(|_| inner.stopped())??;
+            lock(&inner.imports).insert(id);
+            Ok(HandoffToken::random())
+        })
+    }
+
+    fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            inner.fence(req.fence, Role::prefills)?;
+            inner.prefill(req, to).await
+        })
+    }
+
+    fn decode(&self, h: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
+        if !lock(&self.inner.imports).remove(&h.id) {
+            return Err(ServeError::Internal(format!("no transfer into this worker for {}", h.id)));
+        }
+        self.inner.send_counted(Command::Decode(h, events))
+    }
+
+    fn release(&self, id: RequestId) {
+        if lock(&self.inner.imports).remove(&id) {
+            self.inner.send_surely(Command::AbortImport(id));
+        }
+    }
+
+    fn stats(&self) -> Reply<'_, WorkerStats> {
+        Box::pin(async move {
+            let (reply, rx) = oneshot::channel();
+            self.inner.send(Command::Stats(reply))?;
+            let mut s = rx.await.map_err(|_| self.inner.stopped())?;
+            s.queued_prompt_tokens += self.inner.prefill_tokens.load(Ordering::Relaxed);
+            s.assignment = Some(self.inner.role.get());
+            Ok(s)
+        })
+    }
+
+    fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
+        let (_, now) = self.inner.role.switch(to);
+        Box::pin(async move { Ok(now) })
+    }
+
+    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
+        let events = crate::events::since(&self.inner.pool, after);
+        Box::pin(async move { Ok(events) })
+    }
+}
+
+impl Inner {
+    fn link(&self, via: TransportKind) -> Option<LinkModel> {
+        self.links.iter().find(|(k, _)| *k == via).map(|(_, l)| *l)
+    }
+
+    fn fence(&self, fence: Option<Epoch>, take: fn(Role) -> bool) -> Result<(), ServeError> {
+        self.role.fence(&self.info.name, fence, take)
+    }
+
+    fn stopped(&self) -> ServeError {
+        ServeError::WorkerLost(format!("worker {} stopped", self.info.name))
+    }
+
+    fn send(&self, c: Command) -> Result<(), ServeError> {
+        self.tx.try_send(c).map_err(|e| match e {
+            TrySendError::Full(_) => ServeError::Overloaded(format!("worker {} queue is full", self.info.name)),
+            TrySendError::Closed(_) => self.stopped(),
+        })
+    }
+
+    fn send_counted(&self, c: Command) -> Result<(), ServeError> {
+        self.active.fetch_add(1, Ordering::Relaxed);
+        self.send(c).inspect_err(|_| {
+            self.active.fetch_sub(1, Ordering::Relaxed);
+        })
+    }
+
+    /// Queues a command that must not be lost (a release), waiting for room.
+    fn send_surely(&self, c: Command) {
+        if let Err(TrySendError::Full(c)) = self.tx.try_send(c) {
+            let tx = self.tx.clone();
+            tokio::spawn(async move { tx.send(c).await });
+        }
+    }
+
+    async fn prefill(self: Arc<Self>, req: GenerateRequest, to: KvDestination) -> Result<Prefilled, ServeError> {
+        let via = to.target.kind();
+        let link = self.link(via).ok_or_else(|| ServeError::Invalid(format!("no {via} link is modelled")))?;
+        let tokens = req.prompt.len();
+        self.prefill_tokens.fetch_add(tokens, Ordering::Relaxed);
+        let (reply, rx) = oneshot::channel();
+        let sent = self.send_counted(Command::Prefill {
+            req,
+            sink: Box::new(|_| true),
+            reply,
+            sent: tokio::time::Instant::now(),
+        });
+        let answer = match sent {
+            Ok(()) => rx.await.map_err(|_| self.stopped()).and_then(|r| r),
+            Err(e) => Err(e),
+        };
+        let mut first = match answer {
+            Ok(first) => first,
+            Err(e) => {
+                self.prefill_tokens.fetch_sub(tokens, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        // The loop answered when the prefill began on its clock; it ends after the
+        // modelled compute, and the receiver holds every byte after the link's tail.
+        tokio::time::sleep(Duration::from_secs_f64(first.prefill_seconds)).await;
+        self.prefill_tokens.fetch_sub(tokens, Ordering::Relaxed);
+        let bytes = tokens as f64 * self.kv_bytes_per_token;
+        let tail = link.tail(bytes, self.layers, first.prefill_seconds);
+        tokio::time::sleep(Duration::from_secs_f64(tail)).await;
+        first.kv_bytes = bytes as u64;
+        first.transfer_seconds = tail;
+        Ok(first)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fast_link_hides_all_but_the_last_layer() {
+        let l = LinkModel { latency_s: 0.001, bytes_per_s: 1e9 };
+        // 1 GB over 10 layers in 10 s of compute: 0.1 s for the last layer.
+        assert!((l.tail(1e9, 10, 10.0) - 0.101).abs() < 1e-9);
+        // A slow link: 1 GB at 1e8 B/s takes 10 s; 9 s of it overlapped.
+        let slow = LinkModel { latency_s: 0.0, bytes_per_s: 1e8 };
+        assert!((slow.tail(1e9, 10, 10.0) - 1.0).abs() < 1e-9);
+    }
+}

@@ -39,6 +39,8 @@ enum Command {
     /// Simulate a topology under a workload on a virtual clock, from a profile; prints
     /// and writes what `bench load` would measure.
     Sim(cmd::twin::SimArgs),
+    /// Rank every topology of N nodes by simulated goodput and say when to disaggregate.
+    Plan(cmd::twin::PlanArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -57,6 +59,7 @@ impl Command {
             Command::Fleet(_) => "fleet",
             Command::Profile(_) => "profile",
             Command::Sim(_) => "sim",
+            Command::Plan(_) => "plan",
             Command::Bench { .. } => "bench",
         }
     }
@@ -90,6 +93,7 @@ fn main() -> ExitCode {
         Command::Fleet(args) => cmd::fleet::run(args).map(|()| ExitCode::SUCCESS),
         Command::Profile(args) => cmd::twin::profile(args).map(|()| ExitCode::SUCCESS),
         Command::Sim(args) => cmd::twin::sim(args).map(|()| ExitCode::SUCCESS),
+        Command::Plan(args) => cmd::twin::plan(args).map(|()| ExitCode::SUCCESS),
         Command::Bench { what } => cmd::bench::run(what).map(|()| ExitCode::SUCCESS),
     };
     cmd::runtime_dir::remove();

@@ -5,8 +5,11 @@
 //!   times it on this machine).
 //! - [`sim`]: a topology under a `bench load` workload on a virtual clock
 //!   (`pdserve sim`), with `bench load`'s records and summaries as output.
+//! - [`plan`]: every topology of N nodes simulated over a concurrency sweep, ranked
+//!   by goodput, with the crossover and the advice (`pdserve plan`).
 
 pub mod measure;
+pub mod plan;
 pub mod profile;
 pub mod sim;
 

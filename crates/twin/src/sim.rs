@@ -42,6 +42,9 @@ pub struct Topology {
     pub via: TransportKind,
     /// The planner's objectives, when it runs.
     pub planner: Option<model::Slo>,
+    /// Whether the workers share one machine (`serve`'s topology) or each has its
+    /// own (a fleet of nodes).
+    pub shared_machine: bool,
 }
 
 impl Topology {
@@ -107,8 +110,11 @@ pub struct SimServer {
 impl SimServer {
     /// Starts the workers and the router (and the planner) on the current runtime.
     pub fn start(profile: &Profile, t: &Topology) -> SimServer {
-        // Every worker of a topology shares the profile's machine, as serve's do.
-        let machine = Machine::new(profile.co_run_slowdown);
+        let shared = Machine::new(profile.co_run_slowdown);
+        let machine = || match t.shared_machine {
+            true => shared.clone(),
+            false => Machine::new(1.0),
+        };
         let workers = t.roles.iter().enumerate().map(|(i, &role)| {
             let opts = SimOptions {
                 name: format!("{role}-{i}"),
@@ -122,7 +128,7 @@ impl SimServer {
                 timed: profile.timed(t.threads, Clock::Virtual),
                 kv_bytes_per_token: profile.model.kv_bytes_per_token,
                 links: profile.links(),
-                machine: machine.clone(),
+                machine: machine(),
             };
             Arc::new(SimWorker::spawn(opts)) as Arc<dyn Worker>
         });

@@ -20,6 +20,7 @@ use pdserve_engine::batch::BLOCK_SIZE;
 use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::model::Model;
+use pdserve_engine::timed::TimedModel;
 use pdserve_kv::BlockPool;
 use pdserve_kv_transfer::{
     frame, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, Throughput,
@@ -138,12 +139,33 @@ struct Receivers {
 impl LocalWorker {
     /// Starts the engine thread; `rt` runs the worker's KV tasks.
     pub fn spawn(opts: WorkerOptions, model: Arc<Model>, rt: tokio::runtime::Handle) -> std::io::Result<LocalWorker> {
-        let (tx, rx) = sync_channel(QUEUE);
-        let active = Arc::new(AtomicUsize::new(0));
-        let counter = active.clone();
         // A frame is one block of one layer: K and V of every KV head.
         let c = &model.cfg;
         let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
+        LocalWorker::start(opts, frame_elems, rt, move |cfg, eog| Engine::new(model, cfg, eog))
+    }
+
+    /// A simulated worker process's worker: a timed engine (on the wall clock) whose
+    /// steps take a profile's time; its K/V frames carry `timed.kv_values` values per
+    /// token, the real model's divided by the factor its caller states.
+    pub fn spawn_timed(
+        opts: WorkerOptions,
+        timed: TimedModel,
+        rt: tokio::runtime::Handle,
+    ) -> std::io::Result<LocalWorker> {
+        let frame_elems = BLOCK_SIZE * timed.kv_values.max(1);
+        LocalWorker::start(opts, frame_elems, rt, move |cfg, eog| Engine::timed(timed, cfg, eog))
+    }
+
+    fn start(
+        opts: WorkerOptions,
+        frame_elems: usize,
+        rt: tokio::runtime::Handle,
+        build: impl FnOnce(EngineConfig, Vec<u32>) -> Engine + Send + 'static,
+    ) -> std::io::Result<LocalWorker> {
+        let (tx, rx) = sync_channel(QUEUE);
+        let active = Arc::new(AtomicUsize::new(0));
+        let counter = active.clone();
         let frame_bytes = frame::encoded_len_for(frame_elems);
         let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
         let links = Links::new(opts.key);
@@ -151,7 +173,7 @@ impl LocalWorker {
         let (pool_tx, pool_rx) = sync_channel(1);
         std::thread::Builder::new().name(format!("pdserve-{}", opts.name)).spawn(move || {
             // Built on its own thread: the engine's pool belongs to it.
-            let engine = Engine::new(model, cfg, eog);
+            let engine = build(cfg, eog);
             let engine = match grammars {
                 Some(g) => engine.with_grammars(g),
                 None => engine,

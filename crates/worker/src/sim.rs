@@ -190,10 +190,18 @@ impl Worker for SimWorker {
         let inner = self.inner.clone();
         Box::pin(async move {
             inner.fence(fence, Role::decodes)?;
+            if !lock(&inner.imports).insert(id) {
+                return Err(ServeError::Invalid(format!("{id} already has a reservation")));
+            }
+            // From here every way out but success releases the blocks (a dropped future too).
+            let guard = ReleaseOnDrop { inner: Some(inner.clone()), id };
             let (reply, rx) = oneshot::channel();
             inner.send(Command::Reserve { id, prompt_len, reply })?;
             rx.await.map_err(|_| inner.stopped())??;
-            lock(&inner.imports).insert(id);
+            if !lock(&inner.imports).contains(&id) {
+                return Err(ServeError::Internal(format!("the reservation of {id} was released")));
+            }
+            guard.disarm();
             Ok(HandoffToken::random())
         })
     }
@@ -214,9 +222,7 @@ impl Worker for SimWorker {
     }
 
     fn release(&self, id: RequestId) {
-        if lock(&self.inner.imports).remove(&id) {
-            self.inner.send_surely(Command::AbortImport(id));
-        }
+        self.inner.release(id);
     }
 
     fn stats(&self) -> Reply<'_, WorkerStats> {
@@ -241,7 +247,33 @@ impl Worker for SimWorker {
     }
 }
 
+/// Releases a reservation unless disarmed.
+struct ReleaseOnDrop {
+    inner: Option<Arc<Inner>>,
+    id: RequestId,
+}
+
+impl ReleaseOnDrop {
+    fn disarm(mut self) {
+        self.inner = None;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.take() {
+            inner.release(self.id);
+        }
+    }
+}
+
 impl Inner {
+    /// Through the command queue, so it lands after the reservation it undoes.
+    fn release(&self, id: RequestId) {
+        lock(&self.imports).remove(&id);
+        self.send_surely(Command::AbortImport(id));
+    }
+
     fn link(&self, via: TransportKind) -> Option<LinkModel> {
         self.links.iter().find(|(k, _)| *k == via).map(|(_, l)| *l)
     }
@@ -301,11 +333,15 @@ impl Inner {
         };
         // The loop answered when the prefill began on its clock; it ends after the
         // modelled compute, and the receiver holds every byte after the link's tail.
-        tokio::time::sleep(Duration::from_secs_f64(first.prefill_seconds)).await;
+        // Both deadlines count from the answer, so the timer's rounding to the
+        // millisecond does not add up.
+        let began = tokio::time::Instant::now();
+        let computed = began + Duration::from_secs_f64(first.prefill_seconds);
+        tokio::time::sleep_until(computed).await;
         self.prefill_tokens.fetch_sub(tokens, Ordering::Relaxed);
         let bytes = tokens as f64 * self.kv_bytes_per_token;
         let tail = link.tail(bytes, self.layers, first.prefill_seconds);
-        tokio::time::sleep(Duration::from_secs_f64(tail)).await;
+        tokio::time::sleep_until(computed + Duration::from_secs_f64(tail)).await;
         first.kv_bytes = bytes as u64;
         first.transfer_seconds = tail;
         Ok(first)

@@ -11,6 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// The resolution of tokio's timers.
+const TIMER_TICK: Duration = Duration::from_millis(1);
 /// How long an idle loop sleeps before checking imports again.
 const IDLE_POLL: Duration = Duration::from_millis(20);
 /// A reservation whose transfer never completes is released after this long; the
@@ -83,6 +85,9 @@ pub(crate) async fn run_virtual(
     machine: Arc<crate::sim::Machine>,
 ) {
     let mut l = Loop::new(engine, active);
+    // Where the last step ended exactly: tokio's timers fire on whole milliseconds, so
+    // back-to-back steps are scheduled from here, not from when the timer fired.
+    let mut ended: Option<Instant> = None;
     loop {
         let first = match l.engine.has_work() {
             true => rx.try_recv().ok(),
@@ -103,8 +108,12 @@ pub(crate) async fn run_virtual(
         }
         let spent = std::mem::take(&mut l.owed) + l.engine.take_charged();
         if spent > 0.0 {
-            let _busy = machine.busy();
-            tokio::time::sleep(Duration::from_secs_f64(spent * _busy.slowdown())).await;
+            let busy = machine.busy();
+            let now = Instant::now();
+            let start = ended.filter(|e| now.duration_since(*e) < TIMER_TICK).unwrap_or(now);
+            let end = start + Duration::from_secs_f64(spent * busy.slowdown());
+            tokio::time::sleep_until(end).await;
+            ended = Some(end);
         }
         for out in outs {
             l.route(out);

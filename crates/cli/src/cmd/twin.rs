@@ -84,6 +84,8 @@ pub fn sim(a: SimArgs) -> anyhow::Result<()> {
         kv_blocks: Some(t.kv_blocks),
         via: t.kv_transport.unwrap_or(TransportKind::Inproc),
         planner: t.planner.then_some(model::Slo { ttft_s: slo.ttft_ms / 1e3, tpot_s: slo.tpot_ms / 1e3 }),
+        // One machine, as `serve` runs its workers.
+        shared_machine: true,
     };
     let workload = a.work.workload()?;
     let plans = plans(&a.work.sweep()?, a.work.requests, a.work.seconds, workload.trace_len())?;
@@ -129,4 +131,59 @@ fn today() -> String {
     let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() / 86_400);
     let (y, m, d) = pdserve_types::civil::civil_from_days(days as i64);
     format!("{y:04}-{m:02}-{d:02}")
+}
+
+#[derive(clap::Args)]
+pub struct PlanArgs {
+    /// A profile written by `pdserve profile` (or a derived one).
+    #[arg(long)]
+    profile: PathBuf,
+    /// Nodes to plan for: each runs one worker on a machine of the profile's shape.
+    #[arg(long)]
+    nodes: usize,
+    /// Compute threads per node (default: the profile's widest shape).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// How KV moves between nodes: tcp (the default), shm or inproc.
+    #[arg(long, default_value = "tcp")]
+    kv_transport: TransportKind,
+    #[command(flatten)]
+    work: WorkloadArgs,
+    /// Write plan.json and plan.svg into this directory.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// The concurrencies a plan sweeps unless told otherwise.
+const PLAN_SWEEP: [usize; 6] = [1, 2, 4, 8, 16, 32];
+
+pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
+    let profile = Profile::load(&a.profile)?;
+    if a.nodes == 0 {
+        anyhow::bail!("--nodes must be at least 1");
+    }
+    if !a.work.rate.is_empty() || a.work.trace.is_some() {
+        anyhow::bail!("plan sweeps concurrency: give --concurrency, not --rate or --trace");
+    }
+    let widest = profile.shapes.iter().map(|s| s.threads).max().unwrap_or(1);
+    let workload = a.work.workload()?;
+    let spec = pdserve_twin::plan::PlanSpec {
+        profile: &profile,
+        nodes: a.nodes,
+        threads: a.threads.unwrap_or(widest),
+        workload: &workload,
+        concurrency: a.work.concurrency.clone().unwrap_or(PLAN_SWEEP.to_vec()),
+        requests: a.work.requests,
+        slo: a.work.slo(),
+        via: a.kv_transport,
+    };
+    let p = pdserve_twin::plan::plan(&spec)?;
+    if let Some(dir) = &a.out {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        json::write(&dir.join("plan.json"), &p)?;
+        let svg = dir.join("plan.svg");
+        std::fs::write(&svg, pdserve_twin::plan::svg(&p)).with_context(|| format!("writing {}", svg.display()))?;
+    }
+    print!("{}", pdserve_twin::plan::markdown(&p));
+    Ok(())
 }

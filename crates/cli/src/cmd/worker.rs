@@ -28,6 +28,13 @@ pub struct Args {
     /// `default` or a path to a GGUF file or safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
+    /// real (the model) | sim (a simulated worker: the real worker with a timed engine
+    /// whose steps take --profile's time and whose tokens are stand-ins).
+    #[arg(long, default_value = "real")]
+    engine: EngineKind,
+    /// The profile a simulated worker follows (`pdserve profile`).
+    #[arg(long, required_if_eq("engine", "sim"))]
+    profile: Option<std::path::PathBuf>,
     /// Compute threads (default 1: two workers share a 2-core machine).
     #[arg(long, default_value_t = 1)]
     threads: usize,
@@ -50,9 +57,53 @@ pub struct Args {
     advertise: Option<IpAddr>,
 }
 
+/// What computes a worker's steps.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EngineKind {
+    Real,
+    Sim,
+}
+
+/// The engine a worker runs, and what it tells the fleet about its model.
+enum Compute {
+    Real(pdserve_engine::loader::LoadedModel),
+    Sim(pdserve_twin::profile::Profile),
+}
+
+impl Compute {
+    fn load(a: &Args) -> anyhow::Result<Compute> {
+        Ok(match (a.engine, &a.profile) {
+            (EngineKind::Sim, Some(p)) => Compute::Sim(pdserve_twin::profile::Profile::load(p)?),
+            (EngineKind::Sim, None) => anyhow::bail!("--engine sim needs --profile"),
+            (EngineKind::Real, _) => Compute::Real(super::load_model(&a.model)?),
+        })
+    }
+
+    fn model_name(&self) -> String {
+        match self {
+            Compute::Real(m) => m.name.clone(),
+            Compute::Sim(p) => p.model.name.clone(),
+        }
+    }
+
+    fn spawn(&self, mut opts: WorkerOptions, rt: tokio::runtime::Handle) -> std::io::Result<LocalWorker> {
+        match self {
+            Compute::Real(m) => {
+                opts.eog = m.tokenizer.eog_ids().to_vec();
+                opts.grammars = super::grammars(&m.tokenizer);
+                LocalWorker::spawn(opts, m.model.clone(), rt)
+            }
+            Compute::Sim(p) => {
+                let timed = p.timed(opts.engine.threads, pdserve_engine::timed::Clock::Wall);
+                LocalWorker::spawn_timed(opts, timed, rt)
+            }
+        }
+    }
+}
+
 pub fn run(a: Args) -> anyhow::Result<()> {
     let key = a.security.key()?;
-    let m = super::load_model(&a.model)?;
+    let m = Compute::load(&a)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async move {
         let listener =
@@ -62,14 +113,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let opts = WorkerOptions {
             name: name.clone(),
             role: a.role,
-            model_name: m.name.clone(),
+            model_name: m.model_name(),
             engine: EngineConfig { threads: a.threads.max(1), num_blocks: a.kv_blocks, ..Default::default() },
-            eog: m.tokenizer.eog_ids().to_vec(),
+            eog: Vec::new(),
             key: key.clone(),
-            grammars: super::grammars(&m.tokenizer),
+            grammars: None,
         };
-        let worker = LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current())
-            .with_context(|| format!("starting worker {name}"))?;
+        let worker =
+            m.spawn(opts, tokio::runtime::Handle::current()).with_context(|| format!("starting worker {name}"))?;
         // Every worker receives KV: its role may change to decode at run time.
         let kv = a.kv_listen.unwrap_or(SocketAddr::new(a.listen.ip(), 0));
         let kv = worker.listen_tcp(kv).await.with_context(|| format!("KV receiver on {kv}"))?;

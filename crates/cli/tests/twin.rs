@@ -1,0 +1,128 @@
+//! The twin from the command line: `pdserve profile` times this machine with the real
+//! model, `pdserve sim` simulates on that profile and writes `bench load`'s JSON, and
+//! bad input gets a one-line error; sixteen simulated worker processes (`worker --engine
+//! sim`) serve behind one frontend.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Command;
+
+fn pdserve(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_pdserve")).args(args).env("RUST_LOG", "warn").output().unwrap()
+}
+
+#[test]
+fn profile_then_simulate() {
+    let dir = std::env::temp_dir().join(format!("pdserve-twin-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let profile = dir.join("profile.json");
+    let out = pdserve(&["profile", "--threads", "1", "--out", profile.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let p: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
+    assert_eq!(p["provenance"]["kind"], "measured");
+    assert_eq!(p["model"]["n_layers"], 30);
+    let shape = &p["shapes"][0];
+    assert_eq!(shape["threads"], 1);
+    assert!(shape["points"].as_array().unwrap().len() >= 20);
+    assert!(shape["step"]["token_s"].as_f64().unwrap() > 0.0, "{shape}");
+    let links: Vec<&str> = p["links"].as_array().unwrap().iter().map(|l| l["transport"].as_str().unwrap()).collect();
+    assert_eq!(links, ["inproc", "tcp", "shm"]);
+
+    let sim = dir.join("sim.json");
+    let out = pdserve(&[
+        "sim",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--mode",
+        "disaggregated",
+        "--concurrency",
+        "1,4",
+        "--input-len",
+        "256",
+        "--output-len",
+        "32",
+        "--requests",
+        "12",
+        "--out",
+        sim.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("| C=4 |"), "{table}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&sim).unwrap()).unwrap();
+    for point in r["points"].as_array().unwrap() {
+        let s = &point["summary"];
+        assert_eq!(s["ok"], 12, "{s}");
+        assert!(s["ttft_ms"]["p50"].as_f64().unwrap() > 0.0);
+        for rec in point["records"].as_array().unwrap() {
+            assert_eq!(rec["output_tokens"], 32);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_input_gets_one_line() {
+    let missing = pdserve(&["sim", "--profile", "/nonexistent/profile.json"]);
+    assert_eq!(missing.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(err.starts_with("error: ") && err.contains("/nonexistent/profile.json"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    let odd = pdserve(&["sim", "--profile", "x.json", "--mode", "aggregated", "--prefill", "1"]);
+    assert_eq!(odd.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&odd.stderr).contains("--prefill and --decode need"));
+    let zero = pdserve(&["profile", "--threads", "0", "--out", "/tmp/never.json"]);
+    assert_eq!(zero.status.code(), Some(1));
+}
+
+/// A profile derived for the test: SmolLM2's shape, costs of the order measured here.
+fn derived_profile(path: &std::path::Path) {
+    let p = serde_json::json!({
+        "schema": 1,
+        "provenance": {"kind": "derived", "sources": ["this test"], "assumptions": ["costs of the order measured here"]},
+        "model": {"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "vocab_size": 49152, "context_length": 8192,
+                  "n_layers": 30, "kv_bytes_per_token": 23040.0, "kv_blocks": 256},
+        "shapes": [{"threads": 1, "step": {"fixed_s": 0.003, "token_s": 0.0008, "pair_s": 7e-7,
+                    "decode_pair_s": 2e-6, "logits_s": 0.0004}, "points": []}],
+        "links": [{"transport": "tcp", "latency_s": 7e-5, "bytes_per_s": 3e9}],
+        "switch_s": 1e-6, "admission_s": 5e-4
+    });
+    std::fs::write(path, p.to_string()).unwrap();
+}
+
+#[test]
+fn sixteen_simulated_worker_processes_serve_behind_one_frontend() {
+    let profile = std::env::temp_dir().join(format!("pdserve-derived-{}.json", std::process::id()));
+    derived_profile(&profile);
+    let p = profile.to_str().unwrap();
+    let workers: Vec<common::Proc> = (0..16)
+        .map(|i| {
+            let role = if i < 4 { "prefill" } else { "decode" };
+            let args = ["worker", "--engine", "sim", "--profile", p, "--role", role, "--listen", "127.0.0.1:0"];
+            common::start(&args)
+        })
+        .collect();
+    let fe = common::frontend(&workers.iter().collect::<Vec<_>>(), "disaggregated", "tcp");
+    let addr = fe.addr;
+    let clients: Vec<_> = (0..32u32)
+        .map(|k| {
+            std::thread::spawn(move || {
+                let prompt: Vec<u32> = (0..200u32).map(|i| 1000 + (i * 31 + k * 7) % 30000).collect();
+                let req = serde_json::json!({"prompt": prompt, "max_tokens": 12, "temperature": 0});
+                let (status, body) = common::http(addr, "POST", "/v1/completions", Some(&req));
+                assert_eq!(status, 200, "{body}");
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+                v["usage"]["completion_tokens"].as_u64().unwrap()
+            })
+        })
+        .collect();
+    for c in clients {
+        assert_eq!(c.join().unwrap(), 12, "a simulated worker generates exactly max_tokens");
+    }
+    // Every prompt was prefilled on a prefill process and its (scaled) KV moved.
+    assert_eq!(common::metric(addr, "pdserve_prefill_route_total", "remote"), 32.0);
+    assert_eq!(common::settle_used_blocks(addr), 0.0);
+    let _ = std::fs::remove_file(&profile);
+}

@@ -1,0 +1,212 @@
+//! `pdserve plan`: the advisor. For N nodes of a profile's worker shape it simulates
+//! every topology — all aggregated, every prefill:decode split, and mixed workers
+//! under the planner — at each concurrency of a sweep, ranks them by predicted
+//! goodput, and says in one sentence when to disaggregate.
+
+use crate::profile::Profile;
+use crate::sim::{simulate, SimSpec, Topology};
+use crate::TwinError;
+use pdserve_bench::analysis::crossover::crossover;
+use pdserve_bench::analysis::metric::Metric;
+use pdserve_bench::load::{plans, Sweep};
+use pdserve_bench::metrics::Slo;
+use pdserve_bench::report::svg::{LinePlot, Series};
+use pdserve_bench::workload::Workload;
+use pdserve_kv_transfer::TransportKind;
+use pdserve_router::planner::model;
+use pdserve_router::{Mode, PolicyKind};
+use pdserve_types::Role;
+use serde::Serialize;
+
+/// What to plan for.
+pub struct PlanSpec<'a> {
+    pub profile: &'a Profile,
+    /// Nodes, one worker each, each on its own machine of the profile's shape.
+    pub nodes: usize,
+    /// Compute threads per node (a shape of the profile).
+    pub threads: usize,
+    pub workload: &'a Workload,
+    pub concurrency: Vec<usize>,
+    /// Requests per point at least (a point also sends at least 4 × its concurrency).
+    pub requests: usize,
+    pub slo: Slo,
+    /// How KV moves between nodes.
+    pub via: TransportKind,
+}
+
+/// One topology's predictions.
+#[derive(Debug, Clone, Serialize)]
+pub struct Candidate {
+    pub name: String,
+    pub disaggregated: bool,
+    pub points: Vec<Predicted>,
+    /// The best goodput over the sweep: what the ranking goes by.
+    pub best_goodput: f64,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Predicted {
+    pub concurrency: usize,
+    pub goodput: f64,
+    pub slo_attainment_pct: f64,
+    pub output_token_throughput: f64,
+    pub ttft_p90_ms: Option<f64>,
+    pub tpot_p50_ms: Option<f64>,
+}
+
+/// The advice.
+#[derive(Debug, Clone, Serialize)]
+pub struct Plan {
+    pub nodes: usize,
+    pub threads: usize,
+    pub workload: String,
+    pub slo: Slo,
+    /// Best first.
+    pub candidates: Vec<Candidate>,
+    /// The concurrency from which the best split beats all-aggregated for good.
+    pub crossover: Option<usize>,
+    pub decision: String,
+}
+
+/// Simulates every topology of `spec.nodes` nodes over the sweep.
+pub fn plan(spec: &PlanSpec<'_>) -> Result<Plan, TwinError> {
+    if spec.nodes == 0 || spec.concurrency.is_empty() {
+        return Err(TwinError::Invalid("plan needs at least one node and one concurrency".into()));
+    }
+    let mut candidates = Vec::new();
+    for (name, topology) in topologies(spec) {
+        let disaggregated = topology.mode == Mode::Disaggregated;
+        let mut points = Vec::new();
+        for &c in &spec.concurrency {
+            let n = spec.requests.max(4 * c);
+            let plans = plans(&Sweep::Concurrency(vec![c]), n, 3600.0, None).map_err(invalid)?;
+            let sim = SimSpec {
+                profile: spec.profile,
+                topology: topology.clone(),
+                workload: spec.workload,
+                plans: &plans,
+                slo: spec.slo,
+                warmup: 0,
+            };
+            let s = simulate(&sim)?.remove(0).summary;
+            points.push(Predicted {
+                concurrency: c,
+                goodput: s.goodput,
+                slo_attainment_pct: s.slo_attainment_pct,
+                output_token_throughput: s.output_token_throughput,
+                ttft_p90_ms: s.ttft_ms.p90,
+                tpot_p50_ms: s.tpot_ms.p50,
+            });
+        }
+        let best_goodput = points.iter().map(|p| p.goodput).fold(0.0, f64::max);
+        candidates.push(Candidate { name, disaggregated, points, best_goodput });
+    }
+    candidates.sort_by(|a, b| b.best_goodput.total_cmp(&a.best_goodput));
+    let crossover = crossover_of(&candidates, &spec.concurrency);
+    let decision = decide(&candidates, crossover, spec);
+    Ok(Plan {
+        nodes: spec.nodes,
+        threads: spec.threads,
+        workload: spec.workload.describe(),
+        slo: spec.slo,
+        candidates,
+        crossover,
+        decision,
+    })
+}
+
+fn invalid(e: impl std::fmt::Display) -> TwinError {
+    TwinError::Invalid(e.to_string())
+}
+
+/// All aggregated, every split, and mixed workers under the planner.
+fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
+    let n = spec.nodes;
+    let base = |mode, roles: Vec<Role>| Topology {
+        mode,
+        roles,
+        policy: PolicyKind::LeastLoaded,
+        threads: spec.threads,
+        kv_blocks: None,
+        via: spec.via,
+        planner: None,
+        shared_machine: false,
+    };
+    let mut out = vec![(format!("aggregated ×{n}"), base(Mode::Aggregated, vec![Role::Mixed; n]))];
+    for p in 1..n {
+        let mut roles = vec![Role::Prefill; p];
+        roles.extend(vec![Role::Decode; n - p]);
+        out.push((format!("{p}P:{}D", n - p), base(Mode::Disaggregated, roles)));
+    }
+    if n > 1 {
+        let slo = model::Slo { ttft_s: spec.slo.ttft_ms / 1e3, tpot_s: spec.slo.tpot_ms / 1e3 };
+        let t = Topology { planner: Some(slo), ..base(Mode::Auto, vec![Role::Mixed; n]) };
+        out.push((format!("{n} mixed + planner"), t));
+    }
+    out
+}
+
+/// Where the best split's goodput overtakes all-aggregated for good.
+fn crossover_of(cands: &[Candidate], sweep: &[usize]) -> Option<usize> {
+    let best = |disagg: bool, i: usize| {
+        cands.iter().filter(|c| c.disaggregated == disagg).map(|c| c.points[i].goodput).reduce(f64::max)
+    };
+    let points: Vec<(f64, Option<f64>, Option<f64>)> =
+        sweep.iter().enumerate().map(|(i, &c)| (c as f64, best(true, i), best(false, i))).collect();
+    crossover(Metric::Goodput, &points).map(|x| x as usize)
+}
+
+/// The advice in one sentence.
+fn decide(cands: &[Candidate], crossover: Option<usize>, spec: &PlanSpec<'_>) -> String {
+    let (lo, hi) = (spec.concurrency.iter().min().unwrap_or(&1), spec.concurrency.iter().max().unwrap_or(&1));
+    let top = cands.first().map_or("nothing", |c| c.name.as_str());
+    let best_split = cands.iter().find(|c| c.disaggregated).map(|c| c.name.as_str());
+    match (crossover, best_split) {
+        (Some(c), Some(split)) if c == *lo => {
+            format!("Disaggregate ({split}) at every concurrency from {lo} to {hi}; the top plan overall is {top}.")
+        }
+        (Some(c), Some(split)) => format!(
+            "Disaggregate ({split}) when {c} or more requests run at once; below that stay aggregated. \
+             The top plan overall is {top}."
+        ),
+        _ => format!("Do not disaggregate: no split beats {top} at any concurrency from {lo} to {hi}."),
+    }
+}
+
+/// Goodput against concurrency, one line per topology.
+pub fn svg(p: &Plan) -> String {
+    let series = p
+        .candidates
+        .iter()
+        .map(|c| Series {
+            name: c.name.clone(),
+            points: c.points.iter().map(|q| (q.concurrency as f64, Some(q.goodput))).collect(),
+        })
+        .collect();
+    LinePlot {
+        title: format!("Predicted goodput, {} node(s) of {} thread(s)", p.nodes, p.threads),
+        subtitle: format!("{}; SLO TTFT ≤ {} ms, TPOT ≤ {} ms", p.workload, p.slo.ttft_ms, p.slo.tpot_ms),
+        x_label: "concurrent requests".into(),
+        y_label: "goodput (req/s)".into(),
+        log2_x: true,
+        series,
+    }
+    .render()
+}
+
+/// The ranking as a Markdown table, then the sentence.
+pub fn markdown(p: &Plan) -> String {
+    let mut s = String::from("| rank | topology | best goodput req/s |");
+    for q in p.candidates.first().map(|c| c.points.as_slice()).unwrap_or_default() {
+        s += &format!(" C={} goodput (SLO %) |", q.concurrency);
+    }
+    s += "\n|---|---|---|";
+    s += &"---|".repeat(p.candidates.first().map_or(0, |c| c.points.len()));
+    for (i, c) in p.candidates.iter().enumerate() {
+        s += &format!("\n| {} | {} | {:.2} |", i + 1, c.name, c.best_goodput);
+        for q in &c.points {
+            s += &format!(" {:.2} ({:.0}) |", q.goodput, q.slo_attainment_pct);
+        }
+    }
+    s + &format!("\n\n{}\n", p.decision)
+}

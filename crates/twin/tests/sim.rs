@@ -1,0 +1,167 @@
+//! The simulator on a profile whose costs are known exactly: on a virtual clock a
+//! lone request's times are the profile's sums to the timer's millisecond, the same run
+//! gives the same records, every topology (sixteen workers under the planner too)
+//! finishes every request, and no KV block stays used.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pdserve_bench::lengths::LengthSpec;
+use pdserve_bench::load::{plans, PointResult, Sweep};
+use pdserve_bench::metrics::Slo;
+use pdserve_bench::prompt::TokenRange;
+use pdserve_bench::workload::{Workload, WorkloadFlags};
+use pdserve_engine::timed::{StepCost, StepShape};
+use pdserve_kv_transfer::TransportKind;
+use pdserve_router::{Mode, PolicyKind};
+use pdserve_twin::profile::{Link, ModelShape, Profile, Provenance, Shape, SCHEMA};
+use pdserve_twin::sim::{simulate, SimServer, SimSpec, Topology};
+use pdserve_types::Role;
+
+const STEP: StepCost = StepCost { fixed_s: 0.004, token_s: 0.0005, pair_s: 1e-7, decode_pair_s: 4e-7, logits_s: 0.001 };
+const ADMISSION: f64 = 0.0005;
+const LINK: Link = Link { transport: String::new(), latency_s: 0.0002, bytes_per_s: 1e9 };
+
+fn profile() -> Profile {
+    Profile {
+        schema: SCHEMA,
+        provenance: Provenance::Derived { sources: vec!["a test".into()], assumptions: vec![] },
+        model: ModelShape {
+            name: "test".into(),
+            vocab_size: 49152,
+            context_length: 8192,
+            n_layers: 30,
+            kv_bytes_per_token: 23040.0,
+            kv_blocks: 1024,
+        },
+        shapes: vec![Shape { threads: 1, step: STEP, points: vec![] }],
+        links: vec![Link { transport: "inproc".into(), ..LINK }],
+        switch_s: 0.0,
+        admission_s: ADMISSION,
+        token_overhead_s: 0.0,
+        co_run_slowdown: 1.0,
+    }
+}
+
+fn topology(mode: Mode, roles: Vec<Role>) -> Topology {
+    Topology {
+        mode,
+        roles,
+        policy: PolicyKind::LeastLoaded,
+        threads: 1,
+        kv_blocks: None,
+        via: TransportKind::Inproc,
+        planner: None,
+        shared_machine: true,
+    }
+}
+
+fn workload(input: u32, output: u32) -> Workload {
+    WorkloadFlags {
+        input: LengthSpec::Fixed(input),
+        output: LengthSpec::Fixed(output),
+        shared_prefixes: 0,
+        prefix_len: 0,
+        conversations: 0,
+        turns: LengthSpec::Fixed(1),
+        trace: None,
+        trace_block_size: 512,
+        range: TokenRange { lo: 1000, hi: 40000 },
+        seed: 7,
+    }
+    .build()
+    .unwrap()
+}
+
+fn run(p: &Profile, t: Topology, w: &Workload, sweep: Sweep, requests: usize) -> Vec<PointResult> {
+    let plans = plans(&sweep, requests, 3600.0, None).unwrap();
+    let spec = SimSpec { profile: p, topology: t, workload: w, plans: &plans, slo: Slo::default(), warmup: 0 };
+    simulate(&spec).unwrap()
+}
+
+/// Within tokio's timer resolution: an event fires on the next whole millisecond
+/// (the admission's and the last step's roundings may add up), and back-to-back steps
+/// do not accumulate the rounding.
+fn close(got: f64, want: f64) {
+    assert!((got - want).abs() <= 2.001e-3, "{got} vs {want}");
+}
+
+#[test]
+fn a_lone_request_takes_the_profiles_time() {
+    let p = profile();
+    let w = workload(256, 8);
+    let out = run(&p, topology(Mode::Aggregated, vec![Role::Mixed]), &w, Sweep::Concurrency(vec![1]), 2);
+    let r = &out[0].records[0];
+    assert!(r.ok, "{:?}", r.error);
+    assert_eq!(r.output_tokens, 8);
+    // One chunk of 256 tokens, sampled at its end.
+    let prefill = STEP.seconds(&StepShape::prefill(0, 256));
+    close(r.ttft_s.unwrap(), ADMISSION + prefill);
+    // Decode steps at 256, 257, … computed positions.
+    let decodes: f64 = (0..7).map(|k| STEP.seconds(&StepShape::decode(1, 256 + k))).sum();
+    close(r.e2e_s, ADMISSION + prefill + decodes);
+    close(r.tpot_s.unwrap(), decodes / 7.0);
+}
+
+#[test]
+fn a_handoff_adds_the_links_tail() {
+    let p = profile();
+    let w = workload(320, 4);
+    let t = topology(Mode::Disaggregated, vec![Role::Prefill, Role::Decode]);
+    let out = run(&p, t, &w, Sweep::Concurrency(vec![1]), 2);
+    let r = &out[0].records[0];
+    assert!(r.ok, "{:?}", r.error);
+    let prefill = STEP.seconds(&StepShape::prefill(0, 320));
+    let bytes = 320.0 * p.model.kv_bytes_per_token;
+    // 30 layers: the last layer's share goes after the compute (the link is fast).
+    let tail = LINK.latency_s + bytes / LINK.bytes_per_s / 30.0;
+    close(r.ttft_s.unwrap(), ADMISSION + prefill + tail);
+    assert_eq!(r.output_tokens, 4);
+}
+
+#[test]
+fn the_same_run_gives_the_same_records() {
+    let p = profile();
+    let w = workload(300, 40);
+    let sweep = Sweep::Rates { rates: vec![3.0], kind: pdserve_bench::arrivals::ArrivalKind::Poisson, burstiness: 1.0 };
+    let t = || topology(Mode::Auto, vec![Role::Prefill, Role::Decode]);
+    let a = run(&p, t(), &w, sweep.clone(), 40);
+    let b = run(&p, t(), &w, sweep, 40);
+    assert_eq!(a[0].records, b[0].records);
+    assert!(a[0].records.iter().all(|r| r.ok));
+}
+
+#[test]
+fn a_small_cache_preempts_and_still_finishes_everything() {
+    let p = profile();
+    let w = workload(200, 300);
+    // 40 blocks hold 640 tokens: eight requests of up to 500 cannot all run at once.
+    let t = Topology { kv_blocks: Some(40), ..topology(Mode::Aggregated, vec![Role::Mixed]) };
+    let out = run(&p, t, &w, Sweep::Concurrency(vec![8]), 16);
+    assert_eq!(out[0].summary.ok, 16, "{:?}", out[0].summary.first_error);
+    assert!(out[0].records.iter().all(|r| r.output_tokens == 300));
+}
+
+#[test]
+fn sixteen_workers_under_the_planner_finish_and_free_their_blocks() {
+    let p = profile();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
+    rt.block_on(async {
+        let slo = pdserve_router::planner::model::Slo { ttft_s: 2.0, tpot_s: 0.05 };
+        let t = Topology { planner: Some(slo), ..topology(Mode::Auto, vec![Role::Mixed; 16]) };
+        let server = SimServer::start(&p, &t);
+        let w = workload(1500, 16);
+        let sweep =
+            Sweep::Rates { rates: vec![20.0], kind: pdserve_bench::arrivals::ArrivalKind::Poisson, burstiness: 1.0 };
+        let plans = plans(&sweep, 600, 3600.0, None).unwrap();
+        let records = pdserve_bench::runner::run_point(&server, &w, &plans[0], None).await;
+        assert_eq!(records.len(), 600);
+        assert!(records.iter().all(|r| r.ok), "{:?}", records.iter().find(|r| !r.ok));
+        // Let the planner look at the idle fleet, then check every worker's blocks.
+        tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+        for e in server.router().workers().snapshot() {
+            let s = e.worker.stats().await.unwrap();
+            assert_eq!(s.blocks.used, 0, "{}", e.name());
+            assert_eq!((s.running, s.waiting, s.importing), (0, 0, 0), "{}", e.name());
+        }
+    });
+}

@@ -2,8 +2,9 @@
 //!
 //! - Prefill: lone prompts of 16 to 2048 tokens in chunks of the engine's default
 //!   budget (512), each chunk one point (its size and the context before it).
-//! - Decode: batches of 1 to 32 sequences at two context lengths, sharing a cached
-//!   prefix so only the batch itself is computed; the median of five steps.
+//! - Decode: batches of 1 to 32 sequences at three context lengths, each sequence's
+//!   context imported as a KV transfer (no prefill to compute, no blocks shared); the
+//!   median of five steps.
 //! - KV links: a 64 KiB and a 16 MiB handoff over each transport (the best of three):
 //!   the small one is the latency, the difference the rate.
 //! - Overheads: a role switch, and a short request's trip through a worker beyond
@@ -17,14 +18,14 @@ use pdserve_kv_transfer::{
     frame, probe, ClusterKey, HandoffId, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, TransportKind,
 };
 use pdserve_protocol::{Event, GenerateRequest, TokenStream, Worker};
-use pdserve_types::{Assignment, Epoch, RequestId, Role, SamplingParams};
+use pdserve_types::{Assignment, Epoch, KvFrame, RequestId, Role, SamplingParams};
 use pdserve_worker::{LocalWorker, WorkerOptions};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const PREFILL_LENS: [usize; 6] = [16, 64, 256, 512, 1024, 2048];
 const DECODE_BATCHES: [usize; 6] = [1, 2, 4, 8, 16, 32];
-const DECODE_CONTEXTS: [usize; 2] = [64, 1024];
+const DECODE_CONTEXTS: [usize; 3] = [64, 512, 1536];
 const LINK_SMALL: usize = 64 << 10;
 const LINK_LARGE: usize = 16 << 20;
 
@@ -144,27 +145,36 @@ fn prefill_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
 }
 
 fn decode_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
+    let c = &model.cfg;
+    let elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
     let mut e = engine(model, threads, 4096);
     let mut points = Vec::new();
     let mut next = 10_000u64;
-    for &ctx in DECODE_CONTEXTS.iter().filter(|&&c| c + 16 < model.cfg.context_length) {
-        let base = prompt(ctx, ctx);
-        // Computed once: every batch below finds it in the prefix cache.
-        let _ = e.add(RequestId(next), base.clone(), SamplingParams::greedy(1));
-        next += 1;
-        while e.has_work() {
-            e.step();
-        }
+    for &ctx in DECODE_CONTEXTS.iter().filter(|&&x| x + 16 < c.context_length) {
         for &b in &DECODE_BATCHES {
-            for i in 0..b {
-                let mut p = base.clone();
-                p.push(2000 + i as u32);
-                let params = SamplingParams { max_tokens: 8, min_tokens: 8, ignore_eos: true, ..Default::default() };
-                let _ = e.add(RequestId(next), p, params);
+            // Each sequence's context arrives as a transfer of its own (values that
+            // are not a real prompt's: attention costs the same whatever they are),
+            // so no two sequences share cached blocks, as in serving.
+            for _ in 0..b {
+                let (id, p) = (RequestId(next), prompt(ctx, next as usize));
                 next += 1;
+                if e.reserve_import(id, ctx).is_err() {
+                    continue;
+                }
+                for layer in 0..c.n_layers {
+                    for index in 0..ctx.div_ceil(BLOCK_SIZE) {
+                        let fill = half_bits(((index * 31 + layer * 7) % 97) as f32 / 97.0 - 0.5);
+                        let f = KvFrame {
+                            layer: layer as u32,
+                            index: index as u32,
+                            k: vec![fill; elems],
+                            v: vec![fill; elems],
+                        };
+                        let _ = e.import_frame(id, &f);
+                    }
+                }
+                let _ = e.finish_import(id, p, 2000, exactly(8));
             }
-            // The step that computes each sequence's own last token, then decodes.
-            e.step();
             let mut times: Vec<f64> = (0..5)
                 .map(|_| {
                     let t = Instant::now();
@@ -176,11 +186,16 @@ fn decode_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
                 e.step();
             }
             times.sort_by(f64::total_cmp);
-            // The timed steps ran at contexts ctx + 2 ..= ctx + 6.
+            // The timed steps ran at contexts ctx + 1 ..= ctx + 5.
             points.push(Point { kind: PointKind::Decode, size: b, context: ctx + 3, seconds: times[2], fitted: 0.0 });
         }
     }
     points
+}
+
+/// The f16 bits of `x`.
+fn half_bits(x: f32) -> u16 {
+    half::f16::from_f32(x).to_bits()
 }
 
 /// Decode steps (4 sequences at 512 positions) of a one-thread engine alone, then of

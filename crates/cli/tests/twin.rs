@@ -126,3 +126,42 @@ fn sixteen_simulated_worker_processes_serve_behind_one_frontend() {
     assert_eq!(common::settle_used_blocks(addr), 0.0);
     let _ = std::fs::remove_file(&profile);
 }
+
+#[test]
+fn plan_ranks_every_topology_and_says_when_to_disaggregate() {
+    let dir = std::env::temp_dir().join(format!("pdserve-plan-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let profile = dir.join("derived.json");
+    derived_profile(&profile);
+    let out = pdserve(&[
+        "plan",
+        "--profile",
+        profile.to_str().unwrap(),
+        "--nodes",
+        "3",
+        "--concurrency",
+        "1,8",
+        "--input-len",
+        "512",
+        "--output-len",
+        "64",
+        "--requests",
+        "16",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let p: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+    let names: Vec<&str> = p["candidates"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
+    let mut sorted = names.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, ["1P:2D", "2P:1D", "3 mixed + planner", "aggregated ×3", "single node"], "{text}");
+    let best: Vec<f64> =
+        p["candidates"].as_array().unwrap().iter().map(|c| c["best_goodput"].as_f64().unwrap()).collect();
+    assert!(best.windows(2).all(|w| w[0] >= w[1]), "ranked best first: {best:?}");
+    let decision = p["decision"].as_str().unwrap();
+    assert!(text.contains(decision) && decision.contains("isaggregate"), "{decision}");
+    assert!(std::fs::read_to_string(dir.join("plan.svg")).unwrap().starts_with("<svg"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -97,6 +97,8 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
             // K and V, f16, every layer.
             kv_bytes_per_token: (2 * 2 * c.n_layers * c.n_kv_heads * c.head_dim) as f64,
             kv_blocks: spec.kv_blocks,
+            max_batch_tokens: None,
+            max_seqs: None,
         },
         shapes,
         links,

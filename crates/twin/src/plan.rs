@@ -1,6 +1,6 @@
 //! `pdserve plan`: the advisor. For N nodes of a profile's worker shape it simulates
-//! every topology — all aggregated, every prefill:decode split, and mixed workers
-//! under the planner — at each concurrency of a sweep, ranks them by predicted
+//! every topology — one node alone, all aggregated, every prefill:decode split, and
+//! mixed workers under the planner — at each concurrency of a sweep, ranks them by predicted
 //! goodput, and says in one sentence when to disaggregate.
 
 use crate::profile::Profile;
@@ -119,7 +119,7 @@ fn invalid(e: impl std::fmt::Display) -> TwinError {
     TwinError::Invalid(e.to_string())
 }
 
-/// All aggregated, every split, and mixed workers under the planner.
+/// All aggregated, one node alone, every split, and mixed workers under the planner.
 fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
     let n = spec.nodes;
     let base = |mode, roles: Vec<Role>| Topology {
@@ -133,6 +133,10 @@ fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
         shared_machine: false,
     };
     let mut out = vec![(format!("aggregated ×{n}"), base(Mode::Aggregated, vec![Role::Mixed; n]))];
+    if n > 1 {
+        // One node alone: what adding the others buys.
+        out.push(("single node".into(), base(Mode::Aggregated, vec![Role::Mixed])));
+    }
     for p in 1..n {
         let mut roles = vec![Role::Prefill; p];
         roles.extend(vec![Role::Decode; n - p]);
@@ -146,10 +150,13 @@ fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
     out
 }
 
-/// Where the best split's goodput overtakes all-aggregated for good.
+/// Where the best split's goodput overtakes every other plan for good. A point where
+/// nothing reaches 2 % of the best goodput seen anywhere beats nothing.
 fn crossover_of(cands: &[Candidate], sweep: &[usize]) -> Option<usize> {
+    let floor = 0.02 * cands.iter().map(|c| c.best_goodput).fold(0.0, f64::max);
     let best = |disagg: bool, i: usize| {
-        cands.iter().filter(|c| c.disaggregated == disagg).map(|c| c.points[i].goodput).reduce(f64::max)
+        let g = cands.iter().filter(|c| c.disaggregated == disagg).map(|c| c.points[i].goodput).reduce(f64::max);
+        g.filter(|&g| g >= floor)
     };
     let points: Vec<(f64, Option<f64>, Option<f64>)> =
         sweep.iter().enumerate().map(|(i, &c)| (c as f64, best(true, i), best(false, i))).collect();

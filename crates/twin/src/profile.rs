@@ -7,6 +7,7 @@
 //! fitted values, so anyone can see how well the line fits.
 
 use crate::TwinError;
+use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::timed::{Clock, StepCost, StepShape, TimedModel};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_worker::LinkModel;
@@ -66,6 +67,12 @@ pub struct ModelShape {
     pub kv_bytes_per_token: f64,
     /// KV blocks of 16 tokens a worker holds.
     pub kv_blocks: usize,
+    /// Tokens per step and sequences at once, where the hardware wants other values
+    /// than pdserve's defaults (512 and 64), as a GPU server's larger batches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_batch_tokens: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_seqs: Option<usize>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -160,6 +167,18 @@ impl Profile {
             kv_values: 1,
             cost: StepCost { logits_s: step.logits_s + self.token_overhead_s, ..step },
             clock,
+        }
+    }
+
+    /// A simulated worker's engine: `kv_blocks` or the profile's, its batch limits.
+    pub fn engine_config(&self, threads: usize, kv_blocks: Option<usize>) -> EngineConfig {
+        let d = EngineConfig::default();
+        EngineConfig {
+            threads,
+            num_blocks: kv_blocks.unwrap_or(self.model.kv_blocks),
+            max_batch_tokens: self.model.max_batch_tokens.unwrap_or(d.max_batch_tokens),
+            max_seqs: self.model.max_seqs.unwrap_or(d.max_seqs),
+            ..d
         }
     }
 

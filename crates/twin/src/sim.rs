@@ -15,7 +15,6 @@ use pdserve_bench::point::PointPlan;
 use pdserve_bench::record::RequestRecord;
 use pdserve_bench::runner::{run_point, Server};
 use pdserve_bench::workload::{RequestSpec, Workload};
-use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::timed::Clock;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, Generate, GenerateRequest, Worker};
@@ -120,11 +119,7 @@ impl SimServer {
                 name: format!("{role}-{i}"),
                 role,
                 model_name: profile.model.name.clone(),
-                engine: EngineConfig {
-                    threads: t.threads,
-                    num_blocks: t.kv_blocks.unwrap_or(profile.model.kv_blocks),
-                    ..EngineConfig::default()
-                },
+                engine: profile.engine_config(t.threads, t.kv_blocks),
                 timed: profile.timed(t.threads, Clock::Virtual),
                 kv_bytes_per_token: profile.model.kv_bytes_per_token,
                 links: profile.links(),

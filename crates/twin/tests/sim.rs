@@ -32,6 +32,8 @@ fn profile() -> Profile {
             n_layers: 30,
             kv_bytes_per_token: 23040.0,
             kv_blocks: 1024,
+            max_batch_tokens: None,
+            max_seqs: None,
         },
         shapes: vec![Shape { threads: 1, step: STEP, points: vec![] }],
         links: vec![Link { transport: "inproc".into(), ..LINK }],

@@ -67,13 +67,13 @@ pub enum EngineKind {
 /// The engine a worker runs, and what it tells the fleet about its model.
 enum Compute {
     Real(pdserve_engine::loader::LoadedModel),
-    Sim(pdserve_twin::profile::Profile),
+    Sim(Box<pdserve_twin::profile::Profile>),
 }
 
 impl Compute {
     fn load(a: &Args) -> anyhow::Result<Compute> {
         Ok(match (a.engine, &a.profile) {
-            (EngineKind::Sim, Some(p)) => Compute::Sim(pdserve_twin::profile::Profile::load(p)?),
+            (EngineKind::Sim, Some(p)) => Compute::Sim(Box::new(pdserve_twin::profile::Profile::load(p)?)),
             (EngineKind::Sim, None) => anyhow::bail!("--engine sim needs --profile"),
             (EngineKind::Real, _) => Compute::Real(super::load_model(&a.model)?),
         })

@@ -7,11 +7,18 @@
 //!   median of five steps.
 //! - KV links: a 64 KiB and a 16 MiB handoff over each transport (the best of three):
 //!   the small one is the latency, the difference the rate.
-//! - Overheads: a role switch, and a short request's trip through a worker beyond
-//!   its engine step.
+//! - Overheads: a role switch; a short request's trip through a worker beyond its
+//!   engine step; and each streamed token's cost beyond the engine's decode step,
+//!   from streams served over HTTP by a `pdserve serve` of the same model.
 
 use crate::profile::{self, Link, ModelShape, Point, PointKind, Profile, Provenance, Shape};
 use crate::TwinError;
+use pdserve_bench::client::{first_model, Client};
+use pdserve_bench::openai::{BodyOptions, Endpoint};
+use pdserve_bench::process::ServerProcess;
+use pdserve_bench::prompt::{Prompt, PromptKind};
+use pdserve_bench::target::Target;
+use pdserve_bench::workload::RequestSpec;
 use pdserve_engine::batch::{Engine, EngineConfig, BLOCK_SIZE};
 use pdserve_engine::model::Model;
 use pdserve_kv_transfer::{
@@ -40,6 +47,10 @@ pub struct Spec {
     pub machine: String,
     pub date: String,
     pub command: String,
+    /// This binary and the `--model` it was given: the served streams are timed on a
+    /// `pdserve serve` of the same model.
+    pub exe: std::path::PathBuf,
+    pub model_arg: String,
 }
 
 /// Times every shape, the links and the overheads.
@@ -76,11 +87,15 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
     let co_run_slowdown = co_run(&spec.model);
     log(&format!("two one-thread workers at once: steps {co_run_slowdown:.2}× as long"));
     let o = rt.block_on(overheads(&spec.model, threads))?;
+    let served = rt.block_on(served_tpot(spec, threads))?;
+    let token_s = (served - o.decode_s).max(0.0);
     log(&format!(
-        "role switch {:.1} µs; admission {:.0} µs; {:.0} µs per streamed token beyond the engine",
+        "role switch {:.1} µs; admission {:.0} µs; served TPOT {:.2} ms against {:.2} ms bare: {:.0} µs per token",
         o.switch_s * 1e6,
         o.admission_s * 1e6,
-        o.token_s * 1e6
+        served * 1e3,
+        o.decode_s * 1e3,
+        token_s * 1e6
     ));
     Ok(Profile {
         schema: profile::SCHEMA,
@@ -104,7 +119,7 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
         links,
         switch_s: o.switch_s,
         admission_s: o.admission_s,
-        token_overhead_s: o.token_s,
+        token_overhead_s: token_s,
         co_run_slowdown,
     })
 }
@@ -290,12 +305,13 @@ async fn handoff(
 struct Overheads {
     switch_s: f64,
     admission_s: f64,
-    token_s: f64,
+    /// A bare engine's decode step for one 64-token prompt's stream.
+    decode_s: f64,
 }
 
 /// A role switch in place; a 16-token request's trip through a worker less the same
-/// prefill on a bare engine (medians of 9); and a worker's gap between two tokens of
-/// one stream less a bare engine's decode step (medians of 5).
+/// prefill on a bare engine (medians of 9); and a bare engine's decode step for the
+/// streams [`served_tpot`] times (median of 5).
 async fn overheads(model: &Arc<Model>, threads: usize) -> Result<Overheads, TwinError> {
     let opts = WorkerOptions {
         name: "profile".into(),
@@ -346,9 +362,8 @@ async fn overheads(model: &Arc<Model>, threads: usize) -> Result<Overheads, Twin
         bare.push(t.elapsed().as_secs_f64());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let (mut streamed, mut stepped) = (Vec::new(), Vec::new());
+    let mut stepped = Vec::new();
     for k in 0..5 {
-        streamed.push(stream_gap(&w, 5000 + k as u64, prompt(64, 70_000 + k)).await?);
         let mut e = engine(model, threads, 256);
         let _ = e.add(RequestId(1), prompt(64, 71_000 + k), exactly(DECODE_TOKENS));
         e.step();
@@ -361,7 +376,7 @@ async fn overheads(model: &Arc<Model>, threads: usize) -> Result<Overheads, Twin
     Ok(Overheads {
         switch_s: median(switch),
         admission_s: (median(through) - median(bare)).max(0.0),
-        token_s: (median(streamed) - median(stepped)).max(0.0),
+        decode_s: median(stepped),
     })
 }
 
@@ -372,30 +387,49 @@ fn exactly(n: u32) -> SamplingParams {
     SamplingParams { max_tokens: n, min_tokens: n, ignore_eos: true, ..SamplingParams::default() }
 }
 
-/// The mean gap between a worker's streamed tokens after the first.
-async fn stream_gap(w: &LocalWorker, id: u64, p: Vec<u32>) -> Result<f64, TwinError> {
-    let (tx, mut rx) = TokenStream::channel(256);
-    let req = GenerateRequest {
-        id: RequestId(id),
-        tag: "profile".into(),
-        prompt: p,
-        params: exactly(DECODE_TOKENS),
-        fence: None,
-        trace: Default::default(),
-    };
-    w.generate(req, tx).map_err(|e| TwinError::Invalid(e.to_string()))?;
-    let mut times = Vec::new();
-    while let Some(ev) = rx.next().await {
-        match ev {
-            Event::Token(_) => times.push(Instant::now()),
-            Event::Done { .. } | Event::Failed(_) => break,
-            Event::Prompt(_) => {}
+/// The median TPOT of streams served over HTTP by `pdserve serve` (this binary, one
+/// aggregated worker of `threads`) to `bench load`'s client: the engine's decode step
+/// plus everything serving adds per token (the worker loop, the router, detokenizing,
+/// SSE, the client's parsing), on this machine's cores.
+async fn served_tpot(spec: &Spec, threads: usize) -> Result<f64, TwinError> {
+    let args: Vec<String> = ["--model", &spec.model_arg, "--mode", "aggregated", "--workers", "1"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(["--threads-per-worker".to_string(), threads.to_string()])
+        .collect();
+    let log = std::env::temp_dir().join(format!("pdserve-profile-serve-{}.log", std::process::id()));
+    let bench = |e: pdserve_bench::BenchError| TwinError::Invalid(format!("timing a served stream: {e}"));
+    let mut server = ServerProcess::spawn("profile", &spec.exe, &args, log.clone()).map_err(bench)?;
+    let timed = async {
+        server.wait_healthy(Duration::from_secs(120)).await?;
+        let target = Target::parse(&server.url(), false)?;
+        let model = first_model(&target).await?;
+        let body =
+            BodyOptions { endpoint: Endpoint::Completions, prompt_kind: PromptKind::Ids, model, temperature: 0.0 };
+        let client = Client { target, body, timeout: Duration::from_secs(120) };
+        let mut tpots = Vec::new();
+        for k in 0..6 {
+            let spec = RequestSpec {
+                index: k,
+                prompt: Prompt { prefix: Vec::new(), body: prompt(64, 90_000 + k) },
+                output_len: DECODE_TOKENS,
+            };
+            let rec = client.send(&spec, tokio::time::Instant::now(), None).await;
+            // The first warms the server up.
+            if k > 0 {
+                tpots.extend(rec.tpot_s);
+            }
         }
+        Ok::<_, pdserve_bench::BenchError>(tpots)
+    };
+    let tpots = timed.await;
+    let _ = server.stop(Duration::from_secs(5)).await;
+    let _ = std::fs::remove_file(&log);
+    let tpots = tpots.map_err(bench)?;
+    if tpots.is_empty() {
+        return Err(TwinError::Invalid("no served stream could be timed".into()));
     }
-    match (times.get(1), times.last()) {
-        (Some(a), Some(b)) if times.len() > 2 => Ok((*b - *a).as_secs_f64() / (times.len() - 2) as f64),
-        _ => Err(TwinError::Invalid("the timing stream ended early".into())),
-    }
+    Ok(median(tpots))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

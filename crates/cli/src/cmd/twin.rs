@@ -45,6 +45,8 @@ pub fn profile(a: ProfileArgs) -> anyhow::Result<()> {
         machine: machine(),
         date: today(),
         command: std::env::args().collect::<Vec<_>>().join(" "),
+        exe: std::env::current_exe().context("finding this binary")?,
+        model_arg: a.model.clone(),
     };
     let p = measure::profile(&spec, &mut |line| eprintln!("{line}"))?;
     p.save(&a.out)?;

@@ -52,6 +52,16 @@ impl ServerProcess {
         format!("http://127.0.0.1:{}", self.port)
     }
 
+    /// CPU seconds (user + system) the server has used so far, from `/proc`.
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
+        // After the command name's closing parenthesis: state is field 3, utime 14, stime 15.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+        // Linux reports them in USER_HZ, 100 per second on every architecture it runs on.
+        Some((ticks(11)? + ticks(12)?) / 100.0)
+    }
+
     /// Polls `/health` until it answers 200; fails if the process exits first or
     /// `timeout` passes.
     pub async fn wait_healthy(&mut self, timeout: Duration) -> Result<(), BenchError> {

@@ -87,15 +87,20 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
     let co_run_slowdown = co_run(&spec.model);
     log(&format!("two one-thread workers at once: steps {co_run_slowdown:.2}× as long"));
     let o = rt.block_on(overheads(&spec.model, threads))?;
-    let served = rt.block_on(served_tpot(spec, threads))?;
-    let token_s = (served - o.decode_s).max(0.0);
+    let served = rt.block_on(served(spec, threads))?;
+    let token_s = (served.tpot_s - o.decode_s).max(0.0);
+    // CPU beyond the engine's own compute, per streamed token.
+    let tokens = (served.streams * DECODE_TOKENS as usize) as f64;
+    let host_token_s = ((served.cpu_s - served.streams as f64 * o.stream_s) / tokens).max(0.0);
     log(&format!(
-        "role switch {:.1} µs; admission {:.0} µs; served TPOT {:.2} ms against {:.2} ms bare: {:.0} µs per token",
+        "role switch {:.1} µs; admission {:.0} µs; served TPOT {:.2} ms against {:.2} ms bare: {:.0} µs per token; \
+         host CPU {:.0} µs per token",
         o.switch_s * 1e6,
         o.admission_s * 1e6,
-        served * 1e3,
+        served.tpot_s * 1e3,
         o.decode_s * 1e3,
-        token_s * 1e6
+        token_s * 1e6,
+        host_token_s * 1e6
     ));
     Ok(Profile {
         schema: profile::SCHEMA,
@@ -120,6 +125,7 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
         switch_s: o.switch_s,
         admission_s: o.admission_s,
         token_overhead_s: token_s,
+        host_token_s,
         co_run_slowdown,
     })
 }
@@ -216,8 +222,13 @@ fn half_bits(x: f32) -> u16 {
 }
 
 /// Decode steps (4 sequences at 512 positions) of a one-thread engine alone, then of
-/// two such engines on two threads at once: the ratio of their medians.
+/// two such engines on two threads at once: the ratio of their medians, the median
+/// of three tries.
 fn co_run(model: &Arc<Model>) -> f64 {
+    median((0..3).map(|k| co_run_once(model, k * 10_000)).collect())
+}
+
+fn co_run_once(model: &Arc<Model>, salt: usize) -> f64 {
     let run = |salt: usize| {
         let mut e = engine(model, 1, 512);
         for i in 0..4 {
@@ -235,10 +246,10 @@ fn co_run(model: &Arc<Model>) -> f64 {
             .collect();
         median(std::mem::take(&mut times))
     };
-    let alone = run(80_000);
+    let alone = run(80_000 + salt);
     let both = std::thread::scope(|s| {
-        let a = s.spawn(|| run(81_000));
-        let b = run(82_000);
+        let a = s.spawn(|| run(81_000 + salt));
+        let b = run(82_000 + salt);
         (a.join().unwrap_or(b) + b) / 2.0
     });
     (both / alone).max(1.0)
@@ -307,6 +318,8 @@ struct Overheads {
     admission_s: f64,
     /// A bare engine's decode step for one 64-token prompt's stream.
     decode_s: f64,
+    /// The whole stream (prefill and every decode step) on a bare engine.
+    stream_s: f64,
 }
 
 /// A role switch in place; a 16-token request's trip through a worker less the same
@@ -362,21 +375,24 @@ async fn overheads(model: &Arc<Model>, threads: usize) -> Result<Overheads, Twin
         bare.push(t.elapsed().as_secs_f64());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let mut stepped = Vec::new();
+    let (mut stepped, mut streams) = (Vec::new(), Vec::new());
     for k in 0..5 {
         let mut e = engine(model, threads, 256);
         let _ = e.add(RequestId(1), prompt(64, 71_000 + k), exactly(DECODE_TOKENS));
+        let whole = Instant::now();
         e.step();
         let t = Instant::now();
         while e.has_work() {
             e.step();
         }
         stepped.push(t.elapsed().as_secs_f64() / (DECODE_TOKENS - 1) as f64);
+        streams.push(whole.elapsed().as_secs_f64());
     }
     Ok(Overheads {
         switch_s: median(switch),
         admission_s: (median(through) - median(bare)).max(0.0),
         decode_s: median(stepped),
+        stream_s: median(streams),
     })
 }
 
@@ -391,7 +407,7 @@ fn exactly(n: u32) -> SamplingParams {
 /// aggregated worker of `threads`) to `bench load`'s client: the engine's decode step
 /// plus everything serving adds per token (the worker loop, the router, detokenizing,
 /// SSE, the client's parsing), on this machine's cores.
-async fn served_tpot(spec: &Spec, threads: usize) -> Result<f64, TwinError> {
+async fn served(spec: &Spec, threads: usize) -> Result<Served, TwinError> {
     let args: Vec<String> = ["--model", &spec.model_arg, "--mode", "aggregated", "--workers", "1"]
         .iter()
         .map(|s| s.to_string())
@@ -407,8 +423,11 @@ async fn served_tpot(spec: &Spec, threads: usize) -> Result<f64, TwinError> {
         let body =
             BodyOptions { endpoint: Endpoint::Completions, prompt_kind: PromptKind::Ids, model, temperature: 0.0 };
         let client = Client { target, body, timeout: Duration::from_secs(120) };
-        let mut tpots = Vec::new();
+        let (mut tpots, mut client_s, mut before) = (Vec::new(), 0.0, None);
         for k in 0..6 {
+            if k == 1 {
+                before = server.cpu_seconds();
+            }
             let spec = RequestSpec {
                 index: k,
                 prompt: Prompt { prefix: Vec::new(), body: prompt(64, 90_000 + k) },
@@ -418,18 +437,28 @@ async fn served_tpot(spec: &Spec, threads: usize) -> Result<f64, TwinError> {
             // The first warms the server up.
             if k > 0 {
                 tpots.extend(rec.tpot_s);
+                client_s += rec.client_busy_s;
             }
         }
-        Ok::<_, pdserve_bench::BenchError>(tpots)
+        let server_s = server.cpu_seconds().zip(before).map(|(after, before)| after - before);
+        Ok::<_, pdserve_bench::BenchError>((tpots, server_s.unwrap_or(0.0) + client_s))
     };
     let tpots = timed.await;
     let _ = server.stop(Duration::from_secs(5)).await;
     let _ = std::fs::remove_file(&log);
-    let tpots = tpots.map_err(bench)?;
+    let (tpots, cpu_s) = tpots.map_err(bench)?;
     if tpots.is_empty() {
         return Err(TwinError::Invalid("no served stream could be timed".into()));
     }
-    Ok(median(tpots))
+    Ok(Served { tpot_s: median(tpots), streams: 5, cpu_s })
+}
+
+/// What [`served`] measured.
+struct Served {
+    tpot_s: f64,
+    streams: usize,
+    /// CPU seconds the server and the client used for the timed streams.
+    cpu_s: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -38,6 +38,11 @@ pub struct Profile {
     /// carry it).
     #[serde(default)]
     pub token_overhead_s: f64,
+    /// CPU seconds serving spends per streamed token outside the engine (the frontend,
+    /// the router, the client), which come out of the workers' time once their threads
+    /// fill every core.
+    #[serde(default)]
+    pub host_token_s: f64,
     /// A decode step's time while a second one-thread worker decodes on the same
     /// machine, over its time alone.
     #[serde(default = "one")]

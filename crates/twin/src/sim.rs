@@ -109,10 +109,12 @@ pub struct SimServer {
 impl SimServer {
     /// Starts the workers and the router (and the planner) on the current runtime.
     pub fn start(profile: &Profile, t: &Topology) -> SimServer {
-        let shared = Machine::new(profile.co_run_slowdown);
+        // The profile's widest shape is its machine's cores.
+        let cores = profile.shapes.iter().map(|s| s.threads).max().unwrap_or(1);
+        let shared = Machine::new(cores, profile.co_run_slowdown, profile.host_token_s);
         let machine = || match t.shared_machine {
             true => shared.clone(),
-            false => Machine::new(1.0),
+            false => Machine::new(cores, 1.0, profile.host_token_s),
         };
         let workers = t.roles.iter().enumerate().map(|(i, &role)| {
             let opts = SimOptions {

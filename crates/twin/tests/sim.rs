@@ -40,6 +40,7 @@ fn profile() -> Profile {
         switch_s: 0.0,
         admission_s: ADMISSION,
         token_overhead_s: 0.0,
+        host_token_s: 0.0,
         co_run_slowdown: 1.0,
     }
 }

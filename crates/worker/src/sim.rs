@@ -50,46 +50,55 @@ impl LinkModel {
     }
 }
 
-/// The machine simulated workers share: a step that runs while another worker of
-/// the machine computes takes longer (memory bandwidth, the threads that carry the
-/// streams), by the factor the profile measured with two engines at once.
-#[derive(Debug, Default)]
+/// The machine simulated workers share. A step that runs while another worker of the
+/// machine computes takes longer (memory bandwidth), by the factor the profile
+/// measured with two engines at once; and once the workers' busy threads fill every
+/// core, the host work serving does per streamed token (the frontend, the router,
+/// the client) comes out of the step's time.
+#[derive(Debug)]
 pub struct Machine {
+    /// Compute threads busy now, over all the machine's workers.
     busy: AtomicUsize,
+    cores: usize,
     /// A step's time with another worker computing, over its time alone.
-    pub slowdown: f64,
+    slowdown: f64,
+    /// Host CPU seconds per streamed token.
+    host_token_s: f64,
 }
 
 impl Machine {
-    pub fn new(slowdown: f64) -> Arc<Machine> {
-        Arc::new(Machine { busy: AtomicUsize::new(0), slowdown: slowdown.max(1.0) })
+    pub fn new(cores: usize, slowdown: f64, host_token_s: f64) -> Arc<Machine> {
+        let (slowdown, host_token_s) = (slowdown.max(1.0), host_token_s.max(0.0));
+        Arc::new(Machine { busy: AtomicUsize::new(0), cores: cores.max(1), slowdown, host_token_s })
     }
 
-    /// Marks a worker computing until the guard drops.
-    pub(crate) fn busy(&self) -> Busy<'_> {
-        let others = self.busy.fetch_add(1, Ordering::Relaxed);
-        Busy { machine: self, shared: others > 0 }
+    /// Marks `threads` computing until the guard drops.
+    pub(crate) fn busy(&self, threads: usize) -> Busy<'_> {
+        let others = self.busy.fetch_add(threads, Ordering::Relaxed);
+        Busy { machine: self, threads, shared: others > 0, saturated: others + threads >= self.cores }
     }
 }
 
 pub(crate) struct Busy<'a> {
     machine: &'a Machine,
+    threads: usize,
     shared: bool,
+    saturated: bool,
 }
 
 impl Busy<'_> {
-    pub(crate) fn slowdown(&self) -> f64 {
-        if self.shared {
-            self.machine.slowdown
-        } else {
-            1.0
-        }
+    /// How long a step of `compute` modelled seconds that streams `tokens` takes.
+    pub(crate) fn seconds(&self, compute: f64, tokens: usize) -> f64 {
+        let m = self.machine;
+        let slowed = if self.shared { compute * m.slowdown } else { compute };
+        let host = if self.saturated { tokens as f64 * m.host_token_s } else { 0.0 };
+        slowed + host
     }
 }
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
-        self.machine.busy.fetch_sub(1, Ordering::Relaxed);
+        self.machine.busy.fetch_sub(self.threads, Ordering::Relaxed);
     }
 }
 
@@ -136,10 +145,10 @@ impl SimWorker {
     pub fn spawn(opts: SimOptions) -> SimWorker {
         let (tx, rx) = mpsc::channel(QUEUE);
         let active = Arc::new(AtomicUsize::new(0));
-        let layers = opts.timed.n_layers;
+        let (layers, threads) = (opts.timed.n_layers, opts.engine.threads.max(1));
         let engine = Engine::timed(opts.timed, opts.engine, Vec::new());
         let pool = engine.block_pool().clone();
-        tokio::spawn(worker_loop::run_virtual(engine, rx, active.clone(), opts.machine));
+        tokio::spawn(worker_loop::run_virtual(engine, rx, active.clone(), (opts.machine, threads)));
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
         let inner = Inner {
             role: RoleState::new(info.role),
@@ -355,6 +364,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_machine_charges_host_work_per_token() {
+        let m = Machine::new(2, 1.5, 0.001);
+        let a = m.busy(1);
+        // Alone with a core to spare: the step's own time.
+        assert_eq!(a.seconds(1.0, 4), 1.0);
+        let b = m.busy(1);
+        // Beside a busy worker, every core busy: slowed, plus the tokens' host work.
+        assert!((b.seconds(1.0, 4) - 1.504).abs() < 1e-12);
+        drop((a, b));
+        // One worker whose threads fill the machine pays the host work alone.
+        assert!((m.busy(2).seconds(1.0, 2) - 1.002).abs() < 1e-12);
+    }
 
     #[test]
     fn a_fast_link_hides_all_but_the_last_layer() {

@@ -82,7 +82,7 @@ pub(crate) async fn run_virtual(
     engine: Engine,
     mut rx: tokio::sync::mpsc::Receiver<Command>,
     active: Arc<AtomicUsize>,
-    machine: Arc<crate::sim::Machine>,
+    (machine, threads): (Arc<crate::sim::Machine>, usize),
 ) {
     let mut l = Loop::new(engine, active);
     // Where the last step ended exactly: tokio's timers fire on whole milliseconds, so
@@ -108,10 +108,10 @@ pub(crate) async fn run_virtual(
         }
         let spent = std::mem::take(&mut l.owed) + l.engine.take_charged();
         if spent > 0.0 {
-            let busy = machine.busy();
+            let busy = machine.busy(threads);
             let now = Instant::now();
             let start = ended.filter(|e| now.duration_since(*e) < TIMER_TICK).unwrap_or(now);
-            let end = start + Duration::from_secs_f64(spent * busy.slowdown());
+            let end = start + Duration::from_secs_f64(busy.seconds(spent, outs.len()));
             tokio::time::sleep_until(end).await;
             ended = Some(end);
         }

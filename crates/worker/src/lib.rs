@@ -401,7 +401,13 @@ impl Inner {
             return Err(ServeError::Invalid(format!("{id} already has a reservation")));
         }
         // From here every way out but success releases the blocks (a dropped future too).
-        let guard = ReleaseOnDrop { inner: self.clone(), id, armed: true };
+        let guard = Defer::new({
+            let inner = self.clone();
+            move || {
+                lock(&inner.imports).remove(&id);
+                inner.release(id);
+            }
+        });
         let (reply, rx) = oneshot::channel();
         self.send(Command::Reserve { id, prompt_len, reply })?;
         rx.await.map_err(|_| self.stopped())??;
@@ -498,24 +504,24 @@ impl Inner {
     }
 }
 
-/// Releases a reservation unless disarmed (the reservation succeeded).
-struct ReleaseOnDrop {
-    inner: Arc<Inner>,
-    id: RequestId,
-    armed: bool,
-}
+/// Runs its action when dropped unless disarmed: the cleanup of a call that may be
+/// abandoned half-way (a reservation whose future is dropped).
+pub(crate) struct Defer<F: FnOnce()>(Option<F>);
 
-impl ReleaseOnDrop {
-    fn disarm(mut self) {
-        self.armed = false;
+impl<F: FnOnce()> Defer<F> {
+    pub(crate) fn new(action: F) -> Defer<F> {
+        Defer(Some(action))
+    }
+
+    pub(crate) fn disarm(mut self) {
+        self.0 = None;
     }
 }
 
-impl Drop for ReleaseOnDrop {
+impl<F: FnOnce()> Drop for Defer<F> {
     fn drop(&mut self) {
-        if self.armed {
-            lock(&self.inner.imports).remove(&self.id);
-            self.inner.release(self.id);
+        if let Some(action) = self.0.take() {
+            action();
         }
     }
 }

@@ -8,7 +8,7 @@
 //! with the prefill as the real transports overlap it. No frame is moved.
 
 use crate::worker_loop;
-use crate::Command;
+use crate::{lock, Command, Defer};
 use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::timed::TimedModel;
 use pdserve_kv::BlockPool;
@@ -21,7 +21,7 @@ use pdserve_types::{Assignment, Epoch, RequestId, Role};
 use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc::{self, error::TrySendError};
 use tokio::sync::oneshot;
@@ -203,7 +203,10 @@ impl Worker for SimWorker {
                 return Err(ServeError::Invalid(format!("{id} already has a reservation")));
             }
             // From here every way out but success releases the blocks (a dropped future too).
-            let guard = ReleaseOnDrop { inner: Some(inner.clone()), id };
+            let guard = Defer::new({
+                let inner = inner.clone();
+                move || inner.release(id)
+            });
             let (reply, rx) = oneshot::channel();
             inner.send(Command::Reserve { id, prompt_len, reply })?;
             rx.await.map_err(|_| inner.stopped())??;
@@ -253,26 +256,6 @@ impl Worker for SimWorker {
     fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
         let events = crate::events::since(&self.inner.pool, after);
         Box::pin(async move { Ok(events) })
-    }
-}
-
-/// Releases a reservation unless disarmed.
-struct ReleaseOnDrop {
-    inner: Option<Arc<Inner>>,
-    id: RequestId,
-}
-
-impl ReleaseOnDrop {
-    fn disarm(mut self) {
-        self.inner = None;
-    }
-}
-
-impl Drop for ReleaseOnDrop {
-    fn drop(&mut self) {
-        if let Some(inner) = self.inner.take() {
-            inner.release(self.id);
-        }
     }
 }
 
@@ -355,10 +338,6 @@ impl Inner {
         first.transfer_seconds = tail;
         Ok(first)
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[cfg(test)]

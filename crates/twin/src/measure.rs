@@ -396,17 +396,18 @@ async fn overheads(model: &Arc<Model>, threads: usize) -> Result<Overheads, Twin
     })
 }
 
-/// Tokens of the streams that time a worker's gap between tokens.
+/// Tokens of each timed stream.
 const DECODE_TOKENS: u32 = 65;
 
 fn exactly(n: u32) -> SamplingParams {
     SamplingParams { max_tokens: n, min_tokens: n, ignore_eos: true, ..SamplingParams::default() }
 }
 
-/// The median TPOT of streams served over HTTP by `pdserve serve` (this binary, one
-/// aggregated worker of `threads`) to `bench load`'s client: the engine's decode step
-/// plus everything serving adds per token (the worker loop, the router, detokenizing,
-/// SSE, the client's parsing), on this machine's cores.
+/// Times streams served over HTTP by `pdserve serve` (this binary, one aggregated
+/// worker of `threads`) to `bench load`'s client: their median TPOT (the engine's
+/// decode step plus whatever serving adds to it per token: the worker loop, the
+/// router, detokenizing, SSE, the client's parsing) and the CPU the server and the
+/// client spent on them.
 async fn served(spec: &Spec, threads: usize) -> Result<Served, TwinError> {
     let args: Vec<String> = ["--model", &spec.model_arg, "--mode", "aggregated", "--workers", "1"]
         .iter()

@@ -23,6 +23,7 @@ pub mod lengths;
 pub mod load;
 pub mod metrics;
 pub mod openai;
+pub mod phases;
 pub mod point;
 pub mod process;
 pub mod progress;

@@ -7,6 +7,7 @@ use crate::client::{first_model, prefix_hits, Client};
 use crate::error::BenchError;
 use crate::metrics::{Slo, Summary};
 use crate::openai::BodyOptions;
+use crate::phases::PhaseResult;
 use crate::point::{Bounds, Issue, PointPlan};
 use crate::record::RequestRecord;
 use crate::report::{json, markdown};
@@ -27,6 +28,8 @@ pub enum Sweep {
     Rates { rates: Vec<f64>, kind: ArrivalKind, burstiness: f64 },
     /// One point: the trace's own arrival times, sped up.
     Trace { speedup: f64 },
+    /// One point: the workload's phases, end to end (they set their own length).
+    Phases,
 }
 
 impl Sweep {
@@ -38,13 +41,17 @@ impl Sweep {
         kind: ArrivalKind,
         burstiness: f64,
         trace_speedup: Option<f64>,
+        phases: bool,
     ) -> Result<Self, BenchError> {
-        let given =
-            usize::from(concurrency.is_some()) + usize::from(!rates.is_empty()) + usize::from(trace_speedup.is_some());
+        let given = usize::from(concurrency.is_some())
+            + usize::from(!rates.is_empty())
+            + usize::from(trace_speedup.is_some())
+            + usize::from(phases);
         if given > 1 {
-            return Err(BenchError::BadFlag("give one of --concurrency, --rate or --trace".into()));
+            return Err(BenchError::BadFlag("give one of --concurrency, --rate, --trace or --phase".into()));
         }
         Ok(match (trace_speedup, rates.is_empty()) {
+            _ if phases => Self::Phases,
             (Some(speedup), _) => Self::Trace { speedup },
             (None, false) => Self::Rates { rates, kind, burstiness },
             (None, true) => Self::Concurrency(concurrency.unwrap_or_else(|| vec![1])),
@@ -79,7 +86,19 @@ pub struct LoadOptions {
 pub struct PointResult {
     pub plan: PointPlan,
     pub summary: Summary,
+    /// A shifting workload's summary per phase (empty otherwise).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<PhaseResult>,
     pub records: Vec<RequestRecord>,
+}
+
+impl PointResult {
+    /// A point's result from its records, split per phase when the workload has them.
+    pub fn of(plan: &PointPlan, w: &Workload, records: Vec<RequestRecord>, slo: Slo) -> Self {
+        let summary = Summary::of(&records, slo);
+        let phases = crate::phases::split(&w.spans(), &records, slo);
+        Self { plan: plan.clone(), summary, phases, records }
+    }
 }
 
 /// The output of `bench load`.
@@ -133,6 +152,11 @@ pub fn plans(
                 bounds,
                 seed: 0,
             }]
+        }
+        Sweep::Phases => {
+            let n = trace_len.ok_or_else(|| BenchError::BadFlag("a phased sweep needs --phase".into()))?;
+            let bounds = Bounds::open(n, f64::INFINITY);
+            vec![PointPlan { label: "phases".into(), issue: Issue::Trace { speedup: 1.0 }, bounds, seed: 0 }]
         }
     };
     if plans.is_empty() {
@@ -203,13 +227,19 @@ pub async fn measure(
         let t = Instant::now();
         let before = prefix_hits(&client.target).await;
         let records = run_point(client, w, plan, Some(crate::progress::Style::detect())).await;
-        let mut summary = Summary::of(&records, slo);
-        summary.prefix_hits = prefix_hits(&client.target).await.map(|after| after.since(before));
-        for r in &records {
-            summary.prompt_blocks += sent.record(&w.request(plan.seed, r.index).prompt.ids());
+        let mut point = PointResult::of(plan, w, records, slo);
+        point.summary.prefix_hits = prefix_hits(&client.target).await.map(|after| after.since(before));
+        for r in &point.records {
+            point.summary.prompt_blocks += sent.record(&w.request(plan.seed, r.index).prompt.ids());
         }
-        tracing::info!("{}", markdown::one_line(&plan.label, &summary, t.elapsed().as_secs_f64()));
-        out.push(PointResult { plan: plan.clone(), summary, records });
+        tracing::info!("{}", markdown::one_line(&plan.label, &point.summary, t.elapsed().as_secs_f64()));
+        for p in &point.phases {
+            tracing::info!(
+                "{}",
+                markdown::one_line(&format!("  phase {}", p.span.label), &p.summary, p.span.end_s - p.span.start_s)
+            );
+        }
+        out.push(point);
     }
     out
 }

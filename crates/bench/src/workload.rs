@@ -5,6 +5,7 @@
 //! cache hits carried over from an earlier point), and nothing is pre-generated.
 
 use crate::lengths::LengthSpec;
+use crate::phases::{Phases, Span};
 use crate::prompt::{Prompt, TokenRange};
 use crate::rng::{mix, Rng};
 use crate::trace::TraceRow;
@@ -27,6 +28,9 @@ pub enum Source {
     MultiTurn { users: usize, turns: LengthSpec, input: LengthSpec, output: LengthSpec },
     /// Rows of a trace, in order.
     Trace { rows: Arc<Vec<TraceRow>>, block_size: usize },
+    /// A shifting workload: the phases' requests as rows, whose times count from the
+    /// start of the run (not from the first row) so phases keep their places.
+    Phased { phases: Arc<Phases>, rows: Arc<Vec<TraceRow>> },
 }
 
 /// A workload: a source plus how tokens are drawn.
@@ -50,6 +54,8 @@ pub struct WorkloadFlags {
     pub turns: LengthSpec,
     pub trace: Option<std::path::PathBuf>,
     pub trace_block_size: usize,
+    /// A shifting workload (empty: none).
+    pub phases: Vec<crate::phases::Phase>,
     pub range: TokenRange,
     pub seed: u64,
 }
@@ -58,6 +64,15 @@ impl WorkloadFlags {
     /// A trace wins over lengths; shared prefixes apply to random prompts.
     pub fn build(&self) -> Result<Workload, crate::error::BenchError> {
         let bad = |m: &str| Err(crate::error::BenchError::BadFlag(m.into()));
+        if !self.phases.is_empty() {
+            if self.conversations > 0 || self.shared_prefixes > 0 || self.trace.is_some() {
+                return bad("--phase mixes with none of --conversations, --shared-prefixes and --trace");
+            }
+            let phases = Phases::new(self.phases.clone())?;
+            let rows = Arc::new(phases.rows(self.seed));
+            let source = Source::Phased { phases: Arc::new(phases), rows };
+            return Ok(Workload { source, range: self.range, seed: self.seed });
+        }
         let source = match &self.trace {
             _ if self.conversations > 0 && (self.shared_prefixes > 0 || self.trace.is_some()) => {
                 return bad("--conversations mixes with neither --shared-prefixes nor --trace")
@@ -116,6 +131,10 @@ impl Workload {
                 Some(row) => (row.prompt(*block_size, self.range, self.seed, rng.next_u64()), row.output_length),
                 None => (Prompt::default(), 1),
             },
+            Source::Phased { rows, .. } => match rows.get(index) {
+                Some(row) => (row.prompt(16, self.range, self.seed, rng.next_u64()), row.output_length),
+                None => (Prompt::default(), 1),
+            },
         };
         RequestSpec { index, prompt, output_len }
     }
@@ -165,15 +184,27 @@ impl Workload {
     /// The number of rows when the workload is a trace (its natural request bound).
     pub fn trace_len(&self) -> Option<usize> {
         match &self.source {
-            Source::Trace { rows, .. } => Some(rows.len()),
+            Source::Trace { rows, .. } | Source::Phased { rows, .. } => Some(rows.len()),
             _ => None,
         }
     }
 
-    /// Trace arrival offsets in seconds from the first row, divided by `speedup`.
+    /// The phases of a shifting workload (empty otherwise).
+    pub fn spans(&self) -> Vec<Span> {
+        match &self.source {
+            Source::Phased { phases, .. } => phases.spans(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Trace arrival offsets in seconds from the first row, divided by `speedup`
+    /// (phases: from the start of the run).
     pub fn trace_offsets(&self, speedup: f64) -> Option<Vec<f64>> {
-        let Source::Trace { rows, .. } = &self.source else { return None };
-        let t0 = rows.first().map_or(0.0, |r| r.timestamp);
+        let (rows, t0) = match &self.source {
+            Source::Trace { rows, .. } => (rows, rows.first().map_or(0.0, |r| r.timestamp)),
+            Source::Phased { rows, .. } => (rows, 0.0),
+            _ => return None,
+        };
         Some(rows.iter().map(|r| (r.timestamp - t0) / 1000.0 / speedup).collect())
     }
 
@@ -188,6 +219,7 @@ impl Workload {
                 format!("multi-turn: {users} users, {turns} turns of ISL {input} / OSL {output}")
             }
             Source::Trace { rows, block_size } => format!("trace of {} rows (block {block_size})", rows.len()),
+            Source::Phased { phases, rows } => format!("{} ({} requests)", phases.describe(), rows.len()),
         }
     }
 }

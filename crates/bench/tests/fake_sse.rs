@@ -228,6 +228,33 @@ fn bench_load_end_to_end_writes_json_and_refuses_unreachable_servers() {
     assert_eq!(v["points"][0]["records"].as_array().unwrap().len(), 2);
     assert!(v["points"][0]["records"][0]["chunk_times_s"].is_array());
 
+    // A shifting workload: one point whose JSON and table hold each phase.
+    let phase = |s: &str| s.parse::<pdserve_bench::phases::Phase>().unwrap();
+    let phases = vec![phase("a:0.5:20:8/2"), phase("b:0.5:20:16/3")];
+    let flags = pdserve_bench::workload::WorkloadFlags {
+        input: LengthSpec::Fixed(8),
+        output: LengthSpec::Fixed(3),
+        shared_prefixes: 0,
+        prefix_len: 0,
+        conversations: 0,
+        turns: LengthSpec::Fixed(1),
+        trace: None,
+        trace_block_size: 16,
+        phases,
+        range: TokenRange::default(),
+        seed: 3,
+    };
+    let phased =
+        LoadOptions { workload: flags.build().unwrap(), sweep: Sweep::Phases, calibrate: false, ..opts.clone() };
+    let report = run_load(&phased).unwrap();
+    let point = &report.points[0];
+    let n: Vec<usize> = point.phases.iter().map(|p| p.summary.requests).collect();
+    assert!(n.len() == 2 && n[0] > 0 && n[1] > 0 && n[0] + n[1] == point.records.len(), "{n:?}");
+    assert!(point.records.iter().all(|r| r.ok && r.output_tokens == if r.scheduled_s < Some(0.5) { 2 } else { 3 }));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(v["points"][0]["phases"][1]["span"]["label"], "b");
+    assert!(pdserve_bench::report::markdown::load_report(&report).contains("| phases › b |"));
+
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     opts.url = format!("http://127.0.0.1:{port}");
     let e = run_load(&opts).unwrap_err().to_string();

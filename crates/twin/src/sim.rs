@@ -10,7 +10,7 @@
 use crate::profile::Profile;
 use crate::TwinError;
 use pdserve_bench::load::PointResult;
-use pdserve_bench::metrics::{Slo, Summary};
+use pdserve_bench::metrics::Slo;
 use pdserve_bench::point::PointPlan;
 use pdserve_bench::record::RequestRecord;
 use pdserve_bench::runner::{run_point, Server};
@@ -92,8 +92,7 @@ pub fn simulate(spec: &SimSpec<'_>) -> Result<Vec<PointResult>, TwinError> {
         let mut out = Vec::new();
         for plan in spec.plans {
             let records = run_point(&server, spec.workload, plan, None).await;
-            let summary = Summary::of(&records, spec.slo);
-            out.push(PointResult { plan: plan.clone(), summary, records });
+            out.push(PointResult::of(plan, spec.workload, records, spec.slo));
         }
         Ok(out)
     })

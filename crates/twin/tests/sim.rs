@@ -59,6 +59,10 @@ fn topology(mode: Mode, roles: Vec<Role>) -> Topology {
 }
 
 fn workload(input: u32, output: u32) -> Workload {
+    flags(input, output).build().unwrap()
+}
+
+fn flags(input: u32, output: u32) -> WorkloadFlags {
     WorkloadFlags {
         input: LengthSpec::Fixed(input),
         output: LengthSpec::Fixed(output),
@@ -68,15 +72,14 @@ fn workload(input: u32, output: u32) -> Workload {
         turns: LengthSpec::Fixed(1),
         trace: None,
         trace_block_size: 512,
+        phases: Vec::new(),
         range: TokenRange { lo: 1000, hi: 40000 },
         seed: 7,
     }
-    .build()
-    .unwrap()
 }
 
 fn run(p: &Profile, t: Topology, w: &Workload, sweep: Sweep, requests: usize) -> Vec<PointResult> {
-    let plans = plans(&sweep, requests, 3600.0, None).unwrap();
+    let plans = plans(&sweep, requests, 3600.0, w.trace_len()).unwrap();
     let spec = SimSpec { profile: p, topology: t, workload: w, plans: &plans, slo: Slo::default(), warmup: 0 };
     simulate(&spec).unwrap()
 }
@@ -142,6 +145,38 @@ fn a_small_cache_preempts_and_still_finishes_everything() {
     let out = run(&p, t, &w, Sweep::Concurrency(vec![8]), 16);
     assert_eq!(out[0].summary.ok, 16, "{:?}", out[0].summary.first_error);
     assert!(out[0].records.iter().all(|r| r.output_tokens == 300));
+}
+
+#[test]
+fn phases_play_back_to_back_and_each_gets_its_own_summary() {
+    let p = profile();
+    let phase = |s: &str| s.parse::<pdserve_bench::phases::Phase>().unwrap();
+    let flags = WorkloadFlags {
+        phases: vec![phase("long:20:2:1000/8"), phase("short:20:2:50/64"), phase("sin:40:2:1000/8+50/64:sin=40")],
+        ..flags(1, 1)
+    };
+    let w = flags.build().unwrap();
+    let out = run(&p, topology(Mode::Aggregated, vec![Role::Mixed, Role::Mixed]), &w, Sweep::Phases, 1);
+    let point = &out[0];
+    assert_eq!(point.summary.requests, w.trace_len().unwrap(), "--requests does not cut a phased run");
+    assert!(point.records.iter().all(|r| r.ok));
+    let counts: Vec<usize> = point.phases.iter().map(|ph| ph.summary.requests).collect();
+    assert_eq!(counts.iter().sum::<usize>(), point.summary.requests, "{counts:?}");
+    assert!(counts.iter().all(|&n| n > 20), "{counts:?}");
+    for r in &point.records {
+        let at = r.scheduled_s.unwrap();
+        let want_long = if at < 20.0 {
+            Some(true)
+        } else if at < 40.0 {
+            Some(false)
+        } else {
+            None
+        };
+        if let Some(long) = want_long {
+            assert_eq!(r.input_tokens == 1000, long, "request at {at} s");
+            assert_eq!(r.output_tokens, if long { 8 } else { 64 });
+        }
+    }
 }
 
 #[test]

@@ -107,8 +107,8 @@ pub struct CompareReport {
 /// plots/*.svg under `out`, and printing the Markdown to stdout.
 pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport, BenchError> {
     opts.body.validate()?;
-    if matches!(opts.sweep, Sweep::Trace { .. }) {
-        return Err(BenchError::BadFlag("bench compare sweeps concurrencies or rates, not a trace".into()));
+    if matches!(opts.sweep, Sweep::Trace { .. } | Sweep::Phases) {
+        return Err(BenchError::BadFlag("bench compare sweeps concurrencies or rates, not a trace or phases".into()));
     }
     let plans = plans(&opts.sweep, opts.requests_per_point, opts.seconds_per_point, None)?;
     let topologies = selected(opts)?;

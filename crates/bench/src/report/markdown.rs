@@ -90,6 +90,9 @@ pub fn load_report(r: &LoadReport) -> String {
     out.push_str(&header(&["point"]));
     for p in &r.points {
         let _ = writeln!(out, "| {} | {} |", p.plan.label, summary_cells(&p.summary));
+        for ph in &p.phases {
+            let _ = writeln!(out, "| {} › {} | {} |", p.plan.label, ph.span.label, summary_cells(&ph.summary));
+        }
     }
     if !r.calibration.is_empty() {
         out.push_str("\nClient floor (same points against an instant in-process server):\n\n");

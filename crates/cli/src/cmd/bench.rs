@@ -137,6 +137,10 @@ pub struct WorkloadArgs {
     /// Replay the trace this many times faster.
     #[arg(long, default_value_t = 1.0)]
     pub trace_speedup: f64,
+    /// A phase of a shifting workload, LABEL:SECONDS:RATE:ISL/OSL[+ISL/OSL][:sin=PERIOD];
+    /// repeat it to play phases back to back as one point (they set its length).
+    #[arg(long)]
+    pub phase: Vec<pdserve_bench::phases::Phase>,
     /// Token ids are drawn from LO..HI (avoid the special tokens).
     #[arg(long, default_value = "1000..40000")]
     pub token_range: TokenRange,
@@ -301,6 +305,7 @@ impl WorkloadArgs {
             turns: self.turns,
             trace: self.trace.clone(),
             trace_block_size: self.trace_block_size,
+            phases: self.phase.clone(),
             range: self.token_range,
             seed: self.seed,
         };
@@ -310,7 +315,8 @@ impl WorkloadArgs {
     pub fn sweep(&self) -> anyhow::Result<Sweep> {
         let trace_speedup = self.trace.as_ref().map(|_| self.trace_speedup);
         let (c, r) = (self.concurrency.clone(), self.rate.clone());
-        Ok(Sweep::from_flags(c, r, self.arrivals, self.burstiness, trace_speedup)?)
+        let phased = !self.phase.is_empty();
+        Ok(Sweep::from_flags(c, r, self.arrivals, self.burstiness, trace_speedup, phased)?)
     }
 
     pub fn slo(&self) -> Slo {
@@ -350,7 +356,7 @@ fn compare(a: CompareArgs) -> anyhow::Result<()> {
     let opts = CompareOptions {
         budget: a.budget,
         workloads: a.workloads,
-        sweep: Sweep::from_flags(concurrency, a.rate, a.arrivals, a.burstiness, None)?,
+        sweep: Sweep::from_flags(concurrency, a.rate, a.arrivals, a.burstiness, None, false)?,
         requests_per_point: a.requests_per_point,
         seconds_per_point: a.seconds_per_point,
         topologies: a.topologies,

@@ -164,8 +164,8 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
     if a.nodes == 0 {
         anyhow::bail!("--nodes must be at least 1");
     }
-    if !a.work.rate.is_empty() || a.work.trace.is_some() {
-        anyhow::bail!("plan sweeps concurrency: give --concurrency, not --rate or --trace");
+    if !a.work.rate.is_empty() || a.work.trace.is_some() || !a.work.phase.is_empty() {
+        anyhow::bail!("plan sweeps concurrency: give --concurrency, not --rate, --trace or --phase");
     }
     let widest = profile.shapes.iter().map(|s| s.threads).max().unwrap_or(1);
     let workload = a.work.workload()?;

@@ -86,8 +86,9 @@ pub fn sim(a: SimArgs) -> anyhow::Result<()> {
         kv_blocks: Some(t.kv_blocks),
         via: t.kv_transport.unwrap_or(TransportKind::Inproc),
         planner: t.planner.then_some(model::Slo { ttft_s: slo.ttft_ms / 1e3, tpot_s: slo.tpot_ms / 1e3 }),
-        // One machine, as `serve` runs its workers.
-        shared_machine: true,
+        // Workers whose threads fit the profile's machine share it, as `serve`'s do;
+        // more are a fleet, one machine each.
+        shared_machine: threads * t.roles().len() <= widest,
     };
     let workload = a.work.workload()?;
     let plans = plans(&a.work.sweep()?, a.work.requests, a.work.seconds, workload.trace_len())?;

@@ -110,3 +110,36 @@ fn export_and_import_continue_the_same_tokens() {
     assert_eq!(got, want);
     assert_eq!(pre.stats().blocks.used, 0);
 }
+
+#[test]
+fn a_prefill_waiting_for_blocks_does_not_hold_up_the_decodes_behind_it() {
+    // 10 blocks of 16 tokens. A local prompt is admitted first and takes the last two
+    // free blocks for its first chunk; two transferred sequences then fill the pool
+    // behind it. The prefill must wait, the decodes must go on (one preempting the
+    // other), and everything must finish.
+    let mut e = engine(10, 32);
+    e.reserve_import(RequestId(2), 64).unwrap();
+    e.reserve_import(RequestId(3), 64).unwrap();
+    e.add(RequestId(1), prompt(96, 1), SamplingParams::greedy(4)).unwrap();
+    let first = e.step();
+    assert!(first.is_empty(), "a first chunk samples nothing");
+    for id in [2, 3] {
+        assert!(e.finish_import(RequestId(id), prompt(64, id as u32), 1234, SamplingParams::greedy(4)).unwrap());
+    }
+    let (out, _) = drain(&mut e);
+    assert_eq!(out.get(&1).map(Vec::len), Some(4), "the prefill finished");
+    assert_eq!((out[&2].len(), out[&3].len()), (3, 3), "both decodes finished (their first token came with them)");
+}
+
+#[test]
+fn an_engine_that_cannot_compute_anything_says_it_is_stalled() {
+    let mut e = engine(4, 64);
+    e.reserve_import(RequestId(9), 60).unwrap();
+    e.add(RequestId(1), prompt(40, 0), SamplingParams::greedy(2)).unwrap();
+    assert!(e.step().is_empty());
+    assert!(e.has_work() && e.stalled(), "the prompt waits for blocks the transfer holds");
+    assert!(e.abort_import(RequestId(9)));
+    e.step();
+    assert!(!e.stalled());
+    drain(&mut e);
+}

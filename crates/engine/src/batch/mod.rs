@@ -127,6 +127,8 @@ pub struct Engine {
     decode_steps: DecodeSteps,
     /// Seconds of modelled compute not yet taken by [`Engine::take_charged`].
     charged: f64,
+    /// The last step found nothing it could compute (see [`Engine::stalled`]).
+    stalled: bool,
 }
 
 impl Engine {
@@ -161,6 +163,7 @@ impl Engine {
             masks: Arc::default(),
             decode_steps: DecodeSteps::default(),
             charged: 0.0,
+            stalled: false,
         }
     }
 
@@ -268,6 +271,14 @@ impl Engine {
     /// Whether a step would compute anything (paused sequences wait).
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || self.running.iter().any(|s| !s.paused)
+    }
+
+    /// The last step had work but could compute none of it: the head of the queue
+    /// does not fit in the blocks left (they wait on imports or paused sequences).
+    /// Only an outside event (a command, a reaped import) can change that, so a
+    /// worker loop waits for one instead of stepping again at once.
+    pub fn stalled(&self) -> bool {
+        self.stalled
     }
 
     /// Stops stepping running request `id` (its client reads slower than it is

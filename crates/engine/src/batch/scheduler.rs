@@ -42,6 +42,7 @@ impl Engine {
         on_layer: &mut dyn FnMut(usize, &KvStorage, &[LayerSeq]) -> bool,
     ) -> Vec<StepOutput> {
         let plan = self.schedule();
+        self.stalled = plan.is_empty();
         if plan.is_empty() {
             return Vec::new();
         }
@@ -119,6 +120,7 @@ impl Engine {
     fn schedule(&mut self) -> Vec<Planned> {
         let mut budget = self.cfg.max_batch_tokens;
         let mut plan = Vec::new();
+        let mut blocked = false;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let s = &self.running[i];
@@ -131,15 +133,19 @@ impl Engine {
                 let s = &self.running[i];
                 plan.push(Planned { seq: i, n, logits: s.computed + n == s.tokens.len() });
                 budget -= n;
-                i += 1;
-            } else if i >= self.running.len() || !self.running[i].is_decoding() {
-                // Out of blocks. Admitting newcomers now would let them take the blocks
-                // the stalled sequence waits for, and sit behind it unscheduled: once
-                // the older decodes finish, nothing could run again.
-                return plan;
+            } else {
+                // Out of blocks: a prefill waits, a decode preempted itself. The
+                // sequences after it still run (decodes that finish free the blocks
+                // it waits for; stopping here left running decodes unscheduled behind
+                // a waiting prefill for good), but no newcomer is admitted: it would
+                // take those blocks first.
+                blocked = true;
             }
+            i += 1;
         }
-        self.admit(&mut plan, budget);
+        if !blocked {
+            self.admit(&mut plan, budget);
+        }
         plan
     }
 

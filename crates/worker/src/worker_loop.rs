@@ -47,7 +47,9 @@ pub(crate) struct Loop {
 pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize>) {
     let mut l = Loop::new(engine, active);
     loop {
-        let first = if l.engine.has_work() {
+        // A stalled engine waits for an event like an idle one: stepping again at once
+        // would only spin a core.
+        let first = if l.engine.has_work() && !l.engine.stalled() {
             match rx.try_recv() {
                 Ok(c) => Some(c),
                 Err(TryRecvError::Empty) => None,
@@ -89,9 +91,16 @@ pub(crate) async fn run_virtual(
     // back-to-back steps are scheduled from here, not from when the timer fired.
     let mut ended: Option<Instant> = None;
     loop {
-        let first = match l.engine.has_work() {
-            true => rx.try_recv().ok(),
-            false => match rx.recv().await {
+        let first = match (l.engine.has_work(), l.engine.stalled()) {
+            (true, false) => rx.try_recv().ok(),
+            // A stalled step left the clock where it was: without this wait the task
+            // would never yield, and time (and the imports it waits on) stand still.
+            (true, true) => match tokio::time::timeout(IDLE_POLL, rx.recv()).await {
+                Ok(Some(c)) => Some(c),
+                Ok(None) => return,
+                Err(_) => None,
+            },
+            (false, _) => match rx.recv().await {
                 Some(c) => Some(c),
                 None => return,
             },

@@ -19,7 +19,7 @@ use pdserve_engine::timed::Clock;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, Generate, GenerateRequest, Worker};
 use pdserve_router::planner::{model, Planner, PlannerConfig};
-use pdserve_router::{Deadlines, Mode, PolicyKind, Router};
+use pdserve_router::{Deadlines, Migrating, Mode, PolicyKind, Router};
 use pdserve_types::{RequestId, Role, SamplingParams};
 use pdserve_worker::{Machine, SimOptions, SimWorker};
 use std::cell::Cell;
@@ -94,6 +94,7 @@ pub fn simulate(spec: &SimSpec<'_>) -> Result<Vec<PointResult>, TwinError> {
             let records = run_point(&server, spec.workload, plan, None).await;
             out.push(PointResult::of(plan, spec.workload, records, spec.slo));
         }
+        server.check_idle().await;
         Ok(out)
     })
 }
@@ -101,9 +102,18 @@ pub fn simulate(spec: &SimSpec<'_>) -> Result<Vec<PointResult>, TwinError> {
 /// The simulated fleet behind its router, taking requests as a client would send them.
 pub struct SimServer {
     router: Arc<Router>,
+    /// The router's front, as `pdserve serve`'s HTTP layer calls it: it feeds the
+    /// planner's signals and re-routes calls refused for a stale epoch.
+    front: Migrating,
     admission: Duration,
+    /// A request not done by then is given up, as `bench load`'s client gives up
+    /// (its default `--timeout-seconds`): a run always ends, and shows what hung.
+    timeout: Duration,
     next_id: Cell<u64>,
 }
+
+/// `bench load`'s default per-request timeout.
+const TIMEOUT: Duration = Duration::from_secs(600);
 
 impl SimServer {
     /// Starts the workers and the router (and the planner) on the current runtime.
@@ -138,11 +148,35 @@ impl SimServer {
         if let Some(slo) = t.planner {
             Planner::spawn(router.clone(), PlannerConfig::new(slo));
         }
-        SimServer { router, admission: Duration::from_secs_f64(profile.admission_s), next_id: Cell::new(1) }
+        // Serve's default `--max-migrations`.
+        let front = Migrating::new(router.clone(), 1);
+        let admission = Duration::from_secs_f64(profile.admission_s);
+        SimServer { router, front, admission, timeout: TIMEOUT, next_id: Cell::new(1) }
     }
 
     pub fn router(&self) -> &Arc<Router> {
         &self.router
+    }
+
+    /// Warns about every worker that still holds work or blocks after the run: an
+    /// idle fleet holds none, so anything left is a request the run lost track of.
+    pub async fn check_idle(&self) {
+        // Give deadlines and cancellations their time, as a drained server would.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        for e in self.router.workers().snapshot() {
+            if let Ok(s) = e.worker.stats().await {
+                if s.blocks.used > 0 || s.running + s.waiting + s.importing > 0 {
+                    tracing::warn!(
+                        worker = e.name(),
+                        running = s.running,
+                        waiting = s.waiting,
+                        importing = s.importing,
+                        used_blocks = s.blocks.used,
+                        "work left on a worker after the run"
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -171,7 +205,7 @@ impl Server for SimServer {
             input_tokens: spec.prompt.len() as u64,
             ..RequestRecord::default()
         };
-        let mut stream = match self.router.generate(req) {
+        let mut stream = match self.front.generate(req) {
             Ok(s) => s,
             Err(e) => {
                 rec.error = Some(e.to_string());
@@ -180,20 +214,26 @@ impl Server for SimServer {
             }
         };
         let mut chunks = Vec::new();
-        while let Some(ev) = stream.next().await {
-            match ev {
-                Event::Token(_) => chunks.push(sent.elapsed().as_secs_f64()),
-                Event::Prompt(_) => {}
-                Event::Done { usage, .. } => {
-                    rec.ok = true;
-                    rec.output_tokens = usage.completion_tokens as u64;
-                    break;
-                }
-                Event::Failed(e) => {
-                    rec.error = Some(e.to_string());
-                    break;
+        let read = async {
+            while let Some(ev) = stream.next().await {
+                match ev {
+                    Event::Token(_) => chunks.push(sent.elapsed().as_secs_f64()),
+                    Event::Prompt(_) => {}
+                    Event::Done { usage, .. } => {
+                        rec.ok = true;
+                        rec.output_tokens = usage.completion_tokens as u64;
+                        break;
+                    }
+                    Event::Failed(e) => {
+                        rec.error = Some(e.to_string());
+                        break;
+                    }
                 }
             }
+        };
+        if tokio::time::timeout(self.timeout, read).await.is_err() {
+            rec.timed_out = true;
+            rec.error = Some(format!("timed out after {:.0} s", self.timeout.as_secs_f64()));
         }
         if !rec.ok && rec.error.is_none() {
             rec.error = Some("the stream ended without its last event".into());

@@ -19,5 +19,5 @@ pub use ids::{RequestId, TokenId};
 pub use kv::KvFrame;
 pub use role::{Assignment, Epoch, Role};
 pub use sampling::{SamplingError, SamplingParams, StopCondition};
-pub use steps::DecodeSteps;
+pub use steps::{DecodeSteps, StepFit};
 pub use token::{FinishReason, TokenOut};

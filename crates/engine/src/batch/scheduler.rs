@@ -71,6 +71,8 @@ impl Engine {
             .collect();
         // A step of one token per sequence, every one sampled, decodes only.
         let decoding = plan.iter().all(|p| p.n == 1 && p.logits && self.running[p.seq].is_decoding());
+        // The tokens the step attends over: a decode step's cost grows with them.
+        let context: usize = plan.iter().map(|p| self.running[p.seq].computed).sum();
         let (started, charged) = (std::time::Instant::now(), self.charged);
         // The scratch leaves `self` for the step so the logits can be sampled in place.
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -107,7 +109,7 @@ impl Engine {
                         Compute::Model(_) => started.elapsed().as_secs_f64(),
                         Compute::Timed(_) => self.charged - charged,
                     };
-                    self.decode_steps.record(plan.len(), took);
+                    self.decode_steps.record(plan.len(), context, took);
                 }
                 out
             }

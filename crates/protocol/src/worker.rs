@@ -165,7 +165,7 @@ pub struct KvEvents {
     pub cursor: KvCursor,
 }
 
-/// A worker's KV blocks.
+/// A worker's KV blocks; the three counts add up to the pool's size.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockCounts {
     pub free: usize,

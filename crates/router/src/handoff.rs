@@ -184,6 +184,7 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
         // D stays full: let its engine queue the request and prefill it there.
         Reserve::Full => {
             drop((slot, ticket));
+            h.telemetry.migrated(DECODE_FULL);
             return fall_back(&h, req, client, waiting, end.unpredicted());
         }
     };
@@ -242,6 +243,9 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
 
 /// The migration reason of a request whose prefill moved to a spare worker or to D.
 const PREFILL_FAILED: &str = "prefill_failed";
+/// The migration reason of a request prefilled on D because D had no room for its
+/// transfer within the reserve deadline.
+const DECODE_FULL: &str = "decode_full";
 
 fn secs(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or_default()

@@ -319,11 +319,13 @@ impl Router {
             Mode::Disaggregated => self.pick(ask, &Self::with_role(all, &[Role::Prefill], Some(&p))),
             _ => None,
         };
-        // In auto a decode worker out of blocks is not waited for: its own queue is
+        // In auto a mixed worker out of blocks is not waited for: its own queue is
         // where the request would end up anyway, and joining it now keeps arrival
-        // order (and frees the prefill slot for a handoff that can land).
+        // order (and frees the prefill slot for a handoff that can land). A worker
+        // the planner made a decoder is waited for as in disaggregated mode: a long
+        // prompt prefilled there would stall every sequence it decodes.
         let reserve = match self.mode {
-            Mode::Auto => self.deadlines.reserve.min(AUTO_RESERVE),
+            Mode::Auto if d.role() != Role::Decode => self.deadlines.reserve.min(AUTO_RESERVE),
             _ => self.deadlines.reserve,
         };
         Handoff {

@@ -11,7 +11,7 @@ use common::local;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, Generate, TokenStream, Worker};
 use pdserve_router::{Deadlines, Mode, Router};
-use pdserve_types::Role;
+use pdserve_types::{Role, SamplingParams};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -218,7 +218,9 @@ impl pdserve_protocol::Telemetry for Bytes {
     fn kv_transfer_bytes(&self, transport: TransportKind, bytes: u64) {
         *self.0.lock().unwrap().entry(transport.label().to_string()).or_default() += bytes;
     }
-    fn migrated(&self, _: &'static str) {}
+    fn migrated(&self, reason: &'static str) {
+        *self.0.lock().unwrap().entry(reason.to_string()).or_default() += 1;
+    }
 }
 
 /// More long prompts at once than the decode worker has blocks for: they wait (for a
@@ -238,6 +240,41 @@ async fn a_full_decode_worker_makes_handoffs_wait_not_fail() {
         assert!(matches!(end, Event::Done { .. }), "{end:?}");
         assert_eq!(got, want);
     }
+    assert_eq!(settle(&r).await, 0);
+}
+
+/// In `auto`, a worker the planner made a decoder is waited for like a disaggregated
+/// one: long prompts that find it full are not prefilled there (that would stall its
+/// decodes), and none of them counts as moved for want of room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_waits_for_a_dedicated_decode_worker_instead_of_prefilling_there() {
+    let text = PROMPTS[1].repeat(24);
+    let out = 200;
+    let long = |id| {
+        let mut req = request(id, &text, out);
+        req.params = SamplingParams { max_tokens: out, ignore_eos: true, ..Default::default() }.validate().unwrap();
+        req
+    };
+    // Room for two whole sequences, not for a third prompt beside two: a third
+    // handoff waits about as long as two 200-token decodes take (well past auto's
+    // 500 ms for a mixed worker).
+    let (prompt, whole) = (long(0).prompt.len().div_ceil(16), (long(0).prompt.len() + out as usize).div_ceil(16));
+    let blocks = 2 * whole + 2;
+    assert!(blocks < 3 * prompt, "the test's sizes do not keep a third prompt out");
+    let d: Arc<dyn Worker> = Arc::new(local("small-decode", Role::Decode, blocks));
+    let seen = Arc::new(Bytes::default());
+    let r = Router::new([worker("prefill", Role::Prefill), d], Mode::Auto, Deadlines::default(), rt())
+        .with_telemetry(seen.clone());
+    let agg = router(Mode::Aggregated, Deadlines::default());
+    let (want, _) = collect(agg.generate(long(1)).unwrap()).await;
+    let streams: Vec<_> = (0..4).map(|i| r.generate(long(100 + i)).unwrap()).collect();
+    for s in streams {
+        let (got, end) = collect(s).await;
+        assert!(matches!(end, Event::Done { .. }), "{end:?}");
+        assert_eq!(got, want);
+    }
+    assert_eq!(seen.take("decode_full"), 0, "a handoff was prefilled on the decode worker");
+    assert!(seen.take("tcp") + seen.take("inproc") + seen.take("shm") > 0, "nothing was handed off");
     assert_eq!(settle(&r).await, 0);
 }
 

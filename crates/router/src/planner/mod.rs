@@ -11,7 +11,7 @@ pub mod model;
 pub mod signals;
 
 use crate::workers::{Entry, PREFILL_SLOTS};
-use crate::Router;
+use crate::{Router, BLOCK_SIZE};
 use model::{predict, Prediction, Rates, Shape, Slo};
 use pdserve_types::{DecodeSteps, Role};
 use std::collections::HashMap;
@@ -100,13 +100,16 @@ pub struct Planner {
     last_switch: Option<Instant>,
     /// Decode-only steps of workers that left the set, kept so the fit survives them.
     steps: HashMap<String, DecodeSteps>,
+    /// Each worker's KV capacity in tokens, as its stats last said.
+    kv_tokens: HashMap<String, usize>,
 }
 
 impl Planner {
     /// Starts planning the roles of `router`'s workers on its runtime.
     pub fn spawn(router: Arc<Router>, cfg: PlannerConfig) {
         let rt = router.runtime.clone();
-        let mut p = Planner { router, cfg, pending: None, last_switch: None, steps: HashMap::new() };
+        let mut p =
+            Planner { router, cfg, pending: None, last_switch: None, steps: HashMap::new(), kv_tokens: HashMap::new() };
         rt.spawn(async move {
             let mut tick = tokio::time::interval(p.cfg.tick);
             loop {
@@ -138,7 +141,8 @@ impl Planner {
             tracing::debug!(
                 current = %current, rate = traffic.rate, isl_p50 = traffic.isl[1], osl_p50 = traffic.osl[1],
                 prefill_ms_per_token = rates.prefill_s_per_token * 1e3,
-                step_ms = rates.step.0 * 1e3, step_ms_per_seq = rates.step.1 * 1e3,
+                step_ms = rates.step.fixed * 1e3, step_ms_per_seq = rates.step.per_row * 1e3,
+                step_us_per_context_token = rates.step.per_context * 1e6, kv_tokens = rates.kv_tokens,
                 predicted = %scores.join(" "), "planner tick"
             );
         }
@@ -163,7 +167,8 @@ impl Planner {
             rate = traffic.rate, isl_p50 = traffic.isl[1], isl_p90 = traffic.isl[2],
             osl_p50 = traffic.osl[1], osl_p90 = traffic.osl[2],
             prefill_ms_per_token = rates.prefill_s_per_token * 1e3,
-            step_ms = rates.step.0 * 1e3, step_ms_per_seq = rates.step.1 * 1e3,
+            step_ms = rates.step.fixed * 1e3, step_ms_per_seq = rates.step.per_row * 1e3,
+            step_us_per_context_token = rates.step.per_context * 1e6, kv_tokens = rates.kv_tokens,
             "planner: switching roles"
         );
         self.router.telemetry.planned(&d.from.to_string(), &d.to.to_string(), d.reason);
@@ -172,11 +177,13 @@ impl Planner {
         self.last_switch = Some(Instant::now());
     }
 
-    /// Each worker's decode-only step sums, as its stats say.
+    /// Each worker's decode-only step sums and KV capacity, as its stats say.
     async fn read_steps(&mut self, entries: &[Arc<Entry>]) {
         for e in entries {
             if let Ok(Ok(s)) = tokio::time::timeout(STATS_WAIT, e.worker.stats()).await {
                 self.steps.insert(e.name().to_string(), s.decode_steps);
+                self.kv_tokens
+                    .insert(e.name().to_string(), (s.blocks.free + s.blocks.used + s.blocks.cached) * BLOCK_SIZE);
                 if let Some(now) = s.assignment {
                     e.learn(now);
                 }
@@ -192,7 +199,9 @@ impl Planner {
         for s in self.steps.values() {
             all.add(s);
         }
-        Some(Rates { prefill_s_per_token: prefill, step: all.fit()? })
+        // The smallest pool bounds what a decoder may be asked to hold.
+        let kv = entries.iter().filter_map(|e| self.kv_tokens.get(e.name())).min().copied().unwrap_or(0);
+        Some(Rates { prefill_s_per_token: prefill, step: all.fit()?, kv_tokens: kv as f64 })
     }
 
     /// Gives the workers the roles of `to`, moving as few as possible: prefill goes to

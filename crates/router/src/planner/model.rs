@@ -5,20 +5,29 @@
 //! Prefill is a queue: a prompt of `n` tokens takes `n × s` seconds of one worker
 //! (`s` measured per token), prompts wait as in an M/G/1 queue (Pollaczek–Khinchine
 //! mean, exponential tail). Decode is a batch: a step of `B` sequences takes
-//! `a + b·B` (fitted to the workers' decode-only steps) and Little's law gives `B`.
+//! `a + b·B`, where `b` is the per-sequence cost at the traffic's context length
+//! (fitted to the workers' decode-only steps). Sequences share the steps as jobs
+//! share a processor, so TPOT is `(a + b) / (1 − ρ)` with `ρ` the share of step time
+//! the sequences' own parts take. A decoder also holds every sequence's KV, from the
+//! reservation its prefill makes to its last token: a shape whose decoders would run
+//! out of blocks is one whose requests fall back or wait, and scores nothing.
 //! A mixed worker shares its time: decode advances only while it is not
-//! prefilling, and each prompt chunk also pays for the decode step it rides with. Each sampled request of the
-//! window is scored, so a bimodal mix counts as such rather than as its mean.
+//! prefilling, and each prompt chunk also pays for the decode step it rides with.
+//! Each sampled request of the window is scored, so a bimodal mix counts as such
+//! rather than as its mean.
 
 use super::signals::Traffic;
+use pdserve_types::StepFit;
 
 /// What the workers measured of themselves.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rates {
     /// Prefill seconds per prompt token, on one worker.
     pub prefill_s_per_token: f64,
-    /// Decode step seconds: fixed part and per sequence in the batch.
-    pub step: (f64, f64),
+    /// Decode step seconds by batch size and context.
+    pub step: StepFit,
+    /// KV tokens one worker holds (0: unknown, not checked).
+    pub kv_tokens: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -73,6 +82,9 @@ pub struct Prediction {
 const CHUNK: usize = 512;
 /// Utilisation past which a queue is taken as unstable.
 const STABLE_BELOW: f64 = 0.97;
+/// Standard deviations of Poisson noise in the sequences a decoder holds that its
+/// blocks must also cover (about the 95th percentile).
+const KV_SIGMAS: f64 = 1.65;
 
 /// Predicts `shape` serving `t` with `rates`.
 pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Prediction {
@@ -81,8 +93,13 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
         return Prediction { goodput: 0.0, ttft_attained: 1.0, tpot_attained: 1.0, utilisation: 0.0 };
     }
     let s = rates.prefill_s_per_token;
-    let mean_isl = t.samples.iter().map(|&(i, _)| i as f64).sum::<f64>() / t.samples.len() as f64;
-    let mean_osl = t.samples.iter().map(|&(_, o)| o as f64).sum::<f64>() / t.samples.len() as f64;
+    let mean = |f: &dyn Fn(f64, f64) -> f64| {
+        t.samples.iter().map(|&(i, o)| f(i as f64, o as f64)).sum::<f64>() / t.samples.len() as f64
+    };
+    let (mean_isl, mean_osl) = (mean(&|i, _| i), mean(&|_, o| o));
+    // The context a decoding sequence attends over, averaged over its decode steps.
+    let context = mean(&|i, o| o * (i + o / 2.0)) / mean_osl.max(1e-9);
+    let (a, b) = (rates.step.fixed, rates.step.seconds(1.0, context) - rates.step.fixed);
     let (prefillers, decoders, mixed) = match shape.mixed {
         0 => (shape.prefill as f64, shape.decode as f64, false),
         m => (m as f64, m as f64, true),
@@ -93,15 +110,25 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
     // Decode first: sequences per decoder and the time a step takes.
     let per_decoder = t.rate / decoders * mean_osl;
     let prefill_busy = if mixed { t.rate / prefillers * mean_isl * s } else { 0.0 };
-    let Some((batch, tpot)) = decode_batch(per_decoder, rates.step, prefill_busy) else { return none };
+    let Some((batch, tpot)) = decode_batch(per_decoder, (a, b), prefill_busy) else { return none };
     // Prefill: a queue. On a mixed worker each chunk rides along a decode step and
     // pays that step's time too.
-    let step = rates.step.0 + rates.step.1 * batch;
+    let step = a + b * batch;
     let slow = if mixed { 1.0 + step / (CHUNK as f64 * s) } else { 1.0 };
     let service = |isl: usize| isl as f64 * s * slow;
     let rho = t.rate / prefillers * mean_isl * s * slow;
     if rho >= STABLE_BELOW {
         return Prediction { utilisation: rho, ..none };
+    }
+    // KV on a decoder: each prompt's blocks from the start of its prefill (a
+    // handoff reserves them once its prefill has a slot, and a second slot is taken
+    // about `rho` of the time), the output's as it grows.
+    let prefill_hold = |i: f64| i * s * slow * (1.0 + rho);
+    let seqs = t.rate / decoders * mean(&|i, o| prefill_hold(i) + o * tpot);
+    let tokens = t.rate / decoders * mean(&|i, o| i * (prefill_hold(i) + o * tpot) + o / 2.0 * o * tpot);
+    let kv = kv_share(seqs, tokens, rates.kv_tokens);
+    if kv >= 1.0 {
+        return Prediction { utilisation: kv, ..none };
     }
     let es = t.samples.iter().map(|&(i, _)| service(i)).sum::<f64>() / t.samples.len() as f64;
     let es2 = t.samples.iter().map(|&(i, _)| service(i).powi(2)).sum::<f64>() / t.samples.len() as f64;
@@ -115,35 +142,66 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
         }
     };
     let ttft_attained = t.samples.iter().map(|&(i, _)| ttft_ok(i)).sum::<f64>() / t.samples.len() as f64;
-    let step_alone = rates.step.0 + rates.step.1 * batch;
+    let step_alone = a + b * batch;
+    // The router sends a prompt to a worker with nothing to do while there is one
+    // (least loaded, or `auto`'s remote prefill), so a decoding request meets a
+    // prefill on its own worker only when every other worker is busy too.
+    let in_system = t.rate * mean(&|i, o| i * s * slow + o * tpot);
+    let crowded = if mixed { at_least(shape.mixed - 1, in_system) } else { 0.0 };
     let tpot_ok = |isl_osl: (usize, usize)| match mixed {
         false => soft_below(tpot, slo.tpot_s),
-        true => interfered(isl_osl.1, step_alone, prefill_busy, t.rate / prefillers, mean_isl * s, slo.tpot_s),
+        true => interfered(
+            isl_osl.1,
+            step_alone,
+            prefill_busy * crowded,
+            t.rate / prefillers * crowded,
+            mean_isl * s,
+            slo.tpot_s,
+        ),
     };
     let tpot_attained = t.samples.iter().map(|&x| tpot_ok(x)).sum::<f64>() / t.samples.len() as f64;
     Prediction {
         goodput: t.rate * ttft_attained * tpot_attained,
         ttft_attained,
         tpot_attained,
-        utilisation: rho.max(prefill_busy),
+        utilisation: rho.max(prefill_busy).max(kv),
     }
 }
 
-/// The batch a decoder settles at with `load` = arrival rate × output length
-/// sequence-seconds per second of TPOT, and that TPOT, when a `busy` share of its
-/// time goes to prefills (Little: B = load × TPOT, TPOT = (a + bB) / (1 − busy)).
-/// `None` when no batch keeps up.
+/// The share of `capacity` KV tokens a decoder needs for `seqs` sequences holding
+/// `tokens` on average, with room for the Poisson swing in their number.
+fn kv_share(seqs: f64, tokens: f64, capacity: f64) -> f64 {
+    if capacity <= 0.0 || seqs <= 0.0 {
+        return 0.0;
+    }
+    tokens / seqs * (seqs + KV_SIGMAS * seqs.sqrt()) / capacity
+}
+
+/// The batch a decoder settles at with `load` = arrival rate × output length tokens
+/// per second, and its TPOT, when a `busy` share of its time goes to prefills
+/// (Little: B = load × TPOT, TPOT = (a + bB) / (1 − busy), B at least one). The
+/// sequences' own parts alone load the worker as jobs sharing a processor, so TPOT
+/// is also at least b / (1 − busy − load·b): the bound that matters when `a` is
+/// small or not known apart from `b`. `None` when no batch keeps up.
 fn decode_batch(load: f64, (a, b): (f64, f64), busy: f64) -> Option<(f64, f64)> {
     let free = 1.0 - busy;
-    if free <= 1.0 - STABLE_BELOW {
+    let spare = free - load * b;
+    if free <= 1.0 - STABLE_BELOW || spare <= 1.0 - STABLE_BELOW {
         return None;
     }
-    let denom = 1.0 - load * b / free;
-    if denom <= 1.0 - STABLE_BELOW {
-        return None;
+    let batch = (load * a / spare).max(if load > 0.0 { 1.0 } else { 0.0 });
+    Some((batch, ((a + b * batch) / free).max(b / spare)))
+}
+
+/// The chance that `k` or more of the requests in a system holding `held` on
+/// average (Poisson) are there at once.
+fn at_least(k: usize, held: f64) -> f64 {
+    let (mut term, mut below) = ((-held).exp(), 0.0);
+    for j in 0..k {
+        below += term;
+        term *= held / (j + 1) as f64;
     }
-    let batch = (load * a / free / denom).max(if load > 0.0 { 1.0 } else { 0.0 });
-    Some((batch, (a + b * batch) / free))
+    (1.0 - below).clamp(0.0, 1.0)
 }
 
 /// The chance that a request of `osl` tokens decoding on a mixed worker meets the
@@ -176,9 +234,13 @@ fn soft_below(x: f64, limit: f64) -> f64 {
 mod tests {
     use super::*;
 
-    /// This machine's figures, roughly: 1 ms per prompt token, steps of 2 ms + 1.5 ms
-    /// per sequence.
-    const RATES: Rates = Rates { prefill_s_per_token: 0.001, step: (0.002, 0.0015) };
+    /// This machine's figures, roughly: 1 ms per prompt token, steps of 2 ms + 1.2 ms
+    /// per sequence + 2.7 µs per context token, 16k KV tokens per worker.
+    const RATES: Rates = Rates {
+        prefill_s_per_token: 0.001,
+        step: StepFit { fixed: 0.002, per_row: 0.0012, per_context: 2.7e-6 },
+        kv_tokens: 16384.0,
+    };
     const SLO: Slo = Slo { ttft_s: 5.0, tpot_s: 0.05 };
 
     fn traffic(rate: f64, isl: usize, osl: usize) -> Traffic {
@@ -203,10 +265,10 @@ mod tests {
 
     #[test]
     fn decode_latency_under_prefill_interference_asks_for_a_split() {
-        // 1024-token prompts at 0.5/s with 128-token answers at a 6 ms TPOT SLO: a
+        // 1024-token prompts at 0.5/s with 128-token answers at a 10 ms TPOT SLO: a
         // mixed worker spends a quarter of its time prefilling, and a request that
         // meets one prefill misses; one dedicated prefill worker keeps up.
-        let slo = Slo { ttft_s: 5.0, tpot_s: 0.006 };
+        let slo = Slo { ttft_s: 5.0, tpot_s: 0.010 };
         let t = traffic(0.5, 1024, 128);
         let score = |s| predict(s, &t, &RATES, &slo);
         let (mixed, split) =
@@ -216,8 +278,33 @@ mod tests {
 
     #[test]
     fn decode_heavy_traffic_keeps_two_decoders() {
-        let t = traffic(2.0, 128, 512);
-        assert_eq!(best(&t), Shape { prefill: 0, decode: 0, mixed: 2 });
+        // 0.8/s of 512-token answers at a 10 ms TPOT: one decoder's sequences would
+        // take 90 % of its time and slow each other past the SLO; two share the load.
+        let t = traffic(0.8, 128, 512);
+        let slo = Slo { ttft_s: 5.0, tpot_s: 0.010 };
+        let score = |s| predict(s, &t, &RATES, &slo).goodput;
+        assert!(
+            score(Shape { prefill: 0, decode: 0, mixed: 2 }) > 2.0 * score(Shape { prefill: 1, decode: 1, mixed: 0 })
+        );
+    }
+
+    #[test]
+    fn long_contexts_slow_decode_and_fill_the_decoders_blocks() {
+        // 2048-token prompts with 32-token answers at 3.2/s on 16 workers (the twin's
+        // prefill-heavy phase): one decoder would hold over a dozen 2k-token
+        // sequences at once, more than its 16k tokens, and its steps over 2k contexts
+        // miss a 10 ms TPOT. Sixteen mixed workers, each prefilling while most are
+        // idle, beat every split, as they did on the twin (92 % of requests within
+        // the SLOs against at most 21 % for any split).
+        let t = traffic(3.2, 2048, 32);
+        let slo = Slo { ttft_s: 5.0, tpot_s: 0.010 };
+        let lone = predict(Shape { prefill: 15, decode: 1, mixed: 0 }, &t, &RATES, &slo);
+        assert!(lone.goodput == 0.0 && lone.utilisation >= 1.0, "{lone:?}");
+        let score = |s| predict(s, &t, &RATES, &slo).goodput;
+        let all_mixed = score(Shape { prefill: 0, decode: 0, mixed: 16 });
+        for s in Shape::candidates(16).into_iter().filter(|s| s.mixed == 0) {
+            assert!(score(s) < all_mixed, "{s}");
+        }
     }
 
     #[test]

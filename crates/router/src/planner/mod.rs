@@ -77,12 +77,23 @@ pub fn best_move(
         .max_by(|a, b| a.1.goodput.total_cmp(&b.1.goodput).then(b.0.cmp(&a.0)))?;
     let better = then.goodput > now.goodput * (1.0 + margin) && then.goodput - now.goodput > MIN_GAIN;
     // Taking a worker from a role is safe only if those left keep up.
-    let fits = then.utilisation < 0.9 || now.utilisation >= 0.97;
+    let fits = then.utilisation < 0.9 || now.utilisation >= OVERLOADED;
     (to != current && better && fits).then(|| Decision { from: current, to, now, then, reason: reason(&now, &then) })
 }
 
+/// Whether a move seen on `seen` ticks in a row is made now. A vector whose queue
+/// grows without end is left at once for one predicted to keep up, hold and cooldown
+/// notwithstanding: every tick spent there adds to a queue that outlasts the switch.
+fn due(d: &Decision, seen: u32, hold: u32, cooling: bool) -> bool {
+    let urgent = d.now.utilisation >= OVERLOADED && d.then.utilisation < 0.9;
+    urgent || (seen >= hold && !cooling)
+}
+
+/// Predicted utilisation at which a vector's queue grows without end.
+const OVERLOADED: f64 = 0.97;
+
 fn reason(now: &Prediction, then: &Prediction) -> &'static str {
-    if now.utilisation >= 0.97 {
+    if now.utilisation >= OVERLOADED {
         "overloaded"
     } else if then.ttft_attained - now.ttft_attained >= then.tpot_attained - now.tpot_attained {
         "ttft"
@@ -157,7 +168,7 @@ impl Planner {
         };
         self.pending = Some((d.to, seen));
         let cooling = self.last_switch.is_some_and(|t| t.elapsed() < self.cfg.cooldown);
-        if seen < self.cfg.hold || cooling {
+        if !due(&d, seen, self.cfg.hold, cooling) {
             return;
         }
         tracing::info!(
@@ -292,6 +303,22 @@ mod tests {
         // Equal predictions never move, whichever shape holds now.
         assert_eq!(best_move(SPLIT, &shapes, g(1.0, 1.0), 0.15), None);
         assert_eq!(best_move(MIXED, &shapes, g(0.0, 0.01), 0.15), None, "gains below noise are not moves");
+    }
+
+    #[test]
+    fn an_overloaded_vector_is_left_at_once_for_one_that_keeps_up() {
+        let d = |now: f64, then: f64| Decision {
+            from: MIXED,
+            to: SPLIT,
+            now: Prediction { utilisation: now, ..pred(0.1) },
+            then: Prediction { utilisation: then, ..pred(1.0) },
+            reason: "test",
+        };
+        assert!(due(&d(1.2, 0.6), 1, 3, true), "overloaded: no hold, no cooldown");
+        assert!(!due(&d(1.2, 0.95), 1, 3, false), "the target would be near full too");
+        assert!(!due(&d(0.8, 0.6), 2, 3, false), "not overloaded: the hold applies");
+        assert!(!due(&d(0.8, 0.6), 3, 3, true), "and the cooldown");
+        assert!(due(&d(0.8, 0.6), 3, 3, false));
     }
 
     #[test]

@@ -165,3 +165,55 @@ fn plan_ranks_every_topology_and_says_when_to_disaggregate() {
     assert!(std::fs::read_to_string(dir.join("plan.svg")).unwrap().starts_with("<svg"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `bench compare --sim`: both topologies of a one-thread budget measured on the real
+/// model, then simulated with the same requests; the predictions sit beside the
+/// measurements with their errors. A bad profile is refused before anything runs.
+#[test]
+fn compare_puts_the_twins_predictions_beside_the_measurements() {
+    let dir = std::env::temp_dir().join(format!("pdserve-compare-sim-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let profile = dir.join("derived.json");
+    derived_profile(&profile);
+    let run = |profile: &str| {
+        pdserve(&[
+            "bench",
+            "compare",
+            "--budget",
+            "1",
+            "--workloads",
+            "balanced",
+            "--concurrency",
+            "1",
+            "--requests-per-point",
+            "2",
+            "--warmup",
+            "0",
+            "--sim",
+            profile,
+            "--out",
+            dir.to_str().unwrap(),
+        ])
+    };
+    let bad = run("/nonexistent/profile.json");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.starts_with("error: ") && err.contains("/nonexistent/profile.json"), "{err}");
+    assert!(!dir.join("results.json").exists(), "it measured before reading the profile");
+    let out = run(profile.to_str().unwrap());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let predicted: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("predicted.json")).unwrap()).unwrap();
+    let runs = predicted.as_array().unwrap();
+    let names: Vec<&str> = runs.iter().map(|r| r["topology"]["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["single", "auto"]);
+    for r in runs {
+        assert!(r["error"].is_null(), "{r}");
+        let summary = &r["workloads"][0]["points"][0]["summary"];
+        assert_eq!((summary["requests"].as_u64(), summary["ok"].as_u64()), (Some(2), Some(2)), "{summary}");
+    }
+    let md = std::fs::read_to_string(dir.join("predicted.md")).unwrap();
+    assert!(md.contains("| single | balanced |") && md.contains("| auto | balanced |"), "{md}");
+    assert!(md.contains("Median absolute error: goodput req/s"), "{md}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("The twin's predictions"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -12,6 +12,7 @@ pub mod measure;
 pub mod plan;
 pub mod profile;
 pub mod sim;
+pub mod versus;
 
 use std::path::{Path, PathBuf};
 

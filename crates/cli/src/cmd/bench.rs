@@ -208,6 +208,11 @@ pub struct CompareArgs {
     /// KV blocks per worker for every topology.
     #[arg(long)]
     kv_blocks: Option<usize>,
+    /// Also simulate every measured topology on this profile (`pdserve sim`) and
+    /// write the predictions and their errors beside the measurements
+    /// (predicted.json, predicted.md).
+    #[arg(long)]
+    sim: Option<PathBuf>,
     /// Extra argument for every `pdserve serve` (repeat it).
     #[arg(long, allow_hyphen_values = true)]
     serve_arg: Vec<String>,
@@ -352,6 +357,8 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
 }
 
 fn compare(a: CompareArgs) -> anyhow::Result<()> {
+    // Read before measuring: a bad profile should not cost the whole comparison.
+    let profile = a.sim.as_deref().map(pdserve_twin::profile::Profile::load).transpose()?;
     let concurrency = if a.rate.is_empty() { Some(a.concurrency) } else { None };
     let opts = CompareOptions {
         budget: a.budget,
@@ -376,9 +383,12 @@ fn compare(a: CompareArgs) -> anyhow::Result<()> {
         exe: None,
         reuse: a.reuse,
     };
-    run_compare(&opts)?;
+    let report = run_compare(&opts)?;
     let md = opts.out.join("results.md");
     print!("{}", std::fs::read_to_string(&md).with_context(|| format!("reading {}", md.display()))?);
+    if let Some(profile) = &profile {
+        super::twin::compare_sim(profile, &opts, &report)?;
+    }
     Ok(())
 }
 

@@ -3,15 +3,19 @@
 use super::bench::WorkloadArgs;
 use super::serve::TopologyArgs;
 use anyhow::Context;
+use pdserve_bench::compare::{CompareOptions, CompareReport};
 use pdserve_bench::load::{plans, LoadReport};
+use pdserve_bench::metrics::Slo;
 use pdserve_bench::openai::{BodyOptions, Endpoint};
 use pdserve_bench::prompt::PromptKind;
 use pdserve_bench::report::{json, markdown};
+use pdserve_bench::topology::Topology as Served;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_router::planner::model;
 use pdserve_twin::measure;
 use pdserve_twin::profile::Profile;
 use pdserve_twin::sim::{simulate, SimSpec, Topology};
+use pdserve_twin::versus;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -69,18 +73,14 @@ pub struct SimArgs {
     out: Option<PathBuf>,
 }
 
-pub fn sim(a: SimArgs) -> anyhow::Result<()> {
-    a.topology.check()?;
-    let profile = Profile::load(&a.profile)?;
-    let t = &a.topology;
+/// The simulator's topology for `serve`'s topology flags `t`, on `profile`'s machine.
+fn sim_topology(t: &TopologyArgs, profile: &Profile, slo: Slo) -> Topology {
     let roles = t.roles();
     // The profile's widest shape is the machine; its workers share it, as serve's do.
     let widest = profile.shapes.iter().map(|s| s.threads).max().unwrap_or(1);
     let threads = t.threads_per_worker.unwrap_or((widest / roles.len()).max(1));
-    let slo = a.work.slo();
-    let topology = Topology {
+    Topology {
         mode: t.mode,
-        roles,
         policy: t.policy,
         threads,
         kv_blocks: Some(t.kv_blocks),
@@ -88,8 +88,16 @@ pub fn sim(a: SimArgs) -> anyhow::Result<()> {
         planner: t.planner.then_some(model::Slo { ttft_s: slo.ttft_ms / 1e3, tpot_s: slo.tpot_ms / 1e3 }),
         // Workers whose threads fit the profile's machine share it, as `serve`'s do;
         // more are a fleet, one machine each.
-        shared_machine: threads * t.roles().len() <= widest,
-    };
+        shared_machine: threads * roles.len() <= widest,
+        roles,
+    }
+}
+
+pub fn sim(a: SimArgs) -> anyhow::Result<()> {
+    a.topology.check()?;
+    let profile = Profile::load(&a.profile)?;
+    let slo = a.work.slo();
+    let topology = sim_topology(&a.topology, &profile, slo);
     let workload = a.work.workload()?;
     let plans = plans(&a.work.sweep()?, a.work.requests, a.work.seconds, workload.trace_len())?;
     let started = Instant::now();
@@ -188,5 +196,40 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
         std::fs::write(&svg, pdserve_twin::plan::svg(&p)).with_context(|| format!("writing {}", svg.display()))?;
     }
     print!("{}", pdserve_twin::plan::markdown(&p));
+    Ok(())
+}
+
+/// `serve`'s topology flags alone, to read a compared topology's command line.
+#[derive(clap::Parser)]
+struct ServeTopology {
+    #[command(flatten)]
+    t: TopologyArgs,
+}
+
+/// `bench compare --sim`: simulates every topology `report` measured on `profile`,
+/// writes predicted.json and predicted.md beside the measurements, and prints the
+/// table of errors.
+pub fn compare_sim(profile: &Profile, opts: &CompareOptions, report: &CompareReport) -> anyhow::Result<()> {
+    let read = |served: &Served| -> Result<Topology, String> {
+        // The model is the profile's; every other flag must be one `sim` knows.
+        let mut args = vec!["serve".to_string()];
+        let mut it = served.serve_args.iter();
+        while let Some(a) = it.next() {
+            match a.as_str() {
+                "--model" => _ = it.next(),
+                _ => args.push(a.clone()),
+            }
+        }
+        let parsed = <ServeTopology as clap::Parser>::try_parse_from(args)
+            .map_err(|e| e.to_string().lines().next().unwrap_or_default().to_string())?;
+        parsed.t.check().map_err(|e| e.to_string())?;
+        Ok(sim_topology(&parsed.t, profile, opts.slo))
+    };
+    let predicted = versus::predict(profile, opts, report, &read)?;
+    json::write(&opts.out.join("predicted.json"), &predicted)?;
+    let md = versus::markdown(&report.runs, &predicted);
+    let path = opts.out.join("predicted.md");
+    std::fs::write(&path, &md).with_context(|| format!("writing {}", path.display()))?;
+    print!("\n## The twin's predictions ({})\n\n{md}", path.display());
     Ok(())
 }

@@ -121,8 +121,10 @@ fn sixteen_simulated_worker_processes_serve_behind_one_frontend() {
     for c in clients {
         assert_eq!(c.join().unwrap(), 12, "a simulated worker generates exactly max_tokens");
     }
-    // Every prompt was prefilled on a prefill process and its (scaled) KV moved.
+    // Every prompt was prefilled on a prefill process and its (scaled) KV moved,
+    // accounted as the model's bytes: 200 tokens × 23,040 bytes each.
     assert_eq!(common::metric(addr, "pdserve_prefill_route_total", "remote"), 32.0);
+    assert_eq!(common::metric(addr, "pdserve_kv_transfer_bytes_total", "tcp"), 32.0 * 200.0 * 23040.0);
     assert_eq!(common::settle_used_blocks(addr), 0.0);
     let _ = std::fs::remove_file(&profile);
 }

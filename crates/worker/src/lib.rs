@@ -128,6 +128,36 @@ struct Inner {
     rt: tokio::runtime::Handle,
     /// The engine's block pool: its event log is read here, off the engine thread.
     pool: BlockPool,
+    /// A simulated worker's accounting of its transfers (see [`SimKv`]).
+    sim_kv: Option<SimKv>,
+}
+
+/// What a simulated worker (a timed engine) accounts for a KV transfer. Its frames
+/// carry scaled-down values, so the bytes it moves and the time they take are not the
+/// model's: it reports the model's bytes, and answers once the profile's link would
+/// have delivered them.
+#[derive(Debug, Clone)]
+pub struct SimKv {
+    /// The model's KV bytes per token, all layers.
+    pub bytes_per_token: f64,
+    pub layers: usize,
+    /// The profile's links; a transport it lacks is accounted as moved.
+    pub links: Vec<(TransportKind, LinkModel)>,
+}
+
+impl SimKv {
+    /// Reports `tokens`' KV as the model's bytes over `via`, waiting out what the
+    /// profile's link takes beyond the transfer's own time.
+    async fn account(&self, first: &mut Prefilled, tokens: usize, via: TransportKind) {
+        let bytes = tokens as f64 * self.bytes_per_token;
+        first.kv_bytes = bytes as u64;
+        let Some((_, link)) = self.links.iter().find(|(k, _)| *k == via) else { return };
+        let tail = link.tail(bytes, self.layers, first.prefill_seconds);
+        if tail > first.transfer_seconds {
+            tokio::time::sleep(Duration::from_secs_f64(tail - first.transfer_seconds)).await;
+            first.transfer_seconds = tail;
+        }
+    }
 }
 
 #[derive(Default)]
@@ -142,7 +172,7 @@ impl LocalWorker {
         // A frame is one block of one layer: K and V of every KV head.
         let c = &model.cfg;
         let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
-        LocalWorker::start(opts, frame_elems, rt, move |cfg, eog| Engine::new(model, cfg, eog))
+        LocalWorker::start(opts, frame_elems, None, rt, move |cfg, eog| Engine::new(model, cfg, eog))
     }
 
     /// A simulated worker process's worker: a timed engine (on the wall clock) whose
@@ -151,15 +181,17 @@ impl LocalWorker {
     pub fn spawn_timed(
         opts: WorkerOptions,
         timed: TimedModel,
+        kv: SimKv,
         rt: tokio::runtime::Handle,
     ) -> std::io::Result<LocalWorker> {
         let frame_elems = BLOCK_SIZE * timed.kv_values.max(1);
-        LocalWorker::start(opts, frame_elems, rt, move |cfg, eog| Engine::timed(timed, cfg, eog))
+        LocalWorker::start(opts, frame_elems, Some(kv), rt, move |cfg, eog| Engine::timed(timed, cfg, eog))
     }
 
     fn start(
         opts: WorkerOptions,
         frame_elems: usize,
+        sim_kv: Option<SimKv>,
         rt: tokio::runtime::Handle,
         build: impl FnOnce(EngineConfig, Vec<u32>) -> Engine + Send + 'static,
     ) -> std::io::Result<LocalWorker> {
@@ -197,6 +229,7 @@ impl LocalWorker {
             imports: Mutex::default(),
             rt,
             pool,
+            sim_kv,
         };
         Ok(LocalWorker { inner: Arc::new(inner) })
     }
@@ -446,7 +479,8 @@ impl Inner {
         let (broken, bytes) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
         let frames = sink.frame_sink(hid, stop.0.clone(), broken.clone(), bytes.clone());
         let (reply, rx) = oneshot::channel();
-        let _queued = Counted::add(&self.prefill_tokens, req.prompt.len());
+        let tokens = req.prompt.len();
+        let _queued = Counted::add(&self.prefill_tokens, tokens);
         self.send_counted(Command::Prefill { req, sink: frames, reply, sent: tokio::time::Instant::now() })?;
         let mut first = rx.await.map_err(|_| self.stopped())??;
         let tail = std::time::Instant::now();
@@ -458,6 +492,9 @@ impl Inner {
         }
         first.kv_bytes = bytes.load(Ordering::Relaxed);
         first.transfer_seconds = tail.elapsed().as_secs_f64();
+        if let Some(kv) = &self.sim_kv {
+            kv.account(&mut first, tokens, to.target.kind()).await;
+        }
         Ok(first)
     }
 

@@ -95,7 +95,12 @@ impl Compute {
             }
             Compute::Sim(p) => {
                 let timed = p.timed(opts.engine.threads, pdserve_engine::timed::Clock::Wall);
-                LocalWorker::spawn_timed(opts, timed, rt)
+                let kv = pdserve_worker::SimKv {
+                    bytes_per_token: p.model.kv_bytes_per_token,
+                    layers: p.model.n_layers,
+                    links: p.links(),
+                };
+                LocalWorker::spawn_timed(opts, timed, kv, rt)
             }
         }
     }

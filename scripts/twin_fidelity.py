@@ -3,7 +3,10 @@
 directory (bench load's output) and its *.sim.json (pdserve sim's), the error of each
 summary field per point, the median absolute errors, and how the topologies rank by
 goodput per workload and concurrency (Spearman's rho; the predicted best's measured
-goodput against the measured best's)."""
+goodput against the measured best's). Several directories (e.g. runs at different
+concurrencies) are tabulated together.
+
+usage: twin_fidelity.py DIR [DIR ...]"""
 import json
 import statistics
 import sys
@@ -44,10 +47,9 @@ def spearman(a, b):
     return num / den if den else 1.0
 
 
-def main(d):
-    d = Path(d)
+def main(dirs):
     rows, errors, groups = [], {f: [] for f, _ in FIELDS}, {}
-    for real_path in sorted(d.glob("*.real.json")):
+    for real_path in sorted(p for d in dirs for p in Path(d).glob("*.real.json")):
         name = real_path.name[: -len(".real.json")]
         topo, work = name.split("-", 1)
         sim = json.loads(real_path.with_name(name + ".sim.json").read_text())
@@ -92,4 +94,4 @@ def main(d):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else ".")
+    main(sys.argv[1:] or ["."])

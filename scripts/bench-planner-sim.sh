@@ -12,15 +12,7 @@ cd "$(dirname "$0")/.."
 profile="${1:?usage: $0 PROFILE [OUT]}"
 out="${2:-bench-results/planner-sim}"; mkdir -p "$out"
 n="${WORKERS:-16}" scale="${SCALE:-8}" secs="${PHASE_SECONDS:-60}"
-ttft=5000 tpot=10
-rate() { python3 -c "print(round($1 * $scale, 4))"; }
-phases=(
-  --phase "decode-heavy:$secs:$(rate 0.4):128/512"
-  --phase "prefill-heavy:$secs:$(rate 0.4):2048/32"
-  --phase "balanced:$secs:$(rate 0.5):512/128"
-  --phase "long-prompts:$secs:$(rate 0.33):1024/128"
-  --phase "sin:$((2 * secs)):$(rate 0.4):2048/32+128/512:sin=$secs"
-)
+source scripts/planner-phases.sh "$secs" "$scale"
 cargo build --release --bin pdserve >&2
 bin=./target/release/pdserve
 tops=("planner" "auto-${n}M" "aggregated-${n}")

@@ -17,14 +17,7 @@ cd "$(dirname "$0")/.."
 out="${1:-bench-results/planner}"; mkdir -p "$out"
 secs="${PHASE_SECONDS:-60}"
 read -r -a tops <<<"${TOPOLOGIES:-planner auto-2M fixed-1P1D}"
-ttft=5000 tpot=10
-phases=(
-  --phase "decode-heavy:$secs:0.4:128/512"
-  --phase "prefill-heavy:$secs:0.4:2048/32"
-  --phase "balanced:$secs:0.5:512/128"
-  --phase "long-prompts:$secs:0.33:1024/128"
-  --phase "sin:$((2 * secs)):0.4:2048/32+128/512:sin=$secs"
-)
+source scripts/planner-phases.sh "$secs" 1
 cargo build --release --bin pdserve >&2
 bin=./target/release/pdserve
 port=18091

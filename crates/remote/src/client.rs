@@ -91,10 +91,13 @@ impl RemoteWorker {
         let stream = TcpStream::connect(addr).await.map_err(io)?;
         stream.set_nodelay(true).map_err(io)?;
         let (mut rd, mut wr) = stream.into_split();
-        let challenge = match tokio::time::timeout(HANDSHAKE, control::read::<_, FromWorker>(&mut rd)).await {
-            Ok(Ok(Some(FromWorker::Challenge { nonce }))) => nonce,
-            _ => return Err(ConnectError::NoHandshake(addr)),
-        };
+        let challenge =
+            match tokio::time::timeout(HANDSHAKE, control::read_at_most::<_, FromWorker>(&mut rd, control::MAX_HELLO))
+                .await
+            {
+                Ok(Ok(Some(FromWorker::Challenge { nonce }))) => nonce,
+                _ => return Err(ConnectError::NoHandshake(addr)),
+            };
         let ours = auth::nonce();
         let proof = key.prove(control::ROUTER_LABEL, &challenge).to_vec();
         let hello = ToWorker::Hello { protocol: PROTOCOL_VERSION, proof, nonce: ours.to_vec() };

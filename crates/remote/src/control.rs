@@ -31,7 +31,7 @@ use std::path::PathBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
@@ -42,6 +42,11 @@ pub const WORKER_LABEL: &[u8] = b"pdserve-control-worker";
 /// context's worth of token ids plus its sampling parameters, far below this; a
 /// bigger length prefix is a broken or hostile peer.
 pub const MAX_MESSAGE: usize = 8 << 20;
+
+/// The largest message a peer may send before it proved the cluster token: a `Hello`
+/// is a few hundred bytes, so a stranger cannot make a worker hold megabytes while it
+/// trickles a message in.
+pub const MAX_HELLO: usize = 4 << 10;
 
 /// Numbers one call on one connection; its replies carry the same number.
 pub type CallId = u64;
@@ -165,12 +170,20 @@ pub async fn write<W: AsyncWrite + Unpin, T: Serialize>(w: &mut W, msg: &T) -> i
 /// Reads one message; `Ok(None)` at a clean end of stream. The buffer grows as
 /// bytes arrive, so a length prefix alone allocates nothing.
 pub async fn read<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(r: &mut R) -> io::Result<Option<T>> {
+    read_at_most(r, MAX_MESSAGE).await
+}
+
+/// [`read`] with a smaller bound than [`MAX_MESSAGE`] (the handshake's).
+pub async fn read_at_most<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(
+    r: &mut R,
+    limit: usize,
+) -> io::Result<Option<T>> {
     let len = match r.read_u32().await {
         Ok(n) => n as usize,
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(e),
     };
-    if len > MAX_MESSAGE {
+    if len > limit {
         return Err(io::Error::new(io::ErrorKind::InvalidData, format!("message of {len} bytes")));
     }
     let mut body = Vec::with_capacity(len.min(64 << 10));

@@ -94,7 +94,7 @@ impl WorkerServer {
     async fn authenticate(&self, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf) -> Option<Vec<u8>> {
         let nonce = auth::nonce();
         control::write(wr, &FromWorker::Challenge { nonce: nonce.to_vec() }).await.ok()?;
-        let hello = tokio::time::timeout(HANDSHAKE, control::read::<_, ToWorker>(rd)).await;
+        let hello = tokio::time::timeout(HANDSHAKE, control::read_at_most::<_, ToWorker>(rd, control::MAX_HELLO)).await;
         match hello {
             Ok(Ok(Some(ToWorker::Hello { proof, nonce: theirs, .. })))
                 if self.key.verify(control::ROUTER_LABEL, &nonce, &proof) =>

@@ -19,6 +19,7 @@ pub mod models;
 pub mod sampler;
 pub mod testing;
 pub mod threadpool;
+pub mod tiers;
 pub mod timed;
 pub mod tokenizer;
 

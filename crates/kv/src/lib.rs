@@ -9,6 +9,10 @@
 //! ([`BlockPool::events_since`], resyncing from [`BlockPool::snapshot`]) to keep their
 //! index of what each worker holds.
 //!
+//! Below the pool, optional host-RAM and disk tiers ([`BlockPool::with_tiers`]) keep
+//! what it evicts; this crate tracks which hash is in which slot and tells the engine
+//! which bytes to copy ([`Move`]), never touching them itself.
+//!
 //! Lifecycle (typestate): [`MutableBlock`] (being written) → [`ImmutableBlock`]
 //! (complete, hashed, shareable) → cached (inside the pool, no handles, findable by
 //! hash, evicted least-recently-used first). Handles give their block back in `Drop`
@@ -23,6 +27,7 @@ mod lru;
 mod pool;
 mod state;
 mod table;
+mod tier;
 
 #[cfg(test)]
 mod proptests;
@@ -33,3 +38,4 @@ pub use hash::{block_hashes, hash_block, BlockHash, BlockId};
 pub use log::{EventGap, LoggedEvent};
 pub use pool::{BlockPool, KvSnapshot, PoolExhausted, PoolStats};
 pub use table::BlockTable;
+pub use tier::{Move, Place, Tier, TierStats};

@@ -75,9 +75,10 @@ impl EventLog {
 mod tests {
     use super::*;
     use crate::hash::BlockHash;
+    use crate::tier::Tier;
 
     fn stored(h: u64) -> KvEvent {
-        KvEvent::Stored { hash: BlockHash(h), parent: None }
+        KvEvent::Stored { hash: BlockHash(h), parent: None, tier: Tier::Device }
     }
 
     #[test]

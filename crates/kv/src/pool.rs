@@ -7,6 +7,7 @@ use crate::block::{ImmutableBlock, MutableBlock};
 use crate::hash::BlockHash;
 use crate::log::{EventGap, LoggedEvent};
 use crate::state::PoolState;
+use crate::tier::{Lower, Move, Place, Tier, TierStats};
 
 /// Not enough free or cached blocks for a request; nothing was allocated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -18,7 +19,8 @@ pub struct PoolExhausted {
     pub available: usize,
 }
 
-/// Block counts by state; `free + used + cached == total` always holds.
+/// Block counts by state; `free + used + cached == total` always holds (for the
+/// pool; the lower tiers count their own slots).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PoolStats {
     /// Blocks in the pool.
@@ -29,14 +31,21 @@ pub struct PoolStats {
     pub used: usize,
     /// Registered complete blocks with no handle: reusable by hash, evictable.
     pub cached: usize,
+    /// Host-RAM tier (tier 2); all zero when there is none.
+    #[serde(default)]
+    pub host: TierStats,
+    /// Disk tier (tier 3); all zero when there is none.
+    #[serde(default)]
+    pub disk: TierStats,
 }
 
-/// The registry at one event number: where a reader of the event log starts.
+/// The registries at one event number: where a reader of the event log starts.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvSnapshot {
     pub instance: u64,
     pub seq: u64,
-    pub hashes: Vec<BlockHash>,
+    /// Every hash held, with the tier it is in (a hash may appear once per tier).
+    pub hashes: Vec<(BlockHash, Tier)>,
 }
 
 /// One worker's KV blocks. Cloning is cheap and shares the pool.
@@ -57,6 +66,16 @@ impl BlockPool {
         assert!(block_size > 0, "block_size must be positive");
         assert!(u32::try_from(num_blocks).is_ok_and(|n| n < u32::MAX), "too many blocks");
         Self { state: Arc::new(Mutex::new(PoolState::new(num_blocks))), block_size, num_blocks }
+    }
+
+    /// A pool whose evicted blocks go down to a host-RAM tier of `host_blocks` and
+    /// then a disk tier of `disk_blocks` (either may be 0: no such tier). The engine
+    /// must carry out [`BlockPool::take_moves`] before writing into blocks it was
+    /// handed, since those may be what was just evicted.
+    pub fn with_tiers(num_blocks: usize, block_size: usize, host_blocks: usize, disk_blocks: usize) -> Self {
+        let pool = Self::new(num_blocks, block_size);
+        pool.lock().lower = Lower::new(host_blocks, disk_blocks);
+        pool
     }
 
     /// Tokens per block.
@@ -97,7 +116,31 @@ impl BlockPool {
 
     /// Block counts by state, for the `pdserve_kv_blocks` gauge and admission.
     pub fn stats(&self) -> PoolStats {
-        self.lock().stats()
+        let state = self.lock();
+        PoolStats { host: state.lower.stats(Tier::Host), disk: state.lower.stats(Tier::Disk), ..state.stats() }
+    }
+
+    /// Whether evicted blocks go down to a lower tier.
+    pub fn has_lower_tiers(&self) -> bool {
+        !self.lock().lower.is_empty()
+    }
+
+    /// The byte copies owed for evictions since the last call, to be made in order.
+    pub fn take_moves(&self) -> Vec<Move> {
+        self.lock().take_moves()
+    }
+
+    /// How many of `hashes`, from the first, a lower tier holds, and which tier each
+    /// is in; each is marked recently used there. Meant for the hashes right after a
+    /// [`BlockPool::match_prefix`] hit.
+    pub fn lower_prefix(&self, hashes: &[BlockHash]) -> Vec<Tier> {
+        self.lock().lower.prefix(hashes)
+    }
+
+    /// Where a lower tier holds `hash` now (moves made since a lookup may have sent
+    /// it further down, or out).
+    pub fn locate_lower(&self, hash: BlockHash) -> Option<(Tier, Place)> {
+        self.lock().lower.locate(hash)
     }
 
     /// The events after number `after` of log `instance`, oldest first, or a gap:

@@ -11,6 +11,7 @@ use crate::hash::{BlockHash, BlockId};
 use crate::log::EventLog;
 use crate::lru::Lru;
 use crate::pool::{PoolExhausted, PoolStats};
+use crate::tier::{Changes, Lower, Move, Place, Tier};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Slot {
@@ -22,11 +23,13 @@ enum Slot {
     Held {
         refs: u32,
         hash: BlockHash,
+        parent: Option<BlockHash>,
         registered: bool,
     },
     /// No handles, still registered: reusable by hash until evicted.
     Cached {
         hash: BlockHash,
+        parent: Option<BlockHash>,
     },
 }
 
@@ -38,6 +41,8 @@ pub(crate) struct PoolState {
     registry: HashMap<BlockHash, BlockId>,
     pub(crate) events: EventLog,
     used: usize,
+    /// Host and disk tiers that evicted blocks go down to (none by default).
+    pub(crate) lower: Lower,
     /// Where `take_events` left off.
     #[cfg(test)]
     taken: u64,
@@ -56,6 +61,7 @@ impl PoolState {
             // falls behind, even while the whole pool turns over.
             events: EventLog::new(4 * num_blocks.max(256)),
             used: 0,
+            lower: Lower::default(),
             #[cfg(test)]
             taken: 0,
         }
@@ -66,12 +72,39 @@ impl PoolState {
     }
 
     pub(crate) fn stats(&self) -> PoolStats {
-        PoolStats { total: self.slots.len(), free: self.free.len(), used: self.used, cached: self.lru.len() }
+        PoolStats {
+            total: self.slots.len(),
+            free: self.free.len(),
+            used: self.used,
+            cached: self.lru.len(),
+            ..PoolStats::default()
+        }
     }
 
-    /// Every registered hash, with the number of the last event they reflect.
-    pub(crate) fn snapshot(&self) -> (u64, Vec<BlockHash>) {
-        (self.events.last(), self.registry.keys().copied().collect())
+    /// Every hash the pool and its lower tiers hold, with the number of the last
+    /// event they reflect.
+    pub(crate) fn snapshot(&self) -> (u64, Vec<(BlockHash, Tier)>) {
+        let device = self.registry.keys().map(|&h| (h, Tier::Device));
+        let lower = self.lower.tiers.iter().flat_map(|t| t.entries().map(move |(h, _)| (h, t.tier)));
+        (self.events.last(), device.chain(lower).collect())
+    }
+
+    /// The byte moves the engine owes for evictions so far, oldest first.
+    pub(crate) fn take_moves(&mut self) -> Vec<Move> {
+        std::mem::take(&mut self.lower.moves)
+    }
+
+    /// Hands a block leaving the pool (or a lower tier) to the tiers below, logging
+    /// what each registry gained and lost.
+    fn demote(&mut self, level: usize, from: Place, hash: BlockHash, parent: Option<BlockHash>) {
+        let mut changes = Changes::new();
+        self.lower.demote(level, from, hash, parent, &mut changes);
+        for (hash, parent, tier, stored) in changes {
+            self.events.push(match stored {
+                true => KvEvent::Stored { hash, parent, tier },
+                false => KvEvent::Removed { hash, tier },
+            });
+        }
     }
 
     /// Takes `n` blocks for writing, all or none. Free blocks go first; only then are
@@ -97,9 +130,12 @@ impl PoolState {
     /// Unregisters the least recently used cached block; the caller decides its new state.
     fn evict_oldest(&mut self) -> Option<BlockId> {
         let id = self.lru.pop_front()?;
-        if let Slot::Cached { hash } = self.slots[id.index()] {
+        if let Slot::Cached { hash, parent } = self.slots[id.index()] {
             self.registry.remove(&hash);
-            self.events.push(KvEvent::Removed { hash });
+            self.events.push(KvEvent::Removed { hash, tier: Tier::Device });
+            if !self.lower.is_empty() {
+                self.demote(0, Place::Device(id), hash, parent);
+            }
         }
         self.slots[id.index()] = Slot::Free;
         Some(id)
@@ -127,9 +163,9 @@ impl PoolState {
         let registered = !self.registry.contains_key(&hash);
         if registered {
             self.registry.insert(hash, id);
-            self.events.push(KvEvent::Stored { hash, parent });
+            self.events.push(KvEvent::Stored { hash, parent, tier: Tier::Device });
         }
-        self.slots[id.index()] = Slot::Held { refs: 1, hash, registered };
+        self.slots[id.index()] = Slot::Held { refs: 1, hash, parent, registered };
     }
 
     pub(crate) fn add_ref(&mut self, id: BlockId) {
@@ -145,7 +181,7 @@ impl PoolState {
     pub(crate) fn release_ref(&mut self, id: BlockId) {
         let slot = &mut self.slots[id.index()];
         debug_assert!(matches!(slot, Slot::Held { .. }), "release_ref on unheld {id:?}");
-        let Slot::Held { refs, hash, registered } = slot else {
+        let Slot::Held { refs, hash, parent, registered } = slot else {
             return;
         };
         *refs -= 1;
@@ -153,7 +189,7 @@ impl PoolState {
             return;
         }
         if *registered {
-            *slot = Slot::Cached { hash: *hash };
+            *slot = Slot::Cached { hash: *hash, parent: *parent };
             self.lru.push_back(id);
         } else {
             *slot = Slot::Free;
@@ -171,9 +207,9 @@ impl PoolState {
                 break;
             };
             match self.slots[id.index()] {
-                Slot::Cached { .. } => {
+                Slot::Cached { parent, .. } => {
                     self.lru.remove(id);
-                    self.slots[id.index()] = Slot::Held { refs: 1, hash, registered: true };
+                    self.slots[id.index()] = Slot::Held { refs: 1, hash, parent, registered: true };
                     self.used += 1;
                 }
                 _ => self.add_ref(id),
@@ -212,7 +248,7 @@ impl PoolState {
         ];
         match checks.iter().find(|(ok, _)| !ok) {
             Some((_, what)) => Err(format!("{what} inconsistent: {self:?}")),
-            None => Ok(()),
+            None => self.lower.tiers.iter().try_for_each(crate::tier::TierIndex::audit),
         }
     }
 
@@ -239,7 +275,7 @@ impl PoolState {
 
     fn registered_as(&self, id: BlockId, h: BlockHash) -> bool {
         match self.slots[id.index()] {
-            Slot::Cached { hash } => hash == h,
+            Slot::Cached { hash, .. } => hash == h,
             Slot::Held { hash, registered, .. } => registered && hash == h,
             _ => false,
         }

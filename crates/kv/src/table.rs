@@ -45,6 +45,11 @@ impl BlockTable {
         }
     }
 
+    #[cfg(test)]
+    pub(crate) fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
     /// The salt this table hashes its blocks with.
     pub fn salt(&self) -> u64 {
         self.salt

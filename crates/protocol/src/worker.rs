@@ -16,7 +16,7 @@
 //! receiver's drop cancels them; dropping a [`Reply`] future cancels its call.
 
 use crate::{EventSender, GenerateRequest, ServeError};
-use pdserve_kv::{BlockHash, KvEvent};
+use pdserve_kv::{BlockHash, KvEvent, Tier};
 use pdserve_kv_transfer::{HandoffToken, KvTarget, TransportKind};
 use pdserve_types::{Assignment, DecodeSteps, Epoch, FinishReason, RequestId, Role, SamplingParams, TokenId, TokenOut};
 use serde::{Deserialize, Serialize};
@@ -156,9 +156,9 @@ pub struct KvCursor {
 /// A worker's KV events after a cursor.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct KvEvents {
-    /// Present when the cursor could not be followed: what the worker holds now,
-    /// to replace everything known of it before `events` apply.
-    pub snapshot: Option<Vec<BlockHash>>,
+    /// Present when the cursor could not be followed: what the worker holds now, in
+    /// each tier, to replace everything known of it before `events` apply.
+    pub snapshot: Option<Vec<(BlockHash, Tier)>>,
     /// Oldest first, each with its age in seconds on the worker's clock when sent.
     pub events: Vec<(KvEvent, f32)>,
     /// The cursor after applying all of this.

@@ -1,11 +1,12 @@
 //! The router's KV index at scale: 1M indexed blocks spread over 16 workers (each
-//! block held by one or two of them), then the cached prefix of 2,048-token prompts
+//! block held by one or two of them in their pools, and every eighth chain also in a
+//! third worker's host-RAM tier), then the cached prefix of 2,048-token prompts
 //! (128 block hashes) on all 16 candidates, as routing asks for it. Prints the index's
 //! memory (resident set growth) and the per-request lookup time percentiles.
 //!
 //! cargo run --release -p pdserve-router --example kv_index_scale
 
-use pdserve_kv::BlockHash;
+use pdserve_kv::{BlockHash, Tier};
 use pdserve_protocol::{KvCursor, KvEvents};
 use pdserve_router::index::KvIndex;
 use std::time::{Duration, Instant};
@@ -25,11 +26,15 @@ fn main() {
     let before = rss_kb();
     let index = KvIndex::default();
     // Chains of 128 blocks (one prompt each), every chain on one worker and every
-    // fourth also on the next: 1M distinct hashes in all.
+    // fourth also on the next, every eighth in the host tier of the one after: 1M
+    // distinct hashes in all.
     for (w, name) in names.iter().enumerate() {
         let w = w as u64;
         let held = |chain: u64| chain % WORKERS == w || (chain.is_multiple_of(4) && (chain + 1) % WORKERS == w);
-        let hashes: Vec<BlockHash> = (0..BLOCKS).filter(|b| held(b / PROMPT_BLOCKS)).map(BlockHash).collect();
+        let host = |chain: u64| chain.is_multiple_of(8) && (chain + 2) % WORKERS == w;
+        let device = (0..BLOCKS).filter(|b| held(b / PROMPT_BLOCKS)).map(|b| (BlockHash(b), Tier::Device));
+        let lower = (0..BLOCKS).filter(|b| host(b / PROMPT_BLOCKS)).map(|b| (BlockHash(b), Tier::Host));
+        let hashes: Vec<(BlockHash, Tier)> = device.chain(lower).collect();
         let got = KvEvents { snapshot: Some(hashes), events: Vec::new(), cursor: KvCursor { instance: 1, seq: 1 } };
         index.apply(name, got, Duration::ZERO);
     }

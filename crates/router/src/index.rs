@@ -10,9 +10,11 @@
 //!
 //! A hash maps to a bit set of worker slots, so the index costs one map entry per
 //! distinct block, and a prompt's longest cached prefix on every worker at once is one
-//! walk down its hashes.
+//! walk down its hashes. Blocks in a worker's host-RAM or disk tier are kept in a
+//! second map (most blocks are only in the pool), and a prefix counts each block in
+//! the best tier that holds it: the pool's cost nothing, the others a copy back.
 
-use pdserve_kv::{BlockHash, KvEvent};
+use pdserve_kv::{BlockHash, KvEvent, Tier};
 use pdserve_protocol::{KvCursor, KvEvents, Telemetry, Worker};
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
@@ -32,7 +34,10 @@ type Slots = u128;
 
 #[derive(Default)]
 struct State {
+    /// Blocks in the workers' pools.
     blocks: HashMap<BlockHash, Slots>,
+    /// Blocks in their host (`[0]`) and disk (`[1]`) tiers.
+    lower: HashMap<BlockHash, [Slots; 2]>,
     /// Indexed workers by name: their slot and where their events stand.
     workers: HashMap<String, (usize, KvCursor)>,
 }
@@ -41,6 +46,30 @@ struct State {
 #[derive(Default)]
 pub struct KvIndex {
     state: RwLock<State>,
+}
+
+/// The blocks at the start of a prompt that one worker holds, by the best tier each
+/// is in (the chain ends at the first block it holds in no tier).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CachedPrefix {
+    pub device: usize,
+    pub host: usize,
+    pub disk: usize,
+}
+
+impl CachedPrefix {
+    /// Blocks held in any tier: what the engine will not compute.
+    pub fn blocks(&self) -> usize {
+        self.device + self.host + self.disk
+    }
+
+    fn count(&mut self, tier: Tier) {
+        match tier {
+            Tier::Device => self.device += 1,
+            Tier::Host => self.host += 1,
+            Tier::Disk => self.disk += 1,
+        }
+    }
 }
 
 /// What one round of reading taught the index, for the metrics.
@@ -52,9 +81,11 @@ pub struct Applied {
 }
 
 impl KvIndex {
-    /// Distinct block hashes indexed.
+    /// Distinct block hashes indexed (in pools; the same hash in a lower tier of
+    /// some worker is not counted twice).
     pub fn len(&self) -> usize {
-        self.read().blocks.len()
+        let s = self.read();
+        s.blocks.len() + s.lower.keys().filter(|h| !s.blocks.contains_key(h)).count()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -62,35 +93,40 @@ impl KvIndex {
     }
 
     /// Cached blocks at the start of `hashes` on each named worker (0 for a worker
-    /// not indexed).
+    /// not indexed), counting every tier.
     pub fn prefix_blocks(&self, hashes: &[BlockHash], workers: &[&str]) -> Vec<usize> {
+        self.prefix(hashes, workers).iter().map(CachedPrefix::blocks).collect()
+    }
+
+    /// The blocks at the start of `hashes` that each named worker holds, by tier
+    /// (nothing for a worker not indexed).
+    pub fn prefix(&self, hashes: &[BlockHash], workers: &[&str]) -> Vec<CachedPrefix> {
         let s = self.read();
         let slots: Vec<Option<usize>> = workers.iter().map(|w| s.workers.get(*w).map(|(slot, _)| *slot)).collect();
         let mut alive: Slots = slots.iter().flatten().fold(0, |m, &i| m | 1 << i);
-        let mut found = vec![hashes.len(); workers.len()];
-        for (i, h) in hashes.iter().enumerate() {
-            let held = s.blocks.get(h).copied().unwrap_or(0);
-            let dropped = alive & !held;
-            if dropped != 0 {
-                for (n, slot) in found.iter_mut().zip(&slots) {
-                    if slot.is_some_and(|sl| dropped & (1 << sl) != 0) {
-                        *n = i;
-                    }
-                }
-            }
-            alive &= held;
+        let mut found = vec![CachedPrefix::default(); workers.len()];
+        for h in hashes {
+            let tiers = s.tiers(*h);
+            alive &= tiers.iter().fold(0, |m, t| m | t);
             if alive == 0 {
                 break;
             }
+            for (n, slot) in found.iter_mut().zip(&slots) {
+                let Some(bit) = slot.map(|sl| 1 << sl).filter(|b: &Slots| alive & b != 0) else { continue };
+                let best = Tier::ALL.iter().zip(tiers).find(|(_, held)| held & bit != 0);
+                if let Some((&tier, _)) = best {
+                    n.count(tier);
+                }
+            }
         }
-        found.iter().zip(&slots).map(|(&n, slot)| if slot.is_some() { n } else { 0 }).collect()
+        found
     }
 
-    /// Whether the index says `worker` holds every one of `hashes`.
+    /// Whether the index says `worker` holds every one of `hashes`, in any tier.
     pub fn holds_all(&self, worker: &str, hashes: &[BlockHash]) -> bool {
         let s = self.read();
         let Some(&(slot, _)) = s.workers.get(worker) else { return false };
-        hashes.iter().all(|h| s.blocks.get(h).is_some_and(|m| m & (1 << slot) != 0))
+        hashes.iter().all(|h| s.tiers(*h).iter().any(|m| m & (1 << slot) != 0))
     }
 
     /// Where the index stands with `worker`'s events (a fresh cursor if unknown).
@@ -115,16 +151,16 @@ impl KvIndex {
         let mut applied = Applied::default();
         if let Some(hashes) = got.snapshot {
             s.clear(bit);
-            for h in hashes {
-                *s.blocks.entry(h).or_default() |= bit;
+            for (h, tier) in hashes {
+                s.set(h, tier, bit);
             }
             applied.resyncs = 1;
         }
         let half_trip = rtt.as_secs_f64() / 2.0;
         for (event, age) in got.events {
             match event {
-                KvEvent::Stored { hash, .. } => *s.blocks.entry(hash).or_default() |= bit,
-                KvEvent::Removed { hash } => s.unset(hash, bit),
+                KvEvent::Stored { hash, tier, .. } => s.set(hash, tier, bit),
+                KvEvent::Removed { hash, tier } => s.unset(hash, tier, bit),
             }
             applied.lags.push(f64::from(age) + half_trip);
         }
@@ -162,11 +198,39 @@ impl KvIndex {
 }
 
 impl State {
-    fn unset(&mut self, hash: BlockHash, bit: Slots) {
-        if let Some(m) = self.blocks.get_mut(&hash) {
-            *m &= !bit;
-            if *m == 0 {
-                self.blocks.remove(&hash);
+    /// Who holds `hash` in the pool, the host tier and the disk tier.
+    fn tiers(&self, hash: BlockHash) -> [Slots; 3] {
+        let device = self.blocks.get(&hash).copied().unwrap_or(0);
+        let [host, disk] = self.lower.get(&hash).copied().unwrap_or_default();
+        [device, host, disk]
+    }
+
+    fn set(&mut self, hash: BlockHash, tier: Tier, bit: Slots) {
+        match tier {
+            Tier::Device => *self.blocks.entry(hash).or_default() |= bit,
+            Tier::Host => self.lower.entry(hash).or_default()[0] |= bit,
+            Tier::Disk => self.lower.entry(hash).or_default()[1] |= bit,
+        }
+    }
+
+    fn unset(&mut self, hash: BlockHash, tier: Tier, bit: Slots) {
+        match tier {
+            Tier::Device => {
+                if let Some(m) = self.blocks.get_mut(&hash) {
+                    *m &= !bit;
+                    if *m == 0 {
+                        self.blocks.remove(&hash);
+                    }
+                }
+            }
+            Tier::Host | Tier::Disk => {
+                let i = usize::from(tier == Tier::Disk);
+                if let Some(m) = self.lower.get_mut(&hash) {
+                    m[i] &= !bit;
+                    if *m == [0, 0] {
+                        self.lower.remove(&hash);
+                    }
+                }
             }
         }
     }
@@ -175,6 +239,10 @@ impl State {
         self.blocks.retain(|_, m| {
             *m &= !bit;
             *m != 0
+        });
+        self.lower.retain(|_, m| {
+            m.iter_mut().for_each(|x| *x &= !bit);
+            *m != [0, 0]
         });
     }
 }
@@ -232,12 +300,12 @@ mod tests {
     }
 
     fn stored(x: u64) -> (KvEvent, f32) {
-        (KvEvent::Stored { hash: h(x), parent: None }, 0.0)
+        (KvEvent::Stored { hash: h(x), parent: None, tier: Tier::Device }, 0.0)
     }
 
     fn batch(snapshot: Option<Vec<u64>>, events: Vec<(KvEvent, f32)>, seq: u64) -> KvEvents {
         KvEvents {
-            snapshot: snapshot.map(|v| v.into_iter().map(h).collect()),
+            snapshot: snapshot.map(|v| v.into_iter().map(|x| (h(x), Tier::Device)).collect()),
             events,
             cursor: KvCursor { instance: 1, seq },
         }
@@ -260,7 +328,7 @@ mod tests {
         let ix = KvIndex::default();
         ix.apply("a", batch(Some(vec![1, 2]), vec![], 2), Duration::ZERO);
         ix.apply("b", batch(Some(vec![1, 2]), vec![], 2), Duration::ZERO);
-        ix.apply("a", batch(None, vec![(KvEvent::Removed { hash: h(2) }, 0.0)], 3), Duration::ZERO);
+        ix.apply("a", batch(None, vec![(KvEvent::Removed { hash: h(2), tier: Tier::Device }, 0.0)], 3), Duration::ZERO);
         assert_eq!(ix.prefix_blocks(&[h(1), h(2)], &["a", "b"]), [1, 2]);
         assert!(ix.holds_all("b", &[h(1), h(2)]) && !ix.holds_all("a", &[h(2)]));
         // A restarted `b` resyncs from a snapshot that holds nothing.
@@ -270,6 +338,25 @@ mod tests {
         ix.retain(&["b"]);
         assert!(ix.is_empty(), "a's blocks leave with it");
         assert_eq!(ix.cursor("a"), KvCursor::default());
+    }
+
+    #[test]
+    fn a_prefix_counts_each_block_in_the_best_tier_that_holds_it() {
+        let ix = KvIndex::default();
+        let at = |x: u64, tier| (KvEvent::Stored { hash: h(x), parent: None, tier }, 0.0);
+        let events =
+            vec![at(1, Tier::Device), at(2, Tier::Host), at(2, Tier::Disk), at(3, Tier::Disk), at(5, Tier::Host)];
+        ix.apply("a", batch(Some(vec![]), events, 5), Duration::ZERO);
+        let prompt = [h(1), h(2), h(3), h(4), h(5)];
+        let got = ix.prefix(&prompt, &["a"])[0];
+        assert_eq!(got, CachedPrefix { device: 1, host: 1, disk: 1 }, "the chain stops at 4");
+        assert_eq!(ix.prefix_blocks(&prompt, &["a"]), [3]);
+        assert!(ix.holds_all("a", &[h(2), h(3)]));
+        // Leaving the host tier for disk alone keeps the block, one tier lower.
+        ix.apply("a", batch(None, vec![(KvEvent::Removed { hash: h(2), tier: Tier::Host }, 0.0)], 6), Duration::ZERO);
+        assert_eq!(ix.prefix(&prompt, &["a"])[0], CachedPrefix { device: 1, host: 0, disk: 2 });
+        ix.retain(&[]);
+        assert!(ix.is_empty());
     }
 
     #[test]

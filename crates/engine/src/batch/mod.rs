@@ -16,6 +16,7 @@ use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{ForwardScratch, Model};
 use crate::threadpool::ThreadPool;
+use crate::tiers::{TierBytes, TierConfig, TierCounters, TierError};
 use crate::timed::TimedModel;
 use pdserve_kv::{BlockPool, PoolStats};
 use pdserve_types::TokenOut;
@@ -98,6 +99,8 @@ pub struct EngineStats {
     pub masks: (u64, f64),
     /// Steps that decoded only (the planner fits its decode cost to them).
     pub decode_steps: DecodeSteps,
+    /// Blocks the lower tiers took and gave back (all zero without tiers).
+    pub tiers: TierCounters,
 }
 
 /// What computes a step's tokens.
@@ -129,6 +132,8 @@ pub struct Engine {
     charged: f64,
     /// The last step found nothing it could compute (see [`Engine::stalled`]).
     stalled: bool,
+    /// Host and disk stores below the pool ([`Engine::with_tiers`]).
+    tiers: Option<TierBytes>,
 }
 
 impl Engine {
@@ -164,6 +169,34 @@ impl Engine {
             decode_steps: DecodeSteps::default(),
             charged: 0.0,
             stalled: false,
+            tiers: None,
+        }
+    }
+
+    /// Keeps the blocks the pool evicts in a host-RAM tier and then a disk tier
+    /// (see [`crate::tiers`]), and copies them back when a prompt finds them there.
+    /// Call before the first request: it replaces the (empty) pool.
+    pub fn with_tiers(mut self, cfg: &TierConfig) -> Result<Self, TierError> {
+        if cfg.is_empty() {
+            return Ok(self);
+        }
+        self.tiers = Some(TierBytes::new(&self.kv, cfg)?);
+        let disk = if cfg.disk_dir.is_some() { cfg.disk_blocks } else { 0 };
+        self.blocks = BlockPool::with_tiers(self.cfg.num_blocks, BLOCK_SIZE, cfg.host_blocks, disk);
+        Ok(self)
+    }
+
+    /// Bytes one block of every layer takes (K and V): the unit of the tiers' sizes.
+    pub fn block_bytes(&self) -> usize {
+        self.kv.n_layers * 2 * self.kv.block_elems() * 2
+    }
+
+    /// Makes the copies the pool owes for its evictions: before anything writes
+    /// into blocks just handed out, since they may be what was evicted.
+    pub(crate) fn settle_moves(&mut self) {
+        let Some(tiers) = self.tiers.as_mut() else { return };
+        for m in self.blocks.take_moves() {
+            tiers.apply(m, &self.kv);
         }
     }
 
@@ -305,6 +338,7 @@ impl Engine {
             blocks: self.blocks.stats(),
             masks: self.masks.totals(),
             decode_steps: self.decode_steps,
+            tiers: self.tiers.as_ref().map(|t| t.counters).unwrap_or_default(),
         }
     }
 

@@ -9,7 +9,7 @@ use crate::kvcache::KvStorage;
 use crate::model::{Scoring, SeqBatch};
 use crate::threadpool::DisjointMut;
 use crate::timed::{self, StepShape};
-use pdserve_kv::{block_hashes, BlockTable};
+use pdserve_kv::{block_hashes, BlockHash, BlockTable, ImmutableBlock};
 use pdserve_types::{FinishReason, TokenOut};
 use std::sync::Mutex;
 
@@ -42,6 +42,8 @@ impl Engine {
         on_layer: &mut dyn FnMut(usize, &KvStorage, &[LayerSeq]) -> bool,
     ) -> Vec<StepOutput> {
         let plan = self.schedule();
+        // Before the forward pass writes into the blocks this step was given.
+        self.settle_moves();
         self.stalled = plan.is_empty();
         if plan.is_empty() {
             return Vec::new();
@@ -199,17 +201,45 @@ impl Engine {
     /// Starts the sequence's block table from the longest cached prefix, always
     /// leaving at least one token to compute so the step yields logits. A request
     /// that scores its prompt computes all of it: cached positions have no logits.
-    fn attach_prefix(&self, s: &mut Sequence) {
+    fn attach_prefix(&mut self, s: &mut Sequence) {
         let usable = match s.params.prompt_logprobs {
             Some(_) => 0,
             None => (s.tokens.len() - 1) / BLOCK_SIZE * BLOCK_SIZE,
         };
         let hashes = block_hashes(&s.tokens[..usable], BLOCK_SIZE, self.cfg.cache_salt);
-        let hits = self.blocks.match_prefix(&hashes);
+        // A chain may alternate between the pool and the lower tiers.
+        let mut hits = self.blocks.match_prefix(&hashes);
+        while self.restore_lower(&hashes, &mut hits) > 0 {
+            hits.extend(self.blocks.match_prefix(&hashes[hits.len()..]));
+        }
         let table = BlockTable::with_prefix(&self.blocks, self.cfg.cache_salt, hits);
         s.computed = table.cached_prefix_tokens();
         s.cached_tokens = s.computed;
         s.table = Some(table);
+    }
+
+    /// Extends a pool hit with the blocks right after it that the host or disk
+    /// tier holds, copied back into fresh pool blocks. The allocation may evict,
+    /// and so move, tier blocks: each is looked up again after the moves are made.
+    /// Returns how many blocks came back.
+    fn restore_lower(&mut self, hashes: &[BlockHash], hits: &mut Vec<ImmutableBlock>) -> usize {
+        if self.tiers.is_none() {
+            return 0;
+        }
+        let from = hits.len();
+        let found = self.blocks.lower_prefix(&hashes[from..]).len().min(self.blocks.available());
+        let Ok(blocks) = self.blocks.allocate_many(found) else { return 0 };
+        self.settle_moves();
+        let Some(tiers) = self.tiers.as_mut() else { return 0 };
+        for (i, block) in blocks.into_iter().enumerate() {
+            let at = from + i;
+            let Some((_, place)) = self.blocks.locate_lower(hashes[at]) else { break };
+            if !tiers.restore(place, &mut self.kv, block.id().0) {
+                break;
+            }
+            hits.push(block.complete(hashes[at], at.checked_sub(1).map(|p| hashes[p])));
+        }
+        hits.len() - from
     }
 
     fn finish_step(&mut self, plan: &[Planned], logits: Logits<'_>) -> Vec<StepOutput> {

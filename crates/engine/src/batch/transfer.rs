@@ -69,6 +69,8 @@ impl Engine {
         }
         let mut table = BlockTable::new(&self.blocks, self.cfg.cache_salt);
         table.ensure_capacity(prompt_len).map_err(|_| EngineError::NoBlocks)?;
+        // The frames overwrite these blocks: evicted ones go down first.
+        self.settle_moves();
         let ids = table.block_ids().into_iter().map(|b| b.0).collect();
         self.importing.push(KvImport { id, prompt_len, table, ids });
         Ok(())

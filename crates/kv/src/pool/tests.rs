@@ -35,10 +35,10 @@ fn allocate_and_drop_return_blocks() {
     let a = pool.allocate().unwrap();
     let b = pool.allocate().unwrap();
     assert_ne!(a.id(), b.id());
-    assert_eq!(check(&pool), PoolStats { total: 4, free: 2, used: 2, cached: 0 });
+    assert_eq!(check(&pool), PoolStats { total: 4, free: 2, used: 2, cached: 0, ..PoolStats::default() });
     drop(a);
     drop(b);
-    assert_eq!(check(&pool), PoolStats { total: 4, free: 4, used: 0, cached: 0 });
+    assert_eq!(check(&pool), PoolStats { total: 4, free: 4, used: 0, cached: 0, ..PoolStats::default() });
 }
 
 #[test]
@@ -64,7 +64,7 @@ fn last_reference_caches_registered_block() {
     drop(a);
     assert_eq!(check(&pool).used, 1);
     drop(a2);
-    assert_eq!(check(&pool), PoolStats { total: 2, free: 1, used: 0, cached: 1 });
+    assert_eq!(check(&pool), PoolStats { total: 2, free: 1, used: 0, cached: 1, ..PoolStats::default() });
     assert_eq!(pool.available(), 2);
 }
 
@@ -81,7 +81,8 @@ fn eviction_takes_least_recently_used_first() {
     assert_eq!(first.id(), ids[1]);
     let second = pool.allocate().unwrap();
     assert_eq!(second.id(), ids[2]);
-    let removed = [KvEvent::Removed { hash: h(2) }, KvEvent::Removed { hash: h(3) }];
+    let removed =
+        [KvEvent::Removed { hash: h(2), tier: Tier::Device }, KvEvent::Removed { hash: h(3), tier: Tier::Device }];
     assert_eq!(pool.take_events(), removed);
     assert!(pool.match_prefix(&[h(2)]).is_empty());
     assert_eq!(pool.match_prefix(&[h(1)])[0].id(), ids[0]);
@@ -102,15 +103,15 @@ fn equal_hashes_dedupe_to_the_first_block() {
     let pool = BlockPool::new(4, 4);
     let first = pool.allocate().unwrap().complete(h(5), None);
     let dup = pool.allocate().unwrap().complete(h(5), None);
-    assert_eq!(pool.take_events(), [KvEvent::Stored { hash: h(5), parent: None }]);
+    assert_eq!(pool.take_events(), [KvEvent::Stored { hash: h(5), parent: None, tier: Tier::Device }]);
     assert_eq!(dup.hash(), h(5));
     let hits = pool.match_prefix(&[h(5)]);
     assert_eq!(hits[0].id(), first.id());
     // The duplicate goes back to free, the original to the cache.
     drop(dup);
-    assert_eq!(check(&pool), PoolStats { total: 4, free: 3, used: 1, cached: 0 });
+    assert_eq!(check(&pool), PoolStats { total: 4, free: 3, used: 1, cached: 0, ..PoolStats::default() });
     drop((first, hits));
-    assert_eq!(check(&pool), PoolStats { total: 4, free: 3, used: 0, cached: 1 });
+    assert_eq!(check(&pool), PoolStats { total: 4, free: 3, used: 0, cached: 1, ..PoolStats::default() });
     assert!(pool.take_events().is_empty());
 }
 
@@ -125,7 +126,7 @@ fn match_prefix_stops_at_first_miss_and_shares_live_blocks() {
     assert_eq!(ids, [a.id(), b.id(), c_id]);
     assert_eq!(pool.lock().refs(a.id()), 2);
     assert_eq!(pool.lock().refs(c_id), 1);
-    assert_eq!(check(&pool), PoolStats { total: 6, free: 3, used: 3, cached: 0 });
+    assert_eq!(check(&pool), PoolStats { total: 6, free: 3, used: 3, cached: 0, ..PoolStats::default() });
     assert!(pool.match_prefix(&[h(9), h(1)]).is_empty());
     drop((a, b, hits));
     assert_eq!(check(&pool).cached, 3);
@@ -138,11 +139,14 @@ fn events_report_stores_and_removals() {
     let c = hash_block(Some(p), &[3, 4], 0);
     let a = pool.allocate().unwrap().complete(p, None);
     let b = pool.allocate().unwrap().complete(c, Some(p));
-    let stored = [KvEvent::Stored { hash: p, parent: None }, KvEvent::Stored { hash: c, parent: Some(p) }];
+    let stored = [
+        KvEvent::Stored { hash: p, parent: None, tier: Tier::Device },
+        KvEvent::Stored { hash: c, parent: Some(p), tier: Tier::Device },
+    ];
     assert_eq!(pool.take_events(), stored);
     drop((b, a));
     pool.clear_cache();
-    let removed = [KvEvent::Removed { hash: c }, KvEvent::Removed { hash: p }];
+    let removed = [KvEvent::Removed { hash: c, tier: Tier::Device }, KvEvent::Removed { hash: p, tier: Tier::Device }];
     assert_eq!(pool.take_events(), removed);
     assert_eq!(check(&pool).free, 2);
     assert!(pool.take_events().is_empty());
@@ -154,7 +158,7 @@ fn clear_cache_keeps_blocks_in_use() {
     let live = pool.allocate().unwrap().complete(h(1), None);
     cache_one(&pool, h(2));
     pool.clear_cache();
-    assert_eq!(check(&pool), PoolStats { total: 3, free: 2, used: 1, cached: 0 });
+    assert_eq!(check(&pool), PoolStats { total: 3, free: 2, used: 1, cached: 0, ..PoolStats::default() });
     assert_eq!(pool.match_prefix(&[h(1)]).len(), 1);
     drop(live);
 }

@@ -75,10 +75,10 @@ fn adopted_prefix_is_shared_and_extended() {
     second.ensure_capacity(longer.len()).unwrap();
     second.commit(&longer);
     assert_eq!(second.full_block_hashes(), block_hashes(&longer, 4, 0));
-    assert_eq!(pool.stats(), PoolStats { total: 6, free: 2, used: 4, cached: 0 });
+    assert_eq!(pool.stats(), PoolStats { total: 6, free: 2, used: 4, cached: 0, ..PoolStats::default() });
     // The first table's partial block is freed; the three complete blocks are cached.
     drop((first, second));
-    assert_eq!(pool.stats(), PoolStats { total: 6, free: 3, used: 0, cached: 3 });
+    assert_eq!(pool.stats(), PoolStats { total: 6, free: 3, used: 0, cached: 3, ..PoolStats::default() });
 }
 
 #[test]
@@ -90,7 +90,7 @@ fn dropped_table_frees_mutable_and_caches_full_tail_first() {
     t.commit(&toks);
     let ids = t.block_ids();
     drop(t);
-    assert_eq!(pool.stats(), PoolStats { total: 4, free: 2, used: 0, cached: 2 });
+    assert_eq!(pool.stats(), PoolStats { total: 4, free: 2, used: 0, cached: 2, ..PoolStats::default() });
     // The tail was released first, so it is the oldest and evicted first.
     assert_eq!(pool.lock().lru_order(), [ids[1], ids[0]]);
 }

@@ -1,0 +1,111 @@
+//! The prefix cache's lower tiers on the real model: blocks the pool evicts go to
+//! host RAM and then to disk, a prompt that finds them there copies them back
+//! instead of recomputing them, and its tokens are the ones a cold run computes.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use pdserve_engine::batch::{Engine, EngineConfig, StepOutput};
+use pdserve_engine::loader::{self, LoadedModel};
+use pdserve_engine::tiers::TierConfig;
+use pdserve_types::rng::Rng;
+use pdserve_types::{RequestId, SamplingParams};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+fn model() -> &'static LoadedModel {
+    static M: OnceLock<LoadedModel> = OnceLock::new();
+    M.get_or_init(|| loader::load(&pdserve_engine::models::require_default_model()).unwrap())
+}
+
+/// A pool of 24 blocks: three 120-token prompts fill it, so a fourth evicts.
+fn engine(tiers: &TierConfig) -> Engine {
+    let m = model();
+    let cfg = EngineConfig { threads: 1, num_blocks: 24, max_batch_tokens: 512, max_seqs: 8, cache_salt: 0 };
+    Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).with_tiers(tiers).unwrap()
+}
+
+fn prompt(seed: u64) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    (0..120).map(|_| rng.range(200, 20_000) as u32).collect()
+}
+
+/// Runs one greedy request to its end: its tokens and how many prompt tokens it
+/// did not compute.
+fn run(e: &mut Engine, id: u64, prompt: &[u32]) -> (Vec<u32>, usize) {
+    let params = SamplingParams { max_tokens: 8, ignore_eos: true, ..Default::default() }.validate().unwrap();
+    e.add(RequestId(id), prompt.to_vec(), params).unwrap();
+    let mut out: Vec<StepOutput> = Vec::new();
+    while e.has_work() {
+        out.extend(e.step());
+    }
+    assert_eq!(e.stats().blocks.used, 0, "blocks left in use");
+    (out.iter().map(|o| o.sampled.token).collect(), out[0].cached_tokens)
+}
+
+/// Runs prompt 0, then enough other prompts to push its blocks out of the pool,
+/// then prompt 0 again: (cold tokens, warm tokens, warm cached tokens).
+fn evict_and_return(e: &mut Engine) -> (Vec<u32>, Vec<u32>, usize) {
+    let (cold, cached) = run(e, 0, &prompt(0));
+    assert_eq!(cached, 0);
+    for i in 1..=4 {
+        run(e, i, &prompt(i));
+    }
+    let (warm, cached) = run(e, 9, &prompt(0));
+    (cold, warm, cached)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pdserve-tiers-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn without_tiers_an_evicted_prompt_is_computed_again() {
+    let (cold, warm, cached) = evict_and_return(&mut engine(&TierConfig::default()));
+    assert_eq!(cached, 0, "the prompt should have left the pool");
+    assert_eq!(cold, warm);
+}
+
+#[test]
+fn blocks_evicted_to_host_ram_come_back_with_the_same_tokens() {
+    let mut e = engine(&TierConfig { host_blocks: 64, ..TierConfig::default() });
+    let (cold, warm, cached) = evict_and_return(&mut e);
+    // Every full block but the last (one token is always computed).
+    assert_eq!(cached, 112);
+    assert_eq!(cold, warm, "restored K/V gave other tokens");
+    let s = e.stats();
+    assert_eq!(s.tiers.restored_host, 7);
+    assert_eq!(s.tiers.restored_disk, 0);
+    assert!(s.tiers.stored_host >= 7);
+    assert!(s.blocks.host.used > 0 && s.blocks.host.used <= 64);
+}
+
+#[test]
+fn blocks_pushed_on_to_disk_come_back_with_the_same_tokens() {
+    let dir = scratch("disk");
+    let tiers = TierConfig { host_blocks: 4, disk_blocks: 64, disk_dir: Some(dir.clone()) };
+    let mut e = engine(&tiers);
+    let (cold, warm, cached) = evict_and_return(&mut e);
+    assert_eq!(cached, 112);
+    assert_eq!(cold, warm, "K/V read back from disk gave other tokens");
+    let s = e.stats();
+    assert!(s.tiers.restored_disk > 0, "{:?}", s.tiers);
+    assert!(s.tiers.stored_disk > 0);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "one tier file");
+    drop(e);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "the tier file outlived its engine");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_disk_tier_that_cannot_be_created_is_a_clear_error() {
+    let file = scratch("not-a-dir");
+    std::fs::write(&file, b"x").unwrap();
+    let m = model();
+    let tiers = TierConfig { host_blocks: 0, disk_blocks: 8, disk_dir: Some(file.join("sub")) };
+    let e = Engine::new(m.model.clone(), EngineConfig::default(), vec![]).with_tiers(&tiers);
+    let err = e.err().expect("a disk tier under a file").to_string();
+    assert!(err.contains("KV disk tier in"), "{err}");
+    let _ = std::fs::remove_file(&file);
+}

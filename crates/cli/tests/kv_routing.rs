@@ -51,3 +51,56 @@ fn conversations_follow_their_cache_and_predictions_match_the_engines() {
     assert!(metric(fe.addr, "pdserve_kv_index_lag_seconds_count", "") > 0.0);
     assert_eq!(settle_used_blocks(fe.addr), 0.0);
 }
+
+/// A prefix the pool evicted is found in the worker's host-RAM or disk tier: the
+/// engine copies it back instead of computing it, and the router, which follows the
+/// tiers' events too, predicted exactly that.
+#[test]
+fn prefixes_evicted_to_host_ram_and_disk_come_back_as_predicted() {
+    let dir = std::env::temp_dir().join(format!("pdserve-kv-disk-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // A 48-block pool; a host tier of 5 blocks (368,640 bytes each) and a disk tier
+    // of about 135: a 200-token prompt's 12 full blocks end up partly on each.
+    let w = start(&[
+        "worker",
+        "--role",
+        "mixed",
+        "--listen",
+        "127.0.0.1:0",
+        "--threads",
+        "1",
+        "--kv-blocks",
+        "48",
+        "--kv-host-gb",
+        "0.002",
+        "--kv-disk-dir",
+        dir.to_str().unwrap(),
+        "--kv-disk-gb",
+        "0.05",
+    ]);
+    let list = w.addr.to_string();
+    let fe = start(&["frontend", "--workers", &list, "--mode", "aggregated", "--policy", "kv-aware", "--port", "0"]);
+    let first = ids(0, 200);
+    assert_eq!(cached(fe.addr, &first), 0);
+    // Four other prompts fill the pool and push the first one's blocks out of it.
+    for seed in 1..=4 {
+        cached(fe.addr, &ids(seed, 200));
+    }
+    // Wait until the router's index has seen the moves (it follows every 20-100 ms).
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert_eq!(cached(fe.addr, &first), 192, "every full block but the last came back");
+    // (This also waits for the once-a-second stats the tier figures come with.)
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+    let tiers = |direction: &str, tier: &str| {
+        metric(fe.addr, "pdserve_kv_tier_blocks_total", &format!("tier=\"{tier}\",direction=\"{direction}\""))
+    };
+    assert!(tiers("restored", "host") + tiers("restored", "disk") >= 12.0);
+    assert!(tiers("stored", "disk") > 0.0, "nothing went down to disk");
+    assert!(metric(fe.addr, "pdserve_kv_blocks{", "state=\"cached\",tier=\"disk\"") > 0.0);
+    let predicted = metric(fe.addr, "pdserve_prefix_hit_tokens_total", "predicted");
+    let realized = metric(fe.addr, "pdserve_prefix_hit_tokens_total", "realized");
+    assert_eq!((predicted, realized), (192.0, 192.0));
+    assert_eq!(metric(fe.addr, "pdserve_prefix_hit_mismatch_total", ""), 0.0);
+    drop(w);
+    let _ = std::fs::remove_dir_all(&dir);
+}

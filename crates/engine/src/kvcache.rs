@@ -8,6 +8,11 @@ use crate::kernels::attention::LayerKv;
 use half::f16;
 use half::slice::HalfBitsSliceExt;
 
+/// Bytes one block of `block_size` tokens takes across every layer, K and V (f16).
+pub fn block_bytes(cfg: &ModelConfig, block_size: usize) -> usize {
+    cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * block_size * 2
+}
+
 pub struct KvStorage {
     pub n_layers: usize,
     pub n_kv_heads: usize,

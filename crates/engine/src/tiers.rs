@@ -10,7 +10,7 @@
 //! buffer.
 
 use crate::kvcache::KvStorage;
-use pdserve_kv::{Move, Place, Tier};
+use pdserve_kv::{Move, Place, Tier, TierCounters};
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -50,32 +50,6 @@ impl TierConfig {
 pub struct TierError {
     dir: String,
     source: std::io::Error,
-}
-
-/// What the tiers did, for the worker's stats.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct TierCounters {
-    /// Blocks copied down into the host tier / the disk tier.
-    pub stored_host: u64,
-    pub stored_disk: u64,
-    /// Blocks copied back into the pool from each tier, and the seconds it took.
-    pub restored_host: u64,
-    pub restored_disk: u64,
-    pub restore_seconds_host: f64,
-    pub restore_seconds_disk: f64,
-}
-
-impl TierCounters {
-    /// Records a restore of one block from `tier`.
-    fn restored(&mut self, tier: Tier, seconds: f64) {
-        let (blocks, secs) = match tier {
-            Tier::Host => (&mut self.restored_host, &mut self.restore_seconds_host),
-            Tier::Disk => (&mut self.restored_disk, &mut self.restore_seconds_disk),
-            Tier::Device => return,
-        };
-        *blocks += 1;
-        *secs += seconds;
-    }
 }
 
 /// The host and disk stores of one engine.

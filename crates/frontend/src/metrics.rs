@@ -5,6 +5,7 @@
 //! through the methods of a shared [`Metrics`] handle. `/metrics` serves it all in the
 //! Prometheus text format 0.0.4.
 
+use pdserve_kv::{TierCounters, TierStats};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::WorkerStats;
 use pdserve_types::Role;
@@ -28,6 +29,8 @@ const PREFILL_ROUTE: &str = "pdserve_prefill_route";
 const MIGRATED: &str = "pdserve_requests_migrated";
 const KV_TRANSFER_BYTES: &str = "pdserve_kv_transfer_bytes";
 const KV_BLOCKS: &str = "pdserve_kv_blocks";
+const KV_TIER_BLOCKS: &str = "pdserve_kv_tier_blocks";
+const KV_TIER_RESTORE_SECONDS: &str = "pdserve_kv_tier_restore_seconds";
 const PREFIX_HIT_TOKENS: &str = "pdserve_prefix_hit_tokens";
 const PREFIX_HIT_MISMATCH: &str = "pdserve_prefix_hit_mismatch";
 const PREFIX_HIT_DIFFERENCE: &str = "pdserve_prefix_hit_difference_tokens";
@@ -124,7 +127,9 @@ struct Inner {
     prefill_route: Family<Label1, Counter>,
     migrated: Family<Label1, Counter>,
     kv_transfer_bytes: Family<Label1, Counter>,
-    kv_blocks: Family<Label2, Gauge>,
+    kv_blocks: Family<Label3, Gauge>,
+    kv_tier_blocks: Family<Label3, Counter>,
+    kv_tier_restore_seconds: Family<Label2, Counter<f64, AtomicU64>>,
     prefix_hit_tokens: Family<Label1, Counter>,
     prefix_hit_mismatch: Family<Label1, Counter>,
     prefix_hit_difference: Histogram,
@@ -168,6 +173,8 @@ impl Metrics {
             migrated: Family::default(),
             kv_transfer_bytes: Family::default(),
             kv_blocks: Family::default(),
+            kv_tier_blocks: Family::default(),
+            kv_tier_restore_seconds: Family::default(),
             prefix_hit_tokens: Family::default(),
             prefix_hit_mismatch: Family::default(),
             prefix_hit_difference: difference_histogram(),
@@ -237,11 +244,11 @@ impl Metrics {
     /// The current block counts of `worker`'s KV pool.
     /// A worker's block counts and paused requests, as it last reported them.
     pub fn set_worker_stats(&self, worker: &str, s: &WorkerStats) {
-        let b = s.blocks;
-        for (state, n) in [("free", b.free), ("used", b.used), ("cached", b.cached)] {
-            let labels = [("worker", worker.into()), ("state", state.into())];
+        for (state, tier, n) in block_series(s) {
+            let labels = [("worker", worker.into()), ("state", state.into()), ("tier", tier.into())];
             self.inner.kv_blocks.get_or_create(&labels).set(gauge(n));
         }
+        self.set_tier_counters(worker, &s.tiers);
         self.inner.paused.get_or_create(&[("worker", worker.into())]).set(gauge(s.paused));
         // The worker reports totals since it started; the counters take the growth.
         let label = [("worker", worker.into())];
@@ -249,6 +256,27 @@ impl Metrics {
         masks.inc_by(s.grammar_masks.saturating_sub(masks.get()));
         let secs = self.inner.grammar_mask_seconds.get_or_create(&label);
         secs.inc_by((s.grammar_mask_ns as f64 * 1e-9 - secs.get()).max(0.0));
+    }
+
+    /// A worker's tier counters (totals since it started) into the counters.
+    fn set_tier_counters(&self, worker: &str, t: &TierCounters) {
+        let moved = [
+            ("host", "stored", t.stored_host),
+            ("disk", "stored", t.stored_disk),
+            ("host", "restored", t.restored_host),
+            ("disk", "restored", t.restored_disk),
+        ];
+        for (tier, direction, n) in moved.into_iter().filter(|m| m.2 > 0) {
+            let labels = [("worker", worker.into()), ("tier", tier.into()), ("direction", direction.into())];
+            let c = self.inner.kv_tier_blocks.get_or_create(&labels);
+            c.inc_by(n.saturating_sub(c.get()));
+        }
+        let seconds = [("host", t.restore_seconds_host), ("disk", t.restore_seconds_disk)];
+        for (tier, secs) in seconds.into_iter().filter(|s| s.1 > 0.0) {
+            let c =
+                self.inner.kv_tier_restore_seconds.get_or_create(&[("worker", worker.into()), ("tier", tier.into())]);
+            c.inc_by((secs - c.get()).max(0.0));
+        }
     }
 
     /// A request whose output follows a grammar was accepted; `field` is the request
@@ -274,8 +302,8 @@ impl Metrics {
 
     /// Drops a worker's reported figures (it did not answer for them: none stale).
     pub fn forget_stats(&self, worker: &str) {
-        for state in ["free", "used", "cached"] {
-            self.inner.kv_blocks.remove(&[("worker", worker.into()), ("state", state.into())]);
+        for (state, tier, _) in block_series(&WorkerStats::default()) {
+            self.inner.kv_blocks.remove(&[("worker", worker.into()), ("state", state.into()), ("tier", tier.into())]);
         }
         self.inner.paused.remove(&[("worker", worker.into())]);
     }
@@ -306,6 +334,22 @@ impl Metrics {
     }
 }
 
+/// Every `pdserve_kv_blocks` series of a worker: (state, tier, blocks). The lower
+/// tiers hold only reusable blocks, so their states are `cached` and `free`; `used`
+/// (blocks held by sequences) exists only in the pool.
+fn block_series(s: &WorkerStats) -> [(&'static str, &'static str, usize); 7] {
+    let (b, free) = (s.blocks, |t: TierStats| t.capacity.saturating_sub(t.used));
+    [
+        ("free", "device", b.free),
+        ("used", "device", b.used),
+        ("cached", "device", b.cached),
+        ("cached", "host", b.host.used),
+        ("free", "host", free(b.host)),
+        ("cached", "disk", b.disk.used),
+        ("free", "disk", free(b.disk)),
+    ]
+}
+
 impl Inner {
     fn registered(mut self) -> Self {
         let r = &mut self.registry;
@@ -318,7 +362,11 @@ impl Inner {
         r.register(PREFILL_ROUTE, "Prefills by where they ran", self.prefill_route.clone());
         r.register(MIGRATED, "Requests moved to another worker mid-flight, by reason", self.migrated.clone());
         r.register(KV_TRANSFER_BYTES, "KV cache bytes moved between workers", self.kv_transfer_bytes.clone());
-        r.register(KV_BLOCKS, "KV cache blocks per worker and state", self.kv_blocks.clone());
+        r.register(KV_BLOCKS, "KV cache blocks per worker, state and tier", self.kv_blocks.clone());
+        let help = "KV blocks copied down into a lower tier (stored) or back into the pool (restored)";
+        r.register(KV_TIER_BLOCKS, help, self.kv_tier_blocks.clone());
+        let help = "Seconds spent copying KV blocks back into the pool from a lower tier";
+        r.register(KV_TIER_RESTORE_SECONDS, help, self.kv_tier_restore_seconds.clone());
         r.register(PREFIX_HIT_TOKENS, "Prompt tokens found in a prefix cache", self.prefix_hit_tokens.clone());
         let help = "Requests whose realized prefix-cache hit differed from the router's prediction, by cause";
         r.register(PREFIX_HIT_MISMATCH, help, self.prefix_hit_mismatch.clone());
@@ -440,12 +488,12 @@ mod tests {
     fn roles_and_blocks_are_gauges() {
         let m = Metrics::new();
         m.set_role("w0", Role::Decode);
-        let blocks = BlockCounts { free: 10, used: 2, cached: 3 };
+        let blocks = BlockCounts { free: 10, used: 2, cached: 3, ..Default::default() };
         m.set_worker_stats("w0", &WorkerStats { paused: 1, blocks, ..Default::default() });
         let text = m.render();
         assert!(text.contains("pdserve_worker_role{worker=\"w0\",role=\"decode\"} 1\n"), "{text}");
         assert!(text.contains("pdserve_worker_role{worker=\"w0\",role=\"prefill\"} 0\n"), "{text}");
-        assert!(text.contains("pdserve_kv_blocks{worker=\"w0\",state=\"cached\"} 3\n"), "{text}");
+        assert!(text.contains("pdserve_kv_blocks{worker=\"w0\",state=\"cached\",tier=\"device\"} 3\n"), "{text}");
         assert!(text.contains("pdserve_paused_requests{worker=\"w0\"} 1\n"), "{text}");
     }
 

@@ -297,7 +297,7 @@ async fn metrics_are_prometheus_text() {
     let s = Server::start(reply(ANSWER)).await;
     s.post_json("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 50})).await;
     s.post_json("/v1/completions", &json!({"prompt": "Hello", "n": 0})).await;
-    let blocks = pdserve_protocol::BlockCounts { free: 10, used: 5, cached: 1 };
+    let blocks = pdserve_protocol::BlockCounts { free: 10, used: 5, cached: 1, ..Default::default() };
     s.metrics.set_worker_stats("decode-0", &pdserve_protocol::WorkerStats { blocks, ..Default::default() });
     s.metrics.set_role("decode-0", pdserve_types::Role::Decode);
     let r = s.get("/metrics").await;
@@ -313,7 +313,7 @@ async fn metrics_are_prometheus_text() {
         "pdserve_request_ttft_seconds_count{mode=\"auto\"} 1",
         "pdserve_request_e2e_seconds_count{mode=\"auto\"} 1",
         "pdserve_request_tpot_seconds_count{mode=\"auto\"} 1",
-        "pdserve_kv_blocks{worker=\"decode-0\",state=\"used\"} 5",
+        "pdserve_kv_blocks{worker=\"decode-0\",state=\"used\",tier=\"device\"} 5",
         "# TYPE pdserve_request_itl_seconds histogram",
         "# TYPE pdserve_phase_seconds histogram",
         "# TYPE pdserve_prefill_route_total counter",

@@ -38,4 +38,4 @@ pub use hash::{block_hashes, hash_block, BlockHash, BlockId};
 pub use log::{EventGap, LoggedEvent};
 pub use pool::{BlockPool, KvSnapshot, PoolExhausted, PoolStats};
 pub use table::BlockTable;
-pub use tier::{Move, Place, Tier, TierStats};
+pub use tier::{Move, Place, Tier, TierCounters, TierStats};

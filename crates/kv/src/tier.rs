@@ -78,6 +78,42 @@ pub struct TierStats {
 /// A block in a lower tier: its hash and its parent's.
 type Entry = (BlockHash, Option<BlockHash>);
 
+/// What an engine's lower tiers did since it started, for its stats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TierCounters {
+    /// Blocks copied down into the host tier / the disk tier.
+    pub stored_host: u64,
+    pub stored_disk: u64,
+    /// Blocks copied back into the pool from each tier, and the seconds it took.
+    pub restored_host: u64,
+    pub restored_disk: u64,
+    pub restore_seconds_host: f64,
+    pub restore_seconds_disk: f64,
+}
+
+impl TierCounters {
+    /// Records a restore of one block from `tier`.
+    pub fn restored(&mut self, tier: Tier, seconds: f64) {
+        let (blocks, secs) = match tier {
+            Tier::Host => (&mut self.restored_host, &mut self.restore_seconds_host),
+            Tier::Disk => (&mut self.restored_disk, &mut self.restore_seconds_disk),
+            Tier::Device => return,
+        };
+        *blocks += 1;
+        *secs += seconds;
+    }
+
+    /// Measured seconds to copy one block back from `tier`, once any was.
+    pub fn seconds_per_block(&self, tier: Tier) -> Option<f64> {
+        let (blocks, secs) = match tier {
+            Tier::Host => (self.restored_host, self.restore_seconds_host),
+            Tier::Disk => (self.restored_disk, self.restore_seconds_disk),
+            Tier::Device => return Some(0.0),
+        };
+        (blocks > 0).then(|| secs / blocks as f64)
+    }
+}
+
 /// One lower tier's slots, hash registry and recency order.
 #[derive(Debug)]
 pub(crate) struct TierIndex {

@@ -16,7 +16,7 @@
 //! receiver's drop cancels them; dropping a [`Reply`] future cancels its call.
 
 use crate::{EventSender, GenerateRequest, ServeError};
-use pdserve_kv::{BlockHash, KvEvent, Tier};
+use pdserve_kv::{BlockHash, KvEvent, Tier, TierCounters, TierStats};
 use pdserve_kv_transfer::{HandoffToken, KvTarget, TransportKind};
 use pdserve_types::{Assignment, DecodeSteps, Epoch, FinishReason, RequestId, Role, SamplingParams, TokenId, TokenOut};
 use serde::{Deserialize, Serialize};
@@ -165,7 +165,8 @@ pub struct KvEvents {
     pub cursor: KvCursor,
 }
 
-/// A worker's KV blocks; the three counts add up to the pool's size.
+/// A worker's KV blocks; the three counts add up to the pool's size. The lower
+/// tiers hold only reusable blocks (nothing runs from them), counted apart.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockCounts {
     pub free: usize,
@@ -173,6 +174,12 @@ pub struct BlockCounts {
     pub used: usize,
     /// Free but holding a reusable prefix.
     pub cached: usize,
+    /// The host-RAM tier (all zero without one).
+    #[serde(default)]
+    pub host: TierStats,
+    /// The disk tier (all zero without one).
+    #[serde(default)]
+    pub disk: TierStats,
 }
 
 /// A snapshot of a worker's engine.
@@ -200,6 +207,9 @@ pub struct WorkerStats {
     /// Running sums over its decode-only steps since it started.
     #[serde(default)]
     pub decode_steps: DecodeSteps,
+    /// Blocks its lower tiers stored and restored since it started.
+    #[serde(default)]
+    pub tiers: TierCounters,
 }
 
 /// A worker's own side of role switching: the assignment it holds, switched only

@@ -20,6 +20,8 @@
 //! only when that is predicted clearly cheaper, so ties keep the copy-free local
 //! path.
 
+use crate::index::CachedPrefix;
+use pdserve_kv::{Tier, TierCounters};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -342,6 +344,42 @@ impl KvMemory {
 fn prune(freed: &mut VecDeque<(Instant, usize)>) {
     while freed.front().is_some_and(|(t, _)| t.elapsed() > FREED_WINDOW) {
         freed.pop_front();
+    }
+}
+
+/// Seconds a worker takes to copy one block back into its pool from its host-RAM
+/// tier, before it measured any (a block of a small model is a few hundred KB:
+/// a memory copy well under a millisecond).
+const HOST_RESTORE_GUESS: f64 = 2e-4;
+/// The same from its disk tier (page cache or an SSD read).
+const DISK_RESTORE_GUESS: f64 = 2e-3;
+
+/// What copying a cached prefix back from a worker's host or disk tier costs: its
+/// own measured seconds per block once it restored any, else a guess.
+#[derive(Debug)]
+pub struct RestorePace(Mutex<[f64; 2]>);
+
+impl Default for RestorePace {
+    fn default() -> Self {
+        RestorePace(Mutex::new([HOST_RESTORE_GUESS, DISK_RESTORE_GUESS]))
+    }
+}
+
+impl RestorePace {
+    /// The worker's tier counters (totals since it started).
+    pub fn report(&self, c: &TierCounters) {
+        let mut pace = lock(&self.0);
+        for (i, tier) in [Tier::Host, Tier::Disk].into_iter().enumerate() {
+            if let Some(s) = c.seconds_per_block(tier) {
+                pace[i] = s;
+            }
+        }
+    }
+
+    /// Seconds to bring `p`'s host and disk blocks back into the pool.
+    pub fn seconds(&self, p: &CachedPrefix) -> f64 {
+        let [host, disk] = *lock(&self.0);
+        p.host as f64 * host + p.disk as f64 * disk
     }
 }
 

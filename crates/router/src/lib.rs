@@ -185,27 +185,23 @@ impl Router {
 
     /// The policy's choice among `entries`.
     fn pick(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<Arc<Entry>> {
-        let cached = self.cached_tokens(ask, entries);
+        let names: Vec<&str> = entries.iter().map(|e| e.name()).collect();
+        let cached = self.index.prefix(ask.block_hashes, &names);
         let candidates: Vec<Candidate<'_>> = entries
             .iter()
             .zip(cached)
-            .map(|(e, cached_tokens)| Candidate {
+            .map(|(e, prefix)| Candidate {
                 name: e.name(),
                 role: e.role(),
                 load: e.worker.load() + e.backlog.routed(),
                 queued_prompt_tokens: e.prefill.queued(),
-                cached_tokens,
+                cached_tokens: prefix.blocks() * BLOCK_SIZE,
+                restore_seconds: e.restore.seconds(&prefix),
                 seconds_per_token: e.prefill.seconds_per_token(),
             })
             .collect();
         let i = self.policy.pick(ask, &candidates)?;
         entries.get(i).cloned()
-    }
-
-    /// Prompt tokens of `ask` each of `entries` holds in its prefix cache, as indexed.
-    fn cached_tokens(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Vec<usize> {
-        let names: Vec<&str> = entries.iter().map(|e| e.name()).collect();
-        self.index.prefix_blocks(ask.block_hashes, &names).into_iter().map(|b| b * BLOCK_SIZE).collect()
     }
 
     /// Prompt tokens of `ask` cached on `e`, as indexed.

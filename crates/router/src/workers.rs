@@ -5,7 +5,7 @@
 //! Removing a worker drains it: it takes no new work, and requests already on it
 //! keep their entry (an `Arc`) until they finish or fail over.
 
-use crate::cost::{Backlog, KvMemory, Link, PrefillLoad};
+use crate::cost::{Backlog, KvMemory, Link, PrefillLoad, RestorePace};
 use pdserve_protocol::{ServeError, Worker};
 use pdserve_types::{Assignment, Epoch, Role};
 use std::collections::HashMap;
@@ -43,6 +43,8 @@ pub struct Entry {
     pub(crate) backlog: Arc<Backlog>,
     /// Its free KV blocks and the pace at which they free up (admission).
     pub(crate) kv: Arc<KvMemory>,
+    /// What copying blocks back from its host and disk tiers costs.
+    pub(crate) restore: RestorePace,
     /// Its probed KV links to other workers, by their names.
     links: Mutex<HashMap<String, Link>>,
 }
@@ -90,6 +92,11 @@ impl Entry {
     pub fn report_free_blocks(&self, blocks: usize, mark: usize) {
         self.kv.report_free(blocks);
         self.backlog.counted(mark);
+    }
+
+    /// The worker's lower-tier counters, as its stats just said.
+    pub fn report_tiers(&self, c: &pdserve_kv::TierCounters) {
+        self.restore.report(c);
     }
 
     /// Where the count of blocks taken by admitted requests stands, before its stats
@@ -150,6 +157,7 @@ impl WorkerSet {
             slots: Arc::new(Semaphore::new(PREFILL_SLOTS)),
             backlog: Arc::default(),
             kv: Arc::default(),
+            restore: RestorePace::default(),
             links: Mutex::default(),
         };
         self.write().push(Arc::new(entry));

@@ -377,7 +377,7 @@ impl Worker for FakeWorker {
         Box::pin(async move {
             self.inner.check_alive()?;
             let used = self.used_blocks();
-            let blocks = BlockCounts { free: self.inner.total_blocks - used, used, cached: 0 };
+            let blocks = BlockCounts { free: self.inner.total_blocks - used, used, ..Default::default() };
             Ok(WorkerStats {
                 waiting: 0,
                 running: self.load(),

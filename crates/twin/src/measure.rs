@@ -334,6 +334,7 @@ async fn overheads(model: &Arc<Model>, threads: usize) -> Result<Overheads, Twin
         eog: Vec::new(),
         key: ClusterKey::random(),
         grammars: None,
+        tiers: Default::default(),
     };
     let w = LocalWorker::spawn(opts, model.clone(), tokio::runtime::Handle::current())
         .map_err(|e| TwinError::Invalid(format!("starting a worker: {e}")))?;

@@ -20,6 +20,7 @@ use pdserve_engine::batch::BLOCK_SIZE;
 use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::model::Model;
+use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::TimedModel;
 use pdserve_kv::BlockPool;
 use pdserve_kv_transfer::{
@@ -95,6 +96,8 @@ pub struct WorkerOptions {
     pub key: ClusterKey,
     /// Compiles constrained requests' grammars; without it they are refused.
     pub grammars: Option<Arc<Grammars>>,
+    /// Host-RAM and disk tiers below the engine's KV pool (none by default).
+    pub tiers: TierConfig,
 }
 
 /// A cheap handle to a worker in this process.
@@ -201,7 +204,7 @@ impl LocalWorker {
         let frame_bytes = frame::encoded_len_for(frame_elems);
         let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
         let links = Links::new(opts.key);
-        let (cfg, eog, grammars) = (opts.engine, opts.eog, opts.grammars);
+        let (cfg, eog, grammars, tiers) = (opts.engine, opts.eog, opts.grammars, opts.tiers);
         let (pool_tx, pool_rx) = sync_channel(1);
         std::thread::Builder::new().name(format!("pdserve-{}", opts.name)).spawn(move || {
             // Built on its own thread: the engine's pool belongs to it.
@@ -210,10 +213,17 @@ impl LocalWorker {
                 Some(g) => engine.with_grammars(g),
                 None => engine,
             };
-            let _ = pool_tx.send(engine.block_pool().clone());
+            let engine = match engine.with_tiers(&tiers) {
+                Ok(e) => e,
+                Err(e) => return drop(pool_tx.send(Err(e.to_string()))),
+            };
+            let _ = pool_tx.send(Ok(engine.block_pool().clone()));
             worker_loop::run(engine, rx, counter)
         })?;
-        let pool = pool_rx.recv().map_err(|_| std::io::Error::other("the engine thread died while starting"))?;
+        let pool = pool_rx
+            .recv()
+            .map_err(|_| std::io::Error::other("the engine thread died while starting"))?
+            .map_err(std::io::Error::other)?;
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
         let inner = Inner {
             role: RoleState::new(info.role),

@@ -200,12 +200,19 @@ impl Loop {
                     importing: self.imports.len(),
                     paused: self.streams.values().filter(|l| l.paused.is_some()).count(),
                     queued_prompt_tokens: s.queued_prompt_tokens,
-                    blocks: BlockCounts { free: s.blocks.free, used: s.blocks.used, cached: s.blocks.cached },
+                    blocks: BlockCounts {
+                        free: s.blocks.free,
+                        used: s.blocks.used,
+                        cached: s.blocks.cached,
+                        host: s.blocks.host,
+                        disk: s.blocks.disk,
+                    },
                     grammar_masks: s.masks.0,
                     grammar_mask_ns: (s.masks.1 * 1e9) as u64,
                     // The handle fills it in: the loop does not know roles.
                     assignment: None,
                     decode_steps: s.decode_steps,
+                    tiers: s.tiers,
                 });
             }
         }

@@ -223,6 +223,7 @@ async fn report_once(router: &Router, metrics: &Metrics) {
                 metrics.set_worker_stats(e.name(), &s);
                 // Blocks only the prefix cache holds are given up on demand.
                 e.report_free_blocks(s.blocks.free + s.blocks.cached, mark);
+                e.report_tiers(&s.tiers);
                 // A role another process switched (a fleet planner) shows here first.
                 if let Some(now) = s.assignment.filter(|&now| e.learn(now)) {
                     metrics.set_role(e.name(), now.role);

@@ -99,6 +99,40 @@ pub mod runtime_dir {
     }
 }
 
+/// The prefix cache's lower tiers, per worker (off by default).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct KvTierArgs {
+    /// Host RAM per worker, in GB, for KV blocks evicted from the pool (tier 2): a
+    /// prompt that finds its prefix there copies it back instead of recomputing it.
+    #[arg(long, default_value_t = 0.0)]
+    pub kv_host_gb: f64,
+    /// Directory for a disk tier (tier 3) below the host tier: blocks evicted from
+    /// host RAM are written there in the background, one file per worker, removed
+    /// when it stops.
+    #[arg(long, requires = "kv_disk_gb")]
+    pub kv_disk_dir: Option<PathBuf>,
+    /// Disk per worker for that tier, in GB.
+    #[arg(long, default_value_t = 0.0, requires = "kv_disk_dir")]
+    pub kv_disk_gb: f64,
+}
+
+impl KvTierArgs {
+    /// The tiers' sizes in blocks of `block_bytes` (one block of every layer).
+    pub fn config(&self, block_bytes: usize) -> anyhow::Result<pdserve_engine::tiers::TierConfig> {
+        for (flag, gb) in [("--kv-host-gb", self.kv_host_gb), ("--kv-disk-gb", self.kv_disk_gb)] {
+            if !gb.is_finite() || gb < 0.0 {
+                anyhow::bail!("{flag} must be a number of gigabytes, 0 or more (got {gb})");
+            }
+        }
+        let blocks = |gb| pdserve_engine::tiers::TierConfig::blocks_in(gb, block_bytes);
+        Ok(pdserve_engine::tiers::TierConfig {
+            host_blocks: blocks(self.kv_host_gb),
+            disk_blocks: blocks(self.kv_disk_gb),
+            disk_dir: self.kv_disk_dir.clone(),
+        })
+    }
+}
+
 /// Who may use a worker's ports: the cluster's shared secret.
 #[derive(clap::Args)]
 pub struct Security {

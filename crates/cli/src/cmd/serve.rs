@@ -64,6 +64,8 @@ pub struct TopologyArgs {
     /// KV blocks of 16 tokens per worker.
     #[arg(long, default_value_t = 1024)]
     pub kv_blocks: usize,
+    #[command(flatten)]
+    pub tiers: super::KvTierArgs,
     /// How KV moves from prefill to decode workers: inproc (hand over the frames; the
     /// default), tcp (loopback socket) or shm (shared-memory ring); tcp and shm exercise
     /// the transports a multi-process deployment uses.
@@ -145,6 +147,8 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     // Both ends of every KV link are in this process: a key of its own.
     let key = pdserve_kv_transfer::ClusterKey::random();
     let grammars = super::grammars(&m.tokenizer);
+    let tiers =
+        t.tiers.config(pdserve_engine::kvcache::block_bytes(&m.model.cfg, pdserve_engine::batch::BLOCK_SIZE))?;
     let mut workers: Vec<LocalWorker> = Vec::new();
     for (i, role) in roles.iter().enumerate() {
         let name = format!("{role}-{i}");
@@ -156,6 +160,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             eog: m.tokenizer.eog_ids().to_vec(),
             key: key.clone(),
             grammars: grammars.clone(),
+            tiers: tiers.clone(),
         };
         let w = LocalWorker::spawn(opts, m.model.clone(), rt.handle().clone())
             .with_context(|| format!("starting worker {name}"))?;

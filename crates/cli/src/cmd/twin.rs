@@ -95,6 +95,9 @@ fn sim_topology(t: &TopologyArgs, profile: &Profile, slo: Slo) -> Topology {
 
 pub fn sim(a: SimArgs) -> anyhow::Result<()> {
     a.topology.check()?;
+    if a.topology.tiers.kv_host_gb > 0.0 || a.topology.tiers.kv_disk_dir.is_some() {
+        anyhow::bail!("the simulator has no KV host or disk tiers yet: drop --kv-host-gb / --kv-disk-dir");
+    }
     let profile = Profile::load(&a.profile)?;
     let slo = a.work.slo();
     let topology = sim_topology(&a.topology, &profile, slo);

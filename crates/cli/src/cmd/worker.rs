@@ -41,6 +41,8 @@ pub struct Args {
     /// KV blocks of 16 tokens.
     #[arg(long, default_value_t = 1024)]
     kv_blocks: usize,
+    #[command(flatten)]
+    tiers: super::KvTierArgs,
     /// Name in metrics and logs (default: ROLE@LISTEN).
     #[arg(long)]
     name: Option<String>,
@@ -79,6 +81,16 @@ impl Compute {
         })
     }
 
+    /// Bytes of one KV block of the model (all layers): the unit of the tiers.
+    fn block_bytes(&self) -> usize {
+        let block = pdserve_engine::batch::BLOCK_SIZE;
+        match self {
+            Compute::Real(m) => pdserve_engine::kvcache::block_bytes(&m.model.cfg, block),
+            // A simulated worker accounts the model's bytes, not its scaled frames'.
+            Compute::Sim(p) => (p.model.kv_bytes_per_token * block as f64) as usize,
+        }
+    }
+
     fn model_name(&self) -> String {
         match self {
             Compute::Real(m) => m.name.clone(),
@@ -109,6 +121,7 @@ impl Compute {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let key = a.security.key()?;
     let m = Compute::load(&a)?;
+    let tiers = a.tiers.config(m.block_bytes())?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async move {
         let listener =
@@ -123,6 +136,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             eog: Vec::new(),
             key: key.clone(),
             grammars: None,
+            tiers,
         };
         let worker =
             m.spawn(opts, tokio::runtime::Handle::current()).with_context(|| format!("starting worker {name}"))?;

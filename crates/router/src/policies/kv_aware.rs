@@ -1,6 +1,7 @@
 //! KV-aware: the worker where the request is predicted to get its first token
 //! soonest, in seconds: the prompt tokens queued there plus the part of this prompt
-//! its prefix cache does not hold, at the worker's measured prefill pace, plus, where
+//! its prefix cache does not hold, at the worker's measured prefill pace, plus the
+//! copy back of what it holds in host RAM or on disk, plus, where
 //! sequences decode, the same compute again for the delay they suffer (chunked
 //! prefill shares their steps). No overlap weight: a cached block is worth exactly
 //! the prefill it saves. A hot prefix therefore stays on its worker only until that
@@ -16,7 +17,7 @@ pub fn predicted_ttft(ask: &Ask<'_>, c: &Candidate<'_>) -> f64 {
     let compute = ask.prompt_len.saturating_sub(c.cached_tokens) as f64 * c.seconds_per_token;
     let queue = c.queued_prompt_tokens as f64 * c.seconds_per_token;
     let interference = if c.load > 0 { compute } else { 0.0 };
-    queue + compute + interference
+    queue + compute + c.restore_seconds + interference
 }
 
 impl Policy for KvAware {
@@ -50,6 +51,18 @@ mod tests {
         // 2000 prompt tokens queued on `b` cost more than recomputing on `a`.
         let busy = Candidate { queued_prompt_tokens: 2000, ..cached("b", 1, 900) };
         assert_eq!(p.pick(&ask, &[cached("a", 1, 0), busy]), Some(0));
+    }
+
+    #[test]
+    fn a_prefix_on_disk_is_worth_what_its_copy_back_saves() {
+        let p = KvAware;
+        let ask = Ask { prompt_len: 1000, ..ask() };
+        // 900 tokens on `b`'s disk cost 0.2 s to read back, against 0.9 s to compute.
+        let on_disk = Candidate { restore_seconds: 0.2, ..cached("b", 1, 900) };
+        assert_eq!(p.pick(&ask, &[cached("a", 1, 0), on_disk]), Some(1));
+        // A slow disk (2 s) loses to computing everything on an idle `a`.
+        let slow = Candidate { restore_seconds: 2.0, ..cached("b", 1, 900) };
+        assert_eq!(p.pick(&ask, &[cached("a", 1, 0), slow]), Some(0));
     }
 
     #[test]

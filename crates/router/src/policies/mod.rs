@@ -31,8 +31,12 @@ pub struct Candidate<'a> {
     pub load: usize,
     /// Prompt tokens the router has sent it that are not prefilled yet.
     pub queued_prompt_tokens: usize,
-    /// Prompt tokens its prefix cache holds, as the router's KV index predicts.
+    /// Prompt tokens its prefix cache holds in any tier, as the router's KV index
+    /// predicts.
     pub cached_tokens: usize,
+    /// Seconds to copy the part of those held in host RAM or on disk back into its
+    /// pool.
+    pub restore_seconds: f64,
     /// Its measured prefill pace, seconds per prompt token.
     pub seconds_per_token: f64,
 }
@@ -85,6 +89,14 @@ pub(crate) mod test_support {
     }
 
     pub fn cand(name: &'static str, load: usize) -> Candidate<'static> {
-        Candidate { name, role: Role::Mixed, load, queued_prompt_tokens: 0, cached_tokens: 0, seconds_per_token: 1e-3 }
+        Candidate {
+            name,
+            role: Role::Mixed,
+            load,
+            queued_prompt_tokens: 0,
+            cached_tokens: 0,
+            restore_seconds: 0.0,
+            seconds_per_token: 1e-3,
+        }
     }
 }

@@ -37,6 +37,7 @@ pub fn local(name: &str, role: Role, blocks: usize) -> LocalWorker {
         eog: m.tokenizer.eog_ids().to_vec(),
         key: key(),
         grammars: Some(grammars()),
+        tiers: Default::default(),
     };
     LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current()).unwrap()
 }

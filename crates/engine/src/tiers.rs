@@ -96,6 +96,26 @@ impl TierBytes {
         }
     }
 
+    /// Waits until every queued disk write is in the file and on the disk; with
+    /// `uncache`, also asks the kernel to drop the file from its page cache, so the
+    /// next reads come from the device (for measuring a cold disk tier).
+    pub(crate) fn flush(&self, uncache: bool) -> std::io::Result<()> {
+        let Some(d) = &self.disk else { return Ok(()) };
+        while !lock(&d.pending).is_empty() {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        d.file.sync_all()?;
+        if uncache {
+            use std::os::fd::AsRawFd;
+            // SAFETY: a valid open descriptor; the call only advises the kernel.
+            let rc = unsafe { libc::posix_fadvise(d.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+            if rc != 0 {
+                return Err(std::io::Error::from_raw_os_error(rc));
+            }
+        }
+        Ok(())
+    }
+
     fn write_disk(&mut self, slot: u32, values: &[u16]) {
         if let Some(d) = &self.disk {
             d.write(slot, values);

@@ -37,6 +37,9 @@ pub enum What {
     /// Decode throughput of one engine with a JSON-Schema constraint against none,
     /// and the time of each token mask.
     Grammar(GrammarArgs),
+    /// Time to first token of a prefix the pool evicted: recomputed, copied back
+    /// from the host-RAM tier, or read back from the disk tier.
+    Tiers(super::bench_tiers::TiersArgs),
 }
 
 #[derive(clap::Args)]
@@ -296,6 +299,7 @@ pub fn run(what: What) -> anyhow::Result<()> {
         What::Load(a) => load(a),
         What::Compare(a) => compare(a),
         What::Grammar(a) => grammar_bench(a),
+        What::Tiers(a) => super::bench_tiers::run(a),
     }
 }
 
@@ -524,7 +528,7 @@ fn engine(m: &LoadedModel, threads: usize, tokens: usize, seqs: usize) -> Engine
 }
 
 /// Token ids from a fixed generator, skipping the low ids where special tokens live.
-fn random_prompt(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
+pub(crate) fn random_prompt(len: usize, seed: u64, vocab: usize) -> Vec<u32> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..len)
         .map(|_| {

@@ -186,6 +186,19 @@ impl Engine {
         Ok(self)
     }
 
+    /// Drops every block only the prefix cache holds from the pool, down to the lower
+    /// tiers when there are any (blocks in use stay).
+    pub fn evict_cached(&mut self) {
+        self.blocks.clear_cache();
+        self.settle_moves();
+    }
+
+    /// Waits for the disk tier's writes; with `uncache`, also drops its file from the
+    /// page cache (see [`crate::tiers`]). Nothing to do without a disk tier.
+    pub fn flush_tiers(&self, uncache: bool) -> std::io::Result<()> {
+        self.tiers.as_ref().map_or(Ok(()), |t| t.flush(uncache))
+    }
+
     /// Bytes one block of every layer takes (K and V): the unit of the tiers' sizes.
     pub fn block_bytes(&self) -> usize {
         self.kv.n_layers * 2 * self.kv.block_elems() * 2

@@ -1,0 +1,131 @@
+//! `pdserve bench tiers`: what a prefix costs when the pool no longer holds it:
+//! recomputed, copied back from host RAM (tier 2), or read back from disk (tier 3,
+//! with the file dropped from the page cache first, so the reads reach the device).
+
+use anyhow::Context;
+use pdserve_engine::batch::{Engine, EngineConfig, BLOCK_SIZE};
+use pdserve_engine::loader::LoadedModel;
+use pdserve_engine::tiers::TierConfig;
+use pdserve_types::{RequestId, SamplingParams};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct TiersArgs {
+    /// `default` or a path to a GGUF file or safetensors directory.
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Compute threads of the engine.
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Prefix lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048")]
+    prefix: Vec<usize>,
+    /// Directory for the disk tier's file.
+    #[arg(long, default_value = "target/bench-kv-disk")]
+    disk_dir: PathBuf,
+    /// Repetitions; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// One prefix length: seconds to first token when the prefix is recomputed and
+/// when it comes back from each tier, and the copy alone.
+#[derive(Serialize, Debug, Clone, Copy, Default)]
+struct Row {
+    prefix_tokens: usize,
+    recompute_s: f64,
+    host_ttft_s: f64,
+    host_restore_s: f64,
+    disk_ttft_s: f64,
+    disk_restore_s: f64,
+}
+
+/// Where the prefix is when it is asked for again.
+#[derive(Clone, Copy, PartialEq)]
+enum From {
+    Nowhere,
+    Host,
+    Disk,
+}
+
+pub fn run(a: TiersArgs) -> anyhow::Result<()> {
+    let m = super::load_model(&a.model)?;
+    println!("| prefix tokens | recompute ms | host: TTFT ms | host: copy ms | × faster | disk: TTFT ms | disk: read ms | × faster |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    for &n in &a.prefix {
+        let median = |from| median_of(a.reps, || once(&m, &a, n, from));
+        let (recompute_s, _) = median(From::Nowhere)?;
+        let (host_ttft_s, host_restore_s) = median(From::Host)?;
+        let (disk_ttft_s, disk_restore_s) = median(From::Disk)?;
+        let row = Row { prefix_tokens: n, recompute_s, host_ttft_s, host_restore_s, disk_ttft_s, disk_restore_s };
+        let ms = |s: f64| s * 1e3;
+        println!(
+            "| {n} | {:.1} | {:.1} | {:.2} | {:.0} | {:.1} | {:.2} | {:.0} |",
+            ms(recompute_s),
+            ms(host_ttft_s),
+            ms(host_restore_s),
+            recompute_s / host_ttft_s,
+            ms(disk_ttft_s),
+            ms(disk_restore_s),
+            recompute_s / disk_ttft_s,
+        );
+        rows.push(row);
+    }
+    let _ = std::fs::remove_dir_all(&a.disk_dir);
+    if let Some(path) = &a.out {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// The median (over `reps`) of `f`'s (time to first token, copy time).
+fn median_of(reps: usize, mut f: impl FnMut() -> anyhow::Result<(f64, f64)>) -> anyhow::Result<(f64, f64)> {
+    let mut runs = (0..reps.max(1)).map(|_| f()).collect::<anyhow::Result<Vec<_>>>()?;
+    runs.sort_by(|x, y| x.0.total_cmp(&y.0));
+    Ok(runs[runs.len() / 2])
+}
+
+/// A fresh engine runs the prefix once (cold), pushes it out of its pool to `from`,
+/// then asks for it again: that request's time to first token, and the seconds its
+/// engine spent copying blocks back.
+fn once(m: &LoadedModel, a: &TiersArgs, tokens: usize, from: From) -> anyhow::Result<(f64, f64)> {
+    let blocks = tokens.div_ceil(BLOCK_SIZE) + 4;
+    let tiers = match from {
+        From::Nowhere => TierConfig::default(),
+        From::Host => TierConfig { host_blocks: blocks, ..TierConfig::default() },
+        From::Disk => TierConfig { disk_blocks: blocks, disk_dir: Some(a.disk_dir.clone()), ..TierConfig::default() },
+    };
+    let cfg =
+        EngineConfig { threads: a.threads, num_blocks: blocks, max_batch_tokens: 512, max_seqs: 1, cache_salt: 0 };
+    let mut e = Engine::new(m.model.clone(), cfg, Vec::new()).with_tiers(&tiers)?;
+    let prompt = super::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);
+    let cold = first_token(&mut e, 0, &prompt)?;
+    if from == From::Nowhere {
+        return Ok((cold, 0.0));
+    }
+    e.evict_cached();
+    e.flush_tiers(true).context("flushing the disk tier")?;
+    let warm = first_token(&mut e, 1, &prompt)?;
+    let t = e.stats().tiers;
+    Ok((warm, t.restore_seconds_host + t.restore_seconds_disk))
+}
+
+/// Seconds from queueing `prompt` to its first token.
+fn first_token(e: &mut Engine, id: u64, prompt: &[u32]) -> anyhow::Result<f64> {
+    let params = SamplingParams { max_tokens: 1, ignore_eos: true, ..Default::default() };
+    let t = Instant::now();
+    e.add(RequestId(id), prompt.to_vec(), params).map_err(|err| anyhow::anyhow!("{err}"))?;
+    while e.has_work() {
+        if !e.step().is_empty() {
+            return Ok(t.elapsed().as_secs_f64());
+        }
+    }
+    anyhow::bail!("the engine finished without a token")
+}

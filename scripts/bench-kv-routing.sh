@@ -5,14 +5,15 @@
 # See docs/benchmarks.md ("KV-aware routing").
 #   POLICIES="kv-aware least-loaded round-robin"  SECONDS_PER_POINT=180
 #   WORKLOAD="--conversations 17 --turns 5..10 --input-len 100..200 --output-len 32..64"
-#   CONCURRENCY=4
+#   CONCURRENCY=4  SERVE_ARGS="--kv-host-gb 1"  OUT=bench-results/kv-routing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 policies="${POLICIES:-kv-aware least-loaded round-robin}"
 secs="${SECONDS_PER_POINT:-180}"
 workload="${WORKLOAD:---conversations 17 --turns 5..10 --input-len 100..200 --output-len 32..64}"
 c="${CONCURRENCY:-4}"
-out=bench-results/kv-routing; mkdir -p "$out"
+serve_args="${SERVE_ARGS:-}"
+out="${OUT:-bench-results/kv-routing}"; mkdir -p "$out"
 cargo build --release --bin pdserve >&2
 bin=./target/release/pdserve
 port=18095
@@ -20,7 +21,8 @@ wait_up() { for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/d
 
 for p in $policies; do
   echo "== $p" >&2
-  "$bin" serve --port $port --mode aggregated --workers 2 --policy "$p" >"$out/$p.server.log" 2>&1 &
+  # shellcheck disable=SC2086  # extra serve flags are a list
+  "$bin" serve --port $port --mode aggregated --workers 2 --policy "$p" $serve_args >"$out/$p.server.log" 2>&1 &
   pid=$!; wait_up
   # shellcheck disable=SC2086  # the workload is a list of flags
   "$bin" bench load --url "http://127.0.0.1:$port" --concurrency "$c" $workload \

@@ -127,12 +127,21 @@ pub struct Summary {
     pub prefix_hits: Option<PrefixHits>,
 }
 
-/// A server's predicted and realized prefix-cache hits, in prompt tokens.
+/// A server's predicted and realized prefix-cache hits, in prompt tokens, and the
+/// part of the realized ones its engines copied back from their host-RAM and disk
+/// tiers (the rest came straight from their pools).
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PrefixHits {
     pub predicted: f64,
     pub realized: f64,
+    #[serde(default)]
+    pub from_host: f64,
+    #[serde(default)]
+    pub from_disk: f64,
 }
+
+/// Tokens in one of pdserve's KV blocks (its tier counters count blocks).
+const PDSERVE_BLOCK_TOKENS: f64 = 16.0;
 
 impl PrefixHits {
     /// Realized over predicted, in percent (none predicted: none).
@@ -140,21 +149,36 @@ impl PrefixHits {
         (self.predicted > 0.0).then(|| 100.0 * self.realized / self.predicted)
     }
 
-    /// From a Prometheus text page: `pdserve_prefix_hit_tokens_total{kind=...}`.
+    /// From a Prometheus text page: `pdserve_prefix_hit_tokens_total{kind=...}` and
+    /// every worker's `pdserve_kv_tier_blocks_total{direction="restored"}`.
     pub fn scrape(page: &str) -> Option<Self> {
         let value = |kind: &str| {
             let key = format!("pdserve_prefix_hit_tokens_total{{kind=\"{kind}\"}} ");
             page.lines().find_map(|l| l.strip_prefix(key.as_str())?.trim().parse::<f64>().ok())
         };
+        let restored = |tier: &str| {
+            let label = format!("tier=\"{tier}\",direction=\"restored\"");
+            let lines = page.lines().filter(|l| l.starts_with("pdserve_kv_tier_blocks_total{") && l.contains(&label));
+            lines.filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum::<f64>() * PDSERVE_BLOCK_TOKENS
+        };
         let (predicted, realized) = (value("predicted"), value("realized"));
-        (predicted.is_some() || realized.is_some())
-            .then(|| PrefixHits { predicted: predicted.unwrap_or(0.0), realized: realized.unwrap_or(0.0) })
+        (predicted.is_some() || realized.is_some()).then(|| PrefixHits {
+            predicted: predicted.unwrap_or(0.0),
+            realized: realized.unwrap_or(0.0),
+            from_host: restored("host"),
+            from_disk: restored("disk"),
+        })
     }
 
     /// What happened between two scrapes.
     pub fn since(self, before: Option<PrefixHits>) -> Self {
         let b = before.unwrap_or_default();
-        PrefixHits { predicted: self.predicted - b.predicted, realized: self.realized - b.realized }
+        PrefixHits {
+            predicted: self.predicted - b.predicted,
+            realized: self.realized - b.realized,
+            from_host: self.from_host - b.from_host,
+            from_disk: self.from_disk - b.from_disk,
+        }
     }
 }
 
@@ -212,9 +236,13 @@ mod tests {
     fn prefix_hits_are_read_from_a_metrics_page() {
         let page = "# TYPE pdserve_prefix_hit_tokens_total counter\n\
                     pdserve_prefix_hit_tokens_total{kind=\"predicted\"} 4000\n\
-                    pdserve_prefix_hit_tokens_total{kind=\"realized\"} 3900\n";
-        let h = PrefixHits::scrape(page).unwrap().since(Some(PrefixHits { predicted: 1000.0, realized: 1000.0 }));
-        assert_eq!(h, PrefixHits { predicted: 3000.0, realized: 2900.0 });
+                    pdserve_prefix_hit_tokens_total{kind=\"realized\"} 3900\n\
+                    pdserve_kv_tier_blocks_total{worker=\"a\",tier=\"host\",direction=\"restored\"} 10\n\
+                    pdserve_kv_tier_blocks_total{worker=\"b\",tier=\"host\",direction=\"restored\"} 5\n\
+                    pdserve_kv_tier_blocks_total{worker=\"b\",tier=\"disk\",direction=\"stored\"} 7\n";
+        let before = PrefixHits { predicted: 1000.0, realized: 1000.0, from_host: 80.0, from_disk: 0.0 };
+        let h = PrefixHits::scrape(page).unwrap().since(Some(before));
+        assert_eq!(h, PrefixHits { predicted: 3000.0, realized: 2900.0, from_host: 160.0, from_disk: 0.0 });
         assert!((h.realized_pct().unwrap() - 96.666).abs() < 0.01);
         assert_eq!(PrefixHits::scrape("other_metric 1\n"), None);
     }

@@ -71,6 +71,9 @@ pub fn one_line(label: &str, s: &Summary, wall_s: f64) -> String {
     if let Some(h) = s.prefix_hits {
         let pct = h.realized_pct().map_or("-".to_string(), |p| format!("{p:.1} %"));
         let _ = write!(line, "; cached tokens predicted/realized {:.0}/{:.0} ({pct})", h.predicted, h.realized);
+        if h.from_host + h.from_disk > 0.0 {
+            let _ = write!(line, ", of which from host RAM {:.0}, from disk {:.0}", h.from_host, h.from_disk);
+        }
     }
     if let Some(e) = &s.first_error {
         let _ = write!(line, "; first error: {e}");

@@ -125,9 +125,8 @@ pub struct Backlog {
     /// (prompt and output; a handoff's reservation, once granted, holds the prompt's
     /// already).
     pending_blocks: AtomicUsize,
-    /// Prompt blocks requests started holding since the worker's free count was last
-    /// asked for: its next answer counts them, the last one did not.
-    taken: AtomicUsize,
+    /// Prompt blocks requests hold that the worker's last free count did not show.
+    taken: Mutex<Taken>,
     /// Requests handed off toward this worker that have not reached it yet (their
     /// prefill runs elsewhere): load the worker cannot report, so the policies add it.
     routed: AtomicUsize,
@@ -154,7 +153,7 @@ impl Backlog {
             since: Instant::now(),
             routed: false,
             predicted: None,
-            prompt_held: false,
+            held: None,
         }
     }
 
@@ -190,21 +189,26 @@ impl Backlog {
         self.routed.load(Ordering::Relaxed)
     }
 
-    /// KV blocks the waiting requests still need, and those taken since the worker's
-    /// free count was last asked for (which it does not show).
+    /// KV blocks the waiting requests still need, and those taken that the worker's
+    /// last free count does not show.
     pub fn pending_blocks(&self) -> usize {
-        self.pending_blocks.load(Ordering::Relaxed) + self.taken.load(Ordering::Relaxed)
+        self.pending_blocks.load(Ordering::Relaxed) + lock(&self.taken).total()
     }
 
-    /// Blocks taken so far; pass it to [`Backlog::counted`] once a free count asked
-    /// for after this call has arrived.
-    pub fn taken_mark(&self) -> usize {
-        self.taken.load(Ordering::Relaxed)
+    /// Call before asking for the worker's free count; pass the mark to
+    /// [`Backlog::counted`] once that count arrives.
+    pub fn taken_mark(&self) -> u64 {
+        lock(&self.taken).mark()
     }
 
-    /// A free count asked for at `mark` arrived: it shows the blocks taken until then.
-    pub fn counted(&self, mark: usize) {
-        self.taken.fetch_sub(mark.min(self.taken.load(Ordering::Relaxed)), Ordering::Relaxed);
+    /// A free count asked for at `mark` arrived: it shows the blocks taken before.
+    pub fn counted(&self, mark: u64) {
+        lock(&self.taken).counted(mark);
+    }
+
+    fn take(self: &Arc<Self>, blocks: usize) -> Held {
+        let epoch = lock(&self.taken).take(blocks);
+        Held { backlog: self.clone(), epoch, blocks }
     }
 
     /// Seconds a request arriving now waits for those ahead of it to start. Until
@@ -229,8 +233,8 @@ pub struct Waiting {
     routed: bool,
     /// Admission's raw prediction of its time to first token.
     predicted: Option<f64>,
-    /// Its prompt's blocks were counted as taken by [`Waiting::holds_blocks`].
-    prompt_held: bool,
+    /// Its prompt's blocks, counted as taken by [`Waiting::holds_blocks`].
+    held: Option<Held>,
 }
 
 impl Waiting {
@@ -245,15 +249,16 @@ impl Waiting {
         let held = blocks_for(self.tokens).min(self.blocks);
         self.blocks -= held;
         self.backlog.pending_blocks.fetch_sub(held, Ordering::Relaxed);
-        self.backlog.taken.fetch_add(held, Ordering::Relaxed);
-        self.prompt_held = true;
+        self.held = Some(self.backlog.take(held));
     }
 
-    /// Its first token is out (its prompt's blocks are held now).
-    pub fn started(self) {
-        if !self.prompt_held {
-            self.backlog.taken.fetch_add(blocks_for(self.tokens).min(self.blocks), Ordering::Relaxed);
-        }
+    /// Its first token is out (its prompt's blocks are held now). The blocks stay
+    /// counted as taken while the answer lives, until a free count shows them.
+    pub fn started(mut self) -> Held {
+        let held = match self.held.take() {
+            Some(h) => h,
+            None => self.backlog.take(blocks_for(self.tokens).min(self.blocks)),
+        };
         let took = self.since.elapsed().as_secs_f64();
         if let Some(p) = self.predicted.filter(|&p| p >= CALIBRATED_FROM) {
             let mut misses = lock(&self.backlog.misses);
@@ -273,6 +278,70 @@ impl Waiting {
                 _ => ewma(&mut slot, pace),
             }
         }
+        held
+    }
+}
+
+/// Prompt blocks a started request holds on its worker, counted as taken until a
+/// free count shows them or, if the request ends first, until it ends (its blocks
+/// are back in the pool then: counting them on would refuse requests for blocks that
+/// are free, as back-to-back short requests on a small pool showed).
+#[must_use]
+pub struct Held {
+    backlog: Arc<Backlog>,
+    epoch: u64,
+    blocks: usize,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        lock(&self.backlog.taken).give_back(self.epoch, self.blocks);
+    }
+}
+
+/// Where a request's held blocks stay until it ends.
+pub type HeldSlot = Arc<Mutex<Option<Held>>>;
+
+/// Blocks taken, by which free count of the worker will show them: those taken
+/// since its last ask, and those of each ask not answered yet.
+#[derive(Debug, Default)]
+struct Taken {
+    epoch: u64,
+    current: usize,
+    asked: VecDeque<(u64, usize)>,
+}
+
+impl Taken {
+    fn total(&self) -> usize {
+        self.current + self.asked.iter().map(|a| a.1).sum::<usize>()
+    }
+
+    /// Counts `n` blocks; the epoch they were counted in.
+    fn take(&mut self, n: usize) -> u64 {
+        self.current += n;
+        self.epoch
+    }
+
+    /// The request that took `n` blocks in `epoch` ended; no-op once a count showed them.
+    fn give_back(&mut self, epoch: u64, n: usize) {
+        if epoch == self.epoch {
+            self.current = self.current.saturating_sub(n);
+        } else if let Some(b) = self.asked.iter_mut().find(|b| b.0 == epoch) {
+            b.1 = b.1.saturating_sub(n);
+        }
+    }
+
+    /// A count is being asked for: what was taken so far waits for its answer.
+    fn mark(&mut self) -> u64 {
+        let e = self.epoch;
+        self.asked.push_back((e, std::mem::take(&mut self.current)));
+        self.epoch += 1;
+        e
+    }
+
+    /// The count asked at `mark` arrived (and so did any older one's effect).
+    fn counted(&mut self, mark: u64) {
+        self.asked.retain(|b| b.0 > mark);
     }
 }
 
@@ -494,7 +563,7 @@ mod tests {
         assert_eq!(b.pending_blocks(), 1);
         let w3 = b.enter_routed(16, 16);
         assert_eq!(b.routed(), 1);
-        w3.started();
+        drop(w3.started());
         assert_eq!(b.routed(), 0);
     }
 
@@ -506,11 +575,11 @@ mod tests {
         // only 8 samples move it, and it never goes below half.
         for i in 0..8 {
             assert_eq!(b.correction(), 1.0, "{i} samples");
-            b.enter(10, 10).predicted(2.5).started();
+            drop(b.enter(10, 10).predicted(2.5).started());
         }
         assert_eq!(b.correction(), 0.5);
         // Short predictions say nothing.
-        b.enter(10, 10).predicted(0.01).started();
+        drop(b.enter(10, 10).predicted(0.01).started());
         assert_eq!(lock(&b.misses).len(), 8);
     }
 
@@ -534,7 +603,7 @@ mod tests {
         let mut waiting = waiting.into_iter();
         // The first request found none ahead and started after ~100 ms: 1 ms/token.
         std::thread::sleep(Duration::from_millis(100));
-        waiting.next().unwrap().started();
+        drop(waiting.next().unwrap().started());
         let p = b.predict();
         assert!((0.3..0.6).contains(&p), "300 tokens at about 1 ms each: {p}");
         // A request that fails leaves the backlog without counting as a start.
@@ -549,11 +618,11 @@ mod tests {
         // A request that waited 100 ms behind 10 tokens: 10 ms/token, taken at once.
         let w = b.enter(10, 10);
         std::thread::sleep(Duration::from_millis(100));
-        w.started();
+        drop(w.started());
         let slow = lock(&b.seconds_per_token).unwrap();
         assert!(slow >= 9e-3, "{slow}");
         // One fast start moves it only part of the way back.
-        b.enter(1_000_000, 1_000_000).started();
+        drop(b.enter(1_000_000, 1_000_000).started());
         let eased = lock(&b.seconds_per_token).unwrap();
         assert!(eased < slow && eased > 0.5 * slow, "{slow} -> {eased}");
     }

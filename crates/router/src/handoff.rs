@@ -143,9 +143,10 @@ fn fall_back(h: &Handoff, mut req: GenerateRequest, client: EventSender, waiting
     let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
     match d.worker.generate(req, inner_tx) {
         Ok(()) => {
+            let holder = end.holder();
             let on_first = move |first: &Event| {
                 if matches!(first, Event::Token(_)) {
-                    waiting.started();
+                    *holder.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(waiting.started());
                 }
             };
             let on_end = move |out, cached| end.ended(out, cached);
@@ -329,7 +330,7 @@ fn decode_ready(
         d.worker.release(id);
         return Outcome::Cancelled;
     }
-    waiting.started();
+    *end.holder().lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(waiting.started());
     if let Some(reason) = first.finished {
         d.worker.release(id);
         let usage =

@@ -295,10 +295,11 @@ impl Router {
         let waiting = d.backlog.enter(n, n + req.params.max_tokens as usize).predicted(predicted);
         d.worker.generate(req, inner_tx).map_err(|e| d.noted(e))?;
         let started = Instant::now();
+        let holder = end.holder();
         let on_first = move |first: &Event| {
             if matches!(first, Event::Token(_)) {
                 load.observe(ahead, n, started.elapsed());
-                waiting.started();
+                *holder.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(waiting.started());
             }
             drop(ticket);
         };
@@ -342,6 +343,9 @@ pub struct Ending {
     kv: Arc<KvMemory>,
     prompt: usize,
     hit: Option<PredictedHit>,
+    /// The prompt blocks it holds on its decode worker, counted by admission as
+    /// taken until the request ends (or a block count shows them).
+    held: cost::HeldSlot,
 }
 
 impl Ending {
@@ -350,8 +354,14 @@ impl Ending {
         Ending { hit: None, ..self }
     }
 
+    /// Where the request's held blocks go once its first token is out.
+    pub(crate) fn holder(&self) -> cost::HeldSlot {
+        self.held.clone()
+    }
+
     /// Over after `out` output tokens; `cached` prompt tokens were reused if it finished.
     pub(crate) fn ended(self, out: usize, cached: Option<usize>) {
+        self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
         self.kv.finished(self.prompt + out);
         if let (Some(hit), Some(cached)) = (self.hit, cached) {
             hit.check(cached);
@@ -397,7 +407,8 @@ impl Generate for Router {
                 span.record("route", "local");
                 req.trace.update(|t| t.route = Some(PrefillRoute::Local));
                 self.telemetry.route(PrefillRoute::Local);
-                let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit: Some(self.predict_hit(&ask, &d)) };
+                let hit = Some(self.predict_hit(&ask, &d));
+                let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit, held: Default::default() };
                 self.local(&d, req, end, predicted)
             }
             Some(p) => {
@@ -406,7 +417,8 @@ impl Generate for Router {
                 span.record("prefill", p.name());
                 req.trace.update(|t| (t.route, t.prefill) = (Some(PrefillRoute::Remote), Some(p.name().to_string())));
                 self.telemetry.route(PrefillRoute::Remote);
-                let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit: Some(self.predict_hit(&ask, &p)) };
+                let hit = Some(self.predict_hit(&ask, &p));
+                let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit, held: Default::default() };
                 let waiting = d.backlog.enter_routed(req.prompt.len(), life).predicted(predicted);
                 let h = self.handoff(&all, p, d, &ask);
                 Ok(handoff::start(&self.runtime, h, req, waiting, end))

@@ -89,7 +89,7 @@ impl Entry {
 
     /// The KV blocks the worker could give a new sequence (free or only cached), as its
     /// stats just said, asked for at `mark` ([`Entry::taken_mark`]).
-    pub fn report_free_blocks(&self, blocks: usize, mark: usize) {
+    pub fn report_free_blocks(&self, blocks: usize, mark: u64) {
         self.kv.report_free(blocks);
         self.backlog.counted(mark);
     }
@@ -101,7 +101,7 @@ impl Entry {
 
     /// Where the count of blocks taken by admitted requests stands, before its stats
     /// are asked for.
-    pub fn taken_mark(&self) -> usize {
+    pub fn taken_mark(&self) -> u64 {
         self.backlog.taken_mark()
     }
 

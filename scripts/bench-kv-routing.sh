@@ -6,29 +6,30 @@
 #   POLICIES="kv-aware least-loaded round-robin"  SECONDS_PER_POINT=180
 #   WORKLOAD="--conversations 17 --turns 5..10 --input-len 100..200 --output-len 32..64"
 #   CONCURRENCY=4  SERVE_ARGS="--kv-host-gb 1"  OUT=bench-results/kv-routing
+#   LOAD="--trace-speedup 1" (instead of the closed loop; with WORKLOAD="--trace FILE")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 policies="${POLICIES:-kv-aware least-loaded round-robin}"
 secs="${SECONDS_PER_POINT:-180}"
 workload="${WORKLOAD:---conversations 17 --turns 5..10 --input-len 100..200 --output-len 32..64}"
 c="${CONCURRENCY:-4}"
+load="${LOAD:---concurrency $c}"
 serve_args="${SERVE_ARGS:-}"
 out="${OUT:-bench-results/kv-routing}"; mkdir -p "$out"
 cargo build --release --bin pdserve >&2
 bin=./target/release/pdserve
 port=18095
-wait_up() { for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0; sleep 0.2; done; return 1; }
+source scripts/fresh-server.sh
 
 for p in $policies; do
   echo "== $p" >&2
   # shellcheck disable=SC2086  # extra serve flags are a list
-  "$bin" serve --port $port --mode aggregated --workers 2 --policy "$p" $serve_args >"$out/$p.server.log" 2>&1 &
-  pid=$!; wait_up
+  start_server "$out/$p.server.log" --mode aggregated --workers 2 --policy "$p" $serve_args
   # shellcheck disable=SC2086  # the workload is a list of flags
-  "$bin" bench load --url "http://127.0.0.1:$port" --concurrency "$c" $workload \
+  "$bin" bench load --url "http://127.0.0.1:$port" $load $workload \
     --seconds "$secs" --requests 1000000 --slo-ttft-ms 1000 --slo-tpot-ms 200 --out "$out/$p.json" >&2
   curl -s "http://127.0.0.1:$port/metrics" | grep -E '^pdserve_(prefix_hit_mismatch_total|kv_index_lag_seconds_(sum|count)) ' >"$out/$p.metrics" || true
-  kill $pid; wait $pid 2>/dev/null || true
+  stop_server
 done
 
 python3 - "$out" $policies <<'PY'

@@ -17,7 +17,7 @@ disk=target/bench-kv-tiers-disk
 cargo build --release --bin pdserve >&2
 bin=./target/release/pdserve
 port=18096
-wait_up() { for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0; sleep 0.2; done; return 1; }
+source scripts/fresh-server.sh
 
 # A 256-block pool (4,096 tokens) holds about three 1,024-token prefixes next to the
 # running requests: the workload's 16 are five times that.
@@ -32,12 +32,11 @@ for cfg in $configs; do
   echo "== $cfg" >&2
   rm -rf "$disk"
   # shellcheck disable=SC2086  # the tier flags are a list
-  "$bin" serve --port $port "${base[@]}" ${tiers[$cfg]} >"$out/$cfg.server.log" 2>&1 &
-  pid=$!; wait_up
+  start_server "$out/$cfg.server.log" "${base[@]}" ${tiers[$cfg]}
   # shellcheck disable=SC2086  # the workload is a list of flags
   "$bin" bench load --url "http://127.0.0.1:$port" --concurrency "$c" $workload --seed 11 \
     --seconds "$secs" --requests 1000000 --slo-ttft-ms 1000 --slo-tpot-ms 200 --out "$out/$cfg.json" >&2
-  kill $pid; wait $pid 2>/dev/null || true
+  stop_server
 done
 rm -rf "$disk"
 

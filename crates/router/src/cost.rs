@@ -568,6 +568,31 @@ mod tests {
     }
 
     #[test]
+    fn a_request_that_ends_before_a_block_count_gives_its_blocks_back() {
+        let b = Arc::new(Backlog::default());
+        // Short requests back to back on a small pool: each ends before the next
+        // count, and none may stay counted as holding its blocks.
+        for _ in 0..10 {
+            let held = b.enter(1024, 1040).started();
+            assert_eq!(b.pending_blocks(), 64);
+            drop(held);
+            assert_eq!(b.pending_blocks(), 0);
+        }
+        // One still running when a count is asked for: that count shows it, so its
+        // end gives nothing back twice.
+        let held = b.enter(160, 160).started();
+        let mark = b.taken_mark();
+        let later = b.enter(32, 32).started();
+        assert_eq!(b.pending_blocks(), 12);
+        b.counted(mark);
+        assert_eq!(b.pending_blocks(), 2);
+        drop(held);
+        assert_eq!(b.pending_blocks(), 2);
+        drop(later);
+        assert_eq!(b.pending_blocks(), 0);
+    }
+
+    #[test]
     fn admission_is_calibrated_by_how_late_first_tokens_came() {
         let b = Arc::new(Backlog::default());
         assert_eq!(b.correction(), 1.0);

@@ -62,14 +62,6 @@ impl CachedPrefix {
     pub fn blocks(&self) -> usize {
         self.device + self.host + self.disk
     }
-
-    fn count(&mut self, tier: Tier) {
-        match tier {
-            Tier::Device => self.device += 1,
-            Tier::Host => self.host += 1,
-            Tier::Disk => self.disk += 1,
-        }
-    }
 }
 
 /// What one round of reading taught the index, for the metrics.
@@ -104,22 +96,27 @@ impl KvIndex {
         let s = self.read();
         let slots: Vec<Option<usize>> = workers.iter().map(|w| s.workers.get(*w).map(|(slot, _)| *slot)).collect();
         let mut alive: Slots = slots.iter().flatten().fold(0, |m, &i| m | 1 << i);
-        let mut found = vec![CachedPrefix::default(); workers.len()];
-        for h in hashes {
-            let tiers = s.tiers(*h);
-            alive &= tiers.iter().fold(0, |m, t| m | t);
+        // Per slot: the blocks held (any tier), and those only in host or disk. Most
+        // blocks are in pools alone, so per-worker work happens only where a chain
+        // ends or passes through a lower tier.
+        let mut length = [hashes.len(); MAX_INDEXED];
+        let mut lower = [(0usize, 0usize); MAX_INDEXED];
+        for (i, h) in hashes.iter().enumerate() {
+            let [device, host, disk] = s.tiers(*h);
+            let held = alive & (device | host | disk);
+            for_each_bit(alive & !held, |slot| length[slot] = i);
+            for_each_bit(held & !device & host, |slot| lower[slot].0 += 1);
+            for_each_bit(held & !device & !host, |slot| lower[slot].1 += 1);
+            alive = held;
             if alive == 0 {
                 break;
             }
-            for (n, slot) in found.iter_mut().zip(&slots) {
-                let Some(bit) = slot.map(|sl| 1 << sl).filter(|b: &Slots| alive & b != 0) else { continue };
-                let best = Tier::ALL.iter().zip(tiers).find(|(_, held)| held & bit != 0);
-                if let Some((&tier, _)) = best {
-                    n.count(tier);
-                }
-            }
         }
-        found
+        let of = |slot: usize| {
+            let (host, disk) = lower[slot];
+            CachedPrefix { device: length[slot] - host - disk, host, disk }
+        };
+        slots.iter().map(|slot| slot.map(of).unwrap_or_default()).collect()
     }
 
     /// Whether the index says `worker` holds every one of `hashes`, in any tier.
@@ -244,6 +241,14 @@ impl State {
             m.iter_mut().for_each(|x| *x &= !bit);
             *m != [0, 0]
         });
+    }
+}
+
+/// Calls `f` with the number of every set bit of `m`.
+fn for_each_bit(mut m: Slots, mut f: impl FnMut(usize)) {
+    while m != 0 {
+        f(m.trailing_zeros() as usize);
+        m &= m - 1;
     }
 }
 

@@ -84,12 +84,11 @@ impl TierBytes {
             (Place::Device(b), Place::Disk(s)) => {
                 let mut buf = vec![0u16; self.slot_values];
                 gather(kv, b.0, &mut buf);
-                self.write_disk(s, &buf);
+                write_disk(self.disk.as_ref(), &mut self.counters, s, &buf);
             }
             (Place::Host(h), Place::Disk(s)) => {
                 let at = h as usize * self.slot_values;
-                let bytes = self.host[at..at + self.slot_values].to_vec();
-                self.write_disk(s, &bytes);
+                write_disk(self.disk.as_ref(), &mut self.counters, s, &self.host[at..at + self.slot_values]);
             }
             // The pool only moves blocks down; a copy up is a restore.
             _ => debug_assert!(false, "unexpected move {m:?}"),
@@ -116,13 +115,6 @@ impl TierBytes {
         Ok(())
     }
 
-    fn write_disk(&mut self, slot: u32, values: &[u16]) {
-        if let Some(d) = &self.disk {
-            d.write(slot, values);
-            self.counters.stored_disk += 1;
-        }
-    }
-
     /// Copies the block at `from` (a host or disk slot) into pool block `block`;
     /// false when its bytes cannot be read (a failed disk write or read).
     pub(crate) fn restore(&mut self, from: Place, kv: &mut KvStorage, block: u32) -> bool {
@@ -144,6 +136,14 @@ impl TierBytes {
         };
         self.counters.restored(tier, started.elapsed().as_secs_f64());
         true
+    }
+}
+
+/// Queues `values` for disk slot `slot`, if there is a disk tier.
+fn write_disk(disk: Option<&DiskStore>, counters: &mut TierCounters, slot: u32, values: &[u16]) {
+    if let Some(d) = disk {
+        d.write(slot, values);
+        counters.stored_disk += 1;
     }
 }
 

@@ -300,7 +300,19 @@ impl Drop for Held {
 }
 
 /// Where a request's held blocks stay until it ends.
-pub type HeldSlot = Arc<Mutex<Option<Held>>>;
+#[derive(Clone, Default)]
+pub struct HeldSlot(Arc<Mutex<Option<Held>>>);
+
+impl HeldSlot {
+    pub fn keep(&self, held: Held) {
+        *lock(&self.0) = Some(held);
+    }
+
+    /// The request ended: its blocks are back in the pool.
+    pub fn release(&self) {
+        lock(&self.0).take();
+    }
+}
 
 /// Blocks taken, by which free count of the worker will show them: those taken
 /// since its last ask, and those of each ask not answered yet.

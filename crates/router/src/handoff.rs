@@ -146,7 +146,7 @@ fn fall_back(h: &Handoff, mut req: GenerateRequest, client: EventSender, waiting
             let holder = end.holder();
             let on_first = move |first: &Event| {
                 if matches!(first, Event::Token(_)) {
-                    *holder.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(waiting.started());
+                    holder.keep(waiting.started());
                 }
             };
             let on_end = move |out, cached| end.ended(out, cached);
@@ -330,7 +330,7 @@ fn decode_ready(
         d.worker.release(id);
         return Outcome::Cancelled;
     }
-    *end.holder().lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(waiting.started());
+    end.holder().keep(waiting.started());
     if let Some(reason) = first.finished {
         d.worker.release(id);
         let usage =

@@ -299,7 +299,7 @@ impl Router {
         let on_first = move |first: &Event| {
             if matches!(first, Event::Token(_)) {
                 load.observe(ahead, n, started.elapsed());
-                *holder.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(waiting.started());
+                holder.keep(waiting.started());
             }
             drop(ticket);
         };
@@ -361,7 +361,7 @@ impl Ending {
 
     /// Over after `out` output tokens; `cached` prompt tokens were reused if it finished.
     pub(crate) fn ended(self, out: usize, cached: Option<usize>) {
-        self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        self.held.release();
         self.kv.finished(self.prompt + out);
         if let (Some(hit), Some(cached)) = (self.hit, cached) {
             hit.check(cached);

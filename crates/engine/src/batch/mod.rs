@@ -199,11 +199,6 @@ impl Engine {
         self.tiers.as_ref().map_or(Ok(()), |t| t.flush(uncache))
     }
 
-    /// Bytes one block of every layer takes (K and V): the unit of the tiers' sizes.
-    pub fn block_bytes(&self) -> usize {
-        self.kv.n_layers * 2 * self.kv.block_elems() * 2
-    }
-
     /// Makes the copies the pool owes for its evictions: before anything writes
     /// into blocks just handed out, since they may be what was evicted.
     pub(crate) fn settle_moves(&mut self) {

@@ -263,8 +263,11 @@ async fn auto_waits_for_a_dedicated_decode_worker_instead_of_prefilling_there() 
     assert!(blocks < 3 * prompt, "the test's sizes do not keep a third prompt out");
     let d: Arc<dyn Worker> = Arc::new(local("small-decode", Role::Decode, blocks));
     let seen = Arc::new(Bytes::default());
-    let r = Router::new([worker("prefill", Role::Prefill), d], Mode::Auto, Deadlines::default(), rt())
-        .with_telemetry(seen.clone());
+    // A reserve deadline far beyond two decodes even on a loaded machine: the test is
+    // whether auto waits for the dedicated worker at all (a mixed one gets 500 ms),
+    // not how long two decodes take.
+    let patient = Deadlines { reserve: std::time::Duration::from_secs(120), ..Deadlines::default() };
+    let r = Router::new([worker("prefill", Role::Prefill), d], Mode::Auto, patient, rt()).with_telemetry(seen.clone());
     let agg = router(Mode::Aggregated, Deadlines::default());
     let (want, _) = collect(agg.generate(long(1)).unwrap()).await;
     let streams: Vec<_> = (0..4).map(|i| r.generate(long(100 + i)).unwrap()).collect();

@@ -237,8 +237,11 @@ impl Session {
                 };
                 self.reply(call, tracing::Instrument::instrument(answer, span))
             }
+            // A reservation still being granted is released now too, not when its
+            // answer comes: the router's next call for the same id (prefilling it
+            // here instead) must find the worker without it.
             Op::Release { id } => {
-                if self.unhold(id) {
+                if lock(&self.held).as_mut().and_then(|h| h.remove(&id)).is_some() {
                     self.worker().release(id);
                 }
             }

@@ -188,3 +188,86 @@ async fn a_connection_cannot_touch_another_connections_reservations() {
     d.remote.release(id);
     assert_eq!(settle(&[&d.local]).await, 0);
 }
+
+/// A worker whose reservations are granted at once but answered late, as a busy
+/// engine's are: the grant is made, its answer still on the way.
+struct LateGrant(LocalWorker);
+
+impl Worker for LateGrant {
+    fn info(&self) -> &pdserve_protocol::WorkerInfo {
+        self.0.info()
+    }
+    fn load(&self) -> usize {
+        self.0.load()
+    }
+    fn is_alive(&self) -> bool {
+        self.0.is_alive()
+    }
+    fn generate(
+        &self,
+        req: pdserve_protocol::GenerateRequest,
+        events: pdserve_protocol::EventSender,
+    ) -> Result<(), pdserve_protocol::ServeError> {
+        self.0.generate(req, events)
+    }
+    fn kv_target(&self, via: TransportKind) -> Option<pdserve_kv_transfer::KvTarget> {
+        self.0.kv_target(via)
+    }
+    fn reserve(
+        &self,
+        id: pdserve_types::RequestId,
+        prompt_len: usize,
+        fence: Option<pdserve_types::Epoch>,
+    ) -> pdserve_protocol::Reply<'_, pdserve_kv_transfer::HandoffToken> {
+        Box::pin(async move {
+            let granted = self.0.reserve(id, prompt_len, fence).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            granted
+        })
+    }
+    fn prefill(
+        &self,
+        req: pdserve_protocol::GenerateRequest,
+        to: pdserve_protocol::KvDestination,
+    ) -> pdserve_protocol::Reply<'static, pdserve_protocol::Prefilled> {
+        self.0.prefill(req, to)
+    }
+    fn decode(
+        &self,
+        handoff: pdserve_protocol::DecodeHandoff,
+        events: pdserve_protocol::EventSender,
+    ) -> Result<(), pdserve_protocol::ServeError> {
+        self.0.decode(handoff, events)
+    }
+    fn release(&self, id: pdserve_types::RequestId) {
+        self.0.release(id)
+    }
+    fn stats(&self) -> pdserve_protocol::Reply<'_, pdserve_protocol::WorkerStats> {
+        self.0.stats()
+    }
+}
+
+/// The handoff's fallback when a decode worker's reservation times out: the router
+/// releases it and asks the same worker to prefill the request itself, under the
+/// same id. The release must reach the worker before that request does, even while
+/// the reservation's answer is still on its way; otherwise the request finds its
+/// own reservation and is refused as a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_overtaking_its_grant_lands_before_the_next_call() {
+    let local = local("late", Role::Mixed, 256);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let served: Arc<dyn Worker> = Arc::new(LateGrant(local.clone()));
+    tokio::spawn(WorkerServer::new(served, key()).serve(listener, std::future::pending()));
+    let remote = RemoteWorker::connect(addr, &key()).await.unwrap();
+    let req = request(91, PROMPTS[1], 4);
+    let gave_up = tokio::time::timeout(Duration::from_millis(50), remote.reserve(req.id, req.prompt.len(), None)).await;
+    assert!(gave_up.is_err(), "the grant's answer is late");
+    remote.release(req.id);
+    let (tx, stream) = TokenStream::channel(8);
+    remote.generate(req, tx).unwrap();
+    let (tokens, end) = collect(stream).await;
+    assert!(matches!(end, Event::Done { .. }), "{end:?}");
+    assert_eq!(tokens.len(), 4);
+    assert_eq!(settle(&[&local]).await, 0);
+}

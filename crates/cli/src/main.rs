@@ -34,6 +34,8 @@ enum Command {
     Frontend(cmd::frontend::Args),
     /// The nodes of a NATS fleet: roles, addresses, load, KV blocks, heartbeats.
     Fleet(cmd::fleet::Args),
+    /// Plan a NATS fleet's roles from its traffic (one active planner per fleet).
+    Planner(cmd::planner::Args),
     /// Time this machine's worker shapes into a profile for the twin (`sim`, `plan`).
     Profile(cmd::twin::ProfileArgs),
     /// Simulate a topology under a workload on a virtual clock, from a profile; prints
@@ -57,6 +59,7 @@ impl Command {
             Command::Worker(_) => "worker",
             Command::Frontend(_) => "frontend",
             Command::Fleet(_) => "fleet",
+            Command::Planner(_) => "planner",
             Command::Profile(_) => "profile",
             Command::Sim(_) => "sim",
             Command::Plan(_) => "plan",
@@ -91,6 +94,7 @@ fn main() -> ExitCode {
         Command::Worker(args) => cmd::worker::run(args).map(|()| ExitCode::SUCCESS),
         Command::Frontend(args) => cmd::frontend::run(args).map(exit_code),
         Command::Fleet(args) => cmd::fleet::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Planner(args) => cmd::planner::run(args).map(|()| ExitCode::SUCCESS),
         Command::Profile(args) => cmd::twin::profile(args).map(|()| ExitCode::SUCCESS),
         Command::Sim(args) => cmd::twin::sim(args).map(|()| ExitCode::SUCCESS),
         Command::Plan(args) => cmd::twin::plan(args).map(|()| ExitCode::SUCCESS),

@@ -364,3 +364,179 @@ fn losing_nats_fails_nothing_in_flight_and_the_fleet_comes_back() {
     eventually("both records are back", || ids(&n) == ["d-1", "p-1"]);
     assert_eq!(status_of(fe.addr, 2), 200);
 }
+
+/// The planner's lease over the real bucket: one holder at a time, a holder that
+/// stops renewing loses it within the bucket's TTL, and one that lost it can write
+/// nothing, neither roles nor a renewal.
+#[test]
+fn one_planner_holds_the_lease_and_one_that_lost_it_cannot_write() {
+    use pdserve_fleet::{read_plan, Bus, Lease, LeaseError, NatsConfig, NodeId};
+    use pdserve_types::{Assignment, Epoch, Role};
+    let n = nats();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let cfg = NatsConfig { url: n.url.clone(), creds: None, replicas: 1, client_name: "lease-test".into() };
+        let bus = Bus::connect(&cfg).await.unwrap();
+        let mut a = Lease::take(&bus, "plan-a").await.unwrap().expect("no one held it");
+        assert!(Lease::take(&bus, "plan-b").await.unwrap().is_none(), "plan-a holds it");
+        let w: NodeId = "w1".parse().unwrap();
+        let decode = Assignment::new(Role::Decode, Epoch(1));
+        a.write([(w.clone(), decode)]).await.unwrap();
+        let plan = read_plan(&bus).await.unwrap().unwrap();
+        assert_eq!((plan.holder.as_str(), plan.roles.get(&w)), ("plan-a", Some(&decode)));
+        // plan-a stops renewing (as a killed planner would): the lease lapses.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let mut b = loop {
+            if let Some(b) = Lease::take(&bus, "plan-b").await.unwrap() {
+                break b;
+            }
+            assert!(Instant::now() < deadline, "the lease never lapsed");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        let prefill = Assignment::new(Role::Prefill, Epoch(2));
+        assert!(matches!(a.write([(w.clone(), prefill)]).await, Err(LeaseError::Lost)));
+        assert!(matches!(a.renew().await, Err(LeaseError::Lost)));
+        b.renew().await.unwrap();
+        let plan = read_plan(&bus).await.unwrap().unwrap();
+        assert_eq!(plan.holder, "plan-b");
+        assert!(plan.roles.is_empty(), "plan-a's roles went with its lease: {plan:?}");
+        // A clean stop gives the lease up at once.
+        b.release().await;
+        assert!(read_plan(&bus).await.unwrap().is_none());
+        assert!(Lease::take(&bus, "plan-c").await.unwrap().is_some());
+    });
+}
+
+fn sim_fleet_worker(n: &Nats, profile: &str, role: &str, id: &str) -> Proc {
+    start(&[
+        "worker",
+        "--engine",
+        "sim",
+        "--profile",
+        profile,
+        "--role",
+        role,
+        "--listen",
+        "127.0.0.1:0",
+        "--nats",
+        &n.url,
+        "--node-id",
+        id,
+    ])
+}
+
+fn fleet_planner(n: &Nats, id: &str) -> Proc {
+    start(&[
+        "planner",
+        "--nats",
+        &n.url,
+        "--id",
+        id,
+        "--metrics",
+        "127.0.0.1:0",
+        "--slo-ttft-ms",
+        "3000",
+        "--slo-tpot-ms",
+        "50",
+    ])
+}
+
+/// Role and epoch of each node, as the nodes themselves report them.
+fn roles(n: &Nats) -> Vec<(String, String, u64)> {
+    fleet(n)
+        .iter()
+        .map(|r| {
+            let id = r["node_id"].as_str().unwrap().to_string();
+            (id, r["role"].as_str().unwrap().to_string(), r["epoch"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+/// The fleet planner under load, killed the moment it decides (before or after its
+/// plan reached the bucket): the standby takes the lease, the workers end in the
+/// roles the traffic needs, each worker holds one role that the workers, the
+/// frontend and the plan agree on, and no request fails.
+#[test]
+fn the_fleet_planner_fails_over_mid_switch_and_no_worker_holds_two_roles() {
+    let n = nats();
+    let dir = TempDir(std::env::temp_dir().join(format!("pdserve-planner-test-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let profile = dir.0.join("derived.json");
+    common::derived_profile(&profile);
+    let p = profile.to_str().unwrap();
+    let _w1 = sim_fleet_worker(&n, p, "prefill", "w1");
+    let _w2 = sim_fleet_worker(&n, p, "decode", "w2");
+    let fe = fleet_frontend(&n, "auto");
+    eventually("the frontend routes to both workers", || ids(&n) == ["w1", "w2"] && status_of(fe.addr, 2) == 200);
+    let mut a = fleet_planner(&n, "plan-a");
+    eventually("plan-a takes the lease", || a.logged("took the planner lease"));
+    let b = fleet_planner(&n, "plan-b");
+    eventually("plan-b stands by", || b.logged("another planner holds the lease; standing by holder=plan-a"));
+
+    // Three clients of 1,500-token prompts: more than one prefill worker keeps up
+    // with, so the planner gives both workers both roles.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let addr = fe.addr;
+    let clients: Vec<_> = (0..3u32)
+        .map(|k| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut statuses = Vec::new();
+                let mut i = 0u32;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let prompt: Vec<u32> = (0..1500u32).map(|t| 1000 + (t * 31 + k * 7 + i * 13) % 30000).collect();
+                    let req = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+                    let (status, body) = common::http(addr, "POST", "/v1/completions", Some(&req));
+                    statuses.push((status, body));
+                    i += 1;
+                }
+                statuses
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !a.logged("planner: switching roles") {
+        assert!(Instant::now() < deadline, "plan-a never decided");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    a.child.kill().unwrap();
+    let _ = a.child.wait();
+    eventually("plan-b takes the lease over", || b.logged("took the planner lease"));
+    eventually("both workers decode and prefill", || {
+        roles(&n).iter().all(|(_, role, epoch)| role == "mixed" && *epoch >= 1)
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut served = 0;
+    for c in clients {
+        for (status, body) in c.join().unwrap() {
+            assert_eq!(status, 200, "{body}");
+            served += 1;
+        }
+    }
+    assert!(served >= 6, "{served} requests");
+    // One role per worker, and everyone agrees on it.
+    let held = roles(&n);
+    let planner = b.logged("planner: switching roles");
+    for (id, role, epoch) in &held {
+        let name =
+            fleet(&n).into_iter().find(|r| r["node_id"] == id.as_str()).unwrap()["name"].as_str().unwrap().to_string();
+        let seen = |r: &str| metric(fe.addr, "pdserve_worker_role", &format!("worker=\"{name}\",role=\"{r}\""));
+        eventually("the frontend sees the role the worker holds", || seen(role) == 1.0);
+        for other in ["prefill", "decode", "mixed"].iter().filter(|r| *r != role) {
+            assert_eq!(seen(other), 0.0, "{id} ({role}/{epoch}) is also {other} to the frontend");
+        }
+    }
+    let plan = common::plan_of(&n.url);
+    assert_eq!(plan["holder"], "plan-b", "{plan}");
+    for (id, role, epoch) in &held {
+        // The plan names what each worker holds, once plan-b wrote it (a planner that
+        // found the workers already switched has nothing to ask of them).
+        if let Some(want) = plan["roles"].get(id.as_str()) {
+            assert_eq!((want["role"].as_str().unwrap(), want["epoch"].as_u64().unwrap()), (role.as_str(), *epoch));
+        } else {
+            assert!(!planner, "plan-b switched roles but its plan names none for {id}: {plan}");
+        }
+    }
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+}

@@ -77,25 +77,10 @@ fn bad_input_gets_one_line() {
     assert_eq!(zero.status.code(), Some(1));
 }
 
-/// A profile derived for the test: SmolLM2's shape, costs of the order measured here.
-fn derived_profile(path: &std::path::Path) {
-    let p = serde_json::json!({
-        "schema": 1,
-        "provenance": {"kind": "derived", "sources": ["this test"], "assumptions": ["costs of the order measured here"]},
-        "model": {"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "vocab_size": 49152, "context_length": 8192,
-                  "n_layers": 30, "kv_bytes_per_token": 23040.0, "kv_blocks": 256},
-        "shapes": [{"threads": 1, "step": {"fixed_s": 0.003, "token_s": 0.0008, "pair_s": 7e-7,
-                    "decode_pair_s": 2e-6, "logits_s": 0.0004}, "points": []}],
-        "links": [{"transport": "tcp", "latency_s": 7e-5, "bytes_per_s": 3e9}],
-        "switch_s": 1e-6, "admission_s": 5e-4
-    });
-    std::fs::write(path, p.to_string()).unwrap();
-}
-
 #[test]
 fn sixteen_simulated_worker_processes_serve_behind_one_frontend() {
     let profile = std::env::temp_dir().join(format!("pdserve-derived-{}.json", std::process::id()));
-    derived_profile(&profile);
+    common::derived_profile(&profile);
     let p = profile.to_str().unwrap();
     let workers: Vec<common::Proc> = (0..16)
         .map(|i| {
@@ -134,7 +119,7 @@ fn plan_ranks_every_topology_and_says_when_to_disaggregate() {
     let dir = std::env::temp_dir().join(format!("pdserve-plan-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let profile = dir.join("derived.json");
-    derived_profile(&profile);
+    common::derived_profile(&profile);
     let out = pdserve(&[
         "plan",
         "--profile",
@@ -176,7 +161,7 @@ fn compare_puts_the_twins_predictions_beside_the_measurements() {
     let dir = std::env::temp_dir().join(format!("pdserve-compare-sim-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let profile = dir.join("derived.json");
-    derived_profile(&profile);
+    common::derived_profile(&profile);
     let run = |profile: &str| {
         pdserve(&[
             "bench",

@@ -87,12 +87,16 @@ impl Bus {
         }
     }
 
-    /// Whether the connection to NATS is up now.
     /// The NATS connection, for other subjects and streams (the River ingress).
     pub fn client(&self) -> Client {
         self.client.clone()
     }
 
+    pub(crate) fn store(&self) -> &kv::Store {
+        &self.store
+    }
+
+    /// Whether the connection to NATS is up now.
     pub fn is_connected(&self) -> bool {
         self.client.connection_state() == async_nats::connection::State::Connected
     }

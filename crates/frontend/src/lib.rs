@@ -191,6 +191,19 @@ pub async fn serve(listener: tokio::net::TcpListener, app: Router) -> std::io::R
     listen::serve(listener, app, HttpLimits::default()).await
 }
 
+/// Serves only `/metrics` (and `/health`) on `listener`, for a process with no API
+/// of its own (the fleet planner).
+pub async fn serve_metrics(listener: tokio::net::TcpListener, metrics: Metrics) -> std::io::Result<()> {
+    let text = move || {
+        let m = metrics.clone();
+        async move { ([(CONTENT_TYPE, metrics::CONTENT_TYPE)], m.render()) }
+    };
+    let app = Router::new()
+        .route("/metrics", get(text))
+        .route("/health", get(|| async { Json(serde_json::json!({"status": "ok"})) }));
+    serve(listener, app).await
+}
+
 /// [`serve`] under `limits`.
 pub async fn serve_with(listener: tokio::net::TcpListener, app: Router, limits: HttpLimits) -> std::io::Result<()> {
     listen::serve(listener, app, limits).await

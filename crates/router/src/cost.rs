@@ -93,6 +93,14 @@ impl PrefillLoad {
         ewma(&mut lock(&self.seconds_per_token), rate);
     }
 
+    /// Takes a pace measured elsewhere (a frontend's, for a fleet planner that routes
+    /// nothing itself).
+    pub fn adopt(&self, seconds_per_token: f64) {
+        if seconds_per_token.is_finite() && seconds_per_token > 0.0 {
+            ewma(&mut lock(&self.seconds_per_token), seconds_per_token);
+        }
+    }
+
     /// Predicted seconds until a prompt of `tokens` sent now has its first token.
     pub fn predict(&self, tokens: usize) -> f64 {
         (self.queued() + tokens) as f64 * self.seconds_per_token()

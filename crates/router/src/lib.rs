@@ -66,7 +66,7 @@ pub struct Router {
     /// Requests refused by admission, to spread their `Retry-After`.
     refusals: AtomicU64,
     /// The traffic as clients see it, for the planner.
-    pub(crate) signals: Arc<planner::signals::Signals>,
+    pub signals: Arc<planner::signals::Signals>,
 }
 
 impl Router {
@@ -106,6 +106,11 @@ impl Router {
         e.learn(now);
         self.telemetry.role(e.name(), now.role);
         Ok(now)
+    }
+
+    /// Records that worker `name` holds `role` now (a switch made through the fleet).
+    pub fn note_role(&self, name: &str, role: Role) {
+        self.telemetry.role(name, role);
     }
 
     /// Starts following every worker's KV events into the router's index, on its

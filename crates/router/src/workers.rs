@@ -105,6 +105,16 @@ impl Entry {
         self.backlog.taken_mark()
     }
 
+    /// The prefill pace measured for this worker (seconds per prompt token), if any.
+    pub fn prefill_pace(&self) -> Option<f64> {
+        self.prefill.measured()
+    }
+
+    /// Takes a prefill pace another router measured for this worker.
+    pub fn adopt_prefill_pace(&self, seconds_per_token: f64) {
+        self.prefill.adopt(seconds_per_token);
+    }
+
     /// Replaces what is known of this worker's links, by receiving worker's name.
     pub fn set_links(&self, links: HashMap<String, Link>) {
         *self.links.lock().unwrap_or_else(PoisonError::into_inner) = links;

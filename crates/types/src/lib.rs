@@ -13,6 +13,7 @@ mod role;
 mod sampling;
 mod steps;
 mod token;
+mod traffic;
 
 pub use grammar::{Grammar, GrammarSpec};
 pub use ids::{RequestId, TokenId};
@@ -21,3 +22,4 @@ pub use role::{Assignment, Epoch, Role};
 pub use sampling::{SamplingError, SamplingParams, StopCondition};
 pub use steps::{DecodeSteps, StepFit};
 pub use token::{FinishReason, TokenOut};
+pub use traffic::RequestSample;

@@ -2,7 +2,7 @@
 //! measured, as tables or JSON; and the NATS flags `worker`, `frontend` and `fleet`
 //! share.
 
-use pdserve_fleet::{Bus, NatsConfig, NodeRecord};
+use pdserve_fleet::{Bus, NatsConfig, NodeRecord, Plan};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -40,31 +40,40 @@ pub struct Args {
     /// Print the records as JSON (one array) instead of a table.
     #[arg(long)]
     json: bool,
+    /// Print the fleet planner's plan instead (JSON: its holder and the role it wants
+    /// of each node; `null` when no planner holds the lease).
+    #[arg(long)]
+    plan: bool,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let Some(cfg) = a.nats.config("pdserve-fleet") else { anyhow::bail!("give --nats URL: the fleet's NATS server") };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let nodes = rt.block_on(async {
+    let (nodes, plan) = rt.block_on(async {
         let bus = tokio::time::timeout(Duration::from_secs(10), Bus::connect(&cfg))
             .await
             .map_err(|_| anyhow::anyhow!("NATS at {} did not answer within 10 s", cfg.url))??;
-        anyhow::Ok(bus.nodes().await?)
+        anyhow::Ok((bus.nodes().await?, pdserve_fleet::read_plan(&bus).await?))
     })?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&nodes)?);
-    } else {
-        print!("{}", table(&nodes, pdserve_fleet::now_unix_ms()));
-        print!("{}", link_matrix(&nodes));
+    let now = pdserve_fleet::now_unix_ms();
+    match (a.plan, a.json) {
+        (true, _) => println!("{}", serde_json::to_string_pretty(&plan)?),
+        (false, true) => println!("{}", serde_json::to_string_pretty(&nodes)?),
+        (false, false) => {
+            print!("{}", table(&nodes, plan.as_ref(), now));
+            print!("{}", link_matrix(&nodes));
+        }
     }
     Ok(())
 }
 
-/// The nodes as an aligned text table; `now_ms` dates the heartbeats.
-fn table(nodes: &[NodeRecord], now_ms: u64) -> String {
+/// The nodes as an aligned text table, with the role a fleet planner wants of each;
+/// `now_ms` dates the heartbeats.
+fn table(nodes: &[NodeRecord], plan: Option<&Plan>, now_ms: u64) -> String {
     let mut rows = vec![vec![
         "NODE",
         "ROLE/EPOCH",
+        "PLANNED",
         "MODEL",
         "CONTROL",
         "KV",
@@ -81,6 +90,7 @@ fn table(nodes: &[NodeRecord], now_ms: u64) -> String {
         rows.push(vec![
             n.node_id.to_string(),
             format!("{}/{}", n.role, n.epoch.0),
+            plan.and_then(|p| p.roles.get(&n.node_id)).map_or("-".into(), |a| format!("{}/{}", a.role, a.epoch.0)),
             n.model.clone(),
             n.endpoints.control.to_string(),
             n.endpoints.kv.to_string(),
@@ -93,6 +103,14 @@ fn table(nodes: &[NodeRecord], now_ms: u64) -> String {
     let mut out = aligned(&rows);
     if nodes.is_empty() {
         out.push_str("(no node is registered)\n");
+    }
+    match plan {
+        Some(p) => out.push_str(&format!(
+            "planner: {} (plan written {:.1} s ago)\n",
+            p.holder,
+            now_ms.saturating_sub(p.updated_unix_ms) as f64 / 1000.0
+        )),
+        None => out.push_str("planner: none holds the lease\n"),
     }
     out
 }
@@ -151,15 +169,23 @@ mod tests {
             links: vec![],
             updated_unix_ms: 10_000,
         };
-        let t = table(std::slice::from_ref(&n), 10_400);
+        let plan = Plan {
+            holder: "plan-a".into(),
+            roles: [(n.node_id.clone(), pdserve_types::Assignment::new(Role::Prefill, Epoch(4)))].into(),
+            updated_unix_ms: 9_000,
+        };
+        let t = table(std::slice::from_ref(&n), Some(&plan), 10_400);
         let lines: Vec<&str> = t.lines().collect();
-        assert_eq!(lines.len(), 2);
+        assert_eq!(lines.len(), 3);
         assert!(lines[1].starts_with("gpu-1 "), "{t}");
-        for cell in ["decode/3", "10.0.0.2:7001", "2 run, 2 wait", "300", "6/4/2", "0.4 s ago"] {
+        for cell in ["decode/3", "prefill/4", "10.0.0.2:7001", "2 run, 2 wait", "300", "6/4/2", "0.4 s ago"] {
             assert!(lines[1].contains(cell), "{cell} in {t}");
         }
         assert_eq!(lines[0].find("ROLE/EPOCH"), lines[1].find("decode/3"));
-        assert!(table(&[], 0).contains("no node"));
+        assert_eq!(lines[0].find("PLANNED"), lines[1].find("prefill/4"));
+        assert_eq!(lines[2], "planner: plan-a (plan written 1.4 s ago)");
+        assert!(table(&[], None, 0).contains("no node"));
+        assert!(table(std::slice::from_ref(&n), None, 0).contains(" - "), "no plan, no planned role");
         assert_eq!(link_matrix(&[n]), "");
     }
 

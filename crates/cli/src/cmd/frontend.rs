@@ -89,7 +89,8 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         if let Some(cfg) = a.nats.config("pdserve-frontend") {
             let to =
                 Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
-            tokio::spawn(follow_fleet(cfg, to));
+            tokio::spawn(follow_fleet(cfg.clone(), to));
+            publish_traffic(cfg, &router);
         }
         // Serve as soon as every listed worker answered once, or after the patience.
         let _ = tokio::time::timeout(CONNECT_PATIENCE, futures_join(first)).await;
@@ -125,11 +126,11 @@ async fn futures_join(rxs: Vec<tokio::sync::oneshot::Receiver<()>>) {
 
 /// Where workers that join go, and what they must serve.
 #[derive(Clone)]
-struct Target {
-    key: ClusterKey,
-    router: Arc<Router>,
-    metrics: Metrics,
-    model: String,
+pub(super) struct Target {
+    pub key: ClusterKey,
+    pub router: Arc<Router>,
+    pub metrics: Metrics,
+    pub model: String,
 }
 
 /// What a fleet node reports about itself that the router uses: its load, and its
@@ -226,7 +227,7 @@ impl Drop for Follower {
 /// Keeps the router's set equal to the fleet's nodes serving our model: a node that
 /// registers is connected, one that leaves is dropped (its requests in flight
 /// finish or fail over), one whose control address changed is connected anew.
-async fn follow_fleet(cfg: NatsConfig, to: Target) {
+pub(super) async fn follow_fleet(cfg: NatsConfig, to: Target) {
     let mut changes = pdserve_fleet::follow(cfg);
     let mut nodes: HashMap<NodeId, Follower> = HashMap::new();
     let mut other_model: HashSet<NodeId> = HashSet::new();
@@ -265,6 +266,20 @@ async fn follow_fleet(cfg: NatsConfig, to: Target) {
         }
     }
 }
+
+/// Publishes this frontend's traffic and measured prefill paces for a fleet planner
+/// (`pdserve planner`), if one listens.
+fn publish_traffic(cfg: NatsConfig, router: &Arc<Router>) {
+    let frontend = format!("{}-{}", cfg.client_name, std::process::id());
+    let samples = router.signals.tap(TRAFFIC_TAP);
+    let r = router.clone();
+    let paces =
+        move || r.workers().snapshot().iter().filter_map(|e| Some((e.name().to_string(), e.prefill_pace()?))).collect();
+    pdserve_fleet::publish_traffic(cfg, frontend, samples, paces);
+}
+
+/// Request records a frontend holds for its next traffic batch at most.
+const TRAFFIC_TAP: usize = 8192;
 
 /// The load and links of `rec`, its links' peers named as the router names them.
 fn reported(rec: &NodeRecord, names: &HashMap<NodeId, String>) -> Reported {

@@ -4,6 +4,7 @@ pub mod fleet;
 pub mod frontend;
 pub mod generate;
 mod http;
+pub mod planner;
 pub use http::Stopped;
 mod leaf_stream;
 mod probe;

@@ -167,6 +167,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 };
                 let prober = Prober { me: id.clone(), my_kv: at(kv), worker: local, key: key.clone(), table: links };
                 tokio::spawn(prober.run(cfg.clone()));
+                tokio::spawn(take_planned_roles(cfg.clone(), id.clone(), worker.clone()));
                 Some(pdserve_fleet::register(cfg, id, move || node.clone().record()))
             }
         };
@@ -192,6 +193,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     })
 }
 
+/// Takes each role a fleet planner names for this node in the plan. The plan is
+/// written again every second: only a newer epoch is news, and the worker itself
+/// refuses one older than it holds.
+async fn take_planned_roles(cfg: pdserve_fleet::NatsConfig, id: NodeId, worker: Arc<dyn Worker>) {
+    let mut plan = pdserve_fleet::follow_plan(cfg, id);
+    let mut seen = None;
+    while let Some((holder, want)) = plan.recv().await {
+        if seen.is_some_and(|s| s >= want.epoch) {
+            continue;
+        }
+        seen = Some(want.epoch);
+        match worker.set_role(want).await {
+            Ok(now) if now == want => tracing::info!(planner = %holder, to = %now, "took the role the planner set"),
+            Ok(now) => tracing::debug!(planner = %holder, want = %want, holds = %now, "a planned role already taken"),
+            Err(e) => tracing::warn!(planner = %holder, want = %want, error = %e, "cannot take the planned role"),
+        }
+    }
+}
+
 /// What this worker writes to the fleet bucket each second.
 #[derive(Clone)]
 struct Node {
@@ -209,12 +229,13 @@ impl Node {
         // record still says it is there.
         let s = self.worker.stats().await.unwrap_or_default();
         let info = self.worker.info();
+        let now = s.assignment.unwrap_or(pdserve_types::Assignment::new(info.role, Default::default()));
         NodeRecord {
             node_id: self.id,
             name: info.name.clone(),
             model: info.model.clone(),
-            role: info.role,
-            epoch: Default::default(),
+            role: now.role,
+            epoch: now.epoch,
             protocol: pdserve_remote::PROTOCOL_VERSION,
             endpoints: self.endpoints,
             threads: self.threads,

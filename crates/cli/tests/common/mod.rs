@@ -87,7 +87,7 @@ pub fn system_tool(name: &'static str) -> &'static str {
 fn spawn_announced(mut cmd: Command, args: &[&str], env: &[(&str, &str)]) -> Proc {
     // Workers and frontends share the tests' cluster token.
     let token = ["--cluster-token-file", token_file()];
-    let secured = matches!(args.first(), Some(&"worker" | &"frontend"));
+    let secured = matches!(args.first(), Some(&"worker" | &"frontend" | &"planner"));
     let mut child = cmd
         .args(args)
         .args(if secured { &token[..] } else { &[] })
@@ -117,6 +117,21 @@ fn spawn_announced(mut cmd: Command, args: &[&str], env: &[(&str, &str)]) -> Pro
         }
     });
     Proc { child, addr, log }
+}
+
+/// A profile derived for tests: SmolLM2's shape, costs of the order measured here.
+pub fn derived_profile(path: &std::path::Path) {
+    let p = json!({
+        "schema": 1,
+        "provenance": {"kind": "derived", "sources": ["this test"], "assumptions": ["costs of the order measured here"]},
+        "model": {"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "vocab_size": 49152, "context_length": 8192,
+                  "n_layers": 30, "kv_bytes_per_token": 23040.0, "kv_blocks": 256},
+        "shapes": [{"threads": 1, "step": {"fixed_s": 0.003, "token_s": 0.0008, "pair_s": 7e-7,
+                    "decode_pair_s": 2e-6, "logits_s": 0.0004}, "points": []}],
+        "links": [{"transport": "tcp", "latency_s": 7e-5, "bytes_per_s": 3e9}],
+        "switch_s": 1e-6, "admission_s": 5e-4
+    });
+    std::fs::write(path, p.to_string()).unwrap();
 }
 
 pub fn worker(role: &str) -> Proc {
@@ -190,6 +205,13 @@ impl Drop for TempDir {
 /// `pdserve fleet --json --nats URL`: the node records.
 pub fn fleet_records(url: &str) -> Vec<Value> {
     try_fleet_records(url).unwrap()
+}
+
+/// `pdserve fleet --plan --nats URL`: the fleet planner's plan (`null` if none).
+pub fn plan_of(url: &str) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve")).args(["fleet", "--plan", "--nats", url]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 /// [`fleet_records`], or the command's error.

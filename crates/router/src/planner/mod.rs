@@ -13,10 +13,14 @@ pub mod signals;
 use crate::workers::{Entry, PREFILL_SLOTS};
 use crate::{Router, BLOCK_SIZE};
 use model::{predict, Prediction, Rates, Shape, Slo};
-use pdserve_types::{DecodeSteps, Role};
+use pdserve_protocol::ServeError;
+use pdserve_types::{Assignment, DecodeSteps, Role};
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 /// How the planner decides.
@@ -102,10 +106,36 @@ fn reason(now: &Prediction, then: &Prediction) -> &'static str {
     }
 }
 
+/// What an [`Actuator`] answers: each move's outcome, in the order asked.
+pub type Applied<'a> = Pin<Box<dyn Future<Output = Vec<Result<Assignment, ServeError>>> + Send + 'a>>;
+
+/// How a decision reaches the workers: in one process the router switches each one
+/// itself ([`Direct`]); a fleet planner writes the roles where the workers take them.
+pub trait Actuator: Send + Sync + 'static {
+    /// Gives each worker of `moves` its role, as one step.
+    fn apply<'a>(&'a self, router: &'a Router, moves: &'a [(Arc<Entry>, Role)]) -> Applied<'a>;
+}
+
+/// Switches each worker over its own connection ([`Router::switch_role`]).
+pub struct Direct;
+
+impl Actuator for Direct {
+    fn apply<'a>(&'a self, router: &'a Router, moves: &'a [(Arc<Entry>, Role)]) -> Applied<'a> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(moves.len());
+            for (e, role) in moves {
+                out.push(router.switch_role(e, *role).await);
+            }
+            out
+        })
+    }
+}
+
 /// The running controller.
 pub struct Planner {
     router: Arc<Router>,
     cfg: PlannerConfig,
+    act: Arc<dyn Actuator>,
     /// A better vector seen on consecutive ticks, and how many.
     pending: Option<(Shape, u32)>,
     last_switch: Option<Instant>,
@@ -118,16 +148,29 @@ pub struct Planner {
 impl Planner {
     /// Starts planning the roles of `router`'s workers on its runtime.
     pub fn spawn(router: Arc<Router>, cfg: PlannerConfig) {
+        drop(Planner::spawn_with(router, cfg, Arc::new(Direct)));
+    }
+
+    /// Starts planning, each decision carried out by `act`; stops when the handle is
+    /// aborted.
+    pub fn spawn_with(router: Arc<Router>, cfg: PlannerConfig, act: Arc<dyn Actuator>) -> JoinHandle<()> {
         let rt = router.runtime.clone();
-        let mut p =
-            Planner { router, cfg, pending: None, last_switch: None, steps: HashMap::new(), kv_tokens: HashMap::new() };
+        let mut p = Planner {
+            router,
+            cfg,
+            act,
+            pending: None,
+            last_switch: None,
+            steps: HashMap::new(),
+            kv_tokens: HashMap::new(),
+        };
         rt.spawn(async move {
             let mut tick = tokio::time::interval(p.cfg.tick);
             loop {
                 tick.tick().await;
                 p.tick().await;
             }
-        });
+        })
     }
 
     async fn tick(&mut self) {
@@ -216,43 +259,44 @@ impl Planner {
     }
 
     /// Gives the workers the roles of `to`, moving as few as possible: prefill goes to
-    /// those already prefilling, then to the least loaded.
+    /// those already prefilling, then to the least loaded. One that stops decoding
+    /// finishes its sequences in place, and goes back if they outlast the drain limit.
     async fn apply(&self, entries: &[Arc<Entry>], to: Shape) {
         let mut order: Vec<&Arc<Entry>> = entries.iter().collect();
         order.sort_by_key(|e| (e.role() != Role::Prefill, e.worker.load()));
-        for (i, e) in order.into_iter().enumerate() {
-            let role = match to.mixed {
-                0 if i < to.prefill => Role::Prefill,
-                0 => Role::Decode,
-                _ => Role::Mixed,
-            };
-            if e.role() != role {
-                self.switch(e, role).await;
-            }
-        }
-    }
-
-    /// Switches one worker; one that stops decoding finishes its sequences in place,
-    /// and goes back if they outlast the drain limit.
-    async fn switch(&self, e: &Arc<Entry>, role: Role) {
-        let from = e.role();
+        let moves: Vec<(Arc<Entry>, Role)> = order
+            .into_iter()
+            .enumerate()
+            .map(|(i, e)| match to.mixed {
+                0 if i < to.prefill => (e.clone(), Role::Prefill),
+                0 => (e.clone(), Role::Decode),
+                _ => (e.clone(), Role::Mixed),
+            })
+            .filter(|(e, role)| e.role() != *role)
+            .collect();
+        let was: Vec<Role> = moves.iter().map(|(e, _)| e.role()).collect();
         let asked = Instant::now();
-        match self.router.switch_role(e, role).await {
-            Ok(now) => {
-                tracing::info!(worker = e.name(), to = %now, control_ms = asked.elapsed().as_secs_f64() * 1e3, "role switched")
+        let outcomes = self.act.apply(&self.router, &moves).await;
+        let control_ms = asked.elapsed().as_secs_f64() * 1e3;
+        for (((e, role), from), outcome) in moves.iter().zip(was).zip(outcomes) {
+            match outcome {
+                Ok(now) => tracing::info!(worker = e.name(), to = %now, control_ms, "role switched"),
+                Err(err) => {
+                    tracing::warn!(worker = e.name(), error = %err, "role switch refused");
+                    continue;
+                }
             }
-            Err(err) => return tracing::warn!(worker = e.name(), error = %err, "role switch refused"),
-        }
-        if from.decodes() && !role.decodes() {
-            let (router, e, limit) = (self.router.clone(), e.clone(), self.cfg.drain);
-            self.router.runtime.spawn(async move { drain(router, e, from, limit).await });
+            if from.decodes() && !role.decodes() {
+                let (router, act, e, limit) = (self.router.clone(), self.act.clone(), e.clone(), self.cfg.drain);
+                self.router.runtime.spawn(async move { drain(router, act, e, from, limit).await });
+            }
         }
     }
 }
 
 /// Waits for a worker that left decode to finish its decodes; past `limit`, gives
 /// it back its old role.
-async fn drain(router: Arc<Router>, e: Arc<Entry>, from: Role, limit: Duration) {
+async fn drain(router: Arc<Router>, act: Arc<dyn Actuator>, e: Arc<Entry>, from: Role, limit: Duration) {
     let started = Instant::now();
     while started.elapsed() < limit {
         let prefilling = PREFILL_SLOTS - e.slots.available_permits();
@@ -266,8 +310,10 @@ async fn drain(router: Arc<Router>, e: Arc<Entry>, from: Role, limit: Duration) 
         }
     }
     tracing::warn!(worker = e.name(), limit_s = limit.as_secs(), "decodes outlasted the drain limit; switching back");
-    if let Err(err) = router.switch_role(&e, from).await {
-        tracing::warn!(worker = e.name(), error = %err, "switching back failed");
+    for outcome in act.apply(&router, &[(e.clone(), from)]).await {
+        if let Err(err) = outcome {
+            tracing::warn!(worker = e.name(), error = %err, "switching back failed");
+        }
     }
 }
 

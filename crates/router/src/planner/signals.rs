@@ -1,25 +1,23 @@
 //! What the planner measures of the traffic: every request's arrival and end over a
 //! sliding window, fed by the router's front ([`crate::Migrating`]) as the client
-//! sees them.
+//! sees them, or, for a planner in another process, by the frontends' [`Signals::tap`]s.
 
+use pdserve_types::RequestSample as Record;
 use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 /// Requests kept at most, whatever the window: a bound on memory under a flood.
 const KEPT: usize = 4096;
 
-#[derive(Debug, Clone, Copy)]
-enum Record {
-    Arrived { prompt: usize, max_tokens: usize },
-    Ended { out: usize, max_tokens: usize, ttft: Option<f64>, tpot: Option<f64>, failed: bool },
-}
-
 /// The window of request records.
 pub struct Signals {
     window: Duration,
     records: Mutex<VecDeque<(Instant, Record)>>,
+    /// Where each record is also sent, if someone publishes them.
+    tap: Mutex<Option<mpsc::Sender<Record>>>,
 }
 
 /// The window's traffic, summed up.
@@ -46,7 +44,20 @@ pub struct Traffic {
 
 impl Signals {
     pub fn new(window: Duration) -> Self {
-        Signals { window, records: Mutex::default() }
+        Signals { window, records: Mutex::default(), tap: Mutex::default() }
+    }
+
+    /// Every record from now on is also sent to the returned receiver, while it keeps
+    /// up: one that falls `capacity` behind loses records, never slows a request.
+    pub fn tap(&self, capacity: usize) -> mpsc::Receiver<Record> {
+        let (tx, rx) = mpsc::channel(capacity);
+        *self.tap.lock().unwrap_or_else(PoisonError::into_inner) = Some(tx);
+        rx
+    }
+
+    /// Takes a record made elsewhere (a frontend's, for a fleet planner).
+    pub fn record(&self, r: Record) {
+        self.push(r);
     }
 
     pub fn arrived(&self, prompt: usize, max_tokens: usize) {
@@ -60,6 +71,9 @@ impl Signals {
     }
 
     fn push(&self, r: Record) {
+        if let Some(tx) = self.tap.lock().unwrap_or_else(PoisonError::into_inner).as_ref() {
+            let _ = tx.try_send(r);
+        }
         let now = Instant::now();
         let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
         while records.len() >= KEPT || records.front().is_some_and(|(at, _)| now - *at > self.window) {

@@ -1,0 +1,242 @@
+//! `pdserve planner --nats URL`: the planner of a fleet, in its own process.
+//!
+//! It follows the fleet like a frontend (connecting to each worker's control port
+//! for its stats), reads the traffic every frontend publishes, and runs the same
+//! planner as `serve --planner`. Its decisions do not go to the workers directly:
+//! it writes them into the fleet bucket's plan key, which it holds a lease on, and
+//! each worker takes the role named for it. Several planners may run; one holds the
+//! lease and plans, the others wait and take over within seconds of its loss.
+
+use super::fleet::NatsArgs;
+use super::frontend::{follow_fleet, Target};
+use pdserve_fleet::{Bus, Change, Lease, LeaseError, NatsConfig, NodeId, TrafficBatch, LEASE_GRACE, REFRESH};
+use pdserve_frontend::Metrics;
+use pdserve_protocol::ServeError;
+use pdserve_router::planner::model::Slo;
+use pdserve_router::planner::{Actuator, Applied, Planner, PlannerConfig};
+use pdserve_router::{Entry, Mode, Router};
+use pdserve_types::{Assignment, Role};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    nats: NatsArgs,
+    /// The model the fleet serves (only its nodes are planned).
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// The time-to-first-token objective, in milliseconds.
+    #[arg(long, default_value_t = 5000.0)]
+    slo_ttft_ms: f64,
+    /// The time-per-output-token objective, in milliseconds.
+    #[arg(long, default_value_t = 50.0)]
+    slo_tpot_ms: f64,
+    /// This planner's name in the lease (default: host-pid).
+    #[arg(long)]
+    id: Option<String>,
+    /// Serve `/metrics` (decisions, roles) on this address.
+    #[arg(long)]
+    metrics: Option<SocketAddr>,
+    #[command(flatten)]
+    security: super::Security,
+}
+
+/// How long a worker has to take a written role before the switch counts as failed.
+const TAKE_WAIT: Duration = Duration::from_secs(2);
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let Some(cfg) = a.nats.config("pdserve-planner") else { anyhow::bail!("give --nats URL: the fleet's NATS server") };
+    if !(a.slo_ttft_ms > 0.0 && a.slo_tpot_ms > 0.0) {
+        anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
+    }
+    let key = a.security.key()?;
+    let model = super::load_meta(&a.model)?.name;
+    let holder = a.id.clone().unwrap_or_else(default_id);
+    let slo = Slo { ttft_s: a.slo_ttft_ms / 1e3, tpot_s: a.slo_tpot_ms / 1e3 };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    rt.block_on(async move {
+        let metrics = Metrics::new();
+        if let Some(addr) = a.metrics {
+            let listener = tokio::net::TcpListener::bind(addr).await?;
+            tracing::info!("pdserve planner: metrics at http://{}/metrics", listener.local_addr()?);
+            tokio::spawn(pdserve_frontend::serve_metrics(listener, metrics.clone()));
+        }
+        let router = Arc::new(
+            Router::new([], Mode::Auto, Default::default(), tokio::runtime::Handle::current())
+                .with_telemetry(Arc::new(metrics.clone())),
+        );
+        let target = Target { key, router: router.clone(), metrics, model };
+        tokio::spawn(follow_fleet(cfg.clone(), target));
+        let nodes = Arc::new(Directory::default());
+        tokio::spawn(nodes.clone().follow(cfg.clone()));
+        tokio::spawn(take_traffic(cfg.clone(), router.clone()));
+        let planning = lead_when_possible(cfg, holder.clone(), router, nodes, PlannerConfig::new(slo));
+        tracing::info!(holder = %holder, "pdserve planner: waiting for the lease");
+        tokio::select! {
+            () = planning => {}
+            () = super::http::signal() => tracing::info!("pdserve planner: stopping"),
+        }
+        anyhow::Ok(())
+    })
+}
+
+fn default_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    NodeId::sanitized(&format!("{}-{}", host.trim(), std::process::id())).to_string()
+}
+
+/// Worker names by node id and back, from the fleet's records.
+#[derive(Default)]
+struct Directory(Mutex<HashMap<String, NodeId>>);
+
+impl Directory {
+    async fn follow(self: Arc<Self>, cfg: NatsConfig) {
+        let mut changes = pdserve_fleet::follow(cfg);
+        while let Some(c) = changes.recv().await {
+            let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            match c {
+                Change::Up(rec) => {
+                    map.insert(rec.name.clone(), rec.node_id.clone());
+                }
+                Change::Down(id) => map.retain(|_, v| *v != id),
+            }
+        }
+    }
+
+    fn id_of(&self, name: &str) -> Option<NodeId> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).get(name).cloned()
+    }
+
+    fn holds(&self, id: &NodeId) -> bool {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).values().any(|v| v == id)
+    }
+}
+
+/// Feeds every frontend's traffic into the router's signals, and their measured
+/// prefill paces into its entries.
+async fn take_traffic(cfg: NatsConfig, router: Arc<Router>) {
+    let mut batches = pdserve_fleet::follow_traffic(cfg);
+    while let Some(TrafficBatch { samples, prefill_pace, .. }) = batches.recv().await {
+        for s in samples {
+            router.signals.record(s);
+        }
+        for e in router.workers().snapshot() {
+            if let Some(&pace) = prefill_pace.get(e.name()) {
+                e.adopt_prefill_pace(pace);
+            }
+        }
+    }
+}
+
+/// Waits for the lease, plans while it holds it, and waits again once it is lost.
+async fn lead_when_possible(
+    cfg: NatsConfig,
+    holder: String,
+    router: Arc<Router>,
+    nodes: Arc<Directory>,
+    pc: PlannerConfig,
+) {
+    let bus = Bus::connect_patiently(&cfg).await;
+    let mut said_who = String::new();
+    loop {
+        match Lease::take(&bus, &holder).await {
+            Ok(Some(lease)) => lead(lease, &router, &nodes, pc).await,
+            Ok(None) => {
+                let who = pdserve_fleet::read_plan(&bus).await.ok().flatten().map(|p| p.holder).unwrap_or_default();
+                if who != said_who {
+                    tracing::info!(holder = %who, "another planner holds the lease; standing by");
+                    said_who = who;
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot reach the planner lease"),
+        }
+        tokio::time::sleep(REFRESH).await;
+    }
+}
+
+/// Plans under `lease` until it is lost, renewing it every [`REFRESH`].
+async fn lead(lease: Lease, router: &Arc<Router>, nodes: &Arc<Directory>, pc: PlannerConfig) {
+    tracing::info!(holder = %lease.plan().holder, "took the planner lease; planning");
+    let lease = Arc::new(tokio::sync::Mutex::new(lease));
+    let act = Arc::new(ToBucket { lease: lease.clone(), nodes: nodes.clone() });
+    let planner = Planner::spawn_with(router.clone(), pc, act);
+    let mut renewed = Instant::now();
+    loop {
+        tokio::time::sleep(REFRESH).await;
+        let mut l = lease.lock().await;
+        let outcome = match l.retain(|id| nodes.holds(id)).await {
+            Ok(()) => l.renew().await,
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(()) => renewed = Instant::now(),
+            Err(LeaseError::Lost) => {
+                tracing::warn!("the planner lease was taken over; standing by");
+                break;
+            }
+            Err(e) if renewed.elapsed() > LEASE_GRACE => {
+                tracing::warn!(error = %e, "cannot renew the planner lease in time; standing by");
+                break;
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot renew the planner lease; retrying"),
+        }
+    }
+    planner.abort();
+}
+
+/// Carries a decision out by writing it into the plan, then handing each worker its
+/// role directly as well.
+struct ToBucket {
+    lease: Arc<tokio::sync::Mutex<Lease>>,
+    nodes: Arc<Directory>,
+}
+
+impl Actuator for ToBucket {
+    fn apply<'a>(&'a self, router: &'a Router, moves: &'a [(Arc<Entry>, Role)]) -> Applied<'a> {
+        Box::pin(async move {
+            let mut lease = self.lease.lock().await;
+            let mut asked: Vec<Result<(NodeId, Assignment), ServeError>> = Vec::with_capacity(moves.len());
+            for (e, role) in moves {
+                asked.push(match self.nodes.id_of(e.name()) {
+                    // The next epoch after both what the worker holds and what an
+                    // earlier plan asked of it.
+                    Some(id) => {
+                        let planned = lease.plan().roles.get(&id).map_or(e.epoch(), |a| a.epoch.max(e.epoch()));
+                        Ok((id, Assignment::new(*role, planned.next())))
+                    }
+                    None => Err(ServeError::NoWorker(format!("{} is not in the fleet bucket", e.name()))),
+                });
+            }
+            let writes = asked.iter().filter_map(|a| a.as_ref().ok().cloned());
+            if let Err(err) = lease.write(writes).await {
+                let why = format!("the plan was not written: {err}");
+                return moves.iter().map(|_| Err(ServeError::Internal(why.clone()))).collect();
+            }
+            drop(lease);
+            let mut out = Vec::with_capacity(moves.len());
+            for ((e, _), a) in moves.iter().zip(asked) {
+                out.push(match a {
+                    Ok((_, a)) => taken(router, e, a).await,
+                    Err(err) => Err(err),
+                });
+            }
+            out
+        })
+    }
+}
+
+/// Hands worker `e` its planned assignment `a` over its control connection too:
+/// the plan is what survives (a restarted worker, a lost connection), this is the
+/// fast path and the confirmation. Whichever reaches the worker first switches it;
+/// the other finds the epoch taken and changes nothing.
+async fn taken(router: &Router, e: &Entry, a: Assignment) -> Result<Assignment, ServeError> {
+    let now = tokio::time::timeout(TAKE_WAIT, e.worker.set_role(a)).await.map_err(|_| {
+        ServeError::Timeout(format!("{} did not take {a} within {} s", e.name(), TAKE_WAIT.as_secs()))
+    })??;
+    e.learn(now);
+    router.note_role(e.name(), now.role);
+    Ok(now)
+}

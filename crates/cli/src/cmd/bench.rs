@@ -40,6 +40,9 @@ pub enum What {
     /// Time to first token of a prefix the pool evicted: recomputed, copied back
     /// from the host-RAM tier, or read back from the disk tier.
     Tiers(super::bench_tiers::TiersArgs),
+    /// How long a fleet role switch takes, from the planner's decision to the worker
+    /// admitting work in its new role (takes the planner lease; no planner may run).
+    Switch(super::bench_switch::SwitchArgs),
 }
 
 #[derive(clap::Args)]
@@ -300,6 +303,7 @@ pub fn run(what: What) -> anyhow::Result<()> {
         What::Compare(a) => compare(a),
         What::Grammar(a) => grammar_bench(a),
         What::Tiers(a) => super::bench_tiers::run(a),
+        What::Switch(a) => super::bench_switch::run(a),
     }
 }
 

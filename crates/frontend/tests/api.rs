@@ -580,6 +580,16 @@ async fn a_full_queue_is_429_with_retry_after() {
 }
 
 #[tokio::test]
+async fn a_first_token_predicted_past_the_objective_is_429_with_retry_after() {
+    let refusal = ServeError::SloInfeasible { predicted_ms: 2400, slo_ms: 1000, retry_s: 2 };
+    let s = Server::start(Script::Refuse(refusal)).await;
+    let r = s.post_json("/v1/completions", &json!({"prompt": "x"})).await;
+    let body = r.error(429);
+    assert_eq!(r.header("retry-after"), Some("2"));
+    assert!(body.to_string().contains("predicted in about 2400 ms, over the objective of 1000 ms"), "{body}");
+}
+
+#[tokio::test]
 async fn connections_are_capped_and_idle_or_half_sent_ones_closed() {
     let frontend = frontend(reply(ANSWER));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

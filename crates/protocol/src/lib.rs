@@ -241,6 +241,11 @@ pub enum ServeError {
     /// `Retry-After: retry_s`).
     #[error("overloaded: the request would wait about {wait_s} s to start, over the limit of {limit_s} s")]
     QueueFull { wait_s: u64, limit_s: u64, retry_s: u64 },
+    /// The request's first token is predicted later than the time-to-first-token
+    /// objective admission holds to (429, with `Retry-After: retry_s`): refused
+    /// before any of it is computed.
+    #[error("overloaded: the first token is predicted in about {predicted_ms} ms, over the objective of {slo_ms} ms")]
+    SloInfeasible { predicted_ms: u64, slo_ms: u64, retry_s: u64 },
     /// No worker can take the request (503).
     #[error("no worker available: {0}")]
     NoWorker(String),
@@ -271,6 +276,7 @@ impl ServeError {
             ServeError::ContextLength { .. } => "context_length_exceeded",
             ServeError::Overloaded(_) => "overloaded",
             ServeError::QueueFull { .. } => "queue_full",
+            ServeError::SloInfeasible { .. } => "slo_infeasible",
             ServeError::NoWorker(_) => "no_worker",
             ServeError::Timeout(_) => "timeout",
             ServeError::ShuttingDown => "shutting_down",
@@ -287,6 +293,7 @@ impl ServeError {
             self,
             ServeError::Overloaded(_)
                 | ServeError::QueueFull { .. }
+                | ServeError::SloInfeasible { .. }
                 | ServeError::NoWorker(_)
                 | ServeError::Timeout(_)
                 | ServeError::StaleEpoch { .. }

@@ -61,6 +61,8 @@ pub struct Router {
     via: TransportKind,
     /// Refuse requests predicted to wait longer than this to start.
     max_queue: Option<Duration>,
+    /// Refuse requests whose first token is predicted later than this.
+    slo_ttft: Option<Duration>,
     /// What each worker's prefix cache holds, from their KV events.
     index: Arc<KvIndex>,
     /// Requests refused by admission, to spread their `Retry-After`.
@@ -93,6 +95,7 @@ impl Router {
             telemetry: Arc::new(NoTelemetry),
             via: TransportKind::Inproc,
             max_queue: None,
+            slo_ttft: None,
             index: Arc::default(),
             refusals: AtomicU64::new(0),
             signals: Arc::new(planner::signals::Signals::new(SIGNALS_WINDOW)),
@@ -141,6 +144,14 @@ impl Router {
     /// starts is refused at once (429 with `Retry-After`) rather than queued.
     pub fn with_admission(mut self, limit: Option<Duration>) -> Self {
         self.max_queue = limit;
+        self
+    }
+
+    /// SLO admission: a request whose first token is predicted later than `slo`
+    /// (its wait, as [`Router::with_admission`] predicts it, plus its own prefill) is
+    /// refused at once (429 with `Retry-After`), before any of it is computed.
+    pub fn with_slo_admission(mut self, slo: Option<Duration>) -> Self {
+        self.slo_ttft = slo;
         self
     }
 
@@ -257,29 +268,48 @@ impl Router {
         }
     }
 
-    /// Refuses a request predicted to get its first token later than the admission
-    /// limit: behind `queued_s` seconds of prompts on its prefill worker, behind the
-    /// backlog of decode worker `d`, or until `d` has free the KV blocks its waiting
-    /// requests and this prompt need, whichever is longest.
+    /// Refuses a request predicted to start later than the admission limit: behind
+    /// `queued_s` seconds of prompts on its prefill worker, behind the backlog of
+    /// decode worker `d`, or until `d` has free the KV blocks its waiting requests and
+    /// this prompt need, whichever is longest; or, under SLO admission, one whose
+    /// first token, `own_s` of prefill after that, is predicted past the objective.
     /// The prediction is scaled by how late first tokens came against it lately
     /// ([`cost::Backlog::correction`]). Admitted, the raw prediction is returned.
-    fn admit(&self, d: &Entry, queued_s: f64, life: usize) -> Result<f64, ServeError> {
+    fn admit(&self, d: &Entry, queued_s: f64, own_s: f64, life: usize) -> Result<f64, ServeError> {
         let need = d.backlog.pending_blocks() + cost::blocks_for(life);
         let raw = queued_s.max(d.backlog.predict()).max(d.kv.wait_for(need));
-        let queued_s = raw * d.backlog.correction();
-        match self.max_queue {
-            Some(limit) if queued_s > limit.as_secs_f64() => {
-                // Come back once the excess has drained, spread over up to half as
-                // long again, so that clients refused in one burst do not all return
-                // in the same second (the refusals' order spreads them evenly).
-                let n = self.refusals.fetch_add(1, Ordering::Relaxed) as f64;
-                let spread = 1.0 + 0.5 * (n * 0.618_033_988_75).fract();
-                let excess = (queued_s - limit.as_secs_f64()).min(1e6);
-                let (wait_s, retry_s) = (queued_s.min(1e6).ceil() as u64, (excess * spread).ceil() as u64);
-                Err(ServeError::QueueFull { wait_s, limit_s: limit.as_secs(), retry_s })
-            }
-            _ => Ok(raw),
+        let correction = d.backlog.correction();
+        let (wait, first) = (raw * correction, (raw + own_s) * correction);
+        if let Some(limit) = self.max_queue.filter(|l| wait > l.as_secs_f64()) {
+            let (wait_s, retry_s) = (wait.min(1e6).ceil() as u64, self.retry_after(wait - limit.as_secs_f64()));
+            return Err(ServeError::QueueFull { wait_s, limit_s: limit.as_secs(), retry_s });
         }
+        if let Some(slo) = self.slo_ttft.filter(|s| first > s.as_secs_f64()) {
+            let retry_s = self.retry_after(first - slo.as_secs_f64());
+            let (predicted_ms, slo_ms) = ((first.min(1e6) * 1e3) as u64, slo.as_millis() as u64);
+            return Err(ServeError::SloInfeasible { predicted_ms, slo_ms, retry_s });
+        }
+        Ok(raw)
+    }
+
+    /// Predicted seconds of the request's own prefill on `e` (the part its cache
+    /// lacks), which SLO admission adds to the wait; 0 without it.
+    fn own_prefill(&self, ask: &Ask<'_>, e: &Entry) -> f64 {
+        match self.slo_ttft {
+            Some(_) => {
+                (ask.prompt_len - self.cached_on(ask, e).min(ask.prompt_len)) as f64 * e.prefill.seconds_per_token()
+            }
+            None => 0.0,
+        }
+    }
+
+    /// Seconds a refused client should wait: until the excess has drained, spread
+    /// over up to half as long again, so that clients refused in one burst do not
+    /// all return in the same second (the refusals' order spreads them evenly).
+    fn retry_after(&self, excess_s: f64) -> u64 {
+        let n = self.refusals.fetch_add(1, Ordering::Relaxed) as f64;
+        let spread = 1.0 + 0.5 * (n * 0.618_033_988_75).fract();
+        (excess_s.min(1e6) * spread).ceil() as u64
     }
 
     /// Prefill and decode on worker `d`. The first token is watched so `d`'s prompt
@@ -408,7 +438,8 @@ impl Generate for Router {
         let life = req.prompt.len() + req.params.max_tokens as usize;
         match self.remote_prefill(&all, &d, &ask) {
             None => {
-                let predicted = self.admit(&d, d.prefill.queued() as f64 * d.prefill.seconds_per_token(), life)?;
+                let queued = d.prefill.queued() as f64 * d.prefill.seconds_per_token();
+                let predicted = self.admit(&d, queued, self.own_prefill(&ask, &d), life)?;
                 span.record("route", "local");
                 req.trace.update(|t| t.route = Some(PrefillRoute::Local));
                 self.telemetry.route(PrefillRoute::Local);
@@ -417,7 +448,8 @@ impl Generate for Router {
                 self.local(&d, req, end, predicted)
             }
             Some(p) => {
-                let predicted = self.admit(&d, p.prefill.queued() as f64 * p.prefill.seconds_per_token(), life)?;
+                let queued = p.prefill.queued() as f64 * p.prefill.seconds_per_token();
+                let predicted = self.admit(&d, queued, self.own_prefill(&ask, &p), life)?;
                 span.record("route", "remote");
                 span.record("prefill", p.name());
                 req.trace.update(|t| (t.route, t.prefill) = (Some(PrefillRoute::Remote), Some(p.name().to_string())));

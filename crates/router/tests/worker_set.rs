@@ -143,6 +143,30 @@ async fn a_dead_worker_is_not_chosen_and_with_none_left_requests_are_refused() {
     assert!(r.generate(request(9, 16, 2)).is_err(), "no live worker: refused at once");
 }
 
+/// SLO admission counts the request's own prefill: an idle worker still refuses a
+/// prompt whose prefill alone is predicted past the objective, and admits one that
+/// fits; behind a queue, a prompt that would have fitted alone is refused too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slo_admission_refuses_a_first_token_predicted_past_the_objective() {
+    let w = FakeWorker::new("w", Role::Mixed, 100_000);
+    w.knobs(|k| k.token_interval = Duration::from_millis(300));
+    let r = router(&[&w], Mode::Aggregated).with_slo_admission(Some(Duration::from_millis(500)));
+    // Before any measurement a prompt token is taken to cost ~1 ms.
+    match r.generate(request(1, 800, 2)) {
+        Err(pdserve_protocol::ServeError::SloInfeasible { predicted_ms, slo_ms, retry_s }) => {
+            assert!(predicted_ms >= 700 && slo_ms == 500 && retry_s >= 1, "{predicted_ms} {retry_s}")
+        }
+        other => panic!("expected a refusal, got {:?}", other.map(|_| "a stream")),
+    }
+    let a = r.generate(request(2, 300, 2)).unwrap();
+    assert!(
+        matches!(r.generate(request(3, 300, 2)), Err(pdserve_protocol::ServeError::SloInfeasible { .. })),
+        "300 tokens behind 300 queued: ~600 ms"
+    );
+    assert!(matches!(collect(a).await.1, Event::Done { .. }));
+    assert!(r.generate(request(4, 300, 2)).is_ok(), "the queue drained");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_refuses_what_would_wait_too_long_and_says_when_to_retry() {
     let w = FakeWorker::new("w", Role::Mixed, 100_000);

@@ -74,6 +74,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             Router::new([], a.mode, a.api.deadlines(), tokio::runtime::Handle::current())
                 .with_policy(a.policy.build())
                 .with_admission(a.api.admission())
+                .with_slo_admission(a.api.slo_admission())
                 .with_transport(via)
                 .with_telemetry(Arc::new(metrics.clone())),
         );

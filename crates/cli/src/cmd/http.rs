@@ -37,6 +37,11 @@ pub struct ApiArgs {
     /// before its prefill starts; 0 turns admission control off.
     #[arg(long, default_value_t = 30.0)]
     max_queue_seconds: f64,
+    /// SLO admission: refuse (429 with Retry-After) a request whose first token is
+    /// predicted later than this many milliseconds (its wait plus its own prefill),
+    /// before any of it is computed. Off by default.
+    #[arg(long, value_parser = positive_ms)]
+    admit_ttft_ms: Option<f64>,
     /// A streaming client that reads nothing for this many seconds gets an error and
     /// its request is cancelled (its sequence is paused while it lags).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
@@ -64,6 +69,18 @@ impl ApiArgs {
     /// `--max-queue-seconds`: a positive limit, or none.
     pub fn admission(&self) -> Option<Duration> {
         Duration::try_from_secs_f64(self.max_queue_seconds).ok().filter(|d| !d.is_zero())
+    }
+
+    /// `--admit-ttft-ms`, if given.
+    pub fn slo_admission(&self) -> Option<Duration> {
+        self.admit_ttft_ms.map(|ms| Duration::from_secs_f64(ms / 1e3))
+    }
+}
+
+fn positive_ms(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(ms) if ms > 0.0 && ms.is_finite() && ms < 1e9 => Ok(ms),
+        _ => Err(format!("`{s}` is not a positive number of milliseconds")),
     }
 }
 

@@ -475,25 +475,7 @@ fn the_fleet_planner_fails_over_mid_switch_and_no_worker_holds_two_roles() {
 
     // Three clients of 1,500-token prompts: more than one prefill worker keeps up
     // with, so the planner gives both workers both roles.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let addr = fe.addr;
-    let clients: Vec<_> = (0..3u32)
-        .map(|k| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let mut statuses = Vec::new();
-                let mut i = 0u32;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let prompt: Vec<u32> = (0..1500u32).map(|t| 1000 + (t * 31 + k * 7 + i * 13) % 30000).collect();
-                    let req = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
-                    let (status, body) = common::http(addr, "POST", "/v1/completions", Some(&req));
-                    statuses.push((status, body));
-                    i += 1;
-                }
-                statuses
-            })
-        })
-        .collect();
+    let load = Load::start(fe.addr);
     let deadline = Instant::now() + Duration::from_secs(90);
     while !a.logged("planner: switching roles") {
         assert!(Instant::now() < deadline, "plan-a never decided");
@@ -506,14 +488,7 @@ fn the_fleet_planner_fails_over_mid_switch_and_no_worker_holds_two_roles() {
         roles(&n).iter().all(|(_, role, epoch)| role == "mixed" && *epoch >= 1)
     });
     std::thread::sleep(Duration::from_secs(3));
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut served = 0;
-    for c in clients {
-        for (status, body) in c.join().unwrap() {
-            assert_eq!(status, 200, "{body}");
-            served += 1;
-        }
-    }
+    let served = load.stop_all_served();
     assert!(served >= 6, "{served} requests");
     // One role per worker, and everyone agrees on it.
     let held = roles(&n);
@@ -539,4 +514,124 @@ fn the_fleet_planner_fails_over_mid_switch_and_no_worker_holds_two_roles() {
         }
     }
     assert_eq!(settle_used_blocks(fe.addr), 0.0);
+}
+
+/// Closed-loop clients of 1,500-token prompts with 8 output tokens each, until stopped.
+struct Load {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    clients: Vec<std::thread::JoinHandle<Vec<(u16, String)>>>,
+}
+
+impl Load {
+    fn start(addr: SocketAddr) -> Load {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let clients = (0..3u32)
+            .map(|k| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let mut statuses = Vec::new();
+                    let mut i = 0u32;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let prompt: Vec<u32> = (0..1500u32).map(|t| 1000 + (t * 31 + k * 7 + i * 13) % 30000).collect();
+                        let req = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+                        statuses.push(common::http(addr, "POST", "/v1/completions", Some(&req)));
+                        i += 1;
+                    }
+                    statuses
+                })
+            })
+            .collect();
+        Load { stop, clients }
+    }
+
+    /// Stops the clients; every request they sent must have been served. Answers how many.
+    fn stop_all_served(self) -> usize {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let mut served = 0;
+        for c in self.clients {
+            for (status, body) in c.join().unwrap() {
+                assert_eq!(status, 200, "{body}");
+                served += 1;
+            }
+        }
+        served
+    }
+}
+
+/// Every Leaf published on `subject` from now on, collected on a thread of its own.
+fn collect_leaves(url: &str, subject: &'static str) -> std::sync::Arc<std::sync::Mutex<Vec<Value>>> {
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (kept, url) = (got.clone(), url.to_string());
+    let (ready, subscribed) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            use futures_util::StreamExt;
+            let client = async_nats::connect(url.as_str()).await.unwrap();
+            let mut sub = client.subscribe(subject).await.unwrap();
+            client.flush().await.unwrap();
+            ready.send(()).unwrap();
+            while let Some(msg) = sub.next().await {
+                let leaf = pdserve_fleet::forest::Leaf::parse(&msg.payload, msg.subject.as_str()).unwrap();
+                kept.lock().unwrap().push(serde_json::to_value(leaf).unwrap());
+            }
+        });
+    });
+    subscribed.recv_timeout(Duration::from_secs(10)).unwrap();
+    got
+}
+
+/// Each decision of the fleet planner goes out as a Leaf on the Wind, with what it
+/// rested on and what each worker holds after it, and the planner's /metrics count it.
+#[test]
+fn a_fleet_planner_decision_is_a_leaf_on_the_wind() {
+    let n = nats();
+    let dir = TempDir(std::env::temp_dir().join(format!("pdserve-leaf-test-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let profile = dir.0.join("derived.json");
+    common::derived_profile(&profile);
+    let p = profile.to_str().unwrap();
+    let _w1 = sim_fleet_worker(&n, p, "prefill", "lw1");
+    let _w2 = sim_fleet_worker(&n, p, "decode", "lw2");
+    let fe = fleet_frontend(&n, "auto");
+    eventually("the frontend routes to both workers", || ids(&n) == ["lw1", "lw2"] && status_of(fe.addr, 2) == 200);
+    let leaves = collect_leaves(&n.url, "infer.planner.decision");
+    let planner = fleet_planner(&n, "plan-leaf");
+    eventually("the planner takes the lease", || planner.logged("took the planner lease"));
+    let load = Load::start(fe.addr);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while leaves.lock().unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "no decision Leaf");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    load.stop_all_served();
+    let leaf = leaves.lock().unwrap()[0].clone();
+    assert_eq!(
+        (leaf["subject"].as_str(), leaf["source"].as_str()),
+        (Some("infer.planner.decision"), Some("nim:pdserve-planner"))
+    );
+    let d = &leaf["data"];
+    assert_eq!(
+        (d["planner"].as_str(), d["from"].as_str(), d["to"].as_str()),
+        (Some("plan-leaf"), Some("1P:1D"), Some("2M")),
+        "{leaf}"
+    );
+    assert!(d["predicted"]["then"]["goodput"].as_f64().unwrap() > d["predicted"]["now"]["goodput"].as_f64().unwrap());
+    assert!(
+        d["traffic"]["rate"].as_f64().unwrap() > 0.0 && d["measured"]["prefill_ms_per_token"].as_f64().unwrap() > 0.0
+    );
+    let mut switched: Vec<(String, String)> = d["switched"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| (s["node_id"].as_str().unwrap().to_string(), s["role"].as_str().unwrap().to_string()))
+        .collect();
+    switched.sort();
+    assert_eq!(
+        switched,
+        [("lw1".to_string(), "mixed".to_string()), ("lw2".to_string(), "mixed".to_string())],
+        "{leaf}"
+    );
+    let decisions = metric(planner.addr, "pdserve_planner_decisions_total", "from=\"1P:1D\",to=\"2M\"");
+    assert_eq!(decisions, 1.0);
 }

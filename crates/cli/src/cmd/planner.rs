@@ -9,11 +9,12 @@
 
 use super::fleet::NatsArgs;
 use super::frontend::{follow_fleet, Target};
+use pdserve_fleet::forest::Leaf;
 use pdserve_fleet::{Bus, Change, Lease, LeaseError, NatsConfig, NodeId, TrafficBatch, LEASE_GRACE, REFRESH};
 use pdserve_frontend::Metrics;
 use pdserve_protocol::ServeError;
 use pdserve_router::planner::model::Slo;
-use pdserve_router::planner::{Actuator, Applied, Planner, PlannerConfig};
+use pdserve_router::planner::{Actuator, Applied, Made, Planner, PlannerConfig};
 use pdserve_router::{Entry, Mode, Router};
 use pdserve_types::{Assignment, Role};
 use std::collections::HashMap;
@@ -143,7 +144,7 @@ async fn lead_when_possible(
     let mut said_who = String::new();
     loop {
         match Lease::take(&bus, &holder).await {
-            Ok(Some(lease)) => lead(lease, &router, &nodes, pc).await,
+            Ok(Some(lease)) => lead(lease, bus.client(), &router, &nodes, pc).await,
             Ok(None) => {
                 let who = pdserve_fleet::read_plan(&bus).await.ok().flatten().map(|p| p.holder).unwrap_or_default();
                 if who != said_who {
@@ -158,10 +159,11 @@ async fn lead_when_possible(
 }
 
 /// Plans under `lease` until it is lost, renewing it every [`REFRESH`].
-async fn lead(lease: Lease, router: &Arc<Router>, nodes: &Arc<Directory>, pc: PlannerConfig) {
-    tracing::info!(holder = %lease.plan().holder, "took the planner lease; planning");
+async fn lead(lease: Lease, nats: async_nats::Client, router: &Arc<Router>, nodes: &Arc<Directory>, pc: PlannerConfig) {
+    let holder = lease.plan().holder.clone();
+    tracing::info!(holder = %holder, "took the planner lease; planning");
     let lease = Arc::new(tokio::sync::Mutex::new(lease));
-    let act = Arc::new(ToBucket { lease: lease.clone(), nodes: nodes.clone() });
+    let act = Arc::new(ToBucket { lease: lease.clone(), nodes: nodes.clone(), nats, holder });
     let planner = Planner::spawn_with(router.clone(), pc, act);
     let mut renewed = Instant::now();
     loop {
@@ -192,6 +194,9 @@ async fn lead(lease: Lease, router: &Arc<Router>, nodes: &Arc<Directory>, pc: Pl
 struct ToBucket {
     lease: Arc<tokio::sync::Mutex<Lease>>,
     nodes: Arc<Directory>,
+    /// Where decisions go out as Leaves.
+    nats: async_nats::Client,
+    holder: String,
 }
 
 impl Actuator for ToBucket {
@@ -226,6 +231,58 @@ impl Actuator for ToBucket {
             out
         })
     }
+
+    /// Publishes the decision as a Leaf on [`DECISION_SUBJECT`], for the forest and
+    /// for operators (`nats sub infer.planner.decision`). Best effort: a Leaf NATS
+    /// cannot take is dropped, never waited for.
+    fn made(&self, m: &Made<'_>) {
+        let leaf = Leaf::new(DECISION_SUBJECT, DECISION_SOURCE, decision_data(m, &self.holder, &self.nodes));
+        let nats = self.nats.clone();
+        tokio::spawn(async move {
+            if let Err(e) = nats.publish(DECISION_SUBJECT, leaf.to_bytes().into()).await {
+                tracing::warn!(error = %e, "decision Leaf dropped");
+            }
+        });
+    }
+}
+
+/// The Wind subject of the planner's decisions, and the Leaves' source.
+const DECISION_SUBJECT: &str = "infer.planner.decision";
+const DECISION_SOURCE: &str = "nim:pdserve-planner";
+
+/// A decision's Leaf data: the vectors, the predictions, the inputs, the outcomes.
+fn decision_data(m: &Made<'_>, holder: &str, nodes: &Directory) -> serde_json::Value {
+    let d = m.decision;
+    let predicted = |p: &pdserve_router::planner::model::Prediction| {
+        serde_json::json!({"goodput": p.goodput, "ttft_attained": p.ttft_attained,
+            "tpot_attained": p.tpot_attained, "utilisation": p.utilisation})
+    };
+    let (t, r) = (m.traffic, m.rates);
+    let switched: Vec<serde_json::Value> = m
+        .outcomes
+        .iter()
+        .map(|(worker, outcome)| {
+            let node = nodes.id_of(worker).map(|id| id.to_string());
+            match outcome {
+                Ok(a) => serde_json::json!({"worker": worker, "node_id": node, "role": a.role, "epoch": a.epoch.0}),
+                Err(e) => serde_json::json!({"worker": worker, "node_id": node, "error": e.to_string()}),
+            }
+        })
+        .collect();
+    serde_json::json!({
+        "planner": holder,
+        "from": d.from.to_string(),
+        "to": d.to.to_string(),
+        "reason": d.reason,
+        "predicted": {"now": predicted(&d.now), "then": predicted(&d.then)},
+        "traffic": {"rate": t.rate, "isl_p10_p50_p90": t.isl, "osl_p10_p50_p90": t.osl,
+            "ttft_attained": t.ttft_attained, "tpot_attained": t.tpot_attained, "window_s": t.seconds},
+        "measured": {"prefill_ms_per_token": r.prefill_s_per_token * 1e3, "step_ms": r.step.fixed * 1e3,
+            "step_ms_per_seq": r.step.per_row * 1e3, "step_us_per_context_token": r.step.per_context * 1e6,
+            "kv_tokens": r.kv_tokens},
+        "switched": switched,
+        "control_ms": m.control_ms,
+    })
 }
 
 /// Hands worker `e` its planned assignment `a` over its control connection too:

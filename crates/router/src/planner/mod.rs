@@ -15,6 +15,7 @@ use crate::{Router, BLOCK_SIZE};
 use model::{predict, Prediction, Rates, Shape, Slo};
 use pdserve_protocol::ServeError;
 use pdserve_types::{Assignment, DecodeSteps, Role};
+use signals::Traffic;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -114,6 +115,20 @@ pub type Applied<'a> = Pin<Box<dyn Future<Output = Vec<Result<Assignment, ServeE
 pub trait Actuator: Send + Sync + 'static {
     /// Gives each worker of `moves` its role, as one step.
     fn apply<'a>(&'a self, router: &'a Router, moves: &'a [(Arc<Entry>, Role)]) -> Applied<'a>;
+
+    /// A decision was carried out (a fleet planner publishes it); nothing by default.
+    fn made(&self, _made: &Made<'_>) {}
+}
+
+/// A decision as carried out: what it rested on, and each worker's outcome.
+pub struct Made<'a> {
+    pub decision: &'a Decision,
+    pub traffic: &'a Traffic,
+    pub rates: &'a Rates,
+    /// Each switched worker's name and what it holds now, or why it did not switch.
+    pub outcomes: Vec<(String, Result<Assignment, ServeError>)>,
+    /// From the decision to the last worker's answer.
+    pub control_ms: f64,
 }
 
 /// Switches each worker over its own connection ([`Router::switch_role`]).
@@ -226,7 +241,10 @@ impl Planner {
             "planner: switching roles"
         );
         self.router.telemetry.planned(&d.from.to_string(), &d.to.to_string(), d.reason);
-        self.apply(&entries, d.to).await;
+        let asked = Instant::now();
+        let outcomes = self.apply(&entries, d.to).await;
+        let control_ms = asked.elapsed().as_secs_f64() * 1e3;
+        self.act.made(&Made { decision: &d, traffic: &traffic, rates: &rates, outcomes, control_ms });
         self.pending = None;
         self.last_switch = Some(Instant::now());
     }
@@ -261,7 +279,8 @@ impl Planner {
     /// Gives the workers the roles of `to`, moving as few as possible: prefill goes to
     /// those already prefilling, then to the least loaded. One that stops decoding
     /// finishes its sequences in place, and goes back if they outlast the drain limit.
-    async fn apply(&self, entries: &[Arc<Entry>], to: Shape) {
+    /// Answers with each switched worker's outcome.
+    async fn apply(&self, entries: &[Arc<Entry>], to: Shape) -> Vec<(String, Result<Assignment, ServeError>)> {
         let mut order: Vec<&Arc<Entry>> = entries.iter().collect();
         order.sort_by_key(|e| (e.role() != Role::Prefill, e.worker.load()));
         let moves: Vec<(Arc<Entry>, Role)> = order
@@ -278,19 +297,19 @@ impl Planner {
         let asked = Instant::now();
         let outcomes = self.act.apply(&self.router, &moves).await;
         let control_ms = asked.elapsed().as_secs_f64() * 1e3;
+        let mut done = Vec::with_capacity(moves.len());
         for (((e, role), from), outcome) in moves.iter().zip(was).zip(outcomes) {
-            match outcome {
+            match &outcome {
                 Ok(now) => tracing::info!(worker = e.name(), to = %now, control_ms, "role switched"),
-                Err(err) => {
-                    tracing::warn!(worker = e.name(), error = %err, "role switch refused");
-                    continue;
-                }
+                Err(err) => tracing::warn!(worker = e.name(), error = %err, "role switch refused"),
             }
-            if from.decodes() && !role.decodes() {
+            if outcome.is_ok() && from.decodes() && !role.decodes() {
                 let (router, act, e, limit) = (self.router.clone(), self.act.clone(), e.clone(), self.cfg.drain);
                 self.router.runtime.spawn(async move { drain(router, act, e, from, limit).await });
             }
+            done.push((e.name().to_string(), outcome));
         }
+        done
     }
 }
 

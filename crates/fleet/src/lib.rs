@@ -5,13 +5,14 @@
 //! refresh it every second; frontends [`follow`] the bucket to keep their worker set
 //! and read each worker's own reported load; `pdserve fleet` prints it. A fleet
 //! planner holds a [`Lease`] on one more key, which names the role it wants of each
-//! node, and frontends publish their traffic for it. Only this state goes over
-//! NATS: control calls use each worker's direct connection, and KV bytes never
+//! node, and frontends publish their traffic for it; workers push their KV events to
+//! every router. Only this state goes over NATS: control calls use each worker's direct connection, and KV bytes never
 //! touch NATS.
 
 mod bus;
 mod follow;
 pub mod forest;
+mod kv_events;
 mod plan;
 mod record;
 mod register;
@@ -19,6 +20,7 @@ mod traffic;
 
 pub use bus::{Bus, FleetError, NatsConfig, BUCKET, REFRESH, TTL};
 pub use follow::{follow, Change};
+pub use kv_events::{follow_kv_events, publish_kv_events, KvBatch, KV_SUBJECT_PREFIX};
 pub use plan::{follow_plan, read_plan, Lease, LeaseError, Plan, LEASE_GRACE, PLAN_KEY};
 pub use record::{now_unix_ms, Endpoints, KvCache, LinkRecord, Load, NodeId, NodeRecord};
 pub use register::{register, Registration};

@@ -36,6 +36,7 @@ const PREFIX_HIT_MISMATCH: &str = "pdserve_prefix_hit_mismatch";
 const PREFIX_HIT_DIFFERENCE: &str = "pdserve_prefix_hit_difference_tokens";
 const KV_INDEX_LAG: &str = "pdserve_kv_index_lag_seconds";
 const KV_INDEX_RESYNCS: &str = "pdserve_kv_index_resyncs";
+const KV_INDEX_PUSHED: &str = "pdserve_kv_index_pushed_events";
 const KV_INDEX_BLOCKS: &str = "pdserve_kv_index_blocks";
 const WORKER_ROLE: &str = "pdserve_worker_role";
 const PLANNER_DECISIONS: &str = "pdserve_planner_decisions";
@@ -135,6 +136,7 @@ struct Inner {
     prefix_hit_difference: Histogram,
     kv_index_lag: Histogram,
     kv_index_resyncs: Counter,
+    kv_index_pushed: Counter,
     kv_index_blocks: Gauge,
     worker_role: Family<Label2, Gauge>,
     planner_decisions: Family<Label3, Counter>,
@@ -180,6 +182,7 @@ impl Metrics {
             prefix_hit_difference: difference_histogram(),
             kv_index_lag: latency_histogram(),
             kv_index_resyncs: Counter::default(),
+            kv_index_pushed: Counter::default(),
             kv_index_blocks: Gauge::default(),
             worker_role: Family::default(),
             planner_decisions: Family::default(),
@@ -376,6 +379,8 @@ impl Inner {
         r.register(KV_INDEX_LAG, help, self.kv_index_lag.clone());
         let help = "Times the router's KV index rebuilt a worker from a snapshot";
         r.register(KV_INDEX_RESYNCS, help, self.kv_index_resyncs.clone());
+        let help = "KV events the router's index took as their workers pushed them (over NATS), not polled";
+        r.register(KV_INDEX_PUSHED, help, self.kv_index_pushed.clone());
         r.register(KV_INDEX_BLOCKS, "Distinct KV blocks in the router's index", self.kv_index_blocks.clone());
         r.register(WORKER_ROLE, "1 for each worker's current role", self.worker_role.clone());
         let decisions = "Role switches the planner made, by the role vector before and after and why";
@@ -451,6 +456,10 @@ impl pdserve_protocol::Telemetry for Metrics {
         }
         self.inner.kv_index_resyncs.inc_by(resyncs as u64);
         self.inner.kv_index_blocks.set(gauge(blocks));
+    }
+
+    fn kv_events_pushed(&self, events: usize) {
+        self.inner.kv_index_pushed.inc_by(events as u64);
     }
 
     fn prefix_hit(&self, predicted: usize, realized: usize, cause: Option<&'static str>) {

@@ -344,6 +344,8 @@ pub trait Telemetry: Send + Sync + 'static {
     /// The router's KV index applied events `lags` seconds after they happened,
     /// resynced from `resyncs` snapshots, and now holds `blocks` distinct blocks.
     fn kv_index(&self, _lags: &[f64], _resyncs: usize, _blocks: usize) {}
+    /// KV events that arrived pushed by their worker (over NATS) rather than polled.
+    fn kv_events_pushed(&self, _events: usize) {}
     /// A finished request's cached prompt tokens, as the router predicted them and as
     /// the engine reused them; `cause` says why they differ.
     fn prefix_hit(&self, _predicted: usize, _realized: usize, _cause: Option<&'static str>) {}

@@ -40,7 +40,14 @@ struct State {
     lower: HashMap<BlockHash, [Slots; 2]>,
     /// Indexed workers by name: their slot and where their events stand.
     workers: HashMap<String, (usize, KvCursor)>,
+    /// When each worker's own pushed events last continued the index: polling skips
+    /// those pushed within [`PUSH_TRUST`].
+    pushed: HashMap<String, Instant>,
 }
+
+/// How long pushed events stand in for polling a worker; a publisher sends at least
+/// every half of this, events or not.
+pub const PUSH_TRUST: Duration = Duration::from_secs(1);
 
 /// See the module docs.
 #[derive(Default)]
@@ -134,7 +141,39 @@ impl KvIndex {
     /// Applies what `worker` answered, `rtt` after asking. `None` if the index has no
     /// slot left for it.
     pub fn apply(&self, worker: &str, got: KvEvents, rtt: Duration) -> Option<Applied> {
+        Self::apply_to(&mut self.write(), worker, got, rtt)
+    }
+
+    /// Applies events `worker` pushed (over NATS): the events after `from`, numbered
+    /// on from it. Those the index already has are skipped; a batch that starts past
+    /// where the index stands with the worker (events were missed, or the worker is
+    /// new here or restarted) is dropped, and polling takes the worker up at once.
+    pub fn apply_pushed(&self, worker: &str, from: KvCursor, mut got: KvEvents) -> Option<Applied> {
         let mut s = self.write();
+        let at = s.workers.get(worker).map(|w| w.1);
+        let skip = match at {
+            Some(at) if at.instance == from.instance && from.seq <= at.seq && got.snapshot.is_none() => {
+                (at.seq - from.seq) as usize
+            }
+            _ => {
+                s.pushed.remove(worker);
+                return None;
+            }
+        };
+        s.pushed.insert(worker.to_string(), Instant::now());
+        if skip >= got.events.len() && at.is_some_and(|a| a.seq >= got.cursor.seq) {
+            return Some(Applied::default());
+        }
+        got.events.drain(..skip.min(got.events.len()));
+        Self::apply_to(&mut s, worker, got, Duration::ZERO)
+    }
+
+    /// Whether `worker`'s pushed events kept the index current lately.
+    pub fn pushed_recently(&self, worker: &str) -> bool {
+        self.read().pushed.get(worker).is_some_and(|t| t.elapsed() < PUSH_TRUST)
+    }
+
+    fn apply_to(s: &mut State, worker: &str, got: KvEvents, rtt: Duration) -> Option<Applied> {
         let slot = match s.workers.get(worker) {
             Some(&(slot, _)) => slot,
             None => {
@@ -175,6 +214,7 @@ impl KvIndex {
         for (name, slot) in gone {
             s.clear(1 << slot);
             s.workers.remove(&name);
+            s.pushed.remove(&name);
         }
     }
 
@@ -314,6 +354,29 @@ mod tests {
             events,
             cursor: KvCursor { instance: 1, seq },
         }
+    }
+
+    #[test]
+    fn pushed_events_continue_the_index_where_it_stands_and_nowhere_else() {
+        let ix = KvIndex::default();
+        let at = |seq| KvCursor { instance: 1, seq };
+        // A worker the index has not polled yet: its pushes wait for the poll.
+        assert!(ix.apply_pushed("a", at(0), batch(None, vec![stored(1)], 1)).is_none());
+        ix.apply("a", batch(Some(vec![1]), vec![], 1), Duration::ZERO);
+        // A batch that overlaps what the poll brought applies only what is new.
+        let a = ix.apply_pushed("a", at(0), batch(None, vec![stored(1), stored(2)], 2)).unwrap();
+        assert_eq!(a.lags.len(), 1);
+        assert!(ix.pushed_recently("a"));
+        assert_eq!(ix.prefix_blocks(&[h(1), h(2)], &["a"]), [2]);
+        // A heartbeat at the same place changes nothing and keeps the push trusted.
+        assert_eq!(ix.apply_pushed("a", at(2), batch(None, vec![], 2)).unwrap().lags.len(), 0);
+        // A batch after a missed one is dropped, and the poll is asked to catch up.
+        assert!(ix.apply_pushed("a", at(3), batch(None, vec![stored(4)], 4)).is_none());
+        assert!(!ix.pushed_recently("a"));
+        assert_eq!(ix.prefix_blocks(&[h(1), h(2), h(3), h(4)], &["a"]), [2]);
+        // So is one from another instance of the worker (it restarted).
+        let other = KvCursor { instance: 2, seq: 2 };
+        assert!(ix.apply_pushed("a", other, batch(None, vec![stored(3)], 3)).is_none());
     }
 
     #[test]

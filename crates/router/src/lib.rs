@@ -31,7 +31,8 @@ use cost::TransferCost;
 use index::{KvIndex, PredictedHit};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{
-    Event, Generate, GenerateRequest, NoTelemetry, PrefillRoute, ServeError, Telemetry, TokenStream, Worker,
+    Event, Generate, GenerateRequest, KvCursor, KvEvents, NoTelemetry, PrefillRoute, ServeError, Telemetry,
+    TokenStream, Worker,
 };
 use pdserve_types::Role;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -116,6 +117,19 @@ impl Router {
         self.telemetry.role(name, role);
     }
 
+    /// Takes KV events worker `name` pushed (a fleet worker's, over NATS), following
+    /// `from`. Events that do not continue the index are dropped, and polling
+    /// catches the worker up.
+    pub fn take_pushed_kv_events(&self, name: &str, from: KvCursor, got: KvEvents) {
+        if self.workers.snapshot().iter().all(|e| e.name() != name) {
+            return;
+        }
+        if let Some(a) = self.index.apply_pushed(name, from, got) {
+            self.telemetry.kv_index(&a.lags, a.resyncs, self.index.len());
+            self.telemetry.kv_events_pushed(a.lags.len());
+        }
+    }
+
     /// Starts following every worker's KV events into the router's index, on its
     /// runtime, for as long as the router lives.
     pub fn follow_kv_events(self: &Arc<Self>) {
@@ -130,7 +144,9 @@ impl Router {
                 let names: Vec<&str> = all.iter().map(|e| e.name()).collect();
                 r.index.retain(&names);
                 busy = false;
-                for e in all.iter().filter(|e| e.worker.is_alive()) {
+                // A worker whose own events arrive pushed (a fleet's, over NATS) is
+                // asked only when they stop or skip.
+                for e in all.iter().filter(|e| e.worker.is_alive() && !r.index.pushed_recently(e.name())) {
                     if let Some(a) = r.index.sync(e.name(), e.worker.as_ref()).await {
                         busy |= !a.lags.is_empty() || a.resyncs > 0;
                         r.telemetry.kv_index(&a.lags, a.resyncs, r.index.len());

@@ -91,6 +91,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             let to =
                 Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
             tokio::spawn(follow_fleet(cfg.clone(), to));
+            tokio::spawn(take_pushed_kv_events(cfg.clone(), router.clone()));
             publish_traffic(cfg, &router);
         }
         // Serve as soon as every listed worker answered once, or after the patience.
@@ -265,6 +266,14 @@ pub(super) async fn follow_fleet(cfg: NatsConfig, to: Target) {
                 }
             }
         }
+    }
+}
+
+/// Feeds the KV events fleet workers push into the router's index.
+async fn take_pushed_kv_events(cfg: NatsConfig, router: Arc<Router>) {
+    let mut batches = pdserve_fleet::follow_kv_events(cfg);
+    while let Some(b) = batches.recv().await {
+        router.take_pushed_kv_events(&b.worker, b.from, b.events);
     }
 }
 

@@ -168,6 +168,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 let prober = Prober { me: id.clone(), my_kv: at(kv), worker: local, key: key.clone(), table: links };
                 tokio::spawn(prober.run(cfg.clone()));
                 tokio::spawn(take_planned_roles(cfg.clone(), id.clone(), worker.clone()));
+                pdserve_fleet::publish_kv_events(cfg.clone(), id.clone(), worker.clone());
                 Some(pdserve_fleet::register(cfg, id, move || node.clone().record()))
             }
         };

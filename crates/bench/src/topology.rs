@@ -3,7 +3,8 @@
 //!
 //! At budget N: single = 1 worker × N threads; replicated = N mixed workers × 1
 //! thread behind round-robin and behind least-loaded routing; disaggregated = every
-//! split P + D = N, 1 thread each; auto = N mixed workers × 1 thread in `auto` mode.
+//! split P + D = N, 1 thread each; auto = N mixed workers × 1 thread in `auto` mode;
+//! auto-planner = the same under the planner (`--planner`, at the comparison's SLOs).
 //! An external server (`--peer-url`) can be added as `peer`.
 
 use crate::error::BenchError;
@@ -16,6 +17,8 @@ pub enum Family {
     Replicated,
     Disaggregated,
     Auto,
+    /// `auto` with the planner giving the workers their roles.
+    Planner,
     Peer,
 }
 
@@ -74,7 +77,12 @@ pub fn for_budget(n: usize) -> Result<Vec<Topology>, BenchError> {
         }
     }
     let a = args(&["--mode", "auto", "--workers", &ns, "--threads-per-worker", one]);
-    all.push(Topology::served("auto".into(), Family::Auto, a));
+    all.push(Topology::served("auto".into(), Family::Auto, a.clone()));
+    if n >= 2 {
+        // Its SLO flags are the comparison's own, added where they are known.
+        let planned = [a, args(&["--planner"])].concat();
+        all.push(Topology::served("auto-planner".into(), Family::Planner, planned));
+    }
     Ok(all)
 }
 
@@ -107,7 +115,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn budget_two_gives_the_five_topologies_with_their_command_lines() {
+    fn budget_two_gives_the_six_topologies_with_their_command_lines() {
         let all = for_budget(2).unwrap();
         let cmd: Vec<String> = all.iter().map(|t| t.command("pdserve", 9000).unwrap()).collect();
         assert_eq!(
@@ -118,6 +126,7 @@ mod tests {
                 "pdserve serve --mode aggregated --workers 2 --threads-per-worker 1 --policy least-loaded --port 9000",
                 "pdserve serve --mode disaggregated --prefill 1 --decode 1 --threads-per-worker 1 --port 9000",
                 "pdserve serve --mode auto --workers 2 --threads-per-worker 1 --port 9000",
+                "pdserve serve --mode auto --workers 2 --threads-per-worker 1 --planner --port 9000",
             ]
         );
     }
@@ -125,7 +134,10 @@ mod tests {
     #[test]
     fn larger_budgets_get_every_split_and_budget_one_only_single_and_auto() {
         let names = |n| for_budget(n).unwrap().into_iter().map(|t| t.name).collect::<Vec<_>>();
-        assert_eq!(names(3), vec!["single", "replicated-rr", "replicated-ll", "disagg-1p2d", "disagg-2p1d", "auto"]);
+        assert_eq!(
+            names(3),
+            vec!["single", "replicated-rr", "replicated-ll", "disagg-1p2d", "disagg-2p1d", "auto", "auto-planner"]
+        );
         assert_eq!(names(1), vec!["single", "auto"]);
         assert!(for_budget(0).is_err());
     }
@@ -136,7 +148,7 @@ mod tests {
         assert_eq!(s.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), vec!["single", "disagg-1p2d", "disagg-2p1d"]);
         let e = select(for_budget(2).unwrap(), &["disagg-2p2d".into()]).unwrap_err().to_string();
         assert!(e.contains("disagg-1p1d"), "{e}");
-        assert_eq!(select(for_budget(2).unwrap(), &[]).unwrap().len(), 5);
+        assert_eq!(select(for_budget(2).unwrap(), &[]).unwrap().len(), 6);
         assert_eq!(Topology::peer("http://x").command("p", 1), None);
     }
 }

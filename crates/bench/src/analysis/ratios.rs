@@ -16,13 +16,15 @@ pub struct FamilyRatio {
     pub goodput_ratio: Option<f64>,
 }
 
-/// Auto as a percentage of the best family at one point.
+/// Auto, and auto under the planner, as percentages of the best family at one point.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct AutoVsBest {
     pub workload: String,
     pub x: f64,
     pub throughput_pct: Option<f64>,
     pub goodput_pct: Option<f64>,
+    pub planner_throughput_pct: Option<f64>,
+    pub planner_goodput_pct: Option<f64>,
 }
 
 /// `a / b` when both exist and `b` is not zero.

@@ -59,7 +59,7 @@ impl Analysis {
                 }
                 a.family_ratios.extend(family_ratios(r, w));
             }
-            if r.has(Family::Auto) {
+            if r.has(Family::Auto) || r.has(Family::Planner) {
                 a.auto_vs_best.extend(auto_vs_best(r, w));
             }
         }
@@ -84,16 +84,18 @@ fn family_ratios(r: &CompareReport, w: Named) -> Vec<FamilyRatio> {
 }
 
 fn auto_vs_best(r: &CompareReport, w: Named) -> Vec<AutoVsBest> {
-    let pct = |x, m| {
-        let auto = r.best(Family::Auto, w, x, m);
+    let pct = |family, x, m| {
+        let auto = r.best(family, w, x, m);
         auto_pct(auto, r.best(Family::Replicated, w, x, m), r.best(Family::Disaggregated, w, x, m))
     };
     r.xs.iter()
         .map(|&x| AutoVsBest {
             workload: w.name().into(),
             x,
-            throughput_pct: pct(x, Metric::Throughput),
-            goodput_pct: pct(x, Metric::Goodput),
+            throughput_pct: pct(Family::Auto, x, Metric::Throughput),
+            goodput_pct: pct(Family::Auto, x, Metric::Goodput),
+            planner_throughput_pct: pct(Family::Planner, x, Metric::Throughput),
+            planner_goodput_pct: pct(Family::Planner, x, Metric::Goodput),
         })
         .collect()
 }

@@ -156,6 +156,10 @@ fn selected(opts: &CompareOptions) -> Result<Vec<Topology>, BenchError> {
         if let Some(k) = opts.kv_blocks {
             t.serve_args.extend(["--kv-blocks".to_string(), k.to_string()]);
         }
+        if t.family == topology::Family::Planner {
+            let slo = [("--slo-ttft-ms", opts.slo.ttft_ms), ("--slo-tpot-ms", opts.slo.tpot_ms)];
+            t.serve_args.extend(slo.iter().flat_map(|(flag, ms)| [flag.to_string(), ms.to_string()]));
+        }
         t.serve_args.extend(opts.serve_args.iter().cloned());
     }
     if let Some(url) = &opts.peer_url {

@@ -149,14 +149,17 @@ mod tests {
         let selected = topology::select(topology::for_budget(2).unwrap(), &["replicated-rr".into()]).unwrap();
         let mut now = report(Vec::new());
         let reused = merge(&mut now, earlier(|_| ()), &selected).unwrap();
-        assert_eq!(reused, vec!["peer", "single", "replicated-ll", "disagg-1p1d", "auto"]);
+        assert_eq!(reused, vec!["peer", "single", "replicated-ll", "disagg-1p1d", "auto", "auto-planner"]);
         assert_eq!(names(&now.runs), reused);
         now.runs.push(run(&selected[0], "new replicated-rr"));
         sort_runs(&mut now.runs, 2);
-        assert_eq!(names(&now.runs), vec!["single", "replicated-rr", "replicated-ll", "disagg-1p1d", "auto", "peer"]);
+        assert_eq!(
+            names(&now.runs),
+            vec!["single", "replicated-rr", "replicated-ll", "disagg-1p1d", "auto", "auto-planner", "peer"]
+        );
         assert_eq!(now.runs[0].command.as_deref(), Some("old single"));
         assert_eq!(now.runs[1].command.as_deref(), Some("new replicated-rr"));
-        assert_eq!(now.runs[5].topology.url.as_deref(), Some("http://127.0.0.1:1"));
+        assert_eq!(now.runs[6].topology.url.as_deref(), Some("http://127.0.0.1:1"));
     }
 
     #[test]

@@ -87,11 +87,19 @@ fn ratios(s: &mut String, r: &CompareReport) {
         }
     }
     if !a.auto_vs_best.is_empty() {
-        s.push_str("\n### auto as % of the best of replicated and disaggregated\n\n");
-        s.push_str("| workload | point | output throughput % | goodput % |\n|---|---|---|---|\n");
+        s.push_str("\n### auto and auto-planner as % of the best of replicated and disaggregated\n\n");
+        s.push_str("| workload | point | auto: output throughput % | auto: goodput % | planner: output throughput % | planner: goodput % |\n|---|---|---|---|---|---|\n");
         for v in &a.auto_vs_best {
-            let _ =
-                writeln!(s, "| {} | {} | {} | {} |", v.workload, v.x, num(v.throughput_pct, 0), num(v.goodput_pct, 0));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} |",
+                v.workload,
+                v.x,
+                num(v.throughput_pct, 0),
+                num(v.goodput_pct, 0),
+                num(v.planner_throughput_pct, 0),
+                num(v.planner_goodput_pct, 0)
+            );
         }
     }
 }

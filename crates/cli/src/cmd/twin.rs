@@ -219,7 +219,8 @@ pub fn compare_sim(profile: &Profile, opts: &CompareOptions, report: &CompareRep
         let mut it = served.serve_args.iter();
         while let Some(a) = it.next() {
             match a.as_str() {
-                "--model" => _ = it.next(),
+                // The planner's objectives are the comparison's SLO, which sim takes.
+                "--model" | "--slo-ttft-ms" | "--slo-tpot-ms" => _ = it.next(),
                 _ => args.push(a.clone()),
             }
         }

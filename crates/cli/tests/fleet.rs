@@ -402,6 +402,7 @@ fn one_planner_holds_the_lease_and_one_that_lost_it_cannot_write() {
         assert!(plan.roles.is_empty(), "plan-a's roles went with its lease: {plan:?}");
         // A clean stop gives the lease up at once.
         b.release().await;
+        assert!(matches!(b.renew().await, Err(LeaseError::Lost)), "a released lease writes nothing");
         assert!(read_plan(&bus).await.unwrap().is_none());
         assert!(Lease::take(&bus, "plan-c").await.unwrap().is_some());
     });
@@ -423,6 +424,26 @@ fn sim_fleet_worker(n: &Nats, profile: &str, role: &str, id: &str) -> Proc {
         "--node-id",
         id,
     ])
+}
+
+/// Two simulated fleet workers (`nodes`, in `roles`) on a derived profile, and a
+/// frontend with `frontend_args` that routes to both.
+struct SimFleet {
+    fe: Proc,
+    _workers: [Proc; 2],
+    _dir: TempDir,
+}
+
+fn sim_fleet(n: &Nats, nodes: [&str; 2], roles: [&str; 2], frontend_args: &[&str]) -> SimFleet {
+    let dir = TempDir(std::env::temp_dir().join(format!("pdserve-sim-fleet-{}-{}", std::process::id(), nodes[0])));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let profile = dir.0.join("derived.json");
+    common::derived_profile(&profile);
+    let p = profile.to_str().unwrap();
+    let workers = [sim_fleet_worker(n, p, roles[0], nodes[0]), sim_fleet_worker(n, p, roles[1], nodes[1])];
+    let fe = start(&[&["frontend", "--nats", &n.url, "--port", "0"], frontend_args].concat());
+    eventually("the frontend routes to both workers", || ids(n) == nodes && status_of(fe.addr, 2) == 200);
+    SimFleet { fe, _workers: workers, _dir: dir }
 }
 
 fn fleet_planner(n: &Nats, id: &str) -> Proc {
@@ -459,15 +480,8 @@ fn roles(n: &Nats) -> Vec<(String, String, u64)> {
 #[test]
 fn the_fleet_planner_fails_over_mid_switch_and_no_worker_holds_two_roles() {
     let n = nats();
-    let dir = TempDir(std::env::temp_dir().join(format!("pdserve-planner-test-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0).unwrap();
-    let profile = dir.0.join("derived.json");
-    common::derived_profile(&profile);
-    let p = profile.to_str().unwrap();
-    let _w1 = sim_fleet_worker(&n, p, "prefill", "w1");
-    let _w2 = sim_fleet_worker(&n, p, "decode", "w2");
-    let fe = fleet_frontend(&n, "auto");
-    eventually("the frontend routes to both workers", || ids(&n) == ["w1", "w2"] && status_of(fe.addr, 2) == 200);
+    let sims = sim_fleet(&n, ["w1", "w2"], ["prefill", "decode"], &["--mode", "auto", "--kv-transport", "tcp"]);
+    let fe = &sims.fe;
     let mut a = fleet_planner(&n, "plan-a");
     eventually("plan-a takes the lease", || a.logged("took the planner lease"));
     let b = fleet_planner(&n, "plan-b");
@@ -586,15 +600,8 @@ fn collect_leaves(url: &str, subject: &'static str) -> std::sync::Arc<std::sync:
 #[test]
 fn a_fleet_planner_decision_is_a_leaf_on_the_wind() {
     let n = nats();
-    let dir = TempDir(std::env::temp_dir().join(format!("pdserve-leaf-test-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0).unwrap();
-    let profile = dir.0.join("derived.json");
-    common::derived_profile(&profile);
-    let p = profile.to_str().unwrap();
-    let _w1 = sim_fleet_worker(&n, p, "prefill", "lw1");
-    let _w2 = sim_fleet_worker(&n, p, "decode", "lw2");
-    let fe = fleet_frontend(&n, "auto");
-    eventually("the frontend routes to both workers", || ids(&n) == ["lw1", "lw2"] && status_of(fe.addr, 2) == 200);
+    let sims = sim_fleet(&n, ["lw1", "lw2"], ["prefill", "decode"], &["--mode", "auto", "--kv-transport", "tcp"]);
+    let fe = &sims.fe;
     let leaves = collect_leaves(&n.url, "infer.planner.decision");
     let planner = fleet_planner(&n, "plan-leaf");
     eventually("the planner takes the lease", || planner.logged("took the planner lease"));
@@ -634,6 +641,16 @@ fn a_fleet_planner_decision_is_a_leaf_on_the_wind() {
     );
     let decisions = metric(planner.addr, "pdserve_planner_decisions_total", "from=\"1P:1D\",to=\"2M\"");
     assert_eq!(decisions, 1.0);
+    // A clean stop gives the lease up for a standby to take.
+    let mut planner = planner;
+    let standby = fleet_planner(&n, "plan-next");
+    eventually("the standby waits", || standby.logged("another planner holds the lease"));
+    // SAFETY: kill(2) on our own child's pid, which it still is (not yet waited for).
+    unsafe { libc::kill(planner.child.id() as i32, libc::SIGTERM) };
+    let _ = planner.child.wait();
+    eventually("the stopped planner says it gave the lease up", || planner.logged("gave the planner lease up"));
+    eventually("the standby takes the lease", || standby.logged("took the planner lease"));
+    assert_eq!(common::plan_of(&n.url)["holder"], "plan-next");
 }
 
 /// Fleet workers push their KV events over NATS; the frontend's index takes them
@@ -642,15 +659,8 @@ fn a_fleet_planner_decision_is_a_leaf_on_the_wind() {
 #[test]
 fn kv_events_arrive_over_nats_and_route_a_repeated_prompt_to_its_cache() {
     let n = nats();
-    let dir = TempDir(std::env::temp_dir().join(format!("pdserve-kvpush-test-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0).unwrap();
-    let profile = dir.0.join("derived.json");
-    common::derived_profile(&profile);
-    let p = profile.to_str().unwrap();
-    let _w1 = sim_fleet_worker(&n, p, "mixed", "kv1");
-    let _w2 = sim_fleet_worker(&n, p, "mixed", "kv2");
-    let fe = start(&["frontend", "--nats", &n.url, "--mode", "aggregated", "--policy", "kv-aware", "--port", "0"]);
-    eventually("the frontend routes to both workers", || ids(&n) == ["kv1", "kv2"] && status_of(fe.addr, 2) == 200);
+    let sims = sim_fleet(&n, ["kv1", "kv2"], ["mixed", "mixed"], &["--mode", "aggregated", "--policy", "kv-aware"]);
+    let fe = &sims.fe;
     let prompt: Vec<u32> = (0..600u32).map(|t| 1000 + (t * 37) % 30000).collect();
     let req = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0});
     assert_eq!(common::http(fe.addr, "POST", "/v1/completions", Some(&req)).0, 200);

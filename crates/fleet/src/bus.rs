@@ -145,6 +145,40 @@ impl Bus {
     }
 }
 
+/// Every JSON message on `subject` (wildcards allowed) from now on, parsed as `T`,
+/// until the receiver is dropped. Core NATS: the client resubscribes by itself after
+/// a reconnect, and what was published meanwhile is missed. A receiver `capacity`
+/// behind loses messages rather than slowing the connection.
+pub fn subscribe_json<T>(cfg: NatsConfig, subject: String, capacity: usize) -> tokio::sync::mpsc::Receiver<T>
+where
+    T: serde::de::DeserializeOwned + Send + 'static,
+{
+    use futures_util::StreamExt;
+    use tokio::sync::mpsc::error::TrySendError;
+    let (tx, rx) = tokio::sync::mpsc::channel(capacity);
+    tokio::spawn(async move {
+        let bus = tokio::select! {
+            bus = Bus::connect_patiently(&cfg) => bus,
+            _ = tx.closed() => return,
+        };
+        let mut sub = match bus.client().subscribe(subject.clone()).await {
+            Ok(s) => s,
+            Err(e) => return tracing::error!(error = %e, subject, "cannot subscribe"),
+        };
+        while let Some(msg) = sub.next().await {
+            match serde_json::from_slice::<T>(&msg.payload) {
+                Ok(m) => {
+                    if let Err(TrySendError::Closed(_)) = tx.try_send(m) {
+                        return;
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, subject = %msg.subject, "a message that does not parse; ignored"),
+            }
+        }
+    });
+    rx
+}
+
 /// The node a bucket key names, if it names one.
 pub(crate) fn node_of(key: &str) -> Option<NodeId> {
     key.strip_prefix(KEY_PREFIX)?.parse().ok()

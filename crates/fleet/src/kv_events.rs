@@ -7,9 +7,8 @@
 //! by asking the worker over its control connection, as without NATS. Core NATS, not
 //! JetStream: a lost batch costs a poll, never a wrong index.
 
-use crate::bus::{Bus, NatsConfig};
+use crate::bus::{subscribe_json, Bus, NatsConfig};
 use crate::record::NodeId;
-use futures_util::StreamExt;
 use pdserve_protocol::{KvCursor, KvEvents, Worker};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -61,29 +60,8 @@ pub fn publish_kv_events(cfg: NatsConfig, id: NodeId, worker: Arc<dyn Worker>) {
     });
 }
 
-/// Every batch any worker publishes from now on, until the receiver is dropped.
+/// Every batch any worker publishes from now on, until the receiver is dropped. A
+/// router that falls behind drops batches: polling catches it up.
 pub fn follow_kv_events(cfg: NatsConfig) -> mpsc::Receiver<KvBatch> {
-    let (tx, rx) = mpsc::channel(1024);
-    tokio::spawn(async move {
-        let bus = tokio::select! {
-            bus = Bus::connect_patiently(&cfg) => bus,
-            _ = tx.closed() => return,
-        };
-        let mut sub = match bus.client().subscribe(format!("{KV_SUBJECT_PREFIX}>")).await {
-            Ok(s) => s,
-            Err(e) => return tracing::error!(error = %e, "cannot subscribe to the workers' KV events"),
-        };
-        while let Some(msg) = sub.next().await {
-            match serde_json::from_slice::<KvBatch>(&msg.payload) {
-                // A router that falls behind drops batches: polling catches it up.
-                Ok(b) => {
-                    if let Err(mpsc::error::TrySendError::Closed(_)) = tx.try_send(b) {
-                        return;
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "a KV event batch that does not parse; ignored"),
-            }
-        }
-    });
-    rx
+    subscribe_json(cfg, format!("{KV_SUBJECT_PREFIX}>"), 1024)
 }

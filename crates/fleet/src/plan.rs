@@ -117,9 +117,12 @@ impl Lease {
     }
 
     /// Gives the lease up at once (a clean stop), so a standby need not wait for it
-    /// to lapse. The desired roles go with it; workers keep what they hold.
-    pub async fn release(self) {
+    /// to lapse. The desired roles go with it; workers keep what they hold. Nothing
+    /// can be written under this lease afterwards.
+    pub async fn release(&mut self) {
         let _ = self.bus.store().delete_expect_revision(PLAN_KEY, Some(self.revision)).await;
+        // No write is ever made at revision 0 of an existing key.
+        self.revision = 0;
     }
 }
 

@@ -4,8 +4,7 @@
 //! Core NATS publish, no JetStream: a planner that is down or slow misses batches,
 //! and its window simply sees less traffic; no request waits on this.
 
-use crate::bus::{Bus, NatsConfig};
-use futures_util::StreamExt;
+use crate::bus::{subscribe_json, Bus, NatsConfig};
 use pdserve_types::RequestSample;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -68,27 +67,5 @@ where
 
 /// Every batch any frontend publishes from now on, until the receiver is dropped.
 pub fn follow_traffic(cfg: NatsConfig) -> mpsc::Receiver<TrafficBatch> {
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(async move {
-        let bus = tokio::select! {
-            bus = Bus::connect_patiently(&cfg) => bus,
-            _ = tx.closed() => return,
-        };
-        // The client resubscribes by itself after a reconnect.
-        let mut sub = match bus.client().subscribe(TRAFFIC_SUBJECT).await {
-            Ok(s) => s,
-            Err(e) => return tracing::error!(error = %e, "cannot subscribe to the frontends' traffic"),
-        };
-        while let Some(msg) = sub.next().await {
-            match serde_json::from_slice::<TrafficBatch>(&msg.payload) {
-                Ok(b) => {
-                    if tx.send(b).await.is_err() {
-                        return;
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "a traffic batch that does not parse; ignored"),
-            }
-        }
-    });
-    rx
+    subscribe_json(cfg, TRAFFIC_SUBJECT.to_string(), 64)
 }

@@ -74,12 +74,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let nodes = Arc::new(Directory::default());
         tokio::spawn(nodes.clone().follow(cfg.clone()));
         tokio::spawn(take_traffic(cfg.clone(), router.clone()));
-        let planning = lead_when_possible(cfg, holder.clone(), router, nodes, PlannerConfig::new(slo));
+        let (stop, stopping) = tokio::sync::watch::channel(false);
+        let planning =
+            tokio::spawn(lead_when_possible(cfg, holder.clone(), router, nodes, PlannerConfig::new(slo), stopping));
         tracing::info!(holder = %holder, "pdserve planner: waiting for the lease");
-        tokio::select! {
-            () = planning => {}
-            () = super::http::signal() => tracing::info!("pdserve planner: stopping"),
-        }
+        super::http::signal().await;
+        tracing::info!("pdserve planner: stopping");
+        // A lease held is given up, so a standby takes over at once.
+        let _ = stop.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(3), planning).await;
         anyhow::Ok(())
     })
 }
@@ -132,19 +135,24 @@ async fn take_traffic(cfg: NatsConfig, router: Arc<Router>) {
     }
 }
 
-/// Waits for the lease, plans while it holds it, and waits again once it is lost.
+/// Waits for the lease, plans while it holds it, and waits again once it is lost,
+/// until `stop` says so.
 async fn lead_when_possible(
     cfg: NatsConfig,
     holder: String,
     router: Arc<Router>,
     nodes: Arc<Directory>,
     pc: PlannerConfig,
+    mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let bus = Bus::connect_patiently(&cfg).await;
+    let bus = tokio::select! {
+        bus = Bus::connect_patiently(&cfg) => bus,
+        _ = stop.changed() => return,
+    };
     let mut said_who = String::new();
-    loop {
+    while !*stop.borrow() {
         match Lease::take(&bus, &holder).await {
-            Ok(Some(lease)) => lead(lease, bus.client(), &router, &nodes, pc).await,
+            Ok(Some(lease)) => lead(lease, bus.client(), &router, &nodes, pc, &mut stop).await,
             Ok(None) => {
                 let who = pdserve_fleet::read_plan(&bus).await.ok().flatten().map(|p| p.holder).unwrap_or_default();
                 if who != said_who {
@@ -154,12 +162,23 @@ async fn lead_when_possible(
             }
             Err(e) => tracing::warn!(error = %e, "cannot reach the planner lease"),
         }
-        tokio::time::sleep(REFRESH).await;
+        tokio::select! {
+            () = tokio::time::sleep(REFRESH) => {}
+            _ = stop.changed() => {}
+        }
     }
 }
 
-/// Plans under `lease` until it is lost, renewing it every [`REFRESH`].
-async fn lead(lease: Lease, nats: async_nats::Client, router: &Arc<Router>, nodes: &Arc<Directory>, pc: PlannerConfig) {
+/// Plans under `lease` until it is lost, renewing it every [`REFRESH`], or until
+/// `stop`, which gives it up.
+async fn lead(
+    lease: Lease,
+    nats: async_nats::Client,
+    router: &Arc<Router>,
+    nodes: &Arc<Directory>,
+    pc: PlannerConfig,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+) {
     let holder = lease.plan().holder.clone();
     tracing::info!(holder = %holder, "took the planner lease; planning");
     let lease = Arc::new(tokio::sync::Mutex::new(lease));
@@ -167,7 +186,14 @@ async fn lead(lease: Lease, nats: async_nats::Client, router: &Arc<Router>, node
     let planner = Planner::spawn_with(router.clone(), pc, act);
     let mut renewed = Instant::now();
     loop {
-        tokio::time::sleep(REFRESH).await;
+        tokio::select! {
+            () = tokio::time::sleep(REFRESH) => {}
+            _ = stop.changed() => {
+                planner.abort();
+                lease.lock().await.release().await;
+                return tracing::info!("gave the planner lease up");
+            }
+        }
         let mut l = lease.lock().await;
         let outcome = match l.retain(|id| nodes.holds(id)).await {
             Ok(()) => l.renew().await,

@@ -118,12 +118,10 @@ impl Router {
     }
 
     /// Takes KV events worker `name` pushed (a fleet worker's, over NATS), following
-    /// `from`. Events that do not continue the index are dropped, and polling
-    /// catches the worker up.
+    /// `from`. Events that do not continue the index are dropped (those of a worker
+    /// not in the set too: the index holds no cursor for it), and polling catches
+    /// the worker up.
     pub fn take_pushed_kv_events(&self, name: &str, from: KvCursor, got: KvEvents) {
-        if self.workers.snapshot().iter().all(|e| e.name() != name) {
-            return;
-        }
         if let Some(a) = self.index.apply_pushed(name, from, got) {
             self.telemetry.kv_index(&a.lags, a.resyncs, self.index.len());
             self.telemetry.kv_events_pushed(a.lags.len());

@@ -90,7 +90,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         if let Some(cfg) = a.nats.config("pdserve-frontend") {
             let to =
                 Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
-            tokio::spawn(follow_fleet(cfg.clone(), to));
+            tokio::spawn(follow_fleet(cfg.clone(), to, Arc::default()));
             tokio::spawn(take_pushed_kv_events(cfg.clone(), router.clone()));
             publish_traffic(cfg, &router);
         }
@@ -229,13 +229,10 @@ impl Drop for Follower {
 /// Keeps the router's set equal to the fleet's nodes serving our model: a node that
 /// registers is connected, one that leaves is dropped (its requests in flight
 /// finish or fail over), one whose control address changed is connected anew.
-pub(super) async fn follow_fleet(cfg: NatsConfig, to: Target) {
+pub(super) async fn follow_fleet(cfg: NatsConfig, to: Target, names: Arc<FleetNames>) {
     let mut changes = pdserve_fleet::follow(cfg);
     let mut nodes: HashMap<NodeId, Follower> = HashMap::new();
     let mut other_model: HashSet<NodeId> = HashSet::new();
-    // Worker names by node id: a record's links name peers by node id, the router
-    // by worker name.
-    let mut names: HashMap<NodeId, String> = HashMap::new();
     while let Some(change) = changes.recv().await {
         match change {
             Change::Up(rec) if rec.model != to.model => {
@@ -244,7 +241,7 @@ pub(super) async fn follow_fleet(cfg: NatsConfig, to: Target) {
                 }
             }
             Change::Up(rec) => {
-                names.insert(rec.node_id.clone(), rec.name.clone());
+                names.insert(&rec.node_id, &rec.name);
                 let load = reported(&rec, &names);
                 match nodes.get(&rec.node_id) {
                     Some(f) if f.control == rec.endpoints.control => {
@@ -291,14 +288,47 @@ fn publish_traffic(cfg: NatsConfig, router: &Arc<Router>) {
 /// Request records a frontend holds for its next traffic batch at most.
 const TRAFFIC_TAP: usize = 8192;
 
+/// Worker names by node id, for the fleet nodes a follower serves: a record's links
+/// name peers by node id, the router by worker name (and a fleet planner writes
+/// roles by node id).
+#[derive(Default)]
+pub(super) struct FleetNames(std::sync::Mutex<HashMap<NodeId, String>>);
+
+impl FleetNames {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, String>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn insert(&self, id: &NodeId, name: &str) {
+        self.lock().insert(id.clone(), name.to_string());
+    }
+
+    fn remove(&self, id: &NodeId) {
+        self.lock().remove(id);
+    }
+
+    fn name_of(&self, id: &NodeId) -> Option<String> {
+        self.lock().get(id).cloned()
+    }
+
+    /// The node id of the worker named `name`.
+    pub(super) fn id_of(&self, name: &str) -> Option<NodeId> {
+        self.lock().iter().find(|(_, n)| n.as_str() == name).map(|(id, _)| id.clone())
+    }
+
+    pub(super) fn holds(&self, id: &NodeId) -> bool {
+        self.lock().contains_key(id)
+    }
+}
+
 /// The load and links of `rec`, its links' peers named as the router names them.
-fn reported(rec: &NodeRecord, names: &HashMap<NodeId, String>) -> Reported {
+fn reported(rec: &NodeRecord, names: &FleetNames) -> Reported {
     let links = rec
         .links
         .iter()
         .filter_map(|l| {
             let link = Link { bytes_per_s: l.gb_per_s * 1e9, round_trip_s: l.latency_ms / 1e3 };
-            Some((names.get(&l.to)?.clone(), link))
+            Some((names.name_of(&l.to)?, link))
         })
         .collect();
     Reported { load: rec.load.requests(), links }

@@ -8,18 +8,17 @@
 //! lease and plans, the others wait and take over within seconds of its loss.
 
 use super::fleet::NatsArgs;
-use super::frontend::{follow_fleet, Target};
+use super::frontend::{follow_fleet, FleetNames, Target};
 use pdserve_fleet::forest::Leaf;
-use pdserve_fleet::{Bus, Change, Lease, LeaseError, NatsConfig, NodeId, TrafficBatch, LEASE_GRACE, REFRESH};
+use pdserve_fleet::{Bus, Lease, LeaseError, NatsConfig, NodeId, TrafficBatch, LEASE_GRACE, REFRESH};
 use pdserve_frontend::Metrics;
 use pdserve_protocol::ServeError;
 use pdserve_router::planner::model::Slo;
 use pdserve_router::planner::{Actuator, Applied, Made, Planner, PlannerConfig};
 use pdserve_router::{Entry, Mode, Router};
 use pdserve_types::{Assignment, Role};
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
@@ -70,9 +69,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 .with_telemetry(Arc::new(metrics.clone())),
         );
         let target = Target { key, router: router.clone(), metrics, model };
-        tokio::spawn(follow_fleet(cfg.clone(), target));
-        let nodes = Arc::new(Directory::default());
-        tokio::spawn(nodes.clone().follow(cfg.clone()));
+        let nodes = Arc::new(FleetNames::default());
+        tokio::spawn(follow_fleet(cfg.clone(), target, nodes.clone()));
         tokio::spawn(take_traffic(cfg.clone(), router.clone()));
         let (stop, stopping) = tokio::sync::watch::channel(false);
         let planning =
@@ -90,33 +88,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 fn default_id() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     NodeId::sanitized(&format!("{}-{}", host.trim(), std::process::id())).to_string()
-}
-
-/// Worker names by node id and back, from the fleet's records.
-#[derive(Default)]
-struct Directory(Mutex<HashMap<String, NodeId>>);
-
-impl Directory {
-    async fn follow(self: Arc<Self>, cfg: NatsConfig) {
-        let mut changes = pdserve_fleet::follow(cfg);
-        while let Some(c) = changes.recv().await {
-            let mut map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-            match c {
-                Change::Up(rec) => {
-                    map.insert(rec.name.clone(), rec.node_id.clone());
-                }
-                Change::Down(id) => map.retain(|_, v| *v != id),
-            }
-        }
-    }
-
-    fn id_of(&self, name: &str) -> Option<NodeId> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).get(name).cloned()
-    }
-
-    fn holds(&self, id: &NodeId) -> bool {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).values().any(|v| v == id)
-    }
 }
 
 /// Feeds every frontend's traffic into the router's signals, and their measured
@@ -141,7 +112,7 @@ async fn lead_when_possible(
     cfg: NatsConfig,
     holder: String,
     router: Arc<Router>,
-    nodes: Arc<Directory>,
+    nodes: Arc<FleetNames>,
     pc: PlannerConfig,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -175,7 +146,7 @@ async fn lead(
     lease: Lease,
     nats: async_nats::Client,
     router: &Arc<Router>,
-    nodes: &Arc<Directory>,
+    nodes: &Arc<FleetNames>,
     pc: PlannerConfig,
     stop: &mut tokio::sync::watch::Receiver<bool>,
 ) {
@@ -219,7 +190,7 @@ async fn lead(
 /// role directly as well.
 struct ToBucket {
     lease: Arc<tokio::sync::Mutex<Lease>>,
-    nodes: Arc<Directory>,
+    nodes: Arc<FleetNames>,
     /// Where decisions go out as Leaves.
     nats: async_nats::Client,
     holder: String,
@@ -277,7 +248,7 @@ const DECISION_SUBJECT: &str = "infer.planner.decision";
 const DECISION_SOURCE: &str = "nim:pdserve-planner";
 
 /// A decision's Leaf data: the vectors, the predictions, the inputs, the outcomes.
-fn decision_data(m: &Made<'_>, holder: &str, nodes: &Directory) -> serde_json::Value {
+fn decision_data(m: &Made<'_>, holder: &str, nodes: &FleetNames) -> serde_json::Value {
     let d = m.decision;
     let predicted = |p: &pdserve_router::planner::model::Prediction| {
         serde_json::json!({"goodput": p.goodput, "ttft_attained": p.ttft_attained,

@@ -241,9 +241,7 @@ impl Planner {
             "planner: switching roles"
         );
         self.router.telemetry.planned(&d.from.to_string(), &d.to.to_string(), d.reason);
-        let asked = Instant::now();
-        let outcomes = self.apply(&entries, d.to).await;
-        let control_ms = asked.elapsed().as_secs_f64() * 1e3;
+        let (outcomes, control_ms) = self.apply(&entries, d.to).await;
         self.act.made(&Made { decision: &d, traffic: &traffic, rates: &rates, outcomes, control_ms });
         self.pending = None;
         self.last_switch = Some(Instant::now());
@@ -279,8 +277,8 @@ impl Planner {
     /// Gives the workers the roles of `to`, moving as few as possible: prefill goes to
     /// those already prefilling, then to the least loaded. One that stops decoding
     /// finishes its sequences in place, and goes back if they outlast the drain limit.
-    /// Answers with each switched worker's outcome.
-    async fn apply(&self, entries: &[Arc<Entry>], to: Shape) -> Vec<(String, Result<Assignment, ServeError>)> {
+    /// Answers with each switched worker's outcome, and the milliseconds they took.
+    async fn apply(&self, entries: &[Arc<Entry>], to: Shape) -> (Vec<(String, Result<Assignment, ServeError>)>, f64) {
         let mut order: Vec<&Arc<Entry>> = entries.iter().collect();
         order.sort_by_key(|e| (e.role() != Role::Prefill, e.worker.load()));
         let moves: Vec<(Arc<Entry>, Role)> = order
@@ -309,7 +307,7 @@ impl Planner {
             }
             done.push((e.name().to_string(), outcome));
         }
-        done
+        (done, control_ms)
     }
 }
 

@@ -241,9 +241,12 @@ async fn report_once(router: &Router, metrics: &Metrics) {
                 // Blocks only the prefix cache holds are given up on demand.
                 e.report_free_blocks(s.blocks.free + s.blocks.cached, mark);
                 e.report_tiers(&s.tiers);
-                // A role another process switched (a fleet planner) shows here first.
-                if let Some(now) = s.assignment.filter(|&now| e.learn(now)) {
-                    metrics.set_role(e.name(), now.role);
+                // A role another process switched (a fleet planner) shows here first;
+                // the gauge follows what the entry holds, however it learned it (a
+                // stale-epoch refusal may have taught it before this report).
+                if let Some(now) = s.assignment {
+                    e.learn(now);
+                    metrics.set_role(e.name(), e.role());
                 }
             }
             _ => metrics.forget_stats(e.name()),

@@ -652,4 +652,3 @@ fn a_fleet_planner_decision_is_a_leaf_on_the_wind() {
     eventually("the standby takes the lease", || standby.logged("took the planner lease"));
     assert_eq!(common::plan_of(&n.url)["holder"], "plan-next");
 }
-

@@ -76,7 +76,8 @@ impl ApiError {
                 ServeError::NoWorker(_)
                 | ServeError::WorkerLost(_)
                 | ServeError::ShuttingDown
-                | ServeError::StaleEpoch { .. } => {
+                | ServeError::StaleEpoch { .. }
+                | ServeError::Moved { .. } => {
                     (StatusCode::SERVICE_UNAVAILABLE, SERVER, None, Some("service_unavailable"))
                 }
                 ServeError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, SERVER, None, Some("timeout")),

@@ -263,6 +263,11 @@ pub enum ServeError {
     /// refused before any work, and the router routes it again.
     #[error("worker {worker} is now {now}, not at the epoch routed for")]
     StaleEpoch { worker: String, now: Assignment },
+    /// The worker stopped decoding (a role switch) and handed the sequence back
+    /// mid-stream: its KV stays in `worker`'s prefix cache, and the router moves the
+    /// request on from there (503 if it reaches a client).
+    #[error("worker {worker} left decode; the request moves to another worker")]
+    Moved { worker: String },
     /// A bug (500).
     #[error("internal error: {0}")]
     Internal(String),
@@ -282,6 +287,7 @@ impl ServeError {
             ServeError::ShuttingDown => "shutting_down",
             ServeError::WorkerLost(_) => "worker_lost",
             ServeError::StaleEpoch { .. } => "stale_epoch",
+            ServeError::Moved { .. } => "moved",
             ServeError::Internal(_) => "internal",
         }
     }
@@ -297,6 +303,7 @@ impl ServeError {
                 | ServeError::NoWorker(_)
                 | ServeError::Timeout(_)
                 | ServeError::StaleEpoch { .. }
+                | ServeError::Moved { .. }
         )
     }
 }

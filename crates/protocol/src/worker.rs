@@ -74,11 +74,22 @@ pub trait Worker: Send + Sync + 'static {
 
     /// Takes role `to.role` if `to.epoch` is newer than the worker's, and answers with
     /// the assignment it holds afterwards. Nothing is reloaded and the prefix cache
-    /// stays; sequences already running finish here. From then on, work fenced with an
+    /// stays; sequences already running finish here unless moved
+    /// ([`Worker::move_decodes`]). From then on, work fenced with an
     /// older epoch is refused.
     fn set_role(&self, _to: Assignment) -> Reply<'_, Assignment> {
         let name = self.info().name.clone();
         Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} cannot change role"))) })
+    }
+
+    /// Hands back every sequence a worker that no longer decodes still runs (it
+    /// switched to prefill): each stream ends with [`ServeError::Moved`] and its
+    /// blocks stay in the prefix cache, so the router can prefill the rest here and
+    /// ship the KV to a decoder instead of computing it again. Answers with how many
+    /// moved; none while the worker's role decodes.
+    fn move_decodes(&self) -> Reply<'_, usize> {
+        let name = self.info().name.clone();
+        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} cannot hand back its decodes"))) })
     }
 
     /// Opens an inbox for handoff `id` whose frames are counted and thrown away, so a

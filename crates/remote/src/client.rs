@@ -273,6 +273,16 @@ impl Worker for RemoteWorker {
         })
     }
 
+    fn move_decodes(&self) -> Reply<'_, usize> {
+        let answer = self.reply_call(Op::MoveDecodes, false);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::Count(n) => Ok(n),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
     fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
         let answer = self.reply_call(Op::KvEvents { after }, false);
         Box::pin(async move {

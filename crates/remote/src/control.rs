@@ -126,6 +126,9 @@ pub enum Op {
     SetRole {
         to: Assignment,
     },
+    /// Hand back the decodes a worker that left decode still runs; answered with
+    /// [`Answer::Count`].
+    MoveDecodes,
     /// The worker's prefix-cache events after a cursor; answered with
     /// [`Answer::KvEvents`].
     KvEvents {
@@ -154,6 +157,7 @@ pub enum Answer {
     Stats(WorkerStats),
     KvEvents(KvEvents),
     Assignment(Assignment),
+    Count(usize),
 }
 
 /// Writes one message: a big-endian u32 length, then JSON.

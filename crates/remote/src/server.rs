@@ -253,6 +253,10 @@ impl Session {
                 let s = self.clone();
                 self.reply(call, async move { Ok(Answer::Assignment(s.worker().set_role(to).await?)) })
             }
+            Op::MoveDecodes => {
+                let s = self.clone();
+                self.reply(call, async move { Ok(Answer::Count(s.worker().move_decodes().await?)) })
+            }
             Op::KvEvents { after } => {
                 let s = self.clone();
                 self.reply(call, async move { Ok(Answer::KvEvents(s.worker().kv_events(after).await?)) })

@@ -246,6 +246,12 @@ impl Router {
         PredictedHit::new(self.index.clone(), e.name(), hashes, BLOCK_SIZE, self.telemetry.clone())
     }
 
+    /// Worker `name`, where it can prefill for `d`: a usable prefill or mixed worker
+    /// other than `d`.
+    fn pinned(all: &[Arc<Entry>], d: &Entry, name: &str) -> Option<Arc<Entry>> {
+        Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d)).into_iter().find(|e| e.name() == name)
+    }
+
     /// The prefill worker for a request decoding on `d`, or `None` to prefill there.
     fn remote_prefill(&self, all: &[Arc<Entry>], d: &Entry, ask: &Ask<'_>) -> Option<Arc<Entry>> {
         match self.mode {
@@ -289,9 +295,14 @@ impl Router {
     /// first token, `own_s` of prefill after that, is predicted past the objective.
     /// The prediction is scaled by how late first tokens came against it lately
     /// ([`cost::Backlog::correction`]). Admitted, the raw prediction is returned.
-    fn admit(&self, d: &Entry, queued_s: f64, own_s: f64, life: usize) -> Result<f64, ServeError> {
+    /// A request moving mid-stream (`moved`) was admitted when it came: it is never
+    /// refused.
+    fn admit(&self, d: &Entry, (queued_s, own_s): (f64, f64), life: usize, moved: bool) -> Result<f64, ServeError> {
         let need = d.backlog.pending_blocks() + cost::blocks_for(life);
         let raw = queued_s.max(d.backlog.predict()).max(d.kv.wait_for(need));
+        if moved {
+            return Ok(raw);
+        }
         let correction = d.backlog.correction();
         let (wait, first) = (raw * correction, (raw + own_s) * correction);
         if let Some(limit) = self.max_queue.filter(|l| wait > l.as_secs_f64()) {
@@ -429,6 +440,18 @@ fn interference(e: &Entry, tokens: usize) -> f64 {
 
 impl Generate for Router {
     fn generate(&self, req: GenerateRequest) -> Result<TokenStream, ServeError> {
+        self.route(req, None)
+    }
+
+    fn ready(&self) -> bool {
+        self.ready_now()
+    }
+}
+
+impl Router {
+    /// Routes `req`; with `prefill_on`, its prompt is prefilled on that worker
+    /// wherever it can prefill (a moved request: its KV is cached there).
+    pub(crate) fn route(&self, req: GenerateRequest, prefill_on: Option<&str>) -> Result<TokenStream, ServeError> {
         if self.draining.load(Ordering::SeqCst) {
             return Err(ServeError::ShuttingDown);
         }
@@ -450,10 +473,11 @@ impl Generate for Router {
         req.trace.update(|t| t.decode = Some(d.name().to_string()));
         // Blocks the request holds at its longest: prompt and every output token.
         let life = req.prompt.len() + req.params.max_tokens as usize;
-        match self.remote_prefill(&all, &d, &ask) {
+        let pinned = prefill_on.and_then(|name| Self::pinned(&all, &d, name));
+        match pinned.or_else(|| self.remote_prefill(&all, &d, &ask)) {
             None => {
                 let queued = d.prefill.queued() as f64 * d.prefill.seconds_per_token();
-                let predicted = self.admit(&d, queued, self.own_prefill(&ask, &d), life)?;
+                let predicted = self.admit(&d, (queued, self.own_prefill(&ask, &d)), life, prefill_on.is_some())?;
                 span.record("route", "local");
                 req.trace.update(|t| t.route = Some(PrefillRoute::Local));
                 self.telemetry.route(PrefillRoute::Local);
@@ -463,7 +487,7 @@ impl Generate for Router {
             }
             Some(p) => {
                 let queued = p.prefill.queued() as f64 * p.prefill.seconds_per_token();
-                let predicted = self.admit(&d, queued, self.own_prefill(&ask, &p), life)?;
+                let predicted = self.admit(&d, (queued, self.own_prefill(&ask, &p)), life, prefill_on.is_some())?;
                 span.record("route", "remote");
                 span.record("prefill", p.name());
                 req.trace.update(|t| (t.route, t.prefill) = (Some(PrefillRoute::Remote), Some(p.name().to_string())));
@@ -477,7 +501,7 @@ impl Generate for Router {
         }
     }
 
-    fn ready(&self) -> bool {
+    fn ready_now(&self) -> bool {
         !self.draining.load(Ordering::SeqCst)
             && !Self::with_role(&self.workers.snapshot(), &[Role::Decode, Role::Mixed], None).is_empty()
     }

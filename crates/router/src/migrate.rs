@@ -9,6 +9,12 @@
 //! uninterrupted run gives. Sampled requests continue validly, but from a new random
 //! stream. Every request may move at most `max` times.
 //!
+//! A worker that leaves decode hands its running sequences back
+//! ([`ServeError::Moved`]); each is routed again the same way, but prefilled on that
+//! worker, whose prefix cache holds the sequence's KV: only the last partial block is
+//! computed, and the rest is shipped to the new decoder (no re-prefill). Like a
+//! stale-epoch refusal below, this is planned and not counted against `max`.
+//!
 //! A call refused for a stale epoch ([`ServeError::StaleEpoch`]: its worker switched
 //! role after the router looked) is routed again the same way, with the router's view
 //! updated by the refusal. Nothing ran for it, so this is not counted against `max`;
@@ -26,6 +32,8 @@ use tracing::Instrument;
 const WORKER_LOST: &str = "worker_lost";
 /// The label for a call refused because its worker switched role.
 const STALE_EPOCH: &str = "stale_epoch";
+/// The label for a sequence handed back by a worker that left decode.
+const ROLE_SWITCH: &str = "role_switch";
 /// Re-routes per request after stale-epoch refusals: each one teaches the router a
 /// newer role, so more would mean roles changing faster than requests are routed.
 const REROUTES: u32 = 4;
@@ -109,7 +117,17 @@ impl Job {
             let ev = match ev {
                 Event::Failed(ServeError::WorkerLost(why)) if self.left > 0 => {
                     self.left -= 1;
-                    match self.resume(&why, WORKER_LOST) {
+                    match self.resume(&why, WORKER_LOST, None) {
+                        Ok(next) => {
+                            inner = next;
+                            continue;
+                        }
+                        Err(e) => Event::Failed(e),
+                    }
+                }
+                Event::Failed(ServeError::Moved { worker }) if self.reroutes > 0 => {
+                    self.reroutes -= 1;
+                    match self.resume(&format!("{worker} left decode"), ROLE_SWITCH, Some(&worker)) {
                         Ok(next) => {
                             inner = next;
                             continue;
@@ -119,7 +137,7 @@ impl Job {
                 }
                 Event::Failed(e @ ServeError::StaleEpoch { .. }) if self.reroutes > 0 => {
                     self.reroutes -= 1;
-                    match self.resume(&e.to_string(), STALE_EPOCH) {
+                    match self.resume(&e.to_string(), STALE_EPOCH, None) {
                         Ok(next) => {
                             inner = next;
                             continue;
@@ -150,8 +168,9 @@ impl Job {
         }
     }
 
-    /// Routes the request again, its prompt extended by the tokens already sent.
-    fn resume(&mut self, why: &str, reason: &'static str) -> Result<TokenStream, ServeError> {
+    /// Routes the request again, its prompt extended by the tokens already sent; with
+    /// `prefill_on`, prefilled there (where its KV is cached).
+    fn resume(&mut self, why: &str, reason: &'static str, prefill_on: Option<&str>) -> Result<TokenStream, ServeError> {
         self.attempts += 1;
         let done = self.sent.len() as u32;
         let mut req = self.req.clone();
@@ -169,9 +188,12 @@ impl Job {
                 g.replayed += done;
             }
         }
-        tracing::warn!(reason = why, tokens_sent = done, "moving the request to another worker");
+        match prefill_on {
+            Some(_) => tracing::info!(reason = why, tokens_sent = done, "moving the request to another worker"),
+            None => tracing::warn!(reason = why, tokens_sent = done, "moving the request to another worker"),
+        }
         self.router.telemetry.migrated(reason);
-        self.router.generate(req)
+        self.router.route(req, prefill_on)
     }
 
     /// Tells the planner's signals how the request went.

@@ -2,7 +2,8 @@
 //! here on loopback in one test process so blocks can be counted on the workers
 //! themselves): the same tokens as one engine over TCP and shared memory, exactly
 //! every frame's bytes moved, and after a thousand random cancellations across the
-//! hop no block is left on either worker.
+//! hop no block is left on either worker. A worker leaving decode hands its
+//! sequences back over the hop.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -270,4 +271,42 @@ async fn a_release_overtaking_its_grant_lands_before_the_next_call() {
     assert!(matches!(end, Event::Done { .. }), "{end:?}");
     assert_eq!(tokens.len(), 4);
     assert_eq!(settle(&[&local]).await, 0);
+}
+
+/// A worker leaving decode hands its running sequences back over control: each
+/// stream ends with `Moved` across the hop, is prefilled again on that worker from
+/// its cache and decodes on the other, with the tokens of an uninterrupted run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decodes_handed_back_over_control_move_to_the_other_worker_unchanged() {
+    let alone = Router::new([worker("alone", Role::Mixed)], Mode::Aggregated, Deadlines::default(), rt());
+    let long = |id: u64| {
+        let mut r = request(id, PROMPTS[1], 96);
+        r.params.ignore_eos = true;
+        r
+    };
+    let (want, _) = collect(alone.generate(long(1)).unwrap()).await;
+    let (a, b) = (serve("ma", Role::Mixed).await, serve("mb", Role::Mixed).await);
+    let r = Arc::new(
+        Router::new(remotes(&a, &b), Mode::Auto, Deadlines::default(), rt()).with_transport(TransportKind::Tcp),
+    );
+    let front = pdserve_router::Migrating::new(r.clone(), 0);
+    let streams: Vec<TokenStream> = (0..2).map(|i| front.generate(long(10 + i)).unwrap()).collect();
+    // Both decode (one on each worker) before `ma` leaves decode.
+    for _ in 0..1000 {
+        if a.local.stats().await.unwrap().running > 0 && b.local.stats().await.unwrap().running > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let ea = r.workers().snapshot().into_iter().find(|e| e.name() == "ma").unwrap();
+    r.switch_role(&ea, Role::Prefill).await.unwrap();
+    assert_eq!(ea.worker.move_decodes().await.unwrap(), 1, "ma hands back the one it decodes");
+    for s in streams {
+        let (got, end) = collect(s).await;
+        assert!(matches!(end, Event::Done { .. }), "{end:?}");
+        assert_eq!(got, want, "the uninterrupted greedy tokens");
+    }
+    assert_eq!(a.local.stats().await.unwrap().running, 0);
+    assert_eq!(settle(&[&a.local, &b.local]).await, 0);
 }

@@ -63,6 +63,12 @@ pub(crate) enum Command {
     Decode(DecodeHandoff, EventSender),
     AbortImport(RequestId),
     Stats(oneshot::Sender<WorkerStats>),
+    /// End every stream here with [`ServeError::Moved`] naming `worker`; answered
+    /// with how many.
+    MoveOut {
+        worker: String,
+        reply: oneshot::Sender<usize>,
+    },
 }
 
 /// Receives a prefill's frames, layer by layer, on the engine's thread. Returning
@@ -372,6 +378,17 @@ impl Worker for LocalWorker {
         Box::pin(async move { Ok(events) })
     }
 
+    fn move_decodes(&self) -> Reply<'_, usize> {
+        let asked = self.inner.move_out(self.inner.role.get().role);
+        Box::pin(async move {
+            let n = asked?.await.map_err(|_| self.inner.stopped())?;
+            if n > 0 {
+                tracing::info!(worker = %self.inner.info.name, sequences = n, "handed back decodes after a role switch");
+            }
+            Ok(n)
+        })
+    }
+
     fn probe_inbox(&self, id: RequestId) -> Reply<'_, HandoffToken> {
         let hid = HandoffId::from(id);
         let opened = self.inner.inboxes.expect(hid).map_err(|e| ServeError::Invalid(format!("link probe: {e}")));
@@ -395,6 +412,18 @@ impl Worker for LocalWorker {
 }
 
 impl Inner {
+    /// Asks the loop to end its streams, unless `role` still decodes (a switch back
+    /// overtook the call): then nothing moves.
+    fn move_out(&self, role: Role) -> Result<oneshot::Receiver<usize>, ServeError> {
+        let (reply, rx) = oneshot::channel();
+        if role.decodes() {
+            let _ = reply.send(0);
+        } else {
+            self.send(Command::MoveOut { worker: self.info.name.clone(), reply })?;
+        }
+        Ok(rx)
+    }
+
     /// Queues a command, waiting while the queue is full (frames of a transfer: the
     /// wait backs up into the link, which slows the sender down).
     async fn send_waiting(&self, mut c: Command) -> Result<(), ServeError> {

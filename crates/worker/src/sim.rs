@@ -257,6 +257,18 @@ impl Worker for SimWorker {
         let events = crate::events::since(&self.inner.pool, after);
         Box::pin(async move { Ok(events) })
     }
+
+    fn move_decodes(&self) -> Reply<'_, usize> {
+        let (reply, rx) = oneshot::channel();
+        let asked = match self.inner.role.get().role.decodes() {
+            true => reply.send(0).map_err(|_| self.inner.stopped()),
+            false => self.inner.send(Command::MoveOut { worker: self.inner.info.name.clone(), reply }),
+        };
+        Box::pin(async move {
+            asked?;
+            rx.await.map_err(|_| self.inner.stopped())
+        })
+    }
 }
 
 impl Inner {

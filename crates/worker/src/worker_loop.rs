@@ -192,6 +192,9 @@ impl Loop {
                 self.engine.abort_import(id);
                 self.imports.remove(&id);
             }
+            Command::MoveOut { worker, reply } => {
+                let _ = reply.send(self.move_out(&worker));
+            }
             Command::Stats(reply) => {
                 let s = self.engine.stats();
                 let _ = reply.send(WorkerStats {
@@ -232,6 +235,20 @@ impl Loop {
         if self.streams.remove(&id).is_some() {
             self.active.fetch_sub(1, Ordering::Relaxed);
         }
+    }
+
+    /// Ends every stream with [`ServeError::Moved`]: the engine drops the sequences,
+    /// and their full blocks stay cached for the prefill that moves them on.
+    fn move_out(&mut self, worker: &str) -> usize {
+        let ids: Vec<RequestId> = self.streams.keys().copied().collect();
+        for &id in &ids {
+            self.engine.cancel(id);
+            if let Some(live) = self.streams.get(&id) {
+                let _ = live.events.send(Event::Failed(ServeError::Moved { worker: worker.to_string() }));
+            }
+            self.untrack(id);
+        }
+        ids.len()
     }
 
     /// Pauses sequences whose consumers fell behind and resumes those that caught up

@@ -43,6 +43,9 @@ pub enum What {
     /// How long a fleet role switch takes, from the planner's decision to the worker
     /// admitting work in its new role (takes the planner lease; no planner may run).
     Switch(super::bench_switch::SwitchArgs),
+    /// A worker leaving decode with long decodes in flight: its sequences finished in
+    /// place against handed over by their KV, timed, tokens checked.
+    Migrate(super::bench_migrate::MigrateArgs),
 }
 
 #[derive(clap::Args)]
@@ -304,6 +307,7 @@ pub fn run(what: What) -> anyhow::Result<()> {
         What::Grammar(a) => grammar_bench(a),
         What::Tiers(a) => super::bench_tiers::run(a),
         What::Switch(a) => super::bench_switch::run(a),
+        What::Migrate(a) => super::bench_migrate::run(a),
     }
 }
 

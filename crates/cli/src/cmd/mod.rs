@@ -1,4 +1,5 @@
 pub mod bench;
+mod bench_migrate;
 mod bench_switch;
 mod bench_tiers;
 pub mod fleet;

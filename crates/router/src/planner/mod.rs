@@ -276,7 +276,7 @@ impl Planner {
 
     /// Gives the workers the roles of `to`, moving as few as possible: prefill goes to
     /// those already prefilling, then to the least loaded. One that stops decoding
-    /// finishes its sequences in place, and goes back if they outlast the drain limit.
+    /// hands its sequences to the decoders (or finishes them in place, see [`drain`]).
     /// Answers with each switched worker's outcome, and the milliseconds they took.
     async fn apply(&self, entries: &[Arc<Entry>], to: Shape) -> (Vec<(String, Result<Assignment, ServeError>)>, f64) {
         let mut order: Vec<&Arc<Entry>> = entries.iter().collect();
@@ -311,11 +311,19 @@ impl Planner {
     }
 }
 
-/// Waits for a worker that left decode to finish its decodes; past `limit`, gives
-/// it back its old role.
+/// Empties a worker that left decode: its sequences move to the decoders left (by
+/// their KV, see `crate::migrate`), or, with none usable, finish in place; past
+/// `limit`, it gets its old role back.
 async fn drain(router: Arc<Router>, act: Arc<dyn Actuator>, e: Arc<Entry>, from: Role, limit: Duration) {
     let started = Instant::now();
     while started.elapsed() < limit {
+        let others = router.workers().snapshot().iter().any(|o| o.id != e.id && o.usable() && o.role().decodes());
+        if others {
+            // Again each round: a reservation granted before the switch lands later.
+            if let Ok(Err(err)) = tokio::time::timeout(STATS_WAIT, e.worker.move_decodes()).await {
+                tracing::debug!(worker = e.name(), error = %err, "decodes not handed back");
+            }
+        }
         let prefilling = PREFILL_SLOTS - e.slots.available_permits();
         match tokio::time::timeout(STATS_WAIT, e.worker.stats()).await {
             Ok(Ok(s)) if s.running + s.waiting <= prefilling => {

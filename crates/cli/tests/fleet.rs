@@ -652,3 +652,26 @@ fn a_fleet_planner_decision_is_a_leaf_on_the_wind() {
     eventually("the standby takes the lease", || standby.logged("took the planner lease"));
     assert_eq!(common::plan_of(&n.url)["holder"], "plan-next");
 }
+
+/// Fleet workers push their KV events over NATS; the frontend's index takes them
+/// (`pdserve_kv_index_pushed_events_total`) and routes a repeated prompt to the
+/// worker that holds it.
+#[test]
+fn kv_events_arrive_over_nats_and_route_a_repeated_prompt_to_its_cache() {
+    let n = nats();
+    let sims = sim_fleet(&n, ["kv1", "kv2"], ["mixed", "mixed"], &["--mode", "aggregated", "--policy", "kv-aware"]);
+    let fe = &sims.fe;
+    let prompt: Vec<u32> = (0..600u32).map(|t| 1000 + (t * 37) % 30000).collect();
+    let req = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0});
+    assert_eq!(common::http(fe.addr, "POST", "/v1/completions", Some(&req)).0, 200);
+    eventually("the prompt's blocks reach the index pushed", || {
+        metric(fe.addr, "pdserve_kv_index_pushed_events_total", "") >= 37.0
+    });
+    for _ in 0..4 {
+        let (status, body) = common::http(fe.addr, "POST", "/v1/completions", Some(&req));
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        assert!(cached >= 592, "the repeat went to the worker holding its prefix: {body}");
+    }
+}

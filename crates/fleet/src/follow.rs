@@ -1,12 +1,15 @@
 //! Following the fleet: every write of a node record, and every node that leaves.
 //!
 //! A node is up while its record is in the bucket. It leaves when its record is
-//! deleted (a clean stop) or when it has not been written for [`TTL`] and a fresh
-//! read of the bucket no longer holds it (the bucket expired it). The fresh read
-//! guards against a watch that stopped delivering: a record still in the bucket
-//! keeps its node. While NATS itself is unreachable nobody leaves — in-flight work
-//! and the control connections decide then — and the view is read afresh once NATS
-//! is back.
+//! deleted (a clean stop), or when it has not been written for [`TTL`], a fresh
+//! read of the bucket no longer holds it (the bucket expired it), and it does not
+//! write again within [`MISSING_GRACE`]. The fresh read guards against a watch that
+//! stopped delivering: a record still in the bucket keeps its node. The grace
+//! covers the bucket losing records that are alive: a JetStream leader lost with its
+//! server is re-elected seconds later, and records whose writes failed for [`TTL`]
+//! meanwhile expire; their nodes write again once they can. While NATS
+//! itself is unreachable nobody leaves. In every case in-flight work and the control
+//! connections decide whether a node is usable; the view only adds and drops them.
 
 use crate::bus::{node_of, Bus, NatsConfig, TTL};
 use crate::record::{NodeId, NodeRecord};
@@ -27,13 +30,16 @@ pub enum Change {
 
 /// How often records are checked for age.
 const SWEEP: Duration = Duration::from_millis(250);
+/// How long a node whose record expired may take to write it again before it is
+/// taken to have left.
+pub const MISSING_GRACE: Duration = Duration::from_secs(10);
 
 /// Follows the fleet at `cfg` on the current runtime; the changes arrive on the
 /// receiver, which stops the follower when dropped.
 pub fn follow(cfg: NatsConfig) -> mpsc::Receiver<Change> {
     let (tx, rx) = mpsc::channel(256);
     tokio::spawn(async move {
-        let mut view = View { tx, seen: HashMap::new() };
+        let mut view = View { tx, seen: HashMap::new(), missing: HashMap::new() };
         loop {
             let bus = tokio::select! {
                 bus = Bus::connect_patiently(&cfg) => bus,
@@ -53,6 +59,8 @@ struct View {
     /// Nodes up: the write time their record carries, and when this process first
     /// saw that write. A write seen again (a fresh read, a new watch) is not news.
     seen: HashMap<NodeId, (u64, Instant)>,
+    /// Nodes whose records a fresh read no longer held, and since when.
+    missing: HashMap<NodeId, Instant>,
 }
 
 impl View {
@@ -86,6 +94,9 @@ impl View {
                         None => break,
                     },
                     _ = sweep.tick() => {
+                        if !self.give_up_missing().await {
+                            return false;
+                        }
                         let stale = self.seen.values().any(|(_, t)| t.elapsed() > TTL);
                         // A stale node with NATS up: read the bucket afresh (and watch
                         // anew, in case the watch is what went quiet).
@@ -113,7 +124,9 @@ impl View {
         let gone: Vec<NodeId> =
             self.seen.keys().filter(|id| !nodes.iter().any(|n| &n.node_id == *id)).cloned().collect();
         for id in gone {
-            self.down(id).await;
+            self.seen.remove(&id);
+            tracing::info!(node = %id, grace_s = MISSING_GRACE.as_secs(), "a fleet record expired; waiting for it");
+            self.missing.insert(id, Instant::now());
         }
         for rec in nodes {
             self.up(rec).await;
@@ -134,7 +147,26 @@ impl View {
         !self.tx.is_closed()
     }
 
+    /// Nodes missing for longer than the grace have left. False once the receiver
+    /// is gone.
+    async fn give_up_missing(&mut self) -> bool {
+        let over: Vec<NodeId> = self
+            .missing
+            .iter()
+            .filter(|(_, since)| since.elapsed() > MISSING_GRACE)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in over {
+            self.missing.remove(&id);
+            let _ = self.tx.send(Change::Down(id)).await;
+        }
+        !self.tx.is_closed()
+    }
+
     async fn up(&mut self, rec: NodeRecord) {
+        if self.missing.remove(&rec.node_id).is_some() {
+            tracing::info!(node = %rec.node_id, "a fleet record written again after it expired");
+        }
         let first_seen = match self.seen.get(&rec.node_id) {
             Some(&(written, at)) if written == rec.updated_unix_ms => at,
             _ => Instant::now(),
@@ -144,7 +176,7 @@ impl View {
     }
 
     async fn down(&mut self, id: NodeId) {
-        if self.seen.remove(&id).is_some() {
+        if self.seen.remove(&id).is_some() | self.missing.remove(&id).is_some() {
             let _ = self.tx.send(Change::Down(id)).await;
         }
     }

@@ -168,10 +168,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 let prober = Prober { me: id.clone(), my_kv: at(kv), worker: local, key: key.clone(), table: links };
                 tokio::spawn(prober.run(cfg.clone()));
                 tokio::spawn(take_planned_roles(cfg.clone(), id.clone(), worker.clone()));
-                // Pushing KV events over NATS (`pdserve_fleet::publish_kv_events`) is
-                // off: with it, the three-host chaos test lost its decode workers when
-                // a NATS server was killed, and the cause is not found yet. Routers
-                // poll each worker's control connection instead.
+                pdserve_fleet::publish_kv_events(cfg.clone(), id.clone(), worker.clone());
                 Some(pdserve_fleet::register(cfg, id, move || node.clone().record()))
             }
         };

@@ -8,7 +8,7 @@
 //! | wrong method | 405 | `invalid_request_error` | `method_not_allowed` |
 //! | body over the limit | 413 | `invalid_request_error` | `request_too_large` |
 //! | content type not JSON | 415 | `invalid_request_error` | `unsupported_media_type` |
-//! | admission refused ([`ServeError::Overloaded`], [`ServeError::QueueFull`], [`ServeError::SloInfeasible`]; with `Retry-After`) | 429 | `rate_limit_error` | `rate_limit_exceeded` |
+//! | admission refused ([`ServeError::Overloaded`], [`ServeError::QueueFull`], [`ServeError::SloInfeasible`], [`ServeError::TpotInfeasible`]; with `Retry-After`) | 429 | `rate_limit_error` | `rate_limit_exceeded` |
 //! | no worker, shutting down | 503 | `server_error` | `service_unavailable` |
 //! | a phase timed out | 504 | `server_error` | `timeout` |
 //! | anything else | 500 | `server_error` | null |
@@ -70,7 +70,10 @@ impl ApiError {
                 ServeError::ContextLength { .. } => {
                     (StatusCode::BAD_REQUEST, BAD, Some("max_tokens"), Some("context_length_exceeded"))
                 }
-                ServeError::Overloaded(_) | ServeError::QueueFull { .. } | ServeError::SloInfeasible { .. } => {
+                ServeError::Overloaded(_)
+                | ServeError::QueueFull { .. }
+                | ServeError::SloInfeasible { .. }
+                | ServeError::TpotInfeasible { .. } => {
                     (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", None, Some("rate_limit_exceeded"))
                 }
                 ServeError::NoWorker(_)
@@ -116,9 +119,11 @@ impl ApiError {
     /// Seconds a client should wait before trying again, for `Retry-After`.
     pub fn retry_after(&self) -> Option<u64> {
         match self {
-            ApiError::Serve(ServeError::QueueFull { retry_s, .. } | ServeError::SloInfeasible { retry_s, .. }) => {
-                Some((*retry_s).max(1))
-            }
+            ApiError::Serve(
+                ServeError::QueueFull { retry_s, .. }
+                | ServeError::SloInfeasible { retry_s, .. }
+                | ServeError::TpotInfeasible { retry_s, .. },
+            ) => Some((*retry_s).max(1)),
             ApiError::Serve(ServeError::Overloaded(_)) => Some(1),
             _ => None,
         }

@@ -590,6 +590,16 @@ async fn a_first_token_predicted_past_the_objective_is_429_with_retry_after() {
 }
 
 #[tokio::test]
+async fn a_decode_step_predicted_past_the_objective_is_429_with_retry_after() {
+    let refusal = ServeError::TpotInfeasible { predicted_ms: 61, slo_ms: 50, retry_s: 1 };
+    let s = Server::start(Script::Refuse(refusal)).await;
+    let r = s.post_json("/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "x"}]})).await;
+    let body = r.error(429);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert!(body.to_string().contains("about 61 ms per output token, over the objective of 50 ms"), "{body}");
+}
+
+#[tokio::test]
 async fn connections_are_capped_and_idle_or_half_sent_ones_closed() {
     let frontend = frontend(reply(ANSWER));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -246,6 +246,12 @@ pub enum ServeError {
     /// before any of it is computed.
     #[error("overloaded: the first token is predicted in about {predicted_ms} ms, over the objective of {slo_ms} ms")]
     SloInfeasible { predicted_ms: u64, slo_ms: u64, retry_s: u64 },
+    /// With the request in its batch, its decode worker's step (the time per output
+    /// token of every sequence there) is predicted past the objective admission
+    /// holds to (429, with `Retry-After: retry_s`): refused before any of it is
+    /// computed.
+    #[error("overloaded: with this request its decode worker is predicted at about {predicted_ms} ms per output token, over the objective of {slo_ms} ms")]
+    TpotInfeasible { predicted_ms: u64, slo_ms: u64, retry_s: u64 },
     /// No worker can take the request (503).
     #[error("no worker available: {0}")]
     NoWorker(String),
@@ -281,7 +287,7 @@ impl ServeError {
             ServeError::ContextLength { .. } => "context_length_exceeded",
             ServeError::Overloaded(_) => "overloaded",
             ServeError::QueueFull { .. } => "queue_full",
-            ServeError::SloInfeasible { .. } => "slo_infeasible",
+            ServeError::SloInfeasible { .. } | ServeError::TpotInfeasible { .. } => "slo_infeasible",
             ServeError::NoWorker(_) => "no_worker",
             ServeError::Timeout(_) => "timeout",
             ServeError::ShuttingDown => "shutting_down",
@@ -300,6 +306,7 @@ impl ServeError {
             ServeError::Overloaded(_)
                 | ServeError::QueueFull { .. }
                 | ServeError::SloInfeasible { .. }
+                | ServeError::TpotInfeasible { .. }
                 | ServeError::NoWorker(_)
                 | ServeError::Timeout(_)
                 | ServeError::StaleEpoch { .. }

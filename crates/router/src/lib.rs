@@ -64,6 +64,9 @@ pub struct Router {
     max_queue: Option<Duration>,
     /// Refuse requests whose first token is predicted later than this.
     slo_ttft: Option<Duration>,
+    /// Refuse requests whose decode worker's step is predicted longer than this
+    /// with them in its batch.
+    slo_tpot: Option<Duration>,
     /// What each worker's prefix cache holds, from their KV events.
     index: Arc<KvIndex>,
     /// Requests refused by admission, to spread their `Retry-After`.
@@ -97,6 +100,7 @@ impl Router {
             via: TransportKind::Inproc,
             max_queue: None,
             slo_ttft: None,
+            slo_tpot: None,
             index: Arc::default(),
             refusals: AtomicU64::new(0),
             signals: Arc::new(planner::signals::Signals::new(SIGNALS_WINDOW)),
@@ -166,6 +170,17 @@ impl Router {
     /// refused at once (429 with `Retry-After`), before any of it is computed.
     pub fn with_slo_admission(mut self, slo: Option<Duration>) -> Self {
         self.slo_ttft = slo;
+        self
+    }
+
+    /// TPOT admission: a request whose decode worker, with it added to its batch, is
+    /// predicted to take longer than `slo` per step (every sequence's time per output
+    /// token there) is refused at once (429 with `Retry-After`). The step is the
+    /// worker's own fit of its decode steps ([`pdserve_types::StepFit`]) over the
+    /// sequences it runs and the tokens its blocks hold, as its stats last said;
+    /// a worker without a fit yet is not judged.
+    pub fn with_tpot_admission(mut self, slo: Option<Duration>) -> Self {
+        self.slo_tpot = slo;
         self
     }
 
@@ -292,7 +307,8 @@ impl Router {
     /// `queued_s` seconds of prompts on its prefill worker, behind the backlog of
     /// decode worker `d`, or until `d` has free the KV blocks its waiting requests and
     /// this prompt need, whichever is longest; or, under SLO admission, one whose
-    /// first token, `own_s` of prefill after that, is predicted past the objective.
+    /// first token, `own_s` of prefill after that, is predicted past the objective;
+    /// or, under TPOT admission, one with which `d`'s decode step would be.
     /// The prediction is scaled by how late first tokens came against it lately
     /// ([`cost::Backlog::correction`]). Admitted, the raw prediction is returned.
     /// A request moving mid-stream (`moved`) was admitted when it came: it is never
@@ -313,6 +329,12 @@ impl Router {
             let retry_s = self.retry_after(first - slo.as_secs_f64());
             let (predicted_ms, slo_ms) = ((first.min(1e6) * 1e3) as u64, slo.as_millis() as u64);
             return Err(ServeError::SloInfeasible { predicted_ms, slo_ms, retry_s });
+        }
+        if let Some((slo, step)) = self.slo_tpot.zip(d.predict_step(life)).filter(|(s, t)| *t > s.as_secs_f64()) {
+            // A batch shrinks as its sequences finish: a second, spread, is a fair wait.
+            let retry_s = self.retry_after(1.0);
+            let (predicted_ms, slo_ms) = ((step.min(1e6) * 1e3).ceil() as u64, slo.as_millis() as u64);
+            return Err(ServeError::TpotInfeasible { predicted_ms, slo_ms, retry_s });
         }
         Ok(raw)
     }

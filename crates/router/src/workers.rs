@@ -7,7 +7,7 @@
 
 use crate::cost::{Backlog, KvMemory, Link, PrefillLoad, RestorePace};
 use pdserve_protocol::{ServeError, Worker};
-use pdserve_types::{Assignment, Epoch, Role};
+use pdserve_types::{Assignment, DecodeSteps, Epoch, Role, StepFit};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -47,6 +47,9 @@ pub struct Entry {
     pub(crate) restore: RestorePace,
     /// Its probed KV links to other workers, by their names.
     links: Mutex<HashMap<String, Link>>,
+    /// Its decode step fit and the tokens its blocks held, as its stats last said
+    /// (TPOT admission).
+    decode: Mutex<Option<(StepFit, usize)>>,
 }
 
 impl Entry {
@@ -92,6 +95,19 @@ impl Entry {
     pub fn report_free_blocks(&self, blocks: usize, mark: u64) {
         self.kv.report_free(blocks);
         self.backlog.counted(mark);
+    }
+
+    /// The worker's decode steps so far and its used blocks, as its stats just said.
+    pub fn report_decode(&self, steps: &DecodeSteps, used_blocks: usize) {
+        let held = used_blocks * crate::BLOCK_SIZE;
+        *self.decode.lock().unwrap_or_else(PoisonError::into_inner) = steps.fit().map(|f| (f, held));
+    }
+
+    /// Seconds of a decode step here with one more sequence of `tokens` tokens at
+    /// most, if the worker's steps were fitted.
+    pub(crate) fn predict_step(&self, tokens: usize) -> Option<f64> {
+        let (fit, held) = (*self.decode.lock().unwrap_or_else(PoisonError::into_inner))?;
+        Some(fit.seconds((self.worker.load() + 1) as f64, (held + tokens) as f64))
     }
 
     /// The worker's lower-tier counters, as its stats just said.
@@ -169,6 +185,7 @@ impl WorkerSet {
             kv: Arc::default(),
             restore: RestorePace::default(),
             links: Mutex::default(),
+            decode: Mutex::default(),
         };
         self.write().push(Arc::new(entry));
         id

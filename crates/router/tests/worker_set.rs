@@ -167,6 +167,47 @@ async fn slo_admission_refuses_a_first_token_predicted_past_the_objective() {
     assert!(r.generate(request(4, 300, 2)).is_ok(), "the queue drained");
 }
 
+/// TPOT admission judges the decode worker's step with the request added, from the
+/// worker's own fit: sequences running there and tokens its blocks hold both count,
+/// and a worker without a fit is not judged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tpot_admission_refuses_a_request_that_would_slow_its_decoder_past_the_objective() {
+    use pdserve_protocol::ServeError;
+    let w = FakeWorker::new("w", Role::Mixed, 100_000);
+    w.knobs(|k| k.token_interval = Duration::from_millis(20));
+    let r = router(&[&w], Mode::Aggregated).with_tpot_admission(Some(Duration::from_millis(30)));
+    let first = r.generate(request(1, 16, 400)).unwrap();
+    let e = r.workers().snapshot()[0].clone();
+    // The worker's steps: 10 ms, 5 ms a sequence, 1 µs a context token.
+    let mut steps = pdserve_types::DecodeSteps::default();
+    for b in 1..=8usize {
+        for k in [0, 1000] {
+            steps.record(b, k, 0.010 + 0.005 * b as f64 + 1e-6 * k as f64);
+        }
+    }
+    e.report_decode(&steps, 0);
+    // 1 running + this one: 20.4 ms; 2 + 1: 25.4 ms; 3 + 1: 30.4 ms, refused.
+    let second = r.generate(request(2, 16, 400)).unwrap();
+    let third = r.generate(request(3, 16, 400)).unwrap();
+    match r.generate(request(4, 16, 400)) {
+        Err(ServeError::TpotInfeasible { predicted_ms, slo_ms, retry_s }) => {
+            assert!(predicted_ms == 31 && slo_ms == 30 && retry_s >= 1, "{predicted_ms} {retry_s}")
+        }
+        other => panic!("expected a refusal, got {:?}", other.map(|_| "a stream")),
+    }
+    drop((first, second, third));
+    for _ in 0..200 {
+        if w.load() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(r.generate(request(5, 16, 400)).is_ok(), "the batch emptied");
+    // 1,000 blocks held (16,000 tokens) add 16 ms to every step.
+    e.report_decode(&steps, 1000);
+    assert!(matches!(r.generate(request(6, 16, 400)), Err(ServeError::TpotInfeasible { .. })));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_refuses_what_would_wait_too_long_and_says_when_to_retry() {
     let w = FakeWorker::new("w", Role::Mixed, 100_000);

@@ -42,6 +42,12 @@ pub struct ApiArgs {
     /// before any of it is computed. Off by default.
     #[arg(long, value_parser = positive_ms)]
     admit_ttft_ms: Option<f64>,
+    /// TPOT admission: refuse (429 with Retry-After) a request with which its decode
+    /// worker's step (every sequence's time per output token there) is predicted
+    /// longer than this many milliseconds, from the worker's own fit of its decode
+    /// steps. Off by default.
+    #[arg(long, value_parser = positive_ms)]
+    admit_tpot_ms: Option<f64>,
     /// A streaming client that reads nothing for this many seconds gets an error and
     /// its request is cancelled (its sequence is paused while it lags).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
@@ -74,6 +80,11 @@ impl ApiArgs {
     /// `--admit-ttft-ms`, if given.
     pub fn slo_admission(&self) -> Option<Duration> {
         self.admit_ttft_ms.map(|ms| Duration::from_secs_f64(ms / 1e3))
+    }
+
+    /// `--admit-tpot-ms`, if given.
+    pub fn tpot_admission(&self) -> Option<Duration> {
+        self.admit_tpot_ms.map(|ms| Duration::from_secs_f64(ms / 1e3))
     }
 }
 
@@ -241,6 +252,7 @@ async fn report_once(router: &Router, metrics: &Metrics) {
                 // Blocks only the prefix cache holds are given up on demand.
                 e.report_free_blocks(s.blocks.free + s.blocks.cached, mark);
                 e.report_tiers(&s.tiers);
+                e.report_decode(&s.decode_steps, s.blocks.used);
                 // A role another process switched (a fleet planner) shows here first;
                 // the gauge follows what the entry holds, however it learned it (a
                 // stale-epoch refusal may have taught it before this report).

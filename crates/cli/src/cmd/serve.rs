@@ -184,6 +184,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             .with_policy(t.policy.build())
             .with_admission(a.api.admission())
             .with_slo_admission(a.api.slo_admission())
+            .with_tpot_admission(a.api.tpot_admission())
             .with_transport(via)
             .with_telemetry(Arc::new(metrics.clone())),
         );

@@ -330,7 +330,8 @@ impl Router {
             let (predicted_ms, slo_ms) = ((first.min(1e6) * 1e3) as u64, slo.as_millis() as u64);
             return Err(ServeError::SloInfeasible { predicted_ms, slo_ms, retry_s });
         }
-        if let Some((slo, step)) = self.slo_tpot.zip(d.predict_step(life)).filter(|(s, t)| *t > s.as_secs_f64()) {
+        let tpot = self.slo_tpot.and_then(|s| Some((s, d.predict_step(life)?)));
+        if let Some((slo, step)) = tpot.filter(|(s, t)| *t > s.as_secs_f64()) {
             // A batch shrinks as its sequences finish: a second, spread, is a fair wait.
             let retry_s = self.retry_after(1.0);
             let (predicted_ms, slo_ms) = ((step.min(1e6) * 1e3).ceil() as u64, slo.as_millis() as u64);

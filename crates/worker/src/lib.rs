@@ -379,9 +379,11 @@ impl Worker for LocalWorker {
     }
 
     fn move_decodes(&self) -> Reply<'_, usize> {
-        let asked = self.inner.move_out(self.inner.role.get().role);
+        let (command, rx) = move_out(&self.inner.role, &self.inner.info.name);
+        let asked = command.map_or(Ok(()), |c| self.inner.send(c));
         Box::pin(async move {
-            let n = asked?.await.map_err(|_| self.inner.stopped())?;
+            asked?;
+            let n = rx.await.map_err(|_| self.inner.stopped())?;
             if n > 0 {
                 tracing::info!(worker = %self.inner.info.name, sequences = n, "handed back decodes after a role switch");
             }
@@ -411,19 +413,18 @@ impl Worker for LocalWorker {
     }
 }
 
-impl Inner {
-    /// Asks the loop to end its streams, unless `role` still decodes (a switch back
-    /// overtook the call): then nothing moves.
-    fn move_out(&self, role: Role) -> Result<oneshot::Receiver<usize>, ServeError> {
-        let (reply, rx) = oneshot::channel();
-        if role.decodes() {
-            let _ = reply.send(0);
-        } else {
-            self.send(Command::MoveOut { worker: self.info.name.clone(), reply })?;
-        }
-        Ok(rx)
+/// The command that ends worker `name`'s streams, unless its role still decodes (a
+/// switch back overtook the call): then nothing moves, and the answer is 0 already.
+pub(crate) fn move_out(role: &RoleState, name: &str) -> (Option<Command>, oneshot::Receiver<usize>) {
+    let (reply, rx) = oneshot::channel();
+    if role.get().role.decodes() {
+        let _ = reply.send(0);
+        return (None, rx);
     }
+    (Some(Command::MoveOut { worker: name.to_string(), reply }), rx)
+}
 
+impl Inner {
     /// Queues a command, waiting while the queue is full (frames of a transfer: the
     /// wait backs up into the link, which slows the sender down).
     async fn send_waiting(&self, mut c: Command) -> Result<(), ServeError> {

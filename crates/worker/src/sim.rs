@@ -259,11 +259,8 @@ impl Worker for SimWorker {
     }
 
     fn move_decodes(&self) -> Reply<'_, usize> {
-        let (reply, rx) = oneshot::channel();
-        let asked = match self.inner.role.get().role.decodes() {
-            true => reply.send(0).map_err(|_| self.inner.stopped()),
-            false => self.inner.send(Command::MoveOut { worker: self.inner.info.name.clone(), reply }),
-        };
+        let (command, rx) = crate::move_out(&self.inner.role, &self.inner.info.name);
+        let asked = command.map_or(Ok(()), |c| self.inner.send(c));
         Box::pin(async move {
             asked?;
             rx.await.map_err(|_| self.inner.stopped())

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{collect, model, request, rt, worker, PROMPTS};
+use common::{collect, collect_all, model, request, rt, worker, PROMPTS};
 
 use common::local;
 use pdserve_kv_transfer::TransportKind;
@@ -235,8 +235,7 @@ async fn a_full_decode_worker_makes_handoffs_wait_not_fail() {
     let text = PROMPTS[1].repeat(10);
     let (want, _) = collect(agg.generate(request(1, &text, 8)).unwrap()).await;
     let streams: Vec<_> = (0..6).map(|i| r.generate(request(100 + i, &text, 8)).unwrap()).collect();
-    for s in streams {
-        let (got, end) = collect(s).await;
+    for (got, end) in collect_all(streams).await {
         assert!(matches!(end, Event::Done { .. }), "{end:?}");
         assert_eq!(got, want);
     }
@@ -271,8 +270,7 @@ async fn auto_waits_for_a_dedicated_decode_worker_instead_of_prefilling_there() 
     let agg = router(Mode::Aggregated, Deadlines::default());
     let (want, _) = collect(agg.generate(long(1)).unwrap()).await;
     let streams: Vec<_> = (0..4).map(|i| r.generate(long(100 + i)).unwrap()).collect();
-    for s in streams {
-        let (got, end) = collect(s).await;
+    for (got, end) in collect_all(streams).await {
         assert!(matches!(end, Event::Done { .. }), "{end:?}");
         assert_eq!(got, want);
     }
@@ -327,8 +325,7 @@ async fn concurrent_long_prompts_are_served_not_refused() {
     };
     for round in 0..2u64 {
         let streams: Vec<_> = (0..3).map(|i| r.generate(long(round * 3 + i)).unwrap()).collect();
-        for s in streams {
-            let (toks, end) = collect(s).await;
+        for (toks, end) in collect_all(streams).await {
             assert!(matches!(end, Event::Done { .. }), "{end:?}");
             assert_eq!(toks.len(), 8);
         }

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{collect, key, local, request, rt, worker, PROMPTS};
+use common::{collect, collect_all, key, local, request, rt, worker, PROMPTS};
 
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, Generate, TokenStream, Worker};
@@ -302,8 +302,7 @@ async fn decodes_handed_back_over_control_move_to_the_other_worker_unchanged() {
     let ea = r.workers().snapshot().into_iter().find(|e| e.name() == "ma").unwrap();
     r.switch_role(&ea, Role::Prefill).await.unwrap();
     assert_eq!(ea.worker.move_decodes().await.unwrap(), 1, "ma hands back the one it decodes");
-    for s in streams {
-        let (got, end) = collect(s).await;
+    for (got, end) in collect_all(streams).await {
         assert!(matches!(end, Event::Done { .. }), "{end:?}");
         assert_eq!(got, want, "the uninterrupted greedy tokens");
     }

@@ -77,6 +77,18 @@ pub async fn collect(mut s: TokenStream) -> (Vec<u32>, Event) {
     }
 }
 
+/// Reads every stream at once, as concurrent clients would: reading them one after
+/// another leaves the later ones unread past the router's client-stall deadline while
+/// an earlier one is long.
+pub async fn collect_all(streams: Vec<TokenStream>) -> Vec<(Vec<u32>, Event)> {
+    let tasks: Vec<_> = streams.into_iter().map(|s| tokio::spawn(collect(s))).collect();
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        out.push(t.await.expect("a stream reader panicked"));
+    }
+    out
+}
+
 pub fn rt() -> tokio::runtime::Handle {
     tokio::runtime::Handle::current()
 }

@@ -230,19 +230,66 @@ impl Router {
 
     /// The policy's choice among `entries`.
     fn pick(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<Arc<Entry>> {
+        self.pick_where(ask, entries, |_| true)
+    }
+
+    /// The policy's choice of the decode worker. A worker that will not prefill the
+    /// request (any decoder in disaggregated mode, one the planner made a decoder in
+    /// auto) is offered as a prefill elsewhere would serve it: nothing cached, nothing
+    /// queued, the fastest pace among `entries`. The whole prompt's KV reaches it
+    /// from a prefill worker, so a prefix it holds would save nothing (and would draw
+    /// every repeated prompt to it, away from a decoder that joined later); among
+    /// such workers the choice falls to their load.
+    fn pick_decoder(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<Arc<Entry>> {
+        self.pick_where(ask, entries, |e| match self.mode {
+            Mode::Aggregated => true,
+            Mode::Disaggregated => false,
+            Mode::Auto => e.role() != Role::Decode,
+        })
+    }
+
+    /// The policy's choice among `entries`, where only those `prefills_there` are
+    /// offered with their cached prefix.
+    fn pick_where(
+        &self,
+        ask: &Ask<'_>,
+        entries: &[Arc<Entry>],
+        prefills_there: impl Fn(&Entry) -> bool,
+    ) -> Option<Arc<Entry>> {
         let names: Vec<&str> = entries.iter().map(|e| e.name()).collect();
         let cached = self.index.prefix(ask.block_hashes, &names);
+        // A worker not timed yet is taken to be as fast as its timed peers: the fixed
+        // prior would make a newcomer look faster or slower than it is.
+        let timed: Vec<f64> = entries.iter().filter_map(|e| e.prefill.measured()).collect();
+        let peers = (!timed.is_empty()).then(|| timed.iter().sum::<f64>() / timed.len() as f64);
+        let pace = |e: &Entry| e.prefill.measured().or(peers).unwrap_or_else(|| e.prefill.seconds_per_token());
+        let fastest = entries.iter().map(|e| pace(e)).fold(f64::INFINITY, f64::min);
         let candidates: Vec<Candidate<'_>> = entries
             .iter()
             .zip(cached)
-            .map(|(e, prefix)| Candidate {
-                name: e.name(),
-                role: e.role(),
-                load: e.worker.load() + e.backlog.routed(),
-                queued_prompt_tokens: e.prefill.queued(),
-                cached_tokens: prefix.blocks() * BLOCK_SIZE,
-                restore_seconds: e.restore.seconds(&prefix),
-                seconds_per_token: e.prefill.seconds_per_token(),
+            .map(|(e, prefix)| {
+                let load = e.worker.load() + e.backlog.routed();
+                let (name, role) = (e.name(), e.role());
+                match prefills_there(e) {
+                    true => Candidate {
+                        name,
+                        role,
+                        load,
+                        queued_prompt_tokens: e.prefill.queued(),
+                        cached_tokens: prefix.blocks() * BLOCK_SIZE,
+                        restore_seconds: e.restore.seconds(&prefix),
+                        seconds_per_token: pace(e),
+                    },
+                    false => Candidate {
+                        name,
+                        role,
+                        load,
+                        queued_prompt_tokens: 0,
+                        cached_tokens: 0,
+                        restore_seconds: 0.0,
+                        seconds_per_token: fastest,
+                    },
+                }
             })
             .collect();
         let i = self.policy.pick(ask, &candidates)?;
@@ -489,8 +536,9 @@ impl Router {
         let ask = Ask { prompt_len: req.prompt.len(), block_hashes: &hashes };
         let all = self.workers.snapshot();
         let decoders = Self::with_role(&all, &[Role::Decode, Role::Mixed], None);
-        let d =
-            self.pick(&ask, &decoders).ok_or_else(|| ServeError::NoWorker("no live decode or mixed worker".into()))?;
+        let d = self
+            .pick_decoder(&ask, &decoders)
+            .ok_or_else(|| ServeError::NoWorker("no live decode or mixed worker".into()))?;
         let span = tracing::Span::current();
         span.record("decode", d.name());
         req.trace.update(|t| t.decode = Some(d.name().to_string()));

@@ -286,7 +286,8 @@ async fn auto_waits_for_a_dedicated_decode_worker_instead_of_prefilling_there() 
 async fn a_failed_prefill_starts_over_on_the_spare_prefill_worker() {
     let m = model();
     let bad: Arc<dyn Worker> = Arc::new(local("tiny-prefill", Role::Prefill, 4));
-    // The failing worker comes first, so least-loaded picks it first every time.
+    // The failing worker comes first, so the policy picks it first every time (both
+    // idle, nothing cached: ties go to the first).
     let workers = [bad, worker("prefill", Role::Prefill), worker("decode", Role::Decode)];
     let seen = Arc::new(Bytes::default());
     let r = Router::new(workers, Mode::Disaggregated, Deadlines::default(), rt()).with_telemetry(seen.clone());

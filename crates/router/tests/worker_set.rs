@@ -55,7 +55,7 @@ async fn settled(workers: &[&FakeWorker]) -> usize {
 async fn a_worker_added_to_a_running_router_is_used() {
     let a = FakeWorker::new("a", Role::Mixed, 1000);
     let r = router(&[&a], Mode::Aggregated);
-    // Keep `a` busy, then add `b`: least-loaded sends the next requests to `b`.
+    // Keep `a` busy, then add `b`: the policy sends the next requests to `b`.
     let busy: Vec<_> = (0..4).map(|i| r.generate(request(i, 32, 200)).unwrap()).collect();
     let b = FakeWorker::new("b", Role::Mixed, 1000);
     r.workers().add(Arc::new(b.clone()));
@@ -228,4 +228,60 @@ async fn admission_refuses_what_would_wait_too_long_and_says_when_to_retry() {
     assert!(matches!(collect(a).await.1, Event::Done { .. }));
     assert!(matches!(collect(b).await.1, Event::Done { .. }));
     assert!(r.generate(request(4, 600, 2)).is_ok());
+}
+
+/// The KV index's size, as the router last reported it.
+#[derive(Default)]
+struct IndexSize(std::sync::atomic::AtomicUsize);
+
+impl pdserve_protocol::Telemetry for IndexSize {
+    fn phase(&self, _: pdserve_protocol::Phase, _: f64) {}
+    fn route(&self, _: pdserve_protocol::PrefillRoute) {}
+    fn kv_transfer_bytes(&self, _: pdserve_kv_transfer::TransportKind, _: u64) {}
+    fn migrated(&self, _: &'static str) {}
+    fn kv_index(&self, _: &[f64], _: usize, blocks: usize) {
+        self.0.store(blocks, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Under the default policy (kv-aware) a prefix a busy worker holds draws a request
+/// there only where the request is prefilled there. Aggregated, the busy worker's
+/// cache wins over an idle worker; disaggregated, the whole prompt's KV reaches the
+/// decoder from the prefill worker anyway, so the idle decoder is chosen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_prefix_draws_a_request_only_to_a_worker_that_prefills_it() {
+    for (mode, role, to_cached) in [(Mode::Aggregated, Role::Mixed, true), (Mode::Disaggregated, Role::Decode, false)] {
+        let (cached, idle) = (FakeWorker::new("cached", role, 1000), FakeWorker::new("idle", role, 1000));
+        let prefill = FakeWorker::new("prefill", Role::Prefill, 1000);
+        let first: Vec<&FakeWorker> = match mode {
+            Mode::Disaggregated => vec![&prefill, &cached],
+            _ => vec![&cached],
+        };
+        let seen = Arc::new(IndexSize::default());
+        let r = Arc::new(router(&first, mode).with_telemetry(seen.clone()));
+        r.follow_kv_events();
+        // `cached` decodes one long request, then `idle` joins.
+        let busy = r.generate(request(1, 32, 5000)).unwrap();
+        r.workers().add(Arc::new(idle.clone()));
+        let req = request(2, 320, 4);
+        let hashes = pdserve_kv::block_hashes(&req.prompt, 16, 0);
+        let n = hashes.len();
+        cached.holds(hashes);
+        for _ in 0..500 {
+            if seen.0.load(std::sync::atomic::Ordering::SeqCst) >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(seen.0.load(std::sync::atomic::Ordering::SeqCst) >= n, "{mode:?}: the index never saw the prefix");
+        let before = (cached.served(), idle.served());
+        let (got, end) = collect(r.generate(req.clone()).unwrap()).await;
+        assert_eq!(got, expected(&req));
+        assert!(matches!(end, Event::Done { .. }), "{end:?}");
+        let took = (cached.served() - before.0, idle.served() - before.1);
+        let want = if to_cached { (1, 0) } else { (0, 1) };
+        assert_eq!(took, want, "{mode:?}: (cached, idle) decoders took");
+        drop(busy);
+        assert_eq!(settled(&[&cached, &idle, &prefill]).await, 0);
+    }
 }

@@ -7,10 +7,11 @@
 //! request gives the same tokens aggregated, disaggregated, moved between fakes, or
 //! resumed from its prompt plus the tokens it had already generated.
 
+use pdserve_kv::{BlockHash, Tier};
 use pdserve_kv_transfer::{Frame, HandoffId, HandoffToken, Inbox, Inboxes, KvTarget, Links, TransportKind};
 use pdserve_protocol::{
-    BlockCounts, DecodeHandoff, Event, EventSender, FinishReason, GenerateRequest, KvDestination, Prefilled, Reply,
-    RoleState, ServeError, TokenOut, Usage, Worker, WorkerInfo, WorkerStats,
+    BlockCounts, DecodeHandoff, Event, EventSender, FinishReason, GenerateRequest, KvCursor, KvDestination, KvEvents,
+    Prefilled, Reply, RoleState, ServeError, TokenOut, Usage, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::{Assignment, Epoch, RequestId, Role};
 use std::collections::HashMap;
@@ -89,6 +90,8 @@ struct Inner {
     inboxes: Inboxes,
     links: Links,
     imports: Mutex<HashMap<RequestId, Import>>,
+    /// The block hashes its "prefix cache" reports, and how often they were set.
+    cached: Mutex<(Vec<BlockHash>, u64)>,
 }
 
 struct Import {
@@ -112,6 +115,7 @@ impl FakeWorker {
                 inboxes: Inboxes::new(64),
                 links: Links::default(),
                 imports: Mutex::default(),
+                cached: Mutex::default(),
             }),
         }
     }
@@ -129,6 +133,13 @@ impl FakeWorker {
     /// Requests it generated tokens for so far.
     pub fn served(&self) -> usize {
         self.inner.served.load(Ordering::SeqCst)
+    }
+
+    /// From now on its KV events report exactly `hashes` cached (in the pool). The
+    /// fake's generation does not read them: they steer a router's index only.
+    pub fn holds(&self, hashes: Vec<BlockHash>) {
+        let mut c = lock(&self.inner.cached);
+        *c = (hashes, c.1 + 1);
     }
 
     /// The worker stops answering: it is no longer alive, and its streams fail.
@@ -371,6 +382,17 @@ impl Worker for FakeWorker {
     fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
         let now = self.inner.role.switch(to).1;
         Box::pin(async move { Ok(now) })
+    }
+
+    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
+        Box::pin(async move {
+            self.inner.check_alive()?;
+            let (hashes, version) = lock(&self.inner.cached).clone();
+            let cursor = KvCursor { instance: 1, seq: version };
+            // Every change is a fresh snapshot: the fake keeps no event log.
+            let snapshot = (after != cursor).then(|| hashes.into_iter().map(|h| (h, Tier::Device)).collect());
+            Ok(KvEvents { snapshot, events: Vec::new(), cursor })
+        })
     }
 
     fn stats(&self) -> Reply<'_, WorkerStats> {

@@ -44,9 +44,10 @@ pub struct Args {
     /// aggregated | disaggregated | auto.
     #[arg(long, default_value = "auto")]
     mode: Mode,
-    /// How to pick among workers of one role: least-loaded | kv-aware (the soonest
-    /// predicted first token, counting each worker's cached prefix) | round-robin.
-    #[arg(long, default_value = "least-loaded")]
+    /// How to pick among workers of one role: kv-aware (the default: the soonest
+    /// predicted first token, counting each worker's cached prefix) | least-loaded |
+    /// round-robin.
+    #[arg(long, default_value = "kv-aware")]
     policy: PolicyKind,
     /// How prefill workers send KV to decode workers: tcp (the default) | shm (same host).
     #[arg(long)]

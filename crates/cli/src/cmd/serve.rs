@@ -45,9 +45,10 @@ pub struct TopologyArgs {
     /// on the decode worker or on another worker, whichever gives the first token sooner).
     #[arg(long, default_value = "auto")]
     pub mode: Mode,
-    /// How to pick among workers of one role: least-loaded | kv-aware (the soonest
-    /// predicted first token, counting each worker's cached prefix) | round-robin.
-    #[arg(long, default_value = "least-loaded")]
+    /// How to pick among workers of one role: kv-aware (the default: the soonest
+    /// predicted first token, counting each worker's cached prefix) | least-loaded |
+    /// round-robin.
+    #[arg(long, default_value = "kv-aware")]
     pub policy: PolicyKind,
     /// Prefill workers (disaggregated and auto; default 1).
     #[arg(long)]

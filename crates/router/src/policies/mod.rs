@@ -52,8 +52,8 @@ pub trait Policy: Send + Sync {
 /// The policies `--policy` names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PolicyKind {
-    KvAware,
     #[default]
+    KvAware,
     LeastLoaded,
     RoundRobin,
 }

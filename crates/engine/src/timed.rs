@@ -124,7 +124,27 @@ pub struct TimedModel {
     /// real model's figure divided by the scale the worker states.
     pub kv_values: usize,
     pub cost: StepCost,
+    /// What copying a block back from a lower tier costs (none without tiers).
+    pub restore: RestoreCost,
     pub clock: Clock,
+}
+
+/// Seconds a timed engine charges to copy one block (every layer's K and V, at the
+/// real model's size) back into its pool from each lower tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct RestoreCost {
+    pub host_block_s: f64,
+    pub disk_block_s: f64,
+}
+
+impl RestoreCost {
+    pub fn seconds(&self, from: pdserve_kv::Place) -> f64 {
+        match from {
+            pdserve_kv::Place::Host(_) => self.host_block_s,
+            pdserve_kv::Place::Disk(_) => self.disk_block_s,
+            pdserve_kv::Place::Device(_) => 0.0,
+        }
+    }
 }
 
 /// Ordinary tokens of the usual vocabularies start about here (ids below are special

@@ -4,19 +4,25 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pdserve_engine::batch::{Engine, EngineConfig};
-use pdserve_engine::timed::{Clock, StepCost, StepShape, TimedModel};
+use pdserve_engine::tiers::TierConfig;
+use pdserve_engine::timed::{Clock, RestoreCost, StepCost, StepShape, TimedModel};
 use pdserve_types::{RequestId, SamplingParams};
 use std::collections::BTreeMap;
 
 const COST: StepCost = StepCost { fixed_s: 0.01, token_s: 0.001, pair_s: 1e-6, decode_pair_s: 2e-6, logits_s: 0.002 };
 
 fn engine(num_blocks: usize, max_batch_tokens: usize) -> Engine {
+    engine_with(num_blocks, max_batch_tokens, RestoreCost::default())
+}
+
+fn engine_with(num_blocks: usize, max_batch_tokens: usize, restore: RestoreCost) -> Engine {
     let t = TimedModel {
         vocab_size: 49152,
         context_length: 8192,
         n_layers: 4,
         kv_values: 2,
         cost: COST,
+        restore,
         clock: Clock::Virtual,
     };
     Engine::timed(t, EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 64, cache_salt: 0 }, vec![])
@@ -142,4 +148,26 @@ fn an_engine_that_cannot_compute_anything_says_it_is_stalled() {
     e.step();
     assert!(!e.stalled());
     drain(&mut e);
+}
+
+/// A prefix the pool pushed down to the host tier comes back at the modelled copy
+/// time instead of being recomputed: the second prefill charges each restored block's
+/// copy and computes only the prompt's last, partial block.
+#[test]
+fn a_prefix_restored_from_the_host_tier_costs_the_modelled_copy() {
+    let restore = RestoreCost { host_block_s: 0.002, disk_block_s: 0.0 };
+    let tiers = TierConfig { host_blocks: 64, ..TierConfig::default() };
+    let mut e = engine_with(64, 512, restore).with_tiers(&tiers).unwrap();
+    let p = prompt(16 * 10 + 3, 1);
+    e.add(RequestId(1), p.clone(), SamplingParams::greedy(1)).unwrap();
+    let cold: f64 = drain(&mut e).1.iter().sum();
+    e.evict_cached();
+    e.add(RequestId(2), p.clone(), SamplingParams::greedy(1)).unwrap();
+    let (out, steps) = drain(&mut e);
+    assert_eq!(out[&2].len(), 1);
+    assert_eq!(e.stats().tiers.restored_host, 10, "every full block came back from the host tier");
+    let warm: f64 = steps.iter().sum();
+    let tail = COST.seconds(&StepShape::prefill(160, 3));
+    assert!((warm - (10.0 * 0.002 + tail)).abs() < 1e-9, "warm {warm} s, cold {cold} s");
+    assert!(warm < cold);
 }

@@ -7,6 +7,10 @@
 //!   median of five steps.
 //! - KV links: a 64 KiB and a 16 MiB handoff over each transport (the best of three):
 //!   the small one is the latency, the difference the rate.
+//! - KV tiers: a 512-token prompt pushed out of a fresh engine's pool into the host
+//!   tier (then, separately, the disk tier, its file synced and dropped from the page
+//!   cache) and asked for again; the engine's own seconds per block copied back (the
+//!   median of three each).
 //! - Overheads: a role switch; a short request's trip through a worker beyond its
 //!   engine step; and each streamed token's cost beyond the engine's decode step,
 //!   from streams served over HTTP by a `pdserve serve` of the same model.
@@ -21,6 +25,8 @@ use pdserve_bench::target::Target;
 use pdserve_bench::workload::RequestSpec;
 use pdserve_engine::batch::{Engine, EngineConfig, BLOCK_SIZE};
 use pdserve_engine::model::Model;
+use pdserve_engine::tiers::TierConfig;
+use pdserve_engine::timed::RestoreCost;
 use pdserve_kv_transfer::{
     frame, probe, ClusterKey, HandoffId, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, TransportKind,
 };
@@ -84,6 +90,12 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
         links.push(link);
     }
     let threads = spec.threads.iter().copied().min().unwrap_or(1);
+    let tiers = tier_restore(&spec.model, threads)?;
+    log(&format!(
+        "a block back from host RAM {:.0} µs, from disk {:.0} µs",
+        tiers.host_block_s * 1e6,
+        tiers.disk_block_s * 1e6
+    ));
     let co_run_slowdown = co_run(&spec.model);
     log(&format!("two one-thread workers at once: steps {co_run_slowdown:.2}× as long"));
     let o = rt.block_on(overheads(&spec.model, threads))?;
@@ -127,7 +139,61 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
         token_overhead_s: token_s,
         host_token_s,
         co_run_slowdown,
+        tiers: Some(tiers),
     })
+}
+
+/// Seconds to copy one block back into the pool from the host tier and from the
+/// disk tier (median of three runs each).
+fn tier_restore(model: &Arc<Model>, threads: usize) -> Result<RestoreCost, TwinError> {
+    let dir = std::env::temp_dir().join(format!("pdserve-profile-tiers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| TwinError::io(&dir, e))?;
+    let per_block = |disk: Option<&std::path::Path>| -> Result<f64, TwinError> {
+        let runs: Result<Vec<f64>, TwinError> = (0..3).map(|i| restore_once(model, threads, disk, i)).collect();
+        Ok(median(runs?))
+    };
+    let host = per_block(None);
+    let disk = per_block(Some(&dir));
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(RestoreCost { host_block_s: host?, disk_block_s: disk? })
+}
+
+/// One 512-token prompt computed, pushed down to the tier (`disk` or host RAM), and
+/// asked for again: the engine's seconds per block copied back.
+fn restore_once(
+    model: &Arc<Model>,
+    threads: usize,
+    disk: Option<&std::path::Path>,
+    salt: usize,
+) -> Result<f64, TwinError> {
+    const TOKENS: usize = 512;
+    let blocks = TOKENS / BLOCK_SIZE + 4;
+    let tiers = match disk {
+        None => TierConfig { host_blocks: blocks, ..TierConfig::default() },
+        Some(d) => TierConfig { disk_blocks: blocks, disk_dir: Some(d.to_path_buf()), ..TierConfig::default() },
+    };
+    let invalid = |e: &dyn std::fmt::Display| TwinError::Invalid(format!("timing the KV tiers: {e}"));
+    let mut e = engine(model, threads, blocks).with_tiers(&tiers).map_err(|e| invalid(&e))?;
+    let p = prompt(TOKENS, 900 + salt);
+    for (id, push_down) in [(0, true), (1, false)] {
+        e.add(RequestId(id), p.clone(), SamplingParams::greedy(1)).map_err(|e| invalid(&e))?;
+        while e.has_work() {
+            e.step();
+        }
+        if push_down {
+            e.evict_cached();
+            e.flush_tiers(true).map_err(|e| invalid(&e))?;
+        }
+    }
+    let t = e.stats().tiers;
+    let (n, seconds) = match disk {
+        Some(_) => (t.restored_disk, t.restore_seconds_disk),
+        None => (t.restored_host, t.restore_seconds_host),
+    };
+    if n == 0 {
+        return Err(invalid(&"no block came back from the tier"));
+    }
+    Ok(seconds / n as f64)
 }
 
 fn engine(model: &Arc<Model>, threads: usize, num_blocks: usize) -> Engine {

@@ -12,6 +12,7 @@ use pdserve_bench::load::{plans, Sweep};
 use pdserve_bench::metrics::Slo;
 use pdserve_bench::report::svg::{LinePlot, Series};
 use pdserve_bench::workload::Workload;
+use pdserve_engine::tiers::TierConfig;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_router::planner::model;
 use pdserve_router::{Mode, PolicyKind};
@@ -125,12 +126,13 @@ fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
     let base = |mode, roles: Vec<Role>| Topology {
         mode,
         roles,
-        policy: PolicyKind::LeastLoaded,
+        policy: PolicyKind::default(),
         threads: spec.threads,
         kv_blocks: None,
         via: spec.via,
         planner: None,
         shared_machine: false,
+        tiers: TierConfig::default(),
     };
     let mut out = vec![(format!("aggregated ×{n}"), base(Mode::Aggregated, vec![Role::Mixed; n]))];
     if n > 1 {

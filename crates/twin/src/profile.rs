@@ -8,7 +8,7 @@
 
 use crate::TwinError;
 use pdserve_engine::batch::EngineConfig;
-use pdserve_engine::timed::{Clock, StepCost, StepShape, TimedModel};
+use pdserve_engine::timed::{Clock, RestoreCost, StepCost, StepShape, TimedModel};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_worker::LinkModel;
 use serde::{Deserialize, Serialize};
@@ -47,6 +47,11 @@ pub struct Profile {
     /// machine, over its time alone.
     #[serde(default = "one")]
     pub co_run_slowdown: f64,
+    /// Seconds to copy one block back into the pool from the host tier and from the
+    /// disk tier; absent in a profile timed before tiers were (the simulator then
+    /// refuses tier flags).
+    #[serde(default)]
+    pub tiers: Option<RestoreCost>,
 }
 
 fn one() -> f64 {
@@ -171,6 +176,7 @@ impl Profile {
             n_layers: self.model.n_layers,
             kv_values: 1,
             cost: StepCost { logits_s: step.logits_s + self.token_overhead_s, ..step },
+            restore: self.tiers.unwrap_or_default(),
             clock,
         }
     }

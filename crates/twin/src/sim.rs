@@ -15,6 +15,7 @@ use pdserve_bench::point::PointPlan;
 use pdserve_bench::record::RequestRecord;
 use pdserve_bench::runner::{run_point, Server};
 use pdserve_bench::workload::{RequestSpec, Workload};
+use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::Clock;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, Generate, GenerateRequest, Worker};
@@ -44,6 +45,9 @@ pub struct Topology {
     /// Whether the workers share one machine (`serve`'s topology) or each has its
     /// own (a fleet of nodes).
     pub shared_machine: bool,
+    /// Each worker's host and disk tiers (none by default), in the real model's
+    /// blocks; copies back cost the profile's [`Profile::tiers`].
+    pub tiers: TierConfig,
 }
 
 impl Topology {
@@ -84,7 +88,7 @@ pub fn simulate(spec: &SimSpec<'_>) -> Result<Vec<PointResult>, TwinError> {
         .build()
         .map_err(|e| TwinError::Invalid(format!("starting the simulation's runtime: {e}")))?;
     rt.block_on(async {
-        let server = SimServer::start(spec.profile, &spec.topology);
+        let server = SimServer::start(spec.profile, &spec.topology)?;
         let origin = Instant::now();
         for i in 0..spec.warmup {
             server.send(&spec.workload.request(u64::MAX, i), origin, None).await;
@@ -117,7 +121,14 @@ const TIMEOUT: Duration = Duration::from_secs(600);
 
 impl SimServer {
     /// Starts the workers and the router (and the planner) on the current runtime.
-    pub fn start(profile: &Profile, t: &Topology) -> SimServer {
+    /// Fails when the topology asks for tiers the profile has no timings of, or a
+    /// disk tier cannot be opened.
+    pub fn start(profile: &Profile, t: &Topology) -> Result<SimServer, TwinError> {
+        if !t.tiers.is_empty() && profile.tiers.is_none() {
+            return Err(TwinError::Invalid(
+                "this profile has no KV tier timings (timed before tiers were): run `pdserve profile` again".into(),
+            ));
+        }
         // The profile's widest shape is its machine's cores.
         let cores = profile.shapes.iter().map(|s| s.threads).max().unwrap_or(1);
         let shared = Machine::new(cores, profile.co_run_slowdown, profile.host_token_s);
@@ -125,7 +136,8 @@ impl SimServer {
             true => shared.clone(),
             false => Machine::new(cores, 1.0, profile.host_token_s),
         };
-        let workers = t.roles.iter().enumerate().map(|(i, &role)| {
+        let mut workers = Vec::with_capacity(t.roles.len());
+        for (i, &role) in t.roles.iter().enumerate() {
             let opts = SimOptions {
                 name: format!("{role}-{i}"),
                 role,
@@ -135,9 +147,11 @@ impl SimServer {
                 kv_bytes_per_token: profile.model.kv_bytes_per_token,
                 links: profile.links(),
                 machine: machine(),
+                tiers: t.tiers.clone(),
             };
-            Arc::new(SimWorker::spawn(opts)) as Arc<dyn Worker>
-        });
+            let w = SimWorker::spawn(opts).map_err(|e| TwinError::Invalid(e.to_string()))?;
+            workers.push(Arc::new(w) as Arc<dyn Worker>);
+        }
         let router = Router::new(workers, t.mode, Deadlines::default(), tokio::runtime::Handle::current())
             .with_policy(t.policy.build())
             .with_transport(t.via);
@@ -151,7 +165,7 @@ impl SimServer {
         // Serve's default `--max-migrations`.
         let front = Migrating::new(router.clone(), 1);
         let admission = Duration::from_secs_f64(profile.admission_s);
-        SimServer { router, front, admission, timeout: TIMEOUT, next_id: Cell::new(1) }
+        Ok(SimServer { router, front, admission, timeout: TIMEOUT, next_id: Cell::new(1) })
     }
 
     pub fn router(&self) -> &Arc<Router> {

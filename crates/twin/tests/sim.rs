@@ -42,6 +42,7 @@ fn profile() -> Profile {
         token_overhead_s: 0.0,
         host_token_s: 0.0,
         co_run_slowdown: 1.0,
+        tiers: None,
     }
 }
 
@@ -55,6 +56,7 @@ fn topology(mode: Mode, roles: Vec<Role>) -> Topology {
         via: TransportKind::Inproc,
         planner: None,
         shared_machine: true,
+        tiers: Default::default(),
     }
 }
 
@@ -186,7 +188,7 @@ fn sixteen_workers_under_the_planner_finish_and_free_their_blocks() {
     rt.block_on(async {
         let slo = pdserve_router::planner::model::Slo { ttft_s: 2.0, tpot_s: 0.05 };
         let t = Topology { planner: Some(slo), ..topology(Mode::Auto, vec![Role::Mixed; 16]) };
-        let server = SimServer::start(&p, &t);
+        let server = SimServer::start(&p, &t).unwrap();
         let w = workload(1500, 16);
         let sweep =
             Sweep::Rates { rates: vec![20.0], kind: pdserve_bench::arrivals::ArrivalKind::Poisson, burstiness: 1.0 };
@@ -202,4 +204,34 @@ fn sixteen_workers_under_the_planner_finish_and_free_their_blocks() {
             assert_eq!((s.running, s.waiting, s.importing), (0, 0, 0), "{}", e.name());
         }
     });
+}
+
+/// Prompts sharing one of eight 512-token prefixes on a worker whose pool holds
+/// fewer than two: with a host tier the prefixes come back at the profile's copy time
+/// instead of being recomputed, and a profile without tier timings refuses tiers.
+#[test]
+fn a_host_tier_brings_evicted_prefixes_back_at_the_profiles_copy_time() {
+    let w = WorkloadFlags { shared_prefixes: 8, prefix_len: 512, ..flags(32, 4) }.build().unwrap();
+    let tiered = |host_blocks| Topology {
+        kv_blocks: Some(48),
+        tiers: pdserve_engine::tiers::TierConfig { host_blocks, ..Default::default() },
+        ..topology(Mode::Aggregated, vec![Role::Mixed])
+    };
+    let mut p = profile();
+    assert!(SimServer::start(&p, &tiered(512)).is_err(), "tiers without the profile's timings");
+    p.tiers = Some(pdserve_engine::timed::RestoreCost { host_block_s: 1e-4, disk_block_s: 1e-3 });
+    let median_ttft = |host_blocks| {
+        let out = run(&p, tiered(host_blocks), &w, Sweep::Concurrency(vec![1]), 40);
+        let mut t: Vec<f64> = out[0].records.iter().map(|r| r.ttft_s.unwrap()).collect();
+        assert!(out[0].records.iter().all(|r| r.ok));
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    };
+    let (pool_only, host) = (median_ttft(0), median_ttft(512));
+    // Recomputing 544 tokens (in chunks of 512) against copying 32 blocks back and
+    // computing the rest.
+    let recompute = STEP.seconds(&StepShape::chunk(0, 512, false)) + STEP.seconds(&StepShape::prefill(512, 32));
+    let restore = 32.0 * 1e-4 + STEP.seconds(&StepShape::prefill(512, 32));
+    close(pool_only, ADMISSION + recompute);
+    close(host, ADMISSION + restore);
 }

@@ -10,6 +10,7 @@
 use crate::worker_loop;
 use crate::{lock, Command, Defer};
 use pdserve_engine::batch::{Engine, EngineConfig};
+use pdserve_engine::tiers::{TierConfig, TierError};
 use pdserve_engine::timed::TimedModel;
 use pdserve_kv::BlockPool;
 use pdserve_kv_transfer::{HandoffToken, Inboxes, KvAddr, KvTarget, TransportKind};
@@ -116,6 +117,9 @@ pub struct SimOptions {
     pub links: Vec<(TransportKind, LinkModel)>,
     /// The machine it shares with other simulated workers.
     pub machine: Arc<Machine>,
+    /// Host and disk tiers below its pool, sized in blocks of the real model; a
+    /// copy back costs what `timed.restore` says.
+    pub tiers: TierConfig,
 }
 
 /// A handle to a simulated worker; the loop lives as long as a handle does.
@@ -141,12 +145,13 @@ struct Inner {
 }
 
 impl SimWorker {
-    /// Starts the worker's loop as a task of the current (paused) runtime.
-    pub fn spawn(opts: SimOptions) -> SimWorker {
+    /// Starts the worker's loop as a task of the current (paused) runtime; fails only
+    /// when its disk tier cannot be opened.
+    pub fn spawn(opts: SimOptions) -> Result<SimWorker, TierError> {
+        let (layers, threads) = (opts.timed.n_layers, opts.engine.threads.max(1));
+        let engine = Engine::timed(opts.timed, opts.engine, Vec::new()).with_tiers(&opts.tiers)?;
         let (tx, rx) = mpsc::channel(QUEUE);
         let active = Arc::new(AtomicUsize::new(0));
-        let (layers, threads) = (opts.timed.n_layers, opts.engine.threads.max(1));
-        let engine = Engine::timed(opts.timed, opts.engine, Vec::new());
         let pool = engine.block_pool().clone();
         tokio::spawn(worker_loop::run_virtual(engine, rx, active.clone(), (opts.machine, threads)));
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
@@ -163,7 +168,7 @@ impl SimWorker {
             inboxes: Inboxes::new(1),
             pool,
         };
-        SimWorker { inner: Arc::new(inner) }
+        Ok(SimWorker { inner: Arc::new(inner) })
     }
 }
 

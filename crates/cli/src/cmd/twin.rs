@@ -74,12 +74,15 @@ pub struct SimArgs {
 }
 
 /// The simulator's topology for `serve`'s topology flags `t`, on `profile`'s machine.
-fn sim_topology(t: &TopologyArgs, profile: &Profile, slo: Slo) -> Topology {
+fn sim_topology(t: &TopologyArgs, profile: &Profile, slo: Slo) -> anyhow::Result<Topology> {
     let roles = t.roles();
     // The profile's widest shape is the machine; its workers share it, as serve's do.
     let widest = profile.shapes.iter().map(|s| s.threads).max().unwrap_or(1);
     let threads = t.threads_per_worker.unwrap_or((widest / roles.len()).max(1));
-    Topology {
+    // The tiers' sizes count blocks of the real model, as `serve`'s do.
+    let block_bytes = (profile.model.kv_bytes_per_token * pdserve_engine::batch::BLOCK_SIZE as f64) as usize;
+    let tiers = t.tiers.config(block_bytes)?;
+    Ok(Topology {
         mode: t.mode,
         policy: t.policy,
         threads,
@@ -90,17 +93,15 @@ fn sim_topology(t: &TopologyArgs, profile: &Profile, slo: Slo) -> Topology {
         // more are a fleet, one machine each.
         shared_machine: threads * roles.len() <= widest,
         roles,
-    }
+        tiers,
+    })
 }
 
 pub fn sim(a: SimArgs) -> anyhow::Result<()> {
     a.topology.check()?;
-    if a.topology.tiers.kv_host_gb > 0.0 || a.topology.tiers.kv_disk_dir.is_some() {
-        anyhow::bail!("the simulator has no KV host or disk tiers yet: drop --kv-host-gb / --kv-disk-dir");
-    }
     let profile = Profile::load(&a.profile)?;
     let slo = a.work.slo();
-    let topology = sim_topology(&a.topology, &profile, slo);
+    let topology = sim_topology(&a.topology, &profile, slo)?;
     let workload = a.work.workload()?;
     let plans = plans(&a.work.sweep()?, a.work.requests, a.work.seconds, workload.trace_len())?;
     let started = Instant::now();
@@ -227,7 +228,7 @@ pub fn compare_sim(profile: &Profile, opts: &CompareOptions, report: &CompareRep
         let parsed = <ServeTopology as clap::Parser>::try_parse_from(args)
             .map_err(|e| e.to_string().lines().next().unwrap_or_default().to_string())?;
         parsed.t.check().map_err(|e| e.to_string())?;
-        Ok(sim_topology(&parsed.t, profile, opts.slo))
+        sim_topology(&parsed.t, profile, opts.slo).map_err(|e| e.to_string())
     };
     let predicted = versus::predict(profile, opts, report, &read)?;
     json::write(&opts.out.join("predicted.json"), &predicted)?;

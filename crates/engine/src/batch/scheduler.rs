@@ -231,13 +231,22 @@ impl Engine {
         let Ok(blocks) = self.blocks.allocate_many(found) else { return 0 };
         self.settle_moves();
         let Some(tiers) = self.tiers.as_mut() else { return 0 };
+        // A timed engine's copies take the profile's time on its clock.
+        let mut modelled = 0.0;
         for (i, block) in blocks.into_iter().enumerate() {
             let at = from + i;
             let Some((_, place)) = self.blocks.locate_lower(hashes[at]) else { break };
             if !tiers.restore(place, &mut self.kv, block.id().0) {
                 break;
             }
+            if let Compute::Timed(t) = &self.compute {
+                modelled += t.restore.seconds(place);
+            }
             hits.push(block.complete(hashes[at], at.checked_sub(1).map(|p| hashes[p])));
+        }
+        if let Compute::Timed(t) = &self.compute {
+            self.charged += modelled;
+            timed::spend(t.clock, modelled);
         }
         hits.len() - from
     }

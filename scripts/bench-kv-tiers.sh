@@ -19,15 +19,7 @@ bin=./target/release/pdserve
 port=18096
 source scripts/fresh-server.sh
 
-# A 256-block pool (4,096 tokens) holds about three 1,024-token prefixes next to the
-# running requests: the workload's 16 are five times that.
-base=(--mode aggregated --workers 1 --threads-per-worker 2 --kv-blocks 256 --policy kv-aware)
-declare -A tiers=(
-  [pool-only]=""
-  [host]="--kv-host-gb 0.5"
-  [host+disk]="--kv-host-gb 0.1 --kv-disk-dir $disk --kv-disk-gb 1"
-)
-configs="pool-only host host+disk"
+source scripts/kv-tiers-rows.sh
 for cfg in $configs; do
   echo "== $cfg" >&2
   rm -rf "$disk"

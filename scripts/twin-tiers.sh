@@ -19,13 +19,7 @@ disk=target/twin-tiers-disk
 cargo build --release --bin pdserve >&2
 bin=./target/release/pdserve
 
-base=(--mode aggregated --workers 1 --threads-per-worker 2 --kv-blocks 256 --policy kv-aware)
-declare -A tiers=(
-  [pool-only]=""
-  [host]="--kv-host-gb 0.5"
-  [host+disk]="--kv-host-gb 0.1 --kv-disk-dir $disk --kv-disk-gb 1"
-)
-configs="pool-only host host+disk"
+source scripts/kv-tiers-rows.sh
 for cfg in $configs; do
   rm -rf "$disk"
   # shellcheck disable=SC2086  # the tier flags and the workload are lists of flags

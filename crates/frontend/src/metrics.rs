@@ -42,6 +42,8 @@ const WORKER_ROLE: &str = "pdserve_worker_role";
 const PLANNER_DECISIONS: &str = "pdserve_planner_decisions";
 const WORKER_UP: &str = "pdserve_worker_up";
 const PAUSED: &str = "pdserve_paused_requests";
+const WORKER_REQUESTS: &str = "pdserve_worker_requests";
+const WORKER_QUEUED_PROMPT_TOKENS: &str = "pdserve_worker_queued_prompt_tokens";
 const CONSTRAINED: &str = "pdserve_constrained_requests";
 const GRAMMAR_MASKS: &str = "pdserve_grammar_masks";
 const GRAMMAR_MASK_SECONDS: &str = "pdserve_grammar_mask_seconds";
@@ -142,6 +144,8 @@ struct Inner {
     planner_decisions: Family<Label3, Counter>,
     worker_up: Family<Label1, Gauge>,
     paused: Family<Label1, Gauge>,
+    worker_requests: Family<Label2, Gauge>,
+    worker_queued_prompt_tokens: Family<Label1, Gauge>,
     constrained: Family<Label1, Counter>,
     grammar_masks: Family<Label1, Counter>,
     grammar_mask_seconds: Family<Label1, Counter<f64, AtomicU64>>,
@@ -188,6 +192,8 @@ impl Metrics {
             planner_decisions: Family::default(),
             worker_up: Family::default(),
             paused: Family::default(),
+            worker_requests: Family::default(),
+            worker_queued_prompt_tokens: Family::default(),
             constrained: Family::default(),
             grammar_masks: Family::default(),
             grammar_mask_seconds: Family::default(),
@@ -244,8 +250,8 @@ impl Metrics {
         self.inner.kv_transfer_bytes.get_or_create(&[("transport", transport.label().into())]).inc_by(bytes);
     }
 
-    /// The current block counts of `worker`'s KV pool.
-    /// A worker's block counts and paused requests, as it last reported them.
+    /// A worker's block counts, its requests waiting and running, its prompt tokens
+    /// not yet prefilled, and its paused requests, as it last reported them.
     pub fn set_worker_stats(&self, worker: &str, s: &WorkerStats) {
         for (state, tier, n) in block_series(s) {
             let labels = [("worker", worker.into()), ("state", state.into()), ("tier", tier.into())];
@@ -253,6 +259,14 @@ impl Metrics {
         }
         self.set_tier_counters(worker, &s.tiers);
         self.inner.paused.get_or_create(&[("worker", worker.into())]).set(gauge(s.paused));
+        for (state, n) in [("waiting", s.waiting), ("running", s.running)] {
+            self.inner
+                .worker_requests
+                .get_or_create(&[("worker", worker.into()), ("state", state.into())])
+                .set(gauge(n));
+        }
+        let queued = self.inner.worker_queued_prompt_tokens.get_or_create(&[("worker", worker.into())]);
+        queued.set(gauge(s.queued_prompt_tokens));
         // The worker reports totals since it started; the counters take the growth.
         let label = [("worker", worker.into())];
         let masks = self.inner.grammar_masks.get_or_create(&label);
@@ -309,6 +323,10 @@ impl Metrics {
             self.inner.kv_blocks.remove(&[("worker", worker.into()), ("state", state.into()), ("tier", tier.into())]);
         }
         self.inner.paused.remove(&[("worker", worker.into())]);
+        for state in ["waiting", "running"] {
+            self.inner.worker_requests.remove(&[("worker", worker.into()), ("state", state.into())]);
+        }
+        self.inner.worker_queued_prompt_tokens.remove(&[("worker", worker.into())]);
     }
 
     /// Adds prompt tokens found in a prefix cache.
@@ -387,6 +405,10 @@ impl Inner {
         r.register(PLANNER_DECISIONS, decisions, self.planner_decisions.clone());
         r.register(WORKER_UP, "1 while the worker answers, 0 once it is lost", self.worker_up.clone());
         r.register(PAUSED, "Requests paused because their clients stopped reading", self.paused.clone());
+        let help = "Requests on each worker's engine, waiting to start and running, as it last reported";
+        r.register(WORKER_REQUESTS, help, self.worker_requests.clone());
+        let help = "Prompt tokens each worker has been sent and not yet prefilled, as it last reported";
+        r.register(WORKER_QUEUED_PROMPT_TOKENS, help, self.worker_queued_prompt_tokens.clone());
         r.register(
             CONSTRAINED,
             "Requests whose output follows a grammar, by the field that asked",
@@ -498,12 +520,19 @@ mod tests {
         let m = Metrics::new();
         m.set_role("w0", Role::Decode);
         let blocks = BlockCounts { free: 10, used: 2, cached: 3, ..Default::default() };
-        m.set_worker_stats("w0", &WorkerStats { paused: 1, blocks, ..Default::default() });
+        let stats =
+            WorkerStats { paused: 1, waiting: 2, running: 5, queued_prompt_tokens: 300, blocks, ..Default::default() };
+        m.set_worker_stats("w0", &stats);
         let text = m.render();
         assert!(text.contains("pdserve_worker_role{worker=\"w0\",role=\"decode\"} 1\n"), "{text}");
         assert!(text.contains("pdserve_worker_role{worker=\"w0\",role=\"prefill\"} 0\n"), "{text}");
         assert!(text.contains("pdserve_kv_blocks{worker=\"w0\",state=\"cached\",tier=\"device\"} 3\n"), "{text}");
         assert!(text.contains("pdserve_paused_requests{worker=\"w0\"} 1\n"), "{text}");
+        assert!(text.contains("pdserve_worker_requests{worker=\"w0\",state=\"waiting\"} 2\n"), "{text}");
+        assert!(text.contains("pdserve_worker_requests{worker=\"w0\",state=\"running\"} 5\n"), "{text}");
+        assert!(text.contains("pdserve_worker_queued_prompt_tokens{worker=\"w0\"} 300\n"), "{text}");
+        m.forget_stats("w0");
+        assert!(!m.render().contains("pdserve_worker_requests{"), "a worker's series go with it");
     }
 
     #[test]

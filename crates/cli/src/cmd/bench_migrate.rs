@@ -108,17 +108,29 @@ pub fn run(a: MigrateArgs) -> anyhow::Result<()> {
 }
 
 fn worker(m: &LoadedModel, a: &MigrateArgs, name: &str, key: &ClusterKey) -> anyhow::Result<Arc<dyn Worker>> {
+    Ok(Arc::new(mixed_worker(m, name, key, 1, a.kv_blocks)?))
+}
+
+/// A mixed worker on the model in this process, on the current runtime, for the
+/// benchmarks that need two of them.
+pub(super) fn mixed_worker(
+    m: &LoadedModel,
+    name: &str,
+    key: &ClusterKey,
+    threads: usize,
+    kv_blocks: usize,
+) -> anyhow::Result<LocalWorker> {
     let opts = WorkerOptions {
         name: name.into(),
         role: Role::Mixed,
         model_name: m.name.clone(),
-        engine: EngineConfig { threads: 1, num_blocks: a.kv_blocks, ..Default::default() },
+        engine: EngineConfig { threads, num_blocks: kv_blocks, ..Default::default() },
         eog: m.tokenizer.eog_ids().to_vec(),
         key: key.clone(),
         grammars: None,
         tiers: Default::default(),
     };
-    Ok(Arc::new(LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current())?))
+    Ok(LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current())?)
 }
 
 /// Each stream's tokens with the time each arrived.

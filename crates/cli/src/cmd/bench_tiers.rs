@@ -1,11 +1,15 @@
 //! `pdserve bench tiers`: what a prefix costs when the pool no longer holds it:
-//! recomputed, copied back from host RAM (tier 2), or read back from disk (tier 3,
-//! with the file dropped from the page cache first, so the reads reach the device).
+//! recomputed, copied back from host RAM (tier 2), read back from disk (tier 3,
+//! with the file dropped from the page cache first, so the reads reach the device),
+//! or handed over by a peer worker whose pool holds it, over TCP and over shared
+//! memory.
 
 use anyhow::Context;
 use pdserve_engine::batch::{Engine, EngineConfig, BLOCK_SIZE};
 use pdserve_engine::loader::LoadedModel;
 use pdserve_engine::tiers::TierConfig;
+use pdserve_kv_transfer::{ClusterKey, TransportKind};
+use pdserve_protocol::{Event, GenerateRequest, KvDestination, TokenStream, Worker};
 use pdserve_types::{RequestId, SamplingParams};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -43,6 +47,9 @@ struct Row {
     host_restore_s: f64,
     disk_ttft_s: f64,
     disk_restore_s: f64,
+    /// A peer's pool holds the prefix: time to the first token with the KV here.
+    peer_tcp_ttft_s: f64,
+    peer_shm_ttft_s: f64,
 }
 
 /// Where the prefix is when it is asked for again.
@@ -55,18 +62,32 @@ enum From {
 
 pub fn run(a: TiersArgs) -> anyhow::Result<()> {
     let m = super::load_model(&a.model)?;
-    println!("| prefix tokens | recompute ms | host: TTFT ms | host: copy ms | × faster | disk: TTFT ms | disk: read ms | × faster |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| prefix tokens | recompute ms | host: TTFT ms | host: copy ms | × faster | disk: TTFT ms | disk: read ms | \
+         × faster | peer over TCP: TTFT ms | × faster | peer over shm: TTFT ms | × faster |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     for &n in &a.prefix {
         let median = |from| median_of(a.reps, || once(&m, &a, n, from));
         let (recompute_s, _) = median(From::Nowhere)?;
         let (host_ttft_s, host_restore_s) = median(From::Host)?;
         let (disk_ttft_s, disk_restore_s) = median(From::Disk)?;
-        let row = Row { prefix_tokens: n, recompute_s, host_ttft_s, host_restore_s, disk_ttft_s, disk_restore_s };
+        let peer_tcp_ttft_s = peer(&m, &a, n, TransportKind::Tcp)?;
+        let peer_shm_ttft_s = peer(&m, &a, n, TransportKind::Shm)?;
+        let row = Row {
+            prefix_tokens: n,
+            recompute_s,
+            host_ttft_s,
+            host_restore_s,
+            disk_ttft_s,
+            disk_restore_s,
+            peer_tcp_ttft_s,
+            peer_shm_ttft_s,
+        };
         let ms = |s: f64| s * 1e3;
         println!(
-            "| {n} | {:.1} | {:.1} | {:.2} | {:.0} | {:.1} | {:.2} | {:.0} |",
+            "| {n} | {:.1} | {:.1} | {:.2} | {:.0} | {:.1} | {:.2} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} |",
             ms(recompute_s),
             ms(host_ttft_s),
             ms(host_restore_s),
@@ -74,6 +95,10 @@ pub fn run(a: TiersArgs) -> anyhow::Result<()> {
             ms(disk_ttft_s),
             ms(disk_restore_s),
             recompute_s / disk_ttft_s,
+            ms(peer_tcp_ttft_s),
+            recompute_s / peer_tcp_ttft_s,
+            ms(peer_shm_ttft_s),
+            recompute_s / peer_shm_ttft_s,
         );
         rows.push(row);
     }
@@ -115,6 +140,52 @@ fn once(m: &LoadedModel, a: &TiersArgs, tokens: usize, from: From) -> anyhow::Re
     let warm = first_token(&mut e, 1, &prompt)?;
     let t = e.stats().tiers;
     Ok((warm, t.restore_seconds_host + t.restore_seconds_disk))
+}
+
+/// A prefix another worker's pool holds, as `auto` uses it: that worker prefills the
+/// prompt from its cache (computing only the last, partial block) and hands the whole
+/// KV to this worker over `via`. Two one-thread workers in this process; the holder
+/// computes the prompt once, then the median over `--reps` handoffs of the time from
+/// reserving the blocks here to holding the first token and every frame.
+fn peer(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind) -> anyhow::Result<f64> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async {
+        let key = ClusterKey::random();
+        let blocks = tokens.div_ceil(BLOCK_SIZE) + 4;
+        let holder = super::bench_migrate::mixed_worker(m, "holder", &key, a.threads, blocks)?;
+        let here = super::bench_migrate::mixed_worker(m, "here", &key, a.threads, blocks)?;
+        super::serve::listen(&here, via).await?;
+        let prompt = super::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);
+        let request = |id: u64| GenerateRequest {
+            fence: None,
+            id: RequestId(id),
+            tag: format!("peer-{id}").as_str().into(),
+            prompt: prompt.clone(),
+            params: SamplingParams { max_tokens: 2, ignore_eos: true, ..Default::default() },
+            trace: Default::default(),
+        };
+        let (tx, mut first) = TokenStream::channel(8);
+        holder.generate(request(0), tx)?;
+        while !matches!(first.next().await, Some(Event::Done { .. }) | None) {}
+        let mut times = Vec::new();
+        for id in 1..=a.reps.max(1) as u64 {
+            let req = request(id);
+            let started = Instant::now();
+            let token = here.reserve(req.id, tokens, None).await?;
+            let target = here.kv_target(via).context("no KV receiver here")?;
+            let got = holder.prefill(req, KvDestination { target, token }).await;
+            times.push(started.elapsed().as_secs_f64());
+            here.release(RequestId(id));
+            let got = got?;
+            anyhow::ensure!(
+                got.cached_tokens + BLOCK_SIZE >= tokens,
+                "the holder found {} of {tokens} tokens in its cache",
+                got.cached_tokens
+            );
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    })
 }
 
 /// Seconds from queueing `prompt` to its first token.

@@ -213,7 +213,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
 }
 
 /// Binds `w`'s receiver for `via` on loopback (in-process needs none).
-async fn listen(w: &LocalWorker, via: TransportKind) -> anyhow::Result<()> {
+pub(super) async fn listen(w: &LocalWorker, via: TransportKind) -> anyhow::Result<()> {
     match via {
         TransportKind::Inproc => {}
         TransportKind::Tcp => {

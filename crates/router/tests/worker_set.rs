@@ -54,8 +54,10 @@ async fn settled(workers: &[&FakeWorker]) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_added_to_a_running_router_is_used() {
     let a = FakeWorker::new("a", Role::Mixed, 1000);
-    let r = router(&[&a], Mode::Aggregated);
-    // Keep `a` busy, then add `b`: the policy sends the next requests to `b`.
+    // Least-loaded: the set is under test, not the default policy, whose choice here
+    // would hang on the fakes' measured prefill paces (noise at these sizes).
+    let r = router(&[&a], Mode::Aggregated).with_policy(PolicyKind::LeastLoaded.build());
+    // Keep `a` busy, then add `b`: least-loaded sends the next requests to `b`.
     let busy: Vec<_> = (0..4).map(|i| r.generate(request(i, 32, 200)).unwrap()).collect();
     let b = FakeWorker::new("b", Role::Mixed, 1000);
     r.workers().add(Arc::new(b.clone()));

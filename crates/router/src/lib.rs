@@ -268,26 +268,23 @@ impl Router {
             .iter()
             .zip(cached)
             .map(|(e, prefix)| {
-                let load = e.worker.load() + e.backlog.routed();
-                let (name, role) = (e.name(), e.role());
+                let own = Candidate {
+                    name: e.name(),
+                    role: e.role(),
+                    load: e.worker.load() + e.backlog.routed(),
+                    queued_prompt_tokens: e.prefill.queued(),
+                    cached_tokens: prefix.blocks() * BLOCK_SIZE,
+                    restore_seconds: e.restore.seconds(&prefix),
+                    seconds_per_token: pace(e),
+                };
                 match prefills_there(e) {
-                    true => Candidate {
-                        name,
-                        role,
-                        load,
-                        queued_prompt_tokens: e.prefill.queued(),
-                        cached_tokens: prefix.blocks() * BLOCK_SIZE,
-                        restore_seconds: e.restore.seconds(&prefix),
-                        seconds_per_token: pace(e),
-                    },
+                    true => own,
                     false => Candidate {
-                        name,
-                        role,
-                        load,
                         queued_prompt_tokens: 0,
                         cached_tokens: 0,
                         restore_seconds: 0.0,
                         seconds_per_token: fastest,
+                        ..own
                     },
                 }
             })

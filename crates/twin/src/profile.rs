@@ -167,6 +167,12 @@ impl Profile {
         below.or_else(|| self.shapes.iter().min_by_key(|s| s.threads)).unwrap_or(&self.shapes[0])
     }
 
+    /// Bytes of one KV block of the real model (every layer's K and V): the unit the
+    /// tiers' sizes count in, for a simulated worker as for a real one.
+    pub fn block_bytes(&self) -> usize {
+        (self.model.kv_bytes_per_token * pdserve_engine::batch::BLOCK_SIZE as f64) as usize
+    }
+
     /// The timed stand-in of the model for a worker of `threads` threads.
     pub fn timed(&self, threads: usize, clock: Clock) -> TimedModel {
         let step = self.shape(threads).step;

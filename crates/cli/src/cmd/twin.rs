@@ -79,9 +79,7 @@ fn sim_topology(t: &TopologyArgs, profile: &Profile, slo: Slo) -> anyhow::Result
     // The profile's widest shape is the machine; its workers share it, as serve's do.
     let widest = profile.shapes.iter().map(|s| s.threads).max().unwrap_or(1);
     let threads = t.threads_per_worker.unwrap_or((widest / roles.len()).max(1));
-    // The tiers' sizes count blocks of the real model, as `serve`'s do.
-    let block_bytes = (profile.model.kv_bytes_per_token * pdserve_engine::batch::BLOCK_SIZE as f64) as usize;
-    let tiers = t.tiers.config(block_bytes)?;
+    let tiers = t.tiers.config(profile.block_bytes())?;
     Ok(Topology {
         mode: t.mode,
         policy: t.policy,

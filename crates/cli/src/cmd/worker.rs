@@ -87,7 +87,7 @@ impl Compute {
         match self {
             Compute::Real(m) => pdserve_engine::kvcache::block_bytes(&m.model.cfg, block),
             // A simulated worker accounts the model's bytes, not its scaled frames'.
-            Compute::Sim(p) => (p.model.kv_bytes_per_token * block as f64) as usize,
+            Compute::Sim(p) => p.block_bytes(),
         }
     }
 

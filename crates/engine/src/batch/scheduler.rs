@@ -232,6 +232,10 @@ impl Engine {
         self.settle_moves();
         let Some(tiers) = self.tiers.as_mut() else { return 0 };
         // A timed engine's copies take the profile's time on its clock.
+        let charge = match &self.compute {
+            Compute::Timed(t) => Some((t.restore, t.clock)),
+            Compute::Model(_) => None,
+        };
         let mut modelled = 0.0;
         for (i, block) in blocks.into_iter().enumerate() {
             let at = from + i;
@@ -239,14 +243,12 @@ impl Engine {
             if !tiers.restore(place, &mut self.kv, block.id().0) {
                 break;
             }
-            if let Compute::Timed(t) = &self.compute {
-                modelled += t.restore.seconds(place);
-            }
+            modelled += charge.map_or(0.0, |(cost, _)| cost.seconds(place));
             hits.push(block.complete(hashes[at], at.checked_sub(1).map(|p| hashes[p])));
         }
-        if let Compute::Timed(t) = &self.compute {
+        if let Some((_, clock)) = charge {
             self.charged += modelled;
-            timed::spend(t.clock, modelled);
+            timed::spend(clock, modelled);
         }
         hits.len() - from
     }

@@ -401,3 +401,81 @@ fn refused_frame_stops_prefill_at_layer_boundary() {
     .unwrap();
     assert!(n > 0);
 }
+
+#[test]
+fn a_cached_prefix_fetched_from_a_busy_peer_continues_with_the_same_tokens() {
+    let (history, turn) = (prompt(83), prompt(110));
+    let want = aggregated(&turn, &greedy(12));
+    // The holder served the conversation so far, and is decoding another request.
+    let mut h = engine(64, 512);
+    h.add(RequestId(1), history.clone(), greedy(1)).unwrap();
+    drain(&mut h, RequestId(1));
+    let other = prompt(21);
+    h.add(RequestId(2), other.clone(), greedy(30)).unwrap();
+    let mut other_out: Vec<TokenOut> = h.step().into_iter().map(|o| o.sampled).collect();
+    // Between two of its steps it sends the blocks it caches: 5 whole blocks of 83.
+    let mut frames = Vec::new();
+    let sent = h
+        .export_cached(&turn, &mut |f| {
+            frames.push(f);
+            true
+        })
+        .unwrap();
+    assert_eq!(sent, 80);
+    check_frame_order(&frames, sent);
+    other_out.extend(drain(&mut h, RequestId(2)).into_iter().map(|o| o.sampled));
+    assert_same("the holder's own request", &aggregated(&other, &greedy(30)), &other_out);
+    assert_eq!(h.stats().blocks.used, 0);
+
+    // The fetcher computes only the 30 tokens after the fetched prefix.
+    let mut d = engine(64, 512);
+    d.reserve_import(RequestId(9), sent).unwrap();
+    for f in &frames {
+        d.import_frame(RequestId(9), f).unwrap();
+    }
+    d.add_imported(RequestId(9), turn.clone(), greedy(12), sent).unwrap();
+    let out = drain(&mut d, RequestId(9));
+    assert_eq!(out[0].cached_tokens, 80);
+    assert_same("fetched prefix", &want, &out.into_iter().map(|o| o.sampled).collect::<Vec<_>>());
+    let s = d.stats();
+    assert_eq!(s.blocks.used, 0, "the fetcher keeps blocks in use: {:?}", s.blocks);
+    // The fetched blocks are the fetcher's own cache now: the next turn hits them.
+    assert!(s.blocks.cached >= turn.len() / BLOCK, "{:?}", s.blocks);
+    let mut nothing = Vec::new();
+    assert_eq!(
+        d.export_cached(&prompt(40)[..8], &mut |f| {
+            nothing.push(f);
+            true
+        })
+        .unwrap(),
+        0
+    );
+    assert!(nothing.is_empty());
+}
+
+#[test]
+fn a_fetch_cut_short_or_not_fitting_holds_no_block() {
+    let turn = prompt(70);
+    let mut h = engine(64, 512);
+    h.add(RequestId(1), turn.clone(), greedy(1)).unwrap();
+    drain(&mut h, RequestId(1));
+    let mut n = 0;
+    let cut = h.export_cached(&turn, &mut |_| {
+        n += 1;
+        n < 3
+    });
+    assert_eq!(cut, Err(EngineError::Cancelled));
+    let s = h.stats();
+    assert_eq!((s.blocks.used, s.blocks.cached), (0, 4), "{:?}", s.blocks);
+
+    // An import claimed for more tokens than the request may take from a cache (it
+    // must compute at least one), or than were reserved, is refused and released.
+    let mut d = engine(64, 512);
+    d.reserve_import(RequestId(3), 64).unwrap();
+    let err = d.add_imported(RequestId(3), prompt(64), greedy(4), 64).unwrap_err();
+    assert!(matches!(err, EngineError::BadFrame(_)), "{err:?}");
+    d.reserve_import(RequestId(4), 32).unwrap();
+    assert!(d.add_imported(RequestId(4), prompt(64), greedy(4), 48).is_err());
+    assert!(!d.has_work());
+    assert_eq!(d.stats().blocks.used, 0);
+}

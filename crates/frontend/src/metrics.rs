@@ -34,6 +34,9 @@ const KV_TIER_RESTORE_SECONDS: &str = "pdserve_kv_tier_restore_seconds";
 const PREFIX_HIT_TOKENS: &str = "pdserve_prefix_hit_tokens";
 const PREFIX_HIT_MISMATCH: &str = "pdserve_prefix_hit_mismatch";
 const PREFIX_HIT_DIFFERENCE: &str = "pdserve_prefix_hit_difference_tokens";
+const KV_FETCHES: &str = "pdserve_kv_fetches";
+const KV_FETCHED_TOKENS: &str = "pdserve_kv_fetched_tokens";
+const KV_FETCH_SECONDS: &str = "pdserve_kv_fetch_seconds";
 const KV_INDEX_LAG: &str = "pdserve_kv_index_lag_seconds";
 const KV_INDEX_RESYNCS: &str = "pdserve_kv_index_resyncs";
 const KV_INDEX_PUSHED: &str = "pdserve_kv_index_pushed_events";
@@ -136,6 +139,9 @@ struct Inner {
     prefix_hit_tokens: Family<Label1, Counter>,
     prefix_hit_mismatch: Family<Label1, Counter>,
     prefix_hit_difference: Histogram,
+    kv_fetches: Family<Label1, Counter>,
+    kv_fetched_tokens: Counter,
+    kv_fetch_seconds: Histogram,
     kv_index_lag: Histogram,
     kv_index_resyncs: Counter,
     kv_index_pushed: Counter,
@@ -184,6 +190,9 @@ impl Metrics {
             prefix_hit_tokens: Family::default(),
             prefix_hit_mismatch: Family::default(),
             prefix_hit_difference: difference_histogram(),
+            kv_fetches: Family::default(),
+            kv_fetched_tokens: Counter::default(),
+            kv_fetch_seconds: latency_histogram(),
             kv_index_lag: latency_histogram(),
             kv_index_resyncs: Counter::default(),
             kv_index_pushed: Counter::default(),
@@ -393,6 +402,12 @@ impl Inner {
         r.register(PREFIX_HIT_MISMATCH, help, self.prefix_hit_mismatch.clone());
         let help = "Realized minus predicted cached prompt tokens per request";
         r.register(PREFIX_HIT_DIFFERENCE, help, self.prefix_hit_difference.clone());
+        let help = "Prefix fetches from a peer's cache, by outcome (fetched, or why it fell back to recomputing)";
+        r.register(KV_FETCHES, help, self.kv_fetches.clone());
+        let help = "Prompt tokens whose KV was fetched from a peer's cache instead of computed";
+        r.register(KV_FETCHED_TOKENS, help, self.kv_fetched_tokens.clone());
+        let help = "Time to fetch a prefix from a peer, reservation to last frame";
+        r.register(KV_FETCH_SECONDS, help, self.kv_fetch_seconds.clone());
         let help = "Age of a worker's KV event when the router's index applied it";
         r.register(KV_INDEX_LAG, help, self.kv_index_lag.clone());
         let help = "Times the router's KV index rebuilt a worker from a snapshot";
@@ -489,6 +504,15 @@ impl pdserve_protocol::Telemetry for Metrics {
         self.inner.prefix_hit_difference.observe(realized as f64 - predicted as f64);
         if let Some(cause) = cause {
             self.inner.prefix_hit_mismatch.get_or_create(&[("cause", cause.into())]).inc();
+        }
+    }
+
+    fn prefix_fetched(&self, tokens: usize, seconds: f64, fell_back: Option<&'static str>) {
+        let outcome = fell_back.unwrap_or("fetched");
+        self.inner.kv_fetches.get_or_create(&[("outcome", outcome.into())]).inc();
+        if fell_back.is_none() {
+            self.inner.kv_fetched_tokens.inc_by(tokens as u64);
+            self.inner.kv_fetch_seconds.observe(seconds);
         }
     }
 }

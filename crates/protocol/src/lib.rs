@@ -363,6 +363,9 @@ pub trait Telemetry: Send + Sync + 'static {
     /// A finished request's cached prompt tokens, as the router predicted them and as
     /// the engine reused them; `cause` says why they differ.
     fn prefix_hit(&self, _predicted: usize, _realized: usize, _cause: Option<&'static str>) {}
+    /// A prefix fetched from a peer: `tokens` sent in `seconds`, or (with `fell_back`
+    /// saying why) none, and the prompt recomputed.
+    fn prefix_fetched(&self, _tokens: usize, _seconds: f64, _fell_back: Option<&'static str>) {}
 }
 
 /// Records nothing (tests, embedded use without metrics).

@@ -92,6 +92,32 @@ pub trait Worker: Send + Sync + 'static {
         Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} cannot hand back its decodes"))) })
     }
 
+    /// Whether [`Worker::export_prefix`] and [`Worker::generate_imported`] work here:
+    /// the router fetches a prefix between workers only where both ends do.
+    fn fetches_prefixes(&self) -> bool {
+        false
+    }
+
+    /// Sends the K/V of the longest prefix of `tokens` this worker caches (any tier,
+    /// whole blocks) to the reservation behind `to`, between two engine steps: nothing
+    /// is computed and nothing waits for this worker's queue. Resolves with the tokens
+    /// sent once the receiver holds every frame (0: nothing cached). Dropping the
+    /// future stops the transfer.
+    fn export_prefix(&self, _id: RequestId, _tokens: Vec<TokenId>, _to: KvDestination) -> Reply<'static, usize> {
+        let name = self.info().name.clone();
+        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} exports no prefixes"))) })
+    }
+
+    /// Prefills and decodes `req` here like [`Worker::generate`], its first
+    /// `imported` prompt tokens' K/V taken from the transfer into reservation
+    /// `req.id` (a peer's [`Worker::export_prefix`]) instead of computed; the
+    /// blocks join this worker's prefix cache. A transfer that did not complete
+    /// fails the stream (the reservation is released).
+    fn generate_imported(&self, req: GenerateRequest, _imported: usize, events: EventSender) -> Result<(), ServeError> {
+        drop((req, events));
+        Err(ServeError::Invalid(format!("worker {} imports no prefixes", self.info().name)))
+    }
+
     /// Opens an inbox for handoff `id` whose frames are counted and thrown away, so a
     /// peer can time its link to this worker (the fleet's link probe). Answers with
     /// the token the sender must present; the inbox closes after a short while.

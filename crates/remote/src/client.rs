@@ -249,6 +249,27 @@ impl Worker for RemoteWorker {
         self.stream_call(events, Op::Decode { handoff })
     }
 
+    fn fetches_prefixes(&self) -> bool {
+        true
+    }
+
+    fn export_prefix(&self, id: RequestId, tokens: Vec<u32>, to: KvDestination) -> Reply<'static, usize> {
+        let KvTarget::Remote(addr) = to.target else {
+            return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
+        };
+        let answer = self.reply_call(Op::ExportPrefix { id, tokens, to: addr, token: to.token }, false);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::Count(n) => Ok(n),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {
+        self.stream_call(events, Op::GenerateImported { req, imported })
+    }
+
     fn release(&self, id: RequestId) {
         let _ = self.conn.send(ToWorker::Call { call: 0, op: Box::new(Op::Release { id }) });
     }

@@ -31,7 +31,7 @@ use std::path::PathBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
@@ -116,6 +116,21 @@ pub enum Op {
     /// Decode a transferred sequence; events after the first token stream back.
     Decode {
         handoff: DecodeHandoff,
+    },
+    /// Send the K/V of the cached prefix of `tokens` to a peer's reservation at `to`
+    /// without computing anything; answered with [`Answer::Count`] (tokens sent) once
+    /// the receiver holds every frame.
+    ExportPrefix {
+        id: RequestId,
+        tokens: Vec<u32>,
+        to: KvAddr,
+        token: HandoffToken,
+    },
+    /// Prefill and decode here, the first `imported` prompt tokens' K/V taken from
+    /// the transfer into this connection's reservation `req.id`; events stream back.
+    GenerateImported {
+        req: GenerateRequest,
+        imported: usize,
     },
     /// Give up a reservation this connection holds. No answer.
     Release {

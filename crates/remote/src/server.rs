@@ -213,6 +213,26 @@ impl Session {
                 let started = self.worker().decode(handoff, events);
                 self.stream(call, started.map(|()| stream), span);
             }
+            Op::GenerateImported { req, imported } => {
+                let span = tracing::info_span!("generate", request_id = %req.tag, imported);
+                if !self.unhold(req.id) {
+                    let e = ServeError::Invalid(format!("this connection holds no reservation {}", req.id));
+                    return self.stream(call, Err(e), span);
+                }
+                let (events, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
+                let started = span.in_scope(|| self.worker().generate_imported(req, imported, events));
+                self.stream(call, started.map(|()| stream), span);
+            }
+            Op::ExportPrefix { id, tokens, to, token } => {
+                let span = tracing::info_span!("export", %id, tokens = tokens.len());
+                let done =
+                    self.worker().export_prefix(id, tokens, KvDestination { target: KvTarget::Remote(to), token });
+                let answer = async move {
+                    let n = done.await.inspect_err(|e| tracing::warn!(kind = e.kind(), error = %e, "export failed"))?;
+                    Ok(Answer::Count(n))
+                };
+                self.reply(call, tracing::Instrument::instrument(answer, span))
+            }
             Op::Reserve { id, prompt_len, fence } => {
                 // Noted before the call runs, so a release that overtakes its answer
                 // still releases what the worker grants.
@@ -418,6 +438,7 @@ fn checked(op: Op) -> Result<Op, ServeError> {
     Ok(match op {
         Op::Generate { req } => Op::Generate { req: valid(req)? },
         Op::Prefill { req, to, token } => Op::Prefill { req: valid(req)?, to, token },
+        Op::GenerateImported { req, imported } => Op::GenerateImported { req: valid(req)?, imported },
         Op::Decode { mut handoff } => {
             if handoff.prompt.is_empty() {
                 return Err(ServeError::Invalid("the prompt is empty".into()));

@@ -11,6 +11,7 @@
 //! request whose worker is lost mid-stream to another worker.
 
 pub mod cost;
+pub mod fetch;
 pub mod handoff;
 pub mod index;
 mod migrate;
@@ -28,6 +29,7 @@ pub use workers::{Entry, WorkerId, WorkerSet};
 
 use cost::KvMemory;
 use cost::TransferCost;
+use fetch::{Fetch, FetchCtx, FetchPace};
 use index::{KvIndex, PredictedHit};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{
@@ -73,6 +75,9 @@ pub struct Router {
     refusals: AtomicU64,
     /// The traffic as clients see it, for the planner.
     pub signals: Arc<planner::signals::Signals>,
+    /// Whether a worker missing a prefix a peer caches may fetch it
+    /// ([`fetch`]); with it, how long fetches take.
+    fetch: Option<Arc<FetchPace>>,
 }
 
 impl Router {
@@ -104,7 +109,16 @@ impl Router {
             index: Arc::default(),
             refusals: AtomicU64::new(0),
             signals: Arc::new(planner::signals::Signals::new(SIGNALS_WINDOW)),
+            fetch: Some(Arc::default()),
         }
+    }
+
+    /// Whether a worker that lacks a prefix a peer caches may fetch the blocks
+    /// instead of recomputing them, where that is predicted sooner (on by default;
+    /// only between workers that both support it).
+    pub fn with_prefix_fetch(mut self, on: bool) -> Self {
+        self.fetch = on.then(Arc::default);
+        self
     }
 
     /// Switches worker `e` to `role` at its next epoch; answers with what it holds
@@ -230,7 +244,7 @@ impl Router {
 
     /// The policy's choice among `entries`.
     fn pick(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<Arc<Entry>> {
-        self.pick_where(ask, entries, |_| true)
+        self.pick_where(ask, entries, |_| true).map(|(e, _)| e)
     }
 
     /// The policy's choice of the decode worker. A worker that will not prefill the
@@ -240,7 +254,9 @@ impl Router {
     /// from a prefill worker, so a prefix it holds would save nothing (and would draw
     /// every repeated prompt to it, away from a decoder that joined later); among
     /// such workers the choice falls to their load.
-    fn pick_decoder(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<Arc<Entry>> {
+    /// With it, the fetch of a peer's cached prefix that serves the choice sooner
+    /// than recomputing, if any.
+    fn pick_decoder(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<(Arc<Entry>, Option<Fetch>)> {
         self.pick_where(ask, entries, |e| match self.mode {
             Mode::Aggregated => true,
             Mode::Disaggregated => false,
@@ -249,13 +265,14 @@ impl Router {
     }
 
     /// The policy's choice among `entries`, where only those `prefills_there` are
-    /// offered with their cached prefix.
+    /// offered with their cached prefix, or with the longer one they could fetch
+    /// from a peer where that is predicted sooner (the fetch is returned with it).
     fn pick_where(
         &self,
         ask: &Ask<'_>,
         entries: &[Arc<Entry>],
         prefills_there: impl Fn(&Entry) -> bool,
-    ) -> Option<Arc<Entry>> {
+    ) -> Option<(Arc<Entry>, Option<Fetch>)> {
         let names: Vec<&str> = entries.iter().map(|e| e.name()).collect();
         let cached = self.index.prefix(ask.block_hashes, &names);
         // A worker not timed yet is taken to be as fast as its timed peers: the fixed
@@ -264,21 +281,30 @@ impl Router {
         let peers = (!timed.is_empty()).then(|| timed.iter().sum::<f64>() / timed.len() as f64);
         let pace = |e: &Entry| e.prefill.measured().or(peers).unwrap_or_else(|| e.prefill.seconds_per_token());
         let fastest = entries.iter().map(|e| pace(e)).fold(f64::INFINITY, f64::min);
+        let source = self.fetch_source(entries, &cached);
+        let mut fetches: Vec<Option<Fetch>> = vec![None; entries.len()];
         let candidates: Vec<Candidate<'_>> = entries
             .iter()
-            .zip(cached)
-            .map(|(e, prefix)| {
+            .zip(&cached)
+            .zip(&mut fetches)
+            .map(|((e, prefix), fetch)| {
                 let own = Candidate {
                     name: e.name(),
                     role: e.role(),
                     load: e.worker.load() + e.backlog.routed(),
                     queued_prompt_tokens: e.prefill.queued(),
                     cached_tokens: prefix.blocks() * BLOCK_SIZE,
-                    restore_seconds: e.restore.seconds(&prefix),
+                    restore_seconds: e.restore.seconds(prefix),
                     seconds_per_token: pace(e),
                 };
                 match prefills_there(e) {
-                    true => own,
+                    true => match self.fetched(ask, e, &own, source) {
+                        Some((f, c)) => {
+                            *fetch = Some(f);
+                            c
+                        }
+                        None => own,
+                    },
                     false => Candidate {
                         queued_prompt_tokens: 0,
                         cached_tokens: 0,
@@ -290,7 +316,44 @@ impl Router {
             })
             .collect();
         let i = self.policy.pick(ask, &candidates)?;
-        entries.get(i).cloned()
+        Some((entries.get(i)?.clone(), fetches.get_mut(i)?.take()))
+    }
+
+    /// The entry whose cache holds the longest prefix of the request, in blocks,
+    /// among those that can export it: where a fetch would come from.
+    fn fetch_source<'e>(
+        &self,
+        entries: &'e [Arc<Entry>],
+        cached: &'e [index::CachedPrefix],
+    ) -> Option<(&'e Arc<Entry>, &'e index::CachedPrefix)> {
+        self.fetch.as_ref()?;
+        entries
+            .iter()
+            .zip(cached)
+            .filter(|(e, p)| p.blocks() > 0 && e.worker.is_alive() && e.worker.fetches_prefixes())
+            .max_by_key(|(_, p)| p.blocks())
+    }
+
+    /// `own` (worker `e` as it is) with the source's longer prefix fetched instead,
+    /// and the fetch, if that is predicted to give the first token sooner.
+    fn fetched<'c>(
+        &self,
+        ask: &Ask<'_>,
+        e: &Arc<Entry>,
+        own: &Candidate<'c>,
+        source: Option<(&Arc<Entry>, &index::CachedPrefix)>,
+    ) -> Option<(Fetch, Candidate<'c>)> {
+        let (from, prefix) = source?;
+        let pace = self.fetch.as_ref()?;
+        let tokens = prefix.blocks() * BLOCK_SIZE;
+        let reachable = e.worker.fetches_prefixes() && e.worker.kv_target(self.via).is_some();
+        if from.id == e.id || tokens <= own.cached_tokens || !reachable {
+            return None;
+        }
+        let restore_seconds = pace.predict(from, from.restore.seconds(prefix), tokens);
+        let c = Candidate { cached_tokens: tokens, restore_seconds, ..own.clone() };
+        let sooner = policies::kv_aware::predicted_ttft(ask, &c) < policies::kv_aware::predicted_ttft(ask, own);
+        sooner.then(|| (Fetch { from: from.clone(), tokens }, c))
     }
 
     /// Prompt tokens of `ask` cached on `e`, as indexed.
@@ -298,9 +361,10 @@ impl Router {
         self.index.prefix_blocks(ask.block_hashes, &[e.name()])[0] * BLOCK_SIZE
     }
 
-    /// The predicted cache hit of `ask` prefilled on `e`, to check when it ends.
-    fn predict_hit(&self, ask: &Ask<'_>, e: &Entry) -> PredictedHit {
-        let blocks = self.cached_on(ask, e) / BLOCK_SIZE;
+    /// The predicted cache hit of `ask` prefilled on `e` with `cached` prompt tokens
+    /// found there, to check when it ends.
+    fn predict_hit(&self, ask: &Ask<'_>, e: &Entry, cached: usize) -> PredictedHit {
+        let blocks = (cached / BLOCK_SIZE).min(ask.block_hashes.len());
         let hashes = &ask.block_hashes[..blocks];
         PredictedHit::new(self.index.clone(), e.name(), hashes, BLOCK_SIZE, self.telemetry.clone())
     }
@@ -384,13 +448,11 @@ impl Router {
         Ok(raw)
     }
 
-    /// Predicted seconds of the request's own prefill on `e` (the part its cache
-    /// lacks), which SLO admission adds to the wait; 0 without it.
-    fn own_prefill(&self, ask: &Ask<'_>, e: &Entry) -> f64 {
+    /// Predicted seconds of the request's own prefill on `e` with `cached` prompt
+    /// tokens found there, which SLO admission adds to the wait; 0 without it.
+    fn own_prefill(&self, ask: &Ask<'_>, e: &Entry, cached: usize) -> f64 {
         match self.slo_ttft {
-            Some(_) => {
-                (ask.prompt_len - self.cached_on(ask, e).min(ask.prompt_len)) as f64 * e.prefill.seconds_per_token()
-            }
+            Some(_) => (ask.prompt_len - cached.min(ask.prompt_len)) as f64 * e.prefill.seconds_per_token(),
             None => 0.0,
         }
     }
@@ -404,28 +466,38 @@ impl Router {
         (excess_s.min(1e6) * spread).ceil() as u64
     }
 
-    /// Prefill and decode on worker `d`. The first token is watched so `d`'s prompt
-    /// queue and prefill rate stay measured (admission and `auto` read them).
+    /// Prefill and decode on worker `d`, `cached` prompt tokens predicted found in
+    /// its cache (or fetched first, with `fetch`). The first token is watched so
+    /// `d`'s prompt queue and prefill rate stay measured (admission and `auto` read
+    /// them): both count the tokens it computes.
     fn local(
         &self,
-        d: &Entry,
+        d: &Arc<Entry>,
         mut req: GenerateRequest,
         end: Ending,
-        predicted: f64,
+        (predicted, cached): (f64, usize),
+        fetch: Option<Fetch>,
     ) -> Result<TokenStream, ServeError> {
         req.fence = Some(d.epoch());
         let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (load, n) = (d.prefill.clone(), req.prompt.len());
+        let todo = n - cached.min(n);
         let ahead = load.queued();
-        let ticket = load.admit(n);
+        let ticket = load.admit(todo);
         let waiting = d.backlog.enter(n, n + req.params.max_tokens as usize).predicted(predicted);
-        d.worker.generate(req, inner_tx).map_err(|e| d.noted(e))?;
+        match (fetch, self.fetch.clone()) {
+            (Some(f), Some(pace)) => {
+                let ctx = FetchCtx { via: self.via, pace, telemetry: self.telemetry.clone() };
+                self.runtime.spawn(fetch::run(f, d.clone(), req, inner_tx, ctx));
+            }
+            _ => d.worker.generate(req, inner_tx).map_err(|e| d.noted(e))?,
+        }
         let started = Instant::now();
         let holder = end.holder();
         let on_first = move |first: &Event| {
             if matches!(first, Event::Token(_)) {
-                load.observe(ahead, n, started.elapsed());
+                load.observe(ahead, todo, started.elapsed());
                 holder.keep(waiting.started());
             }
             drop(ticket);
@@ -533,7 +605,7 @@ impl Router {
         let ask = Ask { prompt_len: req.prompt.len(), block_hashes: &hashes };
         let all = self.workers.snapshot();
         let decoders = Self::with_role(&all, &[Role::Decode, Role::Mixed], None);
-        let d = self
+        let (d, fetch) = self
             .pick_decoder(&ask, &decoders)
             .ok_or_else(|| ServeError::NoWorker("no live decode or mixed worker".into()))?;
         let span = tracing::Span::current();
@@ -544,23 +616,26 @@ impl Router {
         let pinned = prefill_on.and_then(|name| Self::pinned(&all, &d, name));
         match pinned.or_else(|| self.remote_prefill(&all, &d, &ask)) {
             None => {
+                let cached = fetch.as_ref().map_or_else(|| self.cached_on(&ask, &d), |f| f.tokens);
                 let queued = d.prefill.queued() as f64 * d.prefill.seconds_per_token();
-                let predicted = self.admit(&d, (queued, self.own_prefill(&ask, &d)), life, prefill_on.is_some())?;
+                let own = self.own_prefill(&ask, &d, cached);
+                let predicted = self.admit(&d, (queued, own), life, prefill_on.is_some())?;
                 span.record("route", "local");
                 req.trace.update(|t| t.route = Some(PrefillRoute::Local));
                 self.telemetry.route(PrefillRoute::Local);
-                let hit = Some(self.predict_hit(&ask, &d));
+                let hit = Some(self.predict_hit(&ask, &d, cached));
                 let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit, held: Default::default() };
-                self.local(&d, req, end, predicted)
+                self.local(&d, req, end, (predicted, cached), fetch)
             }
             Some(p) => {
                 let queued = p.prefill.queued() as f64 * p.prefill.seconds_per_token();
-                let predicted = self.admit(&d, (queued, self.own_prefill(&ask, &p)), life, prefill_on.is_some())?;
+                let own = self.own_prefill(&ask, &p, self.cached_on(&ask, &p));
+                let predicted = self.admit(&d, (queued, own), life, prefill_on.is_some())?;
                 span.record("route", "remote");
                 span.record("prefill", p.name());
                 req.trace.update(|t| (t.route, t.prefill) = (Some(PrefillRoute::Remote), Some(p.name().to_string())));
                 self.telemetry.route(PrefillRoute::Remote);
-                let hit = Some(self.predict_hit(&ask, &p));
+                let hit = Some(self.predict_hit(&ask, &p, self.cached_on(&ask, &p)));
                 let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit, held: Default::default() };
                 let waiting = d.backlog.enter_routed(req.prompt.len(), life).predicted(predicted);
                 let h = self.handoff(&all, p, d, &ask);

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{collect, collect_all, key, local, request, rt, worker, PROMPTS};
+use common::{collect, collect_all, key, local, remotes, request, rt, serve, settle, worker, PROMPTS};
 
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, Generate, TokenStream, Worker};
@@ -20,49 +20,6 @@ use pdserve_types::Role;
 use pdserve_worker::LocalWorker;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// A worker served over loopback, as `pdserve worker` does, and its local handle.
-struct Served {
-    local: LocalWorker,
-    remote: RemoteWorker,
-}
-
-async fn serve(name: &str, role: Role) -> Served {
-    let local = local(name, role, 256);
-    local.listen_tcp("127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let sock = std::env::temp_dir().join(format!("pdserve-remote-test-{}-{name}.sock", std::process::id()));
-    let _ = std::fs::remove_file(&sock);
-    local.listen_shm(&sock).await.unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let served: Arc<dyn Worker> = Arc::new(local.clone());
-    tokio::spawn(WorkerServer::new(served, key()).serve(listener, std::future::pending()));
-    let remote = RemoteWorker::connect(addr, &key()).await.unwrap();
-    Served { local, remote }
-}
-
-fn remotes(p: &Served, d: &Served) -> [Arc<dyn Worker>; 2] {
-    [Arc::new(p.remote.clone()), Arc::new(d.remote.clone())]
-}
-
-/// Used blocks on the workers themselves, once cancellations have settled.
-async fn settle(workers: &[&LocalWorker]) -> usize {
-    let mut used = 0;
-    for _ in 0..300 {
-        used = 0;
-        for w in workers {
-            used += w.stats().await.unwrap().blocks.used;
-        }
-        if used == 0 {
-            return 0;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    for w in workers {
-        eprintln!("{}: {:?}", w.name(), w.stats().await);
-    }
-    used
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_routers_and_workers_holding_the_cluster_key_meet() {

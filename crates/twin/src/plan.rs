@@ -132,6 +132,7 @@ fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
         via: spec.via,
         planner: None,
         shared_machine: false,
+        prefix_fetch: true,
         tiers: TierConfig::default(),
     };
     let mut out = vec![(format!("aggregated ×{n}"), base(Mode::Aggregated, vec![Role::Mixed; n]))];

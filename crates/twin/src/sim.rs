@@ -48,6 +48,9 @@ pub struct Topology {
     /// Each worker's host and disk tiers (none by default), in the real model's
     /// blocks; copies back cost the profile's [`Profile::tiers`].
     pub tiers: TierConfig,
+    /// Whether a worker may fetch a prefix a peer caches (`serve`'s default) rather
+    /// than recompute it.
+    pub prefix_fetch: bool,
 }
 
 impl Topology {
@@ -154,7 +157,8 @@ impl SimServer {
         }
         let router = Router::new(workers, t.mode, Deadlines::default(), tokio::runtime::Handle::current())
             .with_policy(t.policy.build())
-            .with_transport(t.via);
+            .with_transport(t.via)
+            .with_prefix_fetch(t.prefix_fetch);
         let router = Arc::new(router);
         if t.policy == PolicyKind::KvAware {
             router.follow_kv_events();

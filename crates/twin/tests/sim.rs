@@ -56,6 +56,7 @@ fn topology(mode: Mode, roles: Vec<Role>) -> Topology {
         via: TransportKind::Inproc,
         planner: None,
         shared_machine: true,
+        prefix_fetch: true,
         tiers: Default::default(),
     }
 }

@@ -61,6 +61,16 @@ pub(crate) enum Command {
         recycle: Inboxes,
     },
     Decode(DecodeHandoff, EventSender),
+    /// Send the K/V of the cached prefix of `tokens` through `sink` (a peer fetches
+    /// it); answered with the tokens sent.
+    Export {
+        tokens: Vec<u32>,
+        sink: FrameSink,
+        reply: oneshot::Sender<Result<usize, ServeError>>,
+    },
+    /// Queue a request whose first `imported` prompt tokens' K/V arrived in its
+    /// reservation.
+    GenerateImported(GenerateRequest, usize, EventSender),
     AbortImport(RequestId),
     Stats(oneshot::Sender<WorkerStats>),
     /// End every stream here with [`ServeError::Moved`] naming `worker`; answered
@@ -155,6 +165,17 @@ pub struct SimKv {
 }
 
 impl SimKv {
+    /// Waits out what the profile's link takes to deliver `tokens`' KV over `via`
+    /// beyond the `took` seconds the scaled-down frames took (an export computes
+    /// nothing, so no layer's share is hidden).
+    async fn account_export(&self, tokens: usize, via: TransportKind, took: f64) {
+        let Some((_, link)) = self.links.iter().find(|(k, _)| *k == via) else { return };
+        let tail = link.tail(tokens as f64 * self.bytes_per_token, self.layers, 0.0);
+        if tail > took {
+            tokio::time::sleep(Duration::from_secs_f64(tail - took)).await;
+        }
+    }
+
     /// Reports `tokens`' KV as the model's bytes over `via`, waiting out what the
     /// profile's link takes beyond the transfer's own time.
     async fn account(&self, first: &mut Prefilled, tokens: usize, via: TransportKind) {
@@ -339,7 +360,22 @@ impl Worker for LocalWorker {
     }
 
     fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
-        self.inner.decode(handoff, events)
+        let id = handoff.id;
+        self.inner.when_imported(id, events.clone(), Command::Decode(handoff, events))
+    }
+
+    fn fetches_prefixes(&self) -> bool {
+        true
+    }
+
+    fn export_prefix(&self, id: RequestId, tokens: Vec<u32>, to: KvDestination) -> Reply<'static, usize> {
+        Box::pin(self.inner.clone().export(id, tokens, to))
+    }
+
+    fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {
+        self.inner.fence(req.fence, Role::decodes)?;
+        let id = req.id;
+        self.inner.when_imported(id, events.clone(), Command::GenerateImported(req, imported, events))
     }
 
     fn release(&self, id: RequestId) {
@@ -499,8 +535,8 @@ impl Inner {
         Ok(token)
     }
 
-    async fn prefill(self: Arc<Self>, req: GenerateRequest, to: KvDestination) -> Result<Prefilled, ServeError> {
-        let hid = HandoffId::from(req.id);
+    /// Opens the sending end of handoff `hid` to `to`.
+    async fn open_sink(self: &Arc<Self>, to: &KvDestination, hid: HandoffId) -> Result<SharedSink, ServeError> {
         let sink = match &to.target {
             KvTarget::InProc(_) => self.links.open(&to.target, hid, to.token),
             // Connecting blocks: off the async workers.
@@ -513,7 +549,24 @@ impl Inner {
             }
         }
         .map_err(|e| kv_error(&to.target, &e))?;
-        let sink = SharedSink::new(sink);
+        Ok(SharedSink::new(sink))
+    }
+
+    /// Ends a transfer whose frames all went into `sink`: once the receiver holds
+    /// every one. A broken link is forgotten, so the next transfer reconnects.
+    async fn finish_sink(&self, sink: &SharedSink, to: &KvDestination, broken: &AtomicBool) -> Result<(), ServeError> {
+        if broken.load(Ordering::SeqCst) || !sink.finish().await {
+            if let KvTarget::Remote(addr) = &to.target {
+                self.links.forget(addr);
+            }
+            return Err(ServeError::Internal(format!("the KV transfer to {:?} failed", to.target)));
+        }
+        Ok(())
+    }
+
+    async fn prefill(self: Arc<Self>, req: GenerateRequest, to: KvDestination) -> Result<Prefilled, ServeError> {
+        let hid = HandoffId::from(req.id);
+        let sink = self.open_sink(&to, hid).await?;
         // Set when this future is dropped: the engine stops at the next layer.
         let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
         let (broken, bytes) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
@@ -524,12 +577,7 @@ impl Inner {
         self.send_counted(Command::Prefill { req, sink: frames, reply, sent: tokio::time::Instant::now() })?;
         let mut first = rx.await.map_err(|_| self.stopped())??;
         let tail = std::time::Instant::now();
-        if broken.load(Ordering::SeqCst) || !sink.finish().await {
-            if let KvTarget::Remote(addr) = &to.target {
-                self.links.forget(addr);
-            }
-            return Err(ServeError::Internal(format!("the KV transfer to {:?} failed", to.target)));
-        }
+        self.finish_sink(&sink, &to, &broken).await?;
         first.kv_bytes = bytes.load(Ordering::Relaxed);
         first.transfer_seconds = tail.elapsed().as_secs_f64();
         if let Some(kv) = &self.sim_kv {
@@ -538,8 +586,29 @@ impl Inner {
         Ok(first)
     }
 
-    fn decode(self: &Arc<Self>, h: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
-        let id = h.id;
+    /// Sends the cached prefix of `tokens` to `to` between engine steps; the tokens
+    /// sent once the receiver holds them all.
+    async fn export(self: Arc<Self>, id: RequestId, tokens: Vec<u32>, to: KvDestination) -> Result<usize, ServeError> {
+        let hid = HandoffId::from(id);
+        let sink = self.open_sink(&to, hid).await?;
+        let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
+        let (broken, bytes) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let frames = sink.frame_sink(hid, stop.0.clone(), broken.clone(), bytes.clone());
+        let started = std::time::Instant::now();
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Export { tokens, sink: frames, reply })?;
+        let sent = rx.await.map_err(|_| self.stopped())??;
+        self.finish_sink(&sink, &to, &broken).await?;
+        if let Some(kv) = &self.sim_kv {
+            kv.account_export(sent, to.target.kind(), started.elapsed().as_secs_f64()).await;
+        }
+        Ok(sent)
+    }
+
+    /// Queues `command` (a decode or a generate that continues transfer `id`) once
+    /// the transfer's last frame is in; a transfer that does not complete fails
+    /// `events` and releases the reservation.
+    fn when_imported(self: &Arc<Self>, id: RequestId, events: EventSender, command: Command) -> Result<(), ServeError> {
         let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) else {
             return Err(ServeError::Internal(format!("no transfer into this worker for {id}")));
         };
@@ -549,7 +618,7 @@ impl Inner {
         self.rt.spawn(async move {
             let delivered = matches!(tokio::time::timeout(FRAMES_GRACE, task).await, Ok(Ok(true)));
             let queued = match delivered {
-                true => inner.send(Command::Decode(h, events.clone())),
+                true => inner.send(command),
                 false => Err(ServeError::Internal(format!("the KV transfer of {id} did not complete"))),
             };
             if let Err(e) = queued {

@@ -238,6 +238,34 @@ impl Worker for SimWorker {
         self.inner.send_counted(Command::Decode(h, events))
     }
 
+    fn fetches_prefixes(&self) -> bool {
+        true
+    }
+
+    /// The engine finds the cached prefix between its steps on the virtual clock;
+    /// the profile's link then takes the model's bytes of it.
+    fn export_prefix(&self, _id: RequestId, tokens: Vec<u32>, to: KvDestination) -> Reply<'static, usize> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let via = to.target.kind();
+            let link = inner.link(via).ok_or_else(|| ServeError::Invalid(format!("no {via} link is modelled")))?;
+            let (reply, rx) = oneshot::channel();
+            inner.send(Command::Export { tokens, sink: Box::new(|_| true), reply })?;
+            let sent = rx.await.map_err(|_| inner.stopped())??;
+            let tail = link.tail(sent as f64 * inner.kv_bytes_per_token, inner.layers, 0.0);
+            tokio::time::sleep(Duration::from_secs_f64(tail)).await;
+            Ok(sent)
+        })
+    }
+
+    fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {
+        self.inner.fence(req.fence, Role::decodes)?;
+        if !lock(&self.inner.imports).remove(&req.id) {
+            return Err(ServeError::Internal(format!("no transfer into this worker for {}", req.id)));
+        }
+        self.inner.send_counted(Command::GenerateImported(req, imported, events))
+    }
+
     fn release(&self, id: RequestId) {
         self.inner.release(id);
     }

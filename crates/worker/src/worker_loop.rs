@@ -188,6 +188,22 @@ impl Loop {
                     }
                 }
             }
+            Command::Export { tokens, mut sink, reply } => {
+                let res = self.engine.export_cached(&tokens, &mut |f| sink(f));
+                // Blocks a timed engine copied back from a lower tier take its time.
+                self.owed += self.engine.take_charged();
+                let _ = reply.send(res.map_err(serve_error));
+            }
+            Command::GenerateImported(req, imported, events) => {
+                self.imports.remove(&req.id);
+                match self.engine.add_imported(req.id, req.prompt, req.params, imported) {
+                    Ok(()) => self.track(req.id, events, 0, 0),
+                    Err(e) => {
+                        self.done();
+                        let _ = events.send(Event::Failed(serve_error(e)));
+                    }
+                }
+            }
             Command::AbortImport(id) => {
                 self.engine.abort_import(id);
                 self.imports.remove(&id);

@@ -1,7 +1,9 @@
 //! `pdserve bench tiers`: what a prefix costs when the pool no longer holds it:
 //! recomputed, copied back from host RAM (tier 2), read back from disk (tier 3,
 //! with the file dropped from the page cache first, so the reads reach the device),
-//! or handed over by a peer worker whose pool holds it, over TCP and over shared
+//! handed over by a peer worker whose pool holds it (prefilled there from its
+//! cache), or fetched from that peer (its cached blocks copied out between two of
+//! its steps, idle or busy prefilling a prompt of its own), over TCP and over shared
 //! memory.
 
 use anyhow::Context;
@@ -50,6 +52,11 @@ struct Row {
     /// A peer's pool holds the prefix: time to the first token with the KV here.
     peer_tcp_ttft_s: f64,
     peer_shm_ttft_s: f64,
+    /// The blocks fetched from that peer: time to the first token here.
+    fetch_tcp_ttft_s: f64,
+    fetch_shm_ttft_s: f64,
+    /// The same over TCP while the peer prefills a prompt as long of its own.
+    fetch_busy_tcp_ttft_s: f64,
 }
 
 /// Where the prefix is when it is asked for again.
@@ -64,9 +71,11 @@ pub fn run(a: TiersArgs) -> anyhow::Result<()> {
     let m = super::load_model(&a.model)?;
     println!(
         "| prefix tokens | recompute ms | host: TTFT ms | host: copy ms | × faster | disk: TTFT ms | disk: read ms | \
-         × faster | peer over TCP: TTFT ms | × faster | peer over shm: TTFT ms | × faster |"
+         × faster | peer over TCP: TTFT ms | × faster | peer over shm: TTFT ms | × faster | \
+         fetch over TCP: TTFT ms | × faster | fetch over shm: TTFT ms | × faster | \
+         fetch from a busy peer (TCP): TTFT ms | × faster |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     for &n in &a.prefix {
         let median = |from| median_of(a.reps, || once(&m, &a, n, from));
@@ -75,6 +84,9 @@ pub fn run(a: TiersArgs) -> anyhow::Result<()> {
         let (disk_ttft_s, disk_restore_s) = median(From::Disk)?;
         let peer_tcp_ttft_s = peer(&m, &a, n, TransportKind::Tcp)?;
         let peer_shm_ttft_s = peer(&m, &a, n, TransportKind::Shm)?;
+        let fetch_tcp_ttft_s = fetch(&m, &a, n, TransportKind::Tcp, false)?;
+        let fetch_shm_ttft_s = fetch(&m, &a, n, TransportKind::Shm, false)?;
+        let fetch_busy_tcp_ttft_s = fetch(&m, &a, n, TransportKind::Tcp, true)?;
         let row = Row {
             prefix_tokens: n,
             recompute_s,
@@ -84,10 +96,14 @@ pub fn run(a: TiersArgs) -> anyhow::Result<()> {
             disk_restore_s,
             peer_tcp_ttft_s,
             peer_shm_ttft_s,
+            fetch_tcp_ttft_s,
+            fetch_shm_ttft_s,
+            fetch_busy_tcp_ttft_s,
         };
         let ms = |s: f64| s * 1e3;
         println!(
-            "| {n} | {:.1} | {:.1} | {:.2} | {:.0} | {:.1} | {:.2} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} |",
+            "| {n} | {:.1} | {:.1} | {:.2} | {:.0} | {:.1} | {:.2} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} | \
+             {:.1} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} |",
             ms(recompute_s),
             ms(host_ttft_s),
             ms(host_restore_s),
@@ -99,6 +115,12 @@ pub fn run(a: TiersArgs) -> anyhow::Result<()> {
             recompute_s / peer_tcp_ttft_s,
             ms(peer_shm_ttft_s),
             recompute_s / peer_shm_ttft_s,
+            ms(fetch_tcp_ttft_s),
+            recompute_s / fetch_tcp_ttft_s,
+            ms(fetch_shm_ttft_s),
+            recompute_s / fetch_shm_ttft_s,
+            ms(fetch_busy_tcp_ttft_s),
+            recompute_s / fetch_busy_tcp_ttft_s,
         );
         rows.push(row);
     }
@@ -186,6 +208,76 @@ fn peer(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind) -> an
         times.sort_by(f64::total_cmp);
         Ok(times[times.len() / 2])
     })
+}
+
+/// A prefix another worker's pool holds, fetched as the router does it: the holder
+/// copies its cached blocks into a reservation here (`Worker::export_prefix`)
+/// between two of its steps, and this worker computes the last, partial block and
+/// samples (`Worker::generate_imported`). The median over `--reps` of the time from
+/// reserving the blocks here to the first token here; with `busy`, the holder is
+/// prefilling a fresh prompt of the same length of its own each time.
+fn fetch(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind, busy: bool) -> anyhow::Result<f64> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async {
+        let key = ClusterKey::random();
+        let blocks = 2 * tokens.div_ceil(BLOCK_SIZE) + 8;
+        let holder = super::bench_migrate::mixed_worker(m, "holder", &key, a.threads, blocks)?;
+        let here = super::bench_migrate::mixed_worker(m, "here", &key, a.threads, blocks)?;
+        super::serve::listen(&here, via).await?;
+        let vocab = m.model.cfg.vocab_size;
+        let prompt = super::bench::random_prompt(tokens, tokens as u64, vocab);
+        let request = |id: u64, prompt: &[u32]| GenerateRequest {
+            fence: None,
+            id: RequestId(id),
+            tag: format!("fetch-{id}").as_str().into(),
+            prompt: prompt.to_vec(),
+            params: SamplingParams { max_tokens: 1, ignore_eos: true, ..Default::default() },
+            trace: Default::default(),
+        };
+        let (tx, mut warm) = TokenStream::channel(8);
+        holder.generate(request(0, &prompt), tx)?;
+        while !matches!(warm.next().await, Some(Event::Done { .. }) | None) {}
+        let whole = (tokens - 1) / BLOCK_SIZE * BLOCK_SIZE;
+        let mut times = Vec::new();
+        for id in 1..=a.reps.max(1) as u64 {
+            // The holder's own long prefill, running when the fetch comes (dropped
+            // after: the request is cancelled).
+            let _own = match busy {
+                true => Some(
+                    start_prefill(&holder, request(1000 + id, &super::bench::random_prompt(tokens, 7000 + id, vocab)))
+                        .await?,
+                ),
+                false => None,
+            };
+            let started = Instant::now();
+            let token = here.reserve(RequestId(id), whole, None).await?;
+            let target = here.kv_target(via).context("no KV receiver here")?;
+            let sent = holder.export_prefix(RequestId(id), prompt[..whole].to_vec(), KvDestination { target, token });
+            let sent = sent.await?;
+            anyhow::ensure!(sent == whole, "the holder sent {sent} of {whole} cached tokens");
+            let (tx, mut stream) = TokenStream::channel(8);
+            here.generate_imported(request(id, &prompt), sent, tx)?;
+            while !matches!(stream.next().await, Some(Event::Token(_) | Event::Done { .. } | Event::Failed(_)) | None) {
+            }
+            times.push(started.elapsed().as_secs_f64());
+            while !matches!(stream.next().await, Some(Event::Done { .. } | Event::Failed(_)) | None) {}
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    })
+}
+
+/// Queues `req` on `w` and waits until its prefill runs; the stream keeps it alive.
+async fn start_prefill(w: &impl Worker, req: GenerateRequest) -> anyhow::Result<TokenStream> {
+    let (tx, stream) = TokenStream::channel(8);
+    w.generate(req, tx)?;
+    for _ in 0..1000 {
+        if w.stats().await?.queued_prompt_tokens > 0 {
+            return Ok(stream);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    anyhow::bail!("the holder never started its own prefill")
 }
 
 /// Seconds from queueing `prompt` to its first token.

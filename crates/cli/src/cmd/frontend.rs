@@ -52,6 +52,10 @@ pub struct Args {
     /// How prefill workers send KV to decode workers: tcp (the default) | shm (same host).
     #[arg(long)]
     kv_transport: Option<TransportKind>,
+    /// Never fetch a prefix another worker caches: recompute it (by default a worker
+    /// lacking it takes the blocks from the holder where that is predicted sooner).
+    #[arg(long)]
+    no_kv_fetch: bool,
     #[command(flatten)]
     api: ApiArgs,
     #[command(flatten)]
@@ -78,6 +82,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
                 .with_slo_admission(a.api.slo_admission())
                 .with_tpot_admission(a.api.tpot_admission())
                 .with_transport(via)
+                .with_prefix_fetch(!a.no_kv_fetch)
                 .with_telemetry(Arc::new(metrics.clone())),
         );
         router.follow_kv_events();

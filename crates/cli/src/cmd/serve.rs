@@ -72,6 +72,10 @@ pub struct TopologyArgs {
     /// the transports a multi-process deployment uses.
     #[arg(long)]
     pub kv_transport: Option<TransportKind>,
+    /// Never fetch a prefix another worker caches: recompute it (by default a worker
+    /// lacking it takes the blocks from the holder where that is predicted sooner).
+    #[arg(long)]
+    pub no_kv_fetch: bool,
     /// Let the planner give each worker its role (prefill, decode or mixed) from the
     /// traffic, switching them in place (needs --mode auto; e.g. --workers 2).
     #[arg(long)]
@@ -187,6 +191,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             .with_slo_admission(a.api.slo_admission())
             .with_tpot_admission(a.api.tpot_admission())
             .with_transport(via)
+            .with_prefix_fetch(!t.no_kv_fetch)
             .with_telemetry(Arc::new(metrics.clone())),
         );
         router.follow_kv_events();

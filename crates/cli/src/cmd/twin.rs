@@ -90,6 +90,7 @@ fn sim_topology(t: &TopologyArgs, profile: &Profile, slo: Slo) -> anyhow::Result
         // Workers whose threads fit the profile's machine share it, as `serve`'s do;
         // more are a fleet, one machine each.
         shared_machine: threads * roles.len() <= widest,
+        prefix_fetch: !t.no_kv_fetch,
         roles,
         tiers,
     })

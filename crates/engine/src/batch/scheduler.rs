@@ -207,15 +207,21 @@ impl Engine {
             None => (s.tokens.len() - 1) / BLOCK_SIZE * BLOCK_SIZE,
         };
         let hashes = block_hashes(&s.tokens[..usable], BLOCK_SIZE, self.cfg.cache_salt);
-        // A chain may alternate between the pool and the lower tiers.
-        let mut hits = self.blocks.match_prefix(&hashes);
-        while self.restore_lower(&hashes, &mut hits) > 0 {
-            hits.extend(self.blocks.match_prefix(&hashes[hits.len()..]));
-        }
+        let hits = self.cached_chain(&hashes);
         let table = BlockTable::with_prefix(&self.blocks, self.cfg.cache_salt, hits);
         s.computed = table.cached_prefix_tokens();
         s.cached_tokens = s.computed;
         s.table = Some(table);
+    }
+
+    /// The longest cached prefix of the chain `hashes`, as pool blocks: a chain may
+    /// alternate between the pool and the lower tiers, whose blocks are copied back.
+    pub(super) fn cached_chain(&mut self, hashes: &[BlockHash]) -> Vec<ImmutableBlock> {
+        let mut hits = self.blocks.match_prefix(hashes);
+        while self.restore_lower(hashes, &mut hits) > 0 {
+            hits.extend(self.blocks.match_prefix(&hashes[hits.len()..]));
+        }
+        hits
     }
 
     /// Extends a pool hit with the blocks right after it that the host or disk

@@ -6,9 +6,9 @@
 //! as if it had prefilled the prompt itself. The numerics of both engines are the same
 //! row-wise kernels, so the tokens are identical to one engine doing both.
 
-use super::{Engine, EngineError, StepOutput};
+use super::{Engine, EngineError, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
-use pdserve_kv::BlockTable;
+use pdserve_kv::{block_hashes, BlockTable};
 use pdserve_types::{KvFrame, RequestId, SamplingParams};
 
 /// Blocks reserved on a decode engine for a transfer in flight.
@@ -124,6 +124,61 @@ impl Engine {
         }
         self.running.push(s);
         Ok(true)
+    }
+
+    /// Sends the K/V of the longest prefix of `tokens` this engine caches, in whole
+    /// blocks (copied back first where the chain continues in a lower tier), through
+    /// `on_frame` layer by layer. Nothing is computed and the batch is untouched, so
+    /// it runs between any two steps: a peer fetching a prefix does not wait for this
+    /// engine's queue. Returns the tokens sent, 0 when nothing is cached; `on_frame`
+    /// returning `false` stops it ([`EngineError::Cancelled`]).
+    pub fn export_cached(
+        &mut self,
+        tokens: &[u32],
+        on_frame: &mut dyn FnMut(KvFrame) -> bool,
+    ) -> Result<usize, EngineError> {
+        let whole = tokens.len() / BLOCK_SIZE * BLOCK_SIZE;
+        let hashes = block_hashes(&tokens[..whole], BLOCK_SIZE, self.cfg.cache_salt);
+        // Held while the frames are copied out; dropped, they go back to the cache.
+        let hits = self.cached_chain(&hashes);
+        let ids: Vec<u32> = hits.iter().map(|b| b.id().0).collect();
+        match (0..self.kv.n_layers).all(|l| export_layer(&self.kv, l, &ids, on_frame)) {
+            true => Ok(ids.len() * BLOCK_SIZE),
+            false => Err(EngineError::Cancelled),
+        }
+    }
+
+    /// Turns a completed import of the K/V of `prompt`'s first `imported` tokens (a
+    /// peer's cached prefix, [`Engine::export_cached`]) into a waiting request that
+    /// computes only the rest, as if those tokens were found in this engine's own
+    /// prefix cache; their blocks enter it. Unused reserved blocks serve the rest.
+    pub fn add_imported(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        imported: usize,
+    ) -> Result<(), EngineError> {
+        let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
+        let imp = self.importing.swap_remove(at);
+        // The engine leaves a token to compute for the logits, and scores a prompt
+        // asked for its logprobs in full.
+        let usable = match params.prompt_logprobs {
+            Some(_) => 0,
+            None => prompt.len().saturating_sub(1) / BLOCK_SIZE * BLOCK_SIZE,
+        };
+        if !imported.is_multiple_of(BLOCK_SIZE) || imported > usable || imported > imp.prompt_len {
+            return Err(EngineError::BadFrame(format!("{imported} imported tokens do not fit the request")));
+        }
+        self.check_new(id, &prompt, &params)?;
+        let mut s = self.sequence(id, prompt, params)?;
+        let mut table = imp.table;
+        table.commit(&s.tokens[..imported]);
+        s.computed = imported;
+        s.cached_tokens = imported;
+        s.table = Some(table);
+        self.waiting.push_back(s);
+        Ok(())
     }
 
     /// Gives up a transfer; its blocks return to the pool.

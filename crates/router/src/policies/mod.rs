@@ -2,7 +2,7 @@
 //! a policy sees the request's shape and a [`Candidate`] per eligible worker, never
 //! a worker handle, so each is unit-tested without a model or a worker.
 
-mod kv_aware;
+pub(crate) mod kv_aware;
 mod least_loaded;
 mod round_robin;
 

@@ -6,9 +6,11 @@
 use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::loader::{load, LoadedModel};
 use pdserve_protocol::{Event, GenerateRequest, TokenStream, Worker};
+use pdserve_remote::{RemoteWorker, WorkerServer};
 use pdserve_types::{RequestId, Role, SamplingParams};
 use pdserve_worker::{LocalWorker, WorkerOptions};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 pub const PROMPTS: [&str; 3] = [
     "The capital of France is",
@@ -87,6 +89,49 @@ pub async fn collect_all(streams: Vec<TokenStream>) -> Vec<(Vec<u32>, Event)> {
         out.push(t.await.expect("a stream reader panicked"));
     }
     out
+}
+
+/// A worker served over loopback, as `pdserve worker` does, and its local handle.
+pub struct Served {
+    pub local: LocalWorker,
+    pub remote: RemoteWorker,
+}
+
+pub async fn serve(name: &str, role: Role) -> Served {
+    let local = local(name, role, 256);
+    local.listen_tcp("127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let sock = std::env::temp_dir().join(format!("pdserve-remote-test-{}-{name}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&sock);
+    local.listen_shm(&sock).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let served: Arc<dyn Worker> = Arc::new(local.clone());
+    tokio::spawn(WorkerServer::new(served, key()).serve(listener, std::future::pending()));
+    let remote = RemoteWorker::connect(addr, &key()).await.unwrap();
+    Served { local, remote }
+}
+
+pub fn remotes(p: &Served, d: &Served) -> [Arc<dyn Worker>; 2] {
+    [Arc::new(p.remote.clone()), Arc::new(d.remote.clone())]
+}
+
+/// Used blocks on the workers themselves, once cancellations have settled.
+pub async fn settle(workers: &[&LocalWorker]) -> usize {
+    let mut used = 0;
+    for _ in 0..300 {
+        used = 0;
+        for w in workers {
+            used += w.stats().await.unwrap().blocks.used;
+        }
+        if used == 0 {
+            return 0;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for w in workers {
+        eprintln!("{}: {:?}", w.name(), w.stats().await);
+    }
+    used
 }
 
 pub fn rt() -> tokio::runtime::Handle {

@@ -479,3 +479,49 @@ fn a_fetch_cut_short_or_not_fitting_holds_no_block() {
     assert!(!d.has_work());
     assert_eq!(d.stats().blocks.used, 0);
 }
+
+#[test]
+fn a_prefix_is_exported_between_two_layers_of_a_running_prefill() {
+    let history = prompt(83);
+    let mut h = engine(64, 32);
+    h.add(RequestId(1), history.clone(), greedy(1)).unwrap();
+    drain(&mut h, RequestId(1));
+    let mut between_steps = Vec::new();
+    let sent = h
+        .export_cached(&history, &mut |f| {
+            between_steps.push(f);
+            true
+        })
+        .unwrap();
+    assert_eq!(sent, 80);
+    // The holder prefills another prompt in 32-token steps; a fetch is served after
+    // the first layer of one of them, and frames equal those sent between steps.
+    let other = prompt(70);
+    h.add(RequestId(2), other.clone(), greedy(6)).unwrap();
+    let mut out: Vec<TokenOut> = Vec::new();
+    let (mut mid_step, mut served) = (Vec::new(), 0);
+    out.extend(h.step().into_iter().map(|o| o.sampled));
+    out.extend(
+        h.step_serving(&mut |pool| {
+            if served == 0 {
+                served = pool
+                    .export(&history, &mut |f| {
+                        mid_step.push(f);
+                        true
+                    })
+                    .unwrap();
+            }
+        })
+        .into_iter()
+        .map(|o| o.sampled),
+    );
+    assert_eq!(served, 80);
+    assert_eq!(mid_step.len(), between_steps.len());
+    assert!(mid_step
+        .iter()
+        .zip(&between_steps)
+        .all(|(a, b)| (a.layer, a.index, &a.k, &a.v) == (b.layer, b.index, &b.k, &b.v)));
+    out.extend(drain(&mut h, RequestId(2)).into_iter().map(|o| o.sampled));
+    assert_same("the running prefill", &aggregated(&other, &greedy(6)), &out);
+    assert_eq!(h.stats().blocks.used, 0);
+}

@@ -7,13 +7,15 @@
 //! ```text
 //! router              receiver R                        holder H
 //!   reserve(id, k) ─► blocks held, inbox open ─► token
-//!   export_prefix(prompt[..k], R + token) ────────────► between two steps: copies its
+//!   export_prefix(prompt[..k], R + token) ────────────► between two layers: copies its
 //!                     frames land ◄──────── KV ──────── cached blocks out, computes nothing
 //!   generate_imported(req, sent) ─► computes prompt[sent..], decodes; the blocks
 //!                                   join R's prefix cache
 //! ```
 //!
-//! The holder's queue is not joined: the export runs between two of its steps. The
+//! The holder's queue is not joined: the export runs between two layers of its
+//! running step (or between steps when it is idle, then with what its lower tiers
+//! hold). The
 //! choice is the KV-aware estimate's (a fetched prefix is offered as cached on the
 //! receiver, its copy as the restore time), made only where it is predicted sooner
 //! than recomputing. A fetch that cannot be done (no blocks on R, H lost, the link
@@ -33,9 +35,6 @@ const PRIOR_SECONDS_PER_TOKEN: f64 = 50e-6;
 const FIXED_SECONDS: f64 = 0.002;
 /// A fetch not done by then is given up for a recompute.
 const DEADLINE: Duration = Duration::from_secs(10);
-/// Tokens an engine computes in one step at most (its default step budget): a
-/// holder that is prefilling reaches the export within one such step.
-pub(crate) const STEP_TOKENS: usize = 512;
 
 /// A planned fetch: `tokens` prompt tokens (whole blocks) from worker `from`.
 #[derive(Clone)]
@@ -49,13 +48,12 @@ pub struct Fetch {
 pub struct FetchPace(Mutex<Option<f64>>);
 
 impl FetchPace {
-    /// Predicted seconds to fetch `tokens` from `from`: the rest of its current
-    /// step, the copy back from its lower tiers, and the transfer.
-    pub(crate) fn predict(&self, from: &Entry, restore_s: f64, tokens: usize) -> f64 {
-        // A holder mid-step answers when the step ends: half a step on average.
-        let step = from.prefill.queued().min(STEP_TOKENS) as f64 * from.prefill.seconds_per_token() / 2.0;
+    /// Predicted seconds to fetch `tokens` whose copy back from the holder's lower
+    /// tiers takes `restore_s`. The pace learned includes the holder's wait for
+    /// its current layer.
+    pub(crate) fn predict(&self, restore_s: f64, tokens: usize) -> f64 {
         let pace = self.0.lock().unwrap_or_else(PoisonError::into_inner).unwrap_or(PRIOR_SECONDS_PER_TOKEN);
-        step + restore_s + FIXED_SECONDS + tokens as f64 * pace
+        restore_s + FIXED_SECONDS + tokens as f64 * pace
     }
 
     /// A fetch of `tokens` took `seconds`, wait included.

@@ -350,7 +350,7 @@ impl Router {
         if from.id == e.id || tokens <= own.cached_tokens || !reachable {
             return None;
         }
-        let restore_seconds = pace.predict(from, from.restore.seconds(prefix), tokens);
+        let restore_seconds = pace.predict(from.restore.seconds(prefix), tokens);
         let c = Candidate { cached_tokens: tokens, restore_seconds, ..own.clone() };
         let sooner = policies::kv_aware::predicted_ttft(ask, &c) < policies::kv_aware::predicted_ttft(ask, own);
         sooner.then(|| (Fetch { from: from.clone(), tokens }, c))

@@ -40,6 +40,7 @@ use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::sync::oneshot;
+use worker_loop::{Export, Exports};
 
 /// Commands queued for the loop; bounded, so a flooded worker says "overloaded".
 pub(crate) enum Command {
@@ -61,13 +62,9 @@ pub(crate) enum Command {
         recycle: Inboxes,
     },
     Decode(DecodeHandoff, EventSender),
-    /// Send the K/V of the cached prefix of `tokens` through `sink` (a peer fetches
-    /// it); answered with the tokens sent.
-    Export {
-        tokens: Vec<u32>,
-        sink: FrameSink,
-        reply: oneshot::Sender<Result<usize, ServeError>>,
-    },
+    /// Serve the fetches of cached prefixes waiting in the loop's [`Exports`] (the
+    /// loop serves them mid-step too; this wakes an idle one).
+    ServeExports,
     /// Queue a request whose first `imported` prompt tokens' K/V arrived in its
     /// reservation.
     GenerateImported(GenerateRequest, usize, EventSender),
@@ -149,6 +146,8 @@ struct Inner {
     pool: BlockPool,
     /// A simulated worker's accounting of its transfers (see [`SimKv`]).
     sim_kv: Option<SimKv>,
+    /// Peers' fetches waiting for the engine.
+    exports: Exports,
 }
 
 /// What a simulated worker (a timed engine) accounts for a KV transfer. Its frames
@@ -233,6 +232,8 @@ impl LocalWorker {
         let links = Links::new(opts.key);
         let (cfg, eog, grammars, tiers) = (opts.engine, opts.eog, opts.grammars, opts.tiers);
         let (pool_tx, pool_rx) = sync_channel(1);
+        let exports = Exports::default();
+        let served = exports.clone();
         std::thread::Builder::new().name(format!("pdserve-{}", opts.name)).spawn(move || {
             // Built on its own thread: the engine's pool belongs to it.
             let engine = build(cfg, eog);
@@ -245,7 +246,7 @@ impl LocalWorker {
                 Err(e) => return drop(pool_tx.send(Err(e.to_string()))),
             };
             let _ = pool_tx.send(Ok(engine.block_pool().clone()));
-            worker_loop::run(engine, rx, counter)
+            worker_loop::run(engine, rx, counter, served)
         })?;
         let pool = pool_rx
             .recv()
@@ -267,6 +268,7 @@ impl LocalWorker {
             rt,
             pool,
             sim_kv,
+            exports,
         };
         Ok(LocalWorker { inner: Arc::new(inner) })
     }
@@ -596,7 +598,11 @@ impl Inner {
         let frames = sink.frame_sink(hid, stop.0.clone(), broken.clone(), bytes.clone());
         let started = std::time::Instant::now();
         let (reply, rx) = oneshot::channel();
-        self.send(Command::Export { tokens, sink: frames, reply })?;
+        self.exports.push(Export { tokens, sink: frames, reply });
+        // A full queue means a busy loop, which serves the fetch at its next layer.
+        if let Err(TrySendError::Disconnected(_)) = self.tx.try_send(Command::ServeExports) {
+            return Err(self.stopped());
+        }
         let sent = rx.await.map_err(|_| self.stopped())??;
         self.finish_sink(&sink, &to, &broken).await?;
         if let Some(kv) = &self.sim_kv {

@@ -142,6 +142,8 @@ struct Inner {
     /// Stands in for an in-process receiver; nothing is ever sent to it.
     inboxes: Inboxes,
     pool: BlockPool,
+    /// Peers' fetches waiting for the engine (served between its steps).
+    exports: worker_loop::Exports,
 }
 
 impl SimWorker {
@@ -153,7 +155,9 @@ impl SimWorker {
         let (tx, rx) = mpsc::channel(QUEUE);
         let active = Arc::new(AtomicUsize::new(0));
         let pool = engine.block_pool().clone();
-        tokio::spawn(worker_loop::run_virtual(engine, rx, active.clone(), (opts.machine, threads)));
+        let exports = worker_loop::Exports::default();
+        let loop_ = worker_loop::run_virtual(engine, rx, active.clone(), (opts.machine, threads), exports.clone());
+        tokio::spawn(loop_);
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
         let inner = Inner {
             role: RoleState::new(info.role),
@@ -167,6 +171,7 @@ impl SimWorker {
             imports: Mutex::default(),
             inboxes: Inboxes::new(1),
             pool,
+            exports,
         };
         Ok(SimWorker { inner: Arc::new(inner) })
     }
@@ -250,7 +255,8 @@ impl Worker for SimWorker {
             let via = to.target.kind();
             let link = inner.link(via).ok_or_else(|| ServeError::Invalid(format!("no {via} link is modelled")))?;
             let (reply, rx) = oneshot::channel();
-            inner.send(Command::Export { tokens, sink: Box::new(|_| true), reply })?;
+            inner.exports.push(worker_loop::Export { tokens, sink: Box::new(|_| true), reply });
+            inner.send_surely(Command::ServeExports);
             let sent = rx.await.map_err(|_| inner.stopped())??;
             let tail = link.tail(sent as f64 * inner.kv_bytes_per_token, inner.layers, 0.0);
             tokio::time::sleep(Duration::from_secs_f64(tail)).await;

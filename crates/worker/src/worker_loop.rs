@@ -1,14 +1,15 @@
 //! The loop that owns an engine: commands in, one step, tokens out, repeat.
 
-use crate::Command;
-use pdserve_engine::batch::{Engine, EngineError, StepOutput};
+use crate::{Command, FrameSink};
+use pdserve_engine::batch::{Engine, EngineError, KvFrame, StepOutput};
 use pdserve_protocol::{pace, BlockCounts, Event, EventSender, Prefilled, ServeError, Usage, WorkerStats};
 use pdserve_types::RequestId;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 /// The resolution of tokio's timers.
@@ -34,8 +35,41 @@ struct Live {
     paused: Option<Instant>,
 }
 
+/// A peer's fetch of a cached prefix, waiting for the engine.
+pub(crate) struct Export {
+    pub tokens: Vec<u32>,
+    pub sink: FrameSink,
+    pub reply: oneshot::Sender<Result<usize, ServeError>>,
+}
+
+impl Export {
+    /// Serves it with `export`: the engine's between steps, or its pool's mid-step.
+    fn serve(mut self, export: impl FnOnce(&[u32], &mut dyn FnMut(KvFrame) -> bool) -> Result<usize, EngineError>) {
+        let res = export(&self.tokens, &mut |f| (self.sink)(f));
+        let _ = self.reply.send(res.map_err(serve_error));
+    }
+}
+
+/// Fetches waiting for the engine. The loop on the wall clock serves them between
+/// two layers of a running step, so a fetch from a busy worker waits for one layer,
+/// not a whole step; between steps (on any clock) it serves the rest, then copying
+/// back what lower tiers hold too. [`Command::ServeExports`] wakes an idle loop.
+#[derive(Clone, Default)]
+pub(crate) struct Exports(Arc<Mutex<VecDeque<Export>>>);
+
+impl Exports {
+    pub fn push(&self, e: Export) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).push_back(e);
+    }
+
+    fn pop(&self) -> Option<Export> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).pop_front()
+    }
+}
+
 pub(crate) struct Loop {
     engine: Engine,
+    exports: Exports,
     streams: HashMap<RequestId, Live>,
     imports: HashMap<RequestId, Instant>,
     active: Arc<AtomicUsize>,
@@ -44,8 +78,8 @@ pub(crate) struct Loop {
     owed: f64,
 }
 
-pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize>) {
-    let mut l = Loop::new(engine, active);
+pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize>, exports: Exports) {
+    let mut l = Loop::new(engine, active, exports);
     loop {
         // A stalled engine waits for an event like an idle one: stepping again at once
         // would only spin a core.
@@ -70,7 +104,13 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
         l.reap();
         l.pace();
         if l.engine.has_work() {
-            for out in l.engine.step() {
+            let exports = l.exports.clone();
+            let outs = l.engine.step_serving(&mut |pool| {
+                while let Some(x) = exports.pop() {
+                    x.serve(|tokens, on_frame| pool.export(tokens, on_frame));
+                }
+            });
+            for out in outs {
                 l.route(out);
             }
         }
@@ -85,8 +125,9 @@ pub(crate) async fn run_virtual(
     mut rx: tokio::sync::mpsc::Receiver<Command>,
     active: Arc<AtomicUsize>,
     (machine, threads): (Arc<crate::sim::Machine>, usize),
+    exports: Exports,
 ) {
-    let mut l = Loop::new(engine, active);
+    let mut l = Loop::new(engine, active, exports);
     // Where the last step ended exactly: tokio's timers fire on whole milliseconds, so
     // back-to-back steps are scheduled from here, not from when the timer fired.
     let mut ended: Option<Instant> = None;
@@ -131,8 +172,8 @@ pub(crate) async fn run_virtual(
 }
 
 impl Loop {
-    pub(crate) fn new(engine: Engine, active: Arc<AtomicUsize>) -> Loop {
-        Loop { engine, streams: HashMap::new(), imports: HashMap::new(), active, owed: 0.0 }
+    pub(crate) fn new(engine: Engine, active: Arc<AtomicUsize>, exports: Exports) -> Loop {
+        Loop { engine, exports, streams: HashMap::new(), imports: HashMap::new(), active, owed: 0.0 }
     }
 
     fn handle(&mut self, c: Command) {
@@ -188,11 +229,12 @@ impl Loop {
                     }
                 }
             }
-            Command::Export { tokens, mut sink, reply } => {
-                let res = self.engine.export_cached(&tokens, &mut |f| sink(f));
-                // Blocks a timed engine copied back from a lower tier take its time.
-                self.owed += self.engine.take_charged();
-                let _ = reply.send(res.map_err(serve_error));
+            Command::ServeExports => {
+                while let Some(x) = self.exports.pop() {
+                    x.serve(|tokens, on_frame| self.engine.export_cached(tokens, on_frame));
+                    // Blocks a timed engine copied back from a lower tier take its time.
+                    self.owed += self.engine.take_charged();
+                }
             }
             Command::GenerateImported(req, imported, events) => {
                 self.imports.remove(&req.id);

@@ -9,7 +9,7 @@ mod sequence;
 mod transfer;
 
 pub use pdserve_types::{FinishReason, KvFrame};
-pub use transfer::KvImport;
+pub use transfer::{CachedKv, KvImport};
 
 use crate::grammar::{Grammars, MaskClock};
 use crate::kernels::Isa;

@@ -8,7 +8,7 @@
 
 use super::{Engine, EngineError, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
-use pdserve_kv::{block_hashes, BlockTable};
+use pdserve_kv::{block_hashes, BlockHash, BlockPool, BlockTable, ImmutableBlock};
 use pdserve_types::{KvFrame, RequestId, SamplingParams};
 
 /// Blocks reserved on a decode engine for a transfer in flight.
@@ -128,24 +128,30 @@ impl Engine {
 
     /// Sends the K/V of the longest prefix of `tokens` this engine caches, in whole
     /// blocks (copied back first where the chain continues in a lower tier), through
-    /// `on_frame` layer by layer. Nothing is computed and the batch is untouched, so
-    /// it runs between any two steps: a peer fetching a prefix does not wait for this
-    /// engine's queue. Returns the tokens sent, 0 when nothing is cached; `on_frame`
-    /// returning `false` stops it ([`EngineError::Cancelled`]).
+    /// `on_frame` layer by layer. Nothing is computed and the batch is untouched.
+    /// Returns the tokens sent, 0 when nothing is cached; `on_frame` returning `false`
+    /// stops it ([`EngineError::Cancelled`]). While a step runs, [`CachedKv::export`]
+    /// serves the same without waiting for the step's end.
     pub fn export_cached(
         &mut self,
         tokens: &[u32],
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<usize, EngineError> {
-        let whole = tokens.len() / BLOCK_SIZE * BLOCK_SIZE;
-        let hashes = block_hashes(&tokens[..whole], BLOCK_SIZE, self.cfg.cache_salt);
+        let hashes = whole_block_hashes(tokens, self.cfg.cache_salt);
         // Held while the frames are copied out; dropped, they go back to the cache.
         let hits = self.cached_chain(&hashes);
-        let ids: Vec<u32> = hits.iter().map(|b| b.id().0).collect();
-        match (0..self.kv.n_layers).all(|l| export_layer(&self.kv, l, &ids, on_frame)) {
-            true => Ok(ids.len() * BLOCK_SIZE),
-            false => Err(EngineError::Cancelled),
-        }
+        export_blocks(&self.kv, &hits, on_frame)
+    }
+
+    /// [`Engine::step`], calling `between` after each layer with what the pool
+    /// caches, so a peer's fetch ([`CachedKv::export`]) waits for one layer of the
+    /// step, not all of it.
+    pub fn step_serving(&mut self, between: &mut dyn FnMut(&CachedKv<'_>)) -> Vec<StepOutput> {
+        let (blocks, salt) = (self.blocks.clone(), self.cfg.cache_salt);
+        self.step_with(&mut |_, kv, _| {
+            between(&CachedKv { blocks: &blocks, kv, salt });
+            true
+        })
     }
 
     /// Turns a completed import of the K/V of `prompt`'s first `imported` tokens (a
@@ -186,6 +192,42 @@ impl Engine {
         let before = self.importing.len();
         self.importing.retain(|i| i.id != id);
         before != self.importing.len()
+    }
+}
+
+/// The prefix cache's blocks in the pool, readable between two layers of a step:
+/// a cached block was completed by an earlier step in every layer, and a step
+/// writes only the blocks its own sequences were given, never a cached one.
+pub struct CachedKv<'a> {
+    blocks: &'a BlockPool,
+    kv: &'a KvStorage,
+    salt: u64,
+}
+
+impl CachedKv<'_> {
+    /// [`Engine::export_cached`] from the pool alone: blocks a lower tier holds are
+    /// left out (copying them back would take blocks from the running step).
+    pub fn export(&self, tokens: &[u32], on_frame: &mut dyn FnMut(KvFrame) -> bool) -> Result<usize, EngineError> {
+        let hits = self.blocks.match_prefix(&whole_block_hashes(tokens, self.salt));
+        export_blocks(self.kv, &hits, on_frame)
+    }
+}
+
+/// The chained hashes of `tokens`' whole blocks.
+fn whole_block_hashes(tokens: &[u32], salt: u64) -> Vec<BlockHash> {
+    block_hashes(&tokens[..tokens.len() / BLOCK_SIZE * BLOCK_SIZE], BLOCK_SIZE, salt)
+}
+
+/// Sends every layer of `hits`, layer by layer; the tokens they hold.
+fn export_blocks(
+    kv: &KvStorage,
+    hits: &[ImmutableBlock],
+    on_frame: &mut dyn FnMut(KvFrame) -> bool,
+) -> Result<usize, EngineError> {
+    let ids: Vec<u32> = hits.iter().map(|b| b.id().0).collect();
+    match (0..kv.n_layers).all(|l| export_layer(kv, l, &ids, on_frame)) {
+        true => Ok(ids.len() * BLOCK_SIZE),
+        false => Err(EngineError::Cancelled),
     }
 }
 

@@ -37,7 +37,9 @@ for p in $policies; do
   "$bin" bench load --url "http://127.0.0.1:$port" $load $workload \
     --seconds "$secs" --requests 1000000 --slo-ttft-ms 1000 --slo-tpot-ms 200 --out "$out/$p.json" >&2
   kill "$sampler" 2>/dev/null || true
-  curl -s "http://127.0.0.1:$port/metrics" | grep -E '^pdserve_(prefix_hit_mismatch_total|kv_index_lag_seconds_(sum|count)) ' >"$out/$p.metrics" || true
+  curl -s "http://127.0.0.1:$port/metrics" \
+    | grep -E '^pdserve_(prefix_hit_mismatch_total|kv_index_lag_seconds_(sum|count)|kv_fetched_tokens_total|kv_fetches_total)' \
+    >"$out/$p.metrics" || true
   stop_server
 done
 
@@ -68,17 +70,18 @@ def imbalance(path):
         return f"{max(means) / mean:.2f} ({' / '.join(f'{x:.2f}' for x in means)})" if mean else "-"
     return ratio(reqs), ratio(toks)
 
-print("| policy | requests | TTFT p50 ms | TTFT p99 ms | goodput req/s | out tok/s | cached tokens predicted | realized | realized/predicted | index lag mean ms | imbalance: requests in flight (per worker) | prompt tokens queued (per worker) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| policy | requests | TTFT p50 ms | TTFT p99 ms | goodput req/s | out tok/s | cached tokens predicted | realized | realized/predicted | of them fetched from a peer | index lag mean ms | imbalance: requests in flight (per worker) | prompt tokens queued (per worker) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for p in policies:
     s = json.load(open(f"{out}/{p}.json"))["points"][0]["summary"]
     h = s.get("prefix_hits") or {"predicted": 0, "realized": 0}
     m = dict(l.rsplit(" ", 1) for l in open(f"{out}/{p}.metrics").read().splitlines() if l)
+    fetched = float(m.get("pdserve_kv_fetched_tokens_total", 0))
     lag_n = float(m.get("pdserve_kv_index_lag_seconds_count", 0))
     lag = 1e3 * float(m.get("pdserve_kv_index_lag_seconds_sum", 0)) / lag_n if lag_n else float("nan")
     pct = f'{100 * h["realized"] / h["predicted"]:.1f} %' if h["predicted"] else "-"
     t = s["ttft_ms"]
     print(f'| {p} | {s["requests"]} | {t["p50"]:.0f} | {t["p99"]:.0f} | {s["goodput"]:.3f} | '
-          f'{s["output_token_throughput"]:.1f} | {h["predicted"]:.0f} | {h["realized"]:.0f} | {pct} | {lag:.1f} | '
+          f'{s["output_token_throughput"]:.1f} | {h["predicted"]:.0f} | {h["realized"]:.0f} | {pct} | {fetched:.0f} | {lag:.1f} | '
           f'{" | ".join(imbalance(f"{out}/{p}.queues"))} |')
 PY

@@ -244,7 +244,7 @@ impl Router {
 
     /// The policy's choice among `entries`.
     fn pick(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<Arc<Entry>> {
-        self.pick_where(ask, entries, |_| true).map(|(e, _)| e)
+        self.pick_where(ask, entries, |_| true, false).map(|(e, _)| e)
     }
 
     /// The policy's choice of the decode worker. A worker that will not prefill the
@@ -257,21 +257,29 @@ impl Router {
     /// With it, the fetch of a peer's cached prefix that serves the choice sooner
     /// than recomputing, if any.
     fn pick_decoder(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<(Arc<Entry>, Option<Fetch>)> {
-        self.pick_where(ask, entries, |e| match self.mode {
-            Mode::Aggregated => true,
-            Mode::Disaggregated => false,
-            Mode::Auto => e.role() != Role::Decode,
-        })
+        self.pick_where(
+            ask,
+            entries,
+            |e| match self.mode {
+                Mode::Aggregated => true,
+                Mode::Disaggregated => false,
+                Mode::Auto => e.role() != Role::Decode,
+            },
+            true,
+        )
     }
 
     /// The policy's choice among `entries`, where only those `prefills_there` are
-    /// offered with their cached prefix, or with the longer one they could fetch
-    /// from a peer where that is predicted sooner (the fetch is returned with it).
+    /// offered with their cached prefix, or, `fetching`, with the longer one they
+    /// could fetch from a peer where that is predicted sooner (the fetch is returned
+    /// with the choice). Only a worker that prefills a request it decodes fetches:
+    /// a handoff's prefill worker recomputes what its cache lacks.
     fn pick_where(
         &self,
         ask: &Ask<'_>,
         entries: &[Arc<Entry>],
         prefills_there: impl Fn(&Entry) -> bool,
+        fetching: bool,
     ) -> Option<(Arc<Entry>, Option<Fetch>)> {
         let names: Vec<&str> = entries.iter().map(|e| e.name()).collect();
         let cached = self.index.prefix(ask.block_hashes, &names);
@@ -281,7 +289,7 @@ impl Router {
         let peers = (!timed.is_empty()).then(|| timed.iter().sum::<f64>() / timed.len() as f64);
         let pace = |e: &Entry| e.prefill.measured().or(peers).unwrap_or_else(|| e.prefill.seconds_per_token());
         let fastest = entries.iter().map(|e| pace(e)).fold(f64::INFINITY, f64::min);
-        let source = self.fetch_source(entries, &cached);
+        let source = self.fetch_source(entries, &cached).filter(|_| fetching);
         let mut fetches: Vec<Option<Fetch>> = vec![None; entries.len()];
         let candidates: Vec<Candidate<'_>> = entries
             .iter()

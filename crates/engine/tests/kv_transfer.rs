@@ -402,25 +402,38 @@ fn refused_frame_stops_prefill_at_layer_boundary() {
     assert!(n > 0);
 }
 
+/// An engine (`max_batch_tokens` a step) that computed `prompt` once: its pool caches
+/// the whole blocks.
+fn holding(prompt: &[u32], max_batch_tokens: usize) -> Engine {
+    let mut h = engine(64, max_batch_tokens);
+    h.add(RequestId(1), prompt.to_vec(), greedy(1)).unwrap();
+    drain(&mut h, RequestId(1));
+    h
+}
+
+/// What `h` exports of `tokens` between steps: the tokens sent and the frames.
+fn exported(h: &mut Engine, tokens: &[u32]) -> (usize, Vec<KvFrame>) {
+    let mut frames = Vec::new();
+    let sent = h
+        .export_cached(tokens, &mut |f| {
+            frames.push(f);
+            true
+        })
+        .unwrap();
+    (sent, frames)
+}
+
 #[test]
 fn a_cached_prefix_fetched_from_a_busy_peer_continues_with_the_same_tokens() {
     let (history, turn) = (prompt(83), prompt(110));
     let want = aggregated(&turn, &greedy(12));
     // The holder served the conversation so far, and is decoding another request.
-    let mut h = engine(64, 512);
-    h.add(RequestId(1), history.clone(), greedy(1)).unwrap();
-    drain(&mut h, RequestId(1));
+    let mut h = holding(&history, 512);
     let other = prompt(21);
     h.add(RequestId(2), other.clone(), greedy(30)).unwrap();
     let mut other_out: Vec<TokenOut> = h.step().into_iter().map(|o| o.sampled).collect();
     // Between two of its steps it sends the blocks it caches: 5 whole blocks of 83.
-    let mut frames = Vec::new();
-    let sent = h
-        .export_cached(&turn, &mut |f| {
-            frames.push(f);
-            true
-        })
-        .unwrap();
+    let (sent, frames) = exported(&mut h, &turn);
     assert_eq!(sent, 80);
     check_frame_order(&frames, sent);
     other_out.extend(drain(&mut h, RequestId(2)).into_iter().map(|o| o.sampled));
@@ -456,9 +469,7 @@ fn a_cached_prefix_fetched_from_a_busy_peer_continues_with_the_same_tokens() {
 #[test]
 fn a_fetch_cut_short_or_not_fitting_holds_no_block() {
     let turn = prompt(70);
-    let mut h = engine(64, 512);
-    h.add(RequestId(1), turn.clone(), greedy(1)).unwrap();
-    drain(&mut h, RequestId(1));
+    let mut h = holding(&turn, 512);
     let mut n = 0;
     let cut = h.export_cached(&turn, &mut |_| {
         n += 1;
@@ -483,16 +494,8 @@ fn a_fetch_cut_short_or_not_fitting_holds_no_block() {
 #[test]
 fn a_prefix_is_exported_between_two_layers_of_a_running_prefill() {
     let history = prompt(83);
-    let mut h = engine(64, 32);
-    h.add(RequestId(1), history.clone(), greedy(1)).unwrap();
-    drain(&mut h, RequestId(1));
-    let mut between_steps = Vec::new();
-    let sent = h
-        .export_cached(&history, &mut |f| {
-            between_steps.push(f);
-            true
-        })
-        .unwrap();
+    let mut h = holding(&history, 32);
+    let (sent, between_steps) = exported(&mut h, &history);
     assert_eq!(sent, 80);
     // The holder prefills another prompt in 32-token steps; a fetch is served after
     // the first layer of one of them, and frames equal those sent between steps.

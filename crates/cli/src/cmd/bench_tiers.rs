@@ -13,6 +13,7 @@ use pdserve_engine::tiers::TierConfig;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
 use pdserve_protocol::{Event, GenerateRequest, KvDestination, TokenStream, Worker};
 use pdserve_types::{RequestId, SamplingParams};
+use pdserve_worker::LocalWorker;
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -172,26 +173,10 @@ fn once(m: &LoadedModel, a: &TiersArgs, tokens: usize, from: From) -> anyhow::Re
 fn peer(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind) -> anyhow::Result<f64> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {
-        let key = ClusterKey::random();
-        let blocks = tokens.div_ceil(BLOCK_SIZE) + 4;
-        let holder = super::bench_migrate::mixed_worker(m, "holder", &key, a.threads, blocks)?;
-        let here = super::bench_migrate::mixed_worker(m, "here", &key, a.threads, blocks)?;
-        super::serve::listen(&here, via).await?;
-        let prompt = super::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);
-        let request = |id: u64| GenerateRequest {
-            fence: None,
-            id: RequestId(id),
-            tag: format!("peer-{id}").as_str().into(),
-            prompt: prompt.clone(),
-            params: SamplingParams { max_tokens: 2, ignore_eos: true, ..Default::default() },
-            trace: Default::default(),
-        };
-        let (tx, mut first) = TokenStream::channel(8);
-        holder.generate(request(0), tx)?;
-        while !matches!(first.next().await, Some(Event::Done { .. }) | None) {}
+        let (holder, here, prompt) = warm_pair(m, a, tokens, via, tokens.div_ceil(BLOCK_SIZE) + 4).await?;
         let mut times = Vec::new();
         for id in 1..=a.reps.max(1) as u64 {
-            let req = request(id);
+            let req = request("peer", id, &prompt, 2);
             let started = Instant::now();
             let token = here.reserve(req.id, tokens, None).await?;
             let target = here.kv_target(via).context("no KV receiver here")?;
@@ -219,34 +204,18 @@ fn peer(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind) -> an
 fn fetch(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind, busy: bool) -> anyhow::Result<f64> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {
-        let key = ClusterKey::random();
-        let blocks = 2 * tokens.div_ceil(BLOCK_SIZE) + 8;
-        let holder = super::bench_migrate::mixed_worker(m, "holder", &key, a.threads, blocks)?;
-        let here = super::bench_migrate::mixed_worker(m, "here", &key, a.threads, blocks)?;
-        super::serve::listen(&here, via).await?;
+        let (holder, here, prompt) = warm_pair(m, a, tokens, via, 2 * tokens.div_ceil(BLOCK_SIZE) + 8).await?;
         let vocab = m.model.cfg.vocab_size;
-        let prompt = super::bench::random_prompt(tokens, tokens as u64, vocab);
-        let request = |id: u64, prompt: &[u32]| GenerateRequest {
-            fence: None,
-            id: RequestId(id),
-            tag: format!("fetch-{id}").as_str().into(),
-            prompt: prompt.to_vec(),
-            params: SamplingParams { max_tokens: 1, ignore_eos: true, ..Default::default() },
-            trace: Default::default(),
-        };
-        let (tx, mut warm) = TokenStream::channel(8);
-        holder.generate(request(0, &prompt), tx)?;
-        while !matches!(warm.next().await, Some(Event::Done { .. }) | None) {}
         let whole = (tokens - 1) / BLOCK_SIZE * BLOCK_SIZE;
         let mut times = Vec::new();
         for id in 1..=a.reps.max(1) as u64 {
             // The holder's own long prefill, running when the fetch comes (dropped
             // after: the request is cancelled).
             let _own = match busy {
-                true => Some(
-                    start_prefill(&holder, request(1000 + id, &super::bench::random_prompt(tokens, 7000 + id, vocab)))
-                        .await?,
-                ),
+                true => {
+                    let own = super::bench::random_prompt(tokens, 7000 + id, vocab);
+                    Some(start_prefill(&holder, request("own", 1000 + id, &own, 1)).await?)
+                }
                 false => None,
             };
             let started = Instant::now();
@@ -256,7 +225,7 @@ fn fetch(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind, busy
             let sent = sent.await?;
             anyhow::ensure!(sent == whole, "the holder sent {sent} of {whole} cached tokens");
             let (tx, mut stream) = TokenStream::channel(8);
-            here.generate_imported(request(id, &prompt), sent, tx)?;
+            here.generate_imported(request("fetch", id, &prompt, 1), sent, tx)?;
             while !matches!(stream.next().await, Some(Event::Token(_) | Event::Done { .. } | Event::Failed(_)) | None) {
             }
             times.push(started.elapsed().as_secs_f64());
@@ -265,6 +234,38 @@ fn fetch(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind, busy
         times.sort_by(f64::total_cmp);
         Ok(times[times.len() / 2])
     })
+}
+
+/// Two one-thread workers with `blocks` blocks each, `here` receiving KV over `via`,
+/// and a random prompt of `tokens` the holder has computed once (its pool caches it).
+async fn warm_pair(
+    m: &LoadedModel,
+    a: &TiersArgs,
+    tokens: usize,
+    via: TransportKind,
+    blocks: usize,
+) -> anyhow::Result<(LocalWorker, LocalWorker, Vec<u32>)> {
+    let key = ClusterKey::random();
+    let holder = super::bench_migrate::mixed_worker(m, "holder", &key, a.threads, blocks)?;
+    let here = super::bench_migrate::mixed_worker(m, "here", &key, a.threads, blocks)?;
+    super::serve::listen(&here, via).await?;
+    let prompt = super::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);
+    let (tx, mut warm) = TokenStream::channel(8);
+    holder.generate(request("warm", 0, &prompt, 1), tx)?;
+    while !matches!(warm.next().await, Some(Event::Done { .. }) | None) {}
+    Ok((holder, here, prompt))
+}
+
+/// A request of `prompt` that generates `max_tokens`, whatever they are.
+fn request(tag: &str, id: u64, prompt: &[u32], max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        fence: None,
+        id: RequestId(id),
+        tag: format!("{tag}-{id}").as_str().into(),
+        prompt: prompt.to_vec(),
+        params: SamplingParams { max_tokens, ignore_eos: true, ..Default::default() },
+        trace: Default::default(),
+    }
 }
 
 /// Queues `req` on `w` and waits until its prefill runs; the stream keeps it alive.

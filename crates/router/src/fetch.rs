@@ -88,13 +88,14 @@ pub(crate) async fn run(f: Fetch, r: Arc<Entry>, req: GenerateRequest, events: E
             return;
         }
     };
-    let seconds = started.elapsed().as_secs_f64();
+    let (seconds, id) = (started.elapsed().as_secs_f64(), req.id);
     let started = match fetched {
         Ok(sent) if sent > 0 => {
             ctx.pace.observe(sent, seconds);
             ctx.telemetry.prefix_fetched(sent, seconds, None);
             tracing::debug!(from = f.from.name(), to = r.name(), tokens = sent, ms = seconds * 1e3, "fetched a prefix");
-            r.worker.generate_imported(req, sent, events.clone())
+            // Refused, the reservation is given back (release is idempotent).
+            r.worker.generate_imported(req, sent, events.clone()).inspect_err(|_| r.worker.release(id))
         }
         other => {
             let why = match &other {

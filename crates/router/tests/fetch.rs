@@ -235,3 +235,28 @@ async fn a_fetch_that_fails_recomputes_instead_and_leaks_nothing() {
     collect(busy).await;
     assert_eq!(settle(&[&a, &b]).await, 0, "the fetcher's reservation was released");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_switch_that_overtakes_a_fetch_gives_its_blocks_back() {
+    // The receiver reserved and got the frames, then left decode before the request
+    // could start there: refused for its stale epoch, with the blocks released.
+    let (a, b) = (local("sa", Role::Mixed, 256), local("sb", Role::Mixed, 256));
+    collect({
+        let (tx, rx) = pdserve_protocol::TokenStream::channel(8);
+        a.generate(greedy(1, HISTORY, 1), tx).unwrap();
+        rx
+    })
+    .await;
+    let req = greedy(2, &format!("{HISTORY} When do the huts open?"), 4);
+    let tokens = (req.prompt.len() - 1) / 16 * 16;
+    let epoch = b.stats().await.unwrap().assignment.unwrap();
+    let token = b.reserve(req.id, tokens, Some(epoch.epoch)).await.unwrap();
+    let to = KvDestination { target: b.kv_target(TransportKind::Inproc).unwrap(), token };
+    assert_eq!(a.export_prefix(req.id, req.prompt[..tokens].to_vec(), to).await.unwrap(), tokens);
+    b.set_role(epoch.switch(Role::Prefill)).await.unwrap();
+    let (tx, _rx) = pdserve_protocol::TokenStream::channel(8);
+    let fenced = GenerateRequest { fence: Some(epoch.epoch), ..req };
+    let err = b.generate_imported(fenced, tokens, tx).unwrap_err();
+    assert!(matches!(err, ServeError::StaleEpoch { .. }), "{err:?}");
+    assert_eq!(settle(&[&a, &b]).await, 0, "the reservation was given back");
+}

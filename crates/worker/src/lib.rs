@@ -375,8 +375,9 @@ impl Worker for LocalWorker {
     }
 
     fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {
-        self.inner.fence(req.fence, Role::decodes)?;
         let id = req.id;
+        // Refused (a role switch overtook the fetch): the reservation goes too.
+        self.inner.fence(req.fence, Role::decodes).inspect_err(|_| self.inner.release(id))?;
         self.inner.when_imported(id, events.clone(), Command::GenerateImported(req, imported, events))
     }
 

@@ -265,7 +265,8 @@ impl Worker for SimWorker {
     }
 
     fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {
-        self.inner.fence(req.fence, Role::decodes)?;
+        // Refused (a role switch overtook the fetch): the reservation goes too.
+        self.inner.fence(req.fence, Role::decodes).inspect_err(|_| self.inner.release(req.id))?;
         if !lock(&self.inner.imports).remove(&req.id) {
             return Err(ServeError::Internal(format!("no transfer into this worker for {}", req.id)));
         }

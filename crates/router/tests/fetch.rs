@@ -78,6 +78,16 @@ fn long_prompt() -> String {
     (0..40).map(|i| format!("Line {i}: the quick brown fox jumps over the lazy dog near the river bank. ")).collect()
 }
 
+/// Sends the router's only worker a long prompt and gives it time to start the
+/// step. The router counts the prompt in that worker's queue until its first token,
+/// over half a second away on any machine, whatever the engine reports meanwhile
+/// (mid-step it repeats its last answer, from before the prompt arrived over TCP).
+async fn busy_with_a_long_prompt(r: &Router) -> pdserve_protocol::TokenStream {
+    let busy = r.generate(greedy(3, &long_prompt(), 8)).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    busy
+}
+
 /// `holder` serves the history alone, then a long prompt; `fetcher` joins while the
 /// long prompt is prefilled there, and the next turn goes to it with the history
 /// fetched. Checks everything the module says; `locals` are the two engines.
@@ -108,13 +118,7 @@ async fn fetch_while_the_holder_is_busy(
     }
     assert!(*seen.indexed.lock().unwrap() >= history_blocks, "the router's index never saw the history");
 
-    let busy = r.generate(greedy(3, &long_prompt(), 8)).unwrap();
-    for _ in 0..500 {
-        if locals[0].stats().await.unwrap().queued_prompt_tokens > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let busy = busy_with_a_long_prompt(&r).await;
     r.workers().add(fetcher);
     let (got, end) = collect(r.generate(greedy(4, &turn, 24)).unwrap()).await;
     let Event::Done { usage, .. } = end else { panic!("the turn failed: {end:?}") };
@@ -218,13 +222,7 @@ async fn a_fetch_that_fails_recomputes_instead_and_leaks_nothing() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let busy = r.generate(greedy(3, &long_prompt(), 8)).unwrap();
-    for _ in 0..500 {
-        if a.stats().await.unwrap().queued_prompt_tokens > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let busy = busy_with_a_long_prompt(&r).await;
     r.workers().add(Arc::new(b.clone()));
     let (got, end) = collect(r.generate(greedy(4, &turn, 8)).unwrap()).await;
     let Event::Done { usage, .. } = end else { panic!("the turn failed: {end:?}") };

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Tabulates the twin's predictions against measurements: for every *.real.json in a
 directory (bench load's output) and its *.sim.json (pdserve sim's), the error of each
-summary field per point, the median absolute errors, and how the topologies rank by
+summary field per point (and the requests each shed with a 429), the median
+absolute errors, and how the topologies rank by
 goodput per workload and concurrency (Spearman's rho; the predicted best's measured
 goodput against the measured best's). Several directories (e.g. runs at different
 concurrencies) are tabulated together.
@@ -63,10 +64,12 @@ def main(dirs):
                 if e is not None:
                     errors[f].append(abs(e))
                 cells.append(f"{get(rs):.1f} → {get(ss):.1f} ({e * 100:+.1f} %)" if e is not None else "n/a")
+            cells.append(f"{rs.get('shed', 0)} → {ss.get('shed', 0)}")
             rows.append(f"| {topo} | {work} | {label} | " + " | ".join(cells) + " |")
             groups.setdefault((work, label), []).append((topo, rs["goodput"], ss["goodput"]))
-    print("| topology | workload | point | " + " | ".join(f"{f} measured → predicted" for f, _ in FIELDS) + " |")
-    print("|---|---|---|" + "---|" * len(FIELDS))
+    print("| topology | workload | point | " + " | ".join(f"{f} measured → predicted" for f, _ in FIELDS)
+          + " | shed (429) measured → predicted |")
+    print("|---|---|---|" + "---|" * (len(FIELDS) + 1))
     print("\n".join(rows))
     print(f"\n{len(rows)} configurations. Median absolute error:\n")
     print("| measure | median abs error | max abs error |\n|---|---|---|")

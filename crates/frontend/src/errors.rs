@@ -119,12 +119,7 @@ impl ApiError {
     /// Seconds a client should wait before trying again, for `Retry-After`.
     pub fn retry_after(&self) -> Option<u64> {
         match self {
-            ApiError::Serve(
-                ServeError::QueueFull { retry_s, .. }
-                | ServeError::SloInfeasible { retry_s, .. }
-                | ServeError::TpotInfeasible { retry_s, .. },
-            ) => Some((*retry_s).max(1)),
-            ApiError::Serve(ServeError::Overloaded(_)) => Some(1),
+            ApiError::Serve(e) => e.retry_after_s(),
             _ => None,
         }
     }

@@ -298,6 +298,18 @@ impl ServeError {
         }
     }
 
+    /// Seconds a refused client should wait before trying again (`Retry-After`):
+    /// admission's refusals only.
+    pub fn retry_after_s(&self) -> Option<u64> {
+        match self {
+            ServeError::QueueFull { retry_s, .. }
+            | ServeError::SloInfeasible { retry_s, .. }
+            | ServeError::TpotInfeasible { retry_s, .. } => Some((*retry_s).max(1)),
+            ServeError::Overloaded(_) => Some(1),
+            _ => None,
+        }
+    }
+
     /// Whether another worker (or a later attempt) may succeed where this failed:
     /// the router retries these, and clients may.
     pub fn is_retryable(&self) -> bool {

@@ -51,6 +51,30 @@ const SIGNALS_WINDOW: Duration = Duration::from_secs(12);
 /// How long `auto` waits for a full decode worker's blocks before prefilling there.
 const AUTO_RESERVE: Duration = Duration::from_millis(500);
 
+/// What a router refuses at the door (429 with `Retry-After`) rather than queue:
+/// see [`Router::with_admission`], [`Router::with_slo_admission`] and
+/// [`Router::with_tpot_admission`]. The default is `pdserve serve`'s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Admission {
+    /// The longest predicted wait before a request's prefill starts.
+    pub max_queue: Option<Duration>,
+    /// The time-to-first-token objective.
+    pub ttft: Option<Duration>,
+    /// The time-per-output-token objective.
+    pub tpot: Option<Duration>,
+}
+
+impl Admission {
+    /// `serve`'s `--max-queue-seconds` unless given.
+    pub const DEFAULT_MAX_QUEUE_S: f64 = 30.0;
+}
+
+impl Default for Admission {
+    fn default() -> Self {
+        Admission { max_queue: Some(Duration::from_secs_f64(Self::DEFAULT_MAX_QUEUE_S)), ttft: None, tpot: None }
+    }
+}
+
 pub struct Router {
     workers: WorkerSet,
     transfer: Arc<TransferCost>,
@@ -196,6 +220,11 @@ impl Router {
     pub fn with_tpot_admission(mut self, slo: Option<Duration>) -> Self {
         self.slo_tpot = slo;
         self
+    }
+
+    /// All three admission checks at once, as `serve`'s flags set them.
+    pub fn with_limits(self, a: Admission) -> Self {
+        self.with_admission(a.max_queue).with_slo_admission(a.ttft).with_tpot_admission(a.tpot)
     }
 
     /// How prefill workers send KV to decode workers.

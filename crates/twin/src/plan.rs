@@ -15,7 +15,7 @@ use pdserve_bench::workload::Workload;
 use pdserve_engine::tiers::TierConfig;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_router::planner::model;
-use pdserve_router::{Mode, PolicyKind};
+use pdserve_router::{Admission, Mode, PolicyKind};
 use pdserve_types::Role;
 use serde::Serialize;
 
@@ -134,6 +134,7 @@ fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
         shared_machine: false,
         prefix_fetch: true,
         tiers: TierConfig::default(),
+        admission: Admission::default(),
     };
     let mut out = vec![(format!("aggregated ×{n}"), base(Mode::Aggregated, vec![Role::Mixed; n]))];
     if n > 1 {

@@ -20,7 +20,7 @@ use pdserve_engine::timed::Clock;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, Generate, GenerateRequest, Worker};
 use pdserve_router::planner::{model, Planner, PlannerConfig};
-use pdserve_router::{Deadlines, Migrating, Mode, PolicyKind, Router};
+use pdserve_router::{Admission, Deadlines, Migrating, Mode, PolicyKind, Router};
 use pdserve_types::{RequestId, Role, SamplingParams};
 use pdserve_worker::{Machine, SimOptions, SimWorker};
 use std::cell::Cell;
@@ -51,6 +51,10 @@ pub struct Topology {
     /// Whether a worker may fetch a prefix a peer caches (`serve`'s default) rather
     /// than recompute it.
     pub prefix_fetch: bool,
+    /// What the router refuses rather than queues (`serve`'s `--max-queue-seconds`
+    /// by default): a refused request is shed as `bench load` sees a 429, and the
+    /// closed loop waits its `Retry-After`.
+    pub admission: Admission,
 }
 
 impl Topology {
@@ -158,7 +162,8 @@ impl SimServer {
         let router = Router::new(workers, t.mode, Deadlines::default(), tokio::runtime::Handle::current())
             .with_policy(t.policy.build())
             .with_transport(t.via)
-            .with_prefix_fetch(t.prefix_fetch);
+            .with_prefix_fetch(t.prefix_fetch)
+            .with_limits(t.admission);
         let router = Arc::new(router);
         if t.policy == PolicyKind::KvAware {
             router.follow_kv_events();
@@ -226,6 +231,8 @@ impl Server for SimServer {
         let mut stream = match self.front.generate(req) {
             Ok(s) => s,
             Err(e) => {
+                // What the HTTP layer answers with 429 and `Retry-After`.
+                rec.shed = e.retry_after_s().map(|s| s as f64);
                 rec.error = Some(e.to_string());
                 rec.e2e_s = sent.elapsed().as_secs_f64();
                 return rec;

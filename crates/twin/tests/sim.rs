@@ -12,10 +12,11 @@ use pdserve_bench::prompt::TokenRange;
 use pdserve_bench::workload::{Workload, WorkloadFlags};
 use pdserve_engine::timed::{StepCost, StepShape};
 use pdserve_kv_transfer::TransportKind;
-use pdserve_router::{Mode, PolicyKind};
+use pdserve_router::{Admission, Mode, PolicyKind};
 use pdserve_twin::profile::{Link, ModelShape, Profile, Provenance, Shape, SCHEMA};
 use pdserve_twin::sim::{simulate, SimServer, SimSpec, Topology};
 use pdserve_types::Role;
+use std::time::Duration;
 
 const STEP: StepCost = StepCost { fixed_s: 0.004, token_s: 0.0005, pair_s: 1e-7, decode_pair_s: 4e-7, logits_s: 0.001 };
 const ADMISSION: f64 = 0.0005;
@@ -58,6 +59,7 @@ fn topology(mode: Mode, roles: Vec<Role>) -> Topology {
         shared_machine: true,
         prefix_fetch: true,
         tiers: Default::default(),
+        admission: Admission::default(),
     }
 }
 
@@ -109,6 +111,28 @@ fn a_lone_request_takes_the_profiles_time() {
     let decodes: f64 = (0..7).map(|k| STEP.seconds(&StepShape::decode(1, 256 + k))).sum();
     close(r.e2e_s, ADMISSION + prefill + decodes);
     close(r.tpot_s.unwrap(), decodes / 7.0);
+}
+
+#[test]
+fn admission_sheds_what_would_wait_too_long_as_serve_does() {
+    let p = profile();
+    let w = workload(1024, 32);
+    let with = |max_queue| Topology {
+        admission: Admission { max_queue, ..Admission::default() },
+        ..topology(Mode::Aggregated, vec![Role::Mixed])
+    };
+    // Sixteen 1024-token prompts queued on one worker wait seconds for a prefill.
+    let out = run(&p, with(Some(Duration::from_secs(1))), &w, Sweep::Concurrency(vec![16]), 48);
+    let refused: Vec<_> = out[0].records.iter().filter(|r| !r.ok).collect();
+    assert!(!refused.is_empty(), "nothing was shed");
+    for r in &refused {
+        assert!(r.shed.is_some_and(|s| s >= 1.0), "refused without a Retry-After: {r:?}");
+        assert!(r.error.as_deref().is_some_and(|e| e.contains("over the limit of 1 s")), "{:?}", r.error);
+    }
+    assert_eq!(out[0].summary.shed, refused.len());
+    assert!(out[0].records.iter().any(|r| r.ok), "admission refused everything");
+    let open = run(&p, with(None), &w, Sweep::Concurrency(vec![16]), 48);
+    assert!(open[0].records.iter().all(|r| r.ok), "shed with admission off");
 }
 
 #[test]

@@ -78,9 +78,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         let router = Arc::new(
             Router::new([], a.mode, a.api.deadlines(), tokio::runtime::Handle::current())
                 .with_policy(a.policy.build())
-                .with_admission(a.api.admission())
-                .with_slo_admission(a.api.slo_admission())
-                .with_tpot_admission(a.api.tpot_admission())
+                .with_limits(a.api.admission.limits())
                 .with_transport(via)
                 .with_prefix_fetch(!a.no_kv_fetch)
                 .with_telemetry(Arc::new(metrics.clone())),

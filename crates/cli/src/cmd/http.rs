@@ -6,7 +6,7 @@ use pdserve_engine::chat::ChatTemplate;
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_frontend::{Frontend, HttpLimits, Lifecycle, Metrics};
 use pdserve_protocol::Generate;
-use pdserve_router::{Deadlines, Migrating, Router};
+use pdserve_router::{Admission, Deadlines, Migrating, Router};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,21 +21,12 @@ pub struct Served {
     pub context_length: usize,
 }
 
-/// The API's flags, the same for `serve` and `frontend`.
+/// Admission control's flags, shared by `serve`, `frontend` and `sim`.
 #[derive(clap::Args)]
-pub struct ApiArgs {
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
-    /// Port to listen on (0 picks a free one).
-    #[arg(long, default_value_t = 8000)]
-    port: u16,
-    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
-    #[arg(long, default_value_t = 30)]
-    grace_seconds: u64,
+pub struct AdmissionArgs {
     /// Refuse (429 with Retry-After) a request predicted to wait longer than this
     /// before its prefill starts; 0 turns admission control off.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = Admission::DEFAULT_MAX_QUEUE_S)]
     max_queue_seconds: f64,
     /// SLO admission: refuse (429 with Retry-After) a request whose first token is
     /// predicted later than this many milliseconds (its wait plus its own prefill),
@@ -48,6 +39,34 @@ pub struct ApiArgs {
     /// steps. Off by default.
     #[arg(long, value_parser = positive_ms)]
     admit_tpot_ms: Option<f64>,
+}
+
+impl AdmissionArgs {
+    /// The limits the router enforces: `--max-queue-seconds 0` turns that one off.
+    pub fn limits(&self) -> Admission {
+        let ms = |ms: Option<f64>| ms.map(|ms| Duration::from_secs_f64(ms / 1e3));
+        Admission {
+            max_queue: Duration::try_from_secs_f64(self.max_queue_seconds).ok().filter(|d| !d.is_zero()),
+            ttft: ms(self.admit_ttft_ms),
+            tpot: ms(self.admit_tpot_ms),
+        }
+    }
+}
+
+/// The API's flags, the same for `serve` and `frontend`.
+#[derive(clap::Args)]
+pub struct ApiArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    grace_seconds: u64,
+    #[command(flatten)]
+    pub admission: AdmissionArgs,
     /// A streaming client that reads nothing for this many seconds gets an error and
     /// its request is cancelled (its sequence is paused while it lags).
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
@@ -70,21 +89,6 @@ impl ApiArgs {
     /// The router's deadlines, with the client stall from the flags.
     pub fn deadlines(&self) -> Deadlines {
         Deadlines { client_stall: Duration::from_secs(self.client_stall_seconds), ..Deadlines::default() }
-    }
-
-    /// `--max-queue-seconds`: a positive limit, or none.
-    pub fn admission(&self) -> Option<Duration> {
-        Duration::try_from_secs_f64(self.max_queue_seconds).ok().filter(|d| !d.is_zero())
-    }
-
-    /// `--admit-ttft-ms`, if given.
-    pub fn slo_admission(&self) -> Option<Duration> {
-        self.admit_ttft_ms.map(|ms| Duration::from_secs_f64(ms / 1e3))
-    }
-
-    /// `--admit-tpot-ms`, if given.
-    pub fn tpot_admission(&self) -> Option<Duration> {
-        self.admit_tpot_ms.map(|ms| Duration::from_secs_f64(ms / 1e3))
     }
 }
 

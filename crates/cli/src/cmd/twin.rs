@@ -1,6 +1,7 @@
 //! `pdserve profile` and `pdserve sim`: the twin's calibration and its simulator.
 
 use super::bench::WorkloadArgs;
+use super::http::AdmissionArgs;
 use super::serve::TopologyArgs;
 use anyhow::Context;
 use pdserve_bench::compare::{CompareOptions, CompareReport};
@@ -66,6 +67,8 @@ pub struct SimArgs {
     #[command(flatten)]
     topology: TopologyArgs,
     #[command(flatten)]
+    admission: AdmissionArgs,
+    #[command(flatten)]
     work: WorkloadArgs,
     /// Write every simulated request and the summaries as JSON here (`bench load`'s
     /// format).
@@ -73,8 +76,9 @@ pub struct SimArgs {
     out: Option<PathBuf>,
 }
 
-/// The simulator's topology for `serve`'s topology flags `t`, on `profile`'s machine.
-fn sim_topology(t: &TopologyArgs, profile: &Profile, slo: Slo) -> anyhow::Result<Topology> {
+/// The simulator's topology for `serve`'s topology and admission flags, on
+/// `profile`'s machine.
+fn sim_topology(t: &TopologyArgs, admission: &AdmissionArgs, profile: &Profile, slo: Slo) -> anyhow::Result<Topology> {
     let roles = t.roles();
     // The profile's widest shape is the machine; its workers share it, as serve's do.
     let widest = profile.shapes.iter().map(|s| s.threads).max().unwrap_or(1);
@@ -91,6 +95,7 @@ fn sim_topology(t: &TopologyArgs, profile: &Profile, slo: Slo) -> anyhow::Result
         // more are a fleet, one machine each.
         shared_machine: threads * roles.len() <= widest,
         prefix_fetch: !t.no_kv_fetch,
+        admission: admission.limits(),
         roles,
         tiers,
     })
@@ -100,7 +105,7 @@ pub fn sim(a: SimArgs) -> anyhow::Result<()> {
     a.topology.check()?;
     let profile = Profile::load(&a.profile)?;
     let slo = a.work.slo();
-    let topology = sim_topology(&a.topology, &profile, slo)?;
+    let topology = sim_topology(&a.topology, &a.admission, &profile, slo)?;
     let workload = a.work.workload()?;
     let plans = plans(&a.work.sweep()?, a.work.requests, a.work.seconds, workload.trace_len())?;
     let started = Instant::now();
@@ -202,11 +207,14 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `serve`'s topology flags alone, to read a compared topology's command line.
+/// `serve`'s topology and admission flags alone, to read a compared topology's
+/// command line.
 #[derive(clap::Parser)]
 struct ServeTopology {
     #[command(flatten)]
     t: TopologyArgs,
+    #[command(flatten)]
+    admission: AdmissionArgs,
 }
 
 /// `bench compare --sim`: simulates every topology `report` measured on `profile`,
@@ -227,7 +235,7 @@ pub fn compare_sim(profile: &Profile, opts: &CompareOptions, report: &CompareRep
         let parsed = <ServeTopology as clap::Parser>::try_parse_from(args)
             .map_err(|e| e.to_string().lines().next().unwrap_or_default().to_string())?;
         parsed.t.check().map_err(|e| e.to_string())?;
-        sim_topology(&parsed.t, profile, opts.slo).map_err(|e| e.to_string())
+        sim_topology(&parsed.t, &parsed.admission, profile, opts.slo).map_err(|e| e.to_string())
     };
     let predicted = versus::predict(profile, opts, report, &read)?;
     json::write(&opts.out.join("predicted.json"), &predicted)?;

@@ -142,7 +142,7 @@ struct Inner {
     /// Stands in for an in-process receiver; nothing is ever sent to it.
     inboxes: Inboxes,
     pool: BlockPool,
-    /// Peers' fetches waiting for the engine (served between its steps).
+    /// Peers' fetches waiting for the engine (served after a layer of its step).
     exports: worker_loop::Exports,
 }
 
@@ -156,7 +156,8 @@ impl SimWorker {
         let active = Arc::new(AtomicUsize::new(0));
         let pool = engine.block_pool().clone();
         let exports = worker_loop::Exports::default();
-        let loop_ = worker_loop::run_virtual(engine, rx, active.clone(), (opts.machine, threads), exports.clone());
+        let clock = (opts.machine, threads, layers);
+        let loop_ = worker_loop::run_virtual(engine, rx, active.clone(), clock, exports.clone());
         tokio::spawn(loop_);
         let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
         let inner = Inner {
@@ -247,8 +248,9 @@ impl Worker for SimWorker {
         true
     }
 
-    /// The engine finds the cached prefix between its steps on the virtual clock;
-    /// the profile's link then takes the model's bytes of it.
+    /// The engine finds the cached prefix after the layer of its step that is
+    /// running (or at once when idle) on the virtual clock; the profile's link then
+    /// takes the model's bytes of it.
     fn export_prefix(&self, _id: RequestId, tokens: Vec<u32>, to: KvDestination) -> Reply<'static, usize> {
         let inner = self.inner.clone();
         Box::pin(async move {
@@ -405,6 +407,72 @@ mod tests {
         drop((a, b));
         // One worker whose threads fill the machine pays the host work alone.
         assert!((m.busy(2).seconds(1.0, 2) - 1.002).abs() < 1e-12);
+    }
+
+    /// A worker whose steps cost 1 ms per token over 30 layers, on a fast link.
+    fn worker(name: &str) -> SimWorker {
+        use pdserve_engine::timed::{Clock, StepCost};
+        let timed = TimedModel {
+            vocab_size: 49152,
+            context_length: 8192,
+            n_layers: 30,
+            kv_values: 1,
+            cost: StepCost { token_s: 1e-3, ..StepCost::default() },
+            restore: Default::default(),
+            clock: Clock::Virtual,
+        };
+        let fast = LinkModel { latency_s: 0.0, bytes_per_s: 1e15 };
+        let opts = SimOptions {
+            name: name.into(),
+            role: Role::Mixed,
+            model_name: "test".into(),
+            engine: EngineConfig { num_blocks: 512, ..EngineConfig::default() },
+            timed,
+            kv_bytes_per_token: 1000.0,
+            links: vec![(TransportKind::Inproc, fast)],
+            machine: Machine::new(2, 1.0, 0.0),
+            tiers: TierConfig::default(),
+        };
+        SimWorker::spawn(opts).unwrap()
+    }
+
+    fn request(id: u64, prompt: Vec<u32>) -> GenerateRequest {
+        let params = pdserve_types::SamplingParams { max_tokens: 1, ..Default::default() };
+        GenerateRequest {
+            id: RequestId(id),
+            tag: format!("t-{id}").as_str().into(),
+            prompt,
+            params: params.validate().unwrap(),
+            fence: None,
+            trace: Default::default(),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fetch_from_a_busy_worker_waits_for_one_layer_of_its_step_not_all_of_it() {
+        let (holder, receiver) = (worker("holder"), worker("receiver"));
+        // 16 whole blocks cached on the holder.
+        let prefix: Vec<u32> = (1000..1257).collect();
+        let (tx, mut cached) = pdserve_protocol::TokenStream::channel(4);
+        holder.generate(request(1, prefix.clone()), tx).unwrap();
+        while let Some(e) = cached.next().await {
+            if !matches!(e, pdserve_protocol::Event::Token(_)) {
+                break;
+            }
+        }
+        // A 2,000-token prompt: steps of 512 tokens, 0.512 s each, 17 ms a layer.
+        let (tx, _busy) = pdserve_protocol::TokenStream::channel(4);
+        holder.generate(request(2, (2000..4000).collect()), tx).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let asked = tokio::time::Instant::now();
+        let token = receiver.reserve(RequestId(3), 256, None).await.unwrap();
+        let to = KvDestination { target: receiver.kv_target(TransportKind::Inproc).unwrap(), token };
+        let sent = holder.export_prefix(RequestId(3), prefix[..256].to_vec(), to).await.unwrap();
+        assert_eq!(sent, 256);
+        let waited = asked.elapsed().as_secs_f64();
+        // One layer (and the timer's millisecond), not the step's remaining 0.41 s.
+        assert!(waited <= 0.512 / 30.0 + 0.002, "the fetch waited {waited} s");
+        receiver.release(RequestId(3));
     }
 
     #[test]

@@ -52,14 +52,21 @@ impl Export {
 
 /// Fetches waiting for the engine. The loop on the wall clock serves them between
 /// two layers of a running step, so a fetch from a busy worker waits for one layer,
-/// not a whole step; between steps (on any clock) it serves the rest, then copying
-/// back what lower tiers hold too. [`Command::ServeExports`] wakes an idle loop.
+/// not a whole step (the virtual clock's loop after the modelled layer); between
+/// steps it serves the rest, then copying back what lower tiers hold too.
+/// [`Command::ServeExports`] wakes an idle loop.
 #[derive(Clone, Default)]
-pub(crate) struct Exports(Arc<Mutex<VecDeque<Export>>>);
+pub(crate) struct Exports(Arc<Mutex<VecDeque<Export>>>, Arc<tokio::sync::Notify>);
 
 impl Exports {
     pub fn push(&self, e: Export) {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).push_back(e);
+        self.1.notify_one();
+    }
+
+    /// Returns once a fetch was pushed (at once if one came since the last call).
+    async fn arrived(&self) {
+        self.1.notified().await;
     }
 
     fn pop(&self) -> Option<Export> {
@@ -124,7 +131,7 @@ pub(crate) async fn run_virtual(
     engine: Engine,
     mut rx: tokio::sync::mpsc::Receiver<Command>,
     active: Arc<AtomicUsize>,
-    (machine, threads): (Arc<crate::sim::Machine>, usize),
+    (machine, threads, layers): (Arc<crate::sim::Machine>, usize, usize),
     exports: Exports,
 ) {
     let mut l = Loop::new(engine, active, exports);
@@ -161,8 +168,9 @@ pub(crate) async fn run_virtual(
             let busy = machine.busy(threads);
             let now = Instant::now();
             let start = ended.filter(|e| now.duration_since(*e) < TIMER_TICK).unwrap_or(now);
-            let end = start + Duration::from_secs_f64(busy.seconds(spent, outs.len()));
-            tokio::time::sleep_until(end).await;
+            let took = busy.seconds(spent, outs.len());
+            let end = start + Duration::from_secs_f64(took);
+            l.sleep_serving(end, Duration::from_secs_f64(took / layers.max(1) as f64)).await;
             ended = Some(end);
         }
         for out in outs {
@@ -172,6 +180,25 @@ pub(crate) async fn run_virtual(
 }
 
 impl Loop {
+    /// Waits for a modelled step to end at `end`, serving the fetches that come
+    /// meanwhile from the pool after the layer (`layer` long) running when each came,
+    /// as the wall-clock loop does. The step's own blocks are already cached here:
+    /// a fetch of them mid-step is served at most a step early.
+    async fn sleep_serving(&mut self, end: Instant, layer: Duration) {
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(end) => return,
+                () = self.exports.arrived() => {
+                    tokio::time::sleep_until((Instant::now() + layer).min(end)).await;
+                    let pool = self.engine.cached_kv();
+                    while let Some(x) = self.exports.pop() {
+                        x.serve(|tokens, on_frame| pool.export(tokens, on_frame));
+                    }
+                }
+            }
+        }
+    }
+
     pub(crate) fn new(engine: Engine, active: Arc<AtomicUsize>, exports: Exports) -> Loop {
         Loop { engine, exports, streams: HashMap::new(), imports: HashMap::new(), active, owed: 0.0 }
     }

@@ -154,6 +154,12 @@ impl Engine {
         })
     }
 
+    /// What the pool caches, as a step's layers see it ([`Engine::step_serving`]):
+    /// for a clock that models a step's layers without running them (the twin).
+    pub fn cached_kv(&self) -> CachedKv<'_> {
+        CachedKv { blocks: &self.blocks, kv: &self.kv, salt: self.cfg.cache_salt }
+    }
+
     /// Turns a completed import of the K/V of `prompt`'s first `imported` tokens (a
     /// peer's cached prefix, [`Engine::export_cached`]) into a waiting request that
     /// computes only the rest, as if those tokens were found in this engine's own

@@ -12,12 +12,14 @@
 # and overall, role switches, failed requests, and the oracle (the best fixed
 # topology of each phase). See docs/benchmarks.md ("The planner").
 #   usage: scripts/bench-planner.sh [OUT]   (PHASE_SECONDS=60 TOPOLOGIES="planner auto-2M fixed-1P1D")
+# SCALE multiplies every rate and TTFT_MS / TPOT_MS set the SLOs, to fit a slower
+# machine (e.g. SCALE=0.5 TTFT_MS=10000 TPOT_MS=20 at half the speed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-results/planner}"; mkdir -p "$out"
 secs="${PHASE_SECONDS:-60}"
 read -r -a tops <<<"${TOPOLOGIES:-planner auto-2M fixed-1P1D}"
-source scripts/planner-phases.sh "$secs" 1
+source scripts/planner-phases.sh "$secs" "${SCALE:-1}"
 cargo build --release --bin pdserve >&2
 bin=./target/release/pdserve
 port=18091

@@ -164,13 +164,18 @@ pub struct SimKv {
 }
 
 impl SimKv {
+    /// Seconds the profile's link over `via` takes to deliver `tokens`' KV after
+    /// `prefill_s` of compute it streams under; none for a transport it lacks.
+    fn tail(&self, tokens: usize, via: TransportKind, prefill_s: f64) -> Option<f64> {
+        let (_, link) = self.links.iter().find(|(k, _)| *k == via)?;
+        Some(link.tail(tokens as f64 * self.bytes_per_token, self.layers, prefill_s))
+    }
+
     /// Waits out what the profile's link takes to deliver `tokens`' KV over `via`
     /// beyond the `took` seconds the scaled-down frames took (an export computes
     /// nothing, so no layer's share is hidden).
     async fn account_export(&self, tokens: usize, via: TransportKind, took: f64) {
-        let Some((_, link)) = self.links.iter().find(|(k, _)| *k == via) else { return };
-        let tail = link.tail(tokens as f64 * self.bytes_per_token, self.layers, 0.0);
-        if tail > took {
+        if let Some(tail) = self.tail(tokens, via, 0.0).filter(|&t| t > took) {
             tokio::time::sleep(Duration::from_secs_f64(tail - took)).await;
         }
     }
@@ -178,11 +183,8 @@ impl SimKv {
     /// Reports `tokens`' KV as the model's bytes over `via`, waiting out what the
     /// profile's link takes beyond the transfer's own time.
     async fn account(&self, first: &mut Prefilled, tokens: usize, via: TransportKind) {
-        let bytes = tokens as f64 * self.bytes_per_token;
-        first.kv_bytes = bytes as u64;
-        let Some((_, link)) = self.links.iter().find(|(k, _)| *k == via) else { return };
-        let tail = link.tail(bytes, self.layers, first.prefill_seconds);
-        if tail > first.transfer_seconds {
+        first.kv_bytes = (tokens as f64 * self.bytes_per_token) as u64;
+        if let Some(tail) = self.tail(tokens, via, first.prefill_seconds).filter(|&t| t > first.transfer_seconds) {
             tokio::time::sleep(Duration::from_secs_f64(tail - first.transfer_seconds)).await;
             first.transfer_seconds = tail;
         }

@@ -20,6 +20,9 @@ pub struct StepShape {
     pub decode_pairs: f64,
     /// Rows of logits computed and sampled.
     pub logits: f64,
+    /// Single-token (decode) rows; not a term of the linear cost, but where the
+    /// measured decode steps correct it ([`DecodeTable`]).
+    pub decodes: f64,
 }
 
 impl StepShape {
@@ -30,8 +33,8 @@ impl StepShape {
         // Token j (0-based) attends to start + j + 1 positions.
         let pairs = k * s + k * (k + 1.0) / 2.0;
         match n {
-            1 => StepShape { tokens: 1.0, pairs: 0.0, decode_pairs: pairs, logits },
-            _ => StepShape { tokens: k, pairs, decode_pairs: 0.0, logits },
+            1 => StepShape { tokens: 1.0, pairs: 0.0, decode_pairs: pairs, logits, decodes: 1.0 },
+            _ => StepShape { tokens: k, pairs, decode_pairs: 0.0, logits, decodes: 0.0 },
         }
     }
 
@@ -55,6 +58,7 @@ impl std::ops::Add for StepShape {
             pairs: self.pairs + o.pairs,
             decode_pairs: self.decode_pairs + o.decode_pairs,
             logits: self.logits + o.logits,
+            decodes: self.decodes + o.decodes,
         }
     }
 }
@@ -103,6 +107,81 @@ impl StepShape {
     }
 }
 
+/// Where a profile's timed decode steps differ from the linear cost: the residual
+/// (timed − linear) at each timed (batch, context), interpolated between them and
+/// held at the grid's edges. One line through every step cannot follow how a small
+/// batch's decode time grows with context (steeply up to a few hundred positions, then
+/// slower), and a request's TPOT is made of exactly those steps.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DecodeTable {
+    /// Ascending; a row of zeros at batch 0 sits before them.
+    batches: Vec<f64>,
+    /// Ascending.
+    contexts: Vec<f64>,
+    /// `residual_s[i][j]`: at `batches[i]` and `contexts[j]`.
+    residual_s: Vec<Vec<f64>>,
+}
+
+impl DecodeTable {
+    /// From timed points `(batch, context, residual seconds)`, the repeats of one point
+    /// averaged; `None` unless they cover every batch at every context.
+    pub fn from_points(points: &[(usize, usize, f64)]) -> Option<DecodeTable> {
+        let axis = |f: fn(&(usize, usize, f64)) -> usize| {
+            let mut v: Vec<usize> = points.iter().map(f).collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        let (batches, contexts) = (axis(|p| p.0), axis(|p| p.1));
+        let mut residual_s = vec![vec![0.0; contexts.len()]; batches.len()];
+        for (i, &b) in batches.iter().enumerate() {
+            for (j, &c) in contexts.iter().enumerate() {
+                let at: Vec<f64> = points.iter().filter(|p| p.0 == b && p.1 == c).map(|p| p.2).collect();
+                if at.is_empty() {
+                    return None;
+                }
+                residual_s[i][j] = at.iter().sum::<f64>() / at.len() as f64;
+            }
+        }
+        let floats = |v: Vec<usize>| v.into_iter().map(|x| x as f64).collect();
+        (!batches.is_empty() && batches[0] > 0).then(|| DecodeTable {
+            batches: floats(batches),
+            contexts: floats(contexts),
+            residual_s,
+        })
+    }
+
+    /// Seconds to add to a step of `decodes` decode rows at a mean `context`.
+    pub fn seconds(&self, decodes: f64, context: f64) -> f64 {
+        if decodes <= 0.0 || self.batches.is_empty() {
+            return 0.0;
+        }
+        let row = |i: usize| lerp_at(&self.contexts, &self.residual_s[i], context);
+        let (i, w) = bracket(&self.batches, decodes);
+        // Below the smallest timed batch the residual shrinks to none at batch 0.
+        if decodes < self.batches[0] {
+            return row(0) * decodes / self.batches[0];
+        }
+        row(i) * (1.0 - w) + row((i + 1).min(self.batches.len() - 1)) * w
+    }
+}
+
+/// The index below `x` in ascending `axis` and the weight of the one above, held at
+/// the ends.
+fn bracket(axis: &[f64], x: f64) -> (usize, f64) {
+    let last = axis.len() - 1;
+    match axis.iter().rposition(|&a| a <= x) {
+        None => (0, 0.0),
+        Some(i) if i == last => (last, 0.0),
+        Some(i) => (i, (x - axis[i]) / (axis[i + 1] - axis[i])),
+    }
+}
+
+fn lerp_at(axis: &[f64], values: &[f64], x: f64) -> f64 {
+    let (i, w) = bracket(axis, x);
+    values[i] * (1.0 - w) + values[(i + 1).min(values.len() - 1)] * w
+}
+
 /// How a timed engine spends a step's time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Clock {
@@ -123,10 +202,48 @@ pub struct TimedModel {
     /// K (and V) values per token per layer that the stand-in stores and sends; the
     /// real model's figure divided by the scale the worker states.
     pub kv_values: usize,
-    pub cost: StepCost,
+    /// How long a step takes...
+    pub step: StepTime,
+    /// ...on this many threads.
+    pub threads: usize,
+    /// The core-seconds of compute a step holds: its time on one thread. A step on
+    /// several threads leaves some of its cores idle part of the time (a small
+    /// batch's decode is not twice as fast on two); serving's host work fits there
+    /// first. `None`: every thread is busy the whole step.
+    pub work: Option<StepTime>,
     /// What copying a block back from a lower tier costs (none without tiers).
     pub restore: RestoreCost,
     pub clock: Clock,
+}
+
+/// A step's time by its shape: the fitted line, corrected where decode steps were
+/// timed.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepTime {
+    pub cost: StepCost,
+    /// The timed decode steps' departures from `cost` (none: the line alone).
+    pub decode_table: DecodeTable,
+}
+
+impl StepTime {
+    pub fn line(cost: StepCost) -> StepTime {
+        StepTime { cost, decode_table: DecodeTable::default() }
+    }
+
+    pub fn seconds(&self, s: &StepShape) -> f64 {
+        let context = if s.decodes > 0.0 { s.decode_pairs / s.decodes - 1.0 } else { 0.0 };
+        (self.cost.seconds(s) + self.decode_table.seconds(s.decodes, context)).max(0.0)
+    }
+}
+
+impl TimedModel {
+    /// Seconds a step of this shape takes, and the core-seconds its threads sit idle
+    /// meanwhile.
+    pub fn step_seconds(&self, s: &StepShape) -> (f64, f64) {
+        let seconds = self.step.seconds(s);
+        let idle = self.work.as_ref().map_or(0.0, |w| self.threads as f64 * seconds - w.seconds(s));
+        (seconds, idle.max(0.0))
+    }
 }
 
 /// Seconds a timed engine charges to copy one block (every layer's K and V, at the
@@ -180,17 +297,66 @@ mod tests {
     #[test]
     fn shapes_count_attention_pairs() {
         // Three tokens from scratch attend to 1, 2 and 3 positions.
-        assert_eq!(StepShape::prefill(0, 3), StepShape { tokens: 3.0, pairs: 6.0, decode_pairs: 0.0, logits: 1.0 });
+        let prefill = StepShape { tokens: 3.0, pairs: 6.0, decode_pairs: 0.0, logits: 1.0, decodes: 0.0 };
+        assert_eq!(StepShape::prefill(0, 3), prefill);
         // One decode token at 10 computed positions attends to 11.
-        assert_eq!(StepShape::decode(2, 10), StepShape { tokens: 2.0, pairs: 0.0, decode_pairs: 22.0, logits: 2.0 });
+        let decode = StepShape { tokens: 2.0, pairs: 0.0, decode_pairs: 22.0, logits: 2.0, decodes: 2.0 };
+        assert_eq!(StepShape::decode(2, 10), decode);
     }
 
     #[test]
     fn cost_is_linear_in_the_shape() {
         let c = StepCost { fixed_s: 1.0, token_s: 2.0, pair_s: 3.0, decode_pair_s: 5.0, logits_s: 4.0 };
-        let s = StepShape { tokens: 1.0, pairs: 1.0, decode_pairs: 1.0, logits: 1.0 };
+        let s = StepShape { tokens: 1.0, pairs: 1.0, decode_pairs: 1.0, logits: 1.0, decodes: 1.0 };
         assert_eq!(c.seconds(&s), 15.0);
         assert_eq!(c.seconds(&StepShape::default()), 1.0);
+    }
+
+    #[test]
+    fn a_decode_table_meets_its_points_and_interpolates_between_them() {
+        // Batches 1 and 4 at contexts 100 and 500; (4, 500) timed twice.
+        let pts = [(1, 100, 1.0), (1, 500, 3.0), (4, 100, 2.0), (4, 500, 5.0), (4, 500, 7.0)];
+        let t = DecodeTable::from_points(&pts).unwrap();
+        assert_eq!(t.seconds(1.0, 100.0), 1.0);
+        assert_eq!(t.seconds(4.0, 500.0), 6.0, "repeats are averaged");
+        assert_eq!(t.seconds(1.0, 300.0), 2.0);
+        assert_eq!(t.seconds(2.5, 100.0), 1.5);
+        // Held at the edges of context and batch; none without decodes.
+        assert_eq!(t.seconds(1.0, 50.0), 1.0);
+        assert_eq!(t.seconds(1.0, 900.0), 3.0);
+        assert_eq!(t.seconds(64.0, 500.0), 6.0);
+        assert_eq!(t.seconds(0.0, 100.0), 0.0);
+        // A hole in the grid gives no table.
+        assert!(DecodeTable::from_points(&pts[..3]).is_none());
+    }
+
+    #[test]
+    fn a_step_adds_the_decode_tables_residual_for_its_decode_rows() {
+        let table = DecodeTable::from_points(&[(1, 10, 0.5), (2, 10, 1.0)]).unwrap();
+        let step = StepTime { cost: StepCost { token_s: 1.0, ..StepCost::default() }, decode_table: table };
+        assert_eq!(step.seconds(&StepShape::decode(2, 10)), 3.0);
+        // A prompt chunk beside one decode row: the chunk's linear cost, the row's residual.
+        assert_eq!(step.seconds(&(StepShape::prefill(0, 4) + StepShape::decode(1, 10))), 5.5);
+        assert_eq!(step.seconds(&StepShape::prefill(0, 4)), 4.0);
+    }
+
+    #[test]
+    fn threads_sit_idle_for_what_a_step_holds_less_than_them_all() {
+        let timed = |work| TimedModel {
+            vocab_size: 10,
+            context_length: 100,
+            n_layers: 1,
+            kv_values: 1,
+            step: StepTime::line(StepCost { token_s: 1.0, ..StepCost::default() }),
+            threads: 2,
+            work,
+            restore: RestoreCost::default(),
+            clock: Clock::Virtual,
+        };
+        let one_thread = StepTime::line(StepCost { token_s: 1.5, ..StepCost::default() });
+        // Two threads for 2 s against 3 s on one: a core-second idle.
+        assert_eq!(timed(Some(one_thread)).step_seconds(&StepShape::decode(2, 10)), (2.0, 1.0));
+        assert_eq!(timed(None).step_seconds(&StepShape::decode(2, 10)), (2.0, 0.0));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 
 use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::tiers::TierConfig;
-use pdserve_engine::timed::{Clock, RestoreCost, StepCost, StepShape, TimedModel};
+use pdserve_engine::timed::{Clock, RestoreCost, StepCost, StepShape, StepTime, TimedModel};
 use pdserve_types::{RequestId, SamplingParams};
 use std::collections::BTreeMap;
 
@@ -21,7 +21,9 @@ fn engine_with(num_blocks: usize, max_batch_tokens: usize, restore: RestoreCost)
         context_length: 8192,
         n_layers: 4,
         kv_values: 2,
-        cost: COST,
+        step: StepTime::line(COST),
+        threads: 1,
+        work: None,
         restore,
         clock: Clock::Virtual,
     };

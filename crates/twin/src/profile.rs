@@ -4,11 +4,13 @@
 //! A step's time is fitted as linear in its shape (see
 //! [`pdserve_engine::timed::StepCost`]): a fixed part, per token computed, per
 //! attention pair, per logits row. The measured points stay in the file beside their
-//! fitted values, so anyone can see how well the line fits.
+//! fitted values, so anyone can see how well the line fits. The timed decode steps'
+//! departures from the line are then added back, interpolated over batch and context
+//! ([`pdserve_engine::timed::DecodeTable`]): a request's TPOT is made of those steps.
 
 use crate::TwinError;
 use pdserve_engine::batch::EngineConfig;
-use pdserve_engine::timed::{Clock, RestoreCost, StepCost, StepShape, TimedModel};
+use pdserve_engine::timed::{Clock, DecodeTable, RestoreCost, StepCost, StepShape, StepTime, TimedModel};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_worker::LinkModel;
 use serde::{Deserialize, Serialize};
@@ -132,6 +134,20 @@ pub struct Link {
     pub bytes_per_s: f64,
 }
 
+impl Shape {
+    /// Its timed decode steps' departures from the fitted line (none where they do
+    /// not cover every batch at every context, as in a derived profile without points).
+    pub fn decode_table(&self) -> DecodeTable {
+        let residuals: Vec<(usize, usize, f64)> = self
+            .points
+            .iter()
+            .filter(|p| p.kind == PointKind::Decode)
+            .map(|p| (p.size, p.context, p.seconds - self.step.seconds(&p.shape())))
+            .collect();
+        DecodeTable::from_points(&residuals).unwrap_or_default()
+    }
+}
+
 impl Profile {
     pub fn load(path: &Path) -> Result<Profile, TwinError> {
         let text = std::fs::read_to_string(path).map_err(|e| TwinError::io(path, e))?;
@@ -175,13 +191,21 @@ impl Profile {
 
     /// The timed stand-in of the model for a worker of `threads` threads.
     pub fn timed(&self, threads: usize, clock: Clock) -> TimedModel {
-        let step = self.shape(threads).step;
+        // The step as timed on `threads`, and on one thread for the work it holds.
+        let time = |s: &Shape| StepTime {
+            cost: StepCost { logits_s: s.step.logits_s + self.token_overhead_s, ..s.step },
+            decode_table: s.decode_table(),
+        };
+        let shape = self.shape(threads);
+        let one = self.shapes.iter().find(|s| s.threads == 1).filter(|_| shape.threads > 1);
         TimedModel {
             vocab_size: self.model.vocab_size,
             context_length: self.model.context_length,
             n_layers: self.model.n_layers,
             kv_values: 1,
-            cost: StepCost { logits_s: step.logits_s + self.token_overhead_s, ..step },
+            step: time(shape),
+            threads,
+            work: one.map(time),
             restore: self.tiers.unwrap_or_default(),
             clock,
         }
@@ -314,6 +338,29 @@ mod tests {
             assert!((g - t).abs() <= 1e-6 * t.max(1e-9) + 1e-12, "{got:?} vs {truth:?}");
         }
         assert!(fit_error(&pts) < 1e-6);
+    }
+
+    #[test]
+    fn a_timed_worker_takes_the_timed_decode_steps_not_the_line_through_them() {
+        let line = StepCost { fixed_s: 0.002, token_s: 0.0008, decode_pair_s: 3e-6, ..StepCost::default() };
+        // Decode time that rises steeply to 500 positions and slowly after, as a small
+        // batch's does: no line meets all three.
+        let bend = |c: usize| if c <= 500 { 4e-6 * c as f64 } else { 2e-3 + 1e-6 * (c - 500) as f64 };
+        let mut points = Vec::new();
+        for b in [1, 4] {
+            for c in [50, 500, 1500] {
+                let mut p = point(PointKind::Decode, b, c, &line);
+                p.seconds += b as f64 * bend(c);
+                points.push(p);
+            }
+        }
+        let step = fit(&mut points);
+        let shape = Shape { threads: 1, step, points: points.clone() };
+        let t = StepTime { cost: step, decode_table: shape.decode_table() };
+        for p in &points {
+            assert!((t.seconds(&p.shape()) - p.seconds).abs() < 1e-12, "{p:?}");
+        }
+        assert!(fit_error(&points) > 0.01, "the line alone misses them");
     }
 
     #[test]

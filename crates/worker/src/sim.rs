@@ -55,7 +55,8 @@ impl LinkModel {
 /// machine computes takes longer (memory bandwidth), by the factor the profile
 /// measured with two engines at once; and once the workers' busy threads fill every
 /// core, the host work serving does per streamed token (the frontend, the router,
-/// the client) comes out of the step's time.
+/// the client) comes out of the step's time, less what the step's own threads leave
+/// idle.
 #[derive(Debug)]
 pub struct Machine {
     /// Compute threads busy now, over all the machine's workers.
@@ -88,11 +89,13 @@ pub(crate) struct Busy<'a> {
 }
 
 impl Busy<'_> {
-    /// How long a step of `compute` modelled seconds that streams `tokens` takes.
-    pub(crate) fn seconds(&self, compute: f64, tokens: usize) -> f64 {
+    /// How long a step of `compute` modelled seconds that streams `tokens` takes,
+    /// its threads idle for `idle` core-seconds of it.
+    pub(crate) fn seconds(&self, compute: f64, idle: f64, tokens: usize) -> f64 {
         let m = self.machine;
         let slowed = if self.shared { compute * m.slowdown } else { compute };
-        let host = if self.saturated { tokens as f64 * m.host_token_s } else { 0.0 };
+        // Host work first takes the cores the step leaves idle.
+        let host = if self.saturated { (tokens as f64 * m.host_token_s - idle).max(0.0) } else { 0.0 };
         slowed + host
     }
 }
@@ -400,24 +403,29 @@ mod tests {
         let m = Machine::new(2, 1.5, 0.001);
         let a = m.busy(1);
         // Alone with a core to spare: the step's own time.
-        assert_eq!(a.seconds(1.0, 4), 1.0);
+        assert_eq!(a.seconds(1.0, 0.0, 4), 1.0);
         let b = m.busy(1);
         // Beside a busy worker, every core busy: slowed, plus the tokens' host work.
-        assert!((b.seconds(1.0, 4) - 1.504).abs() < 1e-12);
+        assert!((b.seconds(1.0, 0.0, 4) - 1.504).abs() < 1e-12);
         drop((a, b));
         // One worker whose threads fill the machine pays the host work alone.
-        assert!((m.busy(2).seconds(1.0, 2) - 1.002).abs() < 1e-12);
+        assert!((m.busy(2).seconds(1.0, 0.0, 2) - 1.002).abs() < 1e-12);
+        // ...less what its threads leave idle, down to none.
+        assert!((m.busy(2).seconds(1.0, 0.0015, 2) - 1.0005).abs() < 1e-12);
+        assert_eq!(m.busy(2).seconds(1.0, 0.01, 2), 1.0);
     }
 
     /// A worker whose steps cost 1 ms per token over 30 layers, on a fast link.
     fn worker(name: &str) -> SimWorker {
-        use pdserve_engine::timed::{Clock, StepCost};
+        use pdserve_engine::timed::{Clock, StepCost, StepTime};
         let timed = TimedModel {
             vocab_size: 49152,
             context_length: 8192,
             n_layers: 30,
             kv_values: 1,
-            cost: StepCost { token_s: 1e-3, ..StepCost::default() },
+            step: StepTime::line(StepCost { token_s: 1e-3, ..StepCost::default() }),
+            threads: 1,
+            work: None,
             restore: Default::default(),
             clock: Clock::Virtual,
         };

@@ -164,11 +164,12 @@ pub(crate) async fn run_virtual(
             outs = l.engine.step();
         }
         let spent = std::mem::take(&mut l.owed) + l.engine.take_charged();
+        let idle = l.engine.take_idle();
         if spent > 0.0 {
             let busy = machine.busy(threads);
             let now = Instant::now();
             let start = ended.filter(|e| now.duration_since(*e) < TIMER_TICK).unwrap_or(now);
-            let took = busy.seconds(spent, outs.len());
+            let took = busy.seconds(spent, idle, outs.len());
             let end = start + Duration::from_secs_f64(took);
             l.sleep_serving(end, Duration::from_secs_f64(took / layers.max(1) as f64)).await;
             ended = Some(end);

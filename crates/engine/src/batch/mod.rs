@@ -107,7 +107,7 @@ pub struct EngineStats {
 pub(crate) enum Compute {
     Model(Arc<Model>),
     /// A cost model's time and deterministic tokens (simulated workers).
-    Timed(TimedModel),
+    Timed(Box<TimedModel>),
 }
 
 pub struct Engine {
@@ -130,6 +130,8 @@ pub struct Engine {
     decode_steps: DecodeSteps,
     /// Seconds of modelled compute not yet taken by [`Engine::take_charged`].
     charged: f64,
+    /// Core-seconds its threads sat idle in those steps ([`Engine::take_idle`]).
+    idle: f64,
     /// The last step found nothing it could compute (see [`Engine::stalled`]).
     stalled: bool,
     /// Host and disk stores below the pool ([`Engine::with_tiers`]).
@@ -147,7 +149,7 @@ impl Engine {
     /// tokens (see [`crate::timed`]); it runs single-threaded whatever `cfg` says.
     pub fn timed(t: TimedModel, cfg: EngineConfig, eog: Vec<u32>) -> Self {
         let kv = KvStorage::with_dims(t.n_layers, t.kv_values, cfg.num_blocks, BLOCK_SIZE);
-        Engine::with_compute(Compute::Timed(t), kv, EngineConfig { threads: 1, ..cfg }, eog)
+        Engine::with_compute(Compute::Timed(Box::new(t)), kv, EngineConfig { threads: 1, ..cfg }, eog)
     }
 
     fn with_compute(compute: Compute, kv: KvStorage, cfg: EngineConfig, eog: Vec<u32>) -> Self {
@@ -168,6 +170,7 @@ impl Engine {
             masks: Arc::default(),
             decode_steps: DecodeSteps::default(),
             charged: 0.0,
+            idle: 0.0,
             stalled: false,
             tiers: None,
         }
@@ -226,6 +229,12 @@ impl Engine {
     /// what a virtual clock advances by after a timed engine's step.
     pub fn take_charged(&mut self) -> f64 {
         std::mem::take(&mut self.charged)
+    }
+
+    /// Core-seconds a timed engine's threads sat idle in the steps charged since the
+    /// last call: where the host's other work fits without delaying them.
+    pub fn take_idle(&mut self) -> f64 {
+        std::mem::take(&mut self.idle)
     }
 
     /// Times of the token masks of this engine's constrained sequences.

@@ -86,8 +86,9 @@ impl Engine {
             Compute::Timed(t) => {
                 let shape: StepShape =
                     batch.iter().map(|b| StepShape::chunk(b.start_pos, b.tokens.len(), b.logits)).sum();
-                let seconds = t.cost.seconds(&shape);
+                let (seconds, idle) = t.step_seconds(&shape);
                 self.charged += seconds;
+                self.idle += idle;
                 let per_layer = seconds / t.n_layers.max(1) as f64;
                 // Layer by layer, so an export streams its frames as a real prefill does.
                 let done = (0..t.n_layers).all(|l| {

@@ -25,7 +25,7 @@ for t in "${tops[@]}"; do
     fixed-*) p=${t#fixed-}; p=${p%%P*}; args=(--mode auto --prefill "$p" --decode $((n - p))) ;;
   esac
   echo "== $t: sim ${args[*]}" >&2
-  RUST_LOG=info "$bin" sim --profile "$profile" "${args[@]}" --threads-per-worker 1 "${phases[@]}" \
+  RUST_LOG=info "$bin" sim --profile "$profile" "${args[@]}" --threads-per-worker 1 --max-queue-seconds 0 "${phases[@]}" \
     --seed 7 --slo-ttft-ms $ttft --slo-tpot-ms $tpot --out "$out/$t.json" \
     >"$out/$t.md" 2>"$out/$t.log"
   tail -1 "$out/$t.log" >&2

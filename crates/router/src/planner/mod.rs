@@ -94,6 +94,18 @@ fn due(d: &Decision, seen: u32, hold: u32, cooling: bool) -> bool {
     urgent || (seen >= hold && !cooling)
 }
 
+/// Attainment differences below this are noise.
+const ATTAINMENT_NOISE: f64 = 0.05;
+
+/// Whether what the running vector measurably attains bears a move out. A move for
+/// TPOT's sake needs TPOT misses in the window: the decode line is fitted to the
+/// contexts traffic had so far, and a step's time need not stay on that line at the
+/// contexts new traffic brings, while what the workers now attain is measured.
+/// (TTFT misses show only after a queue has built, too late to wait for.)
+fn borne_out(d: &Decision, t: &Traffic) -> bool {
+    d.reason != "tpot" || t.tpot_attained < d.then.tpot_attained - ATTAINMENT_NOISE
+}
+
 /// Predicted utilisation at which a vector's queue grows without end.
 const OVERLOADED: f64 = 0.97;
 
@@ -216,7 +228,7 @@ impl Planner {
             );
         }
         let decision = best_move(current, &shapes, |s| predict(s, &traffic, &rates, &slo), self.cfg.margin);
-        let Some(d) = decision else {
+        let Some(d) = decision.filter(|d| borne_out(d, &traffic)) else {
             self.pending = None;
             return;
         };
@@ -390,6 +402,17 @@ mod tests {
         assert!(!due(&d(0.8, 0.6), 2, 3, false), "not overloaded: the hold applies");
         assert!(!due(&d(0.8, 0.6), 3, 3, true), "and the cooldown");
         assert!(due(&d(0.8, 0.6), 3, 3, false));
+    }
+
+    #[test]
+    fn a_move_for_tpot_waits_for_tpot_misses_to_be_measured() {
+        let d = |reason| Decision { from: MIXED, to: SPLIT, now: pred(0.0), then: pred(1.0), reason };
+        let seen = |tpot_attained| Traffic { tpot_attained, ..Traffic::default() };
+        assert!(!borne_out(&d("tpot"), &seen(1.0)), "predicted misses the workers do not show");
+        assert!(!borne_out(&d("tpot"), &seen(0.97)), "within noise");
+        assert!(borne_out(&d("tpot"), &seen(0.6)));
+        assert!(borne_out(&d("ttft"), &seen(1.0)), "queues show late: TTFT moves need no misses yet");
+        assert!(borne_out(&d("overloaded"), &seen(1.0)));
     }
 
     #[test]

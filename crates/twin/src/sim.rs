@@ -96,6 +96,8 @@ pub fn simulate(spec: &SimSpec<'_>) -> Result<Vec<PointResult>, TwinError> {
         .map_err(|e| TwinError::Invalid(format!("starting the simulation's runtime: {e}")))?;
     rt.block_on(async {
         let server = SimServer::start(spec.profile, &spec.topology)?;
+        // As `serve` does, admission knows every worker's blocks before the first request.
+        server.router.poll_stats().await;
         let origin = Instant::now();
         for i in 0..spec.warmup {
             server.send(&spec.workload.request(u64::MAX, i), origin, None).await;
@@ -122,6 +124,9 @@ pub struct SimServer {
     timeout: Duration,
     next_id: Cell<u64>,
 }
+
+/// How often `serve` asks its workers for their stats.
+const STATS_EVERY: Duration = Duration::from_secs(1);
 
 /// `bench load`'s default per-request timeout.
 const TIMEOUT: Duration = Duration::from_secs(600);
@@ -171,6 +176,15 @@ impl SimServer {
         if let Some(slo) = t.planner {
             Planner::spawn(router.clone(), PlannerConfig::new(slo));
         }
+        // Serve's stats reporter: admission's figures of blocks and decode steps.
+        let polled = router.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(STATS_EVERY);
+            loop {
+                tick.tick().await;
+                polled.poll_stats().await;
+            }
+        });
         // Serve's default `--max-migrations`.
         let front = Migrating::new(router.clone(), 1);
         let admission = Duration::from_secs_f64(profile.admission_s);

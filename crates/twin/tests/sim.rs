@@ -20,6 +20,7 @@ use std::time::Duration;
 
 const STEP: StepCost = StepCost { fixed_s: 0.004, token_s: 0.0005, pair_s: 1e-7, decode_pair_s: 4e-7, logits_s: 0.001 };
 const ADMISSION: f64 = 0.0005;
+const NO_ADMISSION: Admission = Admission { max_queue: None, ttft: None, tpot: None };
 const LINK: Link = Link { transport: String::new(), latency_s: 0.0002, bytes_per_s: 1e9 };
 
 fn profile() -> Profile {
@@ -135,6 +136,22 @@ fn admission_sheds_what_would_wait_too_long_as_serve_does() {
     assert!(open[0].records.iter().all(|r| r.ok), "shed with admission off");
 }
 
+/// `serve` asks its workers for their blocks before the first request and every
+/// second after; so does the simulator, and a burst at start-up that the pool cannot
+/// hold is shed at once, as `serve` sheds it, instead of queued on no figures at all.
+#[test]
+fn a_burst_the_pool_cannot_hold_is_shed_at_start_as_serve_sheds_it() {
+    let p = profile();
+    // 64 blocks hold one 512/128 request (40 blocks), not two.
+    let t = Topology { kv_blocks: Some(64), ..topology(Mode::Aggregated, vec![Role::Mixed]) };
+    let out = run(&p, t, &workload(512, 128), Sweep::Concurrency(vec![4]), 8);
+    let first: Vec<_> = out[0].records.iter().filter(|r| r.start_s == 0.0).collect();
+    assert!(first.iter().any(|r| r.ok), "the first fits");
+    let shed: Vec<_> = first.iter().filter(|r| r.shed.is_some()).collect();
+    assert!(!shed.is_empty(), "a burst four times the pool was all admitted");
+    assert!(shed.iter().all(|r| r.error.as_deref().is_some_and(|e| e.contains("would wait"))), "{shed:?}");
+}
+
 #[test]
 fn a_handoff_adds_the_links_tail() {
     let p = profile();
@@ -168,7 +185,8 @@ fn a_small_cache_preempts_and_still_finishes_everything() {
     let p = profile();
     let w = workload(200, 300);
     // 40 blocks hold 640 tokens: eight requests of up to 500 cannot all run at once.
-    let t = Topology { kv_blocks: Some(40), ..topology(Mode::Aggregated, vec![Role::Mixed]) };
+    // Admission off (`--max-queue-seconds 0`): it would refuse what the pool cannot hold.
+    let t = Topology { kv_blocks: Some(40), admission: NO_ADMISSION, ..topology(Mode::Aggregated, vec![Role::Mixed]) };
     let out = run(&p, t, &w, Sweep::Concurrency(vec![8]), 16);
     assert_eq!(out[0].summary.ok, 16, "{:?}", out[0].summary.first_error);
     assert!(out[0].records.iter().all(|r| r.output_tokens == 300));
@@ -239,6 +257,7 @@ fn a_host_tier_brings_evicted_prefixes_back_at_the_profiles_copy_time() {
     let w = WorkloadFlags { shared_prefixes: 8, prefix_len: 512, ..flags(32, 4) }.build().unwrap();
     let tiered = |host_blocks| Topology {
         kv_blocks: Some(48),
+        admission: NO_ADMISSION,
         tiers: pdserve_engine::tiers::TierConfig { host_blocks, ..Default::default() },
         ..topology(Mode::Aggregated, vec![Role::Mixed])
     };

@@ -245,27 +245,20 @@ async fn report_blocks(router: Arc<Router>, metrics: Metrics) {
     }
 }
 
-/// Asks every worker for its stats once: into the metrics and admission.
+/// Asks every worker for its stats once: into admission and the metrics.
 async fn report_once(router: &Router, metrics: &Metrics) {
-    for e in router.workers().snapshot() {
-        // A hung worker must not hold up the others' figures, nor keep its own.
-        let mark = e.taken_mark();
-        match tokio::time::timeout(Duration::from_millis(500), e.worker.stats()).await {
-            Ok(Ok(s)) => {
+    for (e, stats) in router.poll_stats().await {
+        match stats {
+            Some(s) => {
                 metrics.set_worker_stats(e.name(), &s);
-                // Blocks only the prefix cache holds are given up on demand.
-                e.report_free_blocks(s.blocks.free + s.blocks.cached, mark);
-                e.report_tiers(&s.tiers);
-                e.report_decode(&s.decode_steps, s.blocks.used);
                 // A role another process switched (a fleet planner) shows here first;
                 // the gauge follows what the entry holds, however it learned it (a
                 // stale-epoch refusal may have taught it before this report).
-                if let Some(now) = s.assignment {
-                    e.learn(now);
+                if s.assignment.is_some() {
                     metrics.set_role(e.name(), e.role());
                 }
             }
-            _ => metrics.forget_stats(e.name()),
+            None => metrics.forget_stats(e.name()),
         }
     }
 }

@@ -114,7 +114,8 @@ impl StepShape {
 /// slower), and a request's TPOT is made of exactly those steps.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct DecodeTable {
-    /// Ascending; a row of zeros at batch 0 sits before them.
+    /// Ascending, from 1 or more (below the first, the residual shrinks to none at
+    /// batch 0).
     batches: Vec<f64>,
     /// Ascending.
     contexts: Vec<f64>,

@@ -42,9 +42,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// How long a worker's stats may take before a poll goes on without them.
-const STATS_WAIT: Duration = Duration::from_millis(500);
-
 /// Salt of the block hashes handed to policies: the engines' default.
 const BLOCK_SALT: u64 = 0;
 /// Tokens per KV block, as every engine pages its cache.
@@ -252,28 +249,12 @@ impl Router {
         &self.workers
     }
 
-    /// Asks every worker for its stats once and takes in what routing and admission
-    /// learn from them: blocks free, decode steps, tier counters, a role another
-    /// process switched. Answers each worker's stats; `None` where it did not answer
-    /// within 500 ms (a hung worker must not hold up the others' figures, nor keep
-    /// its own).
+    /// Polls every worker's stats once ([`Entry::poll_stats`]), as `serve`'s reporter
+    /// does every second; `None` where a worker did not answer in time.
     pub async fn poll_stats(&self) -> Vec<(Arc<Entry>, Option<WorkerStats>)> {
         let mut out = Vec::new();
         for e in self.workers.snapshot() {
-            let mark = e.taken_mark();
-            let stats = match tokio::time::timeout(STATS_WAIT, e.worker.stats()).await {
-                Ok(Ok(s)) => {
-                    // Blocks only the prefix cache holds are given up on demand.
-                    e.report_free_blocks(s.blocks.free + s.blocks.cached, mark);
-                    e.report_tiers(&s.tiers);
-                    e.report_decode(&s.decode_steps, s.blocks.used);
-                    if let Some(now) = s.assignment {
-                        e.learn(now);
-                    }
-                    Some(s)
-                }
-                _ => None,
-            };
+            let stats = e.poll_stats().await;
             out.push((e, stats));
         }
         out

@@ -6,7 +6,7 @@
 //! keep their entry (an `Arc`) until they finish or fail over.
 
 use crate::cost::{Backlog, KvMemory, Link, PrefillLoad, RestorePace};
-use pdserve_protocol::{ServeError, Worker};
+use pdserve_protocol::{ServeError, Worker, WorkerStats};
 use pdserve_types::{Assignment, DecodeSteps, Epoch, Role, StepFit};
 use std::collections::HashMap;
 use std::fmt;
@@ -18,6 +18,10 @@ use tokio::sync::Semaphore;
 /// blocks, so the worker never idles between prompts; the rest wait in the router
 /// (holding nothing on any worker) in arrival order.
 pub const PREFILL_SLOTS: usize = 2;
+
+/// How long a worker's stats may take before a poll goes on without them: a hung
+/// worker must not hold up the others' figures, nor keep its own.
+pub(crate) const STATS_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// Names a worker within one router, for as long as the router runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -113,6 +117,22 @@ impl Entry {
     /// The worker's lower-tier counters, as its stats just said.
     pub fn report_tiers(&self, c: &pdserve_kv::TierCounters) {
         self.restore.report(c);
+    }
+
+    /// Asks the worker for its stats and takes in what routing and admission learn
+    /// from them: blocks free, decode steps, tier counters, a role another process
+    /// switched. `None`: no answer within [`STATS_WAIT`].
+    pub async fn poll_stats(&self) -> Option<WorkerStats> {
+        let mark = self.taken_mark();
+        let s = tokio::time::timeout(STATS_WAIT, self.worker.stats()).await.ok()?.ok()?;
+        // Blocks only the prefix cache holds are given up on demand.
+        self.report_free_blocks(s.blocks.free + s.blocks.cached, mark);
+        self.report_tiers(&s.tiers);
+        self.report_decode(&s.decode_steps, s.blocks.used);
+        if let Some(now) = s.assignment {
+            self.learn(now);
+        }
+        Some(s)
     }
 
     /// Where the count of blocks taken by admitted requests stands, before its stats

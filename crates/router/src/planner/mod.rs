@@ -10,7 +10,7 @@
 pub mod model;
 pub mod signals;
 
-use crate::workers::{Entry, PREFILL_SLOTS};
+use crate::workers::{Entry, PREFILL_SLOTS, STATS_WAIT};
 use crate::{Router, BLOCK_SIZE};
 use model::{predict, Prediction, Rates, Shape, Slo};
 use pdserve_protocol::ServeError;
@@ -55,8 +55,6 @@ impl PlannerConfig {
 
 /// Goodput differences below this many requests per second are noise.
 const MIN_GAIN: f64 = 0.02;
-/// How long a stats call may take before the worker is left out of a tick.
-const STATS_WAIT: Duration = Duration::from_millis(500);
 
 /// A decision to move from one vector to another, and what it rests on.
 #[derive(Debug, Clone, PartialEq)]
@@ -262,13 +260,10 @@ impl Planner {
     /// Each worker's decode-only step sums and KV capacity, as its stats say.
     async fn read_steps(&mut self, entries: &[Arc<Entry>]) {
         for e in entries {
-            if let Ok(Ok(s)) = tokio::time::timeout(STATS_WAIT, e.worker.stats()).await {
+            if let Some(s) = e.poll_stats().await {
                 self.steps.insert(e.name().to_string(), s.decode_steps);
                 self.kv_tokens
                     .insert(e.name().to_string(), (s.blocks.free + s.blocks.used + s.blocks.cached) * BLOCK_SIZE);
-                if let Some(now) = s.assignment {
-                    e.learn(now);
-                }
             }
         }
     }

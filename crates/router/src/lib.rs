@@ -42,6 +42,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// How often a server polls its workers' stats for admission and its metrics.
+pub const STATS_EVERY: Duration = Duration::from_secs(1);
 /// Salt of the block hashes handed to policies: the engines' default.
 const BLOCK_SALT: u64 = 0;
 /// Tokens per KV block, as every engine pages its cache.
@@ -249,8 +251,8 @@ impl Router {
         &self.workers
     }
 
-    /// Polls every worker's stats once ([`Entry::poll_stats`]), as `serve`'s reporter
-    /// does every second; `None` where a worker did not answer in time.
+    /// Polls every worker's stats once ([`Entry::poll_stats`]); `None` where a worker
+    /// did not answer in time.
     pub async fn poll_stats(&self) -> Vec<(Arc<Entry>, Option<WorkerStats>)> {
         let mut out = Vec::new();
         for e in self.workers.snapshot() {
@@ -258,6 +260,22 @@ impl Router {
             out.push((e, stats));
         }
         out
+    }
+
+    /// Polls every worker's stats every [`STATS_EVERY`] from now on, as long as the
+    /// runtime runs, handing each round to `sink` (a server's metrics).
+    pub fn spawn_stats_poll(
+        self: &Arc<Self>,
+        sink: impl Fn(Vec<(Arc<Entry>, Option<WorkerStats>)>) + Send + Sync + 'static,
+    ) {
+        let router = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(STATS_EVERY);
+            loop {
+                tick.tick().await;
+                sink(router.poll_stats().await);
+            }
+        });
     }
 
     pub fn mode(&self) -> Mode {

@@ -125,9 +125,6 @@ pub struct SimServer {
     next_id: Cell<u64>,
 }
 
-/// How often `serve` asks its workers for their stats.
-const STATS_EVERY: Duration = Duration::from_secs(1);
-
 /// `bench load`'s default per-request timeout.
 const TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -177,14 +174,7 @@ impl SimServer {
             Planner::spawn(router.clone(), PlannerConfig::new(slo));
         }
         // Serve's stats reporter: admission's figures of blocks and decode steps.
-        let polled = router.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(STATS_EVERY);
-            loop {
-                tick.tick().await;
-                polled.poll_stats().await;
-            }
-        });
+        router.spawn_stats_poll(|_| ());
         // Serve's default `--max-migrations`.
         let front = Migrating::new(router.clone(), 1);
         let admission = Duration::from_secs_f64(profile.admission_s);

@@ -146,8 +146,8 @@ pub async fn serve(
     );
     // Admission knows every worker's blocks before the first request: a burst at
     // start-up must not all be admitted on no figures at all.
-    report_once(&router, &metrics).await;
-    tokio::spawn(report_blocks(router.clone(), metrics));
+    publish(&metrics, router.poll_stats().await);
+    router.spawn_stats_poll(move |round| publish(&metrics, round));
     let life = frontend.lifecycle();
     let server = pdserve_frontend::serve_with(listener, frontend.router(), http_limits());
     let stopped = tokio::select! {
@@ -236,18 +236,9 @@ pub fn signal() -> impl std::future::Future<Output = ()> + Send {
     }
 }
 
-/// Publishes each worker's KV block counts to the metrics once a second.
-async fn report_blocks(router: Arc<Router>, metrics: Metrics) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
-    loop {
-        tick.tick().await;
-        report_once(&router, &metrics).await;
-    }
-}
-
-/// Asks every worker for its stats once: into admission and the metrics.
-async fn report_once(router: &Router, metrics: &Metrics) {
-    for (e, stats) in router.poll_stats().await {
+/// One round of the workers' stats, into the metrics.
+fn publish(metrics: &Metrics, round: Vec<(Arc<pdserve_router::Entry>, Option<pdserve_protocol::WorkerStats>)>) {
+    for (e, stats) in round {
         match stats {
             Some(s) => {
                 metrics.set_worker_stats(e.name(), &s);

@@ -360,12 +360,8 @@ impl Inner {
         let tokens = req.prompt.len();
         self.prefill_tokens.fetch_add(tokens, Ordering::Relaxed);
         let (reply, rx) = oneshot::channel();
-        let sent = self.send_counted(Command::Prefill {
-            req,
-            sink: Box::new(|_| true),
-            reply,
-            sent: tokio::time::Instant::now(),
-        });
+        let sent_at = tokio::time::Instant::now();
+        let sent = self.send_counted(Command::Prefill { req, sink: Box::new(|_| true), reply, sent: sent_at });
         let answer = match sent {
             Ok(()) => rx.await.map_err(|_| self.stopped()).and_then(|r| r),
             Err(e) => Err(e),
@@ -377,12 +373,12 @@ impl Inner {
                 return Err(e);
             }
         };
-        // The loop answered when the prefill began on its clock; it ends after the
-        // modelled compute, and the receiver holds every byte after the link's tail.
-        // Both deadlines count from the answer, so the timer's rounding to the
+        // The prefill ends its modelled wait and compute after it was sent (the loop
+        // answers at once, also for a prefill queued behind others it took in the
+        // same turn), and the receiver holds every byte after the link's tail. Both
+        // deadlines count from the exact send time, so the timer's rounding to the
         // millisecond does not add up.
-        let began = tokio::time::Instant::now();
-        let computed = began + Duration::from_secs_f64(first.prefill_seconds);
+        let computed = sent_at + Duration::from_secs_f64(first.queued_seconds + first.prefill_seconds);
         tokio::time::sleep_until(computed).await;
         self.prefill_tokens.fetch_sub(tokens, Ordering::Relaxed);
         let bytes = tokens as f64 * self.kv_bytes_per_token;
@@ -481,6 +477,32 @@ mod tests {
         // One layer (and the timer's millisecond), not the step's remaining 0.41 s.
         assert!(waited <= 0.512 / 30.0 + 0.002, "the fetch waited {waited} s");
         receiver.release(RequestId(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn prefills_sent_at_once_end_one_compute_apart() {
+        let (prefill, decode) = (worker("prefill"), worker("decode"));
+        let start = tokio::time::Instant::now();
+        // 256 tokens at 1 ms each: 0.256 s of compute per prompt.
+        let one = |id: u64| {
+            let (p, d) = (prefill.clone(), decode.clone());
+            async move {
+                let token = d.reserve(RequestId(id), 256, None).await.unwrap();
+                let to = KvDestination { target: d.kv_target(TransportKind::Inproc).unwrap(), token };
+                let prompt = (0..256).map(|i| 1000 * id as u32 + i).collect();
+                let first = p.prefill(request(id, prompt), to).await.unwrap();
+                (first.queued_seconds, start.elapsed().as_secs_f64())
+            }
+        };
+        let ((queued_a, a), (queued_b, b)) = tokio::join!(one(1), one(2));
+        let (first, second) = (a.min(b), a.max(b));
+        // The worker computes one prompt after the other, even when it takes both
+        // commands in one turn of its loop: the second waits for the first.
+        assert!((first - 0.256).abs() < 0.003, "first prefill ended at {first} s");
+        assert!((second - 0.512).abs() < 0.003, "second prefill ended at {second} s");
+        assert!((queued_a.max(queued_b) - 0.256).abs() < 0.003);
+        decode.release(RequestId(1));
+        decode.release(RequestId(2));
     }
 
     #[test]

@@ -81,7 +81,7 @@ pub(crate) struct Loop {
     imports: HashMap<RequestId, Instant>,
     active: Arc<AtomicUsize>,
     /// Modelled seconds a timed engine computed outside `step` (a prefill's export),
-    /// which a virtual clock still has to pass.
+    /// which a virtual clock still has to pass (0 between commands on the wall clock).
     owed: f64,
 }
 
@@ -106,6 +106,8 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
         let mut next = first;
         while let Some(c) = next {
             l.handle(c);
+            // On the wall clock a command's modelled time has passed once handled.
+            l.owed = 0.0;
             next = rx.try_recv().ok();
         }
         l.reap();
@@ -215,13 +217,16 @@ impl Loop {
             },
             Command::Prefill { req, mut sink, reply, sent } => {
                 let started = Instant::now();
+                // On a virtual clock the prefill starts after what this loop already
+                // owes: the prefills handled before it in this turn.
+                let ahead = self.owed;
                 let res = self.engine.prefill_export(req.id, req.prompt, req.params, &mut |f| sink(f));
                 // A timed engine's prefill took what its model says, on either clock.
                 let modelled = self.engine.take_charged();
                 self.owed += modelled;
                 let took = if modelled > 0.0 { modelled } else { started.elapsed().as_secs_f64() };
                 let first = res.map(|o| Prefilled {
-                    queued_seconds: (started - sent).as_secs_f64(),
+                    queued_seconds: (started - sent).as_secs_f64() + ahead,
                     prefill_seconds: took,
                     ..prefilled(o)
                 });

@@ -115,6 +115,15 @@ impl TierBytes {
         Ok(())
     }
 
+    /// Layer `l`'s K and V of the block in host slot `slot`, each `n` values, read in
+    /// place: for an export while a step runs, which must not take pool blocks to
+    /// copy the block back.
+    pub(crate) fn host_layer(&self, slot: u32, l: usize, n: usize) -> Option<(&[u16], &[u16])> {
+        let at = slot as usize * self.slot_values + l * 2 * n;
+        let layer = self.host.get(at..at + 2 * n)?;
+        Some(layer.split_at(n))
+    }
+
     /// Copies the block at `from` (a host or disk slot) into pool block `block`;
     /// false when its bytes cannot be read (a failed disk write or read).
     pub(crate) fn restore(&mut self, from: Place, kv: &mut KvStorage, block: u32) -> bool {

@@ -109,3 +109,44 @@ fn a_disk_tier_that_cannot_be_created_is_a_clear_error() {
     assert!(err.contains("KV disk tier in"), "{err}");
     let _ = std::fs::remove_file(&file);
 }
+
+#[test]
+fn a_fetch_served_mid_step_reads_host_tier_blocks_in_place() {
+    let mut e = engine(&TierConfig { host_blocks: 64, ..TierConfig::default() });
+    let history = prompt(0);
+    run(&mut e, 0, &history);
+    for i in 1..=4 {
+        run(&mut e, i, &prompt(i));
+    }
+    // The history's 7 whole blocks are in host RAM now, none in the pool. A fetch
+    // served between two layers of another prompt's step sends them as they lie.
+    let params = SamplingParams { max_tokens: 2, ignore_eos: true, ..Default::default() }.validate().unwrap();
+    e.add(RequestId(7), prompt(7), params).unwrap();
+    let (mut mid_step, mut served) = (Vec::new(), None);
+    e.step_serving(&mut |pool| {
+        if served.is_none() {
+            served = Some(pool.export(&history, &mut |f| {
+                mid_step.push(f);
+                true
+            }));
+        }
+    });
+    assert_eq!(served.unwrap().unwrap(), 112);
+    assert_eq!(e.stats().tiers.restored_host, 0, "a mid-step export copies nothing back");
+    while e.has_work() {
+        e.step();
+    }
+    // Between steps the engine copies them back first: the frames are the same.
+    let mut idle = Vec::new();
+    let sent = e
+        .export_cached(&history, &mut |f| {
+            idle.push(f);
+            true
+        })
+        .unwrap();
+    assert_eq!(sent, 112);
+    assert_eq!(e.stats().tiers.restored_host, 7);
+    assert_eq!(mid_step.len(), idle.len());
+    assert!(mid_step.iter().zip(&idle).all(|(a, b)| (a.layer, a.index, &a.k, &a.v) == (b.layer, b.index, &b.k, &b.v)));
+    assert_eq!(e.stats().blocks.used, 0);
+}

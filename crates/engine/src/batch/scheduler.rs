@@ -4,6 +4,7 @@
 //! recently admitted sequence is preempted and will be recomputed later.
 
 use super::sequence::Sequence;
+use super::transfer::Stored;
 use super::{Compute, Engine, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
 use crate::model::{Scoring, SeqBatch};
@@ -39,7 +40,7 @@ impl Engine {
     /// cancels what it no longer wants (partial K/V are overwritten if it resumes).
     pub(crate) fn step_with(
         &mut self,
-        on_layer: &mut dyn FnMut(usize, &KvStorage, &[LayerSeq]) -> bool,
+        on_layer: &mut dyn FnMut(usize, Stored<'_>, &[LayerSeq]) -> bool,
     ) -> Vec<StepOutput> {
         let plan = self.schedule();
         // Before the forward pass writes into the blocks this step was given.
@@ -78,7 +79,8 @@ impl Engine {
         let (started, charged) = (std::time::Instant::now(), self.charged);
         // The scratch leaves `self` for the step so the logits can be sampled in place.
         let mut scratch = std::mem::take(&mut self.scratch);
-        let layer = &mut |l, kv: &KvStorage| on_layer(l, kv, &ids);
+        let tiers = self.tiers.as_ref();
+        let layer = &mut |l, kv: &KvStorage| on_layer(l, Stored { kv, tiers }, &ids);
         let logits = match &self.compute {
             Compute::Model(m) => {
                 m.forward(self.isa, &self.pool, &batch, &mut self.kv, &mut scratch, layer).map(Logits::Rows)

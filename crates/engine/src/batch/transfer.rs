@@ -8,7 +8,8 @@
 
 use super::{Engine, EngineError, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
-use pdserve_kv::{block_hashes, BlockHash, BlockPool, BlockTable, ImmutableBlock};
+use crate::tiers::TierBytes;
+use pdserve_kv::{block_hashes, BlockHash, BlockPool, BlockTable, ImmutableBlock, Place};
 use pdserve_types::{KvFrame, RequestId, SamplingParams};
 
 /// Blocks reserved on a decode engine for a transfer in flight.
@@ -40,9 +41,10 @@ impl Engine {
         self.waiting.push_back(s);
         loop {
             let mut stopped = false;
-            let mut outs = self.step_with(&mut |l, kv, seqs| {
+            let mut outs = self.step_with(&mut |l, stored, seqs| {
                 for s in seqs.iter().filter(|s| s.last_chunk) {
-                    stopped |= !export_layer(kv, l, &s.blocks, on_frame);
+                    let blocks = s.blocks.iter().map(|&b| stored.kv.block(l, b));
+                    stopped |= !export_layer(l, blocks, on_frame);
                 }
                 !stopped
             });
@@ -148,8 +150,8 @@ impl Engine {
     /// step, not all of it.
     pub fn step_serving(&mut self, between: &mut dyn FnMut(&CachedKv<'_>)) -> Vec<StepOutput> {
         let (blocks, salt) = (self.blocks.clone(), self.cfg.cache_salt);
-        self.step_with(&mut |_, kv, _| {
-            between(&CachedKv { blocks: &blocks, kv, salt });
+        self.step_with(&mut |_, stored, _| {
+            between(&CachedKv { blocks: &blocks, stored, salt });
             true
         })
     }
@@ -157,7 +159,8 @@ impl Engine {
     /// What the pool caches, as a step's layers see it ([`Engine::step_serving`]):
     /// for a clock that models a step's layers without running them (the twin).
     pub fn cached_kv(&self) -> CachedKv<'_> {
-        CachedKv { blocks: &self.blocks, kv: &self.kv, salt: self.cfg.cache_salt }
+        let stored = Stored { kv: &self.kv, tiers: self.tiers.as_ref() };
+        CachedKv { blocks: &self.blocks, stored, salt: self.cfg.cache_salt }
     }
 
     /// Turns a completed import of the K/V of `prompt`'s first `imported` tokens (a
@@ -201,21 +204,57 @@ impl Engine {
     }
 }
 
-/// The prefix cache's blocks in the pool, readable between two layers of a step:
-/// a cached block was completed by an earlier step in every layer, and a step
-/// writes only the blocks its own sequences were given, never a cached one.
+/// The K/V bytes an engine holds: its pool and its host tier, as a step's layers
+/// see them.
+#[derive(Clone, Copy)]
+pub(crate) struct Stored<'a> {
+    pub(crate) kv: &'a KvStorage,
+    pub(crate) tiers: Option<&'a TierBytes>,
+}
+
+/// The prefix cache's blocks, readable between two layers of a step: a cached
+/// block was completed by an earlier step in every layer, a step writes only the
+/// blocks its own sequences were given, never a cached one, and the lower tiers
+/// change only when blocks are allocated, before a step.
 pub struct CachedKv<'a> {
     blocks: &'a BlockPool,
-    kv: &'a KvStorage,
+    stored: Stored<'a>,
     salt: u64,
 }
 
 impl CachedKv<'_> {
-    /// [`Engine::export_cached`] from the pool alone: blocks a lower tier holds are
-    /// left out (copying them back would take blocks from the running step).
+    /// [`Engine::export_cached`] without copying anything back into the pool (that
+    /// would take blocks from the running step): the pool's blocks, then those the
+    /// host tier holds, read in place. A block only on disk ends the prefix, since
+    /// reading it would hold up the running step on the disk.
     pub fn export(&self, tokens: &[u32], on_frame: &mut dyn FnMut(KvFrame) -> bool) -> Result<usize, EngineError> {
-        let hits = self.blocks.match_prefix(&whole_block_hashes(tokens, self.salt));
-        export_blocks(self.kv, &hits, on_frame)
+        let hashes = whole_block_hashes(tokens, self.salt);
+        let hits = self.blocks.match_prefix(&hashes);
+        let n = self.stored.kv.block_elems();
+        let host = self.host_chain(&hashes[hits.len()..], n);
+        let all = hits.len() + host.len();
+        let sent = (0..self.stored.kv.n_layers).all(|l| {
+            let pool = hits.iter().map(|b| self.stored.kv.block(l, b.id().0));
+            let host = host.iter().filter_map(|&(tiers, slot)| tiers.host_layer(slot, l, n));
+            export_layer(l, pool.chain(host), on_frame)
+        });
+        match sent {
+            true => Ok(all * BLOCK_SIZE),
+            false => Err(EngineError::Cancelled),
+        }
+    }
+
+    /// The host slots of the blocks of `hashes` that follow on, up to the first
+    /// block the host tier does not hold (blocks of `n` values a layer).
+    fn host_chain(&self, hashes: &[BlockHash], n: usize) -> Vec<(&TierBytes, u32)> {
+        let Some(tiers) = self.stored.tiers else { return Vec::new() };
+        hashes
+            .iter()
+            .map_while(|&h| match self.blocks.locate_lower(h) {
+                Some((_, Place::Host(slot))) if tiers.host_layer(slot, 0, n).is_some() => Some((tiers, slot)),
+                _ => None,
+            })
+            .collect()
     }
 }
 
@@ -230,17 +269,21 @@ fn export_blocks(
     hits: &[ImmutableBlock],
     on_frame: &mut dyn FnMut(KvFrame) -> bool,
 ) -> Result<usize, EngineError> {
-    let ids: Vec<u32> = hits.iter().map(|b| b.id().0).collect();
-    match (0..kv.n_layers).all(|l| export_layer(kv, l, &ids, on_frame)) {
-        true => Ok(ids.len() * BLOCK_SIZE),
+    let sent = (0..kv.n_layers).all(|l| export_layer(l, hits.iter().map(|b| kv.block(l, b.id().0)), on_frame));
+    match sent {
+        true => Ok(hits.len() * BLOCK_SIZE),
         false => Err(EngineError::Cancelled),
     }
 }
 
-/// Sends layer `l` of `blocks`; false once the receiver refuses a frame.
-fn export_layer(kv: &KvStorage, l: usize, blocks: &[u32], on_frame: &mut dyn FnMut(KvFrame) -> bool) -> bool {
-    blocks.iter().enumerate().all(|(index, &b)| {
-        let (k, v) = kv.block(l, b);
-        on_frame(KvFrame { layer: l as u32, index: index as u32, k: k.to_vec(), v: v.to_vec() })
-    })
+/// Sends layer `l`'s K and V of each block in order; false once the receiver
+/// refuses a frame.
+fn export_layer<'k>(
+    l: usize,
+    blocks: impl Iterator<Item = (&'k [u16], &'k [u16])>,
+    on_frame: &mut dyn FnMut(KvFrame) -> bool,
+) -> bool {
+    blocks
+        .enumerate()
+        .all(|(index, (k, v))| on_frame(KvFrame { layer: l as u32, index: index as u32, k: k.to_vec(), v: v.to_vec() }))
 }

@@ -167,9 +167,9 @@ impl SimServer {
             .with_prefix_fetch(t.prefix_fetch)
             .with_limits(t.admission);
         let router = Arc::new(router);
-        if t.policy == PolicyKind::KvAware {
-            router.follow_kv_events();
-        }
+        // Every policy, as `serve`: a history-blind pick still fetches a prefix a
+        // peer caches, which only the index knows of.
+        router.follow_kv_events();
         if let Some(slo) = t.planner {
             Planner::spawn(router.clone(), PlannerConfig::new(slo));
         }

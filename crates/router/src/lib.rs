@@ -496,6 +496,15 @@ impl Router {
         let correction = d.backlog.correction();
         let (wait, first) = (raw * correction, (raw + own_s) * correction);
         if let Some(limit) = self.max_queue.filter(|l| wait > l.as_secs_f64()) {
+            tracing::debug!(
+                worker = d.name(),
+                queued_s,
+                backlog_s = d.backlog.predict(),
+                blocks_s = d.kv.wait_for(need),
+                need,
+                correction,
+                "refused: the wait is over the admission limit"
+            );
             let (wait_s, retry_s) = (wait.min(1e6).ceil() as u64, self.retry_after(wait - limit.as_secs_f64()));
             return Err(ServeError::QueueFull { wait_s, limit_s: limit.as_secs(), retry_s });
         }

@@ -10,21 +10,22 @@
 use crate::profile::Profile;
 use crate::TwinError;
 use pdserve_bench::load::PointResult;
-use pdserve_bench::metrics::Slo;
+use pdserve_bench::metrics::{PrefixHits, Slo};
 use pdserve_bench::point::PointPlan;
 use pdserve_bench::record::RequestRecord;
+use pdserve_bench::reuse::SentBlocks;
 use pdserve_bench::runner::{run_point, Server};
 use pdserve_bench::workload::{RequestSpec, Workload};
 use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::Clock;
 use pdserve_kv_transfer::TransportKind;
-use pdserve_protocol::{Event, Generate, GenerateRequest, Worker};
+use pdserve_protocol::{Event, Generate, GenerateRequest, Phase, PrefillRoute, Telemetry, Worker};
 use pdserve_router::planner::{model, Planner, PlannerConfig};
 use pdserve_router::{Admission, Deadlines, Migrating, Mode, PolicyKind, Router};
 use pdserve_types::{RequestId, Role, SamplingParams};
 use pdserve_worker::{Machine, SimOptions, SimWorker};
 use std::cell::Cell;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -99,13 +100,23 @@ pub fn simulate(spec: &SimSpec<'_>) -> Result<Vec<PointResult>, TwinError> {
         // As `serve` does, admission knows every worker's blocks before the first request.
         server.router.poll_stats().await;
         let origin = Instant::now();
+        // The prompt blocks sent before each request, as `bench load` counts them.
+        let mut sent = SentBlocks::default();
         for i in 0..spec.warmup {
-            server.send(&spec.workload.request(u64::MAX, i), origin, None).await;
+            let warm = spec.workload.request(u64::MAX, i);
+            sent.record(&warm.prompt.ids());
+            server.send(&warm, origin, None).await;
         }
         let mut out = Vec::new();
         for plan in spec.plans {
+            let before = server.prefix_hits().await;
             let records = run_point(&server, spec.workload, plan, None).await;
-            out.push(PointResult::of(plan, spec.workload, records, spec.slo));
+            let mut point = PointResult::of(plan, spec.workload, records, spec.slo);
+            point.summary.prefix_hits = Some(server.prefix_hits().await.since(Some(before)));
+            for r in &point.records {
+                point.summary.prompt_blocks += sent.record(&spec.workload.request(plan.seed, r.index).prompt.ids());
+            }
+            out.push(point);
         }
         server.check_idle().await;
         Ok(out)
@@ -118,11 +129,30 @@ pub struct SimServer {
     /// The router's front, as `pdserve serve`'s HTTP layer calls it: it feeds the
     /// planner's signals and re-routes calls refused for a stale epoch.
     front: Migrating,
+    hits: Arc<HitTally>,
     admission: Duration,
     /// A request not done by then is given up, as `bench load`'s client gives up
     /// (its default `--timeout-seconds`): a run always ends, and shows what hung.
     timeout: Duration,
     next_id: Cell<u64>,
+}
+
+/// The router's predicted and realized cached prompt tokens, summed as `serve`'s
+/// metrics sum them; nothing else is recorded.
+#[derive(Default)]
+struct HitTally(Mutex<(f64, f64)>);
+
+impl Telemetry for HitTally {
+    fn phase(&self, _: Phase, _: f64) {}
+    fn route(&self, _: PrefillRoute) {}
+    fn kv_transfer_bytes(&self, _: TransportKind, _: u64) {}
+    fn migrated(&self, _: &'static str) {}
+
+    fn prefix_hit(&self, predicted: usize, realized: usize, _cause: Option<&'static str>) {
+        let mut sums = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        sums.0 += predicted as f64;
+        sums.1 += realized as f64;
+    }
 }
 
 /// `bench load`'s default per-request timeout.
@@ -161,11 +191,13 @@ impl SimServer {
             let w = SimWorker::spawn(opts).map_err(|e| TwinError::Invalid(e.to_string()))?;
             workers.push(Arc::new(w) as Arc<dyn Worker>);
         }
+        let hits = Arc::new(HitTally::default());
         let router = Router::new(workers, t.mode, Deadlines::default(), tokio::runtime::Handle::current())
             .with_policy(t.policy.build())
             .with_transport(t.via)
             .with_prefix_fetch(t.prefix_fetch)
-            .with_limits(t.admission);
+            .with_limits(t.admission)
+            .with_telemetry(hits.clone());
         let router = Arc::new(router);
         // Every policy, as `serve`: a history-blind pick still fetches a prefix a
         // peer caches, which only the index knows of.
@@ -178,11 +210,27 @@ impl SimServer {
         // Serve's default `--max-migrations`.
         let front = Migrating::new(router.clone(), 1);
         let admission = Duration::from_secs_f64(profile.admission_s);
-        Ok(SimServer { router, front, admission, timeout: TIMEOUT, next_id: Cell::new(1) })
+        Ok(SimServer { router, front, hits, admission, timeout: TIMEOUT, next_id: Cell::new(1) })
     }
 
     pub fn router(&self) -> &Arc<Router> {
         &self.router
+    }
+
+    /// Cached prompt tokens so far, as the router predicted them and as the engines
+    /// reused them, and the part its workers copied back from their lower tiers:
+    /// what `bench load` reads off `serve`'s metrics.
+    pub async fn prefix_hits(&self) -> PrefixHits {
+        let (predicted, realized) = *self.hits.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut hits = PrefixHits { predicted, realized, ..PrefixHits::default() };
+        let block = pdserve_engine::batch::BLOCK_SIZE as f64;
+        for e in self.router.workers().snapshot() {
+            if let Ok(s) = e.worker.stats().await {
+                hits.from_host += s.tiers.restored_host as f64 * block;
+                hits.from_disk += s.tiers.restored_disk as f64 * block;
+            }
+        }
+        hits
     }
 
     /// Warns about every worker that still holds work or blocks after the run: an

@@ -293,9 +293,13 @@ fn a_history_blind_policy_still_fetches_a_prefix_a_peer_caches_as_serve_does() {
         };
         let out = run(&profile(), t, &w, Sweep::Concurrency(vec![1]), 2);
         assert!(out[0].records.iter().all(|r| r.ok));
-        out[0].records.iter().map(|r| r.ttft_s.unwrap()).fold(f64::INFINITY, f64::min)
+        let hits = out[0].summary.prefix_hits.unwrap();
+        // Reported as `bench load` reads them off `serve`: predicted, then realized.
+        assert_eq!(hits.predicted, hits.realized);
+        (out[0].records.iter().map(|r| r.ttft_s.unwrap()).fold(f64::INFINITY, f64::min), hits.realized)
     };
-    let (fetched, recomputed) = (ttft(true), ttft(false));
+    let ((fetched, hit), (recomputed, missed)) = (ttft(true), ttft(false));
     // 512 tokens recomputed take 0.26 s; fetched over a 1 GB/s link, 12 ms.
     assert!(fetched < recomputed - 0.15, "fetched {fetched} s, recomputed {recomputed} s");
+    assert_eq!((hit, missed), (512.0, 0.0));
 }

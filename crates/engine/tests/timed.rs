@@ -173,3 +173,23 @@ fn a_prefix_restored_from_the_host_tier_costs_the_modelled_copy() {
     assert!((warm - (10.0 * 0.002 + tail)).abs() < 1e-9, "warm {warm} s, cold {cold} s");
     assert!(warm < cold);
 }
+
+#[test]
+fn a_prompt_waits_for_the_prefix_a_running_prefill_is_computing_instead_of_computing_it_again() {
+    // Two prompts that share 256 tokens and fit one 512-token step together.
+    let shared = prompt(256, 3);
+    let with = |salt| [shared.clone(), prompt(32, salt)].concat();
+    let mut e = engine(256, 512);
+    e.add(RequestId(1), with(1), SamplingParams::greedy(2)).unwrap();
+    e.add(RequestId(2), with(2), SamplingParams::greedy(2)).unwrap();
+    let mut cached = BTreeMap::new();
+    while e.has_work() {
+        for o in e.step() {
+            cached.entry(o.id.0).or_insert(o.cached_tokens);
+        }
+    }
+    // The second finds the shared blocks cached: 288 + 32 prompt tokens computed,
+    // not 2 × 288.
+    assert_eq!((cached[&1], cached[&2]), (0, 256));
+    assert_eq!(e.stats().blocks.used, 0);
+}

@@ -184,7 +184,15 @@ impl Engine {
         while budget > 0 && busy < self.cfg.max_seqs {
             let Some(mut s) = self.waiting.pop_front() else { break };
             if s.table.is_none() {
-                self.attach_prefix(&mut s);
+                let hashes = self.shareable_hashes(&s);
+                // A running prefill is computing the blocks this prompt would compute
+                // next: it waits (and those behind it, first come first served) and
+                // finds them cached, instead of computing them a second time.
+                if self.running.iter().any(|r| r.computing(&hashes)) {
+                    self.waiting.push_front(s);
+                    break;
+                }
+                self.attach_prefix(&mut s, hashes);
             }
             let n = s.pending().min(budget);
             let fits = s.table.as_mut().is_some_and(|t| t.ensure_capacity(s.computed + n).is_ok());
@@ -201,20 +209,26 @@ impl Engine {
         }
     }
 
-    /// Starts the sequence's block table from the longest cached prefix, always
-    /// leaving at least one token to compute so the step yields logits. A request
-    /// that scores its prompt computes all of it: cached positions have no logits.
-    fn attach_prefix(&mut self, s: &mut Sequence) {
+    /// The hashes of the whole blocks of `s` a cache may serve: all but the last
+    /// token, which is always computed so the step yields logits. A request that
+    /// scores its prompt computes all of it: cached positions have no logits.
+    fn shareable_hashes(&self, s: &Sequence) -> Vec<BlockHash> {
         let usable = match s.params.prompt_logprobs {
             Some(_) => 0,
             None => (s.tokens.len() - 1) / BLOCK_SIZE * BLOCK_SIZE,
         };
-        let hashes = block_hashes(&s.tokens[..usable], BLOCK_SIZE, self.cfg.cache_salt);
+        block_hashes(&s.tokens[..usable], BLOCK_SIZE, self.cfg.cache_salt)
+    }
+
+    /// Starts the sequence's block table from the longest cached prefix of its
+    /// shareable blocks `hashes`.
+    fn attach_prefix(&mut self, s: &mut Sequence, hashes: Vec<BlockHash>) {
         let hits = self.cached_chain(&hashes);
         let table = BlockTable::with_prefix(&self.blocks, self.cfg.cache_salt, hits);
         s.computed = table.cached_prefix_tokens();
         s.cached_tokens = s.computed;
         s.table = Some(table);
+        s.prompt_hashes = hashes;
     }
 
     /// The longest cached prefix of the chain `hashes`, as pool blocks: a chain may

@@ -1,8 +1,9 @@
 //! One request inside the engine: its tokens, its cache blocks, its sampler.
 
+use super::BLOCK_SIZE;
 use crate::grammar::Constraint;
 use crate::sampler::{Sampler, TokenHistory};
-use pdserve_kv::BlockTable;
+use pdserve_kv::{BlockHash, BlockTable};
 use pdserve_types::{FinishReason, RequestId, SamplingParams, TokenOut};
 
 pub(crate) struct Sequence {
@@ -25,6 +26,9 @@ pub(crate) struct Sequence {
     pub paused: bool,
     /// The grammar state of a constrained request.
     pub constraint: Option<Constraint>,
+    /// The chained hashes of the prompt's whole blocks it may share, from its last
+    /// admission: what its prefill is adding to the prefix cache.
+    pub prompt_hashes: Vec<BlockHash>,
 }
 
 impl Sequence {
@@ -42,6 +46,7 @@ impl Sequence {
             prompt_scores: Vec::new(),
             paused: false,
             constraint: None,
+            prompt_hashes: Vec::new(),
         }
     }
 
@@ -65,6 +70,15 @@ impl Sequence {
     /// Tokens still to run through the model before the next sample.
     pub fn pending(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    /// Whether its prefill is about to compute block `j` of the hash chain `hashes`:
+    /// its next block to compute is the `j`-th, with that hash.
+    pub fn computing(&self, hashes: &[BlockHash]) -> bool {
+        let j = self.computed / BLOCK_SIZE;
+        !self.paused
+            && self.computed < self.prompt_len
+            && hashes.get(j).is_some_and(|h| self.prompt_hashes.get(j) == Some(h))
     }
 
     /// True once the prompt is in the cache and each step feeds one sampled token.

@@ -171,7 +171,7 @@ fn crossover_of(cands: &[Candidate], sweep: &[usize]) -> Option<usize> {
 fn decide(cands: &[Candidate], crossover: Option<usize>, spec: &PlanSpec<'_>) -> String {
     let (lo, hi) = (spec.concurrency.iter().min().unwrap_or(&1), spec.concurrency.iter().max().unwrap_or(&1));
     let top = cands.first().map_or("nothing", |c| c.name.as_str());
-    let best_split = cands.iter().find(|c| c.disaggregated).map(|c| c.name.as_str());
+    let best_split = crossover.and_then(|c| split_from(cands, c));
     match (crossover, best_split) {
         (Some(c), Some(split)) if c == *lo => {
             format!("Disaggregate ({split}) at every concurrency from {lo} to {hi}; the top plan overall is {top}.")
@@ -180,8 +180,37 @@ fn decide(cands: &[Candidate], crossover: Option<usize>, spec: &PlanSpec<'_>) ->
             "Disaggregate ({split}) when {c} or more requests run at once; below that stay aggregated. \
              The top plan overall is {top}."
         ),
-        _ => format!("Do not disaggregate: no split beats {top} at any concurrency from {lo} to {hi}."),
+        _ => match ahead_at(cands) {
+            None => format!("Do not disaggregate: no split beats {top} at any concurrency from {lo} to {hi}."),
+            Some((split, at)) => format!(
+                "Do not disaggregate: no split stays ahead of {top} up to {hi} concurrent requests \
+                 ({split} leads at {at} only)."
+            ),
+        },
     }
+}
+
+/// The best split at the points where it leads every aggregated plan, as "8, 16",
+/// with its name; `None` where it leads nowhere.
+fn ahead_at(cands: &[Candidate]) -> Option<(&str, String)> {
+    let split = cands.iter().find(|c| c.disaggregated)?;
+    let aggregated: Vec<&Candidate> = cands.iter().filter(|c| !c.disaggregated).collect();
+    let leads = split
+        .points
+        .iter()
+        .enumerate()
+        .filter(|&(i, p)| aggregated.iter().all(|a| a.points.get(i).is_none_or(|q| p.goodput > q.goodput)));
+    let at: Vec<String> = leads.map(|(_, p)| p.concurrency.to_string()).collect();
+    (!at.is_empty()).then(|| (split.name.as_str(), at.join(", ")))
+}
+
+/// The split to take from concurrency `from` on: the most goodput summed over those
+/// points. The split of the best peak may lose there to another (a 2P:2D that
+/// peaks at 4 requests and a 3P:1D that holds up at 16 and 32).
+fn split_from(cands: &[Candidate], from: usize) -> Option<&str> {
+    let beyond = |c: &Candidate| c.points.iter().filter(|p| p.concurrency >= from).map(|p| p.goodput).sum::<f64>();
+    let splits = cands.iter().filter(|c| c.disaggregated);
+    splits.max_by(|a, b| beyond(a).total_cmp(&beyond(b))).map(|c| c.name.as_str())
 }
 
 /// Goodput against concurrency, one line per topology.
@@ -220,4 +249,51 @@ pub fn markdown(p: &Plan) -> String {
         }
     }
     s + &format!("\n\n{}\n", p.decision)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn candidate(name: &str, disaggregated: bool, goodput: &[(usize, f64)]) -> Candidate {
+        let points: Vec<Predicted> = goodput
+            .iter()
+            .map(|&(concurrency, goodput)| Predicted {
+                concurrency,
+                goodput,
+                slo_attainment_pct: 0.0,
+                output_token_throughput: 0.0,
+                ttft_p90_ms: None,
+                tpot_p50_ms: None,
+            })
+            .collect();
+        let best_goodput = points.iter().map(|p| p.goodput).fold(0.0, f64::max);
+        Candidate { name: name.into(), disaggregated, points, best_goodput }
+    }
+
+    #[test]
+    fn the_advice_names_the_split_that_wins_beyond_the_crossover_not_the_best_peak() {
+        let cands = [
+            candidate("aggregated ×4", false, &[(4, 0.18), (16, 0.09), (32, 0.0)]),
+            candidate("2P:2D", true, &[(4, 0.17), (16, 0.05), (32, 0.06)]),
+            candidate("3P:1D", true, &[(4, 0.15), (16, 0.13), (32, 0.07)]),
+        ];
+        assert_eq!(split_from(&cands, 16), Some("3P:1D"));
+        assert_eq!(split_from(&cands, 4), Some("3P:1D"));
+        assert_eq!(split_from(&cands[..2], 16), Some("2P:2D"));
+        assert_eq!(split_from(&cands[..1], 16), None);
+    }
+
+    #[test]
+    fn advice_against_a_split_names_the_points_where_it_leads_anyway() {
+        let cands = [
+            candidate("aggregated ×2", false, &[(4, 2.42), (8, 4.30), (16, 7.04), (32, 12.20)]),
+            candidate("1P:1D", true, &[(4, 2.38), (8, 4.32), (16, 7.46), (32, 12.03)]),
+            candidate("single node", false, &[(4, 2.22), (8, 3.72), (16, 5.73), (32, 8.32)]),
+        ];
+        assert_eq!(ahead_at(&cands), Some(("1P:1D", "8, 16".to_string())));
+        assert_eq!(ahead_at(&[cands[0].clone(), cands[2].clone()]), None);
+        let behind = candidate("1P:1D", true, &[(4, 1.0), (8, 1.0), (16, 1.0), (32, 1.0)]);
+        assert_eq!(ahead_at(&[cands[0].clone(), behind]), None);
+    }
 }

@@ -13,6 +13,38 @@ fn pdserve(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_pdserve")).args(args).env("RUST_LOG", "warn").output().unwrap()
 }
 
+/// The H200 profiles' step costs are the fit of the GPU steps they hold: refitting
+/// them gives the same costs (so nobody edits one without the other), and a profile
+/// without points is refused.
+#[test]
+fn the_gpu_profiles_are_the_fit_of_their_points() {
+    let dir = std::env::temp_dir().join(format!("pdserve-refit-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../profiles/");
+    for name in ["h200-llama3.1-8b.json", "h200-llama3.1-70b-fp8.json"] {
+        let from = format!("{root}{name}");
+        let to = dir.join(name);
+        let out = pdserve(&["profile", "--refit", &from, "--out", to.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("median fit error"));
+        let read = |p: &str| serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(p).unwrap()).unwrap();
+        let (was, now) = (read(&from), read(to.to_str().unwrap()));
+        assert_eq!(was["provenance"]["kind"], "derived");
+        assert!(was["shapes"][0]["points"].as_array().unwrap().len() >= 17, "{name}");
+        for term in ["fixed_s", "token_s", "pair_s", "decode_pair_s", "logits_s"] {
+            let (a, b) =
+                (was["shapes"][0]["step"][term].as_f64().unwrap(), now["shapes"][0]["step"][term].as_f64().unwrap());
+            assert!((a - b).abs() <= 1e-9 * a.abs().max(1e-12), "{name} {term}: {a} vs {b}");
+        }
+    }
+    let bare = format!("{root}h100-llama3.1-8b.json");
+    let out = pdserve(&["profile", "--refit", &bare, "--out", dir.join("h100.json").to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no timed points") && err.lines().count() == 1, "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn profile_then_simulate() {
     let dir = std::env::temp_dir().join(format!("pdserve-twin-test-{}", std::process::id()));

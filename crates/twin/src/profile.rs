@@ -176,6 +176,19 @@ impl Profile {
         Ok(())
     }
 
+    /// Fits each shape's step cost again to the points it holds (a profile whose
+    /// points were timed elsewhere, as a derived GPU profile's); the fit errors, by
+    /// shape. A shape without points keeps its cost.
+    pub fn refit(&mut self) -> Vec<(usize, f64)> {
+        let with_points = self.shapes.iter_mut().filter(|s| !s.points.is_empty());
+        with_points
+            .map(|s| {
+                s.step = fit(&mut s.points);
+                (s.threads, fit_error(&s.points))
+            })
+            .collect()
+    }
+
     /// The shape measured with `threads` compute threads, or the nearest below it
     /// (the smallest when none is below).
     pub fn shape(&self, threads: usize) -> &Shape {
@@ -361,6 +374,54 @@ mod tests {
             assert!((t.seconds(&p.shape()) - p.seconds).abs() < 1e-12, "{p:?}");
         }
         assert!(fit_error(&points) > 0.01, "the line alone misses them");
+    }
+
+    #[test]
+    fn a_refit_replaces_each_shapes_cost_with_the_fit_of_its_points_and_keeps_one_without() {
+        let truth = StepCost { fixed_s: 0.005, token_s: 3e-5, pair_s: 1e-9, decode_pair_s: 4e-8, logits_s: 3e-5 };
+        let mut points = Vec::new();
+        for (n, c) in [(128, 0), (2048, 0), (8192, 0), (2048, 8192)] {
+            points.push(point(PointKind::Prefill, n, c, &truth));
+        }
+        for (b, c) in [(1, 512), (32, 512), (1, 8192), (32, 8192)] {
+            points.push(point(PointKind::Decode, b, c, &truth));
+        }
+        let stated = StepCost { fixed_s: 1.0, ..StepCost::default() };
+        let timed = Shape { threads: 1, step: stated, points };
+        let bare = Shape { threads: 2, step: stated, points: Vec::new() };
+        let model = ModelShape {
+            name: "m".into(),
+            vocab_size: 10,
+            context_length: 100,
+            n_layers: 1,
+            kv_bytes_per_token: 1.0,
+            kv_blocks: 1,
+            max_batch_tokens: None,
+            max_seqs: None,
+        };
+        let mut p = Profile {
+            schema: SCHEMA,
+            provenance: Provenance::Derived { sources: vec![], assumptions: vec![] },
+            model,
+            shapes: vec![timed, bare],
+            links: vec![],
+            switch_s: 0.0,
+            admission_s: 0.0,
+            token_overhead_s: 0.0,
+            host_token_s: 0.0,
+            co_run_slowdown: 1.0,
+            tiers: None,
+        };
+        let errors = p.refit();
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].0, 1);
+        assert!(errors[0].1 < 1e-6);
+        let got = p.shapes[0].step.coefficients();
+        for (g, t) in got.into_iter().zip(truth.coefficients()) {
+            assert!((g - t).abs() <= 1e-6 * t, "{got:?}");
+        }
+        assert!(p.shapes[0].points.iter().all(|q| (q.fitted - q.seconds).abs() < 1e-9));
+        assert_eq!(p.shapes[1].step, stated);
     }
 
     #[test]

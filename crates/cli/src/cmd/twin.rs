@@ -32,12 +32,20 @@ pub struct ProfileArgs {
     /// `pdserve serve` gives 1024).
     #[arg(long, default_value_t = 1024)]
     kv_blocks: usize,
+    /// Instead of timing this machine, fit the step costs of this profile again to
+    /// the points it holds (a profile whose points were timed elsewhere, as the
+    /// derived GPU profiles' by scripts/gpu_step_times.py).
+    #[arg(long, value_name = "PROFILE")]
+    refit: Option<PathBuf>,
     /// Where to write the profile (JSON).
     #[arg(long)]
     out: PathBuf,
 }
 
 pub fn profile(a: ProfileArgs) -> anyhow::Result<()> {
+    if let Some(from) = &a.refit {
+        return refit(from, &a.out);
+    }
     if a.threads.is_empty() || a.threads.contains(&0) {
         anyhow::bail!("--threads needs positive thread counts");
     }
@@ -56,6 +64,21 @@ pub fn profile(a: ProfileArgs) -> anyhow::Result<()> {
     let p = measure::profile(&spec, &mut |line| eprintln!("{line}"))?;
     p.save(&a.out)?;
     eprintln!("wrote {}", a.out.display());
+    Ok(())
+}
+
+/// `pdserve profile --refit`: the fit of each shape's points, written to `out`.
+fn refit(from: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> {
+    let mut p = Profile::load(from)?;
+    let errors = p.refit();
+    if errors.is_empty() {
+        anyhow::bail!("{} holds no timed points to fit", from.display());
+    }
+    for (threads, e) in errors {
+        eprintln!("threads {threads}: median fit error {:.1} %", e * 100.0);
+    }
+    p.save(out)?;
+    eprintln!("wrote {}", out.display());
     Ok(())
 }
 

@@ -13,7 +13,7 @@ fn pdserve(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_pdserve")).args(args).env("RUST_LOG", "warn").output().unwrap()
 }
 
-/// The H200 profiles' step costs are the fit of the GPU steps they hold: refitting
+/// The GPU profiles' step costs are the fit of the GPU steps they hold: refitting
 /// them gives the same costs (so nobody edits one without the other), and a profile
 /// without points is refused.
 #[test]
@@ -21,7 +21,7 @@ fn the_gpu_profiles_are_the_fit_of_their_points() {
     let dir = std::env::temp_dir().join(format!("pdserve-refit-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../profiles/");
-    for name in ["h200-llama3.1-8b.json", "h200-llama3.1-70b-fp8.json"] {
+    for name in ["h100-llama3.1-8b.json", "h200-llama3.1-8b.json", "h200-llama3.1-70b-fp8.json"] {
         let from = format!("{root}{name}");
         let to = dir.join(name);
         let out = pdserve(&["profile", "--refit", &from, "--out", to.to_str().unwrap()]);
@@ -37,8 +37,13 @@ fn the_gpu_profiles_are_the_fit_of_their_points() {
             assert!((a - b).abs() <= 1e-9 * a.abs().max(1e-12), "{name} {term}: {a} vs {b}");
         }
     }
-    let bare = format!("{root}h100-llama3.1-8b.json");
-    let out = pdserve(&["profile", "--refit", &bare, "--out", dir.join("h100.json").to_str().unwrap()]);
+    let mut bare: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{root}h100-llama3.1-8b.json")).unwrap()).unwrap();
+    bare["shapes"][0]["points"] = serde_json::json!([]);
+    let bare_path = dir.join("bare.json");
+    std::fs::write(&bare_path, bare.to_string()).unwrap();
+    let out =
+        pdserve(&["profile", "--refit", bare_path.to_str().unwrap(), "--out", dir.join("h100.json").to_str().unwrap()]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no timed points") && err.lines().count() == 1, "{err}");

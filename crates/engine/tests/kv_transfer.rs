@@ -415,7 +415,7 @@ fn holding(prompt: &[u32], max_batch_tokens: usize) -> Engine {
 fn exported(h: &mut Engine, tokens: &[u32]) -> (usize, Vec<KvFrame>) {
     let mut frames = Vec::new();
     let sent = h
-        .export_cached(tokens, &mut |f| {
+        .export_cached(tokens, 0, &mut |f| {
             frames.push(f);
             true
         })
@@ -456,7 +456,7 @@ fn a_cached_prefix_fetched_from_a_busy_peer_continues_with_the_same_tokens() {
     assert!(s.blocks.cached >= turn.len() / BLOCK, "{:?}", s.blocks);
     let mut nothing = Vec::new();
     assert_eq!(
-        d.export_cached(&prompt(40)[..8], &mut |f| {
+        d.export_cached(&prompt(40)[..8], 0, &mut |f| {
             nothing.push(f);
             true
         })
@@ -467,11 +467,48 @@ fn a_cached_prefix_fetched_from_a_busy_peer_continues_with_the_same_tokens() {
 }
 
 #[test]
+fn a_fetcher_that_caches_the_start_of_a_prefix_keeps_its_blocks_and_receives_only_the_rest() {
+    let (history, turn) = (prompt(83), prompt(110));
+    let want = aggregated(&turn, &greedy(12));
+    let mut h = holding(&history, 512);
+    // The fetcher served the first 40 tokens: it caches 2 whole blocks of them.
+    let mut d = holding(&prompt(40), 512);
+    let keep = 2 * BLOCK;
+    assert_eq!(
+        d.reserve_import_after(RequestId(8), 80, &prompt(83)[BLOCK..3 * BLOCK]),
+        Err(EngineError::NotCached),
+        "blocks it does not cache from the start"
+    );
+    assert_eq!(d.reserve_import_after(RequestId(8), 80, &turn[..3 * BLOCK]), Err(EngineError::NotCached));
+    assert_eq!(d.stats().blocks.used, 0, "a refused reservation holds nothing");
+    d.reserve_import_after(RequestId(9), 80, &turn[..keep]).unwrap();
+    let mut frames = Vec::new();
+    let sent = h
+        .export_cached(&turn, keep, &mut |f| {
+            frames.push(f);
+            true
+        })
+        .unwrap();
+    assert_eq!(sent, 80 - keep, "the holder sends the 3 blocks after the 2 kept");
+    check_frame_order(&frames, sent);
+    for f in &frames {
+        d.import_frame(RequestId(9), f).unwrap();
+    }
+    d.add_imported(RequestId(9), turn.clone(), greedy(12), keep + sent).unwrap();
+    let out = drain(&mut d, RequestId(9));
+    assert_eq!(out[0].cached_tokens, 80);
+    assert_same("kept and fetched prefix", &want, &out.into_iter().map(|o| o.sampled).collect::<Vec<_>>());
+    assert_eq!(d.stats().blocks.used, 0);
+    // Skipping past what the holder caches sends nothing.
+    assert_eq!(h.export_cached(&turn, 96, &mut |_| true).unwrap(), 0);
+}
+
+#[test]
 fn a_fetch_cut_short_or_not_fitting_holds_no_block() {
     let turn = prompt(70);
     let mut h = holding(&turn, 512);
     let mut n = 0;
-    let cut = h.export_cached(&turn, &mut |_| {
+    let cut = h.export_cached(&turn, 0, &mut |_| {
         n += 1;
         n < 3
     });
@@ -508,7 +545,7 @@ fn a_prefix_is_exported_between_two_layers_of_a_running_prefill() {
         h.step_serving(&mut |pool| {
             if served == 0 {
                 served = pool
-                    .export(&history, &mut |f| {
+                    .export(&history, 0, &mut |f| {
                         mid_step.push(f);
                         true
                     })

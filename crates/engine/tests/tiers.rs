@@ -125,7 +125,7 @@ fn a_fetch_served_mid_step_reads_host_tier_blocks_in_place() {
     let (mut mid_step, mut served) = (Vec::new(), None);
     e.step_serving(&mut |pool| {
         if served.is_none() {
-            served = Some(pool.export(&history, &mut |f| {
+            served = Some(pool.export(&history, 0, &mut |f| {
                 mid_step.push(f);
                 true
             }));
@@ -139,7 +139,7 @@ fn a_fetch_served_mid_step_reads_host_tier_blocks_in_place() {
     // Between steps the engine copies them back first: the frames are the same.
     let mut idle = Vec::new();
     let sent = e
-        .export_cached(&history, &mut |f| {
+        .export_cached(&history, 0, &mut |f| {
             idle.push(f);
             true
         })

@@ -50,6 +50,27 @@ pub trait Worker: Send + Sync + 'static {
     /// Refused with [`ServeError::StaleEpoch`] unless the worker is at epoch `fence`.
     fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken>;
 
+    /// [`Worker::reserve`] for a fetch of a prefix whose first tokens, `keep` (whole
+    /// blocks), this worker caches itself: their blocks are taken from its cache, and
+    /// the frames fill the blocks after them (a peer's [`Worker::export_prefix`] with
+    /// `skip` = `keep.len()`). Refused with [`ServeError::Overloaded`] when some of
+    /// `keep` is no longer cached here; the caller then reserves it all.
+    fn reserve_after(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+        keep: Vec<TokenId>,
+        fence: Option<Epoch>,
+    ) -> Reply<'_, HandoffToken> {
+        match keep.is_empty() {
+            true => self.reserve(id, prompt_len, fence),
+            false => {
+                let name = self.info().name.clone();
+                Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} keeps no prefix of its own"))) })
+            }
+        }
+    }
+
     /// Prefills `req` here, sending its KV to `to` layer by layer; resolves once the
     /// receiver holds every frame. Dropping the future stops the prefill.
     fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled>;
@@ -99,11 +120,18 @@ pub trait Worker: Send + Sync + 'static {
     }
 
     /// Sends the K/V of the longest prefix of `tokens` this worker caches (any tier,
-    /// whole blocks) to the reservation behind `to`, between two engine steps: nothing
-    /// is computed and nothing waits for this worker's queue. Resolves with the tokens
-    /// sent once the receiver holds every frame (0: nothing cached). Dropping the
-    /// future stops the transfer.
-    fn export_prefix(&self, _id: RequestId, _tokens: Vec<TokenId>, _to: KvDestination) -> Reply<'static, usize> {
+    /// whole blocks) to the reservation behind `to`, between two engine steps, less
+    /// its first `skip` tokens (whole blocks the receiver keeps, [`Worker::reserve_after`]):
+    /// nothing is computed and nothing waits for this worker's queue. Resolves with
+    /// the tokens sent once the receiver holds every frame (0: nothing cached beyond
+    /// `skip`). Dropping the future stops the transfer.
+    fn export_prefix(
+        &self,
+        _id: RequestId,
+        _tokens: Vec<TokenId>,
+        _skip: usize,
+        _to: KvDestination,
+    ) -> Reply<'static, usize> {
         let name = self.info().name.clone();
         Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} exports no prefixes"))) })
     }

@@ -223,7 +223,17 @@ impl Worker for RemoteWorker {
     }
 
     fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
-        let answer = self.reply_call(Op::Reserve { id, prompt_len, fence }, false);
+        self.reserve_after(id, prompt_len, Vec::new(), fence)
+    }
+
+    fn reserve_after(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+        keep: Vec<u32>,
+        fence: Option<Epoch>,
+    ) -> Reply<'_, HandoffToken> {
+        let answer = self.reply_call(Op::Reserve { id, prompt_len, fence, keep }, false);
         Box::pin(async move {
             match answer.await? {
                 Answer::Token(t) => Ok(t),
@@ -253,11 +263,11 @@ impl Worker for RemoteWorker {
         true
     }
 
-    fn export_prefix(&self, id: RequestId, tokens: Vec<u32>, to: KvDestination) -> Reply<'static, usize> {
+    fn export_prefix(&self, id: RequestId, tokens: Vec<u32>, skip: usize, to: KvDestination) -> Reply<'static, usize> {
         let KvTarget::Remote(addr) = to.target else {
             return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
         };
-        let answer = self.reply_call(Op::ExportPrefix { id, tokens, to: addr, token: to.token }, false);
+        let answer = self.reply_call(Op::ExportPrefix { id, tokens, skip, to: addr, token: to.token }, false);
         Box::pin(async move {
             match answer.await? {
                 Answer::Count(n) => Ok(n),

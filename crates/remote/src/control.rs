@@ -105,6 +105,10 @@ pub enum Op {
         /// The epoch the router routed for (see `Worker::set_role`).
         #[serde(default)]
         fence: Option<Epoch>,
+        /// Leading tokens whose blocks come from the worker's own cache (a partial
+        /// fetch, `Worker::reserve_after`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        keep: Vec<u32>,
     },
     /// Prefill here and send the KV to `to`; answered with [`Answer::Prefilled`] once
     /// every frame reached the receiver.
@@ -123,6 +127,9 @@ pub enum Op {
     ExportPrefix {
         id: RequestId,
         tokens: Vec<u32>,
+        /// Leading tokens the receiver keeps: not sent.
+        #[serde(default)]
+        skip: usize,
         to: KvAddr,
         token: HandoffToken,
     },

@@ -223,17 +223,17 @@ impl Session {
                 let started = span.in_scope(|| self.worker().generate_imported(req, imported, events));
                 self.stream(call, started.map(|()| stream), span);
             }
-            Op::ExportPrefix { id, tokens, to, token } => {
-                let span = tracing::info_span!("export", %id, tokens = tokens.len());
-                let done =
-                    self.worker().export_prefix(id, tokens, KvDestination { target: KvTarget::Remote(to), token });
+            Op::ExportPrefix { id, tokens, skip, to, token } => {
+                let span = tracing::info_span!("export", %id, tokens = tokens.len(), skip);
+                let to = KvDestination { target: KvTarget::Remote(to), token };
+                let done = self.worker().export_prefix(id, tokens, skip, to);
                 let answer = async move {
                     let n = done.await.inspect_err(|e| tracing::warn!(kind = e.kind(), error = %e, "export failed"))?;
                     Ok(Answer::Count(n))
                 };
                 self.reply(call, tracing::Instrument::instrument(answer, span))
             }
-            Op::Reserve { id, prompt_len, fence } => {
+            Op::Reserve { id, prompt_len, fence, keep } => {
                 // Noted before the call runs, so a release that overtakes its answer
                 // still releases what the worker grants.
                 if let Err(e) = self.expect_hold(id) {
@@ -241,7 +241,7 @@ impl Session {
                 }
                 let s = self.clone();
                 self.reply(call, async move {
-                    let granted = s.worker().reserve(id, prompt_len, fence).await;
+                    let granted = s.worker().reserve_after(id, prompt_len, keep, fence).await;
                     s.granted(id, granted.is_ok())?;
                     Ok(Answer::Token(granted?))
                 })

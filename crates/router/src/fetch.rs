@@ -6,12 +6,18 @@
 //!
 //! ```text
 //! router              receiver R                        holder H
-//!   reserve(id, k) ─► blocks held, inbox open ─► token
-//!   export_prefix(prompt[..k], R + token) ────────────► between two layers: copies its
-//!                     frames land ◄──────── KV ──────── cached blocks out, computes nothing
-//!   generate_imported(req, sent) ─► computes prompt[sent..], decodes; the blocks
-//!                                   join R's prefix cache
+//!   reserve_after(id, k, prompt[..j]) ─► its own blocks of the first j tokens kept,
+//!                     the rest held, inbox open ─► token
+//!   export_prefix(prompt[..k], skip j, R + token) ────► between two layers: copies its
+//!                     frames land ◄──────── KV ──────── cached blocks after j out,
+//!                                                       computes nothing
+//!   generate_imported(req, j + sent) ─► computes prompt[j + sent..], decodes; the
+//!                                   blocks join R's prefix cache
 //! ```
+//!
+//! Only what R lacks moves: `j` is the prefix R caches itself, as indexed (a shared
+//! system prompt, an earlier turn). Where R no longer holds it when reserving, it
+//! reserves for the whole prefix and H sends it all.
 //!
 //! The holder's queue is not joined: the export runs between two layers of its
 //! running step (or between steps when it is idle, then with what its lower tiers
@@ -25,8 +31,11 @@
 use crate::workers::Entry;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, EventSender, GenerateRequest, KvDestination, ServeError, Telemetry};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+// The runtime's clock: the twin's virtual one in a simulation.
+use tokio::time::Instant;
 
 /// Seconds per token a fetch is taken to cost until one is timed: a 2,048-token
 /// prefix of the default model over loopback TCP measured about 95 ms.
@@ -35,25 +44,45 @@ const PRIOR_SECONDS_PER_TOKEN: f64 = 50e-6;
 const FIXED_SECONDS: f64 = 0.002;
 /// A fetch not done by then is given up for a recompute.
 const DEADLINE: Duration = Duration::from_secs(10);
+/// Fetches the pace is the median of: the latest this many, of the last minute.
+const PACE_KEPT: usize = 16;
+const PACE_AGE: Duration = Duration::from_secs(60);
+/// Until this many are timed the prior fills in for the missing ones.
+const PACE_QUORUM: usize = 3;
 
-/// A planned fetch: `tokens` prompt tokens (whole blocks) from worker `from`.
+/// A planned fetch: `tokens` prompt tokens (whole blocks) from worker `from`, of
+/// which the receiver caches the first `keep` itself.
 #[derive(Clone)]
 pub struct Fetch {
     pub from: Arc<Entry>,
     pub tokens: usize,
+    pub keep: usize,
 }
 
-/// How long fetches take, learned from those done.
+/// How long fetches take, learned from those done: the median seconds per token of
+/// the latest fetches of the last minute, the prior standing in for missing ones
+/// until [`PACE_QUORUM`] are timed. A fetch that waited long for a holder deep in a
+/// long step is outvoted, and ages out: taken alone, it would price every later
+/// fetch out, and no fetch would come to correct it.
 #[derive(Debug, Default)]
-pub struct FetchPace(Mutex<Option<f64>>);
+pub struct FetchPace(Mutex<VecDeque<(Instant, f64)>>);
 
 impl FetchPace {
     /// Predicted seconds to fetch `tokens` whose copy back from the holder's lower
     /// tiers takes `restore_s`. The pace learned includes the holder's wait for
     /// its current layer.
     pub(crate) fn predict(&self, restore_s: f64, tokens: usize) -> f64 {
-        let pace = self.0.lock().unwrap_or_else(PoisonError::into_inner).unwrap_or(PRIOR_SECONDS_PER_TOKEN);
-        restore_s + FIXED_SECONDS + tokens as f64 * pace
+        restore_s + FIXED_SECONDS + tokens as f64 * self.pace()
+    }
+
+    fn pace(&self) -> f64 {
+        let mut timed = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        timed.retain(|&(at, _)| now.duration_since(at) < PACE_AGE);
+        let mut rates: Vec<f64> = timed.iter().map(|&(_, r)| r).collect();
+        rates.resize(rates.len().max(PACE_QUORUM), PRIOR_SECONDS_PER_TOKEN);
+        rates.sort_by(f64::total_cmp);
+        rates[rates.len() / 2]
     }
 
     /// A fetch of `tokens` took `seconds`, wait included.
@@ -62,8 +91,11 @@ impl FetchPace {
             return;
         }
         let rate = (seconds - FIXED_SECONDS).max(0.0) / tokens as f64;
-        let mut pace = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        *pace = Some(pace.map_or(rate, |p| 0.8 * p + 0.2 * rate));
+        let mut timed = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        timed.push_back((Instant::now(), rate));
+        if timed.len() > PACE_KEPT {
+            timed.pop_front();
+        }
     }
 }
 
@@ -90,12 +122,13 @@ pub(crate) async fn run(f: Fetch, r: Arc<Entry>, req: GenerateRequest, events: E
     };
     let (seconds, id) = (started.elapsed().as_secs_f64(), req.id);
     let started = match fetched {
-        Ok(sent) if sent > 0 => {
+        Ok(Fetched { kept, sent }) if sent > 0 => {
             ctx.pace.observe(sent, seconds);
             ctx.telemetry.prefix_fetched(sent, seconds, None);
-            tracing::debug!(from = f.from.name(), to = r.name(), tokens = sent, ms = seconds * 1e3, "fetched a prefix");
+            let (from, to, ms) = (f.from.name(), r.name(), seconds * 1e3);
+            tracing::debug!(from, to, tokens = sent, kept, ms, "fetched a prefix");
             // Refused, the reservation is given back (release is idempotent).
-            r.worker.generate_imported(req, sent, events.clone()).inspect_err(|_| r.worker.release(id))
+            r.worker.generate_imported(req, kept + sent, events.clone()).inspect_err(|_| r.worker.release(id))
         }
         other => {
             let why = match &other {
@@ -113,10 +146,57 @@ pub(crate) async fn run(f: Fetch, r: Arc<Entry>, req: GenerateRequest, events: E
     }
 }
 
-/// Reserves on `r` and has the holder send the prefix; the tokens sent.
-async fn fetch(f: &Fetch, r: &Entry, req: &GenerateRequest, via: TransportKind) -> Result<usize, ServeError> {
+/// What a fetch left on the receiver: `kept` prompt tokens of its own, then `sent`.
+struct Fetched {
+    kept: usize,
+    sent: usize,
+}
+
+/// Reserves on `r`, keeping the blocks of the prefix it caches itself where it
+/// still does, and has the holder send the rest.
+async fn fetch(f: &Fetch, r: &Entry, req: &GenerateRequest, via: TransportKind) -> Result<Fetched, ServeError> {
     let target = r.worker.kv_target(via).ok_or_else(|| ServeError::Invalid(format!("no {via} receiver")))?;
-    let token = r.worker.reserve(req.id, f.tokens, Some(r.epoch())).await?;
+    let (prefix, fence) = (&req.prompt[..f.tokens], Some(r.epoch()));
+    let kept = match f.keep {
+        0 => None,
+        k => r.worker.reserve_after(req.id, f.tokens, prefix[..k].to_vec(), fence).await.ok().map(|t| (t, k)),
+    };
+    let (token, kept) = match kept {
+        Some(granted) => granted,
+        None => (r.worker.reserve(req.id, f.tokens, fence).await?, 0),
+    };
     let to = KvDestination { target, token };
-    f.from.worker.export_prefix(req.id, req.prompt[..f.tokens].to_vec(), to).await
+    let sent = f.from.worker.export_prefix(req.id, prefix.to_vec(), kept, to).await?;
+    Ok(Fetched { kept, sent })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TOKENS: usize = 100;
+
+    fn per_token(p: &FetchPace) -> f64 {
+        (p.predict(0.0, TOKENS) - FIXED_SECONDS) / TOKENS as f64
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_slow_fetch_is_outvoted_and_does_not_price_fetching_out_for_good() {
+        let p = FetchPace::default();
+        assert!((per_token(&p) - PRIOR_SECONDS_PER_TOKEN).abs() < 1e-12);
+        // The first fetch waited a second for a busy holder.
+        p.observe(TOKENS, FIXED_SECONDS + 1.0);
+        assert!((per_token(&p) - PRIOR_SECONDS_PER_TOKEN).abs() < 1e-12, "the prior outvotes it");
+        for _ in 0..3 {
+            p.observe(TOKENS, FIXED_SECONDS + TOKENS as f64 * 20e-6);
+        }
+        assert!((per_token(&p) - 20e-6).abs() < 1e-12, "the usual fetches set the pace");
+        // Slow fetches that are the norm now are learned, and age out in a minute.
+        for _ in 0..8 {
+            p.observe(TOKENS, FIXED_SECONDS + TOKENS as f64 * 1e-3);
+        }
+        assert!((per_token(&p) - 1e-3).abs() < 1e-12);
+        tokio::time::advance(PACE_AGE).await;
+        assert!((per_token(&p) - PRIOR_SECONDS_PER_TOKEN).abs() < 1e-12, "back to the prior");
+    }
 }

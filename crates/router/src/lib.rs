@@ -416,10 +416,12 @@ impl Router {
         if from.id == e.id || tokens <= own.cached_tokens || !reachable {
             return None;
         }
-        let restore_seconds = pace.predict(from.restore.seconds(prefix), tokens);
+        // Only what `e` lacks moves: the prefix it caches stays.
+        let keep = own.cached_tokens;
+        let restore_seconds = own.restore_seconds + pace.predict(from.restore.seconds(prefix), tokens - keep);
         let c = Candidate { cached_tokens: tokens, restore_seconds, ..own.clone() };
         let sooner = policies::kv_aware::predicted_ttft(ask, &c) < policies::kv_aware::predicted_ttft(ask, own);
-        sooner.then(|| (Fetch { from: from.clone(), tokens }, c))
+        sooner.then(|| (Fetch { from: from.clone(), tokens, keep }, c))
     }
 
     /// Prompt tokens of `ask` cached on `e`, as indexed.

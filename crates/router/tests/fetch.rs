@@ -90,11 +90,14 @@ async fn busy_with_a_long_prompt(r: &Router) -> pdserve_protocol::TokenStream {
 
 /// `holder` serves the history alone, then a long prompt; `fetcher` joins while the
 /// long prompt is prefilled there, and the next turn goes to it with the history
-/// fetched. Checks everything the module says; `locals` are the two engines.
+/// fetched. With `warm`, the fetcher has served that text first, which shares the
+/// history's beginning: only the rest of the history moves. Checks everything the
+/// module says; `locals` are the two engines.
 async fn fetch_while_the_holder_is_busy(
     [holder, fetcher]: [Arc<dyn Worker>; 2],
     locals: [&LocalWorker; 2],
     via: TransportKind,
+    warm: Option<&str>,
 ) {
     let turn = format!("{HISTORY} Which month is best for the glacier?");
     let alone = Router::new([worker("alone", Role::Mixed)], Mode::Aggregated, Deadlines::default(), rt());
@@ -118,18 +121,30 @@ async fn fetch_while_the_holder_is_busy(
     }
     assert!(*seen.indexed.lock().unwrap() >= history_blocks, "the router's index never saw the history");
 
+    let (kept, unique) = match warm {
+        Some(w) => kept_of(w, locals[1]).await,
+        None => (0, 0),
+    };
+    assert!(warm.is_none() || kept > 0, "the warm text shares no block with the history");
     let busy = busy_with_a_long_prompt(&r).await;
     r.workers().add(fetcher);
+    for _ in 0..500 {
+        if *seen.indexed.lock().unwrap() >= history_blocks + unique {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let (got, end) = collect(r.generate(greedy(4, &turn, 24)).unwrap()).await;
     let Event::Done { usage, .. } = end else { panic!("the turn failed: {end:?}") };
     assert_eq!(got, want, "the tokens of one engine computing everything");
 
     let fetches = seen.fetches.lock().unwrap().clone();
     assert_eq!(fetches.len(), 1, "one fetch: {fetches:?}");
-    let (fetched, fell_back) = fetches[0];
+    let (sent, fell_back) = fetches[0];
     assert_eq!(fell_back, None);
-    assert_eq!(fetched, history_blocks * 16, "every whole block of the history");
-    assert_eq!(usage.cached_tokens, fetched, "the engine reused exactly what was fetched");
+    assert_eq!(sent, (history_blocks - kept) * 16, "every whole block of the history the fetcher lacked");
+    let fetched = history_blocks * 16;
+    assert_eq!(usage.cached_tokens, fetched, "the engine reused what it kept and what was fetched");
     // Checked as the stream ends, just after its last event.
     for _ in 0..200 {
         if seen.hits.lock().unwrap().len() >= 2 {
@@ -146,17 +161,54 @@ async fn fetch_while_the_holder_is_busy(
     assert!(locals[1].stats().await.unwrap().blocks.cached >= history_blocks);
 }
 
+/// Has `fetcher` serve `warm`; the history's blocks it then caches, and the blocks
+/// of `warm` it caches that the history does not share.
+async fn kept_of(warm: &str, fetcher: &LocalWorker) -> (usize, usize) {
+    let (tx, rx) = pdserve_protocol::TokenStream::channel(8);
+    fetcher.generate(greedy(9, warm, 1), tx).unwrap();
+    collect(rx).await;
+    let (w, h) = (model().tokenizer.encode(warm, false), model().tokenizer.encode(HISTORY, false));
+    let common = w.iter().zip(&h).take_while(|(a, b)| a == b).count();
+    let cached = (w.len() - 1) / 16;
+    let kept = (common / 16).min(cached);
+    (kept, cached - kept)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_workers_prefix_is_fetched_by_an_idle_one_in_process() {
     let (a, b) = (local("holder", Role::Mixed, 256), local("fetcher", Role::Mixed, 256));
     let workers: [Arc<dyn Worker>; 2] = [Arc::new(a.clone()), Arc::new(b.clone())];
-    fetch_while_the_holder_is_busy(workers, [&a, &b], TransportKind::Inproc).await;
+    fetch_while_the_holder_is_busy(workers, [&a, &b], TransportKind::Inproc, None).await;
+}
+
+/// The start of the history, then another turn: what the fetcher already caches.
+fn other_conversation() -> String {
+    let start = HISTORY.find("Assistant:").unwrap();
+    format!(
+        "{}Assistant: Have you thought about a guided tour instead? A local guide knows the huts, the weather \
+         and the safest trails, and can adapt the route to your group every day.",
+        &HISTORY[..start]
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetch_sends_only_the_blocks_the_fetcher_lacks_in_process() {
+    let (a, b) = (local("pholder", Role::Mixed, 256), local("pfetcher", Role::Mixed, 256));
+    let workers: [Arc<dyn Worker>; 2] = [Arc::new(a.clone()), Arc::new(b.clone())];
+    fetch_while_the_holder_is_busy(workers, [&a, &b], TransportKind::Inproc, Some(&other_conversation())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetch_sends_only_the_blocks_the_fetcher_lacks_over_tcp() {
+    let (a, b) = (serve("qholder", Role::Mixed).await, serve("qfetcher", Role::Mixed).await);
+    let warm = other_conversation();
+    fetch_while_the_holder_is_busy(remotes(&a, &b), [&a.local, &b.local], TransportKind::Tcp, Some(&warm)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_workers_prefix_is_fetched_by_an_idle_one_over_tcp() {
     let (a, b) = (serve("rholder", Role::Mixed).await, serve("rfetcher", Role::Mixed).await);
-    fetch_while_the_holder_is_busy(remotes(&a, &b), [&a.local, &b.local], TransportKind::Tcp).await;
+    fetch_while_the_holder_is_busy(remotes(&a, &b), [&a.local, &b.local], TransportKind::Tcp, None).await;
 }
 
 /// A worker whose exports fail (its link breaks): everything else is `0`'s.
@@ -199,7 +251,7 @@ impl Worker for BrokenExport {
     fn fetches_prefixes(&self) -> bool {
         true
     }
-    fn export_prefix(&self, _: RequestId, _: Vec<u32>, _: KvDestination) -> Reply<'static, usize> {
+    fn export_prefix(&self, _: RequestId, _: Vec<u32>, _: usize, _: KvDestination) -> Reply<'static, usize> {
         Box::pin(async { Err(ServeError::Internal("the KV link broke".into())) })
     }
 }
@@ -250,7 +302,7 @@ async fn a_role_switch_that_overtakes_a_fetch_gives_its_blocks_back() {
     let epoch = b.stats().await.unwrap().assignment.unwrap();
     let token = b.reserve(req.id, tokens, Some(epoch.epoch)).await.unwrap();
     let to = KvDestination { target: b.kv_target(TransportKind::Inproc).unwrap(), token };
-    assert_eq!(a.export_prefix(req.id, req.prompt[..tokens].to_vec(), to).await.unwrap(), tokens);
+    assert_eq!(a.export_prefix(req.id, req.prompt[..tokens].to_vec(), 0, to).await.unwrap(), tokens);
     b.set_role(epoch.switch(Role::Prefill)).await.unwrap();
     let (tx, _rx) = pdserve_protocol::TokenStream::channel(8);
     let fenced = GenerateRequest { fence: Some(epoch.epoch), ..req };

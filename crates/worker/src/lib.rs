@@ -54,6 +54,8 @@ pub(crate) enum Command {
     Reserve {
         id: RequestId,
         prompt_len: usize,
+        /// Leading tokens whose blocks come from the engine's own cache.
+        keep: Vec<u32>,
         reply: oneshot::Sender<Result<(), ServeError>>,
     },
     Frame {
@@ -351,7 +353,21 @@ impl Worker for LocalWorker {
         let inner = self.inner.clone();
         Box::pin(async move {
             inner.fence(fence, Role::decodes)?;
-            inner.reserve(id, prompt_len).await
+            inner.reserve(id, prompt_len, Vec::new()).await
+        })
+    }
+
+    fn reserve_after(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+        keep: Vec<u32>,
+        fence: Option<Epoch>,
+    ) -> Reply<'_, pdserve_kv_transfer::HandoffToken> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            inner.fence(fence, Role::decodes)?;
+            inner.reserve(id, prompt_len, keep).await
         })
     }
 
@@ -372,8 +388,8 @@ impl Worker for LocalWorker {
         true
     }
 
-    fn export_prefix(&self, id: RequestId, tokens: Vec<u32>, to: KvDestination) -> Reply<'static, usize> {
-        Box::pin(self.inner.clone().export(id, tokens, to))
+    fn export_prefix(&self, id: RequestId, tokens: Vec<u32>, skip: usize, to: KvDestination) -> Reply<'static, usize> {
+        Box::pin(self.inner.clone().export(id, tokens, skip, to))
     }
 
     fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {
@@ -510,6 +526,7 @@ impl Inner {
         self: Arc<Self>,
         id: RequestId,
         prompt_len: usize,
+        keep: Vec<u32>,
     ) -> Result<pdserve_kv_transfer::HandoffToken, ServeError> {
         if lock(&self.imports).insert(id, Import::Reserving).is_some() {
             return Err(ServeError::Invalid(format!("{id} already has a reservation")));
@@ -523,7 +540,7 @@ impl Inner {
             }
         });
         let (reply, rx) = oneshot::channel();
-        self.send(Command::Reserve { id, prompt_len, reply })?;
+        self.send(Command::Reserve { id, prompt_len, keep, reply })?;
         rx.await.map_err(|_| self.stopped())??;
         let inbox =
             self.inboxes.expect(HandoffId::from(id)).map_err(|e| ServeError::Internal(format!("KV receiver: {e}")))?;
@@ -591,9 +608,15 @@ impl Inner {
         Ok(first)
     }
 
-    /// Sends the cached prefix of `tokens` to `to` between engine steps; the tokens
-    /// sent once the receiver holds them all.
-    async fn export(self: Arc<Self>, id: RequestId, tokens: Vec<u32>, to: KvDestination) -> Result<usize, ServeError> {
+    /// Sends the cached prefix of `tokens`, less its first `skip`, to `to` between
+    /// engine steps; the tokens sent once the receiver holds them all.
+    async fn export(
+        self: Arc<Self>,
+        id: RequestId,
+        tokens: Vec<u32>,
+        skip: usize,
+        to: KvDestination,
+    ) -> Result<usize, ServeError> {
         let hid = HandoffId::from(id);
         let sink = self.open_sink(&to, hid).await?;
         let stop = StopOnDrop(Arc::new(AtomicBool::new(false)));
@@ -601,7 +624,7 @@ impl Inner {
         let frames = sink.frame_sink(hid, stop.0.clone(), broken.clone(), bytes.clone());
         let started = std::time::Instant::now();
         let (reply, rx) = oneshot::channel();
-        self.exports.push(Export { tokens, sink: frames, reply });
+        self.exports.push(Export { tokens, skip, sink: frames, reply });
         // A full queue means a busy loop, which serves the fetch at its next layer.
         if let Err(TrySendError::Disconnected(_)) = self.tx.try_send(Command::ServeExports) {
             return Err(self.stopped());

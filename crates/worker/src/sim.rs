@@ -210,6 +210,16 @@ impl Worker for SimWorker {
     }
 
     fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
+        self.reserve_after(id, prompt_len, Vec::new(), fence)
+    }
+
+    fn reserve_after(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+        keep: Vec<u32>,
+        fence: Option<Epoch>,
+    ) -> Reply<'_, HandoffToken> {
         let inner = self.inner.clone();
         Box::pin(async move {
             inner.fence(fence, Role::decodes)?;
@@ -222,7 +232,7 @@ impl Worker for SimWorker {
                 move || inner.release(id)
             });
             let (reply, rx) = oneshot::channel();
-            inner.send(Command::Reserve { id, prompt_len, reply })?;
+            inner.send(Command::Reserve { id, prompt_len, keep, reply })?;
             rx.await.map_err(|_| inner.stopped())??;
             if !lock(&inner.imports).contains(&id) {
                 return Err(ServeError::Internal(format!("the reservation of {id} was released")));
@@ -254,13 +264,13 @@ impl Worker for SimWorker {
     /// The engine finds the cached prefix after the layer of its step that is
     /// running (or at once when idle) on the virtual clock; the profile's link then
     /// takes the model's bytes of it.
-    fn export_prefix(&self, _id: RequestId, tokens: Vec<u32>, to: KvDestination) -> Reply<'static, usize> {
+    fn export_prefix(&self, _id: RequestId, tokens: Vec<u32>, skip: usize, to: KvDestination) -> Reply<'static, usize> {
         let inner = self.inner.clone();
         Box::pin(async move {
             let via = to.target.kind();
             let link = inner.link(via).ok_or_else(|| ServeError::Invalid(format!("no {via} link is modelled")))?;
             let (reply, rx) = oneshot::channel();
-            inner.exports.push(worker_loop::Export { tokens, sink: Box::new(|_| true), reply });
+            inner.exports.push(worker_loop::Export { tokens, skip, sink: Box::new(|_| true), reply });
             inner.send_surely(Command::ServeExports);
             let sent = rx.await.map_err(|_| inner.stopped())??;
             let tail = link.tail(sent as f64 * inner.kv_bytes_per_token, inner.layers, 0.0);
@@ -471,7 +481,7 @@ mod tests {
         let asked = tokio::time::Instant::now();
         let token = receiver.reserve(RequestId(3), 256, None).await.unwrap();
         let to = KvDestination { target: receiver.kv_target(TransportKind::Inproc).unwrap(), token };
-        let sent = holder.export_prefix(RequestId(3), prefix[..256].to_vec(), to).await.unwrap();
+        let sent = holder.export_prefix(RequestId(3), prefix[..256].to_vec(), 0, to).await.unwrap();
         assert_eq!(sent, 256);
         let waited = asked.elapsed().as_secs_f64();
         // One layer (and the timer's millisecond), not the step's remaining 0.41 s.

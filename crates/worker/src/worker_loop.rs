@@ -38,14 +38,19 @@ struct Live {
 /// A peer's fetch of a cached prefix, waiting for the engine.
 pub(crate) struct Export {
     pub tokens: Vec<u32>,
+    /// Leading tokens (whole blocks) the receiver holds: not sent.
+    pub skip: usize,
     pub sink: FrameSink,
     pub reply: oneshot::Sender<Result<usize, ServeError>>,
 }
 
 impl Export {
     /// Serves it with `export`: the engine's between steps, or its pool's mid-step.
-    fn serve(mut self, export: impl FnOnce(&[u32], &mut dyn FnMut(KvFrame) -> bool) -> Result<usize, EngineError>) {
-        let res = export(&self.tokens, &mut |f| (self.sink)(f));
+    fn serve(
+        mut self,
+        export: impl FnOnce(&[u32], usize, &mut dyn FnMut(KvFrame) -> bool) -> Result<usize, EngineError>,
+    ) {
+        let res = export(&self.tokens, self.skip, &mut |f| (self.sink)(f));
         let _ = self.reply.send(res.map_err(serve_error));
     }
 }
@@ -116,7 +121,7 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
             let exports = l.exports.clone();
             let outs = l.engine.step_serving(&mut |pool| {
                 while let Some(x) = exports.pop() {
-                    x.serve(|tokens, on_frame| pool.export(tokens, on_frame));
+                    x.serve(|tokens, skip, on_frame| pool.export(tokens, skip, on_frame));
                 }
             });
             for out in outs {
@@ -195,7 +200,7 @@ impl Loop {
                     tokio::time::sleep_until((Instant::now() + layer).min(end)).await;
                     let pool = self.engine.cached_kv();
                     while let Some(x) = self.exports.pop() {
-                        x.serve(|tokens, on_frame| pool.export(tokens, on_frame));
+                        x.serve(|tokens, skip, on_frame| pool.export(tokens, skip, on_frame));
                     }
                 }
             }
@@ -233,8 +238,8 @@ impl Loop {
                 self.done();
                 let _ = reply.send(first.map_err(serve_error));
             }
-            Command::Reserve { id, prompt_len, reply } => {
-                let res = self.engine.reserve_import(id, prompt_len).map_err(serve_error);
+            Command::Reserve { id, prompt_len, keep, reply } => {
+                let res = self.engine.reserve_import_after(id, prompt_len, &keep).map_err(serve_error);
                 if res.is_ok() {
                     self.imports.insert(id, Instant::now());
                 }
@@ -264,7 +269,7 @@ impl Loop {
             }
             Command::ServeExports => {
                 while let Some(x) = self.exports.pop() {
-                    x.serve(|tokens, on_frame| self.engine.export_cached(tokens, on_frame));
+                    x.serve(|tokens, skip, on_frame| self.engine.export_cached(tokens, skip, on_frame));
                     // Blocks a timed engine copied back from a lower tier take its time.
                     self.owed += self.engine.take_charged();
                 }
@@ -433,7 +438,7 @@ fn serve_error(e: EngineError) -> ServeError {
         | EngineError::BadToken(_)
         | EngineError::TooLargeForCache { .. }
         | EngineError::Grammar(_) => ServeError::Invalid(e.to_string()),
-        EngineError::NoBlocks | EngineError::Busy => ServeError::Overloaded(e.to_string()),
+        EngineError::NoBlocks | EngineError::NotCached | EngineError::Busy => ServeError::Overloaded(e.to_string()),
         EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) | EngineError::Cancelled => {
             ServeError::Internal(e.to_string())
         }

@@ -221,7 +221,8 @@ fn fetch(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind, busy
             let started = Instant::now();
             let token = here.reserve(RequestId(id), whole, None).await?;
             let target = here.kv_target(via).context("no KV receiver here")?;
-            let sent = holder.export_prefix(RequestId(id), prompt[..whole].to_vec(), KvDestination { target, token });
+            let sent =
+                holder.export_prefix(RequestId(id), prompt[..whole].to_vec(), 0, KvDestination { target, token });
             let sent = sent.await?;
             anyhow::ensure!(sent == whole, "the holder sent {sent} of {whole} cached tokens");
             let (tx, mut stream) = TokenStream::channel(8);

@@ -64,6 +64,8 @@ pub enum EngineError {
     Unknown(RequestId),
     #[error("no free KV blocks for the transfer")]
     NoBlocks,
+    #[error("the prefix to keep for the transfer is no longer cached here")]
+    NotCached,
     #[error("KV frame does not fit: {0}")]
     BadFrame(String),
     #[error("cancelled: the receiver of the prefill is gone")]

@@ -66,14 +66,31 @@ impl Engine {
     /// Reserves blocks for a prompt of `prompt_len` tokens whose K/V will arrive as
     /// frames. Fails at once when the pool cannot hold them.
     pub fn reserve_import(&mut self, id: RequestId, prompt_len: usize) -> Result<(), EngineError> {
+        self.reserve_import_after(id, prompt_len, &[])
+    }
+
+    /// [`Engine::reserve_import`] for a fetch of a prefix whose first tokens, `own`
+    /// (whole blocks), this engine caches itself: their blocks are taken from its
+    /// cache (copied back from a lower tier where need be), and the frames, numbered
+    /// from 0, fill the blocks after them (a peer's [`Engine::export_cached`] with
+    /// `skip` = `own.len()`). Fails with [`EngineError::NotCached`] when some of
+    /// `own` is no longer cached here.
+    pub fn reserve_import_after(&mut self, id: RequestId, prompt_len: usize, own: &[u32]) -> Result<(), EngineError> {
         if self.contains(id) {
             return Err(EngineError::Duplicate(id));
         }
-        let mut table = BlockTable::new(&self.blocks, self.cfg.cache_salt);
+        if own.len() > prompt_len || !own.len().is_multiple_of(BLOCK_SIZE) {
+            return Err(EngineError::BadFrame(format!("{} tokens to keep of {prompt_len}", own.len())));
+        }
+        let kept = self.cached_chain(&whole_block_hashes(own, self.cfg.cache_salt));
+        if kept.len() * BLOCK_SIZE != own.len() {
+            return Err(EngineError::NotCached);
+        }
+        let mut table = BlockTable::with_prefix(&self.blocks, self.cfg.cache_salt, kept);
         table.ensure_capacity(prompt_len).map_err(|_| EngineError::NoBlocks)?;
         // The frames overwrite these blocks: evicted ones go down first.
         self.settle_moves();
-        let ids = table.block_ids().into_iter().map(|b| b.0).collect();
+        let ids = table.block_ids().into_iter().skip(own.len() / BLOCK_SIZE).map(|b| b.0).collect();
         self.importing.push(KvImport { id, prompt_len, table, ids });
         Ok(())
     }
@@ -130,19 +147,22 @@ impl Engine {
 
     /// Sends the K/V of the longest prefix of `tokens` this engine caches, in whole
     /// blocks (copied back first where the chain continues in a lower tier), through
-    /// `on_frame` layer by layer. Nothing is computed and the batch is untouched.
-    /// Returns the tokens sent, 0 when nothing is cached; `on_frame` returning `false`
-    /// stops it ([`EngineError::Cancelled`]). While a step runs, [`CachedKv::export`]
-    /// serves the same without waiting for the step's end.
+    /// `on_frame` layer by layer, leaving out its first `skip` tokens (whole blocks,
+    /// which the receiver holds): the first block sent is frame index 0. Nothing is
+    /// computed and the batch is untouched. Returns the tokens sent, 0 when nothing
+    /// beyond `skip` is cached; `on_frame` returning `false` stops it
+    /// ([`EngineError::Cancelled`]). While a step runs, [`CachedKv::export`] serves
+    /// the same without waiting for the step's end.
     pub fn export_cached(
         &mut self,
         tokens: &[u32],
+        skip: usize,
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<usize, EngineError> {
         let hashes = whole_block_hashes(tokens, self.cfg.cache_salt);
         // Held while the frames are copied out; dropped, they go back to the cache.
         let hits = self.cached_chain(&hashes);
-        export_blocks(&self.kv, &hits, on_frame)
+        export_blocks(&self.kv, hits.get(skip / BLOCK_SIZE..).unwrap_or_default(), on_frame)
     }
 
     /// [`Engine::step`], calling `between` after each layer with what the pool
@@ -227,19 +247,24 @@ impl CachedKv<'_> {
     /// would take blocks from the running step): the pool's blocks, then those the
     /// host tier holds, read in place. A block only on disk ends the prefix, since
     /// reading it would hold up the running step on the disk.
-    pub fn export(&self, tokens: &[u32], on_frame: &mut dyn FnMut(KvFrame) -> bool) -> Result<usize, EngineError> {
+    pub fn export(
+        &self,
+        tokens: &[u32],
+        skip: usize,
+        on_frame: &mut dyn FnMut(KvFrame) -> bool,
+    ) -> Result<usize, EngineError> {
         let hashes = whole_block_hashes(tokens, self.salt);
         let hits = self.blocks.match_prefix(&hashes);
         let n = self.stored.kv.block_elems();
         let host = self.host_chain(&hashes[hits.len()..], n);
-        let all = hits.len() + host.len();
+        let (skip, all) = (skip / BLOCK_SIZE, hits.len() + host.len());
         let sent = (0..self.stored.kv.n_layers).all(|l| {
             let pool = hits.iter().map(|b| self.stored.kv.block(l, b.id().0));
             let host = host.iter().filter_map(|&(tiers, slot)| tiers.host_layer(slot, l, n));
-            export_layer(l, pool.chain(host), on_frame)
+            export_layer(l, pool.chain(host).skip(skip), on_frame)
         });
         match sent {
-            true => Ok(all * BLOCK_SIZE),
+            true => Ok(all.saturating_sub(skip) * BLOCK_SIZE),
             false => Err(EngineError::Cancelled),
         }
     }

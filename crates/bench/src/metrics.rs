@@ -138,6 +138,10 @@ pub struct PrefixHits {
     pub from_host: f64,
     #[serde(default)]
     pub from_disk: f64,
+    /// Of the realized, the tokens a peer sent (the KV pool across workers): what
+    /// moved, not what the receiver kept of its own.
+    #[serde(default)]
+    pub fetched: f64,
 }
 
 /// Tokens in one of pdserve's KV blocks (its tier counters count blocks).
@@ -161,12 +165,15 @@ impl PrefixHits {
             let lines = page.lines().filter(|l| l.starts_with("pdserve_kv_tier_blocks_total{") && l.contains(&label));
             lines.filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum::<f64>() * PDSERVE_BLOCK_TOKENS
         };
+        let fetched =
+            page.lines().find_map(|l| l.strip_prefix("pdserve_kv_fetched_tokens_total ")?.trim().parse().ok());
         let (predicted, realized) = (value("predicted"), value("realized"));
         (predicted.is_some() || realized.is_some()).then(|| PrefixHits {
             predicted: predicted.unwrap_or(0.0),
             realized: realized.unwrap_or(0.0),
             from_host: restored("host"),
             from_disk: restored("disk"),
+            fetched: fetched.unwrap_or(0.0),
         })
     }
 
@@ -178,6 +185,7 @@ impl PrefixHits {
             realized: self.realized - b.realized,
             from_host: self.from_host - b.from_host,
             from_disk: self.from_disk - b.from_disk,
+            fetched: self.fetched - b.fetched,
         }
     }
 }
@@ -239,10 +247,13 @@ mod tests {
                     pdserve_prefix_hit_tokens_total{kind=\"realized\"} 3900\n\
                     pdserve_kv_tier_blocks_total{worker=\"a\",tier=\"host\",direction=\"restored\"} 10\n\
                     pdserve_kv_tier_blocks_total{worker=\"b\",tier=\"host\",direction=\"restored\"} 5\n\
-                    pdserve_kv_tier_blocks_total{worker=\"b\",tier=\"disk\",direction=\"stored\"} 7\n";
-        let before = PrefixHits { predicted: 1000.0, realized: 1000.0, from_host: 80.0, from_disk: 0.0 };
+                    pdserve_kv_tier_blocks_total{worker=\"b\",tier=\"disk\",direction=\"stored\"} 7\n\
+                    pdserve_kv_fetched_tokens_total 640\n";
+        let before =
+            PrefixHits { predicted: 1000.0, realized: 1000.0, from_host: 80.0, from_disk: 0.0, fetched: 160.0 };
         let h = PrefixHits::scrape(page).unwrap().since(Some(before));
-        assert_eq!(h, PrefixHits { predicted: 3000.0, realized: 2900.0, from_host: 160.0, from_disk: 0.0 });
+        let want = PrefixHits { predicted: 3000.0, realized: 2900.0, from_host: 160.0, from_disk: 0.0, fetched: 480.0 };
+        assert_eq!(h, want);
         assert!((h.realized_pct().unwrap() - 96.666).abs() < 0.01);
         assert_eq!(PrefixHits::scrape("other_metric 1\n"), None);
     }

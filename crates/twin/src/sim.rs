@@ -137,10 +137,10 @@ pub struct SimServer {
     next_id: Cell<u64>,
 }
 
-/// The router's predicted and realized cached prompt tokens, summed as `serve`'s
-/// metrics sum them; nothing else is recorded.
+/// The router's predicted and realized cached prompt tokens, and those fetched from
+/// peers, summed as `serve`'s metrics sum them; nothing else is recorded.
 #[derive(Default)]
-struct HitTally(Mutex<(f64, f64)>);
+struct HitTally(Mutex<PrefixHits>);
 
 impl Telemetry for HitTally {
     fn phase(&self, _: Phase, _: f64) {}
@@ -150,8 +150,12 @@ impl Telemetry for HitTally {
 
     fn prefix_hit(&self, predicted: usize, realized: usize, _cause: Option<&'static str>) {
         let mut sums = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        sums.0 += predicted as f64;
-        sums.1 += realized as f64;
+        sums.predicted += predicted as f64;
+        sums.realized += realized as f64;
+    }
+
+    fn prefix_fetched(&self, tokens: usize, _seconds: f64, _fell_back: Option<&'static str>) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).fetched += tokens as f64;
     }
 }
 
@@ -221,8 +225,7 @@ impl SimServer {
     /// reused them, and the part its workers copied back from their lower tiers:
     /// what `bench load` reads off `serve`'s metrics.
     pub async fn prefix_hits(&self) -> PrefixHits {
-        let (predicted, realized) = *self.hits.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut hits = PrefixHits { predicted, realized, ..PrefixHits::default() };
+        let mut hits = *self.hits.0.lock().unwrap_or_else(PoisonError::into_inner);
         let block = pdserve_engine::batch::BLOCK_SIZE as f64;
         for e in self.router.workers().snapshot() {
             if let Ok(s) = e.worker.stats().await {

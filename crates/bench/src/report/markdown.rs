@@ -74,6 +74,9 @@ pub fn one_line(label: &str, s: &Summary, wall_s: f64) -> String {
         if h.from_host + h.from_disk > 0.0 {
             let _ = write!(line, ", of which from host RAM {:.0}, from disk {:.0}", h.from_host, h.from_disk);
         }
+        if h.fetched > 0.0 {
+            let _ = write!(line, ", fetched from peers {:.0}", h.fetched);
+        }
     }
     if let Some(e) = &s.first_error {
         let _ = write!(line, "; first error: {e}");

@@ -350,11 +350,7 @@ impl Worker for LocalWorker {
         prompt_len: usize,
         fence: Option<Epoch>,
     ) -> Reply<'_, pdserve_kv_transfer::HandoffToken> {
-        let inner = self.inner.clone();
-        Box::pin(async move {
-            inner.fence(fence, Role::decodes)?;
-            inner.reserve(id, prompt_len, Vec::new()).await
-        })
+        self.reserve_after(id, prompt_len, Vec::new(), fence)
     }
 
     fn reserve_after(

@@ -504,6 +504,54 @@ fn a_fetcher_that_caches_the_start_of_a_prefix_keeps_its_blocks_and_receives_onl
 }
 
 #[test]
+fn a_prefill_engine_that_fetched_a_prefix_computes_the_rest_and_sends_the_whole_prompt() {
+    // Disaggregated: the prefill engine caches a conversation's first 2 blocks, a
+    // peer (the decode engine of the last turn) its first 5; the next turn is
+    // prefilled with the 3 blocks it lacks fetched, and decoded elsewhere.
+    let (history, turn) = (prompt(83), prompt(110));
+    let params = greedy(12);
+    let want = aggregated(&turn, &params);
+    let mut h = holding(&history, 512);
+    let mut p = holding(&prompt(40), 512);
+    let (id, keep) = (RequestId(5), 2 * BLOCK);
+    p.reserve_import_after(id, 80, &turn[..keep]).unwrap();
+    let mut fetched = Vec::new();
+    let sent = h
+        .export_cached(&turn, keep, &mut |f| {
+            fetched.push(f);
+            true
+        })
+        .unwrap();
+    for f in &fetched {
+        p.import_frame(id, f).unwrap();
+    }
+    let mut frames = Vec::new();
+    let first = p
+        .prefill_export_imported(id, turn.clone(), params.clone(), keep + sent, &mut |f| {
+            frames.push(f);
+            true
+        })
+        .unwrap();
+    assert_eq!(first.cached_tokens, 80, "kept and fetched, not computed");
+    check_frame_order(&frames, turn.len());
+    let s = p.stats();
+    assert_eq!((s.blocks.used, s.blocks.cached), (0, turn.len() / BLOCK), "the whole prompt cached, none in use");
+    let mut d = engine(64, 512);
+    let rest = import(&mut d, id, &turn, &first, &frames, &params);
+    let got: Vec<TokenOut> = std::iter::once(first.sampled).chain(rest.into_iter().map(|o| o.sampled)).collect();
+    assert_same("prefilled with a fetched prefix", &want, &got);
+    assert_eq!(d.stats().blocks.used, 0);
+
+    // Refused while the engine is busy, the reservation stays for its owner to abort.
+    let mut busy = engine(64, 512);
+    busy.reserve_import(RequestId(6), 32).unwrap();
+    busy.add(RequestId(7), prompt(20), greedy(4)).unwrap();
+    let err = busy.prefill_export_imported(RequestId(6), prompt(50), greedy(4), 32, &mut |_| true);
+    assert_eq!(err.map(|o| o.id), Err(EngineError::Busy));
+    assert!(busy.abort_import(RequestId(6)));
+}
+
+#[test]
 fn a_fetch_cut_short_or_not_fitting_holds_no_block() {
     let turn = prompt(70);
     let mut h = holding(&turn, 512);

@@ -75,6 +75,21 @@ pub trait Worker: Send + Sync + 'static {
     /// receiver holds every frame. Dropping the future stops the prefill.
     fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled>;
 
+    /// [`Worker::prefill`] of a request whose first `imported` prompt tokens' K/V
+    /// came into reservation `req.id` from a peer ([`Worker::export_prefix`]): only
+    /// the rest is computed, and the whole prompt's KV goes to `to`. Any failure,
+    /// a dropped future too, releases the reservation.
+    fn prefill_imported(
+        &self,
+        req: GenerateRequest,
+        _imported: usize,
+        _to: KvDestination,
+    ) -> Reply<'static, Prefilled> {
+        self.release(req.id);
+        let name = self.info().name.clone();
+        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} imports no prefixes"))) })
+    }
+
     /// Decodes a transferred sequence once its last frame has arrived; tokens after
     /// the first go to `events` (a transfer that did not complete fails there).
     fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError>;
@@ -113,7 +128,8 @@ pub trait Worker: Send + Sync + 'static {
         Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} cannot hand back its decodes"))) })
     }
 
-    /// Whether [`Worker::export_prefix`] and [`Worker::generate_imported`] work here:
+    /// Whether [`Worker::export_prefix`], [`Worker::generate_imported`] and
+    /// [`Worker::prefill_imported`] work here:
     /// the router fetches a prefix between workers only where both ends do.
     fn fetches_prefixes(&self) -> bool {
         false

@@ -186,6 +186,21 @@ impl RemoteWorker {
         })
     }
 
+    /// A prefill whose KV goes to `to`, the first `imported` prompt tokens' K/V
+    /// taken from this connection's reservation `req.id`.
+    fn prefill_call(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
+        let KvTarget::Remote(addr) = to.target else {
+            return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
+        };
+        let answer = self.reply_call(Op::Prefill { req, to: addr, token: to.token, imported }, true);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::Prefilled(p) => Ok(p),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
     /// Records the load the worker reported for itself (all routers' requests); the
     /// policies then see the larger of it and this router's own calls in flight.
     pub fn report_load(&self, requests: usize) {
@@ -243,16 +258,11 @@ impl Worker for RemoteWorker {
     }
 
     fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
-        let KvTarget::Remote(addr) = to.target else {
-            return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
-        };
-        let answer = self.reply_call(Op::Prefill { req, to: addr, token: to.token }, true);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::Prefilled(p) => Ok(p),
-                other => Err(unexpected(&other)),
-            }
-        })
+        self.prefill_call(req, 0, to)
+    }
+
+    fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
+        self.prefill_call(req, imported, to)
     }
 
     fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {

@@ -116,6 +116,10 @@ pub enum Op {
         req: GenerateRequest,
         to: KvAddr,
         token: HandoffToken,
+        /// Leading prompt tokens whose K/V came from a peer into this connection's
+        /// reservation `req.id` (`Worker::prefill_imported`); 0: none.
+        #[serde(default)]
+        imported: usize,
     },
     /// Decode a transferred sequence; events after the first token stream back.
     Decode {

@@ -246,9 +246,20 @@ impl Session {
                     Ok(Answer::Token(granted?))
                 })
             }
-            Op::Prefill { req, to, token } => {
-                let span = tracing::info_span!("prefill", request_id = %req.tag, prompt_tokens = req.prompt.len());
-                let done = self.worker().prefill(req, KvDestination { target: KvTarget::Remote(to), token });
+            Op::Prefill { req, to, token, imported } => {
+                let span =
+                    tracing::info_span!("prefill", request_id = %req.tag, prompt_tokens = req.prompt.len(), imported);
+                let to = KvDestination { target: KvTarget::Remote(to), token };
+                // An imported prefix is this connection's reservation, the worker's
+                // from here (it releases it on any failure).
+                let done = match imported {
+                    0 => self.worker().prefill(req, to),
+                    n if self.unhold(req.id) => self.worker().prefill_imported(req, n, to),
+                    _ => {
+                        let e = ServeError::Invalid(format!("this connection holds no reservation {}", req.id));
+                        return self.reply(call, async move { Err(e) });
+                    }
+                };
                 let answer = async move {
                     let p =
                         done.await.inspect_err(|e| tracing::warn!(kind = e.kind(), error = %e, "prefill failed"))?;
@@ -437,7 +448,7 @@ fn checked(op: Op) -> Result<Op, ServeError> {
     };
     Ok(match op {
         Op::Generate { req } => Op::Generate { req: valid(req)? },
-        Op::Prefill { req, to, token } => Op::Prefill { req: valid(req)?, to, token },
+        Op::Prefill { req, to, token, imported } => Op::Prefill { req: valid(req)?, to, token, imported },
         Op::GenerateImported { req, imported } => Op::GenerateImported { req: valid(req)?, imported },
         Op::Decode { mut handoff } => {
             if handoff.prompt.is_empty() {

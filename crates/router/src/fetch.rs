@@ -27,10 +27,16 @@
 //! than recomputing. A fetch that cannot be done (no blocks on R, H lost, the link
 //! broken, the deadline passed, nothing cached any more) falls back to a plain
 //! generate on R, which recomputes: nothing the client sent is lost.
+//!
+//! A disaggregated prefill worker fetches the same way ([`into`], called by the
+//! handoff before its prefill), then `prefill_imported` instead of
+//! `generate_imported`: its holder is typically the decode worker that generated
+//! the conversation's last answer.
 
 use crate::workers::Entry;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, EventSender, GenerateRequest, KvDestination, ServeError, Telemetry};
+use pdserve_types::Epoch;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -110,25 +116,47 @@ pub(crate) struct FetchCtx {
 /// generate on `r` instead. A client that leaves meanwhile stops the fetch and
 /// releases the reservation.
 pub(crate) async fn run(f: Fetch, r: Arc<Entry>, req: GenerateRequest, events: EventSender, ctx: FetchCtx) {
-    let started = Instant::now();
-    let fetched = tokio::select! {
-        done = tokio::time::timeout(DEADLINE, fetch(&f, &r, &req, ctx.via)) => {
-            done.unwrap_or_else(|_| Err(ServeError::Timeout("fetching a cached prefix".into())))
-        }
+    let imported = tokio::select! {
+        n = into(&f, &r, &req, Some(r.epoch()), &ctx) => n,
         () = events.closed() => {
             r.worker.release(req.id);
             return;
         }
     };
-    let (seconds, id) = (started.elapsed().as_secs_f64(), req.id);
-    let started = match fetched {
+    let id = req.id;
+    let started = match imported {
+        // Refused, the reservation is given back (release is idempotent).
+        Some(n) => r.worker.generate_imported(req, n, events.clone()).inspect_err(|_| r.worker.release(id)),
+        None => r.worker.generate(req, events.clone()),
+    };
+    if let Err(e) = started {
+        let _ = events.send(Event::Failed(r.noted(e)));
+    }
+}
+
+/// Fetches `f` into a reservation for `req` on `r` (fenced for `fence`), timed
+/// into the pace and reported: the prompt tokens `r` then holds of it, its own
+/// kept and those sent, or `None` when nothing was fetched (its reservation
+/// released). Dropped, it leaves the reservation for the caller to release.
+pub(crate) async fn into(
+    f: &Fetch,
+    r: &Entry,
+    req: &GenerateRequest,
+    fence: Option<Epoch>,
+    ctx: &FetchCtx,
+) -> Option<usize> {
+    let started = Instant::now();
+    let fetched = tokio::time::timeout(DEADLINE, fetch(f, r, req, ctx.via, fence))
+        .await
+        .unwrap_or_else(|_| Err(ServeError::Timeout("fetching a cached prefix".into())));
+    let seconds = started.elapsed().as_secs_f64();
+    match fetched {
         Ok(Fetched { kept, sent }) if sent > 0 => {
             ctx.pace.observe(sent, seconds);
             ctx.telemetry.prefix_fetched(sent, seconds, None);
             let (from, to, ms) = (f.from.name(), r.name(), seconds * 1e3);
             tracing::debug!(from, to, tokens = sent, kept, ms, "fetched a prefix");
-            // Refused, the reservation is given back (release is idempotent).
-            r.worker.generate_imported(req, kept + sent, events.clone()).inspect_err(|_| r.worker.release(id))
+            Some(kept + sent)
         }
         other => {
             let why = match &other {
@@ -138,11 +166,8 @@ pub(crate) async fn run(f: Fetch, r: Arc<Entry>, req: GenerateRequest, events: E
             ctx.telemetry.prefix_fetched(0, seconds, Some(why));
             tracing::debug!(from = f.from.name(), to = r.name(), why, "a prefix fetch fell back to recomputing");
             r.worker.release(req.id);
-            r.worker.generate(req, events.clone())
+            None
         }
-    };
-    if let Err(e) = started {
-        let _ = events.send(Event::Failed(r.noted(e)));
     }
 }
 
@@ -154,9 +179,15 @@ struct Fetched {
 
 /// Reserves on `r`, keeping the blocks of the prefix it caches itself where it
 /// still does, and has the holder send the rest.
-async fn fetch(f: &Fetch, r: &Entry, req: &GenerateRequest, via: TransportKind) -> Result<Fetched, ServeError> {
+async fn fetch(
+    f: &Fetch,
+    r: &Entry,
+    req: &GenerateRequest,
+    via: TransportKind,
+    fence: Option<Epoch>,
+) -> Result<Fetched, ServeError> {
     let target = r.worker.kv_target(via).ok_or_else(|| ServeError::Invalid(format!("no {via} receiver")))?;
-    let (prefix, fence) = (&req.prompt[..f.tokens], Some(r.epoch()));
+    let prefix = &req.prompt[..f.tokens];
     let kept = match f.keep {
         0 => None,
         k => r.worker.reserve_after(req.id, f.tokens, prefix[..k].to_vec(), fence).await.ok().map(|t| (t, k)),

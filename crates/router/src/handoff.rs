@@ -1,12 +1,17 @@
 //! The disaggregated handoff, one task per request:
 //!
 //! ```text
-//! Routed ─► Queued(P) ─► Reserved(D) ─► Prefilling(P) + Transferring ─► DecodeReady ─► Streaming ─► Done
-//!    │          │             │                  │                           │
-//!    └──────────┴─────────────┴──── Failed / Cancelled: release D's reservation; on a prefill
+//! Routed ─► Queued(P) ─► Reserved(D) ─► [Fetching(P)] ─► Prefilling(P) + Transferring ─► DecodeReady ─► Streaming ─► Done
+//!    │          │             │               │                  │                           │
+//!    └──────────┴─────────────┴───────────────┴──── Failed / Cancelled: release D's reservation; on a prefill
 //!                                   failure or timeout, start over once with a spare prefill
 //!                                   worker if there is one, else prefill locally on D
 //! ```
+//!
+//! `Fetching(P)`, where the router planned it: P receives a prefix a peer caches
+//! (the last answer of a conversation, cached only on the decode worker that
+//! generated it) and then computes only the rest; a fetch that fails leaves P to
+//! compute everything (see [`crate::fetch`]).
 //!
 //! One code path for every pair of workers and every transport: D reserves and
 //! answers with a token, P prefills into D's [`kv_target`](pdserve_protocol::Worker::kv_target) with that
@@ -16,6 +21,7 @@
 //! cancellation.
 
 use crate::cost::{TransferCost, Waiting};
+use crate::fetch::{self, Fetch, FetchCtx, FetchPace};
 use crate::workers::Entry;
 use crate::Ending;
 use pdserve_kv_transfer::{HandoffToken, TransportKind};
@@ -85,6 +91,9 @@ pub struct Handoff {
     pub transfer: Arc<TransferCost>,
     pub deadlines: Deadlines,
     pub telemetry: Arc<dyn Telemetry>,
+    /// A peer's cached prefix the prefill worker fetches before prefilling, where
+    /// that was predicted sooner than computing it there.
+    pub fetch: Option<(Fetch, Arc<FetchPace>)>,
 }
 
 impl Handoff {
@@ -93,6 +102,8 @@ impl Handoff {
         match self.spare.take() {
             Some(spare) => {
                 self.prefill = spare;
+                // The fetch was planned for the first worker.
+                self.fetch = None;
                 true
             }
             None => false,
@@ -189,8 +200,23 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
             return fall_back(&h, req, client, waiting, end.unpredicted());
         }
     };
+    // Fetching(P): what P lacks of a prefix a peer caches, where that was planned.
+    let imported = match &h.fetch {
+        Some((f, pace)) => {
+            let ctx = FetchCtx { via: h.via, pace: pace.clone(), telemetry: h.telemetry.clone() };
+            match wait(Duration::MAX, &client, fetch::into(f, &h.prefill, &req, None, &ctx)).await {
+                Wait::Done(n) => n.unwrap_or(0),
+                _ => {
+                    h.prefill.worker.release(id);
+                    d.worker.release(id);
+                    return Outcome::Cancelled;
+                }
+            }
+        }
+        None => 0,
+    };
     // Prefilling(P), frames flowing into D as each layer completes (Transferring).
-    let prefilled = prefill(&h, &req, &client, token).await;
+    let prefilled = prefill(&h, &req, &client, token, imported).await;
     drop((slot, ticket));
     let first = match prefilled {
         Ok(first) => {
@@ -298,13 +324,21 @@ async fn prefill(
     req: &GenerateRequest,
     client: &EventSender,
     token: HandoffToken,
+    imported: usize,
 ) -> Result<Prefilled, Wait<ServeError>> {
     let Some(target) = h.decode.worker.kv_target(h.via) else {
         let e = format!("worker {} receives no KV over {}", h.decode.name(), h.via);
+        if imported > 0 {
+            h.prefill.worker.release(req.id);
+        }
         return Err(Wait::Done(ServeError::Internal(e)));
     };
     let fenced = GenerateRequest { fence: Some(h.prefill.epoch()), ..req.clone() };
-    let call = h.prefill.worker.prefill(fenced, KvDestination { target, token });
+    let to = KvDestination { target, token };
+    let call = match imported {
+        0 => h.prefill.worker.prefill(fenced, to),
+        n => h.prefill.worker.prefill_imported(fenced, n, to),
+    };
     match wait(h.deadlines.prefill(req.prompt.len()), client, call).await {
         Wait::Done(Ok(first)) => Ok(first),
         Wait::Done(Err(e)) => Err(Wait::Done(e)),

@@ -302,7 +302,7 @@ impl Router {
 
     /// The policy's choice among `entries`.
     fn pick(&self, ask: &Ask<'_>, entries: &[Arc<Entry>]) -> Option<Arc<Entry>> {
-        self.pick_where(ask, entries, |_| true, false).map(|(e, _)| e)
+        self.pick_where(ask, entries, |_| true, None).map(|(e, _)| e)
     }
 
     /// The policy's choice of the decode worker. A worker that will not prefill the
@@ -323,21 +323,20 @@ impl Router {
                 Mode::Disaggregated => false,
                 Mode::Auto => e.role() != Role::Decode,
             },
-            true,
+            Some(&[]),
         )
     }
 
     /// The policy's choice among `entries`, where only those `prefills_there` are
-    /// offered with their cached prefix, or, `fetching`, with the longer one they
-    /// could fetch from a peer where that is predicted sooner (the fetch is returned
-    /// with the choice). Only a worker that prefills a request it decodes fetches:
-    /// a handoff's prefill worker recomputes what its cache lacks.
+    /// offered with their cached prefix, or, `fetching` (from `entries` or the
+    /// `others` named), with the longer one they could fetch from a peer where that
+    /// is predicted sooner (the fetch is returned with the choice).
     fn pick_where(
         &self,
         ask: &Ask<'_>,
         entries: &[Arc<Entry>],
         prefills_there: impl Fn(&Entry) -> bool,
-        fetching: bool,
+        fetching: Option<&[Arc<Entry>]>,
     ) -> Option<(Arc<Entry>, Option<Fetch>)> {
         let names: Vec<&str> = entries.iter().map(|e| e.name()).collect();
         let cached = self.index.prefix(ask.block_hashes, &names);
@@ -347,7 +346,14 @@ impl Router {
         let peers = (!timed.is_empty()).then(|| timed.iter().sum::<f64>() / timed.len() as f64);
         let pace = |e: &Entry| e.prefill.measured().or(peers).unwrap_or_else(|| e.prefill.seconds_per_token());
         let fastest = entries.iter().map(|e| pace(e)).fold(f64::INFINITY, f64::min);
-        let source = self.fetch_source(entries, &cached).filter(|_| fetching);
+        let others = fetching.unwrap_or_default();
+        let names: Vec<&str> = others.iter().map(|e| e.name()).collect();
+        let theirs = match names.is_empty() {
+            true => Vec::new(),
+            false => self.index.prefix(ask.block_hashes, &names),
+        };
+        let holders = entries.iter().zip(&cached).chain(others.iter().zip(&theirs));
+        let source = fetching.and_then(|_| self.fetch_source(holders));
         let mut fetches: Vec<Option<Fetch>> = vec![None; entries.len()];
         let candidates: Vec<Candidate<'_>> = entries
             .iter()
@@ -385,17 +391,14 @@ impl Router {
         Some((entries.get(i)?.clone(), fetches.get_mut(i)?.take()))
     }
 
-    /// The entry whose cache holds the longest prefix of the request, in blocks,
+    /// The holder whose cache holds the longest prefix of the request, in blocks,
     /// among those that can export it: where a fetch would come from.
     fn fetch_source<'e>(
         &self,
-        entries: &'e [Arc<Entry>],
-        cached: &'e [index::CachedPrefix],
+        holders: impl Iterator<Item = (&'e Arc<Entry>, &'e index::CachedPrefix)>,
     ) -> Option<(&'e Arc<Entry>, &'e index::CachedPrefix)> {
         self.fetch.as_ref()?;
-        entries
-            .iter()
-            .zip(cached)
+        holders
             .filter(|(e, p)| p.blocks() > 0 && e.worker.is_alive() && e.worker.fetches_prefixes())
             .max_by_key(|(_, p)| p.blocks())
     }
@@ -443,15 +446,21 @@ impl Router {
         Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d)).into_iter().find(|e| e.name() == name)
     }
 
-    /// The prefill worker for a request decoding on `d`, or `None` to prefill there.
-    fn remote_prefill(&self, all: &[Arc<Entry>], d: &Entry, ask: &Ask<'_>) -> Option<Arc<Entry>> {
+    /// The prefill worker for a request decoding on `d`, or `None` to prefill there;
+    /// with it, in disaggregated mode, the fetch of a prefix a peer (a decode
+    /// worker holding an earlier turn's answer) caches, where that is sooner.
+    fn remote_prefill(&self, all: &[Arc<Entry>], d: &Entry, ask: &Ask<'_>) -> Option<(Arc<Entry>, Option<Fetch>)> {
+        let no_fetch = |p: Option<Arc<Entry>>| p.map(|p| (p, None));
         match self.mode {
             Mode::Aggregated => None,
-            Mode::Disaggregated => self.pick(ask, &Self::with_role(all, &[Role::Prefill], None)),
+            Mode::Disaggregated => {
+                let others = Self::with_role(all, &[Role::Decode, Role::Mixed], None);
+                self.pick_where(ask, &Self::with_role(all, &[Role::Prefill], None), |_| true, Some(&others))
+            }
             // A worker given the decode role (by the planner) prefills nothing itself
             // while a prefill worker is there, however busy.
             Mode::Auto if d.role() == Role::Decode => {
-                self.pick(ask, &Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d)))
+                no_fetch(self.pick(ask, &Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d))))
             }
             Mode::Auto => {
                 let n = ask.prompt_len;
@@ -474,7 +483,7 @@ impl Router {
                     .filter(|e| e.slots.available_permits() > 0)
                     .map(|e| (remote(&e), e))
                     .min_by(|a, b| a.0.total_cmp(&b.0))?;
-                cost::prefer_remote(local, best_s).then_some(best)
+                no_fetch(cost::prefer_remote(local, best_s).then_some(best))
             }
         }
     }
@@ -585,7 +594,13 @@ impl Router {
         Ok(stream)
     }
 
-    fn handoff(&self, all: &[Arc<Entry>], p: Arc<Entry>, d: Arc<Entry>, ask: &Ask<'_>) -> Handoff {
+    fn handoff(
+        &self,
+        all: &[Arc<Entry>],
+        (p, fetch): (Arc<Entry>, Option<Fetch>),
+        d: Arc<Entry>,
+        ask: &Ask<'_>,
+    ) -> Handoff {
         // In disaggregated mode a second prefill worker stands by; in auto the
         // decode worker itself is the fallback.
         let spare = match self.mode {
@@ -609,6 +624,7 @@ impl Router {
             transfer: self.transfer.clone(),
             deadlines: Deadlines { reserve, ..self.deadlines },
             telemetry: self.telemetry.clone(),
+            fetch: fetch.zip(self.fetch.clone()),
         }
     }
 }
@@ -690,7 +706,7 @@ impl Router {
         req.trace.update(|t| t.decode = Some(d.name().to_string()));
         // Blocks the request holds at its longest: prompt and every output token.
         let life = req.prompt.len() + req.params.max_tokens as usize;
-        let pinned = prefill_on.and_then(|name| Self::pinned(&all, &d, name));
+        let pinned = prefill_on.and_then(|name| Self::pinned(&all, &d, name)).map(|p| (p, None));
         match pinned.or_else(|| self.remote_prefill(&all, &d, &ask)) {
             None => {
                 let cached = fetch.as_ref().map_or_else(|| self.cached_on(&ask, &d), |f| f.tokens);
@@ -704,18 +720,19 @@ impl Router {
                 let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit, held: Default::default() };
                 self.local(&d, req, end, (predicted, cached), fetch)
             }
-            Some(p) => {
+            Some((p, p_fetch)) => {
+                let cached = p_fetch.as_ref().map_or_else(|| self.cached_on(&ask, &p), |f| f.tokens);
                 let queued = p.prefill.queued() as f64 * p.prefill.seconds_per_token();
-                let own = self.own_prefill(&ask, &p, self.cached_on(&ask, &p));
+                let own = self.own_prefill(&ask, &p, cached);
                 let predicted = self.admit(&d, (queued, own), life, prefill_on.is_some())?;
                 span.record("route", "remote");
                 span.record("prefill", p.name());
                 req.trace.update(|t| (t.route, t.prefill) = (Some(PrefillRoute::Remote), Some(p.name().to_string())));
                 self.telemetry.route(PrefillRoute::Remote);
-                let hit = Some(self.predict_hit(&ask, &p, self.cached_on(&ask, &p)));
+                let hit = Some(self.predict_hit(&ask, &p, cached));
                 let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit, held: Default::default() };
                 let waiting = d.backlog.enter_routed(req.prompt.len(), life).predicted(predicted);
-                let h = self.handoff(&all, p, d, &ask);
+                let h = self.handoff(&all, (p, p_fetch), d, &ask);
                 Ok(handoff::start(&self.runtime, h, req, waiting, end))
             }
         }

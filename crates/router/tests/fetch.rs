@@ -211,6 +211,70 @@ async fn a_busy_workers_prefix_is_fetched_by_an_idle_one_over_tcp() {
     fetch_while_the_holder_is_busy(remotes(&a, &b), [&a.local, &b.local], TransportKind::Tcp, None).await;
 }
 
+/// Disaggregated: the decode worker `d` caches a whole conversation (as after
+/// decoding an earlier turn's answer) of which the prefill worker `p` caches only
+/// the start. The next turn's prefill on `p` fetches the rest from `d` instead of
+/// recomputing it, then sends the whole prompt's KV to `d` as usual. The tokens
+/// equal one engine's, `p` reports what it kept and fetched as reused, both
+/// predicted and realized, and no block is left in use on either.
+async fn prefill_fetches_from_the_decoder(
+    [p, d]: [Arc<dyn Worker>; 2],
+    [lp, ld]: [&LocalWorker; 2],
+    via: TransportKind,
+) {
+    let turn = format!("{HISTORY} Which month is best for the glacier?");
+    let alone = Router::new([worker("alone3", Role::Mixed)], Mode::Aggregated, Deadlines::default(), rt());
+    let (want, _) = collect(alone.generate(greedy(1, &turn, 24)).unwrap()).await;
+    let (tx, rx) = pdserve_protocol::TokenStream::channel(8);
+    ld.generate(greedy(2, HISTORY, 1), tx).unwrap();
+    collect(rx).await;
+    let (kept, unique) = kept_of(&other_conversation(), lp).await;
+    assert!(kept > 0, "the prefill worker caches the conversation's start");
+
+    let seen = Arc::new(Seen::default());
+    let r = Router::new([p, d], Mode::Disaggregated, Deadlines::default(), rt())
+        .with_transport(via)
+        .with_telemetry(seen.clone());
+    let r = Arc::new(r);
+    r.follow_kv_events();
+    let history_blocks = (model().tokenizer.encode(HISTORY, false).len() - 1) / 16;
+    for _ in 0..500 {
+        if *seen.indexed.lock().unwrap() >= history_blocks + unique {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (got, end) = collect(r.generate(greedy(4, &turn, 24)).unwrap()).await;
+    let Event::Done { usage, .. } = end else { panic!("the turn failed: {end:?}") };
+    assert_eq!(got, want, "the tokens of one engine computing everything");
+    let fetches = seen.fetches.lock().unwrap().clone();
+    assert_eq!(fetches, vec![((history_blocks - kept) * 16, None)], "one fetch of what the prefill worker lacked");
+    let fetched = history_blocks * 16;
+    assert_eq!(usage.cached_tokens, fetched, "the prefill engine reused what it kept and what was fetched");
+    for _ in 0..200 {
+        if !seen.hits.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(seen.hits.lock().unwrap().clone(), vec![(fetched, fetched)], "predicted = realized");
+    assert_eq!(settle(&[lp, ld]).await, 0, "a block is left in use");
+    assert!(lp.stats().await.unwrap().blocks.cached >= history_blocks, "the fetched blocks joined p's cache");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_fetches_what_the_decode_worker_caches_in_process() {
+    let (p, d) = (local("fp", Role::Prefill, 256), local("fd", Role::Decode, 256));
+    let workers: [Arc<dyn Worker>; 2] = [Arc::new(p.clone()), Arc::new(d.clone())];
+    prefill_fetches_from_the_decoder(workers, [&p, &d], TransportKind::Inproc).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_fetches_what_the_decode_worker_caches_over_tcp() {
+    let (p, d) = (serve("tp", Role::Prefill).await, serve("td", Role::Decode).await);
+    prefill_fetches_from_the_decoder(remotes(&p, &d), [&p.local, &d.local], TransportKind::Tcp).await;
+}
+
 /// A worker whose exports fail (its link breaks): everything else is `0`'s.
 struct BrokenExport(LocalWorker);
 

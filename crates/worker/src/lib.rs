@@ -47,6 +47,9 @@ pub(crate) enum Command {
     Generate(GenerateRequest, EventSender),
     Prefill {
         req: GenerateRequest,
+        /// Leading prompt tokens whose K/V came into reservation `req.id` from a
+        /// peer (0: none, the whole prompt is computed).
+        imported: usize,
         sink: FrameSink,
         reply: oneshot::Sender<Result<Prefilled, ServeError>>,
         sent: tokio::time::Instant,
@@ -371,7 +374,26 @@ impl Worker for LocalWorker {
         let inner = self.inner.clone();
         Box::pin(async move {
             inner.fence(req.fence, Role::prefills)?;
-            inner.prefill(req, to).await
+            inner.prefill(req, 0, to).await
+        })
+    }
+
+    fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let id = req.id;
+            // Every way out but success gives the reservation back (a dropped future
+            // too); once the prefill runs, the engine owns its blocks, and the
+            // release that follows finds nothing.
+            let guard = Defer::new({
+                let inner = inner.clone();
+                move || inner.release(id)
+            });
+            inner.fence(req.fence, Role::prefills)?;
+            inner.imported(id).await?;
+            let first = inner.prefill(req, imported, to).await?;
+            guard.disarm();
+            Ok(first)
         })
     }
 
@@ -582,7 +604,12 @@ impl Inner {
         Ok(())
     }
 
-    async fn prefill(self: Arc<Self>, req: GenerateRequest, to: KvDestination) -> Result<Prefilled, ServeError> {
+    async fn prefill(
+        self: Arc<Self>,
+        req: GenerateRequest,
+        imported: usize,
+        to: KvDestination,
+    ) -> Result<Prefilled, ServeError> {
         let hid = HandoffId::from(req.id);
         let sink = self.open_sink(&to, hid).await?;
         // Set when this future is dropped: the engine stops at the next layer.
@@ -591,8 +618,9 @@ impl Inner {
         let frames = sink.frame_sink(hid, stop.0.clone(), broken.clone(), bytes.clone());
         let (reply, rx) = oneshot::channel();
         let tokens = req.prompt.len();
-        let _queued = Counted::add(&self.prefill_tokens, tokens);
-        self.send_counted(Command::Prefill { req, sink: frames, reply, sent: tokio::time::Instant::now() })?;
+        // Queued are the tokens to compute; all of them move.
+        let _queued = Counted::add(&self.prefill_tokens, tokens - imported.min(tokens));
+        self.send_counted(Command::Prefill { req, imported, sink: frames, reply, sent: tokio::time::Instant::now() })?;
         let mut first = rx.await.map_err(|_| self.stopped())??;
         let tail = std::time::Instant::now();
         self.finish_sink(&sink, &to, &broken).await?;
@@ -631,6 +659,18 @@ impl Inner {
             kv.account_export(sent, to.target.kind(), started.elapsed().as_secs_f64()).await;
         }
         Ok(sent)
+    }
+
+    /// Returns once the transfer into reservation `id` is complete, which is then
+    /// the caller's to use; fails if it does not complete in time.
+    async fn imported(&self, id: RequestId) -> Result<(), ServeError> {
+        let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) else {
+            return Err(ServeError::Internal(format!("no transfer into this worker for {id}")));
+        };
+        match tokio::time::timeout(FRAMES_GRACE, task).await {
+            Ok(Ok(true)) => Ok(()),
+            _ => Err(ServeError::Internal(format!("the KV transfer of {id} did not complete"))),
+        }
     }
 
     /// Queues `command` (a decode or a generate that continues transfer `id`) once

@@ -246,7 +246,25 @@ impl Worker for SimWorker {
         let inner = self.inner.clone();
         Box::pin(async move {
             inner.fence(req.fence, Role::prefills)?;
-            inner.prefill(req, to).await
+            inner.prefill(req, 0, to).await
+        })
+    }
+
+    fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let id = req.id;
+            let guard = Defer::new({
+                let inner = inner.clone();
+                move || inner.release(id)
+            });
+            inner.fence(req.fence, Role::prefills)?;
+            if !lock(&inner.imports).remove(&id) {
+                return Err(ServeError::Internal(format!("no transfer into this worker for {id}")));
+            }
+            let first = inner.prefill(req, imported, to).await?;
+            guard.disarm();
+            Ok(first)
         })
     }
 
@@ -364,14 +382,21 @@ impl Inner {
         }
     }
 
-    async fn prefill(self: Arc<Self>, req: GenerateRequest, to: KvDestination) -> Result<Prefilled, ServeError> {
+    async fn prefill(
+        self: Arc<Self>,
+        req: GenerateRequest,
+        imported: usize,
+        to: KvDestination,
+    ) -> Result<Prefilled, ServeError> {
         let via = to.target.kind();
         let link = self.link(via).ok_or_else(|| ServeError::Invalid(format!("no {via} link is modelled")))?;
-        let tokens = req.prompt.len();
-        self.prefill_tokens.fetch_add(tokens, Ordering::Relaxed);
+        // Queued are the tokens to compute; all of them move.
+        let (tokens, todo) = (req.prompt.len(), req.prompt.len() - imported.min(req.prompt.len()));
+        self.prefill_tokens.fetch_add(todo, Ordering::Relaxed);
         let (reply, rx) = oneshot::channel();
         let sent_at = tokio::time::Instant::now();
-        let sent = self.send_counted(Command::Prefill { req, sink: Box::new(|_| true), reply, sent: sent_at });
+        let sent =
+            self.send_counted(Command::Prefill { req, imported, sink: Box::new(|_| true), reply, sent: sent_at });
         let answer = match sent {
             Ok(()) => rx.await.map_err(|_| self.stopped()).and_then(|r| r),
             Err(e) => Err(e),
@@ -379,7 +404,7 @@ impl Inner {
         let mut first = match answer {
             Ok(first) => first,
             Err(e) => {
-                self.prefill_tokens.fetch_sub(tokens, Ordering::Relaxed);
+                self.prefill_tokens.fetch_sub(todo, Ordering::Relaxed);
                 return Err(e);
             }
         };
@@ -390,7 +415,7 @@ impl Inner {
         // millisecond does not add up.
         let computed = sent_at + Duration::from_secs_f64(first.queued_seconds + first.prefill_seconds);
         tokio::time::sleep_until(computed).await;
-        self.prefill_tokens.fetch_sub(tokens, Ordering::Relaxed);
+        self.prefill_tokens.fetch_sub(todo, Ordering::Relaxed);
         let bytes = tokens as f64 * self.kv_bytes_per_token;
         let tail = link.tail(bytes, self.layers, first.prefill_seconds);
         tokio::time::sleep_until(computed + Duration::from_secs_f64(tail)).await;

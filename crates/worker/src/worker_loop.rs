@@ -220,12 +220,17 @@ impl Loop {
                     let _ = events.send(Event::Failed(serve_error(e)));
                 }
             },
-            Command::Prefill { req, mut sink, reply, sent } => {
+            Command::Prefill { req, imported, mut sink, reply, sent } => {
+                self.imports.remove(&req.id);
                 let started = Instant::now();
                 // On a virtual clock the prefill starts after what this loop already
                 // owes: the prefills handled before it in this turn.
                 let ahead = self.owed;
-                let res = self.engine.prefill_export(req.id, req.prompt, req.params, &mut |f| sink(f));
+                let (id, prompt, params, on_frame) = (req.id, req.prompt, req.params, &mut |f| sink(f));
+                let res = match imported {
+                    0 => self.engine.prefill_export(id, prompt, params, on_frame),
+                    n => self.engine.prefill_export_imported(id, prompt, params, n, on_frame),
+                };
                 // A timed engine's prefill took what its model says, on either clock.
                 let modelled = self.engine.take_charged();
                 self.owed += modelled;

@@ -6,7 +6,7 @@
 //! as if it had prefilled the prompt itself. The numerics of both engines are the same
 //! row-wise kernels, so the tokens are identical to one engine doing both.
 
-use super::{Engine, EngineError, StepOutput, BLOCK_SIZE};
+use super::{Engine, EngineError, Sequence, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
 use crate::tiers::TierBytes;
 use pdserve_kv::{block_hashes, BlockHash, BlockPool, BlockTable, ImmutableBlock, Place};
@@ -33,11 +33,41 @@ impl Engine {
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<StepOutput, EngineError> {
         self.check_new(id, &prompt, &params)?;
+        // Keep the batch this step runs to the one sequence being exported.
         if self.has_work() {
-            // Keep the batch this step runs to the one sequence being exported.
             return Err(EngineError::Busy);
         }
         let s = self.sequence(id, prompt, params)?;
+        self.run_export(s, on_frame)
+    }
+
+    /// [`Engine::prefill_export`] of a prompt whose first `imported` tokens' K/V
+    /// came into reservation `id` from a peer (as for [`Engine::add_imported`]):
+    /// only the rest is computed, and every block of the prompt is sent. Refused
+    /// while other work runs, the reservation stays for the caller to abort.
+    pub fn prefill_export_imported(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        imported: usize,
+        on_frame: &mut dyn FnMut(KvFrame) -> bool,
+    ) -> Result<StepOutput, EngineError> {
+        if self.has_work() {
+            return Err(EngineError::Busy);
+        }
+        let s = self.imported_sequence(id, prompt, params, imported)?;
+        self.run_export(s, on_frame)
+    }
+
+    /// Steps `s` alone until its first token, exporting its blocks layer by layer
+    /// during its last chunk; then drops it, its full blocks left in the cache.
+    fn run_export(
+        &mut self,
+        s: Sequence,
+        on_frame: &mut dyn FnMut(KvFrame) -> bool,
+    ) -> Result<StepOutput, EngineError> {
+        let id = s.id;
         self.waiting.push_back(s);
         loop {
             let mut stopped = false;
@@ -194,6 +224,20 @@ impl Engine {
         params: SamplingParams,
         imported: usize,
     ) -> Result<(), EngineError> {
+        let s = self.imported_sequence(id, prompt, params, imported)?;
+        self.waiting.push_back(s);
+        Ok(())
+    }
+
+    /// The sequence of `prompt` whose first `imported` tokens' K/V are in
+    /// reservation `id`, which it takes over (gone on a refusal too).
+    fn imported_sequence(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        imported: usize,
+    ) -> Result<Sequence, EngineError> {
         let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
         let imp = self.importing.swap_remove(at);
         // The engine leaves a token to compute for the logits, and scores a prompt
@@ -212,8 +256,7 @@ impl Engine {
         s.computed = imported;
         s.cached_tokens = imported;
         s.table = Some(table);
-        self.waiting.push_back(s);
-        Ok(())
+        Ok(s)
     }
 
     /// Gives up a transfer; its blocks return to the pool.

@@ -150,3 +150,26 @@ fn a_fetch_served_mid_step_reads_host_tier_blocks_in_place() {
     assert!(mid_step.iter().zip(&idle).all(|(a, b)| (a.layer, a.index, &a.k, &a.v) == (b.layer, b.index, &b.k, &b.v)));
     assert_eq!(e.stats().blocks.used, 0);
 }
+
+#[test]
+fn a_fetch_that_skips_the_receivers_blocks_copies_back_only_the_rest() {
+    let mut e = engine(&TierConfig { host_blocks: 64, ..TierConfig::default() });
+    let history = prompt(0);
+    run(&mut e, 0, &history);
+    for i in 1..=4 {
+        run(&mut e, i, &prompt(i));
+    }
+    // The history's 7 whole blocks are in host RAM; the receiver keeps the first 3.
+    let mut frames = Vec::new();
+    let sent = e
+        .export_cached(&history, 48, &mut |f| {
+            frames.push(f);
+            true
+        })
+        .unwrap();
+    assert_eq!(sent, 64);
+    assert_eq!(e.stats().tiers.restored_host, 4, "the skipped blocks stay where they are");
+    assert_eq!(frames.len(), 4 * model().model.cfg.n_layers);
+    assert!(frames.iter().all(|f| f.index < 4), "numbered from the first block sent");
+    assert_eq!(e.stats().blocks.used, 0);
+}

@@ -135,12 +135,13 @@ pub trait Worker: Send + Sync + 'static {
         false
     }
 
-    /// Sends the K/V of the longest prefix of `tokens` this worker caches (any tier,
-    /// whole blocks) to the reservation behind `to`, between two engine steps, less
-    /// its first `skip` tokens (whole blocks the receiver keeps, [`Worker::reserve_after`]):
-    /// nothing is computed and nothing waits for this worker's queue. Resolves with
-    /// the tokens sent once the receiver holds every frame (0: nothing cached beyond
-    /// `skip`). Dropping the future stops the transfer.
+    /// Sends the K/V of `tokens`' whole blocks from token `skip` on (the receiver
+    /// keeps those before, [`Worker::reserve_after`]), as far as this worker caches
+    /// them in a run (any tier; a chained block hash names its whole prefix), to the
+    /// reservation behind `to`, between two engine steps: nothing is computed and
+    /// nothing waits for this worker's queue. Resolves with the tokens sent once the
+    /// receiver holds every frame (0: the block at `skip` is not cached). Dropping
+    /// the future stops the transfer.
     fn export_prefix(
         &self,
         _id: RequestId,

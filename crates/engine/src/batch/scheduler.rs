@@ -234,22 +234,30 @@ impl Engine {
     /// The longest cached prefix of the chain `hashes`, as pool blocks: a chain may
     /// alternate between the pool and the lower tiers, whose blocks are copied back.
     pub(super) fn cached_chain(&mut self, hashes: &[BlockHash]) -> Vec<ImmutableBlock> {
-        let mut hits = self.blocks.match_prefix(hashes);
-        while self.restore_lower(hashes, &mut hits) > 0 {
-            hits.extend(self.blocks.match_prefix(&hashes[hits.len()..]));
+        self.cached_chain_from(hashes, 0)
+    }
+
+    /// [`Engine::cached_chain`] of the blocks of `hashes` from index `start` on:
+    /// those before are not looked at, so none of them is copied back. A chained
+    /// hash names its whole prefix, so the run found is the prompt's all the same.
+    pub(super) fn cached_chain_from(&mut self, hashes: &[BlockHash], start: usize) -> Vec<ImmutableBlock> {
+        let Some(rest) = hashes.get(start..) else { return Vec::new() };
+        let mut hits = self.blocks.match_prefix(rest);
+        while self.restore_lower(hashes, start, &mut hits) > 0 {
+            hits.extend(self.blocks.match_prefix(&hashes[start + hits.len()..]));
         }
         hits
     }
 
-    /// Extends a pool hit with the blocks right after it that the host or disk
-    /// tier holds, copied back into fresh pool blocks. The allocation may evict,
-    /// and so move, tier blocks: each is looked up again after the moves are made.
-    /// Returns how many blocks came back.
-    fn restore_lower(&mut self, hashes: &[BlockHash], hits: &mut Vec<ImmutableBlock>) -> usize {
+    /// Extends a pool hit (of `hashes` from index `start`) with the blocks right
+    /// after it that the host or disk tier holds, copied back into fresh pool
+    /// blocks. The allocation may evict, and so move, tier blocks: each is looked
+    /// up again after the moves are made. Returns how many blocks came back.
+    fn restore_lower(&mut self, hashes: &[BlockHash], start: usize, hits: &mut Vec<ImmutableBlock>) -> usize {
         if self.tiers.is_none() {
             return 0;
         }
-        let from = hits.len();
+        let from = start + hits.len();
         let found = self.blocks.lower_prefix(&hashes[from..]).len().min(self.blocks.available());
         let Ok(blocks) = self.blocks.allocate_many(found) else { return 0 };
         self.settle_moves();
@@ -273,7 +281,7 @@ impl Engine {
             self.charged += modelled;
             timed::spend(clock, modelled);
         }
-        hits.len() - from
+        start + hits.len() - from
     }
 
     fn finish_step(&mut self, plan: &[Planned], logits: Logits<'_>) -> Vec<StepOutput> {

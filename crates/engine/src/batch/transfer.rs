@@ -175,12 +175,13 @@ impl Engine {
         Ok(true)
     }
 
-    /// Sends the K/V of the longest prefix of `tokens` this engine caches, in whole
-    /// blocks (copied back first where the chain continues in a lower tier), through
-    /// `on_frame` layer by layer, leaving out its first `skip` tokens (whole blocks,
-    /// which the receiver holds): the first block sent is frame index 0. Nothing is
-    /// computed and the batch is untouched. Returns the tokens sent, 0 when nothing
-    /// beyond `skip` is cached; `on_frame` returning `false` stops it
+    /// Sends the K/V of `tokens`' whole blocks from token `skip` on (whole blocks;
+    /// the receiver holds those before), as far as this engine caches them in a
+    /// run (copied back first where the run continues in a lower tier; the skipped
+    /// blocks are not looked at, so not copied back), through `on_frame` layer by
+    /// layer: the first block sent is frame index 0. Nothing is computed and the
+    /// batch is untouched. Returns the tokens sent, 0 when the block at `skip` is
+    /// not cached; `on_frame` returning `false` stops it
     /// ([`EngineError::Cancelled`]). While a step runs, [`CachedKv::export`] serves
     /// the same without waiting for the step's end.
     pub fn export_cached(
@@ -191,8 +192,9 @@ impl Engine {
     ) -> Result<usize, EngineError> {
         let hashes = whole_block_hashes(tokens, self.cfg.cache_salt);
         // Held while the frames are copied out; dropped, they go back to the cache.
-        let hits = self.cached_chain(&hashes);
-        export_blocks(&self.kv, hits.get(skip / BLOCK_SIZE..).unwrap_or_default(), on_frame)
+        // The skipped blocks are the receiver's: not even copied back here.
+        let hits = self.cached_chain_from(&hashes, skip / BLOCK_SIZE);
+        export_blocks(&self.kv, &hits, on_frame)
     }
 
     /// [`Engine::step`], calling `between` after each layer with what the pool
@@ -297,17 +299,17 @@ impl CachedKv<'_> {
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<usize, EngineError> {
         let hashes = whole_block_hashes(tokens, self.salt);
-        let hits = self.blocks.match_prefix(&hashes);
+        let Some(rest) = hashes.get(skip / BLOCK_SIZE..) else { return Ok(0) };
+        let hits = self.blocks.match_prefix(rest);
         let n = self.stored.kv.block_elems();
-        let host = self.host_chain(&hashes[hits.len()..], n);
-        let (skip, all) = (skip / BLOCK_SIZE, hits.len() + host.len());
+        let host = self.host_chain(&rest[hits.len()..], n);
         let sent = (0..self.stored.kv.n_layers).all(|l| {
             let pool = hits.iter().map(|b| self.stored.kv.block(l, b.id().0));
             let host = host.iter().filter_map(|&(tiers, slot)| tiers.host_layer(slot, l, n));
-            export_layer(l, pool.chain(host).skip(skip), on_frame)
+            export_layer(l, pool.chain(host), on_frame)
         });
         match sent {
-            true => Ok(all.saturating_sub(skip) * BLOCK_SIZE),
+            true => Ok((hits.len() + host.len()) * BLOCK_SIZE),
             false => Err(EngineError::Cancelled),
         }
     }

@@ -10,6 +10,7 @@
 #   WORKLOAD="--conversations 17 --turns 5..10 --input-len 100..200 --output-len 32..64"
 #   CONCURRENCY=4  SERVE_ARGS="--kv-host-gb 1"  OUT=bench-results/kv-routing
 #   LOAD="--trace-speedup 1" (instead of the closed loop; with WORKLOAD="--trace FILE")
+#   TOPOLOGY="--mode disaggregated --prefill 1 --decode 1" (instead of aggregated ×2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 policies="${POLICIES:-kv-aware least-loaded round-robin}"
@@ -18,6 +19,7 @@ workload="${WORKLOAD:---conversations 17 --turns 5..10 --input-len 100..200 --ou
 c="${CONCURRENCY:-4}"
 load="${LOAD:---concurrency $c}"
 serve_args="${SERVE_ARGS:-}"
+topology="${TOPOLOGY:---mode aggregated --workers 2}"
 out="${OUT:-bench-results/kv-routing}"; mkdir -p "$out"
 cargo build --release --bin pdserve >&2
 bin=./target/release/pdserve
@@ -26,8 +28,8 @@ source scripts/fresh-server.sh
 
 for p in $policies; do
   echo "== $p" >&2
-  # shellcheck disable=SC2086  # extra serve flags are a list
-  start_server "$out/$p.server.log" --mode aggregated --workers 2 --policy "$p" $serve_args
+  # shellcheck disable=SC2086  # the topology and extra serve flags are lists
+  start_server "$out/$p.server.log" $topology --policy "$p" $serve_args
   # Each worker's queue, sampled while the load runs.
   while sleep 0.5; do
     curl -s "http://127.0.0.1:$port/metrics" | grep -E '^pdserve_worker_(requests|queued_prompt_tokens)\{' | sed 's/^/@ /'

@@ -124,6 +124,12 @@ impl TierBytes {
         Some(layer.split_at(n))
     }
 
+    /// Every layer of the block in disk slot `slot`, as the slot holds it (per
+    /// layer, K then V); `None` when it cannot be read.
+    pub(crate) fn disk_slot(&self, slot: u32) -> Option<Vec<u16>> {
+        self.disk.as_ref()?.read(slot, self.slot_values)
+    }
+
     /// Copies the block at `from` (a host or disk slot) into pool block `block`;
     /// false when its bytes cannot be read (a failed disk write or read).
     pub(crate) fn restore(&mut self, from: Place, kv: &mut KvStorage, block: u32) -> bool {

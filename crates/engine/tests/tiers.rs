@@ -173,3 +173,51 @@ fn a_fetch_that_skips_the_receivers_blocks_copies_back_only_the_rest() {
     assert!(frames.iter().all(|f| f.index < 4), "numbered from the first block sent");
     assert_eq!(e.stats().blocks.used, 0);
 }
+
+#[test]
+fn a_fetch_served_mid_step_reads_disk_tier_blocks_too() {
+    let dir = scratch("midstep");
+    let tiers = TierConfig { host_blocks: 4, disk_blocks: 64, disk_dir: Some(dir.clone()) };
+    let mut e = engine(&tiers);
+    let history = prompt(0);
+    run(&mut e, 0, &history);
+    for i in 1..=4 {
+        run(&mut e, i, &prompt(i));
+    }
+    // The history's 7 whole blocks went on through host RAM to disk. A fetch served
+    // between two layers of another prompt's step reads them without waiting for
+    // the step's end, and copies none of them back into the pool.
+    let params = SamplingParams { max_tokens: 2, ignore_eos: true, ..Default::default() }.validate().unwrap();
+    e.add(RequestId(7), prompt(7), params).unwrap();
+    let (mut mid_step, mut served) = (Vec::new(), None);
+    e.step_serving(&mut |pool| {
+        if served.is_none() {
+            served = Some(pool.export(&history, 16, &mut |f| {
+                mid_step.push(f);
+                true
+            }));
+        }
+    });
+    assert_eq!(served.unwrap().unwrap(), 96, "the 6 blocks after the one skipped");
+    let s = e.stats();
+    assert_eq!((s.tiers.restored_host, s.tiers.restored_disk), (0, 0), "{:?}", s.tiers);
+    while e.has_work() {
+        e.step();
+    }
+    // Between steps the engine copies them back first: the frames are the same.
+    let mut idle = Vec::new();
+    assert_eq!(
+        e.export_cached(&history, 16, &mut |f| {
+            idle.push(f);
+            true
+        })
+        .unwrap(),
+        96
+    );
+    assert!(e.stats().tiers.restored_disk > 0);
+    assert_eq!(mid_step.len(), idle.len());
+    assert!(mid_step.iter().zip(&idle).all(|(a, b)| (a.layer, a.index, &a.k, &a.v) == (b.layer, b.index, &b.k, &b.v)));
+    assert_eq!(e.stats().blocks.used, 0);
+    drop(e);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -287,11 +287,26 @@ pub struct CachedKv<'a> {
     salt: u64,
 }
 
+/// Blocks read from disk by one export while a step runs, at most: each holds the
+/// step up by its read (a block of the default model is 360 KiB over all layers),
+/// and past this many the receiver computing the rest is the smaller cost to the
+/// holder's running sequences.
+const MID_STEP_DISK_BLOCKS: usize = 64;
+
+/// Where one block a running step's export sends is read from.
+enum Held<'a> {
+    Pool(ImmutableBlock),
+    /// Host RAM, read in place.
+    Host(&'a TierBytes, u32),
+    /// Read from disk for this export: every layer, as a slot holds them.
+    Disk(Vec<u16>),
+}
+
 impl CachedKv<'_> {
     /// [`Engine::export_cached`] without copying anything back into the pool (that
-    /// would take blocks from the running step): the pool's blocks, then those the
-    /// host tier holds, read in place. A block only on disk ends the prefix, since
-    /// reading it would hold up the running step on the disk.
+    /// would take blocks from the running step): pool blocks and host-tier blocks
+    /// read in place, disk-tier blocks read for the export (up to
+    /// [`MID_STEP_DISK_BLOCKS`]; the run ends there).
     pub fn export(
         &self,
         tokens: &[u32],
@@ -300,31 +315,47 @@ impl CachedKv<'_> {
     ) -> Result<usize, EngineError> {
         let hashes = whole_block_hashes(tokens, self.salt);
         let Some(rest) = hashes.get(skip / BLOCK_SIZE..) else { return Ok(0) };
-        let hits = self.blocks.match_prefix(rest);
         let n = self.stored.kv.block_elems();
-        let host = self.host_chain(&rest[hits.len()..], n);
+        let run = self.cached_run(rest, n);
         let sent = (0..self.stored.kv.n_layers).all(|l| {
-            let pool = hits.iter().map(|b| self.stored.kv.block(l, b.id().0));
-            let host = host.iter().filter_map(|&(tiers, slot)| tiers.host_layer(slot, l, n));
-            export_layer(l, pool.chain(host), on_frame)
+            let layers = run.iter().filter_map(|b| match b {
+                Held::Pool(b) => Some(self.stored.kv.block(l, b.id().0)),
+                Held::Host(tiers, slot) => tiers.host_layer(*slot, l, n),
+                Held::Disk(values) => values.get(l * 2 * n..(l + 1) * 2 * n).map(|layer| layer.split_at(n)),
+            });
+            export_layer(l, layers, on_frame)
         });
         match sent {
-            true => Ok((hits.len() + host.len()) * BLOCK_SIZE),
+            true => Ok(run.len() * BLOCK_SIZE),
             false => Err(EngineError::Cancelled),
         }
     }
 
-    /// The host slots of the blocks of `hashes` that follow on, up to the first
-    /// block the host tier does not hold (blocks of `n` values a layer).
-    fn host_chain(&self, hashes: &[BlockHash], n: usize) -> Vec<(&TierBytes, u32)> {
-        let Some(tiers) = self.stored.tiers else { return Vec::new() };
-        hashes
-            .iter()
-            .map_while(|&h| match self.blocks.locate_lower(h) {
-                Some((_, Place::Host(slot))) if tiers.host_layer(slot, 0, n).is_some() => Some((tiers, slot)),
-                _ => None,
-            })
-            .collect()
+    /// The blocks of `hashes`, from the first, as far as this engine holds them
+    /// in a run, in any tier (blocks of `n` values a layer).
+    fn cached_run(&self, hashes: &[BlockHash], n: usize) -> Vec<Held<'_>> {
+        let mut run = Vec::new();
+        let mut read = 0;
+        for &h in hashes {
+            if let Some(b) = self.blocks.match_prefix(&[h]).pop() {
+                run.push(Held::Pool(b));
+                continue;
+            }
+            let Some(tiers) = self.stored.tiers else { break };
+            let held = match self.blocks.locate_lower(h) {
+                Some((_, Place::Host(slot))) if tiers.host_layer(slot, 0, n).is_some() => Held::Host(tiers, slot),
+                Some((_, Place::Disk(slot))) if read < MID_STEP_DISK_BLOCKS => {
+                    read += 1;
+                    match tiers.disk_slot(slot) {
+                        Some(values) => Held::Disk(values),
+                        None => break,
+                    }
+                }
+                _ => break,
+            };
+            run.push(held);
+        }
+        run
     }
 }
 

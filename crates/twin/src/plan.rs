@@ -158,10 +158,7 @@ fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
 /// nothing reaches 2 % of the best goodput seen anywhere beats nothing.
 fn crossover_of(cands: &[Candidate], sweep: &[usize]) -> Option<usize> {
     let floor = 0.02 * cands.iter().map(|c| c.best_goodput).fold(0.0, f64::max);
-    let best = |disagg: bool, i: usize| {
-        let g = cands.iter().filter(|c| c.disaggregated == disagg).map(|c| c.points[i].goodput).reduce(f64::max);
-        g.filter(|&g| g >= floor)
-    };
+    let best = |disagg: bool, i: usize| best_at(cands, disagg, i).filter(|&g| g >= floor);
     let points: Vec<(f64, Option<f64>, Option<f64>)> =
         sweep.iter().enumerate().map(|(i, &c)| (c as f64, best(true, i), best(false, i))).collect();
     crossover(Metric::Goodput, &points).map(|x| x as usize)
@@ -190,27 +187,39 @@ fn decide(cands: &[Candidate], crossover: Option<usize>, spec: &PlanSpec<'_>) ->
     }
 }
 
-/// The best split at the points where it leads every aggregated plan, as "8, 16",
-/// with its name; `None` where it leads nowhere.
+/// The goodput of the best plan of one kind (split or aggregated) at sweep point
+/// `i`; `None` where there is no plan of that kind.
+fn best_at(cands: &[Candidate], disaggregated: bool, i: usize) -> Option<f64> {
+    let kind = cands.iter().filter(|c| c.disaggregated == disaggregated);
+    kind.filter_map(|c| c.points.get(i)).map(|p| p.goodput).reduce(f64::max)
+}
+
+/// The points where a split leads every aggregated plan, as "8, 16", with the
+/// split that has the most goodput there; `None` where no split leads anywhere.
 fn ahead_at(cands: &[Candidate]) -> Option<(&str, String)> {
-    let split = cands.iter().find(|c| c.disaggregated)?;
-    let aggregated: Vec<&Candidate> = cands.iter().filter(|c| !c.disaggregated).collect();
-    let leads = split
-        .points
-        .iter()
-        .enumerate()
-        .filter(|&(i, p)| aggregated.iter().all(|a| a.points.get(i).is_none_or(|q| p.goodput > q.goodput)));
-    let at: Vec<String> = leads.map(|(_, p)| p.concurrency.to_string()).collect();
-    (!at.is_empty()).then(|| (split.name.as_str(), at.join(", ")))
+    let sweep = &cands.first()?.points;
+    let leads = |i: usize| match (best_at(cands, true, i), best_at(cands, false, i)) {
+        (Some(split), Some(aggregated)) => split > aggregated,
+        (split, _) => split.is_some(),
+    };
+    let at: Vec<String> = (0..sweep.len()).filter(|&i| leads(i)).map(|i| sweep[i].concurrency.to_string()).collect();
+    let split = most_goodput(cands, |i, _| leads(i))?;
+    (!at.is_empty()).then(|| (split, at.join(", ")))
 }
 
 /// The split to take from concurrency `from` on: the most goodput summed over those
 /// points. The split of the best peak may lose there to another (a 2P:2D that
 /// peaks at 4 requests and a 3P:1D that holds up at 16 and 32).
 fn split_from(cands: &[Candidate], from: usize) -> Option<&str> {
-    let beyond = |c: &Candidate| c.points.iter().filter(|p| p.concurrency >= from).map(|p| p.goodput).sum::<f64>();
+    most_goodput(cands, |_, p| p.concurrency >= from)
+}
+
+/// The split with the most goodput summed over the sweep points `at` takes.
+fn most_goodput(cands: &[Candidate], at: impl Fn(usize, &Predicted) -> bool) -> Option<&str> {
+    let sum =
+        |c: &Candidate| c.points.iter().enumerate().filter(|&(i, p)| at(i, p)).map(|(_, p)| p.goodput).sum::<f64>();
     let splits = cands.iter().filter(|c| c.disaggregated);
-    splits.max_by(|a, b| beyond(a).total_cmp(&beyond(b))).map(|c| c.name.as_str())
+    splits.max_by(|a, b| sum(a).total_cmp(&sum(b))).map(|c| c.name.as_str())
 }
 
 /// Goodput against concurrency, one line per topology.
@@ -295,5 +304,13 @@ mod tests {
         assert_eq!(ahead_at(&[cands[0].clone(), cands[2].clone()]), None);
         let behind = candidate("1P:1D", true, &[(4, 1.0), (8, 1.0), (16, 1.0), (32, 1.0)]);
         assert_eq!(ahead_at(&[cands[0].clone(), behind]), None);
+        // Two splits leading at different points: both points, and the split with
+        // the more goodput there.
+        let two = [
+            candidate("aggregated ×2", false, &[(4, 2.0), (8, 4.0)]),
+            candidate("1P:1D", true, &[(4, 2.1), (8, 3.0)]),
+            candidate("2P:1D", true, &[(4, 1.0), (8, 4.5)]),
+        ];
+        assert_eq!(ahead_at(&two), Some(("2P:1D", "4, 8".to_string())));
     }
 }

@@ -4,9 +4,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::batch::{Engine, EngineConfig, StepOutput};
+use pdserve_engine::batch::{Engine, EngineConfig, KvFrame, StepOutput};
 use pdserve_engine::loader::{self, LoadedModel};
 use pdserve_engine::tiers::TierConfig;
+use pdserve_kv::TierCounters;
 use pdserve_types::rng::Rng;
 use pdserve_types::{RequestId, SamplingParams};
 use std::path::PathBuf;
@@ -110,45 +111,76 @@ fn a_disk_tier_that_cannot_be_created_is_a_clear_error() {
     let _ = std::fs::remove_file(&file);
 }
 
-#[test]
-fn a_fetch_served_mid_step_reads_host_tier_blocks_in_place() {
-    let mut e = engine(&TierConfig { host_blocks: 64, ..TierConfig::default() });
+/// One export of a prompt the pool evicted, less its first `skip` tokens.
+struct Exported {
+    sent: usize,
+    frames: Vec<KvFrame>,
+    /// The engine's tier counters right after it.
+    tiers: TierCounters,
+}
+
+/// Pushes prompt 0 out of the pool (with prompts 1–4), then exports it, less its
+/// first `skip` tokens, between two layers of another prompt's step, and again
+/// between steps once that prompt is done. The frames must be the same.
+fn exported_mid_step_then_idle(e: &mut Engine, skip: usize) -> [Exported; 2] {
     let history = prompt(0);
-    run(&mut e, 0, &history);
+    run(e, 0, &history);
     for i in 1..=4 {
-        run(&mut e, i, &prompt(i));
+        run(e, i, &prompt(i));
     }
-    // The history's 7 whole blocks are in host RAM now, none in the pool. A fetch
-    // served between two layers of another prompt's step sends them as they lie.
     let params = SamplingParams { max_tokens: 2, ignore_eos: true, ..Default::default() }.validate().unwrap();
     e.add(RequestId(7), prompt(7), params).unwrap();
-    let (mut mid_step, mut served) = (Vec::new(), None);
+    let (mut frames, mut served) = (Vec::new(), None);
     e.step_serving(&mut |pool| {
         if served.is_none() {
-            served = Some(pool.export(&history, 0, &mut |f| {
-                mid_step.push(f);
+            served = Some(pool.export(&history, skip, &mut |f| {
+                frames.push(f);
                 true
             }));
         }
     });
-    assert_eq!(served.unwrap().unwrap(), 112);
-    assert_eq!(e.stats().tiers.restored_host, 0, "a mid-step export copies nothing back");
+    let mid = Exported { sent: served.unwrap().unwrap(), frames, tiers: e.stats().tiers };
     while e.has_work() {
         e.step();
     }
-    // Between steps the engine copies them back first: the frames are the same.
-    let mut idle = Vec::new();
+    let mut frames = Vec::new();
     let sent = e
-        .export_cached(&history, 0, &mut |f| {
-            idle.push(f);
+        .export_cached(&history, skip, &mut |f| {
+            frames.push(f);
             true
         })
         .unwrap();
-    assert_eq!(sent, 112);
-    assert_eq!(e.stats().tiers.restored_host, 7);
-    assert_eq!(mid_step.len(), idle.len());
-    assert!(mid_step.iter().zip(&idle).all(|(a, b)| (a.layer, a.index, &a.k, &a.v) == (b.layer, b.index, &b.k, &b.v)));
+    let idle = Exported { sent, frames, tiers: e.stats().tiers };
+    assert_eq!(mid.frames.len(), idle.frames.len());
+    let same = |a: &KvFrame, b: &KvFrame| (a.layer, a.index, &a.k, &a.v) == (b.layer, b.index, &b.k, &b.v);
+    assert!(mid.frames.iter().zip(&idle.frames).all(|(a, b)| same(a, b)), "other bytes mid-step");
     assert_eq!(e.stats().blocks.used, 0);
+    [mid, idle]
+}
+
+#[test]
+fn a_fetch_served_mid_step_reads_host_tier_blocks_in_place() {
+    // The history's 7 whole blocks are in host RAM, none in the pool: mid-step
+    // they are sent as they lie; between steps they are copied back first.
+    let mut e = engine(&TierConfig { host_blocks: 64, ..TierConfig::default() });
+    let [mid, idle] = exported_mid_step_then_idle(&mut e, 0);
+    assert_eq!((mid.sent, idle.sent), (112, 112));
+    assert_eq!((mid.tiers.restored_host, idle.tiers.restored_host), (0, 7));
+}
+
+#[test]
+fn a_fetch_served_mid_step_reads_disk_tier_blocks_too() {
+    // The history's 7 whole blocks went on through host RAM to disk: mid-step they
+    // are read for the export without waiting for the step's end, and none is
+    // copied back into the pool.
+    let dir = scratch("midstep");
+    let mut e = engine(&TierConfig { host_blocks: 4, disk_blocks: 64, disk_dir: Some(dir.clone()) });
+    let [mid, idle] = exported_mid_step_then_idle(&mut e, 16);
+    assert_eq!((mid.sent, idle.sent), (96, 96), "the 6 blocks after the one skipped");
+    assert_eq!((mid.tiers.restored_host, mid.tiers.restored_disk), (0, 0), "{:?}", mid.tiers);
+    assert!(idle.tiers.restored_disk > 0);
+    drop(e);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -172,52 +204,4 @@ fn a_fetch_that_skips_the_receivers_blocks_copies_back_only_the_rest() {
     assert_eq!(frames.len(), 4 * model().model.cfg.n_layers);
     assert!(frames.iter().all(|f| f.index < 4), "numbered from the first block sent");
     assert_eq!(e.stats().blocks.used, 0);
-}
-
-#[test]
-fn a_fetch_served_mid_step_reads_disk_tier_blocks_too() {
-    let dir = scratch("midstep");
-    let tiers = TierConfig { host_blocks: 4, disk_blocks: 64, disk_dir: Some(dir.clone()) };
-    let mut e = engine(&tiers);
-    let history = prompt(0);
-    run(&mut e, 0, &history);
-    for i in 1..=4 {
-        run(&mut e, i, &prompt(i));
-    }
-    // The history's 7 whole blocks went on through host RAM to disk. A fetch served
-    // between two layers of another prompt's step reads them without waiting for
-    // the step's end, and copies none of them back into the pool.
-    let params = SamplingParams { max_tokens: 2, ignore_eos: true, ..Default::default() }.validate().unwrap();
-    e.add(RequestId(7), prompt(7), params).unwrap();
-    let (mut mid_step, mut served) = (Vec::new(), None);
-    e.step_serving(&mut |pool| {
-        if served.is_none() {
-            served = Some(pool.export(&history, 16, &mut |f| {
-                mid_step.push(f);
-                true
-            }));
-        }
-    });
-    assert_eq!(served.unwrap().unwrap(), 96, "the 6 blocks after the one skipped");
-    let s = e.stats();
-    assert_eq!((s.tiers.restored_host, s.tiers.restored_disk), (0, 0), "{:?}", s.tiers);
-    while e.has_work() {
-        e.step();
-    }
-    // Between steps the engine copies them back first: the frames are the same.
-    let mut idle = Vec::new();
-    assert_eq!(
-        e.export_cached(&history, 16, &mut |f| {
-            idle.push(f);
-            true
-        })
-        .unwrap(),
-        96
-    );
-    assert!(e.stats().tiers.restored_disk > 0);
-    assert_eq!(mid_step.len(), idle.len());
-    assert!(mid_step.iter().zip(&idle).all(|(a, b)| (a.layer, a.index, &a.k, &a.v) == (b.layer, b.index, &b.k, &b.v)));
-    assert_eq!(e.stats().blocks.used, 0);
-    drop(e);
-    let _ = std::fs::remove_dir_all(&dir);
 }

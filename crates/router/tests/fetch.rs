@@ -33,6 +33,19 @@ struct Seen {
     hits: Mutex<Vec<(usize, usize)>>,
 }
 
+impl Seen {
+    /// Waits up to 5 s for the router's index to hold `blocks` blocks; whether it does.
+    async fn indexed_at_least(&self, blocks: usize) -> bool {
+        for _ in 0..500 {
+            if *self.indexed.lock().unwrap() >= blocks {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+}
+
 impl Telemetry for Seen {
     fn phase(&self, _: Phase, _: f64) {}
     fn route(&self, _: PrefillRoute) {}
@@ -113,13 +126,7 @@ async fn fetch_while_the_holder_is_busy(
     let (_, end) = collect(r.generate(greedy(2, HISTORY, 1)).unwrap()).await;
     assert!(matches!(end, Event::Done { .. }), "{end:?}");
     let history_blocks = (model().tokenizer.encode(HISTORY, false).len() - 1) / 16;
-    for _ in 0..500 {
-        if *seen.indexed.lock().unwrap() >= history_blocks {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(*seen.indexed.lock().unwrap() >= history_blocks, "the router's index never saw the history");
+    assert!(seen.indexed_at_least(history_blocks).await, "the router's index never saw the history");
 
     let (kept, unique) = match warm {
         Some(w) => kept_of(w, locals[1]).await,
@@ -128,12 +135,7 @@ async fn fetch_while_the_holder_is_busy(
     assert!(warm.is_none() || kept > 0, "the warm text shares no block with the history");
     let busy = busy_with_a_long_prompt(&r).await;
     r.workers().add(fetcher);
-    for _ in 0..500 {
-        if *seen.indexed.lock().unwrap() >= history_blocks + unique {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    seen.indexed_at_least(history_blocks + unique).await;
     let (got, end) = collect(r.generate(greedy(4, &turn, 24)).unwrap()).await;
     let Event::Done { usage, .. } = end else { panic!("the turn failed: {end:?}") };
     assert_eq!(got, want, "the tokens of one engine computing everything");
@@ -238,12 +240,7 @@ async fn prefill_fetches_from_the_decoder(
     let r = Arc::new(r);
     r.follow_kv_events();
     let history_blocks = (model().tokenizer.encode(HISTORY, false).len() - 1) / 16;
-    for _ in 0..500 {
-        if *seen.indexed.lock().unwrap() >= history_blocks + unique {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    seen.indexed_at_least(history_blocks + unique).await;
     let (got, end) = collect(r.generate(greedy(4, &turn, 24)).unwrap()).await;
     let Event::Done { usage, .. } = end else { panic!("the turn failed: {end:?}") };
     assert_eq!(got, want, "the tokens of one engine computing everything");
@@ -332,12 +329,7 @@ async fn a_fetch_that_fails_recomputes_instead_and_leaks_nothing() {
     r.follow_kv_events();
     collect(r.generate(greedy(2, HISTORY, 1)).unwrap()).await;
     let history_blocks = (model().tokenizer.encode(HISTORY, false).len() - 1) / 16;
-    for _ in 0..500 {
-        if *seen.indexed.lock().unwrap() >= history_blocks {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    seen.indexed_at_least(history_blocks).await;
     let busy = busy_with_a_long_prompt(&r).await;
     r.workers().add(Arc::new(b.clone()));
     let (got, end) = collect(r.generate(greedy(4, &turn, 8)).unwrap()).await;

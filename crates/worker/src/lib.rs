@@ -379,22 +379,18 @@ impl Worker for LocalWorker {
     }
 
     fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
-        let inner = self.inner.clone();
-        Box::pin(async move {
-            let id = req.id;
-            // Every way out but success gives the reservation back (a dropped future
-            // too); once the prefill runs, the engine owns its blocks, and the
-            // release that follows finds nothing.
-            let guard = Defer::new({
-                let inner = inner.clone();
-                move || inner.release(id)
-            });
+        let (inner, id) = (self.inner.clone(), req.id);
+        // Once the prefill runs the engine owns the reservation's blocks: a release
+        // after that finds nothing.
+        let release = {
+            let inner = inner.clone();
+            move || inner.release(id)
+        };
+        Box::pin(or_release(release, async move {
             inner.fence(req.fence, Role::prefills)?;
             inner.imported(id).await?;
-            let first = inner.prefill(req, imported, to).await?;
-            guard.disarm();
-            Ok(first)
-        })
+            inner.prefill(req, imported, to).await
+        }))
     }
 
     fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
@@ -716,6 +712,18 @@ impl Inner {
             });
         }
     }
+}
+
+/// Runs `work`; a failure, or dropping it unfinished, calls `release` (gives back
+/// a reservation the work was to use).
+pub(crate) async fn or_release<T>(
+    release: impl FnOnce(),
+    work: impl std::future::Future<Output = Result<T, ServeError>>,
+) -> Result<T, ServeError> {
+    let guard = Defer::new(release);
+    let done = work.await?;
+    guard.disarm();
+    Ok(done)
 }
 
 /// Runs its action when dropped unless disarmed: the cleanup of a call that may be

@@ -8,7 +8,7 @@
 //! with the prefill as the real transports overlap it. No frame is moved.
 
 use crate::worker_loop;
-use crate::{lock, Command, Defer};
+use crate::{lock, or_release, Command, Defer};
 use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::tiers::{TierConfig, TierError};
 use pdserve_engine::timed::TimedModel;
@@ -251,21 +251,18 @@ impl Worker for SimWorker {
     }
 
     fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
-        let inner = self.inner.clone();
-        Box::pin(async move {
-            let id = req.id;
-            let guard = Defer::new({
-                let inner = inner.clone();
-                move || inner.release(id)
-            });
+        let (inner, id) = (self.inner.clone(), req.id);
+        let release = {
+            let inner = inner.clone();
+            move || inner.release(id)
+        };
+        Box::pin(or_release(release, async move {
             inner.fence(req.fence, Role::prefills)?;
             if !lock(&inner.imports).remove(&id) {
                 return Err(ServeError::Internal(format!("no transfer into this worker for {id}")));
             }
-            let first = inner.prefill(req, imported, to).await?;
-            guard.disarm();
-            Ok(first)
-        })
+            inner.prefill(req, imported, to).await
+        }))
     }
 
     fn decode(&self, h: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {

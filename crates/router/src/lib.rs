@@ -600,6 +600,7 @@ impl Router {
         (p, fetch): (Arc<Entry>, Option<Fetch>),
         d: Arc<Entry>,
         ask: &Ask<'_>,
+        cached: usize,
     ) -> Handoff {
         // In disaggregated mode a second prefill worker stands by; in auto the
         // decode worker itself is the fallback.
@@ -625,6 +626,7 @@ impl Router {
             deadlines: Deadlines { reserve, ..self.deadlines },
             telemetry: self.telemetry.clone(),
             fetch: fetch.zip(self.fetch.clone()),
+            cached,
         }
     }
 }
@@ -732,7 +734,7 @@ impl Router {
                 let hit = Some(self.predict_hit(&ask, &p, cached));
                 let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit, held: Default::default() };
                 let waiting = d.backlog.enter_routed(req.prompt.len(), life).predicted(predicted);
-                let h = self.handoff(&all, (p, p_fetch), d, &ask);
+                let h = self.handoff(&all, (p, p_fetch), d, &ask, cached);
                 Ok(handoff::start(&self.runtime, h, req, waiting, end))
             }
         }

@@ -94,8 +94,6 @@ pub struct Handoff {
     /// A peer's cached prefix the prefill worker fetches before prefilling, where
     /// that was predicted sooner than computing it there.
     pub fetch: Option<(Fetch, Arc<FetchPace>)>,
-    /// Prompt tokens the prefill worker is predicted to find cached or to fetch.
-    pub cached: usize,
 }
 
 impl Handoff {
@@ -104,9 +102,8 @@ impl Handoff {
         match self.spare.take() {
             Some(spare) => {
                 self.prefill = spare;
-                // The fetch and the cache hit were predicted for the first worker.
+                // The fetch was planned for the first worker.
                 self.fetch = None;
-                self.cached = 0;
                 true
             }
             None => false,
@@ -176,12 +173,9 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
     let id = req.id;
     let d = h.decode.clone();
     let started = Instant::now();
-    // P's queue and pace count the prompt tokens it computes: not those it caches
-    // or fetches (as predicted while queued, as it reports once done).
     let p_load = h.prefill.prefill.clone();
-    let todo = req.prompt.len() - h.cached.min(req.prompt.len());
-    let ticket = p_load.admit(todo);
-    let ahead = p_load.queued().saturating_sub(todo);
+    let ticket = p_load.admit(req.prompt.len());
+    let ahead = p_load.queued() - req.prompt.len();
     // Queued(P): wait for a prefill slot first, so D's blocks are held only by
     // prompts about to be prefilled, not by the whole queue.
     let slot = match wait(h.deadlines.queue, &client, h.prefill.slots.clone().acquire_owned()).await {
@@ -226,8 +220,7 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
     drop((slot, ticket));
     let first = match prefilled {
         Ok(first) => {
-            let computed = req.prompt.len() - first.cached_tokens.min(req.prompt.len());
-            p_load.observe(ahead, computed, started.elapsed().saturating_sub(secs(first.transfer_seconds)));
+            p_load.observe(ahead, req.prompt.len(), started.elapsed().saturating_sub(secs(first.transfer_seconds)));
             h.transfer.observe(req.prompt.len(), secs(first.transfer_seconds), first.kv_bytes);
             let phases = [
                 (Phase::QueuePrefill, router_queue + first.queued_seconds),

@@ -600,7 +600,6 @@ impl Router {
         (p, fetch): (Arc<Entry>, Option<Fetch>),
         d: Arc<Entry>,
         ask: &Ask<'_>,
-        cached: usize,
     ) -> Handoff {
         // In disaggregated mode a second prefill worker stands by; in auto the
         // decode worker itself is the fallback.
@@ -626,7 +625,6 @@ impl Router {
             deadlines: Deadlines { reserve, ..self.deadlines },
             telemetry: self.telemetry.clone(),
             fetch: fetch.zip(self.fetch.clone()),
-            cached,
         }
     }
 }
@@ -734,7 +732,7 @@ impl Router {
                 let hit = Some(self.predict_hit(&ask, &p, cached));
                 let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit, held: Default::default() };
                 let waiting = d.backlog.enter_routed(req.prompt.len(), life).predicted(predicted);
-                let h = self.handoff(&all, (p, p_fetch), d, &ask, cached);
+                let h = self.handoff(&all, (p, p_fetch), d, &ask);
                 Ok(handoff::start(&self.runtime, h, req, waiting, end))
             }
         }

@@ -33,6 +33,9 @@ use tokio::time::Instant;
 const PRIOR_SECONDS_PER_TOKEN: f64 = 1e-3;
 const PRIOR_TRANSFER_PER_TOKEN: f64 = 2e-5;
 const HANDOFF_FIXED: f64 = 2e-3;
+/// Computed tokens per prefill from which a prefill's time measures the per-token
+/// pace rather than the fixed cost (four KV blocks).
+const PACE_FROM_TOKENS: usize = 64;
 /// Weight of the newest measurement in the moving averages.
 const ALPHA: f64 = 0.2;
 /// Remote must win by this fraction to be chosen.
@@ -56,17 +59,34 @@ pub fn blocks_for(tokens: usize) -> usize {
     tokens.div_ceil(BLOCK_TOKENS)
 }
 
-/// What the router knows about one worker's prefill side.
+/// What the router knows about one worker's prefill side: a prefill takes a fixed
+/// cost plus a pace per computed token. The two are told apart by the prefill's
+/// size: one that computed at least [`PACE_FROM_TOKENS`] tokens (per prefill, the
+/// queue it waited behind included) times the pace, its fixed cost taken off; a
+/// shorter one times the fixed cost, its tokens taken off at the pace. A single
+/// per-token figure learned from prefills that hit their cache and computed a dozen
+/// tokens would carry their fixed cost into every token of a long prompt.
 #[derive(Debug, Default)]
 pub struct PrefillLoad {
     queued_tokens: AtomicUsize,
+    queued_prefills: AtomicUsize,
     seconds_per_token: Mutex<Option<f64>>,
+    fixed_seconds: Mutex<Option<f64>>,
+}
+
+/// Prefills queued on a worker: what a new one waits behind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Queue {
+    pub tokens: usize,
+    pub prefills: usize,
 }
 
 impl PrefillLoad {
-    /// Counts `tokens` as queued here until the returned ticket is dropped.
+    /// Counts a prefill computing `tokens` as queued here until the returned ticket
+    /// is dropped.
     pub fn admit(self: &Arc<Self>, tokens: usize) -> Ticket {
         self.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
+        self.queued_prefills.fetch_add(1, Ordering::Relaxed);
         Ticket { load: self.clone(), tokens }
     }
 
@@ -74,23 +94,39 @@ impl PrefillLoad {
         self.queued_tokens.load(Ordering::Relaxed)
     }
 
+    /// The prefills a prompt admitted now would wait behind.
+    pub fn ahead(&self) -> Queue {
+        Queue { tokens: self.queued(), prefills: self.queued_prefills.load(Ordering::Relaxed) }
+    }
+
+    /// The marginal cost of one more prompt token.
     pub fn seconds_per_token(&self) -> f64 {
         self.measured().unwrap_or(PRIOR_SECONDS_PER_TOKEN)
     }
 
-    /// The prefill pace measured here, if any prompt was timed yet.
+    /// The per-token prefill pace measured here, if any long enough prompt was
+    /// timed yet.
     pub fn measured(&self) -> Option<f64> {
         *lock(&self.seconds_per_token)
     }
 
-    /// A prefill of `tokens` that found `ahead` tokens queued before it finished
-    /// after `took`: the worker spent `took` on `ahead + tokens` tokens at most.
-    pub fn observe(&self, ahead: usize, tokens: usize, took: Duration) {
-        if tokens == 0 {
-            return;
+    /// What every prefill costs here whatever its length (0 until one short
+    /// enough to tell was timed).
+    pub fn fixed_seconds(&self) -> f64 {
+        lock(&self.fixed_seconds).unwrap_or(0.0)
+    }
+
+    /// A prefill of `tokens` that found `ahead` queued before it finished after
+    /// `took`: the worker spent `took` on those prefills and this one at most.
+    pub fn observe(&self, ahead: Queue, tokens: usize, took: Duration) {
+        let (n, t, took) = (ahead.prefills + 1, ahead.tokens + tokens, took.as_secs_f64());
+        if t >= PACE_FROM_TOKENS * n {
+            let rate = (took - n as f64 * self.fixed_seconds()).max(0.0) / t as f64;
+            ewma(&mut lock(&self.seconds_per_token), rate);
+        } else {
+            let fixed = (took - t as f64 * self.seconds_per_token()).max(0.0) / n as f64;
+            ewma(&mut lock(&self.fixed_seconds), fixed);
         }
-        let rate = took.as_secs_f64() / (ahead + tokens) as f64;
-        ewma(&mut lock(&self.seconds_per_token), rate);
     }
 
     /// Takes a pace measured elsewhere (a frontend's, for a fleet planner that routes
@@ -101,9 +137,27 @@ impl PrefillLoad {
         }
     }
 
-    /// Predicted seconds until a prompt of `tokens` sent now has its first token.
+    /// Predicted seconds of one prefill computing `tokens`, once it runs.
+    pub fn compute(&self, tokens: usize) -> f64 {
+        self.fixed_seconds() + tokens as f64 * self.seconds_per_token()
+    }
+
+    /// Predicted seconds until the prefills queued here are done.
+    pub fn queued_seconds(&self) -> f64 {
+        self.queued_seconds_at(self.seconds_per_token())
+    }
+
+    /// [`PrefillLoad::queued_seconds`] with the tokens at `seconds_per_token` (a
+    /// worker not timed yet is taken to be as fast as its peers).
+    pub fn queued_seconds_at(&self, seconds_per_token: f64) -> f64 {
+        let q = self.ahead();
+        q.prefills as f64 * self.fixed_seconds() + q.tokens as f64 * seconds_per_token
+    }
+
+    /// Predicted seconds until a prompt computing `tokens` sent now has its first
+    /// token.
     pub fn predict(&self, tokens: usize) -> f64 {
-        (self.queued() + tokens) as f64 * self.seconds_per_token()
+        self.queued_seconds() + self.compute(tokens)
     }
 }
 
@@ -117,6 +171,7 @@ pub struct Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         self.load.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        self.load.queued_prefills.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -631,12 +686,34 @@ mod tests {
     #[test]
     fn queue_and_rate_shape_the_prediction() {
         let l = Arc::new(PrefillLoad::default());
-        l.observe(0, 1000, Duration::from_millis(500));
+        l.observe(Queue::default(), 1000, Duration::from_millis(500));
         assert!((l.predict(100) - 0.05).abs() < 1e-9);
         let t = l.admit(900);
         assert!((l.predict(100) - 0.5).abs() < 1e-9);
         drop(t);
-        assert_eq!(l.queued(), 0);
+        assert_eq!(l.ahead(), Queue::default());
+    }
+
+    #[test]
+    fn short_prefills_time_the_fixed_cost_and_leave_the_pace_alone() {
+        let l = Arc::new(PrefillLoad::default());
+        l.observe(Queue::default(), 1000, Duration::from_millis(1000));
+        // Prompts that hit their cache and computed 12 tokens, 300 ms each: a
+        // per-token figure would say 25 ms/token.
+        for _ in 0..30 {
+            l.observe(Queue::default(), 12, Duration::from_millis(300));
+        }
+        assert!((l.seconds_per_token() - 1e-3).abs() < 1e-9);
+        assert!((l.fixed_seconds() - 0.288).abs() < 1e-3, "{}", l.fixed_seconds());
+        // A long prompt costs its tokens at the pace plus one fixed cost.
+        assert!((l.predict(1000) - 1.288).abs() < 1e-3, "{}", l.predict(1000));
+        // Behind two queued prefills: their tokens and two more fixed costs.
+        let _queued = (l.admit(500), l.admit(10));
+        assert!((l.predict(1000) - (1.288 + 0.51 + 2.0 * 0.288)).abs() < 1e-3);
+        // A long prefill's time is its tokens' once the fixed cost is off.
+        let ahead = l.ahead();
+        l.observe(ahead, 490, Duration::from_secs_f64(3.0 * 0.288 + 1000.0 * 2e-3));
+        assert!((l.seconds_per_token() - 1.2e-3).abs() < 1e-6, "{}", l.seconds_per_token());
     }
 
     #[test]

@@ -94,6 +94,8 @@ pub struct Handoff {
     /// A peer's cached prefix the prefill worker fetches before prefilling, where
     /// that was predicted sooner than computing it there.
     pub fetch: Option<(Fetch, Arc<FetchPace>)>,
+    /// Prompt tokens the prefill worker is predicted to find cached or to fetch.
+    pub cached: usize,
 }
 
 impl Handoff {
@@ -102,8 +104,9 @@ impl Handoff {
         match self.spare.take() {
             Some(spare) => {
                 self.prefill = spare;
-                // The fetch was planned for the first worker.
+                // The fetch and the cache hit were predicted for the first worker.
                 self.fetch = None;
+                self.cached = 0;
                 true
             }
             None => false,
@@ -173,9 +176,11 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
     let id = req.id;
     let d = h.decode.clone();
     let started = Instant::now();
+    // P's queue and pace count the prompt tokens it computes: not those it caches
+    // or fetches (as predicted while queued, as it reports once done).
     let p_load = h.prefill.prefill.clone();
-    let ticket = p_load.admit(req.prompt.len());
-    let ahead = p_load.queued() - req.prompt.len();
+    let ahead = p_load.ahead();
+    let ticket = p_load.admit(req.prompt.len() - h.cached.min(req.prompt.len()));
     // Queued(P): wait for a prefill slot first, so D's blocks are held only by
     // prompts about to be prefilled, not by the whole queue.
     let slot = match wait(h.deadlines.queue, &client, h.prefill.slots.clone().acquire_owned()).await {
@@ -204,7 +209,7 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
     let imported = match &h.fetch {
         Some((f, pace)) => {
             let ctx = FetchCtx { via: h.via, pace: pace.clone(), telemetry: h.telemetry.clone() };
-            match wait(Duration::MAX, &client, fetch::into(f, &h.prefill, &req, None, &ctx)).await {
+            match wait(FETCH_ENDS_ITSELF, &client, fetch::into(f, &h.prefill, &req, None, &ctx)).await {
                 Wait::Done(n) => n.unwrap_or(0),
                 _ => {
                     h.prefill.worker.release(id);
@@ -220,7 +225,11 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
     drop((slot, ticket));
     let first = match prefilled {
         Ok(first) => {
-            p_load.observe(ahead, req.prompt.len(), started.elapsed().saturating_sub(secs(first.transfer_seconds)));
+            // P's time: the router's queue, then P's own queue and compute as P
+            // reports them (not D's reservation, the fetch or the link).
+            let computed = req.prompt.len() - first.cached_tokens.min(req.prompt.len());
+            let took = router_queue + first.queued_seconds + first.prefill_seconds;
+            p_load.observe(ahead, computed, secs(took));
             h.transfer.observe(req.prompt.len(), secs(first.transfer_seconds), first.kv_bytes);
             let phases = [
                 (Phase::QueuePrefill, router_queue + first.queued_seconds),
@@ -268,6 +277,9 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
     decode_ready(&d, req, first, client, &h, (waiting, end))
 }
 
+/// How long the handoff waits on a fetch: `fetch::into` gives up at its own
+/// deadline, so the handoff only watches for the client going away.
+const FETCH_ENDS_ITSELF: Duration = Duration::MAX;
 /// The migration reason of a request whose prefill moved to a spare worker or to D.
 const PREFILL_FAILED: &str = "prefill_failed";
 /// The migration reason of a request prefilled on D because D had no room for its

@@ -364,10 +364,11 @@ impl Router {
                     name: e.name(),
                     role: e.role(),
                     load: e.worker.load() + e.backlog.routed(),
-                    queued_prompt_tokens: e.prefill.queued(),
+                    queued_seconds: e.prefill.queued_seconds_at(pace(e)),
                     cached_tokens: prefix.blocks() * BLOCK_SIZE,
                     restore_seconds: e.restore.seconds(prefix),
                     seconds_per_token: pace(e),
+                    fixed_seconds: e.prefill.fixed_seconds(),
                 };
                 match prefills_there(e) {
                     true => match self.fetched(ask, e, &own, source) {
@@ -378,10 +379,11 @@ impl Router {
                         None => own,
                     },
                     false => Candidate {
-                        queued_prompt_tokens: 0,
+                        queued_seconds: 0.0,
                         cached_tokens: 0,
                         restore_seconds: 0.0,
                         seconds_per_token: fastest,
+                        fixed_seconds: 0.0,
                         ..own
                     },
                 }
@@ -538,7 +540,7 @@ impl Router {
     /// tokens found there, which SLO admission adds to the wait; 0 without it.
     fn own_prefill(&self, ask: &Ask<'_>, e: &Entry, cached: usize) -> f64 {
         match self.slo_ttft {
-            Some(_) => (ask.prompt_len - cached.min(ask.prompt_len)) as f64 * e.prefill.seconds_per_token(),
+            Some(_) => e.prefill.compute(ask.prompt_len - cached.min(ask.prompt_len)),
             None => 0.0,
         }
     }
@@ -569,7 +571,7 @@ impl Router {
         let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
         let (load, n) = (d.prefill.clone(), req.prompt.len());
         let todo = n - cached.min(n);
-        let ahead = load.queued();
+        let ahead = load.ahead();
         let ticket = load.admit(todo);
         let waiting = d.backlog.enter(n, n + req.params.max_tokens as usize).predicted(predicted);
         match (fetch, self.fetch.clone()) {
@@ -600,6 +602,7 @@ impl Router {
         (p, fetch): (Arc<Entry>, Option<Fetch>),
         d: Arc<Entry>,
         ask: &Ask<'_>,
+        cached: usize,
     ) -> Handoff {
         // In disaggregated mode a second prefill worker stands by; in auto the
         // decode worker itself is the fallback.
@@ -625,6 +628,7 @@ impl Router {
             deadlines: Deadlines { reserve, ..self.deadlines },
             telemetry: self.telemetry.clone(),
             fetch: fetch.zip(self.fetch.clone()),
+            cached,
         }
     }
 }
@@ -710,7 +714,7 @@ impl Router {
         match pinned.or_else(|| self.remote_prefill(&all, &d, &ask)) {
             None => {
                 let cached = fetch.as_ref().map_or_else(|| self.cached_on(&ask, &d), |f| f.tokens);
-                let queued = d.prefill.queued() as f64 * d.prefill.seconds_per_token();
+                let queued = d.prefill.queued_seconds();
                 let own = self.own_prefill(&ask, &d, cached);
                 let predicted = self.admit(&d, (queued, own), life, prefill_on.is_some())?;
                 span.record("route", "local");
@@ -722,7 +726,7 @@ impl Router {
             }
             Some((p, p_fetch)) => {
                 let cached = p_fetch.as_ref().map_or_else(|| self.cached_on(&ask, &p), |f| f.tokens);
-                let queued = p.prefill.queued() as f64 * p.prefill.seconds_per_token();
+                let queued = p.prefill.queued_seconds();
                 let own = self.own_prefill(&ask, &p, cached);
                 let predicted = self.admit(&d, (queued, own), life, prefill_on.is_some())?;
                 span.record("route", "remote");
@@ -732,7 +736,7 @@ impl Router {
                 let hit = Some(self.predict_hit(&ask, &p, cached));
                 let end = Ending { kv: d.kv.clone(), prompt: req.prompt.len(), hit, held: Default::default() };
                 let waiting = d.backlog.enter_routed(req.prompt.len(), life).predicted(predicted);
-                let h = self.handoff(&all, (p, p_fetch), d, &ask);
+                let h = self.handoff(&all, (p, p_fetch), d, &ask, cached);
                 Ok(handoff::start(&self.runtime, h, req, waiting, end))
             }
         }

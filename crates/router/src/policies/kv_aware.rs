@@ -1,6 +1,7 @@
 //! KV-aware: the worker where the request is predicted to get its first token
-//! soonest, in seconds: the prompt tokens queued there plus the part of this prompt
-//! its prefix cache does not hold, at the worker's measured prefill pace, plus the
+//! soonest, in seconds: the prefills queued there plus the part of this prompt its
+//! prefix cache does not hold, at the worker's measured prefill pace (a fixed cost
+//! per prefill and a cost per computed token), plus the
 //! copy back of what it holds in host RAM or on disk, plus, where
 //! sequences decode, the same compute again for the delay they suffer (chunked
 //! prefill shares their steps). No overlap weight: a cached block is worth exactly
@@ -14,10 +15,9 @@ pub struct KvAware;
 
 /// Predicted seconds to first token of `ask` on `c`.
 pub fn predicted_ttft(ask: &Ask<'_>, c: &Candidate<'_>) -> f64 {
-    let compute = ask.prompt_len.saturating_sub(c.cached_tokens) as f64 * c.seconds_per_token;
-    let queue = c.queued_prompt_tokens as f64 * c.seconds_per_token;
-    let interference = if c.load > 0 { compute } else { 0.0 };
-    queue + compute + c.restore_seconds + interference
+    let tokens = ask.prompt_len.saturating_sub(c.cached_tokens) as f64 * c.seconds_per_token;
+    let interference = if c.load > 0 { tokens } else { 0.0 };
+    c.queued_seconds + c.fixed_seconds + tokens + c.restore_seconds + interference
 }
 
 impl Policy for KvAware {
@@ -49,7 +49,7 @@ mod tests {
         // 900 cached tokens on `b` save 0.9 s at 1 ms a token.
         assert_eq!(p.pick(&ask, &[cached("a", 1, 0), cached("b", 1, 900)]), Some(1));
         // 2000 prompt tokens queued on `b` cost more than recomputing on `a`.
-        let busy = Candidate { queued_prompt_tokens: 2000, ..cached("b", 1, 900) };
+        let busy = Candidate { queued_seconds: 2.0, ..cached("b", 1, 900) };
         assert_eq!(p.pick(&ask, &[cached("a", 1, 0), busy]), Some(0));
     }
 

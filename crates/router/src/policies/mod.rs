@@ -29,16 +29,19 @@ pub struct Candidate<'a> {
     pub role: Role,
     /// Requests and prefills queued or in flight there.
     pub load: usize,
-    /// Prompt tokens the router has sent it that are not prefilled yet.
-    pub queued_prompt_tokens: usize,
+    /// Predicted seconds of the prefills the router has sent it that are not done
+    /// yet.
+    pub queued_seconds: f64,
     /// Prompt tokens its prefix cache holds in any tier, as the router's KV index
     /// predicts.
     pub cached_tokens: usize,
     /// Seconds to copy the part of those held in host RAM or on disk back into its
     /// pool.
     pub restore_seconds: f64,
-    /// Its measured prefill pace, seconds per prompt token.
+    /// Its measured prefill pace: seconds per computed prompt token, and seconds
+    /// each prefill costs whatever its length.
     pub seconds_per_token: f64,
+    pub fixed_seconds: f64,
 }
 
 /// Picks one of `candidates` (never empty when called) by index. A policy owns its
@@ -93,10 +96,11 @@ pub(crate) mod test_support {
             name,
             role: Role::Mixed,
             load,
-            queued_prompt_tokens: 0,
+            queued_seconds: 0.0,
             cached_tokens: 0,
             restore_seconds: 0.0,
             seconds_per_token: 1e-3,
+            fixed_seconds: 0.0,
         }
     }
 }

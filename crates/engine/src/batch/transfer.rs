@@ -334,9 +334,10 @@ impl CachedKv<'_> {
     /// The blocks of `hashes`, from the first, as far as this engine holds them
     /// in a run, in any tier (blocks of `n` values a layer).
     fn cached_run(&self, hashes: &[BlockHash], n: usize) -> Vec<Held<'_>> {
-        let mut run = Vec::new();
+        // The pool's part in one lookup; past it, block by block in any tier.
+        let mut run: Vec<Held<'_>> = self.blocks.match_prefix(hashes).into_iter().map(Held::Pool).collect();
         let mut read = 0;
-        for &h in hashes {
+        for &h in &hashes[run.len()..] {
             if let Some(b) = self.blocks.match_prefix(&[h]).pop() {
                 run.push(Held::Pool(b));
                 continue;

@@ -384,7 +384,20 @@ fn fleet_ids(url: &str) -> Option<BTreeSet<String>> {
 /// Once the load is stopped: nothing is held on any worker, and the fleet view is
 /// exactly `expected`.
 fn settled(fault: &str, fe: SocketAddr, url: &str, expected: &[&str]) {
-    assert_eq!(settle_used_blocks(fe), 0.0, "{fault}: KV blocks still used once idle");
+    let used = settle_used_blocks(fe);
+    if used != 0.0 {
+        // Which worker holds them, as the frontend and the fleet records see it.
+        let (_, m) = common::http(fe, "GET", "/metrics", None);
+        let series: Vec<&str> =
+            m.lines().filter(|l| l.starts_with("pdserve_kv_blocks{") && l.contains("used")).collect();
+        let nodes: Vec<String> = try_fleet_records(url)
+            .unwrap_or_default()
+            .iter()
+            .map(|r| format!("{}: {} used", r["node_id"], r["kv_cache"]["blocks_used"]))
+            .collect();
+        eprintln!("{fault}: used blocks per worker: {series:#?}\nfleet records: {nodes:?}");
+    }
+    assert_eq!(used, 0.0, "{fault}: KV blocks still used once idle");
     let want: BTreeSet<String> = expected.iter().map(|s| s.to_string()).collect();
     eventually(&format!("{fault}: the fleet view is {want:?}"), || fleet_ids(url).as_ref() == Some(&want));
     eventually(&format!("{fault}: the frontend uses {} workers", expected.len()), || {

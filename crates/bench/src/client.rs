@@ -40,6 +40,8 @@ struct StreamState {
     busy: Duration,
     /// Refused to shed load, with the `Retry-After` seconds.
     shed: Option<f64>,
+    /// The ids generated, where the server returned them.
+    reply_ids: Vec<u32>,
 }
 
 impl crate::runner::Server for Client {
@@ -78,6 +80,7 @@ impl Client {
             Err(e) => rec.error = Some(e),
         }
         rec.chunk_times_s = p.chunk_times_s;
+        rec.reply_ids = p.reply_ids;
         rec.client_busy_s = (p.busy + t.elapsed()).as_secs_f64();
         rec.derive()
     }
@@ -138,10 +141,11 @@ fn on_item(p: &mut StreamState, item: StreamItem, at: f64) -> Result<(), String>
     match item {
         StreamItem::Done => p.done = true,
         StreamItem::Error(e) => return Err(e),
-        StreamItem::Chunk { content, finished, usage } => {
+        StreamItem::Chunk { content, finished, usage, ids } => {
             if content {
                 p.chunk_times_s.push(at);
             }
+            p.reply_ids.extend(ids);
             p.finished |= finished;
             if let Some(u) = usage {
                 p.usage = u;

@@ -234,7 +234,7 @@ pub async fn measure(
         }
         point.summary.prefix_hits = prefix_hits(&client.target).await.map(|after| after.since(before));
         for r in &point.records {
-            point.summary.prompt_blocks += sent.record(&w.request(plan.seed, r.index).prompt.ids());
+            point.summary.prompt_blocks += sent.record_sent(w, plan.seed, r);
         }
         tracing::info!("{}", markdown::one_line(&plan.label, &point.summary, t.elapsed().as_secs_f64()));
         for p in &point.phases {

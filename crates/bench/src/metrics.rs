@@ -125,6 +125,18 @@ pub struct Summary {
     /// and as its engines reused them (pdserve's `/metrics`; absent elsewhere).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_hits: Option<PrefixHits>,
+    /// Multi-turn: replies in the prompts' histories, and how many were the
+    /// server's own (`--replies generated`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replies: Option<Replies>,
+}
+
+/// Replies in a point's prompts, and how many of them the server generated (random
+/// tokens stood in for the rest: still streaming when the next turn was sent).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Replies {
+    pub in_history: u64,
+    pub generated: u64,
 }
 
 /// A server's predicted and realized prefix-cache hits, in prompt tokens, and the
@@ -221,6 +233,10 @@ impl Summary {
             first_error: records.iter().find_map(|r| r.error.clone()),
             prompt_blocks: Default::default(),
             prefix_hits: None,
+            replies: records.iter().any(|r| r.generated_replies > 0).then(|| Replies {
+                in_history: records.iter().map(|r| u64::from(r.history_replies)).sum(),
+                generated: records.iter().map(|r| u64::from(r.generated_replies)).sum(),
+            }),
         }
     }
 }

@@ -50,6 +50,10 @@ pub struct BodyOptions {
     /// The `model` field; omitted when `None`.
     pub model: Option<String>,
     pub temperature: f64,
+    /// Ask for the generated ids (vLLM's `return_token_ids`): generated replies go
+    /// back into later turns.
+    #[serde(default)]
+    pub token_ids: bool,
 }
 
 impl BodyOptions {
@@ -57,6 +61,10 @@ impl BodyOptions {
     pub fn validate(&self) -> Result<(), BenchError> {
         if self.endpoint == Endpoint::Chat && self.prompt_kind == PromptKind::Ids {
             return Err(BenchError::BadFlag("chat requests carry text: use --prompt text with --endpoint chat".into()));
+        }
+        if self.token_ids && (self.endpoint, self.prompt_kind) != (Endpoint::Completions, PromptKind::Ids) {
+            let why = "generated replies go back as token ids: use --endpoint completions --prompt ids";
+            return Err(BenchError::BadFlag(why.into()));
         }
         Ok(())
     }
@@ -81,6 +89,9 @@ impl BodyOptions {
         body[key] = value;
         if let Some(m) = &self.model {
             body["model"] = json!(m);
+        }
+        if self.token_ids {
+            body["return_token_ids"] = json!(true);
         }
         body
     }
@@ -108,8 +119,9 @@ pub struct Usage {
 pub enum StreamItem {
     /// `data: [DONE]`.
     Done,
-    /// A chunk: does it carry generated text, does it finish a choice, does it say usage.
-    Chunk { content: bool, finished: bool, usage: Option<Usage> },
+    /// A chunk: does it carry generated text, does it finish a choice, does it say
+    /// usage, and the ids it carries (where the server returns them).
+    Chunk { content: bool, finished: bool, usage: Option<Usage>, ids: Vec<u32> },
     /// The server reported an error in-band.
     Error(String),
 }
@@ -138,7 +150,13 @@ pub fn interpret(ev: &SseEvent) -> StreamItem {
         prompt_tokens: u.get("prompt_tokens").and_then(Value::as_u64),
         completion_tokens: u.get("completion_tokens").and_then(Value::as_u64),
     });
-    StreamItem::Chunk { content, finished, usage }
+    let ids = choices
+        .iter()
+        .filter_map(|c| c.get("token_ids")?.as_array())
+        .flatten()
+        .filter_map(|id| u32::try_from(id.as_u64()?).ok())
+        .collect();
+    StreamItem::Chunk { content, finished, usage, ids }
 }
 
 /// Completions put text in `text`, chat in `delta.content` (or a reasoning field).
@@ -168,7 +186,12 @@ mod tests {
     }
 
     fn spec() -> RequestSpec {
-        RequestSpec { index: 0, prompt: Prompt { prefix: vec![0, 1], body: vec![2] }, output_len: 4 }
+        RequestSpec {
+            index: 0,
+            prompt: Prompt { prefix: vec![0, 1], body: vec![2] },
+            output_len: 4,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -178,6 +201,7 @@ mod tests {
             prompt_kind: PromptKind::Ids,
             model: Some("m".into()),
             temperature: 0.0,
+            token_ids: false,
         };
         let b = o.body(&spec());
         assert_eq!(b["prompt"], json!([0, 1, 2]));
@@ -189,12 +213,24 @@ mod tests {
         o.model = None;
         let b = o.body(&spec());
         assert_eq!(b["prompt"], json!("the of and"));
-        assert!(b.get("model").is_none());
+        assert!(b.get("model").is_none() && b.get("return_token_ids").is_none());
+        // Generated replies go back as ids: asked for, and only with id prompts.
+        assert!(BodyOptions { token_ids: true, ..o.clone() }.validate().is_err());
+        o.prompt_kind = PromptKind::Ids;
+        o.token_ids = true;
+        assert!(o.validate().is_ok());
+        assert_eq!(o.body(&spec())["return_token_ids"], json!(true));
     }
 
     #[test]
     fn chat_bodies_put_the_prefix_in_the_system_message() {
-        let o = BodyOptions { endpoint: Endpoint::Chat, prompt_kind: PromptKind::Text, model: None, temperature: 0.0 };
+        let o = BodyOptions {
+            endpoint: Endpoint::Chat,
+            prompt_kind: PromptKind::Text,
+            model: None,
+            temperature: 0.0,
+            token_ids: false,
+        };
         let b = o.body(&spec());
         assert_eq!(b["messages"][0]["role"], json!("system"));
         assert_eq!(b["messages"][0]["content"], json!("the of"));
@@ -205,17 +241,19 @@ mod tests {
     #[test]
     fn chunks_are_read_for_content_finish_and_usage() {
         let text = interpret(&ev(r#"{"choices":[{"index":0,"text":"Hi","finish_reason":null}]}"#));
-        assert_eq!(text, StreamItem::Chunk { content: true, finished: false, usage: None });
+        assert_eq!(text, StreamItem::Chunk { content: true, finished: false, usage: None, ids: vec![] });
         let delta = interpret(&ev(r#"{"choices":[{"delta":{"content":"x"},"finish_reason":"length"}]}"#));
-        assert_eq!(delta, StreamItem::Chunk { content: true, finished: true, usage: None });
+        assert_eq!(delta, StreamItem::Chunk { content: true, finished: true, usage: None, ids: vec![] });
         let role = interpret(&ev(r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#));
-        assert_eq!(role, StreamItem::Chunk { content: false, finished: false, usage: None });
+        assert_eq!(role, StreamItem::Chunk { content: false, finished: false, usage: None, ids: vec![] });
         let usage = interpret(&ev(r#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":7}}"#));
         let want = Usage { prompt_tokens: Some(5), completion_tokens: Some(7) };
-        assert_eq!(usage, StreamItem::Chunk { content: false, finished: false, usage: Some(want) });
+        assert_eq!(usage, StreamItem::Chunk { content: false, finished: false, usage: Some(want), ids: vec![] });
         let null_usage = interpret(&ev(r#"{"choices":[{"text":"a"}],"usage":null}"#));
-        assert_eq!(null_usage, StreamItem::Chunk { content: true, finished: false, usage: None });
+        assert_eq!(null_usage, StreamItem::Chunk { content: true, finished: false, usage: None, ids: vec![] });
         assert_eq!(interpret(&ev(" [DONE] ")), StreamItem::Done);
+        let ids = interpret(&ev(r#"{"choices":[{"text":"a b","token_ids":[5,6]}]}"#));
+        assert_eq!(ids, StreamItem::Chunk { content: true, finished: false, usage: None, ids: vec![5, 6] });
     }
 
     #[test]

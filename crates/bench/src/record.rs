@@ -39,6 +39,24 @@ pub struct RequestRecord {
     /// Time the client spent working on this request rather than waiting for the
     /// socket: building the body, parsing SSE and JSON, bookkeeping.
     pub client_busy_s: f64,
+    /// Multi-turn: earlier replies in the prompt, and how many of them were the
+    /// server's own (`--replies generated`; random tokens stood in for the rest).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub history_replies: u32,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generated_replies: u32,
+    /// The ids generated, where the server returned them (kept for later turns,
+    /// not written out).
+    #[serde(skip)]
+    pub reply_ids: Vec<u32>,
+    /// The prompt sent, where it was made of generated replies (so it cannot be made
+    /// again from the workload); not written out.
+    #[serde(skip)]
+    pub prompt_ids: Vec<u32>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl RequestRecord {

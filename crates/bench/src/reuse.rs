@@ -6,7 +6,9 @@
 //! server's prefix cache: a block counts as reused only when the whole prompt up to
 //! its end was sent before.
 
+use crate::record::RequestRecord;
 use crate::rng::mix;
+use crate::workload::Workload;
 use std::collections::HashSet;
 
 /// Tokens per block, pdserve's and vLLM's default KV block size.
@@ -49,6 +51,16 @@ impl SentBlocks {
             r.reused += usize::from(!self.seen.insert(key));
         }
         r
+    }
+
+    /// [`SentBlocks::record`] of the prompt `r` sent, request `r.index` of `w`'s
+    /// point `seed`: as the workload makes it, unless the record kept it (a prompt
+    /// made of generated replies).
+    pub fn record_sent(&mut self, w: &Workload, seed: u64, r: &RequestRecord) -> BlockReuse {
+        match r.prompt_ids.is_empty() {
+            true => self.record(&w.request(seed, r.index).prompt.ids()),
+            false => self.record(&r.prompt_ids),
+        }
     }
 }
 

@@ -8,9 +8,10 @@ use crate::point::{Issue, PointPlan};
 use crate::progress::{self, Counters};
 use crate::record::RequestRecord;
 use crate::rng::{mix, Rng};
-use crate::workload::{RequestSpec, Workload};
+use crate::workload::{RequestSpec, TurnKey, Workload};
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::future::Future;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -35,9 +36,10 @@ pub async fn run_point(
     style: Option<progress::Style>,
 ) -> Vec<RequestRecord> {
     let counters = Counters::default();
+    let turns = Turns { workload, plan, replies: RefCell::default() };
     let work = async {
         match &plan.issue {
-            Issue::Closed { concurrency } => closed(client, workload, plan, *concurrency, &counters).await,
+            Issue::Closed { concurrency } => closed(client, &turns, *concurrency, &counters).await,
             Issue::Open { arrivals } => {
                 let mut rng = Rng::new(mix(&[workload.seed, plan.seed, 0xa771_7a15]));
                 let mut t = 0.0;
@@ -46,11 +48,11 @@ pub async fn run_point(
                     t += arrivals.next_gap(&mut rng);
                     Some(now)
                 });
-                open(client, workload, plan, times, &counters).await
+                open(client, &turns, times, &counters).await
             }
             Issue::Trace { speedup } => {
                 let times = workload.trace_offsets(*speedup).unwrap_or_default();
-                open(client, workload, plan, times.into_iter(), &counters).await
+                open(client, &turns, times.into_iter(), &counters).await
             }
         }
     };
@@ -70,10 +72,38 @@ pub async fn run_point(
     records
 }
 
+/// A point's requests as they are made and answered: a multi-turn workload with
+/// generated replies puts each reply into its conversation's later turns.
+struct Turns<'a> {
+    workload: &'a Workload,
+    plan: &'a PointPlan,
+    replies: RefCell<HashMap<TurnKey, Vec<u32>>>,
+}
+
+impl Turns<'_> {
+    fn request(&self, i: usize) -> RequestSpec {
+        self.workload.request_with(self.plan.seed, i, &|k| self.replies.borrow().get(&k).cloned())
+    }
+
+    /// Sends `spec` and keeps its reply where a later turn will want it.
+    async fn send(&self, client: &impl Server, spec: &RequestSpec, origin: Instant, at: Option<f64>) -> RequestRecord {
+        let mut rec = client.send(spec, origin, at).await;
+        (rec.history_replies, rec.generated_replies) = (spec.replies, spec.generated_replies);
+        if let Some(key) = spec.turn {
+            rec.prompt_ids = spec.prompt.ids();
+            if rec.ok && !rec.reply_ids.is_empty() {
+                self.replies.borrow_mut().insert(key, std::mem::take(&mut rec.reply_ids));
+            }
+        }
+        rec
+    }
+}
+
 /// `c` clients, each sending back to back, sharing one request counter. A client the
 /// server sheds waits its `Retry-After` before its next request, as the OpenAI SDKs
 /// do, instead of hammering it.
-async fn closed(client: &impl Server, w: &Workload, plan: &PointPlan, c: usize, n: &Counters) -> Vec<RequestRecord> {
+async fn closed(client: &impl Server, turns: &Turns<'_>, c: usize, n: &Counters) -> Vec<RequestRecord> {
+    let plan = turns.plan;
     let origin = Instant::now();
     let next = Cell::new(0usize);
     let one_client = || async {
@@ -84,9 +114,9 @@ async fn closed(client: &impl Server, w: &Workload, plan: &PointPlan, c: usize, 
                 return out;
             }
             next.set(i + 1);
-            let spec = w.request(plan.seed, i);
+            let spec = turns.request(i);
             n.on_sent();
-            let rec = client.send(&spec, origin, None).await;
+            let rec = turns.send(client, &spec, origin, None).await;
             n.on_done(rec.ok);
             let back_off = rec.shed.filter(|_| !rec.ok);
             out.push(rec);
@@ -101,11 +131,11 @@ async fn closed(client: &impl Server, w: &Workload, plan: &PointPlan, c: usize, 
 /// Sends request `i` at `times[i]` seconds after the start, whatever is in flight.
 async fn open(
     client: &impl Server,
-    w: &Workload,
-    plan: &PointPlan,
+    turns: &Turns<'_>,
     times: impl Iterator<Item = f64>,
     n: &Counters,
 ) -> Vec<RequestRecord> {
+    let plan = turns.plan;
     let origin = Instant::now();
     let mut in_flight = FuturesUnordered::new();
     let mut out = Vec::new();
@@ -120,10 +150,10 @@ async fn open(
                 Some(rec) = in_flight.next(), if !in_flight.is_empty() => out.push(rec),
             }
         }
-        let spec = w.request(plan.seed, i);
+        let spec = turns.request(i);
         n.on_sent();
         in_flight.push(async move {
-            let rec = client.send(&spec, origin, Some(at)).await;
+            let rec = turns.send(client, &spec, origin, Some(at)).await;
             n.on_done(rec.ok);
             rec
         });

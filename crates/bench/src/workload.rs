@@ -9,6 +9,7 @@ use crate::phases::{Phases, Span};
 use crate::prompt::{Prompt, TokenRange};
 use crate::rng::{mix, Rng};
 use crate::trace::TraceRow;
+use std::str::FromStr;
 use std::sync::Arc;
 
 /// Where prompts and lengths come from.
@@ -22,15 +23,47 @@ pub enum Source {
     /// `users` chat users, each holding one conversation after another, of `turns`
     /// turns each. A turn's prompt is the conversation so far (every earlier user
     /// message and reply) plus a new user message of `input` tokens; its reply is
-    /// `output` tokens long, and that many random tokens stand for it in the next
-    /// turn's history. Request `i` belongs to user `i % users`, so users take turns
-    /// and their conversations interleave.
-    MultiTurn { users: usize, turns: LengthSpec, input: LengthSpec, output: LengthSpec },
+    /// `output` tokens long, and what `replies` says stands for it in the next turn's
+    /// history. Request `i` belongs to user `i % users`, so users take turns and
+    /// their conversations interleave.
+    MultiTurn { users: usize, turns: LengthSpec, input: LengthSpec, output: LengthSpec, replies: Replies },
     /// Rows of a trace, in order.
     Trace { rows: Arc<Vec<TraceRow>>, block_size: usize },
     /// A shifting workload: the phases' requests as rows, whose times count from the
     /// start of the run (not from the first row) so phases keep their places.
     Phased { phases: Arc<Phases>, rows: Arc<Vec<TraceRow>> },
+}
+
+/// What stands for a reply in the next turn's history.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Replies {
+    /// Random tokens of the reply's length: works with any server and prompt form.
+    #[default]
+    Random,
+    /// The reply the server generated, as token ids (vLLM's `return_token_ids`), as
+    /// a chat client sends its history back; random tokens where that reply is not
+    /// in yet (still streaming, or failed).
+    Generated,
+}
+
+impl FromStr for Replies {
+    type Err = crate::error::BenchError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "random" => Ok(Self::Random),
+            "generated" => Ok(Self::Generated),
+            _ => Err(crate::error::BenchError::BadFlag(format!("unknown replies {s:?}: expected random or generated"))),
+        }
+    }
+}
+
+/// One turn of one user's conversation: where its generated reply is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TurnKey {
+    pub user: usize,
+    pub conversation: usize,
+    pub turn: usize,
 }
 
 /// A workload: a source plus how tokens are drawn.
@@ -52,6 +85,7 @@ pub struct WorkloadFlags {
     /// Chat users holding multi-turn conversations (0: single requests).
     pub conversations: usize,
     pub turns: LengthSpec,
+    pub replies: Replies,
     pub trace: Option<std::path::PathBuf>,
     pub trace_block_size: usize,
     /// A shifting workload (empty: none).
@@ -82,7 +116,9 @@ impl WorkloadFlags {
                 turns: self.turns,
                 input: self.input,
                 output: self.output,
+                replies: self.replies,
             },
+            _ if self.replies == Replies::Generated => return bad("--replies generated needs --conversations"),
             Some(_) if self.shared_prefixes > 0 => return bad("--shared-prefixes and --trace do not mix"),
             Some(_) if self.trace_block_size == 0 => return bad("--trace-block-size must be at least 1"),
             Some(path) => {
@@ -102,17 +138,37 @@ impl WorkloadFlags {
 }
 
 /// One request to send.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RequestSpec {
     pub index: usize,
     pub prompt: Prompt,
     pub output_len: u32,
+    /// The turn this request is, where its reply goes into later turns' prompts.
+    pub turn: Option<TurnKey>,
+    /// Earlier replies in the prompt, and how many of them the server generated.
+    pub replies: u32,
+    pub generated_replies: u32,
+}
+
+/// What a multi-turn request is made of besides its prompt and length.
+#[derive(Default)]
+struct Turn {
+    key: Option<TurnKey>,
+    replies: u32,
+    generated: u32,
 }
 
 impl Workload {
     /// Request `index` of sweep point `point`.
     pub fn request(&self, point: u64, index: usize) -> RequestSpec {
+        self.request_with(point, index, &|_| None)
+    }
+
+    /// [`Workload::request`], with a multi-turn history's replies taken from
+    /// `reply` where it has them (generated replies).
+    pub fn request_with(&self, point: u64, index: usize, reply: &dyn Fn(TurnKey) -> Option<Vec<u32>>) -> RequestSpec {
         let mut rng = Rng::new(mix(&[self.seed, point, index as u64]));
+        let mut turn = Turn::default();
         let (prompt, output_len) = match &self.source {
             Source::Random { input, output } => {
                 let n = input.sample(&mut rng) as usize;
@@ -123,9 +179,12 @@ impl Workload {
                 let n = input.sample(&mut rng) as usize;
                 (Prompt { prefix, body: self.range.random_ids(&mut rng, n) }, output.sample(&mut rng))
             }
-            Source::MultiTurn { users, turns, input, output } => {
+            Source::MultiTurn { users, turns, input, output, replies } => {
                 let (user, step) = (index % (*users).max(1), index / (*users).max(1));
-                self.turn(point, user, step, *turns, *input, *output)
+                let reply = |k| reply(k).filter(|_| *replies == Replies::Generated);
+                let (prompt, len, t) = self.turn(point, (user, step), *turns, (*input, *output), &reply);
+                turn = Turn { key: t.key.filter(|_| *replies == Replies::Generated), ..t };
+                (prompt, len)
             }
             Source::Trace { rows, block_size } => match rows.get(index % rows.len().max(1)) {
                 Some(row) => (row.prompt(*block_size, self.range, self.seed, rng.next_u64()), row.output_length),
@@ -136,20 +195,21 @@ impl Workload {
                 None => (Prompt::default(), 1),
             },
         };
-        RequestSpec { index, prompt, output_len }
+        let (replies, generated_replies) = (turn.replies, turn.generated);
+        RequestSpec { index, prompt, output_len, turn: turn.key, replies, generated_replies }
     }
 
     /// The prompt and reply length of `user`'s `step`-th request: which conversation
-    /// and turn that is, then the conversation up to it.
+    /// and turn that is, then the conversation up to it, each earlier reply as
+    /// `reply` has it or else random tokens of its length.
     fn turn(
         &self,
         point: u64,
-        user: usize,
-        mut step: usize,
+        (user, mut step): (usize, usize),
         turns: LengthSpec,
-        input: LengthSpec,
-        output: LengthSpec,
-    ) -> (Prompt, u32) {
+        (input, output): (LengthSpec, LengthSpec),
+        reply: &dyn Fn(TurnKey) -> Option<Vec<u32>>,
+    ) -> (Prompt, u32, Turn) {
         let rng = |conv: usize, turn: usize, what: u64| {
             Rng::new(mix(&[self.seed, point, 0x7c3a_11d5, user as u64, conv as u64, turn as u64, what]))
         };
@@ -162,16 +222,26 @@ impl Workload {
             step -= n;
             conv += 1;
         }
-        let mut body = Vec::new();
+        let key = |turn| TurnKey { user, conversation: conv, turn };
+        let (mut body, mut replies, mut generated) = (Vec::new(), 0, 0);
         for t in 0..=step {
             let mut r = rng(conv, t, 1);
             let asked = input.sample(&mut r) as usize;
             body.extend(self.range.random_ids(&mut r, asked));
-            let reply = output.sample(&mut r);
+            let len = output.sample(&mut r);
             if t == step {
-                return (Prompt { prefix: Vec::new(), body }, reply);
+                let turn = Turn { key: Some(key(t)), replies, generated };
+                return (Prompt { prefix: Vec::new(), body }, len, turn);
             }
-            body.extend(self.range.random_ids(&mut r, reply as usize));
+            let stand_in = self.range.random_ids(&mut r, len as usize);
+            replies += 1;
+            match reply(key(t)) {
+                Some(ids) => {
+                    generated += 1;
+                    body.extend(ids);
+                }
+                None => body.extend(stand_in),
+            }
         }
         unreachable!("the loop returns at its last turn")
     }
@@ -179,6 +249,11 @@ impl Workload {
     /// Shared prefix `j` of a point: the same tokens for every request that uses it.
     pub fn prefix(&self, point: u64, j: usize, len: usize) -> Vec<u32> {
         self.range.random_ids(&mut Rng::new(mix(&[self.seed, point, 0x9f1e_f1c5, j as u64])), len)
+    }
+
+    /// Whether later turns take the replies the server generated.
+    pub fn generates_replies(&self) -> bool {
+        matches!(self.source, Source::MultiTurn { replies: Replies::Generated, .. })
     }
 
     /// The number of rows when the workload is a trace (its natural request bound).
@@ -215,8 +290,12 @@ impl Workload {
             Source::SharedPrefix { prefixes, prefix_len, input, output } => {
                 format!("shared prefix: {prefixes} × {prefix_len} tokens + ISL {input} / OSL {output}")
             }
-            Source::MultiTurn { users, turns, input, output } => {
-                format!("multi-turn: {users} users, {turns} turns of ISL {input} / OSL {output}")
+            Source::MultiTurn { users, turns, input, output, replies } => {
+                let replies = match replies {
+                    Replies::Random => "",
+                    Replies::Generated => ", the replies generated",
+                };
+                format!("multi-turn: {users} users, {turns} turns of ISL {input} / OSL {output}{replies}")
             }
             Source::Trace { rows, block_size } => format!("trace of {} rows (block {block_size})", rows.len()),
             Source::Phased { phases, rows } => format!("{} ({} requests)", phases.describe(), rows.len()),
@@ -306,6 +385,7 @@ mod tests {
                 turns: LengthSpec::Fixed(2),
                 input: LengthSpec::Fixed(10),
                 output: LengthSpec::Fixed(4),
+                replies: Replies::Random,
             },
             range: TokenRange::default(),
             seed: 5,
@@ -318,6 +398,38 @@ mod tests {
         assert_eq!(t0.output_len, 4);
         assert_ne!(next.prompt.ids(), a, "a new conversation");
         assert_ne!(w.request(0, 0).prompt.ids(), a, "another user");
+        // Random replies: nothing to keep, whatever a server generated.
+        let given = w.request_with(0, 4, &|_| Some(vec![7; 4]));
+        assert_eq!((given.turn, given.prompt, given.generated_replies), (None, t1.prompt, 0));
+    }
+
+    #[test]
+    fn generated_replies_go_into_the_next_turns_history() {
+        let w = Workload {
+            source: Source::MultiTurn {
+                users: 3,
+                turns: LengthSpec::Fixed(3),
+                input: LengthSpec::Fixed(10),
+                output: LengthSpec::Fixed(4),
+                replies: Replies::Generated,
+            },
+            range: TokenRange::default(),
+            seed: 5,
+        };
+        let key = |turn| TurnKey { user: 1, conversation: 0, turn };
+        let t0 = w.request(0, 1);
+        assert_eq!((t0.turn, t0.replies, t0.generated_replies), (Some(key(0)), 0, 0));
+        // Turn 2 with turn 0's reply in (6 ids: a reply need not be the asked
+        // length) and turn 1's not yet: random tokens stand in for it.
+        let reply = |k: TurnKey| (k == key(0)).then(|| vec![7; 6]);
+        let t2 = w.request_with(0, 7, &reply);
+        assert_eq!((t2.turn, t2.replies, t2.generated_replies), (Some(key(2)), 2, 1));
+        let ids = t2.prompt.ids();
+        assert_eq!(ids.len(), 10 + 6 + 10 + 4 + 10);
+        assert_eq!((&ids[..10], &ids[10..16]), (&t0.prompt.ids()[..], &[7; 6][..]));
+        let without = w.request(0, 7).prompt.ids();
+        assert_eq!(ids[16..26], without[14..24], "the second message is the same");
+        assert_eq!(ids[26..30], without[24..28], "the stand-in for the missing reply too");
     }
 
     #[test]

@@ -109,7 +109,7 @@ fn client(addr: SocketAddr, mode: &str, endpoint: Endpoint) -> Client {
     let prompt_kind = if endpoint == Endpoint::Chat { PromptKind::Text } else { PromptKind::Ids };
     Client {
         target: Target::parse(&format!("http://{addr}/{mode}"), false).unwrap(),
-        body: BodyOptions { endpoint, prompt_kind, model: None, temperature: 0.0 },
+        body: BodyOptions { endpoint, prompt_kind, model: None, temperature: 0.0, token_ids: false },
         timeout: Duration::from_secs(30),
     }
 }
@@ -207,6 +207,7 @@ fn bench_load_end_to_end_writes_json_and_refuses_unreachable_servers() {
             prompt_kind: PromptKind::Ids,
             model: None,
             temperature: 0.0,
+            token_ids: false,
         },
         workload: workload(3),
         sweep: Sweep::Concurrency(vec![1, 2]),
@@ -238,6 +239,7 @@ fn bench_load_end_to_end_writes_json_and_refuses_unreachable_servers() {
         prefix_len: 0,
         conversations: 0,
         turns: LengthSpec::Fixed(1),
+        replies: Default::default(),
         trace: None,
         trace_block_size: 16,
         phases,
@@ -284,6 +286,7 @@ fn bench_compare_against_a_peer_writes_every_output() {
             prompt_kind: PromptKind::Ids,
             model: None,
             temperature: 0.0,
+            token_ids: false,
         },
         range: TokenRange::default(),
         seed: 0,

@@ -33,6 +33,7 @@ pub async fn handler(
         model: v.model.clone(),
         tokenizer,
         prompt_field: v.prompt_logprobs,
+        prompt_ids: v.token_ids.then(|| v.prompts.first().map(|p| p.ids.clone()).unwrap_or_default()),
         tools: v.tools.clone(),
         held: HashMap::new(),
     })
@@ -47,6 +48,8 @@ pub struct ChatFormat {
     tokenizer: Arc<Tokenizer>,
     /// vLLM's `prompt_logprobs` field was asked for.
     prompt_field: bool,
+    /// The prompt's ids, when `return_token_ids` asked for them (and the output's).
+    prompt_ids: Option<Vec<u32>>,
     /// The tools offered, when the reply may be calls.
     tools: Option<Arc<Tools>>,
     /// Streamed text held back per choice while it may still be a tool call.
@@ -55,7 +58,13 @@ pub struct ChatFormat {
 
 impl ChatFormat {
     fn object(&self, object: &'static str, choices: Vec<ChatChoice>, usage: Option<Usage>) -> ChatCompletion {
-        ChatCompletion { id: self.id.clone(), object, created: self.created, model: self.model.clone(), choices, usage }
+        let (id, model, prompt_token_ids) = (self.id.clone(), self.model.clone(), None);
+        ChatCompletion { id, object, created: self.created, model, choices, usage, prompt_token_ids }
+    }
+
+    /// The ids generated in `out`, when they were asked for.
+    fn ids(&self, out: &Output) -> Option<Vec<u32>> {
+        self.prompt_ids.as_ref().map(|_| out.ids.clone())
     }
 
     fn chunk_of(&self, index: u32, delta: ChatDelta, out: Option<&Output>) -> String {
@@ -70,8 +79,12 @@ impl ChatFormat {
             logprobs: out.and_then(|o| self.logprobs(&o.tokens)),
             finish_reason: finish,
             prompt_logprobs: out.and_then(|o| self.prompt_scores(o)),
+            token_ids: out.and_then(|o| self.ids(o)),
         };
-        to_json(&self.object("chat.completion.chunk", vec![choice], None))
+        let mut chunk = self.object("chat.completion.chunk", vec![choice], None);
+        // The preamble (no output yet) is each choice's first chunk.
+        chunk.prompt_token_ids = self.prompt_ids.clone().filter(|_| out.is_none());
+        to_json(&chunk)
     }
 
     fn prompt_scores(&self, o: &Output) -> Option<Vec<Option<serde_json::Value>>> {
@@ -120,6 +133,7 @@ impl ChatFormat {
         let Some(held) = self.held.get_mut(&index) else { return vec![self.content_chunk(index, step)] };
         held.text.push_str(&step.text);
         held.tokens.extend(step.tokens.iter().cloned());
+        held.ids.extend_from_slice(&step.ids);
         held.finish = step.finish;
         if step.prompt.is_some() {
             held.prompt.clone_from(&step.prompt);
@@ -188,9 +202,12 @@ impl Format for ChatFormat {
                     delta: None,
                     logprobs: self.logprobs(&all.tokens),
                     prompt_logprobs: self.prompt_scores(all),
+                    token_ids: self.ids(all),
                 }
             })
             .collect();
-        to_json(&self.object("chat.completion", list, Some(usage.into())))
+        let mut response = self.object("chat.completion", list, Some(usage.into()));
+        response.prompt_token_ids = self.prompt_ids.clone();
+        to_json(&response)
     }
 }

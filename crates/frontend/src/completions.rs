@@ -46,6 +46,8 @@ pub struct CompletionFormat {
     echo: Option<Vec<Echo>>,
     /// vLLM's `prompt_logprobs` field was asked for.
     prompt_field: bool,
+    /// Each prompt's ids, when `return_token_ids` asked for them (and the output's).
+    prompt_ids: Option<Vec<Vec<u32>>>,
     /// Choices whose prompt was already echoed (streaming).
     echoed: HashSet<u32>,
 }
@@ -66,6 +68,7 @@ impl CompletionFormat {
             n: v.n.max(1),
             echo,
             prompt_field: v.prompt_logprobs,
+            prompt_ids: v.token_ids.then(|| v.prompts.iter().map(|p| p.ids.clone()).collect()),
             echoed: HashSet::new(),
         }
     }
@@ -102,6 +105,8 @@ impl CompletionFormat {
             logprobs,
             finish_reason: finish_reason(out.finish),
             prompt_logprobs: self.prompt_field.then(|| out.prompt.as_deref().map(|s| self.vllm_scores(s))).flatten(),
+            prompt_token_ids: self.prompt_ids.as_ref().filter(|_| first).map(|p| p[index as usize / self.n].clone()),
+            token_ids: self.prompt_ids.as_ref().map(|_| out.ids.clone()),
         }
     }
 

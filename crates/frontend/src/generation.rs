@@ -31,6 +31,8 @@ pub struct Output {
     pub text: String,
     /// Filled only when the request asked for logprobs.
     pub tokens: Vec<TokenInfo>,
+    /// The ids generated, filled only when the request asked for them.
+    pub ids: Vec<TokenId>,
     /// The prompt's scores (tokens 2.. given those before), when asked for.
     pub prompt: Option<Vec<TokenOut>>,
     pub finish: Option<FinishReason>,
@@ -40,13 +42,18 @@ impl Output {
     fn append(&mut self, step: Output) {
         self.text.push_str(&step.text);
         self.tokens.extend(step.tokens);
+        self.ids.extend(step.ids);
         self.prompt = step.prompt.or(self.prompt.take());
         self.finish = step.finish.or(self.finish);
     }
 
     /// Nothing a client would see.
     pub fn is_empty(&self) -> bool {
-        self.text.is_empty() && self.tokens.is_empty() && self.prompt.is_none() && self.finish.is_none()
+        self.text.is_empty()
+            && self.tokens.is_empty()
+            && self.ids.is_empty()
+            && self.prompt.is_none()
+            && self.finish.is_none()
     }
 }
 
@@ -243,6 +250,8 @@ pub struct Generation {
     /// The request's metrics and log line; one choice of a request carries it.
     tracker: Option<Tracker>,
     logprobs: bool,
+    /// The generated ids are returned (`return_token_ids`).
+    ids: bool,
     /// The generated tokens are not shown (a prompt-only `echo` request).
     silent: bool,
     usage: Usage,
@@ -263,10 +272,17 @@ impl Generation {
             text: TextStream::new(tokenizer, params),
             tracker,
             logprobs: params.logprobs,
+            ids: false,
             silent: false,
             usage: Usage { prompt_tokens, completion_tokens: 0, cached_tokens: 0 },
             primed: None,
         }
+    }
+
+    /// Hands out the ids generated with each step.
+    pub fn with_ids(mut self) -> Self {
+        self.ids = true;
+        self
     }
 
     /// Shows nothing of what is generated: the prompt (echoed) is the answer.
@@ -345,11 +361,12 @@ impl Generation {
         self.usage.completion_tokens += 1;
         let text_offset = self.text.decoded_chars;
         let (text, stopped) = self.text.push(t.token);
+        let ids = if self.ids { vec![t.token] } else { Vec::new() };
         let tokens = match self.logprobs {
             true => vec![TokenInfo { token: t.token, logprob: t.logprob, top: t.top, text_offset }],
             false => Vec::new(),
         };
-        Output { text, tokens, prompt: None, finish: stopped.then_some(FinishReason::Stop) }
+        Output { text, tokens, ids, prompt: None, finish: stopped.then_some(FinishReason::Stop) }
     }
 
     fn on_done(&mut self, reason: FinishReason, usage: Usage) -> Output {

@@ -333,6 +333,9 @@ fn start(
     if v.prompt_only {
         generation = generation.silent();
     }
+    if v.token_ids {
+        generation = generation.with_ids();
+    }
     Ok(Choice { index: (p * v.n + k) as u32, prompt: p, generation })
 }
 

@@ -44,6 +44,8 @@ pub struct CommonParams {
     pub structured_outputs: Option<serde_json::Value>,
     /// llama-server's schema field.
     pub json_schema: Option<serde_json::Value>,
+    /// vLLM's extension: the prompt's and the output's token ids in the response.
+    pub return_token_ids: Option<bool>,
 }
 
 /// `POST /v1/completions`.
@@ -163,6 +165,12 @@ pub struct CompletionChoice {
     /// vLLM's extension, when asked for: the prompt's scores (first entry null).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Vec<Option<serde_json::Value>>>,
+    /// vLLM's `return_token_ids`: the prompt's ids (in a choice's first part) and
+    /// the ids generated (in this part).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// The legacy completions logprobs: parallel arrays, one entry per token. An echoed
@@ -203,6 +211,10 @@ pub struct ChatCompletion {
     pub choices: Vec<ChatChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// vLLM's `return_token_ids`: the rendered prompt's ids (in a response, and in
+    /// a stream's first chunk of each choice).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -219,6 +231,9 @@ pub struct ChatChoice {
     /// vLLM's extension, when asked for: the prompt's scores (first entry null).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Vec<Option<serde_json::Value>>>,
+    /// vLLM's `return_token_ids`: the ids generated (in this part, when streamed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Serialize)]

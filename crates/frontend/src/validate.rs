@@ -57,6 +57,8 @@ pub struct ValidRequest {
     pub prompt_only: bool,
     /// vLLM's `prompt_logprobs`: the prompt's scores in a field of their own.
     pub prompt_logprobs: bool,
+    /// vLLM's `return_token_ids`: the prompt's and the output's ids in the response.
+    pub token_ids: bool,
     /// Chat: the tools offered, whose calls the reply is read for.
     pub tools: Option<Arc<Tools>>,
     /// The request field whose grammar constrains the output, if any.
@@ -271,6 +273,7 @@ impl Validator {
             echo: false,
             prompt_only: false,
             prompt_logprobs: asked.is_some(),
+            token_ids: c.return_token_ids.unwrap_or(false),
             tools: None,
             constrained_by: None,
         })

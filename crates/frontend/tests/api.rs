@@ -625,3 +625,35 @@ async fn connections_are_capped_and_idle_or_half_sent_ones_closed() {
     // ...and the server serves again.
     assert_eq!(pdserve_testkit::http::send(addr, &pdserve_testkit::http::get_request("/health")).await.status, 200);
 }
+
+#[tokio::test]
+async fn token_ids_are_returned_when_asked_for() {
+    let s = Server::start(reply(ANSWER)).await;
+    let ids = model().tokenizer.encode(ANSWER, false);
+    let u32s = |v: &Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
+    // Not asked for: no such fields.
+    let v = s.post_json("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 50})).await.json();
+    assert!(v["choices"][0].get("token_ids").is_none() && v["choices"][0].get("prompt_token_ids").is_none());
+    // Whole: the prompt's ids and every id generated (the fake's EOS last).
+    let body = json!({"prompt": "Hello", "max_tokens": 50, "return_token_ids": true});
+    let v = s.post_json("/v1/completions", &body).await.json();
+    let got = u32s(&v["choices"][0]["token_ids"]);
+    assert_eq!((&got[..ids.len()], got.len()), (&ids[..], reply_tokens(ANSWER)));
+    assert_eq!(u32s(&v["choices"][0]["prompt_token_ids"]), s.last_request().prompt);
+    // Streamed: each chunk the ids it carries, the prompt's in the first only.
+    let body = json!({"prompt": "Hello", "max_tokens": 50, "stream": true, "return_token_ids": true});
+    let chunks = s.post_json("/v1/completions", &body).await.chunks();
+    let streamed: Vec<u32> = chunks.iter().flat_map(|c| u32s(&c["choices"][0]["token_ids"])).collect();
+    assert_eq!(streamed, got);
+    assert_eq!(u32s(&chunks[0]["choices"][0]["prompt_token_ids"]), s.last_request().prompt);
+    assert!(chunks[1..].iter().all(|c| c["choices"][0].get("prompt_token_ids").is_none()));
+    // Chat: the rendered prompt's ids beside the choices.
+    let v = s.post_json("/v1/chat/completions", &chat_body(json!({"return_token_ids": true}))).await.json();
+    assert_eq!(u32s(&v["choices"][0]["token_ids"]), got);
+    assert_eq!(u32s(&v["prompt_token_ids"]), s.last_request().prompt);
+    let body = chat_body(json!({"return_token_ids": true, "stream": true}));
+    let chunks = s.post_json("/v1/chat/completions", &body).await.chunks();
+    let streamed: Vec<u32> = chunks.iter().filter_map(|c| c["choices"][0].get("token_ids")).flat_map(u32s).collect();
+    assert_eq!(streamed, got);
+    assert_eq!(u32s(&chunks[0]["prompt_token_ids"]), s.last_request().prompt);
+}

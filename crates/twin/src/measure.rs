@@ -488,8 +488,8 @@ async fn served(spec: &Spec, threads: usize) -> Result<Served, TwinError> {
         server.wait_healthy(Duration::from_secs(120)).await?;
         let target = Target::parse(&server.url(), false)?;
         let model = first_model(&target).await?;
-        let body =
-            BodyOptions { endpoint: Endpoint::Completions, prompt_kind: PromptKind::Ids, model, temperature: 0.0 };
+        let (endpoint, prompt_kind) = (Endpoint::Completions, PromptKind::Ids);
+        let body = BodyOptions { endpoint, prompt_kind, model, temperature: 0.0, token_ids: false };
         let client = Client { target, body, timeout: Duration::from_secs(120) };
         let (mut tpots, mut client_s, mut before) = (Vec::new(), 0.0, None);
         for k in 0..6 {
@@ -500,6 +500,7 @@ async fn served(spec: &Spec, threads: usize) -> Result<Served, TwinError> {
                 index: k,
                 prompt: Prompt { prefix: Vec::new(), body: prompt(64, 90_000 + k) },
                 output_len: DECODE_TOKENS,
+                ..RequestSpec::default()
             };
             let rec = client.send(&spec, tokio::time::Instant::now(), None).await;
             // The first warms the server up.

@@ -114,7 +114,7 @@ pub fn simulate(spec: &SimSpec<'_>) -> Result<Vec<PointResult>, TwinError> {
             let mut point = PointResult::of(plan, spec.workload, records, spec.slo);
             point.summary.prefix_hits = Some(server.prefix_hits().await.since(Some(before)));
             for r in &point.records {
-                point.summary.prompt_blocks += sent.record(&spec.workload.request(plan.seed, r.index).prompt.ids());
+                point.summary.prompt_blocks += sent.record_sent(spec.workload, plan.seed, r);
             }
             out.push(point);
         }
@@ -297,7 +297,10 @@ impl Server for SimServer {
         let read = async {
             while let Some(ev) = stream.next().await {
                 match ev {
-                    Event::Token(_) => chunks.push(sent.elapsed().as_secs_f64()),
+                    Event::Token(t) => {
+                        chunks.push(sent.elapsed().as_secs_f64());
+                        rec.reply_ids.push(t.token);
+                    }
                     Event::Prompt(_) => {}
                     Event::Done { usage, .. } => {
                         rec.ok = true;

@@ -9,7 +9,7 @@ use pdserve_bench::lengths::LengthSpec;
 use pdserve_bench::load::{plans, PointResult, Sweep};
 use pdserve_bench::metrics::Slo;
 use pdserve_bench::prompt::TokenRange;
-use pdserve_bench::workload::{Workload, WorkloadFlags};
+use pdserve_bench::workload::{Replies, Workload, WorkloadFlags};
 use pdserve_engine::timed::{StepCost, StepShape};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_router::{Admission, Mode, PolicyKind};
@@ -76,6 +76,7 @@ fn flags(input: u32, output: u32) -> WorkloadFlags {
         prefix_len: 0,
         conversations: 0,
         turns: LengthSpec::Fixed(1),
+        replies: Default::default(),
         trace: None,
         trace_block_size: 512,
         phases: Vec::new(),
@@ -302,4 +303,24 @@ fn a_history_blind_policy_still_fetches_a_prefix_a_peer_caches_as_serve_does() {
     // 512 tokens recomputed take 0.26 s; fetched over a 1 GB/s link, 12 ms.
     assert!(fetched < recomputed - 0.15, "fetched {fetched} s, recomputed {recomputed} s");
     assert_eq!((hit, missed), (512.0, 0.0));
+}
+
+#[test]
+fn generated_replies_come_back_as_history_and_hit_the_cache() {
+    let p = profile();
+    let hits = |replies| {
+        let flags = WorkloadFlags { conversations: 2, turns: LengthSpec::Fixed(3), replies, ..flags(40, 24) };
+        let w = flags.build().unwrap();
+        let out = run(&p, topology(Mode::Aggregated, vec![Role::Mixed]), &w, Sweep::Concurrency(vec![1]), 6);
+        assert!(out[0].records.iter().all(|r| r.ok));
+        (out[0].summary.replies, out[0].summary.prefix_hits.unwrap().realized)
+    };
+    let (none, random) = hits(Replies::Random);
+    let (some, generated) = hits(Replies::Generated);
+    // One client: every reply is in before its conversation's next turn is sent.
+    // Turns 1 and 2 of two conversations carry 1 and 2 replies.
+    assert_eq!(none, None);
+    assert_eq!(some, Some(pdserve_bench::metrics::Replies { in_history: 6, generated: 6 }));
+    // A reply the worker generated is in its cache; a random stand-in is not.
+    assert!(generated > random, "{generated} vs {random} cached tokens");
 }

@@ -68,6 +68,9 @@ pub fn one_line(label: &str, s: &Summary, wall_s: f64) -> String {
         num(Some(s.slo_attainment_pct), 0),
     );
     let _ = write!(line, "; prompt blocks sent before: {}", reuse(s));
+    if let Some(r) = s.replies {
+        let _ = write!(line, "; replies in the history: {} of {} generated", r.generated, r.in_history);
+    }
     if let Some(h) = s.prefix_hits {
         let pct = h.realized_pct().map_or("-".to_string(), |p| format!("{p:.1} %"));
         let _ = write!(line, "; cached tokens predicted/realized {:.0}/{:.0} ({pct})", h.predicted, h.realized);
@@ -98,6 +101,12 @@ pub fn load_report(r: &LoadReport) -> String {
         let _ = writeln!(out, "| {} | {} |", p.plan.label, summary_cells(&p.summary));
         for ph in &p.phases {
             let _ = writeln!(out, "| {} › {} | {} |", p.plan.label, ph.span.label, summary_cells(&ph.summary));
+        }
+    }
+    for p in &r.points {
+        if let Some(h) = p.summary.replies {
+            let (label, n, of) = (&p.plan.label, h.generated, h.in_history);
+            let _ = writeln!(out, "\n{label}: {n} of the {of} replies in the prompts' histories were generated.");
         }
     }
     if !r.calibration.is_empty() {

@@ -15,7 +15,7 @@ use pdserve_bench::load::{run_load, LoadOptions, Sweep};
 use pdserve_bench::metrics::Slo;
 use pdserve_bench::openai::{BodyOptions, Endpoint};
 use pdserve_bench::prompt::{PromptKind, TokenRange};
-use pdserve_bench::workload::WorkloadFlags;
+use pdserve_bench::workload::{Replies, WorkloadFlags};
 use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::loader::LoadedModel;
@@ -137,6 +137,11 @@ pub struct WorkloadArgs {
     /// Turns per conversation, in the forms of --input-len.
     #[arg(long, default_value = "5..10")]
     pub turns: LengthSpec,
+    /// What stands for a reply in a conversation's later turns: `random` tokens of
+    /// its length (any server), or the reply the server `generated` (its token ids,
+    /// asked for with vLLM's `return_token_ids`; completions with id prompts only).
+    #[arg(long, default_value = "random")]
+    pub replies: Replies,
     /// Replay a Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).
     #[arg(long)]
     pub trace: Option<PathBuf>,
@@ -320,6 +325,7 @@ impl WorkloadArgs {
             prefix_len: self.prefix_len,
             conversations: self.conversations,
             turns: self.turns,
+            replies: self.replies,
             trace: self.trace.clone(),
             trace_block_size: self.trace_block_size,
             phases: self.phase.clone(),
@@ -344,6 +350,7 @@ impl WorkloadArgs {
 fn load(a: LoadArgs) -> anyhow::Result<()> {
     let w = &a.work;
     let default_prompt = if a.endpoint == Endpoint::Chat { PromptKind::Text } else { PromptKind::Ids };
+    let workload = w.workload()?;
     let opts = LoadOptions {
         url: a.url,
         allow_remote: a.allow_remote,
@@ -352,8 +359,9 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
             prompt_kind: a.prompt.unwrap_or(default_prompt),
             model: a.model,
             temperature: a.temperature,
+            token_ids: workload.generates_replies(),
         },
-        workload: w.workload()?,
+        workload,
         sweep: w.sweep()?,
         requests: w.requests,
         seconds: w.seconds,
@@ -385,7 +393,13 @@ fn compare(a: CompareArgs) -> anyhow::Result<()> {
         model: a.model,
         kv_blocks: a.kv_blocks,
         serve_args: a.serve_arg,
-        body: BodyOptions { endpoint: Endpoint::Completions, prompt_kind: a.prompt, model: None, temperature: 0.0 },
+        body: BodyOptions {
+            endpoint: Endpoint::Completions,
+            prompt_kind: a.prompt,
+            model: None,
+            temperature: 0.0,
+            token_ids: false,
+        },
         range: a.token_range,
         seed: a.seed,
         slo: Slo { ttft_ms: a.slo_ttft_ms, tpot_ms: a.slo_tpot_ms },

@@ -146,6 +146,7 @@ pub fn sim(a: SimArgs) -> anyhow::Result<()> {
             prompt_kind: PromptKind::Ids,
             model: Some(profile.model.name.clone()),
             temperature: 0.0,
+            token_ids: workload.generates_replies(),
         },
         points,
         calibration: Vec::new(),

@@ -178,6 +178,30 @@ def suite(mode, url):
         last = scores[-1]
         assert any(abs(v["logprob"] - lp) < 1e-6 for v in last.values()), last
 
+    def token_ids():
+        # vLLM's return_token_ids: the ids are the text's, and sent back as a prompt
+        # they continue the same conversation (what bench load --replies generated does).
+        prompt = "The capital of France is"
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"return_token_ids": True}).model_dump()
+        c = r["choices"][0]
+        code, body = curl(url + "/detokenize", "-H", "Content-Type: application/json",
+                          "-d", json.dumps({"tokens": c["token_ids"]}))
+        assert code == 200 and json.loads(body)["prompt"] == c["text"] and len(c["token_ids"]) == 8, (c, body)
+        code, body = curl(url + "/tokenize", "-H", "Content-Type: application/json",
+                          "-d", json.dumps({"prompt": prompt}))
+        assert c["prompt_token_ids"] == json.loads(body)["tokens"], (c, body)
+        again = client.completions.create(model=model, prompt=c["prompt_token_ids"] + c["token_ids"], max_tokens=4,
+                                          temperature=0)
+        assert again.usage.prompt_tokens == len(c["prompt_token_ids"]) + 8, again.usage
+        chunks = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=4, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True},
+                                                     extra_body={"return_token_ids": True}))
+        ids = [i for ch in chunks for choice in ch.model_dump()["choices"] for i in (choice.get("token_ids") or [])]
+        assert len(ids) == chunks[-1].usage.completion_tokens > 0, (ids, chunks[-1])
+        assert chunks[0].model_dump()["prompt_token_ids"], chunks[0]
+
     def tokenize():
         code, body = curl(url + "/tokenize", "-H", "Content-Type: application/json",
                           "-d", json.dumps({"model": "smol", "prompt": "The capital of France is"}))
@@ -267,7 +291,8 @@ def suite(mode, url):
                      ("chat_stream_logprobs", chat_stream_logprobs), ("stop_string", stop_string),
                      ("bad_requests", bad_requests), ("curl", curl_calls), ("metrics_parse", metrics_parse),
                      ("served_names", served_names), ("n_choices", n_choices), ("batched_prompts", batched_prompts),
-                     ("echo_logprobs", echo_logprobs), ("tokenize", tokenize), ("cached_tokens", cached_tokens)]:
+                     ("echo_logprobs", echo_logprobs), ("tokenize", tokenize), ("cached_tokens", cached_tokens),
+                     ("token_ids", token_ids)]:
         check(f"{mode}/{name}", fn)
     structured.suite(mode, url, check, curl)
     # lm-eval takes a few seconds to start: once in one process, once across processes.

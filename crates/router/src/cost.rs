@@ -113,7 +113,12 @@ impl PrefillLoad {
     /// What every prefill costs here whatever its length (0 until one short
     /// enough to tell was timed).
     pub fn fixed_seconds(&self) -> f64 {
-        lock(&self.fixed_seconds).unwrap_or(0.0)
+        self.fixed_measured().unwrap_or(0.0)
+    }
+
+    /// The fixed cost measured here, if any short enough prompt was timed yet.
+    pub fn fixed_measured(&self) -> Option<f64> {
+        *lock(&self.fixed_seconds)
     }
 
     /// A prefill of `tokens` that found `ahead` queued before it finished after
@@ -144,14 +149,15 @@ impl PrefillLoad {
 
     /// Predicted seconds until the prefills queued here are done.
     pub fn queued_seconds(&self) -> f64 {
-        self.queued_seconds_at(self.seconds_per_token())
+        self.queued_seconds_at((self.fixed_seconds(), self.seconds_per_token()))
     }
 
-    /// [`PrefillLoad::queued_seconds`] with the tokens at `seconds_per_token` (a
-    /// worker not timed yet is taken to be as fast as its peers).
-    pub fn queued_seconds_at(&self, seconds_per_token: f64) -> f64 {
+    /// [`PrefillLoad::queued_seconds`] at a pace given as `(fixed_seconds,
+    /// seconds_per_token)` (a worker not timed yet is taken to be as fast as its
+    /// peers).
+    pub fn queued_seconds_at(&self, (fixed_seconds, seconds_per_token): (f64, f64)) -> f64 {
         let q = self.ahead();
-        q.prefills as f64 * self.fixed_seconds() + q.tokens as f64 * seconds_per_token
+        q.prefills as f64 * fixed_seconds + q.tokens as f64 * seconds_per_token
     }
 
     /// Predicted seconds until a prompt computing `tokens` sent now has its first

@@ -342,9 +342,10 @@ impl Router {
         let cached = self.index.prefix(ask.block_hashes, &names);
         // A worker not timed yet is taken to be as fast as its timed peers: the fixed
         // prior would make a newcomer look faster or slower than it is.
-        let timed: Vec<f64> = entries.iter().filter_map(|e| e.prefill.measured()).collect();
-        let peers = (!timed.is_empty()).then(|| timed.iter().sum::<f64>() / timed.len() as f64);
+        let peers = mean(entries.iter().filter_map(|e| e.prefill.measured()));
         let pace = |e: &Entry| e.prefill.measured().or(peers).unwrap_or_else(|| e.prefill.seconds_per_token());
+        let fixed_peers = mean(entries.iter().filter_map(|e| e.prefill.fixed_measured()));
+        let fixed = |e: &Entry| e.prefill.fixed_measured().or(fixed_peers).unwrap_or(0.0);
         let fastest = entries.iter().map(|e| pace(e)).fold(f64::INFINITY, f64::min);
         let others = fetching.unwrap_or_default();
         let names: Vec<&str> = others.iter().map(|e| e.name()).collect();
@@ -364,11 +365,11 @@ impl Router {
                     name: e.name(),
                     role: e.role(),
                     load: e.worker.load() + e.backlog.routed(),
-                    queued_seconds: e.prefill.queued_seconds_at(pace(e)),
+                    queued_seconds: e.prefill.queued_seconds_at((fixed(e), pace(e))),
                     cached_tokens: prefix.blocks() * BLOCK_SIZE,
                     restore_seconds: e.restore.seconds(prefix),
                     seconds_per_token: pace(e),
-                    fixed_seconds: e.prefill.fixed_seconds(),
+                    fixed_seconds: fixed(e),
                 };
                 match prefills_there(e) {
                     true => match self.fetched(ask, e, &own, source) {
@@ -663,6 +664,12 @@ impl Ending {
             hit.check(cached);
         }
     }
+}
+
+/// The mean of `values`, if there are any.
+fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    (n > 0).then(|| sum / n as f64)
 }
 
 /// What prefilling `tokens` on worker `e` costs the sequences decoding there: each

@@ -82,7 +82,8 @@ struct Turns<'a> {
 
 impl Turns<'_> {
     fn request(&self, i: usize) -> RequestSpec {
-        self.workload.request_with(self.plan.seed, i, &|k| self.replies.borrow().get(&k).cloned())
+        let reply = |k, body: &mut Vec<u32>| self.replies.borrow().get(&k).map(|ids| body.extend(ids)).is_some();
+        self.workload.request_with(self.plan.seed, i, &reply)
     }
 
     /// Sends `spec` and keeps its reply where a later turn will want it.

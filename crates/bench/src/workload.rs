@@ -58,6 +58,9 @@ impl FromStr for Replies {
     }
 }
 
+/// Appends a turn's generated reply to a prompt body; false where it has none.
+pub type Reply<'a> = dyn Fn(TurnKey, &mut Vec<u32>) -> bool + 'a;
+
 /// One turn of one user's conversation: where its generated reply is kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TurnKey {
@@ -98,6 +101,9 @@ impl WorkloadFlags {
     /// A trace wins over lengths; shared prefixes apply to random prompts.
     pub fn build(&self) -> Result<Workload, crate::error::BenchError> {
         let bad = |m: &str| Err(crate::error::BenchError::BadFlag(m.into()));
+        if self.replies == Replies::Generated && self.conversations == 0 {
+            return bad("--replies generated needs --conversations");
+        }
         if !self.phases.is_empty() {
             if self.conversations > 0 || self.shared_prefixes > 0 || self.trace.is_some() {
                 return bad("--phase mixes with none of --conversations, --shared-prefixes and --trace");
@@ -118,7 +124,6 @@ impl WorkloadFlags {
                 output: self.output,
                 replies: self.replies,
             },
-            _ if self.replies == Replies::Generated => return bad("--replies generated needs --conversations"),
             Some(_) if self.shared_prefixes > 0 => return bad("--shared-prefixes and --trace do not mix"),
             Some(_) if self.trace_block_size == 0 => return bad("--trace-block-size must be at least 1"),
             Some(path) => {
@@ -150,25 +155,17 @@ pub struct RequestSpec {
     pub generated_replies: u32,
 }
 
-/// What a multi-turn request is made of besides its prompt and length.
-#[derive(Default)]
-struct Turn {
-    key: Option<TurnKey>,
-    replies: u32,
-    generated: u32,
-}
-
 impl Workload {
     /// Request `index` of sweep point `point`.
     pub fn request(&self, point: u64, index: usize) -> RequestSpec {
-        self.request_with(point, index, &|_| None)
+        self.request_with(point, index, &|_, _| false)
     }
 
     /// [`Workload::request`], with a multi-turn history's replies taken from
-    /// `reply` where it has them (generated replies).
-    pub fn request_with(&self, point: u64, index: usize, reply: &dyn Fn(TurnKey) -> Option<Vec<u32>>) -> RequestSpec {
+    /// `reply` where it has them (generated replies): `reply(turn, body)` appends
+    /// that turn's reply to `body` and says whether it had one.
+    pub fn request_with(&self, point: u64, index: usize, reply: &Reply<'_>) -> RequestSpec {
         let mut rng = Rng::new(mix(&[self.seed, point, index as u64]));
-        let mut turn = Turn::default();
         let (prompt, output_len) = match &self.source {
             Source::Random { input, output } => {
                 let n = input.sample(&mut rng) as usize;
@@ -180,11 +177,9 @@ impl Workload {
                 (Prompt { prefix, body: self.range.random_ids(&mut rng, n) }, output.sample(&mut rng))
             }
             Source::MultiTurn { users, turns, input, output, replies } => {
-                let (user, step) = (index % (*users).max(1), index / (*users).max(1));
-                let reply = |k| reply(k).filter(|_| *replies == Replies::Generated);
-                let (prompt, len, t) = self.turn(point, (user, step), *turns, (*input, *output), &reply);
-                turn = Turn { key: t.key.filter(|_| *replies == Replies::Generated), ..t };
-                (prompt, len)
+                let at = (index % (*users).max(1), index / (*users).max(1));
+                let reply = (*replies == Replies::Generated).then_some(reply);
+                return RequestSpec { index, ..self.turn(point, at, *turns, (*input, *output), reply) };
             }
             Source::Trace { rows, block_size } => match rows.get(index % rows.len().max(1)) {
                 Some(row) => (row.prompt(*block_size, self.range, self.seed, rng.next_u64()), row.output_length),
@@ -195,21 +190,20 @@ impl Workload {
                 None => (Prompt::default(), 1),
             },
         };
-        let (replies, generated_replies) = (turn.replies, turn.generated);
-        RequestSpec { index, prompt, output_len, turn: turn.key, replies, generated_replies }
+        RequestSpec { index, prompt, output_len, ..RequestSpec::default() }
     }
 
-    /// The prompt and reply length of `user`'s `step`-th request: which conversation
-    /// and turn that is, then the conversation up to it, each earlier reply as
-    /// `reply` has it or else random tokens of its length.
+    /// `user`'s `step`-th request: which conversation and turn that is, then the
+    /// conversation up to it, each earlier reply as `reply` has it or else random
+    /// tokens of its length. The turn is keyed only where replies are generated.
     fn turn(
         &self,
         point: u64,
         (user, mut step): (usize, usize),
         turns: LengthSpec,
         (input, output): (LengthSpec, LengthSpec),
-        reply: &dyn Fn(TurnKey) -> Option<Vec<u32>>,
-    ) -> (Prompt, u32, Turn) {
+        reply: Option<&Reply<'_>>,
+    ) -> RequestSpec {
         let rng = |conv: usize, turn: usize, what: u64| {
             Rng::new(mix(&[self.seed, point, 0x7c3a_11d5, user as u64, conv as u64, turn as u64, what]))
         };
@@ -223,24 +217,21 @@ impl Workload {
             conv += 1;
         }
         let key = |turn| TurnKey { user, conversation: conv, turn };
-        let (mut body, mut replies, mut generated) = (Vec::new(), 0, 0);
+        let (mut body, mut replies, mut generated_replies) = (Vec::new(), 0, 0);
         for t in 0..=step {
             let mut r = rng(conv, t, 1);
             let asked = input.sample(&mut r) as usize;
             body.extend(self.range.random_ids(&mut r, asked));
-            let len = output.sample(&mut r);
+            let output_len = output.sample(&mut r);
             if t == step {
-                let turn = Turn { key: Some(key(t)), replies, generated };
-                return (Prompt { prefix: Vec::new(), body }, len, turn);
+                let (prompt, turn) = (Prompt { prefix: Vec::new(), body }, reply.map(|_| key(t)));
+                return RequestSpec { index: 0, prompt, output_len, turn, replies, generated_replies };
             }
-            let stand_in = self.range.random_ids(&mut r, len as usize);
             replies += 1;
-            match reply(key(t)) {
-                Some(ids) => {
-                    generated += 1;
-                    body.extend(ids);
-                }
-                None => body.extend(stand_in),
+            if reply.is_some_and(|f| f(key(t), &mut body)) {
+                generated_replies += 1;
+            } else {
+                body.extend(self.range.random_ids(&mut r, output_len as usize));
             }
         }
         unreachable!("the loop returns at its last turn")
@@ -399,7 +390,10 @@ mod tests {
         assert_ne!(next.prompt.ids(), a, "a new conversation");
         assert_ne!(w.request(0, 0).prompt.ids(), a, "another user");
         // Random replies: nothing to keep, whatever a server generated.
-        let given = w.request_with(0, 4, &|_| Some(vec![7; 4]));
+        let given = w.request_with(0, 4, &|_, body| {
+            body.extend([7; 4]);
+            true
+        });
         assert_eq!((given.turn, given.prompt, given.generated_replies), (None, t1.prompt, 0));
     }
 
@@ -421,7 +415,7 @@ mod tests {
         assert_eq!((t0.turn, t0.replies, t0.generated_replies), (Some(key(0)), 0, 0));
         // Turn 2 with turn 0's reply in (6 ids: a reply need not be the asked
         // length) and turn 1's not yet: random tokens stand in for it.
-        let reply = |k: TurnKey| (k == key(0)).then(|| vec![7; 6]);
+        let reply = |k: TurnKey, body: &mut Vec<u32>| (k == key(0)).then(|| body.extend([7; 6])).is_some();
         let t2 = w.request_with(0, 7, &reply);
         assert_eq!((t2.turn, t2.replies, t2.generated_replies), (Some(key(2)), 2, 1));
         let ids = t2.prompt.ids();
@@ -430,6 +424,31 @@ mod tests {
         let without = w.request(0, 7).prompt.ids();
         assert_eq!(ids[16..26], without[14..24], "the second message is the same");
         assert_eq!(ids[26..30], without[24..28], "the stand-in for the missing reply too");
+    }
+
+    #[test]
+    fn generated_replies_without_conversations_are_refused_phases_included() {
+        let flags = WorkloadFlags {
+            input: LengthSpec::Fixed(8),
+            output: LengthSpec::Fixed(4),
+            shared_prefixes: 0,
+            prefix_len: 0,
+            conversations: 0,
+            turns: LengthSpec::Fixed(1),
+            replies: Replies::Generated,
+            trace: None,
+            trace_block_size: 16,
+            phases: Vec::new(),
+            range: TokenRange::default(),
+            seed: 1,
+        };
+        let phased = WorkloadFlags { phases: vec!["a:10:1:8/4".parse().unwrap()], ..flags.clone() };
+        for f in [flags.clone(), phased.clone()] {
+            let err = f.build().unwrap_err().to_string();
+            assert!(err.contains("--replies generated needs --conversations"), "{err}");
+        }
+        assert!(WorkloadFlags { replies: Replies::Random, ..phased }.build().is_ok());
+        assert!(WorkloadFlags { conversations: 2, ..flags }.build().is_ok());
     }
 
     #[test]

@@ -33,7 +33,8 @@ pub async fn handler(
         model: v.model.clone(),
         tokenizer,
         prompt_field: v.prompt_logprobs,
-        prompt_ids: v.token_ids.then(|| v.prompts.first().map(|p| p.ids.clone()).unwrap_or_default()),
+        token_ids: v.token_ids,
+        prompt_ids: v.prompts.first().filter(|_| v.token_ids).map(|p| p.ids.clone()).unwrap_or_default(),
         tools: v.tools.clone(),
         held: HashMap::new(),
     })
@@ -48,8 +49,10 @@ pub struct ChatFormat {
     tokenizer: Arc<Tokenizer>,
     /// vLLM's `prompt_logprobs` field was asked for.
     prompt_field: bool,
-    /// The prompt's ids, when `return_token_ids` asked for them (and the output's).
-    prompt_ids: Option<Vec<u32>>,
+    /// vLLM's `return_token_ids` was asked for: the prompt's ids and the output's.
+    token_ids: bool,
+    /// The prompt's ids (empty unless `token_ids`).
+    prompt_ids: Vec<u32>,
     /// The tools offered, when the reply may be calls.
     tools: Option<Arc<Tools>>,
     /// Streamed text held back per choice while it may still be a tool call.
@@ -64,7 +67,12 @@ impl ChatFormat {
 
     /// The ids generated in `out`, when they were asked for.
     fn ids(&self, out: &Output) -> Option<Vec<u32>> {
-        self.prompt_ids.as_ref().map(|_| out.ids.clone())
+        self.token_ids.then(|| out.ids.clone())
+    }
+
+    /// The prompt's ids, when they were asked for.
+    fn prompt_token_ids(&self) -> Option<Vec<u32>> {
+        self.token_ids.then(|| self.prompt_ids.clone())
     }
 
     fn chunk_of(&self, index: u32, delta: ChatDelta, out: Option<&Output>) -> String {
@@ -83,7 +91,7 @@ impl ChatFormat {
         };
         let mut chunk = self.object("chat.completion.chunk", vec![choice], None);
         // The preamble (no output yet) is each choice's first chunk.
-        chunk.prompt_token_ids = self.prompt_ids.clone().filter(|_| out.is_none());
+        chunk.prompt_token_ids = self.prompt_token_ids().filter(|_| out.is_none());
         to_json(&chunk)
     }
 
@@ -207,7 +215,7 @@ impl Format for ChatFormat {
             })
             .collect();
         let mut response = self.object("chat.completion", list, Some(usage.into()));
-        response.prompt_token_ids = self.prompt_ids.clone();
+        response.prompt_token_ids = self.prompt_token_ids();
         to_json(&response)
     }
 }

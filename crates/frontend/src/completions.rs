@@ -46,8 +46,10 @@ pub struct CompletionFormat {
     echo: Option<Vec<Echo>>,
     /// vLLM's `prompt_logprobs` field was asked for.
     prompt_field: bool,
-    /// Each prompt's ids, when `return_token_ids` asked for them (and the output's).
-    prompt_ids: Option<Vec<Vec<u32>>>,
+    /// vLLM's `return_token_ids` was asked for: each prompt's ids and the output's.
+    token_ids: bool,
+    /// Each prompt's ids (empty unless `token_ids`).
+    prompt_ids: Vec<Vec<u32>>,
     /// Choices whose prompt was already echoed (streaming).
     echoed: HashSet<u32>,
 }
@@ -68,7 +70,8 @@ impl CompletionFormat {
             n: v.n.max(1),
             echo,
             prompt_field: v.prompt_logprobs,
-            prompt_ids: v.token_ids.then(|| v.prompts.iter().map(|p| p.ids.clone()).collect()),
+            token_ids: v.token_ids,
+            prompt_ids: v.prompts.iter().filter(|_| v.token_ids).map(|p| p.ids.clone()).collect(),
             echoed: HashSet::new(),
         }
     }
@@ -105,8 +108,8 @@ impl CompletionFormat {
             logprobs,
             finish_reason: finish_reason(out.finish),
             prompt_logprobs: self.prompt_field.then(|| out.prompt.as_deref().map(|s| self.vllm_scores(s))).flatten(),
-            prompt_token_ids: self.prompt_ids.as_ref().filter(|_| first).map(|p| p[index as usize / self.n].clone()),
-            token_ids: self.prompt_ids.as_ref().map(|_| out.ids.clone()),
+            prompt_token_ids: self.prompt_ids.get(index as usize / self.n).filter(|_| first).cloned(),
+            token_ids: self.token_ids.then(|| out.ids.clone()),
         }
     }
 

@@ -269,3 +269,93 @@ fn spans_reach_an_otlp_collector() {
     );
     assert!(start > 0 && end >= start);
 }
+
+/// How a client of [`clients_hanging_up_at_random_points_leave_no_block_held`] leaves.
+#[derive(Clone, Copy, Debug)]
+enum Leave {
+    /// Reads the whole answer.
+    AtTheEnd,
+    /// Hangs up once the request is written.
+    AtOnce,
+    /// Hangs up after this many bytes of the answer.
+    AfterBytes(usize),
+    /// Hangs up after this many milliseconds, read or not.
+    AfterMs(u64),
+    /// Writes half the body, then hangs up.
+    MidBody,
+}
+
+/// One request that leaves as `leave` says; a whole answer is checked to end well.
+fn request_and_leave(addr: SocketAddr, body: &Value, leave: Leave) {
+    let request = post_request("/v1/completions", &body.to_string(), &[]);
+    let mut s = TcpStream::connect(addr).unwrap();
+    let _ = s.set_read_timeout(Some(Duration::from_secs(120)));
+    match leave {
+        Leave::MidBody => return drop(s.write_all(&request[..request.len() - body.to_string().len() / 2])),
+        _ => s.write_all(&request).unwrap(),
+    }
+    let (mut got, mut buf) = (Vec::new(), [0u8; 4096]);
+    let started = Instant::now();
+    loop {
+        match leave {
+            Leave::AtOnce => return,
+            Leave::AfterBytes(n) if got.len() >= n => return,
+            Leave::AfterMs(ms) if started.elapsed() >= Duration::from_millis(ms) => return,
+            _ => {}
+        }
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("{leave:?}: reading: {e}"),
+        }
+    }
+    assert!(!got.is_empty(), "{leave:?}: the server closed without an answer to {body}");
+    let reply = http::Reply::parse(&got);
+    let streamed = reply.header("content-type").is_some_and(|t| t.starts_with("text/event-stream"));
+    match leave {
+        Leave::AtTheEnd if reply.status == 200 && streamed => drop(reply.chunks()),
+        Leave::AtTheEnd if reply.status == 200 => drop(reply.json()),
+        Leave::AtTheEnd => drop(reply.error(reply.status)),
+        // The answer ended before the client meant to leave.
+        _ => {}
+    }
+}
+
+/// Four clients send streamed and whole completions of random prompts to a
+/// disaggregated pair of worker processes and hang up at random points: before the
+/// body is whole, at once, mid-prefill, mid-handoff, mid-stream. Afterwards no
+/// worker holds a used KV block, and a greedy request gives the text it gave before.
+#[test]
+fn clients_hanging_up_at_random_points_leave_no_block_held() {
+    let (p, d) = (worker("prefill"), worker("decode"));
+    let fe = frontend(&[&p, &d], "disaggregated", "tcp");
+    let probe = json!([504, 3575, 282, 4649, 314]);
+    let before = complete(fe.addr, &probe, 16);
+    let clients: Vec<_> = (0..4u64)
+        .map(|c| {
+            let addr = fe.addr;
+            std::thread::spawn(move || {
+                let mut rng = pdserve_types::rng::Rng::new(0xc1_1e47 + c);
+                for _ in 0..24 {
+                    let len = rng.range(20, 300) as usize;
+                    let prompt: Vec<u64> = (0..len).map(|_| rng.range(1000, 30_000)).collect();
+                    let body = json!({"prompt": prompt, "max_tokens": rng.range(1, 48),
+                                      "stream": rng.range(0, 2) == 1, "temperature": 0});
+                    let leave = match rng.range(0, 5) {
+                        0 => Leave::AtTheEnd,
+                        1 => Leave::AtOnce,
+                        2 => Leave::AfterBytes(rng.range(1, 3000) as usize),
+                        3 => Leave::AfterMs(rng.range(0, 1500)),
+                        _ => Leave::MidBody,
+                    };
+                    request_and_leave(addr, &body, leave);
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    assert_eq!(settle_used_blocks(fe.addr), 0.0, "a hung-up request kept its blocks");
+    assert_eq!(complete(fe.addr, &probe, 16), before, "the same greedy text after the hang-ups");
+}

@@ -675,10 +675,7 @@ fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
 /// What prefilling `tokens` on worker `e` costs the sequences decoding there: each
 /// waits out the prefill's compute (chunked prefill shares their steps).
 fn interference(e: &Entry, tokens: usize) -> f64 {
-    if e.role() == Role::Prefill || e.worker.load() == 0 {
-        return 0.0;
-    }
-    tokens as f64 * e.prefill.seconds_per_token()
+    policies::kv_aware::decode_delay(e.role(), e.worker.load(), tokens as f64 * e.prefill.seconds_per_token())
 }
 
 impl Generate for Router {

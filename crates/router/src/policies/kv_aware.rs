@@ -3,21 +3,34 @@
 //! prefix cache does not hold, at the worker's measured prefill pace (a fixed cost
 //! per prefill and a cost per computed token), plus the
 //! copy back of what it holds in host RAM or on disk, plus, where
-//! sequences decode, the same compute again for the delay they suffer (chunked
-//! prefill shares their steps). No overlap weight: a cached block is worth exactly
-//! the prefill it saves. A hot prefix therefore stays on its worker only until that
-//! worker's queue costs more than recomputing the prefix elsewhere, and then spreads.
-//! Ties (nothing cached, nothing queued) go to the fewest requests in flight.
+//! sequences decode, the delay they suffer: each of them waits out that compute
+//! (chunked prefill shares their steps), so a worker with many in flight costs as
+//! many times the compute. No overlap weight: a cached block is worth exactly the
+//! prefill it saves, to the request and to those it would delay. A hot prefix
+//! therefore stays on its worker only until that worker's queue and decodes cost
+//! more than recomputing the prefix elsewhere, and then spreads. Ties (nothing
+//! cached, nothing queued) go to the fewest requests in flight.
 
 use super::{Ask, Candidate, Policy};
+use pdserve_types::Role;
 
 pub struct KvAware;
 
-/// Predicted seconds to first token of `ask` on `c`.
+/// Predicted seconds to first token of `ask` on `c`, plus the delay its prefill
+/// adds to the sequences decoding there.
 pub fn predicted_ttft(ask: &Ask<'_>, c: &Candidate<'_>) -> f64 {
     let tokens = ask.prompt_len.saturating_sub(c.cached_tokens) as f64 * c.seconds_per_token;
-    let interference = if c.load > 0 { tokens } else { 0.0 };
-    c.queued_seconds + c.fixed_seconds + tokens + c.restore_seconds + interference
+    c.queued_seconds + c.fixed_seconds + tokens + c.restore_seconds + decode_delay(c.role, c.load, tokens)
+}
+
+/// What `compute` seconds of prefill on a worker of `role` with `in_flight`
+/// requests costs the sequences decoding there: each waits it out. A prefill
+/// worker decodes nothing.
+pub fn decode_delay(role: Role, in_flight: usize, compute: f64) -> f64 {
+    match role {
+        Role::Prefill => 0.0,
+        _ => in_flight as f64 * compute,
+    }
 }
 
 impl Policy for KvAware {
@@ -63,6 +76,25 @@ mod tests {
         // A slow disk (2 s) loses to computing everything on an idle `a`.
         let slow = Candidate { restore_seconds: 2.0, ..cached("b", 1, 900) };
         assert_eq!(p.pick(&ask, &[cached("a", 1, 0), slow]), Some(0));
+    }
+
+    #[test]
+    fn a_prefill_costs_every_sequence_decoding_there_and_spreads_decodes() {
+        let p = KvAware;
+        // A pace a hair faster does not outweigh more sequences to delay.
+        let quick_but_busy = Candidate { seconds_per_token: 0.99e-3, ..cand("a", 30) };
+        assert_eq!(p.pick(&ask(), &[quick_but_busy, cand("b", 5)]), Some(1));
+        // 900 cached tokens still win over 10 more sequences to delay: 100 tokens
+        // delay 12 of them (1.3 s), 1000 would delay 2 (3 s).
+        let holder = Candidate { cached_tokens: 900, ..cand("a", 12) };
+        let big = Ask { prompt_len: 1000, ..ask() };
+        assert_eq!(p.pick(&big, &[holder.clone(), cand("b", 2)]), Some(0));
+        // ...but not over 30 more: 100 tokens delaying 32 sequences cost 3.3 s.
+        let crowded = Candidate { load: 32, ..holder };
+        assert_eq!(p.pick(&big, &[crowded, cand("b", 2)]), Some(1));
+        // A prefill worker decodes nothing: its load is its queue, counted already.
+        assert_eq!(decode_delay(Role::Prefill, 9, 1.0), 0.0);
+        assert_eq!(decode_delay(Role::Mixed, 9, 1.0), 9.0);
     }
 
     #[test]

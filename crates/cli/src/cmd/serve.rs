@@ -10,6 +10,9 @@ use pdserve_router::planner::{model::Slo, Planner, PlannerConfig};
 use pdserve_router::{Mode, PolicyKind, Router};
 use pdserve_types::Role;
 use pdserve_worker::{LocalWorker, WorkerOptions};
+
+/// KV blocks per worker where `--kv-blocks` is not given.
+pub const KV_BLOCKS: usize = 1024;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
@@ -62,9 +65,10 @@ pub struct TopologyArgs {
     /// Compute threads per worker (default: the cores divided among the workers).
     #[arg(long)]
     pub threads_per_worker: Option<usize>,
-    /// KV blocks of 16 tokens per worker.
-    #[arg(long, default_value_t = 1024)]
-    pub kv_blocks: usize,
+    /// KV blocks of 16 tokens per worker [default: 1024; `pdserve sim`: the
+    /// profile's, which states what the profiled hardware holds].
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
     #[command(flatten)]
     pub tiers: super::KvTierArgs,
     /// How KV moves from prefill to decode workers: inproc (hand over the frames; the
@@ -161,7 +165,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             name: name.clone(),
             role: *role,
             model_name: m.name.clone(),
-            engine: EngineConfig { threads, num_blocks: t.kv_blocks, ..Default::default() },
+            engine: EngineConfig { threads, num_blocks: t.kv_blocks.unwrap_or(KV_BLOCKS), ..Default::default() },
             eog: m.tokenizer.eog_ids().to_vec(),
             key: key.clone(),
             grammars: grammars.clone(),

@@ -111,7 +111,7 @@ fn sim_topology(t: &TopologyArgs, admission: &AdmissionArgs, profile: &Profile, 
         mode: t.mode,
         policy: t.policy,
         threads,
-        kv_blocks: Some(t.kv_blocks),
+        kv_blocks: t.kv_blocks,
         via: t.kv_transport.unwrap_or(TransportKind::Inproc),
         planner: t.planner.then_some(model::Slo { ttft_s: slo.ttft_ms / 1e3, tpot_s: slo.tpot_ms / 1e3 }),
         // Workers whose threads fit the profile's machine share it, as `serve`'s do;

@@ -434,12 +434,9 @@ fn kill_busy_and_restart(
     pair: [(&'static str, usize); 2],
 ) -> &'static str {
     let fault = format!("kill -9 {role}");
-    // Prefill faults send four clients for the two prefill workers, so each keeps a
-    // prompt queued behind the one it computes and a fresh record that shows it busy
-    // still holds when the kill lands.
-    let (field, work, clients) =
-        if role == "decode" { ("running", Work::Streams, 2) } else { ("queued_prompt_tokens", Work::LongPrompts, 4) };
-    let load = Load::start(fe, clients, work);
+    let (field, work) =
+        if role == "decode" { ("running", Work::Streams) } else { ("queued_prompt_tokens", Work::LongPrompts) };
+    let load = Load::start(fe, 2, work);
     wait_for_requests(&load, 1);
     let mut busy = None;
     eventually(&format!("a {role} worker reports {field}"), || {

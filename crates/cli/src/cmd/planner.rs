@@ -252,7 +252,7 @@ fn decision_data(m: &Made<'_>, holder: &str, nodes: &FleetNames) -> serde_json::
     let d = m.decision;
     let predicted = |p: &pdserve_router::planner::model::Prediction| {
         serde_json::json!({"goodput": p.goodput, "ttft_attained": p.ttft_attained,
-            "tpot_attained": p.tpot_attained, "utilisation": p.utilisation})
+            "tpot_attained": p.tpot_attained, "utilisation": p.utilisation, "strain": p.strain})
     };
     let (t, r) = (m.traffic, m.rates);
     let switched: Vec<serde_json::Value> = m

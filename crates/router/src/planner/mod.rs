@@ -16,7 +16,7 @@ use model::{predict, Prediction, Rates, Shape, Slo};
 use pdserve_protocol::ServeError;
 use pdserve_types::{Assignment, DecodeSteps, Role};
 use signals::Traffic;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -56,6 +56,12 @@ impl PlannerConfig {
 /// Goodput differences below this many requests per second are noise.
 const MIN_GAIN: f64 = 0.02;
 
+/// Goodputs this close to `top` are taken as equal: the model's attainments are
+/// not finer than a percent.
+fn tie(top: f64) -> f64 {
+    MIN_GAIN.max(0.01 * top)
+}
+
 /// A decision to move from one vector to another, and what it rests on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
@@ -74,14 +80,20 @@ pub fn best_move(
     margin: f64,
 ) -> Option<Decision> {
     let now = predict(current);
-    let (to, then) = shapes
-        .iter()
-        .map(|&s| (s, predict(s)))
-        .max_by(|a, b| a.1.goodput.total_cmp(&b.1.goodput).then(b.0.cmp(&a.0)))?;
-    let better = then.goodput > now.goodput * (1.0 + margin) && then.goodput - now.goodput > MIN_GAIN;
     // Taking a worker from a role is safe only if those left keep up.
-    let fits = then.utilisation < 0.9 || now.utilisation >= OVERLOADED;
-    (to != current && better && fits).then(|| Decision { from: current, to, now, then, reason: reason(&now, &then) })
+    let fits = |p: &Prediction| p.utilisation < 0.9 || now.utilisation >= OVERLOADED;
+    let scored: Vec<(Shape, Prediction)> =
+        shapes.iter().map(|&s| (s, predict(s))).filter(|(s, p)| *s == current || fits(p)).collect();
+    let top = scored.iter().map(|(_, p)| p.goodput).fold(0.0, f64::max);
+    // Shapes within noise of the best serve the same traffic. The fewest prefill
+    // workers among them sit at the prefill queue's edge, the most at the decoders':
+    // the least strained is the one the next shift of traffic leaves serving.
+    let (to, then) = scored
+        .into_iter()
+        .filter(|(_, p)| p.goodput >= top - tie(top))
+        .min_by(|a, b| a.1.strain.total_cmp(&b.1.strain).then(a.0.cmp(&b.0)))?;
+    let better = then.goodput > now.goodput * (1.0 + margin) && then.goodput - now.goodput > MIN_GAIN;
+    (to != current && better).then(|| Decision { from: current, to, now, then, reason: reason(&now, &then) })
 }
 
 /// Whether a move seen on `seen` ticks in a row is made now. A vector whose queue
@@ -161,14 +173,21 @@ pub struct Planner {
     router: Arc<Router>,
     cfg: PlannerConfig,
     act: Arc<dyn Actuator>,
-    /// A better vector seen on consecutive ticks, and how many.
-    pending: Option<(Shape, u32)>,
+    /// Consecutive ticks on which some vector was clearly better.
+    pending: u32,
     last_switch: Option<Instant>,
     /// Decode-only steps of workers that left the set, kept so the fit survives them.
     steps: HashMap<String, DecodeSteps>,
     /// Each worker's KV capacity in tokens, as its stats last said.
     kv_tokens: HashMap<String, usize>,
+    /// Earlier windows of traffic, one per window length, over the last [`MEMORY`].
+    past: VecDeque<(Instant, Traffic)>,
 }
+
+/// How far back the planner remembers traffic when it weighs a shape's strain.
+const MEMORY: Duration = Duration::from_secs(60);
+/// The newest part of the window, where a shift shows first.
+const RECENT: Duration = Duration::from_secs(3);
 
 impl Planner {
     /// Starts planning the roles of `router`'s workers on its runtime.
@@ -184,10 +203,11 @@ impl Planner {
             router,
             cfg,
             act,
-            pending: None,
+            pending: 0,
             last_switch: None,
             steps: HashMap::new(),
             kv_tokens: HashMap::new(),
+            past: VecDeque::new(),
         };
         rt.spawn(async move {
             let mut tick = tokio::time::interval(p.cfg.tick);
@@ -214,7 +234,8 @@ impl Planner {
                 .iter()
                 .map(|&s| {
                     let p = predict(s, &traffic, &rates, &slo);
-                    format!("{s}={:.2}({:.2}/{:.2}/{:.2})", p.goodput, p.ttft_attained, p.tpot_attained, p.utilisation)
+                    let (g, tt, tp, u, st) = (p.goodput, p.ttft_attained, p.tpot_attained, p.utilisation, p.strain);
+                    format!("{s}={g:.2}({tt:.2}/{tp:.2}/{u:.2}/{st:.2})")
                 })
                 .collect();
             tracing::debug!(
@@ -225,16 +246,17 @@ impl Planner {
                 predicted = %scores.join(" "), "planner tick"
             );
         }
-        let decision = best_move(current, &shapes, |s| predict(s, &traffic, &rates, &slo), self.cfg.margin);
+        let recent = self.router.signals.traffic_within(RECENT, slo.ttft_s, slo.tpot_s);
+        self.remember(&traffic);
+        let decision = best_move(current, &shapes, |s| self.weigh(s, (&traffic, &recent), &rates), self.cfg.margin);
         let Some(d) = decision.filter(|d| borne_out(d, &traffic)) else {
-            self.pending = None;
+            self.pending = 0;
             return;
         };
-        let seen = match self.pending {
-            Some((s, n)) if s == d.to => n + 1,
-            _ => 1,
-        };
-        self.pending = Some((d.to, seen));
+        // The ticks in a row that wanted a move, wherever to: while a shift fills the
+        // window the best target drifts tick by tick, and the latest is the best.
+        let seen = self.pending + 1;
+        self.pending = seen;
         let cooling = self.last_switch.is_some_and(|t| t.elapsed() < self.cfg.cooldown);
         if !due(&d, seen, self.cfg.hold, cooling) {
             return;
@@ -253,8 +275,34 @@ impl Planner {
         self.router.telemetry.planned(&d.from.to_string(), &d.to.to_string(), d.reason);
         let (outcomes, control_ms) = self.apply(&entries, d.to).await;
         self.act.made(&Made { decision: &d, traffic: &traffic, rates: &rates, outcomes, control_ms });
-        self.pending = None;
+        self.pending = 0;
         self.last_switch = Some(Instant::now());
+    }
+
+    /// `shape`'s prediction for `traffic`, its strain the worst of that, of the
+    /// `recent` seconds' and of the remembered windows'. Traffic that shifts goes on
+    /// shifting the way the newest seconds show, where the window lags; traffic that
+    /// swings comes back: of the shapes that serve the window, the one that serves
+    /// both what comes and what came before is the one that needs no switch next.
+    fn weigh(&self, shape: Shape, (traffic, recent): (&Traffic, &Traffic), rates: &Rates) -> Prediction {
+        let mut p = predict(shape, traffic, rates, &self.cfg.slo);
+        let others = self.past.iter().map(|(_, t)| t).chain([recent]);
+        let worst = others.map(|t| predict(shape, t, rates, &self.cfg.slo).strain).fold(0.0, f64::max);
+        p.strain = p.strain.max(worst);
+        p
+    }
+
+    /// Keeps a window of traffic once a window length has passed since the last kept,
+    /// and forgets those older than [`MEMORY`].
+    fn remember(&mut self, traffic: &Traffic) {
+        let now = Instant::now();
+        let spacing = Duration::from_secs_f64(traffic.seconds.max(1.0));
+        if self.past.back().is_none_or(|(at, _)| now - *at >= spacing) && !traffic.samples.is_empty() {
+            self.past.push_back((now, traffic.clone()));
+        }
+        while self.past.front().is_some_and(|(at, _)| now - *at > MEMORY) {
+            self.past.pop_front();
+        }
     }
 
     /// Each worker's decode-only step sums and KV capacity, as its stats say.
@@ -365,7 +413,7 @@ mod tests {
     use super::*;
 
     fn pred(goodput: f64) -> Prediction {
-        Prediction { goodput, ttft_attained: 1.0, tpot_attained: 1.0, utilisation: 0.5 }
+        Prediction { goodput, ttft_attained: 1.0, tpot_attained: 1.0, utilisation: 0.5, strain: 0.5 }
     }
 
     const MIXED: Shape = Shape { prefill: 0, decode: 0, mixed: 2 };
@@ -408,6 +456,35 @@ mod tests {
         assert!(borne_out(&d("tpot"), &seen(0.6)));
         assert!(borne_out(&d("ttft"), &seen(1.0)), "queues show late: TTFT moves need no misses yet");
         assert!(borne_out(&d("overloaded"), &seen(1.0)));
+    }
+
+    #[test]
+    fn of_shapes_serving_the_same_traffic_the_least_strained_is_taken() {
+        // Sixteen workers, every split keeping up: few prefill workers run near the
+        // prefill queue's edge, many near the decoders' TPOT.
+        let shapes = Shape::candidates(16);
+        let split = |p: usize| Shape { prefill: p, decode: 16 - p, mixed: 0 };
+        let strained = |s: Shape| {
+            let strain = match s.mixed {
+                0 => 0.3 + 0.08 * (s.prefill as f64 - 6.0).abs(),
+                _ => 2.0,
+            };
+            Prediction { strain, ..pred(if s.mixed == 0 { 10.0 } else { 1.0 }) }
+        };
+        let current = Shape { prefill: 0, decode: 0, mixed: 16 };
+        assert_eq!(best_move(current, &shapes, strained, 0.15).unwrap().to, split(6));
+        // A clearly better goodput still wins over less strain.
+        let better = |s: Shape| match s == split(2) {
+            true => Prediction { strain: 0.9, ..pred(10.5) },
+            false => strained(s),
+        };
+        assert_eq!(best_move(current, &shapes, better, 0.15).unwrap().to, split(2));
+        // Within a percent it is a tie.
+        let tied = |s: Shape| match s == split(2) {
+            true => Prediction { strain: 0.9, ..pred(10.05) },
+            false => strained(s),
+        };
+        assert_eq!(best_move(current, &shapes, tied, 0.15).unwrap().to, split(6));
     }
 
     #[test]

@@ -76,21 +76,34 @@ pub struct Prediction {
     pub tpot_attained: f64,
     /// Busiest fraction of time among the roles (≥ 1: the queue grows without end).
     pub utilisation: f64,
+    /// How near its edge the nearest role runs: the larger of `utilisation` and the
+    /// decoders' TPOT over its SLO, and over 1 where requests miss their SLOs. Of two
+    /// shapes that serve the same traffic, the one with less strain keeps serving it
+    /// when the traffic moves.
+    pub strain: f64,
 }
 
 /// Prompt tokens per chunk of a mixed worker's steps (the engine's default batch).
 const CHUNK: usize = 512;
 /// Utilisation past which a queue is taken as unstable.
 const STABLE_BELOW: f64 = 0.97;
+/// Shares of requests missing their SLOs below this are noise.
+const MISS_NOISE: f64 = 0.01;
 /// Standard deviations of Poisson noise in the sequences a decoder holds that its
 /// blocks must also cover (about the 95th percentile).
 const KV_SIGMAS: f64 = 1.65;
 
 /// Predicts `shape` serving `t` with `rates`.
 pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Prediction {
-    let none = Prediction { goodput: 0.0, ttft_attained: 0.0, tpot_attained: 0.0, utilisation: f64::INFINITY };
+    let none = Prediction {
+        goodput: 0.0,
+        ttft_attained: 0.0,
+        tpot_attained: 0.0,
+        utilisation: f64::INFINITY,
+        strain: f64::INFINITY,
+    };
     if t.samples.is_empty() || t.rate <= 0.0 || shape.workers() == 0 {
-        return Prediction { goodput: 0.0, ttft_attained: 1.0, tpot_attained: 1.0, utilisation: 0.0 };
+        return Prediction { goodput: 0.0, ttft_attained: 1.0, tpot_attained: 1.0, utilisation: 0.0, strain: 0.0 };
     }
     let s = rates.prefill_s_per_token;
     let mean = |f: &dyn Fn(f64, f64) -> f64| {
@@ -118,7 +131,7 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
     let service = |isl: usize| isl as f64 * s * slow;
     let rho = t.rate / prefillers * mean_isl * s * slow;
     if rho >= STABLE_BELOW {
-        return Prediction { utilisation: rho, ..none };
+        return Prediction { utilisation: rho, strain: rho, ..none };
     }
     // KV on a decoder: each prompt's blocks from the start of its prefill (a
     // handoff reserves them once its prefill has a slot, and a second slot is taken
@@ -128,7 +141,7 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
     let tokens = t.rate / decoders * mean(&|i, o| i * (prefill_hold(i) + o * tpot) + o / 2.0 * o * tpot);
     let kv = kv_share(seqs, tokens, rates.kv_tokens);
     if kv >= 1.0 {
-        return Prediction { utilisation: kv, ..none };
+        return Prediction { utilisation: kv, strain: kv, ..none };
     }
     let es = t.samples.iter().map(|&(i, _)| service(i)).sum::<f64>() / t.samples.len() as f64;
     let es2 = t.samples.iter().map(|&(i, _)| service(i).powi(2)).sum::<f64>() / t.samples.len() as f64;
@@ -160,11 +173,18 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
         ),
     };
     let tpot_attained = t.samples.iter().map(|&x| tpot_ok(x)).sum::<f64>() / t.samples.len() as f64;
+    let utilisation = rho.max(prefill_busy).max(kv);
+    // A shape that misses the SLOs for some requests is past its edge, further the
+    // more it misses: a mixed worker's prefills slow its decodes before any queue
+    // or batch is near full.
+    let attained = ttft_attained * tpot_attained;
+    let missing = if attained < 1.0 - MISS_NOISE { 2.0 - attained } else { 0.0 };
     Prediction {
         goodput: t.rate * ttft_attained * tpot_attained,
         ttft_attained,
         tpot_attained,
-        utilisation: rho.max(prefill_busy).max(kv),
+        utilisation,
+        strain: utilisation.max(tpot / slo.tpot_s).max(missing),
     }
 }
 

@@ -84,11 +84,18 @@ impl Signals {
 
     /// The traffic of the window up to now, judged against the SLOs.
     pub fn traffic(&self, ttft_slo: f64, tpot_slo: f64) -> Traffic {
+        self.traffic_within(self.window, ttft_slo, tpot_slo)
+    }
+
+    /// The traffic of the last `window` (at most the whole window), judged against
+    /// the SLOs.
+    pub fn traffic_within(&self, window: Duration, ttft_slo: f64, tpot_slo: f64) -> Traffic {
+        let window = window.min(self.window);
         let now = Instant::now();
         let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
-        let live: Vec<Record> = records.iter().filter(|(at, _)| now - *at <= self.window).map(|&(_, r)| r).collect();
+        let live: Vec<Record> = records.iter().filter(|(at, _)| now - *at <= window).map(|&(_, r)| r).collect();
         drop(records);
-        let seconds = self.window.as_secs_f64();
+        let seconds = window.as_secs_f64();
         let (mut used, mut asked, mut out_tokens) = (0usize, 0usize, 0usize);
         let (mut ended, mut failed, mut ttft_ok, mut tpot_ok) = (0usize, 0usize, 0usize, 0usize);
         for r in &live {

@@ -311,10 +311,9 @@ fn request_and_leave(addr: SocketAddr, body: &Value, leave: Leave) {
     }
     assert!(!got.is_empty(), "{leave:?}: the server closed without an answer to {body}");
     let reply = http::Reply::parse(&got);
-    let streamed = reply.header("content-type").is_some_and(|t| t.starts_with("text/event-stream"));
     match leave {
-        Leave::AtTheEnd if reply.status == 200 && streamed => drop(reply.chunks()),
-        Leave::AtTheEnd if reply.status == 200 => drop(reply.json()),
+        Leave::AtTheEnd if reply.status == 200 && reply.is_stream() => drop(reply.chunks_of(body)),
+        Leave::AtTheEnd if reply.status == 200 => drop(reply.json_of(body)),
         Leave::AtTheEnd => drop(reply.error(reply.status)),
         // The answer ended before the client meant to leave.
         _ => {}

@@ -187,15 +187,12 @@ pub fn endpoints() -> Vec<Endpoint> {
 
 /// A whole answer: JSON, or SSE ending in `[DONE]` whose events are JSON.
 fn check_answer(reply: &Reply, body: &Value) {
-    if reply.header("content-type").is_some_and(|t| t.starts_with("text/event-stream")) {
-        let events = reply.events();
-        assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}: {}", reply.text());
-        for e in &events[..events.len() - 1] {
-            let v: Value = serde_json::from_str(e).unwrap_or_else(|err| panic!("{body}: event {e:?}: {err}"));
+    if reply.is_stream() {
+        for v in reply.chunks_of(body) {
             assert!(v.get("error").is_none() || v["error"]["message"].is_string(), "{body}: {v}");
         }
     } else {
-        let v: Value = serde_json::from_slice(&reply.body).unwrap_or_else(|e| panic!("{body}: not JSON ({e})"));
+        let v = reply.json_of(body);
         assert!(v.is_object(), "{body}: {v}");
     }
 }

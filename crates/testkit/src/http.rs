@@ -107,7 +107,17 @@ impl Reply {
     }
 
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+        self.json_of("")
+    }
+
+    /// The body as JSON, naming `context` (what was asked) if it is not.
+    pub fn json_of(&self, context: impl std::fmt::Display) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{context}: not JSON ({e}): {}", self.text()))
+    }
+
+    /// Whether the body is a server-sent event stream.
+    pub fn is_stream(&self) -> bool {
+        self.header("content-type").is_some_and(|t| t.starts_with("text/event-stream"))
     }
 
     /// The `data:` payloads of an SSE body, checking the framing on the way.
@@ -122,9 +132,14 @@ impl Reply {
 
     /// The JSON chunks of an SSE body; asserts it ends with `[DONE]`.
     pub fn chunks(&self) -> Vec<Value> {
+        self.chunks_of("")
+    }
+
+    /// [`Reply::chunks`], naming `context` (what was asked) in a failure.
+    pub fn chunks_of(&self, context: impl std::fmt::Display) -> Vec<Value> {
         let mut events = self.events();
-        assert_eq!(events.pop().as_deref(), Some("[DONE]"));
-        events.iter().map(|e| serde_json::from_str(e).unwrap_or_else(|err| panic!("{err}: {e}"))).collect()
+        assert_eq!(events.pop().as_deref(), Some("[DONE]"), "{context}: {}", self.text());
+        events.iter().map(|e| serde_json::from_str(e).unwrap_or_else(|err| panic!("{context}: {err}: {e}"))).collect()
     }
 
     /// Asserts an OpenAI error body with this status; returns the `error` object.

@@ -311,7 +311,9 @@ async fn a_failed_prefill_starts_over_on_the_spare_prefill_worker() {
 
 /// Long prompts arriving together on the default topology (one prefill and one decode
 /// worker of 1024 blocks): every one is served — none refused because the decode
-/// worker's command queue filled with frames — and no block stays reserved.
+/// worker's command queue filled with frames (each prompt is 7,500 frames, the queue
+/// 4,096) — and no block stays reserved. One round: a second took four more minutes
+/// of prefill and found nothing the block count after the first does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_long_prompts_are_served_not_refused() {
     let workers = [
@@ -324,12 +326,10 @@ async fn concurrent_long_prompts_are_served_not_refused() {
         req.prompt = (0..4000u32).map(|t| 1000 + (t * 7919 + i as u32 * 31) % 30000).collect();
         req
     };
-    for round in 0..2u64 {
-        let streams: Vec<_> = (0..3).map(|i| r.generate(long(round * 3 + i)).unwrap()).collect();
-        for (toks, end) in collect_all(streams).await {
-            assert!(matches!(end, Event::Done { .. }), "{end:?}");
-            assert_eq!(toks.len(), 8);
-        }
+    let streams: Vec<_> = (0..3).map(|i| r.generate(long(i)).unwrap()).collect();
+    for (toks, end) in collect_all(streams).await {
+        assert!(matches!(end, Event::Done { .. }), "{end:?}");
+        assert_eq!(toks.len(), 8);
     }
     assert_eq!(settle(&r).await, 0);
 }

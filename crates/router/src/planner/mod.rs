@@ -186,8 +186,10 @@ pub struct Planner {
 
 /// How far back the planner remembers traffic when it weighs a shape's strain.
 const MEMORY: Duration = Duration::from_secs(60);
-/// The newest part of the window, where a shift shows first.
+/// The newest part of the window, where a shift shows first...
 const RECENT: Duration = Duration::from_secs(3);
+/// ...and the requests it must hold to be judged by.
+const RECENT_SAMPLES: usize = 30;
 
 impl Planner {
     /// Starts planning the roles of `router`'s workers on its runtime.
@@ -280,15 +282,25 @@ impl Planner {
     }
 
     /// `shape`'s prediction for `traffic`, its strain the worst of that, of the
-    /// `recent` seconds' and of the remembered windows'. Traffic that shifts goes on
-    /// shifting the way the newest seconds show, where the window lags; traffic that
-    /// swings comes back: of the shapes that serve the window, the one that serves
-    /// both what comes and what came before is the one that needs no switch next.
+    /// `recent` seconds' and of the remembered windows', and its goodput that of
+    /// the lower attainment of the window and the recent seconds. Traffic that
+    /// shifts goes on shifting the way the newest seconds show, where the window
+    /// lags; traffic that swings comes back: of the shapes that serve the window,
+    /// the one that serves both what comes and what came before is the one that
+    /// needs no switch next.
     fn weigh(&self, shape: Shape, (traffic, recent): (&Traffic, &Traffic), rates: &Rates) -> Prediction {
-        let mut p = predict(shape, traffic, rates, &self.cfg.slo);
-        let others = self.past.iter().map(|(_, t)| t).chain([recent]);
-        let worst = others.map(|t| predict(shape, t, rates, &self.cfg.slo).strain).fold(0.0, f64::max);
+        let slo = &self.cfg.slo;
+        let mut p = predict(shape, traffic, rates, slo);
+        let worst = self.past.iter().map(|(_, t)| predict(shape, t, rates, slo).strain).fold(0.0, f64::max);
         p.strain = p.strain.max(worst);
+        // Where the newest seconds hold enough requests to judge by, a shape must
+        // also serve them: after a shift the window still holds the old traffic.
+        if recent.samples.len() >= RECENT_SAMPLES {
+            let r = predict(shape, recent, rates, slo);
+            let share = |p: &Prediction, t: &Traffic| p.goodput / t.rate;
+            p.goodput = traffic.rate * share(&p, traffic).min(share(&r, recent));
+            p.strain = p.strain.max(r.strain);
+        }
         p
     }
 

@@ -123,7 +123,12 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
     // Decode first: sequences per decoder and the time a step takes.
     let per_decoder = t.rate / decoders * mean_osl;
     let prefill_busy = if mixed { t.rate / prefillers * mean_isl * s } else { 0.0 };
-    let Some((batch, tpot)) = decode_batch(per_decoder, (a, b), prefill_busy) else { return none };
+    let Some((batch, tpot)) = decode_batch(per_decoder, (a, b), prefill_busy) else {
+        // How far past keeping up the decoders are, so that shapes that all fail
+        // still rank.
+        let decoding = (prefill_busy + per_decoder * b).max(1.0);
+        return Prediction { utilisation: decoding, strain: decoding, ..none };
+    };
     // Prefill: a queue. On a mixed worker each chunk rides along a decode step and
     // pays that step's time too.
     let step = a + b * batch;
@@ -325,6 +330,28 @@ mod tests {
         for s in Shape::candidates(16).into_iter().filter(|s| s.mixed == 0) {
             assert!(score(s) < all_mixed, "{s}");
         }
+    }
+
+    #[test]
+    fn strain_ranks_shapes_that_serve_and_shapes_that_fail() {
+        // 0.5/s of 512-token answers at a 10 ms TPOT on 16 workers: every split keeps
+        // up, and more decoders run further from the TPOT edge.
+        let slo = Slo { ttft_s: 5.0, tpot_s: 0.010 };
+        let split = |p: usize| Shape { prefill: p, decode: 16 - p, mixed: 0 };
+        let t = traffic(4.0, 128, 512);
+        let strain = |s| predict(s, &t, &RATES, &slo).strain;
+        assert!(
+            strain(split(2)) < strain(split(8)) && strain(split(8)) < 1.0,
+            "{} {}",
+            strain(split(2)),
+            strain(split(8))
+        );
+        // Ten times that: the decoders of every split fall behind, the fewer the
+        // further, and still rank, so the least bad can be told.
+        let t = traffic(40.0, 128, 512);
+        let (few, many) = (predict(split(12), &t, &RATES, &slo), predict(split(4), &t, &RATES, &slo));
+        assert!(few.goodput == 0.0 && many.goodput == 0.0, "{few:?} {many:?}");
+        assert!(many.strain.is_finite() && 1.0 <= many.strain && many.strain < few.strain, "{few:?} {many:?}");
     }
 
     #[test]

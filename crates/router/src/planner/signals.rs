@@ -161,4 +161,21 @@ mod tests {
         assert_eq!(t.osl, [32, 32, 32]);
         assert_eq!((t.ended, t.ttft_attained, t.tpot_attained), (2, 0.5, 1.0));
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_newest_seconds_show_a_shift_the_window_still_averages() {
+        let s = Signals::new(Duration::from_secs(12));
+        for _ in 0..90 {
+            s.arrived(128, 512);
+        }
+        tokio::time::advance(Duration::from_secs(9)).await;
+        for _ in 0..30 {
+            s.arrived(2048, 32);
+        }
+        let (whole, newest) = (s.traffic(5.0, 0.05), s.traffic_within(Duration::from_secs(3), 5.0, 0.05));
+        assert!((whole.rate - 10.0).abs() < 1e-9 && whole.isl[1] == 128, "{whole:?}");
+        assert!((newest.rate - 10.0).abs() < 1e-9 && newest.isl == [2048; 3], "{newest:?}");
+        // Never more than the window kept.
+        assert_eq!(s.traffic_within(Duration::from_secs(60), 5.0, 0.05), whole);
+    }
 }

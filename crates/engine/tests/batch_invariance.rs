@@ -183,3 +183,19 @@ fn two_threads_match_one() {
         assert_same(&format!("target {i} batched on two threads"), want, &out[&(i as u64)]);
     }
 }
+
+/// The planner's prefill pace comes from the steps that computed prompt tokens only:
+/// a prompt run alone in 32-token chunks counts each chunk there, every prompt token
+/// once, and its decode steps apart.
+#[test]
+fn prefill_only_steps_are_counted_apart_from_decode_steps() {
+    let mut e = engine(1, 32);
+    let prompt = tokens(TARGETS[1]);
+    e.add(RequestId(0), prompt.clone(), greedy()).unwrap();
+    drain(&mut e);
+    let s = e.stats();
+    assert_eq!(s.prefill_steps.tokens, prompt.len() as u64);
+    assert_eq!(s.prefill_steps.steps, prompt.len().div_ceil(32) as u64);
+    assert_eq!(s.decode_steps.steps, u64::from(GEN) - 1);
+    assert!(s.prefill_steps.fit().is_some_and(|(fixed, per_token)| fixed >= 0.0 && per_token > 0.0));
+}

@@ -18,7 +18,9 @@
 use crate::{EventSender, GenerateRequest, ServeError};
 use pdserve_kv::{BlockHash, KvEvent, Tier, TierCounters, TierStats};
 use pdserve_kv_transfer::{HandoffToken, KvTarget, TransportKind};
-use pdserve_types::{Assignment, DecodeSteps, Epoch, FinishReason, RequestId, Role, SamplingParams, TokenId, TokenOut};
+use pdserve_types::{
+    Assignment, DecodeSteps, Epoch, FinishReason, PrefillSteps, RequestId, Role, SamplingParams, TokenId, TokenOut,
+};
 use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::pin::Pin;
@@ -289,6 +291,9 @@ pub struct WorkerStats {
     /// Running sums over its decode-only steps since it started.
     #[serde(default)]
     pub decode_steps: DecodeSteps,
+    /// Running sums over its prefill-only steps since it started.
+    #[serde(default)]
+    pub prefill_steps: PrefillSteps,
     /// Blocks its lower tiers stored and restored since it started.
     #[serde(default)]
     pub tiers: TierCounters,

@@ -20,6 +20,6 @@ pub use ids::{RequestId, TokenId};
 pub use kv::KvFrame;
 pub use role::{Assignment, Epoch, Role};
 pub use sampling::{SamplingError, SamplingParams, StopCondition};
-pub use steps::{DecodeSteps, StepFit};
+pub use steps::{DecodeSteps, PrefillSteps, StepFit};
 pub use token::{FinishReason, TokenOut};
 pub use traffic::RequestSample;

@@ -152,8 +152,84 @@ fn solve(gram: &[[f64; 3]; 3], rhs: &[f64; 3], subset: &[usize]) -> Option<[f64;
     coef.iter().all(|&c| c >= 0.0).then_some(coef)
 }
 
+/// Running sums over an engine's prefill-only steps (every row a prompt chunk): the
+/// prompt tokens they computed and the time they took, enough to fit a step's time
+/// as a fixed cost plus a cost per token. That is a prefill worker's own pace,
+/// nothing of the queues and transfers around its steps in it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PrefillSteps {
+    pub steps: u64,
+    pub tokens: u64,
+    pub seconds: f64,
+    /// Sums of tokens² and of tokens × seconds, per step.
+    pub tokens_sq: f64,
+    pub token_seconds: f64,
+}
+
+impl PrefillSteps {
+    pub fn record(&mut self, tokens: usize, seconds: f64) {
+        self.steps += 1;
+        self.tokens += tokens as u64;
+        self.seconds += seconds;
+        self.tokens_sq += (tokens * tokens) as f64;
+        self.token_seconds += tokens as f64 * seconds;
+    }
+
+    /// The sums of `self` less an earlier reading of the same counter.
+    pub fn since(&self, earlier: &PrefillSteps) -> PrefillSteps {
+        PrefillSteps {
+            steps: self.steps.saturating_sub(earlier.steps),
+            tokens: self.tokens.saturating_sub(earlier.tokens),
+            seconds: (self.seconds - earlier.seconds).max(0.0),
+            tokens_sq: (self.tokens_sq - earlier.tokens_sq).max(0.0),
+            token_seconds: (self.token_seconds - earlier.token_seconds).max(0.0),
+        }
+    }
+
+    /// A step's `(fixed seconds, seconds per token)`, by least squares over steps of
+    /// several sizes; steps all of one size tell no fixed cost apart, and give their
+    /// mean pace with none.
+    pub fn fit(&self) -> Option<(f64, f64)> {
+        if self.tokens == 0 {
+            return None;
+        }
+        let (n, x, y) = (self.steps as f64, self.tokens as f64, self.seconds);
+        let spread = n * self.tokens_sq - x * x;
+        let per_token = (n * self.token_seconds - x * y) / spread;
+        if spread <= 1e-6 * n * self.tokens_sq || per_token <= 0.0 {
+            return Some((0.0, y / x));
+        }
+        let fixed = ((y - per_token * x) / n).max(0.0);
+        Some((fixed, (y - fixed * n) / x))
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::PrefillSteps;
+
+    #[test]
+    fn prefill_steps_of_two_sizes_tell_the_fixed_cost_from_the_pace() {
+        let mut p = PrefillSteps::default();
+        for tokens in [2048, 4096, 2048, 4096, 8192] {
+            p.record(tokens, 0.007 + tokens as f64 * 2e-5);
+        }
+        let (fixed, per_token) = p.fit().unwrap();
+        assert!((fixed - 0.007).abs() < 1e-9 && (per_token - 2e-5).abs() < 1e-12, "{fixed} {per_token}");
+        // One size only: its mean pace, no fixed cost.
+        let mut one = PrefillSteps::default();
+        one.record(2048, 0.05);
+        one.record(2048, 0.05);
+        assert_eq!(one.fit(), Some((0.0, 0.05 / 2048.0)));
+        assert_eq!(PrefillSteps::default().fit(), None);
+        let later = {
+            let mut l = p;
+            l.record(1024, 0.03);
+            l
+        };
+        assert_eq!(later.since(&p).tokens, 1024);
+    }
+
     use super::*;
 
     fn close(a: f64, b: f64) -> bool {

@@ -316,6 +316,7 @@ impl Loop {
                     // The handle fills it in: the loop does not know roles.
                     assignment: None,
                     decode_steps: s.decode_steps,
+                    prefill_steps: s.prefill_steps,
                     tiers: s.tiers,
                 });
             }

@@ -20,7 +20,7 @@ use crate::tiers::{TierBytes, TierConfig, TierError};
 use crate::timed::TimedModel;
 use pdserve_kv::{BlockPool, PoolStats, TierCounters};
 use pdserve_types::TokenOut;
-use pdserve_types::{DecodeSteps, RequestId, SamplingParams};
+use pdserve_types::{DecodeSteps, PrefillSteps, RequestId, SamplingParams};
 use sequence::Sequence;
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -101,6 +101,8 @@ pub struct EngineStats {
     pub masks: (u64, f64),
     /// Steps that decoded only (the planner fits its decode cost to them).
     pub decode_steps: DecodeSteps,
+    /// Steps that prefilled only (the planner takes a prefill worker's pace from them).
+    pub prefill_steps: PrefillSteps,
     /// Blocks the lower tiers took and gave back (all zero without tiers).
     pub tiers: TierCounters,
 }
@@ -130,6 +132,7 @@ pub struct Engine {
     /// How long this engine's constraints took to compute their masks.
     masks: Arc<MaskClock>,
     decode_steps: DecodeSteps,
+    prefill_steps: PrefillSteps,
     /// Seconds of modelled compute not yet taken by [`Engine::take_charged`].
     charged: f64,
     /// Core-seconds its threads sat idle in those steps ([`Engine::take_idle`]).
@@ -171,6 +174,7 @@ impl Engine {
             grammars: None,
             masks: Arc::default(),
             decode_steps: DecodeSteps::default(),
+            prefill_steps: PrefillSteps::default(),
             charged: 0.0,
             idle: 0.0,
             stalled: false,
@@ -357,6 +361,7 @@ impl Engine {
             blocks: self.blocks.stats(),
             masks: self.masks.totals(),
             decode_steps: self.decode_steps,
+            prefill_steps: self.prefill_steps,
             tiers: self.tiers.as_ref().map(|t| t.counters).unwrap_or_default(),
         }
     }

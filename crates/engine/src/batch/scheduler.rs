@@ -74,6 +74,9 @@ impl Engine {
             .collect();
         // A step of one token per sequence, every one sampled, decodes only.
         let decoding = plan.iter().all(|p| p.n == 1 && p.logits && self.running[p.seq].is_decoding());
+        // A step of prompt chunks only prefills only.
+        let prefilling = plan.iter().all(|p| !self.running[p.seq].is_decoding());
+        let prompt_tokens: usize = plan.iter().map(|p| p.n).sum();
         // The tokens the step attends over: a decode step's cost grows with them.
         let context: usize = plan.iter().map(|p| self.running[p.seq].computed).sum();
         let (started, charged) = (std::time::Instant::now(), self.charged);
@@ -108,13 +111,15 @@ impl Engine {
                     self.running[p.seq].prompt_scores.extend(got);
                 }
                 let out = self.finish_step(&plan, logits);
+                // A timed engine's step took what its model said, on any clock.
+                let took = match self.compute {
+                    Compute::Model(_) => started.elapsed().as_secs_f64(),
+                    Compute::Timed(_) => self.charged - charged,
+                };
                 if decoding {
-                    // A timed engine's step took what its model said, on any clock.
-                    let took = match self.compute {
-                        Compute::Model(_) => started.elapsed().as_secs_f64(),
-                        Compute::Timed(_) => self.charged - charged,
-                    };
                     self.decode_steps.record(plan.len(), context, took);
+                } else if prefilling && prompt_tokens > 0 {
+                    self.prefill_steps.record(prompt_tokens, took);
                 }
                 out
             }

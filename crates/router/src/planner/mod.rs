@@ -14,7 +14,7 @@ use crate::workers::{Entry, PREFILL_SLOTS, STATS_WAIT};
 use crate::{Router, BLOCK_SIZE};
 use model::{predict, Prediction, Rates, Shape, Slo};
 use pdserve_protocol::ServeError;
-use pdserve_types::{Assignment, DecodeSteps, Role};
+use pdserve_types::{Assignment, DecodeSteps, PrefillSteps, Role};
 use signals::Traffic;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -180,8 +180,25 @@ pub struct Planner {
     steps: HashMap<String, DecodeSteps>,
     /// Each worker's KV capacity in tokens, as its stats last said.
     kv_tokens: HashMap<String, usize>,
+    /// Each worker's prefill-step sums when its pace was last taken, and that pace
+    /// as `(fixed seconds a step, seconds a token)`, over at least
+    /// [`PACE_FROM_TOKENS`] prompt tokens.
+    prefill_pace: HashMap<String, (PrefillSteps, Option<(f64, f64)>)>,
     /// Earlier windows of traffic, one per window length, over the last [`MEMORY`].
     past: VecDeque<(Instant, Traffic)>,
+}
+
+/// Prompt tokens a worker's prefill pace is taken over: enough steps that one
+/// prompt's length does not set it, few enough to follow the traffic's lengths.
+const PACE_FROM_TOKENS: u64 = 32_768;
+
+/// The traffic a tick weighs shapes by.
+struct Seen<'a> {
+    window: &'a Traffic,
+    /// The newest [`RECENT`] seconds of it.
+    recent: &'a Traffic,
+    /// Whether the running shape falls behind the window.
+    shifting: bool,
 }
 
 /// How far back the planner remembers traffic when it weighs a shape's strain.
@@ -209,10 +226,14 @@ impl Planner {
             last_switch: None,
             steps: HashMap::new(),
             kv_tokens: HashMap::new(),
+            prefill_pace: HashMap::new(),
             past: VecDeque::new(),
         };
         rt.spawn(async move {
             let mut tick = tokio::time::interval(p.cfg.tick);
+            // A tick that ran long (slow stats) is not made up for with a burst: ticks
+            // in a row on one window would count as a move held for seconds.
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
                 p.tick().await;
@@ -245,12 +266,15 @@ impl Planner {
                 prefill_ms_per_token = rates.prefill_s_per_token * 1e3,
                 step_ms = rates.step.fixed * 1e3, step_ms_per_seq = rates.step.per_row * 1e3,
                 step_us_per_context_token = rates.step.per_context * 1e6, kv_tokens = rates.kv_tokens,
-                predicted = %scores.join(" "), "planner tick"
+                prefill_fixed_ms = rates.prefill_fixed_s * 1e3, backlog_s = rates.backlog_s, predicted = %scores.join(" "), "planner tick"
             );
         }
         let recent = self.router.signals.traffic_within(RECENT, slo.ttft_s, slo.tpot_s);
         self.remember(&traffic);
-        let decision = best_move(current, &shapes, |s| self.weigh(s, (&traffic, &recent), &rates), self.cfg.margin);
+        // The running shape falling behind on the window itself: a shift under way.
+        let shifting = predict(current, &traffic, &rates, &slo).utilisation >= OVERLOADED;
+        let seen = Seen { window: &traffic, recent: &recent, shifting };
+        let decision = best_move(current, &shapes, |s| self.weigh(s, &seen, &rates), self.cfg.margin);
         let Some(d) = decision.filter(|d| borne_out(d, &traffic)) else {
             self.pending = 0;
             return;
@@ -272,7 +296,7 @@ impl Planner {
             prefill_ms_per_token = rates.prefill_s_per_token * 1e3,
             step_ms = rates.step.fixed * 1e3, step_ms_per_seq = rates.step.per_row * 1e3,
             step_us_per_context_token = rates.step.per_context * 1e6, kv_tokens = rates.kv_tokens,
-            "planner: switching roles"
+            prefill_fixed_ms = rates.prefill_fixed_s * 1e3, backlog_s = rates.backlog_s, "planner: switching roles"
         );
         self.router.telemetry.planned(&d.from.to_string(), &d.to.to_string(), d.reason);
         let (outcomes, control_ms) = self.apply(&entries, d.to).await;
@@ -281,24 +305,26 @@ impl Planner {
         self.last_switch = Some(Instant::now());
     }
 
-    /// `shape`'s prediction for `traffic`, its strain the worst of that, of the
-    /// `recent` seconds' and of the remembered windows', and its goodput that of
-    /// the lower attainment of the window and the recent seconds. Traffic that
-    /// shifts goes on shifting the way the newest seconds show, where the window
-    /// lags; traffic that swings comes back: of the shapes that serve the window,
-    /// the one that serves both what comes and what came before is the one that
-    /// needs no switch next.
-    fn weigh(&self, shape: Shape, (traffic, recent): (&Traffic, &Traffic), rates: &Rates) -> Prediction {
+    /// `shape`'s prediction for the window, its strain the worst of that, of the
+    /// recent seconds' and of the remembered windows'. Traffic that swings comes
+    /// back: of the shapes that serve the window, the one that serves both what
+    /// comes and what came before is the one that needs no switch next. While a
+    /// shift is under way, a shape must also serve the recent seconds: the window
+    /// still holds the old traffic, and a planner that followed it alone would
+    /// climb a worker a tick. Otherwise they count only toward strain: a burst the
+    /// queue absorbs, which a planner that served it would chase half a swing late.
+    fn weigh(&self, shape: Shape, seen: &Seen<'_>, rates: &Rates) -> Prediction {
         let slo = &self.cfg.slo;
+        let (traffic, recent) = (seen.window, seen.recent);
         let mut p = predict(shape, traffic, rates, slo);
         let worst = self.past.iter().map(|(_, t)| predict(shape, t, rates, slo).strain).fold(0.0, f64::max);
         p.strain = p.strain.max(worst);
-        // Where the newest seconds hold enough requests to judge by, a shape must
-        // also serve them: after a shift the window still holds the old traffic.
         if recent.samples.len() >= RECENT_SAMPLES {
             let r = predict(shape, recent, rates, slo);
-            let share = |p: &Prediction, t: &Traffic| p.goodput / t.rate;
-            p.goodput = traffic.rate * share(&p, traffic).min(share(&r, recent));
+            if seen.shifting {
+                let share = |p: &Prediction, t: &Traffic| p.goodput / t.rate;
+                p.goodput = traffic.rate * share(&p, traffic).min(share(&r, recent));
+            }
             p.strain = p.strain.max(r.strain);
         }
         p
@@ -322,6 +348,11 @@ impl Planner {
         for e in entries {
             if let Some(s) = e.poll_stats().await {
                 self.steps.insert(e.name().to_string(), s.decode_steps);
+                let (taken, pace) = self.prefill_pace.entry(e.name().to_string()).or_default();
+                let new = s.prefill_steps.since(taken);
+                if new.tokens >= PACE_FROM_TOKENS {
+                    (*taken, *pace) = (s.prefill_steps, new.fit());
+                }
                 self.kv_tokens
                     .insert(e.name().to_string(), (s.blocks.free + s.blocks.used + s.blocks.cached) * BLOCK_SIZE);
             }
@@ -330,15 +361,38 @@ impl Planner {
 
     /// The measured rates, once every one of them was measured.
     fn rates(&self, entries: &[Arc<Entry>]) -> Option<Rates> {
-        // The fastest pace seen is the closest to a worker prefilling alone.
-        let prefill = entries.iter().filter_map(|e| e.prefill.measured()).min_by(f64::total_cmp)?;
+        let (fixed, prefill) = self.prefill_rates(entries)?;
         let mut all = DecodeSteps::default();
         for s in self.steps.values() {
             all.add(s);
         }
         // The smallest pool bounds what a decoder may be asked to hold.
         let kv = entries.iter().filter_map(|e| self.kv_tokens.get(e.name())).min().copied().unwrap_or(0);
-        Some(Rates { prefill_s_per_token: prefill, step: all.fit()?, kv_tokens: kv as f64 })
+        let backlog = entries.iter().map(|e| e.prefill.queued_seconds_at((fixed, prefill))).sum();
+        Some(Rates {
+            prefill_s_per_token: prefill,
+            prefill_fixed_s: fixed,
+            step: all.fit()?,
+            kv_tokens: kv as f64,
+            backlog_s: backlog,
+        })
+    }
+
+    /// A prompt's `(fixed seconds, seconds per token)` of prefill. From the workers'
+    /// own prefill steps where they took any (the median worker's): those hold
+    /// every cost a prompt brings, a step's fixed cost included, and nothing of the
+    /// queues around them. Near the edge, where it matters, each step carries a
+    /// prompt per slot, which share its fixed cost. Before any, the fastest pace the
+    /// router timed against a queue: the closest to a worker prefilling alone.
+    fn prefill_rates(&self, entries: &[Arc<Entry>]) -> Option<(f64, f64)> {
+        let stepped: Vec<(f64, f64)> = entries.iter().filter_map(|e| self.prefill_pace.get(e.name())?.1).collect();
+        match median(stepped.iter().map(|p| p.1).collect()) {
+            Some(pace) => {
+                let fixed = median(stepped.iter().map(|p| p.0).collect()).unwrap_or(0.0);
+                Some((fixed / PREFILL_SLOTS as f64, pace))
+            }
+            None => Some((0.0, entries.iter().filter_map(|e| e.prefill.measured()).min_by(f64::total_cmp)?)),
+        }
     }
 
     /// Gives the workers the roles of `to`, moving as few as possible: prefill goes to
@@ -407,6 +461,12 @@ async fn drain(router: Arc<Router>, act: Arc<dyn Actuator>, e: Arc<Entry>, from:
             tracing::warn!(worker = e.name(), error = %err, "switching back failed");
         }
     }
+}
+
+/// The lower median: of two workers, the faster.
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len().saturating_sub(1) / 2).copied()
 }
 
 /// The role vector of `entries`.

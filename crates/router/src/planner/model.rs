@@ -2,9 +2,11 @@
 //! window and what the workers measured of themselves, the goodput each role vector
 //! would give at the SLOs.
 //!
-//! Prefill is a queue: a prompt of `n` tokens takes `n × s` seconds of one worker
-//! (`s` measured per token), prompts wait as in an M/G/1 queue (Pollaczek–Khinchine
-//! mean, exponential tail). Decode is a batch: a step of `B` sequences takes
+//! Prefill is a queue: a prompt of `n` tokens takes `f + n × s` seconds of one
+//! worker (`f` its share of a step's fixed cost, both measured from the workers'
+//! own prefill steps where they took any), prompts wait as in an M/G/1 queue
+//! (Pollaczek–Khinchine mean, exponential tail), and whatever is queued now delays
+//! the next ones until the prefillers have worked it off. Decode is a batch: a step of `B` sequences takes
 //! `a + b·B`, where `b` is the per-sequence cost at the traffic's context length
 //! (fitted to the workers' decode-only steps). Sequences share the steps as jobs
 //! share a processor, so TPOT is `(a + b) / (1 − ρ)` with `ρ` the share of step time
@@ -22,12 +24,17 @@ use pdserve_types::StepFit;
 /// What the workers measured of themselves.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rates {
-    /// Prefill seconds per prompt token, on one worker.
+    /// Prefill seconds per prompt token, on one worker...
     pub prefill_s_per_token: f64,
+    /// ...and per prompt on a dedicated prefill worker, whatever its length (its
+    /// share of a step's fixed cost).
+    pub prefill_fixed_s: f64,
     /// Decode step seconds by batch size and context.
     pub step: StepFit,
     /// KV tokens one worker holds (0: unknown, not checked).
     pub kv_tokens: f64,
+    /// Seconds of prefill queued now, over every worker, at the pace above.
+    pub backlog_s: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -89,6 +96,9 @@ const CHUNK: usize = 512;
 const STABLE_BELOW: f64 = 0.97;
 /// Shares of requests missing their SLOs below this are noise.
 const MISS_NOISE: f64 = 0.01;
+/// Seconds over which a backlog's toll on TTFT is counted: the least a planner
+/// holds a shape (its cooldown).
+const BACKLOG_HORIZON_S: f64 = 15.0;
 /// Standard deviations of Poisson noise in the sequences a decoder holds that its
 /// blocks must also cover (about the 95th percentile).
 const KV_SIGMAS: f64 = 1.65;
@@ -123,6 +133,11 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
     // Decode first: sequences per decoder and the time a step takes.
     let per_decoder = t.rate / decoders * mean_osl;
     let prefill_busy = if mixed { t.rate / prefillers * mean_isl * s } else { 0.0 };
+    // A dedicated prefiller pays each prompt's share of a step's fixed cost; on a
+    // mixed worker a chunk rides a decode step, whose time `slow` counts instead.
+    let fixed = if mixed { 0.0 } else { rates.prefill_fixed_s };
+    let work = |isl: f64| fixed + isl * s;
+    let mean_work = mean(&|i, _| work(i));
     let Some((batch, tpot)) = decode_batch(per_decoder, (a, b), prefill_busy) else {
         // How far past keeping up the decoders are, so that shapes that all fail
         // still rank.
@@ -133,15 +148,15 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
     // pays that step's time too.
     let step = a + b * batch;
     let slow = if mixed { 1.0 + step / (CHUNK as f64 * s) } else { 1.0 };
-    let service = |isl: usize| isl as f64 * s * slow;
-    let rho = t.rate / prefillers * mean_isl * s * slow;
+    let service = |isl: usize| work(isl as f64) * slow;
+    let rho = t.rate / prefillers * mean_work * slow;
     if rho >= STABLE_BELOW {
         return Prediction { utilisation: rho, strain: rho, ..none };
     }
     // KV on a decoder: each prompt's blocks from the start of its prefill (a
     // handoff reserves them once its prefill has a slot, and a second slot is taken
     // about `rho` of the time), the output's as it grows.
-    let prefill_hold = |i: f64| i * s * slow * (1.0 + rho);
+    let prefill_hold = |i: f64| work(i) * slow * (1.0 + rho);
     let seqs = t.rate / decoders * mean(&|i, o| prefill_hold(i) + o * tpot);
     let tokens = t.rate / decoders * mean(&|i, o| i * (prefill_hold(i) + o * tpot) + o / 2.0 * o * tpot);
     let kv = kv_share(seqs, tokens, rates.kv_tokens);
@@ -151,20 +166,22 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
     let es = t.samples.iter().map(|&(i, _)| service(i)).sum::<f64>() / t.samples.len() as f64;
     let es2 = t.samples.iter().map(|&(i, _)| service(i).powi(2)).sum::<f64>() / t.samples.len() as f64;
     let wait = if es > 0.0 { rho / (1.0 - rho) * es2 / (2.0 * es) } else { 0.0 };
+    let late = backlog_toll(rates.backlog_s * slow / prefillers, rho);
     let ttft_ok = |isl: usize| {
         let room = slo.ttft_s - service(isl);
-        match room {
+        let steady = match room {
             r if r <= 0.0 => 0.0,
             _ if wait <= 0.0 => 1.0,
             r => 1.0 - rho * (-rho * r / wait).exp(),
-        }
+        };
+        steady * (1.0 - late(room))
     };
     let ttft_attained = t.samples.iter().map(|&(i, _)| ttft_ok(i)).sum::<f64>() / t.samples.len() as f64;
     let step_alone = a + b * batch;
     // The router sends a prompt to a worker with nothing to do while there is one
     // (least loaded, or `auto`'s remote prefill), so a decoding request meets a
     // prefill on its own worker only when every other worker is busy too.
-    let in_system = t.rate * mean(&|i, o| i * s * slow + o * tpot);
+    let in_system = t.rate * mean(&|i, o| work(i) * slow + o * tpot);
     let crowded = if mixed { at_least(shape.mixed - 1, in_system) } else { 0.0 };
     let tpot_ok = |isl_osl: (usize, usize)| match mixed {
         false => soft_below(tpot, slo.tpot_s),
@@ -200,6 +217,18 @@ fn kv_share(seqs: f64, tokens: f64, capacity: f64) -> f64 {
         return 0.0;
     }
     tokens / seqs * (seqs + KV_SIGMAS * seqs.sqrt()) / capacity
+}
+
+/// The share of the next [`BACKLOG_HORIZON_S`] in which a prompt with `room`
+/// seconds to spare misses its TTFT behind a backlog that holds each prefiller
+/// `ahead` seconds now. The backlog is worked off only with the time new traffic
+/// leaves (`1 − rho`), so near the edge even a short one outlasts a shift: a shape
+/// that just fell behind is left with a queue its steady state does not show.
+fn backlog_toll(ahead: f64, rho: f64) -> impl Fn(f64) -> f64 {
+    move |room: f64| {
+        let behind = (ahead - room.max(0.0)).max(0.0) / (1.0 - rho);
+        (behind / BACKLOG_HORIZON_S).min(1.0)
+    }
 }
 
 /// The batch a decoder settles at with `load` = arrival rate × output length tokens
@@ -249,10 +278,11 @@ fn interfered(osl: usize, step: f64, busy: f64, rate: f64, prefill: f64, limit: 
     sum.min(1.0)
 }
 
-/// 1 well under `limit`, 0 over it, linear across ±10 %: a step at the SLO would
-/// flip between shapes on measurement noise.
+/// 1 well under `limit`, 0 over it, linear across ±5 %: a step at the SLO would
+/// flip between shapes on measurement noise. (At ±10 % a shape whose steps take
+/// 92 % of the SLO, and every one of whose requests meets it, scored 0.89.)
 fn soft_below(x: f64, limit: f64) -> f64 {
-    ((1.1 * limit - x) / (0.2 * limit)).clamp(0.0, 1.0)
+    ((1.05 * limit - x) / (0.1 * limit)).clamp(0.0, 1.0)
 }
 
 #[cfg(test)]
@@ -265,6 +295,8 @@ mod tests {
         prefill_s_per_token: 0.001,
         step: StepFit { fixed: 0.002, per_row: 0.0012, per_context: 2.7e-6 },
         kv_tokens: 16384.0,
+        prefill_fixed_s: 0.0,
+        backlog_s: 0.0,
     };
     const SLO: Slo = Slo { ttft_s: 5.0, tpot_s: 0.05 };
 
@@ -352,6 +384,26 @@ mod tests {
         let (few, many) = (predict(split(12), &t, &RATES, &slo), predict(split(4), &t, &RATES, &slo));
         assert!(few.goodput == 0.0 && many.goodput == 0.0, "{few:?} {many:?}");
         assert!(many.strain.is_finite() && 1.0 <= many.strain && many.strain < few.strain, "{few:?} {many:?}");
+    }
+
+    #[test]
+    fn a_backlog_counts_against_the_shape_that_works_it_off_slowest() {
+        // 1024-token prompts at 6.25/s on 16 workers: 8 prefillers are 80 % busy, 10
+        // are 64 %, and with nothing queued both meet a 5 s TTFT for most prompts.
+        // With 8 s of prompts queued per prefiller of 8, the 8 work it off at a fifth
+        // of a second per second and every prompt of the next 15 s misses; 10 clear
+        // their 6.4 s each in under 7 s.
+        let t = traffic(6.25, 1024, 32);
+        let split = |p: usize| Shape { prefill: p, decode: 16 - p, mixed: 0 };
+        let with = |backlog_s: f64| {
+            let rates = Rates { backlog_s, ..RATES };
+            let g = |p| predict(split(p), &t, &rates, &SLO).goodput;
+            (g(8), g(10))
+        };
+        let (eight, ten) = with(0.0);
+        assert!(eight > 0.85 * ten && ten > 0.9 * t.rate, "{eight} {ten}");
+        let (eight, ten) = with(64.0);
+        assert!(eight < 0.5 * ten && ten > 0.4 * t.rate, "{eight} {ten}");
     }
 
     #[test]

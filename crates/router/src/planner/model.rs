@@ -7,9 +7,9 @@
 //! own prefill steps where they took any), prompts wait as in an M/G/1 queue
 //! (Pollaczek–Khinchine mean, exponential tail), and whatever is queued now delays
 //! the next ones until the prefillers have worked it off. Decode is a batch: a step
-//! of `B` sequences takes `a + b·B`, where `b` is the per-sequence cost at the traffic's context length
-//! (fitted to the workers' decode-only steps). Sequences share the steps as jobs
-//! share a processor, so TPOT is `(a + b) / (1 − ρ)` with `ρ` the share of step time
+//! of `B` sequences takes `a + b·B`, where `b` is the per-sequence cost at the
+//! traffic's context length (fitted to the workers' decode-only steps). Sequences
+//! share the steps as jobs share a processor, so TPOT is `(a + b) / (1 − ρ)` with `ρ` the share of step time
 //! the sequences' own parts take. A decoder also holds every sequence's KV, from the
 //! reservation its prefill makes to its last token: a shape whose decoders would run
 //! out of blocks is one whose requests fall back or wait, and scores nothing.

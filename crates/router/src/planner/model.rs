@@ -3,20 +3,20 @@
 //! would give at the SLOs.
 //!
 //! Prefill is a queue: a prompt of `n` tokens takes `f + n × s` seconds of one
-//! worker (`f` its share of a step's fixed cost, both measured from the workers'
-//! own prefill steps where they took any), prompts wait as in an M/G/1 queue
+//! worker (`f` its share of a step's fixed cost, both measured from the workers' own
+//! prefill steps where they took any), prompts wait as in an M/G/1 queue
 //! (Pollaczek–Khinchine mean, exponential tail), and whatever is queued now delays
 //! the next ones until the prefillers have worked it off. Decode is a batch: a step
 //! of `B` sequences takes `a + b·B`, where `b` is the per-sequence cost at the
 //! traffic's context length (fitted to the workers' decode-only steps). Sequences
-//! share the steps as jobs share a processor, so TPOT is `(a + b) / (1 − ρ)` with `ρ` the share of step time
-//! the sequences' own parts take. A decoder also holds every sequence's KV, from the
-//! reservation its prefill makes to its last token: a shape whose decoders would run
-//! out of blocks is one whose requests fall back or wait, and scores nothing.
-//! A mixed worker shares its time: decode advances only while it is not
-//! prefilling, and each prompt chunk also pays for the decode step it rides with.
-//! Each sampled request of the window is scored, so a bimodal mix counts as such
-//! rather than as its mean.
+//! share the steps as jobs share a processor, so TPOT is `(a + b) / (1 − ρ)` with
+//! `ρ` the share of step time the sequences' own parts take. A decoder also holds
+//! every sequence's KV, from the reservation its prefill makes to its last token: a
+//! shape whose decoders would run out of blocks is one whose requests fall back or
+//! wait, and scores nothing. A mixed worker shares its time: decode advances only
+//! while it is not prefilling, and each prompt chunk also pays for the decode step
+//! it rides with. Each sampled request of the window is scored, so a bimodal mix
+//! counts as such rather than as its mean.
 
 use super::signals::Traffic;
 use pdserve_types::StepFit;

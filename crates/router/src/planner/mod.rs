@@ -72,12 +72,16 @@ pub struct Decision {
     pub reason: &'static str,
 }
 
-/// The best of `shapes` for the traffic, if clearly better than `current`.
+/// The best of `shapes` for the traffic, if clearly better than `current`, or if
+/// `current` measurably misses the SLOs (`measured`: the share of requests it met
+/// both for, where it alone served the window) and the best is predicted to serve
+/// them with room.
 pub fn best_move(
     current: Shape,
     shapes: &[Shape],
     predict: impl Fn(Shape) -> Prediction,
     margin: f64,
+    measured: Option<f64>,
 ) -> Option<Decision> {
     let now = predict(current);
     // Taking a worker from a role is safe only if those left keep up.
@@ -92,16 +96,29 @@ pub fn best_move(
         .into_iter()
         .filter(|(_, p)| p.goodput >= top - tie(top))
         .min_by(|a, b| a.1.strain.total_cmp(&b.1.strain).then(a.0.cmp(&b.0)))?;
-    let better = then.goodput > now.goodput * (1.0 + margin) && then.goodput - now.goodput > MIN_GAIN;
-    (to != current && better).then(|| Decision { from: current, to, now, then, reason: reason(&now, &then) })
+    let gain = then.goodput - now.goodput > MIN_GAIN;
+    let better = then.goodput > now.goodput * (1.0 + margin);
+    // The margin keeps the planner from trading a shape that serves for another on
+    // a prediction's noise. Leaving one that measurably misses for one predicted to
+    // serve with room is no such trade: the way back would need the new one to miss.
+    let missing = measured.is_some_and(|m| {
+        m < 1.0 - ATTAINMENT_NOISE
+            && then.strain < 1.0
+            && then.ttft_attained * then.tpot_attained >= m + ATTAINMENT_NOISE
+    });
+    let moves = to != current && gain && (better || missing);
+    moves.then(|| Decision { from: current, to, now, then, reason: reason(&now, &then) })
 }
 
 /// Whether a move seen on `seen` ticks in a row is made now. A vector whose queue
 /// grows without end is left at once for one predicted to keep up, hold and cooldown
 /// notwithstanding: every tick spent there adds to a queue that outlasts the switch.
 fn due(d: &Decision, seen: u32, hold: u32, cooling: bool) -> bool {
-    let urgent = d.now.utilisation >= OVERLOADED && d.then.utilisation < 0.9;
-    urgent || (seen >= hold && !cooling)
+    urgent(d) || (seen >= hold && !cooling)
+}
+
+fn urgent(d: &Decision) -> bool {
+    d.now.utilisation >= OVERLOADED && d.then.utilisation < 0.9
 }
 
 /// Attainment differences below this are noise.
@@ -126,6 +143,37 @@ fn reason(now: &Prediction, then: &Prediction) -> &'static str {
         "ttft"
     } else {
         "tpot"
+    }
+}
+
+/// When the planner last switched roles, and when it last chose to.
+#[derive(Debug, Default)]
+struct Switched {
+    any: Option<Instant>,
+    /// The last switch that was not urgent. An urgent one is made on the first tick
+    /// that shows an overload, often mid-shift, so it starts no cooldown: the shape
+    /// the shift settles on may follow it after the hold.
+    chosen: Option<Instant>,
+}
+
+impl Switched {
+    fn record(&mut self, urgent: bool) {
+        let now = Instant::now();
+        self.any = Some(now);
+        if !urgent {
+            self.chosen = Some(now);
+        }
+    }
+
+    fn cooling(&self, cooldown: Duration) -> bool {
+        self.chosen.is_some_and(|t| t.elapsed() < cooldown)
+    }
+
+    /// Whether the window's requests are all the running shape's: two windows since
+    /// the last switch (a request that ended in the window began within the one
+    /// before).
+    fn settled(&self) -> bool {
+        self.any.is_none_or(|t| t.elapsed() >= 2 * crate::SIGNALS_WINDOW)
     }
 }
 
@@ -175,7 +223,7 @@ pub struct Planner {
     act: Arc<dyn Actuator>,
     /// Consecutive ticks on which some vector was clearly better.
     pending: u32,
-    last_switch: Option<Instant>,
+    switched: Switched,
     /// Decode-only steps of workers that left the set, kept so the fit survives them.
     steps: HashMap<String, DecodeSteps>,
     /// Each worker's KV capacity in tokens, as its stats last said.
@@ -223,7 +271,7 @@ impl Planner {
             cfg,
             act,
             pending: 0,
-            last_switch: None,
+            switched: Switched::default(),
             steps: HashMap::new(),
             kv_tokens: HashMap::new(),
             prefill_pace: HashMap::new(),
@@ -274,7 +322,8 @@ impl Planner {
         // The running shape falling behind on the window itself: a shift under way.
         let shifting = predict(current, &traffic, &rates, &slo).utilisation >= OVERLOADED;
         let seen = Seen { window: &traffic, recent: &recent, shifting };
-        let decision = best_move(current, &shapes, |s| self.weigh(s, &seen, &rates), self.cfg.margin);
+        let decision =
+            best_move(current, &shapes, |s| self.weigh(s, &seen, &rates), self.cfg.margin, self.measured(&traffic));
         let Some(d) = decision.filter(|d| borne_out(d, &traffic)) else {
             self.pending = 0;
             return;
@@ -283,7 +332,7 @@ impl Planner {
         // window the best target drifts tick by tick, and the latest is the best.
         let seen = self.pending + 1;
         self.pending = seen;
-        let cooling = self.last_switch.is_some_and(|t| t.elapsed() < self.cfg.cooldown);
+        let cooling = self.switched.cooling(self.cfg.cooldown);
         if !due(&d, seen, self.cfg.hold, cooling) {
             return;
         }
@@ -302,7 +351,7 @@ impl Planner {
         let (outcomes, control_ms) = self.apply(&entries, d.to).await;
         self.act.made(&Made { decision: &d, traffic: &traffic, rates: &rates, outcomes, control_ms });
         self.pending = 0;
-        self.last_switch = Some(Instant::now());
+        self.switched.record(urgent(&d));
     }
 
     /// `shape`'s prediction for the window, its strain the worst of that, of the
@@ -328,6 +377,12 @@ impl Planner {
             p.strain = p.strain.max(r.strain);
         }
         p
+    }
+
+    /// The share of the window's requests the running shape met both SLOs for, once
+    /// they are its own and enough of them ended to judge by.
+    fn measured(&self, traffic: &Traffic) -> Option<f64> {
+        (self.switched.settled() && traffic.ended >= RECENT_SAMPLES).then_some(traffic.attained)
     }
 
     /// Keeps a window of traffic once a window length has passed since the last kept,
@@ -361,18 +416,19 @@ impl Planner {
 
     /// The measured rates, once every one of them was measured.
     fn rates(&self, entries: &[Arc<Entry>]) -> Option<Rates> {
-        let (fixed, prefill) = self.prefill_rates(entries)?;
         let mut all = DecodeSteps::default();
         for s in self.steps.values() {
             all.add(s);
         }
+        let step = all.fit()?;
+        let (fixed, prefill) = self.prefill_rates(entries, step.fixed)?;
         // The smallest pool bounds what a decoder may be asked to hold.
         let kv = entries.iter().filter_map(|e| self.kv_tokens.get(e.name())).min().copied().unwrap_or(0);
         let backlog = entries.iter().map(|e| e.prefill.queued_seconds_at((fixed, prefill))).sum();
         Some(Rates {
             prefill_s_per_token: prefill,
             prefill_fixed_s: fixed,
-            step: all.fit()?,
+            step,
             kv_tokens: kv as f64,
             backlog_s: backlog,
         })
@@ -382,17 +438,17 @@ impl Planner {
     /// own prefill steps where they took any (the median worker's): those hold
     /// every cost a prompt brings, a step's fixed cost included, and nothing of the
     /// queues around them. Near the edge, where it matters, each step carries a
-    /// prompt per slot, which share its fixed cost. Before any, the fastest pace the
-    /// router timed against a queue: the closest to a worker prefilling alone.
-    fn prefill_rates(&self, entries: &[Arc<Entry>]) -> Option<(f64, f64)> {
+    /// prompt per slot, which share its fixed cost. Before any (workers that only
+    /// ever mixed prefill into decode steps), the fastest pace the router timed
+    /// against a queue, the closest to a worker prefilling alone, and the fixed cost
+    /// the decode steps measured (`step_fixed`): a step pays it whatever it holds.
+    fn prefill_rates(&self, entries: &[Arc<Entry>], step_fixed: f64) -> Option<(f64, f64)> {
         let stepped: Vec<(f64, f64)> = entries.iter().filter_map(|e| self.prefill_pace.get(e.name())?.1).collect();
-        match median(stepped.iter().map(|p| p.1).collect()) {
-            Some(pace) => {
-                let fixed = median(stepped.iter().map(|p| p.0).collect()).unwrap_or(0.0);
-                Some((fixed / PREFILL_SLOTS as f64, pace))
-            }
-            None => Some((0.0, entries.iter().filter_map(|e| e.prefill.measured()).min_by(f64::total_cmp)?)),
-        }
+        let (fixed, pace) = match median(stepped.iter().map(|p| p.1).collect()) {
+            Some(pace) => (median(stepped.iter().map(|p| p.0).collect()).unwrap_or(0.0), pace),
+            None => (step_fixed, entries.iter().filter_map(|e| e.prefill.measured()).min_by(f64::total_cmp)?),
+        };
+        Some((fixed / PREFILL_SLOTS as f64, pace))
     }
 
     /// Gives the workers the roles of `to`, moving as few as possible: prefill goes to
@@ -495,12 +551,26 @@ mod tests {
     fn a_move_needs_a_clear_gain() {
         let shapes = [MIXED, SPLIT];
         let g = |mixed: f64, split: f64| move |s: Shape| pred(if s == MIXED { mixed } else { split });
-        assert_eq!(best_move(MIXED, &shapes, g(1.0, 1.1), 0.15), None, "10 % is within the margin");
-        let d = best_move(MIXED, &shapes, g(1.0, 1.3), 0.15).unwrap();
+        assert_eq!(best_move(MIXED, &shapes, g(1.0, 1.1), 0.15, None), None, "10 % is within the margin");
+        let d = best_move(MIXED, &shapes, g(1.0, 1.3), 0.15, None).unwrap();
         assert_eq!((d.from, d.to), (MIXED, SPLIT));
         // Equal predictions never move, whichever shape holds now.
-        assert_eq!(best_move(SPLIT, &shapes, g(1.0, 1.0), 0.15), None);
-        assert_eq!(best_move(MIXED, &shapes, g(0.0, 0.01), 0.15), None, "gains below noise are not moves");
+        assert_eq!(best_move(SPLIT, &shapes, g(1.0, 1.0), 0.15, None), None);
+        assert_eq!(best_move(MIXED, &shapes, g(0.0, 0.01), 0.15, None), None, "gains below noise are not moves");
+    }
+
+    #[test]
+    fn a_shape_that_measurably_misses_is_left_within_the_margin() {
+        let shapes = [MIXED, SPLIT];
+        let g = |split: Prediction| move |s: Shape| if s == MIXED { pred(1.0) } else { split };
+        let serves = pred(1.08);
+        assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, Some(1.0)), None, "it serves: the margin holds");
+        assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, Some(0.97)), None, "misses within noise");
+        assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, Some(0.9)).unwrap().to, SPLIT);
+        let edge = Prediction { strain: 1.02, ..serves };
+        assert_eq!(best_move(MIXED, &shapes, g(edge), 0.15, Some(0.9)), None, "the target has no room");
+        let short = Prediction { tpot_attained: 0.93, ..serves };
+        assert_eq!(best_move(MIXED, &shapes, g(short), 0.15, Some(0.9)), None, "not clearly better than measured");
     }
 
     #[test]
@@ -517,6 +587,22 @@ mod tests {
         assert!(!due(&d(0.8, 0.6), 2, 3, false), "not overloaded: the hold applies");
         assert!(!due(&d(0.8, 0.6), 3, 3, true), "and the cooldown");
         assert!(due(&d(0.8, 0.6), 3, 3, false));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_urgent_switch_starts_no_cooldown_and_every_switch_unsettles_the_window() {
+        let cooldown = PlannerConfig::new(Slo { ttft_s: 1.0, tpot_s: 0.1 }).cooldown;
+        let mut s = Switched::default();
+        assert!(!s.cooling(cooldown) && s.settled(), "no switch yet");
+        s.record(true);
+        assert!(!s.cooling(cooldown), "an urgent switch may be followed after the hold");
+        assert!(!s.settled(), "the window still holds the old shape's requests");
+        tokio::time::advance(2 * crate::SIGNALS_WINDOW).await;
+        assert!(s.settled());
+        s.record(false);
+        assert!(s.cooling(cooldown) && !s.settled());
+        tokio::time::advance(cooldown).await;
+        assert!(!s.cooling(cooldown));
     }
 
     #[test]
@@ -544,25 +630,25 @@ mod tests {
             Prediction { strain, ..pred(if s.mixed == 0 { 10.0 } else { 1.0 }) }
         };
         let current = Shape { prefill: 0, decode: 0, mixed: 16 };
-        assert_eq!(best_move(current, &shapes, strained, 0.15).unwrap().to, split(6));
+        assert_eq!(best_move(current, &shapes, strained, 0.15, None).unwrap().to, split(6));
         // A clearly better goodput still wins over less strain.
         let better = |s: Shape| match s == split(2) {
             true => Prediction { strain: 0.9, ..pred(10.5) },
             false => strained(s),
         };
-        assert_eq!(best_move(current, &shapes, better, 0.15).unwrap().to, split(2));
+        assert_eq!(best_move(current, &shapes, better, 0.15, None).unwrap().to, split(2));
         // Within a percent it is a tie.
         let tied = |s: Shape| match s == split(2) {
             true => Prediction { strain: 0.9, ..pred(10.05) },
             false => strained(s),
         };
-        assert_eq!(best_move(current, &shapes, tied, 0.15).unwrap().to, split(6));
+        assert_eq!(best_move(current, &shapes, tied, 0.15, None).unwrap().to, split(6));
     }
 
     #[test]
     fn a_move_that_would_leave_survivors_near_full_is_not_made() {
         let shapes = [MIXED, SPLIT];
         let busy = |s: Shape| if s == SPLIT { Prediction { utilisation: 0.95, ..pred(2.0) } } else { pred(1.0) };
-        assert_eq!(best_move(MIXED, &shapes, busy, 0.15), None);
+        assert_eq!(best_move(MIXED, &shapes, busy, 0.15, None), None);
     }
 }

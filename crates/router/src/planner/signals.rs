@@ -40,6 +40,8 @@ pub struct Traffic {
     pub failed: usize,
     pub ttft_attained: f64,
     pub tpot_attained: f64,
+    /// The share that met both.
+    pub attained: f64,
 }
 
 impl Signals {
@@ -97,14 +99,17 @@ impl Signals {
         drop(records);
         let seconds = window.as_secs_f64();
         let (mut used, mut asked, mut out_tokens) = (0usize, 0usize, 0usize);
-        let (mut ended, mut failed, mut ttft_ok, mut tpot_ok) = (0usize, 0usize, 0usize, 0usize);
+        let (mut ended, mut failed, mut ttft_ok, mut tpot_ok, mut both_ok) = (0usize, 0usize, 0usize, 0usize, 0usize);
         for r in &live {
             if let Record::Ended { out, max_tokens, ttft, tpot, failed: f } = *r {
                 ended += 1;
                 failed += usize::from(f);
                 (used, asked, out_tokens) = (used + out, asked + max_tokens, out_tokens + out);
-                ttft_ok += usize::from(!f && ttft.is_some_and(|s| s <= ttft_slo));
-                tpot_ok += usize::from(!f && tpot.is_none_or(|s| s <= tpot_slo));
+                let ttft_met = !f && ttft.is_some_and(|s| s <= ttft_slo);
+                let tpot_met = !f && tpot.is_none_or(|s| s <= tpot_slo);
+                ttft_ok += usize::from(ttft_met);
+                tpot_ok += usize::from(tpot_met);
+                both_ok += usize::from(ttft_met && tpot_met);
             }
         }
         let used_share = if asked > 0 { used as f64 / asked as f64 } else { 1.0 };
@@ -130,6 +135,7 @@ impl Signals {
             failed,
             ttft_attained: share(ttft_ok),
             tpot_attained: share(tpot_ok),
+            attained: share(both_ok),
         }
     }
 }
@@ -154,12 +160,14 @@ mod tests {
         }
         s.ended(32, 64, Some(1.0), Some(0.01), false);
         s.ended(32, 64, Some(9.0), Some(0.01), false);
+        s.ended(32, 64, Some(9.0), Some(0.1), false);
+        s.ended(32, 64, Some(1.0), Some(0.1), false);
         let t = s.traffic(5.0, 0.05);
         assert!((t.rate - 1.0).abs() < 1e-9);
         assert_eq!(t.isl, [100, 100, 2000], "a bimodal mix shows in its percentiles");
         // Ended requests used half their max_tokens: the expected outputs follow.
         assert_eq!(t.osl, [32, 32, 32]);
-        assert_eq!((t.ended, t.ttft_attained, t.tpot_attained), (2, 0.5, 1.0));
+        assert_eq!((t.ended, t.ttft_attained, t.tpot_attained, t.attained), (4, 0.5, 0.5, 0.25));
     }
 
     #[tokio::test(start_paused = true)]

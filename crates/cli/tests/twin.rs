@@ -191,8 +191,9 @@ fn plan_ranks_every_topology_and_says_when_to_disaggregate() {
 }
 
 /// `bench compare --sim`: both topologies of a one-thread budget measured on the real
-/// model, then simulated with the same requests; the predictions sit beside the
-/// measurements with their errors. A bad profile is refused before anything runs.
+/// model, taking turns workload by workload, then simulated with the same requests;
+/// the predictions sit beside the measurements with their errors. A bad profile is
+/// refused before anything runs.
 #[test]
 fn compare_puts_the_twins_predictions_beside_the_measurements() {
     let dir = std::env::temp_dir().join(format!("pdserve-compare-sim-{}", std::process::id()));
@@ -206,7 +207,7 @@ fn compare_puts_the_twins_predictions_beside_the_measurements() {
             "--budget",
             "1",
             "--workloads",
-            "balanced",
+            "balanced,shared-prefix",
             "--concurrency",
             "1",
             "--requests-per-point",
@@ -225,6 +226,18 @@ fn compare_puts_the_twins_predictions_beside_the_measurements() {
     assert!(!dir.join("results.json").exists(), "it measured before reading the profile");
     let out = run(profile.to_str().unwrap());
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // Each topology on a fresh server per workload, the topologies in turn: a server
+    // writes its log until it stops.
+    let stopped = |log: &str| std::fs::metadata(dir.join("logs").join(log)).unwrap().modified().unwrap();
+    let order = ["single-balanced.log", "auto-balanced.log", "single-shared-prefix.log", "auto-shared-prefix.log"];
+    assert!(order.windows(2).all(|w| stopped(w[0]) <= stopped(w[1])), "servers not started in turn");
+    let measured: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    for r in measured["runs"].as_array().unwrap() {
+        let workloads: Vec<&str> =
+            r["workloads"].as_array().unwrap().iter().map(|w| w["workload"].as_str().unwrap()).collect();
+        assert_eq!(workloads, ["balanced", "shared-prefix"], "{}", r["topology"]);
+    }
     let predicted: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("predicted.json")).unwrap()).unwrap();
     let runs = predicted.as_array().unwrap();

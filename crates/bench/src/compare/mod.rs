@@ -1,6 +1,8 @@
 //! `pdserve bench compare`: every topology of a compute budget, one after another on
 //! this machine, each swept over the same workloads and points with the same prompts;
-//! then tables, plots and crossovers (see docs/bench.md).
+//! then tables, plots and crossovers (see docs/bench.md). The topologies take turns
+//! workload by workload, each on a fresh server: the drift of a machine over a long
+//! run then falls between workloads, not between the topologies compared on one.
 
 pub mod analyze;
 pub mod reuse;
@@ -20,6 +22,7 @@ use crate::reuse::SentBlocks;
 use crate::target::Target;
 use crate::topology::{self, Topology};
 use analyze::Analysis;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 use suite::Named;
@@ -130,15 +133,21 @@ pub fn run_compare(opts: &CompareOptions) -> Result<CompareReport, BenchError> {
     );
     runtime()?.block_on(async {
         report.calibration = calibration(opts, &plans).await;
-        for t in &topologies {
-            let run = run_topology(opts, &exe, t, &plans, &logs).await;
-            if let Some(e) = &run.error {
-                tracing::warn!("{}: {e}", t.name);
+        // What each topology's server was sent, for the prefix reuse a point may
+        // expect: a peer's cache outlives each workload; a started server is fresh.
+        let mut sent: HashMap<String, SentBlocks> = HashMap::new();
+        for &w in &opts.workloads {
+            for t in &topologies {
+                let sent = sent.entry(t.name.clone()).or_default();
+                let run = run_topology(opts, &exe, t, &plans, &logs, w, sent).await;
+                if let Some(e) = &run.error {
+                    tracing::warn!("{} {}: {e}", t.name, w.name());
+                }
+                add_run(&mut report.runs, run);
+                reuse::sort_runs(&mut report.runs, opts.budget);
+                report.analysis = Analysis::of(&report);
+                json::write(&opts.out.join("results.json"), &report)?;
             }
-            report.runs.push(run);
-            reuse::sort_runs(&mut report.runs, opts.budget);
-            report.analysis = Analysis::of(&report);
-            json::write(&opts.out.join("results.json"), &report)?;
         }
         Ok::<_, BenchError>(())
     })?;
@@ -224,19 +233,34 @@ async fn calibration(opts: &CompareOptions, plans: &[PointPlan]) -> Option<Calib
     }
 }
 
-/// Starts (unless a peer), sweeps every workload, stops.
+/// Adds one workload's run of a topology to that topology's run so far.
+fn add_run(runs: &mut Vec<TopologyRun>, run: TopologyRun) {
+    match runs.iter_mut().find(|r| r.topology.name == run.topology.name) {
+        Some(r) => {
+            r.workloads.extend(run.workloads);
+            r.command = r.command.take().or(run.command);
+            r.error = r.error.take().or(run.error);
+        }
+        None => runs.push(run),
+    }
+}
+
+/// Starts (unless a peer), sweeps workload `w`, stops.
 async fn run_topology(
     opts: &CompareOptions,
     exe: &std::path::Path,
     t: &Topology,
     plans: &[PointPlan],
     logs: &std::path::Path,
+    w: Named,
+    sent: &mut SentBlocks,
 ) -> TopologyRun {
     let mut run = TopologyRun { topology: t.clone(), command: None, error: None, workloads: Vec::new() };
     let mut server = None;
+    let log = logs.join(format!("{}-{}.log", t.name, w.name()));
     let url = match &t.url {
         Some(url) => url.clone(),
-        None => match ServerProcess::spawn(&t.name, exe, &t.serve_args, logs.join(format!("{}.log", t.name))) {
+        None => match ServerProcess::spawn(&t.name, exe, &t.serve_args, log) {
             Ok(mut s) => {
                 run.command = t.command("pdserve", s.port);
                 tracing::info!("{}: {}", t.name, run.command.as_deref().unwrap_or_default());
@@ -246,6 +270,7 @@ async fn run_topology(
                 }
                 let url = s.url();
                 server = Some(s);
+                *sent = SentBlocks::default();
                 url
             }
             Err(e) => {
@@ -254,8 +279,8 @@ async fn run_topology(
             }
         },
     };
-    match sweep_workloads(opts, t, &url, plans).await {
-        Ok(w) => run.workloads = w,
+    match sweep_workload(opts, t, &url, plans, w, sent).await {
+        Ok(w) => run.workloads = vec![w],
         Err(e) => run.error = Some(e.to_string()),
     }
     if let Some(s) = server {
@@ -266,35 +291,30 @@ async fn run_topology(
     run
 }
 
-async fn sweep_workloads(
+async fn sweep_workload(
     opts: &CompareOptions,
     t: &Topology,
     url: &str,
     plans: &[PointPlan],
-) -> Result<Vec<WorkloadRun>, BenchError> {
+    named: Named,
+    sent: &mut SentBlocks,
+) -> Result<WorkloadRun, BenchError> {
     let target = Target::parse(url, opts.allow_remote)?;
     let model = match &opts.body.model {
         Some(m) => Some(m.clone()),
         None => first_model(&target).await?,
     };
     let client = Client { target, body: BodyOptions { model, ..opts.body.clone() }, timeout: opts.timeout };
-    let mut out = Vec::new();
-    // One server serves every workload in turn: its cache outlives each of them.
-    let mut sent = SentBlocks::default();
-    for &named in &opts.workloads {
-        let w = named.workload(opts.seed, opts.range);
-        if let Err(e) = warm_up(&client, &w, opts.warmup, &mut sent).await {
-            out.push(WorkloadRun { workload: named, error: Some(e.to_string()), points: Vec::new() });
-            continue;
-        }
-        let labelled: Vec<PointPlan> = plans
-            .iter()
-            .map(|p| PointPlan { label: format!("{} {} {}", t.name, named.name(), p.label), ..p.clone() })
-            .collect();
-        let points = measure(&client, &w, &labelled, opts.slo, &mut sent).await;
-        out.push(WorkloadRun { workload: named, error: None, points });
+    let w = named.workload(opts.seed, opts.range);
+    if let Err(e) = warm_up(&client, &w, opts.warmup, sent).await {
+        return Ok(WorkloadRun { workload: named, error: Some(e.to_string()), points: Vec::new() });
     }
-    Ok(out)
+    let labelled: Vec<PointPlan> = plans
+        .iter()
+        .map(|p| PointPlan { label: format!("{} {} {}", t.name, named.name(), p.label), ..p.clone() })
+        .collect();
+    let points = measure(&client, &w, &labelled, opts.slo, sent).await;
+    Ok(WorkloadRun { workload: named, error: None, points })
 }
 
 fn write_outputs(opts: &CompareOptions, report: &CompareReport) -> Result<(), BenchError> {

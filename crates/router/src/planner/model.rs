@@ -8,17 +8,17 @@
 //! (Pollaczek–Khinchine mean, exponential tail), and whatever is queued now delays
 //! the next ones until the prefillers have worked it off; past its edge the queue
 //! grows, and prompts miss once it passes their room (a swing it absorbs within
-//! the TTFT objective costs nothing). Decode is a batch: a step
-//! of `B` sequences takes `a + b·B`, where `b` is the per-sequence cost at the
-//! traffic's context length (fitted to the workers' decode-only steps). Sequences
-//! share the steps as jobs share a processor, so TPOT is `(a + b) / (1 − ρ)` with
-//! `ρ` the share of step time the sequences' own parts take. A decoder also holds
-//! every sequence's KV, from the reservation its prefill makes to its last token: a
-//! shape whose decoders would run out of blocks is one whose requests fall back or
-//! wait, and scores nothing. A mixed worker shares its time: decode advances only
-//! while it is not prefilling, and each prompt chunk also pays for the decode step
-//! it rides with. Each sampled request of the window is scored, so a bimodal mix
-//! counts as such rather than as its mean.
+//! the TTFT objective costs nothing). Decode is a batch: a step of `B` sequences
+//! takes `a + b·B`, where `b` is the per-sequence cost at the traffic's context
+//! length (fitted to the workers' decode-only steps). Sequences share the steps as
+//! jobs share a processor, so TPOT is `(a + b) / (1 − ρ)` with `ρ` the share of step
+//! time the sequences' own parts take. A decoder also holds every sequence's KV, from
+//! the reservation its prefill makes to its last token: a shape whose decoders would
+//! run out of blocks is one whose requests fall back or wait, and scores nothing. A
+//! mixed worker shares its time: decode advances only while it is not prefilling,
+//! and each prompt chunk also pays for the decode step it rides with. Each sampled
+//! request of the window is scored, so a bimodal mix counts as such rather than as
+//! its mean.
 
 use super::signals::Traffic;
 use pdserve_types::StepFit;

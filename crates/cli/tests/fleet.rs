@@ -408,6 +408,53 @@ fn one_planner_holds_the_lease_and_one_that_lost_it_cannot_write() {
     });
 }
 
+/// A forest request's lease over the real bucket: a copy waits while the runner
+/// renews (keeping its message meanwhile), takes over only once the lease has stood
+/// still for `LEASE`, and the runner then finds it lost; a finished request is
+/// dropped, and one given back is taken at once.
+#[test]
+fn a_copy_of_a_forest_request_waits_for_its_runner_and_takes_over_only_a_lease_left_standing() {
+    use pdserve_fleet::request_lease::{Claim, Leases, Renewed, LEASE, RENEW_EVERY};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let n = nats();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let js = async_nats::jetstream::new(async_nats::connect(&n.url).await.unwrap());
+        let leases = Leases::open(&js, 1).await.unwrap();
+        let Claim::Run(mut a) = leases.claim("req.t", || async {}).await else { panic!("a fresh key is free") };
+        let kept = AtomicUsize::new(0);
+        let copy = leases.claim("req.t", || async {
+            kept.fetch_add(1, Ordering::Relaxed);
+        });
+        tokio::pin!(copy);
+        let renewing = async {
+            for _ in 0..(LEASE.as_secs() / RENEW_EVERY.as_secs() + 2) {
+                tokio::time::sleep(RENEW_EVERY).await;
+                assert_eq!(leases.renew(&mut a).await, Renewed::Held);
+            }
+        };
+        tokio::select! {
+            _ = &mut copy => panic!("a copy took a lease its runner renews"),
+            _ = renewing => {}
+        }
+        assert!(kept.load(Ordering::Relaxed) >= 3, "the waiting copy kept its message");
+        // The runner stops renewing, as a killed frontend does.
+        let t = Instant::now();
+        let Claim::Run(b) = copy.await else { panic!("the copy never took over") };
+        assert!(t.elapsed() + RENEW_EVERY >= LEASE, "taken over after {:?}", t.elapsed());
+        assert_eq!(leases.renew(&mut a).await, Renewed::Lost);
+        leases.finish(b).await;
+        assert!(matches!(leases.claim("req.t", || async {}).await, Claim::Finished));
+        assert!(leases.try_claim("req.t").await.is_none());
+        let u = leases.try_claim("req.u").await.expect("a fresh key is free");
+        assert!(leases.try_claim("req.u").await.is_none(), "held");
+        leases.give_back(u).await;
+        let t = Instant::now();
+        assert!(matches!(leases.claim("req.u", || async {}).await, Claim::Run(_)));
+        assert!(t.elapsed() < RENEW_EVERY, "a request given back is taken at once");
+    });
+}
+
 fn sim_fleet_worker(n: &Nats, profile: &str, role: &str, id: &str) -> Proc {
     start(&[
         "worker",

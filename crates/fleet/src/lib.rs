@@ -16,6 +16,7 @@ mod kv_events;
 mod plan;
 mod record;
 mod register;
+pub mod request_lease;
 mod traffic;
 
 pub use bus::{Bus, FleetError, NatsConfig, BUCKET, REFRESH, TTL};

@@ -6,21 +6,22 @@
 //!
 //! Delivery: a message is acknowledged once its result Leaf is published (progress
 //! acks keep it ours while it runs), so a frontend that dies mid-request leaves it
-//! to another one. The key `req.<request_id>` in the bucket `INFER_REQ` says
-//! `running` from the start and `done` at the end: a copy of a finished request is
-//! dropped, a second copy published while the first runs waits, and a redelivery
-//! (the first owner died or gave it back) takes over.
+//! to another one. Which copy of a request runs is decided by its lease in the
+//! bucket `INFER_REQ` (`pdserve_fleet::request_lease`): a copy of a finished request
+//! is dropped, and a copy of a running one waits until it finishes, or takes over
+//! once its runner stopped renewing.
 
 use super::leaf_stream;
 use async_nats::jetstream::consumer::{pull, AckPolicy};
 use async_nats::jetstream::message::{AckKind, Message};
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{self, stream};
 use async_nats::Client;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use pdserve_fleet::forest::{self, ForestRequest, Leaf, Unusable};
+use pdserve_fleet::request_lease as lease;
 use pdserve_fleet::NatsConfig;
 use pdserve_frontend::observe::{Observer, RequestRecord};
 use serde_json::{json, Value};
@@ -32,8 +33,6 @@ use tokio::sync::Semaphore;
 const STREAM: &str = "RIVER";
 const FILTER: &str = "river.infer.>";
 const DURABLE: &str = "infer-request-parser";
-/// The bucket of finished request ids.
-const DONE_BUCKET: &str = "INFER_REQ";
 const SOURCE: &str = "tree:infer-request-parser";
 /// The source of lifecycle Leaves, which the API publishes for every ingress.
 const LIFECYCLE_SOURCE: &str = "nim:pdserve";
@@ -43,7 +42,7 @@ const QUEUE: &str = "infer-router";
 /// How long a message is ours without an ack (progress acks renew it): also how
 /// long the requests of a frontend that died wait before another one takes them.
 const ACK_WAIT: Duration = Duration::from_secs(10);
-const PROGRESS_EVERY: Duration = Duration::from_secs(3);
+const PROGRESS_EVERY: Duration = lease::RENEW_EVERY;
 /// Deliveries of one message before it is given up as failed.
 const MAX_DELIVER: i64 = 5;
 /// The pause before a message refused for a passing reason (overload) comes again,
@@ -182,21 +181,8 @@ async fn consume(
             },
         )
         .await?;
-    let done = match js.get_key_value(DONE_BUCKET).await {
-        Ok(store) => store,
-        Err(_) => {
-            js.create_key_value(kv::Config {
-                bucket: DONE_BUCKET.into(),
-                history: 1,
-                max_age: Duration::from_secs(24 * 3600),
-                storage: stream::StorageType::File,
-                num_replicas: replicas,
-                ..Default::default()
-            })
-            .await?
-        }
-    };
-    let ctx = Arc::new(Ctx { client: client.clone(), done, api, observer });
+    let leases = lease::Leases::open(&js, replicas).await.map_err(|e| anyhow::anyhow!(e))?;
+    let ctx = Arc::new(Ctx { client: client.clone(), leases, api, observer });
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let submits = client.queue_subscribe(SUBMIT, QUEUE.into()).await?;
     let _wind = AbortOnDrop(tokio::spawn(wind(submits, ctx.clone(), slots.clone())));
@@ -206,7 +192,9 @@ async fn consume(
         submit = SUBMIT,
         "taking inference requests from the River and the Wind"
     );
-    let mut messages = consumer.messages().await?;
+    // Pulled no further ahead than it serves: a message queued here past its ack
+    // wait is delivered again, and its copies only wait on each other.
+    let mut messages = consumer.stream().max_messages_per_batch(IN_FLIGHT).messages().await?;
     while let Some(msg) = messages.next().await {
         let msg = msg?;
         let permit = slots.clone().acquire_owned().await?;
@@ -217,17 +205,6 @@ async fn consume(
         });
     }
     Ok(())
-}
-
-const RUNNING: &[u8] = b"running";
-const DONE: &[u8] = b"done";
-
-enum Claim {
-    Run,
-    /// Finished before: this copy is dropped.
-    Finished,
-    /// Another copy of it runs now: this one comes back later.
-    Running,
 }
 
 /// Takes Leaves from `infer.request.submit` (queue group [`QUEUE`]: each goes to one
@@ -254,7 +231,7 @@ impl Drop for AbortOnDrop {
 
 struct Ctx {
     client: Client,
-    done: kv::Store,
+    leases: lease::Leases,
     api: SocketAddr,
     /// Gives each answer its request's record (timings, workers) for the result Leaf.
     observer: Option<Arc<LeafObserver>>,
@@ -284,23 +261,32 @@ impl Ctx {
             }
         };
         let key = format!("req.{}", req.request_id);
-        match self.claim(&key, delivered).await {
-            Claim::Run => {}
-            Claim::Finished => {
+        let mut lease = match self.leases.claim(&key, || ack(&msg, AckKind::Progress)).await {
+            lease::Claim::Run(lease) => lease,
+            lease::Claim::Finished => {
                 tracing::info!(request_id = %req.request_id, "a finished River request came again; dropped");
                 return ack(&msg, AckKind::Ack).await;
             }
-            Claim::Running => return ack(&msg, AckKind::Nak(Some(RETRY_AFTER))).await,
-        }
+            lease::Claim::Unknown => return ack(&msg, AckKind::Nak(Some(RETRY_AFTER))).await,
+        };
         let late = msg.info().ok().and_then(|i| past_deadline(&req, i.published.unix_timestamp_nanos()));
         if let Some(late) = late {
             self.publish_rejected(unusable(&req, late), "river").await;
-            return self.finish(&key, &msg, AckKind::Term).await;
+            self.leases.finish(lease).await;
+            return ack(&msg, AckKind::Term).await;
         }
         let last_try = delivered >= MAX_DELIVER;
-        match self.answer(&req, "river", Some(&msg), last_try).await {
-            Answered::Finished(kind) => self.finish(&key, &msg, kind).await,
-            Answered::Again => ack(&msg, AckKind::Nak(Some(RETRY_AFTER * delivered.max(1) as u32))).await,
+        match self.answer(&req, "river", Some(&msg), last_try, &mut lease).await {
+            Answered::Finished(kind) => {
+                self.leases.finish(lease).await;
+                ack(&msg, kind).await;
+            }
+            Answered::Again => {
+                self.leases.give_back(lease).await;
+                ack(&msg, AckKind::Nak(Some(RETRY_AFTER * delivered.max(1) as u32))).await;
+            }
+            // The message is the new runner's (a redelivery) or a copy it waits on.
+            Answered::Lost => tracing::warn!(request_id = %req.request_id, "another frontend took this request over"),
         }
     }
 
@@ -328,26 +314,34 @@ impl Ctx {
             }
         };
         let key = format!("req.{}", req.request_id);
-        if self.done.create(&key, Bytes::from_static(RUNNING)).await.is_err() {
+        let Some(mut lease) = self.leases.try_claim(&key).await else {
             // A copy (TreeHouses on several nodes send one each): the first answers.
             return reply(json!({"accepted": true, "request_id": req.request_id, "duplicate": true})).await;
-        }
+        };
         if let Some(late) = past_deadline(&req, now_ns() - 1) {
             reply(json!({"accepted": false, "request_id": req.request_id, "error": late})).await;
             self.publish_rejected(unusable(&req, late), "wind").await;
-            return self.mark_done(&key).await;
+            return self.leases.finish(lease).await;
         }
         reply(json!({"accepted": true, "request_id": req.request_id})).await;
-        self.answer(&req, "wind", None, true).await;
-        self.mark_done(&key).await;
+        if !matches!(self.answer(&req, "wind", None, true, &mut lease).await, Answered::Lost) {
+            self.leases.finish(lease).await;
+        }
     }
 
     /// Serves an accepted request and publishes what came of it. `Again` (only when
     /// not `last_try`) when it may succeed later: overload, no worker.
-    async fn answer(&self, req: &ForestRequest, ingress: &str, msg: Option<&Message>, last_try: bool) -> Answered {
+    async fn answer(
+        &self,
+        req: &ForestRequest,
+        ingress: &str,
+        msg: Option<&Message>,
+        last_try: bool,
+        lease: &mut lease::Lease,
+    ) -> Answered {
         let record = self.observer.as_ref().map(|o| o.expect(&req.request_id));
         let t0 = Instant::now();
-        let served = self.serve_with_progress(req, ingress, msg).await;
+        let served = self.serve_with_progress(req, ingress, msg, lease).await;
         let e2e_ms = t0.elapsed().as_secs_f64() * 1e3;
         // The API reports the request as its answer ends: a moment's wait at most.
         let record = match record {
@@ -356,6 +350,11 @@ impl Ctx {
         };
         if let Some(o) = &self.observer {
             o.forget(&req.request_id);
+        }
+        // The last look before anything goes out: a lease lost since is not answered.
+        let Some(served) = served else { return Answered::Lost };
+        if self.leases.renew(lease).await == lease::Renewed::Lost {
+            return Answered::Lost;
         }
         match served {
             Served::Answer(mut response) => {
@@ -397,49 +396,30 @@ impl Ctx {
         }
     }
 
-    /// Whether this delivery runs the request: its key is created `running`, or taken
-    /// over when this is a redelivery of one left `running`.
-    async fn claim(&self, key: &str, delivered: i64) -> Claim {
-        if self.done.create(key, Bytes::from_static(RUNNING)).await.is_ok() {
-            return Claim::Run;
-        }
-        match self.done.get(key).await {
-            Ok(Some(v)) if v.as_ref() == DONE => Claim::Finished,
-            Ok(Some(_)) if delivered == 1 => Claim::Running,
-            _ => {
-                let _ = self.done.put(key, Bytes::from_static(RUNNING)).await;
-                Claim::Run
-            }
-        }
-    }
-
     /// Serves `req`, telling JetStream every [`PROGRESS_EVERY`] that the message is
-    /// still being worked on.
-    async fn serve_with_progress(&self, req: &ForestRequest, ingress: &str, msg: Option<&Message>) -> Served {
+    /// still being worked on and renewing the lease; `None` (the call dropped, which
+    /// cancels it) once the lease is lost.
+    async fn serve_with_progress(
+        &self,
+        req: &ForestRequest,
+        ingress: &str,
+        msg: Option<&Message>,
+        lease: &mut lease::Lease,
+    ) -> Option<Served> {
         let call = serve(self.api, req, ingress, &self.client);
         tokio::pin!(call);
         loop {
             tokio::select! {
-                served = &mut call => return served,
+                served = &mut call => return Some(served),
                 _ = tokio::time::sleep(PROGRESS_EVERY) => {
                     if let Some(msg) = msg {
                         ack(msg, AckKind::Progress).await;
                     }
+                    if self.leases.renew(lease).await == lease::Renewed::Lost {
+                        return None;
+                    }
                 }
             }
-        }
-    }
-
-    /// Records `key` as finished, then acknowledges the message with `kind` (`Term`
-    /// for one that failed: it is not delivered again).
-    async fn finish(&self, key: &str, msg: &Message, kind: AckKind) {
-        self.mark_done(key).await;
-        ack(msg, kind).await;
-    }
-
-    async fn mark_done(&self, key: &str) {
-        if let Err(e) = self.done.put(key, Bytes::from_static(DONE)).await {
-            tracing::warn!(key, error = %e, "cannot record a finished request");
         }
     }
 
@@ -468,6 +448,8 @@ enum Answered {
     Finished(AckKind),
     /// Worth another try later.
     Again,
+    /// Another frontend took it over: nothing was sent, the message is left alone.
+    Lost,
 }
 
 /// A lifecycle Leaf's data: the request's id, endpoint and context, and `extra`.

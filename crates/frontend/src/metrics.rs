@@ -321,6 +321,11 @@ impl Metrics {
     pub fn forget_worker(&self, worker: &str) {
         self.set_worker_up(worker, false);
         self.forget_stats(worker);
+        self.forget_role(worker);
+    }
+
+    /// Drops a worker's role series.
+    pub fn forget_role(&self, worker: &str) {
         for r in [Role::Prefill, Role::Decode, Role::Mixed] {
             self.inner.worker_role.remove(&[("worker", worker.into()), ("role", r.to_string())]);
         }

@@ -251,5 +251,42 @@ fn publish(metrics: &Metrics, round: Vec<(Arc<pdserve_router::Entry>, Option<pds
             }
             None => metrics.forget_stats(e.name()),
         }
+        // A worker taken out of the set while this round ran was forgotten then, or
+        // is being forgotten now. Set first, look second: in either order its last
+        // figures do not outlive it.
+        if e.is_draining() {
+            metrics.forget_stats(e.name());
+            metrics.forget_role(e.name());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdserve_protocol::{BlockCounts, WorkerStats};
+    use pdserve_router::WorkerSet;
+    use pdserve_testkit::FakeWorker;
+    use pdserve_types::Role;
+
+    /// A round polls a worker, the worker dies and leaves the set (its series are
+    /// dropped), then the round lands: its used blocks must not stand forever.
+    #[test]
+    fn a_round_that_lands_after_its_worker_left_leaves_no_figures() {
+        let set = WorkerSet::default();
+        let id = set.add(Arc::new(FakeWorker::new("d-1", Role::Decode, 64)));
+        let polled = set.get(id).expect("just added");
+        let metrics = Metrics::new();
+        let stats = WorkerStats { blocks: BlockCounts { used: 26, ..Default::default() }, ..Default::default() };
+        publish(&metrics, vec![(polled.clone(), Some(stats))]);
+        assert!(metrics.render().contains("worker=\"d-1\",state=\"used\",tier=\"device\"} 26"));
+        set.remove(id);
+        metrics.forget_worker("d-1");
+        publish(&metrics, vec![(polled, Some(stats))]);
+        let text = metrics.render();
+        let gauges = ["pdserve_kv_blocks{", "pdserve_worker_requests{", "pdserve_worker_role{"];
+        let stale: Vec<_> =
+            text.lines().filter(|l| gauges.iter().any(|g| l.starts_with(g)) && l.contains("d-1")).collect();
+        assert!(stale.is_empty(), "{stale:?}");
     }
 }

@@ -16,7 +16,7 @@ use pdserve_types::{Assignment, Epoch, RequestId};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -134,15 +134,21 @@ impl RemoteWorker {
                 }
             }
         });
-        let reader = conn.clone();
+        // The reader and the heartbeat hold the connection weakly: once no handle
+        // (and no call in flight) holds it, it is dropped, its writer ends and the
+        // socket closes, so the worker frees its session and connection slot.
+        let reader = Arc::downgrade(&conn);
         let reading = tokio::spawn(async move {
             while let Ok(Some(msg)) = control::read::<_, FromWorker>(&mut rd).await {
-                reader.heard();
-                reader.deliver(msg);
+                let Some(conn) = reader.upgrade() else { return };
+                conn.heard();
+                conn.deliver(msg);
             }
-            reader.lost("the connection closed");
+            if let Some(conn) = reader.upgrade() {
+                conn.lost("the connection closed");
+            }
         });
-        tokio::spawn(heartbeat(conn.clone(), reading.abort_handle()));
+        tokio::spawn(heartbeat(Arc::downgrade(&conn), reading.abort_handle()));
         Ok(RemoteWorker { conn })
     }
 
@@ -347,10 +353,15 @@ impl Worker for RemoteWorker {
 
 /// Pings the worker every [`PING_EVERY`]; one silent for [`SILENCE`] (hung, stopped, or cut
 /// off) is lost: its calls fail now rather than at their deadlines.
-async fn heartbeat(conn: Arc<Conn>, reading: tokio::task::AbortHandle) {
+async fn heartbeat(conn: Weak<Conn>, reading: tokio::task::AbortHandle) {
     let mut tick = tokio::time::interval(PING_EVERY);
-    while conn.alive.load(Ordering::SeqCst) {
+    loop {
         tick.tick().await;
+        let Some(conn) = conn.upgrade().filter(|c| c.alive.load(Ordering::SeqCst)) else {
+            // Dropped by every holder: stop reading too, so the socket closes now.
+            reading.abort();
+            return;
+        };
         let silent = conn.epoch.elapsed().saturating_sub(Duration::from_millis(conn.heard.load(Ordering::SeqCst)));
         if silent > SILENCE {
             reading.abort();

@@ -36,6 +36,25 @@ async fn only_routers_and_workers_holding_the_cluster_key_meet() {
     assert!(r.is_err(), "a worker without the key was accepted");
 }
 
+/// A router that lets go of a worker (drops every handle) closes the connection, so
+/// the worker frees its session and slot: more connections than a worker serves at
+/// once (64), each made and dropped in turn, all get in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_no_one_holds_closes_and_frees_its_slot() {
+    let d = serve("dc", Role::Decode).await;
+    for i in 0..80 {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let w = loop {
+            match RemoteWorker::connect(d.remote.addr(), &key()).await {
+                Ok(w) => break w,
+                Err(e) => assert!(tokio::time::Instant::now() < deadline, "connection {i} refused: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        drop(w);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_handoff_gives_one_engines_tokens_over_tcp_and_shm() {
     let alone = Router::new([worker("alone", Role::Mixed)], Mode::Aggregated, Deadlines::default(), rt());

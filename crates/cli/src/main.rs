@@ -91,7 +91,7 @@ fn main() -> ExitCode {
         Command::Pull => cmd::pull::run().map(|()| ExitCode::SUCCESS),
         Command::Generate(args) => cmd::generate::run(args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => cmd::serve::run(args).map(exit_code),
-        Command::Worker(args) => cmd::worker::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Worker(args) => cmd::worker::run(args).map(exit_code),
         Command::Frontend(args) => cmd::frontend::run(args).map(exit_code),
         Command::Fleet(args) => cmd::fleet::run(args).map(|()| ExitCode::SUCCESS),
         Command::Planner(args) => cmd::planner::run(args).map(|()| ExitCode::SUCCESS),

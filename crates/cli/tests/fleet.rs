@@ -227,6 +227,47 @@ fn a_decode_worker_killed_mid_stream_moves_its_request_with_identical_text() {
     eventually("the fleet view drops the killed worker", || fleet(&n).len() == 2);
 }
 
+/// SIGTERM to a worker that is generating: its record goes at once (new work goes
+/// elsewhere), and the request it runs finishes there, whole, before it exits 0.
+#[test]
+fn a_worker_stopped_mid_stream_finishes_its_request_before_it_exits() {
+    let n = nats();
+    let mut workers = [fleet_worker(&n, "mixed", "m-1"), fleet_worker(&n, "mixed", "m-2")];
+    let fe = fleet_frontend(&n, "aggregated");
+    eventually("two workers in the set", || metric(fe.addr, "pdserve_worker_up", "") == 2.0);
+    let body = json!({"prompt": [504, 3575, 282, 4649, 314], "max_tokens": 120, "temperature": 0, "ignore_eos": true});
+    let (status, want) = common::http(fe.addr, "POST", "/v1/completions", Some(&body));
+    assert_eq!(status, 200, "{want}");
+    let want = serde_json::from_str::<Value>(&want).unwrap()["choices"][0]["text"].as_str().unwrap().to_string();
+    let mut stopped = None;
+    let (text, done) = stream_and_kill(fe.addr, &body, 5, || {
+        let mut busy = None;
+        eventually("a worker reports the running request", || {
+            busy = fleet(&n).iter().find(|r| r["load"]["running"].as_u64() > Some(0)).map(|r| r["node_id"].clone());
+            busy.is_some()
+        });
+        let at = if busy.unwrap() == "m-1" { 0 } else { 1 };
+        unsafe { libc::kill(workers[at].child.id() as i32, libc::SIGTERM) };
+        eventually("the stopping worker's record is gone", || ids(&n).len() == 1);
+        stopped = Some(at);
+    });
+    assert!(done, "the stream ended with [DONE]");
+    assert_eq!(text, want, "the whole greedy text, from the worker that was stopping");
+    assert_eq!(metric(fe.addr, "pdserve_requests_migrated_total", ""), 0.0, "nothing was moved");
+    let w = &mut workers[stopped.unwrap()];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let code = loop {
+        if let Some(status) = w.child.try_wait().unwrap() {
+            break status.code();
+        }
+        assert!(Instant::now() < deadline, "the stopped worker never exited");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(code, Some(0), "drained: exit 0");
+    assert_eq!(status_of(fe.addr, 2), 200, "the other worker serves");
+    assert_eq!(settle_used_blocks(fe.addr), 0.0, "no block held once idle");
+}
+
 /// `pdserve fleet` against `n` with these environment variables: its exit status
 /// and its stderr.
 fn fleet_with_env(n: &Nats, env: &[(&str, &str)]) -> (bool, String) {

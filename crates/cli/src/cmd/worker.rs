@@ -1,7 +1,7 @@
 //! `pdserve worker`: one worker in its own process, serving routers over TCP.
 
 use super::fleet::NatsArgs;
-use super::http;
+use super::http::{self, Stopped};
 use super::probe::{LinkTable, Prober};
 use anyhow::Context;
 use pdserve_engine::batch::EngineConfig;
@@ -12,6 +12,7 @@ use pdserve_types::Role;
 use pdserve_worker::{LocalWorker, WorkerOptions};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -57,6 +58,9 @@ pub struct Args {
     /// behind NAT (default: the listen addresses).
     #[arg(long, requires = "nats")]
     advertise: Option<IpAddr>,
+    /// Seconds the requests running here get to finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 30)]
+    grace_seconds: u64,
 }
 
 /// What computes a worker's steps.
@@ -118,7 +122,7 @@ impl Compute {
     }
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
+pub fn run(a: Args) -> anyhow::Result<Stopped> {
     let key = a.security.key()?;
     let m = Compute::load(&a)?;
     let tiers = a.tiers.config(m.block_bytes())?;
@@ -173,7 +177,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         };
         // On SIGINT/SIGTERM the fleet record goes first, so frontends stop sending
-        // work, then the server drains.
+        // work; the server takes no new router, and what runs here finishes.
         let signal = http::signal();
         let stop = async move {
             signal.await;
@@ -188,10 +192,36 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             control,
             kv.port()
         );
-        WorkerServer::new(worker, key).serve(listener, stop).await;
+        WorkerServer::new(worker.clone(), key).serve(listener, stop).await;
+        let stopped = drain(worker.as_ref(), Duration::from_secs(a.grace_seconds)).await;
         tracing::info!("pdserve worker: stopped");
-        Ok(())
+        Ok(stopped)
     })
+}
+
+/// Waits until nothing waits, runs or is being received here, for at most `grace`
+/// (or until a second signal); what is left then is cut when the process exits.
+async fn drain(worker: &dyn Worker, grace: Duration) -> Stopped {
+    let busy = |s: &pdserve_protocol::WorkerStats| s.waiting + s.running + s.importing;
+    let idle = async {
+        loop {
+            match worker.stats().await {
+                Ok(s) if busy(&s) == 0 => return,
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    };
+    if let Ok(s) = worker.stats().await {
+        tracing::info!("pdserve worker: finishing {} request(s) (grace {grace:?})", busy(&s));
+    }
+    let why = tokio::select! {
+        _ = idle => return Stopped::Drained,
+        _ = tokio::time::sleep(grace) => "grace period over",
+        _ = http::signal() => "second signal",
+    };
+    let left = worker.stats().await.map_or(0, |s| busy(&s));
+    tracing::warn!("pdserve worker: {why}, cutting {left} request(s)");
+    Stopped::Cut(left)
 }
 
 /// Takes each role a fleet planner names for this node in the plan. The plan is

@@ -159,16 +159,23 @@ async fn supervise(
     pdserve_remote::keep_connected(addr, to.key.clone(), |w: RemoteWorker| {
         let (to, announce, load) = (to.clone(), first.take(), load.clone());
         async move {
-            if let Some(tx) = announce {
-                let _ = tx.send(());
-            }
+            // Announced once it is in the set (or refused), so the server that waits
+            // for it never serves a first request without it.
+            let announce = move || {
+                if let Some(tx) = announce {
+                    let _ = tx.send(());
+                }
+            };
             let info = w.info().clone();
             if info.model != to.model {
                 tracing::error!(%addr, theirs = %info.model, ours = %to.model, "worker serves another model; not used");
+                announce();
+                drop(w);
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 return;
             }
             let in_set = InSet::add(&to, &w);
+            announce();
             match load {
                 Some(load) => report(&w, &in_set, load).await,
                 None => w.lost().await,

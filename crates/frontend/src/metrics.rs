@@ -487,6 +487,10 @@ impl pdserve_protocol::Telemetry for Metrics {
         self.set_role(worker, role)
     }
 
+    fn role_gone(&self, worker: &str) {
+        self.forget_role(worker)
+    }
+
     fn planned(&self, from: &str, to: &str, reason: &'static str) {
         let labels = [("from", from.into()), ("to", to.into()), ("reason", reason.into())];
         self.inner.planner_decisions.get_or_create(&labels).inc();

@@ -364,6 +364,8 @@ pub trait Telemetry: Send + Sync + 'static {
     fn migrated(&self, reason: &'static str);
     /// A worker now serves in `role`.
     fn role(&self, _worker: &str, _role: pdserve_types::Role) {}
+    /// A worker left: its role is no longer reported.
+    fn role_gone(&self, _worker: &str) {}
     /// The planner switched roles: the role vectors before and after (`"prefill,decode"`)
     /// and the reason.
     fn planned(&self, _from: &str, _to: &str, _reason: &'static str) {}

@@ -152,13 +152,18 @@ impl Router {
     pub async fn switch_role(&self, e: &Entry, role: Role) -> Result<pdserve_types::Assignment, ServeError> {
         let now = e.worker.set_role(e.assignment().switch(role)).await?;
         e.learn(now);
-        self.telemetry.role(e.name(), now.role);
+        self.note_role(e, now.role);
         Ok(now)
     }
 
-    /// Records that worker `name` holds `role` now (a switch made through the fleet).
-    pub fn note_role(&self, name: &str, role: Role) {
-        self.telemetry.role(name, role);
+    /// Records that worker `e` holds `role` now (a switch made through the fleet, or
+    /// here). Set first, look second: a worker that left the set while the switch
+    /// ran keeps no role series.
+    pub fn note_role(&self, e: &Entry, role: Role) {
+        self.telemetry.role(e.name(), role);
+        if e.is_draining() {
+            self.telemetry.role_gone(e.name());
+        }
     }
 
     /// Takes KV events worker `name` pushed (a fleet worker's, over NATS), following

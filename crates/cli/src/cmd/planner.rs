@@ -291,6 +291,6 @@ async fn taken(router: &Router, e: &Entry, a: Assignment) -> Result<Assignment, 
         ServeError::Timeout(format!("{} did not take {a} within {} s", e.name(), TAKE_WAIT.as_secs()))
     })??;
     e.learn(now);
-    router.note_role(e.name(), now.role);
+    router.note_role(e, now.role);
     Ok(now)
 }

@@ -8,7 +8,7 @@
 //! with the prefill as the real transports overlap it. No frame is moved.
 
 use crate::worker_loop;
-use crate::{lock, or_release, Command, Defer};
+use crate::{lock, or_release, Command, Counted, Defer};
 use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::tiers::{TierConfig, TierError};
 use pdserve_engine::timed::TimedModel;
@@ -389,7 +389,8 @@ impl Inner {
         let link = self.link(via).ok_or_else(|| ServeError::Invalid(format!("no {via} link is modelled")))?;
         // Queued are the tokens to compute; all of them move.
         let (tokens, todo) = (req.prompt.len(), req.prompt.len() - imported.min(req.prompt.len()));
-        self.prefill_tokens.fetch_add(todo, Ordering::Relaxed);
+        // Counted until computed, or until this future is dropped (its caller gave up).
+        let queued = Counted::add(&self.prefill_tokens, todo);
         let (reply, rx) = oneshot::channel();
         let sent_at = tokio::time::Instant::now();
         let sent =
@@ -398,13 +399,7 @@ impl Inner {
             Ok(()) => rx.await.map_err(|_| self.stopped()).and_then(|r| r),
             Err(e) => Err(e),
         };
-        let mut first = match answer {
-            Ok(first) => first,
-            Err(e) => {
-                self.prefill_tokens.fetch_sub(todo, Ordering::Relaxed);
-                return Err(e);
-            }
-        };
+        let mut first = answer?;
         // The prefill ends its modelled wait and compute after it was sent (the loop
         // answers at once, also for a prefill queued behind others it took in the
         // same turn), and the receiver holds every byte after the link's tail. Both
@@ -412,7 +407,7 @@ impl Inner {
         // millisecond does not add up.
         let computed = sent_at + Duration::from_secs_f64(first.queued_seconds + first.prefill_seconds);
         tokio::time::sleep_until(computed).await;
-        self.prefill_tokens.fetch_sub(todo, Ordering::Relaxed);
+        drop(queued);
         let bytes = tokens as f64 * self.kv_bytes_per_token;
         let tail = link.tail(bytes, self.layers, first.prefill_seconds);
         tokio::time::sleep_until(computed + Duration::from_secs_f64(tail)).await;

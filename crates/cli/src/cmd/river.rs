@@ -286,7 +286,9 @@ impl Ctx {
                 ack(&msg, AckKind::Nak(Some(RETRY_AFTER * delivered.max(1) as u32))).await;
             }
             // The message is the new runner's (a redelivery) or a copy it waits on.
-            Answered::Lost => tracing::warn!(request_id = %req.request_id, "another frontend took this request over"),
+            Answered::Lost => {
+                tracing::warn!(request_id = %req.request_id, "lease lost or unconfirmed; left to its next delivery")
+            }
         }
     }
 
@@ -352,9 +354,15 @@ impl Ctx {
             o.forget(&req.request_id);
         }
         // The last look before anything goes out: a lease lost since is not answered.
+        // A River message whose lease cannot be confirmed (NATS unreachable) is not
+        // answered either: it is delivered again and its copy answers, where a
+        // publish buffered until NATS is back could be a second answer. The Wind has
+        // no second delivery, so there only a lease known lost stops the answer.
         let Some(served) = served else { return Answered::Lost };
-        if self.leases.renew(lease).await == lease::Renewed::Lost {
-            return Answered::Lost;
+        match self.leases.renew(lease).await {
+            lease::Renewed::Held => {}
+            lease::Renewed::Unknown if msg.is_none() => {}
+            lease::Renewed::Lost | lease::Renewed::Unknown => return Answered::Lost,
         }
         match served {
             Served::Answer(mut response) => {
@@ -448,7 +456,8 @@ enum Answered {
     Finished(AckKind),
     /// Worth another try later.
     Again,
-    /// Another frontend took it over: nothing was sent, the message is left alone.
+    /// Another frontend took it over, or (River) the lease could not be confirmed:
+    /// nothing was sent, the message is left alone.
     Lost,
 }
 

@@ -67,9 +67,8 @@ impl View {
     /// Follows `bus` until the receiver leaves (false) or the watch breaks (true).
     async fn run(&mut self, bus: &Bus) -> bool {
         loop {
-            if !self.resync(bus).await {
-                return !self.tx.is_closed();
-            }
+            // The watch first, then the read: a write (a clean stop's delete) that
+            // lands between the two is in the watch; one in both is seen once.
             let mut watch = match bus.watch().await {
                 Ok(w) => w,
                 Err(e) => {
@@ -78,6 +77,9 @@ impl View {
                     continue;
                 }
             };
+            if !self.resync(bus).await {
+                return !self.tx.is_closed();
+            }
             let mut sweep = tokio::time::interval(SWEEP);
             loop {
                 tokio::select! {

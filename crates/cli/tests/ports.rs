@@ -146,4 +146,19 @@ fn length_prefixes_that_announce_megabytes_cost_a_worker_no_memory() {
     let fe = start(&["frontend", "--workers", &w.addr.to_string(), "--mode", "aggregated", "--port", "0"]);
     assert!(!complete(fe.addr, &json!([504, 3575, 282]), 4).is_empty());
     drop(slow);
+
+    // A token holder that then says nothing (no ping: a frozen host sends no FIN)
+    // is dropped after 10 s of silence, not kept until TCP gives up.
+    let mut quiet = authenticated(w.addr, &key);
+    let t = std::time::Instant::now();
+    quiet.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut buf = [0u8; 64];
+    let closed = loop {
+        match quiet.read(&mut buf) {
+            Ok(0) => break true,
+            Ok(_) => continue,
+            Err(e) => break e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    };
+    assert!(closed, "a silent router was kept {:?}", t.elapsed());
 }

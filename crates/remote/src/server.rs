@@ -18,6 +18,10 @@ use tokio::task::AbortHandle;
 
 /// Replies queued per connection before the sender waits.
 const OUTBOX: usize = 1024;
+/// How long a router may say nothing (it pings twice a second) before its
+/// connection is taken for dead: a frozen or cut-off host sends no FIN, and its
+/// session's reservations and paused streams are freed now, not by their TTLs.
+const SILENT_ROUTER: std::time::Duration = std::time::Duration::from_secs(10);
 /// Router connections served at once; more are closed as they arrive.
 const MAX_CONNECTIONS: usize = 64;
 /// Reservations one connection may hold at once.
@@ -126,11 +130,15 @@ impl WorkerServer {
         let held = Mutex::new(Some(HashMap::new()));
         let s = Arc::new(Session { srv: self, out, calls: Mutex::default(), paces: Mutex::default(), held });
         loop {
-            match control::read::<_, ToWorker>(&mut rd).await {
-                Ok(Some(msg)) => s.clone().handle(msg),
-                Ok(None) => break,
-                Err(e) => {
+            match tokio::time::timeout(SILENT_ROUTER, control::read::<_, ToWorker>(&mut rd)).await {
+                Ok(Ok(Some(msg))) => s.clone().handle(msg),
+                Ok(Ok(None)) => break,
+                Ok(Err(e)) => {
                     tracing::warn!(error = %e, "dropping a router connection");
+                    break;
+                }
+                Err(_) => {
+                    tracing::warn!(silent_s = SILENT_ROUTER.as_secs(), "a router went silent; dropping its connection");
                     break;
                 }
             }

@@ -297,6 +297,9 @@ pub struct WorkerStats {
     /// Blocks its lower tiers stored and restored since it started.
     #[serde(default)]
     pub tiers: TierCounters,
+    /// It is stopping (SIGTERM): it finishes what it has and should get nothing new.
+    #[serde(default)]
+    pub stopping: bool,
 }
 
 /// A worker's own side of role switching: the assignment it holds, switched only

@@ -34,13 +34,15 @@ pub struct WorkerServer {
     worker: Arc<dyn Worker>,
     key: ClusterKey,
     connections: Arc<tokio::sync::Semaphore>,
+    /// Set when `serve` stops taking routers; its stats say so from then on.
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 impl WorkerServer {
     /// Serves `worker` to routers that prove `key`.
     pub fn new(worker: Arc<dyn Worker>, key: ClusterKey) -> Arc<WorkerServer> {
         let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-        Arc::new(WorkerServer { worker, key, connections })
+        Arc::new(WorkerServer { worker, key, connections, stopping: Default::default() })
     }
 
     /// What a router learns once it proved the token: who this is, and this worker's
@@ -89,7 +91,10 @@ impl WorkerServer {
                         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     }
                 },
-                _ = &mut shutdown => return,
+                _ = &mut shutdown => {
+                    self.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+                    return;
+                }
             }
         }
     }
@@ -286,7 +291,11 @@ impl Session {
             }
             Op::Stats => {
                 let s = self.clone();
-                self.reply(call, async move { Ok(Answer::Stats(s.worker().stats().await?)) })
+                self.reply(call, async move {
+                    let mut stats = s.worker().stats().await?;
+                    stats.stopping |= s.srv.stopping.load(std::sync::atomic::Ordering::SeqCst);
+                    Ok(Answer::Stats(stats))
+                })
             }
             Op::SetRole { to } => {
                 let s = self.clone();

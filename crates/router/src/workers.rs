@@ -38,7 +38,10 @@ pub struct Entry {
     pub id: WorkerId,
     pub worker: Arc<dyn Worker>,
     state: Mutex<(Role, Epoch)>,
+    /// Taken out of the set.
     draining: AtomicBool,
+    /// The worker said it is stopping: it finishes its work, and gets no more.
+    stopping: AtomicBool,
     /// Prompt tokens queued here and the measured prefill rate (`auto`'s cost model).
     pub(crate) prefill: Arc<PrefillLoad>,
     /// Handoffs it may be prefilling at once (see [`PREFILL_SLOTS`]).
@@ -132,6 +135,7 @@ impl Entry {
         if let Some(now) = s.assignment {
             self.learn(now);
         }
+        self.stopping.store(s.stopping, Ordering::SeqCst);
         Some(s)
     }
 
@@ -165,9 +169,9 @@ impl Entry {
         *self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether new work may go here: reachable and not draining.
+    /// Whether new work may go here: reachable, in the set, and not stopping.
     pub fn usable(&self) -> bool {
-        self.worker.is_alive() && !self.draining.load(Ordering::SeqCst)
+        self.worker.is_alive() && !self.draining.load(Ordering::SeqCst) && !self.stopping.load(Ordering::SeqCst)
     }
 
     pub fn is_draining(&self) -> bool {
@@ -199,6 +203,7 @@ impl WorkerSet {
             worker,
             state: Mutex::new((role, Epoch::default())),
             draining: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
             prefill: Arc::default(),
             slots: Arc::new(Semaphore::new(PREFILL_SLOTS)),
             backlog: Arc::default(),

@@ -55,6 +55,38 @@ async fn a_connection_no_one_holds_closes_and_frees_its_slot() {
     }
 }
 
+/// A worker whose server stops (SIGTERM) says so in its stats: the router's next
+/// stats poll takes it out of routing, while the other stays usable and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_worker_is_routed_nothing_new() {
+    let stopping = local("stopping", Role::Mixed, 256);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served: Arc<dyn Worker> = Arc::new(stopping.clone());
+    tokio::spawn(WorkerServer::new(served, key()).serve(listener, async move {
+        let _ = stopped.await;
+    }));
+    let a: Arc<dyn Worker> = Arc::new(RemoteWorker::connect(addr, &key()).await.unwrap());
+    let b = serve("staying", Role::Mixed).await;
+    let r = Router::new([a, Arc::new(b.remote.clone())], Mode::Aggregated, Deadlines::default(), rt());
+    r.poll_stats().await;
+    assert!(r.workers().snapshot().iter().all(|e| e.usable()));
+    stop.send(()).unwrap();
+    let round = r.poll_stats().await;
+    let usable: Vec<(String, bool)> = round.iter().map(|(e, _)| (e.name().to_string(), e.usable())).collect();
+    assert_eq!(usable, [("stopping".to_string(), false), ("staying".to_string(), true)]);
+    assert!(round[0].1.is_some_and(|s| s.stopping), "its stats say it stops");
+    for (i, prompt) in PROMPTS.iter().enumerate() {
+        let (toks, last) = collect(r.generate(request(i as u64, prompt, 4)).unwrap()).await;
+        assert!(matches!(last, Event::Done { .. }) && !toks.is_empty(), "{last:?}");
+    }
+    // A finished prompt leaves its full blocks in the prefix cache of the worker
+    // that ran it: the long prompt's, on the staying worker only.
+    assert!(b.local.stats().await.unwrap().blocks.cached > 0, "the staying worker ran them");
+    assert_eq!(stopping.stats().await.unwrap().blocks.cached, 0, "nothing new ran on the stopping worker");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_handoff_gives_one_engines_tokens_over_tcp_and_shm() {
     let alone = Router::new([worker("alone", Role::Mixed)], Mode::Aggregated, Deadlines::default(), rt());

@@ -318,6 +318,8 @@ impl Loop {
                     decode_steps: s.decode_steps,
                     prefill_steps: s.prefill_steps,
                     tiers: s.tiers,
+                    // The server in front of it says so, when it stops.
+                    stopping: false,
                 });
             }
         }

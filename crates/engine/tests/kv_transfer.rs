@@ -326,6 +326,24 @@ fn first_token_that_ends_the_request_queues_nothing() {
     assert_eq!(d.stats().blocks.used, 0);
 }
 
+/// An export whose later chunks find no free block (a reservation holds them)
+/// fails with `NoBlocks` and frees what it took, instead of stepping for ever: the
+/// export runs alone on the engine thread, so nothing could free a block meanwhile.
+#[test]
+fn an_export_that_runs_out_of_blocks_fails_instead_of_spinning() {
+    let mut p = engine(16, 32);
+    p.reserve_import(RequestId(20), 200).unwrap();
+    let held = p.stats().blocks.used;
+    assert_eq!(held, 13);
+    // 80 tokens need 5 blocks; 3 are free, enough for the first 32-token chunk only.
+    let err = p.prefill_export(RequestId(21), prompt(80), greedy(4), &mut |_| true).unwrap_err();
+    assert_eq!(err, EngineError::NoBlocks);
+    assert_eq!(p.stats().blocks.used, held, "the export gave back what it took");
+    assert!(!p.has_work());
+    assert!(p.abort_import(RequestId(20)));
+    assert_eq!(p.stats().blocks.used, 0);
+}
+
 #[test]
 fn prefill_export_needs_an_idle_engine_and_a_valid_request() {
     let mut p = engine(64, 512);

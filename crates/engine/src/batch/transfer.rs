@@ -87,7 +87,11 @@ impl Engine {
                 self.cancel(id);
                 return Ok(first);
             }
-            if !self.has_work() {
+            // Nothing else runs on this thread while it exports, so a step that
+            // found no block for it (a reservation or a paused sequence holds them)
+            // would find none next time either.
+            if !self.has_work() || self.stalled() {
+                self.cancel(id);
                 return Err(EngineError::NoBlocks);
             }
         }

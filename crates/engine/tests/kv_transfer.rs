@@ -484,6 +484,40 @@ fn a_cached_prefix_fetched_from_a_busy_peer_continues_with_the_same_tokens() {
     assert!(nothing.is_empty());
 }
 
+/// A prefill running on a fetcher and a fetched prefix waiting behind it must not
+/// wait on each other: the waiting sequence holds blocks the prefill's next chunk
+/// needs, and is not admitted while that prefill is blocked. The prefill takes the
+/// waiting sequence's table (its full blocks stay cached), and both end with the
+/// tokens one engine gives.
+#[test]
+fn a_running_prefill_and_a_fetched_prefix_waiting_behind_it_do_not_deadlock() {
+    let (history, turn, long) = (prompt(83), prompt(110), prompt(100));
+    let (want_long, want_turn) = (aggregated(&long, &greedy(4)), aggregated(&turn, &greedy(4)));
+    let mut h = holding(&history, 512);
+    let (sent, frames) = exported(&mut h, &turn);
+    assert_eq!(sent, 80);
+    // 9 blocks, 32 tokens a step: the long prompt's first chunk takes 2 blocks, the
+    // fetched prefix 5, the second chunk the last 2; the third finds none.
+    let mut d = engine(9, 32);
+    d.add(RequestId(1), long, greedy(4)).unwrap();
+    let mut outs = d.step();
+    d.reserve_import(RequestId(9), sent).unwrap();
+    for f in &frames {
+        d.import_frame(RequestId(9), f).unwrap();
+    }
+    d.add_imported(RequestId(9), turn, greedy(4), sent).unwrap();
+    let mut steps = 0;
+    while d.has_work() {
+        outs.extend(d.step());
+        steps += 1;
+        assert!(steps < 1_000, "the engine does not make progress: {:?}", d.stats());
+    }
+    let of = |id| outs.iter().filter(|o| o.id == RequestId(id)).map(|o| o.sampled.clone()).collect::<Vec<_>>();
+    assert_eq!(tokens(&of(1)), tokens(&want_long), "the running prefill");
+    assert_eq!(tokens(&of(9)), tokens(&want_turn), "the fetched prefix");
+    assert_eq!(d.stats().blocks.used, 0);
+}
+
 #[test]
 fn a_fetcher_that_caches_the_start_of_a_prefix_keeps_its_blocks_and_receives_only_the_rest() {
     let (history, turn) = (prompt(83), prompt(110));

@@ -162,7 +162,10 @@ impl Engine {
     }
 
     /// Makes room for `tokens` in running sequence `i`. A decode that cannot grow
-    /// preempts the newest sequence (possibly itself); a prefill simply waits.
+    /// preempts the newest sequence (possibly itself); a prefill waits, but first
+    /// takes the table of a waiting sequence that holds one (a fetched prefix): that
+    /// one is not admitted while a prefill is blocked, so each would wait on the
+    /// other for ever. Its full blocks stay cached for when it is admitted.
     fn reserve(&mut self, i: usize, tokens: usize, is_prefill: bool) -> bool {
         loop {
             let Some(table) = self.running[i].table.as_mut() else { return false };
@@ -170,7 +173,9 @@ impl Engine {
                 return true;
             }
             if is_prefill {
-                return false;
+                let Some(holder) = self.waiting.iter_mut().rev().find(|s| s.table.is_some()) else { return false };
+                holder.preempt();
+                continue;
             }
             let Some(mut victim) = self.running.pop() else { return false };
             victim.preempt();

@@ -680,7 +680,14 @@ impl Inner {
         self.active.fetch_add(1, Ordering::Relaxed);
         let inner = self.clone();
         self.rt.spawn(async move {
-            let delivered = matches!(tokio::time::timeout(FRAMES_GRACE, task).await, Ok(Ok(true)));
+            let mut task = task;
+            let delivered = matches!(tokio::time::timeout(FRAMES_GRACE, &mut task).await, Ok(Ok(true)));
+            if !delivered {
+                // Out of the map already, so `release` cannot stop it: stop taking
+                // frames for a reservation about to go.
+                task.abort();
+                inner.inboxes.forget(HandoffId::from(id));
+            }
             let queued = match delivered {
                 true => inner.send(command),
                 false => Err(ServeError::Internal(format!("the KV transfer of {id} did not complete"))),

@@ -267,6 +267,10 @@ impl Loop {
                     Ok(true) => self.track(h.id, events, 1, h.cached_tokens),
                     Ok(false) => self.done(),
                     Err(e) => {
+                        // Refused before it took the reservation over (a prompt that
+                        // differs, a request its engine refuses): its TTL entry is gone,
+                        // so free the blocks now.
+                        self.engine.abort_import(h.id);
                         self.done();
                         let _ = events.send(Event::Failed(serve_error(e)));
                     }

@@ -12,7 +12,8 @@
 mod common;
 
 use common::{
-    complete, eventually, fleet_records, metric, nats_binary, one_process, settle_used_blocks, start, Proc, TempDir,
+    complete, eventually, exit_code, fleet_records, metric, nats_binary, one_process, settle_used_blocks, start, Proc,
+    TempDir,
 };
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -188,6 +189,18 @@ fn stream_and_kill(addr: SocketAddr, body: &Value, kill_after: usize, kill: impl
     (text, done)
 }
 
+/// The node whose fleet record shows a running request. Called while the client
+/// reads nothing, so the sequence pauses where it is; the record is refreshed each
+/// second.
+fn busy_node(n: &Nats) -> Value {
+    let mut busy = None;
+    eventually("a worker reports the running request", || {
+        busy = fleet(n).iter().find(|r| r["load"]["running"].as_u64() > Some(0)).map(|r| r["node_id"].clone());
+        busy.is_some()
+    });
+    busy.unwrap()
+}
+
 #[test]
 fn a_decode_worker_killed_mid_stream_moves_its_request_with_identical_text() {
     let prompt = json!([504, 3575, 282, 4649, 314, 4114, 28, 198, 504, 5250]);
@@ -209,14 +222,7 @@ fn a_decode_worker_killed_mid_stream_moves_its_request_with_identical_text() {
     eventually("three workers in the set", || metric(fe.addr, "pdserve_worker_up", "") == 3.0);
     let mut decoders = [d1, d2];
     let (text, done) = stream_and_kill(fe.addr, &body, 20, || {
-        // The client reads nothing meanwhile, so the sequence pauses where it is;
-        // the fleet record (refreshed each second) tells which worker holds it.
-        let mut busy = None;
-        eventually("a decode worker reports the running request", || {
-            busy = fleet(&n).iter().find(|r| r["load"]["running"].as_u64() > Some(0)).map(|r| r["node_id"].clone());
-            busy.is_some()
-        });
-        let victim = if busy.unwrap() == "d-1" { 0 } else { 1 };
+        let victim = if busy_node(&n) == "d-1" { 0 } else { 1 };
         decoders[victim].child.kill().unwrap();
         decoders[victim].child.wait().unwrap();
     });
@@ -241,12 +247,7 @@ fn a_worker_stopped_mid_stream_finishes_its_request_before_it_exits() {
     let want = serde_json::from_str::<Value>(&want).unwrap()["choices"][0]["text"].as_str().unwrap().to_string();
     let mut stopped = None;
     let (text, done) = stream_and_kill(fe.addr, &body, 5, || {
-        let mut busy = None;
-        eventually("a worker reports the running request", || {
-            busy = fleet(&n).iter().find(|r| r["load"]["running"].as_u64() > Some(0)).map(|r| r["node_id"].clone());
-            busy.is_some()
-        });
-        let at = if busy.unwrap() == "m-1" { 0 } else { 1 };
+        let at = if busy_node(&n) == "m-1" { 0 } else { 1 };
         unsafe { libc::kill(workers[at].child.id() as i32, libc::SIGTERM) };
         eventually("the stopping worker's record is gone", || ids(&n).len() == 1);
         stopped = Some(at);
@@ -254,16 +255,8 @@ fn a_worker_stopped_mid_stream_finishes_its_request_before_it_exits() {
     assert!(done, "the stream ended with [DONE]");
     assert_eq!(text, want, "the whole greedy text, from the worker that was stopping");
     assert_eq!(metric(fe.addr, "pdserve_requests_migrated_total", ""), 0.0, "nothing was moved");
-    let w = &mut workers[stopped.unwrap()];
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let code = loop {
-        if let Some(status) = w.child.try_wait().unwrap() {
-            break status.code();
-        }
-        assert!(Instant::now() < deadline, "the stopped worker never exited");
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(code, Some(0), "drained: exit 0");
+    let code = exit_code(&mut workers[stopped.unwrap()], Duration::from_secs(30));
+    assert_eq!(code, Some(0), "drained: exit 0 (None: never exited)");
     assert_eq!(status_of(fe.addr, 2), 200, "the other worker serves");
     assert_eq!(settle_used_blocks(fe.addr), 0.0, "no block held once idle");
 }

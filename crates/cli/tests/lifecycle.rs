@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{complete, start, Proc};
+use common::{complete, exit_code, start, Proc};
 use pdserve_testkit::http::{self, post_request};
 use serde_json::json;
 use std::io::{Read, Write};
@@ -22,18 +22,6 @@ const CUT: i32 = 3;
 fn kill(p: &Proc, signal: &str) {
     let ok = Command::new("kill").args([signal, &p.child.id().to_string()]).status().unwrap();
     assert!(ok.success());
-}
-
-/// Waits for the process to exit; its exit code.
-fn exit_code(p: &mut Proc, within: Duration) -> Option<i32> {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if let Some(status) = p.child.try_wait().unwrap() {
-            return status.code();
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    None
 }
 
 fn status(addr: SocketAddr, path: &str) -> u16 {

@@ -245,3 +245,15 @@ pub fn settle_used_blocks(addr: SocketAddr) -> f64 {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// Waits for the process to exit; its exit code.
+pub fn exit_code(p: &mut Proc, within: Duration) -> Option<i32> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Some(status) = p.child.try_wait().unwrap() {
+            return status.code();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}

@@ -32,7 +32,7 @@ use pdserve_protocol::{
     ServeError, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::{Assignment, Epoch, KvFrame, RequestId, Role};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -145,6 +145,9 @@ struct Inner {
     frame_elems: usize,
     /// Transfers into this worker, by request.
     imports: Mutex<HashMap<RequestId, Import>>,
+    /// Releases still waiting for room in the command queue: a new reservation of
+    /// the same request waits for its release to be queued first.
+    aborting: Mutex<HashSet<RequestId>>,
     /// Runs the tasks that feed transferred frames into the engine.
     rt: tokio::runtime::Handle,
     /// The engine's block pool: its event log is read here, off the engine thread.
@@ -272,6 +275,7 @@ impl LocalWorker {
             links,
             frame_elems,
             imports: Mutex::default(),
+            aborting: Mutex::default(),
             rt,
             pool,
             sim_kv,
@@ -553,6 +557,12 @@ impl Inner {
                 inner.release(id);
             }
         });
+        // A release of this request that found the queue full (the spare-worker
+        // retry of a handoff reserves again at once) goes in before this reservation,
+        // or it would undo it.
+        while lock(&self.aborting).contains(&id) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let (reply, rx) = oneshot::channel();
         self.send(Command::Reserve { id, prompt_len, keep, reply })?;
         rx.await.map_err(|_| self.stopped())??;
@@ -701,7 +711,7 @@ impl Inner {
         Ok(())
     }
 
-    fn release(&self, id: RequestId) {
+    fn release(self: &Arc<Self>, id: RequestId) {
         if let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) {
             task.abort();
             self.inboxes.forget(HandoffId::from(id));
@@ -709,13 +719,15 @@ impl Inner {
         // Through the command queue, so it lands after the reservation it undoes; when
         // the queue is full, a task waits for room (a release is never dropped).
         if let Err(TrySendError::Full(c)) = self.tx.try_send(Command::AbortImport(id)) {
-            let tx = self.tx.clone();
+            lock(&self.aborting).insert(id);
+            let inner = self.clone();
             self.rt.spawn(async move {
                 let mut c = c;
-                while let Err(TrySendError::Full(back)) = tx.try_send(c) {
+                while let Err(TrySendError::Full(back)) = inner.tx.try_send(c) {
                     c = back;
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
+                lock(&inner.aborting).remove(&id);
             });
         }
     }

@@ -78,6 +78,7 @@ impl ApiError {
                 }
                 ServeError::NoWorker(_)
                 | ServeError::WorkerLost(_)
+                | ServeError::KvLost(_)
                 | ServeError::ShuttingDown
                 | ServeError::StaleEpoch { .. }
                 | ServeError::Moved { .. } => {
@@ -160,6 +161,7 @@ mod tests {
             (ServeError::Overloaded("queue full".into()), 429),
             (ServeError::NoWorker("none".into()), 503),
             (ServeError::WorkerLost("gone".into()), 503),
+            (ServeError::KvLost("a bad frame".into()), 503),
             (ServeError::ShuttingDown, 503),
             (ServeError::Timeout("prefill".into()), 504),
             (ServeError::Internal("bug".into()), 500),

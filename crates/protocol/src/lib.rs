@@ -265,6 +265,11 @@ pub enum ServeError {
     /// connection broke) (503). The router may move the request elsewhere.
     #[error("worker lost: {0}")]
     WorkerLost(String),
+    /// The KV a handoff sent to the decode worker did not land whole there (a frame
+    /// it could not take, or the transfer outlasted its grace): nothing of the
+    /// request ran on it, and the router prefills the request again (503).
+    #[error("KV transfer lost: {0}")]
+    KvLost(String),
     /// The worker changed role since the router looked (a role switch): the call was
     /// refused before any work, and the router routes it again.
     #[error("worker {worker} is now {now}, not at the epoch routed for")]
@@ -292,6 +297,7 @@ impl ServeError {
             ServeError::Timeout(_) => "timeout",
             ServeError::ShuttingDown => "shutting_down",
             ServeError::WorkerLost(_) => "worker_lost",
+            ServeError::KvLost(_) => "kv_lost",
             ServeError::StaleEpoch { .. } => "stale_epoch",
             ServeError::Moved { .. } => "moved",
             ServeError::Internal(_) => "internal",

@@ -2,7 +2,8 @@
 //! worker and the client's stream goes on.
 //!
 //! The router keeps the tokens it has forwarded. When the stream fails with
-//! [`ServeError::WorkerLost`], the request is routed again with its prompt plus those
+//! [`ServeError::WorkerLost`] (or [`ServeError::KvLost`]: its KV never landed on
+//! its decode worker), the request is routed again with its prompt plus those
 //! tokens (token replay: the new worker prefills them, no KV is recovered) and
 //! `max_tokens` less what was sent. Each token depends only on the tokens before it
 //! under greedy decoding, so the client sees no duplicate, no gap, and the text an
@@ -28,8 +29,6 @@ use std::sync::Arc;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-/// The label of `pdserve_requests_migrated_total` for a lost worker.
-const WORKER_LOST: &str = "worker_lost";
 /// The label for a call refused because its worker switched role.
 const STALE_EPOCH: &str = "stale_epoch";
 /// The label for a sequence handed back by a worker that left decode.
@@ -115,9 +114,9 @@ impl Job {
             };
             let Some(ev) = ev else { return };
             let ev = match ev {
-                Event::Failed(ServeError::WorkerLost(why)) if self.left > 0 => {
+                Event::Failed(e @ (ServeError::WorkerLost(_) | ServeError::KvLost(_))) if self.left > 0 => {
                     self.left -= 1;
-                    match self.resume(&why, WORKER_LOST, None) {
+                    match self.resume(&e.to_string(), e.kind(), None) {
                         Ok(next) => {
                             inner = next;
                             continue;

@@ -8,20 +8,25 @@ use pdserve_protocol::{Event, Generate, GenerateRequest, PrefillRoute, ServeErro
 use pdserve_router::{Deadlines, Migrating, Mode, Router};
 use pdserve_testkit::fake::{token_at, FakeWorker};
 use pdserve_types::{RequestId, Role, SamplingParams};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+/// The reason of every move.
 #[derive(Default)]
-struct Moves(AtomicUsize);
+struct Moves(Mutex<Vec<&'static str>>);
+
+impl Moves {
+    fn of(&self, reason: &str) -> usize {
+        self.0.lock().unwrap().iter().filter(|r| **r == reason).count()
+    }
+}
 
 impl pdserve_protocol::Telemetry for Moves {
     fn phase(&self, _: pdserve_protocol::Phase, _: f64) {}
     fn route(&self, _: PrefillRoute) {}
     fn kv_transfer_bytes(&self, _: TransportKind, _: u64) {}
     fn migrated(&self, reason: &'static str) {
-        assert_eq!(reason, "worker_lost");
-        self.0.fetch_add(1, Ordering::SeqCst);
+        self.0.lock().unwrap().push(reason);
     }
 }
 
@@ -51,19 +56,40 @@ fn migrating(workers: &[&FakeWorker], mode: Mode, max: u32) -> (Migrating, Arc<M
 }
 
 /// Reads `n` tokens, then kills `victim` and reads the rest: the tokens and the end.
-async fn kill_after(mut s: TokenStream, n: usize, victim: &FakeWorker) -> (Vec<u32>, Event) {
+async fn kill_after(s: TokenStream, n: usize, victim: &FakeWorker) -> (Vec<u32>, Event) {
+    read(s, |read| {
+        if read == n {
+            victim.kill();
+        }
+    })
+    .await
+}
+
+/// Reads the stream to its end, calling `on_token` with the count read so far.
+async fn read(mut s: TokenStream, mut on_token: impl FnMut(usize)) -> (Vec<u32>, Event) {
     let mut toks = Vec::new();
     loop {
         match s.next().await.expect("a final event") {
             Event::Token(t) => {
                 toks.push(t.token);
-                if toks.len() == n {
-                    victim.kill();
-                }
+                on_token(toks.len());
             }
             Event::Prompt(_) => {}
             last => return (toks, last),
         }
+    }
+}
+
+/// Every one of `workers` gives its blocks back (within 2 s).
+async fn no_blocks_held(workers: &[&FakeWorker]) {
+    for w in workers {
+        for _ in 0..200 {
+            if w.used_blocks() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(w.used_blocks(), 0, "{} keeps no block", w.info().name);
     }
 }
 
@@ -82,7 +108,7 @@ async fn a_mixed_worker_lost_mid_stream_hands_the_request_on_with_no_token_lost(
     let Event::Done { usage, .. } = end else { panic!("ended with {end:?}") };
     assert_eq!(usage, Usage { prompt_tokens: 40, completion_tokens: 30, cached_tokens: 0 });
     assert_eq!((a.served(), b.served()), (1, 1));
-    assert_eq!(moves.0.load(Ordering::SeqCst), 1);
+    assert_eq!(moves.of("worker_lost"), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,16 +121,23 @@ async fn a_decode_worker_lost_after_a_handoff_resumes_on_another_decode_worker()
     assert_eq!(got, expected(&req));
     assert!(matches!(end, Event::Done { .. }), "{end:?}");
     assert_eq!(d2.served(), 1, "the replayed request decoded on the other decode worker");
-    assert_eq!(moves.0.load(Ordering::SeqCst), 1);
-    for w in [&p, &d2] {
-        for _ in 0..200 {
-            if w.used_blocks() == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert_eq!(w.used_blocks(), 0, "{} keeps no block", w.info().name);
-    }
+    assert_eq!(moves.of("worker_lost"), 1);
+    no_blocks_held(&[&p, &d2]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_lost_on_its_way_to_the_decode_worker_is_prefilled_again_with_no_token_lost() {
+    let p = FakeWorker::new("p", Role::Prefill, 1000);
+    let d = FakeWorker::new("d", Role::Decode, 1000);
+    d.knobs(|k| k.lose_transfers = 1.into());
+    let (r, moves) = migrating(&[&p, &d], Mode::Disaggregated, 1);
+    let req = request(64, 24);
+    let (got, end) = read(r.generate(req.clone()).unwrap(), |_| {}).await;
+    assert_eq!(got, expected(&req), "the first token once, then the rest");
+    assert!(matches!(end, Event::Done { .. }), "{end:?}");
+    assert_eq!((moves.of("kv_lost"), moves.of("worker_lost")), (1, 0));
+    assert_eq!(d.served(), 1, "decoded once, after the second transfer");
+    no_blocks_held(&[&p, &d]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,12 +167,12 @@ async fn moves_are_bounded_and_zero_turns_migration_off() {
         }
     };
     assert!(matches!(end, Event::Failed(ServeError::WorkerLost(_))), "{end:?}");
-    assert_eq!(moves.0.load(Ordering::SeqCst), 1);
+    assert_eq!(moves.of("worker_lost"), 1);
     assert_eq!(b.served() + c.served(), 1, "no second move");
 
     let (x, y) = (FakeWorker::new("x", Role::Mixed, 1000), FakeWorker::new("y", Role::Mixed, 1000));
     let (r, moves) = migrating(&[slow(&x), slow(&y)], Mode::Aggregated, 0);
     let (got, end) = kill_after(r.generate(request(20, 40)).unwrap(), 5, &x).await;
     assert!(got.len() < 40 && matches!(end, Event::Failed(ServeError::WorkerLost(_))), "{end:?}");
-    assert_eq!((y.served(), moves.0.load(Ordering::SeqCst)), (0, 0));
+    assert_eq!((y.served(), moves.of("worker_lost")), (0, 0));
 }

@@ -34,6 +34,9 @@ pub struct Knobs {
     pub token_interval: Duration,
     /// Prefills fail (after their delay).
     pub fail_prefill: AtomicBool,
+    /// The next this many transfers into this worker are lost (as a frame it cannot
+    /// take loses one): their decodes fail with [`ServeError::KvLost`].
+    pub lose_transfers: AtomicUsize,
 }
 
 impl Default for Knobs {
@@ -42,6 +45,7 @@ impl Default for Knobs {
             prefill_per_token: Duration::from_micros(20),
             token_interval: Duration::from_millis(1),
             fail_prefill: AtomicBool::new(false),
+            lose_transfers: AtomicUsize::new(0),
         }
     }
 }
@@ -84,6 +88,9 @@ struct Inner {
     /// Blocks held by running requests and reservations.
     used: AtomicUsize,
     active: AtomicUsize,
+    /// Requests streaming tokens: what a real worker's stats count as running (its
+    /// prefills run whole between two stats answers, so they never show there).
+    streaming: AtomicUsize,
     /// Requests this worker generated tokens for (whole, or after a transfer).
     served: AtomicUsize,
     alive: AtomicBool,
@@ -110,6 +117,7 @@ impl FakeWorker {
                 total_blocks,
                 used: AtomicUsize::new(0),
                 active: AtomicUsize::new(0),
+                streaming: AtomicUsize::new(0),
                 served: AtomicUsize::new(0),
                 alive: AtomicBool::new(true),
                 inboxes: Inboxes::new(64),
@@ -190,6 +198,7 @@ impl Inner {
         cached: usize,
     ) {
         self.active.fetch_add(1, Ordering::SeqCst);
+        self.streaming.fetch_add(1, Ordering::SeqCst);
         self.served.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
             let mut tokens = tokens_after(&prompt).skip(from);
@@ -212,6 +221,7 @@ impl Inner {
                 }
             }
             self.give_blocks(blocks);
+            self.streaming.fetch_sub(1, Ordering::SeqCst);
             self.active.fetch_sub(1, Ordering::SeqCst);
         });
     }
@@ -349,8 +359,12 @@ impl Worker for FakeWorker {
     fn decode(&self, h: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
         self.inner.check_alive()?;
         let Some(import) = lock(&self.inner.imports).remove(&h.id) else {
-            return Err(ServeError::Internal(format!("no transfer for {}", h.id)));
+            return Err(ServeError::KvLost(format!("no transfer for {}", h.id)));
         };
+        let lost = lock(&self.inner.knobs)
+            .lose_transfers
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
         let max = h.params.max_tokens as usize;
         let more = match self.inner.take_blocks(max) {
             Ok(n) => n,
@@ -362,12 +376,12 @@ impl Worker for FakeWorker {
         let inner = self.inner.clone();
         tokio::spawn(async move {
             let arrived = match import.receiving {
-                Some(task) => task.await.unwrap_or(false),
+                Some(task) => task.await.unwrap_or(false) && !lost,
                 None => false,
             };
             if !arrived {
                 inner.give_blocks(import.blocks + more);
-                let _ = events.send(Event::Failed(ServeError::Internal("the transfer did not complete".into())));
+                let _ = events.send(Event::Failed(ServeError::KvLost("the transfer did not complete".into())));
                 return;
             }
             inner.stream(h.prompt, 1, max, import.blocks + more, events, h.cached_tokens);
@@ -402,7 +416,7 @@ impl Worker for FakeWorker {
             let blocks = BlockCounts { free: self.inner.total_blocks - used, used, ..Default::default() };
             Ok(WorkerStats {
                 waiting: 0,
-                running: self.load(),
+                running: self.inner.streaming.load(Ordering::SeqCst),
                 importing: lock(&self.inner.imports).len(),
                 paused: 0,
                 queued_prompt_tokens: 0,

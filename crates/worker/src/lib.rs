@@ -671,11 +671,11 @@ impl Inner {
     /// the caller's to use; fails if it does not complete in time.
     async fn imported(&self, id: RequestId) -> Result<(), ServeError> {
         let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) else {
-            return Err(ServeError::Internal(format!("no transfer into this worker for {id}")));
+            return Err(ServeError::KvLost(format!("no transfer into this worker for {id}")));
         };
         match tokio::time::timeout(FRAMES_GRACE, task).await {
             Ok(Ok(true)) => Ok(()),
-            _ => Err(ServeError::Internal(format!("the KV transfer of {id} did not complete"))),
+            _ => Err(ServeError::KvLost(format!("the transfer of {id} did not complete in time"))),
         }
     }
 
@@ -684,7 +684,7 @@ impl Inner {
     /// `events` and releases the reservation.
     fn when_imported(self: &Arc<Self>, id: RequestId, events: EventSender, command: Command) -> Result<(), ServeError> {
         let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) else {
-            return Err(ServeError::Internal(format!("no transfer into this worker for {id}")));
+            return Err(ServeError::KvLost(format!("no transfer into this worker for {id}")));
         };
         // Counted now: the sequence is this worker's load while its last frames land.
         self.active.fetch_add(1, Ordering::Relaxed);
@@ -700,7 +700,7 @@ impl Inner {
             }
             let queued = match delivered {
                 true => inner.send(command),
-                false => Err(ServeError::Internal(format!("the KV transfer of {id} did not complete"))),
+                false => Err(ServeError::KvLost(format!("the transfer of {id} did not complete in time"))),
             };
             if let Err(e) = queued {
                 inner.active.fetch_sub(1, Ordering::Relaxed);

@@ -272,7 +272,12 @@ impl Loop {
                         // so free the blocks now.
                         self.engine.abort_import(h.id);
                         self.done();
-                        let _ = events.send(Event::Failed(serve_error(e)));
+                        let e = match e {
+                            // A bad frame aborted the reservation: the router prefills again.
+                            EngineError::Unknown(id) => ServeError::KvLost(format!("the transfer of {id} was aborted")),
+                            e => serve_error(e),
+                        };
+                        let _ = events.send(Event::Failed(e));
                     }
                 }
             }

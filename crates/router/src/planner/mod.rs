@@ -72,16 +72,25 @@ pub struct Decision {
     pub reason: &'static str,
 }
 
+/// What the running shape measurably served over the window, where it alone
+/// served it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Measured {
+    /// The share of requests it met both SLOs for.
+    pub attained: f64,
+    /// Those requests per second.
+    pub goodput: f64,
+}
+
 /// The best of `shapes` for the traffic, if clearly better than `current`, or if
-/// `current` measurably misses the SLOs (`measured`: the share of requests it met
-/// both for, where it alone served the window) and the best is predicted to serve
-/// them with room.
+/// `current` measurably misses the SLOs and the best is predicted to serve them
+/// with room.
 pub fn best_move(
     current: Shape,
     shapes: &[Shape],
     predict: impl Fn(Shape) -> Prediction,
     margin: f64,
-    measured: Option<f64>,
+    measured: Option<Measured>,
 ) -> Option<Decision> {
     let now = predict(current);
     // Taking a worker from a role is safe only if those left keep up.
@@ -96,15 +105,24 @@ pub fn best_move(
         .into_iter()
         .filter(|(_, p)| p.goodput >= top - tie(top))
         .min_by(|a, b| a.1.strain.total_cmp(&b.1.strain).then(a.0.cmp(&b.0)))?;
-    let gain = then.goodput - now.goodput > MIN_GAIN;
-    let better = then.goodput > now.goodput * (1.0 + margin);
+    // Saturated, a closed loop's arrivals follow what it serves, so the model calls
+    // the running shape overloaded and scores it near nothing while it measurably
+    // serves part of its requests in time. Trading it for another shape predicted
+    // overloaded too must beat what it serves, not that score: otherwise the two
+    // scores' noise moves the workers back and forth.
+    let worth = match measured {
+        Some(m) if then.utilisation >= OVERLOADED => now.goodput.max(m.goodput),
+        _ => now.goodput,
+    };
+    let gain = then.goodput - worth > MIN_GAIN;
+    let better = then.goodput > worth * (1.0 + margin);
     // The margin keeps the planner from trading a shape that serves for another on
     // a prediction's noise. Leaving one that measurably misses for one predicted to
     // serve with room is no such trade: the way back would need the new one to miss.
     let missing = measured.is_some_and(|m| {
-        m < 1.0 - ATTAINMENT_NOISE
+        m.attained < 1.0 - ATTAINMENT_NOISE
             && then.strain < 1.0
-            && then.ttft_attained * then.tpot_attained >= m + ATTAINMENT_NOISE
+            && then.ttft_attained * then.tpot_attained >= m.attained + ATTAINMENT_NOISE
     });
     let moves = to != current && gain && (better || missing);
     moves.then(|| Decision { from: current, to, now, then, reason: reason(&now, &then) })
@@ -381,8 +399,9 @@ impl Planner {
 
     /// The share of the window's requests the running shape met both SLOs for, once
     /// they are its own and enough of them ended to judge by.
-    fn measured(&self, traffic: &Traffic) -> Option<f64> {
-        (self.switched.settled() && traffic.ended >= RECENT_SAMPLES).then_some(traffic.attained)
+    fn measured(&self, traffic: &Traffic) -> Option<Measured> {
+        let m = Measured { attained: traffic.attained, goodput: traffic.rate * traffic.attained };
+        (self.switched.settled() && traffic.ended >= RECENT_SAMPLES).then_some(m)
     }
 
     /// Keeps a window of traffic once a window length has passed since the last kept,
@@ -501,9 +520,11 @@ async fn drain(router: Arc<Router>, act: Arc<dyn Actuator>, e: Arc<Entry>, from:
                 tracing::debug!(worker = e.name(), error = %err, "decodes not handed back");
             }
         }
-        let prefilling = PREFILL_SLOTS - e.slots.available_permits();
+        // A prefill runs whole within one turn of the worker's loop, so its stats
+        // never count one: whatever they count is a decode (a fenced prefill worker
+        // takes no new ones).
         match tokio::time::timeout(STATS_WAIT, e.worker.stats()).await {
-            Ok(Ok(s)) if s.running + s.waiting <= prefilling => {
+            Ok(Ok(s)) if s.running + s.waiting == 0 => {
                 let s = started.elapsed().as_secs_f64();
                 return tracing::info!(worker = e.name(), drain_s = s, "decodes finished after the role switch");
             }
@@ -563,14 +584,32 @@ mod tests {
     fn a_shape_that_measurably_misses_is_left_within_the_margin() {
         let shapes = [MIXED, SPLIT];
         let g = |split: Prediction| move |s: Shape| if s == MIXED { pred(1.0) } else { split };
+        let seen = |attained| Some(Measured { attained, goodput: attained });
         let serves = pred(1.08);
-        assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, Some(1.0)), None, "it serves: the margin holds");
-        assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, Some(0.97)), None, "misses within noise");
-        assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, Some(0.9)).unwrap().to, SPLIT);
+        assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, seen(1.0)), None, "it serves: the margin holds");
+        assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, seen(0.97)), None, "misses within noise");
+        assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, seen(0.9)).unwrap().to, SPLIT);
         let edge = Prediction { strain: 1.02, ..serves };
-        assert_eq!(best_move(MIXED, &shapes, g(edge), 0.15, Some(0.9)), None, "the target has no room");
+        assert_eq!(best_move(MIXED, &shapes, g(edge), 0.15, seen(0.9)), None, "the target has no room");
         let short = Prediction { tpot_attained: 0.93, ..serves };
-        assert_eq!(best_move(MIXED, &shapes, g(short), 0.15, Some(0.9)), None, "not clearly better than measured");
+        assert_eq!(best_move(MIXED, &shapes, g(short), 0.15, seen(0.9)), None, "not clearly better than measured");
+    }
+
+    #[test]
+    fn an_overloaded_shape_is_traded_for_another_only_for_more_than_it_measurably_serves() {
+        // A saturated closed loop: both shapes past the edge, the running one scored
+        // nothing, the other a little, while the running one serves 0.27 req/s in time.
+        let shapes = [MIXED, SPLIT];
+        let over = |goodput| Prediction { utilisation: 1.3, ..pred(goodput) };
+        let g = |split: Prediction| move |s: Shape| if s == MIXED { over(0.0) } else { split };
+        let serving = Some(Measured { attained: 0.2, goodput: 0.27 });
+        assert_eq!(best_move(MIXED, &shapes, g(over(0.24)), 0.15, serving), None, "less than it serves");
+        assert_eq!(best_move(MIXED, &shapes, g(over(0.24)), 0.15, None).unwrap().to, SPLIT, "nothing measured yet");
+        assert_eq!(best_move(MIXED, &shapes, g(over(0.5)), 0.15, serving).unwrap().to, SPLIT, "clearly more");
+        // A shape that keeps up is taken on its prediction, however much the running
+        // one served of the window (a shift under way still holds the old traffic).
+        let keeps_up = Prediction { utilisation: 0.8, ..pred(0.24) };
+        assert_eq!(best_move(MIXED, &shapes, g(keeps_up), 0.15, serving).unwrap().to, SPLIT);
     }
 
     #[test]

@@ -671,11 +671,11 @@ impl Inner {
     /// the caller's to use; fails if it does not complete in time.
     async fn imported(&self, id: RequestId) -> Result<(), ServeError> {
         let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) else {
-            return Err(ServeError::KvLost(format!("no transfer into this worker for {id}")));
+            return Err(no_transfer(id));
         };
         match tokio::time::timeout(FRAMES_GRACE, task).await {
             Ok(Ok(true)) => Ok(()),
-            _ => Err(ServeError::KvLost(format!("the transfer of {id} did not complete in time"))),
+            _ => Err(transfer_late(id)),
         }
     }
 
@@ -684,7 +684,7 @@ impl Inner {
     /// `events` and releases the reservation.
     fn when_imported(self: &Arc<Self>, id: RequestId, events: EventSender, command: Command) -> Result<(), ServeError> {
         let Some(Import::Receiving(task)) = lock(&self.imports).remove(&id) else {
-            return Err(ServeError::KvLost(format!("no transfer into this worker for {id}")));
+            return Err(no_transfer(id));
         };
         // Counted now: the sequence is this worker's load while its last frames land.
         self.active.fetch_add(1, Ordering::Relaxed);
@@ -700,7 +700,7 @@ impl Inner {
             }
             let queued = match delivered {
                 true => inner.send(command),
-                false => Err(ServeError::KvLost(format!("the transfer of {id} did not complete in time"))),
+                false => Err(transfer_late(id)),
             };
             if let Err(e) = queued {
                 inner.active.fetch_sub(1, Ordering::Relaxed);
@@ -731,6 +731,17 @@ impl Inner {
             });
         }
     }
+}
+
+/// A decode or prefill asked to continue a transfer this worker does not hold
+/// (never reserved here, released, or expired).
+pub(crate) fn no_transfer(id: RequestId) -> ServeError {
+    ServeError::KvLost(format!("no transfer into this worker for {id}"))
+}
+
+/// A transfer whose last frames did not arrive within [`FRAMES_GRACE`].
+fn transfer_late(id: RequestId) -> ServeError {
+    ServeError::KvLost(format!("the transfer of {id} did not complete in time"))
 }
 
 /// Runs `work`; a failure, or dropping it unfinished, calls `release` (gives back

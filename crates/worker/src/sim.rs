@@ -259,7 +259,7 @@ impl Worker for SimWorker {
         Box::pin(or_release(release, async move {
             inner.fence(req.fence, Role::prefills)?;
             if !lock(&inner.imports).remove(&id) {
-                return Err(ServeError::KvLost(format!("no transfer into this worker for {id}")));
+                return Err(crate::no_transfer(id));
             }
             inner.prefill(req, imported, to).await
         }))
@@ -267,7 +267,7 @@ impl Worker for SimWorker {
 
     fn decode(&self, h: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
         if !lock(&self.inner.imports).remove(&h.id) {
-            return Err(ServeError::KvLost(format!("no transfer into this worker for {}", h.id)));
+            return Err(crate::no_transfer(h.id));
         }
         self.inner.send_counted(Command::Decode(h, events))
     }
@@ -298,7 +298,7 @@ impl Worker for SimWorker {
         // Refused (a role switch overtook the fetch): the reservation goes too.
         self.inner.fence(req.fence, Role::decodes).inspect_err(|_| self.inner.release(req.id))?;
         if !lock(&self.inner.imports).remove(&req.id) {
-            return Err(ServeError::KvLost(format!("no transfer into this worker for {}", req.id)));
+            return Err(crate::no_transfer(req.id));
         }
         self.inner.send_counted(Command::GenerateImported(req, imported, events))
     }

@@ -397,8 +397,8 @@ impl Planner {
         p
     }
 
-    /// The share of the window's requests the running shape met both SLOs for, once
-    /// they are its own and enough of them ended to judge by.
+    /// What the running shape served of the window, once the window's requests are
+    /// its own and enough of them ended to judge by.
     fn measured(&self, traffic: &Traffic) -> Option<Measured> {
         let m = Measured { attained: traffic.attained, goodput: traffic.rate * traffic.attained };
         (self.switched.settled() && traffic.ended >= RECENT_SAMPLES).then_some(m)

@@ -455,7 +455,7 @@ fn serve_error(e: EngineError) -> ServeError {
         | EngineError::BadToken(_)
         | EngineError::TooLargeForCache { .. }
         | EngineError::Grammar(_) => ServeError::Invalid(e.to_string()),
-        EngineError::NoBlocks | EngineError::NotCached => ServeError::Overloaded(e.to_string()),
+        EngineError::NoBlocks | EngineError::NotCached | EngineError::Busy => ServeError::Overloaded(e.to_string()),
         EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) | EngineError::Cancelled => {
             ServeError::Internal(e.to_string())
         }

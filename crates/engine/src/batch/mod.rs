@@ -70,6 +70,8 @@ pub enum EngineError {
     BadFrame(String),
     #[error("cancelled: the receiver of the prefill is gone")]
     Cancelled,
+    #[error("the engine is busy; an exporting prefill runs alone")]
+    Busy,
     #[error("grammar: {0}")]
     Grammar(String),
 }

@@ -471,9 +471,12 @@ impl KvMemory {
 
     /// Seconds until `need` blocks are free here: none while they are free now (or
     /// before anything was reported); else the missing blocks at the pace blocks were
-    /// freed lately, or twice that window when fewer than [`PACE_FROM`] sequences
-    /// ended in it (full, and no pace to go by: a few requests that ran alone, such
-    /// as a benchmark's warm-up, would promise a pace no full pool keeps).
+    /// freed lately. Until [`PACE_FROM`] sequences ended within [`FREED_WINDOW`], the
+    /// blocks they freed count as spread over the whole window, however recent the
+    /// worker: a few requests that ran alone, such as a benchmark's warm-up, would
+    /// otherwise promise a pace no full pool keeps, while a pool that is turning over
+    /// (a fleet's first seconds under load) still shows the blocks coming back. With
+    /// none ended, full and no pace to go by: twice the window.
     pub fn wait_for(&self, need: usize) -> f64 {
         let Some(free) = *lock(&self.free) else { return 0.0 };
         let missing = need.saturating_sub(free);
@@ -483,10 +486,13 @@ impl KvMemory {
         let mut freed = lock(&self.freed);
         prune(&mut freed);
         let blocks: usize = freed.iter().map(|&(_, b)| b).sum();
-        if freed.len() < PACE_FROM || blocks == 0 {
+        if blocks == 0 {
             return 2.0 * FREED_WINDOW.as_secs_f64();
         }
-        let window = self.since.elapsed().min(FREED_WINDOW).as_secs_f64().max(1.0);
+        let window = match freed.len() {
+            n if n < PACE_FROM => FREED_WINDOW.as_secs_f64(),
+            _ => self.since.elapsed().min(FREED_WINDOW).as_secs_f64().max(1.0),
+        };
         missing as f64 * window / blocks as f64
     }
 }
@@ -614,11 +620,13 @@ mod tests {
         m.report_free(100);
         assert_eq!(m.wait_for(100), 0.0, "fits now");
         assert_eq!(m.wait_for(101), 60.0, "full and nothing ended lately: refuse");
-        // Fewer than 8 ended: no pace yet.
+        // Fewer than 8 ended: their 120 blocks count as freed over the whole 30 s
+        // window (4 a second), not over the first second the worker was up.
         for _ in 0..3 {
             m.finished(640);
         }
-        assert_eq!(m.wait_for(101), 60.0);
+        assert!((m.wait_for(101) - 0.25).abs() < 1e-9, "{}", m.wait_for(101));
+        assert!((m.wait_for(260) - 40.0).abs() < 1e-9, "{}", m.wait_for(260));
         // 8 sequences of 640 tokens (40 blocks each) ended within the first second:
         // 320 blocks a second; 160 missing blocks are half a second away.
         for _ in 0..5 {

@@ -28,6 +28,12 @@ fn prompt(n: usize) -> Vec<u32> {
     ids[..n].to_vec()
 }
 
+/// `n` tokens that share no block with [`prompt`]'s: a request beside an export
+/// whose cache hits would otherwise tell nothing apart.
+fn unrelated(n: usize) -> Vec<u32> {
+    prompt(n).into_iter().rev().collect()
+}
+
 fn engine(num_blocks: usize, max_batch_tokens: usize) -> Engine {
     let m = model();
     let cfg = EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 16, cache_salt: 7 };
@@ -344,8 +350,11 @@ fn an_export_that_runs_out_of_blocks_fails_instead_of_spinning() {
     assert_eq!(p.stats().blocks.used, 0);
 }
 
+/// A mixed worker exports a prefill while it decodes: the export's steps carry it
+/// alone (every frame is its own, in order), the decode waits and then goes on with
+/// the tokens it would have had anyway.
 #[test]
-fn prefill_export_needs_an_idle_engine_and_a_valid_request() {
+fn prefill_export_on_a_busy_engine_runs_alone_and_the_others_wait_unchanged() {
     let mut p = engine(64, 512);
     let mut frames = Vec::new();
     assert_eq!(
@@ -356,35 +365,34 @@ fn prefill_export_needs_an_idle_engine_and_a_valid_request() {
         .unwrap_err(),
         EngineError::EmptyPrompt
     );
-    p.add(RequestId(2), prompt(20), greedy(4)).unwrap();
-    assert!(p
-        .prefill_export(RequestId(3), prompt(20), greedy(4), &mut |f| {
+    assert!(frames.is_empty());
+    let want = aggregated(&unrelated(20), &greedy(8));
+    p.add(RequestId(2), unrelated(20), greedy(8)).unwrap();
+    // Its prefill and two decode steps.
+    let mut got: Vec<TokenOut> = (0..3).flat_map(|_| p.step()).map(|o| o.sampled).collect();
+    let first_a = p
+        .prefill_export(RequestId(4), prompt(48), greedy(4), &mut |f| {
             frames.push(f);
             true
         })
-        .is_err());
-    assert!(frames.is_empty());
-    assert_eq!(p.stats().waiting, 1);
-    assert_eq!(drain(&mut p, RequestId(2)).len(), 4);
-    // Once idle it exports, and a second export of the same prompt (now a prefix-cache
-    // hit on P) streams the same frames.
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    let first_a = p
-        .prefill_export(RequestId(4), prompt(40), greedy(4), &mut |f| {
-            a.push(f);
-            true
-        })
         .unwrap();
+    check_frame_order(&frames, 48);
+    assert_eq!(first_a.sampled, aggregated(&prompt(48), &greedy(4))[0], "the export's first token");
+    assert_eq!(p.stats().running, 1, "the decode is back in the batch");
+    got.extend(drain(&mut p, RequestId(2)).into_iter().map(|o| o.sampled));
+    assert_same("a decode that waited out an export", &want, &got);
+    // A second export of the same prompt (now a prefix-cache hit) streams the same
+    // frames (whole blocks: a partial one's unused rows are whatever the block held).
+    let mut again = Vec::new();
     let first_b = p
-        .prefill_export(RequestId(5), prompt(40), greedy(4), &mut |f| {
-            b.push(f);
+        .prefill_export(RequestId(5), prompt(48), greedy(4), &mut |f| {
+            again.push(f);
             true
         })
         .unwrap();
     assert_eq!(first_b.cached_tokens, 32);
     assert_eq!(first_a.sampled, first_b.sampled);
-    check_frame_order(&b, 40);
-    assert!(a == b, "frames differ on a prefix-cache hit");
+    assert!(frames == again, "frames differ on a prefix-cache hit");
     assert_eq!(p.stats().blocks.used, 0);
 }
 
@@ -594,13 +602,15 @@ fn a_prefill_engine_that_fetched_a_prefix_computes_the_rest_and_sends_the_whole_
     assert_same("prefilled with a fetched prefix", &want, &got);
     assert_eq!(d.stats().blocks.used, 0);
 
-    // Refused while the engine is busy, the reservation stays for its owner to abort.
+    // On a busy engine it runs alone too: the decode there goes on unchanged.
     let mut busy = engine(64, 512);
     busy.reserve_import(RequestId(6), 32).unwrap();
-    busy.add(RequestId(7), prompt(20), greedy(4)).unwrap();
-    let err = busy.prefill_export_imported(RequestId(6), prompt(50), greedy(4), 32, &mut |_| true);
-    assert_eq!(err.map(|o| o.id), Err(EngineError::Busy));
-    assert!(busy.abort_import(RequestId(6)));
+    busy.add(RequestId(7), unrelated(20), greedy(4)).unwrap();
+    let first = busy.prefill_export_imported(RequestId(6), prompt(50), greedy(4), 32, &mut |_| true).unwrap();
+    assert_eq!(first.id, RequestId(6));
+    let rest: Vec<TokenOut> = drain(&mut busy, RequestId(7)).into_iter().map(|o| o.sampled).collect();
+    assert_same("a decode beside an imported export", &aggregated(&unrelated(20), &greedy(4)), &rest);
+    assert_eq!(busy.stats().blocks.used, 0);
 }
 
 #[test]

@@ -506,6 +506,40 @@ mod tests {
         receiver.release(RequestId(3));
     }
 
+    /// When the first token of `stream` came, in seconds from `start`.
+    async fn first_token_at(mut stream: pdserve_protocol::TokenStream, start: tokio::time::Instant) -> f64 {
+        let e = stream.next().await.expect("the stream ended without a token");
+        assert!(matches!(e, pdserve_protocol::Event::Token(_)), "{e:?}");
+        start.elapsed().as_secs_f64()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_exported_prefill_takes_its_turn_among_the_workers_own_prompts() {
+        let (worker, decode) = (worker("mixed"), worker("decode"));
+        let start = tokio::time::Instant::now();
+        // A local prompt of 1,024 tokens (two steps of 512, 0.512 s each), then an
+        // export of 256 for a peer, then a local prompt of 256, all sent at once: the
+        // export comes while the first prompt is half done.
+        let (tx, first) = pdserve_protocol::TokenStream::channel(4);
+        worker.generate(request(1, (1000..2024).collect()), tx).unwrap();
+        let token = decode.reserve(RequestId(2), 256, None).await.unwrap();
+        let to = KvDestination { target: decode.kv_target(TransportKind::Inproc).unwrap(), token };
+        let export = tokio::spawn(worker.prefill(request(2, (3000..3256).collect()), to));
+        // The export's command goes out when its task first runs.
+        tokio::task::yield_now().await;
+        let (tx, third) = pdserve_protocol::TokenStream::channel(4);
+        worker.generate(request(3, (4000..4256).collect()), tx).unwrap();
+        let (first, exported, third) = tokio::join!(first_token_at(first, start), export, first_token_at(third, start));
+        let exported = exported.unwrap().unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 0.003;
+        // Each waits for the ones sent before it, and only for those.
+        assert!(close(first, 1.024), "the first local prompt's token came at {first} s");
+        assert!(close(exported.queued_seconds, 1.024), "the export queued {} s", exported.queued_seconds);
+        assert!(close(exported.queued_seconds + exported.prefill_seconds, 1.28));
+        assert!(close(third, 1.536), "the later local prompt's token came at {third} s");
+        decode.release(RequestId(2));
+    }
+
     #[tokio::test(start_paused = true)]
     async fn prefills_sent_at_once_end_one_compute_apart() {
         let (prefill, decode) = (worker("prefill"), worker("decode"));

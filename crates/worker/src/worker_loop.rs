@@ -88,6 +88,9 @@ pub(crate) struct Loop {
     /// Modelled seconds a timed engine computed outside `step` (a prefill's export),
     /// which a virtual clock still has to pass (0 between commands on the wall clock).
     owed: f64,
+    /// Prompts in arrival order behind an exported prefill that waits for this
+    /// engine's earlier prompts (see [`Loop::serve_in_order`]).
+    behind: VecDeque<Command>,
 }
 
 pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize>, exports: Exports) {
@@ -95,7 +98,7 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
     loop {
         // A stalled engine waits for an event like an idle one: stepping again at once
         // would only spin a core.
-        let first = if l.engine.has_work() && !l.engine.stalled() {
+        let first = if l.runnable() {
             match rx.try_recv() {
                 Ok(c) => Some(c),
                 Err(TryRecvError::Empty) => None,
@@ -110,11 +113,12 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
         };
         let mut next = first;
         while let Some(c) = next {
-            l.handle(c);
-            // On the wall clock a command's modelled time has passed once handled.
-            l.owed = 0.0;
+            l.serve_in_order(c);
             next = rx.try_recv().ok();
         }
+        l.serve_behind();
+        // On the wall clock a command's modelled time has passed once handled.
+        l.owed = 0.0;
         l.reap();
         l.pace();
         if l.engine.has_work() {
@@ -146,25 +150,26 @@ pub(crate) async fn run_virtual(
     // back-to-back steps are scheduled from here, not from when the timer fired.
     let mut ended: Option<Instant> = None;
     loop {
-        let first = match (l.engine.has_work(), l.engine.stalled()) {
-            (true, false) => rx.try_recv().ok(),
+        let first = match (l.runnable(), l.engine.has_work()) {
+            (true, _) => rx.try_recv().ok(),
             // A stalled step left the clock where it was: without this wait the task
             // would never yield, and time (and the imports it waits on) stand still.
-            (true, true) => match tokio::time::timeout(IDLE_POLL, rx.recv()).await {
+            (false, true) => match tokio::time::timeout(IDLE_POLL, rx.recv()).await {
                 Ok(Some(c)) => Some(c),
                 Ok(None) => return,
                 Err(_) => None,
             },
-            (false, _) => match rx.recv().await {
+            (false, false) => match rx.recv().await {
                 Some(c) => Some(c),
                 None => return,
             },
         };
         let mut next = first;
         while let Some(c) = next {
-            l.handle(c);
+            l.serve_in_order(c);
             next = rx.try_recv().ok();
         }
+        l.serve_behind();
         l.reap();
         let mut outs = Vec::new();
         if l.engine.has_work() {
@@ -208,7 +213,66 @@ impl Loop {
     }
 
     pub(crate) fn new(engine: Engine, active: Arc<AtomicUsize>, exports: Exports) -> Loop {
-        Loop { engine, exports, streams: HashMap::new(), imports: HashMap::new(), active, owed: 0.0 }
+        Loop {
+            engine,
+            exports,
+            streams: HashMap::new(),
+            imports: HashMap::new(),
+            active,
+            owed: 0.0,
+            behind: VecDeque::new(),
+        }
+    }
+
+    /// Prompts are computed in the order they came, whether this engine's own or
+    /// exported for a peer. An export runs alone, so one arriving while earlier
+    /// prompts here still wait or prefill queues until they are done, and prompts
+    /// arriving after it queue behind it: otherwise each export would cut in front
+    /// of every local prompt, whose first token the router predicted from the queue
+    /// it found. A stalled engine serves its queue at once: its prompts wait on
+    /// blocks, which an export would not free by waiting.
+    fn serve_in_order(&mut self, c: Command) {
+        let waits = match c {
+            Command::Prefill { .. } => !self.behind.is_empty() || self.prompts_ahead(),
+            Command::Generate(..) | Command::GenerateImported(..) => !self.behind.is_empty(),
+            _ => false,
+        };
+        match waits {
+            true => self.behind.push_back(c),
+            false => self.handle(c),
+        }
+    }
+
+    /// Serves the queued prompts whose turn has come.
+    fn serve_behind(&mut self) {
+        while let Some(c) = self.behind.front() {
+            if matches!(c, Command::Prefill { .. }) && self.prompts_ahead() {
+                return;
+            }
+            if let Some(c) = self.behind.pop_front() {
+                self.handle(c);
+            }
+        }
+    }
+
+    /// Requests of this engine's own queued in [`Loop::behind`], and their prompt tokens.
+    fn queued_behind(&self) -> (usize, usize) {
+        let prompts = self.behind.iter().filter_map(|c| match c {
+            Command::Generate(req, _) => Some(req.prompt.len()),
+            Command::GenerateImported(req, imported, _) => Some(req.prompt.len().saturating_sub(*imported)),
+            _ => None,
+        });
+        prompts.fold((0, 0), |(n, t), p| (n + 1, t + p))
+    }
+
+    /// Whether the loop has something to do without a new command: a step to
+    /// take, or a queued prompt whose turn came as the last step ended.
+    fn runnable(&self) -> bool {
+        (self.engine.has_work() && !self.engine.stalled()) || !self.behind.is_empty()
+    }
+
+    fn prompts_ahead(&self) -> bool {
+        self.engine.prompts_pending() && !self.engine.stalled()
     }
 
     fn handle(&mut self, c: Command) {
@@ -307,12 +371,13 @@ impl Loop {
             }
             Command::Stats(reply) => {
                 let s = self.engine.stats();
+                let (waiting, queued_prompt_tokens) = self.queued_behind();
                 let _ = reply.send(WorkerStats {
-                    waiting: s.waiting,
+                    waiting: s.waiting + waiting,
                     running: s.running,
                     importing: self.imports.len(),
                     paused: self.streams.values().filter(|l| l.paused.is_some()).count(),
-                    queued_prompt_tokens: s.queued_prompt_tokens,
+                    queued_prompt_tokens: s.queued_prompt_tokens + queued_prompt_tokens,
                     blocks: BlockCounts {
                         free: s.blocks.free,
                         used: s.blocks.used,
@@ -353,15 +418,33 @@ impl Loop {
     /// Ends every stream with [`ServeError::Moved`]: the engine drops the sequences,
     /// and their full blocks stay cached for the prefill that moves them on.
     fn move_out(&mut self, worker: &str) -> usize {
+        let moved = ServeError::Moved { worker: worker.to_string() };
+        let mut queued = 0;
+        for c in std::mem::take(&mut self.behind) {
+            let events = match c {
+                Command::Generate(_, events) => events,
+                Command::GenerateImported(req, _, events) => {
+                    self.engine.abort_import(req.id);
+                    events
+                }
+                c => {
+                    self.behind.push_back(c);
+                    continue;
+                }
+            };
+            let _ = events.send(Event::Failed(moved.clone()));
+            self.done();
+            queued += 1;
+        }
         let ids: Vec<RequestId> = self.streams.keys().copied().collect();
         for &id in &ids {
             self.engine.cancel(id);
             if let Some(live) = self.streams.get(&id) {
-                let _ = live.events.send(Event::Failed(ServeError::Moved { worker: worker.to_string() }));
+                let _ = live.events.send(Event::Failed(moved.clone()));
             }
             self.untrack(id);
         }
-        ids.len()
+        queued + ids.len()
     }
 
     /// Pauses sequences whose consumers fell behind and resumes those that caught up
@@ -455,7 +538,7 @@ fn serve_error(e: EngineError) -> ServeError {
         | EngineError::BadToken(_)
         | EngineError::TooLargeForCache { .. }
         | EngineError::Grammar(_) => ServeError::Invalid(e.to_string()),
-        EngineError::NoBlocks | EngineError::NotCached | EngineError::Busy => ServeError::Overloaded(e.to_string()),
+        EngineError::NoBlocks | EngineError::NotCached => ServeError::Overloaded(e.to_string()),
         EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) | EngineError::Cancelled => {
             ServeError::Internal(e.to_string())
         }

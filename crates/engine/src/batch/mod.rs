@@ -70,8 +70,6 @@ pub enum EngineError {
     BadFrame(String),
     #[error("cancelled: the receiver of the prefill is gone")]
     Cancelled,
-    #[error("the engine is busy; an exporting prefill runs alone")]
-    Busy,
     #[error("grammar: {0}")]
     Grammar(String),
 }
@@ -327,6 +325,12 @@ impl Engine {
     /// Whether a step would compute anything (paused sequences wait).
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || self.running.iter().any(|s| !s.paused)
+    }
+
+    /// Whether a prompt here still has tokens to compute (waiting, or part-way
+    /// through a chunked prefill): what an exported prefill queues behind.
+    pub fn prompts_pending(&self) -> bool {
+        !self.waiting.is_empty() || self.running.iter().any(|s| s.computed < s.prompt_len)
     }
 
     /// The last step had work but could compute none of it: the head of the queue

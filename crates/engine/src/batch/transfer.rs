@@ -24,7 +24,8 @@ impl Engine {
     /// Prefills `prompt` alone, streaming its K/V through `on_frame` layer by layer
     /// (`on_frame` returning `false` stops the prefill at the next layer boundary),
     /// and returns the first sampled token. The prompt's full blocks stay in this
-    /// engine's prefix cache.
+    /// engine's prefix cache. Sequences already here (a mixed worker's decodes)
+    /// wait until it is done, their blocks and numerics untouched.
     pub fn prefill_export(
         &mut self,
         id: RequestId,
@@ -33,18 +34,14 @@ impl Engine {
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<StepOutput, EngineError> {
         self.check_new(id, &prompt, &params)?;
-        // Keep the batch this step runs to the one sequence being exported.
-        if self.has_work() {
-            return Err(EngineError::Busy);
-        }
         let s = self.sequence(id, prompt, params)?;
-        self.run_export(s, on_frame)
+        self.set_aside(|e| e.run_export(s, on_frame))
     }
 
     /// [`Engine::prefill_export`] of a prompt whose first `imported` tokens' K/V
     /// came into reservation `id` from a peer (as for [`Engine::add_imported`]):
-    /// only the rest is computed, and every block of the prompt is sent. Refused
-    /// while other work runs, the reservation stays for the caller to abort.
+    /// only the rest is computed, and every block of the prompt is sent. Refused,
+    /// the reservation stays for the caller to abort.
     pub fn prefill_export_imported(
         &mut self,
         id: RequestId,
@@ -53,11 +50,25 @@ impl Engine {
         imported: usize,
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<StepOutput, EngineError> {
-        if self.has_work() {
-            return Err(EngineError::Busy);
-        }
         let s = self.imported_sequence(id, prompt, params, imported)?;
-        self.run_export(s, on_frame)
+        self.set_aside(|e| e.run_export(s, on_frame))
+    }
+
+    /// Runs `f` with the batch emptied, then puts the sequences back as they were:
+    /// an exported prefill's steps carry that one sequence only, so its frames are
+    /// all of its last chunk, and the sequences waiting meanwhile (each delayed by
+    /// the prefill, as the router's cost of a remote prefill counts) keep their
+    /// blocks. Nothing else touches the engine meanwhile: one thread owns it.
+    fn set_aside<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {
+        let (waiting, running) = (std::mem::take(&mut self.waiting), std::mem::take(&mut self.running));
+        let stalled = self.stalled;
+        let out = f(self);
+        // The export's own sequence left the batch whichever way it ended.
+        debug_assert!(self.waiting.is_empty() && self.running.is_empty());
+        self.waiting.extend(waiting);
+        self.running.extend(running);
+        self.stalled = stalled;
+        out
     }
 
     /// Steps `s` alone until its first token, exporting its blocks layer by layer
@@ -88,8 +99,8 @@ impl Engine {
                 return Ok(first);
             }
             // Nothing else runs on this thread while it exports, so a step that
-            // found no block for it (a reservation or a paused sequence holds them)
-            // would find none next time either.
+            // found no block for it (reservations and the sequences set aside hold
+            // them) would find none next time either.
             if !self.has_work() || self.stalled() {
                 self.cancel(id);
                 return Err(EngineError::NoBlocks);

@@ -80,6 +80,18 @@ pub struct Measured {
     pub attained: f64,
     /// Those requests per second.
     pub goodput: f64,
+    /// Whether the prefill queues hold at most one long prompt per worker now.
+    pub queue_clear: bool,
+}
+
+impl Measured {
+    /// The running shape served the whole window in time and nothing piles up in
+    /// front of it: whatever the model says of the rate, it keeps up. A saturated
+    /// closed loop looks like this (its clients send as fast as they are served); an
+    /// open-loop overload does not for long, its queue growing within a tick or two.
+    fn keeps_up(&self) -> bool {
+        self.attained >= 1.0 - ATTAINMENT_NOISE && self.queue_clear
+    }
 }
 
 /// The best of `shapes` for the traffic, if clearly better than `current`, or if
@@ -109,9 +121,11 @@ pub fn best_move(
     // the running shape overloaded and scores it near nothing while it measurably
     // serves part of its requests in time. Trading it for another shape predicted
     // overloaded too must beat what it serves, not that score: otherwise the two
-    // scores' noise moves the workers back and forth.
+    // scores' noise moves the workers back and forth. So must trading it for any
+    // shape while it measurably keeps up: otherwise the planner leaves a shape that
+    // serves everything for one predicted to serve less, and comes back.
     let worth = match measured {
-        Some(m) if then.utilisation >= OVERLOADED => now.goodput.max(m.goodput),
+        Some(m) if then.utilisation >= OVERLOADED || m.keeps_up() => now.goodput.max(m.goodput),
         _ => now.goodput,
     };
     let gain = then.goodput - worth > MIN_GAIN;
@@ -340,8 +354,8 @@ impl Planner {
         // The running shape falling behind on the window itself: a shift under way.
         let shifting = predict(current, &traffic, &rates, &slo).utilisation >= OVERLOADED;
         let seen = Seen { window: &traffic, recent: &recent, shifting };
-        let decision =
-            best_move(current, &shapes, |s| self.weigh(s, &seen, &rates), self.cfg.margin, self.measured(&traffic));
+        let measured = self.measured(&traffic, &rates, entries.len());
+        let decision = best_move(current, &shapes, |s| self.weigh(s, &seen, &rates), self.cfg.margin, measured);
         let Some(d) = decision.filter(|d| borne_out(d, &traffic)) else {
             self.pending = 0;
             return;
@@ -399,8 +413,10 @@ impl Planner {
 
     /// What the running shape served of the window, once the window's requests are
     /// its own and enough of them ended to judge by.
-    fn measured(&self, traffic: &Traffic) -> Option<Measured> {
-        let m = Measured { attained: traffic.attained, goodput: traffic.rate * traffic.attained };
+    fn measured(&self, traffic: &Traffic, rates: &Rates, workers: usize) -> Option<Measured> {
+        let long_prompt = rates.prefill_fixed_s + traffic.isl[2] as f64 * rates.prefill_s_per_token;
+        let queue_clear = rates.backlog_s <= workers as f64 * long_prompt;
+        let m = Measured { attained: traffic.attained, goodput: traffic.rate * traffic.attained, queue_clear };
         (self.switched.settled() && traffic.ended >= RECENT_SAMPLES).then_some(m)
     }
 
@@ -584,7 +600,7 @@ mod tests {
     fn a_shape_that_measurably_misses_is_left_within_the_margin() {
         let shapes = [MIXED, SPLIT];
         let g = |split: Prediction| move |s: Shape| if s == MIXED { pred(1.0) } else { split };
-        let seen = |attained| Some(Measured { attained, goodput: attained });
+        let seen = |attained| Some(Measured { attained, goodput: attained, queue_clear: false });
         let serves = pred(1.08);
         assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, seen(1.0)), None, "it serves: the margin holds");
         assert_eq!(best_move(MIXED, &shapes, g(serves), 0.15, seen(0.97)), None, "misses within noise");
@@ -602,7 +618,7 @@ mod tests {
         let shapes = [MIXED, SPLIT];
         let over = |goodput| Prediction { utilisation: 1.3, ..pred(goodput) };
         let g = |split: Prediction| move |s: Shape| if s == MIXED { over(0.0) } else { split };
-        let serving = Some(Measured { attained: 0.2, goodput: 0.27 });
+        let serving = Some(Measured { attained: 0.2, goodput: 0.27, queue_clear: true });
         assert_eq!(best_move(MIXED, &shapes, g(over(0.24)), 0.15, serving), None, "less than it serves");
         assert_eq!(best_move(MIXED, &shapes, g(over(0.24)), 0.15, None).unwrap().to, SPLIT, "nothing measured yet");
         assert_eq!(best_move(MIXED, &shapes, g(over(0.5)), 0.15, serving).unwrap().to, SPLIT, "clearly more");
@@ -610,6 +626,23 @@ mod tests {
         // one served of the window (a shift under way still holds the old traffic).
         let keeps_up = Prediction { utilisation: 0.8, ..pred(0.24) };
         assert_eq!(best_move(MIXED, &shapes, g(keeps_up), 0.15, serving).unwrap().to, SPLIT);
+    }
+
+    #[test]
+    fn a_shape_that_serves_everything_with_no_queue_is_kept_whatever_its_score() {
+        // A saturated closed loop on two mixed workers: scored overloaded at the
+        // rate its own clients send, while it served the whole window in time with
+        // the prefill queues empty. The split keeps up but is predicted to serve less.
+        let shapes = [MIXED, SPLIT];
+        let g = |s: Shape| match s == MIXED {
+            true => Prediction { utilisation: 1.3, ..pred(0.0) },
+            false => Prediction { utilisation: 0.8, ..pred(0.35) },
+        };
+        let seen = |attained, queue_clear| Some(Measured { attained, goodput: 1.33 * attained, queue_clear });
+        assert_eq!(best_move(MIXED, &shapes, g, 0.15, seen(1.0, true)), None, "it keeps up");
+        // A queue building up, or requests missed: an overload after all.
+        assert_eq!(best_move(MIXED, &shapes, g, 0.15, seen(1.0, false)).unwrap().to, SPLIT);
+        assert_eq!(best_move(MIXED, &shapes, g, 0.15, seen(0.2, true)).unwrap().to, SPLIT);
     }
 
     #[test]

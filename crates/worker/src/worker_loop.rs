@@ -415,8 +415,10 @@ impl Loop {
         }
     }
 
-    /// Ends every stream with [`ServeError::Moved`]: the engine drops the sequences,
-    /// and their full blocks stay cached for the prefill that moves them on.
+    /// Ends every stream, and every request of this engine's own still queued behind
+    /// an export, with [`ServeError::Moved`]: the engine drops the sequences, and
+    /// their full blocks stay cached for the prefill that moves them on. Queued
+    /// exports stay: they are a peer's, and run once the engine is empty.
     fn move_out(&mut self, worker: &str) -> usize {
         let moved = ServeError::Moved { worker: worker.to_string() };
         let mut queued = 0;

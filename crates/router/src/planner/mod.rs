@@ -201,11 +201,11 @@ impl Switched {
         self.chosen.is_some_and(|t| t.elapsed() < cooldown)
     }
 
-    /// Whether the window's requests are all the running shape's: two windows since
-    /// the last switch (a request that ended in the window began within the one
-    /// before).
-    fn settled(&self) -> bool {
-        self.any.is_none_or(|t| t.elapsed() >= 2 * crate::SIGNALS_WINDOW)
+    /// Whether the `window`'s requests are all the running shape's: two windows
+    /// since the last switch (a request that ended in the window began within the
+    /// one before).
+    fn settled(&self, window: Duration) -> bool {
+        self.any.is_none_or(|t| t.elapsed() >= 2 * window)
     }
 }
 
@@ -417,7 +417,8 @@ impl Planner {
         let long_prompt = rates.prefill_fixed_s + traffic.isl[2] as f64 * rates.prefill_s_per_token;
         let queue_clear = rates.backlog_s <= workers as f64 * long_prompt;
         let m = Measured { attained: traffic.attained, goodput: traffic.rate * traffic.attained, queue_clear };
-        (self.switched.settled() && traffic.ended >= RECENT_SAMPLES).then_some(m)
+        (self.switched.settled(Duration::from_secs_f64(traffic.seconds)) && traffic.ended >= RECENT_SAMPLES)
+            .then_some(m)
     }
 
     /// Keeps a window of traffic once a window length has passed since the last kept,
@@ -665,14 +666,14 @@ mod tests {
     async fn an_urgent_switch_starts_no_cooldown_and_every_switch_unsettles_the_window() {
         let cooldown = PlannerConfig::new(Slo { ttft_s: 1.0, tpot_s: 0.1 }).cooldown;
         let mut s = Switched::default();
-        assert!(!s.cooling(cooldown) && s.settled(), "no switch yet");
+        assert!(!s.cooling(cooldown) && s.settled(crate::SIGNALS_WINDOW), "no switch yet");
         s.record(true);
         assert!(!s.cooling(cooldown), "an urgent switch may be followed after the hold");
-        assert!(!s.settled(), "the window still holds the old shape's requests");
+        assert!(!s.settled(crate::SIGNALS_WINDOW), "the window still holds the old shape's requests");
         tokio::time::advance(2 * crate::SIGNALS_WINDOW).await;
-        assert!(s.settled());
+        assert!(s.settled(crate::SIGNALS_WINDOW));
         s.record(false);
-        assert!(s.cooling(cooldown) && !s.settled());
+        assert!(s.cooling(cooldown) && !s.settled(crate::SIGNALS_WINDOW));
         tokio::time::advance(cooldown).await;
         assert!(!s.cooling(cooldown));
     }

@@ -11,10 +11,18 @@ use tokio::time::Instant;
 
 /// Requests kept at most, whatever the window: a bound on memory under a flood.
 const KEPT: usize = 4096;
+/// Arrivals a window holds at least, where the last [`LONGEST`] hold them: a rate
+/// read off two or three arrivals is mostly Poisson noise (one burst of four in 12 s
+/// reads as twice the rate), and a planner that followed it would switch on it.
+pub const MIN_ARRIVALS: usize = 8;
+/// The longest a sparse window is widened to.
+const LONGEST: Duration = Duration::from_secs(60);
 
 /// The window of request records.
 pub struct Signals {
     window: Duration,
+    /// When records began: a window is never widened past it.
+    began: Instant,
     records: Mutex<VecDeque<(Instant, Record)>>,
     /// Where each record is also sent, if someone publishes them.
     tap: Mutex<Option<mpsc::Sender<Record>>>,
@@ -46,7 +54,7 @@ pub struct Traffic {
 
 impl Signals {
     pub fn new(window: Duration) -> Self {
-        Signals { window, records: Mutex::default(), tap: Mutex::default() }
+        Signals { window, began: Instant::now(), records: Mutex::default(), tap: Mutex::default() }
     }
 
     /// Every record from now on is also sent to the returned receiver, while it keeps
@@ -78,21 +86,37 @@ impl Signals {
         }
         let now = Instant::now();
         let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
-        while records.len() >= KEPT || records.front().is_some_and(|(at, _)| now - *at > self.window) {
+        let kept_for = self.window.max(LONGEST);
+        while records.len() >= KEPT || records.front().is_some_and(|(at, _)| now - *at > kept_for) {
             records.pop_front();
         }
         records.push_back((now, r));
     }
 
-    /// The traffic of the window up to now, judged against the SLOs.
+    /// The traffic of the window up to now, judged against the SLOs: the window
+    /// widened, up to [`LONGEST`], to hold [`MIN_ARRIVALS`] arrivals.
     pub fn traffic(&self, ttft_slo: f64, tpot_slo: f64) -> Traffic {
-        self.traffic_within(self.window, ttft_slo, tpot_slo)
+        let now = Instant::now();
+        let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        let nth_newest = records
+            .iter()
+            .rev()
+            .filter(|(_, r)| matches!(r, Record::Arrived { .. }))
+            .nth(MIN_ARRIVALS - 1)
+            .map(|(at, _)| now - *at);
+        drop(records);
+        let widest = LONGEST.min(now - self.began).max(self.window);
+        let window = nth_newest.map_or(widest, |age| age.min(widest)).max(self.window);
+        self.summed(window, ttft_slo, tpot_slo)
     }
 
-    /// The traffic of the last `window` (at most the whole window), judged against
-    /// the SLOs.
+    /// The traffic of the last `window` (at most the unwidened window), judged
+    /// against the SLOs.
     pub fn traffic_within(&self, window: Duration, ttft_slo: f64, tpot_slo: f64) -> Traffic {
-        let window = window.min(self.window);
+        self.summed(window.min(self.window), ttft_slo, tpot_slo)
+    }
+
+    fn summed(&self, window: Duration, ttft_slo: f64, tpot_slo: f64) -> Traffic {
         let now = Instant::now();
         let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
         let live: Vec<Record> = records.iter().filter(|(at, _)| now - *at <= window).map(|&(_, r)| r).collect();
@@ -185,5 +209,36 @@ mod tests {
         assert!((newest.rate - 10.0).abs() < 1e-9 && newest.isl == [2048; 3], "{newest:?}");
         // Never more than the window kept.
         assert_eq!(s.traffic_within(Duration::from_secs(60), 5.0, 0.05), whole);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sparse_window_widens_to_hold_enough_arrivals() {
+        let s = Signals::new(Duration::from_secs(12));
+        tokio::time::advance(Duration::from_secs(100)).await;
+        // One arrival every 5 s: the 12 s window would hold two or three.
+        for _ in 0..20 {
+            s.arrived(1024, 128);
+            tokio::time::advance(Duration::from_secs(5)).await;
+        }
+        let t = s.traffic(5.0, 0.05);
+        assert_eq!(t.samples.len(), MIN_ARRIVALS, "{t:?}");
+        assert!((t.seconds - 40.0).abs() < 1e-9 && (t.rate - 0.2).abs() < 1e-9, "{t:?}");
+        // The newest seconds stay as narrow as asked.
+        assert_eq!(s.traffic_within(Duration::from_secs(3), 5.0, 0.05).samples.len(), 0);
+        // Dense traffic keeps the window as it is.
+        for _ in 0..50 {
+            s.arrived(128, 64);
+        }
+        assert_eq!(s.traffic(5.0, 0.05).seconds, 12.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_window_is_never_widened_past_the_first_record() {
+        let s = Signals::new(Duration::from_secs(12));
+        tokio::time::advance(Duration::from_secs(20)).await;
+        s.arrived(512, 128);
+        s.arrived(512, 128);
+        let t = s.traffic(5.0, 0.05);
+        assert!((t.seconds - 20.0).abs() < 1e-9 && (t.rate - 0.1).abs() < 1e-9, "{t:?}");
     }
 }

@@ -14,14 +14,15 @@ const KEPT: usize = 4096;
 /// Arrivals a window holds at least, where the last [`LONGEST`] hold them: a rate
 /// read off two or three arrivals is mostly Poisson noise (one burst of four in 12 s
 /// reads as twice the rate), and a planner that followed it would switch on it.
-pub const MIN_ARRIVALS: usize = 8;
+const MIN_ARRIVALS: usize = 8;
 /// The longest a sparse window is widened to.
 const LONGEST: Duration = Duration::from_secs(60);
 
 /// The window of request records.
 pub struct Signals {
     window: Duration,
-    /// When records began: a window is never widened past it.
+    /// When these signals were made (the server's start): a window is never
+    /// widened past it, where nothing could have arrived.
     began: Instant,
     records: Mutex<VecDeque<(Instant, Record)>>,
     /// Where each record is also sent, if someone publishes them.
@@ -233,7 +234,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_window_is_never_widened_past_the_first_record() {
+    async fn a_window_is_never_widened_past_the_start() {
         let s = Signals::new(Duration::from_secs(12));
         tokio::time::advance(Duration::from_secs(20)).await;
         s.arrived(512, 128);

@@ -124,8 +124,14 @@ pub fn best_move(
     // scores' noise moves the workers back and forth. So must trading it for any
     // shape while it measurably keeps up: otherwise the planner leaves a shape that
     // serves everything for one predicted to serve less, and comes back.
+    // With nothing measured yet (a shape just switched to, or too few requests
+    // ended), a shape predicted overloaded is not moved to: its score is the
+    // model's guess at a backlog, and so is the one it would beat. A closed loop
+    // stepping up its concurrency fills the window with one burst of arrivals that
+    // reads as an overload of every shape for a tick or two.
     let worth = match measured {
         Some(m) if then.utilisation >= OVERLOADED || m.keeps_up() => now.goodput.max(m.goodput),
+        None if then.utilisation >= OVERLOADED => return None,
         _ => now.goodput,
     };
     let gain = then.goodput - worth > MIN_GAIN;
@@ -621,7 +627,9 @@ mod tests {
         let g = |split: Prediction| move |s: Shape| if s == MIXED { over(0.0) } else { split };
         let serving = Some(Measured { attained: 0.2, goodput: 0.27, queue_clear: true });
         assert_eq!(best_move(MIXED, &shapes, g(over(0.24)), 0.15, serving), None, "less than it serves");
-        assert_eq!(best_move(MIXED, &shapes, g(over(0.24)), 0.15, None).unwrap().to, SPLIT, "nothing measured yet");
+        // Nothing measured yet (a closed loop's step up reads as an overload of both
+        // shapes for a tick or two): two guesses at a backlog are no grounds to move.
+        assert_eq!(best_move(MIXED, &shapes, g(over(0.5)), 0.15, None), None, "nothing measured yet");
         assert_eq!(best_move(MIXED, &shapes, g(over(0.5)), 0.15, serving).unwrap().to, SPLIT, "clearly more");
         // A shape that keeps up is taken on its prediction, however much the running
         // one served of the window (a shift under way still holds the old traffic).

@@ -108,17 +108,18 @@ impl Signals {
         drop(records);
         let widest = LONGEST.min(now - self.began).max(self.window);
         let window = nth_newest.map_or(widest, |age| age.min(widest)).max(self.window);
-        self.summed(window, ttft_slo, tpot_slo)
+        // The same instant as the age above: a later one would leave the window
+        // just short of the arrival it was widened to hold.
+        self.summed(now, window, ttft_slo, tpot_slo)
     }
 
     /// The traffic of the last `window` (at most the unwidened window), judged
     /// against the SLOs.
     pub fn traffic_within(&self, window: Duration, ttft_slo: f64, tpot_slo: f64) -> Traffic {
-        self.summed(window.min(self.window), ttft_slo, tpot_slo)
+        self.summed(Instant::now(), window.min(self.window), ttft_slo, tpot_slo)
     }
 
-    fn summed(&self, window: Duration, ttft_slo: f64, tpot_slo: f64) -> Traffic {
-        let now = Instant::now();
+    fn summed(&self, now: Instant, window: Duration, ttft_slo: f64, tpot_slo: f64) -> Traffic {
         let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
         let live: Vec<Record> = records.iter().filter(|(at, _)| now - *at <= window).map(|&(_, r)| r).collect();
         drop(records);

@@ -28,7 +28,7 @@ for mode in pushed polled; do
   "$bin" frontend "${fe[@]}" --mode aggregated --policy kv-aware --port 18099 --insecure >"$out/fe.log" 2>&1 &
   pid=$!
   sleep 3
-  "$bin" bench load --url http://127.0.0.1:18099 --concurrency 4 --shared-prefixes 8 --prefix-len 512 \
+  "$bin" bench load --url http://127.0.0.1:18099 --concurrency 4 --shared-prefixes 8 --prefix-len 512 --prefix-order cycle \
     --input-len 64 --output-len 16 --seconds "$secs" --requests 1000000 --warmup 0 >/dev/null 2>&1
   curl -s http://127.0.0.1:18099/metrics | grep -E "^pdserve_kv_index_(lag_seconds|pushed)" >"$out/$mode.txt"
   kill $pid; wait $pid 2>/dev/null || true

@@ -4,14 +4,15 @@
 # lower tier, with a host-RAM tier that holds them all, and with a small host tier
 # over a disk tier. Same workload (seeded) on a fresh server each. Reports TTFT,
 # goodput, the cached prompt tokens by tier and the router's predicted vs realized
-# hits. See docs/benchmarks.md ("KV tiers").
+# hits. The prefixes are taken in turn, so each comes back only after the other 15,
+# an LRU pool's worst case. See docs/benchmarks.md ("KV tiers").
 #   OUT=bench-results/kv-tiers  SECONDS_PER_POINT=120  CONCURRENCY=2
-#   WORKLOAD="--shared-prefixes 16 --prefix-len 1024 --input-len 32..96 --output-len 16"
+#   WORKLOAD="--shared-prefixes 16 --prefix-len 1024 --prefix-order cycle --input-len 32..96 --output-len 16"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${SECONDS_PER_POINT:-120}"
 c="${CONCURRENCY:-2}"
-workload="${WORKLOAD:---shared-prefixes 16 --prefix-len 1024 --input-len 32..96 --output-len 16}"
+workload="${WORKLOAD:---shared-prefixes 16 --prefix-len 1024 --prefix-order cycle --input-len 32..96 --output-len 16}"
 out="${OUT:-bench-results/kv-tiers}"; mkdir -p "$out"
 disk=target/bench-kv-tiers-disk
 cargo build --release --bin pdserve >&2

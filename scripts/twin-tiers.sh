@@ -13,7 +13,7 @@ real=${2:?usage: scripts/twin-tiers.sh PROFILE REAL_DIR OUT_DIR}
 out=${3:?usage: scripts/twin-tiers.sh PROFILE REAL_DIR OUT_DIR}
 secs="${SECONDS_PER_POINT:-120}"
 c="${CONCURRENCY:-2}"
-workload="${WORKLOAD:---shared-prefixes 16 --prefix-len 1024 --input-len 32..96 --output-len 16}"
+workload="${WORKLOAD:---shared-prefixes 16 --prefix-len 1024 --prefix-order cycle --input-len 32..96 --output-len 16}"
 mkdir -p "$out"
 disk=target/twin-tiers-disk
 cargo build --release --bin pdserve >&2

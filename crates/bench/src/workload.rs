@@ -17,9 +17,10 @@ use std::sync::Arc;
 pub enum Source {
     /// Independent random prompts.
     Random { input: LengthSpec, output: LengthSpec },
-    /// `prefixes` system prompts of `prefix_len` random tokens, fixed per point; request
-    /// `i` uses prefix `i % prefixes` followed by its own random suffix of `input` tokens.
-    SharedPrefix { prefixes: usize, prefix_len: usize, input: LengthSpec, output: LengthSpec },
+    /// `prefixes` system prompts of `prefix_len` random tokens, fixed per point; each
+    /// request takes one, as `order` says, followed by its own random suffix of
+    /// `input` tokens.
+    SharedPrefix { prefixes: usize, prefix_len: usize, order: PrefixOrder, input: LengthSpec, output: LengthSpec },
     /// `users` chat users, each holding one conversation after another, of `turns`
     /// turns each. A turn's prompt is the conversation so far (every earlier user
     /// message and reply) plus a new user message of `input` tokens; its reply is
@@ -32,6 +33,32 @@ pub enum Source {
     /// A shifting workload: the phases' requests as rows, whose times count from the
     /// start of the run (not from the first row) so phases keep their places.
     Phased { phases: Arc<Phases>, rows: Arc<Vec<TraceRow>> },
+}
+
+/// Which shared prefix a request takes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefixOrder {
+    /// A seeded draw per request, as users of different system prompts arrive
+    /// independently of each other.
+    #[default]
+    Random,
+    /// Request `i` takes prefix `i % prefixes`: the worst case for an LRU cache that
+    /// holds fewer than all of them. Beware that a round-robin router over a number
+    /// of workers that divides `prefixes` then sends every request of a prefix to
+    /// the same worker, an affinity no real traffic gives it.
+    Cycle,
+}
+
+impl FromStr for PrefixOrder {
+    type Err = crate::error::BenchError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "random" => Ok(Self::Random),
+            "cycle" => Ok(Self::Cycle),
+            _ => Err(crate::error::BenchError::BadFlag(format!("unknown prefix order {s:?}: random or cycle"))),
+        }
+    }
 }
 
 /// What stands for a reply in the next turn's history.
@@ -85,6 +112,7 @@ pub struct WorkloadFlags {
     /// Number of shared prefixes (0: none).
     pub shared_prefixes: usize,
     pub prefix_len: usize,
+    pub prefix_order: PrefixOrder,
     /// Chat users holding multi-turn conversations (0: single requests).
     pub conversations: usize,
     pub turns: LengthSpec,
@@ -133,6 +161,7 @@ impl WorkloadFlags {
             None if self.shared_prefixes > 0 => Source::SharedPrefix {
                 prefixes: self.shared_prefixes,
                 prefix_len: self.prefix_len,
+                order: self.prefix_order,
                 input: self.input,
                 output: self.output,
             },
@@ -171,8 +200,8 @@ impl Workload {
                 let n = input.sample(&mut rng) as usize;
                 (Prompt { prefix: Vec::new(), body: self.range.random_ids(&mut rng, n) }, output.sample(&mut rng))
             }
-            Source::SharedPrefix { prefixes, prefix_len, input, output } => {
-                let prefix = self.prefix(point, index % (*prefixes).max(1), *prefix_len);
+            Source::SharedPrefix { prefixes, prefix_len, order, input, output } => {
+                let prefix = self.prefix(point, self.prefix_of(point, index, *prefixes, *order), *prefix_len);
                 let n = input.sample(&mut rng) as usize;
                 (Prompt { prefix, body: self.range.random_ids(&mut rng, n) }, output.sample(&mut rng))
             }
@@ -242,6 +271,18 @@ impl Workload {
         self.range.random_ids(&mut Rng::new(mix(&[self.seed, point, 0x9f1e_f1c5, j as u64])), len)
     }
 
+    /// Which of `n` shared prefixes request `index` takes; its own stream, so the
+    /// order leaves the suffixes as they are.
+    fn prefix_of(&self, point: u64, index: usize, n: usize, order: PrefixOrder) -> usize {
+        let n = n.max(1);
+        match order {
+            PrefixOrder::Cycle => index % n,
+            PrefixOrder::Random => {
+                Rng::new(mix(&[self.seed, point, 0x51ed_0bde, index as u64])).range(0, n as u64) as usize
+            }
+        }
+    }
+
     /// Whether later turns take the replies the server generated.
     pub fn generates_replies(&self) -> bool {
         matches!(self.source, Source::MultiTurn { replies: Replies::Generated, .. })
@@ -278,8 +319,12 @@ impl Workload {
     pub fn describe(&self) -> String {
         match &self.source {
             Source::Random { input, output } => format!("random ISL {input} / OSL {output}"),
-            Source::SharedPrefix { prefixes, prefix_len, input, output } => {
-                format!("shared prefix: {prefixes} × {prefix_len} tokens + ISL {input} / OSL {output}")
+            Source::SharedPrefix { prefixes, prefix_len, order, input, output } => {
+                let order = match order {
+                    PrefixOrder::Random => "drawn at random",
+                    PrefixOrder::Cycle => "in turn",
+                };
+                format!("shared prefix: {prefixes} × {prefix_len} tokens ({order}) + ISL {input} / OSL {output}")
             }
             Source::MultiTurn { users, turns, input, output, replies } => {
                 let replies = match replies {
@@ -298,11 +343,12 @@ impl Workload {
 mod tests {
     use super::*;
 
-    fn shared(prefixes: usize) -> Workload {
+    fn shared(prefixes: usize, order: PrefixOrder) -> Workload {
         Workload {
             source: Source::SharedPrefix {
                 prefixes,
                 prefix_len: 64,
+                order,
                 input: LengthSpec::Fixed(16),
                 output: LengthSpec::Fixed(8),
             },
@@ -313,7 +359,7 @@ mod tests {
 
     #[test]
     fn shared_prefixes_are_really_shared_and_suffixes_are_not() {
-        let w = shared(2);
+        let w = shared(2, PrefixOrder::Cycle);
         let reqs: Vec<RequestSpec> = (0..6).map(|i| w.request(0, i)).collect();
         assert_eq!(reqs[0].prompt.prefix, reqs[2].prompt.prefix);
         assert_eq!(reqs[0].prompt.prefix, reqs[4].prompt.prefix);
@@ -322,6 +368,21 @@ mod tests {
         assert_ne!(reqs[0].prompt.body, reqs[2].prompt.body);
         assert!(reqs.iter().all(|r| r.prompt.len() == 80 && r.output_len == 8));
         assert_eq!(reqs[0].prompt.ids()[..64], reqs[2].prompt.ids()[..64]);
+    }
+
+    #[test]
+    fn random_prefixes_are_reproducible_all_used_and_not_in_turn() {
+        let w = shared(8, PrefixOrder::Random);
+        let picks = |w: &Workload| -> Vec<Vec<u32>> { (0..256).map(|i| w.request(0, i).prompt.prefix).collect() };
+        let (a, cycle) = (picks(&w), picks(&shared(8, PrefixOrder::Cycle)));
+        assert_eq!(a, picks(&w), "seeded");
+        assert!(cycle.iter().all(|p| a.contains(p)) && a.iter().all(|p| cycle.contains(p)), "the same 8 prefixes");
+        // In turn, the even requests share 4 prefixes (what a round-robin router over
+        // two workers aligns with); drawn, they use all 8.
+        let on_even = |v: &[Vec<u32>]| v.iter().step_by(2).collect::<std::collections::HashSet<_>>().len();
+        assert_eq!((on_even(&cycle), on_even(&a)), (4, 8));
+        // The order leaves the suffixes as they are.
+        assert_eq!(w.request(0, 9).prompt.body, shared(8, PrefixOrder::Cycle).request(0, 9).prompt.body);
     }
 
     #[test]
@@ -334,12 +395,13 @@ mod tests {
         assert_eq!(w.request(0, 5), w.request(0, 5));
         assert_ne!(w.request(0, 5).prompt, w.request(1, 5).prompt);
         assert_ne!(w.request(0, 5).prompt, w.request(0, 6).prompt);
-        assert_ne!(shared(1).request(0, 0).prompt.prefix, shared(1).request(1, 0).prompt.prefix);
+        let one = shared(1, PrefixOrder::Random);
+        assert_ne!(one.request(0, 0).prompt.prefix, one.request(1, 0).prompt.prefix);
     }
 
     #[test]
     fn ten_thousand_points_requests_and_prefixes_give_ten_thousand_prompts() {
-        let w = shared(10);
+        let w = shared(10, PrefixOrder::Random);
         let mut seen = std::collections::HashSet::new();
         let mut prefixes = std::collections::HashSet::new();
         for point in 0..10 {
@@ -433,6 +495,7 @@ mod tests {
             output: LengthSpec::Fixed(4),
             shared_prefixes: 0,
             prefix_len: 0,
+            prefix_order: PrefixOrder::Random,
             conversations: 0,
             turns: LengthSpec::Fixed(1),
             replies: Replies::Generated,

@@ -236,6 +236,7 @@ fn bench_load_end_to_end_writes_json_and_refuses_unreachable_servers() {
         input: LengthSpec::Fixed(8),
         output: LengthSpec::Fixed(3),
         shared_prefixes: 0,
+        prefix_order: Default::default(),
         prefix_len: 0,
         conversations: 0,
         turns: LengthSpec::Fixed(1),

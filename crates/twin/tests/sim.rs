@@ -9,7 +9,7 @@ use pdserve_bench::lengths::LengthSpec;
 use pdserve_bench::load::{plans, PointResult, Sweep};
 use pdserve_bench::metrics::Slo;
 use pdserve_bench::prompt::TokenRange;
-use pdserve_bench::workload::{Replies, Workload, WorkloadFlags};
+use pdserve_bench::workload::{PrefixOrder, Replies, Workload, WorkloadFlags};
 use pdserve_engine::timed::{StepCost, StepShape};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_router::{Admission, Mode, PolicyKind};
@@ -73,6 +73,7 @@ fn flags(input: u32, output: u32) -> WorkloadFlags {
         input: LengthSpec::Fixed(input),
         output: LengthSpec::Fixed(output),
         shared_prefixes: 0,
+        prefix_order: Default::default(),
         prefix_len: 0,
         conversations: 0,
         turns: LengthSpec::Fixed(1),
@@ -255,7 +256,9 @@ fn sixteen_workers_under_the_planner_finish_and_free_their_blocks() {
 /// instead of being recomputed, and a profile without tier timings refuses tiers.
 #[test]
 fn a_host_tier_brings_evicted_prefixes_back_at_the_profiles_copy_time() {
-    let w = WorkloadFlags { shared_prefixes: 8, prefix_len: 512, ..flags(32, 4) }.build().unwrap();
+    let w = WorkloadFlags { shared_prefixes: 8, prefix_len: 512, prefix_order: PrefixOrder::Cycle, ..flags(32, 4) }
+        .build()
+        .unwrap();
     let tiered = |host_blocks| Topology {
         kv_blocks: Some(48),
         admission: NO_ADMISSION,

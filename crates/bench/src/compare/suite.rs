@@ -6,12 +6,15 @@
 //! | decode-heavy  | 128 random tokens                             | 512    |
 //! | balanced      | 512 random tokens                             | 128    |
 //! | shared-prefix | one of 8 system prompts of 1024 tokens + 128  | 128    |
+//!
+//! A shared-prefix request draws its system prompt at random: taken in turn, the
+//! prefixes line up with round-robin routing over an even number of workers.
 
 use crate::error::BenchError;
 use crate::lengths::LengthSpec;
 use crate::prompt::TokenRange;
 use crate::rng::mix;
-use crate::workload::{Source, Workload};
+use crate::workload::{PrefixOrder, Source, Workload};
 use std::str::FromStr;
 
 /// A workload of the comparison suite.
@@ -46,6 +49,7 @@ impl Named {
             Self::SharedPrefix => Source::SharedPrefix {
                 prefixes: 8,
                 prefix_len: 1024,
+                order: PrefixOrder::Random,
                 input: LengthSpec::Fixed(128),
                 output: LengthSpec::Fixed(128),
             },

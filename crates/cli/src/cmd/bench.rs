@@ -15,7 +15,7 @@ use pdserve_bench::load::{run_load, LoadOptions, Sweep};
 use pdserve_bench::metrics::Slo;
 use pdserve_bench::openai::{BodyOptions, Endpoint};
 use pdserve_bench::prompt::{PromptKind, TokenRange};
-use pdserve_bench::workload::{Replies, WorkloadFlags};
+use pdserve_bench::workload::{PrefixOrder, Replies, WorkloadFlags};
 use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::loader::LoadedModel;
@@ -130,6 +130,10 @@ pub struct WorkloadArgs {
     /// Tokens per shared prefix.
     #[arg(long, default_value_t = 1024)]
     pub prefix_len: usize,
+    /// Which prefix a request takes: `random` (a seeded draw each) or `cycle` (request
+    /// i takes prefix i mod N, an LRU's worst case).
+    #[arg(long, default_value = "random")]
+    pub prefix_order: PrefixOrder,
     /// Chat users holding multi-turn conversations (0: single requests). Each turn's
     /// prompt is its conversation so far plus a new message of --input-len tokens.
     #[arg(long, default_value_t = 0)]
@@ -323,6 +327,7 @@ impl WorkloadArgs {
             output: self.output_len,
             shared_prefixes: self.shared_prefixes,
             prefix_len: self.prefix_len,
+            prefix_order: self.prefix_order,
             conversations: self.conversations,
             turns: self.turns,
             replies: self.replies,

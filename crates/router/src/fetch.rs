@@ -63,6 +63,8 @@ pub struct Fetch {
     pub from: Arc<Entry>,
     pub tokens: usize,
     pub keep: usize,
+    /// Predicted seconds it takes.
+    pub seconds: f64,
 }
 
 /// How long fetches take, learned from those done: the median seconds per token of

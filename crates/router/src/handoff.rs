@@ -20,7 +20,7 @@
 //! exit path releases what the state held. Once D streams, D owns the request and its
 //! cancellation.
 
-use crate::cost::{TransferCost, Waiting};
+use crate::cost::{Queue, Ticket, TransferCost, Waiting};
 use crate::fetch::{self, Fetch, FetchCtx, FetchPace};
 use crate::workers::Entry;
 use crate::Ending;
@@ -125,8 +125,19 @@ pub fn start(
     end: Ending,
 ) -> TokenStream {
     let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-    rt.spawn(run(h, req, client, waiting, end).instrument(tracing::Span::current()));
+    // P's queue counts the prompt from now, not from when the task first runs: a
+    // request routed in between would find P idle and queue a prompt there too.
+    let queued = queue_on(&h, &req);
+    rt.spawn(run(h, req, client, (waiting, queued), end).instrument(tracing::Span::current()));
     stream
+}
+
+/// Counts `req` in the queue of `h`'s prefill worker: the prefills it finds ahead,
+/// and its ticket. The queue counts the tokens P computes, not those it caches or
+/// fetches.
+fn queue_on(h: &Handoff, req: &GenerateRequest) -> (Queue, Ticket) {
+    let p_load = &h.prefill.prefill;
+    (p_load.ahead(), p_load.admit(req.prompt.len() - h.cached.min(req.prompt.len())))
 }
 
 enum Wait<T> {
@@ -172,15 +183,20 @@ fn fall_back(h: &Handoff, mut req: GenerateRequest, client: EventSender, waiting
     }
 }
 
-pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut waiting: Waiting, end: Ending) -> Outcome {
+/// The handoff of `req` from its routing on: `waiting` in D's backlog, and `queued`
+/// in P's queue (the prefills it found ahead, and its ticket there).
+async fn run(
+    h: Handoff,
+    req: GenerateRequest,
+    client: EventSender,
+    (mut waiting, (ahead, ticket)): (Waiting, (Queue, Ticket)),
+    end: Ending,
+) -> Outcome {
     let id = req.id;
     let d = h.decode.clone();
     let started = Instant::now();
-    // P's queue and pace count the prompt tokens it computes: not those it caches
-    // or fetches (as predicted while queued, as it reports once done).
+    // P's pace counts the prompt tokens it computes, as P reports them once done.
     let p_load = h.prefill.prefill.clone();
-    let ahead = p_load.ahead();
-    let ticket = p_load.admit(req.prompt.len() - h.cached.min(req.prompt.len()));
     // Queued(P): wait for a prefill slot first, so D's blocks are held only by
     // prompts about to be prefilled, not by the whole queue.
     let slot = match wait(h.deadlines.queue, &client, h.prefill.slots.clone().acquire_owned()).await {
@@ -269,7 +285,8 @@ pub async fn run(h: Handoff, req: GenerateRequest, client: EventSender, mut wait
             let mut h = h;
             if h.use_spare() {
                 tracing::info!(prefill = h.prefill.name(), "starting over on the spare prefill worker");
-                return Box::pin(run(h, req, client, waiting, end.unpredicted())).await;
+                let queued = queue_on(&h, &req);
+                return Box::pin(run(h, req, client, (waiting, queued), end.unpredicted())).await;
             }
             return fall_back(&h, req, client, waiting, end.unpredicted());
         }

@@ -345,12 +345,8 @@ impl Router {
     ) -> Option<(Arc<Entry>, Option<Fetch>)> {
         let names: Vec<&str> = entries.iter().map(|e| e.name()).collect();
         let cached = self.index.prefix(ask.block_hashes, &names);
-        // A worker not timed yet is taken to be as fast as its timed peers: the fixed
-        // prior would make a newcomer look faster or slower than it is.
-        let peers = mean(entries.iter().filter_map(|e| e.prefill.measured()));
-        let pace = |e: &Entry| e.prefill.measured().or(peers).unwrap_or_else(|| e.prefill.seconds_per_token());
-        let fixed_peers = mean(entries.iter().filter_map(|e| e.prefill.fixed_measured()));
-        let fixed = |e: &Entry| e.prefill.fixed_measured().or(fixed_peers).unwrap_or(0.0);
+        let paces = Paces::of(entries);
+        let (pace, fixed) = (|e: &Entry| paces.per_token(e), |e: &Entry| paces.fixed(e));
         let fastest = entries.iter().map(|e| pace(e)).fold(f64::INFINITY, f64::min);
         let others = fetching.unwrap_or_default();
         let names: Vec<&str> = others.iter().map(|e| e.name()).collect();
@@ -429,10 +425,10 @@ impl Router {
         }
         // Only what `e` lacks moves: the prefix it caches stays.
         let keep = own.cached_tokens;
-        let restore_seconds = own.restore_seconds + pace.predict(from.restore.seconds(prefix), tokens - keep);
-        let c = Candidate { cached_tokens: tokens, restore_seconds, ..own.clone() };
+        let seconds = pace.predict(from.restore.seconds(prefix), tokens - keep);
+        let c = Candidate { cached_tokens: tokens, restore_seconds: own.restore_seconds + seconds, ..own.clone() };
         let sooner = policies::kv_aware::predicted_ttft(ask, &c) < policies::kv_aware::predicted_ttft(ask, own);
-        sooner.then(|| (Fetch { from: from.clone(), tokens, keep }, c))
+        sooner.then(|| (Fetch { from: from.clone(), tokens, keep, seconds }, c))
     }
 
     /// Prompt tokens of `ask` cached on `e`, as indexed.
@@ -457,7 +453,12 @@ impl Router {
     /// The prefill worker for a request decoding on `d`, or `None` to prefill there;
     /// with it, in disaggregated mode, the fetch of a prefix a peer (a decode
     /// worker holding an earlier turn's answer) caches, where that is sooner.
-    fn remote_prefill(&self, all: &[Arc<Entry>], d: &Entry, ask: &Ask<'_>) -> Option<(Arc<Entry>, Option<Fetch>)> {
+    fn remote_prefill(
+        &self,
+        all: &[Arc<Entry>],
+        (d, d_fetch): (&Entry, Option<&Fetch>),
+        ask: &Ask<'_>,
+    ) -> Option<(Arc<Entry>, Option<Fetch>)> {
         let no_fetch = |p: Option<Arc<Entry>>| p.map(|p| (p, None));
         match self.mode {
             Mode::Aggregated => None,
@@ -472,15 +473,21 @@ impl Router {
             }
             Mode::Auto => {
                 let n = ask.prompt_len;
+                let paces = Paces::of(&Self::with_role(all, &[Role::Prefill, Role::Mixed], None));
                 // Only the part of the prompt a worker's cache lacks is computed there.
-                let cost = |e: &Entry| {
-                    let todo = n - self.cached_on(ask, e).min(n);
-                    e.prefill.predict(todo) + interference(e, todo)
+                let cost = |e: &Entry, cached: usize| {
+                    let todo = n - cached.min(n);
+                    paces.predict(e, todo) + interference(e, todo as f64 * paces.per_token(e))
                 };
-                let local = cost(d);
+                // `d` computes what is left once it fetched the prefix it was
+                // picked with, if any.
+                let local = match d_fetch {
+                    Some(f) => f.seconds + cost(d, f.tokens),
+                    None => cost(d, self.cached_on(ask, d)),
+                };
                 let remote = |e: &Entry| {
-                    let compute = n as f64 * e.prefill.seconds_per_token();
-                    cost(e) + self.transfer.predict(n, e.link_to(d), compute)
+                    let compute = n as f64 * paces.per_token(e);
+                    cost(e, self.cached_on(ask, e)) + self.transfer.predict(n, e.link_to(d), compute)
                 };
                 // Only a worker that can start now: a prompt queued there would reach
                 // `d` behind prompts that arrived after it (which went straight to
@@ -491,7 +498,16 @@ impl Router {
                     .filter(|e| e.slots.available_permits() > 0)
                     .map(|e| (remote(&e), e))
                     .min_by(|a, b| a.0.total_cmp(&b.0))?;
-                no_fetch(cost::prefer_remote(local, best_s).then_some(best))
+                let go = cost::prefer_remote(local, best_s);
+                tracing::debug!(
+                    decode = d.name(),
+                    local_s = local,
+                    remote_s = best_s,
+                    peer = best.name(),
+                    remote = go,
+                    "prefill placed"
+                );
+                no_fetch(go.then_some(best))
             }
         }
     }
@@ -677,10 +693,42 @@ fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
     (n > 0).then(|| sum / n as f64)
 }
 
-/// What prefilling `tokens` on worker `e` costs the sequences decoding there: each
-/// waits out the prefill's compute (chunked prefill shares their steps).
-fn interference(e: &Entry, tokens: usize) -> f64 {
-    policies::kv_aware::decode_delay(e.role(), e.worker.load(), tokens as f64 * e.prefill.seconds_per_token())
+/// What a prefill computing for `compute_s` on worker `e` costs the sequences
+/// decoding there: each waits it out (chunked prefill shares their steps).
+fn interference(e: &Entry, compute_s: f64) -> f64 {
+    policies::kv_aware::decode_delay(e.role(), e.worker.load(), compute_s)
+}
+
+/// Prefill paces for comparing workers: a worker not timed yet is taken to be as
+/// fast as its timed peers, since the fixed prior would make it look faster or
+/// slower than it is (a slow machine's untimed worker looked idle and quick).
+struct Paces {
+    per_token: Option<f64>,
+    fixed: Option<f64>,
+}
+
+impl Paces {
+    fn of(entries: &[Arc<Entry>]) -> Self {
+        Paces {
+            per_token: mean(entries.iter().filter_map(|e| e.prefill.measured())),
+            fixed: mean(entries.iter().filter_map(|e| e.prefill.fixed_measured())),
+        }
+    }
+
+    fn per_token(&self, e: &Entry) -> f64 {
+        e.prefill.measured().or(self.per_token).unwrap_or_else(|| e.prefill.seconds_per_token())
+    }
+
+    fn fixed(&self, e: &Entry) -> f64 {
+        e.prefill.fixed_measured().or(self.fixed).unwrap_or(0.0)
+    }
+
+    /// Predicted seconds until a prompt computing `tokens` sent to `e` now has its
+    /// first token.
+    fn predict(&self, e: &Entry, tokens: usize) -> f64 {
+        let at = (self.fixed(e), self.per_token(e));
+        e.prefill.queued_seconds_at(at) + at.0 + tokens as f64 * at.1
+    }
 }
 
 impl Generate for Router {
@@ -720,7 +768,7 @@ impl Router {
         // Blocks the request holds at its longest: prompt and every output token.
         let life = req.prompt.len() + req.params.max_tokens as usize;
         let pinned = prefill_on.and_then(|name| Self::pinned(&all, &d, name)).map(|p| (p, None));
-        match pinned.or_else(|| self.remote_prefill(&all, &d, &ask)) {
+        match pinned.or_else(|| self.remote_prefill(&all, (&d, fetch.as_ref()), &ask)) {
             None => {
                 let cached = fetch.as_ref().map_or_else(|| self.cached_on(&ask, &d), |f| f.tokens);
                 let queued = d.prefill.queued_seconds();

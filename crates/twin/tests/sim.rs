@@ -327,3 +327,24 @@ fn generated_replies_come_back_as_history_and_hit_the_cache() {
     // A reply the worker generated is in its cache; a random stand-in is not.
     assert!(generated > random, "{generated} vs {random} cached tokens");
 }
+
+/// `auto` over two mixed workers on prompts that share prefixes: a decoder picked
+/// with a prefix to fetch from its peer is costed with that fetch. Costed as if it
+/// recomputed the prefix, the prompt went to the peer to prefill instead, which
+/// made the peer's decodes wait out a prefill and sent the whole prompt's KV over
+/// the link. `auto` then serves exactly as the aggregated router does.
+#[test]
+fn auto_costs_its_decoder_with_the_prefix_it_fetches_and_serves_as_aggregated() {
+    let w = WorkloadFlags { shared_prefixes: 8, prefix_len: 1024, ..flags(128, 32) }.build().unwrap();
+    let served = |mode| {
+        let t = Topology { policy: PolicyKind::KvAware, ..topology(mode, vec![Role::Mixed, Role::Mixed]) };
+        let out = run(&profile(), t, &w, Sweep::Concurrency(vec![2]), 32);
+        assert!(out[0].records.iter().all(|r| r.ok));
+        let hits = out[0].summary.prefix_hits.unwrap();
+        let times: Vec<(Option<f64>, f64)> = out[0].records.iter().map(|r| (r.ttft_s, r.e2e_s)).collect();
+        (times, hits.fetched)
+    };
+    let (auto, aggregated) = (served(Mode::Auto), served(Mode::Aggregated));
+    assert!(aggregated.1 > 0.0, "no prefix was fetched: the test shows nothing");
+    assert_eq!(auto, aggregated);
+}

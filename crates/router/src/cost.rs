@@ -163,7 +163,14 @@ impl PrefillLoad {
     /// Predicted seconds until a prompt computing `tokens` sent now has its first
     /// token.
     pub fn predict(&self, tokens: usize) -> f64 {
-        self.queued_seconds() + self.compute(tokens)
+        self.predict_at(tokens, (self.fixed_seconds(), self.seconds_per_token()))
+    }
+
+    /// [`PrefillLoad::predict`] at a pace given as in
+    /// [`PrefillLoad::queued_seconds_at`].
+    pub fn predict_at(&self, tokens: usize, (fixed_seconds, seconds_per_token): (f64, f64)) -> f64 {
+        let at = (fixed_seconds, seconds_per_token);
+        self.queued_seconds_at(at) + fixed_seconds + tokens as f64 * seconds_per_token
     }
 }
 

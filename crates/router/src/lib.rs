@@ -726,8 +726,7 @@ impl Paces {
     /// Predicted seconds until a prompt computing `tokens` sent to `e` now has its
     /// first token.
     fn predict(&self, e: &Entry, tokens: usize) -> f64 {
-        let at = (self.fixed(e), self.per_token(e));
-        e.prefill.queued_seconds_at(at) + at.0 + tokens as f64 * at.1
+        e.prefill.predict_at(tokens, (self.fixed(e), self.per_token(e)))
     }
 }
 

@@ -36,7 +36,7 @@ fn unrelated(n: usize) -> Vec<u32> {
 
 fn engine(num_blocks: usize, max_batch_tokens: usize) -> Engine {
     let m = model();
-    let cfg = EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 16, cache_salt: 7 };
+    let cfg = EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 16, cache_salt: 7, objectives: None };
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec())
 }
 

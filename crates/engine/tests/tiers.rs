@@ -21,7 +21,14 @@ fn model() -> &'static LoadedModel {
 /// A pool of 24 blocks: three 120-token prompts fill it, so a fourth evicts.
 fn engine(tiers: &TierConfig) -> Engine {
     let m = model();
-    let cfg = EngineConfig { threads: 1, num_blocks: 24, max_batch_tokens: 512, max_seqs: 8, cache_salt: 0 };
+    let cfg = EngineConfig {
+        threads: 1,
+        num_blocks: 24,
+        max_batch_tokens: 512,
+        max_seqs: 8,
+        cache_salt: 0,
+        objectives: None,
+    };
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).with_tiers(tiers).unwrap()
 }
 

@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::batch::{Engine, EngineConfig};
+use pdserve_engine::batch::{Engine, EngineConfig, Objectives};
 use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::{Clock, RestoreCost, StepCost, StepShape, StepTime, TimedModel};
 use pdserve_types::{RequestId, SamplingParams};
@@ -16,6 +16,15 @@ fn engine(num_blocks: usize, max_batch_tokens: usize) -> Engine {
 }
 
 fn engine_with(num_blocks: usize, max_batch_tokens: usize, restore: RestoreCost) -> Engine {
+    engine_keeping(num_blocks, max_batch_tokens, restore, None)
+}
+
+fn engine_keeping(
+    num_blocks: usize,
+    max_batch_tokens: usize,
+    restore: RestoreCost,
+    objectives: Option<Objectives>,
+) -> Engine {
     let t = TimedModel {
         vocab_size: 49152,
         context_length: 8192,
@@ -27,7 +36,8 @@ fn engine_with(num_blocks: usize, max_batch_tokens: usize, restore: RestoreCost)
         restore,
         clock: Clock::Virtual,
     };
-    Engine::timed(t, EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 64, cache_salt: 0 }, vec![])
+    let cfg = EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 64, cache_salt: 0, objectives };
+    Engine::timed(t, cfg, vec![])
 }
 
 fn prompt(n: usize, salt: u32) -> Vec<u32> {
@@ -192,4 +202,58 @@ fn a_prompt_waits_for_the_prefix_a_running_prefill_is_computing_instead_of_compu
     // not 2 × 288.
     assert_eq!((cached[&1], cached[&2]), (0, 256));
     assert_eq!(e.stats().blocks.used, 0);
+}
+
+/// When each request's tokens came, on the engine's own clock (its steps' modelled
+/// seconds), stepping until idle; `add` is called with the clock before each step.
+fn token_times(e: &mut Engine, add: &mut dyn FnMut(&mut Engine, f64)) -> BTreeMap<u64, Vec<f64>> {
+    let (mut times, mut clock) = (BTreeMap::<u64, Vec<f64>>::new(), 0.0);
+    loop {
+        add(e, clock);
+        if !e.has_work() {
+            return times;
+        }
+        let out = e.step();
+        clock += e.take_charged();
+        for o in out {
+            times.entry(o.id.0).or_default().push(clock);
+        }
+    }
+}
+
+/// A decode running when a 2,000-token prompt arrives at a mixed worker: what its
+/// answer's time per token comes to, and the prompt's time to first token.
+fn decode_beside_a_long_prompt(objectives: Option<Objectives>) -> (f64, f64) {
+    let mut e = engine_keeping(1024, 512, RestoreCost::default(), objectives);
+    // Measured paces first: prefill-only steps of two sizes, then decode-only steps.
+    e.add(RequestId(1), prompt(600, 1), SamplingParams::greedy(8)).unwrap();
+    drain(&mut e);
+    e.add(RequestId(2), prompt(64, 2), SamplingParams::greedy(100)).unwrap();
+    let mut arrived = None;
+    let times = token_times(&mut e, &mut |e, clock| {
+        if arrived.is_none() && clock > 0.1 {
+            e.add(RequestId(3), prompt(2000, 3), SamplingParams::greedy(4)).unwrap();
+            arrived = Some(clock);
+        }
+    });
+    let decode = &times[&2];
+    assert_eq!(decode.len(), 100);
+    let tpot = (decode[99] - decode[0]) / 99.0;
+    (tpot, times[&3][0] - arrived.unwrap())
+}
+
+#[test]
+fn a_long_prompt_is_spread_over_the_decodes_steps_so_they_keep_their_tpot_objective() {
+    // Alone, the decode's steps take about 12 ms; the prompt's chunks about 4 s.
+    let (stalled, ttft_stalled) = decode_beside_a_long_prompt(None);
+    assert!(stalled > 0.03, "without objectives the prompt's chunks stall the decode: {stalled}");
+    let kept = Objectives { ttft_s: 30.0, tpot_s: 0.03 };
+    let (tpot, ttft) = decode_beside_a_long_prompt(Some(kept));
+    assert!(tpot <= kept.tpot_s, "TPOT {tpot} over the objective");
+    assert!(ttft > ttft_stalled && ttft < kept.ttft_s, "the prompt waited {ttft} s ({ttft_stalled} s unheld)");
+    // A prompt predicted to miss its TTFT objective if held (the decode's 1.1 s
+    // left, then about 2.4 s at the pace of the 600-token prompt) is not held.
+    let tight = Objectives { ttft_s: 3.0, ..kept };
+    let (tpot, ttft) = decode_beside_a_long_prompt(Some(tight));
+    assert!((ttft - ttft_stalled).abs() < 1e-9 && (tpot - stalled).abs() < 1e-9, "{ttft} s, {tpot} s a token");
 }

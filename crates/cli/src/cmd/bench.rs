@@ -550,6 +550,7 @@ fn engine(m: &LoadedModel, threads: usize, tokens: usize, seqs: usize) -> Engine
         max_batch_tokens: 512,
         max_seqs: seqs.max(1),
         cache_salt: 0,
+        objectives: None,
     };
     Engine::new(m.model.clone(), cfg, Vec::new())
 }

@@ -150,8 +150,14 @@ fn once(m: &LoadedModel, a: &TiersArgs, tokens: usize, from: From) -> anyhow::Re
         From::Host => TierConfig { host_blocks: blocks, ..TierConfig::default() },
         From::Disk => TierConfig { disk_blocks: blocks, disk_dir: Some(a.disk_dir.clone()), ..TierConfig::default() },
     };
-    let cfg =
-        EngineConfig { threads: a.threads, num_blocks: blocks, max_batch_tokens: 512, max_seqs: 1, cache_salt: 0 };
+    let cfg = EngineConfig {
+        threads: a.threads,
+        num_blocks: blocks,
+        max_batch_tokens: 512,
+        max_seqs: 1,
+        cache_salt: 0,
+        objectives: None,
+    };
     let mut e = Engine::new(m.model.clone(), cfg, Vec::new()).with_tiers(&tiers)?;
     let prompt = super::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);
     let cold = first_token(&mut e, 0, &prompt)?;

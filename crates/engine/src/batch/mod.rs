@@ -39,12 +39,32 @@ pub struct EngineConfig {
     pub max_seqs: usize,
     /// Salt mixed into prefix-cache hashes (e.g. a model or adapter id).
     pub cache_salt: u64,
+    /// Objectives the steps keep running decodes within (none: every step fills its
+    /// token budget; see [`Objectives`]).
+    pub objectives: Option<Objectives>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { threads: 1, num_blocks: 1024, max_batch_tokens: 512, max_seqs: 64, cache_salt: 0 }
+        EngineConfig {
+            threads: 1,
+            num_blocks: 1024,
+            max_batch_tokens: 512,
+            max_seqs: 64,
+            cache_salt: 0,
+            objectives: None,
+        }
     }
+}
+
+/// Latency objectives a worker's steps keep. A step computes beside its decodes only
+/// the prompt tokens the decodes' TPOT slack pays for, unless the first prompt in
+/// line would then miss its TTFT: a prompt on a busy mixed worker is spread over the
+/// decodes' steps instead of stalling them (what a dedicated prefill worker buys).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Objectives {
+    pub ttft_s: f64,
+    pub tpot_s: f64,
 }
 
 /// Why a request was refused; no state was changed.
@@ -139,6 +159,8 @@ pub struct Engine {
     stalled: bool,
     /// Host and disk stores below the pool ([`Engine::with_tiers`]).
     tiers: Option<TierBytes>,
+    /// How long the last step took: the sequences' clocks advance by it.
+    last_step_s: f64,
 }
 
 impl Engine {
@@ -177,6 +199,7 @@ impl Engine {
             idle: 0.0,
             stalled: false,
             tiers: None,
+            last_step_s: 0.0,
         }
     }
 

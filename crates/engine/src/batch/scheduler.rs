@@ -116,6 +116,7 @@ impl Engine {
                     Compute::Model(_) => started.elapsed().as_secs_f64(),
                     Compute::Timed(_) => self.charged - charged,
                 };
+                self.last_step_s = took;
                 if decoding {
                     self.decode_steps.record(plan.len(), context, took);
                 } else if prefilling && prompt_tokens > 0 {
@@ -130,21 +131,29 @@ impl Engine {
     }
 
     fn schedule(&mut self) -> Vec<Planned> {
+        let took = std::mem::take(&mut self.last_step_s);
+        self.running.iter_mut().chain(self.waiting.iter_mut()).for_each(|s| s.age(took));
         let mut budget = self.cfg.max_batch_tokens;
+        // Prompt tokens this step may take beside its decodes.
+        let mut prompts = self.prompt_allowance().unwrap_or(usize::MAX);
         let mut plan = Vec::new();
         let mut blocked = false;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let s = &self.running[i];
-            if s.paused {
+            let decoding = s.is_decoding();
+            let n = if decoding { s.pending().min(budget) } else { s.pending().min(budget).min(prompts) };
+            if s.paused || n == 0 {
                 i += 1;
                 continue;
             }
-            let n = s.pending().min(budget);
-            if self.reserve(i, s.computed + n, !s.is_decoding()) {
+            if self.reserve(i, s.computed + n, !decoding) {
                 let s = &self.running[i];
                 plan.push(Planned { seq: i, n, logits: s.computed + n == s.tokens.len() });
                 budget -= n;
+                if !decoding {
+                    prompts -= n;
+                }
             } else {
                 // Out of blocks: a prefill waits, a decode preempted itself. The
                 // sequences after it still run (decodes that finish free the blocks
@@ -156,9 +165,56 @@ impl Engine {
             i += 1;
         }
         if !blocked {
-            self.admit(&mut plan, budget);
+            self.admit(&mut plan, budget.min(prompts));
         }
         plan
+    }
+
+    /// With [`Objectives`](super::Objectives): the prompt tokens a step may compute
+    /// beside its decodes, each decode keeping its TPOT objective. Every decode
+    /// that can still meet it spares the slack it has left spread over its
+    /// remaining steps; the step takes the least of those at the engine's own
+    /// prefill pace. `None` (no limit) without objectives, such decodes or a
+    /// measured prefill pace, and when a prompt in line, held until the decodes end
+    /// and then computed after those ahead of it, would miss its TTFT objective.
+    /// Before any decode-only step it is 0, so that one times them.
+    fn prompt_allowance(&self) -> Option<usize> {
+        // The share of the objective the steps aim at: their times leave out the
+        // host's work around them (streaming each token, routing).
+        const AIM: f64 = 0.95;
+        let obj = self.cfg.objectives?;
+        let decodes = || self.running.iter().filter(|s| !s.paused && s.is_decoding());
+        let rows = decodes().count();
+        if rows == 0 {
+            return None;
+        }
+        let (fixed, per_token) = self.prefill_steps.fit()?;
+        // With no decode step timed yet, this one decodes alone and times them.
+        let Some(fit) = self.decode_steps.fit() else { return Some(0) };
+        let context: usize = decodes().map(|s| s.computed).sum();
+        let step_s = fit.seconds(rows as f64, context as f64);
+        let (mut spare, mut held) = (f64::INFINITY, 0.0_f64);
+        for s in decodes() {
+            if let Some(per_step) = s.spare_per_step(obj.tpot_s * AIM, step_s) {
+                spare = spare.min(per_step);
+                let left = (s.params.max_tokens as usize).saturating_sub(s.generated());
+                held = held.max(left as f64 * step_s);
+            }
+        }
+        if !spare.is_finite() || per_token <= 0.0 {
+            return None;
+        }
+        // Holding the first prompt holds every one queued behind it.
+        let prompts = self.running.iter().filter(|s| !s.paused && !s.is_decoding()).chain(&self.waiting);
+        let prefill_s = |n: usize| n.div_ceil(self.cfg.max_batch_tokens.max(1)) as f64 * fixed + n as f64 * per_token;
+        let mut ahead = held;
+        for p in prompts {
+            ahead += prefill_s(p.pending());
+            if p.generated() == 0 && p.waited_s + ahead > obj.ttft_s {
+                return None;
+            }
+        }
+        Some((spare / per_token) as usize)
     }
 
     /// Makes room for `tokens` in running sequence `i`. A decode that cannot grow

@@ -29,6 +29,10 @@ pub(crate) struct Sequence {
     /// The chained hashes of the prompt's whole blocks it may share, from its last
     /// admission: what its prefill is adding to the prefix cache.
     pub prompt_hashes: Vec<BlockHash>,
+    /// Engine step seconds it has waited for its first token here, and those since
+    /// its first token (its answer's time so far, against the TPOT objective).
+    pub waited_s: f64,
+    pub decode_s: f64,
 }
 
 impl Sequence {
@@ -47,6 +51,8 @@ impl Sequence {
             paused: false,
             constraint: None,
             prompt_hashes: Vec::new(),
+            waited_s: 0.0,
+            decode_s: 0.0,
         }
     }
 
@@ -79,6 +85,26 @@ impl Sequence {
         !self.paused
             && self.computed < self.prompt_len
             && hashes.get(j).is_some_and(|h| self.prompt_hashes.get(j) == Some(h))
+    }
+
+    /// Advances its clocks by a step of `seconds` it waited or decoded through. The
+    /// step of its first token counts as waiting; its answer's time starts after.
+    pub fn age(&mut self, seconds: f64) {
+        match self.generated() {
+            0 => self.waited_s += seconds,
+            1 => {}
+            _ => self.decode_s += seconds,
+        }
+    }
+
+    /// Seconds to spare a step, against a TPOT objective of `tpot_s`, for a decode
+    /// whose remaining steps take `step_s` each: what its answer may still lose,
+    /// spread over the tokens it has left. `None` once it cannot meet the objective.
+    pub fn spare_per_step(&self, tpot_s: f64, step_s: f64) -> Option<f64> {
+        let left = (self.params.max_tokens as usize).saturating_sub(self.generated()).max(1);
+        let intervals = (self.generated().saturating_sub(1) + left) as f64;
+        let slack = tpot_s * intervals - self.decode_s - left as f64 * step_s;
+        (slack > 0.0).then(|| slack / left as f64)
     }
 
     /// True once the prompt is in the cache and each step feeds one sampled token.

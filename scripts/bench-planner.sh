@@ -13,7 +13,8 @@
 # topology of each phase). See docs/benchmarks.md ("The planner").
 #   usage: scripts/bench-planner.sh [OUT]   (PHASE_SECONDS=60 TOPOLOGIES="planner auto-2M fixed-1P1D")
 # SCALE multiplies every rate and TTFT_MS / TPOT_MS set the SLOs, to fit a slower
-# machine (e.g. SCALE=0.5 TTFT_MS=10000 TPOT_MS=20 at half the speed).
+# machine (e.g. SCALE=0.5 TTFT_MS=10000 TPOT_MS=20 at half the speed). PROTECT_TPOT=1
+# gives every topology `serve --protect-tpot` with those SLOs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-results/planner}"; mkdir -p "$out"
@@ -25,11 +26,12 @@ bin=./target/release/pdserve
 port=18091
 wait_up() { for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0; sleep 0.2; done; return 1; }
 
+slo=(); [ "${PROTECT_TPOT:-0}" = 1 ] && slo=(--protect-tpot --slo-ttft-ms $ttft --slo-tpot-ms $tpot)
 for t in "${tops[@]}"; do
   case $t in
-    planner) args=(--workers 2 --planner --slo-ttft-ms $ttft --slo-tpot-ms $tpot) ;;
-    auto-2M) args=(--workers 2) ;;
-    fixed-1P1D) args=(--prefill 1 --decode 1) ;;
+    planner) args=(--workers 2 --planner --slo-ttft-ms $ttft --slo-tpot-ms $tpot ${slo[@]:+--protect-tpot}) ;;
+    auto-2M) args=(--workers 2 "${slo[@]}") ;;
+    fixed-1P1D) args=(--prefill 1 --decode 1 "${slo[@]}") ;;
     *) echo "unknown topology $t" >&2; exit 2 ;;
   esac
   echo "== $t: serve --mode auto ${args[*]}" >&2

@@ -131,6 +131,7 @@ fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
         kv_blocks: None,
         via: spec.via,
         planner: None,
+        objectives: None,
         shared_machine: false,
         prefix_fetch: true,
         tiers: TierConfig::default(),

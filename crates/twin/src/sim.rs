@@ -16,6 +16,7 @@ use pdserve_bench::record::RequestRecord;
 use pdserve_bench::reuse::SentBlocks;
 use pdserve_bench::runner::{run_point, Server};
 use pdserve_bench::workload::{RequestSpec, Workload};
+use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::Clock;
 use pdserve_kv_transfer::TransportKind;
@@ -43,6 +44,8 @@ pub struct Topology {
     pub via: TransportKind,
     /// The planner's objectives, when it runs.
     pub planner: Option<model::Slo>,
+    /// The objectives each worker's steps keep (`serve --protect-tpot`).
+    pub objectives: Option<Objectives>,
     /// Whether the workers share one machine (`serve`'s topology) or each has its
     /// own (a fleet of nodes).
     pub shared_machine: bool,
@@ -185,7 +188,7 @@ impl SimServer {
                 name: format!("{role}-{i}"),
                 role,
                 model_name: profile.model.name.clone(),
-                engine: profile.engine_config(t.threads, t.kv_blocks),
+                engine: EngineConfig { objectives: t.objectives, ..profile.engine_config(t.threads, t.kv_blocks) },
                 timed: profile.timed(t.threads, Clock::Virtual),
                 kv_bytes_per_token: profile.model.kv_bytes_per_token,
                 links: profile.links(),

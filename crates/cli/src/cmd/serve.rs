@@ -2,7 +2,7 @@
 
 use super::http::{self, ApiArgs, Served};
 use anyhow::Context;
-use pdserve_engine::batch::EngineConfig;
+use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::Worker;
@@ -31,12 +31,14 @@ pub struct Args {
     river: bool,
     #[command(flatten)]
     topology: TopologyArgs,
-    /// The time-to-first-token objective the planner plans for, in milliseconds.
-    #[arg(long, default_value_t = 5000.0, requires = "planner")]
-    slo_ttft_ms: f64,
-    /// The time-per-output-token objective the planner plans for, in milliseconds.
-    #[arg(long, default_value_t = 50.0, requires = "planner")]
-    slo_tpot_ms: f64,
+    /// The time-to-first-token objective the planner plans for and --protect-tpot
+    /// keeps, in milliseconds [default: 5000].
+    #[arg(long)]
+    slo_ttft_ms: Option<f64>,
+    /// The time-per-output-token objective the planner plans for and --protect-tpot
+    /// keeps, in milliseconds [default: 50].
+    #[arg(long)]
+    slo_tpot_ms: Option<f64>,
     #[command(flatten)]
     api: ApiArgs,
 }
@@ -84,6 +86,11 @@ pub struct TopologyArgs {
     /// traffic, switching them in place (needs --mode auto; e.g. --workers 2).
     #[arg(long)]
     pub planner: bool,
+    /// Keep running decodes within the TPOT objective (--slo-tpot-ms): a worker's
+    /// step computes beside them only the prompt tokens their slack pays for,
+    /// unless the first prompt in line would then miss --slo-ttft-ms.
+    #[arg(long)]
+    pub protect_tpot: bool,
 }
 
 impl TopologyArgs {
@@ -133,10 +140,20 @@ impl TopologyArgs {
 
 fn check(a: &Args) -> anyhow::Result<()> {
     a.topology.check()?;
-    if a.topology.planner && !(a.slo_ttft_ms > 0.0 && a.slo_tpot_ms > 0.0) {
+    let given = a.slo_ttft_ms.is_some() || a.slo_tpot_ms.is_some();
+    if given && !(a.topology.planner || a.topology.protect_tpot) {
+        anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms need --planner or --protect-tpot");
+    }
+    let (ttft, tpot) = objectives_ms(a);
+    if !(ttft > 0.0 && tpot > 0.0) {
         anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
     }
     Ok(())
+}
+
+/// The TTFT and TPOT objectives in milliseconds, defaults filled in.
+fn objectives_ms(a: &Args) -> (f64, f64) {
+    (a.slo_ttft_ms.unwrap_or(5000.0), a.slo_tpot_ms.unwrap_or(50.0))
 }
 
 pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
@@ -158,6 +175,8 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     let grammars = super::grammars(&m.tokenizer);
     let tiers =
         t.tiers.config(pdserve_engine::kvcache::block_bytes(&m.model.cfg, pdserve_engine::batch::BLOCK_SIZE))?;
+    let (ttft_ms, tpot_ms) = objectives_ms(&a);
+    let objectives = t.protect_tpot.then_some(Objectives { ttft_s: ttft_ms / 1e3, tpot_s: tpot_ms / 1e3 });
     let mut workers: Vec<LocalWorker> = Vec::new();
     for (i, role) in roles.iter().enumerate() {
         let name = format!("{role}-{i}");
@@ -165,7 +184,12 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             name: name.clone(),
             role: *role,
             model_name: m.name.clone(),
-            engine: EngineConfig { threads, num_blocks: t.kv_blocks.unwrap_or(KV_BLOCKS), ..Default::default() },
+            engine: EngineConfig {
+                threads,
+                num_blocks: t.kv_blocks.unwrap_or(KV_BLOCKS),
+                objectives,
+                ..Default::default()
+            },
             eog: m.tokenizer.eog_ids().to_vec(),
             key: key.clone(),
             grammars: grammars.clone(),
@@ -198,7 +222,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         );
         router.follow_kv_events();
         if t.planner {
-            let slo = Slo { ttft_s: a.slo_ttft_ms / 1e3, tpot_s: a.slo_tpot_ms / 1e3 };
+            let slo = Slo { ttft_s: ttft_ms / 1e3, tpot_s: tpot_ms / 1e3 };
             Planner::spawn(router.clone(), PlannerConfig::new(slo));
         }
         let river = a.nats.config("pdserve-river").filter(|_| a.river);

@@ -11,6 +11,7 @@ use pdserve_bench::openai::{BodyOptions, Endpoint};
 use pdserve_bench::prompt::PromptKind;
 use pdserve_bench::report::{json, markdown};
 use pdserve_bench::topology::Topology as Served;
+use pdserve_engine::batch::Objectives;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_router::planner::model;
 use pdserve_twin::measure;
@@ -114,6 +115,7 @@ fn sim_topology(t: &TopologyArgs, admission: &AdmissionArgs, profile: &Profile, 
         kv_blocks: t.kv_blocks,
         via: t.kv_transport.unwrap_or(TransportKind::Inproc),
         planner: t.planner.then_some(model::Slo { ttft_s: slo.ttft_ms / 1e3, tpot_s: slo.tpot_ms / 1e3 }),
+        objectives: t.protect_tpot.then_some(Objectives { ttft_s: slo.ttft_ms / 1e3, tpot_s: slo.tpot_ms / 1e3 }),
         // Workers whose threads fit the profile's machine share it, as `serve`'s do;
         // more are a fleet, one machine each.
         shared_machine: threads * roles.len() <= widest,

@@ -4,7 +4,7 @@ use super::fleet::NatsArgs;
 use super::http::{self, Stopped};
 use super::probe::{LinkTable, Prober};
 use anyhow::Context;
-use pdserve_engine::batch::EngineConfig;
+use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_fleet::{Endpoints, KvCache, Load, NodeId, NodeRecord};
 use pdserve_protocol::Worker;
 use pdserve_remote::WorkerServer;
@@ -44,6 +44,15 @@ pub struct Args {
     kv_blocks: usize,
     #[command(flatten)]
     tiers: super::KvTierArgs,
+    /// Keep running decodes within --slo-tpot-ms, as `serve --protect-tpot` does.
+    #[arg(long)]
+    protect_tpot: bool,
+    /// The time-to-first-token objective --protect-tpot keeps, in milliseconds.
+    #[arg(long, default_value_t = 5000.0, requires = "protect_tpot")]
+    slo_ttft_ms: f64,
+    /// The time-per-output-token objective --protect-tpot keeps, in milliseconds.
+    #[arg(long, default_value_t = 50.0, requires = "protect_tpot")]
+    slo_tpot_ms: f64,
     /// Name in metrics and logs (default: ROLE@LISTEN).
     #[arg(long)]
     name: Option<String>,
@@ -122,7 +131,16 @@ impl Compute {
     }
 }
 
+impl Args {
+    fn objectives(&self) -> Option<Objectives> {
+        self.protect_tpot.then_some(Objectives { ttft_s: self.slo_ttft_ms / 1e3, tpot_s: self.slo_tpot_ms / 1e3 })
+    }
+}
+
 pub fn run(a: Args) -> anyhow::Result<Stopped> {
+    if a.protect_tpot && !(a.slo_ttft_ms > 0.0 && a.slo_tpot_ms > 0.0) {
+        anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
+    }
     let key = a.security.key()?;
     let m = Compute::load(&a)?;
     let tiers = a.tiers.config(m.block_bytes())?;
@@ -136,7 +154,12 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
             name: name.clone(),
             role: a.role,
             model_name: m.model_name(),
-            engine: EngineConfig { threads: a.threads.max(1), num_blocks: a.kv_blocks, ..Default::default() },
+            engine: EngineConfig {
+                threads: a.threads.max(1),
+                num_blocks: a.kv_blocks,
+                objectives: a.objectives(),
+                ..Default::default()
+            },
             eog: Vec::new(),
             key: key.clone(),
             grammars: None,

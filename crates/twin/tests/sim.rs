@@ -363,6 +363,7 @@ fn protected_decodes_keep_their_tpot_objective_beside_long_prompts() {
     let tpots = |objectives| {
         let t = Topology { objectives, ..topology(Mode::Aggregated, vec![Role::Mixed]) };
         let out = run(&p, t, &w, Sweep::Concurrency(vec![2]), 12);
+        assert_eq!(out[0].records.len(), 12);
         assert!(out[0].records.iter().all(|r| r.ok && r.output_tokens == 64));
         out[0].records.iter().map(|r| r.tpot_s.unwrap()).collect::<Vec<_>>()
     };

@@ -58,9 +58,9 @@ impl Default for EngineConfig {
 }
 
 /// Latency objectives a worker's steps keep. A step computes beside its decodes only
-/// the prompt tokens the decodes' TPOT slack pays for, unless the first prompt in
-/// line would then miss its TTFT: a prompt on a busy mixed worker is spread over the
-/// decodes' steps instead of stalling them (what a dedicated prefill worker buys).
+/// the prompt tokens the decodes' TPOT slack pays for, unless a queued prompt would
+/// then miss its TTFT: a prompt on a busy mixed worker is spread over the decodes'
+/// steps instead of stalling them (what a dedicated prefill worker buys).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Objectives {
     pub ttft_s: f64,

@@ -175,8 +175,9 @@ impl Engine {
     /// that can still meet it spares the slack it has left spread over its
     /// remaining steps; the step takes the least of those at the engine's own
     /// prefill pace. `None` (no limit) without objectives, such decodes or a
-    /// measured prefill pace, and when a prompt in line, held until the decodes end
-    /// and then computed after those ahead of it, would miss its TTFT objective.
+    /// measured prefill pace, when a preempted answer is in line, and when a prompt
+    /// in line, held until the decodes end and then computed after those ahead of
+    /// it, would miss its TTFT objective.
     /// Before any decode-only step it is 0, so that one times them.
     fn prompt_allowance(&self) -> Option<usize> {
         // The share of the objective the steps aim at: their times leave out the
@@ -210,11 +211,13 @@ impl Engine {
         let mut ahead = held;
         for p in prompts {
             ahead += prefill_s(p.pending());
-            if p.generated() == 0 && p.waited_s + ahead > obj.ttft_s {
+            // A preempted answer recomputing its tokens is a decode: never held.
+            if p.generated() > 0 || p.waited_s + ahead > obj.ttft_s {
                 return None;
             }
         }
-        Some((spare / per_token) as usize)
+        // The decodes' own rows come out of the same step budget.
+        Some(((spare / per_token) as usize).min(self.cfg.max_batch_tokens.saturating_sub(rows)))
     }
 
     /// Makes room for `tokens` in running sequence `i`. A decode that cannot grow

@@ -87,8 +87,9 @@ impl Sequence {
             && hashes.get(j).is_some_and(|h| self.prompt_hashes.get(j) == Some(h))
     }
 
-    /// Advances its clocks by a step of `seconds` it waited or decoded through. The
-    /// step of its first token counts as waiting; its answer's time starts after.
+    /// Advances its clocks by a step of `seconds` it waited or decoded through. Its
+    /// answer's time starts after its first token; the step that sampled that token
+    /// (aged once it is sampled) counts in neither.
     pub fn age(&mut self, seconds: f64) {
         match self.generated() {
             0 => self.waited_s += seconds,

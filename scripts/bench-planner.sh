@@ -30,8 +30,8 @@ slo=(); [ "${PROTECT_TPOT:-0}" = 1 ] && slo=(--protect-tpot --slo-ttft-ms $ttft 
 for t in "${tops[@]}"; do
   case $t in
     planner) args=(--workers 2 --planner --slo-ttft-ms $ttft --slo-tpot-ms $tpot ${slo[@]:+--protect-tpot}) ;;
-    auto-2M) args=(--workers 2 "${slo[@]}") ;;
-    fixed-1P1D) args=(--prefill 1 --decode 1 "${slo[@]}") ;;
+    auto-2M) args=(--workers 2 ${slo[@]+"${slo[@]}"}) ;;
+    fixed-1P1D) args=(--prefill 1 --decode 1 ${slo[@]+"${slo[@]}"}) ;;
     *) echo "unknown topology $t" >&2; exit 2 ;;
   esac
   echo "== $t: serve --mode auto ${args[*]}" >&2

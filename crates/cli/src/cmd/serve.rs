@@ -31,8 +31,8 @@ pub struct Args {
     river: bool,
     #[command(flatten)]
     topology: TopologyArgs,
-    /// The time-to-first-token objective the planner plans for and --protect-tpot
-    /// keeps, in milliseconds [default: 5000].
+    /// The time-to-first-token objective the planner plans for, and past which
+    /// --protect-tpot holds no prompt, in milliseconds [default: 5000].
     #[arg(long)]
     slo_ttft_ms: Option<f64>,
     /// The time-per-output-token objective the planner plans for and --protect-tpot
@@ -88,7 +88,7 @@ pub struct TopologyArgs {
     pub planner: bool,
     /// Keep running decodes within the TPOT objective (--slo-tpot-ms): a worker's
     /// step computes beside them only the prompt tokens their slack pays for,
-    /// unless the first prompt in line would then miss --slo-ttft-ms.
+    /// unless a queued prompt would then miss --slo-ttft-ms.
     #[arg(long)]
     pub protect_tpot: bool,
 }

@@ -253,7 +253,8 @@ pub fn compare_sim(profile: &Profile, opts: &CompareOptions, report: &CompareRep
         let mut it = served.serve_args.iter();
         while let Some(a) = it.next() {
             match a.as_str() {
-                // The planner's objectives are the comparison's SLO, which sim takes.
+                // The planner's and --protect-tpot's objectives are taken to be the
+                // comparison's SLO, which sim takes.
                 "--model" | "--slo-ttft-ms" | "--slo-tpot-ms" => _ = it.next(),
                 _ => args.push(a.clone()),
             }

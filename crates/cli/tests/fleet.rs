@@ -241,7 +241,10 @@ fn a_worker_stopped_mid_stream_finishes_its_request_before_it_exits() {
     let mut workers = [fleet_worker(&n, "mixed", "m-1"), fleet_worker(&n, "mixed", "m-2")];
     let fe = fleet_frontend(&n, "aggregated");
     eventually("two workers in the set", || metric(fe.addr, "pdserve_worker_up", "") == 2.0);
-    let body = json!({"prompt": [504, 3575, 282, 4649, 314], "max_tokens": 120, "temperature": 0, "ignore_eos": true});
+    // Long enough to span several of the records' one-second refreshes: the
+    // sockets between worker and client buffer a short answer whole, so the worker
+    // need not pause and may finish before a record shows it running.
+    let body = json!({"prompt": [504, 3575, 282, 4649, 314], "max_tokens": 600, "temperature": 0, "ignore_eos": true});
     let (status, want) = common::http(fe.addr, "POST", "/v1/completions", Some(&body));
     assert_eq!(status, 200, "{want}");
     let want = serde_json::from_str::<Value>(&want).unwrap()["choices"][0]["text"].as_str().unwrap().to_string();

@@ -221,14 +221,15 @@ fn token_times(e: &mut Engine, add: &mut dyn FnMut(&mut Engine, f64)) -> BTreeMa
     }
 }
 
-/// A decode running when a 2,000-token prompt arrives at a mixed worker: what its
-/// answer's time per token comes to, and the prompt's time to first token.
-fn decode_beside_a_long_prompt(objectives: Option<Objectives>) -> (f64, f64) {
+/// A decode of `answer` tokens running when a 2,000-token prompt arrives at a mixed
+/// worker: its first 100 tokens' time per token, and the prompt's time to first
+/// token.
+fn decode_beside_a_long_prompt(objectives: Option<Objectives>, answer: u32) -> (f64, f64) {
     let mut e = engine_keeping(1024, 512, RestoreCost::default(), objectives);
     // Measured paces first: prefill-only steps of two sizes, then decode-only steps.
     e.add(RequestId(1), prompt(600, 1), SamplingParams::greedy(8)).unwrap();
     drain(&mut e);
-    e.add(RequestId(2), prompt(64, 2), SamplingParams::greedy(100)).unwrap();
+    e.add(RequestId(2), prompt(64, 2), SamplingParams::greedy(answer)).unwrap();
     let mut arrived = None;
     let times = token_times(&mut e, &mut |e, clock| {
         if arrived.is_none() && clock > 0.1 {
@@ -237,7 +238,7 @@ fn decode_beside_a_long_prompt(objectives: Option<Objectives>) -> (f64, f64) {
         }
     });
     let decode = &times[&2];
-    assert_eq!(decode.len(), 100);
+    assert_eq!(decode.len(), answer as usize);
     let tpot = (decode[99] - decode[0]) / 99.0;
     (tpot, times[&3][0] - arrived.unwrap())
 }
@@ -245,15 +246,30 @@ fn decode_beside_a_long_prompt(objectives: Option<Objectives>) -> (f64, f64) {
 #[test]
 fn a_long_prompt_is_spread_over_the_decodes_steps_so_they_keep_their_tpot_objective() {
     // Alone, the decode's steps take about 13 ms; the prompt's chunks about 4 s.
-    let (stalled, ttft_stalled) = decode_beside_a_long_prompt(None);
+    let (stalled, ttft_stalled) = decode_beside_a_long_prompt(None, 100);
     assert!(stalled > 0.03, "without objectives the prompt's chunks stall the decode: {stalled}");
     let kept = Objectives { ttft_s: 30.0, tpot_s: 0.03 };
-    let (tpot, ttft) = decode_beside_a_long_prompt(Some(kept));
+    let (tpot, ttft) = decode_beside_a_long_prompt(Some(kept), 100);
     assert!(tpot <= kept.tpot_s, "TPOT {tpot} over the objective");
     assert!(ttft > ttft_stalled && ttft < kept.ttft_s, "the prompt waited {ttft} s ({ttft_stalled} s unheld)");
-    // A prompt predicted to miss its TTFT objective if held (the decode's 1.1 s
-    // left, then about 2.4 s at the pace of the 600-token prompt) is not held.
+    // A prompt that could not wait out the decode (1.1 s left, then about 2.4 s at
+    // the pace of the 600-token prompt), nor come out by half its objective at
+    // any allowance, is not held.
     let tight = Objectives { ttft_s: 3.0, ..kept };
-    let (tpot, ttft) = decode_beside_a_long_prompt(Some(tight));
+    let (tpot, ttft) = decode_beside_a_long_prompt(Some(tight), 100);
     assert!((ttft - ttft_stalled).abs() < 1e-9 && (tpot - stalled).abs() < 1e-9, "{ttft} s, {tpot} s a token");
+}
+
+#[test]
+fn a_prompt_that_cannot_wait_out_an_answer_with_no_set_length_is_computed_at_the_pace_its_ttft_needs() {
+    // The answer may run to the context's end (a request without max_tokens): the
+    // prompt cannot wait for it, but about 250 tokens a second bring its first
+    // token by half of a 16 s objective (about 4 s at full pace), and the decode
+    // keeps the rest.
+    let answer = 8192 - 64;
+    let (stalled, _) = decode_beside_a_long_prompt(None, answer);
+    let obj = Objectives { ttft_s: 16.0, tpot_s: 0.03 };
+    let (tpot, ttft) = decode_beside_a_long_prompt(Some(obj), answer);
+    assert!(ttft <= obj.ttft_s * 0.5, "the prompt waited {ttft} s");
+    assert!(tpot < stalled * 0.8, "TPOT {tpot} s held, {stalled} s unheld");
 }

@@ -176,7 +176,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     let tiers =
         t.tiers.config(pdserve_engine::kvcache::block_bytes(&m.model.cfg, pdserve_engine::batch::BLOCK_SIZE))?;
     let (ttft_ms, tpot_ms) = objectives_ms(&a);
-    let objectives = t.protect_tpot.then_some(Objectives { ttft_s: ttft_ms / 1e3, tpot_s: tpot_ms / 1e3 });
+    let objectives = t.protect_tpot.then_some(Objectives::from_ms(ttft_ms, tpot_ms));
     let mut workers: Vec<LocalWorker> = Vec::new();
     for (i, role) in roles.iter().enumerate() {
         let name = format!("{role}-{i}");

@@ -134,7 +134,7 @@ impl Compute {
 
 impl Args {
     fn objectives(&self) -> Option<Objectives> {
-        self.protect_tpot.then_some(Objectives { ttft_s: self.slo_ttft_ms / 1e3, tpot_s: self.slo_tpot_ms / 1e3 })
+        self.protect_tpot.then_some(Objectives::from_ms(self.slo_ttft_ms, self.slo_tpot_ms))
     }
 }
 

@@ -58,13 +58,20 @@ impl Default for EngineConfig {
 }
 
 /// Latency objectives a worker's steps keep. A step computes beside its decodes only
-/// the prompt tokens the decodes' TPOT slack pays for, unless a queued prompt would
-/// then miss its TTFT: a prompt on a busy mixed worker is spread over the decodes'
-/// steps instead of stalling them (what a dedicated prefill worker buys).
+/// the prompt tokens the decodes' TPOT slack pays for, or what the queued prompts
+/// need to keep their TTFT: a prompt on a busy mixed worker is spread over the
+/// decodes' steps instead of stalling them (what a dedicated prefill worker buys).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Objectives {
     pub ttft_s: f64,
     pub tpot_s: f64,
+}
+
+impl Objectives {
+    /// From the milliseconds the CLI's `--slo-ttft-ms` and `--slo-tpot-ms` take.
+    pub fn from_ms(ttft_ms: f64, tpot_ms: f64) -> Self {
+        Objectives { ttft_s: ttft_ms / 1e3, tpot_s: tpot_ms / 1e3 }
+    }
 }
 
 /// Why a request was refused; no state was changed.

@@ -14,6 +14,29 @@ use pdserve_kv::{block_hashes, BlockHash, BlockTable, ImmutableBlock};
 use pdserve_types::{FinishReason, TokenOut};
 use std::sync::Mutex;
 
+/// The share of an objective the held steps aim at: their times leave out the
+/// host's work around them (streaming each token, routing).
+const AIM: f64 = 0.95;
+
+/// The share of the TTFT objective by which a held prompt's first token is due
+/// when it cannot wait for the decodes to end. Aimed at the objective's edge, the
+/// held prompts pile up until the first of them must go at full pace, and the
+/// decodes beside it stall; half of it left the most margin on the planner
+/// benchmark's traces (docs/benchmarks.md, "A prompt held no longer than it can
+/// wait").
+const TTFT_AIM: f64 = 0.5;
+
+/// The prompt tokens a step must take, beside decodes whose steps take `step_s`,
+/// to compute `pace` tokens a second: `a` tokens make the step last
+/// `step_s + fixed + a × per_token`. `None` when no step is fast enough.
+fn tokens_a_step(pace: f64, step_s: f64, (fixed, per_token): (f64, f64)) -> Option<usize> {
+    if pace <= 0.0 {
+        return Some(0);
+    }
+    let room = 1.0 - pace * per_token;
+    (room > 0.0).then(|| (pace * (step_s + fixed) / room).ceil() as usize)
+}
+
 /// What a layer hook learns about each sequence in the step.
 pub(crate) struct LayerSeq {
     pub blocks: Vec<u32>,
@@ -174,22 +197,18 @@ impl Engine {
     /// beside its decodes, each decode keeping its TPOT objective. Every decode
     /// that can still meet it spares the slack it has left spread over its
     /// remaining steps; the step takes the least of those at the engine's own
-    /// prefill pace. `None` (no limit) without objectives, such decodes or a
-    /// measured prefill pace, when a preempted answer is in line, and when a prompt
-    /// in line, held until the decodes end and then computed after those ahead of
-    /// it, would miss its TTFT objective.
+    /// prefill pace, or more where the prompts in line need more to keep their TTFT
+    /// objective ([`Self::ttft_pace`]). `None` (no limit) without objectives, such decodes or
+    /// a measured prefill pace, and when no allowance keeps a prompt's TTFT.
     /// Before any decode-only step it is 0, so that one times them.
     fn prompt_allowance(&self) -> Option<usize> {
-        // The share of the objective the steps aim at: their times leave out the
-        // host's work around them (streaming each token, routing).
-        const AIM: f64 = 0.95;
         let obj = self.cfg.objectives?;
         let decodes = || self.running.iter().filter(|s| !s.paused && s.is_decoding());
         let rows = decodes().count();
         if rows == 0 {
             return None;
         }
-        let (fixed, per_token) = self.prefill_steps.fit()?;
+        let prefill = self.prefill_steps.fit()?;
         // With no decode step timed yet, this one decodes alone and times them.
         let Some(fit) = self.decode_steps.fit() else { return Some(0) };
         let context: usize = decodes().map(|s| s.computed).sum();
@@ -198,26 +217,40 @@ impl Engine {
         for s in decodes() {
             if let Some(per_step) = s.spare_per_step(obj.tpot_s * AIM, step_s) {
                 spare = spare.min(per_step);
-                let left = (s.params.max_tokens as usize).saturating_sub(s.generated());
-                held = held.max(left as f64 * step_s);
+                held = held.max(s.tokens_left() as f64 * step_s);
             }
         }
-        if !spare.is_finite() || per_token <= 0.0 {
+        if !spare.is_finite() || prefill.1 <= 0.0 {
             return None;
         }
-        // Holding the first prompt holds every one queued behind it.
+        let floor = tokens_a_step(self.ttft_pace(obj.ttft_s, held, prefill)?, step_s, prefill)?;
+        // The decodes' own rows come out of the same step budget.
+        Some(((spare / prefill.1) as usize).max(floor).min(self.cfg.max_batch_tokens.saturating_sub(rows)))
+    }
+
+    /// The prompt tokens a second held steps must compute for every prompt in line
+    /// to keep its TTFT objective: 0 when each can wait for the decodes to end
+    /// (`held` seconds) and then for the prompts ahead of it at the full pace
+    /// (`fixed` + `per_token` a token); else enough for the most pressed one's
+    /// first token by [`TTFT_AIM`] of the objective.
+    /// Holding the first prompt holds every one behind it. `None` (hold nothing)
+    /// once a prompt has waited that share, and when a preempted answer (a decode
+    /// recomputing its tokens) is in line.
+    fn ttft_pace(&self, ttft_s: f64, held: f64, (fixed, per_token): (f64, f64)) -> Option<f64> {
         let prompts = self.running.iter().filter(|s| !s.paused && !s.is_decoding()).chain(&self.waiting);
         let prefill_s = |n: usize| n.div_ceil(self.cfg.max_batch_tokens.max(1)) as f64 * fixed + n as f64 * per_token;
-        let mut ahead = held;
+        let (mut ahead, mut tokens, mut pace, mut can_wait) = (held, 0, 0.0_f64, true);
         for p in prompts {
-            ahead += prefill_s(p.pending());
-            // A preempted answer recomputing its tokens is a decode: never held.
-            if p.generated() > 0 || p.waited_s + ahead > obj.ttft_s {
+            let left = ttft_s * TTFT_AIM - p.waited_s;
+            if p.generated() > 0 || left <= 0.0 {
                 return None;
             }
+            ahead += prefill_s(p.pending());
+            can_wait &= p.waited_s + ahead <= ttft_s;
+            tokens += p.pending();
+            pace = pace.max(tokens as f64 / left);
         }
-        // The decodes' own rows come out of the same step budget.
-        Some(((spare / per_token) as usize).min(self.cfg.max_batch_tokens.saturating_sub(rows)))
+        Some(if can_wait { 0.0 } else { pace })
     }
 
     /// Makes room for `tokens` in running sequence `i`. A decode that cannot grow

@@ -73,6 +73,11 @@ impl Sequence {
         self.tokens.len() - self.prompt_len
     }
 
+    /// Tokens it may still sample before `max_tokens` ends it.
+    pub fn tokens_left(&self) -> usize {
+        (self.params.max_tokens as usize).saturating_sub(self.generated())
+    }
+
     /// Tokens still to run through the model before the next sample.
     pub fn pending(&self) -> usize {
         self.tokens.len() - self.computed
@@ -102,7 +107,7 @@ impl Sequence {
     /// whose remaining steps take `step_s` each: what its answer may still lose,
     /// spread over the tokens it has left. `None` once it cannot meet the objective.
     pub fn spare_per_step(&self, tpot_s: f64, step_s: f64) -> Option<f64> {
-        let left = (self.params.max_tokens as usize).saturating_sub(self.generated()).max(1);
+        let left = self.tokens_left().max(1);
         let intervals = (self.generated().saturating_sub(1) + left) as f64;
         let slack = tpot_s * intervals - self.decode_s - left as f64 * step_s;
         (slack > 0.0).then(|| slack / left as f64)

@@ -438,7 +438,10 @@ impl Loop {
             self.done();
             queued += 1;
         }
-        let ids: Vec<RequestId> = self.streams.keys().copied().collect();
+        // In arrival order: the router re-places them in the order it hears of them,
+        // and a simulated fleet must replay the same way every run.
+        let mut ids: Vec<RequestId> = self.streams.keys().copied().collect();
+        ids.sort_unstable();
         for &id in &ids {
             self.engine.cancel(id);
             if let Some(live) = self.streams.get(&id) {

@@ -16,7 +16,7 @@ use model::{predict, Prediction, Rates, Shape, Slo};
 use pdserve_protocol::ServeError;
 use pdserve_types::{Assignment, DecodeSteps, PrefillSteps, Role};
 use signals::Traffic;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -263,13 +263,13 @@ pub struct Planner {
     pending: u32,
     switched: Switched,
     /// Decode-only steps of workers that left the set, kept so the fit survives them.
-    steps: HashMap<String, DecodeSteps>,
+    steps: BTreeMap<String, DecodeSteps>,
     /// Each worker's KV capacity in tokens, as its stats last said.
-    kv_tokens: HashMap<String, usize>,
+    kv_tokens: BTreeMap<String, usize>,
     /// Each worker's prefill-step sums when its pace was last taken, and that pace
     /// as `(fixed seconds a step, seconds a token)`, over at least
     /// [`PACE_FROM_TOKENS`] prompt tokens.
-    prefill_pace: HashMap<String, (PrefillSteps, Option<(f64, f64)>)>,
+    prefill_pace: BTreeMap<String, (PrefillSteps, Option<(f64, f64)>)>,
     /// Earlier windows of traffic, one per window length, over the last [`MEMORY`].
     past: VecDeque<(Instant, Traffic)>,
 }
@@ -310,9 +310,9 @@ impl Planner {
             act,
             pending: 0,
             switched: Switched::default(),
-            steps: HashMap::new(),
-            kv_tokens: HashMap::new(),
-            prefill_pace: HashMap::new(),
+            steps: BTreeMap::new(),
+            kv_tokens: BTreeMap::new(),
+            prefill_pace: BTreeMap::new(),
             past: VecDeque::new(),
         };
         rt.spawn(async move {

@@ -31,8 +31,9 @@ pub struct Args {
     river: bool,
     #[command(flatten)]
     topology: TopologyArgs,
-    /// The time-to-first-token objective the planner plans for, and past which
-    /// --protect-tpot holds no prompt, in milliseconds [default: 5000].
+    /// The time-to-first-token objective the planner plans for, and by half of
+    /// which --protect-tpot brings a held prompt's first token, in milliseconds
+    /// [default: 5000].
     #[arg(long)]
     slo_ttft_ms: Option<f64>,
     /// The time-per-output-token objective the planner plans for and --protect-tpot
@@ -87,8 +88,8 @@ pub struct TopologyArgs {
     #[arg(long)]
     pub planner: bool,
     /// Keep running decodes within the TPOT objective (--slo-tpot-ms): a worker's
-    /// step computes beside them only the prompt tokens their slack pays for,
-    /// unless a queued prompt would then miss --slo-ttft-ms.
+    /// step computes beside them only the prompt tokens their slack pays for, or
+    /// the pace a queued prompt needs for its first token by half --slo-ttft-ms.
     #[arg(long)]
     pub protect_tpot: bool,
 }

@@ -47,8 +47,8 @@ pub struct Args {
     /// Keep running decodes within --slo-tpot-ms, as `serve --protect-tpot` does.
     #[arg(long)]
     protect_tpot: bool,
-    /// The time-to-first-token objective past which --protect-tpot holds no prompt,
-    /// in milliseconds.
+    /// The time-to-first-token objective by half of which --protect-tpot brings a
+    /// held prompt's first token, in milliseconds.
     #[arg(long, default_value_t = 5000.0, requires = "protect_tpot")]
     slo_ttft_ms: f64,
     /// The time-per-output-token objective --protect-tpot keeps, in milliseconds.

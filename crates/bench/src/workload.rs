@@ -19,8 +19,17 @@ pub enum Source {
     Random { input: LengthSpec, output: LengthSpec },
     /// `prefixes` system prompts of `prefix_len` random tokens, fixed per point; each
     /// request takes one, as `order` says, followed by its own random suffix of
-    /// `input` tokens.
-    SharedPrefix { prefixes: usize, prefix_len: usize, order: PrefixOrder, input: LengthSpec, output: LengthSpec },
+    /// `input` tokens. A request drawn outside the `share` (a fraction in `(0, 1]`)
+    /// takes `prefix_len` tokens of its own instead, so every prompt has the same
+    /// length and only the shared ones can hit a cache.
+    SharedPrefix {
+        prefixes: usize,
+        prefix_len: usize,
+        order: PrefixOrder,
+        share: f64,
+        input: LengthSpec,
+        output: LengthSpec,
+    },
     /// `users` chat users, each holding one conversation after another, of `turns`
     /// turns each. A turn's prompt is the conversation so far (every earlier user
     /// message and reply) plus a new user message of `input` tokens; its reply is
@@ -113,6 +122,8 @@ pub struct WorkloadFlags {
     pub shared_prefixes: usize,
     pub prefix_len: usize,
     pub prefix_order: PrefixOrder,
+    /// The fraction of requests that take a shared prefix (1: all of them).
+    pub prefix_share: f64,
     /// Chat users holding multi-turn conversations (0: single requests).
     pub conversations: usize,
     pub turns: LengthSpec,
@@ -141,6 +152,9 @@ impl WorkloadFlags {
             let source = Source::Phased { phases: Arc::new(phases), rows };
             return Ok(Workload { source, range: self.range, seed: self.seed });
         }
+        if self.prefix_share != 1.0 && self.shared_prefixes == 0 {
+            return bad("--prefix-share needs --shared-prefixes");
+        }
         let source = match &self.trace {
             _ if self.conversations > 0 && (self.shared_prefixes > 0 || self.trace.is_some()) => {
                 return bad("--conversations mixes with neither --shared-prefixes nor --trace")
@@ -158,10 +172,14 @@ impl WorkloadFlags {
                 Source::Trace { rows: Arc::new(crate::trace::load(path)?), block_size: self.trace_block_size }
             }
             None if self.shared_prefixes > 0 && self.prefix_len == 0 => return bad("--prefix-len must be at least 1"),
+            None if self.shared_prefixes > 0 && !(self.prefix_share > 0.0 && self.prefix_share <= 1.0) => {
+                return bad("--prefix-share must be a fraction above 0 and at most 1")
+            }
             None if self.shared_prefixes > 0 => Source::SharedPrefix {
                 prefixes: self.shared_prefixes,
                 prefix_len: self.prefix_len,
                 order: self.prefix_order,
+                share: self.prefix_share,
                 input: self.input,
                 output: self.output,
             },
@@ -200,8 +218,11 @@ impl Workload {
                 let n = input.sample(&mut rng) as usize;
                 (Prompt { prefix: Vec::new(), body: self.range.random_ids(&mut rng, n) }, output.sample(&mut rng))
             }
-            Source::SharedPrefix { prefixes, prefix_len, order, input, output } => {
-                let prefix = self.prefix(point, self.prefix_of(point, index, *prefixes, *order), *prefix_len);
+            Source::SharedPrefix { prefixes, prefix_len, order, share, input, output } => {
+                let prefix = match self.shares_a_prefix(point, index, *share) {
+                    true => self.prefix(point, self.prefix_of(point, index, *prefixes, *order), *prefix_len),
+                    false => self.own_prefix(point, index, *prefix_len),
+                };
                 let n = input.sample(&mut rng) as usize;
                 (Prompt { prefix, body: self.range.random_ids(&mut rng, n) }, output.sample(&mut rng))
             }
@@ -271,6 +292,17 @@ impl Workload {
         self.range.random_ids(&mut Rng::new(mix(&[self.seed, point, 0x9f1e_f1c5, j as u64])), len)
     }
 
+    /// Whether request `index` is among the `share` that take a shared prefix; its
+    /// own stream, so the share leaves the suffixes and the prefix order as they are.
+    fn shares_a_prefix(&self, point: u64, index: usize, share: f64) -> bool {
+        share >= 1.0 || Rng::new(mix(&[self.seed, point, 0x2b7e_1516, index as u64])).next_f64() < share
+    }
+
+    /// The `len` tokens standing in for a shared prefix in a request outside the share.
+    fn own_prefix(&self, point: u64, index: usize, len: usize) -> Vec<u32> {
+        self.range.random_ids(&mut Rng::new(mix(&[self.seed, point, 0x28ae_d2a6, index as u64])), len)
+    }
+
     /// Which of `n` shared prefixes request `index` takes; its own stream, so the
     /// order leaves the suffixes as they are.
     fn prefix_of(&self, point: u64, index: usize, n: usize, order: PrefixOrder) -> usize {
@@ -319,12 +351,16 @@ impl Workload {
     pub fn describe(&self) -> String {
         match &self.source {
             Source::Random { input, output } => format!("random ISL {input} / OSL {output}"),
-            Source::SharedPrefix { prefixes, prefix_len, order, input, output } => {
+            Source::SharedPrefix { prefixes, prefix_len, order, share, input, output } => {
                 let order = match order {
                     PrefixOrder::Random => "drawn at random",
                     PrefixOrder::Cycle => "in turn",
                 };
-                format!("shared prefix: {prefixes} × {prefix_len} tokens ({order}) + ISL {input} / OSL {output}")
+                let share = match *share < 1.0 {
+                    true => format!(" for {:.0} % of requests", share * 100.0),
+                    false => String::new(),
+                };
+                format!("shared prefix: {prefixes} × {prefix_len} tokens ({order}){share} + ISL {input} / OSL {output}")
             }
             Source::MultiTurn { users, turns, input, output, replies } => {
                 let replies = match replies {
@@ -344,11 +380,16 @@ mod tests {
     use super::*;
 
     fn shared(prefixes: usize, order: PrefixOrder) -> Workload {
+        shared_by(prefixes, order, 1.0)
+    }
+
+    fn shared_by(prefixes: usize, order: PrefixOrder, share: f64) -> Workload {
         Workload {
             source: Source::SharedPrefix {
                 prefixes,
                 prefix_len: 64,
                 order,
+                share,
                 input: LengthSpec::Fixed(16),
                 output: LengthSpec::Fixed(8),
             },
@@ -383,6 +424,48 @@ mod tests {
         assert_eq!((on_even(&cycle), on_even(&a)), (4, 8));
         // The order leaves the suffixes as they are.
         assert_eq!(w.request(0, 9).prompt.body, shared(8, PrefixOrder::Cycle).request(0, 9).prompt.body);
+    }
+
+    #[test]
+    fn a_prefix_share_leaves_the_rest_a_prefix_of_their_own_of_the_same_length() {
+        let (hot, w) = (shared(1, PrefixOrder::Random), shared_by(1, PrefixOrder::Random, 0.9));
+        let the_hot = hot.request(0, 0).prompt.prefix;
+        let reqs: Vec<RequestSpec> = (0..1000).map(|i| w.request(0, i)).collect();
+        let sharing = reqs.iter().filter(|r| r.prompt.prefix == the_hot).count();
+        assert!((860..=940).contains(&sharing), "{sharing} of 1000 share it");
+        let own: std::collections::HashSet<_> =
+            reqs.iter().filter(|r| r.prompt.prefix != the_hot).map(|r| r.prompt.prefix.clone()).collect();
+        assert_eq!(own.len(), 1000 - sharing, "each of the rest has its own");
+        assert!(reqs.iter().all(|r| r.prompt.len() == 80));
+        // The share leaves the suffixes as they are.
+        assert!((0..50).all(|i| w.request(0, i).prompt.body == hot.request(0, i).prompt.body));
+    }
+
+    #[test]
+    fn a_prefix_share_out_of_range_or_without_prefixes_is_refused() {
+        let flags = WorkloadFlags {
+            input: LengthSpec::Fixed(8),
+            output: LengthSpec::Fixed(4),
+            shared_prefixes: 1,
+            prefix_len: 16,
+            prefix_order: PrefixOrder::Random,
+            prefix_share: 0.0,
+            conversations: 0,
+            turns: LengthSpec::Fixed(1),
+            replies: Replies::Random,
+            trace: None,
+            trace_block_size: 16,
+            phases: Vec::new(),
+            range: TokenRange::default(),
+            seed: 1,
+        };
+        for share in [0.0, 1.5, f64::NAN] {
+            let err = WorkloadFlags { prefix_share: share, ..flags.clone() }.build().unwrap_err().to_string();
+            assert!(err.contains("--prefix-share must be a fraction"), "{err}");
+        }
+        let err = WorkloadFlags { shared_prefixes: 0, prefix_share: 0.9, ..flags.clone() }.build().unwrap_err();
+        assert!(err.to_string().contains("--prefix-share needs --shared-prefixes"), "{err}");
+        assert!(WorkloadFlags { prefix_share: 0.9, ..flags }.build().is_ok());
     }
 
     #[test]
@@ -496,6 +579,7 @@ mod tests {
             shared_prefixes: 0,
             prefix_len: 0,
             prefix_order: PrefixOrder::Random,
+            prefix_share: 1.0,
             conversations: 0,
             turns: LengthSpec::Fixed(1),
             replies: Replies::Generated,

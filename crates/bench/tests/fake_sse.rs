@@ -237,6 +237,7 @@ fn bench_load_end_to_end_writes_json_and_refuses_unreachable_servers() {
         output: LengthSpec::Fixed(3),
         shared_prefixes: 0,
         prefix_order: Default::default(),
+        prefix_share: 1.0,
         prefix_len: 0,
         conversations: 0,
         turns: LengthSpec::Fixed(1),

@@ -76,6 +76,7 @@ fn flags(input: u32, output: u32) -> WorkloadFlags {
         output: LengthSpec::Fixed(output),
         shared_prefixes: 0,
         prefix_order: Default::default(),
+        prefix_share: 1.0,
         prefix_len: 0,
         conversations: 0,
         turns: LengthSpec::Fixed(1),

@@ -50,6 +50,7 @@ impl Named {
                 prefixes: 8,
                 prefix_len: 1024,
                 order: PrefixOrder::Random,
+                share: 1.0,
                 input: LengthSpec::Fixed(128),
                 output: LengthSpec::Fixed(128),
             },

@@ -134,6 +134,10 @@ pub struct WorkloadArgs {
     /// i takes prefix i mod N, an LRU's worst case).
     #[arg(long, default_value = "random")]
     pub prefix_order: PrefixOrder,
+    /// The fraction of requests that take a shared prefix; the others take as many
+    /// tokens of their own in its place (e.g. 0.9: one hot prefix in 90 % of requests).
+    #[arg(long, default_value_t = 1.0)]
+    pub prefix_share: f64,
     /// Chat users holding multi-turn conversations (0: single requests). Each turn's
     /// prompt is its conversation so far plus a new message of --input-len tokens.
     #[arg(long, default_value_t = 0)]
@@ -328,6 +332,7 @@ impl WorkloadArgs {
             shared_prefixes: self.shared_prefixes,
             prefix_len: self.prefix_len,
             prefix_order: self.prefix_order,
+            prefix_share: self.prefix_share,
             conversations: self.conversations,
             turns: self.turns,
             replies: self.replies,

@@ -148,7 +148,7 @@ fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
         out.push((format!("{p}P:{}D", n - p), base(Mode::Disaggregated, roles)));
     }
     if n > 1 {
-        let slo = model::Slo { ttft_s: spec.slo.ttft_ms / 1e3, tpot_s: spec.slo.tpot_ms / 1e3 };
+        let slo = model::Slo::from_ms(spec.slo.ttft_ms, spec.slo.tpot_ms);
         let t = Topology { planner: Some(slo), ..base(Mode::Auto, vec![Role::Mixed; n]) };
         out.push((format!("{n} mixed + planner"), t));
     }

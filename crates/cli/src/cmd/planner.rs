@@ -55,7 +55,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let key = a.security.key()?;
     let model = super::load_meta(&a.model)?.name;
     let holder = a.id.clone().unwrap_or_else(default_id);
-    let slo = Slo { ttft_s: a.slo_ttft_ms / 1e3, tpot_s: a.slo_tpot_ms / 1e3 };
+    let slo = Slo::from_ms(a.slo_ttft_ms, a.slo_tpot_ms);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async move {
         let metrics = Metrics::new();

@@ -223,7 +223,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         );
         router.follow_kv_events();
         if t.planner {
-            let slo = Slo { ttft_s: ttft_ms / 1e3, tpot_s: tpot_ms / 1e3 };
+            let slo = Slo::from_ms(ttft_ms, tpot_ms);
             Planner::spawn(router.clone(), PlannerConfig::new(slo));
         }
         let river = a.nats.config("pdserve-river").filter(|_| a.river);

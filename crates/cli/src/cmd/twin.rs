@@ -114,7 +114,7 @@ fn sim_topology(t: &TopologyArgs, admission: &AdmissionArgs, profile: &Profile, 
         threads,
         kv_blocks: t.kv_blocks,
         via: t.kv_transport.unwrap_or(TransportKind::Inproc),
-        planner: t.planner.then_some(model::Slo { ttft_s: slo.ttft_ms / 1e3, tpot_s: slo.tpot_ms / 1e3 }),
+        planner: t.planner.then_some(model::Slo::from_ms(slo.ttft_ms, slo.tpot_ms)),
         objectives: t.protect_tpot.then_some(Objectives::from_ms(slo.ttft_ms, slo.tpot_ms)),
         // Workers whose threads fit the profile's machine share it, as `serve`'s do;
         // more are a fleet, one machine each.

@@ -45,6 +45,13 @@ pub struct Slo {
     pub tpot_s: f64,
 }
 
+impl Slo {
+    /// From the milliseconds the CLI's `--slo-ttft-ms` and `--slo-tpot-ms` take.
+    pub fn from_ms(ttft_ms: f64, tpot_ms: f64) -> Self {
+        Slo { ttft_s: ttft_ms / 1e3, tpot_s: tpot_ms / 1e3 }
+    }
+}
+
 /// How many workers serve in each role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Shape {

@@ -73,7 +73,15 @@ async fn a_stopping_worker_is_routed_nothing_new() {
     r.poll_stats().await;
     assert!(r.workers().snapshot().iter().all(|e| e.usable()));
     stop.send(()).unwrap();
-    let round = r.poll_stats().await;
+    // The server takes the stop on its own task: poll until its stats carry it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let round = loop {
+        let round = r.poll_stats().await;
+        if round[0].1.is_some_and(|s| s.stopping) || tokio::time::Instant::now() > deadline {
+            break round;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let usable: Vec<(String, bool)> = round.iter().map(|(e, _)| (e.name().to_string(), e.usable())).collect();
     assert_eq!(usable, [("stopping".to_string(), false), ("staying".to_string(), true)]);
     assert!(round[0].1.is_some_and(|s| s.stopping), "its stats say it stops");

@@ -9,7 +9,8 @@
 #   POLICIES="kv-aware least-loaded round-robin"  SECONDS_PER_POINT=180
 #   WORKLOAD="--conversations 17 --turns 5..10 --input-len 100..200 --output-len 32..64"
 #   CONCURRENCY=4  SERVE_ARGS="--kv-host-gb 1"  OUT=bench-results/kv-routing
-#   LOAD="--trace-speedup 1" (instead of the closed loop; with WORKLOAD="--trace FILE")
+#   LOAD="--rate 2" (open loop instead of the closed loop), or LOAD="--trace-speedup 1"
+#   with WORKLOAD="--trace FILE"
 #   TOPOLOGY="--mode disaggregated --prefill 1 --decode 1" (instead of aggregated ×2)
 set -euo pipefail
 cd "$(dirname "$0")/.."

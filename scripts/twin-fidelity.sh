@@ -3,6 +3,9 @@
 # `pdserve bench load` against `pdserve serve`, simulates the same with `pdserve sim`
 # from a profile timed first on this machine, and tabulates the errors
 # (scripts/twin_fidelity.py). Nothing else should run on the machine meanwhile.
+# REPEATS=R measures every configuration R times, in R rounds over all of them (so
+# the machine's drift falls on every configuration alike); the table then compares
+# the twin with the mean of the runs and ranks against each run alone too.
 #
 #   scripts/twin-fidelity.sh [OUT_DIR]     (default docs/bench-results/<today>/twin)
 set -euo pipefail
@@ -14,8 +17,30 @@ cargo build --release --bin pdserve
 PORT=${PORT:-8431}
 REQUESTS=${REQUESTS:-16}
 CONC=${CONC:-1,4,8}
+REPEATS=${REPEATS:-1}
 
-[ -f "$OUT/profile.json" ] || "$BIN" profile --threads 1,2 --out "$OUT/profile.json"
+# The worse of a profile's shapes' median fit errors: a quiet machine fits its own
+# steps within 2-3 %, so more says its speed changed while they were timed.
+fit_error() {
+  python3 -c 'import json, sys
+p = json.load(open(sys.argv[1]))
+errs = [sorted(abs(x["fitted"] - x["seconds"]) / x["seconds"] for x in s["points"]) for s in p["shapes"]]
+print(max(e[len(e) // 2] for e in errs))' "$1"
+}
+# Timed up to three times until it fits within 5 %; the best fitting one is kept.
+if [ ! -f "$OUT/profile.json" ]; then
+  best=1
+  for try in 1 2 3; do
+    "$BIN" profile --threads 1,2 --out "$OUT/profile-try.json" 2>&1 | grep -v 'role switched' | tee -a "$OUT/profile.log"
+    fit=$(fit_error "$OUT/profile-try.json")
+    if python3 -c "import sys; sys.exit(not $fit < $best)"; then
+      best=$fit; mv "$OUT/profile-try.json" "$OUT/profile.json"
+    fi
+    python3 -c "import sys; sys.exit(not $best <= 0.05)" && break
+  done
+  rm -f "$OUT/profile-try.json"
+  echo "profile kept: worst median fit error $best" | tee -a "$OUT/profile.log"
+fi
 
 # name | serve/sim topology flags
 TOPOLOGIES=(
@@ -31,24 +56,36 @@ WORKLOADS=(
   "long-answer|--input-len 128 --output-len 256"
 )
 
-for t in "${TOPOLOGIES[@]}"; do
-  tname=${t%%|*}; tflags=${t#*|}
-  for w in "${WORKLOADS[@]}"; do
-    wname=${w%%|*}; wflags=${w#*|}
-    base="$OUT/$tname-$wname"
-    # shellcheck disable=SC2086
-    "$BIN" sim --profile "$OUT/profile.json" $tflags $wflags --concurrency "$CONC" \
-      --requests "$REQUESTS" --out "$base.sim.json" > /dev/null
-    [ -f "$base.real.json" ] && continue
-    # shellcheck disable=SC2086
-    "$BIN" serve $tflags --port "$PORT" > "$base.serve.log" 2>&1 &
-    pid=$!
-    for _ in $(seq 100); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 0.2; done
-    # shellcheck disable=SC2086
-    "$BIN" bench load --url "http://127.0.0.1:$PORT" $wflags --concurrency "$CONC" \
-      --requests "$REQUESTS" --out "$base.real.json" > /dev/null
-    kill "$pid"; wait "$pid" || true
-    rm -f "$base.serve.log"
+# One configuration's measurement into $1 (skipped where it exists: a stopped run resumes).
+measure() {
+  local real=$1 tflags=$2 wflags=$3 pid
+  [ -f "$real" ] && return
+  # shellcheck disable=SC2086
+  "$BIN" serve $tflags --port "$PORT" > "$real.serve.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 100); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 0.2; done
+  # shellcheck disable=SC2086
+  "$BIN" bench load --url "http://127.0.0.1:$PORT" $wflags --concurrency "$CONC" \
+    --requests "$REQUESTS" --out "$real" > /dev/null
+  kill "$pid"; wait "$pid" || true
+  rm -f "$real.serve.log"
+}
+
+for round in $(seq "$REPEATS"); do
+  for t in "${TOPOLOGIES[@]}"; do
+    tname=${t%%|*}; tflags=${t#*|}
+    for w in "${WORKLOADS[@]}"; do
+      wname=${w%%|*}; wflags=${w#*|}
+      base="$OUT/$tname-$wname"
+      if [ "$round" = 1 ]; then
+        # shellcheck disable=SC2086
+        "$BIN" sim --profile "$OUT/profile.json" $tflags $wflags --concurrency "$CONC" \
+          --requests "$REQUESTS" --out "$base.sim.json" > /dev/null
+        measure "$base.real.json" "$tflags" "$wflags"
+      else
+        measure "$base.real-$round.json" "$tflags" "$wflags"
+      fi
+    done
   done
 done
 python3 scripts/twin_fidelity.py "$OUT" | tee "$OUT/fidelity.md"

@@ -6,9 +6,14 @@ absolute errors, and how the topologies rank by
 goodput per workload and concurrency (Spearman's rho; the predicted best's measured
 goodput against the measured best's), and goodput's error at other objectives than
 the run's, recounted from the same requests. Several directories (e.g. runs at different
-concurrencies) are tabulated together.
+concurrencies) are tabulated together. Repeated measurements of a configuration
+(NAME.real-2.json, NAME.real-3.json, ... beside NAME.real.json, as twin-fidelity.sh
+writes with REPEATS) are averaged field by field before comparing, and the ranking
+is also given for each repeat alone, so the spread between single runs shows.
 
-usage: twin_fidelity.py DIR [DIR ...]"""
+usage: twin_fidelity.py DIR [DIR ...] [--sims SIM_DIR]
+(--sims: the *.sim.json files come from SIM_DIR, e.g. the same runs simulated on
+another profile.)"""
 import json
 import statistics
 import sys
@@ -49,29 +54,56 @@ def spearman(a, b):
     return num / den if den else 1.0
 
 
-def main(dirs):
+def repeats(real_path, name):
+    """The measured runs of one configuration: NAME.real.json, then NAME.real-N.json."""
+    extra = sorted(real_path.parent.glob(name + ".real-*.json"),
+                   key=lambda p: int(p.name[len(name) + len(".real-"): -len(".json")]))
+    return [json.loads(p.read_text()) for p in [real_path, *extra]]
+
+
+def mean_summary(points):
+    """The fields of FIELDS (and shed) averaged over repeated runs of one point."""
+    out = {"output_token_throughput": statistics.mean(p["summary"]["output_token_throughput"] for p in points),
+           "tpot_ms": {"p50": statistics.mean(p["summary"]["tpot_ms"]["p50"] for p in points)},
+           "ttft_ms": {k: statistics.mean(p["summary"]["ttft_ms"][k] for p in points) for k in ("mean", "p90")},
+           "goodput": statistics.mean(p["summary"]["goodput"] for p in points),
+           "shed": statistics.mean(p["summary"].get("shed", 0) for p in points)}
+    return out
+
+
+def main(dirs, sims=None):
     rows, errors, groups, pairs = [], {f: [] for f, _ in FIELDS}, {}, []
+    noise = {f: [] for f, _ in FIELDS}
+    n_runs = 1
     for real_path in sorted(p for d in dirs for p in Path(d).glob("*.real.json")):
         name = real_path.name[: -len(".real.json")]
         topo, work = name.split("-", 1)
-        sim = json.loads(real_path.with_name(name + ".sim.json").read_text())
-        real = json.loads(real_path.read_text())
-        for rp, sp in zip(real["points"], sim["points"]):
-            label = rp["plan"]["label"]
-            pairs.append((rp, sp))
-            rs, ss = rp["summary"], sp["summary"]
+        sim_path = Path(sims) / (name + ".sim.json") if sims else real_path.with_name(name + ".sim.json")
+        sim = json.loads(sim_path.read_text())
+        reals = repeats(real_path, name)
+        n_runs = max(n_runs, len(reals))
+        for i, sp in enumerate(sim["points"]):
+            rps = [r["points"][i] for r in reals]
+            label = rps[0]["plan"]["label"]
+            pairs.append((rps, sp))
+            rs, ss = mean_summary(rps), sp["summary"]
+            run_to_run(rps, noise)
             cells = []
             for f, get in FIELDS:
                 e = err(get(ss), get(rs))
                 if e is not None:
                     errors[f].append(abs(e))
                 cells.append(f"{get(rs):.1f} → {get(ss):.1f} ({e * 100:+.1f} %)" if e is not None else "n/a")
-            cells.append(f"{rs.get('shed', 0)} → {ss.get('shed', 0)}")
+            cells.append(f"{rs.get('shed', 0):g} → {ss.get('shed', 0)}")
+            spread = [p["summary"]["goodput"] for p in rps]
+            cells.append(" / ".join(f"{g:.3f}" for g in spread))
             rows.append(f"| {topo} | {work} | {label} | " + " | ".join(cells) + " |")
-            groups.setdefault((work, label), []).append((topo, rs["goodput"], ss["goodput"]))
+            groups.setdefault((work, label), []).append((topo, rs["goodput"], ss["goodput"], spread))
+    if n_runs > 1:
+        print(f"Measured figures are the mean of {n_runs} runs of each configuration.\n")
     print("| topology | workload | point | " + " | ".join(f"{f} measured → predicted" for f, _ in FIELDS)
-          + " | shed (429) measured → predicted |")
-    print("|---|---|---|" + "---|" * (len(FIELDS) + 1))
+          + " | shed (429) measured → predicted | measured goodput, each run |")
+    print("|---|---|---|" + "---|" * (len(FIELDS) + 2))
     print("\n".join(rows))
     print(f"\n{len(rows)} configurations. Median absolute error:\n")
     print("| measure | median abs error | max abs error |\n|---|---|---|")
@@ -79,24 +111,85 @@ def main(dirs):
         e = errors[f]
         if e:
             print(f"| {f} | {statistics.median(e) * 100:.1f} % | {max(e) * 100:.1f} % |")
-    print("\nRanking of the topologies by goodput, per workload and point:\n")
+    if n_runs > 1:
+        print("\nThe measurements' own spread: each run against the mean of the other runs of its"
+              " configuration (what one real run would miss by, predicting the rest):\n")
+        print("| measure | median abs difference | max abs difference |\n|---|---|---|")
+        for f, _ in FIELDS:
+            if noise[f]:
+                print(f"| {f} | {statistics.median(noise[f]) * 100:.1f} % | {max(noise[f]) * 100:.1f} % |")
+    print("\nRanking of the topologies by goodput, per workload and point"
+          + (" (measured: the mean of the runs)" if n_runs > 1 else "") + ":\n")
     print("| workload | point | measured best | predicted best | its measured goodput vs best | Spearman rho |")
     print("|---|---|---|---|---|---|")
-    rhos, gaps = [], []
-    for (work, label), cands in sorted(groups.items()):
-        if len(cands) < 2:
-            continue
-        best_real = max(cands, key=lambda c: c[1])
-        best_pred = max(cands, key=lambda c: c[2])
-        gap = best_pred[1] / best_real[1] if best_real[1] else 1.0
-        rho = spearman([c[1] for c in cands], [c[2] for c in cands])
-        rhos.append(rho)
-        gaps.append(gap)
-        print(f"| {work} | {label} | {best_real[0]} | {best_pred[0]} | {gap * 100:.1f} % | {rho:.2f} |")
+    rhos, gaps, ties = ranking(groups, lambda c: c[1], show=True)
     if rhos:
         print(f"\nMean Spearman rho {statistics.mean(rhos):.2f}; the predicted best reaches "
               f"{min(gaps) * 100:.1f} % of the measured best at worst, {statistics.mean(gaps) * 100:.1f} % on average.")
+    if ties:
+        _, worst, _ = ranking(groups, lambda c: c[1], worst_of_tie=True)
+        print(f"{ties} of {len(gaps)} groups are a tie for the predicted best (the first listed is the pick); "
+              f"counting each tie at the worse of the tied topologies, the predicted best reaches "
+              f"{min(worst) * 100:.1f} % at worst, {statistics.mean(worst) * 100:.1f} % on average.")
+    if n_runs > 1 and all(len(c[3]) == n_runs for cands in groups.values() for c in cands):
+        print("\nThe same ranking against each run alone:\n")
+        print("| run | mean Spearman rho | predicted best vs measured best: worst | mean |\n|---|---|---|---|")
+        for k in range(n_runs):
+            rhos, gaps, _ = ranking(groups, lambda c, k=k: c[3][k])
+            print(f"| {k + 1} | {statistics.mean(rhos):.2f} | {min(gaps) * 100:.1f} % | {statistics.mean(gaps) * 100:.1f} % |")
+        print("\nOne real run as the advisor instead of the twin (its best topology, and its order,"
+              " against the mean of the other runs):\n")
+        print("| run | mean Spearman rho | its best vs measured best: worst | mean |\n|---|---|---|---|")
+        for k in range(n_runs):
+            rhos, gaps, _ = ranking(groups, lambda c, k=k: statistics.mean(c[3][:k] + c[3][k + 1:]),
+                                 predicted=lambda c, k=k: c[3][k])
+            print(f"| {k + 1} | {statistics.mean(rhos):.2f} | {min(gaps) * 100:.1f} % | {statistics.mean(gaps) * 100:.1f} % |")
     slo_grid(pairs)
+
+
+def run_to_run(points, noise):
+    """Adds to `noise` each run's relative difference from the mean of the others."""
+    if len(points) < 2:
+        return
+    for k, p in enumerate(points):
+        others = mean_summary(points[:k] + points[k + 1:])
+        for f, get in FIELDS:
+            e = err(get(p["summary"]), get(others))
+            if e is not None:
+                noise[f].append(abs(e))
+
+
+# The order in which `pdserve plan` lists the topologies of two nodes.
+PLAN_ORDER = ["agg2", "agg1", "1P1D", "auto2M"]
+
+
+def ranking(groups, measured, show=False, predicted=lambda c: c[2], worst_of_tie=False):
+    """Spearman's rho and the predicted best's share of the measured best, per group
+    of topologies at one workload and point; `measured` picks a candidate's measured
+    goodput, `predicted` its predicted one (the twin's, by default). Where several
+    topologies tie for the predicted best (the twin gives `agg2` and `auto2M` the same
+    figures when `auto` prefills nothing remotely), the pick is `pdserve plan`'s: it
+    lists the aggregated fleet first, one node alone next, the splits, then `auto`,
+    and keeps that order on a tie. `worst_of_tie` counts the worse of the tied
+    topologies by measurement instead. Returns the rhos, the gaps, and how many groups
+    were a tie."""
+    rhos, gaps, ties = [], [], 0
+    for (work, label), cands in sorted(groups.items()):
+        if len(cands) < 2:
+            continue
+        best_real = max(cands, key=measured)
+        top = max(predicted(c) for c in cands)
+        tied = sorted((c for c in cands if predicted(c) >= top * (1 - 1e-9)), key=lambda c: PLAN_ORDER.index(c[0]))
+        best_pred = min(tied, key=measured) if worst_of_tie else tied[0]
+        ties += len(tied) > 1
+        gap = measured(best_pred) / measured(best_real) if measured(best_real) else 1.0
+        rho = spearman([measured(c) for c in cands], [predicted(c) for c in cands])
+        rhos.append(rho)
+        gaps.append(gap)
+        if show:
+            names = " = ".join(c[0] for c in tied) + (" (tie)" if len(tied) > 1 else "")
+            print(f"| {work} | {label} | {best_real[0]} | {names} | {gap * 100:.1f} % | {rho:.2f} |")
+    return rhos, gaps, ties
 
 
 def goodput_at(point, ttft_s, tpot_s):
@@ -118,11 +211,12 @@ def slo_grid(pairs):
     for ttft_s in (5, 30, 60):
         for tpot_ms in (50, 100, 200):
             errs, met = [], []
-            for rp, sp in pairs:
-                real, sim = goodput_at(rp, ttft_s, tpot_ms / 1e3), goodput_at(sp, ttft_s, tpot_ms / 1e3)
+            for rps, sp in pairs:
+                real = statistics.mean(goodput_at(rp, ttft_s, tpot_ms / 1e3) for rp in rps)
+                sim = goodput_at(sp, ttft_s, tpot_ms / 1e3)
                 if real > 0:
                     errs.append(abs(sim - real) / real)
-                rate = rp["summary"]["request_throughput"]
+                rate = statistics.mean(rp["summary"]["request_throughput"] for rp in rps)
                 met.append(real / rate if rate else 0.0)
             if errs:
                 print(f"| {ttft_s} s | {tpot_ms} ms | {len(errs)} of {len(pairs)} | {statistics.median(errs) * 100:.1f} % "
@@ -130,4 +224,10 @@ def slo_grid(pairs):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["."])
+    args = sys.argv[1:]
+    sims = None
+    if "--sims" in args:
+        i = args.index("--sims")
+        sims = args[i + 1]
+        del args[i:i + 2]
+    main(args or ["."], sims)

@@ -4,7 +4,7 @@
 //!   budget (512), each chunk one point (its size and the context before it).
 //! - Decode: batches of 1 to 32 sequences at three context lengths, each sequence's
 //!   context imported as a KV transfer (no prefill to compute, no blocks shared); the
-//!   median of five steps.
+//!   median of three steps in each of three passes over the grid.
 //! - KV links: a 64 KiB and a 16 MiB handoff over each transport (the best of three):
 //!   the small one is the latency, the difference the rate.
 //! - KV tiers: a 512-token prompt pushed out of a fresh engine's pool into the host
@@ -39,6 +39,13 @@ use std::time::{Duration, Instant};
 const PREFILL_LENS: [usize; 6] = [16, 64, 256, 512, 1024, 2048];
 const DECODE_BATCHES: [usize; 6] = [1, 2, 4, 8, 16, 32];
 const DECODE_CONTEXTS: [usize; 3] = [64, 512, 1536];
+/// Passes over the decode grid, and steps timed per point in each.
+const DECODE_PASSES: usize = 3;
+const DECODE_STEPS: usize = 3;
+/// A median fit error above this says the machine's speed changed while a shape was
+/// timed (a quiet machine fits its steps within 2–3 %): the profile is worth timing
+/// again.
+pub const NOISY_FIT: f64 = 0.05;
 const LINK_SMALL: usize = 64 << 10;
 const LINK_LARGE: usize = 16 << 20;
 
@@ -75,6 +82,12 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
             started.elapsed().as_secs_f64(),
             err * 100.0
         ));
+        if err > NOISY_FIT {
+            log(&format!(
+                "warning: a fit error above {:.0} % means this machine's speed changed while timing; time the profile again when it is quiet",
+                NOISY_FIT * 100.0
+            ));
+        }
         shapes.push(Shape { threads: t, step, points });
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -100,17 +113,14 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
     log(&format!("two one-thread workers at once: steps {co_run_slowdown:.2}× as long"));
     let o = rt.block_on(overheads(&spec.model, threads))?;
     let served = rt.block_on(served(spec, threads))?;
-    let token_s = (served.tpot_s - o.decode_s).max(0.0);
-    // CPU beyond the engine's own compute, per streamed token.
-    let tokens = (served.streams * DECODE_TOKENS as usize) as f64;
-    let host_token_s = ((served.cpu_s - served.streams as f64 * o.stream_s) / tokens).max(0.0);
+    let (token_s, host_token_s) = (served.token_s, served.host_token_s);
     log(&format!(
         "role switch {:.1} µs; admission {:.0} µs; served TPOT {:.2} ms against {:.2} ms bare: {:.0} µs per token; \
          host CPU {:.0} µs per token",
         o.switch_s * 1e6,
         o.admission_s * 1e6,
         served.tpot_s * 1e3,
-        o.decode_s * 1e3,
+        served.bare_tpot_s * 1e3,
         token_s * 1e6,
         host_token_s * 1e6
     ));
@@ -235,51 +245,68 @@ fn prefill_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
 
 fn decode_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
     let c = &model.cfg;
-    let elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
     let mut e = engine(model, threads, 4096);
-    let mut points = Vec::new();
+    let grid: Vec<(usize, usize)> = DECODE_CONTEXTS
+        .iter()
+        .filter(|&&x| x + 16 < c.context_length)
+        .flat_map(|&ctx| DECODE_BATCHES.iter().map(move |&b| (ctx, b)))
+        .collect();
+    // Every pass times the whole grid once, so a stretch of seconds in which the
+    // machine runs slow falls on one pass of each point, which the median drops.
+    let mut times = vec![Vec::new(); grid.len()];
     let mut next = 10_000u64;
-    for &ctx in DECODE_CONTEXTS.iter().filter(|&&x| x + 16 < c.context_length) {
-        for &b in &DECODE_BATCHES {
-            // Each sequence's context arrives as a transfer of its own (values that
-            // are not a real prompt's: attention costs the same whatever they are),
-            // so no two sequences share cached blocks, as in serving.
-            for _ in 0..b {
-                let (id, p) = (RequestId(next), prompt(ctx, next as usize));
-                next += 1;
-                if e.reserve_import(id, ctx).is_err() {
-                    continue;
-                }
-                for layer in 0..c.n_layers {
-                    for index in 0..ctx.div_ceil(BLOCK_SIZE) {
-                        let fill = half_bits(((index * 31 + layer * 7) % 97) as f32 / 97.0 - 0.5);
-                        let f = KvFrame {
-                            layer: layer as u32,
-                            index: index as u32,
-                            k: vec![fill; elems],
-                            v: vec![fill; elems],
-                        };
-                        let _ = e.import_frame(id, &f);
-                    }
-                }
-                let _ = e.finish_import(id, p, 2000, exactly(8));
-            }
-            let mut times: Vec<f64> = (0..5)
-                .map(|_| {
-                    let t = Instant::now();
-                    e.step();
-                    t.elapsed().as_secs_f64()
-                })
-                .collect();
-            while e.has_work() {
-                e.step();
-            }
-            times.sort_by(f64::total_cmp);
-            // The timed steps ran at contexts ctx + 1 ..= ctx + 5.
-            points.push(Point { kind: PointKind::Decode, size: b, context: ctx + 3, seconds: times[2], fitted: 0.0 });
+    for _ in 0..DECODE_PASSES {
+        for (&(ctx, b), t) in grid.iter().zip(&mut times) {
+            t.extend(time_decode_steps(&mut e, model, ctx, b, &mut next));
         }
     }
-    points
+    // The timed steps ran at contexts ctx + 1 ..= ctx + DECODE_STEPS.
+    let mid = DECODE_STEPS.div_ceil(2);
+    let point = |(&(ctx, size), t): (&(usize, usize), Vec<f64>)| Point {
+        kind: PointKind::Decode,
+        size,
+        context: ctx + mid,
+        seconds: median(t),
+        fitted: 0.0,
+    };
+    grid.iter().zip(times).map(point).collect()
+}
+
+/// Times [`DECODE_STEPS`] decode steps of `b` sequences at `ctx` positions, then
+/// runs them to their end.
+fn time_decode_steps(e: &mut Engine, model: &Arc<Model>, ctx: usize, b: usize, next: &mut u64) -> Vec<f64> {
+    let c = &model.cfg;
+    let elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
+    // Each sequence's context arrives as a transfer of its own (values that are not
+    // a real prompt's: attention costs the same whatever they are), so no two
+    // sequences share cached blocks, as in serving.
+    for _ in 0..b {
+        let (id, p) = (RequestId(*next), prompt(ctx, *next as usize));
+        *next += 1;
+        if e.reserve_import(id, ctx).is_err() {
+            continue;
+        }
+        for layer in 0..c.n_layers {
+            for index in 0..ctx.div_ceil(BLOCK_SIZE) {
+                let fill = half_bits(((index * 31 + layer * 7) % 97) as f32 / 97.0 - 0.5);
+                let f =
+                    KvFrame { layer: layer as u32, index: index as u32, k: vec![fill; elems], v: vec![fill; elems] };
+                let _ = e.import_frame(id, &f);
+            }
+        }
+        let _ = e.finish_import(id, p, 2000, exactly(DECODE_STEPS as u32 + 3));
+    }
+    let times = (0..DECODE_STEPS)
+        .map(|_| {
+            let t = Instant::now();
+            e.step();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    while e.has_work() {
+        e.step();
+    }
+    times
 }
 
 /// The f16 bits of `x`.
@@ -382,15 +409,10 @@ async fn handoff(
 struct Overheads {
     switch_s: f64,
     admission_s: f64,
-    /// A bare engine's decode step for one 64-token prompt's stream.
-    decode_s: f64,
-    /// The whole stream (prefill and every decode step) on a bare engine.
-    stream_s: f64,
 }
 
 /// A role switch in place; a 16-token request's trip through a worker less the same
-/// prefill on a bare engine (medians of 9); and a bare engine's decode step for the
-/// streams [`served_tpot`] times (median of 5).
+/// prefill on a bare engine (medians of 9).
 async fn overheads(model: &Arc<Model>, threads: usize) -> Result<Overheads, TwinError> {
     let opts = WorkerOptions {
         name: "profile".into(),
@@ -442,25 +464,21 @@ async fn overheads(model: &Arc<Model>, threads: usize) -> Result<Overheads, Twin
         bare.push(t.elapsed().as_secs_f64());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let (mut stepped, mut streams) = (Vec::new(), Vec::new());
-    for k in 0..5 {
-        let mut e = engine(model, threads, 256);
-        let _ = e.add(RequestId(1), prompt(64, 71_000 + k), exactly(DECODE_TOKENS));
-        let whole = Instant::now();
+    Ok(Overheads { switch_s: median(switch), admission_s: (median(through) - median(bare)).max(0.0) })
+}
+
+/// One 64-token prompt's stream on a bare engine: its decode step (the mean over
+/// the stream) and the whole stream's seconds (prefill and every decode step).
+fn bare_stream(model: &Arc<Model>, threads: usize, salt: usize) -> (f64, f64) {
+    let mut e = engine(model, threads, 256);
+    let _ = e.add(RequestId(1), prompt(64, salt), exactly(DECODE_TOKENS));
+    let whole = Instant::now();
+    e.step();
+    let t = Instant::now();
+    while e.has_work() {
         e.step();
-        let t = Instant::now();
-        while e.has_work() {
-            e.step();
-        }
-        stepped.push(t.elapsed().as_secs_f64() / (DECODE_TOKENS - 1) as f64);
-        streams.push(whole.elapsed().as_secs_f64());
     }
-    Ok(Overheads {
-        switch_s: median(switch),
-        admission_s: (median(through) - median(bare)).max(0.0),
-        decode_s: median(stepped),
-        stream_s: median(streams),
-    })
+    (t.elapsed().as_secs_f64() / (DECODE_TOKENS - 1) as f64, whole.elapsed().as_secs_f64())
 }
 
 /// Tokens of each timed stream.
@@ -471,10 +489,14 @@ fn exactly(n: u32) -> SamplingParams {
 }
 
 /// Times streams served over HTTP by `pdserve serve` (this binary, one aggregated
-/// worker of `threads`) to `bench load`'s client: their median TPOT (the engine's
-/// decode step plus whatever serving adds to it per token: the worker loop, the
-/// router, detokenizing, SSE, the client's parsing) and the CPU the server and the
-/// client spent on them.
+/// worker of `threads`) to `bench load`'s client, each right after the same stream
+/// on a bare engine in this process: what serving adds to each decode step (the
+/// worker loop, the router, detokenizing, SSE, the client's parsing) and the CPU
+/// the server and the client spent beyond the engine's compute. Paired, a machine
+/// whose speed drifts from one pair to the next moves both halves of a pair alike:
+/// the per-token cost is the median of the pairs' differences, the CPU the
+/// difference of their sums (a process's CPU is counted in 10 ms ticks, too coarse
+/// for one stream).
 async fn served(spec: &Spec, threads: usize) -> Result<Served, TwinError> {
     let args: Vec<String> = ["--model", &spec.model_arg, "--mode", "aggregated", "--workers", "1"]
         .iter()
@@ -491,11 +513,10 @@ async fn served(spec: &Spec, threads: usize) -> Result<Served, TwinError> {
         let (endpoint, prompt_kind) = (Endpoint::Completions, PromptKind::Ids);
         let body = BodyOptions { endpoint, prompt_kind, model, temperature: 0.0, token_ids: false };
         let client = Client { target, body, timeout: Duration::from_secs(120) };
-        let (mut tpots, mut client_s, mut before) = (Vec::new(), 0.0, None);
-        for k in 0..6 {
-            if k == 1 {
-                before = server.cpu_seconds();
-            }
+        let mut pairs = Vec::new();
+        for k in 0..=SERVED_STREAMS {
+            let (bare_tpot, bare_stream) = bare_stream(&spec.model, threads, 71_000 + k);
+            let before = server.cpu_seconds();
             let spec = RequestSpec {
                 index: k,
                 prompt: Prompt { prefix: Vec::new(), body: prompt(64, 90_000 + k) },
@@ -503,31 +524,53 @@ async fn served(spec: &Spec, threads: usize) -> Result<Served, TwinError> {
                 ..RequestSpec::default()
             };
             let rec = client.send(&spec, tokio::time::Instant::now(), None).await;
+            let cpu = server.cpu_seconds().zip(before).map(|(after, before)| after - before + rec.client_busy_s);
             // The first warms the server up.
-            if k > 0 {
-                tpots.extend(rec.tpot_s);
-                client_s += rec.client_busy_s;
+            if let (true, Some(tpot), Some(cpu)) = (k > 0, rec.tpot_s, cpu) {
+                pairs.push(Pair { tpot, bare_tpot, cpu, bare_stream });
             }
         }
-        let server_s = server.cpu_seconds().zip(before).map(|(after, before)| after - before);
-        Ok::<_, pdserve_bench::BenchError>((tpots, server_s.unwrap_or(0.0) + client_s))
+        Ok::<_, pdserve_bench::BenchError>(pairs)
     };
-    let tpots = timed.await;
+    let pairs = timed.await;
     let _ = server.stop(Duration::from_secs(5)).await;
     let _ = std::fs::remove_file(&log);
-    let (tpots, cpu_s) = tpots.map_err(bench)?;
-    if tpots.is_empty() {
+    let pairs = pairs.map_err(bench)?;
+    if pairs.is_empty() {
         return Err(TwinError::Invalid("no served stream could be timed".into()));
     }
-    Ok(Served { tpot_s: median(tpots), streams: 5, cpu_s })
+    let of = |f: fn(&Pair) -> f64| median(pairs.iter().map(f).collect());
+    Ok(Served {
+        tpot_s: of(|p| p.tpot),
+        bare_tpot_s: of(|p| p.bare_tpot),
+        token_s: of(|p| p.tpot - p.bare_tpot).max(0.0),
+        host_token_s: (pairs.iter().map(|p| p.cpu - p.bare_stream).sum::<f64>()
+            / (pairs.len() * DECODE_TOKENS as usize) as f64)
+            .max(0.0),
+    })
+}
+
+/// Streams [`served`] times after its warm-up.
+const SERVED_STREAMS: usize = 5;
+
+/// A served stream and the same stream on a bare engine just before it.
+struct Pair {
+    tpot: f64,
+    bare_tpot: f64,
+    /// CPU seconds the server and the client used for the served stream.
+    cpu: f64,
+    bare_stream: f64,
 }
 
 /// What [`served`] measured.
 struct Served {
+    /// Medians of the served TPOT and of the bare decode step.
     tpot_s: f64,
-    streams: usize,
-    /// CPU seconds the server and the client used for the timed streams.
-    cpu_s: f64,
+    bare_tpot_s: f64,
+    /// Serving's seconds per token beyond the bare step.
+    token_s: f64,
+    /// Host CPU per streamed token beyond the engine's compute.
+    host_token_s: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

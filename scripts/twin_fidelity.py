@@ -61,14 +61,9 @@ def repeats(real_path, name):
     return [json.loads(p.read_text()) for p in [real_path, *extra]]
 
 
-def mean_summary(points):
-    """The fields of FIELDS (and shed) averaged over repeated runs of one point."""
-    out = {"output_token_throughput": statistics.mean(p["summary"]["output_token_throughput"] for p in points),
-           "tpot_ms": {"p50": statistics.mean(p["summary"]["tpot_ms"]["p50"] for p in points)},
-           "ttft_ms": {k: statistics.mean(p["summary"]["ttft_ms"][k] for p in points) for k in ("mean", "p90")},
-           "goodput": statistics.mean(p["summary"]["goodput"] for p in points),
-           "shed": statistics.mean(p["summary"].get("shed", 0) for p in points)}
-    return out
+def mean_of(points, get):
+    """A summary field (`get`) averaged over repeated runs of one point."""
+    return statistics.mean(get(p["summary"]) for p in points)
 
 
 def main(dirs, sims=None):
@@ -86,19 +81,20 @@ def main(dirs, sims=None):
             rps = [r["points"][i] for r in reals]
             label = rps[0]["plan"]["label"]
             pairs.append((rps, sp))
-            rs, ss = mean_summary(rps), sp["summary"]
+            ss = sp["summary"]
             run_to_run(rps, noise)
             cells = []
             for f, get in FIELDS:
-                e = err(get(ss), get(rs))
+                real = mean_of(rps, get)
+                e = err(get(ss), real)
                 if e is not None:
                     errors[f].append(abs(e))
-                cells.append(f"{get(rs):.1f} → {get(ss):.1f} ({e * 100:+.1f} %)" if e is not None else "n/a")
-            cells.append(f"{rs.get('shed', 0):g} → {ss.get('shed', 0)}")
+                cells.append(f"{real:.1f} → {get(ss):.1f} ({e * 100:+.1f} %)" if e is not None else "n/a")
+            cells.append(f"{mean_of(rps, lambda s: s.get('shed', 0)):g} → {ss.get('shed', 0)}")
             spread = [p["summary"]["goodput"] for p in rps]
             cells.append(" / ".join(f"{g:.3f}" for g in spread))
             rows.append(f"| {topo} | {work} | {label} | " + " | ".join(cells) + " |")
-            groups.setdefault((work, label), []).append((topo, rs["goodput"], ss["goodput"], spread))
+            groups.setdefault((work, label), []).append((topo, statistics.mean(spread), ss["goodput"], spread))
     if n_runs > 1:
         print(f"Measured figures are the mean of {n_runs} runs of each configuration.\n")
     print("| topology | workload | point | " + " | ".join(f"{f} measured → predicted" for f, _ in FIELDS)
@@ -152,9 +148,9 @@ def run_to_run(points, noise):
     if len(points) < 2:
         return
     for k, p in enumerate(points):
-        others = mean_summary(points[:k] + points[k + 1:])
+        others = points[:k] + points[k + 1:]
         for f, get in FIELDS:
-            e = err(get(p["summary"]), get(others))
+            e = err(get(p["summary"]), mean_of(others, get))
             if e is not None:
                 noise[f].append(abs(e))
 

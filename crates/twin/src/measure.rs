@@ -1,4 +1,5 @@
-//! `pdserve profile`: times one worker shape on this machine with the real model.
+//! `pdserve profile`: times worker shapes on this machine with the real model, the shapes
+//! in turn at every point so the machine's drift falls on all of them alike.
 //!
 //! - Prefill: lone prompts of 16 to 2048 tokens in chunks of the engine's default
 //!   budget (512), each chunk one point (its size and the context before it).
@@ -69,19 +70,20 @@ pub struct Spec {
 /// Times every shape, the links and the overheads.
 pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinError> {
     let c = &spec.model.cfg;
+    let started = Instant::now();
+    let mut prefill = prefill_points(&spec.model, &spec.threads);
+    let decode = decode_points(&spec.model, &spec.threads);
+    log(&format!(
+        "{} shape(s) timed point by point in turn: {:.0} s",
+        spec.threads.len(),
+        started.elapsed().as_secs_f64()
+    ));
     let mut shapes = Vec::new();
-    for &t in &spec.threads {
-        let started = Instant::now();
-        let mut points = prefill_points(&spec.model, t);
-        points.extend(decode_points(&spec.model, t));
+    for ((&t, mut points), more) in spec.threads.iter().zip(prefill.drain(..)).zip(decode) {
+        points.extend(more);
         let step = profile::fit(&mut points);
         let err = profile::fit_error(&points);
-        log(&format!(
-            "{t} thread(s): {} points in {:.0} s; median fit error {:.1} %",
-            points.len(),
-            started.elapsed().as_secs_f64(),
-            err * 100.0
-        ));
+        log(&format!("{t} thread(s): {} points; median fit error {:.1} %", points.len(), err * 100.0));
         if err > NOISY_FIT {
             log(&format!(
                 "warning: a fit error above {:.0} % means this machine's speed changed while timing; time the profile again when it is quiet",
@@ -215,37 +217,51 @@ fn prompt(n: usize, salt: usize) -> Vec<u32> {
     (0..n).map(|i| 1000 + ((i * 7919 + salt * 104_729) % 30_000) as u32).collect()
 }
 
-fn prefill_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
-    let budget = EngineConfig::default().max_batch_tokens;
+/// Every shape's prefill points, each prompt timed on one shape's engine right after
+/// the other's, so that a change in the machine's speed between seconds falls on all
+/// shapes alike and not on their ratio.
+fn prefill_points(model: &Arc<Model>, threads: &[usize]) -> Vec<Vec<Point>> {
     let lens: Vec<usize> = PREFILL_LENS.iter().copied().filter(|&l| l < model.cfg.context_length).collect();
-    let mut e = engine(model, threads, 4096);
-    let mut points = Vec::new();
+    let mut engines: Vec<Engine> = threads.iter().map(|&t| engine(model, t, 4096)).collect();
+    let mut points = vec![Vec::new(); threads.len()];
     // One untimed warm-up, then two passes.
     for pass in 0..3 {
         for (k, &len) in lens.iter().enumerate() {
-            let id = RequestId((pass * 100 + k) as u64);
-            if e.add(id, prompt(len, pass * 100 + k), SamplingParams::greedy(1)).is_err() {
-                continue;
-            }
-            let mut start = 0;
-            while e.has_work() {
-                let t = Instant::now();
-                e.step();
-                let n = budget.min(len - start);
+            let salt = pass * 100 + k;
+            for (e, points) in engines.iter_mut().zip(&mut points) {
+                let timed = time_prefill(e, len, salt);
                 if pass > 0 {
-                    let seconds = t.elapsed().as_secs_f64();
-                    points.push(Point { kind: PointKind::Prefill, size: n, context: start, seconds, fitted: 0.0 });
+                    points.extend(timed);
                 }
-                start += n;
             }
         }
     }
     points
 }
 
-fn decode_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
+/// One prompt of `len` tokens run alone, a point per chunk of the step budget.
+fn time_prefill(e: &mut Engine, len: usize, salt: usize) -> Vec<Point> {
+    let budget = EngineConfig::default().max_batch_tokens;
+    if e.add(RequestId(salt as u64), prompt(len, salt), SamplingParams::greedy(1)).is_err() {
+        return Vec::new();
+    }
+    let mut points = Vec::new();
+    let mut start = 0;
+    while e.has_work() {
+        let t = Instant::now();
+        e.step();
+        let seconds = t.elapsed().as_secs_f64();
+        let n = budget.min(len - start);
+        points.push(Point { kind: PointKind::Prefill, size: n, context: start, seconds, fitted: 0.0 });
+        start += n;
+    }
+    points
+}
+
+/// Every shape's decode points, the shapes timed in turn at each point of the grid.
+fn decode_points(model: &Arc<Model>, threads: &[usize]) -> Vec<Vec<Point>> {
     let c = &model.cfg;
-    let mut e = engine(model, threads, 4096);
+    let mut engines: Vec<Engine> = threads.iter().map(|&t| engine(model, t, 4096)).collect();
     let grid: Vec<(usize, usize)> = DECODE_CONTEXTS
         .iter()
         .filter(|&&x| x + 16 < c.context_length)
@@ -253,11 +269,13 @@ fn decode_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
         .collect();
     // Every pass times the whole grid once, so a stretch of seconds in which the
     // machine runs slow falls on one pass of each point, which the median drops.
-    let mut times = vec![Vec::new(); grid.len()];
+    let mut times = vec![vec![Vec::new(); grid.len()]; threads.len()];
     let mut next = 10_000u64;
     for _ in 0..DECODE_PASSES {
-        for (&(ctx, b), t) in grid.iter().zip(&mut times) {
-            t.extend(time_decode_steps(&mut e, model, ctx, b, &mut next));
+        for (g, &(ctx, b)) in grid.iter().enumerate() {
+            for (e, times) in engines.iter_mut().zip(&mut times) {
+                times[g].extend(time_decode_steps(e, model, ctx, b, &mut next));
+            }
         }
     }
     // The timed steps ran at contexts ctx + 1 ..= ctx + DECODE_STEPS.
@@ -269,7 +287,7 @@ fn decode_points(model: &Arc<Model>, threads: usize) -> Vec<Point> {
         seconds: median(t),
         fitted: 0.0,
     };
-    grid.iter().zip(times).map(point).collect()
+    times.into_iter().map(|t| grid.iter().zip(t).map(point).collect()).collect()
 }
 
 /// Times [`DECODE_STEPS`] decode steps of `b` sequences at `ctx` positions, then

@@ -80,7 +80,7 @@ def main(dirs, sims=None):
         for i, sp in enumerate(sim["points"]):
             rps = [r["points"][i] for r in reals]
             label = rps[0]["plan"]["label"]
-            pairs.append((rps, sp))
+            pairs.append((topo, work, label, rps, sp))
             ss = sp["summary"]
             run_to_run(rps, noise)
             cells = []
@@ -199,24 +199,44 @@ def goodput_at(point, ttft_s, tpot_s):
 def slo_grid(pairs):
     """Goodput's error at other objectives than the run's, from the same records: a
     goodput of almost nothing (an objective few requests meet) has a relative error
-    that says little, so the error is shown against how many requests met them."""
+    that says little, so the error is shown against how many requests met them. The
+    ranking is recounted at each objective too: an objective that sits on the
+    measured TPOT or TTFT of some topologies splits their requests by noise, and
+    their order with it."""
     print("\nGoodput at other objectives, from the same requests:\n")
     print("| TTFT ≤ | TPOT ≤ | configurations with a measured goodput | median abs error | max abs error "
-          "| requests meeting both, measured (mean) |")
-    print("|---|---|---|---|---|---|")
+          "| requests meeting both, measured (mean) | Spearman rho (mean) | pick vs best: worst (tie at its worse) "
+          "| one real run as the advisor: rho, worst |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for ttft_s in (5, 30, 60):
         for tpot_ms in (50, 100, 200):
-            errs, met = [], []
-            for rps, sp in pairs:
-                real = statistics.mean(goodput_at(rp, ttft_s, tpot_ms / 1e3) for rp in rps)
+            errs, met, groups = [], [], {}
+            for topo, work, label, rps, sp in pairs:
+                runs = [goodput_at(rp, ttft_s, tpot_ms / 1e3) for rp in rps]
+                real = statistics.mean(runs)
                 sim = goodput_at(sp, ttft_s, tpot_ms / 1e3)
                 if real > 0:
                     errs.append(abs(sim - real) / real)
                 rate = statistics.mean(rp["summary"]["request_throughput"] for rp in rps)
                 met.append(real / rate if rate else 0.0)
+                groups.setdefault((work, label), []).append((topo, real, sim, runs))
             if errs:
                 print(f"| {ttft_s} s | {tpot_ms} ms | {len(errs)} of {len(pairs)} | {statistics.median(errs) * 100:.1f} % "
-                      f"| {max(errs) * 100:.1f} % | {statistics.mean(met) * 100:.0f} % |")
+                      f"| {max(errs) * 100:.1f} % | {statistics.mean(met) * 100:.0f} % | {ranked(groups)} |")
+
+
+def ranked(groups):
+    """The ranking cells of `slo_grid`: the twin's, then one real run's at its worst."""
+    rhos, gaps, _ = ranking(groups, lambda c: c[1])
+    _, worst, _ = ranking(groups, lambda c: c[1], worst_of_tie=True)
+    cells = f"{statistics.mean(rhos):.2f} | {min(gaps) * 100:.1f} % ({min(worst) * 100:.1f} %)"
+    n = min(len(c[3]) for cands in groups.values() for c in cands)
+    if n < 2:
+        return cells + " | n/a"
+    advisors = [ranking(groups, lambda c, k=k: statistics.mean(c[3][:k] + c[3][k + 1:]),
+                        predicted=lambda c, k=k: c[3][k]) for k in range(n)]
+    return cells + (f" | {min(statistics.mean(r) for r, _, _ in advisors):.2f}, "
+                    f"{min(min(g) for _, g, _ in advisors) * 100:.1f} %")
 
 
 if __name__ == "__main__":

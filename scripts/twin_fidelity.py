@@ -136,9 +136,7 @@ def main(dirs, sims=None):
         print("\nOne real run as the advisor instead of the twin (its best topology, and its order,"
               " against the mean of the other runs):\n")
         print("| run | mean Spearman rho | its best vs measured best: worst | mean |\n|---|---|---|---|")
-        for k in range(n_runs):
-            rhos, gaps, _ = ranking(groups, lambda c, k=k: statistics.mean(c[3][:k] + c[3][k + 1:]),
-                                 predicted=lambda c, k=k: c[3][k])
+        for k, (rhos, gaps) in enumerate(advisors(groups, n_runs)):
             print(f"| {k + 1} | {statistics.mean(rhos):.2f} | {min(gaps) * 100:.1f} % | {statistics.mean(gaps) * 100:.1f} % |")
     slo_grid(pairs)
 
@@ -233,10 +231,19 @@ def ranked(groups):
     n = min(len(c[3]) for cands in groups.values() for c in cands)
     if n < 2:
         return cells + " | n/a"
-    advisors = [ranking(groups, lambda c, k=k: statistics.mean(c[3][:k] + c[3][k + 1:]),
-                        predicted=lambda c, k=k: c[3][k]) for k in range(n)]
-    return cells + (f" | {min(statistics.mean(r) for r, _, _ in advisors):.2f}, "
-                    f"{min(min(g) for _, g, _ in advisors) * 100:.1f} %")
+    each = advisors(groups, n)
+    return cells + f" | {min(statistics.mean(r) for r, _ in each):.2f}, {min(min(g) for _, g in each) * 100:.1f} %"
+
+
+def advisors(groups, n_runs):
+    """Each real run used as the advisor in place of the twin (its goodputs rank the
+    topologies) against the mean of the other runs: (rhos, gaps) per run."""
+    out = []
+    for k in range(n_runs):
+        rhos, gaps, _ = ranking(groups, lambda c, k=k: statistics.mean(c[3][:k] + c[3][k + 1:]),
+                                predicted=lambda c, k=k: c[3][k])
+        out.append((rhos, gaps))
+    return out
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ pub struct Spec {
 pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinError> {
     let c = &spec.model.cfg;
     let started = Instant::now();
-    let mut prefill = prefill_points(&spec.model, &spec.threads);
+    let prefill = prefill_points(&spec.model, &spec.threads);
     let decode = decode_points(&spec.model, &spec.threads);
     log(&format!(
         "{} shape(s) timed point by point in turn: {:.0} s",
@@ -79,7 +79,7 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
         started.elapsed().as_secs_f64()
     ));
     let mut shapes = Vec::new();
-    for ((&t, mut points), more) in spec.threads.iter().zip(prefill.drain(..)).zip(decode) {
+    for ((&t, mut points), more) in spec.threads.iter().zip(prefill).zip(decode) {
         points.extend(more);
         let step = profile::fit(&mut points);
         let err = profile::fit_error(&points);

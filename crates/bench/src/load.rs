@@ -90,6 +90,26 @@ pub struct PointResult {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub phases: Vec<PhaseResult>,
     pub records: Vec<RequestRecord>,
+    /// When the point began, in Unix seconds, so that a server's own log lines (its
+    /// planner's switches) can be placed on the records' clock. Absent on the twin,
+    /// whose clock is virtual.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_unix_s: Option<f64>,
+    /// The role switches the server's planner made while the point ran, where the
+    /// server reports them (the twin does; a real server logs them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub switches: Vec<SwitchRecord>,
+}
+
+/// A role switch the planner made, on a point's clock.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SwitchRecord {
+    /// Seconds from the point's start, as the records' `start_s`.
+    pub at_s: f64,
+    /// The role vectors before and after (`2M`, `1P:1D`).
+    pub from: String,
+    pub to: String,
+    pub reason: String,
 }
 
 impl PointResult {
@@ -97,7 +117,7 @@ impl PointResult {
     pub fn of(plan: &PointPlan, w: &Workload, records: Vec<RequestRecord>, slo: Slo) -> Self {
         let summary = Summary::of(&records, slo);
         let phases = crate::phases::split(&w.spans(), &records, slo);
-        Self { plan: plan.clone(), summary, phases, records }
+        Self { plan: plan.clone(), summary, phases, records, started_unix_s: None, switches: Vec::new() }
     }
 }
 
@@ -226,8 +246,10 @@ pub async fn measure(
     for plan in plans {
         let t = Instant::now();
         let before = prefix_hits(&client.target).await;
+        let started = unix_now();
         let records = run_point(client, w, plan, Some(crate::progress::Style::detect())).await;
         let mut point = PointResult::of(plan, w, records, slo);
+        point.started_unix_s = Some(started);
         if before.is_some() {
             // pdserve's tier counters come with its once-a-second worker stats.
             tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
@@ -246,6 +268,11 @@ pub async fn measure(
         out.push(point);
     }
     out
+}
+
+/// The wall clock in Unix seconds (0 on a clock set before 1970).
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Sends `n` requests one at a time with prompts no point uses. Fails only if every

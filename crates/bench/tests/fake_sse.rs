@@ -228,6 +228,10 @@ fn bench_load_end_to_end_writes_json_and_refuses_unreachable_servers() {
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(v["points"][0]["records"].as_array().unwrap().len(), 2);
     assert!(v["points"][0]["records"][0]["chunk_times_s"].is_array());
+    // Each point says when it began, so a server's log lines can be placed on its clock.
+    let began = |i: usize| v["points"][i]["started_unix_s"].as_f64().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!(began(0) <= began(1) && began(1) <= now && now - began(0) < 60.0, "{} {} {now}", began(0), began(1));
 
     // A shifting workload: one point whose JSON and table hold each phase.
     let phase = |s: &str| s.parse::<pdserve_bench::phases::Phase>().unwrap();

@@ -119,7 +119,14 @@ mod tests {
         summary.tpot_ms.p99 = Some(itl);
         summary.ttft_ms.p50 = Some(500.0 / tput);
         summary.tpot_ms.p50 = Some(itl / 2.0);
-        PointResult { plan, summary, phases: Vec::new(), records: Vec::new() }
+        PointResult {
+            plan,
+            summary,
+            phases: Vec::new(),
+            records: Vec::new(),
+            started_unix_s: None,
+            switches: Vec::new(),
+        }
     }
 
     fn run(name: &str, family: Family, values: [(f64, f64, f64); 5]) -> TopologyRun {

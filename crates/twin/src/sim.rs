@@ -9,7 +9,7 @@
 
 use crate::profile::Profile;
 use crate::TwinError;
-use pdserve_bench::load::PointResult;
+use pdserve_bench::load::{PointResult, SwitchRecord};
 use pdserve_bench::metrics::{PrefixHits, Slo};
 use pdserve_bench::point::PointPlan;
 use pdserve_bench::record::RequestRecord;
@@ -21,8 +21,8 @@ use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::Clock;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, Generate, GenerateRequest, Phase, PrefillRoute, Telemetry, Worker};
-use pdserve_router::planner::{model, Planner, PlannerConfig};
-use pdserve_router::{Admission, Deadlines, Migrating, Mode, PolicyKind, Router};
+use pdserve_router::planner::{model, Actuator, Applied, Direct, Made, Planner, PlannerConfig};
+use pdserve_router::{Admission, Deadlines, Entry, Migrating, Mode, PolicyKind, Router};
 use pdserve_types::{RequestId, Role, SamplingParams};
 use pdserve_worker::{Machine, SimOptions, SimWorker};
 use std::cell::Cell;
@@ -113,8 +113,10 @@ pub fn simulate(spec: &SimSpec<'_>) -> Result<Vec<PointResult>, TwinError> {
         let mut out = Vec::new();
         for plan in spec.plans {
             let before = server.prefix_hits().await;
+            let started = Instant::now();
             let records = run_point(&server, spec.workload, plan, None).await;
             let mut point = PointResult::of(plan, spec.workload, records, spec.slo);
+            point.switches = server.switches.since(started);
             point.summary.prefix_hits = Some(server.prefix_hits().await.since(Some(before)));
             for r in &point.records {
                 point.summary.prompt_blocks += sent.record_sent(spec.workload, plan.seed, r);
@@ -133,6 +135,7 @@ pub struct SimServer {
     /// planner's signals and re-routes calls refused for a stale epoch.
     front: Migrating,
     hits: Arc<HitTally>,
+    switches: Arc<Switches>,
     admission: Duration,
     /// A request not done by then is given up, as `bench load`'s client gives up
     /// (its default `--timeout-seconds`): a run always ends, and shows what hung.
@@ -159,6 +162,34 @@ impl Telemetry for HitTally {
 
     fn prefix_fetched(&self, tokens: usize, _seconds: f64, _fell_back: Option<&'static str>) {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).fetched += tokens as f64;
+    }
+}
+
+/// The planner's switches as `serve`'s planner makes them ([`Direct`]), each noted
+/// at its virtual time: the real server logs them, the twin hands them to its points.
+#[derive(Default)]
+struct Switches(Mutex<Vec<(Instant, SwitchRecord)>>);
+
+impl Switches {
+    /// The switches made since `start`, on that point's clock; earlier ones are
+    /// dropped (they belong to no point).
+    fn since(&self, start: Instant) -> Vec<SwitchRecord> {
+        let mut all = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let noted = std::mem::take(&mut *all);
+        let at = |t: Instant| t.saturating_duration_since(start).as_secs_f64();
+        noted.into_iter().filter(|(t, _)| *t >= start).map(|(t, s)| SwitchRecord { at_s: at(t), ..s }).collect()
+    }
+}
+
+impl Actuator for Switches {
+    fn apply<'a>(&'a self, router: &'a Router, moves: &'a [(Arc<Entry>, Role)]) -> Applied<'a> {
+        Direct.apply(router, moves)
+    }
+
+    fn made(&self, made: &Made<'_>) {
+        let d = made.decision;
+        let s = SwitchRecord { at_s: 0.0, from: d.from.to_string(), to: d.to.to_string(), reason: d.reason.into() };
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).push((Instant::now(), s));
     }
 }
 
@@ -209,15 +240,16 @@ impl SimServer {
         // Every policy, as `serve`: a history-blind pick still fetches a prefix a
         // peer caches, which only the index knows of.
         router.follow_kv_events();
+        let switches = Arc::new(Switches::default());
         if let Some(slo) = t.planner {
-            Planner::spawn(router.clone(), PlannerConfig::new(slo));
+            drop(Planner::spawn_with(router.clone(), PlannerConfig::new(slo), switches.clone()));
         }
         // Serve's stats reporter: admission's figures of blocks and decode steps.
         router.spawn_stats_poll(|_| ());
         // Serve's default `--max-migrations`.
         let front = Migrating::new(router.clone(), 1);
         let admission = Duration::from_secs_f64(profile.admission_s);
-        Ok(SimServer { router, front, hits, admission, timeout: TIMEOUT, next_id: Cell::new(1) })
+        Ok(SimServer { router, front, hits, switches, admission, timeout: TIMEOUT, next_id: Cell::new(1) })
     }
 
     pub fn router(&self) -> &Arc<Router> {

@@ -254,6 +254,31 @@ fn sixteen_workers_under_the_planner_finish_and_free_their_blocks() {
     });
 }
 
+/// A shift the planner follows: one prefill worker is enough for a trickle of
+/// prompts and far too few for the burst after it. The point notes each switch on
+/// its own clock, in order, in the phase that called for it.
+#[test]
+fn the_planners_switches_are_noted_on_the_points_clock() {
+    let p = profile();
+    let phase = |s: &str| s.parse::<pdserve_bench::phases::Phase>().unwrap();
+    let w = WorkloadFlags { phases: vec![phase("trickle:20:0.2:1500/8"), phase("burst:40:3:1500/8")], ..flags(1, 1) }
+        .build()
+        .unwrap();
+    let slo = pdserve_router::planner::model::Slo { ttft_s: 5.0, tpot_s: 0.05 };
+    let roles = vec![Role::Prefill, Role::Decode, Role::Decode, Role::Decode];
+    let t = Topology { planner: Some(slo), admission: NO_ADMISSION, ..topology(Mode::Auto, roles) };
+    let out = run(&p, t, &w, Sweep::Phases, 1);
+    let switches = &out[0].switches;
+    assert!(!switches.is_empty(), "no switch noted");
+    assert_eq!(switches[0].from, "1P:3D", "{switches:?}");
+    assert!((20.0..60.0).contains(&switches[0].at_s), "the first switch comes with the burst: {switches:?}");
+    for pair in switches.windows(2) {
+        assert!(pair[0].at_s <= pair[1].at_s, "{switches:?}");
+        assert_eq!(pair[0].to, pair[1].from, "each switch starts where the last ended: {switches:?}");
+    }
+    assert!(switches.iter().all(|s| s.from != s.to && !s.reason.is_empty()), "{switches:?}");
+}
+
 /// Prompts sharing one of eight 512-token prefixes on a worker whose pool holds
 /// fewer than two: with a host tier the prefixes come back at the profile's copy time
 /// instead of being recomputed, and a profile without tier timings refuses tiers.

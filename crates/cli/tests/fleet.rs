@@ -574,13 +574,7 @@ fn the_fleet_planner_fails_over_mid_switch_and_no_worker_holds_two_roles() {
     // Three clients of 1,500-token prompts: more than one prefill worker keeps up
     // with, so the planner gives both workers both roles.
     let load = Load::start(fe.addr);
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while !a.logged("planner: switching roles") {
-        assert!(Instant::now() < deadline, "plan-a never decided");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    a.child.kill().unwrap();
-    let _ = a.child.wait();
+    kill_when_it_decides(&mut a);
     eventually("plan-b takes the lease over", || b.logged("took the planner lease"));
     eventually("both workers decode and prefill", || {
         roles(&n).iter().all(|(_, role, epoch)| role == "mixed" && *epoch >= 1)
@@ -588,30 +582,79 @@ fn the_fleet_planner_fails_over_mid_switch_and_no_worker_holds_two_roles() {
     std::thread::sleep(Duration::from_secs(3));
     let served = load.stop_all_served();
     assert!(served >= 6, "{served} requests");
-    // One role per worker, and everyone agrees on it.
-    let held = roles(&n);
-    let planner = b.logged("planner: switching roles");
+    assert_one_role_each(&n, fe.addr, &b, "plan-b");
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+}
+
+/// The chaos test: the fleet planner killed the moment it decides, then NATS
+/// itself lost with the switch perhaps half made, then NATS back empty and a new
+/// planner. Requests keep being served throughout (a worker that switched refuses
+/// a dispatch for its old epoch and the frontend re-routes it), none fails, and
+/// the fleet ends with one role per worker that everyone agrees on.
+#[test]
+fn a_planner_killed_mid_switch_and_then_nats_lost_fail_no_request() {
+    let n = nats();
+    let port: u16 = n.url.rsplit(':').next().unwrap().parse().unwrap();
+    let sims = sim_fleet(&n, ["c1", "c2"], ["prefill", "decode"], &["--mode", "auto", "--kv-transport", "tcp"]);
+    let fe = &sims.fe;
+    let mut a = fleet_planner(&n, "plan-a");
+    eventually("plan-a takes the lease", || a.logged("took the planner lease"));
+    let load = Load::start(fe.addr);
+    kill_when_it_decides(&mut a);
+    drop(n);
+    // Past the records' TTL with no NATS: the frontend keeps its workers and serves.
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(status_of(fe.addr, 2), 200, "served while NATS is down");
+    let n = nats_on(port, &[]);
+    eventually("both records are back", || ids(&n) == ["c1", "c2"]);
+    let b = fleet_planner(&n, "plan-b");
+    eventually("plan-b takes the lease", || b.logged("took the planner lease"));
+    eventually("both workers decode and prefill", || roles(&n).iter().all(|(_, role, _)| role == "mixed"));
+    std::thread::sleep(Duration::from_secs(3));
+    let served = load.stop_all_served();
+    assert!(served >= 6, "{served} requests");
+    assert_one_role_each(&n, fe.addr, &b, "plan-b");
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+}
+
+/// Kills `planner` the moment it logs a decision: before or after its plan reached
+/// the bucket, and before or after the workers took it.
+fn kill_when_it_decides(planner: &mut Proc) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !planner.logged("planner: switching roles") {
+        assert!(Instant::now() < deadline, "the planner never decided");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    planner.child.kill().unwrap();
+    let _ = planner.child.wait();
+}
+
+/// Each node holds one role, the frontend sees that one and no other, and the plan,
+/// held by `planner` (whose id is `holder`), names it wherever that planner
+/// switched roles.
+fn assert_one_role_each(n: &Nats, fe: SocketAddr, planner: &Proc, holder: &str) {
+    let held = roles(n);
+    let switched = planner.logged("planner: switching roles");
     for (id, role, epoch) in &held {
         let name =
-            fleet(&n).into_iter().find(|r| r["node_id"] == id.as_str()).unwrap()["name"].as_str().unwrap().to_string();
-        let seen = |r: &str| metric(fe.addr, "pdserve_worker_role", &format!("worker=\"{name}\",role=\"{r}\""));
+            fleet(n).into_iter().find(|r| r["node_id"] == id.as_str()).unwrap()["name"].as_str().unwrap().to_string();
+        let seen = |r: &str| metric(fe, "pdserve_worker_role", &format!("worker=\"{name}\",role=\"{r}\""));
         eventually("the frontend sees the role the worker holds", || seen(role) == 1.0);
         for other in ["prefill", "decode", "mixed"].iter().filter(|r| *r != role) {
             assert_eq!(seen(other), 0.0, "{id} ({role}/{epoch}) is also {other} to the frontend");
         }
     }
     let plan = common::plan_of(&n.url);
-    assert_eq!(plan["holder"], "plan-b", "{plan}");
+    assert_eq!(plan["holder"], holder, "{plan}");
     for (id, role, epoch) in &held {
-        // The plan names what each worker holds, once plan-b wrote it (a planner that
-        // found the workers already switched has nothing to ask of them).
+        // The plan names what each worker holds, once the planner wrote it (a planner
+        // that found the workers already switched has nothing to ask of them).
         if let Some(want) = plan["roles"].get(id.as_str()) {
             assert_eq!((want["role"].as_str().unwrap(), want["epoch"].as_u64().unwrap()), (role.as_str(), *epoch));
         } else {
-            assert!(!planner, "plan-b switched roles but its plan names none for {id}: {plan}");
+            assert!(!switched, "the planner switched roles but its plan names none for {id}: {plan}");
         }
     }
-    assert_eq!(settle_used_blocks(fe.addr), 0.0);
 }
 
 /// Closed-loop clients of 1,500-token prompts with 8 output tokens each, until stopped.

@@ -15,14 +15,21 @@ times from the simulator's JSON, or from DIR/TOPOLOGY.server.log placed on the
 point's clock by its `started_unix_s`)
 """
 import datetime
+import functools
 import json
 import os
 import re
 import sys
 
 
+@functools.cache
+def point_of(out, t):
+    """The run's one point, read once: a simulator's JSON can be a hundred MB."""
+    return json.load(open(f"{out}/{t}.json"))["points"][0]
+
+
 def load(out, t):
-    point = json.load(open(f"{out}/{t}.json"))["points"][0]
+    point = point_of(out, t)
     phases = {p["span"]["label"]: p["summary"] for p in point["phases"]}
     return point["summary"], phases
 
@@ -45,7 +52,7 @@ SWITCH = re.compile(r'^(\S+Z)\s+INFO planner: switching roles from=(\S+) to=(\S+
 
 def switch_times(out, t):
     """The planner's switches as (seconds on the point's clock, from, to, reason)."""
-    point = json.load(open(f"{out}/{t}.json"))["points"][0]
+    point = point_of(out, t)
     if point.get("switches"):
         return [(s["at_s"], s["from"], s["to"], s["reason"]) for s in point["switches"]]
     log, start = f"{out}/{t}.server.log", point.get("started_unix_s")
@@ -56,19 +63,14 @@ def switch_times(out, t):
 
 
 def spans(out, t):
-    point = json.load(open(f"{out}/{t}.json"))["points"][0]
-    return [(p["span"]["label"], p["span"]["start_s"], p["span"]["end_s"]) for p in point["phases"]]
+    return [(p["span"]["label"], p["span"]["start_s"], p["span"]["end_s"]) for p in point_of(out, t)["phases"]]
 
 
 def settling(out, t):
-    """Per phase: its label, the switches made in it as (seconds from the phase's
-    start, from, to, reason), and the seconds from its start to the last of them."""
+    """Per phase, the switches made in it as (seconds from the phase's start, from,
+    to, reason)."""
     times = switch_times(out, t)
-    rows = []
-    for label, start, end in spans(out, t):
-        inside = [(at - start, a, b, r) for at, a, b, r in times if start <= at < end]
-        rows.append((label, inside, inside[-1][0] if inside else None))
-    return rows
+    return [[(at - start, a, b, r) for at, a, b, r in times if start <= at < end] for _, start, end in spans(out, t)]
 
 
 def settle_table(out, planners):
@@ -78,9 +80,9 @@ def settle_table(out, planners):
     print("|---|" + "---|" * len(phases))
     for t in planners:
         cells = []
-        for _, inside, settled in settling(out, t):
+        for inside in settling(out, t):
             moves = ", ".join(f"{a} → {b} ({r}) +{at:.1f} s" for at, a, b, r in inside)
-            cells.append(f"{len(inside)}: {moves}; settled +{settled:.1f} s" if inside else "0")
+            cells.append(f"{len(inside)}: {moves}; settled +{inside[-1][0]:.1f} s" if inside else "0")
         print(f"| {t} | {' | '.join(cells)} |")
 
 

@@ -66,6 +66,10 @@ fn profile_then_simulate() {
     assert!(shape["step"]["token_s"].as_f64().unwrap() > 0.0, "{shape}");
     let links: Vec<&str> = p["links"].as_array().unwrap().iter().map(|l| l["transport"].as_str().unwrap()).collect();
     assert_eq!(links, ["inproc", "tcp", "shm"]);
+    // Each pair of step kinds timed side by side, never faster than alone.
+    for pair in ["decode_beside_decode", "decode_beside_prefill", "prefill_beside_decode", "prefill_beside_prefill"] {
+        assert!(p["co_run"][pair].as_f64().is_some_and(|f| f >= 1.0), "{pair}: {}", p["co_run"]);
+    }
 
     let sim = dir.join("sim.json");
     let out = pdserve(&[

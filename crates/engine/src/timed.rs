@@ -63,6 +63,16 @@ impl std::ops::Add for StepShape {
     }
 }
 
+impl StepShape {
+    /// The share of its tokens that are prompt chunks' (the rest are decode rows).
+    pub fn prompt_share(&self) -> f64 {
+        match self.tokens > 0.0 {
+            true => ((self.tokens - self.decodes) / self.tokens).clamp(0.0, 1.0),
+            false => 0.0,
+        }
+    }
+}
+
 impl std::iter::Sum for StepShape {
     fn sum<I: Iterator<Item = StepShape>>(iter: I) -> StepShape {
         iter.fold(StepShape::default(), |a, b| a + b)

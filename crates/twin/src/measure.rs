@@ -12,6 +12,9 @@
 //!   tier (then, separately, the disk tier, its file synced and dropped from the page
 //!   cache) and asked for again; the engine's own seconds per block copied back (the
 //!   median of three each).
+//! - Co-running: a one-thread engine's decode step and prompt chunk alone, beside a
+//!   second one-thread engine that decodes and beside one that prefills (the median
+//!   of five tries of each pair, alone timed before and after).
 //! - Overheads: a role switch; a short request's trip through a worker beyond its
 //!   engine step; and each streamed token's cost beyond the engine's decode step,
 //!   from streams served over HTTP by a `pdserve serve` of the same model.
@@ -33,7 +36,8 @@ use pdserve_kv_transfer::{
 };
 use pdserve_protocol::{Event, GenerateRequest, TokenStream, Worker};
 use pdserve_types::{Assignment, Epoch, KvFrame, RequestId, Role, SamplingParams};
-use pdserve_worker::{LocalWorker, WorkerOptions};
+use pdserve_worker::{CoRun, LocalWorker, WorkerOptions};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -111,8 +115,12 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
         tiers.host_block_s * 1e6,
         tiers.disk_block_s * 1e6
     ));
-    let co_run_slowdown = co_run(&spec.model);
-    log(&format!("two one-thread workers at once: steps {co_run_slowdown:.2}× as long"));
+    let co = co_run(&spec.model);
+    log(&format!(
+        "two one-thread workers at once: a decode step {:.2}× as long beside a decode, {:.2}× beside a prefill; \
+         a prompt chunk {:.2}× and {:.2}×",
+        co.decode_beside_decode, co.decode_beside_prefill, co.prefill_beside_decode, co.prefill_beside_prefill
+    ));
     let o = rt.block_on(overheads(&spec.model, threads))?;
     let served = rt.block_on(served(spec, threads))?;
     let (token_s, host_token_s) = (served.token_s, served.host_token_s);
@@ -150,7 +158,8 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
         admission_s: o.admission_s,
         token_overhead_s: token_s,
         host_token_s,
-        co_run_slowdown,
+        co_run_slowdown: co.decode_beside_decode,
+        co_run: Some(co),
         tiers: Some(tiers),
     })
 }
@@ -293,11 +302,21 @@ fn decode_points(model: &Arc<Model>, threads: &[usize]) -> Vec<Vec<Point>> {
 /// Times [`DECODE_STEPS`] decode steps of `b` sequences at `ctx` positions, then
 /// runs them to their end.
 fn time_decode_steps(e: &mut Engine, model: &Arc<Model>, ctx: usize, b: usize, next: &mut u64) -> Vec<f64> {
+    add_decodes(e, model, ctx, b, DECODE_STEPS as u32 + 3, next);
+    let times = (0..DECODE_STEPS).map(|_| time_step(e)).collect();
+    while e.has_work() {
+        e.step();
+    }
+    times
+}
+
+/// Adds `b` sequences at `ctx` positions that will decode `tokens` tokens each.
+/// Each sequence's context arrives as a transfer of its own (values that are not a
+/// real prompt's: attention costs the same whatever they are), so no two sequences
+/// share cached blocks, as in serving.
+fn add_decodes(e: &mut Engine, model: &Arc<Model>, ctx: usize, b: usize, tokens: u32, next: &mut u64) {
     let c = &model.cfg;
     let elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
-    // Each sequence's context arrives as a transfer of its own (values that are not
-    // a real prompt's: attention costs the same whatever they are), so no two
-    // sequences share cached blocks, as in serving.
     for _ in 0..b {
         let (id, p) = (RequestId(*next), prompt(ctx, *next as usize));
         *next += 1;
@@ -312,19 +331,14 @@ fn time_decode_steps(e: &mut Engine, model: &Arc<Model>, ctx: usize, b: usize, n
                 let _ = e.import_frame(id, &f);
             }
         }
-        let _ = e.finish_import(id, p, 2000, exactly(DECODE_STEPS as u32 + 3));
+        let _ = e.finish_import(id, p, 2000, exactly(tokens));
     }
-    let times = (0..DECODE_STEPS)
-        .map(|_| {
-            let t = Instant::now();
-            e.step();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    while e.has_work() {
-        e.step();
-    }
-    times
+}
+
+fn time_step(e: &mut Engine) -> f64 {
+    let t = Instant::now();
+    e.step();
+    t.elapsed().as_secs_f64()
 }
 
 /// The f16 bits of `x`.
@@ -332,38 +346,94 @@ fn half_bits(x: f32) -> u16 {
     half::f16::from_f32(x).to_bits()
 }
 
-/// Decode steps (4 sequences at 512 positions) of a one-thread engine alone, then of
-/// two such engines on two threads at once: the ratio of their medians, the median
-/// of three tries.
-fn co_run(model: &Arc<Model>) -> f64 {
-    median((0..3).map(|k| co_run_once(model, k * 10_000)).collect())
+/// What each kind of step does to the other's on a shared machine: a one-thread
+/// engine's decode step (4 sequences at 512 positions) and prompt chunk (256 tokens)
+/// timed alone, beside a second one-thread engine that decodes, and beside one that
+/// prefills; each pair's ratio, the median of five tries.
+fn co_run(model: &Arc<Model>) -> CoRun {
+    let tries: Vec<[f64; 4]> = (0..5u64).map(|k| co_run_once(model, 80_000 + k * 1_000)).collect();
+    let pair = |i: usize| median(tries.iter().map(|t| t[i]).collect()).max(1.0);
+    CoRun {
+        decode_beside_decode: pair(0),
+        decode_beside_prefill: pair(1),
+        prefill_beside_decode: pair(2),
+        prefill_beside_prefill: pair(3),
+    }
 }
 
-fn co_run_once(model: &Arc<Model>, salt: usize) -> f64 {
-    let run = |salt: usize| {
-        let mut e = engine(model, 1, 512);
-        for i in 0..4 {
-            let _ = e.add(RequestId(i), prompt(512, salt + i as usize), exactly(40));
-        }
-        while e.stats().queued_prompt_tokens > 0 {
+/// The steps a co-run try times in each condition.
+const CO_RUN_DECODES: usize = 20;
+const CO_RUN_PROMPTS: usize = 3;
+const CO_RUN_PROMPT: usize = 256;
+
+/// One try: [decode beside decode, decode beside prefill, prefill beside decode,
+/// prefill beside prefill], each over the same step alone. Alone is timed before
+/// and after the neighbours, so a drift through the try falls on both sides of each
+/// ratio; every decode window starts fresh sequences at the same context.
+fn co_run_once(model: &Arc<Model>, salt: u64) -> [f64; 4] {
+    let mut e = engine(model, 1, 2048);
+    let mut next = salt;
+    let mut timed = || {
+        add_decodes(&mut e, model, 512, 4, CO_RUN_DECODES as u32 + 2, &mut next);
+        let decode = median((0..CO_RUN_DECODES).map(|_| time_step(&mut e)).collect());
+        while e.has_work() {
             e.step();
         }
-        let mut times: Vec<f64> = (0..30)
-            .map(|_| {
-                let t = Instant::now();
+        let prompts = (0..CO_RUN_PROMPTS).map(|_| {
+            next += 1;
+            let _ = e.add(RequestId(next), prompt(CO_RUN_PROMPT, next as usize), SamplingParams::greedy(1));
+            let t = Instant::now();
+            while e.has_work() {
                 e.step();
-                t.elapsed().as_secs_f64()
-            })
-            .collect();
-        median(std::mem::take(&mut times))
+            }
+            t.elapsed().as_secs_f64()
+        });
+        [decode, median(prompts.collect())]
     };
-    let alone = run(80_000 + salt);
-    let both = std::thread::scope(|s| {
-        let a = s.spawn(|| run(81_000 + salt));
-        let b = run(82_000 + salt);
-        (a.join().unwrap_or(b) + b) / 2.0
-    });
-    (both / alone).max(1.0)
+    let before = timed();
+    let by_decode = beside_neighbour(model, Neighbour::Decode, salt + 500, &mut timed);
+    let by_prefill = beside_neighbour(model, Neighbour::Prefill, salt + 700, &mut timed);
+    let after = timed();
+    let alone = [(before[0] + after[0]) / 2.0, (before[1] + after[1]) / 2.0];
+    [by_decode[0] / alone[0], by_prefill[0] / alone[0], by_decode[1] / alone[1], by_prefill[1] / alone[1]]
+}
+
+#[derive(Clone, Copy)]
+enum Neighbour {
+    Decode,
+    Prefill,
+}
+
+/// Runs `timed` while a second one-thread engine computes steps of `neighbour`'s
+/// kind without pause on another thread.
+fn beside_neighbour<T>(model: &Arc<Model>, neighbour: Neighbour, salt: u64, timed: impl FnOnce() -> T) -> T {
+    let (stop, started) = (AtomicBool::new(false), AtomicBool::new(false));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut e = engine(model, 1, 2048);
+            let mut next = salt;
+            while !stop.load(Ordering::Relaxed) {
+                if !e.has_work() {
+                    match neighbour {
+                        Neighbour::Decode => add_decodes(&mut e, model, 512, 4, 10_000, &mut next),
+                        Neighbour::Prefill => {
+                            next += 1;
+                            let p = prompt(CO_RUN_PROMPT, next as usize);
+                            let _ = e.add(RequestId(next), p, SamplingParams::greedy(1));
+                        }
+                    }
+                }
+                e.step();
+                started.store(true, Ordering::Relaxed);
+            }
+        });
+        while !started.load(Ordering::Relaxed) {
+            std::thread::yield_now();
+        }
+        let out = timed();
+        stop.store(true, Ordering::Relaxed);
+        out
+    })
 }
 
 /// The latency and rate of one transport, from a small and a large handoff.

@@ -12,7 +12,7 @@ use crate::TwinError;
 use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::timed::{Clock, DecodeTable, RestoreCost, StepCost, StepShape, StepTime, TimedModel};
 use pdserve_kv_transfer::TransportKind;
-use pdserve_worker::LinkModel;
+use pdserve_worker::{CoRun, LinkModel};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -49,6 +49,11 @@ pub struct Profile {
     /// machine, over its time alone.
     #[serde(default = "one")]
     pub co_run_slowdown: f64,
+    /// That factor for each pair of step kinds (decode or prompt chunk, beside
+    /// either); absent in a profile timed before they were, which then applies
+    /// `co_run_slowdown` to every pair.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub co_run: Option<CoRun>,
     /// Seconds to copy one block back into the pool from the host tier and from the
     /// disk tier; absent in a profile timed before tiers were (the simulator then
     /// refuses tier flags).
@@ -174,6 +179,12 @@ impl Profile {
             return Err("the model's sizes must be positive".into());
         }
         Ok(())
+    }
+
+    /// How a step slows beside another worker's on the same machine: the pairs the
+    /// profile timed, or its one factor for every pair.
+    pub fn co_run(&self) -> CoRun {
+        self.co_run.unwrap_or(CoRun::uniform(self.co_run_slowdown))
     }
 
     /// Fits each shape's step cost again to the points it holds (a profile whose
@@ -410,6 +421,7 @@ mod tests {
             token_overhead_s: 0.0,
             host_token_s: 0.0,
             co_run_slowdown: 1.0,
+            co_run: None,
             tiers: None,
         };
         let errors = p.refit();

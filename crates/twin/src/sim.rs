@@ -24,7 +24,7 @@ use pdserve_protocol::{Event, Generate, GenerateRequest, Phase, PrefillRoute, Te
 use pdserve_router::planner::{model, Actuator, Applied, Direct, Made, Planner, PlannerConfig};
 use pdserve_router::{Admission, Deadlines, Entry, Migrating, Mode, PolicyKind, Router};
 use pdserve_types::{RequestId, Role, SamplingParams};
-use pdserve_worker::{Machine, SimOptions, SimWorker};
+use pdserve_worker::{CoRun, Machine, SimOptions, SimWorker};
 use std::cell::Cell;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -208,10 +208,10 @@ impl SimServer {
         }
         // The profile's widest shape is its machine's cores.
         let cores = profile.shapes.iter().map(|s| s.threads).max().unwrap_or(1);
-        let shared = Machine::new(cores, profile.co_run_slowdown, profile.host_token_s);
+        let shared = Machine::new(cores, profile.co_run(), profile.host_token_s);
         let machine = || match t.shared_machine {
             true => shared.clone(),
-            false => Machine::new(cores, 1.0, profile.host_token_s),
+            false => Machine::new(cores, CoRun::uniform(1.0), profile.host_token_s),
         };
         let mut workers = Vec::with_capacity(t.roles.len());
         for (i, &role) in t.roles.iter().enumerate() {

@@ -45,6 +45,7 @@ fn profile() -> Profile {
         token_overhead_s: 0.0,
         host_token_s: 0.0,
         co_run_slowdown: 1.0,
+        co_run: None,
         tiers: None,
     }
 }
@@ -183,6 +184,27 @@ fn the_same_run_gives_the_same_records() {
     let b = run(&p, t(), &w, sweep, 40);
     assert_eq!(a[0].records, b[0].records);
     assert!(a[0].records.iter().all(|r| r.ok));
+}
+
+#[test]
+fn a_decode_is_slowed_by_the_prefills_beside_it_as_the_profile_timed() {
+    use pdserve_worker::CoRun;
+    // Two clients of long prompts on one prefill and one decode worker sharing a
+    // machine: the decode worker's steps run while the other worker prefills.
+    let w = workload(2000, 40);
+    let t = || topology(Mode::Disaggregated, vec![Role::Prefill, Role::Decode]);
+    let with = |co: CoRun| run(&Profile { co_run: Some(co), ..profile() }, t(), &w, Sweep::Concurrency(vec![2]), 8);
+    let tpot = |out: &[PointResult]| out[0].summary.tpot_ms.p50.unwrap();
+    let alone = with(CoRun::uniform(1.0));
+    assert!(alone[0].records.iter().all(|r| r.ok));
+    // Decodes slowed only beside decodes: no pair of this topology is that one.
+    let by_decodes = with(CoRun { decode_beside_decode: 2.0, ..CoRun::uniform(1.0) });
+    assert_eq!(by_decodes[0].records, alone[0].records);
+    // Slowed beside prefills: the decodes' steps take longer, the prompts' do not.
+    let by_prefills = with(CoRun { decode_beside_prefill: 2.0, ..CoRun::uniform(1.0) });
+    assert!(tpot(&by_prefills) > 1.3 * tpot(&alone), "{} vs {}", tpot(&by_prefills), tpot(&alone));
+    let first = |out: &[PointResult]| out[0].records[0].ttft_s.unwrap();
+    close(first(&by_prefills), first(&alone));
 }
 
 #[test]

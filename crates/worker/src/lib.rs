@@ -13,7 +13,7 @@ mod kv;
 pub mod sim;
 mod worker_loop;
 
-pub use sim::{LinkModel, Machine, SimOptions, SimWorker};
+pub use sim::{CoRun, LinkModel, Machine, SimOptions, SimWorker};
 
 use kv::{forward, Import, SharedSink};
 use pdserve_engine::batch::BLOCK_SIZE;

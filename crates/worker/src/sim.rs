@@ -19,6 +19,7 @@ use pdserve_protocol::{
     ServeError, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::{Assignment, Epoch, RequestId, Role};
+use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -51,40 +52,95 @@ impl LinkModel {
     }
 }
 
+/// How much longer a one-thread step takes while another worker of the same machine
+/// computes, by what each is doing: a decode step streams the weights from memory,
+/// a prompt chunk is bound by arithmetic, and the two contend for different parts of
+/// a machine (its memory bandwidth, or the cores a hypervisor shares). Each factor is
+/// a step's time beside the other over its time alone.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CoRun {
+    pub decode_beside_decode: f64,
+    pub decode_beside_prefill: f64,
+    pub prefill_beside_decode: f64,
+    pub prefill_beside_prefill: f64,
+}
+
+impl CoRun {
+    /// The same factor whatever the steps are.
+    pub fn uniform(factor: f64) -> CoRun {
+        CoRun {
+            decode_beside_decode: factor,
+            decode_beside_prefill: factor,
+            prefill_beside_decode: factor,
+            prefill_beside_prefill: factor,
+        }
+    }
+
+    /// The factor for a step whose time is a `own` share prompt chunks, beside
+    /// neighbours whose steps are a `others` share prompt chunks on average: the
+    /// four measured pairs, weighted by those shares.
+    pub fn factor(&self, own: f64, others: f64) -> f64 {
+        let (p, q) = (own.clamp(0.0, 1.0), others.clamp(0.0, 1.0));
+        let decode = (1.0 - q) * self.decode_beside_decode + q * self.decode_beside_prefill;
+        let prefill = (1.0 - q) * self.prefill_beside_decode + q * self.prefill_beside_prefill;
+        ((1.0 - p) * decode + p * prefill).max(1.0)
+    }
+}
+
 /// The machine simulated workers share. A step that runs while another worker of the
-/// machine computes takes longer (memory bandwidth), by the factor the profile
-/// measured with two engines at once; and once the workers' busy threads fill every
-/// core, the host work serving does per streamed token (the frontend, the router,
-/// the client) comes out of the step's time, less what the step's own threads leave
-/// idle.
+/// machine computes takes longer, by the [`CoRun`] factor the profile measured for
+/// the two steps' kinds; and once the workers' busy threads fill every core, the
+/// host work serving does per streamed token (the frontend, the router, the client)
+/// comes out of the step's time, less what the step's own threads leave idle.
 #[derive(Debug)]
 pub struct Machine {
-    /// Compute threads busy now, over all the machine's workers.
-    busy: AtomicUsize,
+    load: Mutex<Load>,
     cores: usize,
-    /// A step's time with another worker computing, over its time alone.
-    slowdown: f64,
+    co_run: CoRun,
     /// Host CPU seconds per streamed token.
     host_token_s: f64,
 }
 
+/// What the machine's workers compute now.
+#[derive(Debug, Default)]
+struct Load {
+    /// Compute threads busy, over all the machine's workers.
+    threads: usize,
+    /// Those threads weighted by the share of their step that is prompt chunks.
+    prefill_threads: f64,
+}
+
 impl Machine {
-    pub fn new(cores: usize, slowdown: f64, host_token_s: f64) -> Arc<Machine> {
-        let (slowdown, host_token_s) = (slowdown.max(1.0), host_token_s.max(0.0));
-        Arc::new(Machine { busy: AtomicUsize::new(0), cores: cores.max(1), slowdown, host_token_s })
+    pub fn new(cores: usize, co_run: CoRun, host_token_s: f64) -> Arc<Machine> {
+        Arc::new(Machine {
+            load: Mutex::new(Load::default()),
+            cores: cores.max(1),
+            co_run,
+            host_token_s: host_token_s.max(0.0),
+        })
     }
 
-    /// Marks `threads` computing until the guard drops.
-    pub(crate) fn busy(&self, threads: usize) -> Busy<'_> {
-        let others = self.busy.fetch_add(threads, Ordering::Relaxed);
-        Busy { machine: self, threads, shared: others > 0, saturated: others + threads >= self.cores }
+    /// Marks `threads` computing a step whose time is a `prefill_share` share prompt
+    /// chunks, until the guard drops.
+    pub(crate) fn busy(&self, threads: usize, prefill_share: f64) -> Busy<'_> {
+        let share = prefill_share.clamp(0.0, 1.0);
+        let mut load = lock(&self.load);
+        let (others, others_prefill) = (load.threads, load.prefill_threads);
+        load.threads += threads;
+        load.prefill_threads += share * threads as f64;
+        let slowdown = match others {
+            0 => 1.0,
+            n => self.co_run.factor(share, others_prefill / n as f64),
+        };
+        Busy { machine: self, threads, share, slowdown, saturated: others + threads >= self.cores }
     }
 }
 
 pub(crate) struct Busy<'a> {
     machine: &'a Machine,
     threads: usize,
-    shared: bool,
+    share: f64,
+    slowdown: f64,
     saturated: bool,
 }
 
@@ -93,16 +149,17 @@ impl Busy<'_> {
     /// its threads idle for `idle` core-seconds of it.
     pub(crate) fn seconds(&self, compute: f64, idle: f64, tokens: usize) -> f64 {
         let m = self.machine;
-        let slowed = if self.shared { compute * m.slowdown } else { compute };
         // Host work first takes the cores the step leaves idle.
         let host = if self.saturated { (tokens as f64 * m.host_token_s - idle).max(0.0) } else { 0.0 };
-        slowed + host
+        compute * self.slowdown + host
     }
 }
 
 impl Drop for Busy<'_> {
     fn drop(&mut self) {
-        self.machine.busy.fetch_sub(self.threads, Ordering::Relaxed);
+        let mut load = lock(&self.machine.load);
+        load.threads -= self.threads;
+        load.prefill_threads = (load.prefill_threads - self.share * self.threads as f64).max(0.0);
     }
 }
 
@@ -423,19 +480,43 @@ mod tests {
 
     #[test]
     fn a_full_machine_charges_host_work_per_token() {
-        let m = Machine::new(2, 1.5, 0.001);
-        let a = m.busy(1);
+        let m = Machine::new(2, CoRun::uniform(1.5), 0.001);
+        let a = m.busy(1, 0.0);
         // Alone with a core to spare: the step's own time.
         assert_eq!(a.seconds(1.0, 0.0, 4), 1.0);
-        let b = m.busy(1);
+        let b = m.busy(1, 0.0);
         // Beside a busy worker, every core busy: slowed, plus the tokens' host work.
         assert!((b.seconds(1.0, 0.0, 4) - 1.504).abs() < 1e-12);
         drop((a, b));
         // One worker whose threads fill the machine pays the host work alone.
-        assert!((m.busy(2).seconds(1.0, 0.0, 2) - 1.002).abs() < 1e-12);
+        assert!((m.busy(2, 0.0).seconds(1.0, 0.0, 2) - 1.002).abs() < 1e-12);
         // ...less what its threads leave idle, down to none.
-        assert!((m.busy(2).seconds(1.0, 0.0015, 2) - 1.0005).abs() < 1e-12);
-        assert_eq!(m.busy(2).seconds(1.0, 0.01, 2), 1.0);
+        assert!((m.busy(2, 0.0).seconds(1.0, 0.0015, 2) - 1.0005).abs() < 1e-12);
+        assert_eq!(m.busy(2, 0.0).seconds(1.0, 0.01, 2), 1.0);
+    }
+
+    #[test]
+    fn a_step_is_slowed_by_what_its_neighbour_computes() {
+        let co = CoRun {
+            decode_beside_decode: 1.2,
+            decode_beside_prefill: 1.0,
+            prefill_beside_decode: 1.1,
+            prefill_beside_prefill: 1.4,
+        };
+        let m = Machine::new(4, co, 0.0);
+        let prefill = m.busy(1, 1.0);
+        // A decode beside a prompt chunk, then a second prompt chunk beside it.
+        assert_eq!(m.busy(1, 0.0).seconds(1.0, 0.0, 1), 1.0);
+        assert!((m.busy(1, 1.0).seconds(1.0, 0.0, 1) - 1.4).abs() < 1e-12);
+        drop(prefill);
+        // Beside a decode and half of it prompt: the pairs by their shares.
+        let decode = m.busy(1, 0.0);
+        assert!((m.busy(1, 0.5).seconds(1.0, 0.0, 1) - 1.15).abs() < 1e-12);
+        // Once the neighbour's step ends, the next runs alone.
+        drop(decode);
+        assert_eq!(m.busy(1, 1.0).seconds(1.0, 0.0, 1), 1.0);
+        // Never faster than alone, whatever was measured.
+        assert_eq!(CoRun::uniform(0.9).factor(0.3, 0.7), 1.0);
     }
 
     /// A worker whose steps cost 1 ms per token over 30 layers, on a fast link.
@@ -461,7 +542,7 @@ mod tests {
             timed,
             kv_bytes_per_token: 1000.0,
             links: vec![(TransportKind::Inproc, fast)],
-            machine: Machine::new(2, 1.0, 0.0),
+            machine: Machine::new(2, CoRun::uniform(1.0), 0.0),
             tiers: TierConfig::default(),
         };
         SimWorker::spawn(opts).unwrap()

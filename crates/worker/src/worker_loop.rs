@@ -177,8 +177,9 @@ pub(crate) async fn run_virtual(
         }
         let spent = std::mem::take(&mut l.owed) + l.engine.take_charged();
         let idle = l.engine.take_idle();
+        let prefill = l.engine.take_charged_prefill();
         if spent > 0.0 {
-            let busy = machine.busy(threads);
+            let busy = machine.busy(threads, prefill / spent);
             let now = Instant::now();
             let start = ended.filter(|e| now.duration_since(*e) < TIMER_TICK).unwrap_or(now);
             let took = busy.seconds(spent, idle, outs.len());

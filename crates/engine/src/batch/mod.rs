@@ -162,6 +162,8 @@ pub struct Engine {
     charged: f64,
     /// Core-seconds its threads sat idle in those steps ([`Engine::take_idle`]).
     idle: f64,
+    /// The part of `charged` spent on prompt chunks ([`Engine::take_charged_prefill`]).
+    charged_prefill: f64,
     /// The last step found nothing it could compute (see [`Engine::stalled`]).
     stalled: bool,
     /// Host and disk stores below the pool ([`Engine::with_tiers`]).
@@ -203,6 +205,7 @@ impl Engine {
             decode_steps: DecodeSteps::default(),
             prefill_steps: PrefillSteps::default(),
             charged: 0.0,
+            charged_prefill: 0.0,
             idle: 0.0,
             stalled: false,
             tiers: None,
@@ -263,6 +266,13 @@ impl Engine {
     /// what a virtual clock advances by after a timed engine's step.
     pub fn take_charged(&mut self) -> f64 {
         std::mem::take(&mut self.charged)
+    }
+
+    /// The part of the seconds [`Engine::take_charged`] takes that prompt chunks
+    /// took (each step's time by its prompt tokens' share of its tokens): a neighbour
+    /// on the same machine slows a prefill and a decode differently.
+    pub fn take_charged_prefill(&mut self) -> f64 {
+        std::mem::take(&mut self.charged_prefill)
     }
 
     /// Core-seconds a timed engine's threads sat idle in the steps charged since the

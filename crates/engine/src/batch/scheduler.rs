@@ -117,6 +117,7 @@ impl Engine {
                 let (seconds, idle) = t.step_seconds(&shape);
                 self.charged += seconds;
                 self.idle += idle;
+                self.charged_prefill += seconds * shape.prompt_share();
                 let per_layer = seconds / t.n_layers.max(1) as f64;
                 // Layer by layer, so an export streams its frames as a real prefill does.
                 let done = (0..t.n_layers).all(|l| {

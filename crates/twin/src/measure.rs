@@ -380,8 +380,7 @@ fn co_run_once(model: &Arc<Model>, salt: u64) -> [f64; 4] {
             e.step();
         }
         let prompts = (0..CO_RUN_PROMPTS).map(|_| {
-            next += 1;
-            let _ = e.add(RequestId(next), prompt(CO_RUN_PROMPT, next as usize), SamplingParams::greedy(1));
+            add_prompt(&mut e, &mut next);
             let t = Instant::now();
             while e.has_work() {
                 e.step();
@@ -396,6 +395,12 @@ fn co_run_once(model: &Arc<Model>, salt: u64) -> [f64; 4] {
     let after = timed();
     let alone = [(before[0] + after[0]) / 2.0, (before[1] + after[1]) / 2.0];
     [by_decode[0] / alone[0], by_prefill[0] / alone[0], by_decode[1] / alone[1], by_prefill[1] / alone[1]]
+}
+
+/// Adds a co-run prompt no other prompt of the run starts like, to prefill alone.
+fn add_prompt(e: &mut Engine, next: &mut u64) {
+    *next += 1;
+    let _ = e.add(RequestId(*next), prompt(CO_RUN_PROMPT, *next as usize), SamplingParams::greedy(1));
 }
 
 #[derive(Clone, Copy)]
@@ -416,11 +421,7 @@ fn beside_neighbour<T>(model: &Arc<Model>, neighbour: Neighbour, salt: u64, time
                 if !e.has_work() {
                     match neighbour {
                         Neighbour::Decode => add_decodes(&mut e, model, 512, 4, 10_000, &mut next),
-                        Neighbour::Prefill => {
-                            next += 1;
-                            let p = prompt(CO_RUN_PROMPT, next as usize);
-                            let _ = e.add(RequestId(next), p, SamplingParams::greedy(1));
-                        }
+                        Neighbour::Prefill => add_prompt(&mut e, &mut next),
                     }
                 }
                 e.step();

@@ -251,3 +251,67 @@ fn logit_bias_moves_the_choice() {
     let pushed = SamplingParams { logit_bias: vec![(forced, 100.0)], ..greedy }.validate().unwrap();
     assert_eq!(run(&mut engine(512), &[(1, prompt, pushed)])[&1], vec![forced; 4]);
 }
+
+/// Chains of `$ref`s and of rules long enough to overflow a thread's stack inside
+/// the grammar compiler (a probe killed the server with 635) are refused by name,
+/// from the validating thread and the compile thread alike, and the process lives.
+#[test]
+fn grammars_chained_too_deep_are_refused_without_overflowing() {
+    let n = 1000;
+    let mut defs = serde_json::Map::new();
+    for i in 0..n {
+        defs.insert(format!("d{i}"), serde_json::json!({"$ref": format!("#/$defs/d{}", i + 1)}));
+    }
+    defs.insert(format!("d{n}"), serde_json::json!({"type": "string"}));
+    let schema = serde_json::json!({"$defs": defs, "$ref": "#/$defs/d0"}).to_string();
+    let mut lark = String::from("start: r0\n");
+    for i in 0..n {
+        lark += &format!("r{i}: r{} | \"x\"\n", i + 1);
+    }
+    lark += &format!("r{n}: \"y\"\n");
+    for spec in [GrammarSpec::JsonSchema(schema), GrammarSpec::Lark(lark)] {
+        let e = grammars().check(&Grammar::new(spec.clone())).unwrap_err().to_string();
+        assert!(e.contains("references deep"), "{e}");
+        let mut eng = engine(64);
+        let err = eng.add(RequestId(1), chat("Hi"), constrained(spec, 4, None)).unwrap_err();
+        assert!(matches!(err, EngineError::Grammar(_)), "{err:?}");
+    }
+}
+
+/// A grammar compiled once serves every later constraint: after `prepare` (the
+/// compile thread), the engine only copies the start state.
+#[test]
+fn a_prepared_grammar_is_kept_for_the_engines() {
+    let spec = GrammarSpec::Regex("(yes|no)-[0-9]{3}".into());
+    assert!(!grammars().is_compiled(&spec));
+    grammars().prepare(&spec).unwrap();
+    assert!(grammars().is_compiled(&spec));
+    let mut e = engine(64);
+    let reqs: Vec<_> = (0..4).map(|i| (i, chat("Answer."), constrained(spec.clone(), 8, Some(i)))).collect();
+    for toks in run(&mut e, &reqs).values() {
+        let text = model().tokenizer.decode(toks);
+        let text = text.trim_end_matches("<|im_end|>");
+        let digits = text.strip_prefix("yes-").or(text.strip_prefix("no-")).unwrap_or_default();
+        assert!(digits.len() == 3 && digits.bytes().all(|b| b.is_ascii_digit()), "{text:?}");
+    }
+}
+
+/// A grammar whose mask fails mid-output (3,000 alternatives sharing a prefix: too
+/// many items in a row after it) ends its request with an error, never with a
+/// partial answer reported as a normal stop.
+#[test]
+fn an_output_that_breaks_its_grammar_ends_in_an_error() {
+    let alts: Vec<String> = (0..3000).map(|i| format!("\"c{i}\"")).collect();
+    let spec = GrammarSpec::Lark(format!("start: {}", alts.join(" | ")));
+    let mut e = engine(64);
+    e.add(RequestId(7), chat("Pick one."), constrained(spec, 8, None)).unwrap();
+    let mut last: Option<StepOutput> = None;
+    while e.has_work() {
+        last = e.step().into_iter().last().or(last);
+    }
+    let last = last.expect("no token");
+    assert!(last.finish.is_some());
+    let why = last.broken.expect("the broken grammar was reported as a normal stop");
+    assert!(!why.is_empty());
+    assert_eq!(e.stats().blocks.used, 0);
+}

@@ -131,6 +131,10 @@ fn text(param: &'static str, v: &Value, what: &str) -> Result<String, ApiError> 
     }
 }
 
+/// The most strings a choice takes: past ~2,000 sharing a prefix, the grammar
+/// engine cannot compute a step's mask (its items-in-a-row limit).
+const MAX_CHOICES: usize = 1000;
+
 /// One of the given strings exactly: a Lark alternation of string literals.
 fn choice(param: &'static str, v: &Value) -> Result<GrammarSpec, ApiError> {
     let items =
@@ -138,6 +142,12 @@ fn choice(param: &'static str, v: &Value) -> Result<GrammarSpec, ApiError> {
     let Some(items) = items else {
         return Err(ApiError::invalid(param, format!("{param} must be a non-empty list of strings")));
     };
+    if items.len() > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            param,
+            format!("{param} has {} items, over the limit of {MAX_CHOICES}", items.len()),
+        ));
+    }
     // JSON string escapes are valid Lark string literals.
     let alts: Vec<String> = items.iter().map(|s| Value::from(*s).to_string()).collect();
     Ok(GrammarSpec::Lark(format!("start: {}", alts.join(" | "))))

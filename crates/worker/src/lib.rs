@@ -31,7 +31,7 @@ use pdserve_protocol::{
     DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply, RoleState,
     ServeError, Worker, WorkerInfo, WorkerStats,
 };
-use pdserve_types::{Assignment, Epoch, KvFrame, RequestId, Role};
+use pdserve_types::{Assignment, Epoch, Grammar, KvFrame, RequestId, Role};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -81,6 +81,20 @@ pub(crate) enum Command {
         worker: String,
         reply: oneshot::Sender<usize>,
     },
+}
+
+impl Command {
+    /// The grammar of a command that starts a constrained sequence.
+    fn grammar(&self) -> Option<&Grammar> {
+        let params = match self {
+            Command::Generate(req, _) | Command::GenerateImported(req, ..) | Command::Prefill { req, .. } => {
+                &req.params
+            }
+            Command::Decode(h, _) => &h.params,
+            _ => return None,
+        };
+        params.grammar.as_ref()
+    }
 }
 
 /// Receives a prefill's frames, layer by layer, on the engine's thread. Returning
@@ -154,6 +168,8 @@ struct Inner {
     pool: BlockPool,
     /// A simulated worker's accounting of its transfers (see [`SimKv`]).
     sim_kv: Option<SimKv>,
+    /// Compiles constrained requests' grammars before the engine thread sees them.
+    grammars: Option<Arc<Grammars>>,
     /// Peers' fetches waiting for the engine.
     exports: Exports,
 }
@@ -240,7 +256,7 @@ impl LocalWorker {
         let frame_bytes = frame::encoded_len_for(frame_elems);
         let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
         let links = Links::new(opts.key);
-        let (cfg, eog, grammars, tiers) = (opts.engine, opts.eog, opts.grammars, opts.tiers);
+        let (cfg, eog, grammars, tiers) = (opts.engine, opts.eog, opts.grammars.clone(), opts.tiers);
         let (pool_tx, pool_rx) = sync_channel(1);
         let exports = Exports::default();
         let served = exports.clone();
@@ -279,6 +295,7 @@ impl LocalWorker {
             rt,
             pool,
             sim_kv,
+            grammars: opts.grammars,
             exports,
         };
         Ok(LocalWorker { inner: Arc::new(inner) })
@@ -339,7 +356,17 @@ impl Worker for LocalWorker {
 
     fn generate(&self, req: GenerateRequest, events: EventSender) -> Result<(), ServeError> {
         self.inner.fence(req.fence, Role::decodes)?;
-        self.inner.send_counted(Command::Generate(req, events))
+        if self.inner.is_compiled(req.params.grammar.as_ref()) {
+            return self.inner.send_counted(Command::Generate(req, events));
+        }
+        let inner = self.inner.clone();
+        self.inner.rt.spawn(async move {
+            let queued = inner.compiled(req.params.grammar.as_ref()).await;
+            if let Err(e) = queued.and_then(|()| inner.send_counted(Command::Generate(req, events.clone()))) {
+                let _ = events.send(pdserve_protocol::Event::Failed(e));
+            }
+        });
+        Ok(())
     }
 
     fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
@@ -378,6 +405,7 @@ impl Worker for LocalWorker {
         let inner = self.inner.clone();
         Box::pin(async move {
             inner.fence(req.fence, Role::prefills)?;
+            inner.compiled(req.params.grammar.as_ref()).await?;
             inner.prefill(req, 0, to).await
         })
     }
@@ -393,6 +421,7 @@ impl Worker for LocalWorker {
         Box::pin(or_release(release, async move {
             inner.fence(req.fence, Role::prefills)?;
             inner.imported(id).await?;
+            inner.compiled(req.params.grammar.as_ref()).await?;
             inner.prefill(req, imported, to).await
         }))
     }
@@ -500,6 +529,31 @@ pub(crate) fn move_out(role: &RoleState, name: &str) -> (Option<Command>, onesho
 }
 
 impl Inner {
+    fn is_compiled(&self, grammar: Option<&Grammar>) -> bool {
+        match (&self.grammars, grammar) {
+            (Some(gs), Some(g)) => gs.is_compiled(&g.spec),
+            _ => true,
+        }
+    }
+
+    /// Waits until the request's grammar is compiled, on the grammar thread: the
+    /// engine thread then only copies its start state, and stalls no one.
+    async fn compiled(&self, grammar: Option<&Grammar>) -> Result<(), ServeError> {
+        let (Some(gs), Some(g)) = (&self.grammars, grammar) else { return Ok(()) };
+        if gs.is_compiled(&g.spec) {
+            return Ok(());
+        }
+        let (done, wait) = oneshot::channel();
+        gs.compile_then(
+            &g.spec,
+            Box::new(move || {
+                let _ = done.send(());
+            }),
+        )
+        .map_err(|e| ServeError::Overloaded(e.to_string()))?;
+        wait.await.map_err(|_| self.stopped())
+    }
+
     /// Queues a command, waiting while the queue is full (frames of a transfer: the
     /// wait backs up into the link, which slows the sender down).
     async fn send_waiting(&self, mut c: Command) -> Result<(), ServeError> {
@@ -699,7 +753,10 @@ impl Inner {
                 inner.inboxes.forget(HandoffId::from(id));
             }
             let queued = match delivered {
-                true => inner.send(command),
+                true => match inner.compiled(command.grammar()).await {
+                    Ok(()) => inner.send(command),
+                    Err(e) => Err(e),
+                },
                 false => Err(transfer_late(id)),
             };
             if let Err(e) = queued {

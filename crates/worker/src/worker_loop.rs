@@ -300,13 +300,13 @@ impl Loop {
                 let modelled = self.engine.take_charged();
                 self.owed += modelled;
                 let took = if modelled > 0.0 { modelled } else { started.elapsed().as_secs_f64() };
-                let first = res.map(|o| Prefilled {
+                let first = res.map_err(serve_error).and_then(whole).map(|o| Prefilled {
                     queued_seconds: (started - sent).as_secs_f64() + ahead,
                     prefill_seconds: took,
                     ..prefilled(o)
                 });
                 self.done();
-                let _ = reply.send(first.map_err(serve_error));
+                let _ = reply.send(first);
             }
             Command::Reserve { id, prompt_len, keep, reply } => {
                 let res = self.engine.reserve_import_after(id, prompt_len, &keep).map_err(serve_error);
@@ -503,6 +503,13 @@ impl Loop {
         if let Some(scores) = out.prompt_logprobs.clone() {
             let _ = live.events.send(Event::Prompt(scores));
         }
+        if let Some(why) = out.broken {
+            // The token that broke the grammar is not sent: the output so far is all
+            // the client gets, with the error.
+            let _ = live.events.send(Event::Failed(grammar_broken(&why)));
+            self.untrack(out.id);
+            return;
+        }
         let sent = live.events.send(Event::Token(out.sampled.clone())).is_ok();
         if let Some(reason) = out.finish {
             let usage = Usage {
@@ -532,6 +539,18 @@ fn prefilled(o: StepOutput) -> Prefilled {
         kv_bytes: 0,
         prompt_logprobs: o.prompt_logprobs,
     }
+}
+
+/// A first token that already broke its grammar fails the prefill.
+fn whole(o: StepOutput) -> Result<StepOutput, ServeError> {
+    match &o.broken {
+        Some(why) => Err(grammar_broken(why)),
+        None => Ok(o),
+    }
+}
+
+fn grammar_broken(why: &str) -> ServeError {
+    ServeError::Internal(format!("the output can no longer match its grammar: {why}"))
 }
 
 /// Engine refusals in the terms the frontend maps to HTTP.

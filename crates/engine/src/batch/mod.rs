@@ -18,7 +18,7 @@ use crate::model::{ForwardScratch, Model};
 use crate::threadpool::ThreadPool;
 use crate::tiers::{TierBytes, TierConfig, TierError};
 use crate::timed::TimedModel;
-use pdserve_kv::{BlockPool, PoolStats, TierCounters};
+use pdserve_kv::{BlockPool, Place, PoolStats, TierCounters};
 use pdserve_types::TokenOut;
 use pdserve_types::{DecodeSteps, PrefillSteps, RequestId, SamplingParams};
 use sequence::Sequence;
@@ -113,6 +113,9 @@ pub struct StepOutput {
     /// With a request's first token, when it asked: each prompt token from the second
     /// on, scored given the tokens before it.
     pub prompt_logprobs: Option<Vec<TokenOut>>,
+    /// Why the output stopped matching its grammar, if it did: the request ends in
+    /// this error, never with an answer its grammar refuses.
+    pub broken: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -245,6 +248,10 @@ impl Engine {
         let Some(tiers) = self.tiers.as_mut() else { return };
         for m in self.blocks.take_moves() {
             tiers.apply(m, &self.kv);
+        }
+        // A block whose disk bytes were lost is not cached any more: say so.
+        for slot in tiers.take_lost() {
+            self.blocks.forget_lower(Place::Disk(slot));
         }
     }
 
@@ -406,7 +413,7 @@ impl Engine {
             masks: self.masks.totals(),
             decode_steps: self.decode_steps,
             prefill_steps: self.prefill_steps,
-            tiers: self.tiers.as_ref().map(|t| t.counters).unwrap_or_default(),
+            tiers: self.tiers.as_ref().map(|t| t.counters()).unwrap_or_default(),
         }
     }
 

@@ -480,8 +480,8 @@ fn record(s: &mut Sequence, sampled: TokenOut, eog: &[u32], context: usize) -> (
     let tok = sampled.token;
     s.tokens.push(tok);
     s.history.push(tok);
-    let broken = s.constraint.as_mut().is_some_and(|c| !c.accept(tok) || c.failed());
-    let finish = if broken { Some(FinishReason::Stop) } else { s.finish_reason(eog, context) };
+    let broken = s.constraint.as_mut().and_then(|c| c.broken(tok));
+    let finish = if broken.is_some() { Some(FinishReason::Stop) } else { s.finish_reason(eog, context) };
     let prompt_logprobs = (first && s.params.prompt_logprobs.is_some()).then(|| std::mem::take(&mut s.prompt_scores));
     let output = StepOutput {
         id: s.id,
@@ -490,6 +490,7 @@ fn record(s: &mut Sequence, sampled: TokenOut, eog: &[u32], context: usize) -> (
         prompt_tokens: s.prompt_len,
         cached_tokens: s.cached_tokens,
         prompt_logprobs,
+        broken,
     };
     (output, finish.is_some())
 }

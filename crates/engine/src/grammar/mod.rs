@@ -8,12 +8,15 @@
 //! samples the same tokens alone or batched, chunked or preempted, and a worker that
 //! takes a sequence over rebuilds the state by feeding it those tokens.
 
+pub mod bounds;
+
 use crate::tokenizer::Tokenizer;
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
 use pdserve_types::{Grammar, GrammarSpec};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 
@@ -25,6 +28,12 @@ pub enum GrammarError {
     Replay(String),
     #[error("the vocabulary cannot be used for constrained decoding: {0}")]
     Vocabulary(String),
+    /// Too many grammars are compiling; the request may be retried.
+    #[error("too many grammars are compiling; retry shortly")]
+    Busy,
+    /// The output stopped matching its grammar mid-generation.
+    #[error("the output can no longer match its grammar: {0}")]
+    Broken(String),
 }
 
 /// The model's vocabulary as llguidance sees it: each token's bytes, special tokens
@@ -49,9 +58,20 @@ impl TokenizerEnv for Vocab {
 }
 
 /// Compiles grammars for one model; shared by every sequence of every engine that
-/// serves it.
+/// serves it, and by the validation of the requests they serve.
+///
+/// A grammar is compiled once, on a compile thread of its own (never an engine's,
+/// whose step would stall every other sequence), and kept: a request's choices,
+/// and the engines it reaches after validation, clone the compiled start state.
 pub struct Grammars {
+    shared: Arc<Shared>,
+    jobs: SyncSender<Job>,
+}
+
+/// What the compile thread and the callers share.
+struct Shared {
     factory: ParserFactory,
+    compiled: Mutex<Cache>,
 }
 
 impl std::fmt::Debug for Grammars {
@@ -60,8 +80,18 @@ impl std::fmt::Debug for Grammars {
     }
 }
 
+/// Compiles waiting for the compile thread before more are refused as busy: the
+/// bound on how much grammar work the process takes on at once.
+const COMPILE_QUEUE: usize = 8;
+/// The compile thread's stack: [`bounds::MAX_CHAIN`] links need well under 1 MiB,
+/// so a chain that slipped past the source check still cannot overflow it.
+const COMPILE_STACK: usize = 64 << 20;
+/// Compiled grammars kept for reuse.
+const CACHE: usize = 64;
+
 impl Grammars {
-    /// Builds the token trie (a few hundred milliseconds for a 49k vocabulary).
+    /// Builds the token trie (a few hundred milliseconds for a 49k vocabulary) and
+    /// starts the compile thread.
     pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Grammars, GrammarError> {
         let n = tokenizer.vocab_size();
         let eos = tokenizer.eos_id().or_else(|| tokenizer.eog_ids().first().copied());
@@ -71,32 +101,138 @@ impl Grammars {
         let env: TokEnv = Arc::new(Vocab { trie, tokenizer });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Vocabulary(e.to_string()))?;
         factory.quiet();
-        Ok(Grammars { factory })
+        let shared = Arc::new(Shared { factory, compiled: Mutex::default() });
+        let (jobs, rx) = sync_channel::<Job>(COMPILE_QUEUE);
+        let on_thread = shared.clone();
+        std::thread::Builder::new()
+            .name("pdserve-grammar".into())
+            .stack_size(COMPILE_STACK)
+            .spawn(move || rx.into_iter().for_each(|job| on_thread.run(job)))
+            .map_err(|e| GrammarError::Vocabulary(format!("cannot start the grammar compiler: {e}")))?;
+        Ok(Grammars { shared, jobs })
+    }
+
+    /// Whether `spec` was compiled already (or refused): a constraint for it costs
+    /// only a copy of its start state.
+    pub fn is_compiled(&self, spec: &GrammarSpec) -> bool {
+        self.shared.cache().contains(spec)
+    }
+
+    /// Queues `spec` for the compile thread, which calls `then` once the result is
+    /// kept, whatever it is. [`GrammarError::Busy`] when the queue is full.
+    pub fn compile_then(&self, spec: &GrammarSpec, then: Box<dyn FnOnce() + Send>) -> Result<(), GrammarError> {
+        self.jobs.try_send(Job { spec: spec.clone(), then }).map_err(|_| GrammarError::Busy)
+    }
+
+    /// Compiles `spec` on the compile thread unless it is compiled already; blocks
+    /// until it is, and says whether it compiled.
+    pub fn prepare(&self, spec: &GrammarSpec) -> Result<(), GrammarError> {
+        if !self.is_compiled(spec) {
+            let (done, wait) = sync_channel(1);
+            self.compile_then(
+                spec,
+                Box::new(move || {
+                    let _ = done.send(());
+                }),
+            )?;
+            wait.recv().map_err(|_| GrammarError::Busy)?;
+        }
+        self.shared.start_state(spec).map(drop)
     }
 
     /// A fresh constraint at the start of `g`, with its replayed tokens (the tail of
-    /// `prompt`) consumed; its mask times go to `clock`.
+    /// `prompt`) consumed; its mask times go to `clock`. Uses the compiled grammar
+    /// [`Grammars::prepare`] left; compiles on the calling thread if there is none.
     pub fn constraint(&self, g: &Grammar, prompt: &[u32], clock: Arc<MaskClock>) -> Result<Constraint, GrammarError> {
-        let top = match &g.spec {
-            GrammarSpec::JsonSchema(text) => {
-                let mut schema =
-                    serde_json::from_str(text).map_err(|e| GrammarError::Invalid(format!("schema: {e}")))?;
-                compact_json(&mut schema);
-                TopLevelGrammar::from_json_schema(schema)
-            }
-            GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
-            GrammarSpec::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
-        };
-        let parser = self.factory.create_parser(top).map_err(|e| GrammarError::Invalid(first_line(&e)))?;
-        let mut c = Constraint { matcher: Matcher::new(Ok(parser)), mask: None, clock };
+        let start = self.shared.start_state(&g.spec)?;
+        let matcher = start.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let mut c = Constraint { matcher, mask: None, clock };
         let replayed = prompt.len().saturating_sub(g.replayed as usize);
         c.matcher.consume_tokens(&prompt[replayed..]).map_err(|e| GrammarError::Replay(first_line(&e)))?;
         Ok(c)
     }
 
-    /// Checks that `g` compiles, as a request is validated.
+    /// Checks that `g` compiles, as a request is validated; the compiled grammar is
+    /// kept for the engines.
     pub fn check(&self, g: &Grammar) -> Result<(), GrammarError> {
-        self.constraint(&Grammar::new(g.spec.clone()), &[], Arc::default()).map(drop)
+        self.prepare(&g.spec)
+    }
+}
+
+impl Shared {
+    /// The compiled start state of `spec`, from the cache or compiled here.
+    fn start_state(&self, spec: &GrammarSpec) -> Compiled {
+        if let Some(hit) = self.cache().get(spec) {
+            return hit;
+        }
+        let compiled = compile(&self.factory, spec);
+        self.cache().put(spec, compiled.clone());
+        compiled
+    }
+
+    fn run(&self, job: Job) {
+        self.start_state(&job.spec).ok();
+        (job.then)();
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, Cache> {
+        self.compiled.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A grammar's start state, or why it has none.
+type Compiled = Result<Arc<Mutex<Matcher>>, GrammarError>;
+
+/// One compile for the compile thread, and what to do once it is kept.
+struct Job {
+    spec: GrammarSpec,
+    then: Box<dyn FnOnce() + Send>,
+}
+
+/// Bounds-checks and compiles `spec`, and computes its first mask: a grammar that
+/// cannot give one is refused now rather than failing its first step.
+fn compile(factory: &ParserFactory, spec: &GrammarSpec) -> Compiled {
+    bounds::check(spec)?;
+    let top = match spec {
+        GrammarSpec::JsonSchema(text) => {
+            let mut schema = serde_json::from_str(text).map_err(|e| GrammarError::Invalid(format!("schema: {e}")))?;
+            compact_json(&mut schema);
+            TopLevelGrammar::from_json_schema(schema)
+        }
+        GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
+        GrammarSpec::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
+    };
+    let parser = factory.create_parser(top).map_err(|e| GrammarError::Invalid(first_line(&e)))?;
+    let start = Matcher::new(Ok(parser));
+    start
+        .clone()
+        .compute_mask()
+        .map_err(|e| GrammarError::Invalid(format!("the grammar allows no output: {}", first_line(&e))))?;
+    Ok(Arc::new(Mutex::new(start)))
+}
+
+/// The most recently used compiled grammars, oldest first.
+#[derive(Default)]
+struct Cache(Vec<(GrammarSpec, Compiled)>);
+
+impl Cache {
+    fn contains(&self, spec: &GrammarSpec) -> bool {
+        self.0.iter().any(|(s, _)| s == spec)
+    }
+
+    fn get(&mut self, spec: &GrammarSpec) -> Option<Compiled> {
+        let i = self.0.iter().position(|(s, _)| s == spec)?;
+        let hit = self.0.remove(i);
+        let compiled = hit.1.clone();
+        self.0.push(hit);
+        Some(compiled)
+    }
+
+    fn put(&mut self, spec: &GrammarSpec, compiled: Compiled) {
+        if self.0.len() >= CACHE {
+            drop(self.0.remove(0));
+        }
+        self.0.push((spec.clone(), compiled));
     }
 }
 
@@ -123,8 +259,13 @@ fn token_word(t: &Tokenizer, id: u32) -> Vec<u8> {
 }
 
 /// llguidance's errors can be long (a whole schema path); the first line says what.
+/// A panic llguidance caught inside itself says nothing a client can act on.
 fn first_line(e: &anyhow::Error) -> String {
-    e.to_string().lines().next().unwrap_or("grammar error").to_string()
+    let line = e.to_string().lines().next().unwrap_or("grammar error").to_string();
+    match line.starts_with("panic") {
+        true => "the grammar is too large or complex to compile".into(),
+        false => line,
+    }
 }
 
 /// One sequence's place in its grammar.
@@ -157,6 +298,16 @@ impl Constraint {
     /// The grammar hit an error (an unexpected token): the output cannot continue.
     pub fn failed(&self) -> bool {
         self.matcher.is_error()
+    }
+
+    /// Advances past the chosen token; why the output cannot continue if it cannot
+    /// (the token does not fit, or no mask could be computed for this step).
+    pub fn broken(&mut self, token: u32) -> Option<String> {
+        if self.accept(token) && !self.failed() {
+            return None;
+        }
+        let why = self.matcher.get_error().unwrap_or_else(|| format!("token {token} does not fit"));
+        Some(why.lines().next().unwrap_or_default().to_string())
     }
 }
 

@@ -201,13 +201,11 @@ impl Sampler {
 
     /// Masks `ids` (typically the EOS ids while fewer than `min_tokens` were generated)
     /// in every later [`sample`](Self::sample) until [`clear_bans`](Self::clear_bans).
-    /// Ids outside the vocabulary are ignored.
+    /// Ids outside the vocabulary are ignored; an id banned twice costs one more
+    /// write and is restored in reverse like any other, so none is deduplicated here
+    /// (that was quadratic in the ids, every step).
     pub fn ban(&mut self, ids: &[u32]) {
-        for &id in ids {
-            if !self.banned.contains(&id) {
-                self.banned.push(id);
-            }
-        }
+        self.banned.extend_from_slice(ids);
     }
 
     pub fn clear_bans(&mut self) {

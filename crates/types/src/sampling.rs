@@ -100,6 +100,8 @@ pub const MAX_STOP_BYTES: usize = 1024;
 pub const MAX_LOGIT_BIAS: f32 = 100.0;
 /// Biased tokens per request at most (OpenAI allows 300; vLLM more).
 pub const MAX_LOGIT_BIAS_TOKENS: usize = 1024;
+/// The most `stop_token_ids`: each is banned every step until `min_tokens`.
+pub const MAX_STOP_TOKEN_IDS: usize = 1024;
 
 impl SamplingParams {
     /// Greedy decoding of at most `max_tokens` tokens.
@@ -108,7 +110,7 @@ impl SamplingParams {
     }
 
     /// Checks every range once, so downstream code can trust the values.
-    pub fn validate(self) -> Result<Self, SamplingError> {
+    pub fn validate(mut self) -> Result<Self, SamplingError> {
         let err = |param, reason: &str| Err(SamplingError { param, reason: reason.to_string() });
         let finite = |x: f32| x.is_finite();
         if self.max_tokens == 0 {
@@ -149,6 +151,12 @@ impl SamplingParams {
         if self.stop.strings.iter().any(|s| s.len() > MAX_STOP_BYTES) {
             return err("stop", "a stop string may be at most 1024 bytes");
         }
+        if self.stop.token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return err("stop_token_ids", "at most 1024 stop token ids");
+        }
+        // Sorted and distinct: the engine looks them up every step.
+        self.stop.token_ids.sort_unstable();
+        self.stop.token_ids.dedup();
         if self.logit_bias.len() > MAX_LOGIT_BIAS_TOKENS {
             return err("logit_bias", "at most 1024 biased tokens");
         }
@@ -191,9 +199,22 @@ mod tests {
             SamplingParams { logit_bias: vec![(5, 100.5)], ..Default::default() },
             SamplingParams { logit_bias: vec![(5, f32::NAN)], ..Default::default() },
             SamplingParams { logit_bias: vec![(5, 1.0), (5, 2.0)], ..Default::default() },
+            SamplingParams {
+                stop: StopCondition { token_ids: (0..=MAX_STOP_TOKEN_IDS as u32).collect(), ..Default::default() },
+                ..Default::default()
+            },
         ];
         for p in bad {
             assert!(p.clone().validate().is_err(), "{p:?} should be rejected");
         }
+    }
+
+    #[test]
+    fn stop_token_ids_come_out_sorted_and_distinct() {
+        let p = SamplingParams {
+            stop: StopCondition { token_ids: vec![9, 2, 9, 5, 2], ..Default::default() },
+            ..Default::default()
+        };
+        assert_eq!(p.validate().unwrap().stop.token_ids, vec![2, 5, 9]);
     }
 }

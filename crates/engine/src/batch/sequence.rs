@@ -122,7 +122,11 @@ impl Sequence {
     /// `ignore_eos`) or a stop id → Stop; `max_tokens` or the context → Length.
     pub fn finish_reason(&self, eog: &[u32], context: usize) -> Option<FinishReason> {
         let last = *self.tokens.last()?;
-        if (eog.contains(&last) && !self.params.ignore_eos) || self.params.stop.token_ids.contains(&last) {
+        // Before `min_tokens` these tokens were banned; one sampled all the same (every
+        // token was banned) does not end the output early.
+        let min_reached = self.generated() > self.params.min_tokens as usize;
+        let stop_token = self.params.stop.token_ids.contains(&last);
+        if min_reached && ((eog.contains(&last) && !self.params.ignore_eos) || stop_token) {
             Some(FinishReason::Stop)
         } else if self.generated() >= self.params.max_tokens as usize || self.tokens.len() >= context {
             Some(FinishReason::Length)
@@ -139,5 +143,24 @@ impl Sequence {
         // Recomputed positions are scored again, with the same numerics.
         self.prompt_scores.clear();
         self.paused = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdserve_types::StopCondition;
+
+    /// Before `min_tokens`, end and stop tokens are banned; one sampled all the same
+    /// (every token was banned) does not end the output.
+    #[test]
+    fn a_stop_token_ends_the_output_only_past_min_tokens() {
+        let stop = StopCondition { token_ids: vec![7], ..Default::default() };
+        let params = SamplingParams { max_tokens: 10, min_tokens: 2, stop, ..Default::default() };
+        let mut s = Sequence::new(RequestId(1), vec![1, 2], params, 0);
+        for (tok, want) in [(7, None), (2, None), (7, Some(FinishReason::Stop))] {
+            s.tokens.push(tok);
+            assert_eq!(s.finish_reason(&[2], 100), want, "after {:?}", &s.tokens[2..]);
+        }
     }
 }

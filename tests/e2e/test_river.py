@@ -83,7 +83,8 @@ async def main():
                                    "--cluster-token-file", token], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     def frontend(port):
         return subprocess.Popen([PDSERVE, "frontend", "--nats", url, "--river", "--mode", "aggregated",
-                                 "--port", str(port), "--cluster-token-file", token],
+                                 "--port", str(port), "--cluster-token-file", token,
+                                 "--river-reply-prefix", "infer.result.,forest.replies."],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     procs.append(frontend(http_port))

@@ -402,6 +402,51 @@ fn losing_nats_fails_nothing_in_flight_and_the_fleet_comes_back() {
     assert_eq!(status_of(fe.addr, 2), 200);
 }
 
+/// A NATS client without the cluster token writes a plan and a node record into the
+/// real bucket: whoever holds the token reads neither (it sees no plan and no such
+/// node), while a reader that checks nothing sees both were written.
+#[test]
+fn plans_and_records_written_without_the_cluster_token_are_ignored() {
+    use pdserve_fleet::{read_plan, Bus, Endpoints, KvCache, Lease, Load, NatsConfig, NodeRecord};
+    use pdserve_kv_transfer::ClusterKey;
+    use pdserve_types::{Assignment, Epoch, Role};
+    let n = nats();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let cfg = |name: &str, key: Option<ClusterKey>| NatsConfig {
+            url: n.url.clone(),
+            creds: None,
+            replicas: 1,
+            client_name: name.into(),
+            key,
+        };
+        let fleet = Bus::connect(&cfg("fleet", Some(ClusterKey::random()))).await.unwrap();
+        let rogue = Bus::connect(&cfg("rogue", Some(ClusterKey::random()))).await.unwrap();
+        let looker = Bus::connect(&cfg("looker", None)).await.unwrap();
+        let evil = NodeRecord {
+            node_id: "evil-node".parse().unwrap(),
+            name: "evil".into(),
+            model: "m".into(),
+            role: Role::Decode,
+            epoch: Epoch(0),
+            protocol: 1,
+            endpoints: Endpoints { control: ([127, 0, 0, 1], 18399).into(), kv: ([127, 0, 0, 1], 18398).into() },
+            threads: 1,
+            kv_cache: KvCache { block_size: 16, blocks_total: 8, blocks_free: 8, blocks_used: 0, blocks_cached: 0 },
+            load: Load::default(),
+            links: Vec::new(),
+            updated_unix_ms: pdserve_fleet::now_unix_ms(),
+        };
+        rogue.put(&evil).await.unwrap();
+        let mut lease = Lease::take(&rogue, "rogue").await.unwrap().expect("no planner yet");
+        lease.write([(evil.node_id.clone(), Assignment::new(Role::Prefill, Epoch(u64::MAX)))]).await.unwrap();
+        assert!(fleet.nodes().await.unwrap().is_empty(), "a forged record was taken");
+        assert!(read_plan(&fleet).await.unwrap().is_none(), "a forged plan was taken");
+        assert_eq!(looker.nodes().await.unwrap().len(), 1);
+        assert!(read_plan(&looker).await.unwrap().is_some());
+    });
+}
+
 /// The planner's lease over the real bucket: one holder at a time, a holder that
 /// stops renewing loses it within the bucket's TTL, and one that lost it can write
 /// nothing, neither roles nor a renewal.
@@ -412,7 +457,8 @@ fn one_planner_holds_the_lease_and_one_that_lost_it_cannot_write() {
     let n = nats();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
-        let cfg = NatsConfig { url: n.url.clone(), creds: None, replicas: 1, client_name: "lease-test".into() };
+        let key = Some(pdserve_kv_transfer::ClusterKey::random());
+        let cfg = NatsConfig { url: n.url.clone(), creds: None, replicas: 1, client_name: "lease-test".into(), key };
         let bus = Bus::connect(&cfg).await.unwrap();
         let mut a = Lease::take(&bus, "plan-a").await.unwrap().expect("no one held it");
         assert!(Lease::take(&bus, "plan-b").await.unwrap().is_none(), "plan-a holds it");

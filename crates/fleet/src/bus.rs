@@ -6,8 +6,10 @@
 //! memory: it is observed state, rebuilt within a second by the nodes themselves.
 
 use crate::record::{NodeId, NodeRecord};
+use crate::seal::{self, SealError};
 use async_nats::jetstream::{self, kv};
 use async_nats::{Client, ConnectOptions, ServerAddr};
+use pdserve_kv_transfer::ClusterKey;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -37,6 +39,9 @@ pub struct NatsConfig {
     pub replicas: usize,
     /// The connection's name, as NATS monitoring shows it.
     pub client_name: String,
+    /// Seals what this process writes to the bucket and opens what it reads there
+    /// (see `seal`); `None` reads without checking, for tools that only show.
+    pub key: Option<ClusterKey>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +62,7 @@ pub struct Bus {
     client: Client,
     store: kv::Store,
     replicas: usize,
+    key: Option<ClusterKey>,
 }
 
 impl Bus {
@@ -70,7 +76,7 @@ impl Bus {
             .await
             .map_err(|e| FleetError::Connect { url, why: e.to_string() })?;
         let store = open_bucket(&client, cfg.replicas, BUCKET_PATIENCE).await?;
-        Ok(Bus { client, store, replicas: cfg.replicas })
+        Ok(Bus { client, store, replicas: cfg.replicas, key: cfg.key.clone() })
     }
 
     /// Connects, retrying with backoff (and saying so) until NATS answers. Callers
@@ -111,7 +117,8 @@ impl Bus {
     /// Writes `rec` under its node's key.
     pub async fn put(&self, rec: &NodeRecord) -> Result<(), FleetError> {
         let key = key(&rec.node_id);
-        self.store.put(&key, rec.encode().into()).await.map_err(|e| FleetError::Bucket(e.to_string()))?;
+        let sealed = self.seal(seal::NODE, &rec.encode());
+        self.store.put(&key, sealed.into()).await.map_err(|e| FleetError::Bucket(e.to_string()))?;
         Ok(())
     }
 
@@ -129,14 +136,33 @@ impl Bus {
         let mut out = Vec::new();
         for k in keys.iter().filter(|k| k.starts_with(KEY_PREFIX)) {
             if let Some(v) = self.store.get(k).await.map_err(|e| err(&e))? {
-                match NodeRecord::decode(&v) {
+                match self.record(&v) {
                     Ok(rec) => out.push(rec),
-                    Err(e) => tracing::warn!(key = %k, error = %e, "ignoring a record that does not parse"),
+                    Err(e) => tracing::warn!(key = %k, error = %e, "ignoring a record"),
                 }
             }
         }
         out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
         Ok(out)
+    }
+
+    /// `body` sealed with this process's key (the insecure key without one).
+    pub(crate) fn seal(&self, label: &[u8], body: &[u8]) -> Vec<u8> {
+        seal::seal(self.key.as_ref().unwrap_or(&ClusterKey::insecure()), label, body)
+    }
+
+    /// The body of a sealed value, if it verifies (read unchecked without a key).
+    pub(crate) fn open(&self, label: &[u8], bytes: &[u8]) -> Result<Vec<u8>, SealError> {
+        match &self.key {
+            Some(k) => seal::open(k, label, bytes),
+            None => seal::peek(bytes),
+        }
+    }
+
+    /// A node's record from its sealed value.
+    pub(crate) fn record(&self, bytes: &[u8]) -> Result<NodeRecord, String> {
+        let body = self.open(seal::NODE, bytes).map_err(|e| e.to_string())?;
+        NodeRecord::decode(&body).map_err(|e| format!("does not parse: {e}"))
     }
 
     /// Every change to the bucket from now on, after its current content.

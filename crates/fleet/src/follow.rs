@@ -85,7 +85,7 @@ impl View {
                 tokio::select! {
                     entry = watch.next() => match entry {
                         Some(Ok(e)) => {
-                            if !self.apply(&e.key, e.operation, &e.value).await {
+                            if !self.apply(bus, &e.key, e.operation, &e.value).await {
                                 return false;
                             }
                         }
@@ -136,13 +136,13 @@ impl View {
         true
     }
 
-    async fn apply(&mut self, key: &str, op: Operation, value: &[u8]) -> bool {
+    async fn apply(&mut self, bus: &Bus, key: &str, op: Operation, value: &[u8]) -> bool {
         let Some(id) = node_of(key) else { return true };
         match op {
-            Operation::Put => match NodeRecord::decode(value) {
+            Operation::Put => match bus.record(value) {
                 Ok(rec) if rec.node_id == id => self.up(rec).await,
                 Ok(_) => tracing::warn!(key, "a record under another node's key; ignored"),
-                Err(e) => tracing::warn!(key, error = %e, "a record that does not parse; ignored"),
+                Err(e) => tracing::warn!(key, error = %e, "a record ignored"),
             },
             Operation::Delete | Operation::Purge => self.down(id).await,
         }

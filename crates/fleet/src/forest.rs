@@ -97,8 +97,10 @@ pub struct Unusable {
 /// Reads a River message: a RiverData envelope (`data` the base64 of the payload) or,
 /// leniently, the payload itself; the payload an `http_webhook` Source's (`body` the
 /// OpenAI request, `headers` copied from HTTP) or a bare OpenAI request with an
-/// optional `nimsforest` object.
-pub fn parse_river(bytes: &[u8]) -> Result<ForestRequest, Unusable> {
+/// optional `nimsforest` object. A `reply_to` must start with one of `replies`: the
+/// frontend publishes there with its own NATS rights, so a River client must not
+/// choose any subject (the fleet's bucket, JetStream's API).
+pub fn parse_river(bytes: &[u8], replies: &[String]) -> Result<ForestRequest, Unusable> {
     let unusable = |reason: String| Unusable { request_id: None, reason, context: Value::Null };
     let outer: Value = serde_json::from_slice(bytes).map_err(|e| unusable(format!("not JSON: {e}")))?;
     let (payload, sent) = match river_data(&outer) {
@@ -109,14 +111,24 @@ pub fn parse_river(bytes: &[u8]) -> Result<ForestRequest, Unusable> {
         }
         None => (outer, None),
     };
-    request(payload, sent)
+    request(payload, sent, replies)
 }
 
 /// Reads the data of a Leaf on `infer.request.submit`: the same forms as the River's
 /// payload, or NimsForest's flat form (`messages`/`prompt`, `params`, `request_id`,
-/// `reply_to`, `context` side by side).
-pub fn parse_submit(leaf: &Leaf) -> Result<ForestRequest, Unusable> {
-    request(leaf.data.clone(), Some(leaf.ts.clone()))
+/// `reply_to`, `context` side by side), under the same rule for `reply_to`.
+pub fn parse_submit(leaf: &Leaf, replies: &[String]) -> Result<ForestRequest, Unusable> {
+    request(leaf.data.clone(), Some(leaf.ts.clone()), replies)
+}
+
+/// The reply subjects a frontend answers on unless told otherwise.
+pub const DEFAULT_REPLY_PREFIX: &str = "infer.result.";
+
+/// Whether `subject` starts with one of `prefixes`; never a `$` subject (JetStream's
+/// API and key-value buckets) nor the fleet's own `pdserve.` subjects.
+pub fn reply_allowed(subject: &str, prefixes: &[String]) -> bool {
+    let reserved = subject.starts_with('$') || subject.starts_with("pdserve.");
+    !reserved && prefixes.iter().any(|p| subject.starts_with(p.as_str()))
 }
 
 /// `(payload bytes, ts)` of a RiverData envelope.
@@ -128,7 +140,7 @@ fn river_data(v: &Value) -> Option<(Vec<u8>, Option<String>)> {
     Some((bytes, o.get("ts").and_then(Value::as_str).map(String::from)))
 }
 
-fn request(payload: Value, sent: Option<String>) -> Result<ForestRequest, Unusable> {
+fn request(payload: Value, sent: Option<String>, replies: &[String]) -> Result<ForestRequest, Unusable> {
     let Value::Object(mut o) = payload else {
         return Err(Unusable {
             request_id: None,
@@ -177,6 +189,9 @@ fn request(payload: Value, sent: Option<String>) -> Result<ForestRequest, Unusab
     }
     if reply_to.as_deref().is_some_and(|r| r.is_empty() || r.contains(' ')) {
         return Err(fail("reply_to must be a NATS subject"));
+    }
+    if reply_to.as_deref().is_some_and(|r| !reply_allowed(r, replies)) {
+        return Err(fail("reply_to is not under a subject this frontend answers on (--river-reply-prefix)"));
     }
     let request_id = request_id.unwrap_or_else(new_request_id);
     let reply_to = reply_to.unwrap_or_else(|| format!("infer.result.{request_id}"));
@@ -234,22 +249,47 @@ mod tests {
         // RiverData around a webhook payload, ids from the copied headers.
         let hook = json!({"headers": {"X-Request-Id": "hook-1", "X-Reply-To": "my.replies"}, "body": chat,
                           "timestamp": "2026-01-15T12:00:00Z", "source": "infer-api"});
-        let r = parse_river(&river(&hook)).unwrap();
+        let r = parse_river_all(&river(&hook)).unwrap();
         assert_eq!((r.request_id.as_str(), r.reply_to.as_str(), r.api), ("hook-1", "my.replies", Api::ChatCompletions));
         assert_eq!(r.body, chat);
         assert_eq!(r.sent.as_deref(), Some("2026-01-15T12:00:00Z"));
         // A bare request with the nimsforest object, published raw (no envelope).
         let bare =
             json!({"prompt": "Hi", "nimsforest": {"request_id": "b-2", "deadline_ms": 500, "context": {"chat": 42}}});
-        let r = parse_river(bare.to_string().as_bytes()).unwrap();
+        let r = parse_river_all(bare.to_string().as_bytes()).unwrap();
         assert_eq!((r.request_id.as_str(), r.reply_to.as_str(), r.api), ("b-2", "infer.result.b-2", Api::Completions));
         assert_eq!((r.deadline_ms, r.context.clone()), (Some(500), json!({"chat": 42})));
         assert_eq!(r.body, json!({"prompt": "Hi"}));
         // NimsForest's flat form, params folded in.
         let flat = json!({"request_id": "f-3", "messages": [], "params": {"max_tokens": 9}, "reply_to": "x.y"});
-        let r = parse_river(&river(&flat)).unwrap();
+        let r = parse_river_all(&river(&flat)).unwrap();
         assert_eq!(r.body, json!({"messages": [], "max_tokens": 9}));
-        assert!(parse_river(&river(&json!({"messages": []}))).unwrap().request_id.starts_with("req_"));
+        assert!(parse_river_all(&river(&json!({"messages": []}))).unwrap().request_id.starts_with("req_"));
+    }
+
+    /// Any reply subject but the reserved ones.
+    fn parse_river_all(bytes: &[u8]) -> Result<ForestRequest, Unusable> {
+        parse_river(bytes, &["".to_string()])
+    }
+
+    #[test]
+    fn reply_subjects_are_held_to_the_prefixes_and_never_reserved() {
+        let ours = [DEFAULT_REPLY_PREFIX.to_string()];
+        let cases = [
+            ("infer.result.r-1", &ours[..], true),
+            ("my.replies", &ours[..], false),
+            ("$KV.INFER_LOAD.planner", &["".to_string()][..], false),
+            ("$JS.API.STREAM.PURGE.KV_INFER_REQ", &["$JS.".to_string()][..], false),
+            ("pdserve.traffic", &["".to_string()][..], false),
+            ("forest.replies.x", &["forest.replies.".to_string(), DEFAULT_REPLY_PREFIX.to_string()][..], true),
+        ];
+        for (subject, prefixes, want) in cases {
+            assert_eq!(reply_allowed(subject, prefixes), want, "{subject}");
+        }
+        let evil =
+            json!({"prompt": "hi", "nimsforest": {"request_id": "evil-1", "reply_to": "$KV.INFER_LOAD.planner"}});
+        let e = parse_river(evil.to_string().as_bytes(), &ours).unwrap_err();
+        assert!(e.reason.contains("reply_to"), "{}", e.reason);
     }
 
     #[test]
@@ -262,11 +302,11 @@ mod tests {
             river(&json!({"prompt": "a", "nimsforest": {"request_id": "has space"}})),
             json!({"subject": "river.infer.requests", "data": "%%%", "ts": "x"}).to_string().into_bytes(),
         ] {
-            let e = parse_river(&bad).unwrap_err();
+            let e = parse_river_all(&bad).unwrap_err();
             assert!(!e.reason.is_empty());
         }
-        let e =
-            parse_river(&river(&json!({"model": "m", "nimsforest": {"request_id": "r-9", "context": 1}}))).unwrap_err();
+        let e = parse_river_all(&river(&json!({"model": "m", "nimsforest": {"request_id": "r-9", "context": 1}})))
+            .unwrap_err();
         assert_eq!((e.request_id.as_deref(), e.context), (Some("r-9"), json!(1)));
     }
 }

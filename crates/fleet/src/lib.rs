@@ -17,6 +17,7 @@ mod plan;
 mod record;
 mod register;
 pub mod request_lease;
+pub mod seal;
 mod traffic;
 
 pub use bus::{Bus, FleetError, NatsConfig, BUCKET, REFRESH, TTL};

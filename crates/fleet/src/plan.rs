@@ -15,6 +15,7 @@
 
 use crate::bus::{Bus, FleetError, NatsConfig, REFRESH, TTL};
 use crate::record::{now_unix_ms, NodeId};
+use crate::seal;
 use async_nats::jetstream::kv::Operation;
 use futures_util::StreamExt;
 use pdserve_types::Assignment;
@@ -37,12 +38,15 @@ pub struct Plan {
 }
 
 impl Plan {
-    fn encode(&self) -> bytes::Bytes {
-        serde_json::to_vec(self).unwrap_or_default().into()
+    /// The plan sealed under the bus's key: workers take no role from anyone else.
+    fn encode(&self, bus: &Bus) -> bytes::Bytes {
+        bus.seal(seal::PLAN, &serde_json::to_vec(self).unwrap_or_default()).into()
     }
 
-    pub fn decode(bytes: &[u8]) -> Result<Plan, serde_json::Error> {
-        serde_json::from_slice(bytes)
+    /// The plan in a sealed value, if it verifies under the bus's key.
+    pub fn decode(bus: &Bus, bytes: &[u8]) -> Result<Plan, String> {
+        let body = bus.open(seal::PLAN, bytes).map_err(|e| e.to_string())?;
+        serde_json::from_slice(&body).map_err(|e| format!("does not parse: {e}"))
     }
 }
 
@@ -68,7 +72,7 @@ impl Lease {
     /// `Ok(None)`: someone does (their plan is returned by [`read_plan`]).
     pub async fn take(bus: &Bus, holder: &str) -> Result<Option<Lease>, FleetError> {
         let plan = Plan { holder: holder.to_string(), roles: BTreeMap::new(), updated_unix_ms: now_unix_ms() };
-        match bus.store().create(PLAN_KEY, plan.encode()).await {
+        match bus.store().create(PLAN_KEY, plan.encode(bus)).await {
             Ok(revision) => Ok(Some(Lease { bus: bus.clone(), plan, revision })),
             Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => Ok(None),
             Err(e) => Err(FleetError::Bucket(e.to_string())),
@@ -104,7 +108,7 @@ impl Lease {
 
     async fn commit(&mut self, mut next: Plan) -> Result<(), LeaseError> {
         next.updated_unix_ms = now_unix_ms();
-        match self.bus.store().update(PLAN_KEY, next.encode(), self.revision).await {
+        match self.bus.store().update(PLAN_KEY, next.encode(&self.bus), self.revision).await {
             Ok(revision) => {
                 (self.plan, self.revision) = (next, revision);
                 Ok(())
@@ -129,7 +133,7 @@ impl Lease {
 /// The plan in the bucket now, if a planner holds the lease.
 pub async fn read_plan(bus: &Bus) -> Result<Option<Plan>, FleetError> {
     let bytes = bus.store().get(PLAN_KEY).await.map_err(|e| FleetError::Bucket(e.to_string()))?;
-    Ok(bytes.and_then(|b| Plan::decode(&b).ok()))
+    Ok(bytes.and_then(|b| Plan::decode(bus, &b).ok()))
 }
 
 /// Follows the plan for node `id` on the current runtime: each assignment the plan
@@ -161,7 +165,7 @@ pub fn follow_plan(cfg: NatsConfig, id: NodeId) -> mpsc::Receiver<(String, Assig
                 if entry.operation != Operation::Put {
                     continue;
                 }
-                match Plan::decode(&entry.value) {
+                match Plan::decode(&bus, &entry.value) {
                     Ok(plan) => {
                         if let Some(&a) = plan.roles.get(&id) {
                             if tx.send((plan.holder, a)).await.is_err() {
@@ -169,7 +173,7 @@ pub fn follow_plan(cfg: NatsConfig, id: NodeId) -> mpsc::Receiver<(String, Assig
                             }
                         }
                     }
-                    Err(e) => tracing::warn!(error = %e, "a plan that does not parse; ignored"),
+                    Err(e) => tracing::warn!(error = %e, "a plan ignored"),
                 }
             }
             tracing::warn!("the planner watch ended; watching again");

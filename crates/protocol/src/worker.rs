@@ -302,6 +302,10 @@ pub struct WorkerStats {
     pub stopping: bool,
 }
 
+/// The furthest a role switch may move a worker's epoch. Planners move it one at a
+/// time; a far jump (to the last epoch, say) would leave no newer one to undo it.
+pub const MAX_EPOCH_JUMP: u64 = 1024;
+
 /// A worker's own side of role switching: the assignment it holds, switched only
 /// forward in epochs, and the fence each new piece of work passes.
 #[derive(Debug)]
@@ -316,11 +320,12 @@ impl RoleState {
         *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Takes `to` if it is newer; answers with what was held before and after.
+    /// Takes `to` if it is newer, by at most [`MAX_EPOCH_JUMP`]; answers with what
+    /// was held before and after.
     pub fn switch(&self, to: Assignment) -> (Assignment, Assignment) {
         let mut held = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let before = *held;
-        if to.epoch > held.epoch {
+        if to.epoch > held.epoch && to.epoch.0 - held.epoch.0 <= MAX_EPOCH_JUMP {
             *held = to;
         }
         (before, *held)
@@ -357,5 +362,15 @@ mod tests {
         assert!(e.is_retryable());
         assert!(s.fence("w", Some(Epoch(1)), Role::prefills).is_ok());
         assert!(s.fence("w", Some(Epoch(1)), Role::decodes).is_err(), "a prefill worker takes no decode");
+    }
+
+    #[test]
+    fn a_far_epoch_jump_is_refused_and_the_last_epoch_does_not_wrap() {
+        let s = RoleState::new(Role::Decode);
+        let far = Assignment::new(Role::Prefill, Epoch(u64::MAX));
+        assert_eq!(s.switch(far).1, Assignment::new(Role::Decode, Epoch(0)));
+        let next = Assignment::new(Role::Prefill, Epoch(MAX_EPOCH_JUMP));
+        assert_eq!(s.switch(next).1, next);
+        assert_eq!(Epoch(u64::MAX).next(), Epoch(u64::MAX));
     }
 }

@@ -39,8 +39,10 @@ impl FromStr for Role {
 pub struct Epoch(pub u64);
 
 impl Epoch {
+    /// The epoch after this one; the last stays last (a wrap to 0 would make
+    /// every later assignment look older).
     pub fn next(self) -> Epoch {
-        Epoch(self.0 + 1)
+        Epoch(self.0.saturating_add(1))
     }
 }
 

@@ -32,11 +32,11 @@ pub struct SwitchArgs {
 const PATIENCE: Duration = Duration::from_secs(5);
 
 pub fn run(a: SwitchArgs) -> anyhow::Result<()> {
-    let Some(cfg) = a.nats.config("pdserve-bench-switch") else { anyhow::bail!("give --nats URL") };
+    let key = a.security.key()?;
+    let Some(cfg) = a.nats.config("pdserve-bench-switch", Some(&key)) else { anyhow::bail!("give --nats URL") };
     if a.count == 0 {
         anyhow::bail!("--count must be at least 1");
     }
-    let key = a.security.key()?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async move {
         let bus = Bus::connect(&cfg).await?;

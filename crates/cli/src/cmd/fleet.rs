@@ -3,6 +3,7 @@
 //! share.
 
 use pdserve_fleet::{Bus, NatsConfig, NodeRecord, Plan};
+use pdserve_kv_transfer::ClusterKey;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -19,16 +20,24 @@ pub struct NatsArgs {
     /// Copies of the fleet bucket, when this process creates it in a JetStream cluster.
     #[arg(long, default_value_t = 1, requires = "nats")]
     nats_replicas: usize,
+    /// With --river: the subjects (by prefix, comma separated) a request's `reply_to`
+    /// may name. The frontend publishes results there with its own NATS rights.
+    #[arg(long, value_delimiter = ',', default_value = pdserve_fleet::forest::DEFAULT_REPLY_PREFIX)]
+    pub river_reply_prefix: Vec<String>,
 }
 
 impl NatsArgs {
     /// The NATS settings, when `--nats` was given.
-    pub fn config(&self, client_name: &str) -> Option<NatsConfig> {
+    /// With `key`, what this process writes to the fleet bucket is sealed and what
+    /// it reads there must verify; without, records and the plan are read unchecked
+    /// (for a tool that only shows them).
+    pub fn config(&self, client_name: &str, key: Option<&ClusterKey>) -> Option<NatsConfig> {
         Some(NatsConfig {
             url: self.nats.clone()?,
             creds: self.nats_creds.clone(),
             replicas: self.nats_replicas,
             client_name: client_name.to_string(),
+            key: key.cloned(),
         })
     }
 }
@@ -47,7 +56,9 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let Some(cfg) = a.nats.config("pdserve-fleet") else { anyhow::bail!("give --nats URL: the fleet's NATS server") };
+    let Some(cfg) = a.nats.config("pdserve-fleet", None) else {
+        anyhow::bail!("give --nats URL: the fleet's NATS server")
+    };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let (nodes, plan) = rt.block_on(async {
         let bus = tokio::time::timeout(Duration::from_secs(10), Bus::connect(&cfg))

@@ -169,7 +169,8 @@ mod tests {
 
     #[test]
     fn chunks_batch_into_leaves_and_assemble_the_response() {
-        let req = parse_river(br#"{"messages": [], "stream": true, "nimsforest": {"request_id": "s-1"}}"#).unwrap();
+        let req =
+            parse_river(br#"{"messages": [], "stream": true, "nimsforest": {"request_id": "s-1"}}"#, &[]).unwrap();
         let mut a = Assembler::new(&req, "test");
         let chunk = |text: &str, finish: Value| json!({"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}]});
         let first = a.push(chunk("ab", Value::Null));

@@ -48,11 +48,13 @@ pub struct Args {
 const TAKE_WAIT: Duration = Duration::from_secs(2);
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let Some(cfg) = a.nats.config("pdserve-planner") else { anyhow::bail!("give --nats URL: the fleet's NATS server") };
+    let key = a.security.key()?;
+    let Some(cfg) = a.nats.config("pdserve-planner", Some(&key)) else {
+        anyhow::bail!("give --nats URL: the fleet's NATS server")
+    };
     if !(a.slo_ttft_ms > 0.0 && a.slo_tpot_ms > 0.0) {
         anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
     }
-    let key = a.security.key()?;
     let model = super::load_meta(&a.model)?.name;
     let holder = a.id.clone().unwrap_or_else(default_id);
     let slo = Slo::from_ms(a.slo_ttft_ms, a.slo_tpot_ms);

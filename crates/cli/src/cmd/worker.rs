@@ -176,7 +176,7 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
         let control = listener.local_addr()?;
         let local = worker.clone();
         let worker = Arc::new(worker) as Arc<dyn Worker>;
-        let fleet = match a.nats.config(&name) {
+        let fleet = match a.nats.config(&name, Some(&key)) {
             None => None,
             Some(cfg) => {
                 let id = a.node_id.clone().unwrap_or_else(|| NodeId::sanitized(&name));

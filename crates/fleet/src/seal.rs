@@ -1,0 +1,74 @@
+//! What the fleet writes to NATS carries a MAC under the cluster key.
+//!
+//! Anyone who can reach an unauthenticated NATS server can write the fleet bucket:
+//! without this, a stranger could name every worker's role (the plan) or point the
+//! fleet at a relay of its own (a node record). A sealed value is
+//! `{"body": "<the value's JSON, as a string>", "mac": "<base64 HMAC-SHA256>"}`; the
+//! MAC covers the exact bytes of the body and a label per kind of value, so a node
+//! record cannot pass for a plan. Readers ignore what does not verify.
+
+use base64::Engine as _;
+use pdserve_kv_transfer::ClusterKey;
+use serde::{Deserialize, Serialize};
+
+/// A plan (the planner's key).
+pub const PLAN: &[u8] = b"pdserve-fleet-plan";
+/// A node's record.
+pub const NODE: &[u8] = b"pdserve-fleet-node";
+
+#[derive(Serialize, Deserialize)]
+struct Envelope {
+    body: String,
+    mac: String,
+}
+
+#[derive(Debug, PartialEq, thiserror::Error)]
+pub enum SealError {
+    #[error("not a sealed value (written without the cluster token?)")]
+    Unsealed,
+    #[error("its MAC does not verify under this cluster token")]
+    Forged,
+}
+
+/// `body` (JSON) sealed under `key` for `label`.
+pub fn seal(key: &ClusterKey, label: &[u8], body: &[u8]) -> Vec<u8> {
+    let env = Envelope {
+        body: String::from_utf8_lossy(body).into_owned(),
+        mac: base64::engine::general_purpose::STANDARD.encode(key.prove(label, body)),
+    };
+    serde_json::to_vec(&env).unwrap_or_default()
+}
+
+/// The body of a value sealed under `key` for `label`.
+pub fn open(key: &ClusterKey, label: &[u8], bytes: &[u8]) -> Result<Vec<u8>, SealError> {
+    let env: Envelope = serde_json::from_slice(bytes).map_err(|_| SealError::Unsealed)?;
+    let mac = base64::engine::general_purpose::STANDARD.decode(&env.mac).map_err(|_| SealError::Forged)?;
+    match key.verify(label, env.body.as_bytes(), &mac) {
+        true => Ok(env.body.into_bytes()),
+        false => Err(SealError::Forged),
+    }
+}
+
+/// The body without checking its MAC: for tools that only show the fleet.
+pub fn peek(bytes: &[u8]) -> Result<Vec<u8>, SealError> {
+    let env: Envelope = serde_json::from_slice(bytes).map_err(|_| SealError::Unsealed)?;
+    Ok(env.body.into_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_key_and_label_that_sealed_a_value_open_it() {
+        let (key, other) = (ClusterKey::random(), ClusterKey::random());
+        let sealed = seal(&key, PLAN, br#"{"holder":"p"}"#);
+        assert_eq!(open(&key, PLAN, &sealed).unwrap(), br#"{"holder":"p"}"#);
+        assert_eq!(open(&other, PLAN, &sealed), Err(SealError::Forged));
+        assert_eq!(open(&key, NODE, &sealed), Err(SealError::Forged));
+        assert_eq!(open(&key, PLAN, br#"{"holder":"rogue"}"#), Err(SealError::Unsealed));
+        let tampered = String::from_utf8(sealed).unwrap().replace("\\\"p\\\"", "\\\"q\\\"");
+        assert_eq!(open(&key, PLAN, tampered.as_bytes()), Err(SealError::Forged));
+        assert_eq!(peek(tampered.as_bytes()).unwrap(), br#"{"holder":"q"}"#);
+    }
+}

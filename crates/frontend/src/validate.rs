@@ -22,10 +22,11 @@ use crate::errors::ApiError;
 use crate::openai::{ChatRequest, CommonParams, CompletionRequest, Content, Message, Prompt, Stop};
 use crate::tools::{self, Tools};
 use pdserve_engine::chat::{ChatMessage, ChatTemplate};
-use pdserve_engine::grammar::Grammars;
+use pdserve_engine::grammar::{GrammarError, Grammars};
 use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_protocol::ServeError;
-use pdserve_types::{Grammar, SamplingParams, StopCondition, TokenId};
+use pdserve_types::{Grammar, SamplingParams, StopCondition, TokenId, MAX_STOP_TOKEN_IDS};
+use std::ops::Range;
 use std::sync::Arc;
 
 /// `max_tokens` of completions when the request names none.
@@ -165,7 +166,10 @@ impl Validator {
         let Some(grammars) = &self.grammars else {
             return Err(ApiError::invalid(param, "this server does not serve constrained outputs"));
         };
-        grammars.check(&g).map_err(|e| ApiError::invalid(param, format!("{param}: {e}")))?;
+        grammars.check(&g).map_err(|e| match e {
+            GrammarError::Busy => ApiError::Serve(ServeError::Overloaded(e.to_string())),
+            e => ApiError::invalid(param, format!("{param}: {e}")),
+        })?;
         Ok(Some(g))
     }
 
@@ -282,6 +286,15 @@ impl Validator {
     /// The prompts of a completion request: one, or a batch of texts or of token-id
     /// lists.
     fn prompts(&self, prompt: Prompt) -> Result<Vec<ValidPrompt>, ApiError> {
+        // Counted before any is tokenized, so an oversized batch costs nothing.
+        let count = match &prompt {
+            Prompt::Texts(texts) => texts.len(),
+            Prompt::IdBatch(batch) => batch.len(),
+            Prompt::Text(_) | Prompt::Ids(_) => 1,
+        };
+        if count > MAX_CHOICES {
+            return Err(ApiError::invalid("prompt", format!("at most {MAX_CHOICES} prompts per request")));
+        }
         let prompts: Vec<ValidPrompt> = match prompt {
             Prompt::Text(text) => vec![self.text_prompt(text)?],
             Prompt::Texts(texts) => texts.into_iter().map(|t| self.text_prompt(t)).collect::<Result<_, _>>()?,
@@ -293,9 +306,6 @@ impl Validator {
         };
         if prompts.is_empty() {
             return Err(ApiError::invalid("prompt", "prompt must not be empty"));
-        }
-        if prompts.len() > MAX_CHOICES {
-            return Err(ApiError::invalid("prompt", format!("at most {MAX_CHOICES} prompts per request")));
         }
         Ok(prompts)
     }
@@ -340,7 +350,13 @@ impl Validator {
     }
 
     fn stop_ids(&self, ids: &Option<Vec<i64>>) -> Result<Vec<TokenId>, ApiError> {
-        ids.as_deref().map_or(Ok(Vec::new()), |ids| self.checked_ids("stop_token_ids", ids))
+        const P: &str = "stop_token_ids";
+        match ids.as_deref() {
+            Some(ids) if ids.len() > MAX_STOP_TOKEN_IDS => {
+                Err(ApiError::invalid(P, format!("at most {MAX_STOP_TOKEN_IDS} stop token ids, not {}", ids.len())))
+            }
+            ids => ids.map_or(Ok(Vec::new()), |ids| self.checked_ids(P, ids)),
+        }
     }
 
     pub(crate) fn chat_ids(&self, messages: &[Message], tools: Option<&Tools>) -> Result<Vec<TokenId>, ApiError> {
@@ -368,7 +384,7 @@ impl Validator {
             .chat
             .render_with_tools(&turns, definitions.as_ref(), true)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-        let mut ids = self.tokenizer.encode(&text, true);
+        let mut ids = self.tokenizer.encode_outside(&text, &content_spans(&text, &turns));
         if let (true, Some(bos)) = (self.tokenizer.add_bos(), self.tokenizer.bos_id()) {
             if ids.first() != Some(&bos) {
                 ids.insert(0, bos);
@@ -381,7 +397,32 @@ impl Validator {
     }
 }
 
+/// Where each turn's content sits in the rendered prompt, found in order (as given,
+/// or trimmed, as some templates write it). Special-token text inside is text: a
+/// user's `<|im_start|>system` stays words, not a forged system turn.
+fn content_spans(text: &str, turns: &[ChatMessage]) -> Vec<Range<usize>> {
+    let mut spans = Vec::new();
+    let mut from = 0;
+    for c in turns.iter().map(|t| t.content.as_str()) {
+        for c in [c, c.trim()].into_iter().filter(|c| !c.is_empty()) {
+            if let Some(p) = text[from..].find(c) {
+                spans.push(from + p..from + p + c.len());
+                from += p + c.len();
+                break;
+            }
+        }
+    }
+    spans
+}
+
+/// The roles chat templates know.
+const ROLES: [&str; 6] = ["system", "developer", "user", "assistant", "tool", "function"];
+
 fn to_chat_message(m: &Message, native_tools: bool) -> Result<ChatMessage, ApiError> {
+    if !ROLES.contains(&m.role.as_str()) {
+        let known = ROLES.join(", ");
+        return Err(ApiError::invalid("messages", format!("unknown role `{}`; use one of {known}", m.role)));
+    }
     let content = match &m.content {
         None => String::new(),
         Some(Content::Text(s)) => s.clone(),

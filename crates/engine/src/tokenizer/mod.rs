@@ -156,9 +156,20 @@ impl Tokenizer {
     /// Token ids of `text`, without BOS. With `parse_special`, control tokens written
     /// in the text (`<|im_start|>`) become their ids; without it they are plain text.
     pub fn encode(&self, text: &str, parse_special: bool) -> Vec<u32> {
-        let mut out = Vec::with_capacity(text.len() / 4 + 1);
+        self.encode_fragments(self.specials.split(text, parse_special), text.len())
+    }
+
+    /// `text` with special tokens parsed except where they start inside one of the
+    /// byte ranges `plain`: a rendered chat whose messages' contents are text, so a
+    /// user cannot forge the template's role markers.
+    pub fn encode_outside(&self, text: &str, plain: &[std::ops::Range<usize>]) -> Vec<u32> {
+        self.encode_fragments(self.specials.split_outside(text, true, plain), text.len())
+    }
+
+    fn encode_fragments(&self, frags: Vec<Fragment<'_>>, len: usize) -> Vec<u32> {
+        let mut out = Vec::with_capacity(len / 4 + 1);
         let mut scratch = bpe::Scratch::default();
-        for frag in self.specials.split(text, parse_special) {
+        for frag in frags {
             match frag {
                 Fragment::Token(id) => out.push(id),
                 Fragment::Text(t) => self

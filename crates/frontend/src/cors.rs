@@ -54,7 +54,7 @@ pub async fn middleware(origins: Origins, req: Request, next: Next) -> Response 
             h.insert(ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, OPTIONS"));
             h.insert(
                 ACCESS_CONTROL_ALLOW_HEADERS,
-                HeaderValue::from_static("authorization, content-type, x-request-id"),
+                HeaderValue::from_static("authorization, content-type, x-api-key, x-request-id"),
             );
             h.insert(ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
             r

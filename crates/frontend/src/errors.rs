@@ -4,8 +4,10 @@
 //! | error | status | type | code |
 //! |---|---|---|---|
 //! | malformed JSON, wrong types, out-of-range values, context too long | 400 | `invalid_request_error` | null, or `context_length_exceeded` |
+//! | API key missing or wrong (with `WWW-Authenticate: Bearer`) | 401 | `authentication_error` | `invalid_api_key` |
 //! | unknown model / unknown route | 404 | `invalid_request_error` | `model_not_found` / `not_found` |
 //! | wrong method | 405 | `invalid_request_error` | `method_not_allowed` |
+//! | body not all sent within the deadline (the connection then closes) | 408 | `invalid_request_error` | `request_timeout` |
 //! | body over the limit | 413 | `invalid_request_error` | `request_too_large` |
 //! | content type not JSON | 415 | `invalid_request_error` | `unsupported_media_type` |
 //! | admission refused ([`ServeError::Overloaded`], [`ServeError::QueueFull`], [`ServeError::SloInfeasible`], [`ServeError::TpotInfeasible`]; with `Retry-After`) | 429 | `rate_limit_error` | `rate_limit_exceeded` |
@@ -32,6 +34,12 @@ pub enum ApiError {
     RouteNotFound(String),
     #[error("method not allowed")]
     MethodNotAllowed,
+    #[error("missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")]
+    MissingApiKey,
+    #[error("invalid API key")]
+    InvalidApiKey,
+    #[error("the request body did not arrive within {} s", .0.as_secs_f64())]
+    BodyTimeout(std::time::Duration),
     #[error("request body is larger than the limit of {limit} bytes")]
     TooLarge { limit: usize },
     #[error("unsupported content type `{0}`: send application/json")]
@@ -61,6 +69,10 @@ impl ApiError {
             ApiError::ModelNotFound(_) => (StatusCode::NOT_FOUND, BAD, Some("model"), Some("model_not_found")),
             ApiError::RouteNotFound(_) => (StatusCode::NOT_FOUND, BAD, None, Some("not_found")),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, BAD, None, Some("method_not_allowed")),
+            ApiError::MissingApiKey | ApiError::InvalidApiKey => {
+                (StatusCode::UNAUTHORIZED, "authentication_error", None, Some("invalid_api_key"))
+            }
+            ApiError::BodyTimeout(_) => (StatusCode::REQUEST_TIMEOUT, BAD, None, Some("request_timeout")),
             ApiError::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, BAD, None, Some("request_too_large")),
             ApiError::UnsupportedMediaType(_) => {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, BAD, None, Some("unsupported_media_type"))
@@ -128,9 +140,21 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        use axum::http::header::{HeaderValue, CONNECTION, RETRY_AFTER, WWW_AUTHENTICATE};
         let mut resp = (self.status(), Json(self.body())).into_response();
+        let h = resp.headers_mut();
         if let Some(s) = self.retry_after() {
-            resp.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
+            h.insert(RETRY_AFTER, s.into());
+        }
+        match self {
+            ApiError::MissingApiKey | ApiError::InvalidApiKey => {
+                h.insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            // The rest of a late body may still be on its way: not worth reading.
+            ApiError::BodyTimeout(_) => {
+                h.insert(CONNECTION, HeaderValue::from_static("close"));
+            }
+            _ => {}
         }
         resp
     }

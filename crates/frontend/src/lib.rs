@@ -13,6 +13,7 @@
 //! response (client gone) drops its token stream, which cancels the request on every
 //! hop behind this one.
 
+mod auth;
 mod chat_completions;
 mod completions;
 mod cors;
@@ -78,6 +79,8 @@ pub(crate) struct AppState {
     origins: Option<Origins>,
     /// Hears of every request (lifecycle events), if set.
     observer: Option<Arc<dyn Observer>>,
+    /// The key clients must present, if any.
+    api_key: Option<auth::ApiKey>,
 }
 
 impl Frontend {
@@ -114,6 +117,7 @@ impl Frontend {
             life,
             origins: None,
             observer: None,
+            api_key: None,
         };
         Frontend { state }
     }
@@ -154,6 +158,12 @@ impl Frontend {
         self
     }
 
+    /// Requires `key` on every route but `/health` and `/metrics` (see `auth.rs`).
+    pub fn with_api_key(mut self, key: Option<&str>) -> Frontend {
+        self.state.api_key = key.map(auth::ApiKey::new);
+        self
+    }
+
     /// Drains and cuts this frontend's requests at shutdown.
     pub fn lifecycle(&self) -> Lifecycle {
         self.state.life.clone()
@@ -162,7 +172,7 @@ impl Frontend {
     /// The axum router with every route, the body limit and JSON fallbacks.
     pub fn router(self) -> Router {
         let origins = self.state.origins.clone();
-        let app = Router::new()
+        let mut app = Router::new()
             .route("/v1/completions", post(completions::handler))
             .route("/v1/chat/completions", post(chat_completions::handler))
             .route("/v1/models", get(models))
@@ -173,7 +183,12 @@ impl Frontend {
             .route("/health", get(health))
             .route("/metrics", get(metrics_text))
             .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
-            .fallback(|uri: Uri| async move { ApiError::RouteNotFound(uri.path().to_string()) })
+            .fallback(|uri: Uri| async move { ApiError::RouteNotFound(uri.path().to_string()) });
+        // Inside the request id (a 401 carries one) and CORS (a preflight has no key).
+        if let Some(key) = self.state.api_key.clone() {
+            app = app.layer(axum::middleware::from_fn(move |req, next| auth::middleware(key.clone(), req, next)));
+        }
+        let app = app
             .layer(DefaultBodyLimit::max(BODY_LIMIT))
             .layer(axum::middleware::from_fn(request_id::middleware))
             .with_state(Arc::new(self.state));

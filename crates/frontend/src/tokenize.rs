@@ -3,7 +3,8 @@
 //!
 //! - `/tokenize` takes `{"prompt": "..."}` (BOS added as for a completion unless
 //!   `add_special_tokens` is false) or `{"messages": [...]}` (rendered by the chat
-//!   template, as for a chat completion), and answers `{"count", "max_model_len",
+//!   template, as for a chat completion), text too long to fit the context refused as
+//!   for those (a 400, untokenized), and answers `{"count", "max_model_len",
 //!   "tokens"}` (and `"token_strs"` when `return_token_strs` is true).
 //! - `/detokenize` takes `{"tokens": [...]}` and answers `{"prompt": "..."}`.
 //! - `GET /tokenizer_info` describes the tokenizer (special tokens, chat template,
@@ -12,6 +13,7 @@
 use crate::errors::ApiError;
 use crate::extract::ApiJson;
 use crate::openai::{CommonParams, Message};
+use crate::validate::Validator;
 use crate::AppState;
 use axum::extract::State;
 use axum::Json;
@@ -44,6 +46,9 @@ pub async fn tokenize(
 ) -> Result<Json<Value>, ApiError> {
     let ApiJson(req) = body?;
     check_model(&app, req.model)?;
+    if let Some(text) = &req.prompt {
+        fits(&app.validator, text)?;
+    }
     let v = app.validator.clone();
     let tokens = tokio::task::spawn_blocking(move || match (req.prompt, req.messages) {
         (Some(text), None) => Ok(match req.add_special_tokens.unwrap_or(true) {
@@ -62,6 +67,19 @@ pub async fn tokenize(
         out["token_strs"] = json!(strs);
     }
     Ok(Json(out))
+}
+
+/// Completions' bound on a prompt's bytes: text that cannot fit the context is not
+/// worth tokenizing (nor answering with megabytes of tokens).
+fn fits(v: &Validator, text: &str) -> Result<(), ApiError> {
+    if text.len() <= v.max_prompt_bytes {
+        return Ok(());
+    }
+    let (bytes, max, context) = (text.len(), v.max_prompt_bytes, v.context_length);
+    let msg = format!(
+        "the prompt is {bytes} bytes; no prompt over {max} bytes fits this model's context of {context} tokens"
+    );
+    Err(ApiError::invalid("prompt", msg))
 }
 
 pub async fn detokenize(

@@ -38,7 +38,6 @@
 //! loopback TCP, overlapped with seconds of prefill.
 
 pub mod auth;
-mod crc32c;
 pub mod frame;
 mod in_process;
 mod inbox;
@@ -51,6 +50,7 @@ mod shm;
 mod target;
 mod tcp;
 
+use pdserve_types::crc32c;
 use std::fmt;
 use std::sync::Arc;
 

@@ -143,6 +143,13 @@ impl BlockPool {
         self.lock().lower.locate(hash)
     }
 
+    /// Drops the block a lower tier holds at `place` because its bytes were lost (a
+    /// failed disk write, a bad read): the slot is free again, and readers of the
+    /// event log see the hash go.
+    pub fn forget_lower(&self, place: Place) {
+        self.lock().forget_lower(place);
+    }
+
     /// The events after number `after` of log `instance`, oldest first, or a gap:
     /// the reader must start over from [`BlockPool::snapshot`].
     pub fn events_since(&self, instance: u64, after: u64) -> Result<Vec<LoggedEvent>, EventGap> {

@@ -107,6 +107,13 @@ impl PoolState {
         }
     }
 
+    /// Drops the lower-tier block at `place` (its bytes were lost), logging it.
+    pub(crate) fn forget_lower(&mut self, place: Place) {
+        if let Some((hash, tier)) = self.lower.forget(place) {
+            self.events.push(KvEvent::Removed { hash, tier });
+        }
+    }
+
     /// Takes `n` blocks for writing, all or none. Free blocks go first; only then are
     /// cached blocks evicted, oldest first, since they may still save a prefill.
     pub(crate) fn take_mutable(&mut self, n: usize) -> Result<Vec<BlockId>, PoolExhausted> {

@@ -89,6 +89,13 @@ pub struct TierCounters {
     pub restored_disk: u64,
     pub restore_seconds_host: f64,
     pub restore_seconds_disk: f64,
+    /// Disk writes that failed (a full disk, say): their blocks leave the tier.
+    #[serde(default)]
+    pub disk_write_failures: u64,
+    /// Disk blocks that could not be read back or failed their checksum: they leave
+    /// the tier and are computed again.
+    #[serde(default)]
+    pub disk_corrupt: u64,
 }
 
 impl TierCounters {
@@ -170,6 +177,15 @@ impl TierIndex {
         self.map.insert(hash, slot);
         self.lru.push_back(BlockId(slot));
         Some((slot, evicted))
+    }
+
+    /// Empties `slot`; what it held.
+    fn remove(&mut self, slot: u32) -> Option<Entry> {
+        let entry = self.slots.get_mut(slot as usize)?.take()?;
+        self.map.remove(&entry.0);
+        self.lru.remove(BlockId(slot));
+        self.free.push(slot);
+        Some(entry)
     }
 
     /// Every hash held, with its parent.
@@ -259,6 +275,17 @@ impl Lower {
         found
     }
 
+    /// Drops the block at `place`, whose bytes were lost; its hash and tier.
+    pub(crate) fn forget(&mut self, place: Place) -> Option<(BlockHash, Tier)> {
+        let (tier, slot) = match place {
+            Place::Host(s) => (Tier::Host, s),
+            Place::Disk(s) => (Tier::Disk, s),
+            Place::Device(_) => return None,
+        };
+        let t = self.tiers.iter_mut().find(|t| t.tier == tier)?;
+        t.remove(slot).map(|(hash, _)| (hash, tier))
+    }
+
     pub(crate) fn stats(&self, tier: Tier) -> TierStats {
         self.tiers.iter().find(|t| t.tier == tier).map(TierIndex::stats).unwrap_or_default()
     }
@@ -323,5 +350,22 @@ mod tests {
         }
         assert_eq!(lower.prefix(&[h(1), h(2), h(3), h(9), h(1)]), [Tier::Disk, Tier::Disk, Tier::Host]);
         assert!(lower.prefix(&[h(9)]).is_empty());
+    }
+
+    #[test]
+    fn a_forgotten_slot_is_free_again_and_its_hash_gone() {
+        let mut lower = Lower::new(0, 2);
+        let mut changes = Changes::new();
+        lower.demote(0, Place::Device(BlockId(0)), h(1), None, &mut changes);
+        lower.demote(0, Place::Device(BlockId(1)), h(2), None, &mut changes);
+        assert_eq!(lower.forget(Place::Disk(0)), Some((h(1), Tier::Disk)));
+        assert_eq!(lower.forget(Place::Disk(0)), None);
+        assert_eq!(lower.locate(h(1)), None);
+        assert_eq!(lower.stats(Tier::Disk).used, 1);
+        // The freed slot is taken before the full tier evicts anything.
+        lower.demote(0, Place::Device(BlockId(2)), h(3), None, &mut changes);
+        assert_eq!(lower.locate(h(3)), Some((Tier::Disk, Place::Disk(0))));
+        assert!(lower.locate(h(2)).is_some());
+        lower.tiers[0].audit().unwrap();
     }
 }

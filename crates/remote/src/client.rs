@@ -304,7 +304,7 @@ impl Worker for RemoteWorker {
         let answer = self.reply_call(Op::Stats, false);
         Box::pin(async move {
             match answer.await? {
-                Answer::Stats(s) => Ok(s),
+                Answer::Stats(s) => Ok(*s),
                 other => Err(unexpected(&other)),
             }
         })

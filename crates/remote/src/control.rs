@@ -180,7 +180,8 @@ pub enum FromWorker {
 pub enum Answer {
     Token(HandoffToken),
     Prefilled(Prefilled),
-    Stats(WorkerStats),
+    /// Boxed: the stats are several times the size of every other answer.
+    Stats(Box<WorkerStats>),
     KvEvents(KvEvents),
     Assignment(Assignment),
     Count(usize),

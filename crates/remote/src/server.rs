@@ -294,7 +294,7 @@ impl Session {
                 self.reply(call, async move {
                     let mut stats = s.worker().stats().await?;
                     stats.stopping |= s.srv.stopping.load(std::sync::atomic::Ordering::SeqCst);
-                    Ok(Answer::Stats(stats))
+                    Ok(Answer::Stats(Box::new(stats)))
                 })
             }
             Op::SetRole { to } => {

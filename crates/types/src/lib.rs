@@ -1,10 +1,12 @@
 //! Shared vocabulary of pdserve: newtype ids, sampling parameters, worker roles, the
-//! token and KV-frame values every hop passes on, and the seeded random-number
-//! generator the sampler and the benchmarks share.
+//! token and KV-frame values every hop passes on, the seeded random-number generator
+//! the sampler and the benchmarks share, and the checksum of KV bytes on the wire
+//! and on disk.
 //!
 //! Sits under every other crate on the request path; it does no I/O and owns no state.
 
 pub mod civil;
+pub mod crc32c;
 mod grammar;
 mod ids;
 mod kv;
@@ -19,7 +21,7 @@ pub use grammar::{Grammar, GrammarSpec};
 pub use ids::{RequestId, TokenId};
 pub use kv::KvFrame;
 pub use role::{Assignment, Epoch, Role};
-pub use sampling::{SamplingError, SamplingParams, StopCondition};
+pub use sampling::{SamplingError, SamplingParams, StopCondition, MAX_STOP_TOKEN_IDS};
 pub use steps::{DecodeSteps, PrefillSteps, StepFit};
 pub use token::{FinishReason, TokenOut};
 pub use traffic::RequestSample;

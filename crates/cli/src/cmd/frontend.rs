@@ -92,7 +92,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
                 Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
             tokio::spawn(supervise(addr, to, Some(tx), None));
         }
-        if let Some(cfg) = a.nats.config("pdserve-frontend") {
+        if let Some(cfg) = a.nats.config("pdserve-frontend", Some(&key)) {
             let to =
                 Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
             tokio::spawn(follow_fleet(cfg.clone(), to, Arc::default()));
@@ -111,7 +111,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        let river = a.nats.config("pdserve-river").filter(|_| a.river);
+        let river = a.nats.config("pdserve-river", Some(&key)).filter(|_| a.river);
         let observer = river.clone().map(river::LeafObserver::start);
         let model = Served {
             observer: observer.clone().map(|o| o as Arc<dyn pdserve_frontend::observe::Observer>),
@@ -121,7 +121,15 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             name: meta.name,
             context_length: meta.context_length,
         };
-        http::serve(router, metrics, model, &a.api, &banner, river::after_bind(river, observer)).await
+        http::serve(
+            router,
+            metrics,
+            model,
+            &a.api,
+            &banner,
+            river::after_bind(river, observer, a.api.api_key(), a.nats.river_reply_prefix.clone()),
+        )
+        .await
     })
 }
 

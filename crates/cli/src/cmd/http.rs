@@ -83,12 +83,32 @@ pub struct ApiArgs {
     /// worker (its prompt plus the tokens already sent are replayed there); 0: never.
     #[arg(long, default_value_t = 1)]
     max_migrations: u32,
+    /// Require this key of clients (`Authorization: Bearer KEY` or `x-api-key: KEY`)
+    /// on every route but /health and /metrics. Default: $PDSERVE_API_KEY, which keeps
+    /// the key out of the process list.
+    #[arg(long, value_parser = non_empty)]
+    api_key: Option<String>,
 }
 
 impl ApiArgs {
     /// The router's deadlines, with the client stall from the flags.
     pub fn deadlines(&self) -> Deadlines {
         Deadlines { client_stall: Duration::from_secs(self.client_stall_seconds), ..Deadlines::default() }
+    }
+
+    /// `--api-key`, else a non-empty `$PDSERVE_API_KEY` (read by hand: clap here is
+    /// built without its `env` feature).
+    pub fn api_key(&self) -> Option<String> {
+        self.api_key.clone().or_else(|| std::env::var("PDSERVE_API_KEY").ok().filter(|k| !k.is_empty()))
+    }
+}
+
+/// An empty `--api-key` (an unset shell variable, most likely) would leave the API
+/// open while looking closed: refused.
+fn non_empty(s: &str) -> Result<String, String> {
+    match s.is_empty() {
+        true => Err("the API key is empty".into()),
+        false => Ok(s.to_string()),
     }
 }
 
@@ -133,11 +153,15 @@ pub async fn serve(
     .with_grammars(model.grammars)
     .with_observer(model.observer)
     .with_served_names(api.served_model_names.clone())
-    .with_cors(pdserve_frontend::Origins::parse(&api.allowed_origins));
+    .with_cors(pdserve_frontend::Origins::parse(&api.allowed_origins))
+    .with_api_key(api.api_key().as_deref());
     let listener = tokio::net::TcpListener::bind((api.host.as_str(), api.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", api.host, api.port))?;
     let addr = listener.local_addr()?;
+    if !addr.ip().is_loopback() && api.api_key().is_none() {
+        tracing::warn!("pdserve: listening on {addr}, beyond this host, with no API key: anyone who reaches it can use it (set --api-key or PDSERVE_API_KEY)");
+    }
     after_bind(addr);
     let first_signal = signal();
     tracing::info!(
@@ -190,7 +214,7 @@ async fn shut_down(
 /// limit first), leaving room for worker, KV and file descriptors.
 fn http_limits() -> HttpLimits {
     let soft = raise_fd_limit();
-    let limits = HttpLimits { max_connections: soft.saturating_sub(256).clamp(16, 16_384), ..HttpLimits::default() };
+    let limits = HttpLimits::with_max_connections(soft.saturating_sub(256).clamp(16, 16_384));
     tracing::debug!(descriptors = soft, max_connections = limits.max_connections, "HTTP limits");
     limits
 }

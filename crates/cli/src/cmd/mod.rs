@@ -20,7 +20,7 @@ use anyhow::Context;
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::loader::{self, LoadedModel, ModelMeta};
 use pdserve_engine::tokenizer::Tokenizer;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Resolves `default` or a path, fetching the default model on first use.
@@ -141,8 +141,8 @@ impl KvTierArgs {
 #[derive(clap::Args)]
 pub struct Security {
     /// File holding the cluster's shared secret (at least 16 bytes; make one with
-    /// `head -c 32 /dev/urandom | base64 > FILE`). Workers and frontends prove it to
-    /// each other on every control and KV connection.
+    /// `head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE`). Workers and
+    /// frontends prove it to each other on every control and KV connection.
     #[arg(long, conflicts_with = "insecure")]
     cluster_token_file: Option<PathBuf>,
     /// Run without a cluster token: anyone who can reach the ports may use them.
@@ -153,11 +153,55 @@ pub struct Security {
 impl Security {
     fn key(&self) -> anyhow::Result<pdserve_kv_transfer::ClusterKey> {
         match (&self.cluster_token_file, self.insecure) {
-            (Some(path), _) => pdserve_kv_transfer::ClusterKey::from_file(path).map_err(anyhow::Error::msg),
+            (Some(path), _) => {
+                warn_if_exposed(path);
+                pdserve_kv_transfer::ClusterKey::from_file(path).map_err(anyhow::Error::msg)
+            }
             (None, true) => Ok(pdserve_kv_transfer::ClusterKey::insecure()),
             (None, false) => anyhow::bail!(
-                "no cluster token: give --cluster-token-file FILE (make one with `head -c 32 /dev/urandom | base64 > FILE`), or --insecure to let anyone who reaches the ports in"
+                "no cluster token: give --cluster-token-file FILE (make one with `head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE`), or --insecure to let anyone who reaches the ports in"
             ),
         }
+    }
+}
+
+/// Warns, once, when more than the owner may read the cluster token (as ssh does for
+/// a private key): whoever reads it may use every port of the cluster.
+fn warn_if_exposed(path: &Path) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    if let Some(mode) = exposed_mode(path) {
+        ONCE.call_once(|| {
+            tracing::warn!(
+                "the cluster token {} has mode {mode:03o}: group or others can read it; run `chmod 600` on it",
+                path.display()
+            );
+        });
+    }
+}
+
+/// The token file's permission bits, when group or others may read it.
+fn exposed_mode(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+    (mode & 0o044 != 0).then_some(mode)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_token_file_others_can_read_is_flagged() {
+        let path = std::env::temp_dir().join(format!("pdserve-token-mode-{}", std::process::id()));
+        std::fs::write(&path, "0123456789abcdef").unwrap();
+        let chmod = |mode| std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        chmod(0o644);
+        assert_eq!(exposed_mode(&path), Some(0o644));
+        chmod(0o640);
+        assert_eq!(exposed_mode(&path), Some(0o640));
+        chmod(0o600);
+        assert_eq!(exposed_mode(&path), None);
+        std::fs::remove_file(&path).unwrap();
     }
 }

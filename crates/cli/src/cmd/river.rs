@@ -54,8 +54,13 @@ const IN_FLIGHT: usize = 16;
 
 /// What an API server does once it listens on `addr`: with `cfg`, consume the River
 /// and the Wind, sending their requests to that address (loopback when it listens
-/// on every interface).
-pub fn after_bind(cfg: Option<NatsConfig>, observer: Option<Arc<LeafObserver>>) -> impl FnOnce(SocketAddr) {
+/// on every interface), with the API's key if it has one.
+pub fn after_bind(
+    cfg: Option<NatsConfig>,
+    observer: Option<Arc<LeafObserver>>,
+    key: Option<String>,
+    replies: Vec<String>,
+) -> impl FnOnce(SocketAddr) {
     move |addr| {
         let Some(cfg) = cfg else { return };
         let api = match addr.ip().is_unspecified() {
@@ -64,7 +69,7 @@ pub fn after_bind(cfg: Option<NatsConfig>, observer: Option<Arc<LeafObserver>>) 
         };
         tokio::spawn(async move {
             let bus = pdserve_fleet::Bus::connect_patiently(&cfg).await;
-            run(bus.client(), cfg.replicas, api, observer).await
+            run(bus.client(), cfg.replicas, (api, key.map(Arc::from)), observer, replies.into()).await
         });
     }
 }
@@ -136,10 +141,16 @@ impl Observer for LeafObserver {
     }
 }
 
-/// Consumes the River until the process ends; the API answers at `api`.
-pub async fn run(client: Client, replicas: usize, api: SocketAddr, observer: Option<Arc<LeafObserver>>) {
+/// Consumes the River until the process ends; the API answers at `api` (with its key).
+pub async fn run(
+    client: Client,
+    replicas: usize,
+    api: Api,
+    observer: Option<Arc<LeafObserver>>,
+    replies: Arc<[String]>,
+) {
     loop {
-        match consume(&client, replicas, api, observer.clone()).await {
+        match consume(&client, replicas, api.clone(), observer.clone(), replies.clone()).await {
             Ok(()) => tracing::warn!("the River consumer ended; starting it again"),
             Err(e) => tracing::warn!(error = %e, "the River consumer failed; starting it again"),
         }
@@ -147,11 +158,15 @@ pub async fn run(client: Client, replicas: usize, api: SocketAddr, observer: Opt
     }
 }
 
+/// The API's address and key.
+pub type Api = (SocketAddr, Option<Arc<str>>);
+
 async fn consume(
     client: &Client,
     replicas: usize,
-    api: SocketAddr,
+    api: Api,
     observer: Option<Arc<LeafObserver>>,
+    replies: Arc<[String]>,
 ) -> anyhow::Result<()> {
     let js = jetstream::new(client.clone());
     // The forest's own settings, should it not have made the stream yet.
@@ -182,7 +197,7 @@ async fn consume(
         )
         .await?;
     let leases = lease::Leases::open(&js, replicas).await.map_err(|e| anyhow::anyhow!(e))?;
-    let ctx = Arc::new(Ctx { client: client.clone(), leases, api, observer });
+    let ctx = Arc::new(Ctx { client: client.clone(), leases, api, observer, replies });
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let submits = client.queue_subscribe(SUBMIT, QUEUE.into()).await?;
     let _wind = AbortOnDrop(tokio::spawn(wind(submits, ctx.clone(), slots.clone())));
@@ -232,9 +247,11 @@ impl Drop for AbortOnDrop {
 struct Ctx {
     client: Client,
     leases: lease::Leases,
-    api: SocketAddr,
+    api: Api,
     /// Gives each answer its request's record (timings, workers) for the result Leaf.
     observer: Option<Arc<LeafObserver>>,
+    /// The subjects a request's `reply_to` may name (by prefix).
+    replies: Arc<[String]>,
 }
 
 /// How serving a request through the API ended.
@@ -253,7 +270,7 @@ impl Ctx {
     /// One River message: rejected, dropped as a copy, served, or given back.
     async fn handle(&self, msg: Message) {
         let delivered = msg.info().map(|i| i.delivered).unwrap_or(1);
-        let req = match forest::parse_river(&msg.payload) {
+        let req = match forest::parse_river(&msg.payload, &self.replies) {
             Ok(r) => r,
             Err(u) => {
                 self.publish_rejected(u, "river").await;
@@ -308,7 +325,7 @@ impl Ctx {
             reason,
             context: Value::Null,
         });
-        let req = match parsed.and_then(|leaf| forest::parse_submit(&leaf)) {
+        let req = match parsed.and_then(|leaf| forest::parse_submit(&leaf, &self.replies)) {
             Ok(r) => r,
             Err(u) => {
                 reply(json!({"accepted": false, "request_id": u.request_id, "error": u.reason})).await;
@@ -414,7 +431,7 @@ impl Ctx {
         msg: Option<&Message>,
         lease: &mut lease::Lease,
     ) -> Option<Served> {
-        let call = serve(self.api, req, ingress, &self.client);
+        let call = serve(&self.api, req, ingress, &self.client);
         tokio::pin!(call);
         loop {
             tokio::select! {
@@ -487,7 +504,8 @@ fn past_deadline(req: &ForestRequest, since: i128) -> Option<String> {
 
 /// Sends `req` to the API on `api` (loopback), as a client would. A request that
 /// asks for `stream` streams its tokens as Leaves on the way (see [`leaf_stream`]).
-async fn serve(api: SocketAddr, req: &ForestRequest, ingress: &str, client: &Client) -> Served {
+async fn serve((api, key): &Api, req: &ForestRequest, ingress: &str, client: &Client) -> Served {
+    let api = *api;
     let streaming = req.body.get("stream") == Some(&Value::Bool(true));
     let mut body = req.body.clone();
     if let Some(o) = body.as_object_mut() {
@@ -501,8 +519,12 @@ async fn serve(api: SocketAddr, req: &ForestRequest, ingress: &str, client: &Cli
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .header("x-request-id", &req.request_id)
         .header("x-pdserve-ingress", ingress)
-        .header("x-pdserve-context", req.context.to_string())
-        .body(Full::new(Bytes::from(body.to_string())));
+        .header("x-pdserve-context", req.context.to_string());
+    let request = match key {
+        Some(k) => request.header(hyper::header::AUTHORIZATION, format!("Bearer {k}")),
+        None => request,
+    };
+    let request = request.body(Full::new(Bytes::from(body.to_string())));
     let Ok(request) = request else { return Served::Refused("the request cannot be sent".into()) };
     let sent = async {
         let stream = tokio::net::TcpStream::connect(api).await.map_err(|e| e.to_string())?;

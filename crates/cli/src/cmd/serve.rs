@@ -226,7 +226,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             let slo = Slo::from_ms(ttft_ms, tpot_ms);
             Planner::spawn(router.clone(), PlannerConfig::new(slo));
         }
-        let river = a.nats.config("pdserve-river").filter(|_| a.river);
+        let river = a.nats.config("pdserve-river", None).filter(|_| a.river);
         let observer = river.clone().map(super::river::LeafObserver::start);
         let model = Served {
             observer: observer.clone().map(|o| o as Arc<dyn pdserve_frontend::observe::Observer>),
@@ -240,7 +240,15 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             "workers: {}, {threads} thread(s) each",
             roles.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
         );
-        http::serve(router, metrics, model, &a.api, &banner, super::river::after_bind(river, observer)).await
+        http::serve(
+            router,
+            metrics,
+            model,
+            &a.api,
+            &banner,
+            super::river::after_bind(river, observer, a.api.api_key(), a.nats.river_reply_prefix.clone()),
+        )
+        .await
     })
 }
 

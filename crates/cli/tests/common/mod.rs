@@ -6,6 +6,7 @@ use pdserve_testkit::http::{self, post_request};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
+use std::os::unix::fs::OpenOptionsExt;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,7 +18,10 @@ pub fn token_file() -> &'static str {
         let path = std::env::temp_dir().join(format!("pdserve-test-token-{}", std::process::id()));
         let token: String =
             (0..32).map(|i| char::from(b'a' + ((std::process::id() as usize * 7 + i * 13) % 26) as u8)).collect();
-        std::fs::write(&path, token).unwrap();
+        // For its owner alone, as a token should be (pdserve warns otherwise).
+        let _ = std::fs::remove_file(&path);
+        let mut f = std::fs::File::options().write(true).create_new(true).mode(0o600).open(&path).unwrap();
+        std::io::Write::write_all(&mut f, token.as_bytes()).unwrap();
         path.to_string_lossy().into_owned()
     })
 }

@@ -168,3 +168,20 @@ fn exhausted_error_reads_well() {
     let err = PoolExhausted { requested: 3, available: 1 };
     assert_eq!(err.to_string(), "KV block pool exhausted: requested 3 blocks, 1 available");
 }
+
+#[test]
+fn a_lost_disk_block_is_forgotten_and_its_removal_logged() {
+    let pool = BlockPool::with_tiers(1, 16, 0, 4);
+    cache_one(&pool, h(1));
+    pool.clear_cache();
+    pool.take_moves();
+    pool.take_events();
+    assert_eq!(pool.locate_lower(h(1)), Some((Tier::Disk, Place::Disk(0))));
+    pool.forget_lower(Place::Disk(0));
+    assert_eq!(pool.locate_lower(h(1)), None);
+    assert_eq!(check(&pool).disk.used, 0);
+    assert_eq!(pool.take_events(), [KvEvent::Removed { hash: h(1), tier: Tier::Disk }]);
+    // Forgetting an empty slot changes nothing.
+    pool.forget_lower(Place::Disk(0));
+    assert!(pool.take_events().is_empty());
+}

@@ -1,4 +1,5 @@
-//! CRC-32C (Castagnoli), the checksum of every wire frame.
+//! CRC-32C (Castagnoli), the checksum of every wire frame and of every block the
+//! KV disk tier keeps.
 //!
 //! x86-64 computes it with the SSE4.2 `crc32` instruction, three independent streams
 //! at a time (the instruction's latency is three times its throughput) joined by a

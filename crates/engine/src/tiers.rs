@@ -309,7 +309,10 @@ impl Slots {
         }
         // Once, then ever more rarely: a full disk fails every write.
         if self.write_failures.is_power_of_two() {
-            tracing::warn!(failures = self.write_failures, "KV disk tier: a block write failed ({e}); the block is dropped");
+            tracing::warn!(
+                failures = self.write_failures,
+                "KV disk tier: a block write failed ({e}); the block is dropped"
+            );
         }
     }
 }

@@ -539,10 +539,10 @@ impl Inner {
     /// Waits until the request's grammar is compiled, on the grammar thread: the
     /// engine thread then only copies its start state, and stalls no one.
     async fn compiled(&self, grammar: Option<&Grammar>) -> Result<(), ServeError> {
-        let (Some(gs), Some(g)) = (&self.grammars, grammar) else { return Ok(()) };
-        if gs.is_compiled(&g.spec) {
+        if self.is_compiled(grammar) {
             return Ok(());
         }
+        let (Some(gs), Some(g)) = (&self.grammars, grammar) else { return Ok(()) };
         let (done, wait) = oneshot::channel();
         gs.compile_then(
             &g.spec,

@@ -162,3 +162,63 @@ fn length_prefixes_that_announce_megabytes_cost_a_worker_no_memory() {
     };
     assert!(closed, "a silent router was kept {:?}", t.elapsed());
 }
+
+/// Idle strangers from one address, as many as a port used to serve (64, each
+/// reopened as soon as the worker closes it, as the probe's script did), take none
+/// of the slots routers need: a frontend started during the attack connects and
+/// serves, and the refusals are logged a few times, not once each.
+#[test]
+fn idle_strangers_do_not_lock_routers_out_of_a_worker() {
+    let w = start(&["worker", "--role", "mixed", "--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "256"]);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let attack = std::thread::spawn({
+        let (to, stop) = (w.addr, stop.clone());
+        move || hold_idle_connections(to, 64, &stop)
+    });
+    let fe = start(&["frontend", "--workers", &w.addr.to_string(), "--mode", "aggregated", "--port", "0"]);
+    let served = complete(fe.addr, &json!([504, 3575, 282]), 4);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let opened = attack.join().unwrap();
+    assert!(!served.is_empty(), "the frontend was locked out");
+    assert!(opened > 64, "the attack never reconnected ({opened} connections)");
+    let refusals = w.log.lock().unwrap().iter().filter(|l| l.contains("a router connection refused")).count();
+    assert!((1..=6).contains(&refusals), "{refusals} refusal lines for {opened} connections");
+}
+
+/// Keeps `n` connections from 127.0.0.2 open to `to`, reopening each the moment the
+/// worker closes it, until `stop` (or a minute); answers how many it opened.
+fn hold_idle_connections(to: SocketAddr, n: usize, stop: &std::sync::atomic::AtomicBool) -> usize {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let connect = || async {
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            s.connect(to).await.ok()
+        };
+        let (mut held, mut opened) = (Vec::new(), 0);
+        let end = tokio::time::Instant::now() + Duration::from_secs(60);
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) && tokio::time::Instant::now() < end {
+            held.retain(still_open);
+            while held.len() < n {
+                let Some(c) = connect().await else { break };
+                held.push(c);
+                opened += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        opened
+    })
+}
+
+/// Whether the worker has not closed `c`: a closed connection reads 0 bytes (or
+/// fails), an open one has nothing more to read.
+fn still_open(c: &tokio::net::TcpStream) -> bool {
+    let mut buf = [0u8; 512];
+    loop {
+        match c.try_read(&mut buf) {
+            Ok(0) => return false,
+            Ok(_) => continue,
+            Err(e) => return e.kind() == std::io::ErrorKind::WouldBlock,
+        }
+    }
+}

@@ -47,6 +47,7 @@ mod measure;
 mod receive;
 mod records;
 mod shm;
+pub mod slots;
 mod target;
 mod tcp;
 
@@ -64,7 +65,9 @@ pub use shm::{ShmConfig, ShmReceiver, ShmTransport};
 pub use target::{HandoffToken, KvAddr, KvTarget, TransportKind};
 pub use tcp::{TcpReceiver, TcpTransport};
 
-/// Connections a receiver serves at once; more are closed as they arrive.
+/// Authenticated connections a receiver serves at once; more are closed as they
+/// arrive (connections still proving the token have a budget of their own, see
+/// [`slots`]).
 pub const MAX_CONNECTIONS: usize = 64;
 
 /// Names one transfer of one sequence's KV from a prefill to a decode worker.

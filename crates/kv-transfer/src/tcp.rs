@@ -3,6 +3,7 @@
 
 use crate::link::{Link, Stream, IO_TIMEOUT};
 use crate::receive;
+use crate::slots::PortSlots;
 use crate::{auth, ClusterKey, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError, TransportKind};
 use std::io;
 use std::net::{SocketAddr, TcpStream};
@@ -80,18 +81,30 @@ impl Drop for TcpReceiver {
 async fn accept(listener: TcpListener, inboxes: Inboxes) {
     // Owned here, so aborting this task aborts every connection.
     let mut conns = JoinSet::new();
+    let slots = PortSlots::new(crate::MAX_CONNECTIONS);
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                // Over the cap: dropped at once (the peer sees the connection close).
-                Ok(_) if conns.len() >= crate::MAX_CONNECTIONS => {}
-                Ok((stream, _)) => {
+                Ok((stream, peer)) => {
+                    // Over a budget: dropped at once (the peer sees the connection close).
+                    let pending = match slots.knock(peer.ip()) {
+                        Ok(p) => p,
+                        Err(why) => {
+                            if let Some(quiet) = slots.log_refusal() {
+                                tracing::warn!(%peer, ?why, refused_since_last = quiet, "KV port: a connection refused");
+                            }
+                            continue;
+                        }
+                    };
                     let _ = stream.set_nodelay(true);
                     let inboxes = inboxes.clone();
                     conns.spawn(async move {
                         let (r, mut w) = stream.into_split();
                         let mut r = BufReader::with_capacity(READ_BUFFER, r);
-                        if auth::challenge(&mut r, &mut w, inboxes.key()).await.is_ok() {
+                        if auth::challenge(&mut r, &mut w, inboxes.key()).await.is_err() {
+                            return;
+                        }
+                        if let Ok(_slot) = pending.admit() {
                             let _ = receive::serve(&mut r, &mut w, &inboxes, None).await;
                         }
                     });

@@ -6,6 +6,7 @@
 //! reservations released.
 
 use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
+use pdserve_kv_transfer::slots::{Pending, PortSlots, Refused};
 use pdserve_kv_transfer::{auth, ClusterKey, KvTarget, TransportKind};
 use pdserve_protocol::{Event, GenerateRequest, KvDestination, ServeError, TokenStream, Worker};
 use pdserve_types::RequestId;
@@ -22,7 +23,8 @@ const OUTBOX: usize = 1024;
 /// connection is taken for dead: a frozen or cut-off host sends no FIN, and its
 /// session's reservations and paused streams are freed now, not by their TTLs.
 const SILENT_ROUTER: std::time::Duration = std::time::Duration::from_secs(10);
-/// Router connections served at once; more are closed as they arrive.
+/// Router connections that proved the token, served at once; more are closed
+/// (connections still proving it have a budget of their own: `PortSlots`).
 const MAX_CONNECTIONS: usize = 64;
 /// Reservations one connection may hold at once.
 const MAX_HELD: usize = 256;
@@ -33,7 +35,7 @@ const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
 pub struct WorkerServer {
     worker: Arc<dyn Worker>,
     key: ClusterKey,
-    connections: Arc<tokio::sync::Semaphore>,
+    connections: Arc<PortSlots>,
     /// Set when `serve` stops taking routers; its stats say so from then on.
     stopping: std::sync::atomic::AtomicBool,
 }
@@ -41,7 +43,7 @@ pub struct WorkerServer {
 impl WorkerServer {
     /// Serves `worker` to routers that prove `key`.
     pub fn new(worker: Arc<dyn Worker>, key: ClusterKey) -> Arc<WorkerServer> {
-        let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+        let connections = PortSlots::new(MAX_CONNECTIONS);
         Arc::new(WorkerServer { worker, key, connections, stopping: Default::default() })
     }
 
@@ -73,17 +75,17 @@ impl WorkerServer {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok((stream, peer)) => {
-                        let Ok(permit) = self.connections.clone().try_acquire_owned() else {
-                            tracing::warn!(%peer, "too many router connections; closing a new one");
-                            continue;
+                        let pending = match self.connections.knock(peer.ip()) {
+                            Ok(p) => p,
+                            Err(why) => {
+                                self.refused(peer, why);
+                                continue;
+                            }
                         };
                         let _ = stream.set_nodelay(true);
                         tracing::debug!(%peer, "router connected");
                         let me = self.clone();
-                        tokio::spawn(async move {
-                            me.session(stream).await;
-                            drop(permit);
-                        });
+                        tokio::spawn(async move { me.session(stream, pending).await });
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "accept failed");
@@ -118,9 +120,21 @@ impl WorkerServer {
         }
     }
 
-    async fn session(self: Arc<Self>, stream: TcpStream) {
+    /// Logs a refused connection, at most once a while: a reconnect loop must not
+    /// fill the log.
+    fn refused(&self, peer: std::net::SocketAddr, why: Refused) {
+        if let Some(quiet) = self.connections.log_refusal() {
+            tracing::warn!(%peer, ?why, refused_since_last = quiet, "a router connection refused");
+        }
+    }
+
+    async fn session(self: Arc<Self>, stream: TcpStream, pending: Pending) {
         let (mut rd, mut wr) = stream.into_split();
         let Some(router_nonce) = self.authenticate(&mut rd, &mut wr).await else { return };
+        let _slot = match pending.admit() {
+            Ok(slot) => slot,
+            Err(why) => return self.refused(rd.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into()), why),
+        };
         if control::write(&mut wr, &FromWorker::Hello(self.handshake(&router_nonce))).await.is_err() {
             return;
         }

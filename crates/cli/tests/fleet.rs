@@ -407,7 +407,9 @@ fn losing_nats_fails_nothing_in_flight_and_the_fleet_comes_back() {
 /// node), while a reader that checks nothing sees both were written.
 #[test]
 fn plans_and_records_written_without_the_cluster_token_are_ignored() {
-    use pdserve_fleet::{read_plan, Bus, Endpoints, KvCache, Lease, Load, NatsConfig, NodeRecord};
+    use pdserve_fleet::{
+        read_plan, seal, Bus, Endpoints, KvBatch, KvCache, Lease, Load, NatsConfig, NodeRecord, KV_SUBJECT_PREFIX,
+    };
     use pdserve_kv_transfer::ClusterKey;
     use pdserve_types::{Assignment, Epoch, Role};
     let n = nats();
@@ -444,6 +446,30 @@ fn plans_and_records_written_without_the_cluster_token_are_ignored() {
         assert!(read_plan(&fleet).await.unwrap().is_none(), "a forged plan was taken");
         assert_eq!(looker.nodes().await.unwrap().len(), 1);
         assert!(read_plan(&looker).await.unwrap().is_some());
+
+        // KV events on core NATS: forged batches (unsealed, or sealed with another
+        // token) go out before each genuine one; the router's follower gets the
+        // genuine one first.
+        let key = ClusterKey::random();
+        let mut events = pdserve_fleet::follow_kv_events(cfg("router", Some(key.clone())));
+        let batch = |worker: &str| {
+            let b = KvBatch { worker: worker.into(), from: Default::default(), events: Default::default() };
+            serde_json::to_vec(&b).unwrap()
+        };
+        let client = fleet.client();
+        let subject = format!("{KV_SUBJECT_PREFIX}w1");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let first = loop {
+            assert!(Instant::now() < deadline, "no KV batch came through");
+            let forged = [batch("evil"), seal::seal(&ClusterKey::random(), seal::KV_EVENTS, &batch("evil"))];
+            for body in forged.into_iter().chain([seal::seal(&key, seal::KV_EVENTS, &batch("real"))]) {
+                client.publish(subject.clone(), body.into()).await.unwrap();
+            }
+            if let Ok(Some(b)) = tokio::time::timeout(Duration::from_millis(300), events.recv()).await {
+                break b;
+            }
+        };
+        assert_eq!(first.worker, "real");
     });
 }
 

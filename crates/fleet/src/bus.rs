@@ -171,11 +171,16 @@ impl Bus {
     }
 }
 
-/// Every JSON message on `subject` (wildcards allowed) from now on, parsed as `T`,
-/// until the receiver is dropped. Core NATS: the client resubscribes by itself after
+/// Every sealed JSON message on `subject` (wildcards allowed) from now on that
+/// verifies for `label`, parsed as `T`, until the receiver is dropped. Core NATS: the client resubscribes by itself after
 /// a reconnect, and what was published meanwhile is missed. A receiver `capacity`
 /// behind loses messages rather than slowing the connection.
-pub fn subscribe_json<T>(cfg: NatsConfig, subject: String, capacity: usize) -> tokio::sync::mpsc::Receiver<T>
+pub fn subscribe_sealed<T>(
+    cfg: NatsConfig,
+    subject: String,
+    label: &'static [u8],
+    capacity: usize,
+) -> tokio::sync::mpsc::Receiver<T>
 where
     T: serde::de::DeserializeOwned + Send + 'static,
 {
@@ -192,13 +197,14 @@ where
             Err(e) => return tracing::error!(error = %e, subject, "cannot subscribe"),
         };
         while let Some(msg) = sub.next().await {
-            match serde_json::from_slice::<T>(&msg.payload) {
+            let body = bus.open(label, &msg.payload).map_err(|e| e.to_string());
+            match body.and_then(|b| serde_json::from_slice::<T>(&b).map_err(|e| e.to_string())) {
                 Ok(m) => {
                     if let Err(TrySendError::Closed(_)) = tx.try_send(m) {
                         return;
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, subject = %msg.subject, "a message that does not parse; ignored"),
+                Err(e) => tracing::warn!(error = %e, subject = %msg.subject, "a message ignored"),
             }
         }
     });

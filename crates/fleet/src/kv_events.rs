@@ -7,8 +7,9 @@
 //! by asking the worker over its control connection, as without NATS. Core NATS, not
 //! JetStream: a lost batch costs a poll, never a wrong index.
 
-use crate::bus::{subscribe_json, Bus, NatsConfig};
+use crate::bus::{subscribe_sealed, Bus, NatsConfig};
 use crate::record::NodeId;
+use crate::seal;
 use pdserve_protocol::{KvCursor, KvEvents, Worker};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -51,7 +52,7 @@ pub fn publish_kv_events(cfg: NatsConfig, id: NodeId, worker: Arc<dyn Worker>) {
                 continue;
             }
             let batch = KvBatch { worker: name.clone(), from, events: got };
-            let body = serde_json::to_vec(&batch).unwrap_or_default();
+            let body = bus.seal(seal::KV_EVENTS, &serde_json::to_vec(&batch).unwrap_or_default());
             if let Err(e) = client.publish(subject.clone(), body.into()).await {
                 tracing::debug!(error = %e, "KV events not published");
             }
@@ -63,5 +64,5 @@ pub fn publish_kv_events(cfg: NatsConfig, id: NodeId, worker: Arc<dyn Worker>) {
 /// Every batch any worker publishes from now on, until the receiver is dropped. A
 /// router that falls behind drops batches: polling catches it up.
 pub fn follow_kv_events(cfg: NatsConfig) -> mpsc::Receiver<KvBatch> {
-    subscribe_json(cfg, format!("{KV_SUBJECT_PREFIX}>"), 1024)
+    subscribe_sealed(cfg, format!("{KV_SUBJECT_PREFIX}>"), seal::KV_EVENTS, 1024)
 }

@@ -5,7 +5,9 @@
 //! fleet at a relay of its own (a node record). A sealed value is
 //! `{"body": "<the value's JSON, as a string>", "mac": "<base64 HMAC-SHA256>"}`; the
 //! MAC covers the exact bytes of the body and a label per kind of value, so a node
-//! record cannot pass for a plan. Readers ignore what does not verify.
+//! record cannot pass for a plan. Readers ignore what does not verify. The workers'
+//! KV events and the frontends' traffic samples, on core NATS subjects, are sealed
+//! the same way.
 
 use base64::Engine as _;
 use pdserve_kv_transfer::ClusterKey;
@@ -15,6 +17,10 @@ use serde::{Deserialize, Serialize};
 pub const PLAN: &[u8] = b"pdserve-fleet-plan";
 /// A node's record.
 pub const NODE: &[u8] = b"pdserve-fleet-node";
+/// A worker's batch of KV events (`pdserve.kv.<node>`): routers index what it says.
+pub const KV_EVENTS: &[u8] = b"pdserve-fleet-kv-events";
+/// A frontend's batch of traffic samples (`pdserve.traffic`): planners plan by it.
+pub const TRAFFIC: &[u8] = b"pdserve-fleet-traffic";
 
 #[derive(Serialize, Deserialize)]
 struct Envelope {

@@ -4,7 +4,8 @@
 //! Core NATS publish, no JetStream: a planner that is down or slow misses batches,
 //! and its window simply sees less traffic; no request waits on this.
 
-use crate::bus::{subscribe_json, Bus, NatsConfig};
+use crate::bus::{subscribe_sealed, Bus, NatsConfig};
+use crate::seal;
 use pdserve_types::RequestSample;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -53,7 +54,7 @@ where
                 }
             }
             if !batch.samples.is_empty() || !batch.prefill_pace.is_empty() {
-                let body = serde_json::to_vec(&batch).unwrap_or_default();
+                let body = bus.seal(seal::TRAFFIC, &serde_json::to_vec(&batch).unwrap_or_default());
                 if let Err(e) = client.publish(TRAFFIC_SUBJECT, body.into()).await {
                     tracing::debug!(error = %e, "traffic batch not published");
                 }
@@ -67,5 +68,5 @@ where
 
 /// Every batch any frontend publishes from now on, until the receiver is dropped.
 pub fn follow_traffic(cfg: NatsConfig) -> mpsc::Receiver<TrafficBatch> {
-    subscribe_json(cfg, TRAFFIC_SUBJECT.to_string(), 64)
+    subscribe_sealed(cfg, TRAFFIC_SUBJECT.to_string(), seal::TRAFFIC, 64)
 }

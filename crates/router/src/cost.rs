@@ -59,19 +59,13 @@ pub fn blocks_for(tokens: usize) -> usize {
     tokens.div_ceil(BLOCK_TOKENS)
 }
 
-/// What the router knows about one worker's prefill side: a prefill takes a fixed
-/// cost plus a pace per computed token. The two are told apart by the prefill's
-/// size: one that computed at least [`PACE_FROM_TOKENS`] tokens (per prefill, the
-/// queue it waited behind included) times the pace, its fixed cost taken off; a
-/// shorter one times the fixed cost, its tokens taken off at the pace. A single
-/// per-token figure learned from prefills that hit their cache and computed a dozen
-/// tokens would carry their fixed cost into every token of a long prompt.
+/// What the router knows about one worker's prefill side: the prompts it sent there
+/// that have not had their first token ([`Drain`]), and the fixed cost and
+/// per-token pace of a prefill there ([`Pace`]).
 #[derive(Debug, Default)]
 pub struct PrefillLoad {
-    queued_tokens: AtomicUsize,
-    queued_prefills: AtomicUsize,
-    seconds_per_token: Mutex<Option<f64>>,
-    fixed_seconds: Mutex<Option<f64>>,
+    queue: Mutex<Drain>,
+    pace: Mutex<Pace>,
 }
 
 /// Prefills queued on a worker: what a new one waits behind.
@@ -85,18 +79,20 @@ impl PrefillLoad {
     /// Counts a prefill computing `tokens` as queued here until the returned ticket
     /// is dropped.
     pub fn admit(self: &Arc<Self>, tokens: usize) -> Ticket {
-        self.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
-        self.queued_prefills.fetch_add(1, Ordering::Relaxed);
+        lock(&self.queue).add(tokens);
         Ticket { load: self.clone(), tokens }
     }
 
+    /// Prompt tokens queued here and not computed yet, as far as the time since the
+    /// worker started on them tells.
     pub fn queued(&self) -> usize {
-        self.queued_tokens.load(Ordering::Relaxed)
+        self.ahead().tokens
     }
 
-    /// The prefills a prompt admitted now would wait behind.
+    /// The prefills a prompt admitted now would wait behind: those queued, less the
+    /// tokens the time the worker has spent on them computed at its pace.
     pub fn ahead(&self) -> Queue {
-        Queue { tokens: self.queued(), prefills: self.queued_prefills.load(Ordering::Relaxed) }
+        lock(&self.queue).left((self.fixed_seconds(), self.seconds_per_token()))
     }
 
     /// The marginal cost of one more prompt token.
@@ -107,7 +103,7 @@ impl PrefillLoad {
     /// The per-token prefill pace measured here, if any long enough prompt was
     /// timed yet.
     pub fn measured(&self) -> Option<f64> {
-        *lock(&self.seconds_per_token)
+        lock(&self.pace).per_token
     }
 
     /// What every prefill costs here whatever its length (0 until one short
@@ -118,27 +114,20 @@ impl PrefillLoad {
 
     /// The fixed cost measured here, if any short enough prompt was timed yet.
     pub fn fixed_measured(&self) -> Option<f64> {
-        *lock(&self.fixed_seconds)
+        lock(&self.pace).fixed
     }
 
     /// A prefill of `tokens` that found `ahead` queued before it finished after
     /// `took`: the worker spent `took` on those prefills and this one at most.
     pub fn observe(&self, ahead: Queue, tokens: usize, took: Duration) {
-        let (n, t, took) = (ahead.prefills + 1, ahead.tokens + tokens, took.as_secs_f64());
-        if t >= PACE_FROM_TOKENS * n {
-            let rate = (took - n as f64 * self.fixed_seconds()).max(0.0) / t as f64;
-            ewma(&mut lock(&self.seconds_per_token), rate);
-        } else {
-            let fixed = (took - t as f64 * self.seconds_per_token()).max(0.0) / n as f64;
-            ewma(&mut lock(&self.fixed_seconds), fixed);
-        }
+        lock(&self.pace).observe(ahead, tokens, took.as_secs_f64(), Rise::Gently);
     }
 
     /// Takes a pace measured elsewhere (a frontend's, for a fleet planner that routes
     /// nothing itself).
     pub fn adopt(&self, seconds_per_token: f64) {
         if seconds_per_token.is_finite() && seconds_per_token > 0.0 {
-            ewma(&mut lock(&self.seconds_per_token), seconds_per_token);
+            ewma(&mut lock(&self.pace).per_token, seconds_per_token);
         }
     }
 
@@ -155,9 +144,8 @@ impl PrefillLoad {
     /// [`PrefillLoad::queued_seconds`] at a pace given as `(fixed_seconds,
     /// seconds_per_token)` (a worker not timed yet is taken to be as fast as its
     /// peers).
-    pub fn queued_seconds_at(&self, (fixed_seconds, seconds_per_token): (f64, f64)) -> f64 {
-        let q = self.ahead();
-        q.prefills as f64 * fixed_seconds + q.tokens as f64 * seconds_per_token
+    pub fn queued_seconds_at(&self, at: (f64, f64)) -> f64 {
+        lock(&self.queue).seconds(at)
     }
 
     /// Predicted seconds until a prompt computing `tokens` sent now has its first
@@ -174,6 +162,105 @@ impl PrefillLoad {
     }
 }
 
+/// How the per-token pace takes a measurement above it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rise {
+    /// As any other: a moving average.
+    Gently,
+    /// At once: admission that admits too much costs every accepted request its
+    /// deadline, refusing a little too much costs a few retries.
+    AtOnce,
+}
+
+/// A fixed cost per prefill plus a pace per computed token. The two are told apart
+/// by the prefill's size: one that computed at least [`PACE_FROM_TOKENS`] tokens
+/// (per prefill, the queue it waited behind included) times the pace, its fixed
+/// cost taken off; a shorter one times the fixed cost, its tokens taken off at the
+/// pace. A single per-token figure learned from prefills that hit their cache and
+/// computed a dozen tokens would carry their fixed cost into every token of a long
+/// prompt (a warm-up request made one 3,000-token prompt look like a minute).
+#[derive(Debug, Default, Clone, Copy)]
+struct Pace {
+    per_token: Option<f64>,
+    fixed: Option<f64>,
+}
+
+impl Pace {
+    /// `(fixed, per token)`, the prior standing in for what was not measured.
+    fn at(&self) -> (f64, f64) {
+        (self.fixed.unwrap_or(0.0), self.per_token.unwrap_or(PRIOR_SECONDS_PER_TOKEN))
+    }
+
+    /// `tokens` that found `ahead` queued before them were done after `took` seconds.
+    fn observe(&mut self, ahead: Queue, tokens: usize, took: f64, rise: Rise) {
+        let (fixed, per_token) = self.at();
+        let (n, t) = (ahead.prefills + 1, ahead.tokens + tokens);
+        if t >= PACE_FROM_TOKENS * n {
+            let rate = (took - n as f64 * fixed).max(0.0) / t as f64;
+            match self.per_token {
+                Some(old) if rise == Rise::AtOnce && rate > old => self.per_token = Some(rate),
+                _ => ewma(&mut self.per_token, rate),
+            }
+        } else {
+            ewma(&mut self.fixed, (took - t as f64 * per_token).max(0.0) / n as f64);
+        }
+    }
+}
+
+/// Work queued on one worker, served in order as time passes: what a new arrival
+/// finds is what was queued less what the worker has done since it started on it.
+/// Without the time served, a long prompt counted in full until its last token
+/// was computed, and everyone arriving meanwhile was refused for a wait that had
+/// mostly passed.
+#[derive(Debug, Default)]
+struct Drain {
+    queue: Queue,
+    /// Since when the worker has been working on the queue, less the time the
+    /// entries that left took of it.
+    busy_since: Option<Instant>,
+}
+
+impl Drain {
+    fn add(&mut self, tokens: usize) {
+        if self.queue.prefills == 0 {
+            self.busy_since = Some(Instant::now());
+        }
+        self.queue.tokens += tokens;
+        self.queue.prefills += 1;
+    }
+
+    /// An entry of `tokens` left (done or abandoned), having cost at most `cost_s`
+    /// of the time served.
+    fn remove(&mut self, tokens: usize, cost_s: f64) {
+        self.queue.tokens = self.queue.tokens.saturating_sub(tokens);
+        self.queue.prefills = self.queue.prefills.saturating_sub(1);
+        match (self.queue.prefills, self.busy_since.as_mut()) {
+            (0, _) => self.busy_since = None,
+            (_, Some(since)) => *since += since.elapsed().min(Duration::from_secs_f64(cost_s.clamp(0.0, 1e6))),
+            (_, None) => {}
+        }
+    }
+
+    /// Seconds spent on the queue as it is.
+    fn served(&self) -> f64 {
+        self.busy_since.map_or(0.0, |s| s.elapsed().as_secs_f64())
+    }
+
+    /// The queue less the tokens the time served computed at `(fixed, per token)`,
+    /// the first entry's fixed cost paid first.
+    fn left(&self, (fixed, per_token): (f64, f64)) -> Queue {
+        let computing = (self.served() - fixed).max(0.0);
+        let done = (computing / per_token.max(1e-12)).min(self.queue.tokens as f64) as usize;
+        Queue { tokens: self.queue.tokens - done, ..self.queue }
+    }
+
+    /// Predicted seconds until what is queued is done, at `(fixed, per token)`.
+    fn seconds(&self, (fixed, per_token): (f64, f64)) -> f64 {
+        let q = self.queue;
+        (q.prefills as f64 * fixed + q.tokens as f64 * per_token - self.served()).max(0.0)
+    }
+}
+
 /// A prompt counted in a worker's queue; dropping it (prefill done or abandoned)
 /// takes it out.
 pub struct Ticket {
@@ -183,8 +270,8 @@ pub struct Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.load.queued_tokens.fetch_sub(self.tokens, Ordering::Relaxed);
-        self.load.queued_prefills.fetch_sub(1, Ordering::Relaxed);
+        let cost = self.load.compute(self.tokens);
+        lock(&self.load.queue).remove(self.tokens, cost);
     }
 }
 
@@ -195,8 +282,8 @@ impl Drop for Ticket {
 /// served out of order), measured on real first tokens rather than modelled.
 #[derive(Debug, Default)]
 pub struct Backlog {
-    /// Prompt tokens of the requests waiting.
-    pending: AtomicUsize,
+    /// The requests waiting, by prompt tokens.
+    pending: Mutex<Drain>,
     /// KV blocks the waiting requests still need on the worker over their life
     /// (prompt and output; a handoff's reservation, once granted, holds the prompt's
     /// already).
@@ -206,9 +293,10 @@ pub struct Backlog {
     /// Requests handed off toward this worker that have not reached it yet (their
     /// prefill runs elsewhere): load the worker cannot report, so the policies add it.
     routed: AtomicUsize,
-    /// Moving average of time to first token per prompt token waiting at arrival
-    /// (the request's own included).
-    seconds_per_token: Mutex<Option<f64>>,
+    /// Time to first token for the prompts waiting at arrival (the request's own
+    /// included), as a fixed cost per request and a pace per token; the pace rises
+    /// at once.
+    pace: Mutex<Pace>,
     /// Measured over predicted time to first token of the latest requests that
     /// were predicted to wait (see [`Backlog::correction`]).
     misses: Mutex<VecDeque<f64>>,
@@ -218,7 +306,13 @@ impl Backlog {
     /// Counts a request of `tokens` prompt tokens, which may grow to `life` tokens,
     /// as waiting until the guard goes.
     pub fn enter(self: &Arc<Self>, tokens: usize, life: usize) -> Waiting {
-        let ahead = self.pending.fetch_add(tokens, Ordering::Relaxed);
+        let at = lock(&self.pace).at();
+        let ahead = {
+            let mut pending = lock(&self.pending);
+            let ahead = pending.left(at);
+            pending.add(tokens);
+            ahead
+        };
         let blocks = blocks_for(life.max(tokens));
         self.pending_blocks.fetch_add(blocks, Ordering::Relaxed);
         Waiting {
@@ -287,11 +381,18 @@ impl Backlog {
         Held { backlog: self.clone(), epoch, blocks }
     }
 
-    /// Seconds a request arriving now waits for those ahead of it to start. Until
-    /// measured, the prefill prior stands in for the pace.
+    /// Seconds a request arriving now waits for those ahead of it to start: what is
+    /// left of them, less the time already spent on them. Until measured, the
+    /// prefill prior stands in for the pace.
     pub fn predict(&self) -> f64 {
-        let pace = lock(&self.seconds_per_token).unwrap_or(PRIOR_SECONDS_PER_TOKEN);
-        self.pending.load(Ordering::Relaxed) as f64 * pace
+        let at = lock(&self.pace).at();
+        lock(&self.pending).seconds(at)
+    }
+
+    /// Predicted seconds of a request of `tokens` once those ahead have started.
+    fn cost(&self, tokens: usize) -> f64 {
+        let (fixed, per_token) = lock(&self.pace).at();
+        fixed + tokens as f64 * per_token
     }
 }
 
@@ -302,8 +403,8 @@ pub struct Waiting {
     tokens: usize,
     /// Blocks it still counts as needed.
     blocks: usize,
-    /// Prompt tokens waiting when it arrived.
-    ahead: usize,
+    /// What was waiting when it arrived.
+    ahead: Queue,
     since: Instant,
     /// Counted in [`Backlog::routed`].
     routed: bool,
@@ -343,17 +444,7 @@ impl Waiting {
             }
             misses.push_back(took / p);
         }
-        let behind = self.ahead + self.tokens;
-        if behind > 0 {
-            let pace = took / behind as f64;
-            let mut slot = lock(&self.backlog.seconds_per_token);
-            // Up at once, down gently: admitting too much costs every accepted
-            // request its deadline, refusing a little too much costs a few retries.
-            match *slot {
-                Some(old) if pace > old => *slot = Some(pace),
-                _ => ewma(&mut slot, pace),
-            }
-        }
+        lock(&self.backlog.pace).observe(self.ahead, self.tokens, took, Rise::AtOnce);
         held
     }
 }
@@ -435,7 +526,8 @@ impl Taken {
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        self.backlog.pending.fetch_sub(self.tokens, Ordering::Relaxed);
+        let cost = self.backlog.cost(self.tokens);
+        lock(&self.backlog.pending).remove(self.tokens, cost);
         self.backlog.pending_blocks.fetch_sub(self.blocks, Ordering::Relaxed);
         if self.routed {
             self.backlog.routed.fetch_sub(1, Ordering::Relaxed);
@@ -589,6 +681,23 @@ pub fn prefer_remote(local: f64, remote: f64) -> bool {
     remote < local * (1.0 - MARGIN)
 }
 
+/// Whether a decode worker prefills a prompt itself, `local` seconds (its decodes'
+/// delay counted), rather than send it to a busy prefill worker, `remote`: only
+/// when that is clearly sooner, since the split exists to keep prefills off it.
+pub fn decoder_prefills(local: f64, remote: f64) -> bool {
+    local < remote * (1.0 - MARGIN)
+}
+
+/// Seconds the `n`th refused client should wait before it retries: until the
+/// `excess_s` of predicted wait over the limit has drained, spread over up to half
+/// as long again so that clients refused in one burst do not all return in the same
+/// second, and never past `wait_s`, the whole wait predicted (by then what it
+/// waited behind is predicted done).
+pub fn retry_after(excess_s: f64, wait_s: f64, n: u64) -> u64 {
+    let spread = 1.0 + 0.5 * (n as f64 * 0.618_033_988_75).fract();
+    (excess_s * spread).min(wait_s).clamp(1.0, 1e6).ceil() as u64
+}
+
 fn ewma(slot: &mut Option<f64>, x: f64) {
     *slot = Some(match *slot {
         None => x,
@@ -704,8 +813,8 @@ mod tests {
         assert_eq!(lock(&b.misses).len(), 8);
     }
 
-    #[test]
-    fn queue_and_rate_shape_the_prediction() {
+    #[tokio::test(start_paused = true)]
+    async fn queue_and_rate_shape_the_prediction() {
         let l = Arc::new(PrefillLoad::default());
         l.observe(Queue::default(), 1000, Duration::from_millis(500));
         assert!((l.predict(100) - 0.05).abs() < 1e-9);
@@ -715,8 +824,8 @@ mod tests {
         assert_eq!(l.ahead(), Queue::default());
     }
 
-    #[test]
-    fn short_prefills_time_the_fixed_cost_and_leave_the_pace_alone() {
+    #[tokio::test(start_paused = true)]
+    async fn short_prefills_time_the_fixed_cost_and_leave_the_pace_alone() {
         let l = Arc::new(PrefillLoad::default());
         l.observe(Queue::default(), 1000, Duration::from_millis(1000));
         // Prompts that hit their cache and computed 12 tokens, 300 ms each: a
@@ -737,18 +846,18 @@ mod tests {
         assert!((l.seconds_per_token() - 1.2e-3).abs() < 1e-6, "{}", l.seconds_per_token());
     }
 
-    #[test]
-    fn a_backlog_predicts_from_the_pace_of_first_tokens_while_others_wait() {
+    #[tokio::test(start_paused = true)]
+    async fn a_backlog_predicts_from_the_pace_of_first_tokens_while_others_wait() {
         let b = Arc::new(Backlog::default());
         let waiting: Vec<Waiting> = (0..4).map(|_| b.enter(100, 100)).collect();
         // Unmeasured: the prior pace.
         assert!((b.predict() - 400.0 * PRIOR_SECONDS_PER_TOKEN).abs() < 1e-9);
         let mut waiting = waiting.into_iter();
-        // The first request found none ahead and started after ~100 ms: 1 ms/token.
-        std::thread::sleep(Duration::from_millis(100));
+        // The first request found none ahead and started after 100 ms: 1 ms/token.
+        tokio::time::advance(Duration::from_millis(100)).await;
         drop(waiting.next().unwrap().started());
         let p = b.predict();
-        assert!((0.3..0.6).contains(&p), "300 tokens at about 1 ms each: {p}");
+        assert!((p - 0.3).abs() < 1e-9, "300 tokens at 1 ms each: {p}");
         // A request that fails leaves the backlog without counting as a start.
         drop(waiting);
         assert_eq!(b.predict(), 0.0);
@@ -757,17 +866,88 @@ mod tests {
     #[test]
     fn a_backlog_pace_rises_at_once_and_falls_gently() {
         let b = Arc::new(Backlog::default());
-        *lock(&b.seconds_per_token) = Some(1e-3);
-        // A request that waited 100 ms behind 10 tokens: 10 ms/token, taken at once.
-        let w = b.enter(10, 10);
+        lock(&b.pace).per_token = Some(1e-4);
+        // A request that waited 100 ms behind 100 tokens: 1 ms/token, taken at once.
+        let w = b.enter(100, 100);
         std::thread::sleep(Duration::from_millis(100));
         drop(w.started());
-        let slow = lock(&b.seconds_per_token).unwrap();
-        assert!(slow >= 9e-3, "{slow}");
+        let slow = lock(&b.pace).per_token.unwrap();
+        assert!(slow >= 9e-4, "{slow}");
         // One fast start moves it only part of the way back.
         drop(b.enter(1_000_000, 1_000_000).started());
-        let eased = lock(&b.seconds_per_token).unwrap();
+        let eased = lock(&b.pace).per_token.unwrap();
         assert!(eased < slow && eased > 0.5 * slow, "{slow} -> {eased}");
+    }
+
+    /// The over-shedding a security probe found: after a warm-up request, one
+    /// 3,000-token prompt made every request arriving while it prefilled wait
+    /// "57 s" (a short prompt's first-token time spread over its few tokens, charged
+    /// for each of the 3,000), and the figure never fell while the prompt ran.
+    #[tokio::test(start_paused = true)]
+    async fn a_warm_up_request_times_the_fixed_cost_and_a_long_prompt_drains_as_it_runs() {
+        let b = Arc::new(Backlog::default());
+        let warm_up = b.enter(10, 12);
+        tokio::time::advance(Duration::from_millis(200)).await;
+        drop(warm_up.started());
+        assert_eq!(b.predict(), 0.0);
+        let long = b.enter(3000, 3001);
+        let at_start = b.predict();
+        // The fixed cost once and the prior pace per token, not 20 ms per token.
+        assert!((at_start - (0.19 + 3.0)).abs() < 1e-6, "{at_start}");
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!((b.predict() - 1.19).abs() < 1e-6, "2 s served: {}", b.predict());
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert_eq!(b.predict(), 0.0, "past its prediction it is not counted twice");
+        drop(long);
+        assert_eq!(b.predict(), 0.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_prefill_queue_drains_as_the_worker_computes_it() {
+        let l = Arc::new(PrefillLoad::default());
+        l.observe(Queue::default(), 1000, Duration::from_secs(1));
+        let first = l.admit(1000);
+        let second = l.admit(500);
+        assert!((l.queued_seconds() - 1.5).abs() < 1e-9);
+        tokio::time::advance(Duration::from_millis(600)).await;
+        assert!((l.queued_seconds() - 0.9).abs() < 1e-6, "{}", l.queued_seconds());
+        assert_eq!(l.ahead(), Queue { tokens: 900, prefills: 2 });
+        // The first leaves after 1.2 s, having taken 1 s of it: the 0.2 s left were
+        // spent on the second.
+        tokio::time::advance(Duration::from_millis(600)).await;
+        drop(first);
+        assert!((l.queued_seconds() - 0.3).abs() < 1e-6, "{}", l.queued_seconds());
+        drop(second);
+        assert_eq!((l.queued_seconds(), l.ahead()), (0.0, Queue::default()));
+        // A queue that emptied starts its clock again with the next prompt.
+        let _third = l.admit(100);
+        assert!((l.queued_seconds() - 0.1).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_decoder_prefills_only_what_is_clearly_sooner_there() {
+        // (local, remote) → prefilled on the decoder
+        let cases = [((0.05, 15.0), true), ((1.0, 1.1), false), ((1.0, 1.0), false), ((0.8, 1.0), true)];
+        for ((local, remote), want) in cases {
+            assert_eq!(decoder_prefills(local, remote), want, "{local} {remote}");
+        }
+    }
+
+    #[test]
+    fn retry_after_drains_the_excess_spread_but_never_past_the_whole_wait() {
+        // (excess over the limit, whole predicted wait, refusal number) → seconds
+        let cases = [
+            ((10.0, 40.0, 0), 10),
+            ((10.0, 40.0, 1), 14), // 10 × 1.31
+            ((27.0, 57.0, 1), 36), // the probe's figures: 27 × 1.31 = 35.3
+            ((27.0, 30.0, 1), 30), // bounded by the wait predicted
+            ((0.2, 30.2, 0), 1),   // at least a second
+            ((f64::INFINITY, f64::INFINITY, 3), 1_000_000),
+            ((-1.0, 0.5, 0), 1),
+        ];
+        for ((excess, wait, n), want) in cases {
+            assert_eq!(retry_after(excess, wait, n), want, "{excess} {wait} {n}");
+        }
     }
 
     #[test]

@@ -466,11 +466,6 @@ impl Router {
                 let others = Self::with_role(all, &[Role::Decode, Role::Mixed], None);
                 self.pick_where(ask, &Self::with_role(all, &[Role::Prefill], None), |_| true, Some(&others))
             }
-            // A worker given the decode role (by the planner) prefills nothing itself
-            // while a prefill worker is there, however busy.
-            Mode::Auto if d.role() == Role::Decode => {
-                no_fetch(self.pick(ask, &Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d))))
-            }
             Mode::Auto => {
                 let n = ask.prompt_len;
                 let paces = Paces::of(&Self::with_role(all, &[Role::Prefill, Role::Mixed], None));
@@ -489,6 +484,16 @@ impl Router {
                     let compute = n as f64 * paces.per_token(e);
                     cost(e, self.cached_on(ask, e)) + self.transfer.predict(n, e.link_to(d), compute)
                 };
+                if d.role() == Role::Decode {
+                    // A worker given the decode role prefills only what no prefill
+                    // worker can start now, and only where that is clearly sooner
+                    // with the delay to its own decodes counted: a short prompt
+                    // behind a long one, not the interference the split removes.
+                    let p = self.pick(ask, &Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d)))?;
+                    let stay = p.slots.available_permits() == 0 && cost::decoder_prefills(local, remote(&p));
+                    tracing::debug!(decode = d.name(), peer = p.name(), local = stay, "decoder's prefill placed");
+                    return no_fetch((!stay).then_some(p));
+                }
                 // Only a worker that can start now: a prompt queued there would reach
                 // `d` behind prompts that arrived after it (which went straight to
                 // `d`'s own queue), and find `d`'s blocks taken.
@@ -540,18 +545,19 @@ impl Router {
                 correction,
                 "refused: the wait is over the admission limit"
             );
-            let (wait_s, retry_s) = (wait.min(1e6).ceil() as u64, self.retry_after(wait - limit.as_secs_f64()));
+            let retry_s = self.retry_after(wait - limit.as_secs_f64(), wait);
+            let wait_s = wait.min(1e6).ceil() as u64;
             return Err(ServeError::QueueFull { wait_s, limit_s: limit.as_secs(), retry_s });
         }
         if let Some(slo) = self.slo_ttft.filter(|s| first > s.as_secs_f64()) {
-            let retry_s = self.retry_after(first - slo.as_secs_f64());
+            let retry_s = self.retry_after(first - slo.as_secs_f64(), first);
             let (predicted_ms, slo_ms) = ((first.min(1e6) * 1e3) as u64, slo.as_millis() as u64);
             return Err(ServeError::SloInfeasible { predicted_ms, slo_ms, retry_s });
         }
         let tpot = self.slo_tpot.and_then(|s| Some((s, d.predict_step(life)?)));
         if let Some((slo, step)) = tpot.filter(|(s, t)| *t > s.as_secs_f64()) {
             // A batch shrinks as its sequences finish: a second, spread, is a fair wait.
-            let retry_s = self.retry_after(1.0);
+            let retry_s = self.retry_after(1.0, 1.5);
             let (predicted_ms, slo_ms) = ((step.min(1e6) * 1e3).ceil() as u64, slo.as_millis() as u64);
             return Err(ServeError::TpotInfeasible { predicted_ms, slo_ms, retry_s });
         }
@@ -567,13 +573,10 @@ impl Router {
         }
     }
 
-    /// Seconds a refused client should wait: until the excess has drained, spread
-    /// over up to half as long again, so that clients refused in one burst do not
-    /// all return in the same second (the refusals' order spreads them evenly).
-    fn retry_after(&self, excess_s: f64) -> u64 {
-        let n = self.refusals.fetch_add(1, Ordering::Relaxed) as f64;
-        let spread = 1.0 + 0.5 * (n * 0.618_033_988_75).fract();
-        (excess_s.min(1e6) * spread).ceil() as u64
+    /// Seconds a refused client should wait ([`cost::retry_after`]), the refusals'
+    /// order spreading a burst of them.
+    fn retry_after(&self, excess_s: f64, wait_s: f64) -> u64 {
+        cost::retry_after(excess_s, wait_s, self.refusals.fetch_add(1, Ordering::Relaxed))
     }
 
     /// Prefill and decode on worker `d`, `cached` prompt tokens predicted found in

@@ -232,6 +232,63 @@ async fn admission_refuses_what_would_wait_too_long_and_says_when_to_retry() {
     assert!(r.generate(request(4, 600, 2)).is_ok());
 }
 
+/// The over-shedding a security probe found: after one warm-up request, a long
+/// prompt prefilling made admission refuse everyone ("would wait about 57 s" during
+/// a 15 s prefill: the warm-up's first-token time, spread over its few tokens, was
+/// charged for each of the long prompt's). Short requests arriving while long
+/// prompts fill every prefill slot are admitted, and the idle decoder prefills them
+/// itself rather than queue them behind the long ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_requests_behind_long_prompts_are_admitted_and_prefilled_by_the_decoder() {
+    let (p, d) = (FakeWorker::new("p", Role::Prefill, 100_000), FakeWorker::new("d", Role::Decode, 100_000));
+    p.knobs(|k| (k.prefill_fixed, k.prefill_per_token) = (Duration::from_millis(200), Duration::from_millis(1)));
+    let routes = Arc::new(Routes::default());
+    let r = router(&[&p, &d], Mode::Auto).with_admission(Some(Duration::from_secs(10))).with_telemetry(routes.clone());
+    assert!(matches!(collect(r.generate(request(1, 10, 2)).unwrap()).await.1, Event::Done { .. }));
+    assert_eq!(routes.local(), 0, "an idle prefill worker takes the warm-up");
+    let admit = |req| r.generate(req).unwrap_or_else(|e| panic!("refused: {e}"));
+    let long: Vec<TokenStream> = (2..4).map(|i| admit(request(i, 3000, 2))).collect();
+    for _ in 0..500 {
+        if p.load() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(p.load(), 2, "both long prompts prefill");
+    for i in 0..5 {
+        let (got, end) = collect(admit(request(10 + i, 4, 1))).await;
+        assert!(matches!(end, Event::Done { .. }) && got.len() == 1, "{end:?}");
+        if p.load() == 2 {
+            assert_eq!(routes.local(), i + 1, "short request {i} waited for a prefill slot");
+        }
+    }
+    for s in long {
+        assert!(matches!(collect(s).await.1, Event::Done { .. }));
+    }
+    assert_eq!(settled(&[&p, &d]).await, 0);
+}
+
+/// Prefills the router placed on the decode worker itself.
+#[derive(Default)]
+struct Routes(std::sync::atomic::AtomicU64);
+
+impl Routes {
+    fn local(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl pdserve_protocol::Telemetry for Routes {
+    fn phase(&self, _: pdserve_protocol::Phase, _: f64) {}
+    fn route(&self, r: pdserve_protocol::PrefillRoute) {
+        if r == pdserve_protocol::PrefillRoute::Local {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    fn kv_transfer_bytes(&self, _: pdserve_kv_transfer::TransportKind, _: u64) {}
+    fn migrated(&self, _: &'static str) {}
+}
+
 /// The KV index's size, as the router last reported it.
 #[derive(Default)]
 struct IndexSize(std::sync::atomic::AtomicUsize);

@@ -28,6 +28,8 @@ const LAYERS: u32 = 2;
 /// How a fake behaves; every field may be changed while it runs.
 #[derive(Debug)]
 pub struct Knobs {
+    /// Time every prefill takes whatever its length.
+    pub prefill_fixed: Duration,
     /// Time per prompt token of a prefill.
     pub prefill_per_token: Duration,
     /// Time between generated tokens.
@@ -42,6 +44,7 @@ pub struct Knobs {
 impl Default for Knobs {
     fn default() -> Self {
         Knobs {
+            prefill_fixed: Duration::ZERO,
             prefill_per_token: Duration::from_micros(20),
             token_interval: Duration::from_millis(1),
             fail_prefill: AtomicBool::new(false),
@@ -233,7 +236,8 @@ impl Inner {
         let _done = Decrement(&self.active);
         let (delay, fail) = {
             let k = lock(&self.knobs);
-            (k.prefill_per_token * req.prompt.len() as u32, k.fail_prefill.load(Ordering::SeqCst))
+            let delay = k.prefill_fixed + k.prefill_per_token * req.prompt.len() as u32;
+            (delay, k.fail_prefill.load(Ordering::SeqCst))
         };
         tokio::time::sleep(delay).await;
         self.check_alive()?;

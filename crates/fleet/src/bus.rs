@@ -28,8 +28,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const BUCKET_PATIENCE: Duration = Duration::from_secs(30);
 
 /// How to reach NATS. Credentials come from `creds` (a `.creds` file), else from
-/// `PDSERVE_NATS_USER` + `PDSERVE_NATS_PASSWORD` or `PDSERVE_NATS_TOKEN`, else from
-/// the URL itself (`nats://user:pass@host:4222`).
+/// `PDSERVE_NATS_USER` + `PDSERVE_NATS_PASSWORD` or `PDSERVE_NATS_TOKEN`.
+/// `PDSERVE_NATS_INBOX_PREFIX` replaces `_INBOX` as the prefix of the subjects replies
+/// come to, so a server's permissions can give each user its own
+/// (`deploy/nats/permissions.conf`).
 #[derive(Debug, Clone)]
 pub struct NatsConfig {
     /// One server or several, comma separated (`nats://a:4222,nats://b:4222`).
@@ -244,6 +246,9 @@ async fn options(cfg: &NatsConfig) -> Result<ConnectOptions, FleetError> {
         opts = opts.user_and_password(user, pass);
     } else if let Some(token) = env("PDSERVE_NATS_TOKEN") {
         opts = opts.token(token);
+    }
+    if let Some(prefix) = env("PDSERVE_NATS_INBOX_PREFIX") {
+        opts = opts.custom_inbox_prefix(prefix);
     }
     Ok(opts
         .event_callback(|event| async move { log_event(event) })

@@ -11,7 +11,9 @@ use std::time::Duration;
 #[derive(clap::Args, Clone)]
 pub struct NatsArgs {
     /// NATS server URL (several, comma separated, for a cluster). Credentials: see
-    /// --nats-creds, or PDSERVE_NATS_USER + PDSERVE_NATS_PASSWORD, or PDSERVE_NATS_TOKEN.
+    /// --nats-creds, or PDSERVE_NATS_USER + PDSERVE_NATS_PASSWORD, or PDSERVE_NATS_TOKEN;
+    /// PDSERVE_NATS_INBOX_PREFIX replaces `_INBOX` for replies (per-user permissions:
+    /// deploy/nats/permissions.conf).
     #[arg(long)]
     pub nats: Option<String>,
     /// NATS credentials file (`.creds`, JWT + NKey).

@@ -17,7 +17,12 @@ const CASES: usize = 200;
 
 #[test]
 fn random_bodies_through_the_real_engine_get_an_answer_or_an_openai_error() {
-    let s = start(&["serve", "--port", "0"]);
+    // Bodies without max_tokens generate to the context's end: 1,024 tokens keeps
+    // each within the client's patience on a busy machine (one drew ~4,000 tokens,
+    // 105 s there) and still covers prompts that overflow the context.
+    let s = start(&["serve", "--port", "0", "--max-model-len", "1024"]);
+    let models = send_blocking(s.addr, &pdserve_testkit::http::get_request("/v1/models")).json();
+    assert_eq!(models["data"][0]["max_model_len"], 1024, "{models}");
     let mut draws = Draws::new(0xd15a_66ed);
     let mut seen = BTreeMap::<(&str, u16), usize>::new();
     for endpoint in endpoints() {

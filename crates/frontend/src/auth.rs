@@ -7,6 +7,7 @@
 //! (only counts, timings and worker names); firewall the port if those matter.
 
 use crate::errors::ApiError;
+use crate::metrics::{Metrics, Outcome};
 use axum::extract::Request;
 use axum::http::header::AUTHORIZATION;
 use axum::http::HeaderMap;
@@ -59,13 +60,18 @@ fn same(key: &[u8], given: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-pub async fn middleware(key: ApiKey, req: Request, next: Next) -> Response {
+/// Serves `req` if it may pass; else a 401, counted as
+/// `pdserve_requests_total{outcome="unauthorized"}` (a key being guessed shows there).
+pub async fn middleware(key: ApiKey, metrics: Metrics, req: Request, next: Next) -> Response {
     if OPEN.contains(&req.uri().path()) {
         return next.run(req).await;
     }
     match key.check(req.headers()) {
         Ok(()) => next.run(req).await,
-        Err(e) => e.into_response(),
+        Err(e) => {
+            metrics.outcome(Outcome::Unauthorized);
+            e.into_response()
+        }
     }
 }
 

@@ -186,7 +186,10 @@ impl Frontend {
             .fallback(|uri: Uri| async move { ApiError::RouteNotFound(uri.path().to_string()) });
         // Inside the request id (a 401 carries one) and CORS (a preflight has no key).
         if let Some(key) = self.state.api_key.clone() {
-            app = app.layer(axum::middleware::from_fn(move |req, next| auth::middleware(key.clone(), req, next)));
+            let metrics = self.state.metrics.clone();
+            app = app.layer(axum::middleware::from_fn(move |req, next| {
+                auth::middleware(key.clone(), metrics.clone(), req, next)
+            }));
         }
         let app = app
             .layer(DefaultBodyLimit::max(BODY_LIMIT))

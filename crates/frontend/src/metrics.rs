@@ -74,6 +74,8 @@ pub enum Outcome {
     Error,
     /// Refused before generation: invalid input or admission.
     Rejected,
+    /// Refused at the door: no API key, or a wrong one.
+    Unauthorized,
 }
 
 pub use pdserve_protocol::{Phase, PrefillRoute};
@@ -101,6 +103,7 @@ impl Outcome {
             Outcome::Cancelled => "cancelled",
             Outcome::Error => "error",
             Outcome::Rejected => "rejected",
+            Outcome::Unauthorized => "unauthorized",
         }
     }
 }

@@ -88,6 +88,13 @@ pub async fn detokenize(
 ) -> Result<Json<Value>, ApiError> {
     let ApiJson(req) = body?;
     check_model(&app, req.model)?;
+    // No sequence of this model is longer than its context: a longer list is not
+    // worth decoding on the request's thread.
+    let context = app.validator.context_length;
+    if req.tokens.len() > context {
+        let msg = format!("{} tokens; no sequence is longer than the context of {context}", req.tokens.len());
+        return Err(ApiError::invalid("tokens", msg));
+    }
     let ids = app.validator.checked_ids("tokens", &req.tokens)?;
     Ok(Json(json!({"prompt": app.validator.tokenizer.decode(&ids)})))
 }

@@ -569,6 +569,8 @@ async fn served_names_models_by_id_and_tokenize() {
     let chat = s.post_json("/tokenize", &json!({"messages": [{"role": "user", "content": "Hi"}]})).await.json();
     assert!(chat["count"].as_u64().unwrap() > 3);
     s.post_json("/detokenize", &json!({"tokens": [-1]})).await.error(400);
+    let over = s.post_json("/detokenize", &json!({"tokens": vec![1; common::CONTEXT + 1]})).await.error(400);
+    assert_eq!(over["param"], "tokens", "{over}");
     s.post_json("/tokenize", &json!({})).await.error(400);
 }
 

@@ -75,6 +75,9 @@ async fn an_api_key_guards_every_route_but_health_and_metrics() {
         let r = http::send(addr, &get(path, &[])).await;
         assert_eq!(r.status, 200, "{path}: {}", r.text());
     }
+    // Every refusal is counted, so a key being guessed shows.
+    let metrics = http::send(addr, &get("/metrics", &[])).await.text();
+    assert!(metrics.contains("pdserve_requests_total{outcome=\"unauthorized\"} 7\n"), "{metrics}");
 }
 
 #[tokio::test]

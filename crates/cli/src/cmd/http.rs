@@ -88,6 +88,11 @@ pub struct ApiArgs {
     /// the key out of the process list.
     #[arg(long, value_parser = non_empty)]
     api_key: Option<String>,
+    /// The longest sequence (prompt plus output tokens) a request may have, below the
+    /// model's context (as vLLM's flag): bounds what one request can cost. Default:
+    /// the model's context.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    max_model_len: Option<u64>,
 }
 
 impl ApiArgs {
@@ -146,7 +151,7 @@ pub async fn serve(
         model.tokenizer,
         model.chat,
         model.name.clone(),
-        model.context_length,
+        api.max_model_len.map_or(model.context_length, |n| model.context_length.min(n as usize)),
         metrics.clone(),
     )
     .with_mode(&mode)

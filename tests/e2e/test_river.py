@@ -5,8 +5,10 @@ The forest creates its River stream as NimsForest does, publishes RiverData as a
 `http_webhook` Source would (and a bare request with the `nimsforest` object),
 listens on the reply subjects and on `infer.request.>`, validates every Leaf by
 NimsForest's rules, and checks the answer equals the HTTP API's for the same greedy
-request. Bad input is rejected with a Leaf and never redelivered; a request whose
-deadline passed is rejected, not run; a request published twice is answered once.
+request. Bad input is rejected with a Leaf and never redelivered (a schema whose
+$ref chain is 1,000 deep too: one rejection, one delivery, the frontend still
+serving); a request whose deadline passed is rejected, not run; a request published
+twice is answered once.
 Leaves on the Wind (`infer.request.submit`, as a NATS request and as a plain
 publish) are answered the same way; a request that asks for `stream` sends its
 tokens as Leaves on `infer.stream.<request_id>` that add up to the answer. Last, 1000 River requests with a second
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 import nats
@@ -194,6 +197,41 @@ async def main():
         # The server is still up.
         assert http_answer(api, "/v1/completions", {"prompt": "x", "max_tokens": 1})["choices"]
 
+    async def poison_is_rejected_on_first_delivery():
+        # A schema whose $ref chain is 1,000 deep: small enough to pass the size
+        # bound, refused by the chain bound at validation (400), never compiled.
+        defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(999)}
+        defs["d999"] = {"type": "string"}
+        schema = {"$ref": "#/$defs/d0", "$defs": defs}
+        body = {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+        try:
+            http_answer(api, "/v1/chat/completions", body)
+            raise AssertionError("the API took a 1,000-deep $ref chain")
+        except urllib.error.HTTPError as e:
+            assert e.code == 400, e.code
+        mine = lambda subject: [l for l in leaves.get(subject, []) if l["data"].get("request_id") == "poison-9"]
+        before = await js.consumer_info("RIVER", "infer-request-parser")
+        await js.publish("river.infer.requests", river_data({**body, "nimsforest": {"request_id": "poison-9"}}))
+        t = time.time()
+        while True:
+            info = await js.consumer_info("RIVER", "infer-request-parser")
+            settled = info.delivered.stream_seq > before.delivered.stream_seq and info.num_ack_pending == 0
+            if mine("infer.request.rejected") and settled:
+                break
+            assert time.time() - t < 60, (mine("infer.request.rejected"), info)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(3)  # longer than the first redelivery would wait (1 s)
+        [rejected] = mine("infer.request.rejected")
+        assert rejected["data"]["outcome"] == "rejected" and rejected["data"]["ingress"] == "river", rejected
+        assert not mine("infer.request.failed") and "infer.result.poison-9" not in leaves
+        info = await js.consumer_info("RIVER", "infer-request-parser")
+        # Delivered once: one more delivery for one more message, none pending.
+        assert info.delivered.consumer_seq - before.delivered.consumer_seq == 1, (before, info)
+        assert info.delivered.stream_seq - before.delivered.stream_seq == 1, (before, info)
+        assert info.num_pending == 0 and info.num_ack_pending == 0 and info.num_redelivered == 0, info
+        assert procs[2].poll() is None, "the frontend exited"
+        assert http_answer(api, "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+
     async def deadline_passed_is_rejected_not_run():
         body = {"prompt": "late", "max_tokens": 4, "nimsforest": {"request_id": "late-3", "deadline_ms": 0}}
         await js.publish("river.infer.requests", river_data(body))
@@ -283,6 +321,7 @@ async def main():
         await check("bare_request_with_context", bare_request_with_context())
         await check("http_requests_have_lifecycle_leaves", http_requests_have_lifecycle_leaves())
         await check("bad_input_is_rejected_once", bad_input_is_rejected_once())
+        await check("poison_is_rejected_on_first_delivery", poison_is_rejected_on_first_delivery())
         await check("deadline_passed_is_rejected_not_run", deadline_passed_is_rejected_not_run())
         await check("twice_published_answered_once", twice_published_answered_once())
         await check("wind_submit", wind_submit())

@@ -123,6 +123,11 @@ impl PrefillLoad {
         lock(&self.pace).observe(ahead, tokens, took.as_secs_f64(), Rise::Gently);
     }
 
+    /// The worker's stats say `tokens` prompt tokens wait there to be computed.
+    pub fn report_pending(&self, tokens: usize) {
+        lock(&self.queue).reported = Some((Instant::now(), tokens));
+    }
+
     /// Takes a pace measured elsewhere (a frontend's, for a fleet planner that routes
     /// nothing itself).
     pub fn adopt(&self, seconds_per_token: f64) {
@@ -211,13 +216,17 @@ impl Pace {
 /// finds is what was queued less what the worker has done since it started on it.
 /// Without the time served, a long prompt counted in full until its last token
 /// was computed, and everyone arriving meanwhile was refused for a wait that had
-/// mostly passed.
+/// mostly passed. Where the worker reports the prompt tokens it has not computed
+/// (its stats, every second), the queue is at least what that report leaves now: a
+/// pace guessed too fast would otherwise count a long prompt done while it runs.
 #[derive(Debug, Default)]
 struct Drain {
     queue: Queue,
     /// Since when the worker has been working on the queue, less the time the
     /// entries that left took of it.
     busy_since: Option<Instant>,
+    /// The worker's own count of prompt tokens not computed yet, and when.
+    reported: Option<(Instant, usize)>,
 }
 
 impl Drain {
@@ -246,18 +255,28 @@ impl Drain {
         self.busy_since.map_or(0.0, |s| s.elapsed().as_secs_f64())
     }
 
+    /// Tokens of the worker's last report not computed yet at `per_token`.
+    fn reported_left(&self, per_token: f64) -> usize {
+        let Some((at, tokens)) = self.reported else { return 0 };
+        let done = at.elapsed().as_secs_f64() / per_token.max(1e-12);
+        (tokens as f64 - done).max(0.0) as usize
+    }
+
     /// The queue less the tokens the time served computed at `(fixed, per token)`,
-    /// the first entry's fixed cost paid first.
+    /// the first entry's fixed cost paid first; at least what the worker's report
+    /// leaves.
     fn left(&self, (fixed, per_token): (f64, f64)) -> Queue {
         let computing = (self.served() - fixed).max(0.0);
         let done = (computing / per_token.max(1e-12)).min(self.queue.tokens as f64) as usize;
-        Queue { tokens: self.queue.tokens - done, ..self.queue }
+        let tokens = (self.queue.tokens - done).max(self.reported_left(per_token));
+        Queue { tokens, ..self.queue }
     }
 
     /// Predicted seconds until what is queued is done, at `(fixed, per token)`.
     fn seconds(&self, (fixed, per_token): (f64, f64)) -> f64 {
         let q = self.queue;
-        (q.prefills as f64 * fixed + q.tokens as f64 * per_token - self.served()).max(0.0)
+        let by_time = q.prefills as f64 * fixed + q.tokens as f64 * per_token - self.served();
+        by_time.max(self.reported_left(per_token) as f64 * per_token).max(0.0)
     }
 }
 
@@ -900,6 +919,27 @@ mod tests {
         assert_eq!(b.predict(), 0.0, "past its prediction it is not counted twice");
         drop(long);
         assert_eq!(b.predict(), 0.0);
+    }
+
+    /// A pace guessed too fast (the prior, 1 ms a token, for a 3,000-token prompt
+    /// that takes 15 s) counts the prompt done after 3 s; the worker's own count of
+    /// the tokens it has left keeps it queued.
+    #[tokio::test(start_paused = true)]
+    async fn the_workers_count_of_tokens_left_holds_a_queue_the_clock_calls_done() {
+        let l = Arc::new(PrefillLoad::default());
+        let _long = l.admit(3000);
+        tokio::time::advance(Duration::from_secs(4)).await;
+        assert_eq!(l.queued_seconds(), 0.0, "by the clock alone");
+        l.report_pending(2200);
+        assert!((l.queued_seconds() - 2.2).abs() < 1e-9, "{}", l.queued_seconds());
+        assert_eq!(l.ahead(), Queue { tokens: 2200, prefills: 1 });
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert!((l.queued_seconds() - 1.7).abs() < 1e-6, "the report ages at the pace: {}", l.queued_seconds());
+        // A report of less than the clock leaves changes nothing.
+        let fresh = Arc::new(PrefillLoad::default());
+        let _queued = fresh.admit(1000);
+        fresh.report_pending(10);
+        assert!((fresh.queued_seconds() - 1.0).abs() < 1e-9);
     }
 
     #[tokio::test(start_paused = true)]

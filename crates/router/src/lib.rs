@@ -50,6 +50,10 @@ const BLOCK_SALT: u64 = 0;
 const BLOCK_SIZE: usize = 16;
 /// The traffic window the planner judges by.
 const SIGNALS_WINDOW: Duration = Duration::from_secs(12);
+/// The longest prompt (tokens to compute) a worker with the decode role prefills
+/// itself in `auto`, when the prefill workers are backed up: the engine's default
+/// step budget, so its sequences wait out one step.
+const DECODER_PREFILL_TOKENS: usize = 512;
 /// How long `auto` waits for a full decode worker's blocks before prefilling there.
 const AUTO_RESERVE: Duration = Duration::from_millis(500);
 
@@ -485,12 +489,16 @@ impl Router {
                     cost(e, self.cached_on(ask, e)) + self.transfer.predict(n, e.link_to(d), compute)
                 };
                 if d.role() == Role::Decode {
-                    // A worker given the decode role prefills only what no prefill
-                    // worker can start now, and only where that is clearly sooner
-                    // with the delay to its own decodes counted: a short prompt
-                    // behind a long one, not the interference the split removes.
+                    // A worker given the decode role prefills only a short prompt
+                    // (one step's worth: its sequences wait one step) while the
+                    // prefill worker is backed up, and only where that is clearly
+                    // sooner with the delay to its own decodes counted: a short
+                    // prompt behind a long one, not the interference the split
+                    // removes.
                     let p = self.pick(ask, &Self::with_role(all, &[Role::Prefill, Role::Mixed], Some(d)))?;
-                    let stay = p.slots.available_permits() == 0 && cost::decoder_prefills(local, remote(&p));
+                    let short = n - self.cached_on(ask, d).min(n) <= DECODER_PREFILL_TOKENS;
+                    let backed_up = p.slots.available_permits() == 0 || p.prefill.queued() > 0;
+                    let stay = short && backed_up && cost::decoder_prefills(local, remote(&p));
                     tracing::debug!(decode = d.name(), peer = p.name(), local = stay, "decoder's prefill placed");
                     return no_fetch((!stay).then_some(p));
                 }

@@ -132,6 +132,7 @@ impl Entry {
         self.report_free_blocks(s.blocks.free + s.blocks.cached, mark);
         self.report_tiers(&s.tiers);
         self.report_decode(&s.decode_steps, s.blocks.used);
+        self.prefill.report_pending(s.queued_prompt_tokens);
         if let Some(now) = s.assignment {
             self.learn(now);
         }

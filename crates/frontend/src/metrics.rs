@@ -294,6 +294,10 @@ impl Metrics {
             ("disk", "stored", t.stored_disk),
             ("host", "restored", t.restored_host),
             ("disk", "restored", t.restored_disk),
+            // Blocks the disk tier lost: a write that failed (a full disk), a read
+            // back that failed its checksum.
+            ("disk", "write_failed", t.disk_write_failures),
+            ("disk", "corrupt", t.disk_corrupt),
         ];
         for (tier, direction, n) in moved.into_iter().filter(|m| m.2 > 0) {
             let labels = [("worker", worker.into()), ("tier", tier.into()), ("direction", direction.into())];
@@ -401,7 +405,7 @@ impl Inner {
         r.register(MIGRATED, "Requests moved to another worker mid-flight, by reason", self.migrated.clone());
         r.register(KV_TRANSFER_BYTES, "KV cache bytes moved between workers", self.kv_transfer_bytes.clone());
         r.register(KV_BLOCKS, "KV cache blocks per worker, state and tier", self.kv_blocks.clone());
-        let help = "KV blocks copied down into a lower tier (stored) or back into the pool (restored)";
+        let help = "KV blocks copied down into a lower tier (stored) or back into the pool (restored), or lost by the disk tier (write_failed, corrupt)";
         r.register(KV_TIER_BLOCKS, help, self.kv_tier_blocks.clone());
         let help = "Seconds spent copying KV blocks back into the pool from a lower tier";
         r.register(KV_TIER_RESTORE_SECONDS, help, self.kv_tier_restore_seconds.clone());
@@ -569,6 +573,19 @@ mod tests {
         assert!(text.contains("pdserve_worker_queued_prompt_tokens{worker=\"w0\"} 300\n"), "{text}");
         m.forget_stats("w0");
         assert!(!m.render().contains("pdserve_worker_requests{"), "a worker's series go with it");
+    }
+
+    #[test]
+    fn the_disk_tiers_losses_are_counted_beside_its_moves() {
+        let m = Metrics::new();
+        let tiers = TierCounters { stored_disk: 9, disk_write_failures: 2, disk_corrupt: 1, ..Default::default() };
+        m.set_worker_stats("w0", &WorkerStats { tiers, ..Default::default() });
+        let text = m.render();
+        for (direction, n) in [("stored", 9), ("write_failed", 2), ("corrupt", 1)] {
+            let line =
+                format!("pdserve_kv_tier_blocks_total{{worker=\"w0\",tier=\"disk\",direction=\"{direction}\"}} {n}\n");
+            assert!(text.contains(&line), "{line}{text}");
+        }
     }
 
     #[test]

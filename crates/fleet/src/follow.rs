@@ -166,6 +166,12 @@ impl View {
     }
 
     async fn up(&mut self, rec: NodeRecord) {
+        if older_than_seen(&self.seen, &rec) {
+            // A sealed record can be replayed by anyone who saw it; one older than
+            // what the node last wrote is not news.
+            tracing::debug!(node = %rec.node_id, "a record older than the node's last one; ignored");
+            return;
+        }
         if self.missing.remove(&rec.node_id).is_some() {
             tracing::info!(node = %rec.node_id, "a fleet record written again after it expired");
         }
@@ -181,5 +187,27 @@ impl View {
         if self.seen.remove(&id).is_some() | self.missing.remove(&id).is_some() {
             let _ = self.tx.send(Change::Down(id)).await;
         }
+    }
+}
+
+/// Whether `rec` was written before the newest record seen from its node.
+fn older_than_seen(seen: &HashMap<NodeId, (u64, Instant)>, rec: &NodeRecord) -> bool {
+    seen.get(&rec.node_id).is_some_and(|&(written, _)| rec.updated_unix_ms < written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_older_than_the_nodes_last_is_a_replay() {
+        let mut seen = HashMap::new();
+        let fresh = NodeRecord::sample("n1", 2_000);
+        assert!(!older_than_seen(&seen, &fresh), "a node not seen yet");
+        seen.insert(fresh.node_id.clone(), (2_000, Instant::now()));
+        assert!(!older_than_seen(&seen, &fresh), "the same write again (a fresh read)");
+        assert!(!older_than_seen(&seen, &NodeRecord::sample("n1", 3_000)));
+        assert!(older_than_seen(&seen, &NodeRecord::sample("n1", 1_999)));
+        assert!(!older_than_seen(&seen, &NodeRecord::sample("n2", 1)), "another node");
     }
 }

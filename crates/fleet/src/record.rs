@@ -161,8 +161,19 @@ mod tests {
 
     #[test]
     fn a_record_round_trips_and_a_bad_id_is_refused() {
-        let rec = NodeRecord {
-            node_id: "n1".parse().unwrap(),
+        let rec = NodeRecord::sample("n1", 5);
+        assert_eq!(NodeRecord::decode(&rec.encode()).unwrap(), rec);
+        let bad = String::from_utf8(rec.encode()).unwrap().replace("\"n1\"", "\"n.1\"");
+        assert!(NodeRecord::decode(bad.as_bytes()).is_err());
+    }
+}
+
+#[cfg(test)]
+impl NodeRecord {
+    /// A decode node's record, written at `updated_unix_ms`.
+    pub(crate) fn sample(id: &str, updated_unix_ms: u64) -> NodeRecord {
+        NodeRecord {
+            node_id: id.parse().unwrap_or_else(|_| NodeId::sanitized(id)),
             name: "decode@127.0.0.1:7001".into(),
             model: "m".into(),
             role: Role::Decode,
@@ -173,16 +184,13 @@ mod tests {
             kv_cache: KvCache { block_size: 16, blocks_total: 8, blocks_free: 5, blocks_used: 3, blocks_cached: 1 },
             load: Load { queued_prompt_tokens: 10, waiting: 1, running: 2, importing: 0 },
             links: vec![LinkRecord {
-                to: "n2".parse().unwrap(),
+                to: "n2".parse().unwrap_or_else(|_| NodeId::sanitized("n2")),
                 transport: "tcp".into(),
                 gb_per_s: 1.5,
                 latency_ms: 0.2,
                 measured_unix_ms: 4,
             }],
-            updated_unix_ms: 5,
-        };
-        assert_eq!(NodeRecord::decode(&rec.encode()).unwrap(), rec);
-        let bad = String::from_utf8(rec.encode()).unwrap().replace("\"n1\"", "\"n.1\"");
-        assert!(NodeRecord::decode(bad.as_bytes()).is_err());
+            updated_unix_ms,
+        }
     }
 }

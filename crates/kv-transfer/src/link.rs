@@ -8,9 +8,15 @@
 //! A 12 KiB frame is too small to pay a system call of its own: a TCP sink gathers
 //! its frames into writes of about 256 KiB, and a shared-memory sink packs its frames
 //! into a slot (256 KiB by default) and announces the slot once it is full.
+//!
+//! On a TCP link with a session every record carries a MAC (`records`): sinks leave
+//! room for it, and the writer fills it in under its lock, so the sequence numbers
+//! follow the order the records go out in.
 
+use crate::auth::{self, Session, SessionMac, MAC_BYTES};
 use crate::records::{self, to_receiver, to_sender, Body, Record, Status};
 use crate::shm::{HeldSlot, Segment};
+use crate::slots::LogEvery;
 use crate::{Frame, HandoffId, HandoffToken, KvSink, TransferError, TransportKind};
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufReader, Read, Write};
@@ -97,7 +103,10 @@ impl Write for Stream {
 
 pub struct Link {
     kind: TransportKind,
-    writer: Mutex<Stream>,
+    /// The stream, and the MACs of what is written on it (a session's).
+    writer: Mutex<(Stream, Option<SessionMac>)>,
+    /// Bytes at the end of each record for its MAC: [`MAC_BYTES`] with a session.
+    room: usize,
     shared: Arc<Shared>,
     /// Present on shared-memory links: frames go into its slots.
     segment: Option<Segment>,
@@ -137,17 +146,27 @@ struct State {
 }
 
 impl Link {
-    /// Starts the reader thread on `stream`, whose handshake (if any) is done.
-    pub fn start(kind: TransportKind, stream: Stream, segment: Option<Segment>) -> io::Result<Arc<Link>> {
+    /// Starts the reader thread on `stream`, whose handshake (if any) is done; with a
+    /// `session` (`(send, receive)`), records go out and answers come in with MACs.
+    pub fn start(
+        kind: TransportKind,
+        stream: Stream,
+        segment: Option<Segment>,
+        session: Session,
+    ) -> io::Result<Arc<Link>> {
+        let (sealing, opening) = session.unzip();
+        let room = if sealing.is_some() { MAC_BYTES } else { 0 };
         let slots = segment.as_ref().map_or(0, |s| s.slots());
         let state = State { slots: vec![SlotUse::Free; slots], ..State::default() };
         let shared =
             Arc::new(Shared { state: Mutex::new(state), changed: Condvar::new(), alert: AtomicBool::new(false) });
         let reader = BufReader::with_capacity(16 << 10, stream.try_clone()?);
         let s = shared.clone();
-        let reader =
-            thread::Builder::new().name(format!("kv-{kind}-replies")).spawn(move || read_replies(reader, s))?;
-        Ok(Arc::new(Link { kind, writer: Mutex::new(stream), shared, segment, reader: Some(reader) }))
+        let reader = thread::Builder::new()
+            .name(format!("kv-{kind}-replies"))
+            .spawn(move || read_replies(reader, s, opening))?;
+        let writer = Mutex::new((stream, sealing));
+        Ok(Arc::new(Link { kind, writer, room, shared, segment, reader: Some(reader) }))
     }
 
     pub fn kind(&self) -> TransportKind {
@@ -172,9 +191,14 @@ impl Link {
         Ok(Box::new(sink))
     }
 
-    fn write(&self, bytes: &[u8]) -> Result<(), TransferError> {
+    /// Writes whole records, each put with [`Link::room`] for its MAC.
+    fn write(&self, bytes: &mut [u8]) -> Result<(), TransferError> {
         let mut w = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
-        w.write_all(bytes).map_err(|e| {
+        let (stream, sealing) = &mut *w;
+        if let Some(mac) = sealing {
+            records::seal(bytes, mac);
+        }
+        stream.write_all(bytes).map_err(|e| {
             let err = match e.kind() {
                 io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => TransferError::TimedOut,
                 _ => TransferError::Disconnected(e.to_string()),
@@ -262,7 +286,7 @@ impl Link {
 
 impl Drop for Link {
     fn drop(&mut self) {
-        self.writer.lock().unwrap_or_else(PoisonError::into_inner).shutdown();
+        self.writer.lock().unwrap_or_else(PoisonError::into_inner).0.shutdown();
         if let Some(reader) = self.reader.take() {
             let _ = reader.join();
         }
@@ -317,24 +341,35 @@ impl Shared {
     }
 }
 
-fn read_replies(mut r: BufReader<Stream>, shared: Arc<Shared>) {
+fn read_replies(mut r: BufReader<Stream>, shared: Arc<Shared>, mut opening: Option<SessionMac>) {
     let mut body = Vec::new();
     let why = loop {
         if r.buffer().is_empty() {
             r.get_ref().wait_readable();
         }
-        match records::read_sync(&mut r, &mut body, records::REPLY_LIMIT) {
+        match records::read_sync(&mut r, &mut body, records::REPLY_LIMIT, opening.as_mut()) {
             Ok(Some(rec)) => {
                 if let Err(e) = shared.apply(rec, &body[..rec.len]) {
                     break e.to_string();
                 }
             }
             Ok(None) => break "the receiver closed the connection".to_string(),
-            Err(e) => break e.to_string(),
+            Err(e) => {
+                if auth::is_forged(&e) {
+                    if let Some(quiet) = FORGED_REPLIES.due() {
+                        tracing::warn!(error = %e, forged_since_last = quiet, "KV link closed: an answer failed its MAC");
+                    }
+                    r.get_ref().shutdown();
+                }
+                break e.to_string();
+            }
         }
     };
     shared.fail(why);
 }
+
+/// Answers that failed their MAC are logged at most once a while, for every link.
+static FORGED_REPLIES: LogEvery = LogEvery::new();
 
 /// The lowest slot that is free, now held, after noting which sent slots the receiver
 /// has finished with.
@@ -395,13 +430,14 @@ impl LinkSink {
     /// TCP: the frame travels inside its record, records go out in batches.
     fn send_inline(&mut self, frame: &Frame) -> Result<(), TransferError> {
         let start = self.buf.len();
-        let end = start + records::PREFIX_BYTES + frame.encoded_len();
+        let room = self.link.room;
+        let end = start + records::PREFIX_BYTES + frame.encoded_len() + room;
         self.buf.resize(end, 0);
-        if let Err(e) = frame.encode_to_slice(&mut self.buf[start + records::PREFIX_BYTES..end]) {
+        if let Err(e) = frame.encode_to_slice(&mut self.buf[start + records::PREFIX_BYTES..end - room]) {
             self.buf.truncate(start);
             return Err(TransferError::Frame(e));
         }
-        let prefix = records::prefix(to_receiver::FRAME, self.id, frame.encoded_len());
+        let prefix = records::prefix(to_receiver::FRAME, self.id, frame.encoded_len() + room);
         self.buf[start..start + records::PREFIX_BYTES].copy_from_slice(&prefix);
         if self.buf.len() >= BATCH_BYTES {
             self.flush()?;
@@ -441,8 +477,8 @@ impl LinkSink {
     /// flush first unless they abort).
     fn control(&mut self, tag: u8, body: &[u8]) -> Result<(), TransferError> {
         self.buf.clear();
-        records::put(&mut self.buf, tag, self.id, body);
-        let written = self.link.write(&self.buf);
+        records::put_with_room(&mut self.buf, tag, self.id, body, self.link.room);
+        let written = self.link.write(&mut self.buf);
         self.buf.clear();
         written
     }
@@ -473,7 +509,7 @@ impl KvSink for LinkSink {
         if self.buf.is_empty() {
             return Ok(());
         }
-        let result = self.link.write(&self.buf);
+        let result = self.link.write(&mut self.buf);
         self.buf.clear();
         result
     }
@@ -517,10 +553,11 @@ impl Link {
                 let mut slot = self.take_slot(segment, frame.handoff, 0)?;
                 segment.write_raw(&mut slot, &bytes);
                 self.mark_sent(segment, &slot);
-                records::put(&mut out, to_receiver::SLOT, frame.handoff, &slot_body(slot.index, bytes.len()));
+                let body = slot_body(slot.index, bytes.len());
+                records::put_with_room(&mut out, to_receiver::SLOT, frame.handoff, &body, self.room);
             }
-            None => records::put(&mut out, to_receiver::FRAME, frame.handoff, &bytes),
+            None => records::put_with_room(&mut out, to_receiver::FRAME, frame.handoff, &bytes, self.room),
         }
-        self.write(&out)
+        self.write(&mut out)
     }
 }

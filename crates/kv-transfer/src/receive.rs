@@ -4,8 +4,10 @@
 //! A frame that fails its checks fails only its own handoff (the inbox yields
 //! [`TransferError::Corrupt`], the sender is told to stop); the connection goes on. A
 //! record that cannot be parsed ends the connection, and every handoff still open on
-//! it ends with [`TransferError::Disconnected`].
+//! it ends with [`TransferError::Disconnected`]. So does a record that fails the
+//! session's MAC (TCP): nothing it carried is delivered.
 
+use crate::auth::{Session, MAC_BYTES};
 use crate::frame::{self, Frame};
 use crate::inbox::Feed;
 use crate::records::{self, to_receiver, to_sender, Body, Status};
@@ -32,6 +34,8 @@ struct Conn<'a> {
     urgent: bool,
     /// `out` holds a `FREE` for a sender that sleeps: it goes out at once.
     wake: bool,
+    /// Bytes after each answer for its MAC (the connection's session has one).
+    room: usize,
     /// Frames of one handoff decoded but not yet in its inbox: they go in together
     /// when the connection has nothing more buffered, when a record of another
     /// handoff comes, or when the inbox's batch is full.
@@ -39,16 +43,27 @@ struct Conn<'a> {
 }
 
 /// Serves one connection until it ends. `slots` is the shared-memory segment the
-/// sender writes frames into; without it, frames arrive inline.
-pub async fn serve<R, W>(r: &mut BufReader<R>, w: &mut W, inboxes: &Inboxes, slots: Option<&Mapping>) -> io::Result<()>
+/// sender writes frames into; without it, frames arrive inline. With a `session`
+/// (`(send, receive)`), every record read must pass its MAC and every answer carries
+/// one.
+pub async fn serve<R, W>(
+    r: &mut BufReader<R>,
+    w: &mut W,
+    inboxes: &Inboxes,
+    slots: Option<&Mapping>,
+    session: Session,
+) -> io::Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let mut conn = Conn { inboxes, routes: HashMap::new(), out: Vec::new(), urgent: false, wake: false, batch: None };
+    let (mut sealing, mut opening) = session.unzip();
+    let room = if sealing.is_some() { MAC_BYTES } else { 0 };
+    let mut conn =
+        Conn { inboxes, routes: HashMap::new(), out: Vec::new(), urgent: false, wake: false, room, batch: None };
     let mut body = Vec::new();
     let result = loop {
-        let rec = match records::read_async(r, &mut body, inboxes.record_limit()).await {
+        let rec = match records::read_async(r, &mut body, inboxes.record_limit(), opening.as_mut()).await {
             Ok(Some(rec)) => rec,
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),
@@ -82,6 +97,9 @@ where
             conn.deliver().await;
         }
         if (idle && conn.urgent) || conn.wake || conn.out.len() >= FLUSH_BYTES {
+            if let Some(mac) = &mut sealing {
+                records::seal(&mut conn.out, mac);
+            }
             if let Err(e) = w.write_all(&conn.out).await {
                 break Err(e);
             }
@@ -105,7 +123,7 @@ where
 
 impl Conn<'_> {
     fn answer(&mut self, tag: u8, id: HandoffId, body: &[u8]) {
-        records::put(&mut self.out, tag, id, body);
+        records::put_with_room(&mut self.out, tag, id, body, self.room);
         self.urgent = true;
         self.wake |= tag == to_sender::FREE;
     }
@@ -272,7 +290,7 @@ mod tests {
         }
         let mut r = BufReader::new(&input[..]);
         let mut answers = Vec::new();
-        serve(&mut r, &mut answers, &inboxes, None).await.unwrap();
+        serve(&mut r, &mut answers, &inboxes, None, None).await.unwrap();
         assert_eq!(inbox.recv().await.unwrap(), Some(frame(0)));
         assert_eq!(inbox.recv().await.unwrap(), Some(frame(1)));
         assert!(matches!(inbox.recv().await, Err(TransferError::Corrupt(_))));

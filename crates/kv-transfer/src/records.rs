@@ -7,7 +7,21 @@
 //!
 //! Frames carry their own checksum; a record that cannot be parsed means the stream
 //! lost its framing, and the connection is closed.
+//!
+//! On a TCP connection whose handshake set up a session (any key but the insecure
+//! one), each record after the handshake ends with a MAC, counted in `len`:
+//!
+//! ```text
+//! len u32 | tag u8 | handoff u64 | body | mac (32 bytes)
+//!                              mac = HMAC-SHA256(session key of the direction,
+//!                                                seq u64 | len | tag | handoff | body)
+//! ```
+//!
+//! `seq` counts the direction's records from 0 and is never sent. A record whose MAC
+//! fails closes the connection ([`crate::auth::forged`]). Records on the Unix socket of
+//! a shared-memory link carry none: both ends are on one host, nothing lies between.
 
+use crate::auth::{self, SessionMac, MAC_BYTES};
 use crate::frame::MAX_FRAME_BYTES;
 use crate::HandoffId;
 use std::io::{self, Read};
@@ -85,8 +99,40 @@ pub struct Record {
 
 /// Appends one record.
 pub fn put(out: &mut Vec<u8>, tag: u8, handoff: HandoffId, body: &[u8]) {
-    out.extend_from_slice(&prefix(tag, handoff, body.len()));
+    put_with_room(out, tag, handoff, body, 0);
+}
+
+/// Appends one record with `room` bytes after its body for its MAC (0 or
+/// [`MAC_BYTES`]), filled in by [`seal`] as the record goes out.
+pub fn put_with_room(out: &mut Vec<u8>, tag: u8, handoff: HandoffId, body: &[u8], room: usize) {
+    out.extend_from_slice(&prefix(tag, handoff, body.len() + room));
     out.extend_from_slice(body);
+    out.resize(out.len() + room, 0);
+}
+
+/// Fills in the MACs of the whole records in `bytes`, in order, each put with room for
+/// one: call it once per record, just before the bytes are written, under whatever
+/// orders the writes (the sequence numbers follow the order on the wire).
+pub fn seal(bytes: &mut [u8], mac: &mut SessionMac) {
+    let mut at = 0;
+    while let Some(len) = bytes.get(at..at + 4) {
+        let end = at + 4 + u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+        debug_assert!(end <= bytes.len() && end >= at + PREFIX_BYTES + MAC_BYTES, "a record without room for a MAC");
+        let Some(record) = bytes.get_mut(at..end) else { return };
+        let (covered, tag) = record.split_at_mut(record.len().saturating_sub(MAC_BYTES));
+        tag.copy_from_slice(&mac.seal(&[covered]));
+        at = end;
+    }
+}
+
+/// Checks the MAC at the end of a record read under a session; the body's length
+/// without it.
+fn open(p: &[u8; PREFIX_BYTES], body: &[u8], mac: &mut SessionMac) -> io::Result<usize> {
+    let n = body.len().checked_sub(MAC_BYTES).ok_or_else(auth::forged)?;
+    match mac.open(&[p, &body[..n]], &body[n..]) {
+        true => Ok(n),
+        false => Err(auth::forged()),
+    }
 }
 
 /// The first [`PREFIX_BYTES`] of a record whose body is `body_len` bytes.
@@ -98,9 +144,10 @@ pub fn prefix(tag: u8, handoff: HandoffId, body_len: usize) -> [u8; PREFIX_BYTES
     p
 }
 
-fn parse_prefix(p: &[u8; PREFIX_BYTES], limit: usize) -> io::Result<Record> {
+/// `extra`: bytes a record may have past `limit` (its MAC), and must have at least.
+fn parse_prefix(p: &[u8; PREFIX_BYTES], limit: usize, extra: usize) -> io::Result<Record> {
     let len = u32::from_le_bytes([p[0], p[1], p[2], p[3]]) as usize;
-    if !(9..=limit.min(MAX_RECORD)).contains(&len) {
+    if !(9 + extra..=limit.min(MAX_RECORD) + extra).contains(&len) {
         return Err(invalid(format!("record of {len} bytes")));
     }
     let mut id = [0u8; 8];
@@ -114,11 +161,14 @@ const GROW: usize = 64 << 10;
 
 /// Reads one record, its body into `body[..record.len]` (grown as the bytes arrive,
 /// never shrunk, so it is zeroed only once). A record over `limit` bytes is an error.
-/// `None` at a clean end of stream.
+/// `None` at a clean end of stream. Under a session (`mac`), the record must end with
+/// the MAC of the direction's next record, else the error is [`auth::forged`]'s; its
+/// `len` then leaves the MAC out.
 pub async fn read_async<R: AsyncRead + Unpin>(
     r: &mut R,
     body: &mut Vec<u8>,
     limit: usize,
+    mac: Option<&mut SessionMac>,
 ) -> io::Result<Option<Record>> {
     let mut p = [0u8; PREFIX_BYTES];
     match r.read_exact(&mut p[..1]).await {
@@ -127,7 +177,7 @@ pub async fn read_async<R: AsyncRead + Unpin>(
         Err(e) => return Err(e),
     }
     r.read_exact(&mut p[1..]).await?;
-    let rec = parse_prefix(&p, limit)?;
+    let mut rec = parse_prefix(&p, limit, if mac.is_some() { MAC_BYTES } else { 0 })?;
     let mut filled = 0;
     while filled < rec.len {
         let end = (filled + GROW).min(rec.len);
@@ -137,11 +187,19 @@ pub async fn read_async<R: AsyncRead + Unpin>(
         r.read_exact(&mut body[filled..end]).await?;
         filled = end;
     }
+    if let Some(mac) = mac {
+        rec.len = open(&p, &body[..rec.len], mac)?;
+    }
     Ok(Some(rec))
 }
 
 /// [`read_async`] for a blocking stream.
-pub fn read_sync<R: Read>(r: &mut R, body: &mut Vec<u8>, limit: usize) -> io::Result<Option<Record>> {
+pub fn read_sync<R: Read>(
+    r: &mut R,
+    body: &mut Vec<u8>,
+    limit: usize,
+    mac: Option<&mut SessionMac>,
+) -> io::Result<Option<Record>> {
     let mut p = [0u8; PREFIX_BYTES];
     match r.read_exact(&mut p[..1]) {
         Ok(()) => {}
@@ -149,7 +207,7 @@ pub fn read_sync<R: Read>(r: &mut R, body: &mut Vec<u8>, limit: usize) -> io::Re
         Err(e) => return Err(e),
     }
     r.read_exact(&mut p[1..])?;
-    let rec = parse_prefix(&p, limit)?;
+    let mut rec = parse_prefix(&p, limit, if mac.is_some() { MAC_BYTES } else { 0 })?;
     let mut filled = 0;
     while filled < rec.len {
         let end = (filled + GROW).min(rec.len);
@@ -158,6 +216,9 @@ pub fn read_sync<R: Read>(r: &mut R, body: &mut Vec<u8>, limit: usize) -> io::Re
         }
         r.read_exact(&mut body[filled..end])?;
         filled = end;
+    }
+    if let Some(mac) = mac {
+        rec.len = open(&p, &body[..rec.len], mac)?;
     }
     Ok(Some(rec))
 }
@@ -219,13 +280,13 @@ mod tests {
         let mut bytes = prefix(to_receiver::FRAME, HandoffId(1), 60 << 20).to_vec();
         bytes.extend_from_slice(b"abc");
         let mut body = Vec::new();
-        assert!(read_sync(&mut &bytes[..], &mut body, usize::MAX).is_err());
+        assert!(read_sync(&mut &bytes[..], &mut body, usize::MAX, None).is_err());
         assert!(body.capacity() <= GROW, "{} bytes allocated", body.capacity());
         // Over the receiver's limit: refused before reading the body.
         let mut ok = Vec::new();
         put(&mut ok, to_receiver::FRAME, HandoffId(1), &[0u8; 100]);
-        assert!(read_sync(&mut &ok[..], &mut Vec::new(), record_limit(50)).is_err());
-        assert!(read_sync(&mut &ok[..], &mut Vec::new(), record_limit(100)).is_ok());
+        assert!(read_sync(&mut &ok[..], &mut Vec::new(), record_limit(50), None).is_err());
+        assert!(read_sync(&mut &ok[..], &mut Vec::new(), record_limit(100), None).is_ok());
     }
 
     #[test]
@@ -235,15 +296,15 @@ mod tests {
         put(&mut out, to_receiver::ABORT, HandoffId(8), &[]);
         let mut r = &out[..];
         let mut body = Vec::new();
-        let a = read_sync(&mut r, &mut body, usize::MAX).unwrap().unwrap();
+        let a = read_sync(&mut r, &mut body, usize::MAX, None).unwrap().unwrap();
         assert_eq!((a.tag, a.handoff, a.len), (to_receiver::END, HandoffId(7), 4));
         assert_eq!(Body(&body[..a.len]).u32().unwrap(), 5);
-        let b = read_sync(&mut r, &mut body, usize::MAX).unwrap().unwrap();
+        let b = read_sync(&mut r, &mut body, usize::MAX, None).unwrap().unwrap();
         assert_eq!((b.tag, b.handoff, b.len), (to_receiver::ABORT, HandoffId(8), 0));
-        assert!(read_sync(&mut r, &mut body, usize::MAX).unwrap().is_none());
+        assert!(read_sync(&mut r, &mut body, usize::MAX, None).unwrap().is_none());
         let huge = prefix(to_receiver::FRAME, HandoffId(1), MAX_RECORD);
-        assert!(read_sync(&mut &huge[..], &mut body, usize::MAX).is_err());
-        assert!(read_sync(&mut &out[..5], &mut body, usize::MAX).is_err(), "a record cut short is an error");
+        assert!(read_sync(&mut &huge[..], &mut body, usize::MAX, None).is_err());
+        assert!(read_sync(&mut &out[..5], &mut body, usize::MAX, None).is_err(), "a record cut short is an error");
         assert!(Body(&[1, 2]).u32().is_err());
         assert!(Body(&[9]).status().is_err());
     }

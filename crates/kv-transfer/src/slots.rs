@@ -51,12 +51,12 @@ fn may_knock(c: &Counts, from: IpAddr) -> Result<(), Refused> {
 pub struct PortSlots {
     authed: usize,
     counts: Mutex<Counts>,
-    refusals: Mutex<(Option<Instant>, u64)>,
+    refusals: LogEvery,
 }
 
 impl PortSlots {
     pub fn new(authed: usize) -> Arc<PortSlots> {
-        Arc::new(PortSlots { authed, counts: Mutex::default(), refusals: Mutex::default() })
+        Arc::new(PortSlots { authed, counts: Mutex::default(), refusals: LogEvery::new() })
     }
 
     fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
@@ -76,9 +76,27 @@ impl PortSlots {
     /// Whether a refusal should be logged now, and how many went unlogged since the
     /// last one: a reconnect loop would otherwise write a line per attempt.
     pub fn log_refusal(&self) -> Option<u64> {
-        let mut r = self.refusals.lock().unwrap_or_else(PoisonError::into_inner);
-        let due = r.0.is_none_or(|t| t.elapsed() >= REFUSAL_LOG_EVERY);
-        if !due {
+        self.refusals.due()
+    }
+}
+
+/// At most one refusal line per this long per port.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// A warning logged at most once per [`REFUSAL_LOG_EVERY`] (10 s): a peer that keeps
+/// reconnecting (or a relay that keeps forging) must not fill the log.
+#[derive(Debug)]
+pub struct LogEvery(Mutex<(Option<Instant>, u64)>);
+
+impl LogEvery {
+    pub const fn new() -> LogEvery {
+        LogEvery(Mutex::new((None, 0)))
+    }
+
+    /// Whether to log now, and how many went unlogged since the last line.
+    pub fn due(&self) -> Option<u64> {
+        let mut r = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if r.0.is_some_and(|t| t.elapsed() < REFUSAL_LOG_EVERY) {
             r.1 += 1;
             return None;
         }
@@ -88,8 +106,11 @@ impl PortSlots {
     }
 }
 
-/// At most one refusal line per this long per port.
-const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+impl Default for LogEvery {
+    fn default() -> Self {
+        LogEvery::new()
+    }
+}
 
 /// A connection proving the token.
 #[derive(Debug)]
@@ -181,7 +202,7 @@ mod tests {
         for _ in 0..1000 {
             assert_eq!(slots.log_refusal(), None);
         }
-        slots.refusals.lock().unwrap().0 = Some(Instant::now() - REFUSAL_LOG_EVERY);
+        slots.refusals.0.lock().unwrap().0 = Some(Instant::now() - REFUSAL_LOG_EVERY);
         assert_eq!(slots.log_refusal(), Some(1000));
     }
 }

@@ -1,9 +1,13 @@
 //! KV over TCP, for workers on different hosts: one connection per (sender,
 //! receiver) pair, frames inline in length-prefixed records, handoffs interleaved.
+//! After the handshake every record in either direction carries a MAC under the
+//! session's keys (unless the key is the insecure one): a relay that passed the
+//! handshake through can read the records, but not alter, inject, drop or replay
+//! one without the connection closing.
 
 use crate::link::{Link, Stream, IO_TIMEOUT};
 use crate::receive;
-use crate::slots::PortSlots;
+use crate::slots::{LogEvery, PortSlots};
 use crate::{auth, ClusterKey, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError, TransportKind};
 use std::io;
 use std::net::{SocketAddr, TcpStream};
@@ -30,9 +34,9 @@ impl TcpTransport {
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(IO_TIMEOUT))?;
         stream.set_read_timeout(Some(auth::exchange_timeout()))?;
-        auth::answer(&mut stream, key)?;
+        let session = auth::answer(&mut stream, key)?;
         stream.set_read_timeout(None)?;
-        Ok(TcpTransport { link: Link::start(TransportKind::Tcp, Stream::Tcp(stream), None)? })
+        Ok(TcpTransport { link: Link::start(TransportKind::Tcp, Stream::Tcp(stream), None, session)? })
     }
 
     #[cfg(test)]
@@ -82,6 +86,7 @@ async fn accept(listener: TcpListener, inboxes: Inboxes) {
     // Owned here, so aborting this task aborts every connection.
     let mut conns = JoinSet::new();
     let slots = PortSlots::new(crate::MAX_CONNECTIONS);
+    let forged = Arc::new(LogEvery::new());
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -97,15 +102,16 @@ async fn accept(listener: TcpListener, inboxes: Inboxes) {
                         }
                     };
                     let _ = stream.set_nodelay(true);
-                    let inboxes = inboxes.clone();
+                    let (inboxes, forged) = (inboxes.clone(), forged.clone());
                     conns.spawn(async move {
                         let (r, mut w) = stream.into_split();
                         let mut r = BufReader::with_capacity(READ_BUFFER, r);
-                        if auth::challenge(&mut r, &mut w, inboxes.key()).await.is_err() {
-                            return;
-                        }
-                        if let Ok(_slot) = pending.admit() {
-                            let _ = receive::serve(&mut r, &mut w, &inboxes, None).await;
+                        let Ok(session) = auth::challenge(&mut r, &mut w, inboxes.key()).await else { return };
+                        let Ok(_slot) = pending.admit() else { return };
+                        if let Err(e) = receive::serve(&mut r, &mut w, &inboxes, None, session).await {
+                            if let Some(quiet) = auth::is_forged(&e).then(|| forged.due()).flatten() {
+                                tracing::warn!(%peer, error = %e, forged_since_last = quiet, "KV port: a connection closed on a record that failed its MAC");
+                            }
                         }
                     });
                 }
@@ -126,34 +132,136 @@ mod tests {
         Frame { handoff: HandoffId(id), layer: 1, index, k: vec![index as u16; 3072], v: vec![7; 3072] }
     }
 
+    /// With the insecure key (no MACs) and with a real one (every record sealed).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_corrupt_frame_fails_its_handoff_and_the_connection_survives() {
-        let inboxes = Inboxes::new(64);
-        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
-        let mut bad = inboxes.expect(HandoffId(1)).unwrap();
-        let mut good = inboxes.expect(HandoffId(2)).unwrap();
-        let (tb, tg) = (bad.token(), good.token());
-        let addr = rx.local_addr();
-        let sender = tokio::task::spawn_blocking(move || {
-            let t = TcpTransport::connect(addr, &ClusterKey::insecure()).unwrap();
-            let mut b = t.open(HandoffId(1), tb).unwrap();
-            b.send(frame(1, 0)).unwrap();
-            b.flush().unwrap();
-            t.link().send_corrupted(&frame(1, 1), 40 + 2 * 3072).unwrap();
-            let mut g = t.open(HandoffId(2), tg).unwrap();
+        for key in [ClusterKey::insecure(), ClusterKey::random()] {
+            let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
+            let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+            let mut bad = inboxes.expect(HandoffId(1)).unwrap();
+            let mut good = inboxes.expect(HandoffId(2)).unwrap();
+            let (tb, tg) = (bad.token(), good.token());
+            let addr = rx.local_addr();
+            let sender = tokio::task::spawn_blocking(move || {
+                let t = TcpTransport::connect(addr, &key).unwrap();
+                let mut b = t.open(HandoffId(1), tb).unwrap();
+                b.send(frame(1, 0)).unwrap();
+                b.flush().unwrap();
+                t.link().send_corrupted(&frame(1, 1), 40 + 2 * 3072).unwrap();
+                let mut g = t.open(HandoffId(2), tg).unwrap();
+                for i in 0..10 {
+                    g.send(frame(2, i)).unwrap();
+                }
+                (b.finish(), g.finish())
+            });
+            assert_eq!(bad.recv().await.unwrap(), Some(frame(1, 0)));
+            assert!(matches!(bad.recv().await, Err(TransferError::Corrupt(FrameError::Checksum { .. }))));
             for i in 0..10 {
-                g.send(frame(2, i)).unwrap();
+                assert_eq!(good.recv().await.unwrap(), Some(frame(2, i)));
             }
-            (b.finish(), g.finish())
-        });
-        assert_eq!(bad.recv().await.unwrap(), Some(frame(1, 0)));
-        assert!(matches!(bad.recv().await, Err(TransferError::Corrupt(FrameError::Checksum { .. }))));
-        for i in 0..10 {
-            assert_eq!(good.recv().await.unwrap(), Some(frame(2, i)));
+            assert_eq!(good.recv().await.unwrap(), None);
+            let (b, g) = sender.await.unwrap();
+            assert!(matches!(b, Err(TransferError::Rejected)), "{b:?}");
+            g.unwrap();
         }
-        assert_eq!(good.recv().await.unwrap(), None);
-        let (b, g) = sender.await.unwrap();
-        assert!(matches!(b, Err(TransferError::Rejected)), "{b:?}");
-        g.unwrap();
+    }
+
+    /// A relay between a sender and the receiver at `to`, as an attacker on the path
+    /// would run it: passes the handshake (KNOCK, PROOF) through untouched, then hands
+    /// each record the sender sends to `meddle` and forwards what it returns. Answers
+    /// pass untouched. Each record is whole: `len u32 | tag u8 | handoff u64 | rest`.
+    fn relay(to: SocketAddr, mut meddle: impl FnMut(Vec<u8>) -> Vec<u8> + Send + 'static) -> SocketAddr {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut from, _) = listener.accept().unwrap();
+            let mut up = TcpStream::connect(to).unwrap();
+            let (mut answers, mut back) = (up.try_clone().unwrap(), from.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = io::copy(&mut answers, &mut back);
+                let _ = back.shutdown(std::net::Shutdown::Both);
+            });
+            for seen in 1.. {
+                let mut len = [0u8; 4];
+                if from.read_exact(&mut len).is_err() {
+                    break;
+                }
+                let mut rec = len.to_vec();
+                rec.resize(4 + u32::from_le_bytes(len) as usize, 0);
+                if from.read_exact(&mut rec[4..]).is_err() {
+                    break;
+                }
+                let out = if seen <= 2 { rec } else { meddle(rec) };
+                if up.write_all(&out).is_err() {
+                    break;
+                }
+            }
+            let _ = up.shutdown(std::net::Shutdown::Both);
+        });
+        addr
+    }
+
+    /// Sends frames 0..4 of handoff 1 through `via` and finishes.
+    fn send_through(via: SocketAddr, key: ClusterKey, token: HandoffToken) -> Result<(), TransferError> {
+        let t = TcpTransport::connect(via, &key)?;
+        let mut s = t.open(HandoffId(1), token)?;
+        let sent = (0..4).try_for_each(|i| s.send(frame(1, i)));
+        sent.and(s.finish())
+    }
+
+    /// A relay that read the handoff's token off the wire (`OPEN`) slips in a frame of
+    /// its own, checksummed and framed as a sender without a session would: the
+    /// receiver closes the connection and the inbox gets nothing but the failure.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_past_the_handshake_cannot_inject_a_kv_record() {
+        let key = ClusterKey::random();
+        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
+        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
+        let token = inbox.token();
+        let via = relay(rx.local_addr(), |mut rec| {
+            if rec[4] == crate::records::to_receiver::OPEN {
+                let mut poison = frame(1, 0);
+                poison.k.fill(0xbad);
+                let mut bytes = Vec::new();
+                poison.encode_into(&mut bytes).unwrap();
+                crate::records::put(&mut rec, crate::records::to_receiver::FRAME, HandoffId(1), &bytes);
+            }
+            rec
+        });
+        let sender = tokio::task::spawn_blocking(move || send_through(via, key, token));
+        let got = inbox.recv().await;
+        assert!(matches!(got, Err(TransferError::Disconnected(_))), "the inbox got {got:?}");
+        let sent = sender.await.unwrap();
+        assert!(sent.is_err(), "the transfer succeeded through a forging relay");
+    }
+
+    /// A relay that rewrites the first frame's K (and fixes its checksum, which
+    /// guards against faults, not against an attacker) fails the transfer: no frame
+    /// of it reaches the inbox.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_past_the_handshake_cannot_alter_a_kv_record() {
+        let key = ClusterKey::random();
+        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
+        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
+        let token = inbox.token();
+        let mut altered = false;
+        let via = relay(rx.local_addr(), move |mut rec| {
+            if rec[4] == crate::records::to_receiver::FRAME && !altered {
+                altered = true;
+                let at = crate::records::PREFIX_BYTES;
+                let n = crate::frame::encoded_len_at(&rec[at..]).unwrap();
+                let mut f = crate::frame::decode(&rec[at..at + n]).unwrap();
+                f.k[0] ^= 1;
+                f.encode_to_slice(&mut rec[at..at + n]).unwrap();
+            }
+            rec
+        });
+        let sender = tokio::task::spawn_blocking(move || send_through(via, key, token));
+        let got = inbox.recv().await;
+        assert!(matches!(got, Err(TransferError::Disconnected(_))), "the inbox got {got:?}");
+        assert!(sender.await.unwrap().is_err(), "the transfer succeeded through a tampering relay");
     }
 }

@@ -4,9 +4,11 @@
 //! Cancellation crosses the hop like any other: when a caller drops a stream or a
 //! pending reply, a `Cancel` goes to the worker, which drops its own stream or future
 //! (and so cancels the work in its engine). A lost connection fails every call in
-//! flight.
+//! flight. So does a message from the worker that fails its session MAC: the
+//! connection is closed as lost.
 
 use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
+use pdserve_kv_transfer::slots::LogEvery;
 use pdserve_kv_transfer::{auth, ClusterKey, HandoffToken, KvAddr, KvTarget, TransportKind};
 use pdserve_protocol::{
     pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply,
@@ -43,7 +45,13 @@ pub enum ConnectError {
     Refused(SocketAddr),
     #[error("worker {0} could not prove it holds the cluster token")]
     Impostor(SocketAddr),
+    #[error("the handshake of worker {0} failed its MAC: something between rewrote it")]
+    Forged(SocketAddr),
 }
+
+/// Connections closed on a worker's message that failed its MAC, logged at most once
+/// a while across every worker.
+static FORGED: LogEvery = LogEvery::new();
 
 enum Pending {
     /// `paced`: the worker was asked to hold the events back until `events` drains.
@@ -101,17 +109,33 @@ impl RemoteWorker {
         let ours = auth::nonce();
         let proof = key.prove(control::ROUTER_LABEL, &challenge).to_vec();
         let hello = ToWorker::Hello { protocol: PROTOCOL_VERSION, proof, nonce: ours.to_vec() };
-        control::write(&mut wr, &hello).await.map_err(io)?;
-        let hello = match tokio::time::timeout(HANDSHAKE, control::read::<_, FromWorker>(&mut rd)).await {
-            Ok(Ok(Some(FromWorker::Hello(h)))) => h,
+        control::write(&mut wr, &hello, None).await.map_err(io)?;
+        let (mut sealing, mut opening) = control::session(key, &challenge, &ours, control::ROUTER_LABEL).unzip();
+        // The worker's Hello is its first sealed message. Its version is read before
+        // its MAC, so a worker of another version is told apart from a forgery.
+        let body = match tokio::time::timeout(HANDSHAKE, control::read_body(&mut rd, control::MAX_MESSAGE)).await {
+            Ok(Ok(Some(body))) => body,
             Ok(Ok(None)) | Ok(Err(_)) => return Err(ConnectError::Refused(addr)),
-            _ => return Err(ConnectError::NoHandshake(addr)),
+            Err(_) => return Err(ConnectError::NoHandshake(addr)),
+        };
+        let hello = match control::decode::<FromWorker>(&body) {
+            Ok(FromWorker::Hello(h)) => h,
+            Ok(_) => return Err(ConnectError::NoHandshake(addr)),
+            Err(_) => return Err(ConnectError::Refused(addr)),
         };
         if hello.protocol != PROTOCOL_VERSION {
             return Err(ConnectError::Version { addr, theirs: hello.protocol });
         }
         if !key.verify(control::WORKER_LABEL, &ours, &hello.proof) {
             return Err(ConnectError::Impostor(addr));
+        }
+        if let Some(mac) = &mut opening {
+            match tokio::time::timeout(HANDSHAKE, control::read_mac(&mut rd, &body, mac)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) if auth::is_forged(&e) => return Err(ConnectError::Forged(addr)),
+                Ok(Err(_)) => return Err(ConnectError::Refused(addr)),
+                Err(_) => return Err(ConnectError::NoHandshake(addr)),
+            }
         }
         let (out, mut outbox) = mpsc::channel::<ToWorker>(QUEUE);
         let conn = Arc::new(Conn {
@@ -129,7 +153,7 @@ impl RemoteWorker {
         });
         tokio::spawn(async move {
             while let Some(msg) = outbox.recv().await {
-                if control::write(&mut wr, &msg).await.is_err() {
+                if control::write(&mut wr, &msg, sealing.as_mut()).await.is_err() {
                     return;
                 }
             }
@@ -139,13 +163,24 @@ impl RemoteWorker {
         // socket closes, so the worker frees its session and connection slot.
         let reader = Arc::downgrade(&conn);
         let reading = tokio::spawn(async move {
-            while let Ok(Some(msg)) = control::read::<_, FromWorker>(&mut rd).await {
-                let Some(conn) = reader.upgrade() else { return };
-                conn.heard();
-                conn.deliver(msg);
-            }
+            let why = loop {
+                match control::read::<_, FromWorker>(&mut rd, opening.as_mut()).await {
+                    Ok(Some(msg)) => {
+                        let Some(conn) = reader.upgrade() else { return };
+                        conn.heard();
+                        conn.deliver(msg);
+                    }
+                    Err(e) if auth::is_forged(&e) => {
+                        if let Some(quiet) = FORGED.due() {
+                            tracing::warn!(%addr, error = %e, forged_since_last = quiet, "closing a worker connection: a message failed its MAC");
+                        }
+                        break "a message failed its MAC";
+                    }
+                    Ok(None) | Err(_) => break "the connection closed",
+                }
+            };
             if let Some(conn) = reader.upgrade() {
-                conn.lost("the connection closed");
+                conn.lost(why);
             }
         });
         tokio::spawn(heartbeat(Arc::downgrade(&conn), reading.abort_handle()));

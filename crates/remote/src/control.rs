@@ -6,21 +6,30 @@
 //!
 //! ```text
 //! router                               worker
-//!                               ◄──    Challenge{nonce}
-//!   Hello{protocol, proof, nonce} ──►  checks the proof (else closes)
-//!                               ◄──    Hello(Handshake{.., proof})   the router checks it
-//!   Call{call, op}              ──►    runs op on the worker
-//!                               ◄──    Event{call, ..}*   (generate, decode)
-//!                               ◄──    Reply{call, ..}    (reserve, prefill, stats)
-//!   Cancel{call}                ──►    stops the call
-//!   Ping                        ──►    (every second)
-//!                               ◄──    Pong
+//!                               ◄──    Challenge{nonce_w}
+//!   Hello{protocol, proof, nonce_r} ►  checks the proof (else closes)
+//!        both ends now derive the session's keys from (cluster key, nonce_w, nonce_r)
+//!                               ◄──    Hello(Handshake{.., proof}) + MAC   the router checks both
+//!   Call{call, op} + MAC        ──►    runs op on the worker
+//!                               ◄──    Event{call, ..}* + MAC   (generate, decode)
+//!                               ◄──    Reply{call, ..} + MAC    (reserve, prefill, stats)
+//!   Cancel{call} + MAC          ──►    stops the call
+//!   Ping + MAC                  ──►    (twice a second)
+//!                               ◄──    Pong + MAC
 //! ```
 //!
 //! Both sides prove they hold the cluster's secret (HMAC of the other's nonce), so
-//! neither a stranger's router nor a stranger's worker gets in.
+//! neither a stranger's router nor a stranger's worker gets in. From the worker's
+//! `Hello` on, every message in each direction ends with a MAC under that
+//! direction's session key ([`SessionMac`]) over an implicit sequence number and
+//! the message (`len u32 | JSON | mac 32 bytes`, the length counting the JSON only),
+//! so a relay that passed the handshake through cannot inject, alter, replay, reorder
+//! or drop a message: the side that reads it closes the connection. It can still read
+//! them: the protocol authenticates, it does not encrypt (prompts cross in the clear).
+//! With the insecure key there is no session, and no MAC.
 
-use pdserve_kv_transfer::{HandoffToken, KvAddr};
+pub use pdserve_kv_transfer::auth::{SessionMac, MAC_BYTES};
+use pdserve_kv_transfer::{auth, HandoffToken, KvAddr};
 use pdserve_protocol::{
     DecodeHandoff, Event, GenerateRequest, KvCursor, KvEvents, Prefilled, ServeError, WorkerInfo, WorkerStats,
 };
@@ -31,7 +40,7 @@ use std::path::PathBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
@@ -187,28 +196,86 @@ pub enum Answer {
     Count(usize),
 }
 
-/// Writes one message: a big-endian u32 length, then JSON.
-pub async fn write<W: AsyncWrite + Unpin, T: Serialize>(w: &mut W, msg: &T) -> io::Result<()> {
-    let body = serde_json::to_vec(msg).map_err(io::Error::other)?;
-    if body.len() > MAX_MESSAGE {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("message of {} bytes", body.len())));
+/// The session's MACs of a connection, `(send, receive)`, for the end that
+/// `sends_as` (its proof's label: [`ROUTER_LABEL`] or [`WORKER_LABEL`]), from the
+/// worker's challenge and the router's nonce; `None` with the insecure key.
+pub fn session(
+    key: &pdserve_kv_transfer::ClusterKey,
+    worker_nonce: &[u8],
+    router_nonce: &[u8],
+    sends_as: &[u8],
+) -> Option<(SessionMac, SessionMac)> {
+    let receives_as = if sends_as == ROUTER_LABEL { WORKER_LABEL } else { ROUTER_LABEL };
+    key.session(worker_nonce, router_nonce, sends_as, receives_as)
+}
+
+/// Writes one message: a big-endian u32 length, then JSON, then (in a session) the
+/// MAC of both under `mac`.
+pub async fn write<W: AsyncWrite + Unpin, T: Serialize>(
+    w: &mut W,
+    msg: &T,
+    mac: Option<&mut SessionMac>,
+) -> io::Result<()> {
+    let mut bytes = vec![0u8; 4];
+    serde_json::to_writer(&mut bytes, msg).map_err(io::Error::other)?;
+    let len = bytes.len() - 4;
+    if len > MAX_MESSAGE {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("message of {len} bytes")));
     }
-    w.write_u32(body.len() as u32).await?;
-    w.write_all(&body).await?;
+    bytes[..4].copy_from_slice(&(len as u32).to_be_bytes());
+    if let Some(mac) = mac {
+        let tag = mac.seal(&[&bytes]);
+        bytes.extend_from_slice(&tag);
+    }
+    w.write_all(&bytes).await?;
     w.flush().await
 }
 
 /// Reads one message; `Ok(None)` at a clean end of stream. The buffer grows as
-/// bytes arrive, so a length prefix alone allocates nothing.
-pub async fn read<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(r: &mut R) -> io::Result<Option<T>> {
-    read_at_most(r, MAX_MESSAGE).await
+/// bytes arrive, so a length prefix alone allocates nothing. In a session (`mac`),
+/// a message whose MAC fails is an error ([`auth::is_forged`]), never parsed.
+pub async fn read<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(
+    r: &mut R,
+    mac: Option<&mut SessionMac>,
+) -> io::Result<Option<T>> {
+    let Some(body) = read_body(r, MAX_MESSAGE).await? else { return Ok(None) };
+    if let Some(mac) = mac {
+        read_mac(r, &body, mac).await?;
+    }
+    decode(&body).map(Some)
 }
 
-/// [`read`] with a smaller bound than [`MAX_MESSAGE`] (the handshake's).
+/// An unsealed message of at most `limit` bytes: the handshake's.
 pub async fn read_at_most<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(
     r: &mut R,
     limit: usize,
 ) -> io::Result<Option<T>> {
+    match read_body(r, limit).await? {
+        Some(body) => decode(&body).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Parses a message's JSON.
+pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> io::Result<T> {
+    serde_json::from_slice(body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+/// Reads the MAC that follows the message `body` and checks it as the next one
+/// `mac` receives.
+pub async fn read_mac<R: AsyncRead + Unpin>(r: &mut R, body: &[u8], mac: &mut SessionMac) -> io::Result<()> {
+    let mut tag = [0u8; MAC_BYTES];
+    r.read_exact(&mut tag).await?;
+    let len = (body.len() as u32).to_be_bytes();
+    match mac.open(&[&len, body], &tag) {
+        true => Ok(()),
+        false => Err(auth::forged()),
+    }
+}
+
+/// The JSON of one message of at most `limit` bytes; `Ok(None)` at a clean end of
+/// stream.
+pub async fn read_body<R: AsyncRead + Unpin>(r: &mut R, limit: usize) -> io::Result<Option<Vec<u8>>> {
     let len = match r.read_u32().await {
         Ok(n) => n as usize,
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
@@ -222,7 +289,7 @@ pub async fn read_at_most<R: AsyncRead + Unpin, T: for<'de> Deserialize<'de>>(
     if got < len {
         return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the connection ended inside a message"));
     }
-    serde_json::from_slice(&body).map(Some).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+    Ok(Some(body))
 }
 
 #[cfg(test)]
@@ -232,24 +299,64 @@ mod tests {
     #[tokio::test]
     async fn a_huge_length_prefix_is_refused_without_allocating_it() {
         let bytes = u32::MAX.to_be_bytes();
-        let r: io::Result<Option<ToWorker>> = read(&mut &bytes[..]).await;
+        let r: io::Result<Option<ToWorker>> = read(&mut &bytes[..], None).await;
         assert!(r.is_err());
         // Announces 1 MiB, sends 3 bytes: an error, not a 1 MiB buffer.
         let mut short = (1u32 << 20).to_be_bytes().to_vec();
         short.extend_from_slice(b"{}}");
-        let r: io::Result<Option<ToWorker>> = read(&mut &short[..]).await;
+        let r: io::Result<Option<ToWorker>> = read(&mut &short[..], None).await;
         assert!(matches!(r, Err(e) if e.kind() == io::ErrorKind::UnexpectedEof));
     }
 
     #[tokio::test]
     async fn messages_round_trip() {
         let mut buf = Vec::new();
-        write(&mut buf, &ToWorker::Call { call: 7, op: Box::new(Op::Release { id: RequestId(3) }) })
+        write(&mut buf, &ToWorker::Call { call: 7, op: Box::new(Op::Release { id: RequestId(3) }) }, None)
             .await
             .unwrap_or_default();
-        let back: Option<ToWorker> = read(&mut &buf[..]).await.ok().flatten();
+        let back: Option<ToWorker> = read(&mut &buf[..], None).await.ok().flatten();
         assert!(
             matches!(back, Some(ToWorker::Call { call: 7, op }) if matches!(*op, Op::Release { id: RequestId(3) }))
         );
+    }
+
+    /// In a session each message carries the MAC of its place in the sequence: the
+    /// router's messages read back in order, and a replayed, altered or reflected one
+    /// is refused.
+    #[tokio::test]
+    async fn sealed_messages_round_trip_and_the_rest_fail() {
+        let key = pdserve_kv_transfer::ClusterKey::random();
+        let (w, r) = (auth::nonce(), auth::nonce());
+        let (mut router_send, mut router_recv) = session(&key, &w, &r, ROUTER_LABEL).unwrap();
+        let (_, worker_recv) = session(&key, &w, &r, WORKER_LABEL).unwrap();
+        let mut buf = Vec::new();
+        for call in [1, 2] {
+            let msg = ToWorker::Cancel { call };
+            write(&mut buf, &msg, Some(&mut router_send)).await.unwrap();
+        }
+        let mut recv = worker_recv.clone();
+        let mut r = &buf[..];
+        let first: Option<ToWorker> = read(&mut r, Some(&mut recv)).await.ok().flatten();
+        let second: Option<ToWorker> = read(&mut r, Some(&mut recv)).await.ok().flatten();
+        assert!(matches!((first, second), (Some(ToWorker::Cancel { call: 1 }), Some(ToWorker::Cancel { call: 2 }))));
+        // Replayed: the first message again, after it was read.
+        let one = &buf[..buf.len() / 2];
+        let again: io::Result<Option<ToWorker>> = read(&mut &one[..], Some(&mut recv)).await;
+        assert!(again.is_err_and(|e| auth::is_forged(&e)));
+        // Altered: `1` becomes `3`, still valid JSON.
+        let mut altered = buf.clone();
+        let at = 4 + altered[4..].iter().position(|&b| b == b'1').unwrap();
+        altered[at] = b'3';
+        let r: io::Result<Option<ToWorker>> = read(&mut &altered[..], Some(&mut worker_recv.clone())).await;
+        assert!(r.is_err_and(|e| auth::is_forged(&e)));
+        // Reflected: the router's own message, read back as if the worker sent it.
+        let r: io::Result<Option<ToWorker>> = read(&mut &buf[..], Some(&mut router_recv)).await;
+        assert!(r.is_err_and(|e| auth::is_forged(&e)));
+        // Unsealed (a peer without the session) is refused too.
+        let mut plain = Vec::new();
+        write(&mut plain, &ToWorker::Ping, None).await.unwrap();
+        plain.extend_from_slice(&[0; MAC_BYTES]);
+        let r: io::Result<Option<ToWorker>> = read(&mut &plain[..], Some(&mut worker_recv.clone())).await;
+        assert!(r.is_err_and(|e| auth::is_forged(&e)));
     }
 }

@@ -4,9 +4,13 @@
 //! Every connection owns what its calls started: it may release or decode only the
 //! reservations it made, and when it closes, its calls are cancelled and those
 //! reservations released.
+//!
+//! Past the handshake every message a router sends must carry the MAC of its place
+//! in the session (see [`control`]): one that does not closes the connection before
+//! it is parsed, let alone run.
 
-use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
-use pdserve_kv_transfer::slots::{Pending, PortSlots, Refused};
+use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, SessionMac, ToWorker, PROTOCOL_VERSION};
+use pdserve_kv_transfer::slots::{LogEvery, Pending, PortSlots, Refused};
 use pdserve_kv_transfer::{auth, ClusterKey, KvTarget, TransportKind};
 use pdserve_protocol::{Event, GenerateRequest, KvDestination, ServeError, TokenStream, Worker};
 use pdserve_types::RequestId;
@@ -36,6 +40,8 @@ pub struct WorkerServer {
     worker: Arc<dyn Worker>,
     key: ClusterKey,
     connections: Arc<PortSlots>,
+    /// Connections closed on a message that failed its MAC, logged at most once a while.
+    forged: LogEvery,
     /// Set when `serve` stops taking routers; its stats say so from then on.
     stopping: std::sync::atomic::AtomicBool,
 }
@@ -44,7 +50,7 @@ impl WorkerServer {
     /// Serves `worker` to routers that prove `key`.
     pub fn new(worker: Arc<dyn Worker>, key: ClusterKey) -> Arc<WorkerServer> {
         let connections = PortSlots::new(MAX_CONNECTIONS);
-        Arc::new(WorkerServer { worker, key, connections, stopping: Default::default() })
+        Arc::new(WorkerServer { worker, key, connections, forged: LogEvery::new(), stopping: Default::default() })
     }
 
     /// What a router learns once it proved the token: who this is, and this worker's
@@ -101,16 +107,22 @@ impl WorkerServer {
         }
     }
 
-    /// Challenges a new connection; the router's nonce once it answered right.
-    async fn authenticate(&self, rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf) -> Option<Vec<u8>> {
+    /// Challenges a new connection; once it answered right, the router's nonce and
+    /// the session's MACs (`(send, receive)`, none with the insecure key).
+    async fn authenticate(
+        &self,
+        rd: &mut OwnedReadHalf,
+        wr: &mut OwnedWriteHalf,
+    ) -> Option<(Vec<u8>, Option<(SessionMac, SessionMac)>)> {
         let nonce = auth::nonce();
-        control::write(wr, &FromWorker::Challenge { nonce: nonce.to_vec() }).await.ok()?;
+        control::write(wr, &FromWorker::Challenge { nonce: nonce.to_vec() }, None).await.ok()?;
         let hello = tokio::time::timeout(HANDSHAKE, control::read_at_most::<_, ToWorker>(rd, control::MAX_HELLO)).await;
         match hello {
             Ok(Ok(Some(ToWorker::Hello { proof, nonce: theirs, .. })))
                 if self.key.verify(control::ROUTER_LABEL, &nonce, &proof) =>
             {
-                Some(theirs)
+                let session = control::session(&self.key, &nonce, &theirs, control::WORKER_LABEL);
+                Some((theirs, session))
             }
             _ => {
                 let peer = rd.peer_addr().map(|a| a.to_string()).unwrap_or_default();
@@ -130,18 +142,22 @@ impl WorkerServer {
 
     async fn session(self: Arc<Self>, stream: TcpStream, pending: Pending) {
         let (mut rd, mut wr) = stream.into_split();
-        let Some(router_nonce) = self.authenticate(&mut rd, &mut wr).await else { return };
+        let Some((router_nonce, session)) = self.authenticate(&mut rd, &mut wr).await else { return };
+        let (mut sealing, mut opening) = session.unzip();
         let _slot = match pending.admit() {
             Ok(slot) => slot,
             Err(why) => return self.refused(rd.peer_addr().unwrap_or(([0, 0, 0, 0], 0).into()), why),
         };
-        if control::write(&mut wr, &FromWorker::Hello(self.handshake(&router_nonce))).await.is_err() {
+        // The first sealed message: the router checks it, so a relay cannot rewrite
+        // what this worker says it is or where it takes KV.
+        let hello = FromWorker::Hello(self.handshake(&router_nonce));
+        if control::write(&mut wr, &hello, sealing.as_mut()).await.is_err() {
             return;
         }
         let (out, mut outbox) = mpsc::channel::<FromWorker>(OUTBOX);
         let writer = tokio::spawn(async move {
             while let Some(msg) = outbox.recv().await {
-                if control::write(&mut wr, &msg).await.is_err() {
+                if control::write(&mut wr, &msg, sealing.as_mut()).await.is_err() {
                     return;
                 }
             }
@@ -149,9 +165,16 @@ impl WorkerServer {
         let held = Mutex::new(Some(HashMap::new()));
         let s = Arc::new(Session { srv: self, out, calls: Mutex::default(), paces: Mutex::default(), held });
         loop {
-            match tokio::time::timeout(SILENT_ROUTER, control::read::<_, ToWorker>(&mut rd)).await {
+            match tokio::time::timeout(SILENT_ROUTER, control::read::<_, ToWorker>(&mut rd, opening.as_mut())).await {
                 Ok(Ok(Some(msg))) => s.clone().handle(msg),
                 Ok(Ok(None)) => break,
+                Ok(Err(e)) if auth::is_forged(&e) => {
+                    if let Some(quiet) = s.srv.forged.due() {
+                        let peer = rd.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                        tracing::warn!(%peer, error = %e, forged_since_last = quiet, "dropping a router connection: a message failed its MAC");
+                    }
+                    break;
+                }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "dropping a router connection");
                     break;

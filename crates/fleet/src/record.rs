@@ -146,29 +146,6 @@ pub fn now_unix_ms() -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn node_ids_are_checked_and_sanitized() {
-        assert!("gpu-3_a".parse::<NodeId>().is_ok());
-        for bad in ["", "a.b", "a b", "nodes.>", &"x".repeat(65)] {
-            assert!(bad.parse::<NodeId>().is_err(), "{bad}");
-        }
-        assert_eq!(NodeId::sanitized("decode@127.0.0.1:7002").as_str(), "decode-127-0-0-1-7002");
-        assert_eq!(NodeId::sanitized("").as_str(), "node");
-    }
-
-    #[test]
-    fn a_record_round_trips_and_a_bad_id_is_refused() {
-        let rec = NodeRecord::sample("n1", 5);
-        assert_eq!(NodeRecord::decode(&rec.encode()).unwrap(), rec);
-        let bad = String::from_utf8(rec.encode()).unwrap().replace("\"n1\"", "\"n.1\"");
-        assert!(NodeRecord::decode(bad.as_bytes()).is_err());
-    }
-}
-
-#[cfg(test)]
 impl NodeRecord {
     /// A decode node's record, written at `updated_unix_ms`.
     pub(crate) fn sample(id: &str, updated_unix_ms: u64) -> NodeRecord {
@@ -192,5 +169,28 @@ impl NodeRecord {
             }],
             updated_unix_ms,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_ids_are_checked_and_sanitized() {
+        assert!("gpu-3_a".parse::<NodeId>().is_ok());
+        for bad in ["", "a.b", "a b", "nodes.>", &"x".repeat(65)] {
+            assert!(bad.parse::<NodeId>().is_err(), "{bad}");
+        }
+        assert_eq!(NodeId::sanitized("decode@127.0.0.1:7002").as_str(), "decode-127-0-0-1-7002");
+        assert_eq!(NodeId::sanitized("").as_str(), "node");
+    }
+
+    #[test]
+    fn a_record_round_trips_and_a_bad_id_is_refused() {
+        let rec = NodeRecord::sample("n1", 5);
+        assert_eq!(NodeRecord::decode(&rec.encode()).unwrap(), rec);
+        let bad = String::from_utf8(rec.encode()).unwrap().replace("\"n1\"", "\"n.1\"");
+        assert!(NodeRecord::decode(bad.as_bytes()).is_err());
     }
 }

@@ -10,6 +10,7 @@ use crate::format::gguf::MetaValue;
 use crate::format::gguf_write::GgufWriter;
 use crate::format::safetensors::to_safetensors_bytes;
 use crate::format::{DType, FormatError, TensorView};
+use crate::kernels::quant::dequantize_row;
 use crate::sampler::Rng;
 use std::path::{Path, PathBuf};
 
@@ -36,6 +37,12 @@ pub fn random_qwen2_config() -> ModelConfig {
     ModelConfig { arch: Architecture::Qwen2, rms_eps: 1e-6, ..random_llama_config() }
 }
 
+/// [`random_llama_config`] widened to 256 (hidden, FFN, 4 heads of 64), so that every
+/// matrix row is a whole number of 256-value blocks (the K types, IQ4_XS).
+pub fn random_llama_config_256() -> ModelConfig {
+    ModelConfig { hidden: 256, ffn_hidden: 256, head_dim: 64, ..random_llama_config() }
+}
+
 /// Where [`write_random_model`] put the two copies of one model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RandomModelPaths {
@@ -47,7 +54,9 @@ pub struct RandomModelPaths {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RandomModelOptions {
     pub seed: u64,
-    /// F32, F16 or BF16; both copies store the same rounded values.
+    /// F32, F16 or BF16: both copies store the same rounded values. A quantized type:
+    /// the GGUF copy stores the embedding and every matrix as random blocks of it
+    /// ([`random_blocks`]) and the safetensors copy their dequantized values in F32.
     pub dtype: DType,
     /// Leave out `lm_head.weight` / `output.weight`, as SmolLM2 does.
     pub tie_embeddings: bool,
@@ -72,8 +81,12 @@ pub fn write_random_model(
     opts: &RandomModelOptions,
 ) -> Result<RandomModelPaths, FormatError> {
     let cfg = cfg.clone().validate()?;
-    if !matches!(opts.dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Err(FormatError::Invalid(format!("random models are dense, not {:?}", opts.dtype)));
+    let elems = opts.dtype.block_elems();
+    for (hf, _, shape, role) in weight_specs(&cfg, opts.tie_embeddings) {
+        if role.quantizable() && !shape.last().is_some_and(|c| c.is_multiple_of(elems)) {
+            let why = format!("{hf} {shape:?} is not a whole number of {elems}-value {:?} blocks", opts.dtype);
+            return Err(FormatError::Invalid(why));
+        }
     }
     let weights = random_weights(&cfg, opts);
     let paths = RandomModelPaths { safetensors_dir: dir.join("safetensors"), gguf_path: dir.join("model.gguf") };
@@ -89,7 +102,13 @@ pub fn write_random_model(
 /// does: view as `[n_head, 2, head_dim / 2, cols]`, swap axes 1 and 2, flatten back.
 /// `None` when the sizes do not fit that view.
 pub fn permute_qk_for_gguf(w: &[f32], n_head: usize, cols: usize) -> Option<Vec<f32>> {
-    let rows: Vec<&[f32]> = w.chunks_exact(cols.max(1)).collect();
+    permute_rows(w, n_head, cols)
+}
+
+/// [`permute_qk_for_gguf`] over rows of `cols` items of any kind (the bytes of a
+/// quantized matrix's rows move the same way).
+fn permute_rows<T: Clone>(w: &[T], n_head: usize, cols: usize) -> Option<Vec<T>> {
+    let rows: Vec<&[T]> = w.chunks_exact(cols.max(1)).collect();
     let head_dim = rows.len().checked_div(n_head)?;
     if cols == 0 || !head_dim.is_multiple_of(2) || head_dim * n_head * cols != w.len() {
         return None;
@@ -117,6 +136,13 @@ enum Role {
     RopeMatrix(usize),
 }
 
+impl Role {
+    /// Stored in the model's quantized type when it has one (norms and biases stay F32).
+    fn quantizable(self) -> bool {
+        matches!(self, Role::Embedding | Role::Matrix | Role::RopeMatrix(_))
+    }
+}
+
 /// One generated tensor, values already rounded to the target dtype.
 struct Weight {
     hf: String,
@@ -124,6 +150,8 @@ struct Weight {
     shape: Vec<usize>,
     role: Role,
     values: Vec<f32>,
+    /// The GGUF blocks `values` were dequantized from, for a quantized model.
+    blocks: Option<Vec<u8>>,
 }
 
 /// A tensor to generate: HF name, GGUF name, shape, role.
@@ -135,8 +163,17 @@ fn random_weights(cfg: &ModelConfig, opts: &RandomModelOptions) -> Vec<Weight> {
     weight_specs(cfg, opts.tie_embeddings)
         .into_iter()
         .map(|(hf, gguf, shape, role)| {
+            if opts.dtype.is_quantized() && role.quantizable() {
+                let n: usize = shape.iter().product();
+                // Blocks reach about ±2/sqrt(fan-in): spread like the dense matrices.
+                let scale = 2.0 / (shape.last().copied().unwrap_or(1).max(1) as f32).sqrt();
+                let bytes = random_blocks(opts.dtype, n / opts.dtype.block_elems(), scale, &mut rng.0);
+                let mut values = vec![0f32; n];
+                dequantize_row(opts.dtype, &bytes, &mut values);
+                return Weight { hf, gguf, shape, role, values, blocks: Some(bytes) };
+            }
             let values = rng.values(&shape, role).into_iter().map(round).collect();
-            Weight { hf, gguf, shape, role, values }
+            Weight { hf, gguf, shape, role, values, blocks: None }
         })
         .collect()
 }
@@ -217,6 +254,56 @@ impl Gaussian {
     }
 }
 
+/// `n` random blocks of the quantized `dtype`: random bytes, except that every f16
+/// scale field (d, dmin, m) is drawn so the weights reach about ±`scale` (a min field:
+/// a shift of about a quarter to a half of that). Empty for a dense `dtype`.
+pub fn random_blocks(dtype: DType, n: usize, scale: f32, rng: &mut Rng) -> Vec<u8> {
+    if !dtype.is_quantized() {
+        return Vec::new();
+    }
+    let mut out = Vec::with_capacity(n * dtype.block_bytes());
+    for _ in 0..n {
+        let start = out.len();
+        out.extend((0..dtype.block_bytes()).map(|_| (rng.next_u64() >> 32) as u8));
+        for &(at, unit) in scale_fields(dtype) {
+            let v = unit * scale * (0.5 + 0.5 * rng.next_f64() as f32);
+            out[start + at..start + at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        }
+    }
+    out
+}
+
+/// A block's f16 scale fields: byte offset, and the value that makes the largest
+/// weight about 1 (largest code times largest sub-scale, inverted); for a min field,
+/// the value that shifts the weights by about 1/2.
+#[rustfmt::skip]
+fn scale_fields(dtype: DType) -> &'static [(usize, f32)] {
+    match dtype {
+        DType::Q4_0 => &[(0, 1.0 / 8.0)],
+        DType::Q4_1 => &[(0, 1.0 / 15.0), (2, -0.5)],
+        DType::Q8_0 => &[(0, 1.0 / 127.0)],
+        DType::Q5_0 => &[(0, 1.0 / 16.0)],
+        DType::Q5_1 => &[(0, 1.0 / 31.0), (2, -0.5)],
+        DType::Q2_K => &[(80, 1.0 / (15.0 * 3.0)), (82, 0.5 / 15.0)],
+        DType::Q3_K => &[(108, 1.0 / (32.0 * 4.0))],
+        DType::Q4_K => &[(0, 1.0 / (63.0 * 15.0)), (2, 0.5 / 63.0)],
+        DType::Q5_K => &[(0, 1.0 / (63.0 * 31.0)), (2, 0.5 / 63.0)],
+        DType::Q6_K => &[(208, 1.0 / (128.0 * 32.0))],
+        DType::IQ4_NL => &[(0, 1.0 / 127.0)],
+        DType::IQ4_XS => &[(0, 1.0 / (32.0 * 127.0))],
+        DType::F32 | DType::F16 | DType::BF16 => &[],
+    }
+}
+
+/// The type a dense copy of an `opts.dtype` model is stored in.
+fn dense_dtype(dtype: DType) -> DType {
+    if dtype.is_quantized() {
+        DType::F32
+    } else {
+        dtype
+    }
+}
+
 fn round_to(v: f32, dtype: DType) -> f32 {
     match dtype {
         DType::F16 => half::f16::from_f32(v).to_f32(),
@@ -234,9 +321,10 @@ fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
 }
 
 fn safetensors_file(weights: &[Weight], opts: &RandomModelOptions) -> Result<Vec<u8>, FormatError> {
-    let data: Vec<Vec<u8>> = weights.iter().map(|w| encode(&w.values, opts.dtype)).collect();
+    let dtype = dense_dtype(opts.dtype);
+    let data: Vec<Vec<u8>> = weights.iter().map(|w| encode(&w.values, dtype)).collect();
     let mut tensors: Vec<_> =
-        weights.iter().zip(&data).map(|(w, d)| (w.hf.as_str(), opts.dtype, &w.shape[..], &d[..])).collect();
+        weights.iter().zip(&data).map(|(w, d)| (w.hf.as_str(), dtype, &w.shape[..], &d[..])).collect();
     // Real checkpoints carry buffers the model does not use; the loader must skip them.
     let inv_freq = encode(&[1.0, 0.5, 0.25, 0.125], DType::F32);
     tensors.push(("model.layers.0.self_attn.rotary_emb.inv_freq", DType::F32, &[4], &inv_freq));
@@ -300,16 +388,20 @@ fn gguf_file(cfg: &ModelConfig, weights: &[Weight], dtype: DType) -> Result<Vec<
     }
     for t in weights {
         let cols = t.shape.last().copied().unwrap_or(1);
-        let (values, dtype) = match t.role {
-            Role::RopeMatrix(n_head) if cfg.arch == Architecture::Llama => {
-                let permuted = permute_qk_for_gguf(&t.values, n_head, cols)
-                    .ok_or_else(|| FormatError::Invalid(format!("{} does not split into {n_head} heads", t.hf)))?;
-                (permuted, dtype)
-            }
-            Role::Norm => (t.values.clone(), DType::F32),
-            _ => (t.values.clone(), dtype),
+        let (bytes, dtype) = match (&t.blocks, t.role) {
+            (Some(blocks), _) => (blocks.clone(), dtype),
+            (None, Role::Norm) => (encode(&t.values, DType::F32), DType::F32),
+            (None, _) => (encode(&t.values, dense_dtype(dtype)), dense_dtype(dtype)),
         };
-        w.tensor(&t.gguf, dtype, &t.shape, encode(&values, dtype));
+        let bytes = match t.role {
+            Role::RopeMatrix(n_head) if cfg.arch == Architecture::Llama => {
+                let row_bytes = dtype.storage_bytes(&[cols]).unwrap_or(0);
+                permute_rows(&bytes, n_head, row_bytes)
+                    .ok_or_else(|| FormatError::Invalid(format!("{} does not split into {n_head} heads", t.hf)))?
+            }
+            _ => bytes,
+        };
+        w.tensor(&t.gguf, dtype, &t.shape, bytes);
     }
     Ok(w.to_bytes())
 }
@@ -375,8 +467,15 @@ mod tests {
         for name in names {
             let (a, b) = (st.tensor(name).unwrap(), gg.tensor(name).unwrap());
             assert_eq!(a.shape, b.shape, "{name}");
-            assert_eq!(a.dtype, opts.dtype, "{name}");
-            let (va, vb) = (dense_values(&a).unwrap(), dense_values(&b).unwrap());
+            assert_eq!(a.dtype, dense_dtype(opts.dtype), "{name}");
+            if name.ends_with("norm.weight") || name.ends_with(".bias") {
+                assert!(!b.dtype.is_quantized(), "{name}");
+            } else {
+                assert_eq!(b.dtype, opts.dtype, "{name}");
+            }
+            let mut vb = vec![f32::NAN; b.shape.iter().product()];
+            dequantize_row(b.dtype, b.bytes, &mut vb);
+            let va = dense_values(&a).unwrap();
             let n_head = if name.ends_with("attn_q.weight") {
                 cfg.n_heads
             } else if name.ends_with("attn_k.weight") {
@@ -405,6 +504,11 @@ mod tests {
         check_copies_agree("rand-llama-f32", &random_llama_config(), &opts(1, DType::F32, false));
         check_copies_agree("rand-llama-bf16", &random_llama_config(), &opts(2, DType::BF16, true));
         check_copies_agree("rand-qwen2-f16", &random_qwen2_config(), &opts(3, DType::F16, false));
+        // Quantized GGUF copies: the safetensors copy holds their dequantized values.
+        check_copies_agree("rand-llama-q4k", &random_llama_config_256(), &opts(4, DType::Q4_K, false));
+        let qwen2_256 = ModelConfig { arch: Architecture::Qwen2, rms_eps: 1e-6, ..random_llama_config_256() };
+        check_copies_agree("rand-qwen2-q6k", &qwen2_256, &opts(5, DType::Q6_K, true));
+        check_copies_agree("rand-llama-q5_0", &random_llama_config(), &opts(6, DType::Q5_0, false));
     }
 
     #[test]
@@ -441,8 +545,10 @@ mod tests {
         let dir = scratch_dir("rand-bad").unwrap();
         let bad = ModelConfig { n_kv_heads: 3, ..random_llama_config() };
         assert!(write_random_llama(&dir, &bad, 0).is_err());
-        let q = RandomModelOptions { seed: 0, dtype: DType::Q8_0, tie_embeddings: false };
+        // 64-wide rows are not a whole number of 256-value Q4_K blocks.
+        let q = RandomModelOptions { seed: 0, dtype: DType::Q4_K, tie_embeddings: false };
         assert!(write_random_model(&dir, &random_llama_config(), &q).is_err());
+        assert!(write_random_model(&dir, &random_llama_config_256(), &q).is_ok());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

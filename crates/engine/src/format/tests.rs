@@ -47,9 +47,36 @@ fn rejects_unsupported_tensor_type() {
     let mut bytes = w.to_bytes();
     // The type id sits right after the name, n_dims and one dim.
     let pos = 24 + 8 + 1 + 4 + 8;
-    bytes[pos..pos + 4].copy_from_slice(&12u32.to_le_bytes()); // Q4_K
+    bytes[pos..pos + 4].copy_from_slice(&16u32.to_le_bytes()); // IQ2_XXS
     let err = GgufHeader::parse(&bytes).unwrap_err();
-    assert!(err.to_string().contains("ggml type 12"), "{err}");
+    assert!(err.to_string().contains("ggml type 16"), "{err}");
+    assert!(err.to_string().contains("Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS"), "{err}");
+}
+
+#[test]
+fn dtype_ids_and_sizes() {
+    for t in DType::ALL {
+        assert_eq!(DType::from_ggml(t.ggml_id()), Some(t));
+    }
+    for id in [4, 5, 9, 15, 16, 21, 22, 24, 29, 31, 39] {
+        assert_eq!(DType::from_ggml(id), None, "{id}");
+    }
+    assert_eq!(DType::Q4_K.storage_bytes(&[3, 512]), Some(3 * 2 * 144));
+    assert_eq!(DType::Q6_K.storage_bytes(&[4, 128]), None, "half a block");
+    assert_eq!(DType::IQ4_NL.storage_bytes(&[64]), Some(2 * 18));
+}
+
+#[test]
+fn reads_256_value_blocks() {
+    let mut w = GgufWriter::new();
+    w.tensor("k", DType::Q5_K, &[2, 512], vec![1u8; 4 * 176]).tensor("x", DType::Q3_K, &[256], vec![2u8; 110]);
+    let bytes = w.to_bytes();
+    let h = GgufHeader::parse(&bytes).unwrap();
+    let k = h.tensor("k").unwrap();
+    assert_eq!((k.dtype, k.n_bytes), (DType::Q5_K, 4 * 176));
+    let x = h.tensor("x").unwrap();
+    assert_eq!(x.n_bytes, 110);
+    assert!(GgufHeader::parse(&bytes[..x.offset + 109]).is_err());
 }
 
 proptest! {

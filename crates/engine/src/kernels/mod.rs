@@ -10,6 +10,7 @@
 
 pub mod attention;
 mod attention_avx512;
+pub mod blocks;
 pub mod dense;
 pub mod ops;
 pub mod quant;

@@ -6,17 +6,20 @@
 //! instruction yields 16 per-row partial sums), followed by the 16 rows' scale `d` and
 //! offset `m` as f16. A weight is `d * code + m`:
 //!
-//! | source | codes                      | m            |
-//! |--------|----------------------------|--------------|
-//! | Q4_1   | 4-bit (two per byte)       | m            |
-//! | Q4_0   | 4-bit                      | -8 d         |
-//! | Q8_0   | 8-bit, stored as code+128  | -128 d       |
+//! | codes  | payload of one row's 32 weights                     |
+//! |--------|-----------------------------------------------------|
+//! | Nibble | 16 bytes, byte j holds weights j and j+16 (GGUF's order) |
+//! | Byte   | 32 unsigned bytes                                   |
 //!
-//! The 4-bit payload keeps GGUF's nibble order (byte j holds values j and j+16 of the
-//! block), so repacking moves bytes and never re-quantizes. With activations quantized
-//! per block as `x ≈ da * q` and `sa = da * Σq`, one block contributes
+//! Every GGUF block type is first split into 32-value pieces with one `d` and `m`
+//! ([`blocks`](super::blocks)): Q4_0, Q4_1 and Q4_K become nibbles (Q4_0 with
+//! `m = -8d`), the rest bytes (Q8_0 as code+128 with `m = -128d`). Only the types with
+//! a scale per 16 values (Q2_K, Q3_K, Q6_K) are re-quantized; see that module. With
+//! activations quantized per block as `x ≈ da * q` and `sa = da * Σq`, one block
+//! contributes
 //! `d·da·Σ code·q + m·sa` to the dot product.
 
+use super::blocks::{self, Sub};
 use super::Isa;
 use crate::format::DType;
 use half::f16;
@@ -58,8 +61,8 @@ pub struct QuantMatrix {
 pub enum RepackError {
     #[error("{0:?} weights cannot be used by the quantized matmul")]
     NotQuantized(DType),
-    #[error("column count {0} is not a multiple of 32")]
-    Cols(usize),
+    #[error("column count {cols} is not a multiple of the {block}-value block")]
+    Cols { cols: usize, block: usize },
     #[error("expected {expected} bytes of weights, got {got}")]
     Size { expected: usize, got: usize },
     #[error("a block scale is out of f16 range after folding its offset")]
@@ -87,50 +90,53 @@ impl QuantMatrix {
 
     /// Repacks GGUF blocks (`rows` rows of `cols` values each, row-major).
     pub fn from_gguf(dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Result<Self, RepackError> {
-        let codes = match dtype {
-            DType::Q4_0 | DType::Q4_1 => Codes::Nibble,
-            DType::Q8_0 => Codes::Byte,
-            other => return Err(RepackError::NotQuantized(other)),
-        };
-        if !cols.is_multiple_of(QBLOCK) {
-            return Err(RepackError::Cols(cols));
+        let codes = blocks::codes_of(dtype).ok_or(RepackError::NotQuantized(dtype))?;
+        let (elems, block_bytes) = (dtype.block_elems(), dtype.block_bytes());
+        if !cols.is_multiple_of(elems) {
+            return Err(RepackError::Cols { cols, block: elems });
         }
-        let blocks = cols / QBLOCK;
-        let expected = rows * blocks * dtype.block_bytes();
+        let expected = rows * (cols / elems) * block_bytes;
         if bytes.len() != expected {
             return Err(RepackError::Size { expected, got: bytes.len() });
         }
-        let groups = rows.div_ceil(GROUP);
+        let (blocks, groups) = (cols / QBLOCK, rows.div_ceil(GROUP));
         let mut m = QuantMatrix { rows, cols, codes, data: vec![0u8; groups * blocks * codes.block_stride()] };
-        for r in 0..rows {
-            for b in 0..blocks {
-                let off = (r * blocks + b) * dtype.block_bytes();
-                m.put_block(r, b, dtype, &bytes[off..off + dtype.block_bytes()])?;
+        let mut subs = vec![Sub::ZERO; elems / QBLOCK];
+        for (r, row) in bytes.chunks_exact((cols / elems * block_bytes).max(1)).take(rows).enumerate() {
+            for (i, blk) in row.chunks_exact(block_bytes).enumerate() {
+                blocks::subs(dtype, blk, &mut subs);
+                for (k, sub) in subs.iter().enumerate() {
+                    m.put_sub(r, i * subs.len() + k, sub)?;
+                }
             }
         }
         Ok(m)
     }
 
-    /// Stores one GGUF block of row `r` at block column `b`.
-    fn put_block(&mut self, r: usize, b: usize, dtype: DType, block: &[u8]) -> Result<(), RepackError> {
-        let d = f16::from_le_bytes([block[0], block[1]]);
-        let (m, codes) = match dtype {
-            DType::Q4_1 => (f16::from_le_bytes([block[2], block[3]]), &block[4..20]),
-            DType::Q4_0 => (f16::from_f32(-8.0 * d.to_f32()), &block[2..18]),
-            _ => (f16::from_f32(-128.0 * d.to_f32()), &block[2..34]),
-        };
+    /// Stores one 32-value piece of row `r` at block column `b`.
+    fn put_sub(&mut self, r: usize, b: usize, sub: &Sub) -> Result<(), RepackError> {
+        let (d, m) = (f16::from_f32(sub.d), f16::from_f32(sub.m));
         if !m.is_finite() || !d.is_finite() {
             return Err(RepackError::ScaleRange);
         }
+        let mut payload = [0u8; QBLOCK];
+        let payload = match self.codes {
+            Codes::Nibble => {
+                // Byte j holds weights j (low nibble) and j + 16 (high nibble).
+                let (lo, hi) = sub.codes.split_at(QBLOCK / 2);
+                for ((p, &l), &h) in payload.iter_mut().zip(lo).zip(hi) {
+                    *p = (l & 0xF) | (h << 4);
+                }
+                &payload[..QBLOCK / 2]
+            }
+            Codes::Byte => &sub.codes[..],
+        };
         let (g, lane) = (r / GROUP, r % GROUP);
         let stride = self.codes.block_stride();
         let base = (g * self.blocks() + b) * stride;
-        let flip = if dtype == DType::Q8_0 { 0x80 } else { 0 };
-        for (j, chunk) in codes.chunks_exact(4).enumerate() {
+        for (j, chunk) in payload.chunks_exact(4).enumerate() {
             let at = base + j * GROUP * 4 + lane * 4;
-            for (k, &c) in chunk.iter().enumerate() {
-                self.data[at + k] = c ^ flip;
-            }
+            self.data[at..at + 4].copy_from_slice(chunk);
         }
         let scales = base + self.codes.payload_bytes();
         self.data[scales + lane * 2..scales + lane * 2 + 2].copy_from_slice(&d.to_le_bytes());
@@ -381,35 +387,12 @@ pub fn dequantize_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
             }
         }
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-            let bb = dtype.block_bytes();
-            for (ob, blk) in out.chunks_exact_mut(QBLOCK).zip(bytes.chunks_exact(bb)) {
-                dequantize_block(dtype, blk, ob);
+        _ => {
+            let (elems, bb) = (dtype.block_elems(), dtype.block_bytes());
+            for (ob, blk) in out.chunks_exact_mut(elems).zip(bytes.chunks_exact(bb)) {
+                blocks::dequantize_block(dtype, blk, ob);
             }
         }
-    }
-}
-
-fn dequantize_block(dtype: DType, blk: &[u8], out: &mut [f32]) {
-    let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-    match dtype {
-        DType::Q8_0 => {
-            for (o, &q) in out.iter_mut().zip(&blk[2..34]) {
-                *o = d * (q as i8) as f32;
-            }
-        }
-        DType::Q4_0 | DType::Q4_1 => {
-            let (m, qs) = if dtype == DType::Q4_1 {
-                (f16::from_le_bytes([blk[2], blk[3]]).to_f32(), &blk[4..20])
-            } else {
-                (-8.0 * d, &blk[2..18])
-            };
-            for (j, &q) in qs.iter().enumerate() {
-                out[j] = d * (q & 15) as f32 + m;
-                out[j + 16] = d * (q >> 4) as f32 + m;
-            }
-        }
-        _ => {}
     }
 }
 

@@ -132,7 +132,7 @@ impl Linear {
 
 fn load_weights(name: &str, dtype: DType, rows: usize, cols: usize, bytes: &[u8]) -> Result<Weights, FormatError> {
     match dtype {
-        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => QuantMatrix::from_gguf(dtype, rows, cols, bytes)
+        _ if dtype.is_quantized() => QuantMatrix::from_gguf(dtype, rows, cols, bytes)
             .map(Weights::Quant)
             .map_err(|e| FormatError::Invalid(format!("tensor {name}: {e}"))),
         _ => {

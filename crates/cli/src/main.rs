@@ -22,8 +22,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Fetch the default model (SmolLM2-135M-Instruct Q4_1) into the cache.
-    Pull,
+    /// Fetch a known model into the cache: the default (SmolLM2-135M-Instruct Q4_1)
+    /// unless named; --list shows them.
+    Pull(cmd::pull::Args),
     /// Generate text from a prompt and stream it to stdout.
     Generate(cmd::generate::Args),
     /// Serve the OpenAI-compatible API: frontend, router and workers in one process.
@@ -53,7 +54,7 @@ enum Command {
 impl Command {
     fn name(&self) -> &'static str {
         match self {
-            Command::Pull => "pull",
+            Command::Pull(_) => "pull",
             Command::Generate(_) => "generate",
             Command::Serve(_) => "serve",
             Command::Worker(_) => "worker",
@@ -88,7 +89,7 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let result = match cli.command {
-        Command::Pull => cmd::pull::run().map(|()| ExitCode::SUCCESS),
+        Command::Pull(a) => cmd::pull::run(&a).map(|()| ExitCode::SUCCESS),
         Command::Generate(args) => cmd::generate::run(args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => cmd::serve::run(args).map(exit_code),
         Command::Worker(args) => cmd::worker::run(args).map(exit_code),

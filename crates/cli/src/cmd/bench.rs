@@ -50,7 +50,8 @@ pub enum What {
 
 #[derive(clap::Args)]
 pub struct GrammarArgs {
-    /// `default` or a path to a GGUF file or safetensors directory.
+    /// `default`, a model `pdserve pull --list` names, or a path to a GGUF file or
+    /// safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
     /// Compute threads of the engine.
@@ -269,7 +270,8 @@ pub struct CompareArgs {
 
 #[derive(clap::Args)]
 pub struct EngineArgs {
-    /// `default` or a path to a GGUF file or safetensors directory.
+    /// `default`, a model `pdserve pull --list` names, or a path to a GGUF file or
+    /// safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
     /// Thread counts to measure.

@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
 pub struct MigrateArgs {
-    /// `default` or a path to a GGUF file or safetensors directory.
+    /// `default`, a model `pdserve pull --list` names, or a path to a GGUF file or
+    /// safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
     /// Requests decoding when the switch comes (spread over the two workers).

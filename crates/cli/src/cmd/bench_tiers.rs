@@ -20,7 +20,8 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct TiersArgs {
-    /// `default` or a path to a GGUF file or safetensors directory.
+    /// `default`, a model `pdserve pull --list` names, or a path to a GGUF file or
+    /// safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
     /// Compute threads of the engine.

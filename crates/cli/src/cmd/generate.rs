@@ -9,7 +9,8 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// `default` or a path to a GGUF file or safetensors directory.
+    /// `default`, a model `pdserve pull --list` names, or a path to a GGUF file or
+    /// safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
     /// The prompt text (with --chat, the user's message).

@@ -23,16 +23,17 @@ use pdserve_engine::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Resolves `default` or a path, fetching the default model on first use.
+/// Resolves `default`, a known model's name or a path, fetching a known model on
+/// first use.
 fn model_path(spec: &str) -> anyhow::Result<PathBuf> {
-    Ok(if spec == "default" {
-        pdserve_engine::models::pull_default(&mut |m| eprintln!("{m}"))?
-    } else {
-        pdserve_engine::models::resolve(spec)?
+    use pdserve_engine::models;
+    Ok(match models::known(spec) {
+        Some(k) => models::pull(k, &mut |m| eprintln!("{m}"))?,
+        None => models::resolve(spec)?,
     })
 }
 
-/// Loads a model (weights included) from `default` or a path.
+/// Loads a model (weights included) from `default`, a known name or a path.
 pub fn load_model(spec: &str) -> anyhow::Result<LoadedModel> {
     let path = model_path(spec)?;
     loader::load(&path).with_context(|| format!("cannot load model {}", path.display()))

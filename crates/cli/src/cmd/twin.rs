@@ -23,7 +23,8 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct ProfileArgs {
-    /// `default` or a path to a GGUF file or safetensors directory.
+    /// `default`, a model `pdserve pull --list` names, or a path to a GGUF file or
+    /// safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
     /// Compute threads of each worker shape to time (e.g. 1,2).

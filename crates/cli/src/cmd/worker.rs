@@ -26,7 +26,8 @@ pub struct Args {
     /// control address's host, any port.
     #[arg(long)]
     kv_listen: Option<SocketAddr>,
-    /// `default` or a path to a GGUF file or safetensors directory.
+    /// `default`, a model `pdserve pull --list` names, or a path to a GGUF file or
+    /// safetensors directory.
     #[arg(long, default_value = "default")]
     model: String,
     /// real (the model) | sim (a simulated worker: the real worker with a timed engine

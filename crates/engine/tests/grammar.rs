@@ -315,3 +315,33 @@ fn an_output_that_breaks_its_grammar_ends_in_an_error() {
     assert!(!why.is_empty());
     assert_eq!(e.stats().blocks.used, 0);
 }
+
+/// Grammars whose bytes are forced without end (a rule that can only recurse behind
+/// a long lexeme; a schema whose required property holds the schema itself under a
+/// long name) took llguidance seconds to minutes a step, on the engine's thread. A
+/// step is held to `STEP_BUDGET`: one whose first step runs past it is refused as it
+/// compiles, and one that turns slow after its first token ends its output in an
+/// error.
+#[test]
+fn a_grammar_step_past_its_budget_is_cancelled() {
+    let key = "k".repeat(10_000);
+    let schema = serde_json::json!({"type": "object", "properties": {key.clone(): {"$ref": "#"}},
+                                    "required": [key], "additionalProperties": false});
+    let slow_at_once =
+        [GrammarSpec::Lark("start: r0\nr0: /r{10000}/ r0".into()), GrammarSpec::JsonSchema(schema.to_string())];
+    for spec in slow_at_once {
+        let e = grammars().check(&Grammar::new(spec)).unwrap_err().to_string();
+        assert!(e.contains("too complex"), "{e}");
+    }
+    let spec = GrammarSpec::Lark("start: (\"a\" | \"b\") r0\nr0: /r{10000}/ r0".into());
+    grammars().check(&Grammar::new(spec.clone())).unwrap();
+    let mut e = engine(64);
+    e.add(RequestId(9), chat("Go."), constrained(spec, 8, None)).unwrap();
+    let mut last: Option<StepOutput> = None;
+    while e.has_work() {
+        last = e.step().into_iter().last().or(last);
+    }
+    let why = last.expect("no token").broken.expect("the slow grammar was reported as a normal stop");
+    assert!(why.contains("too complex"), "{why}");
+    assert_eq!(e.stats().blocks.used, 0);
+}

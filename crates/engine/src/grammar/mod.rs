@@ -9,6 +9,7 @@
 //! takes a sequence over rebuilds the state by feeding it those tokens.
 
 pub mod bounds;
+mod deadline;
 
 use crate::tokenizer::Tokenizer;
 use llguidance::api::TopLevelGrammar;
@@ -17,7 +18,7 @@ use pdserve_types::{Grammar, GrammarSpec};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -88,6 +89,11 @@ const COMPILE_QUEUE: usize = 8;
 const COMPILE_STACK: usize = 64 << 20;
 /// Compiled grammars kept for reuse.
 const CACHE: usize = 64;
+/// The longest one step of a grammar may take: computing its mask, or taking a token.
+/// llguidance's own budgets keep a step to milliseconds, but not the bytes it forces
+/// (see `deadline`); a step past this is cancelled: at compile time the grammar is
+/// refused, mid-generation its output ends in an error.
+pub const STEP_BUDGET: Duration = Duration::from_millis(500);
 
 impl Grammars {
     /// Builds the token trie (a few hundred milliseconds for a 49k vocabulary) and
@@ -146,7 +152,7 @@ impl Grammars {
     pub fn constraint(&self, g: &Grammar, prompt: &[u32], clock: Arc<MaskClock>) -> Result<Constraint, GrammarError> {
         let start = self.shared.start_state(&g.spec)?;
         let matcher = start.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        let mut c = Constraint { matcher, mask: None, clock };
+        let mut c = Constraint { matcher, mask: None, clock, over_budget: false };
         let replayed = prompt.len().saturating_sub(g.replayed as usize);
         c.matcher.consume_tokens(&prompt[replayed..]).map_err(|e| GrammarError::Replay(first_line(&e)))?;
         Ok(c)
@@ -203,11 +209,19 @@ fn compile(factory: &ParserFactory, spec: &GrammarSpec) -> Compiled {
         GrammarSpec::Lark(src) => TopLevelGrammar::from_lark(src.clone()),
     };
     let parser = factory.create_parser(top).map_err(|e| GrammarError::Invalid(first_line(&e)))?;
-    let start = Matcher::new(Ok(parser));
-    start
-        .clone()
-        .compute_mask()
-        .map_err(|e| GrammarError::Invalid(format!("the grammar allows no output: {}", first_line(&e))))?;
+    // Cancellable, so each step can be held to its budget; the first step is taken
+    // here, and what it forced is kept for every copy of the start state.
+    let mut start = Matcher::new(Ok(parser)).into_cancellable();
+    let armed = start.cancellation_handle().map(|h| deadline::arm(h, STEP_BUDGET));
+    let first = start.compute_mask();
+    drop(armed);
+    if start.is_cancelled() {
+        return Err(GrammarError::Invalid(format!(
+            "the grammar is too complex: its first step took over {} ms",
+            STEP_BUDGET.as_millis()
+        )));
+    }
+    first.map_err(|e| GrammarError::Invalid(format!("the grammar allows no output: {}", first_line(&e))))?;
     Ok(Arc::new(Mutex::new(start)))
 }
 
@@ -273,15 +287,20 @@ pub struct Constraint {
     matcher: Matcher,
     mask: Option<SimpleVob>,
     clock: Arc<MaskClock>,
+    /// A step ran past [`STEP_BUDGET`] and was cancelled.
+    over_budget: bool,
 }
 
 impl Constraint {
     /// The tokens that may come next, one bit each (bit `i % 32` of word `i / 32`):
     /// only the end-of-sequence token once the grammar is complete; `None` once the
-    /// constraint failed (the sequence should stop).
+    /// constraint failed (the sequence should stop), a step past [`STEP_BUDGET`] too.
     pub fn allowed(&mut self) -> Option<&[u32]> {
         let t0 = Instant::now();
+        let armed = self.arm();
         let mask = self.matcher.compute_mask_or_eos().ok();
+        drop(armed);
+        self.over_budget |= self.matcher.is_cancelled();
         self.clock.record(t0.elapsed().as_nanos() as u64);
         self.mask = mask;
         self.mask.as_ref().map(SimpleVob::as_slice)
@@ -292,7 +311,16 @@ impl Constraint {
         if self.matcher.is_stopped() {
             return true;
         }
-        self.matcher.consume_token(token).is_ok()
+        let armed = self.arm();
+        let taken = self.matcher.consume_token(token).is_ok();
+        drop(armed);
+        self.over_budget |= self.matcher.is_cancelled();
+        taken
+    }
+
+    /// This step, cancelled should it run past [`STEP_BUDGET`].
+    fn arm(&self) -> Option<deadline::Armed> {
+        self.matcher.cancellation_handle().map(|h| deadline::arm(h, STEP_BUDGET))
     }
 
     /// The grammar hit an error (an unexpected token): the output cannot continue.
@@ -305,6 +333,9 @@ impl Constraint {
     pub fn broken(&mut self, token: u32) -> Option<String> {
         if self.accept(token) && !self.failed() {
             return None;
+        }
+        if self.over_budget {
+            return Some(format!("a step of the grammar took over {} ms; it is too complex", STEP_BUDGET.as_millis()));
         }
         let why = self.matcher.get_error().unwrap_or_else(|| format!("token {token} does not fit"));
         Some(why.lines().next().unwrap_or_default().to_string())

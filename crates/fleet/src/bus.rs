@@ -6,7 +6,7 @@
 //! memory: it is observed state, rebuilt within a second by the nodes themselves.
 
 use crate::record::{NodeId, NodeRecord};
-use crate::seal::{self, SealError};
+use crate::seal;
 use async_nats::jetstream::{self, kv};
 use async_nats::{Client, ConnectOptions, ServerAddr};
 use pdserve_kv_transfer::ClusterKey;
@@ -153,18 +153,14 @@ impl Bus {
         seal::seal(self.key.as_ref().unwrap_or(&ClusterKey::insecure()), label, body)
     }
 
-    /// The body of a sealed value, if it verifies (read unchecked without a key).
-    pub(crate) fn open(&self, label: &[u8], bytes: &[u8]) -> Result<Vec<u8>, SealError> {
-        match &self.key {
-            Some(k) => seal::open(k, label, bytes),
-            None => seal::peek(bytes),
-        }
+    /// A sealed value's body parsed as `T`, if it verifies (read unchecked without a key).
+    pub(crate) fn open_as<T: serde::de::DeserializeOwned>(&self, label: &[u8], bytes: &[u8]) -> Result<T, String> {
+        seal::open_as(self.key.as_ref(), label, bytes)
     }
 
     /// A node's record from its sealed value.
     pub(crate) fn record(&self, bytes: &[u8]) -> Result<NodeRecord, String> {
-        let body = self.open(seal::NODE, bytes).map_err(|e| e.to_string())?;
-        NodeRecord::decode(&body).map_err(|e| format!("does not parse: {e}"))
+        self.open_as(seal::NODE, bytes)
     }
 
     /// Every change to the bucket from now on, after its current content.
@@ -199,8 +195,7 @@ where
             Err(e) => return tracing::error!(error = %e, subject, "cannot subscribe"),
         };
         while let Some(msg) = sub.next().await {
-            let body = bus.open(label, &msg.payload).map_err(|e| e.to_string());
-            match body.and_then(|b| serde_json::from_slice::<T>(&b).map_err(|e| e.to_string())) {
+            match bus.open_as::<T>(label, &msg.payload) {
                 Ok(m) => {
                     if let Err(TrySendError::Closed(_)) = tx.try_send(m) {
                         return;

@@ -45,8 +45,7 @@ impl Plan {
 
     /// The plan in a sealed value, if it verifies under the bus's key.
     pub fn decode(bus: &Bus, bytes: &[u8]) -> Result<Plan, String> {
-        let body = bus.open(seal::PLAN, bytes).map_err(|e| e.to_string())?;
-        serde_json::from_slice(&body).map_err(|e| format!("does not parse: {e}"))
+        bus.open_as(seal::PLAN, bytes)
     }
 }
 

@@ -11,6 +11,7 @@
 
 use base64::Engine as _;
 use pdserve_kv_transfer::ClusterKey;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// A plan (the planner's key).
@@ -59,6 +60,18 @@ pub fn open(key: &ClusterKey, label: &[u8], bytes: &[u8]) -> Result<Vec<u8>, Sea
 pub fn peek(bytes: &[u8]) -> Result<Vec<u8>, SealError> {
     let env: Envelope = serde_json::from_slice(bytes).map_err(|_| SealError::Unsealed)?;
     Ok(env.body.into_bytes())
+}
+
+/// What every reader of the fleet makes of a value: the body sealed in `bytes` for
+/// `label` under `key`, parsed as `T` (a plan, a node record, a batch of KV events or
+/// of traffic). Without a key the body is read unchecked, for tools that only show.
+pub fn open_as<T: DeserializeOwned>(key: Option<&ClusterKey>, label: &[u8], bytes: &[u8]) -> Result<T, String> {
+    let body = match key {
+        Some(k) => open(k, label, bytes),
+        None => peek(bytes),
+    };
+    let body = body.map_err(|e| e.to_string())?;
+    serde_json::from_slice(&body).map_err(|e| format!("does not parse: {e}"))
 }
 
 #[cfg(test)]

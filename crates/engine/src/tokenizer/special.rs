@@ -4,8 +4,13 @@
 //! left over, so `<|im_end|>` wins over a shorter token that is a prefix of it.
 //! Control tokens are cut only when the caller parses specials; user-defined tokens
 //! (non-special added tokens) are always cut, as Hugging Face does.
+//!
+//! Vocabularies can have thousands of such tokens (Gemma 3: 6,414), so one pass over the
+//! text first finds which of them occur in it at all, through their first two bytes;
+//! only those are searched for.
 
 use super::vocab::TokenEntry;
+use std::collections::HashMap;
 use std::ops::Range;
 
 #[derive(Debug)]
@@ -27,6 +32,10 @@ pub(crate) enum Fragment<'t> {
 pub(crate) struct Specials {
     /// Longest text first; ties by id so the order does not depend on a sort's whims.
     tokens: Vec<SpecialToken>,
+    /// Indices into `tokens` of the tokens that start with each pair of bytes.
+    by_head: HashMap<[u8; 2], Vec<usize>>,
+    /// Tokens of one byte, searched for in every text.
+    short: Vec<usize>,
 }
 
 impl Specials {
@@ -41,7 +50,37 @@ impl Specials {
             })
             .collect();
         tokens.sort_by(|a, b| b.text.len().cmp(&a.text.len()).then(a.id.cmp(&b.id)));
-        Specials { tokens }
+        let mut by_head: HashMap<[u8; 2], Vec<usize>> = HashMap::new();
+        let mut short = Vec::new();
+        for (i, t) in tokens.iter().enumerate() {
+            match t.text.as_bytes() {
+                [a, b, ..] => by_head.entry([*a, *b]).or_default().push(i),
+                _ => short.push(i),
+            }
+        }
+        Specials { tokens, by_head, short }
+    }
+
+    /// For each token, whether it occurs in `text` (where `wanted` says to look).
+    fn occurring(&self, text: &str, wanted: impl Fn(&SpecialToken) -> bool) -> Vec<bool> {
+        let mut found = vec![false; self.tokens.len()];
+        if self.tokens.is_empty() {
+            return found;
+        }
+        for &i in &self.short {
+            found[i] = true;
+        }
+        let bytes = text.as_bytes();
+        for (at, pair) in bytes.windows(2).enumerate() {
+            let Some(bucket) = self.by_head.get(pair) else { continue };
+            for &i in bucket {
+                let tok = &self.tokens[i];
+                if !found[i] && wanted(tok) && bytes[at..].starts_with(tok.text.as_bytes()) {
+                    found[i] = true;
+                }
+            }
+        }
+        found
     }
 
     /// `text` as plain-text fragments and special tokens, in order. Empty text
@@ -55,7 +94,9 @@ impl Specials {
     /// template's own markers are special).
     pub fn split_outside<'t>(&self, text: &'t str, parse_special: bool, plain: &[Range<usize>]) -> Vec<Fragment<'t>> {
         let mut frags = vec![Fragment::Text(text)];
-        for tok in self.tokens.iter().filter(|t| parse_special || t.always) {
+        let wanted = |t: &SpecialToken| parse_special || t.always;
+        let occurring = self.occurring(text, wanted);
+        for (tok, _) in self.tokens.iter().zip(occurring).filter(|(t, occurs)| *occurs && wanted(t)) {
             let found = frags.iter().any(|f| matches!(f, Fragment::Text(t) if t.contains(tok.text.as_str())));
             if found {
                 let plain = if tok.always { &[][..] } else { plain };

@@ -1,11 +1,14 @@
-//! Byte-level BPE tokenizer (the GPT-2 family: SmolLM, Llama 3, Qwen 2), built from GGUF
-//! metadata or a Hugging Face `tokenizer.json`, matching llama.cpp token for token.
+//! Tokenizers built from GGUF metadata or a Hugging Face `tokenizer.json`, matching
+//! llama.cpp token for token: byte-level BPE (the GPT-2 family: SmolLM, Llama 3, Qwen 2)
+//! and SentencePiece (GGUF `llama`: Gemma, Llama 2, Mistral).
 //!
-//! Encoding runs in three steps: special tokens are cut out of the text
-//! (`special.rs`), each remaining fragment is split into words by the model's
-//! pre-tokenizer regexes (`pretokenize.rs`), and each word's bytes are merged by BPE rank
-//! (`bpe.rs`). Token strings in model files use GPT-2's byte-to-unicode mapping; it is
-//! undone at load time, so everything after loading works on raw bytes.
+//! Encoding starts by cutting special tokens out of the text (`special.rs`). For BPE,
+//! each remaining fragment is split into words by the model's pre-tokenizer regexes
+//! (`pretokenize.rs`), and each word's bytes are merged by BPE rank (`bpe.rs`). For
+//! SentencePiece, each fragment's characters are joined by piece score (`spm.rs`).
+//! Token strings in model files use GPT-2's byte-to-unicode mapping (BPE) or `▁` for a
+//! space and `<0xNN>` for a byte (SentencePiece); [`Vocab`] holds them decoded, so
+//! decoding and streaming work on raw bytes for both.
 
 mod bpe;
 mod bytemap;
@@ -13,6 +16,9 @@ mod gguf;
 mod json;
 mod pretokenize;
 mod special;
+mod spm;
+#[cfg(test)]
+mod spm_tests;
 mod stream;
 #[cfg(test)]
 mod tests;
@@ -23,6 +29,7 @@ pub use stream::StreamDecoder;
 use bpe::Bpe;
 use pretokenize::PreTokenizer;
 use special::{Fragment, Specials};
+use spm::{Spm, SpmParts};
 use vocab::{TokenEntry, Vocab};
 
 /// Why a tokenizer could not be built. Messages name the file's problem.
@@ -31,7 +38,7 @@ pub enum TokenizerError {
     #[error("tokenizer metadata `{0}` is missing or has the wrong type")]
     MissingKey(String),
     #[error(
-        "unsupported tokenizer `{0}`: pdserve supports byte-level BPE (GGUF `gpt2`, tokenizer.json BPE with ByteLevel)"
+        "unsupported tokenizer `{0}`: pdserve supports byte-level BPE (GGUF `gpt2`, tokenizer.json BPE with ByteLevel) and SentencePiece (GGUF `llama`)"
     )]
     Unsupported(String),
     #[error("{what} id {id} is outside the vocabulary of {size} tokens")]
@@ -107,14 +114,22 @@ struct Parts {
     eog: Vec<u64>,
     add_bos: bool,
     chat_template: Option<String>,
+    /// A SentencePiece vocabulary: `merges`, `pre` and `ignore_merges` are unused.
+    spm: Option<SpmParts>,
+}
+
+/// How plain text becomes tokens.
+#[derive(Debug)]
+enum Model {
+    Bpe { bpe: Box<Bpe>, pre: PreTokenizer },
+    Spm(Box<Spm>),
 }
 
 /// A loaded tokenizer. Immutable and `Sync`: share one behind an `Arc`.
 #[derive(Debug)]
 pub struct Tokenizer {
     vocab: Vocab,
-    bpe: Bpe,
-    pre: PreTokenizer,
+    model: Model,
     specials: Specials,
     bos: Option<u32>,
     eos: Option<u32>,
@@ -136,15 +151,20 @@ impl Tokenizer {
         eog.extend(EOG_TEXTS.iter().filter_map(|t| vocab.id_of(t.as_bytes())));
         eog.sort_unstable();
         eog.dedup();
-        let pre = match p.pre {
-            Some(pre) => pre,
-            None => PreTokenizer::for_gguf("gpt2")?,
+        let model = match p.spm {
+            Some(spm) => Model::Spm(Box::new(Spm::new(spm)?)),
+            None => {
+                let pre = match p.pre {
+                    Some(pre) => pre,
+                    None => PreTokenizer::for_gguf("gpt2")?,
+                };
+                Model::Bpe { bpe: Box::new(Bpe::new(&vocab, &p.merges, p.ignore_merges)?), pre }
+            }
         };
         Ok(Tokenizer {
-            bpe: Bpe::new(&vocab, &p.merges, p.ignore_merges)?,
+            model,
             specials: Specials::new(&p.tokens),
             vocab,
-            pre,
             bos,
             eos,
             eog,
@@ -168,13 +188,30 @@ impl Tokenizer {
 
     fn encode_fragments(&self, frags: Vec<Fragment<'_>>, len: usize) -> Vec<u32> {
         let mut out = Vec::with_capacity(len / 4 + 1);
-        let mut scratch = bpe::Scratch::default();
-        for frag in frags {
-            match frag {
-                Fragment::Token(id) => out.push(id),
-                Fragment::Text(t) => self
-                    .pre
-                    .split(t, &mut |word| self.bpe.encode_word(word.as_bytes(), &self.vocab, &mut scratch, &mut out)),
+        match &self.model {
+            Model::Bpe { bpe, pre } => {
+                let mut scratch = bpe::Scratch::default();
+                for frag in frags {
+                    match frag {
+                        Fragment::Token(id) => out.push(id),
+                        Fragment::Text(t) => pre.split(t, &mut |word| {
+                            bpe.encode_word(word.as_bytes(), &self.vocab, &mut scratch, &mut out)
+                        }),
+                    }
+                }
+            }
+            Model::Spm(spm) => {
+                let mut scratch = spm::Scratch::default();
+                // As in llama.cpp, the space prefix goes where the input starts and
+                // after every token cut out of it.
+                let mut after_special = true;
+                for frag in frags {
+                    match frag {
+                        Fragment::Token(id) => out.push(id),
+                        Fragment::Text(t) => spm.encode(t, after_special, &mut scratch, &mut out),
+                    }
+                    after_special = matches!(frag, Fragment::Token(_));
+                }
             }
         }
         out
@@ -192,16 +229,29 @@ impl Tokenizer {
 
     /// The text of `ids`. Special tokens give their text; ids outside the vocabulary
     /// give U+FFFD. Invalid UTF-8 is replaced only after all bytes are joined, so a
-    /// character split across tokens decodes whole.
+    /// character split across tokens decodes whole. A SentencePiece model that puts a
+    /// space in front of the input loses one leading space of the first token here, as
+    /// in llama.cpp's detokenizer (the [`StreamDecoder`], which continues a prompt,
+    /// keeps it).
     pub fn decode(&self, ids: &[u32]) -> String {
         let mut bytes = Vec::with_capacity(ids.len() * 4);
-        for &id in ids {
-            self.append_bytes(id, &mut bytes);
+        if let Some((&first, rest)) = ids.split_first() {
+            self.append_bytes(first, &mut bytes);
+            if bytes.first() == Some(&b' ') && self.strips_leading_space() {
+                bytes.remove(0);
+            }
+            for &id in rest {
+                self.append_bytes(id, &mut bytes);
+            }
         }
         match String::from_utf8(bytes) {
             Ok(s) => s,
             Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
         }
+    }
+
+    fn strips_leading_space(&self) -> bool {
+        matches!(&self.model, Model::Spm(spm) if spm.add_space_prefix())
     }
 
     fn append_bytes(&self, id: u32, out: &mut Vec<u8>) {
@@ -266,9 +316,13 @@ impl Tokenizer {
         self.chat_template.as_deref()
     }
 
-    /// The pre-tokenizer in use, for logs (`smollm`, `llama-bpe`, ...).
+    /// The pre-tokenizer in use, for logs (`smollm`, `llama-bpe`, ...); `spm` for
+    /// SentencePiece, which has none.
     pub fn pre_tokenizer(&self) -> &str {
-        self.pre.name()
+        match &self.model {
+            Model::Bpe { pre, .. } => pre.name(),
+            Model::Spm(_) => "spm",
+        }
     }
 
     /// The text of token `id` for messages and templates (`<|im_end|>`), lossy.

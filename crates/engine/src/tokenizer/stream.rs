@@ -2,8 +2,11 @@
 //!
 //! A byte-level token can end in the middle of a UTF-8 character (emoji and CJK often
 //! span two tokens), so bytes that may still become a character are held back until
-//! the next token decides. The text given out, concatenated, equals
-//! [`Tokenizer::decode`] of the same ids.
+//! the next token decides. SentencePiece byte tokens (`<0xE2>`) are single bytes and
+//! are held back the same way. The text given out, concatenated, equals
+//! [`Tokenizer::decode`] of the same ids, except that `decode` drops the leading space
+//! a SentencePiece model with a space prefix put in front of the input; a stream
+//! continues a prompt, so it keeps that space.
 
 use super::Tokenizer;
 use std::ops::Deref;

@@ -243,8 +243,10 @@ fn gguf_errors_are_reported() {
             h.metadata.insert(k.into(), v.clone());
         }
     };
-    let r = with(&set("tokenizer.ggml.model", MetaValue::Str("llama".into())));
+    let r = with(&set("tokenizer.ggml.model", MetaValue::Str("bert".into())));
     assert!(matches!(r, Err(TokenizerError::Unsupported(_))));
+    let message = r.unwrap_err().to_string();
+    assert!(message.contains("`bert`") && message.contains("gpt2") && message.contains("llama"), "{message}");
     let r = with(&|h: &mut GgufHeader| {
         h.metadata.remove("tokenizer.ggml.merges");
     });

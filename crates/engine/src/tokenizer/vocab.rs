@@ -74,14 +74,17 @@ impl Vocab {
 
 /// Text → id. When two tokens have the same bytes (a special token spelled like a normal
 /// one), the special one wins: asking for `<|im_end|>` by name means the special token.
+/// Next come normal tokens, so `A` means the piece `A` rather than the byte token
+/// `<0x41>` that decodes to the same byte.
 fn index_by_bytes(entries: &[TokenEntry]) -> HashMap<Box<[u8]>, u32> {
     let mut map = HashMap::with_capacity(entries.len());
-    let specials_first = entries
-        .iter()
-        .zip(0u32..)
-        .filter(|(e, _)| e.kind.is_literal())
-        .chain(entries.iter().zip(0u32..).filter(|(e, _)| !e.kind.is_literal()));
-    for (e, id) in specials_first {
+    let rank = |k: TokenKind| match k {
+        k if k.is_literal() => 0,
+        TokenKind::Normal => 1,
+        _ => 2,
+    };
+    let by = |r| entries.iter().zip(0u32..).filter(move |(e, _)| rank(e.kind) == r);
+    for (e, id) in by(0).chain(by(1)).chain(by(2)) {
         if !e.bytes.is_empty() {
             map.entry(e.bytes.clone().into_boxed_slice()).or_insert(id);
         }

@@ -44,6 +44,9 @@ export PATH="$PWD/$venv/bin:$PATH"
 # dependencies with the test build below.
 cargo build --profile test --bin pdserve
 ./target/debug/pdserve pull
+# Gemma 3 270M Q4_K_M (SentencePiece, K-quants): its tokenizer and forward pass are
+# checked against llama.cpp's outputs.
+./target/debug/pdserve pull gemma3-270m
 
 python3 scripts/check_doc_paths.py
 cargo fmt --all --check

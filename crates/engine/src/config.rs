@@ -3,13 +3,21 @@
 use crate::format::gguf::GgufHeader;
 use crate::format::FormatError;
 
-/// Which families of the Llama lineage pdserve runs.
+/// Which model families pdserve runs; each has its own file under `model/`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     /// Llama 2/3, SmolLM2, Mistral.
     Llama,
     /// Llama plus biases on q/k/v.
     Qwen2,
+    /// Gemma 3 (text): sandwich norms, Q/K norms, GELU, local and global attention
+    /// layers; its extra hyper-parameters are in [`Gemma3Config`].
+    Gemma3,
+}
+
+impl Architecture {
+    /// The GGUF `general.architecture` names pdserve loads, for error messages.
+    pub const SUPPORTED: &'static str = "llama, qwen2, gemma3";
 }
 
 /// How RoPE pairs up the dimensions of a head.
@@ -35,6 +43,35 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     pub rope_style: RopeStyle,
     pub context_length: usize,
+    /// Set exactly when `arch` is [`Architecture::Gemma3`].
+    pub gemma3: Option<Gemma3Config>,
+}
+
+/// What Gemma 3 adds to the common hyper-parameters. `rope_theta` in [`ModelConfig`] is
+/// the global layers' base.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma3Config {
+    /// Keys a local layer's query sees, its own position included: position `p`
+    /// attends to `k` when `p - k < sliding_window`.
+    pub sliding_window: usize,
+    /// Layer `l` (from 0) is global when `(l + 1) % global_every == 0`, local otherwise
+    /// (6 in Gemma 3: five local layers, then a global one).
+    pub global_every: usize,
+    /// RoPE base of the local layers.
+    pub rope_theta_local: f32,
+    /// Linear RoPE scaling of the global layers: positions are multiplied by this.
+    pub rope_scale_global: f32,
+    /// Multiplies the queries before attention (which then applies no other scale).
+    pub query_scale: f32,
+    /// `logits = cap · tanh(logits / cap)` when set (the file's
+    /// `final_logit_softcapping`; Gemma 3's own checkpoints have none).
+    pub final_logit_softcap: Option<f32>,
+}
+
+impl Gemma3Config {
+    pub fn is_global(&self, layer: usize) -> bool {
+        (layer + 1).is_multiple_of(self.global_every)
+    }
 }
 
 impl ModelConfig {
@@ -56,6 +93,21 @@ impl ModelConfig {
         }
         if self.context_length == 0 {
             return bad("context length must be positive");
+        }
+        match (&self.gemma3, self.arch) {
+            (Some(g), Architecture::Gemma3) => {
+                if g.sliding_window == 0 || g.global_every == 0 {
+                    return bad("sliding window and layer pattern must be positive");
+                }
+                if !positive(g.rope_theta_local) || !positive(g.rope_scale_global) || !positive(g.query_scale) {
+                    return bad("local rope theta, rope scale and query scale must be positive");
+                }
+                if g.final_logit_softcap.is_some_and(|c| !positive(c)) {
+                    return bad("final logit soft-capping must be positive");
+                }
+            }
+            (None, Architecture::Llama | Architecture::Qwen2) => {}
+            _ => return bad("Gemma 3 parameters must be given for gemma3 and only for it"),
         }
         Ok(self)
     }
@@ -81,6 +133,7 @@ impl ModelConfig {
         let (arch, rope_style) = match arch_name {
             "llama" => (Architecture::Llama, RopeStyle::Normal),
             "qwen2" => (Architecture::Qwen2, RopeStyle::Neox),
+            "gemma3" => (Architecture::Gemma3, RopeStyle::Neox),
             other => return Err(FormatError::UnsupportedArchitecture(other.to_string())),
         };
         let key = |k: &str| format!("{arch_name}.{k}");
@@ -104,9 +157,40 @@ impl ModelConfig {
                 .map(|t| t.shape[0])
                 .ok_or_else(|| FormatError::Missing("tensor token_embd.weight".into()))?,
         };
+        let n_layers = int("block_count")?;
+        let gemma3 = match arch {
+            Architecture::Gemma3 => {
+                // Linear scaling of the global layers' positions (the larger Gemma 3
+                // models); the 270M file has none.
+                let rope_scale_global = match h.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+                    None | Some("none") => 1.0,
+                    Some("linear") => 1.0 / float("rope.scaling.factor", 1.0),
+                    Some(other) => {
+                        return Err(FormatError::Invalid(format!("gemma3: unsupported rope scaling `{other}`")))
+                    }
+                };
+                // As llama.cpp (after gemma_pytorch): the 27B model (62 layers) scales
+                // queries by 1/sqrt(hidden / heads), every other size by
+                // 1/sqrt(head_dim).
+                let query_dim = if n_layers == 62 { hidden / n_heads.max(1) } else { head_dim };
+                // As llama.cpp: without a sliding window every layer is global.
+                let window = int("attention.sliding_window").ok().filter(|&w| w > 0);
+                let softcap = h.get(&key("final_logit_softcapping")).and_then(|v| v.as_f64()).filter(|&c| c != 0.0);
+                Some(Gemma3Config {
+                    sliding_window: window.unwrap_or(usize::MAX),
+                    global_every: if window.is_some() { 6 } else { 1 },
+                    final_logit_softcap: softcap.map(|c| c as f32),
+                    // llama.cpp's fixed local base, unless the file gives one.
+                    rope_theta_local: float("rope.freq_base_swa", 10000.0),
+                    rope_scale_global,
+                    query_scale: 1.0 / (query_dim as f32).sqrt(),
+                })
+            }
+            Architecture::Llama | Architecture::Qwen2 => None,
+        };
         ModelConfig {
             arch,
-            n_layers: int("block_count")?,
+            n_layers,
             hidden,
             ffn_hidden: int("feed_forward_length")?,
             n_heads,
@@ -117,6 +201,7 @@ impl ModelConfig {
             rope_theta: float("rope.freq_base", 10000.0),
             rope_style,
             context_length: int("context_length").unwrap_or(4096),
+            gemma3,
         }
         .validate()
     }

@@ -29,6 +29,7 @@ pub fn random_llama_config() -> ModelConfig {
         rope_theta: 10000.0,
         rope_style: RopeStyle::Neox,
         context_length: 256,
+        gemma3: None,
     }
 }
 
@@ -81,6 +82,9 @@ pub fn write_random_model(
     opts: &RandomModelOptions,
 ) -> Result<RandomModelPaths, FormatError> {
     let cfg = cfg.clone().validate()?;
+    if cfg.arch == Architecture::Gemma3 {
+        return Err(FormatError::Invalid("random models are llama or qwen2 only".into()));
+    }
     let elems = opts.dtype.block_elems();
     for (hf, _, shape, role) in weight_specs(&cfg, opts.tie_embeddings) {
         if role.quantizable() && !shape.last().is_some_and(|c| c.is_multiple_of(elems)) {
@@ -335,6 +339,7 @@ fn hf_config(cfg: &ModelConfig, opts: &RandomModelOptions) -> String {
     let (architecture, model_type) = match cfg.arch {
         Architecture::Llama => ("LlamaForCausalLM", "llama"),
         Architecture::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+        Architecture::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
     };
     let torch_dtype = match opts.dtype {
         DType::F16 => "float16",
@@ -365,6 +370,7 @@ fn gguf_file(cfg: &ModelConfig, weights: &[Weight], dtype: DType) -> Result<Vec<
     let arch = match cfg.arch {
         Architecture::Llama => "llama",
         Architecture::Qwen2 => "qwen2",
+        Architecture::Gemma3 => "gemma3",
     };
     let mut w = GgufWriter::new();
     let u32_of = |v: usize| MetaValue::U32(u32::try_from(v).unwrap_or(u32::MAX));

@@ -173,7 +173,7 @@ pub enum FormatError {
         DType::supported_names()
     )]
     UnsupportedTensorType { tensor: String, ggml_type: u32 },
-    #[error("unsupported architecture `{0}` (supported: llama, qwen2)")]
+    #[error("unsupported architecture `{0}` (supported: {supported})", supported = crate::config::Architecture::SUPPORTED)]
     UnsupportedArchitecture(String),
     #[error("missing {0}")]
     Missing(String),

@@ -375,6 +375,8 @@ impl HfConfig {
         let default_context = match arch {
             Architecture::Llama => 2048,
             Architecture::Qwen2 => 32768,
+            // Not produced from config.json (Gemma 3 loads from GGUF only).
+            Architecture::Gemma3 => 32768,
         };
         ModelConfig {
             arch,
@@ -389,6 +391,7 @@ impl HfConfig {
             rope_theta: self.rope_theta.unwrap_or(10000.0) as f32,
             rope_style: RopeStyle::Neox,
             context_length: self.max_position_embeddings.unwrap_or(default_context),
+            gemma3: None,
         }
         .validate()
     }

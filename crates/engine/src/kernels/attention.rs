@@ -33,11 +33,32 @@ impl LayerKv<'_> {
 pub struct Queries<'a> {
     /// `n × n_rep × head_dim`, already rotated.
     pub q: &'a [f32],
-    /// Absolute position of each query token; it sees positions `0..=pos`.
+    /// Absolute position of each query token; it sees positions `0..=pos`, or only
+    /// the last `window` of them.
     pub pos: &'a [usize],
     /// Query heads per KV head.
     pub n_rep: usize,
     pub scale: f32,
+    /// Sliding window: a query at `p` sees key `k` only when `p - k < window`.
+    pub window: Option<usize>,
+}
+
+impl Queries<'_> {
+    /// The first position a query at `p` sees.
+    pub fn first_visible(&self, p: usize) -> usize {
+        self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
+
+    /// The slots `from..to` of the cache block starting at `base` that a query at `p`
+    /// sees; `None` when it sees none of them.
+    #[inline(always)]
+    pub fn visible_in_block(&self, p: usize, base: usize, bs: usize) -> Option<(usize, usize)> {
+        let lo = self.first_visible(p);
+        if base > p || base + bs <= lo {
+            return None;
+        }
+        Some((lo.saturating_sub(base), bs.min(p + 1 - base)))
+    }
 }
 
 /// Reused buffers, one per thread.
@@ -153,20 +174,18 @@ fn attend_with(
     s.kf.resize(bs * hd, 0.0);
     s.vf.resize(bs * hd, 0.0);
     let max_pos = qs.pos.iter().copied().max().unwrap_or(0);
-    for (bi, &block) in blocks.iter().enumerate().take(max_pos / bs + 1) {
+    let first_block = qs.pos.iter().map(|&p| qs.first_visible(p)).min().unwrap_or(0) / bs;
+    for (bi, &block) in blocks.iter().enumerate().take(max_pos / bs + 1).skip(first_block) {
         to_f32(kv.head_block(kv.k, block, g), &mut s.kf);
         to_f32(kv.head_block(kv.v, block, g), &mut s.vf);
         let base = bi * bs;
         for (i, &p) in qs.pos.iter().enumerate() {
-            if base > p {
-                continue;
-            }
-            let valid = bs.min(p + 1 - base);
+            let Some((from, to)) = qs.visible_in_block(p, base, bs) else { continue };
             for r in 0..qs.n_rep {
                 let v = i * qs.n_rep + r;
                 let q = &qs.q[v * hd..(v + 1) * hd];
                 let st = OnlineSoftmax { m: &mut s.m[v], l: &mut s.l[v], acc: &mut s.acc[v * hd..(v + 1) * hd] };
-                st.update(q, &s.kf, &s.vf, valid, qs.scale);
+                st.update(q, &s.kf, &s.vf, from, to, qs.scale);
             }
         }
     }
@@ -190,9 +209,9 @@ struct OnlineSoftmax<'a> {
 
 impl OnlineSoftmax<'_> {
     /// Folds in one block: `kt` is K transposed (`head_dim × 16`), `v` is `16 ×
-    /// head_dim`, of which the first `valid` positions are visible to this query.
+    /// head_dim`, of which the slots `from..valid` are visible to this query.
     #[inline(always)]
-    fn update(self, q: &[f32], kt: &[f32], v: &[f32], valid: usize, scale: f32) {
+    fn update(self, q: &[f32], kt: &[f32], v: &[f32], from: usize, valid: usize, scale: f32) {
         let mut s = [0f32; BS];
         for (d, &qd) in q.iter().enumerate() {
             let col = &kt[d * BS..(d + 1) * BS];
@@ -202,7 +221,7 @@ impl OnlineSoftmax<'_> {
         }
         let mut bmax = f32::NEG_INFINITY;
         for (j, x) in s.iter_mut().enumerate() {
-            *x = if j < valid { *x * scale } else { f32::NEG_INFINITY };
+            *x = if (from..valid).contains(&j) { *x * scale } else { f32::NEG_INFINITY };
             bmax = bmax.max(*x);
         }
         let m_new = self.m.max(bmax);
@@ -210,14 +229,14 @@ impl OnlineSoftmax<'_> {
         let mut p = [0f32; BS];
         let mut psum = 0.0;
         for j in 0..BS {
-            p[j] = if j < valid { fast_exp(s[j] - m_new) } else { 0.0 };
+            p[j] = if (from..valid).contains(&j) { fast_exp(s[j] - m_new) } else { 0.0 };
             psum += p[j];
         }
         *self.l = *self.l * corr + psum;
         for a in self.acc.iter_mut() {
             *a *= corr;
         }
-        for (j, &pj) in p.iter().enumerate().take(valid) {
+        for (j, &pj) in p.iter().enumerate().take(valid).skip(from) {
             for (a, x) in self.acc.iter_mut().zip(&v[j * q.len()..(j + 1) * q.len()]) {
                 *a += pj * x;
             }
@@ -232,23 +251,27 @@ mod tests {
     use crate::kernels::ops::dot;
 
     /// Plain softmax attention in f64 over dequantized K/V.
-    fn reference(k: &[f32], v: &[f32], q: &[f32], upto: usize, hd: usize, scale: f32) -> Vec<f32> {
-        let sc: Vec<f64> = (0..=upto).map(|p| (dot(q, &k[p * hd..(p + 1) * hd]) * scale) as f64).collect();
+    /// Keys `from..=upto` are visible.
+    fn reference(k: &[f32], v: &[f32], q: &[f32], (from, upto): (usize, usize), hd: usize, scale: f32) -> Vec<f32> {
+        let sc: Vec<f64> = (from..=upto).map(|p| (dot(q, &k[p * hd..(p + 1) * hd]) * scale) as f64).collect();
         let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
         let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
         let z: f64 = e.iter().sum();
-        (0..hd).map(|d| (0..=upto).map(|p| e[p] / z * v[p * hd + d] as f64).sum::<f64>() as f32).collect()
+        (0..hd).map(|d| (from..=upto).map(|p| e[p - from] / z * v[p * hd + d] as f64).sum::<f64>() as f32).collect()
     }
 
     #[test]
     fn matches_reference_and_is_tile_invariant() {
-        // 64 and 128 take the AVX-512 register kernel, 16 the portable one.
-        for hd in [16, 64, 128] {
-            check_head_dim(hd);
+        // 64 and 128 take the AVX-512 register kernel, 16 and 256 the portable one.
+        // Windows: none, one key, within a block, a block, across blocks, all keys.
+        for hd in [16, 64, 128, 256] {
+            for window in [None, Some(1), Some(5), Some(16), Some(19), Some(21), Some(100)] {
+                check_head_dim(hd, window);
+            }
         }
     }
 
-    fn check_head_dim(hd: usize) {
+    fn check_head_dim(hd: usize, window: Option<usize>) {
         let (bs, nkv, n_rep, ctx) = (16, 2, 3, 40);
         let nblocks = ctx / bs + 1;
         let mut rng = pdserve_types::rng::Rng::new(1);
@@ -273,18 +296,19 @@ mod tests {
         let q: Vec<f32> = (0..pos.len() * n_rep * hd).map(|_| rnd()).collect();
         for isa in Isa::available() {
             let mut all = vec![0f32; q.len()];
-            let qs = Queries { q: &q, pos: &pos, n_rep, scale: 0.25 };
+            let qs = Queries { q: &q, pos: &pos, n_rep, scale: 0.25, window };
             attend(isa, &kv, g, &order, &qs, &mut all, &mut AttnScratch::default());
             for (i, &p) in pos.iter().enumerate() {
                 let one_q = &q[i * n_rep * hd..(i + 1) * n_rep * hd];
                 let mut one = vec![0f32; n_rep * hd];
-                let qs1 = Queries { q: one_q, pos: &[p], n_rep, scale: 0.25 };
+                let qs1 = Queries { q: one_q, pos: &[p], n_rep, scale: 0.25, window };
                 attend(isa, &kv, g, &order, &qs1, &mut one, &mut AttnScratch::default());
                 assert_eq!(one, all[i * n_rep * hd..(i + 1) * n_rep * hd], "tile changed the result");
                 for r in 0..n_rep {
-                    let want = reference(&kl, &vl, &one_q[r * hd..(r + 1) * hd], p, hd, 0.25);
+                    let seen = (qs1.first_visible(p), p);
+                    let want = reference(&kl, &vl, &one_q[r * hd..(r + 1) * hd], seen, hd, 0.25);
                     for (a, b) in one[r * hd..(r + 1) * hd].iter().zip(&want) {
-                        assert!((a - b).abs() < 1e-4, "{isa}: {a} vs {b}");
+                        assert!((a - b).abs() < 1e-4, "{isa} window {window:?}: {a} vs {b}");
                     }
                 }
             }

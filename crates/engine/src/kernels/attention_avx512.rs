@@ -64,8 +64,9 @@ unsafe fn group<const C: usize, const G: usize>(
     let mut l = [0f32; G];
     let mut acc = [[_mm512_setzero_ps(); C]; G];
     let last = pos.iter().copied().max().unwrap_or(0) / BS;
+    let first = pos.iter().map(|&p| qs.first_visible(p)).min().unwrap_or(0) / BS;
     let per_head = BS * hd;
-    for (bi, &block) in blocks.iter().enumerate().take(last + 1) {
+    for (bi, &block) in blocks.iter().enumerate().take(last + 1).skip(first) {
         let start = (block as usize * kv.n_kv_heads + g) * per_head;
         let (kt, vb) = (&kv.k[start..start + per_head], &kv.v[start..start + per_head]);
         let kt = kt.as_ptr().cast::<u16>();
@@ -83,11 +84,9 @@ unsafe fn group<const C: usize, const G: usize>(
         let mut p = [_mm512_setzero_ps(); G];
         let mut corr = [_mm512_set1_ps(1.0); G];
         for k in 0..G {
-            if base > pos[k] {
-                continue;
-            }
-            let valid = BS.min(pos[k] + 1 - base);
-            let mask: __mmask16 = if valid == BS { 0xffff } else { (1u16 << valid) - 1 };
+            let Some((from, valid)) = qs.visible_in_block(pos[k], base, BS) else { continue };
+            // Bits `from..valid`.
+            let mask = (((1u32 << valid) - 1) & !((1u32 << from) - 1)) as __mmask16;
             let sk = _mm512_mask_mov_ps(
                 _mm512_set1_ps(f32::NEG_INFINITY),
                 mask,

@@ -33,6 +33,34 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// GELU in its tanh form, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, in f32.
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh())
+}
+
+/// GeGLU: `out[i] = gelu(gate[i]) * up[i]`, with GELU evaluated the way llama.cpp's
+/// CPU backend does: 0 at or below -10, the identity at or above 10, and in between
+/// the input rounded to f16 and looked up in a table of f16 results.
+pub fn gelu_tanh_f16_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| half::f16::from_f32(gelu_tanh(half::f16::from_bits(bits).to_f32())).to_f32())
+            .collect()
+    });
+    for ((o, &g), u) in out.iter_mut().zip(gate).zip(up) {
+        let a = if g <= -10.0 {
+            0.0
+        } else if g >= 10.0 {
+            g
+        } else {
+            table[usize::from(half::f16::from_f32(g).to_bits())]
+        };
+        *o = a * u;
+    }
+}
+
 /// Cos/sin of every rotation angle for a set of positions, computed once per forward
 /// pass and shared by all layers.
 pub struct RopeTable {
@@ -43,13 +71,18 @@ pub struct RopeTable {
 
 impl RopeTable {
     pub fn new(head_dim: usize, theta: f32, positions: &[usize]) -> Self {
+        RopeTable::scaled(head_dim, theta, 1.0, positions)
+    }
+
+    /// Angles for positions multiplied by `scale` (linear RoPE scaling; 1 for none).
+    pub fn scaled(head_dim: usize, theta: f32, scale: f32, positions: &[usize]) -> Self {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
         for &p in positions {
             for i in 0..half {
                 let inv_freq = theta.powf(-((2 * i) as f32) / head_dim as f32);
-                let (s, c) = (p as f32 * inv_freq).sin_cos();
+                let (s, c) = (p as f32 * inv_freq * scale).sin_cos();
                 cos.push(c);
                 sin.push(s);
             }
@@ -132,6 +165,23 @@ mod tests {
         let mut x = vec![1.0, 1.0, 0.0, 0.0];
         t.apply(RopeStyle::Neox, 0, &mut x);
         assert!((x[0] - 1f32.cos()).abs() < 1e-6 && (x[2] - 1f32.sin()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gelu_matches_its_definition_within_f16_rounding() {
+        for i in -1200..1200 {
+            let x = i as f32 * 0.01;
+            let mut o = [0f32];
+            gelu_tanh_f16_mul(&[x], &[2.0], &mut o);
+            let want = 2.0
+                * 0.5
+                * x as f64
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x as f64 + 0.044715 * (x as f64).powi(3))).tanh());
+            assert!((o[0] as f64 - want).abs() <= 2e-3 * want.abs().max(0.5), "{x}: {} vs {want}", o[0]);
+        }
+        let mut o = [0f32; 2];
+        gelu_tanh_f16_mul(&[-10.0, 12.5], &[1.0, 1.0], &mut o);
+        assert_eq!(o, [0.0, 12.5]);
     }
 
     #[test]

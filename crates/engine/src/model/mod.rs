@@ -1,12 +1,17 @@
-//! The Llama-family transformer (Llama 2/3, SmolLM2, Mistral, Qwen2): weights and the
-//! forward pass over a batch of sequences sharing one paged KV cache.
+//! The transformer: token embeddings, a stack of decoder layers, the final norm and the
+//! output projection, with the forward pass over a batch of sequences sharing one paged
+//! KV cache. Each architecture's layer lives in its own file, built from the shared
+//! blocks: `llama.rs` (Llama 2/3, SmolLM2, Mistral, Qwen2) and `gemma3.rs` (Gemma 3).
 
+mod blocks;
 mod forward;
+mod gemma3;
 pub mod linear;
+mod llama;
 
 pub use forward::{ForwardScratch, Scoring, SeqBatch};
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::{Architecture, Gemma3Config, ModelConfig};
 use crate::format::{DType, FormatError, TensorSource};
 use crate::kernels::quant::dequantize_row;
 use linear::{load_vector, Linear};
@@ -16,23 +21,20 @@ struct Embedding {
     dtype: DType,
     row_bytes: usize,
     data: Vec<u8>,
+    /// Multiplies every decoded row (Gemma's `sqrt(hidden)`; 1 for Llama).
+    scale: f32,
 }
 
-struct Layer {
-    attn_norm: Vec<f32>,
-    /// q | k | v fused.
-    qkv: Linear,
-    o: Linear,
-    ffn_norm: Vec<f32>,
-    /// gate | up fused.
-    gate_up: Linear,
-    down: Linear,
+/// The decoder layers, by architecture.
+enum Body {
+    Llama(Vec<llama::Layer>),
+    Gemma3(Gemma3Config, Vec<gemma3::Layer>),
 }
 
 pub struct Model {
     pub cfg: ModelConfig,
     embd: Embedding,
-    layers: Vec<Layer>,
+    body: Body,
     norm: Vec<f32>,
     lm_head: Linear,
 }
@@ -42,23 +44,34 @@ impl Model {
     /// for our kernels. The source can be dropped afterwards.
     pub fn load(src: &dyn TensorSource, cfg: ModelConfig) -> Result<Self, FormatError> {
         let h = cfg.hidden;
-        let embd = load_embedding(src, &cfg)?;
-        let layers = (0..cfg.n_layers).map(|l| load_layer(src, &cfg, l)).collect::<Result<Vec<_>, _>>()?;
+        let mut embd = load_embedding(src, &cfg)?;
+        let body = match (cfg.arch, &cfg.gemma3) {
+            (Architecture::Llama | Architecture::Qwen2, _) => {
+                Body::Llama((0..cfg.n_layers).map(|l| llama::Layer::load(src, &cfg, l)).collect::<Result<_, _>>()?)
+            }
+            (Architecture::Gemma3, Some(g)) => {
+                embd.scale = gemma3::embedding_scale(&cfg);
+                let layers = (0..cfg.n_layers).map(|l| gemma3::Layer::load(src, &cfg, g, l));
+                Body::Gemma3(g.clone(), layers.collect::<Result<_, _>>()?)
+            }
+            (Architecture::Gemma3, None) => {
+                return Err(FormatError::Invalid("gemma3 model config without its Gemma 3 parameters".into()))
+            }
+        };
         let head_name = if src.tensor("output.weight").is_some() { "output.weight" } else { "token_embd.weight" };
         let lm_head = Linear::load(src, &[head_name.to_string()], false)?;
         if lm_head.out_features != cfg.vocab_size || lm_head.in_features != h {
             return Err(FormatError::Invalid(format!("{head_name} has the wrong shape")));
         }
-        Ok(Model { embd, layers, norm: load_vector(src, "output_norm.weight", h)?, lm_head, cfg })
+        Ok(Model { embd, body, norm: load_vector(src, "output_norm.weight", h)?, lm_head, cfg })
     }
 
     /// Bytes of weights held in memory.
     pub fn weight_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| l.qkv.size_bytes() + l.o.size_bytes() + l.gate_up.size_bytes() + l.down.size_bytes())
-            .sum();
+        let layers: usize = match &self.body {
+            Body::Llama(layers) => layers.iter().map(llama::Layer::size_bytes).sum(),
+            Body::Gemma3(_, layers) => layers.iter().map(gemma3::Layer::size_bytes).sum(),
+        };
         layers + self.lm_head.size_bytes() + self.embd.data.len()
     }
 
@@ -68,6 +81,11 @@ impl Model {
             Some(row) => dequantize_row(self.embd.dtype, row, out),
             // Ids are validated upstream; an out-of-range id embeds as zeros.
             None => out.fill(0.0),
+        }
+        if self.embd.scale != 1.0 {
+            for x in out {
+                *x *= self.embd.scale;
+            }
         }
     }
 }
@@ -81,16 +99,19 @@ fn load_embedding(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Embedding
         )));
     }
     let row_bytes = t.bytes.len() / cfg.vocab_size;
-    Ok(Embedding { dtype: t.dtype, row_bytes, data: t.bytes.to_vec() })
+    Ok(Embedding { dtype: t.dtype, row_bytes, data: t.bytes.to_vec(), scale: 1.0 })
 }
 
-fn load_layer(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<Layer, FormatError> {
-    let n = |s: &str| format!("blk.{l}.{s}.weight");
-    let bias = cfg.arch == Architecture::Qwen2;
-    let qkv = Linear::load(src, &[n("attn_q"), n("attn_k"), n("attn_v")], bias)?;
-    let o = Linear::load(src, &[n("attn_output")], false)?;
-    let gate_up = Linear::load(src, &[n("ffn_gate"), n("ffn_up")], false)?;
-    let down = Linear::load(src, &[n("ffn_down")], false)?;
+/// Checks a layer's projections against the config: fused q/k/v, output, fused
+/// gate/up and down.
+fn expect_shapes(
+    cfg: &ModelConfig,
+    l: usize,
+    qkv: &Linear,
+    o: &Linear,
+    gate_up: &Linear,
+    down: &Linear,
+) -> Result<(), FormatError> {
     let expect = |lin: &Linear, name: &str, out: usize, inp: usize| {
         if lin.out_features == out && lin.in_features == inp {
             Ok(())
@@ -98,16 +119,9 @@ fn load_layer(src: &dyn TensorSource, cfg: &ModelConfig, l: usize) -> Result<Lay
             Err(FormatError::Invalid(format!("layer {l} {name}: shape does not match the config")))
         }
     };
-    expect(&qkv, "attention q/k/v", cfg.q_dim() + 2 * cfg.kv_dim(), cfg.hidden)?;
-    expect(&o, "attention output", cfg.hidden, cfg.q_dim())?;
-    expect(&gate_up, "ffn gate/up", 2 * cfg.ffn_hidden, cfg.hidden)?;
-    expect(&down, "ffn down", cfg.hidden, cfg.ffn_hidden)?;
-    Ok(Layer {
-        attn_norm: load_vector(src, &n("attn_norm"), cfg.hidden)?,
-        qkv,
-        o,
-        ffn_norm: load_vector(src, &n("ffn_norm"), cfg.hidden)?,
-        gate_up,
-        down,
-    })
+    expect(qkv, "attention q/k/v", cfg.q_dim() + 2 * cfg.kv_dim(), cfg.hidden)?;
+    expect(o, "attention output", cfg.hidden, cfg.q_dim())?;
+    expect(gate_up, "ffn gate/up", 2 * cfg.ffn_hidden, cfg.hidden)?;
+    expect(down, "ffn down", cfg.hidden, cfg.ffn_hidden)?;
+    Ok(())
 }

@@ -274,6 +274,18 @@ pub fn require_default_model() -> PathBuf {
     }
 }
 
+/// For tests that need another known model (`name` as `pdserve pull` takes it): its
+/// path, or a panic that says how to get it.
+pub fn require_known_model(name: &str) -> PathBuf {
+    match resolve(name) {
+        Ok(p) if known(name).is_some() => p,
+        _ => panic!(
+            "model `{name}` missing from {}: run `pdserve pull {name}` first",
+            cache_dir().join("models").display()
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

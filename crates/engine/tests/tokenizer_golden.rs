@@ -45,6 +45,19 @@ fn golden() -> Result<Golden> {
     Ok(serde_json::from_str(GOLDEN)?)
 }
 
+/// Every case tokenizes (special tokens parsed) to its golden ids; the failures are
+/// listed together.
+fn assert_tokenizes_as_golden(tok: &Tokenizer, cases: &[TokenizeCase]) {
+    let failures: Vec<String> = cases
+        .iter()
+        .filter_map(|c| {
+            let got = tok.encode(&c.text, true);
+            (got != c.ids).then(|| format!("{:?}\n  want {:?}\n  got  {:?}", c.text, c.ids, got))
+        })
+        .collect();
+    assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+}
+
 fn tokenizer() -> Result<Tokenizer> {
     let gguf = GgufFile::open(&require_default_model())?;
     Ok(Tokenizer::from_gguf(&gguf.header)?)
@@ -69,14 +82,7 @@ fn metadata_matches_the_model_card() {
 fn every_golden_tokenization_matches() {
     let tok = tokenizer().unwrap();
     let cases = golden().unwrap().tokenize;
-    let failures: Vec<String> = cases
-        .iter()
-        .filter_map(|c| {
-            let got = tok.encode(&c.text, true);
-            (got != c.ids).then(|| format!("{:?}\n  want {:?}\n  got  {:?}", c.text, c.ids, got))
-        })
-        .collect();
-    assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    assert_tokenizes_as_golden(&tok, &cases);
 }
 
 #[test]
@@ -187,14 +193,7 @@ fn gemma_every_golden_tokenization_matches() {
     let tok = gemma();
     let cases = gemma_cases();
     assert_eq!(cases.len(), 27);
-    let failures: Vec<String> = cases
-        .iter()
-        .filter_map(|c| {
-            let got = tok.encode(&c.text, true);
-            (got != c.ids).then(|| format!("{:?}\n  want {:?}\n  got  {:?}", c.text, c.ids, got))
-        })
-        .collect();
-    assert!(failures.is_empty(), "{} of {} differ:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    assert_tokenizes_as_golden(tok, &cases);
     let bos = tok.encode_with_bos("The capital of France is", true);
     assert_eq!(bos, [2, 818, 5279, 529, 7001, 563]);
 }

@@ -2,7 +2,8 @@
 //! of a whole batch over the paged cache, and the gated feed-forward activation. Each
 //! works row by row in a fixed order, so a token's result never depends on its batch.
 
-use super::forward::{SeqBatch, Step};
+use super::forward::{ForwardScratch, SeqBatch, Step};
+use super::linear::Linear;
 use crate::config::ModelConfig;
 use crate::kernels::attention::{self, AttnScratch, Queries};
 use crate::kernels::ops::{gelu_tanh_f16_mul, rms_norm, silu_mul};
@@ -149,4 +150,22 @@ pub(super) fn gated_activation(pool: &ThreadPool, gu: &[f32], f: usize, act: Act
             }
         }
     });
+}
+
+/// The gated feed-forward, `down(act(gate · x) ⊙ up · x)`, of the normed rows in `s.h`
+/// into `s.proj`; `gate_up` holds gate and up fused.
+pub(super) fn gated_mlp(
+    c: &ModelConfig,
+    step: &Step<'_, '_>,
+    (gate_up, down): (&Linear, &Linear),
+    act: Activation,
+    s: &mut ForwardScratch,
+) {
+    let (isa, pool) = (step.isa, step.pool);
+    let (t, h, f) = (step.positions.len(), c.hidden, c.ffn_hidden);
+    s.gu.resize(t * 2 * f, 0.0);
+    gate_up.forward(isa, pool, &s.h, t, &mut s.gu, &mut s.lin);
+    gated_activation(pool, &s.gu, f, act, &mut s.act);
+    s.proj.resize(t * h, 0.0);
+    down.forward(isa, pool, &s.act, t, &mut s.proj, &mut s.lin);
 }

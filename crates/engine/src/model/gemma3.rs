@@ -17,9 +17,7 @@
 //! layer keeps every cache block of its sequence, as a global one does: the simplest
 //! correct choice, so export, import and prefix caching need no special case.
 
-use super::blocks::{
-    attend_all, gated_activation, norm_heads, norm_rows, round_to_f16, store_kv, Activation, AttnSpec,
-};
+use super::blocks::{attend_all, gated_mlp, norm_heads, norm_rows, round_to_f16, store_kv, Activation, AttnSpec};
 use super::forward::{ForwardScratch, Step};
 use super::linear::{load_vector, Linear};
 use crate::config::{Gemma3Config, ModelConfig};
@@ -148,14 +146,9 @@ fn attention_block(
 }
 
 fn ffn_block(c: &ModelConfig, step: &Step<'_, '_>, layer: &Layer, s: &mut ForwardScratch) {
-    let (isa, pool) = (step.isa, step.pool);
-    let (t, h, f) = (step.positions.len(), c.hidden, c.ffn_hidden);
+    let (pool, h) = (step.pool, c.hidden);
     norm_rows(pool, &s.x, &layer.ffn_norm, c.rms_eps, h, &mut s.h);
-    s.gu.resize(t * 2 * f, 0.0);
-    layer.gate_up.forward(isa, pool, &s.h, t, &mut s.gu, &mut s.lin);
-    gated_activation(pool, &s.gu, f, Activation::GeluTanh, &mut s.act);
-    s.proj.resize(t * h, 0.0);
-    layer.down.forward(isa, pool, &s.act, t, &mut s.proj, &mut s.lin);
+    gated_mlp(c, step, (&layer.gate_up, &layer.down), Activation::GeluTanh, s);
     norm_rows(pool, &s.proj, &layer.post_ffn_norm, c.rms_eps, h, &mut s.h);
     add_assign(&mut s.x, &s.h);
 }

@@ -7,7 +7,7 @@
 //!
 //! Qwen2 adds biases to the q/k/v projections.
 
-use super::blocks::{attend_all, gated_activation, norm_rows, round_to_f16, store_kv, Activation, AttnSpec};
+use super::blocks::{attend_all, gated_mlp, norm_rows, round_to_f16, store_kv, Activation, AttnSpec};
 use super::forward::{ForwardScratch, Step};
 use super::linear::{load_vector, Linear};
 use crate::config::{Architecture, ModelConfig};
@@ -99,13 +99,7 @@ fn attention_block(
 }
 
 fn ffn_block(c: &ModelConfig, step: &Step<'_, '_>, layer: &Layer, s: &mut ForwardScratch) {
-    let (isa, pool) = (step.isa, step.pool);
-    let (t, h, f) = (step.positions.len(), c.hidden, c.ffn_hidden);
-    norm_rows(pool, &s.x, &layer.ffn_norm, c.rms_eps, h, &mut s.h);
-    s.gu.resize(t * 2 * f, 0.0);
-    layer.gate_up.forward(isa, pool, &s.h, t, &mut s.gu, &mut s.lin);
-    gated_activation(pool, &s.gu, f, Activation::Silu, &mut s.act);
-    s.proj.resize(t * h, 0.0);
-    layer.down.forward(isa, pool, &s.act, t, &mut s.proj, &mut s.lin);
+    norm_rows(step.pool, &s.x, &layer.ffn_norm, c.rms_eps, c.hidden, &mut s.h);
+    gated_mlp(c, step, (&layer.gate_up, &layer.down), Activation::Silu, s);
     add_assign(&mut s.x, &s.proj);
 }

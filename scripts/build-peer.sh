@@ -1,29 +1,46 @@
 #!/usr/bin/env bash
-# Builds the llama.cpp peer (llama-bench, llama-batched-bench, llama-server) from the
-# sources vendored in PyPI llama-cpp-python 0.3.36, for side-by-side benchmarks.
-# AVX-512 on, AMX off: llama.cpp's AMX path crashes on some of the machines we run
-# on. Idempotent; prints the bin directory on success.
+# Builds the llama.cpp peer from the sources vendored in PyPI llama-cpp-python 0.3.36.
+#
+#   scripts/build-peer.sh           llama-bench, llama-batched-bench, llama-server,
+#                                   llama-quantize and libllama: side-by-side benchmarks
+#   scripts/build-peer.sh oracle    llama-quantize and libllama only: what the tests
+#                                   need to quantize files and compute llama.cpp's logits
+#
+# libllama is loaded by the package's own ctypes bindings (the sdist's `llama_cpp`
+# folder, with LLAMA_CPP_LIB_PATH pointing at the bin directory; see
+# scripts/peer_logits.py), so no second compile of the same sources is needed.
+# Built for the machine it runs on (GGML_NATIVE, as llama.cpp's own build does by
+# default), so the peer uses every SIMD extension this CPU has and none it lacks; AMX
+# off: llama.cpp's AMX path crashes on some of the machines we run on. Idempotent;
+# prints the bin directory on success.
 set -euo pipefail
 ver=0.3.36
 root="${PDSERVE_PEER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pdserve/peer}"
 bin="$root/build/bin"
-if [ -x "$bin/llama-bench" ] && [ -x "$bin/llama-batched-bench" ] && [ -x "$bin/llama-server" ]; then
-  echo "$bin"; exit 0
-fi
+case "${1:-all}" in
+  all) targets=(llama-bench llama-batched-bench llama-server llama-quantize llama) ;;
+  oracle) targets=(llama-quantize llama) ;;
+  *) echo "usage: $0 [oracle]" >&2; exit 2 ;;
+esac
+have=1
+for t in "${targets[@]}"; do
+  case $t in llama) f="$bin/libllama.so" ;; *) f="$bin/$t" ;; esac
+  [ -e "$f" ] || have=0
+done
+if [ "$have" = 1 ]; then echo "$bin"; exit 0; fi
 mkdir -p "$root"
-python3 -m pip install -q cmake ninja scikit-build-core >&2
+python3 -m pip install -q --disable-pip-version-check cmake ninja scikit-build-core >&2
 if [ ! -f "$root/llama_cpp_python-$ver.tar.gz" ]; then
   python3 -m pip download -q --no-deps --no-binary=:all: --no-build-isolation \
     -d "$root" "llama-cpp-python==$ver" >&2
 fi
-if [ ! -d "$root/src" ]; then
+if [ ! -d "$root/src/vendor" ]; then
   mkdir -p "$root/src"
   tar -xzf "$root/llama_cpp_python-$ver.tar.gz" -C "$root/src" --strip-components=1
 fi
 cmake -S "$root/src/vendor/llama.cpp" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
-  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=OFF \
+  -DBUILD_SHARED_LIBS=ON -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$bin" -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$bin" \
+  -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON >&2
-cmake --build "$root/build" -j "$(nproc)" --target llama-bench llama-batched-bench llama-server >&2
+cmake --build "$root/build" -j "$(nproc)" --target "${targets[@]}" >&2
 echo "$bin"

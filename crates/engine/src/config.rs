@@ -10,6 +10,14 @@ pub enum Architecture {
     Llama,
     /// Llama plus biases on q/k/v.
     Qwen2,
+    /// Qwen 3: Llama with per-head RMSNorm of queries and keys, no biases.
+    Qwen3,
+    /// Qwen 3's attention with a sparse mixture-of-experts feed-forward; its expert
+    /// counts are in [`MoeConfig`].
+    Qwen3Moe,
+    /// Phi-3 and Phi-3.5: fused q/k/v and gate/up projections, queries scaled before
+    /// attention, optional long/short RoPE factors.
+    Phi3,
     /// Gemma 3 (text): sandwich norms, Q/K norms, GELU, local and global attention
     /// layers; its extra hyper-parameters are in [`Gemma3Config`].
     Gemma3,
@@ -17,7 +25,7 @@ pub enum Architecture {
 
 impl Architecture {
     /// The GGUF `general.architecture` names pdserve loads, for error messages.
-    pub const SUPPORTED: &'static str = "llama, qwen2, gemma3";
+    pub const SUPPORTED: &'static str = "llama, qwen2, qwen3, qwen3moe, phi3, gemma3";
 }
 
 /// How RoPE pairs up the dimensions of a head.
@@ -43,8 +51,28 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     pub rope_style: RopeStyle,
     pub context_length: usize,
+    /// Multiplies RoPE's cosines and sines, so every attention score by its square
+    /// (the file's `rope.scaling.attn_factor`, Phi-3.5's long-context correction); 1
+    /// for none.
+    pub rope_attn_factor: f32,
+    /// The context the model was trained with before any RoPE extension (the file's
+    /// `rope.scaling.original_context_length`, or its context length).
+    pub rope_original_context: usize,
     /// Set exactly when `arch` is [`Architecture::Gemma3`].
     pub gemma3: Option<Gemma3Config>,
+    /// Set exactly when `arch` is [`Architecture::Qwen3Moe`].
+    pub moe: Option<MoeConfig>,
+}
+
+/// A sparse mixture of experts: each token's feed-forward is the weighted sum of its
+/// `used` best experts out of `experts`, weights from a softmax router renormalized
+/// over the chosen ones.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub used: usize,
+    /// Hidden width of one expert's feed-forward.
+    pub expert_ffn: usize,
 }
 
 /// What Gemma 3 adds to the common hyper-parameters. `rope_theta` in [`ModelConfig`] is
@@ -106,8 +134,20 @@ impl ModelConfig {
                     return bad("final logit soft-capping must be positive");
                 }
             }
-            (None, Architecture::Llama | Architecture::Qwen2) => {}
+            (None, _) if self.arch != Architecture::Gemma3 => {}
             _ => return bad("Gemma 3 parameters must be given for gemma3 and only for it"),
+        }
+        match (&self.moe, self.arch) {
+            (Some(m), Architecture::Qwen3Moe) => {
+                if m.expert_ffn == 0 || m.used == 0 || m.used > m.experts {
+                    return bad("experts used must be between 1 and the expert count, expert width positive");
+                }
+            }
+            (None, _) if self.arch != Architecture::Qwen3Moe => {}
+            _ => return bad("expert counts must be given for qwen3moe and only for it"),
+        }
+        if !positive(self.rope_attn_factor) || self.rope_original_context == 0 {
+            return bad("rope attention factor and original context must be positive");
         }
         Ok(self)
     }
@@ -133,6 +173,9 @@ impl ModelConfig {
         let (arch, rope_style) = match arch_name {
             "llama" => (Architecture::Llama, RopeStyle::Normal),
             "qwen2" => (Architecture::Qwen2, RopeStyle::Neox),
+            "qwen3" => (Architecture::Qwen3, RopeStyle::Neox),
+            "qwen3moe" => (Architecture::Qwen3Moe, RopeStyle::Neox),
+            "phi3" => (Architecture::Phi3, RopeStyle::Neox),
             "gemma3" => (Architecture::Gemma3, RopeStyle::Neox),
             other => return Err(FormatError::UnsupportedArchitecture(other.to_string())),
         };
@@ -148,8 +191,14 @@ impl ModelConfig {
         let hidden = int("embedding_length")?;
         let n_heads = int("attention.head_count")?;
         let n_kv_heads = int("attention.head_count_kv").unwrap_or(n_heads);
-        let head_dim = int("attention.key_length").or_else(|_| int("rope.dimension_count"));
-        let head_dim = head_dim.unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
+        let head_dim = int("attention.key_length").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
+        if let Ok(rotated) = int("rope.dimension_count") {
+            if rotated != head_dim {
+                return Err(FormatError::Invalid(format!(
+                    "{arch_name}: RoPE over {rotated} of each head's {head_dim} dimensions (partial rotary) is not supported"
+                )));
+            }
+        }
         let vocab_size = match h.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
             Some(tokens) => tokens.len(),
             None => h
@@ -186,13 +235,35 @@ impl ModelConfig {
                     query_scale: 1.0 / (query_dim as f32).sqrt(),
                 })
             }
-            Architecture::Llama | Architecture::Qwen2 => None,
+            _ => None,
         };
+        let moe = match arch {
+            Architecture::Qwen3Moe => Some(MoeConfig {
+                experts: int("expert_count")?,
+                used: int("expert_used_count")?,
+                expert_ffn: int("expert_feed_forward_length")?,
+            }),
+            _ => None,
+        };
+        let context_length = int("context_length").unwrap_or(4096);
+        if let Some(kind) = h.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+            // Gemma 3's linear scaling is read above; Llama 3's factors are the
+            // `rope_freqs` tensor and Phi-3.5's the `rope_factors_*` ones.
+            let known = match arch {
+                Architecture::Gemma3 => matches!(kind, "none" | "linear"),
+                Architecture::Phi3 => matches!(kind, "none" | "longrope"),
+                _ => kind == "none",
+            };
+            if !known {
+                return Err(FormatError::Invalid(format!("{arch_name}: RoPE scaling `{kind}` is not supported")));
+            }
+        }
         ModelConfig {
             arch,
             n_layers,
             hidden,
-            ffn_hidden: int("feed_forward_length")?,
+            // A mixture of experts may have no dense width; its experts' stands in.
+            ffn_hidden: int("feed_forward_length").or_else(|e| moe.as_ref().map(|m| m.expert_ffn).ok_or(e))?,
             n_heads,
             n_kv_heads,
             head_dim,
@@ -200,8 +271,11 @@ impl ModelConfig {
             rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta: float("rope.freq_base", 10000.0),
             rope_style,
-            context_length: int("context_length").unwrap_or(4096),
+            context_length,
+            rope_attn_factor: float("rope.scaling.attn_factor", 1.0),
+            rope_original_context: int("rope.scaling.original_context_length").unwrap_or(context_length),
             gemma3,
+            moe,
         }
         .validate()
     }

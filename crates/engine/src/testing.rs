@@ -29,7 +29,10 @@ pub fn random_llama_config() -> ModelConfig {
         rope_theta: 10000.0,
         rope_style: RopeStyle::Neox,
         context_length: 256,
+        rope_attn_factor: 1.0,
+        rope_original_context: 256,
         gemma3: None,
+        moe: None,
     }
 }
 
@@ -82,9 +85,7 @@ pub fn write_random_model(
     opts: &RandomModelOptions,
 ) -> Result<RandomModelPaths, FormatError> {
     let cfg = cfg.clone().validate()?;
-    if cfg.arch == Architecture::Gemma3 {
-        return Err(FormatError::Invalid("random models are llama or qwen2 only".into()));
-    }
+    let names = arch_names(cfg.arch)?;
     let elems = opts.dtype.block_elems();
     for (hf, _, shape, role) in weight_specs(&cfg, opts.tie_embeddings) {
         if role.quantizable() && !shape.last().is_some_and(|c| c.is_multiple_of(elems)) {
@@ -95,9 +96,9 @@ pub fn write_random_model(
     let weights = random_weights(&cfg, opts);
     let paths = RandomModelPaths { safetensors_dir: dir.join("safetensors"), gguf_path: dir.join("model.gguf") };
     create_dir(&paths.safetensors_dir)?;
-    write(&paths.safetensors_dir.join("config.json"), hf_config(&cfg, opts).as_bytes())?;
+    write(&paths.safetensors_dir.join("config.json"), hf_config(&cfg, names, opts).as_bytes())?;
     write(&paths.safetensors_dir.join("model.safetensors"), &safetensors_file(&weights, opts)?)?;
-    write(&paths.gguf_path, &gguf_file(&cfg, &weights, opts.dtype)?)?;
+    write(&paths.gguf_path, &gguf_file(&cfg, names.2, &weights, opts.dtype)?)?;
     Ok(paths)
 }
 
@@ -335,12 +336,21 @@ fn safetensors_file(weights: &[Weight], opts: &RandomModelOptions) -> Result<Vec
     to_safetensors_bytes(&tensors)
 }
 
-fn hf_config(cfg: &ModelConfig, opts: &RandomModelOptions) -> String {
-    let (architecture, model_type) = match cfg.arch {
-        Architecture::Llama => ("LlamaForCausalLM", "llama"),
-        Architecture::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
-        Architecture::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
-    };
+/// HF's class and model type, and GGUF's architecture name, of the architectures
+/// random models are written in (the others: scripts/random_gguf.py).
+fn arch_names(arch: Architecture) -> Result<(&'static str, &'static str, &'static str), FormatError> {
+    match arch {
+        Architecture::Llama => Ok(("LlamaForCausalLM", "llama", "llama")),
+        Architecture::Qwen2 => Ok(("Qwen2ForCausalLM", "qwen2", "qwen2")),
+        _ => Err(FormatError::Invalid("random models are llama or qwen2 only".into())),
+    }
+}
+
+fn hf_config(
+    cfg: &ModelConfig,
+    (architecture, model_type, _): (&str, &str, &str),
+    opts: &RandomModelOptions,
+) -> String {
     let torch_dtype = match opts.dtype {
         DType::F16 => "float16",
         DType::BF16 => "bfloat16",
@@ -366,12 +376,7 @@ fn hf_config(cfg: &ModelConfig, opts: &RandomModelOptions) -> String {
     .to_string()
 }
 
-fn gguf_file(cfg: &ModelConfig, weights: &[Weight], dtype: DType) -> Result<Vec<u8>, FormatError> {
-    let arch = match cfg.arch {
-        Architecture::Llama => "llama",
-        Architecture::Qwen2 => "qwen2",
-        Architecture::Gemma3 => "gemma3",
-    };
+fn gguf_file(cfg: &ModelConfig, arch: &str, weights: &[Weight], dtype: DType) -> Result<Vec<u8>, FormatError> {
     let mut w = GgufWriter::new();
     let u32_of = |v: usize| MetaValue::U32(u32::try_from(v).unwrap_or(u32::MAX));
     w.meta("general.architecture", MetaValue::Str(arch.into()))

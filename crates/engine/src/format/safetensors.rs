@@ -374,10 +374,10 @@ impl HfConfig {
         // Transformers' own defaults for fields older configs leave out.
         let default_context = match arch {
             Architecture::Llama => 2048,
-            Architecture::Qwen2 => 32768,
-            // Not produced from config.json (Gemma 3 loads from GGUF only).
-            Architecture::Gemma3 => 32768,
+            // Not produced from config.json: the other architectures load from GGUF.
+            _ => 32768,
         };
+        let context_length = self.max_position_embeddings.unwrap_or(default_context);
         ModelConfig {
             arch,
             n_layers: self.num_hidden_layers,
@@ -390,8 +390,11 @@ impl HfConfig {
             rms_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
             rope_theta: self.rope_theta.unwrap_or(10000.0) as f32,
             rope_style: RopeStyle::Neox,
-            context_length: self.max_position_embeddings.unwrap_or(default_context),
+            context_length,
+            rope_attn_factor: 1.0,
+            rope_original_context: context_length,
             gemma3: None,
+            moe: None,
         }
         .validate()
     }

@@ -69,22 +69,43 @@ pub struct RopeTable {
     pub sin: Vec<f32>,
 }
 
+/// How a model turns positions into RoPE angles, beyond the head size.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rope {
+    /// The base: pair `i` of a head turns at `theta^(-2i / head_dim)` per position.
+    pub theta: f32,
+    /// Multiplies positions (linear scaling; 1 for none).
+    pub position_scale: f32,
+    /// Divides pair `i`'s frequency by `factors[i]` (Llama 3's `rope_freqs`, Phi-3's
+    /// long/short factors); empty for none.
+    pub factors: Vec<f32>,
+    /// Multiplies cosines and sines (1 for none).
+    pub attn_factor: f32,
+}
+
+impl Rope {
+    pub fn plain(theta: f32) -> Self {
+        Rope { theta, position_scale: 1.0, factors: Vec::new(), attn_factor: 1.0 }
+    }
+}
+
 impl RopeTable {
     pub fn new(head_dim: usize, theta: f32, positions: &[usize]) -> Self {
-        RopeTable::scaled(head_dim, theta, 1.0, positions)
+        RopeTable::build(head_dim, &Rope::plain(theta), positions)
     }
 
-    /// Angles for positions multiplied by `scale` (linear RoPE scaling; 1 for none).
-    pub fn scaled(head_dim: usize, theta: f32, scale: f32, positions: &[usize]) -> Self {
+    /// Angles for `positions` as `rope` computes them.
+    pub fn build(head_dim: usize, rope: &Rope, positions: &[usize]) -> Self {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(positions.len() * half);
         for &p in positions {
             for i in 0..half {
-                let inv_freq = theta.powf(-((2 * i) as f32) / head_dim as f32);
-                let (s, c) = (p as f32 * inv_freq * scale).sin_cos();
-                cos.push(c);
-                sin.push(s);
+                let inv_freq = rope.theta.powf(-((2 * i) as f32) / head_dim as f32);
+                let factor = rope.factors.get(i).copied().unwrap_or(1.0);
+                let (s, c) = (p as f32 * inv_freq / factor * rope.position_scale).sin_cos();
+                cos.push(c * rope.attn_factor);
+                sin.push(s * rope.attn_factor);
             }
         }
         RopeTable { half, cos, sin }

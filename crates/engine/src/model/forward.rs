@@ -4,7 +4,7 @@
 //! own blocks.
 
 use super::blocks::norm_rows;
-use super::{Body, Model};
+use super::Model;
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::threadpool::ThreadPool;
@@ -44,9 +44,9 @@ pub struct ForwardScratch {
     pub(super) qkv: Vec<f32>,
     pub(super) attn: Vec<f32>,
     pub(super) proj: Vec<f32>,
-    pub(super) gu: Vec<f32>,
-    pub(super) act: Vec<f32>,
     pub(super) head: Vec<f32>,
+    pub(super) mlp: super::blocks::MlpScratch,
+    pub(super) moe: super::moe::MoeScratch,
     pub(super) lin: super::linear::LinearScratch,
     logits: Vec<f32>,
     last: Vec<f32>,
@@ -83,10 +83,7 @@ impl Model {
             self.embed(*tok, &mut s.x[i * h..(i + 1) * h]);
         }
         let step = Step { isa, pool, batch, positions: &positions };
-        let finished = match &self.body {
-            Body::Llama(layers) => super::llama::run_layers(&self.cfg, layers, &step, kv, s, on_layer),
-            Body::Gemma3(g, layers) => super::gemma3::run_layers(&self.cfg, g, layers, &step, kv, s, on_layer),
-        };
+        let finished = self.body.run(&self.cfg, &step, kv, s, on_layer);
         finished.then(|| self.logits(isa, pool, batch, s))
     }
 

@@ -1,4 +1,4 @@
-//! The Gemma 3 decoder layer (text), as the Gemma 3 technical report describes it and
+//! The Gemma 3 decoder (text), as the Gemma 3 technical report describes it and
 //! llama.cpp runs it:
 //!
 //! ```text
@@ -17,138 +17,97 @@
 //! layer keeps every cache block of its sequence, as a global one does: the simplest
 //! correct choice, so export, import and prefix caching need no special case.
 
-use super::blocks::{attend_all, gated_mlp, norm_heads, norm_rows, round_to_f16, store_kv, Activation, AttnSpec};
+use super::blocks::{norm_rows, weight, Activation, Attention, AttnSpec, FeedForward, GatedMlp};
 use super::forward::{ForwardScratch, Step};
-use super::linear::{load_vector, Linear};
+use super::linear::load_vector;
+use super::Layers;
 use crate::config::{Gemma3Config, ModelConfig};
 use crate::format::{FormatError, TensorSource};
-use crate::kernels::ops::{add_assign, RopeTable};
+use crate::kernels::ops::{add_assign, Rope, RopeTable};
 use crate::kvcache::KvStorage;
 
-pub(super) struct Layer {
+pub(super) struct Gemma3 {
+    g: Gemma3Config,
+    layers: Vec<Layer>,
+}
+
+struct Layer {
     /// Whether this layer attends to every position (else to the sliding window).
     global: bool,
     attn_norm: Vec<f32>,
-    /// q | k | v fused.
-    qkv: Linear,
-    /// Per-head RMSNorm weights of the queries and keys (`head_dim` each).
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
-    o: Linear,
+    attn: Attention,
     post_attn_norm: Vec<f32>,
     ffn_norm: Vec<f32>,
-    /// gate | up fused.
-    gate_up: Linear,
-    down: Linear,
+    mlp: GatedMlp,
     post_ffn_norm: Vec<f32>,
 }
 
+impl Gemma3 {
+    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Self, FormatError> {
+        let g = cfg
+            .gemma3
+            .clone()
+            .ok_or_else(|| FormatError::Invalid("gemma3 config without its Gemma 3 parameters".into()))?;
+        let layers = (0..cfg.n_layers).map(|l| Layer::load(src, cfg, &g, l)).collect::<Result<_, _>>()?;
+        Ok(Gemma3 { g, layers })
+    }
+}
+
 impl Layer {
-    pub(super) fn load(
-        src: &dyn TensorSource,
-        cfg: &ModelConfig,
-        g: &Gemma3Config,
-        l: usize,
-    ) -> Result<Self, FormatError> {
-        let n = |s: &str| format!("blk.{l}.{s}.weight");
-        let qkv = Linear::load(src, &[n("attn_q"), n("attn_k"), n("attn_v")], false)?;
-        let o = Linear::load(src, &[n("attn_output")], false)?;
-        let gate_up = Linear::load(src, &[n("ffn_gate"), n("ffn_up")], false)?;
-        let down = Linear::load(src, &[n("ffn_down")], false)?;
-        super::expect_shapes(cfg, l, &qkv, &o, &gate_up, &down)?;
-        let (h, hd) = (cfg.hidden, cfg.head_dim);
+    fn load(src: &dyn TensorSource, cfg: &ModelConfig, g: &Gemma3Config, l: usize) -> Result<Self, FormatError> {
+        let norm = |name: &str| load_vector(src, &weight(l, name), cfg.hidden);
         Ok(Layer {
             global: g.is_global(l),
-            attn_norm: load_vector(src, &n("attn_norm"), h)?,
-            qkv,
-            q_norm: load_vector(src, &n("attn_q_norm"), hd)?,
-            k_norm: load_vector(src, &n("attn_k_norm"), hd)?,
-            o,
-            post_attn_norm: load_vector(src, &n("post_attention_norm"), h)?,
-            ffn_norm: load_vector(src, &n("ffn_norm"), h)?,
-            gate_up,
-            down,
-            post_ffn_norm: load_vector(src, &n("post_ffw_norm"), h)?,
+            attn_norm: norm("attn_norm")?,
+            attn: Attention::load(src, cfg, l, false, true)?,
+            post_attn_norm: norm("post_attention_norm")?,
+            ffn_norm: norm("ffn_norm")?,
+            mlp: GatedMlp::load(src, cfg, l, cfg.ffn_hidden, Activation::GeluTanh)?,
+            post_ffn_norm: norm("post_ffw_norm")?,
         })
     }
-
-    pub(super) fn size_bytes(&self) -> usize {
-        self.qkv.size_bytes() + self.o.size_bytes() + self.gate_up.size_bytes() + self.down.size_bytes()
-    }
 }
 
-/// The scale Gemma applies to its embeddings before the first layer.
-pub(super) fn embedding_scale(cfg: &ModelConfig) -> f32 {
-    (cfg.hidden as f32).sqrt()
-}
-
-/// Runs the residual stream `s.x` through every layer; `false` when `on_layer` stopped
-/// the pass.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn run_layers(
-    c: &ModelConfig,
-    g: &Gemma3Config,
-    layers: &[Layer],
-    step: &Step<'_, '_>,
-    kv: &mut KvStorage,
-    s: &mut ForwardScratch,
-    on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
-) -> bool {
-    let rope_local = RopeTable::new(c.head_dim, g.rope_theta_local, step.positions);
-    let rope_global = RopeTable::scaled(c.head_dim, c.rope_theta, g.rope_scale_global, step.positions);
-    for (l, layer) in layers.iter().enumerate() {
-        let (rope, window) = if layer.global { (&rope_global, None) } else { (&rope_local, Some(g.sliding_window)) };
-        attention_block(c, g, step, l, layer, rope, window, kv, s);
-        if !on_layer(l, kv) {
-            return false;
+impl Layers for Gemma3 {
+    fn run(
+        &self,
+        c: &ModelConfig,
+        step: &Step<'_, '_>,
+        kv: &mut KvStorage,
+        s: &mut ForwardScratch,
+        on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
+    ) -> bool {
+        let g = &self.g;
+        let rope_local = RopeTable::build(c.head_dim, &Rope::plain(g.rope_theta_local), step.positions);
+        let global = Rope { position_scale: g.rope_scale_global, ..Rope::plain(c.rope_theta) };
+        let rope_global = RopeTable::build(c.head_dim, &global, step.positions);
+        let (pool, h) = (step.pool, c.hidden);
+        for (l, layer) in self.layers.iter().enumerate() {
+            let (rope, window) =
+                if layer.global { (&rope_global, None) } else { (&rope_local, Some(g.sliding_window)) };
+            // The query scale goes in before the f16 rounding; attention itself then
+            // scales by 1.
+            let spec = AttnSpec { query_scale: g.query_scale, scale: 1.0, window };
+            norm_rows(pool, &s.x, &layer.attn_norm, c.rms_eps, h, &mut s.h);
+            layer.attn.forward(c, step, l, rope, spec, kv, s);
+            norm_rows(pool, &s.proj, &layer.post_attn_norm, c.rms_eps, h, &mut s.h);
+            add_assign(&mut s.x, &s.h);
+            if !on_layer(l, kv) {
+                return false;
+            }
+            norm_rows(pool, &s.x, &layer.ffn_norm, c.rms_eps, h, &mut s.h);
+            layer.mlp.forward(step, s);
+            norm_rows(pool, &s.proj, &layer.post_ffn_norm, c.rms_eps, h, &mut s.h);
+            add_assign(&mut s.x, &s.h);
         }
-        ffn_block(c, step, layer, s);
+        true
     }
-    true
-}
 
-#[allow(clippy::too_many_arguments)]
-fn attention_block(
-    c: &ModelConfig,
-    g: &Gemma3Config,
-    step: &Step<'_, '_>,
-    l: usize,
-    layer: &Layer,
-    rope: &RopeTable,
-    window: Option<usize>,
-    kv: &mut KvStorage,
-    s: &mut ForwardScratch,
-) {
-    let (isa, pool) = (step.isa, step.pool);
-    let (t, h, qd, kvd) = (step.positions.len(), c.hidden, c.q_dim(), c.kv_dim());
-    let width = qd + 2 * kvd;
-    norm_rows(pool, &s.x, &layer.attn_norm, c.rms_eps, h, &mut s.h);
-    s.qkv.resize(t * width, 0.0);
-    layer.qkv.forward(isa, pool, &s.h, t, &mut s.qkv, &mut s.lin);
-    for (i, row) in s.qkv.chunks_exact_mut(width).enumerate() {
-        let (q, k) = row[..qd + kvd].split_at_mut(qd);
-        norm_heads(q, &layer.q_norm, c.rms_eps, &mut s.head);
-        norm_heads(k, &layer.k_norm, c.rms_eps, &mut s.head);
-        rope.apply(c.rope_style, i, &mut row[..qd + kvd]);
-        // The query scale goes in before the f16 rounding, as in llama.cpp; attention
-        // itself then scales by 1.
-        for x in &mut row[..qd] {
-            *x *= g.query_scale;
-        }
-        round_to_f16(&mut row[..qd]);
+    fn size_bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.attn.size_bytes() + l.mlp.size_bytes()).sum()
     }
-    store_kv(kv, l, step.batch, &s.qkv, width, qd, kvd);
-    attend_all(step, c, l, kv, &s.qkv, AttnSpec { scale: 1.0, window }, &mut s.attn);
-    s.proj.resize(t * h, 0.0);
-    layer.o.forward(isa, pool, &s.attn, t, &mut s.proj, &mut s.lin);
-    norm_rows(pool, &s.proj, &layer.post_attn_norm, c.rms_eps, h, &mut s.h);
-    add_assign(&mut s.x, &s.h);
-}
 
-fn ffn_block(c: &ModelConfig, step: &Step<'_, '_>, layer: &Layer, s: &mut ForwardScratch) {
-    let (pool, h) = (step.pool, c.hidden);
-    norm_rows(pool, &s.x, &layer.ffn_norm, c.rms_eps, h, &mut s.h);
-    gated_mlp(c, step, (&layer.gate_up, &layer.down), Activation::GeluTanh, s);
-    norm_rows(pool, &s.proj, &layer.post_ffn_norm, c.rms_eps, h, &mut s.h);
-    add_assign(&mut s.x, &s.h);
+    fn embedding_scale(&self, c: &ModelConfig) -> f32 {
+        (c.hidden as f32).sqrt()
+    }
 }

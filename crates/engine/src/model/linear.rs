@@ -44,6 +44,16 @@ pub struct Linear {
     pub out_features: usize,
 }
 
+/// One matrix of a file, `rows × cols` of `dtype`, to be fused.
+struct Matrix<'a> {
+    name: &'a str,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    bytes: &'a [u8],
+    bias: Option<Vec<f32>>,
+}
+
 /// Per-thread-of-control scratch for matmul inputs.
 #[derive(Default)]
 pub struct LinearScratch {
@@ -54,19 +64,43 @@ impl Linear {
     /// Loads and fuses the named tensors (each `[out_i, in]`), with `.bias` tensors
     /// beside them when `bias` is set.
     pub fn load(src: &dyn TensorSource, names: &[String], bias: bool) -> Result<Self, FormatError> {
-        let mut parts = Vec::new();
-        let (mut col0, mut in_features) = (0, None);
+        let mut mats = Vec::new();
         for name in names {
             let t = src.tensor(name).ok_or_else(|| FormatError::Missing(format!("tensor {name}")))?;
             let [rows, cols] = *t.shape else {
                 return Err(FormatError::Invalid(format!("tensor {name} is not a matrix")));
             };
+            let b = if bias { Some(load_vector(src, &name.replace(".weight", ".bias"), rows)?) } else { None };
+            mats.push(Matrix { name, dtype: t.dtype, rows, cols, bytes: t.bytes, bias: b });
+        }
+        Linear::fuse(mats)
+    }
+
+    /// Loads matrix `e` of each of the named 3-D tensors (`[experts, out_i, in]`, one
+    /// mixture-of-experts layer's experts), fused as [`Linear::load`] fuses.
+    pub fn load_expert(src: &dyn TensorSource, names: &[String], e: usize) -> Result<Self, FormatError> {
+        let mut mats = Vec::new();
+        for name in names {
+            let t = src.tensor(name).ok_or_else(|| FormatError::Missing(format!("tensor {name}")))?;
+            let [experts, rows, cols] = *t.shape else {
+                return Err(FormatError::Invalid(format!("tensor {name} is not a stack of expert matrices")));
+            };
+            let each = t.bytes.len() / experts.max(1);
+            let bytes = t.bytes.get(e * each..(e + 1) * each);
+            let bytes = bytes.ok_or_else(|| FormatError::Invalid(format!("tensor {name} has no expert {e}")))?;
+            mats.push(Matrix { name, dtype: t.dtype, rows, cols, bytes, bias: None });
+        }
+        Linear::fuse(mats)
+    }
+
+    fn fuse(mats: Vec<Matrix<'_>>) -> Result<Self, FormatError> {
+        let mut parts = Vec::new();
+        let (mut col0, mut in_features) = (0, None);
+        for Matrix { name, dtype, rows, cols, bytes, bias } in mats {
             if *in_features.get_or_insert(cols) != cols {
                 return Err(FormatError::Invalid(format!("tensor {name}: input width {cols} differs")));
             }
-            let w = load_weights(name, t.dtype, rows, cols, t.bytes)?;
-            let bias = if bias { Some(load_vector(src, &name.replace(".weight", ".bias"), rows)?) } else { None };
-            parts.push(Part { w, bias, col0 });
+            parts.push(Part { w: load_weights(name, dtype, rows, cols, bytes)?, bias, col0 });
             col0 += rows;
         }
         let in_features = in_features.ok_or_else(|| FormatError::Invalid("no tensors to load".into()))?;

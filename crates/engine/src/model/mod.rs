@@ -1,20 +1,62 @@
 //! The transformer: token embeddings, a stack of decoder layers, the final norm and the
 //! output projection, with the forward pass over a batch of sequences sharing one paged
-//! KV cache. Each architecture's layer lives in its own file, built from the shared
-//! blocks: `llama.rs` (Llama 2/3, SmolLM2, Mistral, Qwen2) and `gemma3.rs` (Gemma 3).
+//! KV cache. Each architecture's layers live in their own file, built from the shared
+//! blocks (`blocks.rs`, `moe.rs`) and registered in [`load_layers`]: `llama.rs` (Llama
+//! 2/3, SmolLM2, Mistral, Qwen2), `qwen3.rs`, `qwen3moe.rs`, `phi3.rs` and `gemma3.rs`.
 
 mod blocks;
 mod forward;
 mod gemma3;
 pub mod linear;
 mod llama;
+mod moe;
+mod phi3;
+mod qwen3;
+mod qwen3moe;
 
 pub use forward::{ForwardScratch, Scoring, SeqBatch};
 
-use crate::config::{Architecture, Gemma3Config, ModelConfig};
+use crate::config::{Architecture, ModelConfig};
 use crate::format::{DType, FormatError, TensorSource};
 use crate::kernels::quant::dequantize_row;
+use crate::kvcache::KvStorage;
+use forward::Step;
 use linear::{load_vector, Linear};
+
+/// One architecture's decoder layers: everything between the embedding and the final
+/// norm.
+trait Layers: Send + Sync {
+    /// Runs the residual stream `s.x` through every layer; `false` when `on_layer`
+    /// stopped the pass.
+    fn run(
+        &self,
+        c: &ModelConfig,
+        step: &Step<'_, '_>,
+        kv: &mut KvStorage,
+        s: &mut ForwardScratch,
+        on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
+    ) -> bool;
+
+    /// Bytes of the layers' weight matrices.
+    fn size_bytes(&self) -> usize;
+
+    /// Multiplies every embedding row before the first layer.
+    fn embedding_scale(&self, _c: &ModelConfig) -> f32 {
+        1.0
+    }
+}
+
+/// The architectures: adding one is its file plus its line here (and its GGUF name in
+/// `config.rs`).
+fn load_layers(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Box<dyn Layers>, FormatError> {
+    Ok(match cfg.arch {
+        Architecture::Llama | Architecture::Qwen2 => Box::new(llama::Llama::load(src, cfg)?),
+        Architecture::Qwen3 => Box::new(qwen3::Qwen3::load(src, cfg)?),
+        Architecture::Qwen3Moe => Box::new(qwen3moe::Qwen3Moe::load(src, cfg)?),
+        Architecture::Phi3 => Box::new(phi3::Phi3::load(src, cfg)?),
+        Architecture::Gemma3 => Box::new(gemma3::Gemma3::load(src, cfg)?),
+    })
+}
 
 /// Token embeddings kept in the file's own encoding; rows are decoded on lookup.
 struct Embedding {
@@ -25,16 +67,10 @@ struct Embedding {
     scale: f32,
 }
 
-/// The decoder layers, by architecture.
-enum Body {
-    Llama(Vec<llama::Layer>),
-    Gemma3(Gemma3Config, Vec<gemma3::Layer>),
-}
-
 pub struct Model {
     pub cfg: ModelConfig,
     embd: Embedding,
-    body: Body,
+    body: Box<dyn Layers>,
     norm: Vec<f32>,
     lm_head: Linear,
 }
@@ -45,19 +81,8 @@ impl Model {
     pub fn load(src: &dyn TensorSource, cfg: ModelConfig) -> Result<Self, FormatError> {
         let h = cfg.hidden;
         let mut embd = load_embedding(src, &cfg)?;
-        let body = match (cfg.arch, &cfg.gemma3) {
-            (Architecture::Llama | Architecture::Qwen2, _) => {
-                Body::Llama((0..cfg.n_layers).map(|l| llama::Layer::load(src, &cfg, l)).collect::<Result<_, _>>()?)
-            }
-            (Architecture::Gemma3, Some(g)) => {
-                embd.scale = gemma3::embedding_scale(&cfg);
-                let layers = (0..cfg.n_layers).map(|l| gemma3::Layer::load(src, &cfg, g, l));
-                Body::Gemma3(g.clone(), layers.collect::<Result<_, _>>()?)
-            }
-            (Architecture::Gemma3, None) => {
-                return Err(FormatError::Invalid("gemma3 model config without its Gemma 3 parameters".into()))
-            }
-        };
+        let body = load_layers(src, &cfg)?;
+        embd.scale = body.embedding_scale(&cfg);
         let head_name = if src.tensor("output.weight").is_some() { "output.weight" } else { "token_embd.weight" };
         let lm_head = Linear::load(src, &[head_name.to_string()], false)?;
         if lm_head.out_features != cfg.vocab_size || lm_head.in_features != h {
@@ -68,11 +93,7 @@ impl Model {
 
     /// Bytes of weights held in memory.
     pub fn weight_bytes(&self) -> usize {
-        let layers: usize = match &self.body {
-            Body::Llama(layers) => layers.iter().map(llama::Layer::size_bytes).sum(),
-            Body::Gemma3(_, layers) => layers.iter().map(gemma3::Layer::size_bytes).sum(),
-        };
-        layers + self.lm_head.size_bytes() + self.embd.data.len()
+        self.body.size_bytes() + self.lm_head.size_bytes() + self.embd.data.len()
     }
 
     fn embed(&self, token: u32, out: &mut [f32]) {
@@ -100,28 +121,4 @@ fn load_embedding(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Embedding
     }
     let row_bytes = t.bytes.len() / cfg.vocab_size;
     Ok(Embedding { dtype: t.dtype, row_bytes, data: t.bytes.to_vec(), scale: 1.0 })
-}
-
-/// Checks a layer's projections against the config: fused q/k/v, output, fused
-/// gate/up and down.
-fn expect_shapes(
-    cfg: &ModelConfig,
-    l: usize,
-    qkv: &Linear,
-    o: &Linear,
-    gate_up: &Linear,
-    down: &Linear,
-) -> Result<(), FormatError> {
-    let expect = |lin: &Linear, name: &str, out: usize, inp: usize| {
-        if lin.out_features == out && lin.in_features == inp {
-            Ok(())
-        } else {
-            Err(FormatError::Invalid(format!("layer {l} {name}: shape does not match the config")))
-        }
-    };
-    expect(qkv, "attention q/k/v", cfg.q_dim() + 2 * cfg.kv_dim(), cfg.hidden)?;
-    expect(o, "attention output", cfg.hidden, cfg.q_dim())?;
-    expect(gate_up, "ffn gate/up", 2 * cfg.ffn_hidden, cfg.hidden)?;
-    expect(down, "ffn down", cfg.hidden, cfg.ffn_hidden)?;
-    Ok(())
 }

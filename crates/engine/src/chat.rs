@@ -116,6 +116,20 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
+        self.render_with(messages, tools, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`render_with_tools`](Self::render_with_tools), with `extra` variables for the
+    /// template beside the standard ones (a request's `chat_template_kwargs`, such as
+    /// Qwen 3's `enable_thinking`). The standard ones win over an extra of the same
+    /// name.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ChatError> {
         let env = match &self.kind {
             Kind::Jinja(env) => env,
             Kind::ChatMl => return Ok(render_chatml(messages, add_generation_prompt)),
@@ -127,6 +141,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,
+            ..Value::from_serialize(extra)
         };
         template.render(ctx).map_err(ChatError::Render)
     }

@@ -47,6 +47,11 @@ cargo build --profile test --bin pdserve
 # Gemma 3 270M Q4_K_M (SentencePiece, K-quants): its tokenizer and forward pass are
 # checked against llama.cpp's outputs.
 ./target/debug/pdserve pull gemma3-270m
+# llama.cpp as the oracle (its llama-quantize and libllama, built from PyPI's
+# llama-cpp-python sources on first use): random-weight models of every architecture
+# and SmolLM2 in every quant type, quantized by llama.cpp with its logits on them; its
+# tokenizer test vocabularies; the chat templates rendered as transformers renders them.
+scripts/make_oracle.sh
 
 python3 scripts/check_doc_paths.py
 cargo fmt --all --check

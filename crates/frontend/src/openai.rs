@@ -70,6 +70,9 @@ pub struct ChatRequest {
     pub tools: Option<serde_json::Value>,
     pub tool_choice: Option<serde_json::Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// Extra variables for the model's chat template, as vLLM and llama.cpp's server
+    /// take them (Qwen 3's `{"enable_thinking": false}`).
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(flatten)]
     pub common: CommonParams,
 }

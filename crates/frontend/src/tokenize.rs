@@ -55,7 +55,7 @@ pub async fn tokenize(
             true => v.tokenizer.encode_with_bos(&text, false),
             false => v.tokenizer.encode(&text, false),
         }),
-        (None, Some(messages)) => v.chat_ids(&messages, None),
+        (None, Some(messages)) => v.chat_ids(&messages, None, &serde_json::Map::new()),
         _ => Err(ApiError::malformed("send either `prompt` or `messages`")),
     })
     .await

@@ -130,7 +130,8 @@ impl Validator {
         };
         let tools = tools::parse(req.tools.as_ref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
         let tools = tools.filter(Tools::active);
-        let prompt = self.chat_ids(&req.messages, tools.as_ref())?;
+        let extra = req.chat_template_kwargs.unwrap_or_default();
+        let prompt = self.chat_ids(&req.messages, tools.as_ref(), &extra)?;
         let grammar =
             match (crate::structured::grammar(&req.common)?, tools.as_ref().map(Tools::grammar).transpose()?.flatten())
             {
@@ -359,7 +360,12 @@ impl Validator {
         }
     }
 
-    pub(crate) fn chat_ids(&self, messages: &[Message], tools: Option<&Tools>) -> Result<Vec<TokenId>, ApiError> {
+    pub(crate) fn chat_ids(
+        &self,
+        messages: &[Message],
+        tools: Option<&Tools>,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<TokenId>, ApiError> {
         if messages.is_empty() {
             return Err(ApiError::invalid("messages", "messages must not be empty"));
         }
@@ -369,6 +375,9 @@ impl Validator {
             None => 0,
         });
         self.fits("messages", bytes.sum())?;
+        if !extra.is_empty() {
+            self.fits("chat_template_kwargs", serde_json::Value::Object(extra.clone()).to_string().len())?;
+        }
         // A template that renders tools gets them, and earlier calls, as it expects;
         // others get both as text (the tools in a system message).
         let native = self.chat.writes_tool_calls();
@@ -382,7 +391,7 @@ impl Validator {
         }
         let text = self
             .chat
-            .render_with_tools(&turns, definitions.as_ref(), true)
+            .render_with(&turns, definitions.as_ref(), true, extra)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
         let mut ids = self.tokenizer.encode_outside(&text, &content_spans(&text, &turns));
         if let (true, Some(bos)) = (self.tokenizer.add_bos(), self.tokenizer.bos_id()) {

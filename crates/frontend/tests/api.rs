@@ -182,6 +182,31 @@ async fn chat_content_parts_equal_plain_text() {
     assert_eq!(req.params.max_tokens, 7);
 }
 
+/// `chat_template_kwargs` reach the template as variables (Qwen 3's thinking switch),
+/// and never replace the standard ones.
+#[tokio::test]
+async fn chat_template_kwargs_reach_the_template() {
+    let source = "{% for m in messages %}{{ m.content }}{% endfor %}\
+        {% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}";
+    let template = std::sync::Arc::new(pdserve_engine::chat::ChatTemplate::new(source, "", "").unwrap());
+    let s = Server::start_with_template(reply(ANSWER), template).await;
+    let tok = &model().tokenizer;
+    for (kwargs, want) in [
+        (json!({"enable_thinking": false}), "Hi<think>\n\n</think>"),
+        (json!({"enable_thinking": true}), "Hi"),
+        (json!({"messages": []}), "Hi"),
+        (json!(null), "Hi"),
+    ] {
+        let body = json!({"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": kwargs});
+        let r = s.post_json("/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(tok.decode(&s.last_request().prompt), want, "{kwargs}");
+    }
+    let bad = json!({"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": [1]});
+    let r = s.post_json("/v1/chat/completions", &bad).await;
+    assert_eq!(r.error(400)["type"], "invalid_request_error");
+}
+
 #[tokio::test]
 async fn chat_streamed() {
     let s = Server::start(reply(ANSWER)).await;

@@ -155,13 +155,22 @@ impl Server {
 
     /// A server answering to `names`, with CORS for `origins`.
     pub async fn start_with(script: Script, names: Vec<String>, origins: &[String]) -> Server {
+        Server::serve(script, model().chat.clone(), names, origins).await
+    }
+
+    /// A server rendering chats with `chat` instead of the model's own template.
+    #[allow(dead_code)]
+    pub async fn start_with_template(script: Script, chat: Arc<ChatTemplate>) -> Server {
+        Server::serve(script, chat, Vec::new(), &[]).await
+    }
+
+    async fn serve(script: Script, chat: Arc<ChatTemplate>, names: Vec<String>, origins: &[String]) -> Server {
         let m = model();
         let fake = Arc::new(Fake::new(script));
         let metrics = Metrics::new();
-        let frontend =
-            Frontend::new(fake.clone(), m.tokenizer.clone(), m.chat.clone(), m.name.clone(), CONTEXT, metrics.clone())
-                .with_served_names(names)
-                .with_cors(pdserve_frontend::Origins::parse(origins));
+        let frontend = Frontend::new(fake.clone(), m.tokenizer.clone(), chat, m.name.clone(), CONTEXT, metrics.clone())
+            .with_served_names(names)
+            .with_cors(pdserve_frontend::Origins::parse(origins));
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(pdserve_frontend::serve(listener, frontend.router()));

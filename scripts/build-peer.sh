@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds the llama.cpp peer from the sources vendored in PyPI llama-cpp-python 0.3.36.
 #
-#   scripts/build-peer.sh           llama-bench, llama-batched-bench, llama-server,
-#                                   llama-quantize and libllama: side-by-side benchmarks
-#   scripts/build-peer.sh oracle    llama-quantize and libllama only: what the tests
-#                                   need to quantize files and compute llama.cpp's logits
+#   scripts/build-peer.sh           llama-bench, llama-batched-bench, llama-server and
+#                                   the oracle's tools: side-by-side benchmarks
+#   scripts/build-peer.sh oracle    llama-quantize, llama-gguf-split and libllama only:
+#                                   what the tests need to make files and compute
+#                                   llama.cpp's logits
 #
 # libllama is loaded by the package's own ctypes bindings (the sdist's `llama_cpp`
 # folder, with LLAMA_CPP_LIB_PATH pointing at the bin directory; see
@@ -18,8 +19,8 @@ ver=0.3.36
 root="${PDSERVE_PEER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pdserve/peer}"
 bin="$root/build/bin"
 case "${1:-all}" in
-  all) targets=(llama-bench llama-batched-bench llama-server llama-quantize llama) ;;
-  oracle) targets=(llama-quantize llama) ;;
+  all) targets=(llama-bench llama-batched-bench llama-server llama-quantize llama-gguf-split llama) ;;
+  oracle) targets=(llama-quantize llama-gguf-split llama) ;;
   *) echo "usage: $0 [oracle]" >&2; exit 2 ;;
 esac
 have=1

@@ -13,6 +13,8 @@
 # - the tokenizer test vocabularies llama.cpp keeps (Llama 3's BPE, Qwen 2/3's, Phi-3's
 #   SentencePiece) with their texts and expected ids, in target/oracle/vocab
 #   (crates/engine/tests/tokenizer_vocabs.rs);
+# - SmolLM2 split by llama.cpp's llama-gguf-split into 3 parts and into 2, in
+#   target/oracle/split (crates/engine/tests/split_gguf.rs);
 # - the chat templates of Qwen3, Phi-3.5, Llama 3.x, Mistral Nemo and Gemma rendered
 #   by Python's jinja2 as transformers renders them (scripts/chat_oracle.py,
 #   crates/engine/tests/chat_templates.rs).
@@ -42,6 +44,11 @@ for v in llama-bpe qwen2 phi-3 llama-spm; do
   cp "$vendor/models/ggml-vocab-$v.gguf"* "$out/vocab/"
 done
 "$py" scripts/chat_oracle.py "$vendor" "$out"
+mkdir -p "$out/split"
+for n in 3 2; do
+  [ -f "$out/split/smollm2-$n-00001-of-0000$n.gguf" ] ||
+    "$bin/llama-gguf-split" --split-max-tensors $((280 / n)) "$smol" "$out/split/smollm2-$n" >/dev/null 2>&1
+done
 
 # "Once upon a time, there was a little" and llama.cpp's greedy continuation on the
 # default model (crates/engine/tests/golden/smollm2-135m-q4_1.json), then ids spread

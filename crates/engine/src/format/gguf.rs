@@ -291,29 +291,113 @@ fn elem_size_lower_bound(ty: u32) -> usize {
     }
 }
 
-/// An opened GGUF file: the header plus the memory map its tensors point into.
+/// An opened GGUF model: the header plus the memory maps its tensors point into. A
+/// model split by llama.cpp's `gguf-split` (`NAME-00001-of-00003.gguf`, ...) opens from
+/// its first part and maps every part; `header` then holds the first part's metadata
+/// and every part's tensors.
 pub struct GgufFile {
-    map: memmap2::Mmap,
+    maps: Vec<memmap2::Mmap>,
     pub header: GgufHeader,
-    index: std::collections::HashMap<String, usize>,
+    /// Tensor name to (part, index in `header.tensors`).
+    index: std::collections::HashMap<String, (usize, usize)>,
 }
 
 impl GgufFile {
     pub fn open(path: &std::path::Path) -> Result<Self, FormatError> {
-        let io = |source| FormatError::Io { path: path.display().to_string(), source };
-        let file = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: the map is read-only; pdserve never writes model files, and a file
-        // changed underneath a running server is outside what any loader can guard.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        let header = GgufHeader::parse(&map)?;
-        let index = header.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-        Ok(GgufFile { map, header, index })
+        let (map, mut header) = map_part(path)?;
+        let count = split_field(&header, "split.count")?.unwrap_or(1);
+        let mut maps = vec![map];
+        let mut part_of = vec![0; header.tensors.len()];
+        if count > 1 {
+            if split_field(&header, "split.no")? != Some(0) {
+                return Err(FormatError::Invalid(format!(
+                    "{} is not the first part of its split model; open the part named NAME-00001-of-{count:05}.gguf",
+                    path.display()
+                )));
+            }
+            for (no, part) in split_parts(path, count)?.iter().enumerate().skip(1) {
+                let (map, h) = map_part(part).map_err(|e| match e {
+                    FormatError::Io { .. } => FormatError::Invalid(format!(
+                        "part {} of {count} of the split model is missing: {}",
+                        no + 1,
+                        part.display()
+                    )),
+                    e => e,
+                })?;
+                if split_field(&h, "split.count")? != Some(count) || split_field(&h, "split.no")? != Some(no) {
+                    return Err(FormatError::Invalid(format!(
+                        "{} is not part {} of {count} of the model {} begins",
+                        part.display(),
+                        no + 1,
+                        path.display()
+                    )));
+                }
+                part_of.extend(std::iter::repeat_n(no, h.tensors.len()));
+                header.tensors.extend(h.tensors);
+                maps.push(map);
+            }
+            let expected = split_field(&header, "split.tensors.count")?;
+            if expected.is_some_and(|n| n != header.tensors.len()) {
+                return Err(FormatError::Invalid(format!(
+                    "the split model's parts hold {} tensors, its first part says {}",
+                    header.tensors.len(),
+                    expected.unwrap_or_default()
+                )));
+            }
+        }
+        let mut index = std::collections::HashMap::new();
+        for (i, t) in header.tensors.iter().enumerate() {
+            if index.insert(t.name.clone(), (part_of[i], i)).is_some() {
+                return Err(FormatError::Invalid(format!("tensor {} appears twice", t.name)));
+            }
+        }
+        Ok(GgufFile { maps, header, index })
     }
+}
+
+/// Maps one file and parses its header.
+fn map_part(path: &std::path::Path) -> Result<(memmap2::Mmap, GgufHeader), FormatError> {
+    let io = |source| FormatError::Io { path: path.display().to_string(), source };
+    let file = std::fs::File::open(path).map_err(io)?;
+    // SAFETY: the map is read-only; pdserve never writes model files, and a file
+    // changed underneath a running server is outside what any loader can guard.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+    let header = GgufHeader::parse(&map)?;
+    Ok((map, header))
+}
+
+/// A `split.*` count from the header, if present.
+fn split_field(h: &GgufHeader, key: &str) -> Result<Option<usize>, FormatError> {
+    match h.get(key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| FormatError::Invalid(format!("metadata {key} is not a count"))),
+    }
+}
+
+/// Every part's path of a model split in `count`, from its first part's
+/// (`NAME-00001-of-00003.gguf`, llama.cpp's naming).
+fn split_parts(first: &std::path::Path, count: usize) -> Result<Vec<std::path::PathBuf>, FormatError> {
+    let suffix = format!("-00001-of-{count:05}.gguf");
+    let name = first.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let prefix = name.strip_suffix(&suffix).ok_or_else(|| {
+        FormatError::Invalid(format!(
+            "the first part of a model split in {count} must be named NAME{suffix}, not {name}"
+        ))
+    })?;
+    Ok((1..=count).map(|i| first.with_file_name(format!("{prefix}-{i:05}-of-{count:05}.gguf"))).collect())
 }
 
 impl super::TensorSource for GgufFile {
     fn tensor(&self, name: &str) -> Option<super::TensorView<'_>> {
-        let t = &self.header.tensors[*self.index.get(name)?];
-        Some(super::TensorView { dtype: t.dtype, shape: &t.shape, bytes: &self.map[t.offset..t.offset + t.n_bytes] })
+        let &(part, i) = self.index.get(name)?;
+        let t = &self.header.tensors[i];
+        Some(super::TensorView {
+            dtype: t.dtype,
+            shape: &t.shape,
+            bytes: &self.maps[part][t.offset..t.offset + t.n_bytes],
+        })
     }
 }

@@ -44,9 +44,12 @@ const EXTRA: [&str; 7] = [
     "rope_factors_long.weight",
 ];
 
-/// The small llama's tensors: (name, dtype, shape, bytes).
-fn base() -> &'static Vec<(String, DType, Vec<usize>, Vec<u8>)> {
-    static BASE: OnceLock<Vec<(String, DType, Vec<usize>, Vec<u8>)>> = OnceLock::new();
+/// A tensor: name, dtype, shape, bytes.
+type Tensor = (String, DType, Vec<usize>, Vec<u8>);
+
+/// The small llama's tensors.
+fn base() -> &'static Vec<Tensor> {
+    static BASE: OnceLock<Vec<Tensor>> = OnceLock::new();
     BASE.get_or_init(|| {
         let dir = scratch_dir("config-fuzz-base").unwrap();
         let file = GgufFile::open(&write_random_llama(&dir, &random_llama_config(), 3).unwrap().gguf_path).unwrap();

@@ -51,7 +51,8 @@ impl TokenizerEnv for Vocab {
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
         match std::str::from_utf8(s) {
-            Ok(text) => self.tokenizer.encode(text, false),
+            // Bytes a grammar forces mid-answer: no SentencePiece space in front.
+            Ok(text) => self.tokenizer.encode_continuation(text),
             // Not text: the longest-match split is valid if not canonical.
             Err(_) => self.trie.greedy_tokenize(s),
         }

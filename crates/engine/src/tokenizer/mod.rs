@@ -179,6 +179,20 @@ impl Tokenizer {
         self.encode_fragments(self.specials.split(text, parse_special), text.len())
     }
 
+    /// Token ids of `text` as it continues text already written: special tokens are
+    /// plain text, and a SentencePiece model puts no space in front of it (a grammar's
+    /// forced bytes in the middle of an answer).
+    pub fn encode_continuation(&self, text: &str) -> Vec<u32> {
+        match &self.model {
+            Model::Spm(spm) => {
+                let mut out = Vec::with_capacity(text.len() / 4 + 1);
+                spm.encode(text, false, &mut spm::Scratch::default(), &mut out);
+                out
+            }
+            Model::Bpe { .. } => self.encode(text, false),
+        }
+    }
+
     /// `text` with special tokens parsed except where they start inside one of the
     /// byte ranges `plain`: a rendered chat whose messages' contents are text, so a
     /// user cannot forge the template's role markers.

@@ -132,7 +132,13 @@ fn the_space_prefix_goes_at_the_start_and_after_special_tokens() {
     let mut s = tok.stream_decoder();
     assert_eq!(s.push(sp_a), " a");
 
+    // Text that continues an answer (a grammar's forced bytes) gets no prefix, and
+    // its special-looking text stays text.
+    assert_eq!(tok.encode_continuation("a b"), vec![a, sp, b]);
+    assert!(!tok.encode_continuation("<s>").contains(&BOS));
+
     let plain = tiny(&pieces, false);
+    assert_eq!(plain.encode_continuation("a b"), plain.encode("a b", false));
     assert_eq!(plain.encode("a b", false), vec![a, sp, b]);
     assert_eq!(plain.encode(" a", false), vec![sp_a]);
     assert_eq!(plain.decode(&[sp_a]), " a");

@@ -312,6 +312,13 @@ struct Report {
     isa: String,
     rows: Vec<Row>,
     peak_rss_mb: f64,
+    /// Resident memory once the model is loaded.
+    loaded_rss_mb: f64,
+    /// Bytes of the weights as the engine holds them (repacked).
+    weight_bytes: usize,
+    /// Memory read bandwidth at each thread count, GB/s, measured in the same run:
+    /// the roofline of decode.
+    read_gb_per_s: Vec<(usize, f64)>,
 }
 
 pub fn run(what: What) -> anyhow::Result<()> {
@@ -432,6 +439,11 @@ fn compare(a: CompareArgs) -> anyhow::Result<()> {
 
 fn engine_bench(a: EngineArgs) -> anyhow::Result<()> {
     let m = super::load_model(&a.model)?;
+    let loaded_rss_mb = rss_mb("VmRSS:");
+    let read_gb_per_s: Vec<(usize, f64)> = a.threads.iter().map(|&t| (t, read_bandwidth(t))).collect();
+    for (t, gbps) in &read_gb_per_s {
+        println!("memory read threads={t}                   {gbps:8.1} GB/s");
+    }
     let mut rows = Vec::new();
     for &threads in &a.threads {
         for &p in &a.prefill {
@@ -454,8 +466,17 @@ fn engine_bench(a: EngineArgs) -> anyhow::Result<()> {
         isa: pdserve_engine::kernels::Isa::detect().to_string(),
         rows,
         peak_rss_mb: peak_rss_mb(),
+        loaded_rss_mb,
+        weight_bytes: m.model.weight_bytes(),
+        read_gb_per_s,
     };
-    println!("peak RSS {:.0} MB, kernels {}", report.peak_rss_mb, report.isa);
+    println!(
+        "peak RSS {:.0} MB, {:.0} MB once loaded, weights {:.0} MB, kernels {}",
+        report.peak_rss_mb,
+        report.loaded_rss_mb,
+        report.weight_bytes as f64 / 1e6,
+        report.isa
+    );
     if let Some(path) = &a.out {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
@@ -621,10 +642,33 @@ fn decode_rate(e: &mut Engine, batch: usize) -> f64 {
 
 /// High-water mark of resident memory, from /proc (0 where unavailable).
 fn peak_rss_mb() -> f64 {
+    rss_mb("VmHWM:")
+}
+
+/// A memory figure of /proc/self/status in MB (0 where unavailable).
+fn rss_mb(key: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
-            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+            s.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
         })
         .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// GB/s of `threads` threads summing disjoint parts of a 1 GiB buffer, best of three:
+/// what a memory-bound decode can read at most.
+fn read_bandwidth(threads: usize) -> f64 {
+    let buf: Vec<u64> = (0..(1usize << 27)).map(|i| i as u64).collect();
+    let part = buf.len().div_ceil(threads.max(1));
+    let once = || {
+        let t = Instant::now();
+        let sum: u64 = std::thread::scope(|s| {
+            let jobs: Vec<_> =
+                buf.chunks(part).map(|c| s.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))).collect();
+            jobs.into_iter().map(|j| j.join().unwrap_or(0)).fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(sum);
+        (buf.len() * 8) as f64 / t.elapsed().as_secs_f64() / 1e9
+    };
+    (0..3).map(|_| once()).fold(0.0, f64::max)
 }

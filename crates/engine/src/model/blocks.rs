@@ -18,6 +18,22 @@ pub(super) fn weight(l: usize, name: &str) -> String {
     format!("blk.{l}.{name}.weight")
 }
 
+/// The model's RoPE with the per-pair factors of tensor `factors` where the file has
+/// it (Llama 3's `rope_freqs`, Phi-3.5's long or short factors) and its attention
+/// factor.
+pub(super) fn rope_with_factors(
+    src: &dyn TensorSource,
+    cfg: &ModelConfig,
+    factors: &str,
+) -> Result<crate::kernels::ops::Rope, FormatError> {
+    let factors = match src.tensor(factors) {
+        Some(_) => load_vector(src, factors, cfg.head_dim / 2)?,
+        None => Vec::new(),
+    };
+    let plain = crate::kernels::ops::Rope::plain(cfg.rope_theta);
+    Ok(crate::kernels::ops::Rope { factors, attn_factor: cfg.rope_attn_factor, ..plain })
+}
+
 /// An error naming layer `l`'s projection whose shape does not fit the config.
 fn shape_error(l: usize, what: &str) -> FormatError {
     FormatError::Invalid(format!("layer {l} {what}: shape does not match the config"))

@@ -9,9 +9,8 @@
 //! `rope_freqs`, per-pair factors that slow RoPE's low frequencies down for long
 //! contexts.
 
-use super::blocks::{run_pre_norm, Activation, Attention, AttnSpec, GatedMlp, PreNormLayer};
+use super::blocks::{rope_with_factors, run_pre_norm, Activation, Attention, AttnSpec, GatedMlp, PreNormLayer};
 use super::forward::{ForwardScratch, Step};
-use super::linear::load_vector;
 use super::Layers;
 use crate::config::{Architecture, ModelConfig};
 use crate::format::{FormatError, TensorSource};
@@ -25,11 +24,7 @@ pub(super) struct Llama {
 
 impl Llama {
     pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Self, FormatError> {
-        let factors = match src.tensor("rope_freqs.weight") {
-            Some(_) => load_vector(src, "rope_freqs.weight", cfg.head_dim / 2)?,
-            None => Vec::new(),
-        };
-        let rope = Rope { factors, attn_factor: cfg.rope_attn_factor, ..Rope::plain(cfg.rope_theta) };
+        let rope = rope_with_factors(src, cfg, "rope_freqs.weight")?;
         let bias = cfg.arch == Architecture::Qwen2;
         let layer = |l| {
             let attn = Attention::load(src, cfg, l, bias, false)?;

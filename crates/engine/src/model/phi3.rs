@@ -13,9 +13,8 @@
 //! used when the model's context is longer than the one it was trained with before the
 //! extension, with the file's attention factor, as llama.cpp chooses them.
 
-use super::blocks::{run_pre_norm, Activation, Attention, AttnSpec, GatedMlp, PreNormLayer};
+use super::blocks::{rope_with_factors, run_pre_norm, Activation, Attention, AttnSpec, GatedMlp, PreNormLayer};
 use super::forward::{ForwardScratch, Step};
-use super::linear::load_vector;
 use super::Layers;
 use crate::config::ModelConfig;
 use crate::format::{FormatError, TensorSource};
@@ -34,11 +33,7 @@ impl Phi3 {
         } else {
             "rope_factors_short.weight"
         };
-        let factors = match src.tensor(name) {
-            Some(_) => load_vector(src, name, cfg.head_dim / 2)?,
-            None => Vec::new(),
-        };
-        let rope = Rope { factors, attn_factor: cfg.rope_attn_factor, ..Rope::plain(cfg.rope_theta) };
+        let rope = rope_with_factors(src, cfg, name)?;
         let layer = |l| {
             let attn = Attention::load(src, cfg, l, false, false)?;
             PreNormLayer::load(src, cfg, l, attn, GatedMlp::load(src, cfg, l, cfg.ffn_hidden, Activation::Silu)?)

@@ -8,7 +8,7 @@ its assumptions give way to one that says where the points come from. The profil
 stays marked derived: these are PyTorch's kernels on the GPU, not a server's.
 
     python3 scripts/gpu_profile.py --steps gpu-steps.json --model llama3.1-8b \
-        --profile profiles/h200-llama3.1-8b.json --steps-path docs/.../gpu-steps.json
+        --profile profiles/h200-llama3.1-8b.json --steps-path bench-results/gpu-steps.json
 """
 import argparse
 import json

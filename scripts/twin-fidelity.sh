@@ -7,10 +7,10 @@
 # the machine's drift falls on every configuration alike); the table then compares
 # the twin with the mean of the runs and ranks against each run alone too.
 #
-#   scripts/twin-fidelity.sh [OUT_DIR]     (default docs/bench-results/<today>/twin)
+#   scripts/twin-fidelity.sh [OUT_DIR]     (default bench-results/<today>/twin, which git ignores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-docs/bench-results/$(date -u +%F)/twin}
+OUT=${1:-bench-results/$(date -u +%F)/twin}
 mkdir -p "$OUT"
 BIN=target/release/pdserve
 cargo build --release --bin pdserve

@@ -5,7 +5,7 @@
 # the load imbalance: each worker's requests waiting or running and prompt tokens
 # queued, as the server's /metrics says every half second, averaged over the run
 # (max over mean of the workers).
-# See docs/benchmarks.md ("KV-aware routing").
+# See docs/bench/kv-routing.md.
 #   POLICIES="kv-aware least-loaded round-robin"  SECONDS_PER_POINT=180
 #   WORKLOAD="--conversations 17 --turns 5..10 --input-len 100..200 --output-len 32..64"
 #   CONCURRENCY=4  SERVE_ARGS="--kv-host-gb 1"  OUT=bench-results/kv-routing

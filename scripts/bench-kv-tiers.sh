@@ -5,7 +5,7 @@
 # over a disk tier. Same workload (seeded) on a fresh server each. Reports TTFT,
 # goodput, the cached prompt tokens by tier and the router's predicted vs realized
 # hits. The prefixes are taken in turn, so each comes back only after the other 15,
-# an LRU pool's worst case. See docs/benchmarks.md ("KV tiers").
+# an LRU pool's worst case. See docs/bench/kv-tiers.md.
 #   OUT=bench-results/kv-tiers  SECONDS_PER_POINT=120  CONCURRENCY=2
 #   WORKLOAD="--shared-prefixes 16 --prefix-len 1024 --prefix-order cycle --input-len 32..96 --output-len 16"
 set -euo pipefail

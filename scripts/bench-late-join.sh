@@ -5,7 +5,7 @@
 # Per case (a policy, with or without prefix fetching) it reports TTFT and goodput
 # over the whole run, and after the join: the newcomer's share of the requests, when
 # it served its first, and TTFT p50/p99 (from the frontend's request log).
-# See docs/benchmarks.md ("A worker that joins after the prefix is cached").
+# See docs/bench/kv-routing.md ("A worker that joins after the prefix is cached").
 #   CASES="kv-aware kv-aware/no-fetch least-loaded/no-fetch"  SECONDS_TOTAL=90  JOIN_AFTER=30
 #   WORKLOAD="--shared-prefixes 1 --prefix-len 1024 --input-len 64 --output-len 64"  OUT=bench-results/late-join
 set -euo pipefail

@@ -5,7 +5,7 @@
 # model's speed does not depend on its weights' values). At 1 and 2 threads: prefill
 # pp512, decode tg128 (tg32 for the shapes), aggregate decode of 4 and 16 sequences after
 # 64-token prompts, and decode as a share of the memory-read roofline measured in the
-# same run. Writes bench-results/models/ and prints the tables of docs/benchmarks.md.
+# same run. Writes bench-results/models/ and prints the tables of docs/bench/models.md.
 #
 # Usage: scripts/bench-models.sh [model ...]   (default: gemma3-270m 1b 8b)
 #   PDSERVE_BIN=path  use this pdserve instead of building the release binary

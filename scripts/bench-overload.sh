@@ -2,7 +2,7 @@
 # Overload: default `pdserve serve` under closed-loop load of 1500–2000-token prompts
 # (128 output tokens) at its capacity and far past it, each point on a fresh server.
 # Reports goodput, the share of requests shed (429), TTFT of accepted requests, client
-# timeouts and the server's peak RSS. See docs/benchmarks.md ("Overload").
+# timeouts and the server's peak RSS. See docs/bench/overload.md.
 #   POINTS="label:concurrency:max-queue-seconds ..."  SECONDS_PER_POINT=180  SERVE_ARGS=...
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -10,7 +10,7 @@
 #   fixed-1P1D = serve --mode auto --prefill 1 --decode 1  (a dedicated split)
 # scripts/planner_report.py makes the table: goodput and SLO attainment per phase
 # and overall, role switches, failed requests, and the oracle (the best fixed
-# topology of each phase). See docs/benchmarks.md ("The planner").
+# topology of each phase). See docs/bench/planner.md.
 #   usage: scripts/bench-planner.sh [OUT]   (PHASE_SECONDS=60 TOPOLOGIES="planner auto-2M fixed-1P1D")
 # SCALE multiplies every rate and TTFT_MS / TPOT_MS set the SLOs, to fit a slower
 # machine (e.g. SCALE=0.5 TTFT_MS=10000 TPOT_MS=20 at half the speed). PROTECT_TPOT=1

@@ -2,8 +2,8 @@
 # The twin against the KV tiers benchmark: `pdserve sim` runs the workload and
 # topologies of scripts/bench-kv-tiers.sh (pool only, a host tier, a small host tier
 # over a disk tier) on a profile, and the table sets each beside what
-# bench-kv-tiers.sh measured in REAL_DIR. See docs/benchmarks.md ("The twin with
-# KV tiers").
+# bench-kv-tiers.sh measured in REAL_DIR. See docs/bench/twin.md ("The twin with KV
+# tiers").
 #   scripts/twin-tiers.sh PROFILE REAL_DIR OUT_DIR
 #   SECONDS_PER_POINT=120  CONCURRENCY=2  (as the measurement was run)
 set -euo pipefail

@@ -21,6 +21,7 @@
 //! path.
 
 use crate::index::CachedPrefix;
+use crate::snapshot::{BacklogView, KvView, PrefillView, QueueView, Restore, TransferView};
 use pdserve_kv::{Tier, TierCounters};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -30,9 +31,9 @@ use tokio::time::Instant;
 
 /// Before any measurement: the default model's single-thread prefill rate here
 /// (~1000 tok/s, docs/benchmarks.md) and a handoff's fixed cost.
-const PRIOR_SECONDS_PER_TOKEN: f64 = 1e-3;
-const PRIOR_TRANSFER_PER_TOKEN: f64 = 2e-5;
-const HANDOFF_FIXED: f64 = 2e-3;
+pub(crate) const PRIOR_SECONDS_PER_TOKEN: f64 = 1e-3;
+pub(crate) const PRIOR_TRANSFER_PER_TOKEN: f64 = 2e-5;
+pub(crate) const HANDOFF_FIXED: f64 = 2e-3;
 /// Computed tokens per prefill from which a prefill's time measures the per-token
 /// pace rather than the fixed cost (four KV blocks).
 const PACE_FROM_TOKENS: usize = 64;
@@ -50,9 +51,9 @@ const CALIBRATED_FROM: f64 = 2.0;
 const MISSES_KEPT: usize = 64;
 const MISSES_NEEDED: usize = 8;
 /// Sequences that must have ended within [`FREED_WINDOW`] for their pace to count.
-const PACE_FROM: usize = 8;
+pub(crate) const PACE_FROM: usize = 8;
 /// How far back the pace of freed KV blocks is measured.
-const FREED_WINDOW: Duration = Duration::from_secs(30);
+pub(crate) const FREED_WINDOW: Duration = Duration::from_secs(30);
 
 /// KV blocks a sequence of `tokens` tokens holds.
 pub fn blocks_for(tokens: usize) -> usize {
@@ -83,16 +84,22 @@ impl PrefillLoad {
         Ticket { load: self.clone(), tokens }
     }
 
+    /// What placement reads of this worker's prefill side, now.
+    pub fn view(&self) -> PrefillView {
+        let pace = *lock(&self.pace);
+        PrefillView { queue: lock(&self.queue).view(), per_token: pace.per_token, fixed: pace.fixed }
+    }
+
     /// Prompt tokens queued here and not computed yet, as far as the time since the
     /// worker started on them tells.
     pub fn queued(&self) -> usize {
-        self.ahead().tokens
+        self.view().queued()
     }
 
     /// The prefills a prompt admitted now would wait behind: those queued, less the
     /// tokens the time the worker has spent on them computed at its pace.
     pub fn ahead(&self) -> Queue {
-        lock(&self.queue).left((self.fixed_seconds(), self.seconds_per_token()))
+        self.view().ahead()
     }
 
     /// The marginal cost of one more prompt token.
@@ -138,32 +145,25 @@ impl PrefillLoad {
 
     /// Predicted seconds of one prefill computing `tokens`, once it runs.
     pub fn compute(&self, tokens: usize) -> f64 {
-        self.fixed_seconds() + tokens as f64 * self.seconds_per_token()
+        self.view().compute(tokens)
     }
 
     /// Predicted seconds until the prefills queued here are done.
     pub fn queued_seconds(&self) -> f64 {
-        self.queued_seconds_at((self.fixed_seconds(), self.seconds_per_token()))
+        self.view().queued_seconds()
+    }
+
+    /// Predicted seconds until a prompt computing `tokens` sent now has its first
+    /// token.
+    pub fn predict(&self, tokens: usize) -> f64 {
+        self.view().predict(tokens)
     }
 
     /// [`PrefillLoad::queued_seconds`] at a pace given as `(fixed_seconds,
     /// seconds_per_token)` (a worker not timed yet is taken to be as fast as its
     /// peers).
     pub fn queued_seconds_at(&self, at: (f64, f64)) -> f64 {
-        lock(&self.queue).seconds(at)
-    }
-
-    /// Predicted seconds until a prompt computing `tokens` sent now has its first
-    /// token.
-    pub fn predict(&self, tokens: usize) -> f64 {
-        self.predict_at(tokens, (self.fixed_seconds(), self.seconds_per_token()))
-    }
-
-    /// [`PrefillLoad::predict`] at a pace given as in
-    /// [`PrefillLoad::queued_seconds_at`].
-    pub fn predict_at(&self, tokens: usize, (fixed_seconds, seconds_per_token): (f64, f64)) -> f64 {
-        let at = (fixed_seconds, seconds_per_token);
-        self.queued_seconds_at(at) + fixed_seconds + tokens as f64 * seconds_per_token
+        lock(&self.queue).view().seconds(at)
     }
 }
 
@@ -255,28 +255,13 @@ impl Drain {
         self.busy_since.map_or(0.0, |s| s.elapsed().as_secs_f64())
     }
 
-    /// Tokens of the worker's last report not computed yet at `per_token`.
-    fn reported_left(&self, per_token: f64) -> usize {
-        let Some((at, tokens)) = self.reported else { return 0 };
-        let done = at.elapsed().as_secs_f64() / per_token.max(1e-12);
-        (tokens as f64 - done).max(0.0) as usize
-    }
-
-    /// The queue less the tokens the time served computed at `(fixed, per token)`,
-    /// the first entry's fixed cost paid first; at least what the worker's report
-    /// leaves.
-    fn left(&self, (fixed, per_token): (f64, f64)) -> Queue {
-        let computing = (self.served() - fixed).max(0.0);
-        let done = (computing / per_token.max(1e-12)).min(self.queue.tokens as f64) as usize;
-        let tokens = (self.queue.tokens - done).max(self.reported_left(per_token));
-        Queue { tokens, ..self.queue }
-    }
-
-    /// Predicted seconds until what is queued is done, at `(fixed, per token)`.
-    fn seconds(&self, (fixed, per_token): (f64, f64)) -> f64 {
-        let q = self.queue;
-        let by_time = q.prefills as f64 * fixed + q.tokens as f64 * per_token - self.served();
-        by_time.max(self.reported_left(per_token) as f64 * per_token).max(0.0)
+    /// The queue as it stands now, in plain numbers.
+    fn view(&self) -> QueueView {
+        QueueView {
+            queue: self.queue,
+            served_s: self.served(),
+            reported: self.reported.map(|(at, tokens)| (at.elapsed().as_secs_f64(), tokens)),
+        }
     }
 }
 
@@ -328,7 +313,7 @@ impl Backlog {
         let at = lock(&self.pace).at();
         let ahead = {
             let mut pending = lock(&self.pending);
-            let ahead = pending.left(at);
+            let ahead = pending.view().left(at);
             pending.add(tokens);
             ahead
         };
@@ -405,7 +390,12 @@ impl Backlog {
     /// prefill prior stands in for the pace.
     pub fn predict(&self) -> f64 {
         let at = lock(&self.pace).at();
-        lock(&self.pending).seconds(at)
+        lock(&self.pending).view().seconds(at)
+    }
+
+    /// What admission reads of this backlog, now.
+    pub fn view(&self) -> BacklogView {
+        BacklogView { wait_s: self.predict(), pending_blocks: self.pending_blocks(), correction: self.correction() }
     }
 
     /// Predicted seconds of a request of `tokens` once those ahead have started.
@@ -596,22 +586,19 @@ impl KvMemory {
     /// (a fleet's first seconds under load) still shows the blocks coming back. With
     /// none ended, full and no pace to go by: twice the window.
     pub fn wait_for(&self, need: usize) -> f64 {
-        let Some(free) = *lock(&self.free) else { return 0.0 };
-        let missing = need.saturating_sub(free);
-        if missing == 0 {
-            return 0.0;
-        }
+        self.view().wait_for(need)
+    }
+
+    /// What admission reads of this worker's memory, now.
+    pub fn view(&self) -> KvView {
         let mut freed = lock(&self.freed);
         prune(&mut freed);
-        let blocks: usize = freed.iter().map(|&(_, b)| b).sum();
-        if blocks == 0 {
-            return 2.0 * FREED_WINDOW.as_secs_f64();
+        KvView {
+            free: *lock(&self.free),
+            freed_blocks: freed.iter().map(|&(_, b)| b).sum(),
+            ended: freed.len(),
+            counting_s: self.since.elapsed().as_secs_f64(),
         }
-        let window = match freed.len() {
-            n if n < PACE_FROM => FREED_WINDOW.as_secs_f64(),
-            _ => self.since.elapsed().min(FREED_WINDOW).as_secs_f64().max(1.0),
-        };
-        missing as f64 * window / blocks as f64
     }
 }
 
@@ -624,36 +611,34 @@ fn prune(freed: &mut VecDeque<(Instant, usize)>) {
 /// Seconds a worker takes to copy one block back into its pool from its host-RAM
 /// tier, before it measured any (a block of a small model is a few hundred KB:
 /// a memory copy well under a millisecond).
-const HOST_RESTORE_GUESS: f64 = 2e-4;
+pub(crate) const HOST_RESTORE_GUESS: f64 = 2e-4;
 /// The same from its disk tier (page cache or an SSD read).
-const DISK_RESTORE_GUESS: f64 = 2e-3;
+pub(crate) const DISK_RESTORE_GUESS: f64 = 2e-3;
 
 /// What copying a cached prefix back from a worker's host or disk tier costs: its
 /// own measured seconds per block once it restored any, else a guess.
-#[derive(Debug)]
-pub struct RestorePace(Mutex<[f64; 2]>);
-
-impl Default for RestorePace {
-    fn default() -> Self {
-        RestorePace(Mutex::new([HOST_RESTORE_GUESS, DISK_RESTORE_GUESS]))
-    }
-}
+#[derive(Debug, Default)]
+pub struct RestorePace(Mutex<Restore>);
 
 impl RestorePace {
     /// The worker's tier counters (totals since it started).
     pub fn report(&self, c: &TierCounters) {
         let mut pace = lock(&self.0);
-        for (i, tier) in [Tier::Host, Tier::Disk].into_iter().enumerate() {
-            if let Some(s) = c.seconds_per_block(tier) {
-                pace[i] = s;
-            }
+        if let Some(s) = c.seconds_per_block(Tier::Host) {
+            pace.host = s;
         }
+        if let Some(s) = c.seconds_per_block(Tier::Disk) {
+            pace.disk = s;
+        }
+    }
+
+    pub fn view(&self) -> Restore {
+        *lock(&self.0)
     }
 
     /// Seconds to bring `p`'s host and disk blocks back into the pool.
     pub fn seconds(&self, p: &CachedPrefix) -> f64 {
-        let [host, disk] = *lock(&self.0);
-        p.host as f64 * host + p.disk as f64 * disk
+        self.view().seconds(p)
     }
 }
 
@@ -683,15 +668,17 @@ impl TransferCost {
         }
     }
 
+    pub fn view(&self) -> TransferView {
+        TransferView {
+            seconds_per_token: *lock(&self.seconds_per_token),
+            bytes_per_token: *lock(&self.bytes_per_token),
+        }
+    }
+
     /// The extra cost of handing off `tokens` prompt tokens whose prefill computes
     /// for `compute_s`, over `link` if it was probed.
     pub fn predict(&self, tokens: usize, link: Option<Link>, compute_s: f64) -> f64 {
-        let learned = HANDOFF_FIXED + tokens as f64 * lock(&self.seconds_per_token).unwrap_or(PRIOR_TRANSFER_PER_TOKEN);
-        let (Some(link), Some(bpt)) = (link, *lock(&self.bytes_per_token)) else { return learned };
-        // Frames leave layer by layer while the prefill computes: only the wire time
-        // beyond the compute delays the first token.
-        let wire = tokens as f64 * bpt / link.bytes_per_s.max(1.0);
-        learned.max(HANDOFF_FIXED + link.round_trip_s + (wire - compute_s).max(0.0))
+        self.view().predict(tokens, link, compute_s)
     }
 }
 

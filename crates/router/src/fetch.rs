@@ -76,14 +76,10 @@ pub struct Fetch {
 pub struct FetchPace(Mutex<VecDeque<(Instant, f64)>>);
 
 impl FetchPace {
-    /// Predicted seconds to fetch `tokens` whose copy back from the holder's lower
-    /// tiers takes `restore_s`. The pace learned includes the holder's wait for
-    /// its current layer.
-    pub(crate) fn predict(&self, restore_s: f64, tokens: usize) -> f64 {
-        restore_s + FIXED_SECONDS + tokens as f64 * self.pace()
-    }
-
-    fn pace(&self) -> f64 {
+    /// Seconds per token of a fetch now: the median of the latest timed, the prior
+    /// standing in for missing ones. The pace learned includes the holder's wait
+    /// for its current layer.
+    pub(crate) fn per_token(&self) -> f64 {
         let mut timed = self.0.lock().unwrap_or_else(PoisonError::into_inner);
         let now = Instant::now();
         timed.retain(|&(at, _)| now.duration_since(at) < PACE_AGE);
@@ -105,6 +101,12 @@ impl FetchPace {
             timed.pop_front();
         }
     }
+}
+
+/// Predicted seconds to fetch `tokens` at `per_token` ([`FetchPace::per_token`])
+/// whose copy back from the holder's lower tiers takes `restore_s`.
+pub(crate) fn seconds(per_token: f64, restore_s: f64, tokens: usize) -> f64 {
+    restore_s + FIXED_SECONDS + tokens as f64 * per_token
 }
 
 /// What a fetch needs besides its plan.
@@ -210,7 +212,7 @@ mod tests {
     const TOKENS: usize = 100;
 
     fn per_token(p: &FetchPace) -> f64 {
-        (p.predict(0.0, TOKENS) - FIXED_SECONDS) / TOKENS as f64
+        (seconds(p.per_token(), 0.0, TOKENS) - FIXED_SECONDS) / TOKENS as f64
     }
 
     #[tokio::test(start_paused = true)]

@@ -336,6 +336,46 @@ impl PredictedHit {
     }
 }
 
+/// The router's index follows its workers' KV events.
+impl crate::Router {
+    /// Takes KV events worker `name` pushed (a fleet worker's, over NATS), following
+    /// `from`. Events that do not continue the index are dropped (those of a worker
+    /// not in the set too: the index holds no cursor for it), and polling catches
+    /// the worker up.
+    pub fn take_pushed_kv_events(&self, name: &str, from: KvCursor, got: KvEvents) {
+        if let Some(a) = self.index.apply_pushed(name, from, got) {
+            self.telemetry.kv_index(&a.lags, a.resyncs, self.index.len());
+            self.telemetry.kv_events_pushed(a.lags.len());
+        }
+    }
+
+    /// Starts following every worker's KV events into the router's index, on its
+    /// runtime, for as long as the router lives.
+    pub fn follow_kv_events(self: &Arc<Self>) {
+        let router = Arc::downgrade(self);
+        self.runtime.spawn(async move {
+            let mut busy = true;
+            loop {
+                // Quickly while events flow; an idle fleet is asked less often.
+                tokio::time::sleep(if busy { POLL } else { IDLE_POLL }).await;
+                let Some(r) = router.upgrade() else { return };
+                let all = r.workers.snapshot();
+                let names: Vec<&str> = all.iter().map(|e| e.name()).collect();
+                r.index.retain(&names);
+                busy = false;
+                // A worker whose own events arrive pushed (a fleet's, over NATS) is
+                // asked only when they stop or skip.
+                for e in all.iter().filter(|e| e.worker.is_alive() && !r.index.pushed_recently(e.name())) {
+                    if let Some(a) = r.index.sync(e.name(), e.worker.as_ref()).await {
+                        busy |= !a.lags.is_empty() || a.resyncs > 0;
+                        r.telemetry.kv_index(&a.lags, a.resyncs, r.index.len());
+                    }
+                }
+            }
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

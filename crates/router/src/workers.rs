@@ -6,6 +6,9 @@
 //! keep their entry (an `Arc`) until they finish or fail over.
 
 use crate::cost::{Backlog, KvMemory, Link, PrefillLoad, RestorePace};
+use crate::index::CachedPrefix;
+use crate::snapshot::View;
+use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{ServeError, Worker, WorkerStats};
 use pdserve_types::{Assignment, DecodeSteps, Epoch, Role, StepFit};
 use std::collections::HashMap;
@@ -110,11 +113,28 @@ impl Entry {
         *self.decode.lock().unwrap_or_else(PoisonError::into_inner) = steps.fit().map(|f| (f, held));
     }
 
-    /// Seconds of a decode step here with one more sequence of `tokens` tokens at
-    /// most, if the worker's steps were fitted.
-    pub(crate) fn predict_step(&self, tokens: usize) -> Option<f64> {
-        let (fit, held) = (*self.decode.lock().unwrap_or_else(PoisonError::into_inner))?;
-        Some(fit.seconds((self.worker.load() + 1) as f64, (held + tokens) as f64))
+    /// The worker as placement reads it now, `cached` being what its prefix cache
+    /// holds of the request placed; `via`, the router's transport.
+    pub(crate) fn view(&self, cached: CachedPrefix, via: TransportKind) -> View {
+        let peers = self.worker.fetches_prefixes();
+        View {
+            name: self.name().to_string(),
+            role: self.role(),
+            usable: self.usable(),
+            alive: self.worker.is_alive(),
+            peers,
+            receives: peers && self.worker.kv_target(via).is_some(),
+            load: self.worker.load(),
+            routed: self.backlog.routed(),
+            free_slots: self.slots.available_permits(),
+            prefill: self.prefill.view(),
+            backlog: self.backlog.view(),
+            kv: self.kv.view(),
+            step: *self.decode.lock().unwrap_or_else(PoisonError::into_inner),
+            restore: self.restore.view(),
+            links: self.links.lock().unwrap_or_else(PoisonError::into_inner).clone(),
+            cached,
+        }
     }
 
     /// The worker's lower-tier counters, as its stats just said.
@@ -250,5 +270,35 @@ impl WorkerSet {
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Vec<Arc<Entry>>> {
         self.entries.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The router polls its workers' stats.
+impl crate::Router {
+    /// Polls every worker's stats once ([`Entry::poll_stats`]); `None` where a worker
+    /// did not answer in time.
+    pub async fn poll_stats(&self) -> Vec<(Arc<Entry>, Option<WorkerStats>)> {
+        let mut out = Vec::new();
+        for e in self.workers.snapshot() {
+            let stats = e.poll_stats().await;
+            out.push((e, stats));
+        }
+        out
+    }
+
+    /// Polls every worker's stats every [`crate::STATS_EVERY`] from now on, as long as the
+    /// runtime runs, handing each round to `sink` (a server's metrics).
+    pub fn spawn_stats_poll(
+        self: &Arc<Self>,
+        sink: impl Fn(Vec<(Arc<Entry>, Option<WorkerStats>)>) + Send + Sync + 'static,
+    ) {
+        let router = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(crate::STATS_EVERY);
+            loop {
+                tick.tick().await;
+                sink(router.poll_stats().await);
+            }
+        });
     }
 }

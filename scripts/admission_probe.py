@@ -3,7 +3,7 @@
 one warm-up request, then one cold 3,000-word prompt, and a 2-token probe every 0.5 s
 while it runs; prints each probe's status and time, and how many were answered.
 
-    python3 scripts/admission_probe.py ./target/debug/pdserve [PORT]
+    python3 scripts/admission_probe.py ./target/release/pdserve [PORT]
 """
 import json
 import random

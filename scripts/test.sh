@@ -40,13 +40,13 @@ export PDSERVE_NATS_SERVER
 # The venv's pip also fetches the model, should the system Python have none.
 export PATH="$PWD/$venv/bin:$PATH"
 
-# The test profile is optimized (Cargo.toml), so the binary built here shares its
-# dependencies with the test build below.
-cargo build --profile test --bin pdserve
-./target/debug/pdserve pull
+# Everything here builds with the release profile, as the README's main command does:
+# a user who ran it first has nothing to build again but the tests themselves.
+cargo build --release --bin pdserve
+./target/release/pdserve pull
 # Gemma 3 270M Q4_K_M (SentencePiece, K-quants): its tokenizer and forward pass are
 # checked against llama.cpp's outputs.
-./target/debug/pdserve pull gemma3-270m
+./target/release/pdserve pull gemma3-270m
 # llama.cpp as the oracle (its llama-quantize and libllama, built from PyPI's
 # llama-cpp-python sources on first use): random-weight models of every architecture
 # and SmolLM2 in every quant type, quantized by llama.cpp with its logits on them; its
@@ -55,25 +55,25 @@ scripts/make_oracle.sh
 
 python3 scripts/check_doc_paths.py
 cargo fmt --all --check
-cargo clippy --workspace --all-targets --profile test -- -D warnings
+cargo clippy --workspace --all-targets --release -- -D warnings
 # Library, binary and integration tests (there are no doc tests); the summary line
 # at the end adds up every test binary's result.
 log=$(mktemp)
 set +e
-cargo test --workspace --lib --bins --tests --no-fail-fast 2>&1 | tee "$log"
+cargo test --release --workspace --lib --bins --tests --no-fail-fast 2>&1 | tee "$log"
 cargo_status=${PIPESTATUS[0]}
 # The fleet and multi-process tests once more with half the cores kept busy: a
 # user's machine is not always quiet, and a test that waits must wait for a
 # condition, not for a time only a quiet machine keeps.
-scripts/under_load.sh cargo test -p pdserve-cli --test fleet --test processes --test hosts --test lifecycle \
+scripts/under_load.sh cargo test --release -p pdserve-cli --test fleet --test processes --test hosts --test lifecycle \
     --test ports --test nats_permissions --no-fail-fast 2>&1 | tee -a "$log"
 load_status=${PIPESTATUS[0]}
 # `pdserve serve` in every mode and worker+frontend processes, driven by the openai
 # SDK and curl, stopped by SIGTERM.
-"$venv/bin/python" tests/e2e/test_openai.py ./target/debug/pdserve 2>&1 | tee -a "$log"
+"$venv/bin/python" tests/e2e/test_openai.py ./target/release/pdserve 2>&1 | tee -a "$log"
 e2e_status=${PIPESTATUS[0]}
 # The NimsForest River ingress, with nats-py playing the forest.
-"$venv/bin/python" tests/e2e/test_river.py ./target/debug/pdserve "$PDSERVE_NATS_SERVER" 2>&1 | tee -a "$log"
+"$venv/bin/python" tests/e2e/test_river.py ./target/release/pdserve "$PDSERVE_NATS_SERVER" 2>&1 | tee -a "$log"
 river_status=${PIPESTATUS[0]}
 set -e
 awk '/^test result:/ { p += $4; f += $6 } /^e2e: / { p += $2; f += $4 } END { printf "%d passed, %d failed\n", p, f }' "$log"

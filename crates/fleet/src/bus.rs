@@ -11,6 +11,8 @@ use async_nats::jetstream::{self, kv};
 use async_nats::{Client, ConnectOptions, ServerAddr};
 use pdserve_kv_transfer::ClusterKey;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 /// The bucket of node records.
@@ -88,7 +90,11 @@ impl Bus {
         loop {
             match Bus::connect(cfg).await {
                 Ok(bus) => return bus,
-                Err(e) => tracing::warn!(error = %e, "waiting for NATS"),
+                Err(e) => {
+                    if let Some(quiet) = WAITING.say() {
+                        tracing::warn!(error = %e, repeated = quiet, "waiting for NATS");
+                    }
+                }
             }
             tokio::time::sleep(wait).await;
             wait = (wait * 2).min(MAX_RETRY);
@@ -254,19 +260,62 @@ async fn options(cfg: &NatsConfig) -> Result<ConnectOptions, FleetError> {
         .max_reconnects(None))
 }
 
-/// The client's connection events, in this process's log. (The client's own log
-/// lines are filtered out by default: connection errors reach the caller as one
-/// error, and these say the rest once.)
+/// The client's connection events, in this process's log, one line per event of the
+/// process: its connections (fleet records, traffic, KV events, the River) come up
+/// and go down together with the server, and four lines for one event hid the rest.
+/// (The client's own log lines are filtered out by default: connection errors reach
+/// the caller as one error, and these say the rest once.)
 fn log_event(event: async_nats::Event) {
     use async_nats::Event;
     match event {
-        Event::Connected => tracing::info!("NATS connected"),
-        Event::Disconnected => tracing::warn!("NATS disconnected; reconnecting"),
-        Event::ClientError(e) => tracing::warn!(error = %e, "NATS client error"),
-        Event::ServerError(e) => tracing::warn!(error = %e, "NATS server error"),
-        Event::SlowConsumer(_) | Event::LameDuckMode | Event::Draining | Event::Closed => {
-            tracing::debug!(?event, "NATS event")
+        Event::Connected if !SAID_UP.swap(true, Ordering::Relaxed) => tracing::info!("NATS connected"),
+        Event::Disconnected if SAID_UP.swap(false, Ordering::Relaxed) => {
+            tracing::warn!("NATS disconnected; reconnecting")
         }
+        Event::ClientError(e) => {
+            if let Some(quiet) = CLIENT_ERRORS.say() {
+                tracing::warn!(error = %e, repeated = quiet, "NATS client error")
+            }
+        }
+        Event::ServerError(e) => {
+            if let Some(quiet) = SERVER_ERRORS.say() {
+                tracing::warn!(error = %e, repeated = quiet, "NATS server error")
+            }
+        }
+        other => tracing::debug!(event = ?other, "NATS event"),
+    }
+}
+
+/// Whether this process last said NATS is up.
+static SAID_UP: AtomicBool = AtomicBool::new(false);
+static WAITING: Repeats = Repeats::new();
+static CLIENT_ERRORS: Repeats = Repeats::new();
+static SERVER_ERRORS: Repeats = Repeats::new();
+static NO_BUCKET: Repeats = Repeats::new();
+
+/// How often a repeated warning of the process is said at most.
+const REPEAT_EVERY: Duration = Duration::from_secs(30);
+
+/// A warning that repeats while a condition lasts (NATS down: every connection of the
+/// process retrying), said at most once per [`REPEAT_EVERY`] with how many times it
+/// was not said since.
+struct Repeats(Mutex<(Option<std::time::Instant>, u64)>);
+
+impl Repeats {
+    const fn new() -> Self {
+        Repeats(Mutex::new((None, 0)))
+    }
+
+    /// `Some(not said since)` if the warning is to be said now.
+    fn say(&self) -> Option<u64> {
+        let mut s = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = std::time::Instant::now();
+        if s.0.is_some_and(|last| now - last < REPEAT_EVERY) {
+            s.1 += 1;
+            return None;
+        }
+        s.0 = Some(now);
+        Some(std::mem::take(&mut s.1))
     }
 }
 
@@ -292,7 +341,9 @@ async fn open_bucket(client: &Client, replicas: usize, patience: Duration) -> Re
             Ok(store) => return Ok(store),
             Err(e) if started.elapsed() >= patience => return Err(FleetError::Bucket(e.to_string())),
             Err(e) => {
-                tracing::info!(error = %e, "waiting for JetStream to create the fleet bucket");
+                if let Some(quiet) = NO_BUCKET.say() {
+                    tracing::info!(error = %e, repeated = quiet, "waiting for JetStream to create the fleet bucket");
+                }
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }

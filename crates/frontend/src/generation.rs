@@ -145,7 +145,7 @@ impl Drop for Tracker {
     fn drop(&mut self) {
         let outcome = self.outcome.unwrap_or(Outcome::Cancelled);
         self.metrics.outcome(outcome);
-        let ms = |t: Option<Instant>| t.map(|t| (t - self.start).as_secs_f64() * 1e3);
+        let ms = |t: Option<Instant>| t.map(|t| pdserve_types::millis(t - self.start));
         tracing::info!(
             parent: &self.span,
             mode = %self.mode,
@@ -153,7 +153,7 @@ impl Drop for Tracker {
             error = self.error,
             tokens = self.tokens,
             ttft_ms = ms(self.first),
-            duration_ms = self.start.elapsed().as_secs_f64() * 1e3,
+            duration_ms = pdserve_types::millis(self.start.elapsed()),
             "request finished"
         );
         self.report(outcome);
@@ -177,13 +177,14 @@ impl Tracker {
         r.outcome = Some(outcome.as_str());
         r.error = self.error;
         r.completion_tokens = self.tokens;
-        let ms = |a: Instant, b: Instant| Some((b - a).as_secs_f64() * 1e3);
+        let ms = |a: Instant, b: Instant| Some(pdserve_types::millis(b - a));
         let t = &mut r.timings;
         t.e2e_ms = ms(self.start, self.last.unwrap_or_else(Instant::now));
         if let (Some(first), Some(last)) = (self.first, self.last) {
             t.ttft_ms = ms(self.start, first);
             t.decode_ms = ms(first, last);
-            t.tpot_ms = (self.tokens > 1).then(|| (last - first).as_secs_f64() * 1e3 / (self.tokens - 1) as f64);
+            t.tpot_ms = (self.tokens > 1)
+                .then(|| pdserve_types::round_ms((last - first).as_secs_f64() / (self.tokens - 1) as f64));
         }
         observer.finished(&r);
     }

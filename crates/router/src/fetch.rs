@@ -158,7 +158,7 @@ pub(crate) async fn into(
         Ok(Fetched { kept, sent }) if sent > 0 => {
             ctx.pace.observe(sent, seconds);
             ctx.telemetry.prefix_fetched(sent, seconds, None);
-            let (from, to, ms) = (f.from.name(), r.name(), seconds * 1e3);
+            let (from, to, ms) = (f.from.name(), r.name(), pdserve_types::round_ms(seconds));
             tracing::debug!(from, to, tokens = sent, kept, ms, "fetched a prefix");
             Some(kept + sent)
         }

@@ -101,16 +101,13 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         }
         // Serve as soon as every listed worker answered once, or after the patience.
         let _ = tokio::time::timeout(CONNECT_PATIENCE, futures_join(first)).await;
-        let banner = format!(
-            "workers: {}",
-            router
-                .workers()
-                .snapshot()
-                .iter()
-                .map(|e| format!("{} ({})", e.name(), e.role()))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        let workers: Vec<String> =
+            router.workers().snapshot().iter().map(|e| format!("{} ({})", e.name(), e.role())).collect();
+        // A fleet's workers join over NATS after the frontend starts.
+        let banner = match workers.is_empty() {
+            true => "no workers yet".to_string(),
+            false => format!("workers: {}", workers.join(", ")),
+        };
         let river = a.nats.config("pdserve-river", Some(&key)).filter(|_| a.river);
         let observer = river.clone().map(river::LeafObserver::start);
         let model = Served {

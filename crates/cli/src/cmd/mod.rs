@@ -28,7 +28,7 @@ use std::sync::Arc;
 fn model_path(spec: &str) -> anyhow::Result<PathBuf> {
     use pdserve_engine::models;
     Ok(match models::known(spec) {
-        Some(k) => models::pull(k, &mut |m| eprintln!("{m}"))?,
+        Some(k) => models::pull(k, &mut |m| tracing::info!("{m}"))?,
         None => models::resolve(spec)?,
     })
 }

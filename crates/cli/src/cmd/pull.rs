@@ -23,7 +23,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     }
     let name = args.name.as_deref().unwrap_or("default");
     let known = models::known(name).ok_or_else(|| PullError::Unknown(name.to_string()))?;
-    let path = models::pull(known, &mut |m| eprintln!("{m}"))?;
+    let path = models::pull(known, &mut |m| tracing::info!("{m}"))?;
     println!("{}", path.display());
     Ok(())
 }

@@ -361,7 +361,7 @@ impl Ctx {
         let record = self.observer.as_ref().map(|o| o.expect(&req.request_id));
         let t0 = Instant::now();
         let served = self.serve_with_progress(req, ingress, msg, lease).await;
-        let e2e_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let e2e_ms = pdserve_types::millis(t0.elapsed());
         // The API reports the request as its answer ends: a moment's wait at most.
         let record = match record {
             Some(rx) => tokio::time::timeout(Duration::from_secs(1), rx).await.ok().and_then(Result::ok),

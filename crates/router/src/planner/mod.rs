@@ -513,7 +513,7 @@ impl Planner {
         let was: Vec<Role> = moves.iter().map(|(e, _)| e.role()).collect();
         let asked = Instant::now();
         let outcomes = self.act.apply(&self.router, &moves).await;
-        let control_ms = asked.elapsed().as_secs_f64() * 1e3;
+        let control_ms = pdserve_types::millis(asked.elapsed());
         let mut done = Vec::with_capacity(moves.len());
         for (((e, role), from), outcome) in moves.iter().zip(was).zip(outcomes) {
             match &outcome {

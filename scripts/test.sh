@@ -54,6 +54,7 @@ cargo build --release --bin pdserve
 scripts/make_oracle.sh
 
 python3 scripts/check_doc_paths.py
+python3 scripts/check_architecture_map.py
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release -- -D warnings
 # Library, binary and integration tests (there are no doc tests); the summary line

@@ -22,7 +22,7 @@ mod extract;
 mod generation;
 mod lifecycle;
 mod listen;
-pub mod metrics;
+pub use pdserve_telemetry::metrics;
 pub mod observe;
 mod openai;
 mod request_id;

@@ -15,29 +15,6 @@ pub const BATCH_TOKENS: usize = 16;
 /// How long a streamed token waits for others before its Leaf goes out.
 pub const BATCH_AGE: Duration = Duration::from_millis(20);
 
-/// Splits SSE bytes into the JSON payloads of `data:` lines.
-#[derive(Default)]
-pub struct SseLines {
-    buf: Vec<u8>,
-}
-
-impl SseLines {
-    /// The complete `data:` payloads in `bytes` (and what was left over before);
-    /// `[DONE]` is passed on as it is.
-    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
-        self.buf.extend_from_slice(bytes);
-        let mut out = Vec::new();
-        while let Some(nl) = self.buf.iter().position(|&b| b == b'\n') {
-            let line: Vec<u8> = self.buf.drain(..=nl).collect();
-            let line = String::from_utf8_lossy(&line);
-            if let Some(data) = line.trim_end().strip_prefix("data: ") {
-                out.push(data.to_string());
-            }
-        }
-        out
-    }
-}
-
 /// One choice's text so far, and how it ended.
 #[derive(Default)]
 struct Choice {
@@ -159,13 +136,6 @@ impl<'a> Assembler<'a> {
 mod tests {
     use super::*;
     use pdserve_fleet::forest::parse_river;
-
-    #[test]
-    fn sse_lines_split_across_reads() {
-        let mut s = SseLines::default();
-        assert!(s.push(b"data: {\"a\"").is_empty());
-        assert_eq!(s.push(b":1}\n\ndata: [DONE]\n\n"), vec!["{\"a\":1}".to_string(), "[DONE]".to_string()]);
-    }
 
     #[test]
     fn chunks_batch_into_leaves_and_assemble_the_response() {

@@ -562,7 +562,7 @@ async fn serve((api, key): &Api, req: &ForestRequest, ingress: &str, client: &Cl
 /// Reads an SSE answer, publishing stream Leaves as tokens come, and returns the
 /// whole response. Tokens were already sent when it fails: it fails for good.
 async fn stream_leaves(mut body: hyper::body::Incoming, req: &ForestRequest, client: &Client) -> Served {
-    let mut lines = leaf_stream::SseLines::default();
+    let mut sse = pdserve_bench::sse::SseParser::new();
     let mut acc = leaf_stream::Assembler::new(req, SOURCE);
     loop {
         let due = acc.due();
@@ -578,7 +578,7 @@ async fn stream_leaves(mut body: hyper::body::Incoming, req: &ForestRequest, cli
             Some(Err(e)) => return Served::Failed(format!("the token stream broke off: {e}")),
             None => return Served::Failed("the token stream ended without [DONE]".into()),
         };
-        for line in lines.push(&data) {
+        for line in sse.feed(&data).into_iter().map(|e| e.data) {
             if line == "[DONE]" {
                 publish_all(client, acc.flush()).await;
                 return Served::Answer(acc.response());

@@ -170,84 +170,161 @@ impl ModelConfig {
             .get("general.architecture")
             .and_then(|v| v.as_str())
             .ok_or_else(|| FormatError::Missing("metadata general.architecture".into()))?;
-        let (arch, rope_style) = match arch_name {
-            "llama" => (Architecture::Llama, RopeStyle::Normal),
-            "qwen2" => (Architecture::Qwen2, RopeStyle::Neox),
-            "qwen3" => (Architecture::Qwen3, RopeStyle::Neox),
-            "qwen3moe" => (Architecture::Qwen3Moe, RopeStyle::Neox),
-            "phi3" => (Architecture::Phi3, RopeStyle::Neox),
-            "gemma3" => (Architecture::Gemma3, RopeStyle::Neox),
-            other => return Err(FormatError::UnsupportedArchitecture(other.to_string())),
-        };
-        let key = |k: &str| format!("{arch_name}.{k}");
-        let int = |k: &str| -> Result<usize, FormatError> {
-            h.get(&key(k))
-                .and_then(|v| v.as_u64())
-                .map(|v| v as usize)
-                .ok_or_else(|| FormatError::Missing(format!("metadata {}", key(k))))
-        };
-        let float =
-            |k: &str, default: f64| -> f32 { h.get(&key(k)).and_then(|v| v.as_f64()).unwrap_or(default) as f32 };
-        let hidden = int("embedding_length")?;
-        let n_heads = int("attention.head_count")?;
-        let n_kv_heads = int("attention.head_count_kv").unwrap_or(n_heads);
-        let head_dim = int("attention.key_length").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
-        if let Ok(rotated) = int("rope.dimension_count") {
-            if rotated != head_dim {
-                return Err(FormatError::Invalid(format!(
-                    "{arch_name}: RoPE over {rotated} of each head's {head_dim} dimensions (partial rotary) is not supported"
-                )));
-            }
-        }
-        let vocab_size = match h.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
-            Some(tokens) => tokens.len(),
-            None => h
-                .tensor("token_embd.weight")
-                .map(|t| t.shape[0])
-                .ok_or_else(|| FormatError::Missing("tensor token_embd.weight".into()))?,
-        };
-        let n_layers = int("block_count")?;
+        let (arch, rope_style) = architecture(arch_name)?;
+        let meta = ArchMeta { h, arch_name };
+        let hidden = meta.int("embedding_length")?;
+        let n_heads = meta.int("attention.head_count")?;
+        let n_kv_heads = meta.int("attention.head_count_kv").unwrap_or(n_heads);
+        let head_dim = meta.int("attention.key_length").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
+        meta.check_full_rotary(head_dim)?;
+        let vocab_size = vocab_size(h)?;
+        let n_layers = meta.int("block_count")?;
         let gemma3 = match arch {
-            Architecture::Gemma3 => {
-                // Linear scaling of the global layers' positions (the larger Gemma 3
-                // models); the 270M file has none.
-                let rope_scale_global = match h.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-                    None | Some("none") => 1.0,
-                    Some("linear") => 1.0 / float("rope.scaling.factor", 1.0),
-                    Some(other) => {
-                        return Err(FormatError::Invalid(format!("gemma3: unsupported rope scaling `{other}`")))
-                    }
-                };
-                // As llama.cpp (after gemma_pytorch): the 27B model (62 layers) scales
-                // queries by 1/sqrt(hidden / heads), every other size by
-                // 1/sqrt(head_dim).
-                let query_dim = if n_layers == 62 { hidden / n_heads.max(1) } else { head_dim };
-                // As llama.cpp: without a sliding window every layer is global.
-                let window = int("attention.sliding_window").ok().filter(|&w| w > 0);
-                let softcap = h.get(&key("final_logit_softcapping")).and_then(|v| v.as_f64()).filter(|&c| c != 0.0);
-                Some(Gemma3Config {
-                    sliding_window: window.unwrap_or(usize::MAX),
-                    global_every: if window.is_some() { 6 } else { 1 },
-                    final_logit_softcap: softcap.map(|c| c as f32),
-                    // llama.cpp's fixed local base, unless the file gives one.
-                    rope_theta_local: float("rope.freq_base_swa", 10000.0),
-                    rope_scale_global,
-                    query_scale: 1.0 / (query_dim as f32).sqrt(),
-                })
-            }
+            Architecture::Gemma3 => Some(meta.gemma3(n_layers, hidden, n_heads, head_dim)?),
             _ => None,
         };
         let moe = match arch {
-            Architecture::Qwen3Moe => Some(MoeConfig {
-                experts: int("expert_count")?,
-                used: int("expert_used_count")?,
-                expert_ffn: int("expert_feed_forward_length")?,
-            }),
+            Architecture::Qwen3Moe => Some(meta.moe()?),
             _ => None,
         };
-        let context_length = int("context_length").unwrap_or(4096);
-        if let Some(kind) = h.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-            // Gemma 3's linear scaling is read above; Llama 3's factors are the
+        let context_length = meta.int("context_length").unwrap_or(4096);
+        meta.check_rope_scaling(arch)?;
+        ModelConfig {
+            arch,
+            n_layers,
+            hidden,
+            // A mixture of experts may have no dense width; its experts' stands in.
+            ffn_hidden: meta.int("feed_forward_length").or_else(|e| moe.as_ref().map(|m| m.expert_ffn).ok_or(e))?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab_size,
+            rms_eps: meta.float("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta: meta.float("rope.freq_base", 10000.0),
+            rope_style,
+            context_length,
+            rope_attn_factor: meta.float("rope.scaling.attn_factor", 1.0),
+            rope_original_context: meta.int("rope.scaling.original_context_length").unwrap_or(context_length),
+            gemma3,
+            moe,
+        }
+        .validate()
+    }
+}
+
+/// The family and RoPE pairing of a GGUF `general.architecture` name.
+fn architecture(arch_name: &str) -> Result<(Architecture, RopeStyle), FormatError> {
+    Ok(match arch_name {
+        "llama" => (Architecture::Llama, RopeStyle::Normal),
+        "qwen2" => (Architecture::Qwen2, RopeStyle::Neox),
+        "qwen3" => (Architecture::Qwen3, RopeStyle::Neox),
+        "qwen3moe" => (Architecture::Qwen3Moe, RopeStyle::Neox),
+        "phi3" => (Architecture::Phi3, RopeStyle::Neox),
+        "gemma3" => (Architecture::Gemma3, RopeStyle::Neox),
+        other => return Err(FormatError::UnsupportedArchitecture(other.to_string())),
+    })
+}
+
+/// The tokenizer's vocabulary size, or the embedding's row count when the file has no
+/// token list.
+fn vocab_size(h: &GgufHeader) -> Result<usize, FormatError> {
+    Ok(match h.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
+        Some(tokens) => tokens.len(),
+        None => h
+            .tensor("token_embd.weight")
+            .map(|t| t.shape[0])
+            .ok_or_else(|| FormatError::Missing("tensor token_embd.weight".into()))?,
+    })
+}
+
+/// The metadata of one GGUF file under its architecture's prefix (`<arch>.<key>`).
+struct ArchMeta<'a> {
+    h: &'a GgufHeader,
+    arch_name: &'a str,
+}
+
+impl ArchMeta<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch_name)
+    }
+
+    /// A required integer; missing (or not an integer) is an error naming the key.
+    fn int(&self, k: &str) -> Result<usize, FormatError> {
+        self.h
+            .get(&self.key(k))
+            .and_then(|v| v.as_u64())
+            .map(|v| v as usize)
+            .ok_or_else(|| FormatError::Missing(format!("metadata {}", self.key(k))))
+    }
+
+    /// A float, `default` when missing.
+    fn float(&self, k: &str, default: f64) -> f32 {
+        self.h.get(&self.key(k)).and_then(|v| v.as_f64()).unwrap_or(default) as f32
+    }
+
+    fn str(&self, k: &str) -> Option<&str> {
+        self.h.get(&self.key(k)).and_then(|v| v.as_str())
+    }
+
+    /// Refuses partial rotary embeddings: RoPE must cover each head's dimensions.
+    fn check_full_rotary(&self, head_dim: usize) -> Result<(), FormatError> {
+        if let Ok(rotated) = self.int("rope.dimension_count") {
+            if rotated != head_dim {
+                return Err(FormatError::Invalid(format!(
+                    "{}: RoPE over {rotated} of each head's {head_dim} dimensions (partial rotary) is not supported",
+                    self.arch_name
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Gemma 3's extra hyper-parameters.
+    fn gemma3(
+        &self,
+        n_layers: usize,
+        hidden: usize,
+        n_heads: usize,
+        head_dim: usize,
+    ) -> Result<Gemma3Config, FormatError> {
+        // Linear scaling of the global layers' positions (the larger Gemma 3
+        // models); the 270M file has none.
+        let rope_scale_global = match self.str("rope.scaling.type") {
+            None | Some("none") => 1.0,
+            Some("linear") => 1.0 / self.float("rope.scaling.factor", 1.0),
+            Some(other) => return Err(FormatError::Invalid(format!("gemma3: unsupported rope scaling `{other}`"))),
+        };
+        // As llama.cpp (after gemma_pytorch): the 27B model (62 layers) scales
+        // queries by 1/sqrt(hidden / heads), every other size by
+        // 1/sqrt(head_dim).
+        let query_dim = if n_layers == 62 { hidden / n_heads.max(1) } else { head_dim };
+        // As llama.cpp: without a sliding window every layer is global.
+        let window = self.int("attention.sliding_window").ok().filter(|&w| w > 0);
+        let softcap = self.h.get(&self.key("final_logit_softcapping")).and_then(|v| v.as_f64()).filter(|&c| c != 0.0);
+        Ok(Gemma3Config {
+            sliding_window: window.unwrap_or(usize::MAX),
+            global_every: if window.is_some() { 6 } else { 1 },
+            final_logit_softcap: softcap.map(|c| c as f32),
+            // llama.cpp's fixed local base, unless the file gives one.
+            rope_theta_local: self.float("rope.freq_base_swa", 10000.0),
+            rope_scale_global,
+            query_scale: 1.0 / (query_dim as f32).sqrt(),
+        })
+    }
+
+    /// Qwen 3 MoE's expert counts, all required.
+    fn moe(&self) -> Result<MoeConfig, FormatError> {
+        Ok(MoeConfig {
+            experts: self.int("expert_count")?,
+            used: self.int("expert_used_count")?,
+            expert_ffn: self.int("expert_feed_forward_length")?,
+        })
+    }
+
+    /// Refuses a RoPE scaling the architecture's forward pass does not apply.
+    fn check_rope_scaling(&self, arch: Architecture) -> Result<(), FormatError> {
+        if let Some(kind) = self.str("rope.scaling.type") {
+            // Gemma 3's linear scaling is read by `gemma3`; Llama 3's factors are the
             // `rope_freqs` tensor and Phi-3.5's the `rope_factors_*` ones.
             let known = match arch {
                 Architecture::Gemma3 => matches!(kind, "none" | "linear"),
@@ -255,28 +332,12 @@ impl ModelConfig {
                 _ => kind == "none",
             };
             if !known {
-                return Err(FormatError::Invalid(format!("{arch_name}: RoPE scaling `{kind}` is not supported")));
+                return Err(FormatError::Invalid(format!(
+                    "{}: RoPE scaling `{kind}` is not supported",
+                    self.arch_name
+                )));
             }
         }
-        ModelConfig {
-            arch,
-            n_layers,
-            hidden,
-            // A mixture of experts may have no dense width; its experts' stands in.
-            ffn_hidden: int("feed_forward_length").or_else(|e| moe.as_ref().map(|m| m.expert_ffn).ok_or(e))?,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            vocab_size,
-            rms_eps: float("attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta: float("rope.freq_base", 10000.0),
-            rope_style,
-            context_length,
-            rope_attn_factor: float("rope.scaling.attn_factor", 1.0),
-            rope_original_context: int("rope.scaling.original_context_length").unwrap_or(context_length),
-            gemma3,
-            moe,
-        }
-        .validate()
+        Ok(())
     }
 }

@@ -85,129 +85,153 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 pub fn dequantize_block(dtype: DType, blk: &[u8], out: &mut [f32]) {
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => unreachable!("{dtype:?} is not block-quantized"),
-        DType::Q8_0 => {
-            let d = f16_at(blk, 0);
-            for (o, &q) in out.iter_mut().zip(&blk[2..34]) {
-                *o = d * (q as i8) as f32;
-            }
-        }
-        DType::Q4_0 | DType::Q4_1 => {
-            let d = f16_at(blk, 0);
-            for j in 0..16 {
-                if dtype == DType::Q4_0 {
-                    let q = blk[2 + j];
-                    out[j] = ((q & 0xF) as i32 - 8) as f32 * d;
-                    out[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
-                } else {
-                    let (m, q) = (f16_at(blk, 2), blk[4 + j]);
-                    out[j] = (q & 0xF) as f32 * d + m;
-                    out[j + 16] = (q >> 4) as f32 * d + m;
-                }
-            }
-        }
-        DType::Q5_0 | DType::Q5_1 => {
-            let d = f16_at(blk, 0);
-            let (m, qh_at) = if dtype == DType::Q5_1 { (Some(f16_at(blk, 2)), 4) } else { (None, 2) };
-            let [x0, x1] = q5_codes(blk, qh_at);
-            for j in 0..16 {
-                match m {
-                    Some(m) => {
-                        out[j] = x0[j] as f32 * d + m;
-                        out[j + 16] = x1[j] as f32 * d + m;
-                    }
-                    None => {
-                        out[j] = (x0[j] as i32 - 16) as f32 * d;
-                        out[j + 16] = (x1[j] as i32 - 16) as f32 * d;
-                    }
-                }
-            }
-        }
-        DType::Q4_K | DType::Q5_K => {
-            let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
-            let sm = k_scale_min(&blk[4..16]);
-            let (qh, qs) =
-                if dtype == DType::Q5_K { (Some(&blk[16..48]), &blk[48..176]) } else { (None, &blk[16..144]) };
-            for c in 0..4 {
-                let ql = &qs[32 * c..32 * c + 32];
-                for half in 0..2 {
-                    let (sc, mn) = sm[2 * c + half];
-                    let (d1, m1) = (d * sc as f32, dmin * mn as f32);
-                    for l in 0..32 {
-                        let mut q = if half == 0 { ql[l] & 0xF } else { ql[l] >> 4 };
-                        if qh.is_some_and(|qh| qh[l] & (1 << (2 * c + half)) != 0) {
-                            q += 16;
-                        }
-                        out[64 * c + 32 * half + l] = d1 * q as f32 - m1;
-                    }
-                }
-            }
-        }
-        DType::Q6_K => {
-            let d = f16_at(blk, 208);
-            for h in 0..2 {
-                let (ql, qh) = (&blk[64 * h..64 * h + 64], &blk[128 + 32 * h..128 + 32 * h + 32]);
-                let sc = |i: usize| (blk[192 + 8 * h + i] as i8) as f32;
-                let y = &mut out[128 * h..128 * h + 128];
-                for l in 0..32 {
-                    let is = l / 16;
-                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                    y[l] = d * sc(is) * q1 as f32;
-                    y[l + 32] = d * sc(is + 2) * q2 as f32;
-                    y[l + 64] = d * sc(is + 4) * q3 as f32;
-                    y[l + 96] = d * sc(is + 6) * q4 as f32;
-                }
-            }
-        }
-        DType::Q3_K => {
-            let (hmask, qs, d) = (&blk[0..32], &blk[32..96], f16_at(blk, 108));
-            let scales = q3k_scales(&blk[96..108]);
-            let (mut is, mut m, mut y) = (0, 1u8, 0);
-            for h in 0..2 {
-                let q = &qs[32 * h..32 * h + 32];
-                for shift in [0, 2, 4, 6] {
-                    for part in 0..2 {
-                        let dl = d * scales[is + part] as f32;
-                        for l in 16 * part..16 * part + 16 {
-                            let lo = ((q[l] >> shift) & 3) as i32;
-                            let sub = if hmask[l] & m != 0 { 0 } else { 4 };
-                            out[y] = dl * (lo - sub) as f32;
-                            y += 1;
-                        }
-                    }
-                    is += 2;
-                    m <<= 1;
-                }
-            }
-        }
-        DType::Q2_K => {
-            let (scales, qs, d, dmin) = (&blk[0..16], &blk[16..80], f16_at(blk, 80), f16_at(blk, 82));
-            let (mut is, mut y) = (0, 0);
-            for h in 0..2 {
-                let q = &qs[32 * h..32 * h + 32];
-                for shift in [0, 2, 4, 6] {
-                    for part in 0..2 {
-                        let sc = scales[is + part];
-                        let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
-                        for &ql in &q[16 * part..16 * part + 16] {
-                            out[y] = dl * ((ql >> shift) & 3) as f32 - ml;
-                            y += 1;
-                        }
-                    }
-                    is += 2;
-                }
-            }
-        }
+        DType::Q8_0 => dequantize_q8_0(blk, out),
+        DType::Q4_0 | DType::Q4_1 => dequantize_q4_0_or_1(dtype, blk, out),
+        DType::Q5_0 | DType::Q5_1 => dequantize_q5_0_or_1(dtype, blk, out),
+        DType::Q4_K | DType::Q5_K => dequantize_q4_k_or_q5_k(dtype, blk, out),
+        DType::Q6_K => dequantize_q6_k(blk, out),
+        DType::Q3_K => dequantize_q3_k(blk, out),
+        DType::Q2_K => dequantize_q2_k(blk, out),
         DType::IQ4_NL => iq4_values(f16_at(blk, 0), &blk[2..18], out),
-        DType::IQ4_XS => {
-            let d = f16_at(blk, 0);
-            for ib in 0..8 {
-                let dl = d * (iq4xs_scale(blk, ib) - 32) as f32;
-                iq4_values(dl, &blk[8 + 16 * ib..8 + 16 * ib + 16], &mut out[32 * ib..32 * ib + 32]);
+        DType::IQ4_XS => dequantize_iq4_xs(blk, out),
+    }
+}
+
+/// Q8_0: signed bytes times one scale.
+fn dequantize_q8_0(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    for (o, &q) in out.iter_mut().zip(&blk[2..34]) {
+        *o = d * (q as i8) as f32;
+    }
+}
+
+/// Q4_0 / Q4_1: nibbles, offset by -8 (Q4_0) or plus a min (Q4_1).
+fn dequantize_q4_0_or_1(dtype: DType, blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    for j in 0..16 {
+        if dtype == DType::Q4_0 {
+            let q = blk[2 + j];
+            out[j] = ((q & 0xF) as i32 - 8) as f32 * d;
+            out[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
+        } else {
+            let (m, q) = (f16_at(blk, 2), blk[4 + j]);
+            out[j] = (q & 0xF) as f32 * d + m;
+            out[j + 16] = (q >> 4) as f32 * d + m;
+        }
+    }
+}
+
+/// Q5_0 / Q5_1: 5-bit codes, offset by -16 (Q5_0) or plus a min (Q5_1).
+fn dequantize_q5_0_or_1(dtype: DType, blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    let (m, qh_at) = if dtype == DType::Q5_1 { (Some(f16_at(blk, 2)), 4) } else { (None, 2) };
+    let [x0, x1] = q5_codes(blk, qh_at);
+    for j in 0..16 {
+        match m {
+            Some(m) => {
+                out[j] = x0[j] as f32 * d + m;
+                out[j + 16] = x1[j] as f32 * d + m;
+            }
+            None => {
+                out[j] = (x0[j] as i32 - 16) as f32 * d;
+                out[j + 16] = (x1[j] as i32 - 16) as f32 * d;
             }
         }
+    }
+}
+
+/// Q4_K / Q5_K: 8 sub-blocks of 32, a 6-bit scale and min each; Q5_K adds a fifth bit
+/// per code.
+fn dequantize_q4_k_or_q5_k(dtype: DType, blk: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+    let sm = k_scale_min(&blk[4..16]);
+    let (qh, qs) = if dtype == DType::Q5_K { (Some(&blk[16..48]), &blk[48..176]) } else { (None, &blk[16..144]) };
+    for c in 0..4 {
+        let ql = &qs[32 * c..32 * c + 32];
+        for half in 0..2 {
+            let (sc, mn) = sm[2 * c + half];
+            let (d1, m1) = (d * sc as f32, dmin * mn as f32);
+            for l in 0..32 {
+                let mut q = if half == 0 { ql[l] & 0xF } else { ql[l] >> 4 };
+                if qh.is_some_and(|qh| qh[l] & (1 << (2 * c + half)) != 0) {
+                    q += 16;
+                }
+                out[64 * c + 32 * half + l] = d1 * q as f32 - m1;
+            }
+        }
+    }
+}
+
+/// Q6_K: 6-bit codes minus 32, a signed 8-bit scale per 16 values.
+fn dequantize_q6_k(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 208);
+    for h in 0..2 {
+        let (ql, qh) = (&blk[64 * h..64 * h + 64], &blk[128 + 32 * h..128 + 32 * h + 32]);
+        let sc = |i: usize| (blk[192 + 8 * h + i] as i8) as f32;
+        let y = &mut out[128 * h..128 * h + 128];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+            let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+            y[l] = d * sc(is) * q1 as f32;
+            y[l + 32] = d * sc(is + 2) * q2 as f32;
+            y[l + 64] = d * sc(is + 4) * q3 as f32;
+            y[l + 96] = d * sc(is + 6) * q4 as f32;
+        }
+    }
+}
+
+/// Q3_K: 2 low bits plus a high-bit mask per code, a 6-bit scale per 16 values.
+fn dequantize_q3_k(blk: &[u8], out: &mut [f32]) {
+    let (hmask, qs, d) = (&blk[0..32], &blk[32..96], f16_at(blk, 108));
+    let scales = q3k_scales(&blk[96..108]);
+    let (mut is, mut m, mut y) = (0, 1u8, 0);
+    for h in 0..2 {
+        let q = &qs[32 * h..32 * h + 32];
+        for shift in [0, 2, 4, 6] {
+            for part in 0..2 {
+                let dl = d * scales[is + part] as f32;
+                for l in 16 * part..16 * part + 16 {
+                    let lo = ((q[l] >> shift) & 3) as i32;
+                    let sub = if hmask[l] & m != 0 { 0 } else { 4 };
+                    out[y] = dl * (lo - sub) as f32;
+                    y += 1;
+                }
+            }
+            is += 2;
+            m <<= 1;
+        }
+    }
+}
+
+/// Q2_K: 2-bit codes, a 4-bit scale and min per 16 values.
+fn dequantize_q2_k(blk: &[u8], out: &mut [f32]) {
+    let (scales, qs, d, dmin) = (&blk[0..16], &blk[16..80], f16_at(blk, 80), f16_at(blk, 82));
+    let (mut is, mut y) = (0, 0);
+    for h in 0..2 {
+        let q = &qs[32 * h..32 * h + 32];
+        for shift in [0, 2, 4, 6] {
+            for part in 0..2 {
+                let sc = scales[is + part];
+                let (dl, ml) = (d * (sc & 0xF) as f32, dmin * (sc >> 4) as f32);
+                for &ql in &q[16 * part..16 * part + 16] {
+                    out[y] = dl * ((ql >> shift) & 3) as f32 - ml;
+                    y += 1;
+                }
+            }
+            is += 2;
+        }
+    }
+}
+
+/// IQ4_XS: IQ4_NL values with a 6-bit scale per sub-block of 32.
+fn dequantize_iq4_xs(blk: &[u8], out: &mut [f32]) {
+    let d = f16_at(blk, 0);
+    for ib in 0..8 {
+        let dl = d * (iq4xs_scale(blk, ib) - 32) as f32;
+        iq4_values(dl, &blk[8 + 16 * ib..8 + 16 * ib + 16], &mut out[32 * ib..32 * ib + 32]);
     }
 }
 

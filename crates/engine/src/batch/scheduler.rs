@@ -75,34 +75,8 @@ impl Engine {
         let ids: Vec<LayerSeq> =
             plan.iter().map(|p| LayerSeq { blocks: table_ids(&self.running[p.seq]), last_chunk: p.logits }).collect();
         let scores: Vec<Mutex<Vec<TokenOut>>> = plan.iter().map(|_| Mutex::default()).collect();
-        let batch: Vec<SeqBatch<'_>> = plan
-            .iter()
-            .zip(&ids)
-            .zip(&scores)
-            .map(|((p, ls), out)| {
-                let s = &self.running[p.seq];
-                let score = s.score_targets(p.n).map(|targets| Scoring {
-                    targets,
-                    top: s.params.prompt_logprobs.unwrap_or(0) as usize,
-                    out,
-                });
-                SeqBatch {
-                    tokens: &s.tokens[s.computed..s.computed + p.n],
-                    start_pos: s.computed,
-                    blocks: &ls.blocks,
-                    logits: p.logits,
-                    score,
-                }
-            })
-            .collect();
-        // A step of one token per sequence, every one sampled, decodes only.
-        let decoding = plan.iter().all(|p| p.n == 1 && p.logits && self.running[p.seq].is_decoding());
-        // A step of prompt chunks only prefills only.
-        let prefilling = plan.iter().all(|p| !self.running[p.seq].is_decoding());
-        let prompt_tokens: usize = plan.iter().map(|p| p.n).sum();
-        // The tokens the step attends over: a decode step's cost grows with them.
-        let context: usize = plan.iter().map(|p| self.running[p.seq].computed).sum();
-        let (started, charged) = (std::time::Instant::now(), self.charged);
+        let batch = seq_batches(&self.running, &plan, &ids, &scores);
+        let timing = self.start_timing(&plan);
         // The scratch leaves `self` for the step so the logits can be sampled in place.
         let mut scratch = std::mem::take(&mut self.scratch);
         let tiers = self.tiers.as_ref();
@@ -129,29 +103,60 @@ impl Engine {
         };
         drop(batch);
         let out = match logits {
-            Some(logits) => {
-                for (p, got) in plan.iter().zip(scores) {
-                    let got = got.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
-                    self.running[p.seq].prompt_scores.extend(got);
-                }
-                let out = self.finish_step(&plan, logits);
-                // A timed engine's step took what its model said, on any clock.
-                let took = match self.compute {
-                    Compute::Model(_) => started.elapsed().as_secs_f64(),
-                    Compute::Timed(_) => self.charged - charged,
-                };
-                self.last_step_s = took;
-                if decoding {
-                    self.decode_steps.record(plan.len(), context, took);
-                } else if prefilling && prompt_tokens > 0 {
-                    self.prefill_steps.record(prompt_tokens, took);
-                }
-                out
-            }
+            Some(logits) => self.finish_pass(&plan, scores, logits, &timing),
             None => Vec::new(),
         };
         self.scratch = scratch;
         out
+    }
+
+    /// What the step's time is recorded against, taken just before its pass.
+    fn start_timing(&self, plan: &[Planned]) -> StepTiming {
+        StepTiming {
+            // A step of one token per sequence, every one sampled, decodes only.
+            decoding: plan.iter().all(|p| p.n == 1 && p.logits && self.running[p.seq].is_decoding()),
+            // A step of prompt chunks only prefills only.
+            prefilling: plan.iter().all(|p| !self.running[p.seq].is_decoding()),
+            prompt_tokens: plan.iter().map(|p| p.n).sum(),
+            // The tokens the step attends over: a decode step's cost grows with them.
+            context: plan.iter().map(|p| self.running[p.seq].computed).sum(),
+            started: std::time::Instant::now(),
+            charged: self.charged,
+        }
+    }
+
+    /// After a pass that ran to the end: keeps the prompt scores, samples the
+    /// logits and records how long the step took.
+    fn finish_pass(
+        &mut self,
+        plan: &[Planned],
+        scores: Vec<Mutex<Vec<TokenOut>>>,
+        logits: Logits<'_>,
+        timing: &StepTiming,
+    ) -> Vec<StepOutput> {
+        for (p, got) in plan.iter().zip(scores) {
+            let got = got.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.running[p.seq].prompt_scores.extend(got);
+        }
+        let out = self.finish_step(plan, logits);
+        self.record_step(plan.len(), timing);
+        out
+    }
+
+    /// Records how long the step took: the sequences' clocks advance by it, and a
+    /// decode-only or prefill-only step feeds its fit.
+    fn record_step(&mut self, seqs: usize, timing: &StepTiming) {
+        // A timed engine's step took what its model said, on any clock.
+        let took = match self.compute {
+            Compute::Model(_) => timing.started.elapsed().as_secs_f64(),
+            Compute::Timed(_) => self.charged - timing.charged,
+        };
+        self.last_step_s = took;
+        if timing.decoding {
+            self.decode_steps.record(seqs, timing.context, took);
+        } else if timing.prefilling && timing.prompt_tokens > 0 {
+            self.prefill_steps.record(timing.prompt_tokens, took);
+        }
     }
 
     fn schedule(&mut self) -> Vec<Planned> {
@@ -440,6 +445,47 @@ impl Engine {
         });
         results.into_iter().flatten().collect()
     }
+}
+
+/// The forward pass's view of each planned sequence: the tokens it computes, where
+/// its K/V go and what it scores.
+fn seq_batches<'a>(
+    running: &'a [Sequence],
+    plan: &[Planned],
+    ids: &'a [LayerSeq],
+    scores: &'a [Mutex<Vec<TokenOut>>],
+) -> Vec<SeqBatch<'a>> {
+    plan.iter()
+        .zip(ids)
+        .zip(scores)
+        .map(|((p, ls), out)| {
+            let s = &running[p.seq];
+            let score = s.score_targets(p.n).map(|targets| Scoring {
+                targets,
+                top: s.params.prompt_logprobs.unwrap_or(0) as usize,
+                out,
+            });
+            SeqBatch {
+                tokens: &s.tokens[s.computed..s.computed + p.n],
+                start_pos: s.computed,
+                blocks: &ls.blocks,
+                logits: p.logits,
+                score,
+            }
+        })
+        .collect()
+}
+
+/// The kind of a step and when it started: decode-only and prefill-only steps are
+/// timed into their fits.
+struct StepTiming {
+    decoding: bool,
+    prefilling: bool,
+    prompt_tokens: usize,
+    context: usize,
+    started: std::time::Instant,
+    /// `charged` before the step (a timed engine's step took the difference).
+    charged: f64,
 }
 
 /// What a step computed to sample from.

@@ -12,7 +12,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::grammar::{GrammarError, Grammars, MaskClock};
+use pdserve_engine::grammar::{Constraint, GrammarError, Grammars, MaskClock};
 use pdserve_engine::loader;
 use pdserve_types::rng::Rng;
 use pdserve_types::{Grammar, GrammarSpec};
@@ -131,64 +131,15 @@ impl Draws {
     fn schema(&mut self, depth: usize, defs: usize) -> Value {
         let choice = if depth == 0 { self.below(4) } else { self.below(13) };
         let mut s = match choice {
-            0 => {
-                let mut s = json!({"type": "string"});
-                if self.chance(30) {
-                    s["minLength"] = json!(self.count());
-                }
-                if self.chance(30) {
-                    s["maxLength"] = json!(self.count());
-                }
-                if self.chance(25) {
-                    s["pattern"] = json!(self.regex(3));
-                }
-                if self.chance(15) {
-                    s["format"] = json!(self.pick(&["date-time", "email", "uuid", "date", "ipv4", "no-such-format"]));
-                }
-                s
-            }
-            1 => {
-                let mut s = json!({"type": self.pick(&["integer", "number"])});
-                for k in ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"] {
-                    if self.chance(20) {
-                        s[k] = self.pick(&[json!(0), json!(-5), json!(10), json!(0.5), json!(1e300), json!(-1)]);
-                    }
-                }
-                s
-            }
+            0 => self.string_schema(),
+            1 => self.number_schema(),
             2 => json!({"type": self.pick(&["boolean", "null", "nonsense"])}),
             3 => {
                 let n = self.below(5);
                 json!({"enum": (0..n).map(|_| self.scalar()).collect::<Vec<_>>()})
             }
-            4 | 5 => {
-                let n = self.below(5);
-                let props: Map<String, Value> =
-                    (0..n).map(|i| (format!("{}{i}", self.text()), self.schema(depth - 1, defs))).collect();
-                let mut required: Vec<Value> = props.keys().filter(|_| self.chance(50)).map(|k| json!(k)).collect();
-                if self.chance(10) {
-                    required.push(json!("not-a-property"));
-                }
-                let extra = match self.below(3) {
-                    0 => json!(false),
-                    1 => json!(true),
-                    _ => self.schema(depth - 1, defs),
-                };
-                json!({"type": "object", "properties": props, "required": required, "additionalProperties": extra})
-            }
-            6 | 7 => {
-                let mut s = json!({"type": "array", "items": self.schema(depth - 1, defs)});
-                if self.chance(40) {
-                    s["minItems"] = json!(self.count());
-                }
-                if self.chance(40) {
-                    s["maxItems"] = json!(self.count());
-                }
-                if self.chance(10) {
-                    s["prefixItems"] = json!([self.schema(depth - 1, defs)]);
-                }
-                s
-            }
+            4 | 5 => self.object_schema(depth, defs),
+            6 | 7 => self.array_schema(depth, defs),
             8 => {
                 let k = self.pick(&["anyOf", "oneOf", "allOf"]);
                 let n = self.below(4);
@@ -203,6 +154,68 @@ impl Draws {
             if let Value::Object(o) = &mut s {
                 o.insert(self.text(), self.scalar());
             }
+        }
+        s
+    }
+
+    /// A string schema, with length bounds, a pattern or a format now and then.
+    fn string_schema(&mut self) -> Value {
+        let mut s = json!({"type": "string"});
+        if self.chance(30) {
+            s["minLength"] = json!(self.count());
+        }
+        if self.chance(30) {
+            s["maxLength"] = json!(self.count());
+        }
+        if self.chance(25) {
+            s["pattern"] = json!(self.regex(3));
+        }
+        if self.chance(15) {
+            s["format"] = json!(self.pick(&["date-time", "email", "uuid", "date", "ipv4", "no-such-format"]));
+        }
+        s
+    }
+
+    /// An integer or number schema, with bounds (some absurd) now and then.
+    fn number_schema(&mut self) -> Value {
+        let mut s = json!({"type": self.pick(&["integer", "number"])});
+        for k in ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"] {
+            if self.chance(20) {
+                s[k] = self.pick(&[json!(0), json!(-5), json!(10), json!(0.5), json!(1e300), json!(-1)]);
+            }
+        }
+        s
+    }
+
+    /// An object of drawn properties, some required (now and then one that is not a
+    /// property), and any, no or drawn additional properties.
+    fn object_schema(&mut self, depth: usize, defs: usize) -> Value {
+        let n = self.below(5);
+        let props: Map<String, Value> =
+            (0..n).map(|i| (format!("{}{i}", self.text()), self.schema(depth - 1, defs))).collect();
+        let mut required: Vec<Value> = props.keys().filter(|_| self.chance(50)).map(|k| json!(k)).collect();
+        if self.chance(10) {
+            required.push(json!("not-a-property"));
+        }
+        let extra = match self.below(3) {
+            0 => json!(false),
+            1 => json!(true),
+            _ => self.schema(depth - 1, defs),
+        };
+        json!({"type": "object", "properties": props, "required": required, "additionalProperties": extra})
+    }
+
+    /// An array of drawn items, with item counts and prefix items now and then.
+    fn array_schema(&mut self, depth: usize, defs: usize) -> Value {
+        let mut s = json!({"type": "array", "items": self.schema(depth - 1, defs)});
+        if self.chance(40) {
+            s["minItems"] = json!(self.count());
+        }
+        if self.chance(40) {
+            s["maxItems"] = json!(self.count());
+        }
+        if self.chance(10) {
+            s["prefixItems"] = json!([self.schema(depth - 1, defs)]);
         }
         s
     }
@@ -348,6 +361,42 @@ fn watchdog(current: Arc<Mutex<(Instant, String)>>, done: Arc<AtomicUsize>) {
     });
 }
 
+/// What became of one drawn grammar: compiled (and a few allowed tokens taken),
+/// refused by the bounds, or refused; anything else fails the test.
+fn outcome(grammars: &Grammars, clock: &Arc<MaskClock>, d: &mut Draws, spec: &GrammarSpec, name: &str) -> &'static str {
+    match grammars.prepare(spec) {
+        Ok(()) => {
+            let c = grammars
+                .constraint(&Grammar::new(spec.clone()), &[], clock.clone())
+                .unwrap_or_else(|e| panic!("compiled, yet no constraint ({e}): {name}"));
+            take_allowed_tokens(c, d, name);
+            "compiled"
+        }
+        Err(GrammarError::Invalid(why)) => {
+            assert!(!why.trim().is_empty(), "refused without a reason: {name}");
+            if why.contains("over the limit") {
+                "refused by the bounds"
+            } else {
+                "refused"
+            }
+        }
+        Err(e) => panic!("neither compiled nor refused as invalid ({e:?}): {name}"),
+    }
+}
+
+/// Takes up to [`STEPS`] tokens, each drawn from what the mask allows; the
+/// constraint must accept every one.
+fn take_allowed_tokens(mut c: Constraint, d: &mut Draws, name: &str) {
+    for _ in 0..STEPS {
+        let Some(mask) = c.allowed() else { break };
+        let allowed: Vec<u32> =
+            (0..mask.len() as u32 * 32).filter(|&t| mask[(t / 32) as usize] >> (t % 32) & 1 == 1).collect();
+        assert!(!allowed.is_empty(), "an empty mask: {name}");
+        let token = allowed[d.below(allowed.len())];
+        assert_eq!(c.broken(token), None, "token {token} allowed but refused: {name}");
+    }
+}
+
 #[test]
 fn random_grammars_compile_or_are_refused_and_nothing_panics() {
     let panics = count_panics();
@@ -372,32 +421,7 @@ fn random_grammars_compile_or_are_refused_and_nothing_panics() {
             let name = format!("{kind} case {case}: {spec:?}");
             *current.lock().unwrap() = (Instant::now(), name.clone());
             let t0 = Instant::now();
-            let outcome = match grammars.prepare(&spec) {
-                Ok(()) => {
-                    let mut c = grammars
-                        .constraint(&Grammar::new(spec.clone()), &[], clock.clone())
-                        .unwrap_or_else(|e| panic!("compiled, yet no constraint ({e}): {name}"));
-                    for _ in 0..STEPS {
-                        let Some(mask) = c.allowed() else { break };
-                        let allowed: Vec<u32> = (0..mask.len() as u32 * 32)
-                            .filter(|&t| mask[(t / 32) as usize] >> (t % 32) & 1 == 1)
-                            .collect();
-                        assert!(!allowed.is_empty(), "an empty mask: {name}");
-                        let token = allowed[d.below(allowed.len())];
-                        assert_eq!(c.broken(token), None, "token {token} allowed but refused: {name}");
-                    }
-                    "compiled"
-                }
-                Err(GrammarError::Invalid(why)) => {
-                    assert!(!why.trim().is_empty(), "refused without a reason: {name}");
-                    if why.contains("over the limit") {
-                        "refused by the bounds"
-                    } else {
-                        "refused"
-                    }
-                }
-                Err(e) => panic!("neither compiled nor refused as invalid ({e:?}): {name}"),
-            };
+            let outcome = outcome(&grammars, &clock, &mut d, &spec, &name);
             *outcomes.entry((kind, outcome)).or_default() += 1;
             if t0.elapsed() > slowest.0 {
                 slowest = (t0.elapsed(), name[..name.len().min(300)].to_string());

@@ -102,60 +102,19 @@ fn random_traffic_with_cancels_keeps_block_accounting_exact() {
 fn random_traffic(seed: u64) {
     const NUM_BLOCKS: usize = 16;
     let mut rng = Prng::new(seed);
-    let mut reqs: BTreeMap<u64, Req> = BTreeMap::new();
-    for id in 0..22u64 {
-        let len = rng.range(5, 150) as usize;
-        let max_tokens = rng.range(1, 24) as u32;
-        let temperature = if rng.chance(50) { 0.0 } else { 0.8 };
-        let params = SamplingParams {
-            max_tokens,
-            temperature,
-            seed: Some(id),
-            ignore_eos: true,
-            logprobs: true,
-            ..Default::default()
-        };
-        reqs.insert(id, Req { prompt: random_prompt(&mut rng, len), params: params.validate().unwrap() });
-    }
+    let reqs = random_requests(&mut rng);
     let mut e = engine(NUM_BLOCKS, 32, 8);
-    let mut out: BTreeMap<u64, Vec<StepOutput>> = BTreeMap::new();
-    let (mut cancelled, mut finished) = (BTreeSet::new(), BTreeSet::new());
-    let mut next = 0u64;
-    let (mut steps, mut preemptions) = (0, 0);
-    while next < reqs.len() as u64 || e.has_work() {
-        // Arrivals: a few at a time.
-        while next < reqs.len() as u64 && (e.stats().waiting < 2 || rng.chance(20)) {
-            let r = &reqs[&next];
-            e.add(RequestId(next), r.prompt.clone(), r.params.clone()).unwrap();
-            next += 1;
-        }
-        // Cancels of live requests, whatever their state.
-        if rng.chance(4) {
-            let live: Vec<u64> = (0..next).filter(|id| !cancelled.contains(id) && !finished.contains(id)).collect();
-            if !live.is_empty() {
-                let id = live[rng.range(0, live.len() as u64 - 1) as usize];
-                assert!(e.cancel(RequestId(id)));
-                assert!(!e.cancel(RequestId(id)));
-                cancelled.insert(id);
-            }
-        }
-        let waiting_before = e.stats().waiting;
-        let step = e.step();
-        // Admission only shrinks the queue; it grows when a running sequence is preempted.
-        if e.stats().waiting > waiting_before {
-            preemptions += 1;
-        }
-        for o in step {
-            assert!(!cancelled.contains(&o.id.0) && !finished.contains(&o.id.0), "output after the end: {o:?}");
-            if o.finish.is_some() {
-                finished.insert(o.id.0);
-            }
-            out.entry(o.id.0).or_default().push(o);
-        }
+    let mut t = Traffic::default();
+    let mut steps = 0;
+    while t.next < reqs.len() as u64 || e.has_work() {
+        t.arrive(&mut e, &reqs, &mut rng);
+        t.cancel_now_and_then(&mut e, &mut rng);
+        t.step(&mut e);
         check_pool(e.stats().blocks, NUM_BLOCKS);
         steps += 1;
         assert!(steps < 20_000, "the engine does not make progress: {:?}", e.stats());
     }
+    let Traffic { out, cancelled, finished, preemptions, .. } = t;
     let s = e.stats();
     assert_eq!((s.waiting, s.running, s.blocks.used), (0, 0, 0), "{s:?}");
     assert!(preemptions > 0, "the tiny cache never forced a preemption");
@@ -169,6 +128,83 @@ fn random_traffic(seed: u64) {
         assert_eq!(got.last().unwrap().finish, Some(FinishReason::Length));
         assert!(got[..got.len() - 1].iter().all(|o| o.finish.is_none()));
         assert_eq!(sampled(got), sampled(&alone(&r.prompt, &r.params)), "request {id}");
+    }
+}
+
+/// The 22 requests of [`random_traffic`]: prompts of 5 to 150 tokens, 1 to 24 tokens
+/// to generate, greedy or sampled.
+fn random_requests(rng: &mut Prng) -> BTreeMap<u64, Req> {
+    let mut reqs: BTreeMap<u64, Req> = BTreeMap::new();
+    for id in 0..22u64 {
+        let len = rng.range(5, 150) as usize;
+        let max_tokens = rng.range(1, 24) as u32;
+        let temperature = if rng.chance(50) { 0.0 } else { 0.8 };
+        let params = SamplingParams {
+            max_tokens,
+            temperature,
+            seed: Some(id),
+            ignore_eos: true,
+            logprobs: true,
+            ..Default::default()
+        };
+        reqs.insert(id, Req { prompt: random_prompt(rng, len), params: params.validate().unwrap() });
+    }
+    reqs
+}
+
+/// What [`random_traffic`] has seen so far.
+#[derive(Default)]
+struct Traffic {
+    /// Outputs by request id.
+    out: BTreeMap<u64, Vec<StepOutput>>,
+    cancelled: BTreeSet<u64>,
+    finished: BTreeSet<u64>,
+    /// The next request to arrive.
+    next: u64,
+    preemptions: usize,
+}
+
+impl Traffic {
+    /// Arrivals: a few at a time.
+    fn arrive(&mut self, e: &mut Engine, reqs: &BTreeMap<u64, Req>, rng: &mut Prng) {
+        while self.next < reqs.len() as u64 && (e.stats().waiting < 2 || rng.chance(20)) {
+            let r = &reqs[&self.next];
+            e.add(RequestId(self.next), r.prompt.clone(), r.params.clone()).unwrap();
+            self.next += 1;
+        }
+    }
+
+    /// Cancels of live requests, whatever their state.
+    fn cancel_now_and_then(&mut self, e: &mut Engine, rng: &mut Prng) {
+        let Traffic { cancelled, finished, next, .. } = self;
+        if rng.chance(4) {
+            let live: Vec<u64> = (0..*next).filter(|id| !cancelled.contains(id) && !finished.contains(id)).collect();
+            if !live.is_empty() {
+                let id = live[rng.range(0, live.len() as u64 - 1) as usize];
+                assert!(e.cancel(RequestId(id)));
+                assert!(!e.cancel(RequestId(id)));
+                cancelled.insert(id);
+            }
+        }
+    }
+
+    /// One step: counts a preemption and keeps the outputs, none of them after its
+    /// request's end.
+    fn step(&mut self, e: &mut Engine) {
+        let Traffic { out, cancelled, finished, preemptions, .. } = self;
+        let waiting_before = e.stats().waiting;
+        let step = e.step();
+        // Admission only shrinks the queue; it grows when a running sequence is preempted.
+        if e.stats().waiting > waiting_before {
+            *preemptions += 1;
+        }
+        for o in step {
+            assert!(!cancelled.contains(&o.id.0) && !finished.contains(&o.id.0), "output after the end: {o:?}");
+            if o.finish.is_some() {
+                finished.insert(o.id.0);
+            }
+            out.entry(o.id.0).or_default().push(o);
+        }
     }
 }
 

@@ -7,10 +7,10 @@
 //! it ends with [`TransferError::Disconnected`]. So does a record that fails the
 //! session's MAC (TCP): nothing it carried is delivered.
 
-use crate::auth::{Session, MAC_BYTES};
+use crate::auth::{Session, SessionMac, MAC_BYTES};
 use crate::frame::{self, Frame};
 use crate::inbox::Feed;
-use crate::records::{self, to_receiver, to_sender, Body, Status};
+use crate::records::{self, to_receiver, to_sender, Body, Record, Status};
 use crate::shm::Mapping;
 use crate::{HandoffId, HandoffToken, Inboxes, TransferError};
 use std::collections::HashMap;
@@ -68,60 +68,80 @@ where
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),
         };
-        let b = &body[..rec.len];
-        let step = match (rec.tag, slots) {
-            (to_receiver::FRAME, None) => {
-                conn.frame(rec.handoff, b, false).await;
-                Ok(())
-            }
-            (to_receiver::SLOT, Some(map)) => conn.slot(rec.handoff, Body(b), map).await,
-            (to_receiver::END, _) => match Body(b).u32() {
-                Ok(sent) => {
-                    conn.end(rec.handoff, sent).await;
-                    Ok(())
-                }
-                Err(e) => Err(e),
-            },
-            (to_receiver::ABORT, _) => {
-                conn.abort(rec.handoff).await;
-                Ok(())
-            }
-            (to_receiver::OPEN, _) => conn.open(rec.handoff, b).await,
-            (tag, _) => Err(records::invalid(format!("unexpected record {tag}"))),
-        };
-        if let Err(e) = step {
+        if let Err(e) = conn.record(&rec, &body[..rec.len], slots).await {
             break Err(e);
         }
         let idle = r.buffer().is_empty();
         if idle {
             conn.deliver().await;
         }
-        if (idle && conn.urgent) || conn.wake || conn.out.len() >= FLUSH_BYTES {
-            if let Some(mac) = &mut sealing {
-                records::seal(&mut conn.out, mac);
-            }
-            if let Err(e) = w.write_all(&conn.out).await {
-                break Err(e);
-            }
-            conn.out.clear();
-            conn.urgent = false;
-            conn.wake = false;
+        if let Err(e) = conn.write_due(w, idle, sealing.as_mut()).await {
+            break Err(e);
         }
     };
     let _ = w.flush().await;
-    for (_, route) in conn.routes.drain() {
-        if let Route::Open { feed, .. } = route {
-            let why = match &result {
-                Ok(()) => "the sender closed the connection".to_string(),
-                Err(e) => format!("connection failed: {e}"),
-            };
-            feed.end(Err(TransferError::Disconnected(why)));
-        }
-    }
+    conn.disconnect(&result);
     result
 }
 
 impl Conn<'_> {
+    /// Acts on one record from the sender; an error ends the connection.
+    async fn record(&mut self, rec: &Record, b: &[u8], slots: Option<&Mapping>) -> io::Result<()> {
+        match (rec.tag, slots) {
+            (to_receiver::FRAME, None) => {
+                self.frame(rec.handoff, b, false).await;
+                Ok(())
+            }
+            (to_receiver::SLOT, Some(map)) => self.slot(rec.handoff, Body(b), map).await,
+            (to_receiver::END, _) => match Body(b).u32() {
+                Ok(sent) => {
+                    self.end(rec.handoff, sent).await;
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            },
+            (to_receiver::ABORT, _) => {
+                self.abort(rec.handoff).await;
+                Ok(())
+            }
+            (to_receiver::OPEN, _) => self.open(rec.handoff, b).await,
+            (tag, _) => Err(records::invalid(format!("unexpected record {tag}"))),
+        }
+    }
+
+    /// Writes the buffered answers (sealed, with a session) when they are due: an
+    /// answer once nothing more is buffered to read (`idle`), a wake-up at once, and
+    /// anything at [`FLUSH_BYTES`].
+    async fn write_due<W>(&mut self, w: &mut W, idle: bool, sealing: Option<&mut SessionMac>) -> io::Result<()>
+    where
+        W: AsyncWrite + Unpin,
+    {
+        if (idle && self.urgent) || self.wake || self.out.len() >= FLUSH_BYTES {
+            if let Some(mac) = sealing {
+                records::seal(&mut self.out, mac);
+            }
+            w.write_all(&self.out).await?;
+            self.out.clear();
+            self.urgent = false;
+            self.wake = false;
+        }
+        Ok(())
+    }
+
+    /// The connection ended (`result`): every handoff still open on it ends as
+    /// disconnected.
+    fn disconnect(&mut self, result: &io::Result<()>) {
+        for (_, route) in self.routes.drain() {
+            if let Route::Open { feed, .. } = route {
+                let why = match result {
+                    Ok(()) => "the sender closed the connection".to_string(),
+                    Err(e) => format!("connection failed: {e}"),
+                };
+                feed.end(Err(TransferError::Disconnected(why)));
+            }
+        }
+    }
+
     fn answer(&mut self, tag: u8, id: HandoffId, body: &[u8]) {
         records::put_with_room(&mut self.out, tag, id, body, self.room);
         self.urgent = true;

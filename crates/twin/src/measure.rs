@@ -74,6 +74,57 @@ pub struct Spec {
 /// Times every shape, the links and the overheads.
 pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinError> {
     let c = &spec.model.cfg;
+    let shapes = time_shapes(spec, log);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| TwinError::Invalid(format!("starting a runtime: {e}")))?;
+    let links = time_links(&rt, c.n_kv_heads * BLOCK_SIZE * c.head_dim, log)?;
+    let threads = spec.threads.iter().copied().min().unwrap_or(1);
+    let tiers = time_tiers(&spec.model, threads, log)?;
+    let co = time_co_run(&spec.model, log);
+    let (o, served) = time_overheads(&rt, spec, threads, log)?;
+    let (token_s, host_token_s) = (served.token_s, served.host_token_s);
+    Ok(Profile {
+        schema: profile::SCHEMA,
+        provenance: Provenance::Measured {
+            machine: spec.machine.clone(),
+            date: spec.date.clone(),
+            command: spec.command.clone(),
+        },
+        model: model_shape(spec),
+        shapes,
+        links,
+        switch_s: o.switch_s,
+        admission_s: o.admission_s,
+        token_overhead_s: token_s,
+        host_token_s,
+        co_run_slowdown: co.decode_beside_decode,
+        co_run: Some(co),
+        tiers: Some(tiers),
+    })
+}
+
+/// The model as the profile states it.
+fn model_shape(spec: &Spec) -> ModelShape {
+    let c = &spec.model.cfg;
+    ModelShape {
+        name: spec.name.clone(),
+        vocab_size: c.vocab_size,
+        context_length: c.context_length,
+        n_layers: c.n_layers,
+        // K and V, f16, every layer.
+        kv_bytes_per_token: (2 * 2 * c.n_layers * c.n_kv_heads * c.head_dim) as f64,
+        kv_blocks: spec.kv_blocks,
+        max_batch_tokens: None,
+        max_seqs: None,
+    }
+}
+
+/// Every shape's prefill and decode points, timed in turn, and its step fitted to
+/// them.
+fn time_shapes(spec: &Spec, log: &mut dyn FnMut(&str)) -> Vec<Shape> {
     let started = Instant::now();
     let prefill = prefill_points(&spec.model, &spec.threads);
     let decode = decode_points(&spec.model, &spec.threads);
@@ -96,31 +147,53 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
         }
         shapes.push(Shape { threads: t, step, points });
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| TwinError::Invalid(format!("starting a runtime: {e}")))?;
-    let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
+    shapes
+}
+
+/// Each transport's latency and rate, for frames of `frame_elems` values.
+fn time_links(
+    rt: &tokio::runtime::Runtime,
+    frame_elems: usize,
+    log: &mut dyn FnMut(&str),
+) -> Result<Vec<Link>, TwinError> {
     let mut links = Vec::new();
     for kind in [TransportKind::Inproc, TransportKind::Tcp, TransportKind::Shm] {
         let link = rt.block_on(time_link(kind, frame_elems))?;
         log(&format!("{}: {:.0} µs, {:.2} GB/s", link.transport, link.latency_s * 1e6, link.bytes_per_s / 1e9));
         links.push(link);
     }
-    let threads = spec.threads.iter().copied().min().unwrap_or(1);
-    let tiers = tier_restore(&spec.model, threads)?;
+    Ok(links)
+}
+
+/// [`tier_restore`], reported.
+fn time_tiers(model: &Arc<Model>, threads: usize, log: &mut dyn FnMut(&str)) -> Result<RestoreCost, TwinError> {
+    let tiers = tier_restore(model, threads)?;
     log(&format!(
         "a block back from host RAM {:.0} µs, from disk {:.0} µs",
         tiers.host_block_s * 1e6,
         tiers.disk_block_s * 1e6
     ));
-    let co = co_run(&spec.model);
+    Ok(tiers)
+}
+
+/// [`co_run`], reported.
+fn time_co_run(model: &Arc<Model>, log: &mut dyn FnMut(&str)) -> CoRun {
+    let co = co_run(model);
     log(&format!(
         "two one-thread workers at once: a decode step {:.2}× as long beside a decode, {:.2}× beside a prefill; \
          a prompt chunk {:.2}× and {:.2}×",
         co.decode_beside_decode, co.decode_beside_prefill, co.prefill_beside_decode, co.prefill_beside_prefill
     ));
+    co
+}
+
+/// A worker's [`overheads`] and the [`served`] streams' cost per token, reported.
+fn time_overheads(
+    rt: &tokio::runtime::Runtime,
+    spec: &Spec,
+    threads: usize,
+    log: &mut dyn FnMut(&str),
+) -> Result<(Overheads, Served), TwinError> {
     let o = rt.block_on(overheads(&spec.model, threads))?;
     let served = rt.block_on(served(spec, threads))?;
     let (token_s, host_token_s) = (served.token_s, served.host_token_s);
@@ -134,34 +207,7 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
         token_s * 1e6,
         host_token_s * 1e6
     ));
-    Ok(Profile {
-        schema: profile::SCHEMA,
-        provenance: Provenance::Measured {
-            machine: spec.machine.clone(),
-            date: spec.date.clone(),
-            command: spec.command.clone(),
-        },
-        model: ModelShape {
-            name: spec.name.clone(),
-            vocab_size: c.vocab_size,
-            context_length: c.context_length,
-            n_layers: c.n_layers,
-            // K and V, f16, every layer.
-            kv_bytes_per_token: (2 * 2 * c.n_layers * c.n_kv_heads * c.head_dim) as f64,
-            kv_blocks: spec.kv_blocks,
-            max_batch_tokens: None,
-            max_seqs: None,
-        },
-        shapes,
-        links,
-        switch_s: o.switch_s,
-        admission_s: o.admission_s,
-        token_overhead_s: token_s,
-        host_token_s,
-        co_run_slowdown: co.decode_beside_decode,
-        co_run: Some(co),
-        tiers: Some(tiers),
-    })
+    Ok((o, served))
 }
 
 /// Seconds to copy one block back into the pool from the host tier and from the

@@ -20,7 +20,7 @@ use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::Clock;
 use pdserve_kv_transfer::TransportKind;
-use pdserve_protocol::{Event, Generate, GenerateRequest, Phase, PrefillRoute, Telemetry, Worker};
+use pdserve_protocol::{Event, Generate, GenerateRequest, Phase, PrefillRoute, Telemetry, TokenStream, Worker};
 use pdserve_router::planner::{model, Actuator, Applied, Direct, Made, Planner, PlannerConfig};
 use pdserve_router::{Admission, Deadlines, Entry, Migrating, Mode, PolicyKind, Router};
 use pdserve_types::{RequestId, Role, SamplingParams};
@@ -300,21 +300,12 @@ impl Server for SimServer {
         let id = self.next_id.get();
         self.next_id.set(id + 1);
         tokio::time::sleep(self.admission).await;
-        let n = spec.output_len;
-        let req = GenerateRequest {
-            id: RequestId(id),
-            tag: format!("sim-{id}").as_str().into(),
-            prompt: spec.prompt.ids(),
-            // What `bench load` asks for: exactly n tokens.
-            params: SamplingParams { max_tokens: n, min_tokens: n, ignore_eos: true, ..SamplingParams::default() },
-            fence: None,
-            trace: Default::default(),
-        };
+        let req = sim_request(id, spec);
         let mut rec = RequestRecord {
             index: spec.index,
             start_s,
             scheduled_s,
-            requested_output_tokens: n,
+            requested_output_tokens: spec.output_len,
             input_tokens: spec.prompt.len() as u64,
             ..RequestRecord::default()
         };
@@ -329,27 +320,7 @@ impl Server for SimServer {
             }
         };
         let mut chunks = Vec::new();
-        let read = async {
-            while let Some(ev) = stream.next().await {
-                match ev {
-                    Event::Token(t) => {
-                        chunks.push(sent.elapsed().as_secs_f64());
-                        rec.reply_ids.push(t.token);
-                    }
-                    Event::Prompt(_) => {}
-                    Event::Done { usage, .. } => {
-                        rec.ok = true;
-                        rec.output_tokens = usage.completion_tokens as u64;
-                        break;
-                    }
-                    Event::Failed(e) => {
-                        rec.error = Some(e.to_string());
-                        break;
-                    }
-                }
-            }
-        };
-        if tokio::time::timeout(self.timeout, read).await.is_err() {
+        if tokio::time::timeout(self.timeout, read_events(&mut stream, sent, &mut rec, &mut chunks)).await.is_err() {
             rec.timed_out = true;
             rec.error = Some(format!("timed out after {:.0} s", self.timeout.as_secs_f64()));
         }
@@ -359,5 +330,43 @@ impl Server for SimServer {
         rec.e2e_s = sent.elapsed().as_secs_f64();
         rec.chunk_times_s = chunks;
         rec.derive()
+    }
+}
+
+/// Request `id` of `spec` as `bench load` sends it: exactly its output length in
+/// tokens.
+fn sim_request(id: u64, spec: &RequestSpec) -> GenerateRequest {
+    let n = spec.output_len;
+    GenerateRequest {
+        id: RequestId(id),
+        tag: format!("sim-{id}").as_str().into(),
+        prompt: spec.prompt.ids(),
+        // What `bench load` asks for: exactly n tokens.
+        params: SamplingParams { max_tokens: n, min_tokens: n, ignore_eos: true, ..SamplingParams::default() },
+        fence: None,
+        trace: Default::default(),
+    }
+}
+
+/// Reads the stream into `rec` until its last event: each token's time since `sent`
+/// into `chunks`, its id into the reply.
+async fn read_events(stream: &mut TokenStream, sent: Instant, rec: &mut RequestRecord, chunks: &mut Vec<f64>) {
+    while let Some(ev) = stream.next().await {
+        match ev {
+            Event::Token(t) => {
+                chunks.push(sent.elapsed().as_secs_f64());
+                rec.reply_ids.push(t.token);
+            }
+            Event::Prompt(_) => {}
+            Event::Done { usage, .. } => {
+                rec.ok = true;
+                rec.output_tokens = usage.completion_tokens as u64;
+                break;
+            }
+            Event::Failed(e) => {
+                rec.error = Some(e.to_string());
+                break;
+            }
+        }
     }
 }

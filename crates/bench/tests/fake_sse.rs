@@ -199,7 +199,34 @@ fn bench_load_end_to_end_writes_json_and_refuses_unreachable_servers() {
     let addr = start_server();
     let dir = std::env::temp_dir().join(format!("pdserve-bench-test-{}", std::process::id()));
     let out = dir.join("load.json");
-    let mut opts = LoadOptions {
+    let mut opts = load_options(addr, &out);
+    let report = run_load(&opts).unwrap();
+    assert_eq!(report.model.as_deref(), Some("test-model"));
+    assert_eq!(report.points.len(), 2);
+    assert_eq!(report.points[1].records.len(), 4);
+    assert_eq!(report.points[1].summary.slo_attainment_pct, 100.0);
+    assert_eq!(report.calibration.len(), 2);
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(v["points"][0]["records"].as_array().unwrap().len(), 2);
+    assert!(v["points"][0]["records"][0]["chunk_times_s"].is_array());
+    // Each point says when it began, so a server's log lines can be placed on its clock.
+    let began = |i: usize| v["points"][i]["started_unix_s"].as_f64().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!(began(0) <= began(1) && began(1) <= now && now - began(0) < 60.0, "{} {} {now}", began(0), began(1));
+
+    a_shifting_workload_reports_each_phase(&opts, &out);
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    opts.url = format!("http://127.0.0.1:{port}");
+    let e = run_load(&opts).unwrap_err().to_string();
+    assert_eq!(e, format!("cannot reach http://127.0.0.1:{port}: connection refused"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `bench load` against the test server's `ok` mode: two closed-loop points of two
+/// requests, calibrated, written to `out`.
+fn load_options(addr: SocketAddr, out: &std::path::Path) -> LoadOptions {
+    LoadOptions {
         url: format!("http://{addr}/ok/v1"),
         allow_remote: false,
         body: BodyOptions {
@@ -217,26 +244,29 @@ fn bench_load_end_to_end_writes_json_and_refuses_unreachable_servers() {
         slo: Slo { ttft_ms: 2000.0, tpot_ms: 500.0 },
         warmup: 1,
         calibrate: true,
-        out: Some(out.clone()),
-    };
-    let report = run_load(&opts).unwrap();
-    assert_eq!(report.model.as_deref(), Some("test-model"));
-    assert_eq!(report.points.len(), 2);
-    assert_eq!(report.points[1].records.len(), 4);
-    assert_eq!(report.points[1].summary.slo_attainment_pct, 100.0);
-    assert_eq!(report.calibration.len(), 2);
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
-    assert_eq!(v["points"][0]["records"].as_array().unwrap().len(), 2);
-    assert!(v["points"][0]["records"][0]["chunk_times_s"].is_array());
-    // Each point says when it began, so a server's log lines can be placed on its clock.
-    let began = |i: usize| v["points"][i]["started_unix_s"].as_f64().unwrap();
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
-    assert!(began(0) <= began(1) && began(1) <= now && now - began(0) < 60.0, "{} {} {now}", began(0), began(1));
+        out: Some(out.to_path_buf()),
+    }
+}
 
-    // A shifting workload: one point whose JSON and table hold each phase.
+/// A shifting workload: one point whose JSON and table hold each phase.
+fn a_shifting_workload_reports_each_phase(opts: &LoadOptions, out: &std::path::Path) {
+    let phased =
+        LoadOptions { workload: two_phases().build().unwrap(), sweep: Sweep::Phases, calibrate: false, ..opts.clone() };
+    let report = run_load(&phased).unwrap();
+    let point = &report.points[0];
+    let n: Vec<usize> = point.phases.iter().map(|p| p.summary.requests).collect();
+    assert!(n.len() == 2 && n[0] > 0 && n[1] > 0 && n[0] + n[1] == point.records.len(), "{n:?}");
+    assert!(point.records.iter().all(|r| r.ok && r.output_tokens == if r.scheduled_s < Some(0.5) { 2 } else { 3 }));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap();
+    assert_eq!(v["points"][0]["phases"][1]["span"]["label"], "b");
+    assert!(pdserve_bench::report::markdown::load_report(&report).contains("| phases › b |"));
+}
+
+/// Phase `a` (2 output tokens) for the first half second, then phase `b` (3).
+fn two_phases() -> pdserve_bench::workload::WorkloadFlags {
     let phase = |s: &str| s.parse::<pdserve_bench::phases::Phase>().unwrap();
     let phases = vec![phase("a:0.5:20:8/2"), phase("b:0.5:20:16/3")];
-    let flags = pdserve_bench::workload::WorkloadFlags {
+    pdserve_bench::workload::WorkloadFlags {
         input: LengthSpec::Fixed(8),
         output: LengthSpec::Fixed(3),
         shared_prefixes: 0,
@@ -251,23 +281,7 @@ fn bench_load_end_to_end_writes_json_and_refuses_unreachable_servers() {
         phases,
         range: TokenRange::default(),
         seed: 3,
-    };
-    let phased =
-        LoadOptions { workload: flags.build().unwrap(), sweep: Sweep::Phases, calibrate: false, ..opts.clone() };
-    let report = run_load(&phased).unwrap();
-    let point = &report.points[0];
-    let n: Vec<usize> = point.phases.iter().map(|p| p.summary.requests).collect();
-    assert!(n.len() == 2 && n[0] > 0 && n[1] > 0 && n[0] + n[1] == point.records.len(), "{n:?}");
-    assert!(point.records.iter().all(|r| r.ok && r.output_tokens == if r.scheduled_s < Some(0.5) { 2 } else { 3 }));
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
-    assert_eq!(v["points"][0]["phases"][1]["span"]["label"], "b");
-    assert!(pdserve_bench::report::markdown::load_report(&report).contains("| phases › b |"));
-
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    opts.url = format!("http://127.0.0.1:{port}");
-    let e = run_load(&opts).unwrap_err().to_string();
-    assert_eq!(e, format!("cannot reach http://127.0.0.1:{port}: connection refused"));
-    std::fs::remove_dir_all(&dir).ok();
+    }
 }
 
 #[test]

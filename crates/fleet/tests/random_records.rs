@@ -277,6 +277,69 @@ impl Draws {
             }
         }
     }
+
+    // ---- River messages and Wind Leaves ----
+
+    /// A `nimsforest` extension object: each field now and then, some in the form the
+    /// ingress reads (reply subjects allowed and reserved), the others any value.
+    fn nimsforest(&mut self, case: usize) -> Map<String, Value> {
+        let mut ext = Map::new();
+        for k in ["request_id", "reply_to", "priority", "deadline_ms", "context"] {
+            if self.chance(50) {
+                let v = match (k, self.below(3)) {
+                    ("request_id", 0) => json!(format!("r-{case}")),
+                    ("reply_to", 0) => json!(self.pick(&[
+                        "infer.result.x",
+                        "forest.replies.y",
+                        "$KV.INFER_LOAD.planner",
+                        "pdserve.traffic",
+                        "elsewhere",
+                        ""
+                    ])),
+                    _ => self.any(2),
+                };
+                ext.insert(k.to_string(), v);
+            }
+        }
+        ext
+    }
+
+    /// A completion or chat request body (or any value), most carrying `ext`, some
+    /// mutated.
+    fn request_body(&mut self, ext: &Map<String, Value>) -> Value {
+        let mut body = match self.below(3) {
+            0 => json!({"prompt": self.any(1)}),
+            1 => json!({"messages": [{"role": "user", "content": self.any(1)}]}),
+            _ => self.any(3),
+        };
+        if let (Some(o), true) = (body.as_object_mut(), self.chance(70)) {
+            o.insert("nimsforest".into(), Value::Object(ext.clone()));
+        }
+        if self.chance(20) {
+            self.mutate(body)
+        } else {
+            body
+        }
+    }
+
+    /// The River message's bytes: `body` bare, with headers, or base64 in an envelope;
+    /// now and then broken.
+    fn river_input(&mut self, ext: &Map<String, Value>, body: &Value) -> Vec<u8> {
+        use base64::Engine as _;
+        let payload = match self.below(3) {
+            0 => body.clone(),
+            1 => json!({"headers": {"X-Request-Id": ext.get("request_id").cloned().unwrap_or(Value::Null)},
+                        "body": body.clone()}),
+            _ => json!({"subject": "river.infer.requests", "ts": "2026-01-15T12:00:00Z",
+                        "data": base64::engine::general_purpose::STANDARD.encode(body.to_string())}),
+        };
+        let bytes = serde_json::to_vec(&payload).unwrap();
+        if self.chance(70) {
+            bytes
+        } else {
+            self.bytes(&bytes)
+        }
+    }
 }
 
 /// One kind of sealed value: its label and how to draw a valid one.
@@ -385,48 +448,14 @@ fn random_plans_records_and_batches_never_panic_and_never_open_unsealed() {
 /// this frontend answers on, never a reserved one.
 #[test]
 fn random_river_and_wind_messages_never_panic_and_reply_only_where_allowed() {
-    use base64::Engine as _;
     let mut d = Draws(Rng::new(0x41_7e_a5));
     let replies = vec![forest::DEFAULT_REPLY_PREFIX.to_string(), "forest.replies.".to_string()];
     let mut parsed = 0;
     const CASES: usize = 2000;
     for case in 0..CASES {
-        let mut ext = Map::new();
-        for k in ["request_id", "reply_to", "priority", "deadline_ms", "context"] {
-            if d.chance(50) {
-                let v = match (k, d.below(3)) {
-                    ("request_id", 0) => json!(format!("r-{case}")),
-                    ("reply_to", 0) => json!(d.pick(&[
-                        "infer.result.x",
-                        "forest.replies.y",
-                        "$KV.INFER_LOAD.planner",
-                        "pdserve.traffic",
-                        "elsewhere",
-                        ""
-                    ])),
-                    _ => d.any(2),
-                };
-                ext.insert(k.to_string(), v);
-            }
-        }
-        let mut body = match d.below(3) {
-            0 => json!({"prompt": d.any(1)}),
-            1 => json!({"messages": [{"role": "user", "content": d.any(1)}]}),
-            _ => d.any(3),
-        };
-        if let (Some(o), true) = (body.as_object_mut(), d.chance(70)) {
-            o.insert("nimsforest".into(), Value::Object(ext.clone()));
-        }
-        let body = if d.chance(20) { d.mutate(body) } else { body };
-        let payload = match d.below(3) {
-            0 => body.clone(),
-            1 => json!({"headers": {"X-Request-Id": ext.get("request_id").cloned().unwrap_or(Value::Null)},
-                        "body": body.clone()}),
-            _ => json!({"subject": "river.infer.requests", "ts": "2026-01-15T12:00:00Z",
-                        "data": base64::engine::general_purpose::STANDARD.encode(body.to_string())}),
-        };
-        let bytes = serde_json::to_vec(&payload).unwrap();
-        let input = if d.chance(70) { bytes } else { d.bytes(&bytes) };
+        let ext = d.nimsforest(case);
+        let body = d.request_body(&ext);
+        let input = d.river_input(&ext, &body);
         let ctx = || format!("case {case}: {}", String::from_utf8_lossy(&input));
         let mut check = |r: Result<forest::ForestRequest, forest::Unusable>| match r {
             Ok(req) => {

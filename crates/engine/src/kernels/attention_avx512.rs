@@ -45,9 +45,6 @@ pub(super) fn attend(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_
 
 /// Vectors `v0..v0 + G` (vector `v` is query token `v / n_rep`, head `v % n_rep`),
 /// head size `16 * C`.
-// Register-blocked loops index several arrays by the same counters; iterators would
-// obscure which registers pair up.
-#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,f16c,fma")]
 unsafe fn group<const C: usize, const G: usize>(
     kv: &LayerKv<'_>,
@@ -71,55 +68,101 @@ unsafe fn group<const C: usize, const G: usize>(
         let (kt, vb) = (&kv.k[start..start + per_head], &kv.v[start..start + per_head]);
         let kt = kt.as_ptr().cast::<u16>();
         let vb = vb.as_ptr().cast::<u16>();
-        // Scores: s[k][j] = q_k · K[:, j].
-        let mut s = [_mm512_setzero_ps(); G];
-        for d in 0..hd {
-            // SAFETY: `kt` holds `hd × 16` values.
-            let kcol = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(kt.add(d * BS).cast())) };
-            for k in 0..G {
-                s[k] = _mm512_fmadd_ps(_mm512_set1_ps(q[k][d]), kcol, s[k]);
-            }
-        }
+        // SAFETY: `kt` holds `hd × 16` values.
+        let s = unsafe { block_scores::<C, G>(kt, &q) };
         let base = bi * BS;
         let mut p = [_mm512_setzero_ps(); G];
         let mut corr = [_mm512_set1_ps(1.0); G];
         for k in 0..G {
             let Some((from, valid)) = qs.visible_in_block(pos[k], base, BS) else { continue };
-            // Bits `from..valid`.
-            let mask = (((1u32 << valid) - 1) & !((1u32 << from) - 1)) as __mmask16;
-            let sk = _mm512_mask_mov_ps(
-                _mm512_set1_ps(f32::NEG_INFINITY),
-                mask,
-                _mm512_mul_ps(s[k], _mm512_set1_ps(qs.scale)),
-            );
-            let m_new = m[k].max(_mm512_reduce_max_ps(sk));
-            let c = super::ops::fast_exp(m[k] - m_new);
-            p[k] = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sk, _mm512_set1_ps(m_new))));
-            l[k] = l[k] * c + _mm512_reduce_add_ps(p[k]);
-            corr[k] = _mm512_set1_ps(c);
-            m[k] = m_new;
+            (p[k], corr[k]) = softmax_step(s[k], from, valid, qs.scale, &mut m[k], &mut l[k]);
         }
+        // SAFETY: `vb` holds `16 × hd` values.
+        unsafe { accumulate_values(&mut acc, &p, &corr, vb) };
+    }
+    store_results(&acc, &l, v0, out);
+}
+
+/// One block's scores, `s[k][j] = q_k · K[:, j]`. `kt` must hold the block's keys of
+/// this head transposed: `16 * C × 16` f16 values.
+// Register-blocked loops index several arrays by the same counters; iterators would
+// obscure which registers pair up.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,f16c,fma")]
+unsafe fn block_scores<const C: usize, const G: usize>(kt: *const u16, q: &[&[f32]; G]) -> [__m512; G] {
+    let hd = 16 * C;
+    // Scores: s[k][j] = q_k · K[:, j].
+    let mut s = [_mm512_setzero_ps(); G];
+    for d in 0..hd {
+        // SAFETY: `kt` holds `hd × 16` values.
+        let kcol = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(kt.add(d * BS).cast())) };
         for k in 0..G {
-            for a in acc[k].iter_mut() {
-                *a = _mm512_mul_ps(*a, corr[k]);
-            }
+            s[k] = _mm512_fmadd_ps(_mm512_set1_ps(q[k][d]), kcol, s[k]);
         }
-        // Values: acc[k] += Σ_j p[k][j] · V[j, :].
-        let mut pj = [[0f32; BS]; G];
-        for k in 0..G {
-            // SAFETY: 16 floats.
-            unsafe { _mm512_storeu_ps(pj[k].as_mut_ptr(), p[k]) };
+    }
+    s
+}
+
+/// One vector's online softmax over a block: its scores `s` scaled and masked to the
+/// slots `from..valid` it sees, its running max `m` and sum `l` moved on. Returns the
+/// block's probabilities and the factor its accumulators are rescaled by.
+#[inline]
+#[target_feature(enable = "avx512f,f16c,fma")]
+fn softmax_step(s: __m512, from: usize, valid: usize, scale: f32, m: &mut f32, l: &mut f32) -> (__m512, __m512) {
+    // Bits `from..valid`.
+    let mask = (((1u32 << valid) - 1) & !((1u32 << from) - 1)) as __mmask16;
+    let sk = _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), mask, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+    let m_new = m.max(_mm512_reduce_max_ps(sk));
+    let c = super::ops::fast_exp(*m - m_new);
+    let p = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(sk, _mm512_set1_ps(m_new))));
+    *l = *l * c + _mm512_reduce_add_ps(p);
+    *m = m_new;
+    (p, _mm512_set1_ps(c))
+}
+
+/// Rescales each vector's accumulators by `corr`, then adds the block's values
+/// weighted by `p`. `vb` must hold the block's values of this head: `16 × 16 * C`
+/// f16 values.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,f16c,fma")]
+unsafe fn accumulate_values<const C: usize, const G: usize>(
+    acc: &mut [[__m512; C]; G],
+    p: &[__m512; G],
+    corr: &[__m512; G],
+    vb: *const u16,
+) {
+    let hd = 16 * C;
+    for k in 0..G {
+        for a in acc[k].iter_mut() {
+            *a = _mm512_mul_ps(*a, corr[k]);
         }
-        for j in 0..BS {
-            for c in 0..C {
-                // SAFETY: `vb` holds `16 × hd` values.
-                let vrow = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(vb.add(j * hd + c * 16).cast())) };
-                for k in 0..G {
-                    acc[k][c] = _mm512_fmadd_ps(_mm512_set1_ps(pj[k][j]), vrow, acc[k][c]);
-                }
+    }
+    // Values: acc[k] += Σ_j p[k][j] · V[j, :].
+    let mut pj = [[0f32; BS]; G];
+    for k in 0..G {
+        // SAFETY: 16 floats.
+        unsafe { _mm512_storeu_ps(pj[k].as_mut_ptr(), p[k]) };
+    }
+    for j in 0..BS {
+        for c in 0..C {
+            // SAFETY: `vb` holds `16 × hd` values.
+            let vrow = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(vb.add(j * hd + c * 16).cast())) };
+            for k in 0..G {
+                acc[k][c] = _mm512_fmadd_ps(_mm512_set1_ps(pj[k][j]), vrow, acc[k][c]);
             }
         }
     }
+}
+
+/// Each vector's result, its accumulators over its softmax sum `l` (zero when it
+/// saw no key), into its place in `out`.
+#[allow(clippy::needless_range_loop)]
+#[inline]
+#[target_feature(enable = "avx512f,f16c,fma")]
+fn store_results<const C: usize, const G: usize>(acc: &[[__m512; C]; G], l: &[f32; G], v0: usize, out: &mut [f32]) {
+    let hd = 16 * C;
     for k in 0..G {
         let inv = _mm512_set1_ps(if l[k] > 0.0 { 1.0 / l[k] } else { 0.0 });
         let o = &mut out[(v0 + k) * hd..(v0 + k + 1) * hd];

@@ -42,7 +42,9 @@ pub fn publish_kv_events(cfg: NatsConfig, id: NodeId, worker: Arc<dyn Worker>) {
         let mut last = Instant::now();
         loop {
             tokio::time::sleep(KV_EVERY).await;
-            let Ok(got) = worker.kv_events(cursor).await else { continue };
+            // A worker that keeps no log publishes nothing.
+            let Some(log) = worker.kv_event_log() else { continue };
+            let Ok(got) = log.kv_events(cursor).await else { continue };
             let from = cursor;
             cursor = got.cursor;
             // A snapshot (the first read, or a log that ran past us) is for routers to

@@ -30,6 +30,11 @@ pub type Reply<'a, T> = Pin<Box<dyn Future<Output = Result<T, ServeError>> + Sen
 
 /// A worker as the router sees it. Local, remote and simulated workers implement it;
 /// the router never asks which one it has.
+///
+/// These are the operations every worker has. What only some workers do is a small
+/// trait of its own ([`PrefixPeer`], [`KvEventLog`], [`RoleSwitch`], [`LinkProbe`]),
+/// found through the accessor of the same name here, `None` where the worker lacks
+/// it; a caller that must have it answers with [`unsupported`].
 pub trait Worker: Send + Sync + 'static {
     /// What the worker said about itself when it joined; fixed for its life.
     fn info(&self) -> &WorkerInfo;
@@ -52,45 +57,9 @@ pub trait Worker: Send + Sync + 'static {
     /// Refused with [`ServeError::StaleEpoch`] unless the worker is at epoch `fence`.
     fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken>;
 
-    /// [`Worker::reserve`] for a fetch of a prefix whose first tokens, `keep` (whole
-    /// blocks), this worker caches itself: their blocks are taken from its cache, and
-    /// the frames fill the blocks after them (a peer's [`Worker::export_prefix`] with
-    /// `skip` = `keep.len()`). Refused with [`ServeError::Overloaded`] when some of
-    /// `keep` is no longer cached here; the caller then reserves it all.
-    fn reserve_after(
-        &self,
-        id: RequestId,
-        prompt_len: usize,
-        keep: Vec<TokenId>,
-        fence: Option<Epoch>,
-    ) -> Reply<'_, HandoffToken> {
-        match keep.is_empty() {
-            true => self.reserve(id, prompt_len, fence),
-            false => {
-                let name = self.info().name.clone();
-                Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} keeps no prefix of its own"))) })
-            }
-        }
-    }
-
     /// Prefills `req` here, sending its KV to `to` layer by layer; resolves once the
     /// receiver holds every frame. Dropping the future stops the prefill.
     fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled>;
-
-    /// [`Worker::prefill`] of a request whose first `imported` prompt tokens' K/V
-    /// came into reservation `req.id` from a peer ([`Worker::export_prefix`]): only
-    /// the rest is computed, and the whole prompt's KV goes to `to`. Any failure,
-    /// a dropped future too, releases the reservation.
-    fn prefill_imported(
-        &self,
-        req: GenerateRequest,
-        _imported: usize,
-        _to: KvDestination,
-    ) -> Reply<'static, Prefilled> {
-        self.release(req.id);
-        let name = self.info().name.clone();
-        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} imports no prefixes"))) })
-    }
 
     /// Decodes a transferred sequence once its last frame has arrived; tokens after
     /// the first go to `events` (a transfer that did not complete fails there).
@@ -103,75 +72,116 @@ pub trait Worker: Send + Sync + 'static {
     /// Block counts and queue sizes.
     fn stats(&self) -> Reply<'_, WorkerStats>;
 
-    /// The worker's prefix-cache events after `after`; when they cannot follow it
-    /// (another instance, or fallen out of the worker's log), a snapshot first.
-    fn kv_events(&self, _after: KvCursor) -> Reply<'_, KvEvents> {
-        let name = self.info().name.clone();
-        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} publishes no KV events"))) })
+    /// Its side of moving cached prefixes between workers, if it has one: the router
+    /// fetches a prefix only where both ends answer `Some`.
+    fn prefix_peer(&self) -> Option<&dyn PrefixPeer> {
+        None
     }
 
+    /// The log of its prefix-cache events, if it keeps one.
+    fn kv_event_log(&self) -> Option<&dyn KvEventLog> {
+        None
+    }
+
+    /// Its role switching, if it can change role while it runs.
+    fn role_switch(&self) -> Option<&dyn RoleSwitch> {
+        None
+    }
+
+    /// Its inboxes for the fleet's link probe, if it takes probes.
+    fn link_probe(&self) -> Option<&dyn LinkProbe> {
+        None
+    }
+}
+
+/// The refusal of an optional operation by `worker`, which lacks the capability for
+/// it, in the words callers have always seen: `worker {name} {lacks}` ("worker d0
+/// cannot change role").
+pub fn unsupported<W: Worker + ?Sized>(worker: &W, lacks: &str) -> ServeError {
+    ServeError::Invalid(format!("worker {} {lacks}", worker.info().name))
+}
+
+/// Prefix peering: a worker that lacks a prefix a peer caches takes its K/V from
+/// the peer instead of computing it. Apart from [`Worker`] because a worker needs
+/// an engine with a prefix cache it can read and fill between steps to take part.
+pub trait PrefixPeer: Send + Sync {
+    /// [`Worker::reserve`] for a fetch of a prefix whose first tokens, `keep` (whole
+    /// blocks), this worker caches itself: their blocks are taken from its cache, and
+    /// the frames fill the blocks after them (a peer's [`PrefixPeer::export_prefix`]
+    /// with `skip` = `keep.len()`). Refused with [`ServeError::Overloaded`] when some
+    /// of `keep` is no longer cached here; the caller then reserves it all.
+    fn reserve_after(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+        keep: Vec<TokenId>,
+        fence: Option<Epoch>,
+    ) -> Reply<'_, HandoffToken>;
+
+    /// [`Worker::prefill`] of a request whose first `imported` prompt tokens' K/V
+    /// came into reservation `req.id` from a peer ([`PrefixPeer::export_prefix`]):
+    /// only the rest is computed, and the whole prompt's KV goes to `to`. Any
+    /// failure, a dropped future too, releases the reservation.
+    fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled>;
+
+    /// Sends the K/V of `tokens`' whole blocks from token `skip` on (the receiver
+    /// keeps those before, [`PrefixPeer::reserve_after`]), as far as this worker
+    /// caches them in a run (any tier; a chained block hash names its whole prefix),
+    /// to the reservation behind `to`, between two engine steps: nothing is computed
+    /// and nothing waits for this worker's queue. Resolves with the tokens sent once
+    /// the receiver holds every frame (0: the block at `skip` is not cached).
+    /// Dropping the future stops the transfer.
+    fn export_prefix(
+        &self,
+        id: RequestId,
+        tokens: Vec<TokenId>,
+        skip: usize,
+        to: KvDestination,
+    ) -> Reply<'static, usize>;
+
+    /// Prefills and decodes `req` here like [`Worker::generate`], its first
+    /// `imported` prompt tokens' K/V taken from the transfer into reservation
+    /// `req.id` (a peer's [`PrefixPeer::export_prefix`]) instead of computed; the
+    /// blocks join this worker's prefix cache. A transfer that did not complete
+    /// fails the stream (the reservation is released).
+    fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError>;
+}
+
+/// A worker's prefix-cache events, for routers that route by what each worker
+/// caches. Apart from [`Worker`] because only a worker that keeps a log of its
+/// cache can tell a reader what changed since it last asked.
+pub trait KvEventLog: Send + Sync {
+    /// The worker's prefix-cache events after `after`; when they cannot follow it
+    /// (another instance, or fallen out of the worker's log), a snapshot first.
+    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents>;
+}
+
+/// Changing role while running, for planners that move workers between prefill and
+/// decode. Apart from [`Worker`] because a worker must fence its work by epoch to
+/// take part.
+pub trait RoleSwitch: Send + Sync {
     /// Takes role `to.role` if `to.epoch` is newer than the worker's, and answers with
     /// the assignment it holds afterwards. Nothing is reloaded and the prefix cache
     /// stays; sequences already running finish here unless moved
-    /// ([`Worker::move_decodes`]). From then on, work fenced with an
+    /// ([`RoleSwitch::move_decodes`]). From then on, work fenced with an
     /// older epoch is refused.
-    fn set_role(&self, _to: Assignment) -> Reply<'_, Assignment> {
-        let name = self.info().name.clone();
-        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} cannot change role"))) })
-    }
+    fn set_role(&self, to: Assignment) -> Reply<'_, Assignment>;
 
     /// Hands back every sequence a worker that no longer decodes still runs (it
     /// switched to prefill): each stream ends with [`ServeError::Moved`] and its
     /// blocks stay in the prefix cache, so the router can prefill the rest here and
     /// ship the KV to a decoder instead of computing it again. Answers with how many
     /// moved; none while the worker's role decodes.
-    fn move_decodes(&self) -> Reply<'_, usize> {
-        let name = self.info().name.clone();
-        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} cannot hand back its decodes"))) })
-    }
+    fn move_decodes(&self) -> Reply<'_, usize>;
+}
 
-    /// Whether [`Worker::export_prefix`], [`Worker::generate_imported`] and
-    /// [`Worker::prefill_imported`] work here:
-    /// the router fetches a prefix between workers only where both ends do.
-    fn fetches_prefixes(&self) -> bool {
-        false
-    }
-
-    /// Sends the K/V of `tokens`' whole blocks from token `skip` on (the receiver
-    /// keeps those before, [`Worker::reserve_after`]), as far as this worker caches
-    /// them in a run (any tier; a chained block hash names its whole prefix), to the
-    /// reservation behind `to`, between two engine steps: nothing is computed and
-    /// nothing waits for this worker's queue. Resolves with the tokens sent once the
-    /// receiver holds every frame (0: the block at `skip` is not cached). Dropping
-    /// the future stops the transfer.
-    fn export_prefix(
-        &self,
-        _id: RequestId,
-        _tokens: Vec<TokenId>,
-        _skip: usize,
-        _to: KvDestination,
-    ) -> Reply<'static, usize> {
-        let name = self.info().name.clone();
-        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} exports no prefixes"))) })
-    }
-
-    /// Prefills and decodes `req` here like [`Worker::generate`], its first
-    /// `imported` prompt tokens' K/V taken from the transfer into reservation
-    /// `req.id` (a peer's [`Worker::export_prefix`]) instead of computed; the
-    /// blocks join this worker's prefix cache. A transfer that did not complete
-    /// fails the stream (the reservation is released).
-    fn generate_imported(&self, req: GenerateRequest, _imported: usize, events: EventSender) -> Result<(), ServeError> {
-        drop((req, events));
-        Err(ServeError::Invalid(format!("worker {} imports no prefixes", self.info().name)))
-    }
-
+/// Timing the link to a worker, for the fleet's link prober. Apart from [`Worker`]
+/// because only a worker with real KV receivers has a link worth timing.
+pub trait LinkProbe: Send + Sync {
     /// Opens an inbox for handoff `id` whose frames are counted and thrown away, so a
-    /// peer can time its link to this worker (the fleet's link probe). Answers with
-    /// the token the sender must present; the inbox closes after a short while.
-    fn probe_inbox(&self, _id: RequestId) -> Reply<'_, HandoffToken> {
-        let name = self.info().name.clone();
-        Box::pin(async move { Err(ServeError::Invalid(format!("worker {name} takes no link probes"))) })
-    }
+    /// peer can time its link to this worker. Answers with the token the sender must
+    /// present; the inbox closes after a short while.
+    fn probe_inbox(&self, id: RequestId) -> Reply<'_, HandoffToken>;
 }
 
 /// Who a worker is.

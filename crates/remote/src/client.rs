@@ -7,12 +7,12 @@
 //! flight. So does a message from the worker that fails its session MAC: the
 //! connection is closed as lost.
 
-use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
+use crate::control::{self, Answer, CallId, Capability, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
 use pdserve_kv_transfer::slots::LogEvery;
 use pdserve_kv_transfer::{auth, ClusterKey, HandoffToken, KvAddr, KvTarget, TransportKind};
 use pdserve_protocol::{
-    pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply,
-    ServeError, Worker, WorkerInfo, WorkerStats,
+    pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvCursor, KvDestination, KvEventLog, KvEvents, LinkProbe,
+    Prefilled, PrefixPeer, Reply, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::{Assignment, Epoch, RequestId};
 use std::collections::HashMap;
@@ -227,6 +227,23 @@ impl RemoteWorker {
         })
     }
 
+    /// A reservation whose first tokens, `keep`, the worker's own cache holds.
+    fn reserve_call(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+        keep: Vec<u32>,
+        fence: Option<Epoch>,
+    ) -> Reply<'_, HandoffToken> {
+        let answer = self.reply_call(Op::Reserve { id, prompt_len, fence, keep }, false);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::Token(t) => Ok(t),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
     /// A prefill whose KV goes to `to`, the first `imported` prompt tokens' K/V
     /// taken from this connection's reservation `req.id`.
     fn prefill_call(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
@@ -246,6 +263,11 @@ impl RemoteWorker {
     /// policies then see the larger of it and this router's own calls in flight.
     pub fn report_load(&self, requests: usize) {
         self.conn.reported.store(requests, Ordering::Relaxed);
+    }
+
+    /// Whether the worker announced `c` at the handshake.
+    fn has(&self, c: Capability) -> bool {
+        self.conn.hello.capabilities.contains(&c)
     }
 }
 
@@ -278,10 +300,51 @@ impl Worker for RemoteWorker {
         Some(KvTarget::Remote(addr))
     }
 
+    /// Any worker takes a reservation that keeps nothing of its own (an empty `keep`).
     fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
-        self.reserve_after(id, prompt_len, Vec::new(), fence)
+        self.reserve_call(id, prompt_len, Vec::new(), fence)
     }
 
+    fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
+        self.prefill_call(req, 0, to)
+    }
+
+    fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
+        self.stream_call(events, Op::Decode { handoff })
+    }
+
+    fn release(&self, id: RequestId) {
+        let _ = self.conn.send(ToWorker::Call { call: 0, op: Box::new(Op::Release { id }) });
+    }
+
+    fn stats(&self) -> Reply<'_, WorkerStats> {
+        let answer = self.reply_call(Op::Stats, false);
+        Box::pin(async move {
+            match answer.await? {
+                Answer::Stats(s) => Ok(*s),
+                other => Err(unexpected(&other)),
+            }
+        })
+    }
+
+    fn prefix_peer(&self) -> Option<&dyn PrefixPeer> {
+        self.has(Capability::PrefixPeer).then_some(self as &dyn PrefixPeer)
+    }
+
+    fn kv_event_log(&self) -> Option<&dyn KvEventLog> {
+        self.has(Capability::KvEventLog).then_some(self as &dyn KvEventLog)
+    }
+
+    fn role_switch(&self) -> Option<&dyn RoleSwitch> {
+        self.has(Capability::RoleSwitch).then_some(self as &dyn RoleSwitch)
+    }
+
+    fn link_probe(&self) -> Option<&dyn LinkProbe> {
+        self.has(Capability::LinkProbe).then_some(self as &dyn LinkProbe)
+    }
+}
+
+impl PrefixPeer for RemoteWorker {
     fn reserve_after(
         &self,
         id: RequestId,
@@ -289,29 +352,11 @@ impl Worker for RemoteWorker {
         keep: Vec<u32>,
         fence: Option<Epoch>,
     ) -> Reply<'_, HandoffToken> {
-        let answer = self.reply_call(Op::Reserve { id, prompt_len, fence, keep }, false);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::Token(t) => Ok(t),
-                other => Err(unexpected(&other)),
-            }
-        })
-    }
-
-    fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
-        self.prefill_call(req, 0, to)
+        self.reserve_call(id, prompt_len, keep, fence)
     }
 
     fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
         self.prefill_call(req, imported, to)
-    }
-
-    fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
-        self.stream_call(events, Op::Decode { handoff })
-    }
-
-    fn fetches_prefixes(&self) -> bool {
-        true
     }
 
     fn export_prefix(&self, id: RequestId, tokens: Vec<u32>, skip: usize, to: KvDestination) -> Reply<'static, usize> {
@@ -330,21 +375,21 @@ impl Worker for RemoteWorker {
     fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {
         self.stream_call(events, Op::GenerateImported { req, imported })
     }
+}
 
-    fn release(&self, id: RequestId) {
-        let _ = self.conn.send(ToWorker::Call { call: 0, op: Box::new(Op::Release { id }) });
-    }
-
-    fn stats(&self) -> Reply<'_, WorkerStats> {
-        let answer = self.reply_call(Op::Stats, false);
+impl KvEventLog for RemoteWorker {
+    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
+        let answer = self.reply_call(Op::KvEvents { after }, false);
         Box::pin(async move {
             match answer.await? {
-                Answer::Stats(s) => Ok(*s),
+                Answer::KvEvents(e) => Ok(e),
                 other => Err(unexpected(&other)),
             }
         })
     }
+}
 
+impl RoleSwitch for RemoteWorker {
     fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
         let answer = self.reply_call(Op::SetRole { to }, false);
         Box::pin(async move {
@@ -364,17 +409,9 @@ impl Worker for RemoteWorker {
             }
         })
     }
+}
 
-    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
-        let answer = self.reply_call(Op::KvEvents { after }, false);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::KvEvents(e) => Ok(e),
-                other => Err(unexpected(&other)),
-            }
-        })
-    }
-
+impl LinkProbe for RemoteWorker {
     fn probe_inbox(&self, id: RequestId) -> Reply<'_, HandoffToken> {
         let answer = self.reply_call(Op::ProbeInbox { id }, false);
         Box::pin(async move {

@@ -40,7 +40,7 @@ use std::path::PathBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
@@ -69,8 +69,39 @@ pub struct Handshake {
     pub kv_tcp_port: Option<u16>,
     /// Socket of the shared-memory KV receiver (same host only).
     pub kv_shm: Option<PathBuf>,
+    /// The optional parts of the worker surface the worker has: a router asks only
+    /// for these.
+    #[serde(default)]
+    pub capabilities: Vec<Capability>,
     /// The worker's answer to the router's nonce.
     pub proof: Vec<u8>,
+}
+
+/// An optional part of the [`Worker`](pdserve_protocol::Worker) surface, as a worker
+/// announces it in its [`Handshake`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Capability {
+    /// [`pdserve_protocol::PrefixPeer`].
+    PrefixPeer,
+    /// [`pdserve_protocol::KvEventLog`].
+    KvEventLog,
+    /// [`pdserve_protocol::RoleSwitch`].
+    RoleSwitch,
+    /// [`pdserve_protocol::LinkProbe`].
+    LinkProbe,
+}
+
+impl Capability {
+    /// The capabilities `worker` has.
+    pub fn of(worker: &dyn pdserve_protocol::Worker) -> Vec<Capability> {
+        let has = [
+            (Capability::PrefixPeer, worker.prefix_peer().is_some()),
+            (Capability::KvEventLog, worker.kv_event_log().is_some()),
+            (Capability::RoleSwitch, worker.role_switch().is_some()),
+            (Capability::LinkProbe, worker.link_probe().is_some()),
+        ];
+        has.into_iter().filter_map(|(c, has)| has.then_some(c)).collect()
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -111,11 +142,11 @@ pub enum Op {
     Reserve {
         id: RequestId,
         prompt_len: usize,
-        /// The epoch the router routed for (see `Worker::set_role`).
+        /// The epoch the router routed for (see `RoleSwitch::set_role`).
         #[serde(default)]
         fence: Option<Epoch>,
         /// Leading tokens whose blocks come from the worker's own cache (a partial
-        /// fetch, `Worker::reserve_after`).
+        /// fetch, `PrefixPeer::reserve_after`).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         keep: Vec<u32>,
     },
@@ -126,7 +157,7 @@ pub enum Op {
         to: KvAddr,
         token: HandoffToken,
         /// Leading prompt tokens whose K/V came from a peer into this connection's
-        /// reservation `req.id` (`Worker::prefill_imported`); 0: none.
+        /// reservation `req.id` (`PrefixPeer::prefill_imported`); 0: none.
         #[serde(default)]
         imported: usize,
     },

@@ -9,10 +9,12 @@
 //! in the session (see [`control`]): one that does not closes the connection before
 //! it is parsed, let alone run.
 
-use crate::control::{self, Answer, CallId, FromWorker, Handshake, Op, SessionMac, ToWorker, PROTOCOL_VERSION};
+use crate::control::{
+    self, Answer, CallId, Capability, FromWorker, Handshake, Op, SessionMac, ToWorker, PROTOCOL_VERSION,
+};
 use pdserve_kv_transfer::slots::{LogEvery, Pending, PortSlots, Refused};
 use pdserve_kv_transfer::{auth, ClusterKey, KvTarget, TransportKind};
-use pdserve_protocol::{Event, GenerateRequest, KvDestination, ServeError, TokenStream, Worker};
+use pdserve_protocol::{unsupported, Event, GenerateRequest, KvDestination, ServeError, TokenStream, Worker};
 use pdserve_types::RequestId;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -70,6 +72,7 @@ impl WorkerServer {
             info: self.worker.info().clone(),
             kv_tcp_port: port,
             kv_shm: shm,
+            capabilities: Capability::of(&*self.worker),
             proof,
         }
     }
@@ -269,14 +272,21 @@ impl Session {
                     let e = ServeError::Invalid(format!("this connection holds no reservation {}", req.id));
                     return self.stream(call, Err(e), span);
                 }
+                let Some(peer) = self.worker().prefix_peer() else {
+                    let e = unsupported(self.worker(), "imports no prefixes");
+                    return self.stream(call, Err(e), span);
+                };
                 let (events, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-                let started = span.in_scope(|| self.worker().generate_imported(req, imported, events));
+                let started = span.in_scope(|| peer.generate_imported(req, imported, events));
                 self.stream(call, started.map(|()| stream), span);
             }
             Op::ExportPrefix { id, tokens, skip, to, token } => {
                 let span = tracing::info_span!("export", %id, tokens = tokens.len(), skip);
                 let to = KvDestination { target: KvTarget::Remote(to), token };
-                let done = self.worker().export_prefix(id, tokens, skip, to);
+                let done = match self.worker().prefix_peer() {
+                    Some(peer) => peer.export_prefix(id, tokens, skip, to),
+                    None => Box::pin(std::future::ready(Err(unsupported(self.worker(), "exports no prefixes")))),
+                };
                 let answer = async move {
                     let n = done.await.inspect_err(|e| tracing::warn!(kind = e.kind(), error = %e, "export failed"))?;
                     Ok(Answer::Count(n))
@@ -291,7 +301,11 @@ impl Session {
                 }
                 let s = self.clone();
                 self.reply(call, async move {
-                    let granted = s.worker().reserve_after(id, prompt_len, keep, fence).await;
+                    let granted = match (keep.is_empty(), s.worker().prefix_peer()) {
+                        (true, _) => s.worker().reserve(id, prompt_len, fence).await,
+                        (false, Some(peer)) => peer.reserve_after(id, prompt_len, keep, fence).await,
+                        (false, None) => Err(unsupported(s.worker(), "keeps no prefix of its own")),
+                    };
                     s.granted(id, granted.is_ok())?;
                     Ok(Answer::Token(granted?))
                 })
@@ -304,7 +318,14 @@ impl Session {
                 // from here (it releases it on any failure).
                 let done = match imported {
                     0 => self.worker().prefill(req, to),
-                    n if self.unhold(req.id) => self.worker().prefill_imported(req, n, to),
+                    n if self.unhold(req.id) => match self.worker().prefix_peer() {
+                        Some(peer) => peer.prefill_imported(req, n, to),
+                        None => {
+                            // What an import refused always does: the reservation goes.
+                            self.worker().release(req.id);
+                            Box::pin(std::future::ready(Err(unsupported(self.worker(), "imports no prefixes"))))
+                        }
+                    },
                     _ => {
                         let e = ServeError::Invalid(format!("this connection holds no reservation {}", req.id));
                         return self.reply(call, async move { Err(e) });
@@ -336,19 +357,35 @@ impl Session {
             }
             Op::SetRole { to } => {
                 let s = self.clone();
-                self.reply(call, async move { Ok(Answer::Assignment(s.worker().set_role(to).await?)) })
+                self.reply(call, async move {
+                    let roles =
+                        s.worker().role_switch().ok_or_else(|| unsupported(s.worker(), "cannot change role"))?;
+                    Ok(Answer::Assignment(roles.set_role(to).await?))
+                })
             }
             Op::MoveDecodes => {
                 let s = self.clone();
-                self.reply(call, async move { Ok(Answer::Count(s.worker().move_decodes().await?)) })
+                self.reply(call, async move {
+                    let roles = s.worker().role_switch();
+                    let roles = roles.ok_or_else(|| unsupported(s.worker(), "cannot hand back its decodes"))?;
+                    Ok(Answer::Count(roles.move_decodes().await?))
+                })
             }
             Op::KvEvents { after } => {
                 let s = self.clone();
-                self.reply(call, async move { Ok(Answer::KvEvents(s.worker().kv_events(after).await?)) })
+                self.reply(call, async move {
+                    let log =
+                        s.worker().kv_event_log().ok_or_else(|| unsupported(s.worker(), "publishes no KV events"))?;
+                    Ok(Answer::KvEvents(log.kv_events(after).await?))
+                })
             }
             Op::ProbeInbox { id } => {
                 let s = self.clone();
-                self.reply(call, async move { Ok(Answer::Token(s.worker().probe_inbox(id).await?)) })
+                self.reply(call, async move {
+                    let probe =
+                        s.worker().link_probe().ok_or_else(|| unsupported(s.worker(), "takes no link probes"))?;
+                    Ok(Answer::Token(probe.probe_inbox(id).await?))
+                })
             }
         }
     }

@@ -35,7 +35,7 @@
 
 use crate::workers::Entry;
 use pdserve_kv_transfer::TransportKind;
-use pdserve_protocol::{Event, EventSender, GenerateRequest, KvDestination, ServeError, Telemetry};
+use pdserve_protocol::{unsupported, Event, EventSender, GenerateRequest, KvDestination, ServeError, Telemetry};
 use pdserve_types::Epoch;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -130,7 +130,11 @@ pub(crate) async fn run(f: Fetch, r: Arc<Entry>, req: GenerateRequest, events: E
     let id = req.id;
     let started = match imported {
         // Refused, the reservation is given back (release is idempotent).
-        Some(n) => r.worker.generate_imported(req, n, events.clone()).inspect_err(|_| r.worker.release(id)),
+        Some(n) => match r.worker.prefix_peer() {
+            Some(peer) => peer.generate_imported(req, n, events.clone()),
+            None => Err(unsupported(&*r.worker, "imports no prefixes")),
+        }
+        .inspect_err(|_| r.worker.release(id)),
         None => r.worker.generate(req, events.clone()),
     };
     if let Err(e) = started {
@@ -194,14 +198,19 @@ async fn fetch(
     let prefix = &req.prompt[..f.tokens];
     let kept = match f.keep {
         0 => None,
-        k => r.worker.reserve_after(req.id, f.tokens, prefix[..k].to_vec(), fence).await.ok().map(|t| (t, k)),
+        // Without a prefix of its own to keep, the receiver reserves it all.
+        k => match r.worker.prefix_peer() {
+            Some(peer) => peer.reserve_after(req.id, f.tokens, prefix[..k].to_vec(), fence).await.ok().map(|t| (t, k)),
+            None => None,
+        },
     };
     let (token, kept) = match kept {
         Some(granted) => granted,
         None => (r.worker.reserve(req.id, f.tokens, fence).await?, 0),
     };
     let to = KvDestination { target, token };
-    let sent = f.from.worker.export_prefix(req.id, prefix.to_vec(), kept, to).await?;
+    let holder = f.from.worker.prefix_peer().ok_or_else(|| unsupported(&*f.from.worker, "exports no prefixes"))?;
+    let sent = holder.export_prefix(req.id, prefix.to_vec(), kept, to).await?;
     Ok(Fetched { kept, sent })
 }
 

@@ -26,8 +26,8 @@ use crate::workers::Entry;
 use crate::Ending;
 use pdserve_kv_transfer::{HandoffToken, TransportKind};
 use pdserve_protocol::{
-    DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Phase, Prefilled, ServeError, Telemetry,
-    TokenStream, Usage,
+    unsupported, DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Phase, Prefilled, ServeError,
+    Telemetry, TokenStream, Usage,
 };
 use std::future::Future;
 use std::sync::Arc;
@@ -366,7 +366,14 @@ async fn prefill(
     let to = KvDestination { target, token };
     let call = match imported {
         0 => h.prefill.worker.prefill(fenced, to),
-        n => h.prefill.worker.prefill_imported(fenced, n, to),
+        n => match h.prefill.worker.prefix_peer() {
+            Some(peer) => peer.prefill_imported(fenced, n, to),
+            None => {
+                // What an import refused always does: the reservation goes.
+                h.prefill.worker.release(req.id);
+                Box::pin(std::future::ready(Err(unsupported(&*h.prefill.worker, "imports no prefixes"))))
+            }
+        },
     };
     match wait(h.deadlines.prefill(req.prompt.len()), client, call).await {
         Wait::Done(Ok(first)) => Ok(first),

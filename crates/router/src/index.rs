@@ -221,7 +221,8 @@ impl KvIndex {
     /// Reads `worker`'s events once and applies them.
     pub async fn sync(&self, name: &str, worker: &dyn Worker) -> Option<Applied> {
         let asked = Instant::now();
-        let got = tokio::time::timeout(PATIENCE, worker.kv_events(self.cursor(name))).await.ok()?.ok()?;
+        let log = worker.kv_event_log()?;
+        let got = tokio::time::timeout(PATIENCE, log.kv_events(self.cursor(name))).await.ok()?.ok()?;
         self.apply(name, got, asked.elapsed())
     }
 

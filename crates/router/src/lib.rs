@@ -119,7 +119,9 @@ impl Router {
     /// Switches worker `e` to `role` at its next epoch; answers with what it holds
     /// afterwards. The router routes by the new role from the moment it is known.
     pub async fn switch_role(&self, e: &Entry, role: Role) -> Result<pdserve_types::Assignment, ServeError> {
-        let now = e.worker.set_role(e.assignment().switch(role)).await?;
+        let roles =
+            e.worker.role_switch().ok_or_else(|| pdserve_protocol::unsupported(&*e.worker, "cannot change role"))?;
+        let now = roles.set_role(e.assignment().switch(role)).await?;
         e.learn(now);
         self.note_role(e, now.role);
         Ok(now)

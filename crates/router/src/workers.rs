@@ -116,7 +116,7 @@ impl Entry {
     /// The worker as placement reads it now, `cached` being what its prefix cache
     /// holds of the request placed; `via`, the router's transport.
     pub(crate) fn view(&self, cached: CachedPrefix, via: TransportKind) -> View {
-        let peers = self.worker.fetches_prefixes();
+        let peers = self.worker.prefix_peer().is_some();
         View {
             name: self.name().to_string(),
             role: self.role(),

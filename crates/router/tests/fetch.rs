@@ -15,8 +15,8 @@ use common::{collect, local, model, remotes, request, rt, serve, settle, worker}
 use pdserve_kv_transfer::TransportKind;
 use pdserve_kv_transfer::{HandoffToken, KvTarget};
 use pdserve_protocol::{
-    DecodeHandoff, Event, EventSender, Generate, GenerateRequest, KvCursor, KvDestination, KvEvents, Phase,
-    PrefillRoute, Prefilled, Reply, ServeError, Telemetry, Worker, WorkerInfo, WorkerStats,
+    DecodeHandoff, Event, EventSender, Generate, GenerateRequest, KvDestination, KvEventLog, Phase, PrefillRoute,
+    Prefilled, PrefixPeer, Reply, RoleSwitch, ServeError, Telemetry, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_router::{Deadlines, Mode, Router};
 use pdserve_types::{Epoch, RequestId, Role};
@@ -306,14 +306,26 @@ impl Worker for BrokenExport {
     fn stats(&self) -> Reply<'_, WorkerStats> {
         self.0.stats()
     }
-    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
-        self.0.kv_events(after)
+    fn kv_event_log(&self) -> Option<&dyn KvEventLog> {
+        self.0.kv_event_log()
     }
-    fn fetches_prefixes(&self) -> bool {
-        true
+    fn prefix_peer(&self) -> Option<&dyn PrefixPeer> {
+        Some(self)
+    }
+}
+
+impl PrefixPeer for BrokenExport {
+    fn reserve_after(&self, id: RequestId, n: usize, keep: Vec<u32>, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
+        self.0.reserve_after(id, n, keep, fence)
+    }
+    fn prefill_imported(&self, req: GenerateRequest, n: usize, to: KvDestination) -> Reply<'static, Prefilled> {
+        self.0.prefill_imported(req, n, to)
     }
     fn export_prefix(&self, _: RequestId, _: Vec<u32>, _: usize, _: KvDestination) -> Reply<'static, usize> {
         Box::pin(async { Err(ServeError::Internal("the KV link broke".into())) })
+    }
+    fn generate_imported(&self, req: GenerateRequest, n: usize, events: EventSender) -> Result<(), ServeError> {
+        self.0.generate_imported(req, n, events)
     }
 }
 

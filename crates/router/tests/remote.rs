@@ -317,7 +317,7 @@ async fn decodes_handed_back_over_control_move_to_the_other_worker_unchanged() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let ea = r.workers().snapshot().into_iter().find(|e| e.name() == "ma").unwrap();
     r.switch_role(&ea, Role::Prefill).await.unwrap();
-    assert_eq!(ea.worker.move_decodes().await.unwrap(), 1, "ma hands back the one it decodes");
+    assert_eq!(ea.worker.role_switch().unwrap().move_decodes().await.unwrap(), 1, "ma hands back the one it decodes");
     for (got, end) in collect_all(streams).await {
         assert!(matches!(end, Event::Done { .. }), "{end:?}");
         assert_eq!(got, want, "the uninterrupted greedy tokens");

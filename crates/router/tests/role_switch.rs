@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pdserve_kv_transfer::TransportKind;
-use pdserve_protocol::{Event, Generate, GenerateRequest, TokenStream, Worker};
+use pdserve_protocol::{Event, Generate, GenerateRequest, RoleSwitch, TokenStream, Worker};
 use pdserve_router::{Deadlines, Migrating, Mode, Router};
 use pdserve_testkit::fake::{token_at, FakeWorker};
 use pdserve_types::{Assignment, Epoch, RequestId, Role, SamplingParams};

@@ -161,7 +161,7 @@ async fn a_worker_leaving_decode_hands_its_sequences_over_by_their_kv_with_ident
     // Both workers decode (the load spreads the four).
     let w0 = router.workers().snapshot().into_iter().find(|e| e.name() == "w0").unwrap();
     router.switch_role(&w0, Role::Prefill).await.unwrap();
-    let moved = w0.worker.move_decodes().await.unwrap();
+    let moved = w0.worker.role_switch().unwrap().move_decodes().await.unwrap();
     assert!(moved > 0, "w0 was decoding when it switched");
     assert_eq!(w0.worker.stats().await.unwrap().running, 0, "w0 runs nothing once they moved");
     for (i, run) in runs.into_iter().enumerate() {
@@ -177,6 +177,6 @@ async fn a_worker_leaving_decode_hands_its_sequences_over_by_their_kv_with_ident
     assert!(best >= longest + 48, "a moved sequence reused its generated tokens' KV (best hit {best})");
     // A worker that decodes moves nothing.
     let w1 = router.workers().snapshot().into_iter().find(|e| e.name() == "w1").unwrap();
-    assert_eq!(w1.worker.move_decodes().await.unwrap(), 0);
+    assert_eq!(w1.worker.role_switch().unwrap().move_decodes().await.unwrap(), 0);
     used_blocks_settle(&router).await;
 }

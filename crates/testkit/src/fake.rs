@@ -10,8 +10,9 @@
 use pdserve_kv::{BlockHash, Tier};
 use pdserve_kv_transfer::{Frame, HandoffId, HandoffToken, Inbox, Inboxes, KvTarget, Links, TransportKind};
 use pdserve_protocol::{
-    BlockCounts, DecodeHandoff, Event, EventSender, FinishReason, GenerateRequest, KvCursor, KvDestination, KvEvents,
-    Prefilled, Reply, RoleState, ServeError, TokenOut, Usage, Worker, WorkerInfo, WorkerStats,
+    unsupported, BlockCounts, DecodeHandoff, Event, EventSender, FinishReason, GenerateRequest, KvCursor,
+    KvDestination, KvEventLog, KvEvents, Prefilled, Reply, RoleState, RoleSwitch, ServeError, TokenOut, Usage, Worker,
+    WorkerInfo, WorkerStats,
 };
 use pdserve_types::{Assignment, Epoch, RequestId, Role};
 use std::collections::HashMap;
@@ -397,22 +398,6 @@ impl Worker for FakeWorker {
         self.inner.release(id);
     }
 
-    fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
-        let now = self.inner.role.switch(to).1;
-        Box::pin(async move { Ok(now) })
-    }
-
-    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
-        Box::pin(async move {
-            self.inner.check_alive()?;
-            let (hashes, version) = lock(&self.inner.cached).clone();
-            let cursor = KvCursor { instance: 1, seq: version };
-            // Every change is a fresh snapshot: the fake keeps no event log.
-            let snapshot = (after != cursor).then(|| hashes.into_iter().map(|h| (h, Tier::Device)).collect());
-            Ok(KvEvents { snapshot, events: Vec::new(), cursor })
-        })
-    }
-
     fn stats(&self) -> Reply<'_, WorkerStats> {
         Box::pin(async move {
             self.inner.check_alive()?;
@@ -429,6 +414,39 @@ impl Worker for FakeWorker {
                 ..Default::default()
             })
         })
+    }
+
+    fn kv_event_log(&self) -> Option<&dyn KvEventLog> {
+        Some(self)
+    }
+
+    fn role_switch(&self) -> Option<&dyn RoleSwitch> {
+        Some(self)
+    }
+}
+
+impl KvEventLog for FakeWorker {
+    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
+        Box::pin(async move {
+            self.inner.check_alive()?;
+            let (hashes, version) = lock(&self.inner.cached).clone();
+            let cursor = KvCursor { instance: 1, seq: version };
+            // Every change is a fresh snapshot: the fake keeps no event log.
+            let snapshot = (after != cursor).then(|| hashes.into_iter().map(|h| (h, Tier::Device)).collect());
+            Ok(KvEvents { snapshot, events: Vec::new(), cursor })
+        })
+    }
+}
+
+impl RoleSwitch for FakeWorker {
+    fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
+        let now = self.inner.role.switch(to).1;
+        Box::pin(async move { Ok(now) })
+    }
+
+    /// The fake's streams cannot be handed back: they finish where they run.
+    fn move_decodes(&self) -> Reply<'_, usize> {
+        Box::pin(async move { Err(unsupported(self, "cannot hand back its decodes")) })
     }
 }
 

@@ -34,7 +34,7 @@ use pdserve_engine::timed::RestoreCost;
 use pdserve_kv_transfer::{
     frame, probe, ClusterKey, HandoffId, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, TransportKind,
 };
-use pdserve_protocol::{Event, GenerateRequest, TokenStream, Worker};
+use pdserve_protocol::{Event, GenerateRequest, RoleSwitch, TokenStream, Worker};
 use pdserve_types::{Assignment, Epoch, KvFrame, RequestId, Role, SamplingParams};
 use pdserve_worker::{CoRun, LocalWorker, WorkerOptions};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -28,8 +28,8 @@ use pdserve_kv_transfer::{
     TransferError, TransportKind,
 };
 use pdserve_protocol::{
-    DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply, RoleState,
-    ServeError, Worker, WorkerInfo, WorkerStats,
+    DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEventLog, KvEvents, LinkProbe, Prefilled,
+    PrefixPeer, Reply, RoleState, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::{Assignment, Epoch, Grammar, KvFrame, RequestId, Role};
 use std::collections::{HashMap, HashSet};
@@ -140,7 +140,7 @@ pub struct LocalWorker {
 
 struct Inner {
     info: WorkerInfo,
-    /// The role it serves in now, and since which epoch (see [`Worker::set_role`]).
+    /// The role it serves in now, and since which epoch (see [`RoleSwitch::set_role`]).
     role: RoleState,
     tx: SyncSender<Command>,
     /// Requests queued or admitted and not finished: the router's load signal.
@@ -387,20 +387,6 @@ impl Worker for LocalWorker {
         self.reserve_after(id, prompt_len, Vec::new(), fence)
     }
 
-    fn reserve_after(
-        &self,
-        id: RequestId,
-        prompt_len: usize,
-        keep: Vec<u32>,
-        fence: Option<Epoch>,
-    ) -> Reply<'_, pdserve_kv_transfer::HandoffToken> {
-        let inner = self.inner.clone();
-        Box::pin(async move {
-            inner.fence(fence, Role::decodes)?;
-            inner.reserve(id, prompt_len, keep).await
-        })
-    }
-
     fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
         let inner = self.inner.clone();
         Box::pin(async move {
@@ -410,40 +396,9 @@ impl Worker for LocalWorker {
         })
     }
 
-    fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
-        let (inner, id) = (self.inner.clone(), req.id);
-        // Once the prefill runs the engine owns the reservation's blocks: a release
-        // after that finds nothing.
-        let release = {
-            let inner = inner.clone();
-            move || inner.release(id)
-        };
-        Box::pin(or_release(release, async move {
-            inner.fence(req.fence, Role::prefills)?;
-            inner.imported(id).await?;
-            inner.compiled(req.params.grammar.as_ref()).await?;
-            inner.prefill(req, imported, to).await
-        }))
-    }
-
     fn decode(&self, handoff: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
         let id = handoff.id;
         self.inner.when_imported(id, events.clone(), Command::Decode(handoff, events))
-    }
-
-    fn fetches_prefixes(&self) -> bool {
-        true
-    }
-
-    fn export_prefix(&self, id: RequestId, tokens: Vec<u32>, skip: usize, to: KvDestination) -> Reply<'static, usize> {
-        Box::pin(self.inner.clone().export(id, tokens, skip, to))
-    }
-
-    fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {
-        let id = req.id;
-        // Refused (a role switch overtook the fetch): the reservation goes too.
-        self.inner.fence(req.fence, Role::decodes).inspect_err(|_| self.inner.release(id))?;
-        self.inner.when_imported(id, events.clone(), Command::GenerateImported(req, imported, events))
     }
 
     fn release(&self, id: RequestId) {
@@ -469,17 +424,80 @@ impl Worker for LocalWorker {
         })
     }
 
+    fn prefix_peer(&self) -> Option<&dyn PrefixPeer> {
+        Some(self)
+    }
+
+    fn kv_event_log(&self) -> Option<&dyn KvEventLog> {
+        Some(self)
+    }
+
+    fn role_switch(&self) -> Option<&dyn RoleSwitch> {
+        Some(self)
+    }
+
+    fn link_probe(&self) -> Option<&dyn LinkProbe> {
+        Some(self)
+    }
+}
+
+impl PrefixPeer for LocalWorker {
+    fn reserve_after(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+        keep: Vec<u32>,
+        fence: Option<Epoch>,
+    ) -> Reply<'_, pdserve_kv_transfer::HandoffToken> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            inner.fence(fence, Role::decodes)?;
+            inner.reserve(id, prompt_len, keep).await
+        })
+    }
+
+    fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
+        let (inner, id) = (self.inner.clone(), req.id);
+        // Once the prefill runs the engine owns the reservation's blocks: a release
+        // after that finds nothing.
+        let release = {
+            let inner = inner.clone();
+            move || inner.release(id)
+        };
+        Box::pin(or_release(release, async move {
+            inner.fence(req.fence, Role::prefills)?;
+            inner.imported(id).await?;
+            inner.compiled(req.params.grammar.as_ref()).await?;
+            inner.prefill(req, imported, to).await
+        }))
+    }
+
+    fn export_prefix(&self, id: RequestId, tokens: Vec<u32>, skip: usize, to: KvDestination) -> Reply<'static, usize> {
+        Box::pin(self.inner.clone().export(id, tokens, skip, to))
+    }
+
+    fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {
+        let id = req.id;
+        // Refused (a role switch overtook the fetch): the reservation goes too.
+        self.inner.fence(req.fence, Role::decodes).inspect_err(|_| self.inner.release(id))?;
+        self.inner.when_imported(id, events.clone(), Command::GenerateImported(req, imported, events))
+    }
+}
+
+impl KvEventLog for LocalWorker {
+    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
+        let events = events::since(&self.inner.pool, after);
+        Box::pin(async move { Ok(events) })
+    }
+}
+
+impl RoleSwitch for LocalWorker {
     fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
         let (before, now) = self.inner.role.switch(to);
         if before != now {
             tracing::info!(worker = %self.inner.info.name, from = %before, to = %now, "role switched");
         }
         Box::pin(async move { Ok(now) })
-    }
-
-    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
-        let events = events::since(&self.inner.pool, after);
-        Box::pin(async move { Ok(events) })
     }
 
     fn move_decodes(&self) -> Reply<'_, usize> {
@@ -494,7 +512,9 @@ impl Worker for LocalWorker {
             Ok(n)
         })
     }
+}
 
+impl LinkProbe for LocalWorker {
     fn probe_inbox(&self, id: RequestId) -> Reply<'_, HandoffToken> {
         let hid = HandoffId::from(id);
         let opened = self.inner.inboxes.expect(hid).map_err(|e| ServeError::Invalid(format!("link probe: {e}")));

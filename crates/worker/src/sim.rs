@@ -15,8 +15,8 @@ use pdserve_engine::timed::TimedModel;
 use pdserve_kv::BlockPool;
 use pdserve_kv_transfer::{HandoffToken, Inboxes, KvAddr, KvTarget, TransportKind};
 use pdserve_protocol::{
-    DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEvents, Prefilled, Reply, RoleState,
-    ServeError, Worker, WorkerInfo, WorkerStats,
+    DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEventLog, KvEvents, Prefilled, PrefixPeer,
+    Reply, RoleState, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::{Assignment, Epoch, RequestId, Role};
 use serde::{Deserialize, Serialize};
@@ -270,6 +270,50 @@ impl Worker for SimWorker {
         self.reserve_after(id, prompt_len, Vec::new(), fence)
     }
 
+    fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            inner.fence(req.fence, Role::prefills)?;
+            inner.prefill(req, 0, to).await
+        })
+    }
+
+    fn decode(&self, h: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
+        if !lock(&self.inner.imports).remove(&h.id) {
+            return Err(crate::no_transfer(h.id));
+        }
+        self.inner.send_counted(Command::Decode(h, events))
+    }
+
+    fn release(&self, id: RequestId) {
+        self.inner.release(id);
+    }
+
+    fn stats(&self) -> Reply<'_, WorkerStats> {
+        Box::pin(async move {
+            let (reply, rx) = oneshot::channel();
+            self.inner.send(Command::Stats(reply))?;
+            let mut s = rx.await.map_err(|_| self.inner.stopped())?;
+            s.queued_prompt_tokens += self.inner.prefill_tokens.load(Ordering::Relaxed);
+            s.assignment = Some(self.inner.role.get());
+            Ok(s)
+        })
+    }
+
+    fn prefix_peer(&self) -> Option<&dyn PrefixPeer> {
+        Some(self)
+    }
+
+    fn kv_event_log(&self) -> Option<&dyn KvEventLog> {
+        Some(self)
+    }
+
+    fn role_switch(&self) -> Option<&dyn RoleSwitch> {
+        Some(self)
+    }
+}
+
+impl PrefixPeer for SimWorker {
     fn reserve_after(
         &self,
         id: RequestId,
@@ -299,14 +343,6 @@ impl Worker for SimWorker {
         })
     }
 
-    fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
-        let inner = self.inner.clone();
-        Box::pin(async move {
-            inner.fence(req.fence, Role::prefills)?;
-            inner.prefill(req, 0, to).await
-        })
-    }
-
     fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
         let (inner, id) = (self.inner.clone(), req.id);
         let release = {
@@ -320,17 +356,6 @@ impl Worker for SimWorker {
             }
             inner.prefill(req, imported, to).await
         }))
-    }
-
-    fn decode(&self, h: DecodeHandoff, events: EventSender) -> Result<(), ServeError> {
-        if !lock(&self.inner.imports).remove(&h.id) {
-            return Err(crate::no_transfer(h.id));
-        }
-        self.inner.send_counted(Command::Decode(h, events))
-    }
-
-    fn fetches_prefixes(&self) -> bool {
-        true
     }
 
     /// The engine finds the cached prefix after the layer of its step that is
@@ -359,30 +384,19 @@ impl Worker for SimWorker {
         }
         self.inner.send_counted(Command::GenerateImported(req, imported, events))
     }
+}
 
-    fn release(&self, id: RequestId) {
-        self.inner.release(id);
-    }
-
-    fn stats(&self) -> Reply<'_, WorkerStats> {
-        Box::pin(async move {
-            let (reply, rx) = oneshot::channel();
-            self.inner.send(Command::Stats(reply))?;
-            let mut s = rx.await.map_err(|_| self.inner.stopped())?;
-            s.queued_prompt_tokens += self.inner.prefill_tokens.load(Ordering::Relaxed);
-            s.assignment = Some(self.inner.role.get());
-            Ok(s)
-        })
-    }
-
-    fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
-        let (_, now) = self.inner.role.switch(to);
-        Box::pin(async move { Ok(now) })
-    }
-
+impl KvEventLog for SimWorker {
     fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
         let events = crate::events::since(&self.inner.pool, after);
         Box::pin(async move { Ok(events) })
+    }
+}
+
+impl RoleSwitch for SimWorker {
+    fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
+        let (_, now) = self.inner.role.switch(to);
+        Box::pin(async move { Ok(now) })
     }
 
     fn move_decodes(&self) -> Reply<'_, usize> {

@@ -4,7 +4,7 @@
 //! `--sequences` greedy requests of `--output` tokens each, spread over both. Once
 //! every stream has `--after` tokens, worker 0 switches to prefill, three ways:
 //! never (the reference tokens), finishing its sequences in place, and handing them
-//! over (`Worker::move_decodes`: each is prefilled on worker 0 from its own cache and
+//! over (`RoleSwitch::move_decodes`: each is prefilled on worker 0 from its own cache and
 //! its KV shipped to worker 1). Reported: how long until worker 0 runs nothing, how
 //! long until every stream yields its next token, and whether every stream's tokens
 //! equal the reference's.
@@ -13,7 +13,7 @@ use anyhow::Context;
 use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::loader::LoadedModel;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
-use pdserve_protocol::{Event, Generate, GenerateRequest, Worker};
+use pdserve_protocol::{unsupported, Event, Generate, GenerateRequest, Worker};
 use pdserve_router::{Deadlines, Migrating, Mode, Router};
 use pdserve_types::{RequestId, Role, SamplingParams};
 use pdserve_worker::{LocalWorker, WorkerOptions};
@@ -181,7 +181,9 @@ async fn once(
     if way != Way::NoSwitch {
         router.switch_role(&w0, Role::Prefill).await?;
         if way == Way::Moved {
-            moved = w0.worker.move_decodes().await?;
+            let roles = w0.worker.role_switch();
+            moved =
+                roles.ok_or_else(|| unsupported(&*w0.worker, "cannot hand back its decodes"))?.move_decodes().await?;
         }
     }
     let mut empty_s = 0.0;

@@ -9,7 +9,7 @@
 
 use super::fleet::NatsArgs;
 use pdserve_fleet::{Bus, Lease, NodeId};
-use pdserve_protocol::Worker;
+use pdserve_protocol::{unsupported, Worker};
 use pdserve_remote::RemoteWorker;
 use pdserve_types::{Assignment, Role};
 use std::time::{Duration, Instant};
@@ -47,6 +47,7 @@ pub fn run(a: SwitchArgs) -> anyhow::Result<()> {
             anyhow::bail!("a planner holds the lease: stop it first (`pdserve fleet` names it)")
         };
         let worker = RemoteWorker::connect(rec.endpoints.control, &key).await?;
+        let roles = worker.role_switch().ok_or_else(|| unsupported(&worker, "cannot change role"))?;
         let start = held(&worker).await?;
         let other = if start.role == Role::Mixed { Role::Decode } else { Role::Mixed };
         let mut next = start;
@@ -61,7 +62,7 @@ pub fn run(a: SwitchArgs) -> anyhow::Result<()> {
                     anyhow::ensure!(t0.elapsed() < PATIENCE, "{name}: {} never took {next}", a.node);
                 }
             } else {
-                worker.set_role(next).await?;
+                roles.set_role(next).await?;
             }
             times.push(t0.elapsed().as_secs_f64() * 1e3);
             lease.renew().await?;
@@ -69,7 +70,7 @@ pub fn run(a: SwitchArgs) -> anyhow::Result<()> {
         // Back to the role it had, at a newer epoch, and the lease given up.
         let back = next.switch(start.role);
         lease.write([(a.node.clone(), back)]).await?;
-        worker.set_role(back).await?;
+        roles.set_role(back).await?;
         lease.release().await;
         println!("role switches of {} ({} <-> {}), {} per way, ms:", a.node, start.role, other, a.count);
         println!("| way | p50 | p99 | max |\n|---|---|---|---|");

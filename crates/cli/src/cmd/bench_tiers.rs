@@ -11,7 +11,7 @@ use pdserve_engine::batch::{Engine, EngineConfig, BLOCK_SIZE};
 use pdserve_engine::loader::LoadedModel;
 use pdserve_engine::tiers::TierConfig;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
-use pdserve_protocol::{Event, GenerateRequest, KvDestination, TokenStream, Worker};
+use pdserve_protocol::{Event, GenerateRequest, KvDestination, PrefixPeer, TokenStream, Worker};
 use pdserve_types::{RequestId, SamplingParams};
 use pdserve_worker::LocalWorker;
 use serde::Serialize;
@@ -203,9 +203,9 @@ fn peer(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind) -> an
 }
 
 /// A prefix another worker's pool holds, fetched as the router does it: the holder
-/// copies its cached blocks into a reservation here (`Worker::export_prefix`)
+/// copies its cached blocks into a reservation here (`PrefixPeer::export_prefix`)
 /// between two of its steps, and this worker computes the last, partial block and
-/// samples (`Worker::generate_imported`). The median over `--reps` of the time from
+/// samples (`PrefixPeer::generate_imported`). The median over `--reps` of the time from
 /// reserving the blocks here to the first token here; with `busy`, the holder is
 /// prefilling a fresh prompt of the same length of its own each time.
 fn fetch(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind, busy: bool) -> anyhow::Result<f64> {

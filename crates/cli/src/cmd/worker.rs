@@ -6,7 +6,7 @@ use super::probe::{LinkTable, Prober};
 use anyhow::Context;
 use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_fleet::{Endpoints, KvCache, Load, NodeId, NodeRecord};
-use pdserve_protocol::Worker;
+use pdserve_protocol::{unsupported, Worker};
 use pdserve_remote::WorkerServer;
 use pdserve_types::Role;
 use pdserve_worker::{LocalWorker, WorkerOptions};
@@ -260,7 +260,8 @@ async fn take_planned_roles(cfg: pdserve_fleet::NatsConfig, id: NodeId, worker: 
             continue;
         }
         seen = Some(want.epoch);
-        match worker.set_role(want).await {
+        let roles = worker.role_switch().ok_or_else(|| unsupported(&*worker, "cannot change role"));
+        match async { roles?.set_role(want).await }.await {
             Ok(now) if now == want => tracing::info!(planner = %holder, to = %now, "took the role the planner set"),
             Ok(now) => tracing::debug!(planner = %holder, want = %want, holds = %now, "a planned role already taken"),
             Err(e) => tracing::warn!(planner = %holder, want = %want, error = %e, "cannot take the planned role"),

@@ -539,7 +539,9 @@ async fn drain(router: Arc<Router>, act: Arc<dyn Actuator>, e: Arc<Entry>, from:
         let others = router.workers().snapshot().iter().any(|o| o.id != e.id && o.usable() && o.role().decodes());
         if others {
             // Again each round: a reservation granted before the switch lands later.
-            if let Ok(Err(err)) = tokio::time::timeout(STATS_WAIT, e.worker.move_decodes()).await {
+            let roles = e.worker.role_switch();
+            let moved = roles.ok_or_else(|| pdserve_protocol::unsupported(&*e.worker, "cannot hand back its decodes"));
+            if let Ok(Err(err)) = tokio::time::timeout(STATS_WAIT, async { moved?.move_decodes().await }).await {
                 tracing::debug!(worker = e.name(), error = %err, "decodes not handed back");
             }
         }

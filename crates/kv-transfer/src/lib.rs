@@ -53,6 +53,7 @@ mod shm;
 pub mod slots;
 mod target;
 mod tcp;
+mod transport;
 
 use pdserve_types::crc32c;
 use std::fmt;
@@ -67,6 +68,10 @@ pub use measure::{measure, measure_copy, measure_copy_twice, measure_raw_shm, me
 pub use shm::{ShmConfig, ShmReceiver, ShmTransport};
 pub use target::{HandoffToken, KvAddr, KvTarget, TransportKind};
 pub use tcp::{TcpReceiver, TcpTransport};
+pub use transport::{bind, remote, Binding, KvReceiver, ListenAt, Transport};
+
+/// Every transport that leaves the process; a new one is registered here.
+pub static REMOTE: &[&dyn Transport] = &[&tcp::Tcp, &shm::Shm];
 
 /// Authenticated connections a receiver serves at once; more are closed as they
 /// arrive (connections still proving the token have a budget of their own, see

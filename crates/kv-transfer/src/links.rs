@@ -1,10 +1,7 @@
 //! A sender's links, one per receiver it has sent to: the one way the prefill side
 //! opens a sink, whatever the target.
 
-use crate::{
-    ClusterKey, HandoffId, HandoffToken, InProcess, KvAddr, KvSink, KvTarget, KvTransport, ShmConfig, ShmTransport,
-    TcpTransport, TransferError,
-};
+use crate::{ClusterKey, HandoffId, HandoffToken, InProcess, KvAddr, KvSink, KvTarget, KvTransport, TransferError};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -68,10 +65,9 @@ impl Links {
                 return Err(TransferError::Disconnected(format!("{addr:?} failed recently; not retried yet")));
             }
         }
-        let connected: Result<Arc<dyn KvTransport>, TransferError> = match addr {
-            KvAddr::Tcp(a) => TcpTransport::connect(*a, &self.key).map(|t| Arc::new(t) as Arc<dyn KvTransport>),
-            KvAddr::Shm(path) => ShmTransport::connect(path, ShmConfig::default(), &self.key)
-                .map(|t| Arc::new(t) as Arc<dyn KvTransport>),
+        let connected = match crate::remote(addr.kind()) {
+            Some(t) => t.connect(addr, &self.key),
+            None => Err(TransferError::Disconnected(format!("{addr:?} is not reachable from another process"))),
         };
         let mut st = self.lock();
         match connected {

@@ -21,9 +21,10 @@
 
 use crate::link::{Link, Stream, IO_TIMEOUT};
 use crate::records::{self, to_receiver, to_sender, Body, Status};
+use crate::transport::{wrong_kind, Binding, ListenAt, Transport};
 use crate::{
-    auth, frame, receive, ClusterKey, Frame, FrameError, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport,
-    TransferError, TransportKind,
+    auth, frame, receive, ClusterKey, Frame, FrameError, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvSink,
+    KvTransport, TransferError, TransportKind,
 };
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use std::fs::{self, OpenOptions};
@@ -396,6 +397,36 @@ impl ShmReceiver {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+impl KvReceiver for ShmReceiver {
+    fn addr(&self) -> KvAddr {
+        KvAddr::Shm(self.path.clone())
+    }
+}
+
+/// Shared memory in the list of transports.
+pub(crate) struct Shm;
+
+impl Transport for Shm {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn bind<'a>(&'a self, at: &'a ListenAt, inboxes: Inboxes) -> Binding<'a> {
+        Box::pin(async move { Ok(Box::new(ShmReceiver::bind(&at.socket, inboxes).await?) as Box<dyn KvReceiver>) })
+    }
+
+    fn connect(&self, addr: &KvAddr, key: &ClusterKey) -> Result<Arc<dyn KvTransport>, TransferError> {
+        match addr {
+            KvAddr::Shm(path) => Ok(Arc::new(ShmTransport::connect(path, ShmConfig::default(), key)?)),
+            other => Err(wrong_kind(self.kind(), other)),
+        }
+    }
+
+    fn modelled(&self, name: &str) -> KvAddr {
+        KvAddr::Shm(format!("sim-{name}").into())
     }
 }
 

@@ -3,7 +3,7 @@
 use crate::Inboxes;
 use serde::{Deserialize, Serialize};
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::str::FromStr;
 
@@ -44,7 +44,10 @@ impl FromStr for TransportKind {
         TransportKind::ALL
             .into_iter()
             .find(|k| k.label() == s)
-            .ok_or_else(|| format!("unknown KV transport `{s}` (expected inproc, tcp or shm)"))
+            .ok_or_else(|| {
+                let known: Vec<&str> = TransportKind::ALL.iter().map(|k| k.label()).collect();
+                format!("unknown KV transport `{s}` (expected one of {})", known.join(", "))
+            })
     }
 }
 
@@ -62,6 +65,16 @@ impl KvAddr {
         match self {
             KvAddr::Tcp(_) => TransportKind::Tcp,
             KvAddr::Shm(_) => TransportKind::Shm,
+        }
+    }
+
+    /// This address as a peer that reached the receiver's host at `host` sees it: a
+    /// TCP receiver's port on that host (it may listen on every interface), anything
+    /// else as it is.
+    pub fn seen_at(&self, host: IpAddr) -> KvAddr {
+        match self {
+            KvAddr::Tcp(a) => KvAddr::Tcp(SocketAddr::new(host, a.port())),
+            KvAddr::Shm(p) => KvAddr::Shm(p.clone()),
         }
     }
 }

@@ -8,7 +8,11 @@
 use crate::link::{Link, Stream, IO_TIMEOUT};
 use crate::receive;
 use crate::slots::{LogEvery, PortSlots};
-use crate::{auth, ClusterKey, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError, TransportKind};
+use crate::transport::{wrong_kind, Binding, ListenAt, Transport};
+use crate::{
+    auth, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvSink, KvTransport, TransferError,
+    TransportKind,
+};
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -73,6 +77,36 @@ impl TcpReceiver {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+}
+
+impl KvReceiver for TcpReceiver {
+    fn addr(&self) -> KvAddr {
+        KvAddr::Tcp(self.addr)
+    }
+}
+
+/// TCP in the list of transports.
+pub(crate) struct Tcp;
+
+impl Transport for Tcp {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn bind<'a>(&'a self, at: &'a ListenAt, inboxes: Inboxes) -> Binding<'a> {
+        Box::pin(async move { Ok(Box::new(TcpReceiver::bind(at.net, inboxes).await?) as Box<dyn KvReceiver>) })
+    }
+
+    fn connect(&self, addr: &KvAddr, key: &ClusterKey) -> Result<Arc<dyn KvTransport>, TransferError> {
+        match addr {
+            KvAddr::Tcp(a) => Ok(Arc::new(TcpTransport::connect(*a, key)?)),
+            other => Err(wrong_kind(self.kind(), other)),
+        }
+    }
+
+    fn modelled(&self, _: &str) -> KvAddr {
+        KvAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 0)))
     }
 }
 

@@ -9,7 +9,7 @@
 
 use crate::control::{self, Answer, CallId, Capability, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
 use pdserve_kv_transfer::slots::LogEvery;
-use pdserve_kv_transfer::{auth, ClusterKey, HandoffToken, KvAddr, KvTarget, TransportKind};
+use pdserve_kv_transfer::{auth, ClusterKey, HandoffToken, KvTarget, TransportKind};
 use pdserve_protocol::{
     pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvCursor, KvDestination, KvEventLog, KvEvents, LinkProbe,
     Prefilled, PrefixPeer, Reply, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
@@ -291,13 +291,8 @@ impl Worker for RemoteWorker {
     /// Reachable over TCP at the host the control connection uses, and over shared
     /// memory on the same host.
     fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
-        let h = &self.conn.hello;
-        let addr = match via {
-            TransportKind::Inproc => return None,
-            TransportKind::Tcp => KvAddr::Tcp(SocketAddr::new(self.conn.addr.ip(), h.kv_tcp_port?)),
-            TransportKind::Shm => KvAddr::Shm(h.kv_shm.clone()?),
-        };
-        Some(KvTarget::Remote(addr))
+        let addr = self.conn.hello.kv.iter().find(|a| a.kind() == via)?;
+        Some(KvTarget::Remote(addr.seen_at(self.conn.addr.ip())))
     }
 
     /// Any worker takes a reservation that keeps nothing of its own (an empty `keep`).

@@ -36,7 +36,6 @@ use pdserve_protocol::{
 use pdserve_types::{Assignment, Epoch, RequestId};
 use serde::{Deserialize, Serialize};
 use std::io;
-use std::path::PathBuf;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
@@ -65,10 +64,10 @@ pub type CallId = u64;
 pub struct Handshake {
     pub protocol: u32,
     pub info: WorkerInfo,
-    /// Port of the TCP KV receiver, on the host the router connected to.
-    pub kv_tcp_port: Option<u16>,
-    /// Socket of the shared-memory KV receiver (same host only).
-    pub kv_shm: Option<PathBuf>,
+    /// Its KV receivers, at most one per transport kind; a router reaches a TCP one
+    /// at its port on the host the router connected to ([`KvAddr::seen_at`]).
+    #[serde(default)]
+    pub kv: Vec<KvAddr>,
     /// The optional parts of the worker surface the worker has: a router asks only
     /// for these.
     #[serde(default)]

@@ -58,20 +58,15 @@ impl WorkerServer {
     /// What a router learns once it proved the token: who this is, and this worker's
     /// answer to the router's nonce.
     fn handshake(&self, router_nonce: &[u8]) -> Handshake {
-        let port = match self.worker.kv_target(TransportKind::Tcp) {
-            Some(KvTarget::Remote(pdserve_kv_transfer::KvAddr::Tcp(a))) => Some(a.port()),
+        let kv = TransportKind::ALL.into_iter().filter_map(|via| match self.worker.kv_target(via) {
+            Some(KvTarget::Remote(addr)) => Some(addr),
             _ => None,
-        };
-        let shm = match self.worker.kv_target(TransportKind::Shm) {
-            Some(KvTarget::Remote(pdserve_kv_transfer::KvAddr::Shm(p))) => Some(p),
-            _ => None,
-        };
+        });
         let proof = self.key.prove(control::WORKER_LABEL, router_nonce).to_vec();
         Handshake {
             protocol: PROTOCOL_VERSION,
             info: self.worker.info().clone(),
-            kv_tcp_port: port,
-            kv_shm: shm,
+            kv: kv.collect(),
             capabilities: Capability::of(&*self.worker),
             proof,
         }

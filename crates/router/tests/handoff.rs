@@ -8,7 +8,7 @@ mod common;
 use common::{collect, collect_all, model, request, rt, worker, PROMPTS};
 
 use common::local;
-use pdserve_kv_transfer::TransportKind;
+use pdserve_kv_transfer::{ListenAt, TransportKind};
 use pdserve_protocol::{Event, Generate, TokenStream, Worker};
 use pdserve_router::{Deadlines, Mode, Router};
 use pdserve_types::{Role, SamplingParams};
@@ -175,14 +175,9 @@ async fn tcp_and_shm_links_give_the_same_tokens() {
     let cfg = &model().model.cfg;
     for (k, via) in [TransportKind::Tcp, TransportKind::Shm].into_iter().enumerate() {
         let d = local("decode", Role::Decode, 256);
-        match via {
-            TransportKind::Tcp => drop(d.listen_tcp("127.0.0.1:0".parse().unwrap()).await.unwrap()),
-            _ => {
-                let sock = std::env::temp_dir().join(format!("pdserve-router-test-{}.sock", std::process::id()));
-                let _ = std::fs::remove_file(&sock);
-                d.listen_shm(&sock).await.unwrap();
-            }
-        }
+        let sock = std::env::temp_dir().join(format!("pdserve-router-test-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&sock);
+        d.listen(via, &ListenAt { net: "127.0.0.1:0".parse().unwrap(), socket: sock }).await.unwrap();
         let seen = Arc::new(Bytes::default());
         let workers: [Arc<dyn Worker>; 2] = [worker("prefill", Role::Prefill), Arc::new(d)];
         let r = Router::new(workers, Mode::Disaggregated, Deadlines::default(), rt())

@@ -32,7 +32,7 @@ use pdserve_engine::model::Model;
 use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::RestoreCost;
 use pdserve_kv_transfer::{
-    frame, probe, ClusterKey, HandoffId, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, TransportKind,
+    frame, probe, ClusterKey, HandoffId, Inboxes, KvTarget, Links, ListenAt, TransportKind,
 };
 use pdserve_protocol::{Event, GenerateRequest, RoleSwitch, TokenStream, Worker};
 use pdserve_types::{Assignment, Epoch, KvFrame, RequestId, Role, SamplingParams};
@@ -157,7 +157,7 @@ fn time_links(
     log: &mut dyn FnMut(&str),
 ) -> Result<Vec<Link>, TwinError> {
     let mut links = Vec::new();
-    for kind in [TransportKind::Inproc, TransportKind::Tcp, TransportKind::Shm] {
+    for kind in TransportKind::ALL {
         let link = rt.block_on(time_link(kind, frame_elems))?;
         log(&format!("{}: {:.0} µs, {:.2} GB/s", link.transport, link.latency_s * 1e6, link.bytes_per_s / 1e9));
         links.push(link);
@@ -489,17 +489,9 @@ async fn time_link(kind: TransportKind, frame_elems: usize) -> Result<Link, Twin
     let inboxes = Inboxes::guarded(256, key.clone(), frame::encoded_len_for(frame_elems));
     let io = |e: std::io::Error| TwinError::Invalid(format!("{kind} receiver: {e}"));
     let sock = std::env::temp_dir().join(format!("pdserve-profile-{}.sock", std::process::id()));
-    let (target, _tcp, _shm) = match kind {
-        TransportKind::Inproc => (KvTarget::InProc(inboxes.clone()), None, None),
-        TransportKind::Tcp => {
-            let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.map_err(io)?;
-            (KvTarget::Remote(KvAddr::Tcp(rx.local_addr())), Some(rx), None)
-        }
-        TransportKind::Shm => {
-            let rx = ShmReceiver::bind(&sock, inboxes.clone()).await.map_err(io)?;
-            (KvTarget::Remote(KvAddr::Shm(sock.clone())), None, Some(rx))
-        }
-    };
+    let at = ListenAt { net: ([127, 0, 0, 1], 0).into(), socket: sock.clone() };
+    let rx = pdserve_kv_transfer::bind(kind, &at, inboxes.clone()).await.map_err(io)?;
+    let target = rx.as_ref().map_or_else(|| KvTarget::InProc(inboxes.clone()), |r| KvTarget::Remote(r.addr()));
     let links = Arc::new(Links::new(key));
     let mut best = [f64::INFINITY; 2];
     let mut id = 1;

@@ -24,7 +24,7 @@ use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::TimedModel;
 use pdserve_kv::BlockPool;
 use pdserve_kv_transfer::{
-    frame, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvTarget, Links, ShmReceiver, TcpReceiver, Throughput,
+    frame, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvTarget, Links, ListenAt, Throughput,
     TransferError, TransportKind,
 };
 use pdserve_protocol::{
@@ -33,8 +33,6 @@ use pdserve_protocol::{
 };
 use pdserve_types::{Assignment, Epoch, Grammar, KvFrame, RequestId, Role};
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -215,10 +213,21 @@ impl SimKv {
     }
 }
 
+/// The receivers it listens on, at most one per transport kind.
 #[derive(Default)]
-struct Receivers {
-    tcp: Option<TcpReceiver>,
-    shm: Option<ShmReceiver>,
+struct Receivers(Vec<Box<dyn KvReceiver>>);
+
+impl Receivers {
+    /// Listens with `rx` too, instead of any receiver of its kind before.
+    fn add(&mut self, rx: Box<dyn KvReceiver>) {
+        let kind = rx.addr().kind();
+        self.0.retain(|r| r.addr().kind() != kind);
+        self.0.push(rx);
+    }
+
+    fn addr(&self, via: TransportKind) -> Option<KvAddr> {
+        self.0.iter().map(|r| r.addr()).find(|a| a.kind() == via)
+    }
 }
 
 impl LocalWorker {
@@ -325,19 +334,15 @@ impl LocalWorker {
         &self.inner.info.name
     }
 
-    /// Also receives KV over TCP at `addr` (port 0 picks one); returns the address.
-    pub async fn listen_tcp(&self, addr: SocketAddr) -> std::io::Result<SocketAddr> {
-        let rx = TcpReceiver::bind(addr, self.inner.inboxes.clone()).await?;
-        let bound = rx.local_addr();
-        lock(&self.inner.receivers).tcp = Some(rx);
-        Ok(bound)
-    }
-
-    /// Also receives KV through shared memory, announced on the Unix socket `path`.
-    pub async fn listen_shm(&self, path: &Path) -> std::io::Result<()> {
-        let rx = ShmReceiver::bind(path, self.inner.inboxes.clone()).await?;
-        lock(&self.inner.receivers).shm = Some(rx);
-        Ok(())
+    /// Also receives KV over transport `kind` where `at` says; answers where senders
+    /// reach it (in-process needs no receiver: `None`).
+    pub async fn listen(&self, kind: TransportKind, at: &ListenAt) -> std::io::Result<Option<KvAddr>> {
+        let Some(rx) = pdserve_kv_transfer::bind(kind, at, self.inner.inboxes.clone()).await? else {
+            return Ok(None);
+        };
+        let addr = rx.addr();
+        lock(&self.inner.receivers).add(rx);
+        Ok(Some(addr))
     }
 }
 
@@ -370,11 +375,9 @@ impl Worker for LocalWorker {
     }
 
     fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
-        let receivers = lock(&self.inner.receivers);
         match via {
             TransportKind::Inproc => Some(KvTarget::InProc(self.inner.inboxes.clone())),
-            TransportKind::Tcp => receivers.tcp.as_ref().map(|r| KvTarget::Remote(KvAddr::Tcp(r.local_addr()))),
-            TransportKind::Shm => receivers.shm.as_ref().map(|r| KvTarget::Remote(KvAddr::Shm(r.path().into()))),
+            via => lock(&self.inner.receivers).addr(via).map(KvTarget::Remote),
         }
     }
 

@@ -13,7 +13,7 @@ use pdserve_engine::batch::{Engine, EngineConfig};
 use pdserve_engine::tiers::{TierConfig, TierError};
 use pdserve_engine::timed::TimedModel;
 use pdserve_kv::BlockPool;
-use pdserve_kv_transfer::{HandoffToken, Inboxes, KvAddr, KvTarget, TransportKind};
+use pdserve_kv_transfer::{HandoffToken, Inboxes, KvTarget, TransportKind};
 use pdserve_protocol::{
     DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEventLog, KvEvents, Prefilled, PrefixPeer,
     Reply, RoleState, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
@@ -21,7 +21,6 @@ use pdserve_protocol::{
 use pdserve_types::{Assignment, Epoch, RequestId, Role};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
-use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -258,11 +257,10 @@ impl Worker for SimWorker {
 
     fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
         self.inner.link(via)?;
-        Some(match via {
-            TransportKind::Inproc => KvTarget::InProc(self.inner.inboxes.clone()),
+        Some(match pdserve_kv_transfer::remote(via) {
+            None => KvTarget::InProc(self.inner.inboxes.clone()),
             // Never connected to: the link is modelled.
-            TransportKind::Tcp => KvTarget::Remote(KvAddr::Tcp(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))),
-            TransportKind::Shm => KvTarget::Remote(KvAddr::Shm(format!("sim-{}", self.inner.info.name).into())),
+            Some(t) => KvTarget::Remote(t.modelled(&self.inner.info.name)),
         })
     }
 

@@ -4,7 +4,7 @@ use super::http::{self, ApiArgs, Served};
 use anyhow::Context;
 use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_frontend::Metrics;
-use pdserve_kv_transfer::TransportKind;
+use pdserve_kv_transfer::{ListenAt, TransportKind};
 use pdserve_protocol::Worker;
 use pdserve_router::planner::{model::Slo, Planner, PlannerConfig};
 use pdserve_router::{Mode, PolicyKind, Router};
@@ -255,15 +255,10 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
 
 /// Binds `w`'s receiver for `via` on loopback (in-process needs none).
 pub(super) async fn listen(w: &LocalWorker, via: TransportKind) -> anyhow::Result<()> {
-    match via {
-        TransportKind::Inproc => {}
-        TransportKind::Tcp => {
-            w.listen_tcp(SocketAddr::from((Ipv4Addr::LOCALHOST, 0))).await.context("KV receiver")?;
-        }
-        TransportKind::Shm => {
-            let sock = super::socket_path(&format!("kv-{}", w.name()))?;
-            w.listen_shm(&sock).await.context("shared-memory KV receiver")?;
-        }
-    }
+    let at = ListenAt {
+        net: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+        socket: super::socket_path(&format!("kv-{}", w.name()))?,
+    };
+    w.listen(via, &at).await.with_context(|| format!("{via} KV receiver"))?;
     Ok(())
 }

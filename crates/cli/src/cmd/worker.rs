@@ -6,6 +6,7 @@ use super::probe::{LinkTable, Prober};
 use anyhow::Context;
 use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_fleet::{Endpoints, KvCache, Load, NodeId, NodeRecord};
+use pdserve_kv_transfer::{KvAddr, ListenAt, TransportKind};
 use pdserve_protocol::{unsupported, Worker};
 use pdserve_remote::WorkerServer;
 use pdserve_types::Role;
@@ -170,10 +171,14 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
         let worker =
             m.spawn(opts, tokio::runtime::Handle::current()).with_context(|| format!("starting worker {name}"))?;
         // Every worker receives KV: its role may change to decode at run time.
-        let kv = a.kv_listen.unwrap_or(SocketAddr::new(a.listen.ip(), 0));
-        let kv = worker.listen_tcp(kv).await.with_context(|| format!("KV receiver on {kv}"))?;
-        let sock = super::socket_path(&format!("kv-{}", kv.port()))?;
-        worker.listen_shm(&sock).await.context("shared-memory KV receiver")?;
+        let at = ListenAt { net: a.kv_listen.unwrap_or(SocketAddr::new(a.listen.ip(), 0)), socket: super::socket_path("kv")? };
+        let mut kv = at.net;
+        for via in TransportKind::ALL {
+            // The TCP one is what peers probe; the handshake names them all.
+            if let Some(KvAddr::Tcp(bound)) = worker.listen(via, &at).await.with_context(|| format!("{via} KV receiver"))? {
+                kv = bound;
+            }
+        }
         let control = listener.local_addr()?;
         let local = worker.clone();
         let worker = Arc::new(worker) as Arc<dyn Worker>;

@@ -5,6 +5,7 @@
 
 use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::loader::{load, LoadedModel};
+use pdserve_kv_transfer::{ListenAt, TransportKind};
 use pdserve_protocol::{Event, GenerateRequest, TokenStream, Worker};
 use pdserve_remote::{RemoteWorker, WorkerServer};
 use pdserve_types::{RequestId, Role, SamplingParams};
@@ -99,10 +100,12 @@ pub struct Served {
 
 pub async fn serve(name: &str, role: Role) -> Served {
     let local = local(name, role, 256);
-    local.listen_tcp("127.0.0.1:0".parse().unwrap()).await.unwrap();
     let sock = std::env::temp_dir().join(format!("pdserve-remote-test-{}-{name}.sock", std::process::id()));
     let _ = std::fs::remove_file(&sock);
-    local.listen_shm(&sock).await.unwrap();
+    let at = ListenAt { net: "127.0.0.1:0".parse().unwrap(), socket: sock };
+    for via in [TransportKind::Tcp, TransportKind::Shm] {
+        local.listen(via, &at).await.unwrap();
+    }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let served: Arc<dyn Worker> = Arc::new(local.clone());

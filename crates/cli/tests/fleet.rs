@@ -402,14 +402,32 @@ fn losing_nats_fails_nothing_in_flight_and_the_fleet_comes_back() {
     assert_eq!(status_of(fe.addr, 2), 200);
 }
 
+/// A node record no member of the fleet wrote.
+fn evil_record() -> pdserve_fleet::NodeRecord {
+    use pdserve_fleet::{Endpoints, KvCache, Load, NodeRecord};
+    use pdserve_types::{Epoch, Role};
+    NodeRecord {
+        node_id: "evil-node".parse().unwrap(),
+        name: "evil".into(),
+        model: "m".into(),
+        role: Role::Decode,
+        epoch: Epoch(0),
+        protocol: 1,
+        endpoints: Endpoints { control: ([127, 0, 0, 1], 18399).into(), kv: ([127, 0, 0, 1], 18398).into() },
+        threads: 1,
+        kv_cache: KvCache { block_size: 16, blocks_total: 8, blocks_free: 8, blocks_used: 0, blocks_cached: 0 },
+        load: Load::default(),
+        links: Vec::new(),
+        updated_unix_ms: pdserve_fleet::now_unix_ms(),
+    }
+}
+
 /// A NATS client without the cluster token writes a plan and a node record into the
 /// real bucket: whoever holds the token reads neither (it sees no plan and no such
 /// node), while a reader that checks nothing sees both were written.
 #[test]
 fn plans_and_records_written_without_the_cluster_token_are_ignored() {
-    use pdserve_fleet::{
-        read_plan, seal, Bus, Endpoints, KvBatch, KvCache, Lease, Load, NatsConfig, NodeRecord, KV_SUBJECT_PREFIX,
-    };
+    use pdserve_fleet::{read_plan, seal, Bus, KvBatch, Lease, NatsConfig, KV_SUBJECT_PREFIX};
     use pdserve_kv_transfer::ClusterKey;
     use pdserve_types::{Assignment, Epoch, Role};
     let n = nats();
@@ -425,20 +443,7 @@ fn plans_and_records_written_without_the_cluster_token_are_ignored() {
         let fleet = Bus::connect(&cfg("fleet", Some(ClusterKey::random()))).await.unwrap();
         let rogue = Bus::connect(&cfg("rogue", Some(ClusterKey::random()))).await.unwrap();
         let looker = Bus::connect(&cfg("looker", None)).await.unwrap();
-        let evil = NodeRecord {
-            node_id: "evil-node".parse().unwrap(),
-            name: "evil".into(),
-            model: "m".into(),
-            role: Role::Decode,
-            epoch: Epoch(0),
-            protocol: 1,
-            endpoints: Endpoints { control: ([127, 0, 0, 1], 18399).into(), kv: ([127, 0, 0, 1], 18398).into() },
-            threads: 1,
-            kv_cache: KvCache { block_size: 16, blocks_total: 8, blocks_free: 8, blocks_used: 0, blocks_cached: 0 },
-            load: Load::default(),
-            links: Vec::new(),
-            updated_unix_ms: pdserve_fleet::now_unix_ms(),
-        };
+        let evil = evil_record();
         rogue.put(&evil).await.unwrap();
         let mut lease = Lease::take(&rogue, "rogue").await.unwrap().expect("no planner yet");
         lease.write([(evil.node_id.clone(), Assignment::new(Role::Prefill, Epoch(u64::MAX)))]).await.unwrap();

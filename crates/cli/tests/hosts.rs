@@ -498,25 +498,7 @@ fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
     procs.insert("d1", worker(&net, 1, "decode", "d1"));
     procs.insert("d2", worker(&net, 2, "decode", "d2"));
     procs.insert("p2", worker(&net, 2, "prefill", "p2"));
-    let fe_host = net.ip(0);
-    let fe = start_in(
-        net.ns(0),
-        &[
-            "frontend",
-            "--nats",
-            &url,
-            "--nats-replicas",
-            "3",
-            "--mode",
-            "disaggregated",
-            "--kv-transport",
-            "tcp",
-            "--host",
-            &fe_host,
-            "--port",
-            "0",
-        ],
-    );
+    let fe = frontend(&net, &url);
     let all = ["d1", "d2", "p0", "p2"];
     settled("start", fe.addr, &url, &all);
     let rec = fleet_records(&url);
@@ -563,29 +545,42 @@ fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
     check("host cut off for 10 s", &out, &want);
     settled("host cut off for 10 s", fe.addr, &url, &all);
 
-    // 6. A new host joins under load: it is used. Three clients: with two, the
-    // least-loaded policy could keep finding a free worker that joined earlier.
+    // 6. A new host joins under load: it is used.
+    a_new_host_is_used(&mut net, &mut procs, &fe, &url, &want);
+    settled("new host", fe.addr, &url, &["d1", "d2", "d3", "p0", "p2"]);
+    drop(procs);
+    drop(fe);
+}
+
+/// The frontend on host 0: disaggregated, KV over TCP, NATS with three replicas.
+fn frontend(net: &Net, url: &str) -> Proc {
+    let fe_host = net.ip(0);
+    let args = ["frontend", "--nats", url, "--nats-replicas", "3", "--mode", "disaggregated", "--kv-transport", "tcp"];
+    start_in(net.ns(0), &[&args[..], &["--host", &fe_host, "--port", "0"]].concat())
+}
+
+/// A decode worker on a new host, started under load, serves a sequence and fails
+/// nothing. Three clients: with two, the least-loaded policy could keep finding a
+/// free worker that joined earlier.
+fn a_new_host_is_used(net: &mut Net, procs: &mut BTreeMap<&'static str, Proc>, fe: &Proc, url: &str, want: &Texts) {
     let load = Load::start(fe.addr, 3, Work::Streams);
     wait_for_requests(&load, 1);
     let h3 = net.add_host();
-    procs.insert("d3", worker(&net, h3, "decode", "d3"));
+    procs.insert("d3", worker(net, h3, "decode", "d3"));
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !try_fleet_records(&url).unwrap_or_default().iter().any(|r| {
+    while !try_fleet_records(url).unwrap_or_default().iter().any(|r| {
         r["node_id"] == "d3"
             && (r["load"]["running"].as_u64() > Some(0) || r["kv_cache"]["blocks_cached"].as_u64() > Some(0))
     }) {
         if Instant::now() > deadline {
             let (_, m) = common::http(fe.addr, "GET", "/metrics", None);
             let m: Vec<&str> = m.lines().filter(|l| l.contains("worker_up") || l.contains("kv_blocks")).collect();
-            eprintln!("records: {}", serde_json::to_string(&fleet_records(&url)).unwrap());
+            eprintln!("records: {}", serde_json::to_string(&fleet_records(url)).unwrap());
             eprintln!("frontend: {m:#?}\nlog: {:#?}", fe.log.lock().unwrap().iter().rev().take(15).collect::<Vec<_>>());
             panic!("the new host's worker never served a sequence");
         }
         std::thread::sleep(Duration::from_millis(100));
     }
     let out = load.stop();
-    assert_eq!(check("new host", &out, &want), 0, "a joining host fails nothing");
-    settled("new host", fe.addr, &url, &["d1", "d2", "d3", "p0", "p2"]);
-    drop(procs);
-    drop(fe);
+    assert_eq!(check("new host", &out, want), 0, "a joining host fails nothing");
 }

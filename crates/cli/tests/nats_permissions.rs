@@ -151,17 +151,9 @@ async fn refused(errors: &Arc<Mutex<Vec<String>>>, what: &str, subject: &str) {
     until(&format!("the server refuses {what} to {subject}"), said).await;
 }
 
-#[test]
-fn a_fleet_of_least_privileged_users_works_and_a_river_client_cannot_touch_it() {
-    let n = Nats::start();
-    let dir = TempDir(std::env::temp_dir().join(format!("pdserve-nats-perm-sim-{}", std::process::id())));
-    std::fs::create_dir_all(&dir.0).unwrap();
-    let profile = dir.0.join("derived.json");
-    derived_profile(&profile);
-    let p = profile.to_str().unwrap();
-    let url = n.url.as_str();
-
-    // (a) Each process as its own user.
+/// The fleet, each process as its own user: a simulated worker, a frontend that
+/// also consumes the River, and a planner.
+fn start_fleet(url: &str, profile: &str) -> [Proc; 3] {
     let worker = start_as(
         "worker",
         &[
@@ -169,7 +161,7 @@ fn a_fleet_of_least_privileged_users_works_and_a_river_client_cannot_touch_it() 
             "--engine",
             "sim",
             "--profile",
-            p,
+            profile,
             "--role",
             "mixed",
             "--listen",
@@ -200,6 +192,154 @@ fn a_fleet_of_least_privileged_users_works_and_a_river_client_cannot_touch_it() 
             "50",
         ],
     );
+    [worker, fe, planner]
+}
+
+/// A completion through the frontend at `fe`, which must succeed.
+async fn complete(fe: std::net::SocketAddr, body: &str) {
+    let reply =
+        pdserve_testkit::http::send(fe, &pdserve_testkit::http::post_request("/v1/completions", body, &[])).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+/// The forest puts a request on the River and one on the Wind, and gets both
+/// answers; the server refused it nothing.
+async fn the_forest_is_served(n: &Nats, forest: &async_nats::Client, errors: &Arc<Mutex<Vec<String>>>) {
+    let results = collect(forest, "infer.result.>").await;
+    let js = jetstream::new(forest.clone());
+    let river = json!({"prompt": "Hello", "max_tokens": 2, "nimsforest": {"request_id": "perm-river"}});
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // The frontend makes the River stream once it consumes.
+    while js.publish("river.infer.requests", river.to_string().into()).await.unwrap().await.is_err() {
+        assert!(Instant::now() < deadline, "the River stream never came");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let data = json!({"request_id": "perm-wind", "prompt": "Hi", "max_tokens": 2});
+    let leaf = pdserve_fleet::forest::Leaf::new("infer.request.submit", "forest:test", data);
+    let answer = forest.request("infer.request.submit", leaf.to_bytes().into()).await.unwrap();
+    let answer: Value = serde_json::from_slice(&answer.payload).unwrap();
+    assert_eq!(answer, json!({"accepted": true, "request_id": "perm-wind"}));
+    let answered = |id: &str| {
+        let subject = format!("infer.result.{id}: ");
+        results.lock().unwrap().iter().any(|m| m.starts_with(&subject) && m.contains("choices"))
+    };
+    until("the River request is answered", || answered("perm-river")).await;
+    until("the Wind request is answered", || answered("perm-wind")).await;
+    assert!(errors.lock().unwrap().is_empty(), "{:?}", errors.lock().unwrap());
+    let refused_so_far = n.violations();
+    assert!(refused_so_far.is_empty(), "the server refused the fleet something: {refused_so_far:#?}");
+}
+
+/// What readers with the rights to read see from now on: every write to the bucket,
+/// the KV events and the traffic.
+struct Watched {
+    written: Arc<Mutex<Vec<String>>>,
+    kv_events: Arc<Mutex<Vec<String>>>,
+    traffic: Arc<Mutex<Vec<String>>>,
+    bucket: jetstream::kv::Store,
+}
+
+async fn watch_the_fleet(n: &Nats, planner_user: &async_nats::Client) -> Watched {
+    let (observer, _) = client_as(n, "observer").await;
+    let bucket = jetstream::new(observer).get_key_value("INFER_LOAD").await.unwrap();
+    let mut watch = bucket.watch_all().await.unwrap();
+    let written = Arc::new(Mutex::new(Vec::<String>::new()));
+    let kept = written.clone();
+    tokio::spawn(async move {
+        while let Some(Ok(e)) = watch.next().await {
+            kept.lock().unwrap().push(format!("{}: {}", e.key, String::from_utf8_lossy(&e.value)));
+        }
+    });
+    let (frontend_user, _) = client_as(n, "frontend").await;
+    let kv_events = collect(&frontend_user, "pdserve.kv.>").await;
+    let traffic = collect(planner_user, "pdserve.traffic").await;
+    Watched { written, kv_events, traffic, bucket }
+}
+
+/// Subjects the forest may not write, and may not read.
+const FOREST_WRITES: [&str; 8] = [
+    "$KV.INFER_LOAD.planner",
+    "$KV.INFER_LOAD.nodes.w1",
+    "$KV.INFER_LOAD.nodes.forged",
+    "pdserve.kv.w1",
+    "pdserve.traffic",
+    "$JS.API.STREAM.PURGE.KV_INFER_LOAD",
+    "$JS.API.STREAM.DELETE.KV_INFER_LOAD",
+    "$KV.INFER_REQ.req.perm-river",
+];
+const FOREST_READS: [&str; 5] =
+    ["pdserve.kv.>", "pdserve.traffic", "$KV.INFER_LOAD.>", "_INBOX_frontend.>", "_INBOX.>"];
+
+/// (b) The forest tries to write the fleet's subjects and read them, (c) a worker to
+/// write the plan and a frontend a node record; the server refuses each. Answers
+/// what the forest's subscriptions overheard.
+async fn trespass(
+    n: &Nats,
+    forest: &async_nats::Client,
+    forest_errors: &Arc<Mutex<Vec<String>>>,
+) -> Vec<Arc<Mutex<Vec<String>>>> {
+    let forged = json!({"body": FORGED, "mac": "AAAA"}).to_string();
+    for subject in FOREST_WRITES {
+        forest.publish(subject, forged.clone().into()).await.unwrap();
+    }
+    let mut overheard = Vec::new();
+    for subject in FOREST_READS {
+        overheard.push(collect(forest, subject).await);
+    }
+    let (worker_user, worker_errors) = client_as(n, "worker").await;
+    worker_user.publish("$KV.INFER_LOAD.planner", forged.clone().into()).await.unwrap();
+    worker_user.flush().await.unwrap();
+    let (frontend_writer, frontend_errors) = client_as(n, "frontend").await;
+    frontend_writer.publish("$KV.INFER_LOAD.nodes.forged", forged.clone().into()).await.unwrap();
+    frontend_writer.flush().await.unwrap();
+    for subject in FOREST_WRITES {
+        refused(forest_errors, "Publish", subject).await;
+    }
+    for subject in FOREST_READS {
+        refused(forest_errors, "Subscription", subject).await;
+    }
+    refused(&worker_errors, "Publish", "$KV.INFER_LOAD.planner").await;
+    refused(&frontend_errors, "Publish", "$KV.INFER_LOAD.nodes.forged").await;
+    overheard
+}
+
+/// What was allowed lands, the fleet's own writes keep coming, and nothing forged
+/// reached a reader or the plan; the forest overheard nothing.
+async fn nothing_forged_got_through(
+    w: &Watched,
+    overheard: &[Arc<Mutex<Vec<String>>>],
+    fe: std::net::SocketAddr,
+    body: &str,
+) {
+    let seen = |what: &Arc<Mutex<Vec<String>>>| what.lock().unwrap().len();
+    let (writes, events, batches) = (seen(&w.written), seen(&w.kv_events), seen(&w.traffic));
+    complete(fe, body).await;
+    until("the fleet keeps writing its records, events and traffic", || {
+        seen(&w.written) > writes + 2 && seen(&w.kv_events) > events && seen(&w.traffic) > batches
+    })
+    .await;
+    for (what, got) in [("the bucket", &w.written), ("the KV events", &w.kv_events), ("the traffic", &w.traffic)] {
+        let got = got.lock().unwrap();
+        assert!(!got.iter().any(|m| m.contains(FORGED)), "a forged value reached {what}: {got:#?}");
+    }
+    for (subject, got) in FOREST_READS.iter().zip(overheard) {
+        assert!(got.lock().unwrap().is_empty(), "the forest read {subject}: {:?}", got.lock().unwrap());
+    }
+    let plan = w.bucket.get("planner").await.unwrap().expect("the plan is still there");
+    assert!(!String::from_utf8_lossy(&plan).contains(FORGED));
+}
+
+#[test]
+fn a_fleet_of_least_privileged_users_works_and_a_river_client_cannot_touch_it() {
+    let n = Nats::start();
+    let dir = TempDir(std::env::temp_dir().join(format!("pdserve-nats-perm-sim-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let profile = dir.0.join("derived.json");
+    derived_profile(&profile);
+    let url = n.url.as_str();
+
+    // (a) Each process as its own user.
+    let [worker, fe, planner] = start_fleet(url, profile.to_str().unwrap());
     let prompt: Vec<u32> = (0..200u32).map(|t| 1000 + (t * 37) % 30000).collect();
     let req = json!({"prompt": prompt, "max_tokens": 2, "temperature": 0});
     eventually("the frontend routes to the worker it found in the bucket", || {
@@ -221,110 +361,13 @@ fn a_fleet_of_least_privileged_users_works_and_a_river_client_cannot_touch_it() 
         let (planner_user, _) = client_as(&n, "planner").await;
         let traffic = collect(&planner_user, "pdserve.traffic").await;
         let body = req.to_string();
-        let reply =
-            pdserve_testkit::http::send(fe.addr, &pdserve_testkit::http::post_request("/v1/completions", &body, &[]))
-                .await;
-        assert_eq!(reply.status, 200, "{}", reply.text());
+        complete(fe.addr, &body).await;
         until("a traffic batch reaches the planner's user", || !traffic.lock().unwrap().is_empty()).await;
-
-        // The forest puts a request on the River and one on the Wind, and gets both answers.
         let (forest, forest_errors) = client_as(&n, "forest").await;
-        let results = collect(&forest, "infer.result.>").await;
-        let js = jetstream::new(forest.clone());
-        let river = json!({"prompt": "Hello", "max_tokens": 2, "nimsforest": {"request_id": "perm-river"}});
-        let deadline = Instant::now() + Duration::from_secs(30);
-        // The frontend makes the River stream once it consumes.
-        while js.publish("river.infer.requests", river.to_string().into()).await.unwrap().await.is_err() {
-            assert!(Instant::now() < deadline, "the River stream never came");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        let data = json!({"request_id": "perm-wind", "prompt": "Hi", "max_tokens": 2});
-        let leaf = pdserve_fleet::forest::Leaf::new("infer.request.submit", "forest:test", data);
-        let answer = forest.request("infer.request.submit", leaf.to_bytes().into()).await.unwrap();
-        let answer: Value = serde_json::from_slice(&answer.payload).unwrap();
-        assert_eq!(answer, json!({"accepted": true, "request_id": "perm-wind"}));
-        let answered = |id: &str| {
-            let subject = format!("infer.result.{id}: ");
-            results.lock().unwrap().iter().any(|m| m.starts_with(&subject) && m.contains("choices"))
-        };
-        until("the River request is answered", || answered("perm-river")).await;
-        until("the Wind request is answered", || answered("perm-wind")).await;
-        assert!(forest_errors.lock().unwrap().is_empty(), "{:?}", forest_errors.lock().unwrap());
-        let refused_so_far = n.violations();
-        assert!(refused_so_far.is_empty(), "the server refused the fleet something: {refused_so_far:#?}");
-
-        // Readers with the rights to read, to show what gets through: a watch of the
-        // whole bucket, the KV events and the traffic.
-        let (observer, _) = client_as(&n, "observer").await;
-        let bucket = jetstream::new(observer).get_key_value("INFER_LOAD").await.unwrap();
-        let mut watch = bucket.watch_all().await.unwrap();
-        let written = Arc::new(Mutex::new(Vec::<String>::new()));
-        let kept = written.clone();
-        tokio::spawn(async move {
-            while let Some(Ok(e)) = watch.next().await {
-                kept.lock().unwrap().push(format!("{}: {}", e.key, String::from_utf8_lossy(&e.value)));
-            }
-        });
-        let (frontend_user, _) = client_as(&n, "frontend").await;
-        let kv_events = collect(&frontend_user, "pdserve.kv.>").await;
-        let traffic = collect(&planner_user, "pdserve.traffic").await;
-
-        // (b) The forest writes nothing of the fleet's and reads none of it.
-        let forged = json!({"body": FORGED, "mac": "AAAA"}).to_string();
-        let forest_writes = [
-            "$KV.INFER_LOAD.planner",
-            "$KV.INFER_LOAD.nodes.w1",
-            "$KV.INFER_LOAD.nodes.forged",
-            "pdserve.kv.w1",
-            "pdserve.traffic",
-            "$JS.API.STREAM.PURGE.KV_INFER_LOAD",
-            "$JS.API.STREAM.DELETE.KV_INFER_LOAD",
-            "$KV.INFER_REQ.req.perm-river",
-        ];
-        for subject in forest_writes {
-            forest.publish(subject, forged.clone().into()).await.unwrap();
-        }
-        let forest_reads = ["pdserve.kv.>", "pdserve.traffic", "$KV.INFER_LOAD.>", "_INBOX_frontend.>", "_INBOX.>"];
-        let mut overheard = Vec::new();
-        for subject in forest_reads {
-            overheard.push(collect(&forest, subject).await);
-        }
-        // (c) A worker cannot write the plan, nor a frontend a node record.
-        let (worker_user, worker_errors) = client_as(&n, "worker").await;
-        worker_user.publish("$KV.INFER_LOAD.planner", forged.clone().into()).await.unwrap();
-        worker_user.flush().await.unwrap();
-        let (frontend_writer, frontend_errors) = client_as(&n, "frontend").await;
-        frontend_writer.publish("$KV.INFER_LOAD.nodes.forged", forged.clone().into()).await.unwrap();
-        frontend_writer.flush().await.unwrap();
-
-        for subject in forest_writes {
-            refused(&forest_errors, "Publish", subject).await;
-        }
-        for subject in forest_reads {
-            refused(&forest_errors, "Subscription", subject).await;
-        }
-        refused(&worker_errors, "Publish", "$KV.INFER_LOAD.planner").await;
-        refused(&frontend_errors, "Publish", "$KV.INFER_LOAD.nodes.forged").await;
-        // What was allowed lands within this; the fleet's own writes keep coming.
-        let seen = |what: &Arc<Mutex<Vec<String>>>| what.lock().unwrap().len();
-        let (writes, events, batches) = (seen(&written), seen(&kv_events), seen(&traffic));
-        let reply =
-            pdserve_testkit::http::send(fe.addr, &pdserve_testkit::http::post_request("/v1/completions", &body, &[]))
-                .await;
-        assert_eq!(reply.status, 200, "{}", reply.text());
-        until("the fleet keeps writing its records, events and traffic", || {
-            seen(&written) > writes + 2 && seen(&kv_events) > events && seen(&traffic) > batches
-        })
-        .await;
-        for (what, got) in [("the bucket", &written), ("the KV events", &kv_events), ("the traffic", &traffic)] {
-            let got = got.lock().unwrap();
-            assert!(!got.iter().any(|m| m.contains(FORGED)), "a forged value reached {what}: {got:#?}");
-        }
-        for (subject, got) in forest_reads.iter().zip(&overheard) {
-            assert!(got.lock().unwrap().is_empty(), "the forest read {subject}: {:?}", got.lock().unwrap());
-        }
-        let plan = bucket.get("planner").await.unwrap().expect("the plan is still there");
-        assert!(!String::from_utf8_lossy(&plan).contains(FORGED));
+        the_forest_is_served(&n, &forest, &forest_errors).await;
+        let watched = watch_the_fleet(&n, &planner_user).await;
+        let overheard = trespass(&n, &forest, &forest_errors).await;
+        nothing_forged_got_through(&watched, &overheard, fe.addr, &body).await;
     });
     // The fleet still serves, and the refusals were all of the test's own making.
     assert_eq!(common::http(fe.addr, "POST", "/v1/completions", Some(&req)).0, 200);

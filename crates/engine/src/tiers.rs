@@ -12,12 +12,13 @@
 use crate::kvcache::KvStorage;
 use pdserve_kv::{Move, Place, Tier, TierCounters};
 use pdserve_types::crc32c::crc32c;
+use pdserve_types::lock;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -399,10 +400,6 @@ fn sweep_dead(dir: &Path) {
             let _ = std::fs::remove_file(e.path());
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 #[cfg(test)]

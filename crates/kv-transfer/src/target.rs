@@ -41,13 +41,10 @@ impl fmt::Display for TransportKind {
 impl FromStr for TransportKind {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        TransportKind::ALL
-            .into_iter()
-            .find(|k| k.label() == s)
-            .ok_or_else(|| {
-                let known: Vec<&str> = TransportKind::ALL.iter().map(|k| k.label()).collect();
-                format!("unknown KV transport `{s}` (expected one of {})", known.join(", "))
-            })
+        TransportKind::ALL.into_iter().find(|k| k.label() == s).ok_or_else(|| {
+            let known: Vec<&str> = TransportKind::ALL.iter().map(|k| k.label()).collect();
+            format!("unknown KV transport `{s}` (expected one of {})", known.join(", "))
+        })
     }
 }
 

@@ -94,6 +94,28 @@ pub trait Worker: Send + Sync + 'static {
     }
 }
 
+/// The capabilities for a caller that needs one: a worker that lacks it is refused
+/// with [`unsupported`], naming the worker and what it lacks. Every worker has these.
+pub trait Capabilities: Worker {
+    fn peering(&self) -> Result<&dyn PrefixPeer, ServeError> {
+        self.prefix_peer().ok_or_else(|| unsupported(self, "fetches no prefixes from its peers"))
+    }
+
+    fn event_log(&self) -> Result<&dyn KvEventLog, ServeError> {
+        self.kv_event_log().ok_or_else(|| unsupported(self, "publishes no KV events"))
+    }
+
+    fn roles(&self) -> Result<&dyn RoleSwitch, ServeError> {
+        self.role_switch().ok_or_else(|| unsupported(self, "cannot change role"))
+    }
+
+    fn probes(&self) -> Result<&dyn LinkProbe, ServeError> {
+        self.link_probe().ok_or_else(|| unsupported(self, "takes no link probes"))
+    }
+}
+
+impl<W: Worker + ?Sized> Capabilities for W {}
+
 /// The refusal of an optional operation by `worker`, which lacks the capability for
 /// it, in the words callers have always seen: `worker {name} {lacks}` ("worker d0
 /// cannot change role").

@@ -7,7 +7,9 @@
 //! flight. So does a message from the worker that fails its session MAC: the
 //! connection is closed as lost.
 
-use crate::control::{self, Answer, CallId, Capability, FromWorker, Handshake, Op, ToWorker, PROTOCOL_VERSION};
+use crate::control::{
+    self, Answer, CallId, Capability, FromWorker, Handshake, Op, SessionMac, ToWorker, PROTOCOL_VERSION,
+};
 use pdserve_kv_transfer::slots::LogEvery;
 use pdserve_kv_transfer::{auth, ClusterKey, HandoffToken, KvTarget, TransportKind};
 use pdserve_protocol::{
@@ -20,6 +22,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -99,44 +102,7 @@ impl RemoteWorker {
         let stream = TcpStream::connect(addr).await.map_err(io)?;
         stream.set_nodelay(true).map_err(io)?;
         let (mut rd, mut wr) = stream.into_split();
-        let challenge =
-            match tokio::time::timeout(HANDSHAKE, control::read_at_most::<_, FromWorker>(&mut rd, control::MAX_HELLO))
-                .await
-            {
-                Ok(Ok(Some(FromWorker::Challenge { nonce }))) => nonce,
-                _ => return Err(ConnectError::NoHandshake(addr)),
-            };
-        let ours = auth::nonce();
-        let proof = key.prove(control::ROUTER_LABEL, &challenge).to_vec();
-        let hello = ToWorker::Hello { protocol: PROTOCOL_VERSION, proof, nonce: ours.to_vec() };
-        control::write(&mut wr, &hello, None).await.map_err(io)?;
-        let (mut sealing, mut opening) = control::session(key, &challenge, &ours, control::ROUTER_LABEL).unzip();
-        // The worker's Hello is its first sealed message. Its version is read before
-        // its MAC, so a worker of another version is told apart from a forgery.
-        let body = match tokio::time::timeout(HANDSHAKE, control::read_body(&mut rd, control::MAX_MESSAGE)).await {
-            Ok(Ok(Some(body))) => body,
-            Ok(Ok(None)) | Ok(Err(_)) => return Err(ConnectError::Refused(addr)),
-            Err(_) => return Err(ConnectError::NoHandshake(addr)),
-        };
-        let hello = match control::decode::<FromWorker>(&body) {
-            Ok(FromWorker::Hello(h)) => h,
-            Ok(_) => return Err(ConnectError::NoHandshake(addr)),
-            Err(_) => return Err(ConnectError::Refused(addr)),
-        };
-        if hello.protocol != PROTOCOL_VERSION {
-            return Err(ConnectError::Version { addr, theirs: hello.protocol });
-        }
-        if !key.verify(control::WORKER_LABEL, &ours, &hello.proof) {
-            return Err(ConnectError::Impostor(addr));
-        }
-        if let Some(mac) = &mut opening {
-            match tokio::time::timeout(HANDSHAKE, control::read_mac(&mut rd, &body, mac)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) if auth::is_forged(&e) => return Err(ConnectError::Forged(addr)),
-                Ok(Err(_)) => return Err(ConnectError::Refused(addr)),
-                Err(_) => return Err(ConnectError::NoHandshake(addr)),
-            }
-        }
+        let (hello, mut sealing, opening) = handshake(&mut rd, &mut wr, key, addr).await?;
         let (out, mut outbox) = mpsc::channel::<ToWorker>(QUEUE);
         let conn = Arc::new(Conn {
             hello,
@@ -161,28 +127,7 @@ impl RemoteWorker {
         // The reader and the heartbeat hold the connection weakly: once no handle
         // (and no call in flight) holds it, it is dropped, its writer ends and the
         // socket closes, so the worker frees its session and connection slot.
-        let reader = Arc::downgrade(&conn);
-        let reading = tokio::spawn(async move {
-            let why = loop {
-                match control::read::<_, FromWorker>(&mut rd, opening.as_mut()).await {
-                    Ok(Some(msg)) => {
-                        let Some(conn) = reader.upgrade() else { return };
-                        conn.heard();
-                        conn.deliver(msg);
-                    }
-                    Err(e) if auth::is_forged(&e) => {
-                        if let Some(quiet) = FORGED.due() {
-                            tracing::warn!(%addr, error = %e, forged_since_last = quiet, "closing a worker connection: a message failed its MAC");
-                        }
-                        break "a message failed its MAC";
-                    }
-                    Ok(None) | Err(_) => break "the connection closed",
-                }
-            };
-            if let Some(conn) = reader.upgrade() {
-                conn.lost(why);
-            }
-        });
+        let reading = tokio::spawn(read_replies(rd, opening, Arc::downgrade(&conn), addr));
         tokio::spawn(heartbeat(Arc::downgrade(&conn), reading.abort_handle()));
         Ok(RemoteWorker { conn })
     }
@@ -415,6 +360,78 @@ impl LinkProbe for RemoteWorker {
                 other => Err(unexpected(&other)),
             }
         })
+    }
+}
+
+/// Both sides prove they hold `key`: the worker's challenge answered, its Hello
+/// read and checked. Answers with the Hello and the session's sealing (ours) and
+/// opening (theirs) MACs.
+async fn handshake(
+    rd: &mut OwnedReadHalf,
+    wr: &mut OwnedWriteHalf,
+    key: &ClusterKey,
+    addr: SocketAddr,
+) -> Result<(Handshake, Option<SessionMac>, Option<SessionMac>), ConnectError> {
+    let challenge =
+        match tokio::time::timeout(HANDSHAKE, control::read_at_most::<_, FromWorker>(rd, control::MAX_HELLO)).await {
+            Ok(Ok(Some(FromWorker::Challenge { nonce }))) => nonce,
+            _ => return Err(ConnectError::NoHandshake(addr)),
+        };
+    let ours = auth::nonce();
+    let proof = key.prove(control::ROUTER_LABEL, &challenge).to_vec();
+    let hello = ToWorker::Hello { protocol: PROTOCOL_VERSION, proof, nonce: ours.to_vec() };
+    control::write(wr, &hello, None).await.map_err(|source| ConnectError::Io { addr, source })?;
+    let (sealing, mut opening) = control::session(key, &challenge, &ours, control::ROUTER_LABEL).unzip();
+    // The worker's Hello is its first sealed message. Its version is read before its
+    // MAC, so a worker of another version is told apart from a forgery.
+    let body = match tokio::time::timeout(HANDSHAKE, control::read_body(rd, control::MAX_MESSAGE)).await {
+        Ok(Ok(Some(body))) => body,
+        Ok(Ok(None)) | Ok(Err(_)) => return Err(ConnectError::Refused(addr)),
+        Err(_) => return Err(ConnectError::NoHandshake(addr)),
+    };
+    let hello = match control::decode::<FromWorker>(&body) {
+        Ok(FromWorker::Hello(h)) => h,
+        Ok(_) => return Err(ConnectError::NoHandshake(addr)),
+        Err(_) => return Err(ConnectError::Refused(addr)),
+    };
+    if hello.protocol != PROTOCOL_VERSION {
+        return Err(ConnectError::Version { addr, theirs: hello.protocol });
+    }
+    if !key.verify(control::WORKER_LABEL, &ours, &hello.proof) {
+        return Err(ConnectError::Impostor(addr));
+    }
+    if let Some(mac) = &mut opening {
+        match tokio::time::timeout(HANDSHAKE, control::read_mac(rd, &body, mac)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) if auth::is_forged(&e) => return Err(ConnectError::Forged(addr)),
+            Ok(Err(_)) => return Err(ConnectError::Refused(addr)),
+            Err(_) => return Err(ConnectError::NoHandshake(addr)),
+        }
+    }
+    Ok((hello, sealing, opening))
+}
+
+/// Delivers the worker's messages to the calls they answer until the connection
+/// closes or a message fails its MAC; then the connection is lost.
+async fn read_replies(mut rd: OwnedReadHalf, mut opening: Option<SessionMac>, reader: Weak<Conn>, addr: SocketAddr) {
+    let why = loop {
+        match control::read::<_, FromWorker>(&mut rd, opening.as_mut()).await {
+            Ok(Some(msg)) => {
+                let Some(conn) = reader.upgrade() else { return };
+                conn.heard();
+                conn.deliver(msg);
+            }
+            Err(e) if auth::is_forged(&e) => {
+                if let Some(quiet) = FORGED.due() {
+                    tracing::warn!(%addr, error = %e, forged_since_last = quiet, "closing a worker connection: a message failed its MAC");
+                }
+                break "a message failed its MAC";
+            }
+            Ok(None) | Err(_) => break "the connection closed",
+        }
+    };
+    if let Some(conn) = reader.upgrade() {
+        conn.lost(why);
     }
 }
 

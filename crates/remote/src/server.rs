@@ -14,10 +14,10 @@ use crate::control::{
 };
 use pdserve_kv_transfer::slots::{LogEvery, Pending, PortSlots, Refused};
 use pdserve_kv_transfer::{auth, ClusterKey, KvTarget, TransportKind};
-use pdserve_protocol::{unsupported, Event, GenerateRequest, KvDestination, ServeError, TokenStream, Worker};
-use pdserve_types::RequestId;
+use pdserve_protocol::{Capabilities, Event, GenerateRequest, KvDestination, ServeError, TokenStream, Worker};
+use pdserve_types::{lock, Epoch, RequestId};
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
@@ -243,44 +243,16 @@ impl Session {
             Err(e) => return self.refuse(call, e),
         };
         match op {
-            Op::Generate { req } => {
-                let span = tracing::info_span!("generate", request_id = %req.tag);
-                let (events, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-                let started = span.in_scope(|| self.worker().generate(req, events));
-                self.stream(call, started.map(|()| stream), span);
-            }
-            Op::Decode { handoff } => {
-                let id = handoff.id;
-                let span = tracing::info_span!("decode", request_id = %handoff.tag);
-                // Only a reservation of this connection's own.
-                if !self.unhold(id) {
-                    let e = ServeError::Invalid(format!("this connection holds no reservation {id}"));
-                    return self.stream(call, Err(e), span);
-                }
-                let (events, stream) = TokenStream::channel(handoff.params.max_tokens as usize + 4);
-                let started = self.worker().decode(handoff, events);
-                self.stream(call, started.map(|()| stream), span);
-            }
-            Op::GenerateImported { req, imported } => {
-                let span = tracing::info_span!("generate", request_id = %req.tag, imported);
-                if !self.unhold(req.id) {
-                    let e = ServeError::Invalid(format!("this connection holds no reservation {}", req.id));
-                    return self.stream(call, Err(e), span);
-                }
-                let Some(peer) = self.worker().prefix_peer() else {
-                    let e = unsupported(self.worker(), "imports no prefixes");
-                    return self.stream(call, Err(e), span);
-                };
-                let (events, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-                let started = span.in_scope(|| peer.generate_imported(req, imported, events));
-                self.stream(call, started.map(|()| stream), span);
+            Op::Generate { .. } | Op::Decode { .. } | Op::GenerateImported { .. } => {
+                let (started, span) = self.start_stream(op);
+                self.stream(call, started, span);
             }
             Op::ExportPrefix { id, tokens, skip, to, token } => {
                 let span = tracing::info_span!("export", %id, tokens = tokens.len(), skip);
                 let to = KvDestination { target: KvTarget::Remote(to), token };
-                let done = match self.worker().prefix_peer() {
-                    Some(peer) => peer.export_prefix(id, tokens, skip, to),
-                    None => Box::pin(std::future::ready(Err(unsupported(self.worker(), "exports no prefixes")))),
+                let done = match self.worker().peering() {
+                    Ok(peer) => peer.export_prefix(id, tokens, skip, to),
+                    Err(e) => Box::pin(std::future::ready(Err(e))),
                 };
                 let answer = async move {
                     let n = done.await.inspect_err(|e| tracing::warn!(kind = e.kind(), error = %e, "export failed"))?;
@@ -288,51 +260,9 @@ impl Session {
                 };
                 self.reply(call, tracing::Instrument::instrument(answer, span))
             }
-            Op::Reserve { id, prompt_len, fence, keep } => {
-                // Noted before the call runs, so a release that overtakes its answer
-                // still releases what the worker grants.
-                if let Err(e) = self.expect_hold(id) {
-                    return self.reply(call, async move { Err(e) });
-                }
-                let s = self.clone();
-                self.reply(call, async move {
-                    let granted = match (keep.is_empty(), s.worker().prefix_peer()) {
-                        (true, _) => s.worker().reserve(id, prompt_len, fence).await,
-                        (false, Some(peer)) => peer.reserve_after(id, prompt_len, keep, fence).await,
-                        (false, None) => Err(unsupported(s.worker(), "keeps no prefix of its own")),
-                    };
-                    s.granted(id, granted.is_ok())?;
-                    Ok(Answer::Token(granted?))
-                })
-            }
+            Op::Reserve { id, prompt_len, fence, keep } => self.reserve(call, id, prompt_len, fence, keep),
             Op::Prefill { req, to, token, imported } => {
-                let span =
-                    tracing::info_span!("prefill", request_id = %req.tag, prompt_tokens = req.prompt.len(), imported);
-                let to = KvDestination { target: KvTarget::Remote(to), token };
-                // An imported prefix is this connection's reservation, the worker's
-                // from here (it releases it on any failure).
-                let done = match imported {
-                    0 => self.worker().prefill(req, to),
-                    n if self.unhold(req.id) => match self.worker().prefix_peer() {
-                        Some(peer) => peer.prefill_imported(req, n, to),
-                        None => {
-                            // What an import refused always does: the reservation goes.
-                            self.worker().release(req.id);
-                            Box::pin(std::future::ready(Err(unsupported(self.worker(), "imports no prefixes"))))
-                        }
-                    },
-                    _ => {
-                        let e = ServeError::Invalid(format!("this connection holds no reservation {}", req.id));
-                        return self.reply(call, async move { Err(e) });
-                    }
-                };
-                let answer = async move {
-                    let p =
-                        done.await.inspect_err(|e| tracing::warn!(kind = e.kind(), error = %e, "prefill failed"))?;
-                    tracing::debug!(prefill_ms = p.prefill_seconds * 1e3, kv_bytes = p.kv_bytes, "prefill done");
-                    Ok(Answer::Prefilled(p))
-                };
-                self.reply(call, tracing::Instrument::instrument(answer, span))
+                self.prefill(call, req, KvDestination { target: KvTarget::Remote(to), token }, imported)
             }
             // A reservation still being granted is released now too, not when its
             // answer comes: the router's next call for the same id (prefilling it
@@ -342,46 +272,116 @@ impl Session {
                     self.worker().release(id);
                 }
             }
+            op => {
+                let s = self.clone();
+                self.reply(call, async move { s.answer(op).await })
+            }
+        }
+    }
+
+    /// Starts a call that answers with a stream of tokens.
+    fn start_stream(&self, op: Op) -> (Result<TokenStream, ServeError>, tracing::Span) {
+        let channel = |params: &pdserve_types::SamplingParams| TokenStream::channel(params.max_tokens as usize + 4);
+        match op {
+            Op::Generate { req } => {
+                let span = tracing::info_span!("generate", request_id = %req.tag);
+                let (events, stream) = channel(&req.params);
+                let started = span.in_scope(|| self.worker().generate(req, events));
+                (started.map(|()| stream), span)
+            }
+            Op::Decode { handoff } => {
+                let span = tracing::info_span!("decode", request_id = %handoff.tag);
+                // Only a reservation of this connection's own.
+                if let Err(e) = self.own(handoff.id) {
+                    return (Err(e), span);
+                }
+                let (events, stream) = channel(&handoff.params);
+                (self.worker().decode(handoff, events).map(|()| stream), span)
+            }
+            Op::GenerateImported { req, imported } => {
+                let span = tracing::info_span!("generate", request_id = %req.tag, imported);
+                let peer = self.own(req.id).and_then(|()| self.worker().peering());
+                let started = peer.and_then(|peer| {
+                    let (events, stream) = channel(&req.params);
+                    span.in_scope(|| peer.generate_imported(req, imported, events)).map(|()| stream)
+                });
+                (started, span)
+            }
+            _ => (Err(ServeError::Internal("not a streaming call".into())), tracing::Span::none()),
+        }
+    }
+
+    /// Reserves blocks for `prompt_len` tokens (keeping the worker's own blocks of
+    /// `keep`), held by this connection.
+    fn reserve(self: Arc<Self>, call: CallId, id: RequestId, prompt_len: usize, fence: Option<Epoch>, keep: Vec<u32>) {
+        // Noted before the call runs, so a release that overtakes its answer still
+        // releases what the worker grants.
+        if let Err(e) = self.expect_hold(id) {
+            return self.reply(call, async move { Err(e) });
+        }
+        let s = self.clone();
+        self.reply(call, async move {
+            let granted = match keep.is_empty() {
+                true => s.worker().reserve(id, prompt_len, fence).await,
+                false => match s.worker().peering() {
+                    Ok(peer) => peer.reserve_after(id, prompt_len, keep, fence).await,
+                    Err(e) => Err(e),
+                },
+            };
+            s.granted(id, granted.is_ok())?;
+            Ok(Answer::Token(granted?))
+        })
+    }
+
+    /// Prefills `req` into `to`; an `imported` prefix is this connection's
+    /// reservation, the worker's from here (it releases it on any failure).
+    fn prefill(self: Arc<Self>, call: CallId, req: GenerateRequest, to: KvDestination, imported: usize) {
+        let span = tracing::info_span!("prefill", request_id = %req.tag, prompt_tokens = req.prompt.len(), imported);
+        let done = match imported {
+            0 => self.worker().prefill(req, to),
+            n if self.unhold(req.id) => match self.worker().peering() {
+                Ok(peer) => peer.prefill_imported(req, n, to),
+                Err(e) => {
+                    // What an import refused always does: the reservation goes.
+                    self.worker().release(req.id);
+                    Box::pin(std::future::ready(Err(e)))
+                }
+            },
+            _ => {
+                let e = ServeError::Invalid(format!("this connection holds no reservation {}", req.id));
+                return self.reply(call, async move { Err(e) });
+            }
+        };
+        let answer = async move {
+            let p = done.await.inspect_err(|e| tracing::warn!(kind = e.kind(), error = %e, "prefill failed"))?;
+            tracing::debug!(prefill_ms = p.prefill_seconds * 1e3, kv_bytes = p.kv_bytes, "prefill done");
+            Ok(Answer::Prefilled(p))
+        };
+        self.reply(call, tracing::Instrument::instrument(answer, span))
+    }
+
+    /// The answer of a call that only asks the worker.
+    async fn answer(&self, op: Op) -> Result<Answer, ServeError> {
+        let w = self.worker();
+        Ok(match op {
             Op::Stats => {
-                let s = self.clone();
-                self.reply(call, async move {
-                    let mut stats = s.worker().stats().await?;
-                    stats.stopping |= s.srv.stopping.load(std::sync::atomic::Ordering::SeqCst);
-                    Ok(Answer::Stats(Box::new(stats)))
-                })
+                let mut stats = w.stats().await?;
+                stats.stopping |= self.srv.stopping.load(std::sync::atomic::Ordering::SeqCst);
+                Answer::Stats(Box::new(stats))
             }
-            Op::SetRole { to } => {
-                let s = self.clone();
-                self.reply(call, async move {
-                    let roles =
-                        s.worker().role_switch().ok_or_else(|| unsupported(s.worker(), "cannot change role"))?;
-                    Ok(Answer::Assignment(roles.set_role(to).await?))
-                })
-            }
-            Op::MoveDecodes => {
-                let s = self.clone();
-                self.reply(call, async move {
-                    let roles = s.worker().role_switch();
-                    let roles = roles.ok_or_else(|| unsupported(s.worker(), "cannot hand back its decodes"))?;
-                    Ok(Answer::Count(roles.move_decodes().await?))
-                })
-            }
-            Op::KvEvents { after } => {
-                let s = self.clone();
-                self.reply(call, async move {
-                    let log =
-                        s.worker().kv_event_log().ok_or_else(|| unsupported(s.worker(), "publishes no KV events"))?;
-                    Ok(Answer::KvEvents(log.kv_events(after).await?))
-                })
-            }
-            Op::ProbeInbox { id } => {
-                let s = self.clone();
-                self.reply(call, async move {
-                    let probe =
-                        s.worker().link_probe().ok_or_else(|| unsupported(s.worker(), "takes no link probes"))?;
-                    Ok(Answer::Token(probe.probe_inbox(id).await?))
-                })
-            }
+            Op::SetRole { to } => Answer::Assignment(w.roles()?.set_role(to).await?),
+            Op::MoveDecodes => Answer::Count(w.roles()?.move_decodes().await?),
+            Op::KvEvents { after } => Answer::KvEvents(w.event_log()?.kv_events(after).await?),
+            Op::ProbeInbox { id } => Answer::Token(w.probes()?.probe_inbox(id).await?),
+            _ => return Err(ServeError::Internal("not a call that only asks".into())),
+        })
+    }
+
+    /// Takes over this connection's reservation `id` (the call that uses it runs).
+    fn own(&self, id: RequestId) -> Result<(), ServeError> {
+        match self.unhold(id) {
+            true => Ok(()),
+            false => Err(ServeError::Invalid(format!("this connection holds no reservation {id}"))),
         }
     }
 
@@ -516,10 +516,6 @@ impl Session {
             self.worker().release(id);
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// An operation whose requests pass the checks every request passes at the frontend:

@@ -82,68 +82,84 @@ async fn worker_behind_relay(key: &ClusterKey, meddle: Meddle) -> (SocketAddr, F
     let seen = from_worker.clone();
     tokio::spawn(async move {
         let (router, _) = relay.accept().await.unwrap();
-        let (mut router_rd, router_wr) = router.into_split();
-        let (mut worker_rd, mut worker_wr) = TcpStream::connect(to).await.unwrap().into_split();
+        let (router_rd, router_wr) = router.into_split();
+        let (worker_rd, worker_wr) = TcpStream::connect(to).await.unwrap().into_split();
         let router_wr = Arc::new(tokio::sync::Mutex::new(router_wr));
-        // Worker → router: passed through, each message noted.
-        let back = router_wr.clone();
-        tokio::spawn(async move {
-            let mut trailer = 0;
-            while let Some((mut json, tail)) = read_message(&mut worker_rd, trailer).await {
-                if meddle == Meddle::AlterHello && json.starts_with(b"{\"Hello\"") {
-                    let at = json.windows(7).position(|w| w == b"relayed").unwrap();
-                    json[at] = b'R';
-                }
-                trailer = TRAILER;
-                seen.lock().unwrap().push(String::from_utf8_lossy(&json).into_owned());
-                if back.lock().await.write_all(&framed(&json, &tail)).await.is_err() {
-                    break;
-                }
-            }
-            let _ = back.lock().await.shutdown().await;
-        });
-        // Router → worker: passed through, but for the meddling.
-        let (mut trailer, mut sealed, mut done) = (0, 0, false);
-        while let Some((mut json, tail)) = read_message(&mut router_rd, trailer).await {
-            trailer = TRAILER;
-            sealed += 1;
-            let is_call = json.starts_with(b"{\"Call\"");
-            let mut out = Vec::new();
-            match meddle {
-                Meddle::AlterCall if is_call && !done => {
-                    done = true;
-                    let at = json.windows(10).position(|w| w == b"\"prompt\":[").unwrap() + 10;
-                    json[at] += 1;
-                    out = framed(&json, &tail);
-                }
-                Meddle::InjectCall if sealed == 2 && !done => {
-                    done = true;
-                    out = framed(&json, &tail);
-                    let call =
-                        ToWorker::Call { call: INJECTED, op: Box::new(Op::Generate { req: request(vec![9, 9]) }) };
-                    out.extend(framed(&serde_json::to_vec(&call).unwrap(), &[0; TRAILER]));
-                }
-                Meddle::InjectReply if is_call && !done => {
-                    done = true;
-                    let call =
-                        serde_json::from_slice::<serde_json::Value>(&json).unwrap()["Call"]["call"].as_u64().unwrap();
-                    let reply =
-                        FromWorker::Reply { call, result: Err(ServeError::Internal("written by the relay".into())) };
-                    let reply = framed(&serde_json::to_vec(&reply).unwrap(), &[0; TRAILER]);
-                    let _ = router_wr.lock().await.write_all(&reply).await;
-                }
-                _ => {}
-            }
-            if out.is_empty() {
-                out = framed(&json, &tail);
-            }
-            if worker_wr.write_all(&out).await.is_err() {
-                break;
-            }
-        }
-        let _ = worker_wr.shutdown().await;
+        tokio::spawn(to_router(worker_rd, router_wr.clone(), meddle, seen));
+        to_worker(router_rd, worker_wr, router_wr, meddle).await;
     });
     (via, fake, from_worker)
+}
+
+type RouterWrite = Arc<tokio::sync::Mutex<tokio::net::tcp::OwnedWriteHalf>>;
+
+/// Worker → router: passed through, each message noted in `seen`.
+async fn to_router(
+    mut worker_rd: tokio::net::tcp::OwnedReadHalf,
+    back: RouterWrite,
+    meddle: Meddle,
+    seen: Arc<Mutex<Vec<String>>>,
+) {
+    let mut trailer = 0;
+    while let Some((mut json, tail)) = read_message(&mut worker_rd, trailer).await {
+        if meddle == Meddle::AlterHello && json.starts_with(b"{\"Hello\"") {
+            let at = json.windows(7).position(|w| w == b"relayed").unwrap();
+            json[at] = b'R';
+        }
+        trailer = TRAILER;
+        seen.lock().unwrap().push(String::from_utf8_lossy(&json).into_owned());
+        if back.lock().await.write_all(&framed(&json, &tail)).await.is_err() {
+            break;
+        }
+    }
+    let _ = back.lock().await.shutdown().await;
+}
+
+/// Router → worker: passed through, but for the meddling (once).
+async fn to_worker(
+    mut router_rd: tokio::net::tcp::OwnedReadHalf,
+    mut worker_wr: tokio::net::tcp::OwnedWriteHalf,
+    router_wr: RouterWrite,
+    meddle: Meddle,
+) {
+    let (mut trailer, mut sealed, mut done) = (0, 0, false);
+    while let Some((mut json, tail)) = read_message(&mut router_rd, trailer).await {
+        trailer = TRAILER;
+        sealed += 1;
+        let is_call = json.starts_with(b"{\"Call\"");
+        let mut out = Vec::new();
+        match meddle {
+            Meddle::AlterCall if is_call && !done => {
+                done = true;
+                let at = json.windows(10).position(|w| w == b"\"prompt\":[").unwrap() + 10;
+                json[at] += 1;
+                out = framed(&json, &tail);
+            }
+            Meddle::InjectCall if sealed == 2 && !done => {
+                done = true;
+                out = framed(&json, &tail);
+                let call = ToWorker::Call { call: INJECTED, op: Box::new(Op::Generate { req: request(vec![9, 9]) }) };
+                out.extend(framed(&serde_json::to_vec(&call).unwrap(), &[0; TRAILER]));
+            }
+            Meddle::InjectReply if is_call && !done => {
+                done = true;
+                let call =
+                    serde_json::from_slice::<serde_json::Value>(&json).unwrap()["Call"]["call"].as_u64().unwrap();
+                let reply =
+                    FromWorker::Reply { call, result: Err(ServeError::Internal("written by the relay".into())) };
+                let reply = framed(&serde_json::to_vec(&reply).unwrap(), &[0; TRAILER]);
+                let _ = router_wr.lock().await.write_all(&reply).await;
+            }
+            _ => {}
+        }
+        if out.is_empty() {
+            out = framed(&json, &tail);
+        }
+        if worker_wr.write_all(&out).await.is_err() {
+            break;
+        }
+    }
+    let _ = worker_wr.shutdown().await;
 }
 
 /// Resolves once the connection to `w` is closed, failing the test after 5 s.

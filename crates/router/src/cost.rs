@@ -23,6 +23,7 @@
 use crate::index::CachedPrefix;
 use crate::snapshot::{BacklogView, KvView, PrefillView, QueueView, Restore, TransferView};
 use pdserve_kv::{Tier, TierCounters};
+use pdserve_types::lock;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -709,10 +710,6 @@ fn ewma(slot: &mut Option<f64>, x: f64) {
         None => x,
         Some(old) => old + ALPHA * (x - old),
     });
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

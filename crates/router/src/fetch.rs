@@ -35,7 +35,7 @@
 
 use crate::workers::Entry;
 use pdserve_kv_transfer::TransportKind;
-use pdserve_protocol::{unsupported, Event, EventSender, GenerateRequest, KvDestination, ServeError, Telemetry};
+use pdserve_protocol::{Capabilities, Event, EventSender, GenerateRequest, KvDestination, ServeError, Telemetry};
 use pdserve_types::Epoch;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -130,11 +130,11 @@ pub(crate) async fn run(f: Fetch, r: Arc<Entry>, req: GenerateRequest, events: E
     let id = req.id;
     let started = match imported {
         // Refused, the reservation is given back (release is idempotent).
-        Some(n) => match r.worker.prefix_peer() {
-            Some(peer) => peer.generate_imported(req, n, events.clone()),
-            None => Err(unsupported(&*r.worker, "imports no prefixes")),
-        }
-        .inspect_err(|_| r.worker.release(id)),
+        Some(n) => r
+            .worker
+            .peering()
+            .and_then(|peer| peer.generate_imported(req, n, events.clone()))
+            .inspect_err(|_| r.worker.release(id)),
         None => r.worker.generate(req, events.clone()),
     };
     if let Err(e) = started {
@@ -209,8 +209,7 @@ async fn fetch(
         None => (r.worker.reserve(req.id, f.tokens, fence).await?, 0),
     };
     let to = KvDestination { target, token };
-    let holder = f.from.worker.prefix_peer().ok_or_else(|| unsupported(&*f.from.worker, "exports no prefixes"))?;
-    let sent = holder.export_prefix(req.id, prefix.to_vec(), kept, to).await?;
+    let sent = f.from.worker.peering()?.export_prefix(req.id, prefix.to_vec(), kept, to).await?;
     Ok(Fetched { kept, sent })
 }
 

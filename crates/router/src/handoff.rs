@@ -26,7 +26,7 @@ use crate::workers::Entry;
 use crate::Ending;
 use pdserve_kv_transfer::{HandoffToken, TransportKind};
 use pdserve_protocol::{
-    unsupported, DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Phase, Prefilled, ServeError,
+    Capabilities, DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Phase, Prefilled, ServeError,
     Telemetry, TokenStream, Usage,
 };
 use std::future::Future;
@@ -195,8 +195,6 @@ async fn run(
     let id = req.id;
     let d = h.decode.clone();
     let started = Instant::now();
-    // P's pace counts the prompt tokens it computes, as P reports them once done.
-    let p_load = h.prefill.prefill.clone();
     // Queued(P): wait for a prefill slot first, so D's blocks are held only by
     // prompts about to be prefilled, not by the whole queue.
     let slot = match wait(h.deadlines.queue, &client, h.prefill.slots.clone().acquire_owned()).await {
@@ -222,41 +220,17 @@ async fn run(
         }
     };
     // Fetching(P): what P lacks of a prefix a peer caches, where that was planned.
-    let imported = match &h.fetch {
-        Some((f, pace)) => {
-            let ctx = FetchCtx { via: h.via, pace: pace.clone(), telemetry: h.telemetry.clone() };
-            match wait(FETCH_ENDS_ITSELF, &client, fetch::into(f, &h.prefill, &req, None, &ctx)).await {
-                Wait::Done(n) => n.unwrap_or(0),
-                _ => {
-                    h.prefill.worker.release(id);
-                    d.worker.release(id);
-                    return Outcome::Cancelled;
-                }
-            }
-        }
-        None => 0,
+    let Some(imported) = fetch_into_prefill(&h, &req, &client).await else {
+        h.prefill.worker.release(id);
+        d.worker.release(id);
+        return Outcome::Cancelled;
     };
     // Prefilling(P), frames flowing into D as each layer completes (Transferring).
     let prefilled = prefill(&h, &req, &client, token, imported).await;
     drop((slot, ticket));
     let first = match prefilled {
         Ok(first) => {
-            // P's time: the router's queue, then P's own queue and compute as P
-            // reports them (not D's reservation, the fetch or the link).
-            let computed = req.prompt.len() - first.cached_tokens.min(req.prompt.len());
-            let took = router_queue + first.queued_seconds + first.prefill_seconds;
-            p_load.observe(ahead, computed, secs(took));
-            h.transfer.observe(req.prompt.len(), secs(first.transfer_seconds), first.kv_bytes);
-            let phases = [
-                (Phase::QueuePrefill, router_queue + first.queued_seconds),
-                (Phase::Prefill, first.prefill_seconds),
-                (Phase::KvTransfer, first.transfer_seconds),
-            ];
-            for (phase, s) in phases {
-                h.telemetry.phase(phase, s);
-            }
-            req.trace.update(|t| t.phases.extend(phases));
-            h.telemetry.kv_transfer_bytes(h.via, first.kv_bytes);
+            observe_prefill(&h, &req, &first, router_queue, ahead);
             first
         }
         Err(Wait::Cancelled) => {
@@ -274,24 +248,67 @@ async fn run(
         // deadline: start over with the spare prefill worker (D's reservation is
         // released first and taken again, so no frame of the failed attempt counts),
         // or else D prefills locally, on the same client stream.
-        Err(why) => {
-            let why = match why {
-                Wait::Done(e) => h.prefill.noted(e).to_string(),
-                _ => "it ran past its deadline".to_string(),
-            };
-            tracing::warn!(prefill = h.prefill.name(), reason = %why, "the prefill failed");
-            h.telemetry.migrated(PREFILL_FAILED);
-            d.worker.release(id);
-            let mut h = h;
-            if h.use_spare() {
-                tracing::info!(prefill = h.prefill.name(), "starting over on the spare prefill worker");
-                let queued = queue_on(&h, &req);
-                return Box::pin(run(h, req, client, (waiting, queued), end.unpredicted())).await;
-            }
-            return fall_back(&h, req, client, waiting, end.unpredicted());
-        }
+        Err(why) => return start_over(h, req, client, waiting, end, why).await,
     };
     decode_ready(&d, req, first, client, &h, (waiting, end))
+}
+
+/// Fetches into P what it lacks of a prefix a peer caches, where that was planned:
+/// the tokens imported (0 when nothing was fetched), or `None` if the client left.
+async fn fetch_into_prefill(h: &Handoff, req: &GenerateRequest, client: &EventSender) -> Option<usize> {
+    let Some((f, pace)) = &h.fetch else { return Some(0) };
+    let ctx = FetchCtx { via: h.via, pace: pace.clone(), telemetry: h.telemetry.clone() };
+    match wait(FETCH_ENDS_ITSELF, client, fetch::into(f, &h.prefill, req, None, &ctx)).await {
+        Wait::Done(n) => Some(n.unwrap_or(0)),
+        _ => None,
+    }
+}
+
+/// What a finished prefill teaches the cost book and the request's trace: P's time
+/// is the router's queue, then P's own queue and compute as P reports them (not D's
+/// reservation, the fetch or the link).
+fn observe_prefill(h: &Handoff, req: &GenerateRequest, first: &Prefilled, router_queue: f64, ahead: Queue) {
+    let computed = req.prompt.len() - first.cached_tokens.min(req.prompt.len());
+    let took = router_queue + first.queued_seconds + first.prefill_seconds;
+    h.prefill.prefill.observe(ahead, computed, secs(took));
+    h.transfer.observe(req.prompt.len(), secs(first.transfer_seconds), first.kv_bytes);
+    let phases = [
+        (Phase::QueuePrefill, router_queue + first.queued_seconds),
+        (Phase::Prefill, first.prefill_seconds),
+        (Phase::KvTransfer, first.transfer_seconds),
+    ];
+    for (phase, s) in phases {
+        h.telemetry.phase(phase, s);
+    }
+    req.trace.update(|t| t.phases.extend(phases));
+    h.telemetry.kv_transfer_bytes(h.via, first.kv_bytes);
+}
+
+/// The prefill failed, its worker is gone, the transfer broke, or it ran past the
+/// deadline: start over with the spare prefill worker (D's reservation is released
+/// first and taken again, so no frame of the failed attempt counts), or else D
+/// prefills locally, on the same client stream.
+async fn start_over(
+    mut h: Handoff,
+    req: GenerateRequest,
+    client: EventSender,
+    waiting: Waiting,
+    end: Ending,
+    why: Wait<ServeError>,
+) -> Outcome {
+    let why = match why {
+        Wait::Done(e) => h.prefill.noted(e).to_string(),
+        _ => "it ran past its deadline".to_string(),
+    };
+    tracing::warn!(prefill = h.prefill.name(), reason = %why, "the prefill failed");
+    h.telemetry.migrated(PREFILL_FAILED);
+    h.decode.worker.release(req.id);
+    if h.use_spare() {
+        tracing::info!(prefill = h.prefill.name(), "starting over on the spare prefill worker");
+        let queued = queue_on(&h, &req);
+        return Box::pin(run(h, req, client, (waiting, queued), end.unpredicted())).await;
+    }
+    fall_back(&h, req, client, waiting, end.unpredicted())
 }
 
 /// How long the handoff waits on a fetch: `fetch::into` gives up at its own
@@ -366,12 +383,12 @@ async fn prefill(
     let to = KvDestination { target, token };
     let call = match imported {
         0 => h.prefill.worker.prefill(fenced, to),
-        n => match h.prefill.worker.prefix_peer() {
-            Some(peer) => peer.prefill_imported(fenced, n, to),
-            None => {
+        n => match h.prefill.worker.peering() {
+            Ok(peer) => peer.prefill_imported(fenced, n, to),
+            Err(e) => {
                 // What an import refused always does: the reservation goes.
                 h.prefill.worker.release(req.id);
-                Box::pin(std::future::ready(Err(unsupported(&*h.prefill.worker, "imports no prefixes"))))
+                Box::pin(std::future::ready(Err(e)))
             }
         },
     };

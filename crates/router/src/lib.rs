@@ -36,7 +36,9 @@ use cost::TransferCost;
 use fetch::FetchPace;
 use index::KvIndex;
 use pdserve_kv_transfer::TransportKind;
-use pdserve_protocol::{Generate, GenerateRequest, NoTelemetry, ServeError, Telemetry, TokenStream, Worker};
+use pdserve_protocol::{
+    Capabilities, Generate, GenerateRequest, NoTelemetry, ServeError, Telemetry, TokenStream, Worker,
+};
 use pdserve_types::Role;
 use place::Refusal;
 use snapshot::Snapshot;
@@ -119,9 +121,7 @@ impl Router {
     /// Switches worker `e` to `role` at its next epoch; answers with what it holds
     /// afterwards. The router routes by the new role from the moment it is known.
     pub async fn switch_role(&self, e: &Entry, role: Role) -> Result<pdserve_types::Assignment, ServeError> {
-        let roles =
-            e.worker.role_switch().ok_or_else(|| pdserve_protocol::unsupported(&*e.worker, "cannot change role"))?;
-        let now = roles.set_role(e.assignment().switch(role)).await?;
+        let now = e.worker.roles()?.set_role(e.assignment().switch(role)).await?;
         e.learn(now);
         self.note_role(e, now.role);
         Ok(now)

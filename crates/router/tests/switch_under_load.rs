@@ -9,7 +9,7 @@ mod common;
 
 use common::{collect, request, worker, PROMPTS};
 use pdserve_kv_transfer::TransportKind;
-use pdserve_protocol::{Event, Generate, Phase, PrefillRoute, Telemetry};
+use pdserve_protocol::{Capabilities, Event, Generate, Phase, PrefillRoute, Telemetry, TokenStream};
 use pdserve_router::{Deadlines, Migrating, Mode, Router};
 use pdserve_types::Role;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -106,6 +106,20 @@ async fn used_blocks_settle(router: &Router) {
     }
 }
 
+/// Stream `i`'s tokens and its last event, its count so far in `counts[i]`.
+async fn counted(mut s: TokenStream, i: usize, counts: Arc<Vec<AtomicUsize>>) -> (Vec<u32>, Event) {
+    let mut tokens = Vec::new();
+    loop {
+        match s.next().await.expect("a final event") {
+            Event::Token(t) => {
+                tokens.push(t.token);
+                counts[i].store(tokens.len(), Ordering::SeqCst);
+            }
+            last => return (tokens, last),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_leaving_decode_hands_its_sequences_over_by_their_kv_with_identical_tokens() {
     const OUT: u32 = 160;
@@ -135,22 +149,7 @@ async fn a_worker_leaving_decode_hands_its_sequences_over_by_their_kv_with_ident
     let runs: Vec<_> = prompts
         .iter()
         .enumerate()
-        .map(|(i, p)| {
-            let mut s = front.generate(long(100 + i as u64, p)).unwrap();
-            let counts = counts.clone();
-            tokio::spawn(async move {
-                let mut tokens = Vec::new();
-                loop {
-                    match s.next().await.expect("a final event") {
-                        Event::Token(t) => {
-                            tokens.push(t.token);
-                            counts[i].store(tokens.len(), Ordering::SeqCst);
-                        }
-                        last => return (tokens, last),
-                    }
-                }
-            })
-        })
+        .map(|(i, p)| tokio::spawn(counted(front.generate(long(100 + i as u64, p)).unwrap(), i, counts.clone())))
         .collect();
     for _ in 0..3000 {
         if counts.iter().all(|c| c.load(Ordering::SeqCst) >= 64) {
@@ -161,7 +160,7 @@ async fn a_worker_leaving_decode_hands_its_sequences_over_by_their_kv_with_ident
     // Both workers decode (the load spreads the four).
     let w0 = router.workers().snapshot().into_iter().find(|e| e.name() == "w0").unwrap();
     router.switch_role(&w0, Role::Prefill).await.unwrap();
-    let moved = w0.worker.role_switch().unwrap().move_decodes().await.unwrap();
+    let moved = w0.worker.roles().unwrap().move_decodes().await.unwrap();
     assert!(moved > 0, "w0 was decoding when it switched");
     assert_eq!(w0.worker.stats().await.unwrap().running, 0, "w0 runs nothing once they moved");
     for (i, run) in runs.into_iter().enumerate() {
@@ -177,6 +176,6 @@ async fn a_worker_leaving_decode_hands_its_sequences_over_by_their_kv_with_ident
     assert!(best >= longest + 48, "a moved sequence reused its generated tokens' KV (best hit {best})");
     // A worker that decodes moves nothing.
     let w1 = router.workers().snapshot().into_iter().find(|e| e.name() == "w1").unwrap();
-    assert_eq!(w1.worker.role_switch().unwrap().move_decodes().await.unwrap(), 0);
+    assert_eq!(w1.worker.roles().unwrap().move_decodes().await.unwrap(), 0);
     used_blocks_settle(&router).await;
 }

@@ -14,10 +14,10 @@ use pdserve_protocol::{
     KvDestination, KvEventLog, KvEvents, Prefilled, Reply, RoleState, RoleSwitch, ServeError, TokenOut, Usage, Worker,
     WorkerInfo, WorkerStats,
 };
-use pdserve_types::{Assignment, Epoch, RequestId, Role};
+use pdserve_types::{lock, Assignment, Epoch, RequestId, Role};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
 
@@ -448,8 +448,4 @@ impl RoleSwitch for FakeWorker {
     fn move_decodes(&self) -> Reply<'_, usize> {
         Box::pin(async move { Err(unsupported(self, "cannot hand back its decodes")) })
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -31,9 +31,7 @@ use pdserve_engine::batch::{Engine, EngineConfig, BLOCK_SIZE};
 use pdserve_engine::model::Model;
 use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::RestoreCost;
-use pdserve_kv_transfer::{
-    frame, probe, ClusterKey, HandoffId, Inboxes, KvTarget, Links, ListenAt, TransportKind,
-};
+use pdserve_kv_transfer::{frame, probe, ClusterKey, HandoffId, Inboxes, KvTarget, Links, ListenAt, TransportKind};
 use pdserve_protocol::{Event, GenerateRequest, RoleSwitch, TokenStream, Worker};
 use pdserve_types::{Assignment, Epoch, KvFrame, RequestId, Role, SamplingParams};
 use pdserve_worker::{CoRun, LocalWorker, WorkerOptions};

@@ -31,11 +31,11 @@ use pdserve_protocol::{
     DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEventLog, KvEvents, LinkProbe, Prefilled,
     PrefixPeer, Reply, RoleState, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
 };
-use pdserve_types::{Assignment, Epoch, Grammar, KvFrame, RequestId, Role};
+use pdserve_types::{lock, Assignment, Epoch, Grammar, KvFrame, RequestId, Role};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::oneshot;
 use worker_loop::{Export, Exports};
@@ -886,8 +886,4 @@ impl Drop for StopOnDrop {
 
 fn kv_error(target: &KvTarget, e: &TransferError) -> ServeError {
     ServeError::Internal(format!("KV transfer to {target:?}: {e}"))
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }

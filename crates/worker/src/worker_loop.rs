@@ -2,7 +2,9 @@
 
 use crate::{Command, FrameSink};
 use pdserve_engine::batch::{Engine, EngineError, KvFrame, StepOutput};
-use pdserve_protocol::{pace, BlockCounts, Event, EventSender, Prefilled, ServeError, Usage, WorkerStats};
+use pdserve_protocol::{
+    pace, BlockCounts, DecodeHandoff, Event, EventSender, GenerateRequest, Prefilled, ServeError, Usage, WorkerStats,
+};
 use pdserve_types::RequestId;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -278,33 +280,12 @@ impl Loop {
 
     fn handle(&mut self, c: Command) {
         match c {
-            Command::Generate(req, events) => match self.engine.add(req.id, req.prompt, req.params) {
-                Ok(()) => self.track(req.id, events, 0, 0),
-                Err(e) => {
-                    self.done();
-                    let _ = events.send(Event::Failed(serve_error(e)));
-                }
-            },
-            Command::Prefill { req, imported, mut sink, reply, sent } => {
-                self.imports.remove(&req.id);
-                let started = Instant::now();
-                // On a virtual clock the prefill starts after what this loop already
-                // owes: the prefills handled before it in this turn.
-                let ahead = self.owed;
-                let (id, prompt, params, on_frame) = (req.id, req.prompt, req.params, &mut |f| sink(f));
-                let res = match imported {
-                    0 => self.engine.prefill_export(id, prompt, params, on_frame),
-                    n => self.engine.prefill_export_imported(id, prompt, params, n, on_frame),
-                };
-                // A timed engine's prefill took what its model says, on either clock.
-                let modelled = self.engine.take_charged();
-                self.owed += modelled;
-                let took = if modelled > 0.0 { modelled } else { started.elapsed().as_secs_f64() };
-                let first = res.map_err(serve_error).and_then(whole).map(|o| Prefilled {
-                    queued_seconds: (started - sent).as_secs_f64() + ahead,
-                    prefill_seconds: took,
-                    ..prefilled(o)
-                });
+            Command::Generate(req, events) => {
+                let added = self.engine.add(req.id, req.prompt, req.params);
+                self.start(req.id, added, events);
+            }
+            Command::Prefill { req, imported, sink, reply, sent } => {
+                let first = self.prefill(req, imported, sink, sent);
                 self.done();
                 let _ = reply.send(first);
             }
@@ -326,26 +307,7 @@ impl Loop {
                 // into memory already mapped instead of freshly allocated.
                 recycle.recycle(frame.k, frame.v);
             }
-            Command::Decode(h, events) => {
-                self.imports.remove(&h.id);
-                match self.engine.finish_import(h.id, h.prompt, h.first, h.params) {
-                    Ok(true) => self.track(h.id, events, 1, h.cached_tokens),
-                    Ok(false) => self.done(),
-                    Err(e) => {
-                        // Refused before it took the reservation over (a prompt that
-                        // differs, a request its engine refuses): its TTL entry is gone,
-                        // so free the blocks now.
-                        self.engine.abort_import(h.id);
-                        self.done();
-                        let e = match e {
-                            // A bad frame aborted the reservation: the router prefills again.
-                            EngineError::Unknown(id) => ServeError::KvLost(format!("the transfer of {id} was aborted")),
-                            e => serve_error(e),
-                        };
-                        let _ = events.send(Event::Failed(e));
-                    }
-                }
-            }
+            Command::Decode(h, events) => self.decode(h, events),
             Command::ServeExports => {
                 while let Some(x) = self.exports.pop() {
                     x.serve(|tokens, skip, on_frame| self.engine.export_cached(tokens, skip, on_frame));
@@ -355,13 +317,8 @@ impl Loop {
             }
             Command::GenerateImported(req, imported, events) => {
                 self.imports.remove(&req.id);
-                match self.engine.add_imported(req.id, req.prompt, req.params, imported) {
-                    Ok(()) => self.track(req.id, events, 0, 0),
-                    Err(e) => {
-                        self.done();
-                        let _ = events.send(Event::Failed(serve_error(e)));
-                    }
-                }
+                let added = self.engine.add_imported(req.id, req.prompt, req.params, imported);
+                self.start(req.id, added, events);
             }
             Command::AbortImport(id) => {
                 self.engine.abort_import(id);
@@ -371,32 +328,99 @@ impl Loop {
                 let _ = reply.send(self.move_out(&worker));
             }
             Command::Stats(reply) => {
-                let s = self.engine.stats();
-                let (waiting, queued_prompt_tokens) = self.queued_behind();
-                let _ = reply.send(WorkerStats {
-                    waiting: s.waiting + waiting,
-                    running: s.running,
-                    importing: self.imports.len(),
-                    paused: self.streams.values().filter(|l| l.paused.is_some()).count(),
-                    queued_prompt_tokens: s.queued_prompt_tokens + queued_prompt_tokens,
-                    blocks: BlockCounts {
-                        free: s.blocks.free,
-                        used: s.blocks.used,
-                        cached: s.blocks.cached,
-                        host: s.blocks.host,
-                        disk: s.blocks.disk,
-                    },
-                    grammar_masks: s.masks.0,
-                    grammar_mask_ns: (s.masks.1 * 1e9) as u64,
-                    // The handle fills it in: the loop does not know roles.
-                    assignment: None,
-                    decode_steps: s.decode_steps,
-                    prefill_steps: s.prefill_steps,
-                    tiers: s.tiers,
-                    // The server in front of it says so, when it stops.
-                    stopping: false,
-                });
+                let _ = reply.send(self.stats());
             }
+        }
+    }
+
+    /// Tracks request `id`'s stream once the engine took it, or fails it.
+    fn start(&mut self, id: RequestId, added: Result<(), EngineError>, events: EventSender) {
+        match added {
+            Ok(()) => self.track(id, events, 0, 0),
+            Err(e) => {
+                self.done();
+                let _ = events.send(Event::Failed(serve_error(e)));
+            }
+        }
+    }
+
+    /// Computes `req`'s prompt (after its first `imported` tokens) layer by layer into
+    /// `sink`; answers with its first token and what it waited and took.
+    fn prefill(
+        &mut self,
+        req: GenerateRequest,
+        imported: usize,
+        mut sink: FrameSink,
+        sent: Instant,
+    ) -> Result<Prefilled, ServeError> {
+        self.imports.remove(&req.id);
+        let started = Instant::now();
+        // On a virtual clock the prefill starts after what this loop already owes: the
+        // prefills handled before it in this turn.
+        let ahead = self.owed;
+        let (id, prompt, params, on_frame) = (req.id, req.prompt, req.params, &mut |f| sink(f));
+        let res = match imported {
+            0 => self.engine.prefill_export(id, prompt, params, on_frame),
+            n => self.engine.prefill_export_imported(id, prompt, params, n, on_frame),
+        };
+        // A timed engine's prefill took what its model says, on either clock.
+        let modelled = self.engine.take_charged();
+        self.owed += modelled;
+        let took = if modelled > 0.0 { modelled } else { started.elapsed().as_secs_f64() };
+        res.map_err(serve_error).and_then(whole).map(|o| Prefilled {
+            queued_seconds: (started - sent).as_secs_f64() + ahead,
+            prefill_seconds: took,
+            ..prefilled(o)
+        })
+    }
+
+    /// Turns reservation `h.id` into a running sequence that streams to `events`.
+    fn decode(&mut self, h: DecodeHandoff, events: EventSender) {
+        self.imports.remove(&h.id);
+        match self.engine.finish_import(h.id, h.prompt, h.first, h.params) {
+            Ok(true) => self.track(h.id, events, 1, h.cached_tokens),
+            Ok(false) => self.done(),
+            Err(e) => {
+                // Refused before it took the reservation over (a prompt that differs, a
+                // request its engine refuses): its TTL entry is gone, so free the
+                // blocks now.
+                self.engine.abort_import(h.id);
+                self.done();
+                let e = match e {
+                    // A bad frame aborted the reservation: the router prefills again.
+                    EngineError::Unknown(id) => ServeError::KvLost(format!("the transfer of {id} was aborted")),
+                    e => serve_error(e),
+                };
+                let _ = events.send(Event::Failed(e));
+            }
+        }
+    }
+
+    fn stats(&self) -> WorkerStats {
+        let s = self.engine.stats();
+        let (waiting, queued_prompt_tokens) = self.queued_behind();
+        WorkerStats {
+            waiting: s.waiting + waiting,
+            running: s.running,
+            importing: self.imports.len(),
+            paused: self.streams.values().filter(|l| l.paused.is_some()).count(),
+            queued_prompt_tokens: s.queued_prompt_tokens + queued_prompt_tokens,
+            blocks: BlockCounts {
+                free: s.blocks.free,
+                used: s.blocks.used,
+                cached: s.blocks.cached,
+                host: s.blocks.host,
+                disk: s.blocks.disk,
+            },
+            grammar_masks: s.masks.0,
+            grammar_mask_ns: (s.masks.1 * 1e9) as u64,
+            // The handle fills it in: the loop does not know roles.
+            assignment: None,
+            decode_steps: s.decode_steps,
+            prefill_steps: s.prefill_steps,
+            tiers: s.tiers,
+            // The server in front of it says so, when it stops.
+            stopping: false,
         }
     }
 

@@ -13,7 +13,7 @@ use anyhow::Context;
 use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::loader::LoadedModel;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
-use pdserve_protocol::{unsupported, Event, Generate, GenerateRequest, Worker};
+use pdserve_protocol::{Capabilities, Event, Generate, GenerateRequest, TokenStream, Worker};
 use pdserve_router::{Deadlines, Migrating, Mode, Router};
 use pdserve_types::{RequestId, Role, SamplingParams};
 use pdserve_worker::{LocalWorker, WorkerOptions};
@@ -137,6 +137,24 @@ pub(super) fn mixed_worker(
 /// Each stream's tokens with the time each arrived.
 type Timed = Vec<(Instant, u32)>;
 
+/// Request `i`'s tokens with the time each arrived, its count so far in
+/// `progress[i]`.
+async fn timed(mut stream: TokenStream, i: usize, progress: Arc<Vec<AtomicUsize>>) -> anyhow::Result<Timed> {
+    let mut got: Timed = Vec::new();
+    loop {
+        match stream.next().await {
+            Some(Event::Token(t)) => {
+                got.push((Instant::now(), t.token));
+                progress[i].store(got.len(), Ordering::Relaxed);
+            }
+            Some(Event::Done { .. }) => return Ok(got),
+            Some(Event::Failed(e)) => return Err(anyhow::anyhow!("request {i} failed: {e}")),
+            Some(_) => {}
+            None => return Err(anyhow::anyhow!("request {i}: the stream ended early")),
+        }
+    }
+}
+
 async fn once(
     m: &LoadedModel,
     a: &MigrateArgs,
@@ -154,23 +172,7 @@ async fn once(
     let mut tasks = Vec::new();
     for i in 0..a.sequences {
         let stream = front.generate(request(m, a, i)).map_err(|e| anyhow::anyhow!("request {i}: {e}"))?;
-        let progress = progress.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut stream = stream;
-            let mut got: Timed = Vec::new();
-            loop {
-                match stream.next().await {
-                    Some(Event::Token(t)) => {
-                        got.push((Instant::now(), t.token));
-                        progress[i].store(got.len(), Ordering::Relaxed);
-                    }
-                    Some(Event::Done { .. }) => return Ok(got),
-                    Some(Event::Failed(e)) => return Err(anyhow::anyhow!("request {i} failed: {e}")),
-                    Some(_) => {}
-                    None => return Err(anyhow::anyhow!("request {i}: the stream ended early")),
-                }
-            }
-        }));
+        tasks.push(tokio::spawn(timed(stream, i, progress.clone())));
     }
     while progress.iter().any(|p| p.load(Ordering::Relaxed) < a.after) {
         tokio::time::sleep(Duration::from_millis(1)).await;
@@ -181,9 +183,7 @@ async fn once(
     if way != Way::NoSwitch {
         router.switch_role(&w0, Role::Prefill).await?;
         if way == Way::Moved {
-            let roles = w0.worker.role_switch();
-            moved =
-                roles.ok_or_else(|| unsupported(&*w0.worker, "cannot hand back its decodes"))?.move_decodes().await?;
+            moved = w0.worker.roles()?.move_decodes().await?;
         }
     }
     let mut empty_s = 0.0;

@@ -9,7 +9,7 @@
 
 use super::fleet::NatsArgs;
 use pdserve_fleet::{Bus, Lease, NodeId};
-use pdserve_protocol::{unsupported, Worker};
+use pdserve_protocol::{Capabilities, Worker};
 use pdserve_remote::RemoteWorker;
 use pdserve_types::{Assignment, Role};
 use std::time::{Duration, Instant};
@@ -47,7 +47,7 @@ pub fn run(a: SwitchArgs) -> anyhow::Result<()> {
             anyhow::bail!("a planner holds the lease: stop it first (`pdserve fleet` names it)")
         };
         let worker = RemoteWorker::connect(rec.endpoints.control, &key).await?;
-        let roles = worker.role_switch().ok_or_else(|| unsupported(&worker, "cannot change role"))?;
+        let roles = worker.roles()?;
         let start = held(&worker).await?;
         let other = if start.role == Role::Mixed { Role::Decode } else { Role::Mixed };
         let mut next = start;

@@ -61,6 +61,36 @@ struct Row {
     fetch_busy_tcp_ttft_s: f64,
 }
 
+impl Row {
+    /// Its line of the table `run` prints.
+    fn print(&self) {
+        let ms = |s: f64| s * 1e3;
+        let faster = |s: f64| self.recompute_s / s;
+        println!(
+            "| {} | {:.1} | {:.1} | {:.2} | {:.0} | {:.1} | {:.2} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} | \
+             {:.1} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} |",
+            self.prefix_tokens,
+            ms(self.recompute_s),
+            ms(self.host_ttft_s),
+            ms(self.host_restore_s),
+            faster(self.host_ttft_s),
+            ms(self.disk_ttft_s),
+            ms(self.disk_restore_s),
+            faster(self.disk_ttft_s),
+            ms(self.peer_tcp_ttft_s),
+            faster(self.peer_tcp_ttft_s),
+            ms(self.peer_shm_ttft_s),
+            faster(self.peer_shm_ttft_s),
+            ms(self.fetch_tcp_ttft_s),
+            faster(self.fetch_tcp_ttft_s),
+            ms(self.fetch_shm_ttft_s),
+            faster(self.fetch_shm_ttft_s),
+            ms(self.fetch_busy_tcp_ttft_s),
+            faster(self.fetch_busy_tcp_ttft_s),
+        );
+    }
+}
+
 /// Where the prefix is when it is asked for again.
 #[derive(Clone, Copy, PartialEq)]
 enum From {
@@ -102,28 +132,7 @@ pub fn run(a: TiersArgs) -> anyhow::Result<()> {
             fetch_shm_ttft_s,
             fetch_busy_tcp_ttft_s,
         };
-        let ms = |s: f64| s * 1e3;
-        println!(
-            "| {n} | {:.1} | {:.1} | {:.2} | {:.0} | {:.1} | {:.2} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} | \
-             {:.1} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} |",
-            ms(recompute_s),
-            ms(host_ttft_s),
-            ms(host_restore_s),
-            recompute_s / host_ttft_s,
-            ms(disk_ttft_s),
-            ms(disk_restore_s),
-            recompute_s / disk_ttft_s,
-            ms(peer_tcp_ttft_s),
-            recompute_s / peer_tcp_ttft_s,
-            ms(peer_shm_ttft_s),
-            recompute_s / peer_shm_ttft_s,
-            ms(fetch_tcp_ttft_s),
-            recompute_s / fetch_tcp_ttft_s,
-            ms(fetch_shm_ttft_s),
-            recompute_s / fetch_shm_ttft_s,
-            ms(fetch_busy_tcp_ttft_s),
-            recompute_s / fetch_busy_tcp_ttft_s,
-        );
+        row.print();
         rows.push(row);
     }
     let _ = std::fs::remove_dir_all(&a.disk_dir);

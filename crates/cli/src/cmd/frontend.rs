@@ -62,14 +62,31 @@ pub struct Args {
     security: super::Security,
 }
 
-pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
-    let via = match (a.mode, a.kv_transport) {
+/// The transport a frontend's handoffs take: any that leaves the process, TCP unless
+/// told.
+fn transport(a: &Args) -> anyhow::Result<TransportKind> {
+    Ok(match (a.mode, a.kv_transport) {
         (_, Some(TransportKind::Inproc)) => {
             anyhow::bail!("--kv-transport inproc needs workers in this process (use `pdserve serve`); pick tcp or shm")
         }
         (Mode::Aggregated, Some(_)) => anyhow::bail!("--kv-transport needs --mode disaggregated or auto"),
         (_, via) => via.unwrap_or(TransportKind::Tcp),
-    };
+    })
+}
+
+/// The start-up line's list of workers. A fleet's workers join over NATS after the
+/// frontend starts.
+fn banner(router: &Router) -> String {
+    let workers: Vec<String> =
+        router.workers().snapshot().iter().map(|e| format!("{} ({})", e.name(), e.role())).collect();
+    match workers.is_empty() {
+        true => "no workers yet".to_string(),
+        false => format!("workers: {}", workers.join(", ")),
+    }
+}
+
+pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
+    let via = transport(&a)?;
     let key = a.security.key()?;
     let meta = super::load_meta(&a.model)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -84,30 +101,22 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
                 .with_telemetry(Arc::new(metrics.clone())),
         );
         router.follow_kv_events();
+        let to =
+            || Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
         let mut first = Vec::new();
         for &addr in &a.workers {
             let (tx, rx) = tokio::sync::oneshot::channel();
             first.push(rx);
-            let to =
-                Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
-            tokio::spawn(supervise(addr, to, Some(tx), None));
+            tokio::spawn(supervise(addr, to(), Some(tx), None));
         }
         if let Some(cfg) = a.nats.config("pdserve-frontend", Some(&key)) {
-            let to =
-                Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
-            tokio::spawn(follow_fleet(cfg.clone(), to, Arc::default()));
+            tokio::spawn(follow_fleet(cfg.clone(), to(), Arc::default()));
             tokio::spawn(take_pushed_kv_events(cfg.clone(), router.clone()));
             publish_traffic(cfg, &router);
         }
         // Serve as soon as every listed worker answered once, or after the patience.
         let _ = tokio::time::timeout(CONNECT_PATIENCE, futures_join(first)).await;
-        let workers: Vec<String> =
-            router.workers().snapshot().iter().map(|e| format!("{} ({})", e.name(), e.role())).collect();
-        // A fleet's workers join over NATS after the frontend starts.
-        let banner = match workers.is_empty() {
-            true => "no workers yet".to_string(),
-            false => format!("workers: {}", workers.join(", ")),
-        };
+        let banner = banner(&router);
         let river = a.nats.config("pdserve-river", Some(&key)).filter(|_| a.river);
         let observer = river.clone().map(river::LeafObserver::start);
         let model = Served {

@@ -11,7 +11,7 @@ use super::fleet::NatsArgs;
 use super::frontend::{follow_fleet, FleetNames, Target};
 use pdserve_fleet::forest::Leaf;
 use pdserve_fleet::{Bus, Lease, LeaseError, NatsConfig, NodeId, TrafficBatch, LEASE_GRACE, REFRESH};
-use pdserve_protocol::{unsupported, ServeError};
+use pdserve_protocol::{Capabilities, ServeError};
 use pdserve_router::planner::model::Slo;
 use pdserve_router::planner::{Actuator, Applied, Made, Planner, PlannerConfig};
 use pdserve_router::{Entry, Mode, Router};
@@ -289,8 +289,7 @@ fn decision_data(m: &Made<'_>, holder: &str, nodes: &FleetNames) -> serde_json::
 /// fast path and the confirmation. Whichever reaches the worker first switches it;
 /// the other finds the epoch taken and changes nothing.
 async fn taken(router: &Router, e: &Entry, a: Assignment) -> Result<Assignment, ServeError> {
-    let roles = e.worker.role_switch().ok_or_else(|| unsupported(&*e.worker, "cannot change role"))?;
-    let now = tokio::time::timeout(TAKE_WAIT, roles.set_role(a)).await.map_err(|_| {
+    let now = tokio::time::timeout(TAKE_WAIT, e.worker.roles()?.set_role(a)).await.map_err(|_| {
         ServeError::Timeout(format!("{} did not take {a} within {} s", e.name(), TAKE_WAIT.as_secs()))
     })??;
     e.learn(now);

@@ -9,7 +9,7 @@
 
 use pdserve_fleet::{Change, LinkRecord, NatsConfig, NodeId, NodeRecord};
 use pdserve_kv_transfer::{ClusterKey, HandoffToken, KvAddr, Throughput};
-use pdserve_protocol::{unsupported, Worker};
+use pdserve_protocol::Capabilities;
 use pdserve_remote::RemoteWorker;
 use pdserve_types::{RequestId, Role};
 use pdserve_worker::LocalWorker;
@@ -144,8 +144,7 @@ impl Prober {
     /// One timed handoff of `bytes` into a probe inbox `peer` opens for it.
     async fn handoff(&self, peer: &RemoteWorker, to: &KvAddr, bytes: usize) -> anyhow::Result<Throughput> {
         let id = fresh_id();
-        let probe = peer.link_probe().ok_or_else(|| unsupported(peer, "takes no link probes"))?;
-        let token = probe.probe_inbox(id).await?;
+        let token = peer.probes()?.probe_inbox(id).await?;
         Ok(self.worker.probe(to.clone(), id, token, bytes).await?)
     }
 }

@@ -3,6 +3,8 @@
 use super::http::{self, ApiArgs, Served};
 use anyhow::Context;
 use pdserve_engine::batch::{EngineConfig, Objectives};
+use pdserve_engine::grammar::Grammars;
+use pdserve_engine::loader::LoadedModel;
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::{ListenAt, TransportKind};
 use pdserve_protocol::Worker;
@@ -172,37 +174,14 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     let threads = t.threads(roles.len());
     let metrics = Metrics::new();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    // Both ends of every KV link are in this process: a key of its own.
-    let key = pdserve_kv_transfer::ClusterKey::random();
     let grammars = super::grammars(&m.tokenizer);
-    let tiers =
-        t.tiers.config(pdserve_engine::kvcache::block_bytes(&m.model.cfg, pdserve_engine::batch::BLOCK_SIZE))?;
     let (ttft_ms, tpot_ms) = objectives_ms(&a);
-    let objectives = t.protect_tpot.then_some(Objectives::from_ms(ttft_ms, tpot_ms));
-    let mut workers: Vec<LocalWorker> = Vec::new();
-    for (i, role) in roles.iter().enumerate() {
-        let name = format!("{role}-{i}");
-        let opts = WorkerOptions {
-            name: name.clone(),
-            role: *role,
-            model_name: m.name.clone(),
-            engine: EngineConfig {
-                threads,
-                num_blocks: t.kv_blocks.unwrap_or(KV_BLOCKS),
-                objectives,
-                ..Default::default()
-            },
-            eog: m.tokenizer.eog_ids().to_vec(),
-            key: key.clone(),
-            grammars: grammars.clone(),
-            tiers: tiers.clone(),
-        };
-        let w = LocalWorker::spawn(opts, m.model.clone(), rt.handle().clone())
-            .with_context(|| format!("starting worker {name}"))?;
-        metrics.set_role(&name, *role);
-        metrics.set_worker_up(&name, true);
-        workers.push(w);
-    }
+    let workers = spawn_workers(&a, &m, &grammars, &metrics, rt.handle())?;
+    let banner = format!(
+        "workers: {}, {threads} thread(s) each",
+        roles.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
+    );
+    let here = rt.handle().clone();
     rt.block_on(async move {
         // The loopback transports need a receiver on each worker that may decode
         // (under the planner, any worker may come to).
@@ -210,17 +189,12 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             listen(w, via).await?;
         }
         let router = Arc::new(
-            Router::new(
-                workers.into_iter().map(|w| Arc::new(w) as Arc<dyn Worker>),
-                t.mode,
-                a.api.deadlines(),
-                tokio::runtime::Handle::current(),
-            )
-            .with_policy(t.policy.build())
-            .with_limits(a.api.admission.limits())
-            .with_transport(via)
-            .with_prefix_fetch(!t.no_kv_fetch)
-            .with_telemetry(Arc::new(metrics.clone())),
+            Router::new(workers.into_iter().map(|w| Arc::new(w) as Arc<dyn Worker>), t.mode, a.api.deadlines(), here)
+                .with_policy(t.policy.build())
+                .with_limits(a.api.admission.limits())
+                .with_transport(via)
+                .with_prefix_fetch(!t.no_kv_fetch)
+                .with_telemetry(Arc::new(metrics.clone())),
         );
         router.follow_kv_events();
         if t.planner {
@@ -237,10 +211,6 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             name: m.name.clone(),
             context_length: m.model.cfg.context_length,
         };
-        let banner = format!(
-            "workers: {}, {threads} thread(s) each",
-            roles.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
-        );
         http::serve(
             router,
             metrics,
@@ -251,6 +221,51 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         )
         .await
     })
+}
+
+/// Starts one worker per role of the topology, all over the one copy of the model's
+/// weights, each named `{role}-{i}`.
+fn spawn_workers(
+    a: &Args,
+    m: &LoadedModel,
+    grammars: &Option<Arc<Grammars>>,
+    metrics: &Metrics,
+    rt: &tokio::runtime::Handle,
+) -> anyhow::Result<Vec<LocalWorker>> {
+    let t = &a.topology;
+    let roles = t.roles();
+    // Both ends of every KV link are in this process: a key of its own.
+    let key = pdserve_kv_transfer::ClusterKey::random();
+    let tiers =
+        t.tiers.config(pdserve_engine::kvcache::block_bytes(&m.model.cfg, pdserve_engine::batch::BLOCK_SIZE))?;
+    let (ttft_ms, tpot_ms) = objectives_ms(a);
+    let objectives = t.protect_tpot.then_some(Objectives::from_ms(ttft_ms, tpot_ms));
+    let engine = EngineConfig {
+        threads: t.threads(roles.len()),
+        num_blocks: t.kv_blocks.unwrap_or(KV_BLOCKS),
+        objectives,
+        ..Default::default()
+    };
+    let mut workers = Vec::new();
+    for (i, role) in roles.iter().enumerate() {
+        let name = format!("{role}-{i}");
+        let opts = WorkerOptions {
+            name: name.clone(),
+            role: *role,
+            model_name: m.name.clone(),
+            engine: engine.clone(),
+            eog: m.tokenizer.eog_ids().to_vec(),
+            key: key.clone(),
+            grammars: grammars.clone(),
+            tiers: tiers.clone(),
+        };
+        let w =
+            LocalWorker::spawn(opts, m.model.clone(), rt.clone()).with_context(|| format!("starting worker {name}"))?;
+        metrics.set_role(&name, *role);
+        metrics.set_worker_up(&name, true);
+        workers.push(w);
+    }
+    Ok(workers)
 }
 
 /// Binds `w`'s receiver for `via` on loopback (in-process needs none).

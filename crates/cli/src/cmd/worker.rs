@@ -5,9 +5,9 @@ use super::http::{self, Stopped};
 use super::probe::{LinkTable, Prober};
 use anyhow::Context;
 use pdserve_engine::batch::{EngineConfig, Objectives};
-use pdserve_fleet::{Endpoints, KvCache, Load, NodeId, NodeRecord};
-use pdserve_kv_transfer::{KvAddr, ListenAt, TransportKind};
-use pdserve_protocol::{unsupported, Worker};
+use pdserve_fleet::{Endpoints, KvCache, Load, NatsConfig, NodeId, NodeRecord, Registration};
+use pdserve_kv_transfer::{ClusterKey, KvAddr, ListenAt, TransportKind};
+use pdserve_protocol::{Capabilities, Worker};
 use pdserve_remote::WorkerServer;
 use pdserve_types::Role;
 use pdserve_worker::{LocalWorker, WorkerOptions};
@@ -170,42 +170,13 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
         };
         let worker =
             m.spawn(opts, tokio::runtime::Handle::current()).with_context(|| format!("starting worker {name}"))?;
-        // Every worker receives KV: its role may change to decode at run time.
-        let at = ListenAt { net: a.kv_listen.unwrap_or(SocketAddr::new(a.listen.ip(), 0)), socket: super::socket_path("kv")? };
-        let mut kv = at.net;
-        for via in TransportKind::ALL {
-            // The TCP one is what peers probe; the handshake names them all.
-            if let Some(KvAddr::Tcp(bound)) = worker.listen(via, &at).await.with_context(|| format!("{via} KV receiver"))? {
-                kv = bound;
-            }
-        }
+        let kv = listen_everywhere(&a, &worker).await?;
         let control = listener.local_addr()?;
-        let local = worker.clone();
-        let worker = Arc::new(worker) as Arc<dyn Worker>;
         let fleet = match a.nats.config(&name, Some(&key)) {
             None => None,
-            Some(cfg) => {
-                let id = a.node_id.clone().unwrap_or_else(|| NodeId::sanitized(&name));
-                let at = |addr: SocketAddr| a.advertise.map_or(addr, |ip| SocketAddr::new(ip, addr.port()));
-                if a.advertise.is_none() && control.ip().is_unspecified() {
-                    anyhow::bail!("a worker listening on {control} must say where others reach it: add --advertise IP");
-                }
-                let links = Arc::new(LinkTable::default());
-                let node = Node {
-                    id: id.clone(),
-                    worker: worker.clone(),
-                    endpoints: Endpoints { control: at(control), kv: at(kv) },
-                    threads: a.threads.max(1),
-                    blocks: a.kv_blocks,
-                    links: links.clone(),
-                };
-                let prober = Prober { me: id.clone(), my_kv: at(kv), worker: local, key: key.clone(), table: links };
-                tokio::spawn(prober.run(cfg.clone()));
-                tokio::spawn(take_planned_roles(cfg.clone(), id.clone(), worker.clone()));
-                pdserve_fleet::publish_kv_events(cfg.clone(), id.clone(), worker.clone());
-                Some(pdserve_fleet::register(cfg, id, move || node.clone().record()))
-            }
+            Some(cfg) => Some(join_fleet(&a, cfg, &name, &key, Endpoints { control, kv }, worker.clone())?),
         };
+        let worker = Arc::new(worker) as Arc<dyn Worker>;
         // On SIGINT/SIGTERM the fleet record goes first, so frontends stop sending
         // work; the server takes no new router, and what runs here finishes.
         let signal = http::signal();
@@ -227,6 +198,54 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
         tracing::info!("pdserve worker: stopped");
         Ok(stopped)
     })
+}
+
+/// Binds a receiver of every transport: any worker receives KV, since its role may
+/// change to decode at run time. Answers the TCP receiver's address, the one peers
+/// probe (the handshake names them all).
+async fn listen_everywhere(a: &Args, worker: &LocalWorker) -> anyhow::Result<SocketAddr> {
+    let at =
+        ListenAt { net: a.kv_listen.unwrap_or(SocketAddr::new(a.listen.ip(), 0)), socket: super::socket_path("kv")? };
+    let mut kv = at.net;
+    for via in TransportKind::ALL {
+        if let Some(KvAddr::Tcp(bound)) = worker.listen(via, &at).await.with_context(|| format!("{via} KV receiver"))? {
+            kv = bound;
+        }
+    }
+    Ok(kv)
+}
+
+/// Joins the fleet at `cfg`: probes the links to its peers, takes the roles its
+/// planner sets, publishes its KV events and keeps its node record (with the
+/// endpoints others reach, `here` as `--advertise` rewrites them) written.
+fn join_fleet(
+    a: &Args,
+    cfg: NatsConfig,
+    name: &str,
+    key: &ClusterKey,
+    here: Endpoints,
+    local: LocalWorker,
+) -> anyhow::Result<Registration> {
+    let id = a.node_id.clone().unwrap_or_else(|| NodeId::sanitized(name));
+    let at = |addr: SocketAddr| a.advertise.map_or(addr, |ip| SocketAddr::new(ip, addr.port()));
+    if a.advertise.is_none() && here.control.ip().is_unspecified() {
+        anyhow::bail!("a worker listening on {} must say where others reach it: add --advertise IP", here.control);
+    }
+    let worker = Arc::new(local.clone()) as Arc<dyn Worker>;
+    let links = Arc::new(LinkTable::default());
+    let node = Node {
+        id: id.clone(),
+        worker: worker.clone(),
+        endpoints: Endpoints { control: at(here.control), kv: at(here.kv) },
+        threads: a.threads.max(1),
+        blocks: a.kv_blocks,
+        links: links.clone(),
+    };
+    let prober = Prober { me: id.clone(), my_kv: at(here.kv), worker: local, key: key.clone(), table: links };
+    tokio::spawn(prober.run(cfg.clone()));
+    tokio::spawn(take_planned_roles(cfg.clone(), id.clone(), worker.clone()));
+    pdserve_fleet::publish_kv_events(cfg.clone(), id.clone(), worker);
+    Ok(pdserve_fleet::register(cfg, id, move || node.clone().record()))
 }
 
 /// Waits until nothing waits, runs or is being received here, for at most `grace`
@@ -265,8 +284,7 @@ async fn take_planned_roles(cfg: pdserve_fleet::NatsConfig, id: NodeId, worker: 
             continue;
         }
         seen = Some(want.epoch);
-        let roles = worker.role_switch().ok_or_else(|| unsupported(&*worker, "cannot change role"));
-        match async { roles?.set_role(want).await }.await {
+        match async { worker.roles()?.set_role(want).await }.await {
             Ok(now) if now == want => tracing::info!(planner = %holder, to = %now, "took the role the planner set"),
             Ok(now) => tracing::debug!(planner = %holder, want = %want, holds = %now, "a planned role already taken"),
             Err(e) => tracing::warn!(planner = %holder, want = %want, error = %e, "cannot take the planned role"),

@@ -13,7 +13,7 @@ pub mod signals;
 use crate::workers::{Entry, PREFILL_SLOTS, STATS_WAIT};
 use crate::{Router, BLOCK_SIZE};
 use model::{predict, Prediction, Rates, Shape, Slo};
-use pdserve_protocol::ServeError;
+use pdserve_protocol::{Capabilities, ServeError};
 use pdserve_types::{Assignment, DecodeSteps, PrefillSteps, Role};
 use signals::Traffic;
 use std::collections::{BTreeMap, VecDeque};
@@ -338,23 +338,7 @@ impl Planner {
         let traffic = self.router.signals.traffic(slo.ttft_s, slo.tpot_s);
         let current = shape_of(&entries);
         let shapes = Shape::candidates(entries.len());
-        if tracing::enabled!(tracing::Level::DEBUG) {
-            let scores: Vec<String> = shapes
-                .iter()
-                .map(|&s| {
-                    let p = predict(s, &traffic, &rates, &slo);
-                    let (g, tt, tp, u, st) = (p.goodput, p.ttft_attained, p.tpot_attained, p.utilisation, p.strain);
-                    format!("{s}={g:.2}({tt:.2}/{tp:.2}/{u:.2}/{st:.2})")
-                })
-                .collect();
-            tracing::debug!(
-                current = %current, rate = traffic.rate, isl_p50 = traffic.isl[1], osl_p50 = traffic.osl[1],
-                prefill_ms_per_token = rates.prefill_s_per_token * 1e3,
-                step_ms = rates.step.fixed * 1e3, step_ms_per_seq = rates.step.per_row * 1e3,
-                step_us_per_context_token = rates.step.per_context * 1e6, kv_tokens = rates.kv_tokens,
-                prefill_fixed_ms = rates.prefill_fixed_s * 1e3, backlog_s = rates.backlog_s, predicted = %scores.join(" "), "planner tick"
-            );
-        }
+        log_scores(current, &shapes, &traffic, &rates, &slo);
         let recent = self.router.signals.traffic_within(RECENT, slo.ttft_s, slo.tpot_s);
         self.remember(&traffic);
         // The running shape falling behind on the window itself: a shift under way.
@@ -539,9 +523,8 @@ async fn drain(router: Arc<Router>, act: Arc<dyn Actuator>, e: Arc<Entry>, from:
         let others = router.workers().snapshot().iter().any(|o| o.id != e.id && o.usable() && o.role().decodes());
         if others {
             // Again each round: a reservation granted before the switch lands later.
-            let roles = e.worker.role_switch();
-            let moved = roles.ok_or_else(|| pdserve_protocol::unsupported(&*e.worker, "cannot hand back its decodes"));
-            if let Ok(Err(err)) = tokio::time::timeout(STATS_WAIT, async { moved?.move_decodes().await }).await {
+            let moved = async { e.worker.roles()?.move_decodes().await };
+            if let Ok(Err(err)) = tokio::time::timeout(STATS_WAIT, moved).await {
                 tracing::debug!(worker = e.name(), error = %err, "decodes not handed back");
             }
         }
@@ -569,6 +552,29 @@ async fn drain(router: Arc<Router>, act: Arc<dyn Actuator>, e: Arc<Entry>, from:
 fn median(mut v: Vec<f64>) -> Option<f64> {
     v.sort_by(f64::total_cmp);
     v.get(v.len().saturating_sub(1) / 2).copied()
+}
+
+/// The planner's view of every shape on this tick, at debug level: goodput, the
+/// shares meeting TTFT and TPOT, utilisation and strain.
+fn log_scores(current: Shape, shapes: &[Shape], traffic: &Traffic, rates: &Rates, slo: &Slo) {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return;
+    }
+    let scores: Vec<String> = shapes
+        .iter()
+        .map(|&s| {
+            let p = predict(s, traffic, rates, slo);
+            let (g, tt, tp, u, st) = (p.goodput, p.ttft_attained, p.tpot_attained, p.utilisation, p.strain);
+            format!("{s}={g:.2}({tt:.2}/{tp:.2}/{u:.2}/{st:.2})")
+        })
+        .collect();
+    tracing::debug!(
+        current = %current, rate = traffic.rate, isl_p50 = traffic.isl[1], osl_p50 = traffic.osl[1],
+        prefill_ms_per_token = rates.prefill_s_per_token * 1e3,
+        step_ms = rates.step.fixed * 1e3, step_ms_per_seq = rates.step.per_row * 1e3,
+        step_us_per_context_token = rates.step.per_context * 1e6, kv_tokens = rates.kv_tokens,
+        prefill_fixed_ms = rates.prefill_fixed_s * 1e3, backlog_s = rates.backlog_s, predicted = %scores.join(" "), "planner tick"
+    );
 }
 
 /// The role vector of `entries`.

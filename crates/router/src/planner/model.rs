@@ -169,23 +169,8 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
     if kv >= 1.0 {
         return Prediction { utilisation: kv, strain: kv, ..none };
     }
-    let es = t.samples.iter().map(|&(i, _)| service(i)).sum::<f64>() / t.samples.len() as f64;
-    let es2 = t.samples.iter().map(|&(i, _)| service(i).powi(2)).sum::<f64>() / t.samples.len() as f64;
-    // Past the edge the steady wait is that of a queue at it, and what grows beyond
-    // it is counted as a backlog over the horizon.
-    let steady_rho = rho.min(STABLE_BELOW);
-    let wait = if es > 0.0 { steady_rho / (1.0 - steady_rho) * es2 / (2.0 * es) } else { 0.0 };
     let late = backlog_toll(rates.backlog_s * slow / prefillers, rho);
-    let ttft_ok = |isl: usize| {
-        let room = slo.ttft_s - service(isl);
-        let steady = match room {
-            r if r <= 0.0 => 0.0,
-            _ if wait <= 0.0 => 1.0,
-            r => 1.0 - steady_rho * (-steady_rho * r / wait).exp(),
-        };
-        steady * (1.0 - late(room))
-    };
-    let ttft_attained = t.samples.iter().map(|&(i, _)| ttft_ok(i)).sum::<f64>() / t.samples.len() as f64;
+    let ttft_attained = ttft_share(&t.samples, &service, rho, &late, slo.ttft_s);
     let step_alone = a + b * batch;
     // The router sends a prompt to a worker with nothing to do while there is one
     // (least loaded, or `auto`'s remote prefill), so a decoding request meets a
@@ -196,31 +181,85 @@ pub fn predict(shape: Shape, t: &Traffic, rates: &Rates, slo: &Slo) -> Predictio
     // the long-prompt half of a bimodal mix steps slower than the batch's mean, and
     // can miss an objective the mean meets.
     let own = |(i, o): (usize, usize)| rates.step.per_context * ((i as f64 + o as f64 / 2.0) - context);
-    let tpot_ok = |isl_osl: (usize, usize)| match mixed {
-        false => soft_below(tpot + own(isl_osl), slo.tpot_s),
-        true => interfered(
-            isl_osl.1,
-            step_alone + own(isl_osl),
-            prefill_busy * crowded,
-            t.rate / prefillers * crowded,
-            mean_isl * s,
-            slo.tpot_s,
-        ),
-    };
-    let tpot_attained = t.samples.iter().map(|&x| tpot_ok(x)).sum::<f64>() / t.samples.len() as f64;
+    let base = if mixed { step_alone } else { tpot };
+    let prefills = mixed.then(|| Interference {
+        busy: prefill_busy * crowded,
+        arrivals: t.rate / prefillers * crowded,
+        prompt_s: mean_isl * s,
+    });
+    let tpot_attained = tpot_share(&t.samples, &|x| base + own(x), prefills, slo.tpot_s);
     let utilisation = rho.max(prefill_busy).max(kv);
-    // A shape that misses the SLOs for some requests is past its edge, further the
-    // more it misses: a mixed worker's prefills slow its decodes before any queue
-    // or batch is near full.
+    judged(t.rate, (ttft_attained, tpot_attained), utilisation, tpot / slo.tpot_s)
+}
+
+/// The prediction from the shares of requests meeting each objective, the
+/// utilisation and the decoders' TPOT over its objective. A shape that misses the
+/// SLOs for some requests is past its edge, further the more it misses: a mixed
+/// worker's prefills slow its decodes before any queue or batch is near full.
+fn judged(rate: f64, (ttft_attained, tpot_attained): (f64, f64), utilisation: f64, tpot_strain: f64) -> Prediction {
     let attained = ttft_attained * tpot_attained;
     let missing = if attained < 1.0 - MISS_NOISE { 2.0 - attained } else { 0.0 };
     Prediction {
-        goodput: t.rate * ttft_attained * tpot_attained,
+        goodput: rate * ttft_attained * tpot_attained,
         ttft_attained,
         tpot_attained,
         utilisation,
-        strain: utilisation.max(tpot / slo.tpot_s).max(missing),
+        strain: utilisation.max(tpot_strain).max(missing),
     }
+}
+
+/// The prefills a decoding request on a mixed worker meets: the share of time its
+/// worker is busy prefilling, the arrivals of prompts there, and one prompt's
+/// seconds.
+struct Interference {
+    busy: f64,
+    arrivals: f64,
+    prompt_s: f64,
+}
+
+/// The share of `samples` whose time per output token, `step(sample)` alone, stays
+/// within `tpot_s`: on a dedicated decoder as it is, on a mixed worker with the
+/// `prefills` it meets.
+fn tpot_share(
+    samples: &[(usize, usize)],
+    step: &dyn Fn((usize, usize)) -> f64,
+    prefills: Option<Interference>,
+    tpot_s: f64,
+) -> f64 {
+    let ok = |x: (usize, usize)| match &prefills {
+        None => soft_below(step(x), tpot_s),
+        Some(p) => interfered(x.1, step(x), p.busy, p.arrivals, p.prompt_s, tpot_s),
+    };
+    samples.iter().map(|&x| ok(x)).sum::<f64>() / samples.len() as f64
+}
+
+/// The share of `samples` (prompt, output lengths) whose first token comes within
+/// `ttft_s`: a prompt takes `service(isl)` once its turn comes, in a queue at
+/// utilisation `rho`, behind a backlog that makes it late `late(room)` of the time.
+/// Past the edge the steady wait is that of a queue at it, and what grows beyond it
+/// is counted as the backlog.
+fn ttft_share(
+    samples: &[(usize, usize)],
+    service: &dyn Fn(usize) -> f64,
+    rho: f64,
+    late: &dyn Fn(f64) -> f64,
+    ttft_s: f64,
+) -> f64 {
+    let n = samples.len() as f64;
+    let es = samples.iter().map(|&(i, _)| service(i)).sum::<f64>() / n;
+    let es2 = samples.iter().map(|&(i, _)| service(i).powi(2)).sum::<f64>() / n;
+    let steady_rho = rho.min(STABLE_BELOW);
+    let wait = if es > 0.0 { steady_rho / (1.0 - steady_rho) * es2 / (2.0 * es) } else { 0.0 };
+    let ttft_ok = |isl: usize| {
+        let room = ttft_s - service(isl);
+        let steady = match room {
+            r if r <= 0.0 => 0.0,
+            _ if wait <= 0.0 => 1.0,
+            r => 1.0 - steady_rho * (-steady_rho * r / wait).exp(),
+        };
+        steady * (1.0 - late(room))
+    };
+    samples.iter().map(|&(i, _)| ttft_ok(i)).sum::<f64>() / n
 }
 
 /// The share of `capacity` KV tokens a decoder needs for `seqs` sequences holding

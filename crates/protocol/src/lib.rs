@@ -160,6 +160,12 @@ impl TokenStream {
         (EventSender { tx, taken: taken.clone() }, TokenStream { rx, taken })
     }
 
+    /// A stream with room for every event a request with `params` can make (a
+    /// token each, and the events around them), so its producer never waits.
+    pub fn for_request(params: &pdserve_types::SamplingParams) -> (EventSender, TokenStream) {
+        TokenStream::channel(params.max_tokens as usize + 4)
+    }
+
     /// The next event, or `None` when the producer is gone without a final event
     /// (callers treat that as an internal error).
     pub async fn next(&mut self) -> Option<Event> {

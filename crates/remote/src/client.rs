@@ -172,6 +172,18 @@ impl RemoteWorker {
         })
     }
 
+    /// A call answered with one kind of answer, which `pick` takes out; any other kind
+    /// is an error of the worker's.
+    fn ask<T: Send + 'static>(
+        &self,
+        op: Op,
+        counted: bool,
+        pick: fn(Answer) -> Result<T, Answer>,
+    ) -> Reply<'static, T> {
+        let answer = self.reply_call(op, counted);
+        Box::pin(async move { pick(answer.await?).map_err(|other| unexpected(&other)) })
+    }
+
     /// A reservation whose first tokens, `keep`, the worker's own cache holds.
     fn reserve_call(
         &self,
@@ -180,12 +192,9 @@ impl RemoteWorker {
         keep: Vec<u32>,
         fence: Option<Epoch>,
     ) -> Reply<'_, HandoffToken> {
-        let answer = self.reply_call(Op::Reserve { id, prompt_len, fence, keep }, false);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::Token(t) => Ok(t),
-                other => Err(unexpected(&other)),
-            }
+        self.ask(Op::Reserve { id, prompt_len, fence, keep }, false, |a| match a {
+            Answer::Token(t) => Ok(t),
+            a => Err(a),
         })
     }
 
@@ -195,12 +204,9 @@ impl RemoteWorker {
         let KvTarget::Remote(addr) = to.target else {
             return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
         };
-        let answer = self.reply_call(Op::Prefill { req, to: addr, token: to.token, imported }, true);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::Prefilled(p) => Ok(p),
-                other => Err(unexpected(&other)),
-            }
+        self.ask(Op::Prefill { req, to: addr, token: to.token, imported }, true, |a| match a {
+            Answer::Prefilled(p) => Ok(p),
+            a => Err(a),
         })
     }
 
@@ -258,12 +264,9 @@ impl Worker for RemoteWorker {
     }
 
     fn stats(&self) -> Reply<'_, WorkerStats> {
-        let answer = self.reply_call(Op::Stats, false);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::Stats(s) => Ok(*s),
-                other => Err(unexpected(&other)),
-            }
+        self.ask(Op::Stats, false, |a| match a {
+            Answer::Stats(s) => Ok(*s),
+            a => Err(a),
         })
     }
 
@@ -303,12 +306,9 @@ impl PrefixPeer for RemoteWorker {
         let KvTarget::Remote(addr) = to.target else {
             return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
         };
-        let answer = self.reply_call(Op::ExportPrefix { id, tokens, skip, to: addr, token: to.token }, false);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::Count(n) => Ok(n),
-                other => Err(unexpected(&other)),
-            }
+        self.ask(Op::ExportPrefix { id, tokens, skip, to: addr, token: to.token }, false, |a| match a {
+            Answer::Count(n) => Ok(n),
+            a => Err(a),
         })
     }
 
@@ -319,46 +319,34 @@ impl PrefixPeer for RemoteWorker {
 
 impl KvEventLog for RemoteWorker {
     fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
-        let answer = self.reply_call(Op::KvEvents { after }, false);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::KvEvents(e) => Ok(e),
-                other => Err(unexpected(&other)),
-            }
+        self.ask(Op::KvEvents { after }, false, |a| match a {
+            Answer::KvEvents(e) => Ok(e),
+            a => Err(a),
         })
     }
 }
 
 impl RoleSwitch for RemoteWorker {
     fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
-        let answer = self.reply_call(Op::SetRole { to }, false);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::Assignment(a) => Ok(a),
-                other => Err(unexpected(&other)),
-            }
+        self.ask(Op::SetRole { to }, false, |a| match a {
+            Answer::Assignment(a) => Ok(a),
+            a => Err(a),
         })
     }
 
     fn move_decodes(&self) -> Reply<'_, usize> {
-        let answer = self.reply_call(Op::MoveDecodes, false);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::Count(n) => Ok(n),
-                other => Err(unexpected(&other)),
-            }
+        self.ask(Op::MoveDecodes, false, |a| match a {
+            Answer::Count(n) => Ok(n),
+            a => Err(a),
         })
     }
 }
 
 impl LinkProbe for RemoteWorker {
     fn probe_inbox(&self, id: RequestId) -> Reply<'_, HandoffToken> {
-        let answer = self.reply_call(Op::ProbeInbox { id }, false);
-        Box::pin(async move {
-            match answer.await? {
-                Answer::Token(t) => Ok(t),
-                other => Err(unexpected(&other)),
-            }
+        self.ask(Op::ProbeInbox { id }, false, |a| match a {
+            Answer::Token(t) => Ok(t),
+            a => Err(a),
         })
     }
 }

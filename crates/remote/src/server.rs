@@ -281,11 +281,10 @@ impl Session {
 
     /// Starts a call that answers with a stream of tokens.
     fn start_stream(&self, op: Op) -> (Result<TokenStream, ServeError>, tracing::Span) {
-        let channel = |params: &pdserve_types::SamplingParams| TokenStream::channel(params.max_tokens as usize + 4);
         match op {
             Op::Generate { req } => {
                 let span = tracing::info_span!("generate", request_id = %req.tag);
-                let (events, stream) = channel(&req.params);
+                let (events, stream) = TokenStream::for_request(&req.params);
                 let started = span.in_scope(|| self.worker().generate(req, events));
                 (started.map(|()| stream), span)
             }
@@ -295,14 +294,14 @@ impl Session {
                 if let Err(e) = self.own(handoff.id) {
                     return (Err(e), span);
                 }
-                let (events, stream) = channel(&handoff.params);
+                let (events, stream) = TokenStream::for_request(&handoff.params);
                 (self.worker().decode(handoff, events).map(|()| stream), span)
             }
             Op::GenerateImported { req, imported } => {
                 let span = tracing::info_span!("generate", request_id = %req.tag, imported);
                 let peer = self.own(req.id).and_then(|()| self.worker().peering());
                 let started = peer.and_then(|peer| {
-                    let (events, stream) = channel(&req.params);
+                    let (events, stream) = TokenStream::for_request(&req.params);
                     span.in_scope(|| peer.generate_imported(req, imported, events)).map(|()| stream)
                 });
                 (started, span)

@@ -83,8 +83,8 @@ impl Router {
         fetch: Option<Fetch>,
     ) -> Result<TokenStream, ServeError> {
         req.fence = Some(d.epoch());
-        let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
-        let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
+        let (client, stream) = TokenStream::for_request(&req.params);
+        let (inner_tx, inner) = TokenStream::for_request(&req.params);
         let (load, n) = (d.prefill.clone(), req.prompt.len());
         let todo = n - cached.min(n);
         let ahead = load.ahead();

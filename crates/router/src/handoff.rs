@@ -124,7 +124,7 @@ pub fn start(
     waiting: Waiting,
     end: Ending,
 ) -> TokenStream {
-    let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
+    let (client, stream) = TokenStream::for_request(&req.params);
     // P's queue counts the prompt from now, not from when the task first runs: a
     // request routed in between would find P idle and queue a prompt there too.
     let queued = queue_on(&h, &req);
@@ -165,7 +165,7 @@ fn fall_back(h: &Handoff, mut req: GenerateRequest, client: EventSender, waiting
     let d = &h.decode;
     req.fence = Some(d.epoch());
     tracing::info!(decode = d.name(), "prefilling on the decode worker instead");
-    let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
+    let (inner_tx, inner) = TokenStream::for_request(&req.params);
     match d.worker.generate(req, inner_tx) {
         Ok(()) => {
             let holder = end.holder();
@@ -426,7 +426,7 @@ fn decode_ready(
         return Outcome::Streaming;
     }
     // D's events pass through a relay that times D's first decode step (queue_decode).
-    let (inner_tx, inner) = TokenStream::channel(req.params.max_tokens as usize + 4);
+    let (inner_tx, inner) = TokenStream::for_request(&req.params);
     let handed = Instant::now();
     let trace = req.trace.clone();
     let handoff = DecodeHandoff {

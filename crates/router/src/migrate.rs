@@ -62,7 +62,7 @@ impl Generate for Migrating {
                 other => break other?,
             }
         };
-        let (client, stream) = TokenStream::channel(req.params.max_tokens as usize + 4);
+        let (client, stream) = TokenStream::for_request(&req.params);
         self.router.signals.arrived(req.prompt.len(), req.params.max_tokens as usize);
         let job = Job {
             router: self.router.clone(),

@@ -18,7 +18,7 @@ pub mod index;
 mod migrate;
 mod mode;
 pub mod place;
-pub mod planner;
+mod planning;
 pub mod policies;
 mod relay;
 pub mod snapshot;
@@ -36,9 +36,7 @@ use cost::TransferCost;
 use fetch::FetchPace;
 use index::KvIndex;
 use pdserve_kv_transfer::TransportKind;
-use pdserve_protocol::{
-    Capabilities, Generate, GenerateRequest, NoTelemetry, ServeError, Telemetry, TokenStream, Worker,
-};
+use pdserve_protocol::{Generate, GenerateRequest, NoTelemetry, ServeError, Telemetry, TokenStream, Worker};
 use pdserve_types::Role;
 use place::Refusal;
 use snapshot::Snapshot;
@@ -73,7 +71,7 @@ pub struct Router {
     /// Requests refused by admission, to spread their `Retry-After`.
     refusals: AtomicU64,
     /// The traffic as clients see it, for the planner.
-    pub signals: Arc<planner::signals::Signals>,
+    pub signals: Arc<pdserve_planner::signals::Signals>,
     /// Whether a worker missing a prefix a peer caches may fetch it
     /// ([`fetch`]); with it, how long fetches take.
     fetch: Option<Arc<FetchPace>>,
@@ -105,7 +103,7 @@ impl Router {
             admission: Admission { max_queue: None, ttft: None, tpot: None },
             index: Arc::default(),
             refusals: AtomicU64::new(0),
-            signals: Arc::new(planner::signals::Signals::new(SIGNALS_WINDOW)),
+            signals: Arc::new(pdserve_planner::signals::Signals::new(SIGNALS_WINDOW)),
             fetch: Some(Arc::default()),
         }
     }
@@ -121,10 +119,7 @@ impl Router {
     /// Switches worker `e` to `role` at its next epoch; answers with what it holds
     /// afterwards. The router routes by the new role from the moment it is known.
     pub async fn switch_role(&self, e: &Entry, role: Role) -> Result<pdserve_types::Assignment, ServeError> {
-        let now = e.worker.roles()?.set_role(e.assignment().switch(role)).await?;
-        e.learn(now);
-        self.note_role(e, now.role);
-        Ok(now)
+        self.assign(e, e.assignment().switch(role)).await
     }
 
     /// Records that worker `e` holds `role` now (a switch made through the fleet, or

@@ -146,8 +146,16 @@ impl Entry {
     /// from them: blocks free, decode steps, tier counters, a role another process
     /// switched. `None`: no answer within [`STATS_WAIT`].
     pub async fn poll_stats(&self) -> Option<WorkerStats> {
+        self.read_stats().await.ok()
+    }
+
+    /// [`Entry::poll_stats`], saying why there are none: the worker's error, or a
+    /// [`ServeError::Timeout`] past [`STATS_WAIT`].
+    pub async fn read_stats(&self) -> Result<WorkerStats, ServeError> {
         let mark = self.taken_mark();
-        let s = tokio::time::timeout(STATS_WAIT, self.worker.stats()).await.ok()?.ok()?;
+        let late =
+            || ServeError::Timeout(format!("{} sent no stats within {} ms", self.name(), STATS_WAIT.as_millis()));
+        let s = tokio::time::timeout(STATS_WAIT, self.worker.stats()).await.map_err(|_| late())??;
         // Blocks only the prefix cache holds are given up on demand.
         self.report_free_blocks(s.blocks.free + s.blocks.cached, mark);
         self.report_tiers(&s.tiers);
@@ -157,7 +165,7 @@ impl Entry {
             self.learn(now);
         }
         self.stopping.store(s.stopping, Ordering::SeqCst);
-        Some(s)
+        Ok(s)
     }
 
     /// Where the count of blocks taken by admitted requests stands, before its stats

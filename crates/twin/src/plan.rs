@@ -14,7 +14,7 @@ use pdserve_bench::report::svg::{LinePlot, Series};
 use pdserve_bench::workload::Workload;
 use pdserve_engine::tiers::TierConfig;
 use pdserve_kv_transfer::TransportKind;
-use pdserve_router::planner::model;
+use pdserve_planner::model;
 use pdserve_router::{Admission, Mode, PolicyKind};
 use pdserve_types::Role;
 use serde::Serialize;

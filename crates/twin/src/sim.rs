@@ -20,9 +20,9 @@ use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::Clock;
 use pdserve_kv_transfer::TransportKind;
+use pdserve_planner::{model, Actuator, Applied, Direct, Fleet, Made, Member, Planner, PlannerConfig};
 use pdserve_protocol::{Event, Generate, GenerateRequest, Phase, PrefillRoute, Telemetry, TokenStream, Worker};
-use pdserve_router::planner::{model, Actuator, Applied, Direct, Made, Planner, PlannerConfig};
-use pdserve_router::{Admission, Deadlines, Entry, Migrating, Mode, PolicyKind, Router};
+use pdserve_router::{Admission, Deadlines, Migrating, Mode, PolicyKind, Router};
 use pdserve_types::{RequestId, Role, SamplingParams};
 use pdserve_worker::{CoRun, Machine, SimOptions, SimWorker};
 use std::cell::Cell;
@@ -182,8 +182,8 @@ impl Switches {
 }
 
 impl Actuator for Switches {
-    fn apply<'a>(&'a self, router: &'a Router, moves: &'a [(Arc<Entry>, Role)]) -> Applied<'a> {
-        Direct.apply(router, moves)
+    fn apply<'a>(&'a self, fleet: &'a dyn Fleet, moves: &'a [(Member, Role)]) -> Applied<'a> {
+        Direct.apply(fleet, moves)
     }
 
     fn made(&self, made: &Made<'_>) {

@@ -256,7 +256,7 @@ fn sixteen_workers_under_the_planner_finish_and_free_their_blocks() {
     let p = profile();
     let rt = tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap();
     rt.block_on(async {
-        let slo = pdserve_router::planner::model::Slo { ttft_s: 2.0, tpot_s: 0.05 };
+        let slo = pdserve_planner::model::Slo { ttft_s: 2.0, tpot_s: 0.05 };
         let t = Topology { planner: Some(slo), ..topology(Mode::Auto, vec![Role::Mixed; 16]) };
         let server = SimServer::start(&p, &t).unwrap();
         let w = workload(1500, 16);
@@ -286,7 +286,7 @@ fn the_planners_switches_are_noted_on_the_points_clock() {
     let w = WorkloadFlags { phases: vec![phase("trickle:20:0.2:1500/8"), phase("burst:40:3:1500/8")], ..flags(1, 1) }
         .build()
         .unwrap();
-    let slo = pdserve_router::planner::model::Slo { ttft_s: 5.0, tpot_s: 0.05 };
+    let slo = pdserve_planner::model::Slo { ttft_s: 5.0, tpot_s: 0.05 };
     let roles = vec![Role::Prefill, Role::Decode, Role::Decode, Role::Decode];
     let t = Topology { planner: Some(slo), admission: NO_ADMISSION, ..topology(Mode::Auto, roles) };
     let out = run(&p, t, &w, Sweep::Phases, 1);

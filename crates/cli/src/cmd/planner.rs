@@ -11,10 +11,10 @@ use super::fleet::NatsArgs;
 use super::frontend::{follow_fleet, FleetNames, Target};
 use pdserve_fleet::forest::Leaf;
 use pdserve_fleet::{Bus, Lease, LeaseError, NatsConfig, NodeId, TrafficBatch, LEASE_GRACE, REFRESH};
-use pdserve_protocol::{Capabilities, ServeError};
-use pdserve_router::planner::model::Slo;
-use pdserve_router::planner::{Actuator, Applied, Made, Planner, PlannerConfig};
-use pdserve_router::{Entry, Mode, Router};
+use pdserve_planner::model::Slo;
+use pdserve_planner::{Actuator, Applied, Fleet, Made, Member, Planner, PlannerConfig};
+use pdserve_protocol::ServeError;
+use pdserve_router::{Mode, Router};
 use pdserve_telemetry::metrics::Metrics;
 use pdserve_types::{Assignment, Role};
 use std::net::SocketAddr;
@@ -199,19 +199,20 @@ struct ToBucket {
 }
 
 impl Actuator for ToBucket {
-    fn apply<'a>(&'a self, router: &'a Router, moves: &'a [(Arc<Entry>, Role)]) -> Applied<'a> {
+    fn apply<'a>(&'a self, fleet: &'a dyn Fleet, moves: &'a [(Member, Role)]) -> Applied<'a> {
         Box::pin(async move {
             let mut lease = self.lease.lock().await;
             let mut asked: Vec<Result<(NodeId, Assignment), ServeError>> = Vec::with_capacity(moves.len());
-            for (e, role) in moves {
-                asked.push(match self.nodes.id_of(e.name()) {
+            for (m, role) in moves {
+                let held = m.assignment.epoch;
+                asked.push(match self.nodes.id_of(&m.name) {
                     // The next epoch after both what the worker holds and what an
                     // earlier plan asked of it.
                     Some(id) => {
-                        let planned = lease.plan().roles.get(&id).map_or(e.epoch(), |a| a.epoch.max(e.epoch()));
+                        let planned = lease.plan().roles.get(&id).map_or(held, |a| a.epoch.max(held));
                         Ok((id, Assignment::new(*role, planned.next())))
                     }
-                    None => Err(ServeError::NoWorker(format!("{} is not in the fleet bucket", e.name()))),
+                    None => Err(ServeError::NoWorker(format!("{} is not in the fleet bucket", m.name))),
                 });
             }
             let writes = asked.iter().filter_map(|a| a.as_ref().ok().cloned());
@@ -221,9 +222,9 @@ impl Actuator for ToBucket {
             }
             drop(lease);
             let mut out = Vec::with_capacity(moves.len());
-            for ((e, _), a) in moves.iter().zip(asked) {
+            for ((m, _), a) in moves.iter().zip(asked) {
                 out.push(match a {
-                    Ok((_, a)) => taken(router, e, a).await,
+                    Ok((_, a)) => taken(fleet, &m.name, a).await,
                     Err(err) => Err(err),
                 });
             }
@@ -252,7 +253,7 @@ const DECISION_SOURCE: &str = "nim:pdserve-planner";
 /// A decision's Leaf data: the vectors, the predictions, the inputs, the outcomes.
 fn decision_data(m: &Made<'_>, holder: &str, nodes: &FleetNames) -> serde_json::Value {
     let d = m.decision;
-    let predicted = |p: &pdserve_router::planner::model::Prediction| {
+    let predicted = |p: &pdserve_planner::model::Prediction| {
         serde_json::json!({"goodput": p.goodput, "ttft_attained": p.ttft_attained,
             "tpot_attained": p.tpot_attained, "utilisation": p.utilisation, "strain": p.strain})
     };
@@ -284,15 +285,12 @@ fn decision_data(m: &Made<'_>, holder: &str, nodes: &FleetNames) -> serde_json::
     })
 }
 
-/// Hands worker `e` its planned assignment `a` over its control connection too:
+/// Hands `worker` its planned assignment `a` over its control connection too:
 /// the plan is what survives (a restarted worker, a lost connection), this is the
 /// fast path and the confirmation. Whichever reaches the worker first switches it;
 /// the other finds the epoch taken and changes nothing.
-async fn taken(router: &Router, e: &Entry, a: Assignment) -> Result<Assignment, ServeError> {
-    let now = tokio::time::timeout(TAKE_WAIT, e.worker.roles()?.set_role(a)).await.map_err(|_| {
-        ServeError::Timeout(format!("{} did not take {a} within {} s", e.name(), TAKE_WAIT.as_secs()))
-    })??;
-    e.learn(now);
-    router.note_role(e, now.role);
-    Ok(now)
+async fn taken(fleet: &dyn Fleet, worker: &str, a: Assignment) -> Result<Assignment, ServeError> {
+    tokio::time::timeout(TAKE_WAIT, fleet.assign(worker, a))
+        .await
+        .map_err(|_| ServeError::Timeout(format!("{worker} did not take {a} within {} s", TAKE_WAIT.as_secs())))?
 }

@@ -13,7 +13,7 @@ use pdserve_bench::report::{json, markdown};
 use pdserve_bench::topology::Topology as Served;
 use pdserve_engine::batch::Objectives;
 use pdserve_kv_transfer::TransportKind;
-use pdserve_router::planner::model;
+use pdserve_planner::model;
 use pdserve_twin::measure;
 use pdserve_twin::profile::Profile;
 use pdserve_twin::sim::{simulate, SimSpec, Topology};

@@ -20,7 +20,7 @@
 //! request of the window is scored, so a bimodal mix counts as such rather than as
 //! its mean.
 
-use super::signals::Traffic;
+use crate::signals::Traffic;
 use pdserve_types::StepFit;
 
 /// What the workers measured of themselves.

@@ -1,5 +1,5 @@
 //! What the planner measures of the traffic: every request's arrival and end over a
-//! sliding window, fed by the router's front ([`crate::Migrating`]) as the client
+//! sliding window, fed by the router's front (its `Migrating`) as the client
 //! sees them, or, for a planner in another process, by the frontends' [`Signals::tap`]s.
 
 use pdserve_types::RequestSample as Record;

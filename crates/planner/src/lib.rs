@@ -7,18 +7,16 @@
 //! and not too soon after the last switch. Every decision is logged with its inputs
 //! and counted in `pdserve_planner_decisions_total{from,to,reason}`.
 
+mod fleet;
 pub mod model;
 pub mod signals;
 
-use crate::workers::{Entry, PREFILL_SLOTS, STATS_WAIT};
-use crate::{Router, BLOCK_SIZE};
+pub use fleet::{Boxed, Fleet, Measures, Member};
 use model::{predict, Prediction, Rates, Shape, Slo};
-use pdserve_protocol::{Capabilities, ServeError};
+use pdserve_protocol::ServeError;
 use pdserve_types::{Assignment, DecodeSteps, PrefillSteps, Role};
 use signals::Traffic;
 use std::collections::{BTreeMap, VecDeque};
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -216,13 +214,13 @@ impl Switched {
 }
 
 /// What an [`Actuator`] answers: each move's outcome, in the order asked.
-pub type Applied<'a> = Pin<Box<dyn Future<Output = Vec<Result<Assignment, ServeError>>> + Send + 'a>>;
+pub type Applied<'a> = Boxed<'a, Vec<Result<Assignment, ServeError>>>;
 
-/// How a decision reaches the workers: in one process the router switches each one
+/// How a decision reaches the workers: in one process the fleet switches each one
 /// itself ([`Direct`]); a fleet planner writes the roles where the workers take them.
 pub trait Actuator: Send + Sync + 'static {
     /// Gives each worker of `moves` its role, as one step.
-    fn apply<'a>(&'a self, router: &'a Router, moves: &'a [(Arc<Entry>, Role)]) -> Applied<'a>;
+    fn apply<'a>(&'a self, fleet: &'a dyn Fleet, moves: &'a [(Member, Role)]) -> Applied<'a>;
 
     /// A decision was carried out (a fleet planner publishes it); nothing by default.
     fn made(&self, _made: &Made<'_>) {}
@@ -239,15 +237,15 @@ pub struct Made<'a> {
     pub control_ms: f64,
 }
 
-/// Switches each worker over its own connection ([`Router::switch_role`]).
+/// Switches each worker over its own connection ([`Fleet::assign`]).
 pub struct Direct;
 
 impl Actuator for Direct {
-    fn apply<'a>(&'a self, router: &'a Router, moves: &'a [(Arc<Entry>, Role)]) -> Applied<'a> {
+    fn apply<'a>(&'a self, fleet: &'a dyn Fleet, moves: &'a [(Member, Role)]) -> Applied<'a> {
         Box::pin(async move {
             let mut out = Vec::with_capacity(moves.len());
-            for (e, role) in moves {
-                out.push(router.switch_role(e, *role).await);
+            for (m, role) in moves {
+                out.push(fleet.assign(&m.name, m.assignment.switch(*role)).await);
             }
             out
         })
@@ -256,7 +254,7 @@ impl Actuator for Direct {
 
 /// The running controller.
 pub struct Planner {
-    router: Arc<Router>,
+    fleet: Arc<dyn Fleet>,
     cfg: PlannerConfig,
     act: Arc<dyn Actuator>,
     /// Consecutive ticks on which some vector was clearly better.
@@ -295,17 +293,17 @@ const RECENT: Duration = Duration::from_secs(3);
 const RECENT_SAMPLES: usize = 30;
 
 impl Planner {
-    /// Starts planning the roles of `router`'s workers on its runtime.
-    pub fn spawn(router: Arc<Router>, cfg: PlannerConfig) {
-        drop(Planner::spawn_with(router, cfg, Arc::new(Direct)));
+    /// Starts planning the roles of `fleet`'s workers on its runtime.
+    pub fn spawn(fleet: Arc<dyn Fleet>, cfg: PlannerConfig) {
+        drop(Planner::spawn_with(fleet, cfg, Arc::new(Direct)));
     }
 
     /// Starts planning, each decision carried out by `act`; stops when the handle is
     /// aborted.
-    pub fn spawn_with(router: Arc<Router>, cfg: PlannerConfig, act: Arc<dyn Actuator>) -> JoinHandle<()> {
-        let rt = router.runtime.clone();
+    pub fn spawn_with(fleet: Arc<dyn Fleet>, cfg: PlannerConfig, act: Arc<dyn Actuator>) -> JoinHandle<()> {
+        let rt = fleet.runtime();
         let mut p = Planner {
-            router,
+            fleet,
             cfg,
             act,
             pending: 0,
@@ -328,23 +326,23 @@ impl Planner {
     }
 
     async fn tick(&mut self) {
-        let entries: Vec<Arc<Entry>> = self.router.workers().snapshot().into_iter().filter(|e| e.usable()).collect();
-        if entries.len() < 2 {
+        let members = self.fleet.members();
+        if members.len() < 2 {
             return;
         }
-        self.read_steps(&entries).await;
-        let Some(rates) = self.rates(&entries) else { return };
+        self.read_steps(&members).await;
+        let Some(rates) = self.rates(&members) else { return };
         let slo = self.cfg.slo;
-        let traffic = self.router.signals.traffic(slo.ttft_s, slo.tpot_s);
-        let current = shape_of(&entries);
-        let shapes = Shape::candidates(entries.len());
+        let traffic = self.fleet.traffic(None, &slo);
+        let current = shape_of(&members);
+        let shapes = Shape::candidates(members.len());
         log_scores(current, &shapes, &traffic, &rates, &slo);
-        let recent = self.router.signals.traffic_within(RECENT, slo.ttft_s, slo.tpot_s);
+        let recent = self.fleet.traffic(Some(RECENT), &slo);
         self.remember(&traffic);
         // The running shape falling behind on the window itself: a shift under way.
         let shifting = predict(current, &traffic, &rates, &slo).utilisation >= OVERLOADED;
         let seen = Seen { window: &traffic, recent: &recent, shifting };
-        let measured = self.measured(&traffic, &rates, entries.len());
+        let measured = self.measured(&traffic, &rates, members.len());
         let decision = best_move(current, &shapes, |s| self.weigh(s, &seen, &rates), self.cfg.margin, measured);
         let Some(d) = decision.filter(|d| borne_out(d, &traffic)) else {
             self.pending = 0;
@@ -369,8 +367,8 @@ impl Planner {
             step_us_per_context_token = rates.step.per_context * 1e6, kv_tokens = rates.kv_tokens,
             prefill_fixed_ms = rates.prefill_fixed_s * 1e3, backlog_s = rates.backlog_s, "planner: switching roles"
         );
-        self.router.telemetry.planned(&d.from.to_string(), &d.to.to_string(), d.reason);
-        let (outcomes, control_ms) = self.apply(&entries, d.to).await;
+        self.fleet.decided(&d.from.to_string(), &d.to.to_string(), d.reason);
+        let (outcomes, control_ms) = self.apply(&members, d.to).await;
         self.act.made(&Made { decision: &d, traffic: &traffic, rates: &rates, outcomes, control_ms });
         self.pending = 0;
         self.switched.record(urgent(&d));
@@ -425,32 +423,31 @@ impl Planner {
     }
 
     /// Each worker's decode-only step sums and KV capacity, as its stats say.
-    async fn read_steps(&mut self, entries: &[Arc<Entry>]) {
-        for e in entries {
-            if let Some(s) = e.poll_stats().await {
-                self.steps.insert(e.name().to_string(), s.decode_steps);
-                let (taken, pace) = self.prefill_pace.entry(e.name().to_string()).or_default();
+    async fn read_steps(&mut self, members: &[Member]) {
+        for m in members {
+            if let Ok(s) = self.fleet.measures(&m.name).await {
+                self.steps.insert(m.name.clone(), s.decode_steps);
+                let (taken, pace) = self.prefill_pace.entry(m.name.clone()).or_default();
                 let new = s.prefill_steps.since(taken);
                 if new.tokens >= PACE_FROM_TOKENS {
                     (*taken, *pace) = (s.prefill_steps, new.fit());
                 }
-                self.kv_tokens
-                    .insert(e.name().to_string(), (s.blocks.free + s.blocks.used + s.blocks.cached) * BLOCK_SIZE);
+                self.kv_tokens.insert(m.name.clone(), s.kv_tokens);
             }
         }
     }
 
     /// The measured rates, once every one of them was measured.
-    fn rates(&self, entries: &[Arc<Entry>]) -> Option<Rates> {
+    fn rates(&self, members: &[Member]) -> Option<Rates> {
         let mut all = DecodeSteps::default();
         for s in self.steps.values() {
             all.add(s);
         }
         let step = all.fit()?;
-        let (fixed, prefill) = self.prefill_rates(entries, step.fixed)?;
+        let (fixed, prefill) = self.prefill_rates(members, step.fixed)?;
         // The smallest pool bounds what a decoder may be asked to hold.
-        let kv = entries.iter().filter_map(|e| self.kv_tokens.get(e.name())).min().copied().unwrap_or(0);
-        let backlog = entries.iter().map(|e| e.prefill.queued_seconds_at((fixed, prefill))).sum();
+        let kv = members.iter().filter_map(|m| self.kv_tokens.get(&m.name)).min().copied().unwrap_or(0);
+        let backlog = self.fleet.prefill_backlog((fixed, prefill));
         Some(Rates {
             prefill_s_per_token: prefill,
             prefill_fixed_s: fixed,
@@ -468,82 +465,88 @@ impl Planner {
     /// ever mixed prefill into decode steps), the fastest pace the router timed
     /// against a queue, the closest to a worker prefilling alone, and the fixed cost
     /// the decode steps measured (`step_fixed`): a step pays it whatever it holds.
-    fn prefill_rates(&self, entries: &[Arc<Entry>], step_fixed: f64) -> Option<(f64, f64)> {
-        let stepped: Vec<(f64, f64)> = entries.iter().filter_map(|e| self.prefill_pace.get(e.name())?.1).collect();
+    fn prefill_rates(&self, members: &[Member], step_fixed: f64) -> Option<(f64, f64)> {
+        let stepped: Vec<(f64, f64)> = members.iter().filter_map(|m| self.prefill_pace.get(&m.name)?.1).collect();
         let (fixed, pace) = match median(stepped.iter().map(|p| p.1).collect()) {
             Some(pace) => (median(stepped.iter().map(|p| p.0).collect()).unwrap_or(0.0), pace),
-            None => (step_fixed, entries.iter().filter_map(|e| e.prefill.measured()).min_by(f64::total_cmp)?),
+            None => (step_fixed, members.iter().filter_map(|m| m.timed_prefill).min_by(f64::total_cmp)?),
         };
-        Some((fixed / PREFILL_SLOTS as f64, pace))
+        Some((fixed / self.fleet.prefill_slots() as f64, pace))
     }
 
     /// Gives the workers the roles of `to`, moving as few as possible: prefill goes to
     /// those already prefilling, then to the least loaded. One that stops decoding
     /// hands its sequences to the decoders (or finishes them in place, see [`drain`]).
     /// Answers with each switched worker's outcome, and the milliseconds they took.
-    async fn apply(&self, entries: &[Arc<Entry>], to: Shape) -> (Vec<(String, Result<Assignment, ServeError>)>, f64) {
-        let mut order: Vec<&Arc<Entry>> = entries.iter().collect();
-        order.sort_by_key(|e| (e.role() != Role::Prefill, e.worker.load()));
-        let moves: Vec<(Arc<Entry>, Role)> = order
+    async fn apply(&self, members: &[Member], to: Shape) -> (Vec<(String, Result<Assignment, ServeError>)>, f64) {
+        let mut order: Vec<&Member> = members.iter().collect();
+        order.sort_by_key(|m| (m.assignment.role != Role::Prefill, m.load));
+        let moves: Vec<(Member, Role)> = order
             .into_iter()
             .enumerate()
-            .map(|(i, e)| match to.mixed {
-                0 if i < to.prefill => (e.clone(), Role::Prefill),
-                0 => (e.clone(), Role::Decode),
-                _ => (e.clone(), Role::Mixed),
+            .map(|(i, m)| match to.mixed {
+                0 if i < to.prefill => (m.clone(), Role::Prefill),
+                0 => (m.clone(), Role::Decode),
+                _ => (m.clone(), Role::Mixed),
             })
-            .filter(|(e, role)| e.role() != *role)
+            .filter(|(m, role)| m.assignment.role != *role)
             .collect();
-        let was: Vec<Role> = moves.iter().map(|(e, _)| e.role()).collect();
         let asked = Instant::now();
-        let outcomes = self.act.apply(&self.router, &moves).await;
+        let outcomes = self.act.apply(&*self.fleet, &moves).await;
         let control_ms = pdserve_types::millis(asked.elapsed());
         let mut done = Vec::with_capacity(moves.len());
-        for (((e, role), from), outcome) in moves.iter().zip(was).zip(outcomes) {
+        for ((m, role), outcome) in moves.iter().zip(outcomes) {
             match &outcome {
-                Ok(now) => tracing::info!(worker = e.name(), to = %now, control_ms, "role switched"),
-                Err(err) => tracing::warn!(worker = e.name(), error = %err, "role switch refused"),
+                Ok(now) => tracing::info!(worker = m.name, to = %now, control_ms, "role switched"),
+                Err(err) => tracing::warn!(worker = m.name, error = %err, "role switch refused"),
             }
+            let from = m.assignment.role;
             if outcome.is_ok() && from.decodes() && !role.decodes() {
-                let (router, act, e, limit) = (self.router.clone(), self.act.clone(), e.clone(), self.cfg.drain);
-                self.router.runtime.spawn(async move { drain(router, act, e, from, limit).await });
+                let (fleet, act, name, limit) = (self.fleet.clone(), self.act.clone(), m.name.clone(), self.cfg.drain);
+                self.fleet.runtime().spawn(async move { drain(fleet, act, name, from, limit).await });
             }
-            done.push((e.name().to_string(), outcome));
+            done.push((m.name.clone(), outcome));
         }
         (done, control_ms)
     }
 }
 
+/// How long the planner waits for a worker to answer while it drains.
+const ASK_WAIT: Duration = Duration::from_millis(500);
+
 /// Empties a worker that left decode: its sequences move to the decoders left (by
-/// their KV, see `crate::migrate`), or, with none usable, finish in place; past
-/// `limit`, it gets its old role back.
-async fn drain(router: Arc<Router>, act: Arc<dyn Actuator>, e: Arc<Entry>, from: Role, limit: Duration) {
+/// their KV), or, with none usable, finish in place; past `limit`, it gets its old
+/// role back.
+async fn drain(fleet: Arc<dyn Fleet>, act: Arc<dyn Actuator>, name: String, from: Role, limit: Duration) {
     let started = Instant::now();
     while started.elapsed() < limit {
-        let others = router.workers().snapshot().iter().any(|o| o.id != e.id && o.usable() && o.role().decodes());
+        let others = fleet.members().iter().any(|o| o.name != name && o.assignment.role.decodes());
         if others {
             // Again each round: a reservation granted before the switch lands later.
-            let moved = async { e.worker.roles()?.move_decodes().await };
-            if let Ok(Err(err)) = tokio::time::timeout(STATS_WAIT, moved).await {
-                tracing::debug!(worker = e.name(), error = %err, "decodes not handed back");
+            if let Ok(Err(err)) = tokio::time::timeout(ASK_WAIT, fleet.move_decodes(&name)).await {
+                tracing::debug!(worker = name, error = %err, "decodes not handed back");
             }
         }
         // A prefill runs whole within one turn of the worker's loop, so its stats
         // never count one: whatever they count is a decode (a fenced prefill worker
         // takes no new ones).
-        match tokio::time::timeout(STATS_WAIT, e.worker.stats()).await {
-            Ok(Ok(s)) if s.running + s.waiting == 0 => {
+        match fleet.measures(&name).await {
+            Ok(s) if s.busy == 0 => {
                 let s = started.elapsed().as_secs_f64();
-                return tracing::info!(worker = e.name(), drain_s = s, "decodes finished after the role switch");
+                return tracing::info!(worker = name, drain_s = s, "decodes finished after the role switch");
             }
-            Ok(Err(_)) => return,
-            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(ServeError::Timeout(_)) | Ok(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(_) => return,
         }
     }
-    tracing::warn!(worker = e.name(), limit_s = limit.as_secs(), "decodes outlasted the drain limit; switching back");
-    for outcome in act.apply(&router, &[(e.clone(), from)]).await {
+    tracing::warn!(worker = name, limit_s = limit.as_secs(), "decodes outlasted the drain limit; switching back");
+    // Its assignment as it is now, after the switch away.
+    let Some(now) = fleet.members().into_iter().find(|m| m.name == name) else {
+        return tracing::warn!(worker = name, "switching back failed: the worker is no longer usable");
+    };
+    for outcome in act.apply(&*fleet, &[(now, from)]).await {
         if let Err(err) = outcome {
-            tracing::warn!(worker = e.name(), error = %err, "switching back failed");
+            tracing::warn!(worker = name, error = %err, "switching back failed");
         }
     }
 }
@@ -577,14 +580,14 @@ fn log_scores(current: Shape, shapes: &[Shape], traffic: &Traffic, rates: &Rates
     );
 }
 
-/// The role vector of `entries`.
-fn shape_of(entries: &[Arc<Entry>]) -> Shape {
-    let count = |r: Role| entries.iter().filter(|e| e.role() == r).count();
+/// The role vector of `members`.
+fn shape_of(members: &[Member]) -> Shape {
+    let count = |r: Role| members.iter().filter(|m| m.assignment.role == r).count();
     let (prefill, decode, mixed) = (count(Role::Prefill), count(Role::Decode), count(Role::Mixed));
     // A vector that mixes mixed and dedicated workers is weighed as all mixed.
     match (prefill, decode) {
         (p, d) if mixed == 0 && p > 0 && d > 0 => Shape { prefill: p, decode: d, mixed: 0 },
-        _ => Shape { prefill: 0, decode: 0, mixed: entries.len() },
+        _ => Shape { prefill: 0, decode: 0, mixed: members.len() },
     }
 }
 
@@ -595,6 +598,9 @@ mod tests {
     fn pred(goodput: f64) -> Prediction {
         Prediction { goodput, ttft_attained: 1.0, tpot_attained: 1.0, utilisation: 0.5, strain: 0.5 }
     }
+
+    /// The router's traffic window.
+    const WINDOW: Duration = Duration::from_secs(12);
 
     const MIXED: Shape = Shape { prefill: 0, decode: 0, mixed: 2 };
     const SPLIT: Shape = Shape { prefill: 1, decode: 1, mixed: 0 };
@@ -682,14 +688,14 @@ mod tests {
     async fn an_urgent_switch_starts_no_cooldown_and_every_switch_unsettles_the_window() {
         let cooldown = PlannerConfig::new(Slo { ttft_s: 1.0, tpot_s: 0.1 }).cooldown;
         let mut s = Switched::default();
-        assert!(!s.cooling(cooldown) && s.settled(crate::SIGNALS_WINDOW), "no switch yet");
+        assert!(!s.cooling(cooldown) && s.settled(WINDOW), "no switch yet");
         s.record(true);
         assert!(!s.cooling(cooldown), "an urgent switch may be followed after the hold");
-        assert!(!s.settled(crate::SIGNALS_WINDOW), "the window still holds the old shape's requests");
-        tokio::time::advance(2 * crate::SIGNALS_WINDOW).await;
-        assert!(s.settled(crate::SIGNALS_WINDOW));
+        assert!(!s.settled(WINDOW), "the window still holds the old shape's requests");
+        tokio::time::advance(2 * WINDOW).await;
+        assert!(s.settled(WINDOW));
         s.record(false);
-        assert!(s.cooling(cooldown) && !s.settled(crate::SIGNALS_WINDOW));
+        assert!(s.cooling(cooldown) && !s.settled(WINDOW));
         tokio::time::advance(cooldown).await;
         assert!(!s.cooling(cooldown));
     }

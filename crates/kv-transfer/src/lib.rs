@@ -66,7 +66,7 @@ pub use inbox::{Inbox, Inboxes};
 pub use links::Links;
 pub use measure::{measure, measure_copy, measure_copy_twice, measure_raw_shm, measure_raw_tcp, probe, Throughput};
 pub use shm::{ShmConfig, ShmReceiver, ShmTransport};
-pub use target::{HandoffToken, KvAddr, KvTarget, TransportKind};
+pub use target::{in_proc, inboxes_of, HandoffToken, InProcTarget, KvAddr, KvTarget, TransportKind};
 pub use tcp::{TcpReceiver, TcpTransport};
 pub use transport::{bind, remote, Binding, KvReceiver, ListenAt, Transport};
 

@@ -41,7 +41,10 @@ impl Links {
         token: HandoffToken,
     ) -> Result<Box<dyn KvSink>, TransferError> {
         match target {
-            KvTarget::InProc(inboxes) => InProcess::new(inboxes.clone()).open(id, token),
+            KvTarget::InProc(t) => match crate::inboxes_of(t) {
+                Some(inboxes) => InProcess::new(inboxes.clone()).open(id, token),
+                None => Err(TransferError::ReceiverGone(id)),
+            },
             KvTarget::Remote(addr) => {
                 let link = self.link(addr)?;
                 link.open(id, token).inspect_err(|_| self.forget(addr))

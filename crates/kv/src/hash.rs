@@ -4,9 +4,7 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockId(pub u32);
 
-/// Identity of a complete block's contents together with everything before it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
-pub struct BlockHash(pub u64);
+pub use pdserve_types::BlockHash;
 
 impl BlockId {
     pub(crate) fn index(self) -> usize {

@@ -14,31 +14,7 @@ use std::collections::HashMap;
 
 use crate::hash::{BlockHash, BlockId};
 use crate::lru::Lru;
-
-/// Where a block's K/V can be found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Tier {
-    /// The engine's KV pool: attention reads it directly.
-    Device,
-    /// Host RAM beside the pool (`--kv-host-gb`).
-    Host,
-    /// Local disk (`--kv-disk-dir`, `--kv-disk-gb`).
-    Disk,
-}
-
-impl Tier {
-    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
-
-    /// The label used in metrics and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Device => "device",
-            Tier::Host => "host",
-            Tier::Disk => "disk",
-        }
-    }
-}
+pub use pdserve_types::{Tier, TierCounters, TierStats};
 
 /// A block's bytes in one tier: a pool block, or a slot of a lower tier's store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -66,60 +42,8 @@ pub struct Move {
     pub to: Place,
 }
 
-/// Block counts of one lower tier.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TierStats {
-    /// Slots the tier has.
-    pub capacity: usize,
-    /// Slots holding a block.
-    pub used: usize,
-}
-
 /// A block in a lower tier: its hash and its parent's.
 type Entry = (BlockHash, Option<BlockHash>);
-
-/// What an engine's lower tiers did since it started, for its stats.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct TierCounters {
-    /// Blocks copied down into the host tier / the disk tier.
-    pub stored_host: u64,
-    pub stored_disk: u64,
-    /// Blocks copied back into the pool from each tier, and the seconds it took.
-    pub restored_host: u64,
-    pub restored_disk: u64,
-    pub restore_seconds_host: f64,
-    pub restore_seconds_disk: f64,
-    /// Disk writes that failed (a full disk, say): their blocks leave the tier.
-    #[serde(default)]
-    pub disk_write_failures: u64,
-    /// Disk blocks that could not be read back or failed their checksum: they leave
-    /// the tier and are computed again.
-    #[serde(default)]
-    pub disk_corrupt: u64,
-}
-
-impl TierCounters {
-    /// Records a restore of one block from `tier`.
-    pub fn restored(&mut self, tier: Tier, seconds: f64) {
-        let (blocks, secs) = match tier {
-            Tier::Host => (&mut self.restored_host, &mut self.restore_seconds_host),
-            Tier::Disk => (&mut self.restored_disk, &mut self.restore_seconds_disk),
-            Tier::Device => return,
-        };
-        *blocks += 1;
-        *secs += seconds;
-    }
-
-    /// Measured seconds to copy one block back from `tier`, once any was.
-    pub fn seconds_per_block(&self, tier: Tier) -> Option<f64> {
-        let (blocks, secs) = match tier {
-            Tier::Host => (self.restored_host, self.restore_seconds_host),
-            Tier::Disk => (self.restored_disk, self.restore_seconds_disk),
-            Tier::Device => return Some(0.0),
-        };
-        (blocks > 0).then(|| secs / blocks as f64)
-    }
-}
 
 /// One lower tier's slots, hash registry and recency order.
 #[derive(Debug)]

@@ -371,7 +371,7 @@ pub enum PrefillRoute {
 pub trait Telemetry: Send + Sync + 'static {
     fn phase(&self, phase: Phase, seconds: f64);
     fn route(&self, route: PrefillRoute);
-    fn kv_transfer_bytes(&self, transport: pdserve_kv_transfer::TransportKind, bytes: u64);
+    fn kv_transfer_bytes(&self, transport: pdserve_types::TransportKind, bytes: u64);
     /// A request moved to another worker, and why (`worker_lost`).
     fn migrated(&self, reason: &'static str);
     /// A worker now serves in `role`.
@@ -400,7 +400,7 @@ pub struct NoTelemetry;
 impl Telemetry for NoTelemetry {
     fn phase(&self, _: Phase, _: f64) {}
     fn route(&self, _: PrefillRoute) {}
-    fn kv_transfer_bytes(&self, _: pdserve_kv_transfer::TransportKind, _: u64) {}
+    fn kv_transfer_bytes(&self, _: pdserve_types::TransportKind, _: u64) {}
     fn migrated(&self, _: &'static str) {}
 }
 

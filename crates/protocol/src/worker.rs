@@ -16,10 +16,9 @@
 //! receiver's drop cancels them; dropping a [`Reply`] future cancels its call.
 
 use crate::{EventSender, GenerateRequest, ServeError};
-use pdserve_kv::{BlockHash, KvEvent, Tier, TierCounters, TierStats};
-use pdserve_kv_transfer::{HandoffToken, KvTarget, TransportKind};
 use pdserve_types::{
-    Assignment, DecodeSteps, Epoch, FinishReason, PrefillSteps, RequestId, Role, SamplingParams, TokenId, TokenOut,
+    Assignment, BlockHash, DecodeSteps, Epoch, FinishReason, HandoffToken, KvEvent, KvTarget, PrefillSteps, RequestId,
+    Role, SamplingParams, Tier, TierCounters, TierStats, TokenId, TokenOut, TransportKind,
 };
 use serde::{Deserialize, Serialize};
 use std::future::Future;

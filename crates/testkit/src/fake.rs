@@ -335,7 +335,7 @@ impl Worker for FakeWorker {
     }
 
     fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
-        (via == TransportKind::Inproc).then(|| KvTarget::InProc(self.inner.inboxes.clone()))
+        (via == TransportKind::Inproc).then(|| pdserve_kv_transfer::in_proc(self.inner.inboxes.clone()))
     }
 
     fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {

@@ -489,7 +489,8 @@ async fn time_link(kind: TransportKind, frame_elems: usize) -> Result<Link, Twin
     let sock = std::env::temp_dir().join(format!("pdserve-profile-{}.sock", std::process::id()));
     let at = ListenAt { net: ([127, 0, 0, 1], 0).into(), socket: sock.clone() };
     let rx = pdserve_kv_transfer::bind(kind, &at, inboxes.clone()).await.map_err(io)?;
-    let target = rx.as_ref().map_or_else(|| KvTarget::InProc(inboxes.clone()), |r| KvTarget::Remote(r.addr()));
+    let target =
+        rx.as_ref().map_or_else(|| pdserve_kv_transfer::in_proc(inboxes.clone()), |r| KvTarget::Remote(r.addr()));
     let links = Arc::new(Links::new(key));
     let mut best = [f64::INFINITY; 2];
     let mut id = 1;

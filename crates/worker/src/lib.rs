@@ -376,7 +376,7 @@ impl Worker for LocalWorker {
 
     fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
         match via {
-            TransportKind::Inproc => Some(KvTarget::InProc(self.inner.inboxes.clone())),
+            TransportKind::Inproc => Some(pdserve_kv_transfer::in_proc(self.inner.inboxes.clone())),
             via => lock(&self.inner.receivers).addr(via).map(KvTarget::Remote),
         }
     }

@@ -258,7 +258,7 @@ impl Worker for SimWorker {
     fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
         self.inner.link(via)?;
         Some(match pdserve_kv_transfer::remote(via) {
-            None => KvTarget::InProc(self.inner.inboxes.clone()),
+            None => pdserve_kv_transfer::in_proc(self.inner.inboxes.clone()),
             // Never connected to: the link is modelled.
             Some(t) => KvTarget::Remote(t.modelled(&self.inner.info.name)),
         })

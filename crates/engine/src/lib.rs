@@ -7,6 +7,7 @@
 //! import it on another engine, which is what disaggregated serving is built on.
 
 pub mod batch;
+pub mod bench;
 pub mod chat;
 pub mod config;
 pub mod format;

@@ -219,7 +219,7 @@ async fn once(
 }
 
 fn request(m: &LoadedModel, a: &MigrateArgs, i: usize) -> GenerateRequest {
-    let prompt = super::bench::random_prompt(a.prompt, 7 + i as u64, m.model.cfg.vocab_size);
+    let prompt = pdserve_engine::bench::random_prompt(a.prompt, 7 + i as u64, m.model.cfg.vocab_size);
     let params = SamplingParams { max_tokens: a.output, ignore_eos: true, ..Default::default() };
     GenerateRequest {
         fence: None,

@@ -169,7 +169,7 @@ fn once(m: &LoadedModel, a: &TiersArgs, tokens: usize, from: From) -> anyhow::Re
         objectives: None,
     };
     let mut e = Engine::new(m.model.clone(), cfg, Vec::new()).with_tiers(&tiers)?;
-    let prompt = super::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);
+    let prompt = pdserve_engine::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);
     let cold = first_token(&mut e, 0, &prompt)?;
     if from == From::Nowhere {
         return Ok((cold, 0.0));
@@ -229,7 +229,7 @@ fn fetch(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind, busy
             // after: the request is cancelled).
             let _own = match busy {
                 true => {
-                    let own = super::bench::random_prompt(tokens, 7000 + id, vocab);
+                    let own = pdserve_engine::bench::random_prompt(tokens, 7000 + id, vocab);
                     Some(start_prefill(&holder, request("own", 1000 + id, &own, 1)).await?)
                 }
                 false => None,
@@ -266,7 +266,7 @@ async fn warm_pair(
     let holder = super::bench_migrate::mixed_worker(m, "holder", &key, a.threads, blocks)?;
     let here = super::bench_migrate::mixed_worker(m, "here", &key, a.threads, blocks)?;
     super::serve::listen(&here, via).await?;
-    let prompt = super::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);
+    let prompt = pdserve_engine::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);
     let (tx, mut warm) = TokenStream::channel(8);
     holder.generate(request("warm", 0, &prompt, 1), tx)?;
     while !matches!(warm.next().await, Some(Event::Done { .. }) | None) {}

@@ -10,7 +10,6 @@
 
 use super::fleet::NatsArgs;
 use super::http::{self, ApiArgs, Served};
-use super::river;
 use pdserve_fleet::{Change, NatsConfig, NodeId, NodeRecord};
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
@@ -118,7 +117,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
         let _ = tokio::time::timeout(CONNECT_PATIENCE, futures_join(first)).await;
         let banner = banner(&router);
         let river = a.nats.config("pdserve-river", Some(&key)).filter(|_| a.river);
-        let observer = river.clone().map(river::LeafObserver::start);
+        let observer = river.clone().map(pdserve_forest::LeafObserver::start);
         let model = Served {
             observer: observer.clone().map(|o| o as Arc<dyn pdserve_frontend::observe::Observer>),
             grammars: super::grammars(&meta.tokenizer),
@@ -133,7 +132,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             model,
             &a.api,
             &banner,
-            river::after_bind(river, observer, a.api.api_key(), a.nats.river_reply_prefix.clone()),
+            pdserve_forest::after_bind(river, observer, a.api.api_key(), a.nats.river_reply_prefix.clone()),
         )
         .await
     })

@@ -8,13 +8,12 @@ pub mod generate;
 mod http;
 pub mod planner;
 pub use http::Stopped;
-mod leaf_stream;
 mod probe;
 pub mod pull;
-mod river;
 pub mod serve;
 pub mod twin;
 pub mod worker;
+mod workload;
 
 use anyhow::Context;
 use pdserve_engine::grammar::Grammars;

@@ -202,7 +202,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             Planner::spawn(router.clone(), PlannerConfig::new(slo));
         }
         let river = a.nats.config("pdserve-river", None).filter(|_| a.river);
-        let observer = river.clone().map(super::river::LeafObserver::start);
+        let observer = river.clone().map(pdserve_forest::LeafObserver::start);
         let model = Served {
             observer: observer.clone().map(|o| o as Arc<dyn pdserve_frontend::observe::Observer>),
             grammars: grammars.clone(),
@@ -217,7 +217,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             model,
             &a.api,
             &banner,
-            super::river::after_bind(river, observer, a.api.api_key(), a.nats.river_reply_prefix.clone()),
+            pdserve_forest::after_bind(river, observer, a.api.api_key(), a.nats.river_reply_prefix.clone()),
         )
         .await
     })

@@ -1,8 +1,8 @@
 //! `pdserve profile` and `pdserve sim`: the twin's calibration and its simulator.
 
-use super::bench::WorkloadArgs;
 use super::http::AdmissionArgs;
 use super::serve::TopologyArgs;
+use super::workload::WorkloadArgs;
 use anyhow::Context;
 use pdserve_bench::compare::{CompareOptions, CompareReport};
 use pdserve_bench::load::{plans, LoadReport};

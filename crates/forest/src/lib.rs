@@ -11,7 +11,8 @@
 //! is dropped, and a copy of a running one waits until it finishes, or takes over
 //! once its runner stopped renewing.
 
-use super::leaf_stream;
+mod leaf_stream;
+
 use async_nats::jetstream::consumer::{pull, AckPolicy};
 use async_nats::jetstream::message::{AckKind, Message};
 use async_nats::jetstream::{self, stream};

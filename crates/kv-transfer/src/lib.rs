@@ -42,6 +42,7 @@
 
 pub mod auth;
 pub mod frame;
+mod handshake;
 mod in_process;
 mod inbox;
 mod link;

@@ -23,8 +23,8 @@ use crate::link::{Link, Stream, IO_TIMEOUT};
 use crate::records::{self, to_receiver, to_sender, Body, Status};
 use crate::transport::{wrong_kind, Binding, ListenAt, Transport};
 use crate::{
-    auth, frame, receive, ClusterKey, Frame, FrameError, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvSink,
-    KvTransport, TransferError, TransportKind,
+    frame, handshake, receive, ClusterKey, Frame, FrameError, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver,
+    KvSink, KvTransport, TransferError, TransportKind,
 };
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use std::fs::{self, OpenOptions};
@@ -100,10 +100,10 @@ impl ShmTransport {
         let segment = Segment::create(cfg)?;
         let mut stream = UnixStream::connect(socket)?;
         stream.set_write_timeout(Some(IO_TIMEOUT))?;
-        stream.set_read_timeout(Some(auth::exchange_timeout()))?;
+        stream.set_read_timeout(Some(handshake::exchange_timeout()))?;
         // The session's MACs go unused: this socket and the segment never leave the
         // host, so nothing sits between the two ends to inject or alter records.
-        let _local = auth::answer(&mut stream, key)?;
+        let _local = handshake::answer(&mut stream, key)?;
         let hello = hello(cfg.slots as u32, cfg.slot_bytes as u64, segment.path.as_os_str().as_encoded_bytes());
         let mut out = Vec::new();
         records::put(&mut out, to_receiver::HELLO, HandoffId(0), &hello);
@@ -458,7 +458,7 @@ async fn serve(stream: tokio::net::UnixStream, inboxes: Inboxes) -> io::Result<(
     let (r, mut w) = stream.into_split();
     let mut r = AsyncBufReader::with_capacity(64 << 10, r);
     // Local only (a Unix socket and a segment on this host): records carry no MAC.
-    let _local = auth::challenge(&mut r, &mut w, inboxes.key()).await?;
+    let _local = handshake::challenge(&mut r, &mut w, inboxes.key()).await?;
     let mut body = Vec::new();
     let hello = match records::read_async(&mut r, &mut body, records::REPLY_LIMIT, None).await? {
         Some(rec) if rec.tag == to_receiver::HELLO => &body[..rec.len],

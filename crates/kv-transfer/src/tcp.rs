@@ -10,8 +10,8 @@ use crate::receive;
 use crate::slots::{LogEvery, PortSlots};
 use crate::transport::{wrong_kind, Binding, ListenAt, Transport};
 use crate::{
-    auth, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvSink, KvTransport, TransferError,
-    TransportKind,
+    auth, handshake, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvSink, KvTransport,
+    TransferError, TransportKind,
 };
 use std::io;
 use std::net::{SocketAddr, TcpStream};
@@ -37,8 +37,8 @@ impl TcpTransport {
         let mut stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)?;
         stream.set_nodelay(true)?;
         stream.set_write_timeout(Some(IO_TIMEOUT))?;
-        stream.set_read_timeout(Some(auth::exchange_timeout()))?;
-        let session = auth::answer(&mut stream, key)?;
+        stream.set_read_timeout(Some(handshake::exchange_timeout()))?;
+        let session = handshake::answer(&mut stream, key)?;
         stream.set_read_timeout(None)?;
         Ok(TcpTransport { link: Link::start(TransportKind::Tcp, Stream::Tcp(stream), None, session)? })
     }
@@ -140,7 +140,7 @@ async fn accept(listener: TcpListener, inboxes: Inboxes) {
                     conns.spawn(async move {
                         let (r, mut w) = stream.into_split();
                         let mut r = BufReader::with_capacity(READ_BUFFER, r);
-                        let Ok(session) = auth::challenge(&mut r, &mut w, inboxes.key()).await else { return };
+                        let Ok(session) = handshake::challenge(&mut r, &mut w, inboxes.key()).await else { return };
                         let Ok(_slot) = pending.admit() else { return };
                         if let Err(e) = receive::serve(&mut r, &mut w, &inboxes, None, session).await {
                             if let Some(quiet) = auth::is_forged(&e).then(|| forged.due()).flatten() {

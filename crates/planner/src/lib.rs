@@ -479,6 +479,10 @@ impl Planner {
     /// hands its sequences to the decoders (or finishes them in place, see [`drain`]).
     /// Answers with each switched worker's outcome, and the milliseconds they took.
     async fn apply(&self, members: &[Member], to: Shape) -> (Vec<(String, Result<Assignment, ServeError>)>, f64) {
+        // Roles and loads as they are now: reading the stats took a while.
+        let live = self.fleet.members();
+        let now = |m: &Member| live.iter().find(|l| l.name == m.name).cloned().unwrap_or_else(|| m.clone());
+        let members: Vec<Member> = members.iter().map(now).collect();
         let mut order: Vec<&Member> = members.iter().collect();
         order.sort_by_key(|m| (m.assignment.role != Role::Prefill, m.load));
         let moves: Vec<(Member, Role)> = order

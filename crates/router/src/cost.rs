@@ -21,7 +21,10 @@
 //! path.
 
 use crate::index::CachedPrefix;
-use crate::snapshot::{BacklogView, KvView, PrefillView, QueueView, Restore, TransferView};
+use crate::snapshot::{
+    BacklogView, KvView, PrefillView, QueueView, Restore, TransferView, FREED_WINDOW, PRIOR_SECONDS_PER_TOKEN,
+};
+pub use crate::snapshot::{Link, Queue};
 use pdserve_kv::{Tier, TierCounters};
 use pdserve_types::lock;
 use std::collections::VecDeque;
@@ -30,11 +33,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// Before any measurement: the default model's single-thread prefill rate here
-/// (~1000 tok/s, docs/benchmarks.md) and a handoff's fixed cost.
-pub(crate) const PRIOR_SECONDS_PER_TOKEN: f64 = 1e-3;
-pub(crate) const PRIOR_TRANSFER_PER_TOKEN: f64 = 2e-5;
-pub(crate) const HANDOFF_FIXED: f64 = 2e-3;
 /// Computed tokens per prefill from which a prefill's time measures the per-token
 /// pace rather than the fixed cost (four KV blocks).
 const PACE_FROM_TOKENS: usize = 64;
@@ -51,10 +49,6 @@ const CALIBRATED_FROM: f64 = 2.0;
 /// needs before it corrects anything.
 const MISSES_KEPT: usize = 64;
 const MISSES_NEEDED: usize = 8;
-/// Sequences that must have ended within [`FREED_WINDOW`] for their pace to count.
-pub(crate) const PACE_FROM: usize = 8;
-/// How far back the pace of freed KV blocks is measured.
-pub(crate) const FREED_WINDOW: Duration = Duration::from_secs(30);
 
 /// KV blocks a sequence of `tokens` tokens holds.
 pub fn blocks_for(tokens: usize) -> usize {
@@ -68,13 +62,6 @@ pub fn blocks_for(tokens: usize) -> usize {
 pub struct PrefillLoad {
     queue: Mutex<Drain>,
     pace: Mutex<Pace>,
-}
-
-/// Prefills queued on a worker: what a new one waits behind.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Queue {
-    pub tokens: usize,
-    pub prefills: usize,
 }
 
 impl PrefillLoad {
@@ -580,7 +567,7 @@ impl KvMemory {
 
     /// Seconds until `need` blocks are free here: none while they are free now (or
     /// before anything was reported); else the missing blocks at the pace blocks were
-    /// freed lately. Until [`PACE_FROM`] sequences ended within [`FREED_WINDOW`], the
+    /// freed lately. Until `PACE_FROM` sequences ended within [`FREED_WINDOW`], the
     /// blocks they freed count as spread over the whole window, however recent the
     /// worker: a few requests that ran alone, such as a benchmark's warm-up, would
     /// otherwise promise a pace no full pool keeps, while a pool that is turning over
@@ -609,13 +596,6 @@ fn prune(freed: &mut VecDeque<(Instant, usize)>) {
     }
 }
 
-/// Seconds a worker takes to copy one block back into its pool from its host-RAM
-/// tier, before it measured any (a block of a small model is a few hundred KB:
-/// a memory copy well under a millisecond).
-pub(crate) const HOST_RESTORE_GUESS: f64 = 2e-4;
-/// The same from its disk tier (page cache or an SSD read).
-pub(crate) const DISK_RESTORE_GUESS: f64 = 2e-3;
-
 /// What copying a cached prefix back from a worker's host or disk tier costs: its
 /// own measured seconds per block once it restored any, else a guess.
 #[derive(Debug, Default)]
@@ -641,14 +621,6 @@ impl RestorePace {
     pub fn seconds(&self, p: &CachedPrefix) -> f64 {
         self.view().seconds(p)
     }
-}
-
-/// A KV link from one worker to another, as the fleet's link probe measured it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Link {
-    pub bytes_per_s: f64,
-    /// A one-frame handoff on the open link: sent and acknowledged.
-    pub round_trip_s: f64,
 }
 
 /// The extra cost of a handoff, measured on the handoffs made.
@@ -715,6 +687,7 @@ fn ewma(slot: &mut Option<f64>, x: f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::snapshot::HANDOFF_FIXED;
 
     #[test]
     fn a_probed_slow_link_raises_the_transfer_cost_and_a_fast_one_does_not() {

@@ -3,10 +3,43 @@
 //! change while requests flow; placement sees one consistent copy, so it is a pure
 //! function with table tests ([`crate::place`]).
 
-use crate::cost::{self, Link, Queue};
 use crate::index::CachedPrefix;
 use pdserve_types::{Role, StepFit};
 use std::collections::HashMap;
+use std::time::Duration;
+
+/// Before any measurement: the default model's single-thread prefill rate here
+/// (~1000 tok/s, docs/benchmarks.md) and a handoff's fixed cost.
+pub(crate) const PRIOR_SECONDS_PER_TOKEN: f64 = 1e-3;
+pub(crate) const PRIOR_TRANSFER_PER_TOKEN: f64 = 2e-5;
+pub(crate) const HANDOFF_FIXED: f64 = 2e-3;
+
+/// Sequences that must have ended within [`FREED_WINDOW`] for their pace to count.
+pub(crate) const PACE_FROM: usize = 8;
+/// How far back the pace of freed KV blocks is measured.
+pub(crate) const FREED_WINDOW: Duration = Duration::from_secs(30);
+
+/// Seconds a worker takes to copy one block back into its pool from its host-RAM
+/// tier, before it measured any (a block of a small model is a few hundred KB:
+/// a memory copy well under a millisecond).
+pub(crate) const HOST_RESTORE_GUESS: f64 = 2e-4;
+/// The same from its disk tier (page cache or an SSD read).
+pub(crate) const DISK_RESTORE_GUESS: f64 = 2e-3;
+
+/// Prefills queued on a worker: what a new one waits behind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Queue {
+    pub tokens: usize,
+    pub prefills: usize,
+}
+
+/// A KV link from one worker to another, as the fleet's link probe measured it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    pub bytes_per_s: f64,
+    /// A one-frame handoff on the open link: sent and acknowledged.
+    pub round_trip_s: f64,
+}
 
 /// The workers at one instant, as one request's placement sees them.
 #[derive(Debug, Clone, Default)]
@@ -72,7 +105,7 @@ pub struct PrefillView {
 impl PrefillView {
     /// The marginal cost of one more prompt token.
     pub fn seconds_per_token(&self) -> f64 {
-        self.per_token.unwrap_or(cost::PRIOR_SECONDS_PER_TOKEN)
+        self.per_token.unwrap_or(PRIOR_SECONDS_PER_TOKEN)
     }
 
     pub fn fixed_seconds(&self) -> f64 {
@@ -187,7 +220,7 @@ pub struct KvView {
 }
 
 impl KvView {
-    /// Seconds until `need` blocks are free ([`cost::KvMemory::wait_for`]).
+    /// Seconds until `need` blocks are free (`KvMemory::wait_for` in `cost`).
     pub fn wait_for(&self, need: usize) -> f64 {
         let Some(free) = self.free else { return 0.0 };
         let missing = need.saturating_sub(free);
@@ -195,11 +228,11 @@ impl KvView {
             return 0.0;
         }
         if self.freed_blocks == 0 {
-            return 2.0 * cost::FREED_WINDOW.as_secs_f64();
+            return 2.0 * FREED_WINDOW.as_secs_f64();
         }
         let window = match self.ended {
-            n if n < cost::PACE_FROM => cost::FREED_WINDOW.as_secs_f64(),
-            _ => self.counting_s.min(cost::FREED_WINDOW.as_secs_f64()).max(1.0),
+            n if n < PACE_FROM => FREED_WINDOW.as_secs_f64(),
+            _ => self.counting_s.min(FREED_WINDOW.as_secs_f64()).max(1.0),
         };
         missing as f64 * window / self.freed_blocks as f64
     }
@@ -215,7 +248,7 @@ pub struct Restore {
 
 impl Default for Restore {
     fn default() -> Self {
-        Restore { host: cost::HOST_RESTORE_GUESS, disk: cost::DISK_RESTORE_GUESS }
+        Restore { host: HOST_RESTORE_GUESS, disk: DISK_RESTORE_GUESS }
     }
 }
 
@@ -238,12 +271,12 @@ impl TransferView {
     /// The extra cost of handing off `tokens` prompt tokens whose prefill computes
     /// for `compute_s`, over `link` if it was probed.
     pub fn predict(&self, tokens: usize, link: Option<Link>, compute_s: f64) -> f64 {
-        let per_token = self.seconds_per_token.unwrap_or(cost::PRIOR_TRANSFER_PER_TOKEN);
-        let learned = cost::HANDOFF_FIXED + tokens as f64 * per_token;
+        let per_token = self.seconds_per_token.unwrap_or(PRIOR_TRANSFER_PER_TOKEN);
+        let learned = HANDOFF_FIXED + tokens as f64 * per_token;
         let (Some(link), Some(bpt)) = (link, self.bytes_per_token) else { return learned };
         // Frames leave layer by layer while the prefill computes: only the wire time
         // beyond the compute delays the first token.
         let wire = tokens as f64 * bpt / link.bytes_per_s.max(1.0);
-        learned.max(cost::HANDOFF_FIXED + link.round_trip_s + (wire - compute_s).max(0.0))
+        learned.max(HANDOFF_FIXED + link.round_trip_s + (wire - compute_s).max(0.0))
     }
 }

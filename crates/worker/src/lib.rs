@@ -10,10 +10,12 @@
 
 mod events;
 mod kv;
+mod machine;
 pub mod sim;
 mod worker_loop;
 
-pub use sim::{CoRun, LinkModel, Machine, SimOptions, SimWorker};
+pub use machine::{CoRun, LinkModel, Machine};
+pub use sim::{SimOptions, SimWorker};
 
 use kv::{forward, Import, SharedSink};
 use pdserve_engine::batch::BLOCK_SIZE;

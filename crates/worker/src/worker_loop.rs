@@ -144,7 +144,7 @@ pub(crate) async fn run_virtual(
     engine: Engine,
     mut rx: tokio::sync::mpsc::Receiver<Command>,
     active: Arc<AtomicUsize>,
-    (machine, threads, layers): (Arc<crate::sim::Machine>, usize, usize),
+    (machine, threads, layers): (Arc<crate::machine::Machine>, usize, usize),
     exports: Exports,
 ) {
     let mut l = Loop::new(engine, active, exports);

@@ -55,6 +55,7 @@ scripts/make_oracle.sh
 
 python3 scripts/check_doc_paths.py
 python3 scripts/check_architecture_map.py
+python3 scripts/check_import_loops.py
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --release -- -D warnings
 # Library, binary and integration tests (there are no doc tests); the summary line

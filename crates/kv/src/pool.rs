@@ -7,37 +7,8 @@ use crate::block::{ImmutableBlock, MutableBlock};
 use crate::hash::BlockHash;
 use crate::log::{EventGap, LoggedEvent};
 use crate::state::PoolState;
-use crate::tier::{Lower, Move, Place, Tier, TierStats};
-
-/// Not enough free or cached blocks for a request; nothing was allocated.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("KV block pool exhausted: requested {requested} blocks, {available} available")]
-pub struct PoolExhausted {
-    /// Blocks asked for.
-    pub requested: usize,
-    /// Blocks that could have been handed out (free plus cached).
-    pub available: usize,
-}
-
-/// Block counts by state; `free + used + cached == total` always holds (for the
-/// pool; the lower tiers count their own slots).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct PoolStats {
-    /// Blocks in the pool.
-    pub total: usize,
-    /// Hold no data anyone can find.
-    pub free: usize,
-    /// Held by at least one handle (mutable or immutable).
-    pub used: usize,
-    /// Registered complete blocks with no handle: reusable by hash, evictable.
-    pub cached: usize,
-    /// Host-RAM tier (tier 2); all zero when there is none.
-    #[serde(default)]
-    pub host: TierStats,
-    /// Disk tier (tier 3); all zero when there is none.
-    #[serde(default)]
-    pub disk: TierStats,
-}
+pub use crate::state::{PoolExhausted, PoolStats};
+use crate::tier::{Lower, Move, Place, Tier};
 
 /// The registries at one event number: where a reader of the event log starts.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -346,7 +346,7 @@ async fn metrics_are_prometheus_text() {
     let s = Server::start(reply(ANSWER)).await;
     s.post_json("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 50})).await;
     s.post_json("/v1/completions", &json!({"prompt": "Hello", "n": 0})).await;
-    let blocks = pdserve_protocol::BlockCounts { free: 10, used: 5, cached: 1, ..Default::default() };
+    let blocks = pdserve_types::PoolStats { free: 10, used: 5, cached: 1, ..Default::default() };
     s.metrics.set_worker_stats("decode-0", &pdserve_protocol::WorkerStats { blocks, ..Default::default() });
     s.metrics.set_role("decode-0", pdserve_types::Role::Decode);
     let r = s.get("/metrics").await;

@@ -10,7 +10,8 @@ use crate::event::KvEvent;
 use crate::hash::{BlockHash, BlockId};
 use crate::log::EventLog;
 use crate::lru::Lru;
-use crate::tier::{Changes, Lower, Move, Place, Tier, TierStats};
+use crate::tier::{Changes, Lower, Move, Place, Tier};
+pub use pdserve_types::PoolStats;
 
 /// Not enough free or cached blocks for a request; nothing was allocated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -20,26 +21,6 @@ pub struct PoolExhausted {
     pub requested: usize,
     /// Blocks that could have been handed out (free plus cached).
     pub available: usize,
-}
-
-/// Block counts by state; `free + used + cached == total` always holds (for the
-/// pool; the lower tiers count their own slots).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct PoolStats {
-    /// Blocks in the pool.
-    pub total: usize,
-    /// Hold no data anyone can find.
-    pub free: usize,
-    /// Held by at least one handle (mutable or immutable).
-    pub used: usize,
-    /// Registered complete blocks with no handle: reusable by hash, evictable.
-    pub cached: usize,
-    /// Host-RAM tier (tier 2); all zero when there is none.
-    #[serde(default)]
-    pub host: TierStats,
-    /// Disk tier (tier 3); all zero when there is none.
-    #[serde(default)]
-    pub disk: TierStats,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

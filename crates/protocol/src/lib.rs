@@ -13,8 +13,8 @@ pub mod worker;
 
 pub use pdserve_types::{FinishReason, TokenOut};
 pub use worker::{
-    unsupported, BlockCounts, Capabilities, DecodeHandoff, KvCursor, KvDestination, KvEventLog, KvEvents, LinkProbe,
-    Prefilled, PrefixPeer, Reply, RoleState, RoleSwitch, Worker, WorkerInfo, WorkerStats,
+    unsupported, Capabilities, DecodeHandoff, KvCursor, KvDestination, KvEventLog, KvEvents, LinkProbe, Prefilled,
+    PrefixPeer, Reply, RoleState, RoleSwitch, Worker, WorkerInfo, WorkerStats,
 };
 
 use pdserve_types::{Assignment, Epoch, RequestId, SamplingParams, TokenId};

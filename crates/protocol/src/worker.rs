@@ -17,8 +17,8 @@
 
 use crate::{EventSender, GenerateRequest, ServeError};
 use pdserve_types::{
-    Assignment, BlockHash, DecodeSteps, Epoch, FinishReason, HandoffToken, KvEvent, KvTarget, PrefillSteps, RequestId,
-    Role, SamplingParams, Tier, TierCounters, TierStats, TokenId, TokenOut, TransportKind,
+    Assignment, BlockHash, DecodeSteps, Epoch, FinishReason, HandoffToken, KvEvent, KvTarget, PoolStats, PrefillSteps,
+    RequestId, Role, SamplingParams, Tier, TierCounters, TokenId, TokenOut, TransportKind,
 };
 use serde::{Deserialize, Serialize};
 use std::future::Future;
@@ -280,23 +280,6 @@ pub struct KvEvents {
     pub cursor: KvCursor,
 }
 
-/// A worker's KV blocks; the three counts add up to the pool's size. The lower
-/// tiers hold only reusable blocks (nothing runs from them), counted apart.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BlockCounts {
-    pub free: usize,
-    /// Held by sequences or reservations.
-    pub used: usize,
-    /// Free but holding a reusable prefix.
-    pub cached: usize,
-    /// The host-RAM tier (all zero without one).
-    #[serde(default)]
-    pub host: TierStats,
-    /// The disk tier (all zero without one).
-    #[serde(default)]
-    pub disk: TierStats,
-}
-
 /// A snapshot of a worker's engine.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkerStats {
@@ -309,7 +292,7 @@ pub struct WorkerStats {
     /// Prompt tokens queued or being prefilled, not computed yet.
     #[serde(default)]
     pub queued_prompt_tokens: usize,
-    pub blocks: BlockCounts,
+    pub blocks: PoolStats,
     /// Token masks computed for constrained requests since the worker started, and
     /// their total time in nanoseconds.
     #[serde(default)]

@@ -541,7 +541,7 @@ fn gauge(n: usize) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pdserve_protocol::BlockCounts;
+    use pdserve_types::PoolStats;
 
     #[test]
     fn counters_keep_their_total_suffix() {
@@ -559,7 +559,7 @@ mod tests {
     fn roles_and_blocks_are_gauges() {
         let m = Metrics::new();
         m.set_role("w0", Role::Decode);
-        let blocks = BlockCounts { free: 10, used: 2, cached: 3, ..Default::default() };
+        let blocks = PoolStats { free: 10, used: 2, cached: 3, ..Default::default() };
         let stats =
             WorkerStats { paused: 1, waiting: 2, running: 5, queued_prompt_tokens: 300, blocks, ..Default::default() };
         m.set_worker_stats("w0", &stats);

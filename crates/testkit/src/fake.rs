@@ -10,11 +10,10 @@
 use pdserve_kv::{BlockHash, Tier};
 use pdserve_kv_transfer::{Frame, HandoffId, HandoffToken, Inbox, Inboxes, KvTarget, Links, TransportKind};
 use pdserve_protocol::{
-    unsupported, BlockCounts, DecodeHandoff, Event, EventSender, FinishReason, GenerateRequest, KvCursor,
-    KvDestination, KvEventLog, KvEvents, Prefilled, Reply, RoleState, RoleSwitch, ServeError, TokenOut, Usage, Worker,
-    WorkerInfo, WorkerStats,
+    unsupported, DecodeHandoff, Event, EventSender, FinishReason, GenerateRequest, KvCursor, KvDestination, KvEventLog,
+    KvEvents, Prefilled, Reply, RoleState, RoleSwitch, ServeError, TokenOut, Usage, Worker, WorkerInfo, WorkerStats,
 };
-use pdserve_types::{lock, Assignment, Epoch, RequestId, Role};
+use pdserve_types::{lock, Assignment, Epoch, PoolStats, RequestId, Role};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -402,7 +401,8 @@ impl Worker for FakeWorker {
         Box::pin(async move {
             self.inner.check_alive()?;
             let used = self.used_blocks();
-            let blocks = BlockCounts { free: self.inner.total_blocks - used, used, ..Default::default() };
+            let total = self.inner.total_blocks;
+            let blocks = PoolStats { total, free: total - used, used, ..Default::default() };
             Ok(WorkerStats {
                 waiting: 0,
                 running: self.inner.streaming.load(Ordering::SeqCst),

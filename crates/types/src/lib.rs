@@ -26,7 +26,7 @@ pub use ids::{RequestId, TokenId};
 pub use kv::KvFrame;
 pub use lock::lock;
 pub use millis::{millis, round_ms};
-pub use prefix::{BlockHash, KvEvent, Tier, TierCounters, TierStats};
+pub use prefix::{BlockHash, KvEvent, PoolStats, Tier, TierCounters, TierStats};
 pub use role::{Assignment, Epoch, Role};
 pub use sampling::{SamplingError, SamplingParams, StopCondition, MAX_STOP_TOKEN_IDS};
 pub use steps::{DecodeSteps, PrefillSteps, StepFit};

@@ -40,6 +40,28 @@ pub struct TierStats {
     pub used: usize,
 }
 
+/// A KV pool's blocks by state; `free + used + cached == total` always holds (for
+/// the pool; the lower tiers hold only reusable blocks, nothing runs from them, and
+/// count their own slots). The engine counts them; a worker's stats carry them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PoolStats {
+    /// Blocks in the pool (absent from workers that predate it: 0).
+    #[serde(default)]
+    pub total: usize,
+    /// Hold no data anyone can find.
+    pub free: usize,
+    /// Held by at least one handle (mutable or immutable).
+    pub used: usize,
+    /// Registered complete blocks with no handle: reusable by hash, evictable.
+    pub cached: usize,
+    /// Host-RAM tier (tier 2); all zero when there is none.
+    #[serde(default)]
+    pub host: TierStats,
+    /// Disk tier (tier 3); all zero when there is none.
+    #[serde(default)]
+    pub disk: TierStats,
+}
+
 /// What an engine's lower tiers did since it started, for its stats.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TierCounters {

@@ -3,7 +3,7 @@
 use crate::{Command, FrameSink};
 use pdserve_engine::batch::{Engine, EngineError, KvFrame, StepOutput};
 use pdserve_protocol::{
-    pace, BlockCounts, DecodeHandoff, Event, EventSender, GenerateRequest, Prefilled, ServeError, Usage, WorkerStats,
+    pace, DecodeHandoff, Event, EventSender, GenerateRequest, Prefilled, ServeError, Usage, WorkerStats,
 };
 use pdserve_types::RequestId;
 use std::collections::{HashMap, VecDeque};
@@ -405,13 +405,7 @@ impl Loop {
             importing: self.imports.len(),
             paused: self.streams.values().filter(|l| l.paused.is_some()).count(),
             queued_prompt_tokens: s.queued_prompt_tokens + queued_prompt_tokens,
-            blocks: BlockCounts {
-                free: s.blocks.free,
-                used: s.blocks.used,
-                cached: s.blocks.cached,
-                host: s.blocks.host,
-                disk: s.blocks.disk,
-            },
+            blocks: s.blocks,
             grammar_masks: s.masks.0,
             grammar_mask_ns: (s.masks.1 * 1e9) as u64,
             // The handle fills it in: the loop does not know roles.

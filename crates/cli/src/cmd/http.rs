@@ -293,9 +293,10 @@ fn publish(metrics: &Metrics, round: Vec<(Arc<pdserve_router::Entry>, Option<pds
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pdserve_protocol::{BlockCounts, WorkerStats};
+    use pdserve_protocol::WorkerStats;
     use pdserve_router::WorkerSet;
     use pdserve_testkit::FakeWorker;
+    use pdserve_types::PoolStats;
     use pdserve_types::Role;
 
     /// A round polls a worker, the worker dies and leaves the set (its series are
@@ -306,7 +307,7 @@ mod tests {
         let id = set.add(Arc::new(FakeWorker::new("d-1", Role::Decode, 64)));
         let polled = set.get(id).expect("just added");
         let metrics = Metrics::new();
-        let stats = WorkerStats { blocks: BlockCounts { used: 26, ..Default::default() }, ..Default::default() };
+        let stats = WorkerStats { blocks: PoolStats { used: 26, ..Default::default() }, ..Default::default() };
         publish(&metrics, vec![(polled.clone(), Some(stats))]);
         assert!(metrics.render().contains("worker=\"d-1\",state=\"used\",tier=\"device\"} 26"));
         set.remove(id);

@@ -12,8 +12,11 @@
 # scripts/peer_logits.py), so no second compile of the same sources is needed.
 # Built for the machine it runs on (GGML_NATIVE, as llama.cpp's own build does by
 # default), so the peer uses every SIMD extension this CPU has and none it lacks; AMX
-# off: llama.cpp's AMX path crashes on some of the machines we run on. Idempotent;
-# prints the bin directory on success.
+# off: llama.cpp's AMX matrix multiply crashes (SIGSEGV in ggml_backend_amx_mul_mat)
+# on the Sapphire Rapids VMs we run on. GGML_AMX_*=OFF alone does not do it under
+# GGML_NATIVE (-march=native turns AMX on again), so the compiler is told -mno-amx-*
+# too, which wins over -march. A build made with other flags is made again.
+# Idempotent; prints the bin directory on success.
 set -euo pipefail
 ver=0.3.36
 root="${PDSERVE_PEER_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pdserve/peer}"
@@ -23,7 +26,9 @@ case "${1:-all}" in
   oracle) targets=(llama-quantize llama-gguf-split llama) ;;
   *) echo "usage: $0 [oracle]" >&2; exit 2 ;;
 esac
+flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 have=1
+[ "$(cat "$root/build/pdserve-flags" 2>/dev/null)" = "$flags" ] || have=0
 for t in "${targets[@]}"; do
   case $t in llama) f="$bin/libllama.so" ;; *) f="$bin/$t" ;; esac
   [ -e "$f" ] || have=0
@@ -42,6 +47,8 @@ fi
 cmake -S "$root/src/vendor/llama.cpp" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DBUILD_SHARED_LIBS=ON -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$bin" -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$bin" \
   -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=OFF \
+  -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON >&2
 cmake --build "$root/build" -j "$(nproc)" --target "${targets[@]}" >&2
+echo "$flags" >"$root/build/pdserve-flags"
 echo "$bin"

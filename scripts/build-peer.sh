@@ -28,7 +28,8 @@ case "${1:-all}" in
 esac
 flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 have=1
-[ "$(cat "$root/build/pdserve-flags" 2>/dev/null)" = "$flags" ] || have=0
+same_flags=1
+[ "$(cat "$root/build/pdserve-flags" 2>/dev/null)" = "$flags" ] || { have=0; same_flags=0; }
 for t in "${targets[@]}"; do
   case $t in llama) f="$bin/libllama.so" ;; *) f="$bin/$t" ;; esac
   [ -e "$f" ] || have=0
@@ -44,7 +45,11 @@ if [ ! -d "$root/src/vendor" ]; then
   mkdir -p "$root/src"
   tar -xzf "$root/llama_cpp_python-$ver.tar.gz" -C "$root/src" --strip-components=1
 fi
+# A build made with other flags starts over, configuration included.
+[ "$same_flags" = 1 ] || rm -rf "$root/build"
+# The ninja of this run: a cached path may be a deleted clone's virtual environment.
 cmake -S "$root/src/vendor/llama.cpp" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_MAKE_PROGRAM="$(command -v ninja)" \
   -DBUILD_SHARED_LIBS=ON -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$bin" -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$bin" \
   -DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=OFF \
   -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \

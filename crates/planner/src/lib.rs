@@ -331,6 +331,9 @@ impl Planner {
             return;
         }
         self.read_steps(&members).await;
+        // Roles as they are now: reading the stats took a while, and another planner's
+        // switch may have landed meanwhile.
+        let members = self.now(&members);
         let Some(rates) = self.rates(&members) else { return };
         let slo = self.cfg.slo;
         let traffic = self.fleet.traffic(None, &slo);
@@ -474,15 +477,20 @@ impl Planner {
         Some((fixed / self.fleet.prefill_slots() as f64, pace))
     }
 
+    /// `members` with the roles and loads they have now (one that left the usable
+    /// set is kept as it was).
+    fn now(&self, members: &[Member]) -> Vec<Member> {
+        let live = self.fleet.members();
+        let now = |m: &Member| live.iter().find(|l| l.name == m.name).cloned().unwrap_or_else(|| m.clone());
+        members.iter().map(now).collect()
+    }
+
     /// Gives the workers the roles of `to`, moving as few as possible: prefill goes to
     /// those already prefilling, then to the least loaded. One that stops decoding
     /// hands its sequences to the decoders (or finishes them in place, see [`drain`]).
     /// Answers with each switched worker's outcome, and the milliseconds they took.
     async fn apply(&self, members: &[Member], to: Shape) -> (Vec<(String, Result<Assignment, ServeError>)>, f64) {
-        // Roles and loads as they are now: reading the stats took a while.
-        let live = self.fleet.members();
-        let now = |m: &Member| live.iter().find(|l| l.name == m.name).cloned().unwrap_or_else(|| m.clone());
-        let members: Vec<Member> = members.iter().map(now).collect();
+        let members = self.now(members);
         let mut order: Vec<&Member> = members.iter().collect();
         order.sort_by_key(|m| (m.assignment.role != Role::Prefill, m.load));
         let moves: Vec<(Member, Role)> = order

@@ -20,10 +20,12 @@
 //! - on average our logprobs may be at most MEAN_RATIO times as far from llama.cpp's
 //!   as the exact pass's are;
 //! - our top token must be llama.cpp's wherever llama.cpp's top two are at least
-//!   NEAR_TIE apart, at every position on the random-weight files and on the real
-//!   model's text up to its first near-tie (the golden tests' rule); where the exact
-//!   pass picks another token than llama.cpp, llama.cpp's rounding decided, and ours
-//!   may be the exact pass's.
+//!   NEAR_TIE apart and the exact pass picks the same token, at every position on the
+//!   random-weight files and on the real model's text up to its first near-tie (the
+//!   golden tests' rule). Where the exact pass picks another token than llama.cpp,
+//!   rounding decided, not the file: on the real model, activation rounding moves
+//!   logprobs by more than 1 between faithful engines (and between our own AVX2
+//!   and AVX-512 builds), so such a position says nothing about correctness.
 //!
 //! The measured figures are in docs/models.md, "Agreement with llama.cpp".
 
@@ -183,9 +185,19 @@ fn every_architecture_and_quant_type_matches_llama_cpp() {
         let checked =
             if f["real_weights"].as_bool().unwrap() { text.min(a.first_tie.unwrap_or(text)) } else { tokens.len() };
         for p in 0..checked {
-            let (mine, llama, exact) = (argmax(&ours[p]), argmax(&theirs[p]), argmax(&exact[p]));
-            if margin(&theirs[p]) >= NEAR_TIE && mine != llama && mine != exact {
-                failures.push(format!("{name}: top token {mine} at position {p}, llama.cpp's {llama}, exact {exact}"));
+            let (mine, llama, truth) = (argmax(&ours[p]), argmax(&theirs[p]), argmax(&exact[p]));
+            if margin(&theirs[p]) >= NEAR_TIE && llama == truth && mine != llama {
+                let lp = |row: &[f32]| {
+                    let l = log_softmax(row);
+                    format!("{:.3}/{:.3}", l[mine], l[llama])
+                };
+                failures.push(format!(
+                    "{name}: top token {mine} at position {p}, llama.cpp's and the exact pass's {llama} \
+                     (logprobs of the two: ours {}, llama.cpp {}, exact {})",
+                    lp(&ours[p]),
+                    lp(&theirs[p]),
+                    lp(&exact[p])
+                ));
             }
         }
     }

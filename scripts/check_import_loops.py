@@ -21,12 +21,8 @@ KNOWN = {
         "phase definitions and per-phase results share phases.rs",
     ("crates/bench/src", ("compare", "load", "report")):
         "the report types live beside the runs that fill them, the renderers in report",
-    ("crates/engine/src", ("config", "format")):
-        "safetensors' config.json becomes a ModelConfig inside format",
     ("crates/kv-transfer/src", ("link", "shm")):
         "a link may hold shared-memory slots; the shm transport is built on links",
-    ("crates/kv/src", ("block", "pool")):
-        "RAII block handles give themselves back to the pool that made them",
 }
 
 

@@ -3,6 +3,8 @@
 use crate::format::gguf::GgufHeader;
 use crate::format::FormatError;
 
+mod hf;
+
 /// Which model families pdserve runs; each has its own file under `model/`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
@@ -221,7 +223,10 @@ fn architecture(arch_name: &str) -> Result<(Architecture, RopeStyle), FormatErro
         "qwen3moe" => (Architecture::Qwen3Moe, RopeStyle::Neox),
         "phi3" => (Architecture::Phi3, RopeStyle::Neox),
         "gemma3" => (Architecture::Gemma3, RopeStyle::Neox),
-        other => return Err(FormatError::UnsupportedArchitecture(other.to_string())),
+        other => {
+            let supported = Architecture::SUPPORTED;
+            return Err(FormatError::UnsupportedArchitecture { name: other.to_string(), supported });
+        }
     })
 }
 

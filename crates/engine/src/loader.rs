@@ -52,7 +52,7 @@ pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
 pub fn load_meta(path: &Path) -> Result<ModelMeta, LoadError> {
     let (cfg, tokenizer) = if path.is_dir() {
         let st = SafetensorsModel::open(path)?;
-        (st.config().clone(), safetensors_tokenizer(&st, path)?)
+        (ModelConfig::from_hf(st.hf_config())?, safetensors_tokenizer(&st, path)?)
     } else {
         let file = GgufFile::open(path)?;
         let tokenizer = Tokenizer::from_gguf(&file.header).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
@@ -93,7 +93,7 @@ fn load_gguf(path: &Path) -> Result<(Model, Tokenizer), LoadError> {
 fn load_safetensors(dir: &Path) -> Result<(Model, Tokenizer), LoadError> {
     let st = SafetensorsModel::open(dir)?;
     let tokenizer = safetensors_tokenizer(&st, dir)?;
-    let model = Model::load(&st, st.config().clone())?;
+    let model = Model::load(&st, ModelConfig::from_hf(st.hf_config())?)?;
     Ok((model, tokenizer))
 }
 

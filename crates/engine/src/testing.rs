@@ -465,7 +465,7 @@ mod tests {
         let gguf_rope = if llama { RopeStyle::Normal } else { RopeStyle::Neox };
         assert_eq!(gg_cfg.rope_style, gguf_rope);
         let neox = ModelConfig { rope_style: RopeStyle::Neox, ..cfg.clone() };
-        assert_eq!(*st.config(), neox);
+        assert_eq!(ModelConfig::from_hf(st.hf_config()).unwrap(), neox);
         assert_eq!(ModelConfig { rope_style: RopeStyle::Neox, ..gg_cfg }, neox);
         assert_eq!(st.tied_embeddings(), opts.tie_embeddings);
 

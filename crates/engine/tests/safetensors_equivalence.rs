@@ -41,7 +41,7 @@ fn both_with(name: &str, cfg: &ModelConfig, opts: &RandomModelOptions) -> (TempD
     let dir = TempDir(scratch_dir(name).unwrap());
     let paths = write_random_model(&dir.0, cfg, opts).unwrap();
     let st = SafetensorsModel::open(&paths.safetensors_dir).unwrap();
-    let st_model = Model::load(&st, st.config().clone()).unwrap();
+    let st_model = Model::load(&st, ModelConfig::from_hf(st.hf_config()).unwrap()).unwrap();
     let gg = GgufFile::open(&paths.gguf_path).unwrap();
     let gg_cfg = ModelConfig::from_gguf(&gg.header).unwrap();
     let gg_model = Model::load(&gg, gg_cfg).unwrap();
@@ -149,7 +149,7 @@ fn the_comparison_sees_a_wrong_rope_layout() {
     let dir = TempDir(scratch_dir("st-eq-wrong-rope").unwrap());
     let paths = write_random_llama(&dir.0, &random_llama_config(), 4).unwrap();
     let st = SafetensorsModel::open(&paths.safetensors_dir).unwrap();
-    let st_model = Model::load(&st, st.config().clone()).unwrap();
+    let st_model = Model::load(&st, ModelConfig::from_hf(st.hf_config()).unwrap()).unwrap();
     let gg = GgufFile::open(&paths.gguf_path).unwrap();
     let wrong = ModelConfig { rope_style: RopeStyle::Neox, ..ModelConfig::from_gguf(&gg.header).unwrap() };
     let gg_model = Model::load(&gg, wrong).unwrap();

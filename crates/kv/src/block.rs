@@ -3,18 +3,18 @@
 use std::fmt;
 
 use crate::hash::{BlockHash, BlockId};
-use crate::pool::BlockPool;
+use crate::state::SharedState;
 
 /// A block being written. Exactly one handle exists per mutable block (not `Clone`);
 /// dropping it returns the block to the free list.
 pub struct MutableBlock {
     id: BlockId,
     /// `Some` for the handle's whole life; `complete` takes it so `Drop` does nothing.
-    pool: Option<BlockPool>,
+    pool: Option<SharedState>,
 }
 
 impl MutableBlock {
-    pub(crate) fn new(pool: BlockPool, id: BlockId) -> Self {
+    pub(crate) fn new(pool: SharedState, id: BlockId) -> Self {
         Self { id, pool: Some(pool) }
     }
 
@@ -55,12 +55,12 @@ impl fmt::Debug for MutableBlock {
 pub struct ImmutableBlock {
     id: BlockId,
     hash: BlockHash,
-    pool: BlockPool,
+    pool: SharedState,
 }
 
 impl ImmutableBlock {
     /// Wraps a reference the pool state has already counted.
-    pub(crate) fn new(pool: BlockPool, id: BlockId, hash: BlockHash) -> Self {
+    pub(crate) fn new(pool: SharedState, id: BlockId, hash: BlockHash) -> Self {
         Self { id, hash, pool }
     }
 
@@ -74,7 +74,8 @@ impl ImmutableBlock {
         self.hash
     }
 
-    pub(crate) fn pool(&self) -> &BlockPool {
+    /// The state of the pool this block belongs to.
+    pub(crate) fn pool(&self) -> &SharedState {
         &self.pool
     }
 }

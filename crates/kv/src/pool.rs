@@ -1,13 +1,13 @@
 //! The shared block pool handle and its public operations.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::MutexGuard;
 
 use crate::block::{ImmutableBlock, MutableBlock};
 use crate::hash::BlockHash;
 use crate::log::{EventGap, LoggedEvent};
-use crate::state::PoolState;
 pub use crate::state::{PoolExhausted, PoolStats};
+use crate::state::{PoolState, SharedState};
 use crate::tier::{Lower, Move, Place, Tier};
 
 /// The registries at one event number: where a reader of the event log starts.
@@ -22,7 +22,7 @@ pub struct KvSnapshot {
 /// One worker's KV blocks. Cloning is cheap and shares the pool.
 #[derive(Clone)]
 pub struct BlockPool {
-    state: Arc<Mutex<PoolState>>,
+    state: SharedState,
     block_size: usize,
     num_blocks: usize,
 }
@@ -36,7 +36,7 @@ impl BlockPool {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         assert!(block_size > 0, "block_size must be positive");
         assert!(u32::try_from(num_blocks).is_ok_and(|n| n < u32::MAX), "too many blocks");
-        Self { state: Arc::new(Mutex::new(PoolState::new(num_blocks))), block_size, num_blocks }
+        Self { state: SharedState::new(num_blocks), block_size, num_blocks }
     }
 
     /// A pool whose evicted blocks go down to a host-RAM tier of `host_blocks` and
@@ -70,7 +70,7 @@ impl BlockPool {
     pub fn allocate_many(&self, n: usize) -> Result<Vec<MutableBlock>, PoolExhausted> {
         let ids = self.lock().take_mutable(n)?;
         // Handles are built after the lock is released: their `Drop` takes it.
-        Ok(ids.into_iter().map(|id| MutableBlock::new(self.clone(), id)).collect())
+        Ok(ids.into_iter().map(|id| MutableBlock::new(self.state.clone(), id)).collect())
     }
 
     /// Blocks `allocate` can still hand out: free plus cached.
@@ -82,7 +82,7 @@ impl BlockPool {
     /// whether in use by another sequence or cached. Cached ones leave the LRU.
     pub fn match_prefix(&self, hashes: &[BlockHash]) -> Vec<ImmutableBlock> {
         let hits = self.lock().match_prefix(hashes);
-        hits.into_iter().map(|(id, hash)| ImmutableBlock::new(self.clone(), id, hash)).collect()
+        hits.into_iter().map(|(id, hash)| ImmutableBlock::new(self.state.clone(), id, hash)).collect()
     }
 
     /// Block counts by state, for the `pdserve_kv_blocks` gauge and admission.
@@ -146,14 +146,12 @@ impl BlockPool {
         self.lock().clear_cache();
     }
 
-    /// The state never panics while locked (no user code runs under the lock), so a
-    /// poisoned mutex still holds consistent state: keep serving rather than cascade.
     pub(crate) fn lock(&self) -> MutexGuard<'_, PoolState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.lock()
     }
 
-    pub(crate) fn same_pool(&self, other: &BlockPool) -> bool {
-        Arc::ptr_eq(&self.state, &other.state)
+    pub(crate) fn shared(&self) -> &SharedState {
+        &self.state
     }
 }
 

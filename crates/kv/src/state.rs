@@ -5,6 +5,7 @@
 //! "each block is in exactly one of free / used / cached" is checked by one audit.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::event::KvEvent;
 use crate::hash::{BlockHash, BlockId};
@@ -41,6 +42,27 @@ enum Slot {
         hash: BlockHash,
         parent: Option<BlockHash>,
     },
+}
+
+/// The pool state behind its lock, shared by the pool handle and every block handle
+/// (which give their blocks back through it without knowing the pool).
+#[derive(Clone)]
+pub(crate) struct SharedState(Arc<Mutex<PoolState>>);
+
+impl SharedState {
+    pub(crate) fn new(num_blocks: usize) -> Self {
+        Self(Arc::new(Mutex::new(PoolState::new(num_blocks))))
+    }
+
+    /// The state never panics while locked (no user code runs under the lock), so a
+    /// poisoned mutex still holds consistent state: keep serving rather than cascade.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, PoolState> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn same(&self, other: &SharedState) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 #[derive(Debug)]

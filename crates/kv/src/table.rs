@@ -36,7 +36,7 @@ impl BlockTable {
     /// Takes over a prefix-cache hit as the table's first blocks. Only valid on an empty
     /// table; otherwise (a caller bug) the blocks are released and the table unchanged.
     pub fn adopt_prefix(&mut self, blocks: Vec<ImmutableBlock>) {
-        let from_this_pool = blocks.iter().all(|b| b.pool().same_pool(&self.pool));
+        let from_this_pool = blocks.iter().all(|b| b.pool().same(self.pool.shared()));
         debug_assert!(self.num_blocks() == 0, "adopt_prefix on a non-empty table");
         debug_assert!(from_this_pool, "adopt_prefix with blocks of another pool");
         if self.num_blocks() == 0 && from_this_pool {

@@ -173,8 +173,8 @@ pub enum FormatError {
         DType::supported_names()
     )]
     UnsupportedTensorType { tensor: String, ggml_type: u32 },
-    #[error("unsupported architecture `{0}` (supported: {supported})", supported = crate::config::Architecture::SUPPORTED)]
-    UnsupportedArchitecture(String),
+    #[error("unsupported architecture `{name}` (supported: {supported})")]
+    UnsupportedArchitecture { name: String, supported: &'static str },
     #[error("missing {0}")]
     Missing(String),
     #[error("{0}")]

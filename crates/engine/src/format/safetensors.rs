@@ -8,11 +8,10 @@
 //! [`FormatError`], never a panic.
 //!
 //! Tensors are served under GGUF names (`blk.N.attn_q.weight`), so the model loader
-//! reads both formats the same way. HF checkpoints keep Q and K in the half-split RoPE
-//! layout, hence [`RopeStyle::Neox`] for every architecture here.
+//! reads both formats the same way. `config.json` is read into a plain [`HfConfig`];
+//! `ModelConfig::from_hf` turns it into the model's hyper-parameters.
 
 use super::{DType, FormatError, TensorSource, TensorView};
-use crate::config::{Architecture, ModelConfig, RopeStyle};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -27,8 +26,7 @@ pub struct SafetensorsModel {
     maps: Vec<memmap2::Mmap>,
     /// By GGUF name.
     tensors: HashMap<String, Located>,
-    config: ModelConfig,
-    tied_embeddings: bool,
+    config: HfConfig,
 }
 
 /// Where one tensor lies: which map, and the byte range in it.
@@ -62,14 +60,8 @@ struct HeaderEntry {
 
 impl SafetensorsModel {
     pub fn open(dir: &Path) -> Result<Self, FormatError> {
-        let (config, tied_embeddings) = read_config(dir)?;
-        let mut model = SafetensorsModel {
-            dir: dir.to_path_buf(),
-            maps: Vec::new(),
-            tensors: HashMap::new(),
-            config,
-            tied_embeddings,
-        };
+        let config = read_config(dir)?;
+        let mut model = SafetensorsModel { dir: dir.to_path_buf(), maps: Vec::new(), tensors: HashMap::new(), config };
         let files = safetensors_files(dir)?;
         if files.is_empty() {
             return Err(FormatError::Missing(format!("*.safetensors files in {}", dir.display())));
@@ -81,14 +73,15 @@ impl SafetensorsModel {
         Ok(model)
     }
 
-    pub fn config(&self) -> &ModelConfig {
+    /// What `config.json` says; `ModelConfig::from_hf` makes the model's config of it.
+    pub fn hf_config(&self) -> &HfConfig {
         &self.config
     }
 
     /// Whether the output projection reuses the token embedding (`output.weight` is then
     /// absent, as in GGUF files of such models).
     pub fn tied_embeddings(&self) -> bool {
-        self.tied_embeddings
+        self.config.tie_word_embeddings.unwrap_or(false)
     }
 
     pub fn dir(&self) -> &Path {
@@ -138,14 +131,14 @@ impl SafetensorsModel {
             .tensors
             .get("token_embd.weight")
             .ok_or_else(|| FormatError::Missing("tensor model.embed_tokens.weight".into()))?;
-        if embd.shape != [self.config.vocab_size, self.config.hidden] {
+        if embd.shape != [self.config.vocab_size, self.config.hidden_size] {
             return Err(FormatError::Invalid(format!(
                 "model.embed_tokens.weight has shape {:?} but config.json says vocab_size {} \
                  and hidden_size {}",
-                embd.shape, self.config.vocab_size, self.config.hidden
+                embd.shape, self.config.vocab_size, self.config.hidden_size
             )));
         }
-        if !self.tied_embeddings && !self.tensors.contains_key("output.weight") {
+        if !self.tied_embeddings() && !self.tensors.contains_key("output.weight") {
             return Err(FormatError::Missing(
                 "tensor lm_head.weight (config.json says the embeddings are not tied)".into(),
             ));
@@ -314,25 +307,25 @@ fn gguf_name(hf: &str) -> Option<String> {
 }
 
 /// The fields of `config.json` pdserve reads; the rest is ignored.
-#[derive(Deserialize)]
-struct HfConfig {
-    architectures: Option<Vec<String>>,
-    model_type: Option<String>,
-    hidden_size: usize,
-    intermediate_size: usize,
-    num_hidden_layers: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    vocab_size: usize,
-    rms_norm_eps: Option<f64>,
-    rope_theta: Option<f64>,
-    max_position_embeddings: Option<usize>,
-    tie_word_embeddings: Option<bool>,
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfConfig {
+    pub architectures: Option<Vec<String>>,
+    pub model_type: Option<String>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    pub rms_norm_eps: Option<f64>,
+    pub rope_theta: Option<f64>,
+    pub max_position_embeddings: Option<usize>,
+    pub tie_word_embeddings: Option<bool>,
 }
 
-/// Reads `dir/config.json` into a validated config and the tied-embeddings flag.
-fn read_config(dir: &Path) -> Result<(ModelConfig, bool), FormatError> {
+/// Reads `dir/config.json`.
+fn read_config(dir: &Path) -> Result<HfConfig, FormatError> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound {
@@ -341,63 +334,7 @@ fn read_config(dir: &Path) -> Result<(ModelConfig, bool), FormatError> {
             FormatError::Io { path: path.display().to_string(), source }
         }
     })?;
-    let hf: HfConfig =
-        serde_json::from_str(&text).map_err(|e| FormatError::Invalid(format!("{}: {e}", path.display())))?;
-    let tied = hf.tie_word_embeddings.unwrap_or(false);
-    Ok((hf.into_model_config()?, tied))
-}
-
-impl HfConfig {
-    fn architecture(&self) -> Result<Architecture, FormatError> {
-        if let Some(t) = &self.model_type {
-            return match t.as_str() {
-                "llama" | "mistral" => Ok(Architecture::Llama),
-                "qwen2" => Ok(Architecture::Qwen2),
-                other => Err(FormatError::UnsupportedArchitecture(other.to_string())),
-            };
-        }
-        let names = self.architectures.as_deref().unwrap_or_default();
-        for name in names {
-            match name.as_str() {
-                "LlamaForCausalLM" | "MistralForCausalLM" => return Ok(Architecture::Llama),
-                "Qwen2ForCausalLM" => return Ok(Architecture::Qwen2),
-                _ => {}
-            }
-        }
-        let shown = names.first().map_or("none given", String::as_str);
-        Err(FormatError::UnsupportedArchitecture(shown.to_string()))
-    }
-
-    fn into_model_config(self) -> Result<ModelConfig, FormatError> {
-        let arch = self.architecture()?;
-        let heads = self.num_attention_heads;
-        // Transformers' own defaults for fields older configs leave out.
-        let default_context = match arch {
-            Architecture::Llama => 2048,
-            // Not produced from config.json: the other architectures load from GGUF.
-            _ => 32768,
-        };
-        let context_length = self.max_position_embeddings.unwrap_or(default_context);
-        ModelConfig {
-            arch,
-            n_layers: self.num_hidden_layers,
-            hidden: self.hidden_size,
-            ffn_hidden: self.intermediate_size,
-            n_heads: heads,
-            n_kv_heads: self.num_key_value_heads.unwrap_or(heads),
-            head_dim: self.head_dim.or(self.hidden_size.checked_div(heads)).unwrap_or(0),
-            vocab_size: self.vocab_size,
-            rms_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
-            rope_theta: self.rope_theta.unwrap_or(10000.0) as f32,
-            rope_style: RopeStyle::Neox,
-            context_length,
-            rope_attn_factor: 1.0,
-            rope_original_context: context_length,
-            gemma3: None,
-            moe: None,
-        }
-        .validate()
-    }
+    serde_json::from_str(&text).map_err(|e| FormatError::Invalid(format!("{}: {e}", path.display())))
 }
 
 /// One tensor for [`to_safetensors_bytes`]: name, dtype, shape (outermost first) and

@@ -21,8 +21,6 @@ KNOWN = {
         "phase definitions and per-phase results share phases.rs",
     ("crates/bench/src", ("compare", "load", "report")):
         "the report types live beside the runs that fill them, the renderers in report",
-    ("crates/kv-transfer/src", ("link", "shm")):
-        "a link may hold shared-memory slots; the shm transport is built on links",
 }
 
 

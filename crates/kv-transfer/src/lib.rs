@@ -50,6 +50,7 @@ mod links;
 mod measure;
 mod receive;
 mod records;
+mod segment;
 mod shm;
 pub mod slots;
 mod target;

@@ -15,7 +15,7 @@
 
 use crate::auth::{self, Session, SessionMac, MAC_BYTES};
 use crate::records::{self, to_receiver, to_sender, Body, Record, Status};
-use crate::shm::{HeldSlot, Segment};
+use crate::segment::{HeldSlot, Segment};
 use crate::slots::LogEvery;
 use crate::{Frame, HandoffId, HandoffToken, KvSink, TransferError, TransportKind};
 use std::collections::{HashMap, HashSet};

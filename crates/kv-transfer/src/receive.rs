@@ -11,7 +11,7 @@ use crate::auth::{Session, SessionMac, MAC_BYTES};
 use crate::frame::{self, Frame};
 use crate::inbox::Feed;
 use crate::records::{self, to_receiver, to_sender, Body, Record, Status};
-use crate::shm::Mapping;
+use crate::segment::Mapping;
 use crate::{HandoffId, HandoffToken, Inboxes, TransferError};
 use std::collections::HashMap;
 use std::io;

@@ -16,12 +16,7 @@ import re
 import sys
 
 # Loops that stand today, each a sorted tuple of modules, with why they were left.
-KNOWN = {
-    ("crates/bench/src", ("metrics", "phases", "record", "reuse", "workload")):
-        "phase definitions and per-phase results share phases.rs",
-    ("crates/bench/src", ("compare", "load", "report")):
-        "the report types live beside the runs that fill them, the renderers in report",
-}
+KNOWN = {}
 
 
 def modules(src):

@@ -14,17 +14,7 @@
 //!   samples at or below it. Successful requests only.
 
 use crate::record::RequestRecord;
-
-/// Request sent → first content chunk.
-pub fn ttft(chunk_times_s: &[f64]) -> Option<f64> {
-    chunk_times_s.first().copied()
-}
-
-/// (last − first content chunk) / (output tokens − 1).
-pub fn tpot(chunk_times_s: &[f64], output_tokens: u64) -> Option<f64> {
-    let (first, last) = (chunk_times_s.first()?, chunk_times_s.last()?);
-    (output_tokens >= 2).then(|| (last - first) / (output_tokens - 1) as f64)
-}
+pub use crate::record::{tpot, ttft};
 
 /// Nearest-rank percentile of sorted samples (`p` in 0..=100).
 pub fn percentile(sorted: &[f64], p: f64) -> Option<f64> {
@@ -120,7 +110,7 @@ pub struct Summary {
     /// The point's full prompt blocks and how many the run had sent before them
     /// (a prefix cache may hold those): filled by `load::measure`.
     #[serde(default)]
-    pub prompt_blocks: crate::reuse::BlockReuse,
+    pub prompt_blocks: BlockReuse,
     /// Cached prompt tokens during the point as the server's router predicted them
     /// and as its engines reused them (pdserve's `/metrics`; absent elsewhere).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -249,6 +239,30 @@ pub fn duration(records: &[RequestRecord]) -> f64 {
         0.0
     } else {
         (end - start).max(0.0)
+    }
+}
+
+/// Full blocks in one point's prompts, and how many of them the run had sent before.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BlockReuse {
+    pub blocks: usize,
+    pub reused: usize,
+}
+
+impl BlockReuse {
+    pub fn percent(&self) -> f64 {
+        if self.blocks == 0 {
+            0.0
+        } else {
+            100.0 * self.reused as f64 / self.blocks as f64
+        }
+    }
+}
+
+impl std::ops::AddAssign for BlockReuse {
+    fn add_assign(&mut self, o: BlockReuse) {
+        self.blocks += o.blocks;
+        self.reused += o.reused;
     }
 }
 

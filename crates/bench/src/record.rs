@@ -1,8 +1,6 @@
 //! What the client saw of one request. Records are the raw data: every summary,
 //! table and plot is computed from them, and all of them go into the JSON output.
 
-use crate::metrics;
-
 /// One request, as measured by the client. Times are seconds.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RequestRecord {
@@ -62,8 +60,8 @@ fn is_zero(n: &u32) -> bool {
 impl RequestRecord {
     /// Fills the derived fields from the raw ones.
     pub fn derive(mut self) -> Self {
-        self.ttft_s = metrics::ttft(&self.chunk_times_s);
-        self.tpot_s = metrics::tpot(&self.chunk_times_s, self.output_tokens);
+        self.ttft_s = ttft(&self.chunk_times_s);
+        self.tpot_s = tpot(&self.chunk_times_s, self.output_tokens);
         self
     }
 
@@ -86,4 +84,15 @@ impl RequestRecord {
     pub fn end_s(&self) -> f64 {
         self.start_s + self.e2e_s
     }
+}
+
+/// Request sent → first content chunk.
+pub fn ttft(chunk_times_s: &[f64]) -> Option<f64> {
+    chunk_times_s.first().copied()
+}
+
+/// (last − first content chunk) / (output tokens − 1).
+pub fn tpot(chunk_times_s: &[f64], output_tokens: u64) -> Option<f64> {
+    let (first, last) = (chunk_times_s.first()?, chunk_times_s.last()?);
+    (output_tokens >= 2).then(|| (last - first) / (output_tokens - 1) as f64)
 }

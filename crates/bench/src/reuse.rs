@@ -6,6 +6,7 @@
 //! server's prefix cache: a block counts as reused only when the whole prompt up to
 //! its end was sent before.
 
+pub use crate::metrics::BlockReuse;
 use crate::record::RequestRecord;
 use crate::rng::mix;
 use crate::workload::Workload;
@@ -13,23 +14,6 @@ use std::collections::HashSet;
 
 /// Tokens per block, pdserve's and vLLM's default KV block size.
 pub const BLOCK: usize = 16;
-
-/// Full blocks in one point's prompts, and how many of them the run had sent before.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct BlockReuse {
-    pub blocks: usize,
-    pub reused: usize,
-}
-
-impl BlockReuse {
-    pub fn percent(&self) -> f64 {
-        if self.blocks == 0 {
-            0.0
-        } else {
-            100.0 * self.reused as f64 / self.blocks as f64
-        }
-    }
-}
 
 /// Every block sent so far in one run (one server).
 #[derive(Debug, Default)]
@@ -61,13 +45,6 @@ impl SentBlocks {
             true => self.record(&w.request(seed, r.index).prompt.ids()),
             false => self.record(&r.prompt_ids),
         }
-    }
-}
-
-impl std::ops::AddAssign for BlockReuse {
-    fn add_assign(&mut self, o: BlockReuse) {
-        self.blocks += o.blocks;
-        self.reused += o.reused;
     }
 }
 

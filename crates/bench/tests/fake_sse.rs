@@ -259,7 +259,7 @@ fn a_shifting_workload_reports_each_phase(opts: &LoadOptions, out: &std::path::P
     assert!(point.records.iter().all(|r| r.ok && r.output_tokens == if r.scheduled_s < Some(0.5) { 2 } else { 3 }));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap();
     assert_eq!(v["points"][0]["phases"][1]["span"]["label"], "b");
-    assert!(pdserve_bench::report::markdown::load_report(&report).contains("| phases › b |"));
+    assert!(pdserve_bench::load::markdown::load_report(&report).contains("| phases › b |"));
 }
 
 /// Phase `a` (2 output tokens) for the first half second, then phase `b` (3).

@@ -211,13 +211,13 @@ mod tests {
     fn plots_and_markdown_cover_every_topology() {
         let mut r = report();
         r.analysis = Analysis::of(&r);
-        let plots = crate::report::plots::render_all(&r);
+        let plots = crate::compare::plots::render_all(&r);
         assert_eq!(plots.len(), Metric::PLOTTED.len());
         assert!(plots.iter().any(|(name, _)| name == "prefill-heavy-ttft-p99.svg"));
         for (_, doc) in &plots {
             assert_eq!(doc.matches("<polyline").count(), 4);
         }
-        let md = crate::report::compare_markdown::render(&r, &[]);
+        let md = crate::compare::markdown::render(&r, &[]);
         assert!(md.contains("| prefill-heavy | goodput (requests/s within SLO) | C=4 |"), "{md}");
         assert!(md.contains("| prefill-heavy | 8 | 0.80 | 1.25 |"), "{md}");
         assert_eq!(md.matches("| auto | ").count(), 6, "{md}");

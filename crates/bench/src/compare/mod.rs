@@ -5,6 +5,8 @@
 //! run then falls between workloads, not between the topologies compared on one.
 
 pub mod analyze;
+pub mod markdown;
+pub mod plots;
 pub mod reuse;
 pub mod suite;
 
@@ -17,7 +19,7 @@ use crate::openai::BodyOptions;
 use crate::point::PointPlan;
 use crate::process::ServerProcess;
 use crate::prompt::TokenRange;
-use crate::report::{compare_markdown, json, plots};
+use crate::report::json;
 use crate::reuse::SentBlocks;
 use crate::target::Target;
 use crate::topology::{self, Topology};
@@ -320,7 +322,7 @@ async fn sweep_workload(
 fn write_outputs(opts: &CompareOptions, report: &CompareReport) -> Result<(), BenchError> {
     json::write(&opts.out.join("results.json"), report)?;
     let plot_files = plots::write_all(&opts.out.join("plots"), report)?;
-    let md = compare_markdown::render(report, &plot_files);
+    let md = markdown::render(report, &plot_files);
     let path = opts.out.join("results.md");
     std::fs::write(&path, &md).map_err(|e| BenchError::io(&path, e))?;
     tracing::info!("wrote {}/results.json, results.md and {} plots", opts.out.display(), plot_files.len());

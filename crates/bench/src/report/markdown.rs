@@ -1,6 +1,6 @@
-//! Markdown tables: one row per point, the metrics of docs/bench.md.
+//! Markdown tables: one row per point, the metrics of docs/bench.md; `bench load`
+//! and `bench compare` build their reports of these pieces.
 
-use crate::load::LoadReport;
 use crate::metrics::Summary;
 use std::fmt::Write;
 
@@ -85,48 +85,6 @@ pub fn one_line(label: &str, s: &Summary, wall_s: f64) -> String {
         let _ = write!(line, "; first error: {e}");
     }
     line
-}
-
-/// The stdout report of `bench load`.
-pub fn load_report(r: &LoadReport) -> String {
-    let mut out = String::new();
-    let model = r.model.as_deref().unwrap_or("(none)");
-    let _ = writeln!(out, "\n## bench load: {} (model {model})\n\nWorkload: {}.", r.url, r.workload);
-    if let Some(p) = r.points.first() {
-        let slo = p.summary.slo;
-        let _ = writeln!(out, "Goodput SLO: TTFT ≤ {} ms and TPOT ≤ {} ms.\n", slo.ttft_ms, slo.tpot_ms);
-    }
-    out.push_str(&header(&["point"]));
-    for p in &r.points {
-        let _ = writeln!(out, "| {} | {} |", p.plan.label, summary_cells(&p.summary));
-        for ph in &p.phases {
-            let _ = writeln!(out, "| {} › {} | {} |", p.plan.label, ph.span.label, summary_cells(&ph.summary));
-        }
-    }
-    for p in &r.points {
-        if let Some(h) = p.summary.replies {
-            let (label, n, of) = (&p.plan.label, h.generated, h.in_history);
-            let _ = writeln!(out, "\n{label}: {n} of the {of} replies in the prompts' histories were generated.");
-        }
-    }
-    if !r.calibration.is_empty() {
-        out.push_str("\nClient floor (same points against an instant in-process server):\n\n");
-        out.push_str("| point | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | client ms/req |\n|---|---|---|---|---|---|\n");
-        for c in &r.calibration {
-            let s = &c.summary;
-            let _ = writeln!(
-                out,
-                "| {} | {} | {} | {} | {} | {} |",
-                c.label,
-                num(s.ttft_ms.p50, 3),
-                num(s.ttft_ms.p99, 3),
-                num(s.itl_ms.p50, 3),
-                num(s.itl_ms.p99, 3),
-                num(s.client_busy_ms.mean, 3)
-            );
-        }
-    }
-    out
 }
 
 #[cfg(test)]

@@ -1,7 +1,6 @@
-//! Output formats: JSON (everything), Markdown (tables), SVG (plots).
+//! Output formats: JSON (everything), Markdown (tables), SVG (plots). The runs
+//! (`load`, `compare`) render their own reports with these pieces.
 
-pub mod compare_markdown;
 pub mod json;
 pub mod markdown;
-pub mod plots;
 pub mod svg;

@@ -241,7 +241,7 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         out: a.out,
     };
     let report = run_load(&opts)?;
-    print!("{}", pdserve_bench::report::markdown::load_report(&report));
+    print!("{}", pdserve_bench::load::markdown::load_report(&report));
     Ok(())
 }
 

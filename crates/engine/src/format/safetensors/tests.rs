@@ -43,7 +43,7 @@ fn config(model: &SafetensorsModel) -> ModelConfig {
 /// Why opening `dir` and reading its config, as the loader does, fails.
 fn open_err(dir: &Path) -> FormatError {
     let opened = SafetensorsModel::open(dir).and_then(|m| ModelConfig::from_hf(m.hf_config()));
-    let err = opened.err().expect("open should fail");
+    let err = opened.expect_err("open should fail");
     let _ = std::fs::remove_dir_all(dir);
     err
 }

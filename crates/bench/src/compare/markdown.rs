@@ -1,8 +1,8 @@
 //! results.md of `bench compare`: set-up, one table per workload, crossovers, ratios,
 //! the client floor and the plots.
 
-use super::markdown::{header, num, summary_cells};
-use crate::compare::CompareReport;
+use super::CompareReport;
+use crate::report::markdown::{header, num, summary_cells};
 use std::fmt::Write;
 use std::path::PathBuf;
 

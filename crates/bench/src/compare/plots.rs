@@ -1,10 +1,10 @@
 //! The comparison's plots: for each workload and each plotted metric, one SVG with one
 //! line per topology against the sweep (log2 x axis).
 
-use super::svg::{LinePlot, Series};
+use super::CompareReport;
 use crate::analysis::metric::Metric;
-use crate::compare::CompareReport;
 use crate::error::BenchError;
+use crate::report::svg::{LinePlot, Series};
 use std::path::{Path, PathBuf};
 
 /// The plots of a report, as (file name, document).

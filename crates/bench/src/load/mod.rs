@@ -1,6 +1,8 @@
 //! `pdserve bench load`: load one OpenAI-compatible server over a sweep of points and
 //! report every request, a summary per point and a Markdown table.
 
+pub mod markdown;
+
 use crate::arrivals::{ArrivalKind, Arrivals};
 use crate::calibrate::{self, Calibration};
 use crate::client::{first_model, prefix_hits, Client};
@@ -10,7 +12,8 @@ use crate::openai::BodyOptions;
 use crate::phases::PhaseResult;
 use crate::point::{Bounds, Issue, PointPlan};
 use crate::record::RequestRecord;
-use crate::report::{json, markdown};
+use crate::report::json;
+use crate::report::markdown::one_line;
 use crate::reuse::SentBlocks;
 use crate::runner::run_point;
 use crate::target::Target;
@@ -195,7 +198,7 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, BenchError> {
 }
 
 /// Runs `bench load`: measures and writes the JSON (the caller prints the table,
-/// `report::markdown::load_report`).
+/// `load::markdown::load_report`).
 pub fn run_load(opts: &LoadOptions) -> Result<LoadReport, BenchError> {
     opts.body.validate()?;
     let plans = plans(&opts.sweep, opts.requests, opts.seconds, opts.workload.trace_len())?;
@@ -258,11 +261,11 @@ pub async fn measure(
         for r in &point.records {
             point.summary.prompt_blocks += sent.record_sent(w, plan.seed, r);
         }
-        tracing::info!("{}", markdown::one_line(&plan.label, &point.summary, t.elapsed().as_secs_f64()));
+        tracing::info!("{}", one_line(&plan.label, &point.summary, t.elapsed().as_secs_f64()));
         for p in &point.phases {
             tracing::info!(
                 "{}",
-                markdown::one_line(&format!("  phase {}", p.span.label), &p.summary, p.span.end_s - p.span.start_s)
+                one_line(&format!("  phase {}", p.span.label), &p.summary, p.span.end_s - p.span.start_s)
             );
         }
         out.push(point);

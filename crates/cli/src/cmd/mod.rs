@@ -8,7 +8,6 @@ pub mod generate;
 mod http;
 pub mod planner;
 pub use http::Stopped;
-mod probe;
 pub mod pull;
 pub mod serve;
 pub mod twin;

@@ -2,12 +2,11 @@
 
 use super::fleet::NatsArgs;
 use super::http::{self, Stopped};
-use super::probe::{LinkTable, Prober};
 use anyhow::Context;
 use pdserve_engine::batch::{EngineConfig, Objectives};
-use pdserve_fleet::{Endpoints, KvCache, Load, NatsConfig, NodeId, NodeRecord, Registration};
+use pdserve_fleet::{Endpoints, Member, NatsConfig, NodeId, Registration, SendProbe};
 use pdserve_kv_transfer::{ClusterKey, KvAddr, ListenAt, TransportKind};
-use pdserve_protocol::{Capabilities, Worker};
+use pdserve_protocol::Worker;
 use pdserve_remote::WorkerServer;
 use pdserve_types::Role;
 use pdserve_worker::{LocalWorker, WorkerOptions};
@@ -215,9 +214,8 @@ async fn listen_everywhere(a: &Args, worker: &LocalWorker) -> anyhow::Result<Soc
     Ok(kv)
 }
 
-/// Joins the fleet at `cfg`: probes the links to its peers, takes the roles its
-/// planner sets, publishes its KV events and keeps its node record (with the
-/// endpoints others reach, `here` as `--advertise` rewrites them) written.
+/// Joins the fleet at `cfg` with the endpoints others reach, `here` as `--advertise`
+/// rewrites them.
 fn join_fleet(
     a: &Args,
     cfg: NatsConfig,
@@ -226,26 +224,27 @@ fn join_fleet(
     here: Endpoints,
     local: LocalWorker,
 ) -> anyhow::Result<Registration> {
-    let id = a.node_id.clone().unwrap_or_else(|| NodeId::sanitized(name));
     let at = |addr: SocketAddr| a.advertise.map_or(addr, |ip| SocketAddr::new(ip, addr.port()));
     if a.advertise.is_none() && here.control.ip().is_unspecified() {
         anyhow::bail!("a worker listening on {} must say where others reach it: add --advertise IP", here.control);
     }
-    let worker = Arc::new(local.clone()) as Arc<dyn Worker>;
-    let links = Arc::new(LinkTable::default());
-    let node = Node {
-        id: id.clone(),
-        worker: worker.clone(),
-        endpoints: Endpoints { control: at(here.control), kv: at(here.kv) },
-        threads: a.threads.max(1),
-        blocks: a.kv_blocks,
-        links: links.clone(),
-    };
-    let prober = Prober { me: id.clone(), my_kv: at(here.kv), worker: local, key: key.clone(), table: links };
-    tokio::spawn(prober.run(cfg.clone()));
-    tokio::spawn(take_planned_roles(cfg.clone(), id.clone(), worker.clone()));
-    pdserve_fleet::publish_kv_events(cfg.clone(), id.clone(), worker);
-    Ok(pdserve_fleet::register(cfg, id, move || node.clone().record()))
+    let prober = local.clone();
+    let send_probe: SendProbe = Arc::new(move |to, id, token, bytes| {
+        let w = prober.clone();
+        Box::pin(async move { w.probe(to, id, token, bytes).await })
+    });
+    Ok(pdserve_fleet::join(
+        cfg,
+        Member {
+            id: a.node_id.clone().unwrap_or_else(|| NodeId::sanitized(name)),
+            worker: Arc::new(local),
+            endpoints: Endpoints { control: at(here.control), kv: at(here.kv) },
+            threads: a.threads.max(1),
+            blocks: a.kv_blocks,
+            send_probe,
+            key: key.clone(),
+        },
+    ))
 }
 
 /// Waits until nothing waits, runs or is being received here, for at most `grace`
@@ -271,69 +270,4 @@ async fn drain(worker: &dyn Worker, grace: Duration) -> Stopped {
     let left = worker.stats().await.map_or(0, |s| busy(&s));
     tracing::warn!("pdserve worker: {why}, cutting {left} request(s)");
     Stopped::Cut(left)
-}
-
-/// Takes each role a fleet planner names for this node in the plan. The plan is
-/// written again every second: only a newer epoch is news, and the worker itself
-/// refuses one older than it holds.
-async fn take_planned_roles(cfg: pdserve_fleet::NatsConfig, id: NodeId, worker: Arc<dyn Worker>) {
-    let mut plan = pdserve_fleet::follow_plan(cfg, id);
-    let mut seen = None;
-    while let Some((holder, want)) = plan.recv().await {
-        if seen.is_some_and(|s| s >= want.epoch) {
-            continue;
-        }
-        seen = Some(want.epoch);
-        match async { worker.roles()?.set_role(want).await }.await {
-            Ok(now) if now == want => tracing::info!(planner = %holder, to = %now, "took the role the planner set"),
-            Ok(now) => tracing::debug!(planner = %holder, want = %want, holds = %now, "a planned role already taken"),
-            Err(e) => tracing::warn!(planner = %holder, want = %want, error = %e, "cannot take the planned role"),
-        }
-    }
-}
-
-/// What this worker writes to the fleet bucket each second.
-#[derive(Clone)]
-struct Node {
-    id: NodeId,
-    worker: Arc<dyn Worker>,
-    endpoints: Endpoints,
-    threads: usize,
-    blocks: usize,
-    links: Arc<LinkTable>,
-}
-
-impl Node {
-    async fn record(self) -> NodeRecord {
-        // A worker that cannot answer for its stats is reported idle and empty; its
-        // record still says it is there.
-        let s = self.worker.stats().await.unwrap_or_default();
-        let info = self.worker.info();
-        let now = s.assignment.unwrap_or(pdserve_types::Assignment::new(info.role, Default::default()));
-        NodeRecord {
-            node_id: self.id,
-            name: info.name.clone(),
-            model: info.model.clone(),
-            role: now.role,
-            epoch: now.epoch,
-            protocol: pdserve_remote::PROTOCOL_VERSION,
-            endpoints: self.endpoints,
-            threads: self.threads,
-            kv_cache: KvCache {
-                block_size: 16,
-                blocks_total: self.blocks,
-                blocks_free: s.blocks.free,
-                blocks_used: s.blocks.used,
-                blocks_cached: s.blocks.cached,
-            },
-            load: Load {
-                queued_prompt_tokens: s.queued_prompt_tokens,
-                waiting: s.waiting,
-                running: s.running,
-                importing: s.importing,
-            },
-            links: self.links.snapshot(),
-            updated_unix_ms: pdserve_fleet::now_unix_ms(),
-        }
-    }
 }

@@ -7,16 +7,24 @@
 //! rate, then a few one-frame handoffs on the now-open link for the round trip.
 //! Probes run one at a time so they do not share the wire with each other.
 
-use pdserve_fleet::{Change, LinkRecord, NatsConfig, NodeId, NodeRecord};
+use crate::{Change, LinkRecord, NatsConfig, NodeId, NodeRecord};
+use futures_util::future::BoxFuture;
 use pdserve_kv_transfer::{ClusterKey, HandoffToken, KvAddr, Throughput};
-use pdserve_protocol::Capabilities;
+use pdserve_protocol::{Capabilities, ServeError};
 use pdserve_remote::RemoteWorker;
 use pdserve_types::{RequestId, Role};
-use pdserve_worker::LocalWorker;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+
+type ProbeError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Times one handoff of `bytes` to the probe inbox a peer opened at `to` under
+/// `token`, over the link a prefill sent there would use (the local worker's).
+pub type SendProbe = Arc<
+    dyn Fn(KvAddr, RequestId, HandoffToken, usize) -> BoxFuture<'static, Result<Throughput, ServeError>> + Send + Sync,
+>;
 
 /// Payload of the rate probe: 8 MB, over a second on a 100 Mb/s link, some
 /// milliseconds on loopback.
@@ -50,7 +58,7 @@ pub struct Prober {
     pub me: NodeId,
     /// This node's KV address as peers see it: a peer at the same IP is on this host.
     pub my_kv: SocketAddr,
-    pub worker: LocalWorker,
+    pub send: SendProbe,
     pub key: ClusterKey,
     pub table: Arc<LinkTable>,
 }
@@ -60,7 +68,7 @@ impl Prober {
     /// when it appears or moves; a peer that leaves takes its link off the table.
     pub async fn run(self, cfg: NatsConfig) {
         let me = Arc::new(self);
-        let mut changes = pdserve_fleet::follow(cfg);
+        let mut changes = crate::follow(cfg);
         let one_at_a_time = Arc::new(tokio::sync::Semaphore::new(1));
         let mut probing: HashMap<NodeId, (SocketAddr, tokio::task::JoinHandle<()>)> = HashMap::new();
         while let Some(change) = changes.recv().await {
@@ -121,7 +129,7 @@ impl Prober {
         self.table.lock().insert(peer.node_id.clone(), link);
     }
 
-    async fn probe(&self, peer: &NodeRecord) -> anyhow::Result<LinkRecord> {
+    async fn probe(&self, peer: &NodeRecord) -> Result<LinkRecord, ProbeError> {
         let remote = RemoteWorker::connect(peer.endpoints.control, &self.key).await?;
         let to = KvAddr::Tcp(peer.endpoints.kv);
         // The rate first: it also opens the link, so the round trips after it time
@@ -137,15 +145,15 @@ impl Prober {
             transport: "tcp".into(),
             gb_per_s: Throughput { bytes: rate.bytes, elapsed: wire }.gb_per_s(),
             latency_ms: round_trip.as_secs_f64() * 1e3,
-            measured_unix_ms: pdserve_fleet::now_unix_ms(),
+            measured_unix_ms: crate::now_unix_ms(),
         })
     }
 
     /// One timed handoff of `bytes` into a probe inbox `peer` opens for it.
-    async fn handoff(&self, peer: &RemoteWorker, to: &KvAddr, bytes: usize) -> anyhow::Result<Throughput> {
+    async fn handoff(&self, peer: &RemoteWorker, to: &KvAddr, bytes: usize) -> Result<Throughput, ProbeError> {
         let id = fresh_id();
         let token = peer.probes()?.probe_inbox(id).await?;
-        Ok(self.worker.probe(to.clone(), id, token, bytes).await?)
+        Ok((self.send)(to.clone(), id, token, bytes).await?)
     }
 }
 

@@ -1,17 +1,16 @@
 //! pdserve's inference engine: everything below the worker on the request path.
 //!
 //! A worker hands the engine validated requests; the engine tokenizes nothing itself
-//! (the tokenizer lives here but is called by the frontend), schedules sequences with
+//! (the tokenizer, chat templates and grammars live in `pdserve-text`, re-exported
+//! here), schedules sequences with
 //! continuous batching over a paged KV cache, runs the model on our own SIMD kernels,
 //! samples, and returns tokens. It can also export a sequence's KV layer by layer and
 //! import it on another engine, which is what disaggregated serving is built on.
 
 pub mod batch;
 pub mod bench;
-pub mod chat;
 pub mod config;
 pub mod format;
-pub mod grammar;
 pub mod kernels;
 pub mod kvcache;
 pub mod loader;
@@ -22,6 +21,7 @@ pub mod testing;
 pub mod threadpool;
 pub mod tiers;
 pub mod timed;
-pub mod tokenizer;
+
+pub use pdserve_text::{chat, grammar, tokenizer};
 
 pub use batch::{Engine, EngineConfig, EngineError};

@@ -11,8 +11,8 @@ use crate::{errors::ApiError, AppState};
 use axum::extract::State;
 use axum::response::Response;
 use axum::Extension;
-use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_protocol::{TokenOut, Usage as TokenUsage};
+use pdserve_text::tokenizer::Tokenizer;
 use std::collections::HashSet;
 use std::sync::Arc;
 

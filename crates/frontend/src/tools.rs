@@ -204,7 +204,7 @@ impl Tools {
         if !defs.is_empty() {
             schema["$defs"] = Value::Object(defs);
         }
-        pdserve_engine::grammar::compact_json(&mut schema);
+        pdserve_text::grammar::compact_json(&mut schema);
         let more =
             if self.parallel { format!("(\"\\n\" call){{0,{}}}", MAX_PARALLEL_CALLS - 1) } else { String::new() };
         let lark = format!(

@@ -21,10 +21,10 @@
 use crate::errors::ApiError;
 use crate::openai::{ChatRequest, CommonParams, CompletionRequest, Content, Message, Prompt, Stop};
 use crate::tools::{self, Tools};
-use pdserve_engine::chat::{ChatMessage, ChatTemplate};
-use pdserve_engine::grammar::{GrammarError, Grammars};
-use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_protocol::ServeError;
+use pdserve_text::chat::{ChatMessage, ChatTemplate};
+use pdserve_text::grammar::{GrammarError, Grammars};
+use pdserve_text::tokenizer::Tokenizer;
 use pdserve_types::{Grammar, SamplingParams, StopCondition, TokenId, MAX_STOP_TOKEN_IDS};
 use std::ops::Range;
 use std::sync::Arc;

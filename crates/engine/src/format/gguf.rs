@@ -12,79 +12,7 @@ const DEFAULT_ALIGNMENT: u64 = 32;
 const MAX_TENSORS: u64 = 1 << 20;
 const MAX_DIMS: u32 = 4;
 
-/// One metadata value.
-#[derive(Debug, Clone, PartialEq)]
-pub enum MetaValue {
-    U8(u8),
-    I8(i8),
-    U16(u16),
-    I16(i16),
-    U32(u32),
-    I32(i32),
-    U64(u64),
-    I64(i64),
-    F32(f32),
-    F64(f64),
-    Bool(bool),
-    Str(String),
-    Array(Vec<MetaValue>),
-}
-
-impl MetaValue {
-    /// Any integer type widened, for fields whose width varies between converters.
-    pub fn as_u64(&self) -> Option<u64> {
-        match *self {
-            MetaValue::U8(v) => Some(v.into()),
-            MetaValue::U16(v) => Some(v.into()),
-            MetaValue::U32(v) => Some(v.into()),
-            MetaValue::U64(v) => Some(v),
-            MetaValue::I8(v) => u64::try_from(v).ok(),
-            MetaValue::I16(v) => u64::try_from(v).ok(),
-            MetaValue::I32(v) => u64::try_from(v).ok(),
-            MetaValue::I64(v) => u64::try_from(v).ok(),
-            _ => None,
-        }
-    }
-
-    pub fn as_i64(&self) -> Option<i64> {
-        match *self {
-            MetaValue::I8(v) => Some(v.into()),
-            MetaValue::I16(v) => Some(v.into()),
-            MetaValue::I32(v) => Some(v.into()),
-            MetaValue::I64(v) => Some(v),
-            _ => self.as_u64().and_then(|v| i64::try_from(v).ok()),
-        }
-    }
-
-    pub fn as_f64(&self) -> Option<f64> {
-        match *self {
-            MetaValue::F32(v) => Some(v.into()),
-            MetaValue::F64(v) => Some(v),
-            _ => self.as_i64().map(|v| v as f64),
-        }
-    }
-
-    pub fn as_str(&self) -> Option<&str> {
-        match self {
-            MetaValue::Str(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    pub fn as_bool(&self) -> Option<bool> {
-        match *self {
-            MetaValue::Bool(b) => Some(b),
-            _ => None,
-        }
-    }
-
-    pub fn as_array(&self) -> Option<&[MetaValue]> {
-        match self {
-            MetaValue::Array(a) => Some(a),
-            _ => None,
-        }
-    }
-}
+pub use pdserve_text::meta::MetaValue;
 
 /// A parsed GGUF header: metadata and where each tensor's bytes lie in the file.
 #[derive(Debug, Clone)]
@@ -92,6 +20,12 @@ pub struct GgufHeader {
     pub version: u32,
     pub metadata: BTreeMap<String, MetaValue>,
     pub tensors: Vec<TensorInfo>,
+}
+
+impl pdserve_text::meta::Metadata for GgufHeader {
+    fn get(&self, key: &str) -> Option<&MetaValue> {
+        GgufHeader::get(self, key)
+    }
 }
 
 impl GgufHeader {

@@ -5,14 +5,14 @@ use super::pretokenize::PreTokenizer;
 use super::spm::{self, SpmParts};
 use super::vocab::TokenEntry;
 use super::{check_id, MergeRule, Parts, TokenKind, Tokenizer, TokenizerError};
-use crate::format::gguf::{GgufHeader, MetaValue};
+use crate::meta::{MetaValue, Metadata};
 
 const EOG_KEYS: [&str; 2] = ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"];
 
 impl Tokenizer {
     /// The tokenizer stored in a GGUF file's metadata: `tokenizer.ggml.model = gpt2`
     /// (byte-level BPE) or `llama` (SentencePiece).
-    pub fn from_gguf(h: &GgufHeader) -> Result<Tokenizer, TokenizerError> {
+    pub fn from_gguf(h: &dyn Metadata) -> Result<Tokenizer, TokenizerError> {
         match string(h, "tokenizer.ggml.model")? {
             "gpt2" => from_gguf_bpe(h),
             "llama" => from_gguf_spm(h),
@@ -21,7 +21,7 @@ impl Tokenizer {
     }
 }
 
-fn from_gguf_bpe(h: &GgufHeader) -> Result<Tokenizer, TokenizerError> {
+fn from_gguf_bpe(h: &dyn Metadata) -> Result<Tokenizer, TokenizerError> {
     // llama.cpp treats a missing `pre` as its default; GPT-2's split is ours.
     let pre_name = h.get("tokenizer.ggml.pre").and_then(MetaValue::as_str).unwrap_or("gpt2");
     let is_llama3 = matches!(pre_name, "llama-bpe" | "llama3" | "llama-v3");
@@ -44,7 +44,7 @@ fn from_gguf_bpe(h: &GgufHeader) -> Result<Tokenizer, TokenizerError> {
 
 /// A SentencePiece vocabulary. Where a key is missing, llama.cpp's defaults for this
 /// model type apply: BOS 1, EOS 2, BOS added, a space put in front of the text.
-fn from_gguf_spm(h: &GgufHeader) -> Result<Tokenizer, TokenizerError> {
+fn from_gguf_spm(h: &dyn Metadata) -> Result<Tokenizer, TokenizerError> {
     let texts = array(h, "tokenizer.ggml.tokens")?;
     let types = h.get("tokenizer.ggml.token_type").and_then(MetaValue::as_array).unwrap_or(&[]);
     let scores = h.get("tokenizer.ggml.scores").and_then(MetaValue::as_array).unwrap_or(&[]);
@@ -87,20 +87,20 @@ fn from_gguf_spm(h: &GgufHeader) -> Result<Tokenizer, TokenizerError> {
     })
 }
 
-fn chat_template(h: &GgufHeader) -> Option<String> {
+fn chat_template(h: &dyn Metadata) -> Option<String> {
     h.get("tokenizer.chat_template").and_then(MetaValue::as_str).map(str::to_string)
 }
 
-fn string<'h>(h: &'h GgufHeader, key: &str) -> Result<&'h str, TokenizerError> {
+fn string<'h>(h: &'h dyn Metadata, key: &str) -> Result<&'h str, TokenizerError> {
     h.get(key).and_then(MetaValue::as_str).ok_or_else(|| TokenizerError::MissingKey(key.into()))
 }
 
-fn array<'h>(h: &'h GgufHeader, key: &str) -> Result<&'h [MetaValue], TokenizerError> {
+fn array<'h>(h: &'h dyn Metadata, key: &str) -> Result<&'h [MetaValue], TokenizerError> {
     h.get(key).and_then(MetaValue::as_array).ok_or_else(|| TokenizerError::MissingKey(key.into()))
 }
 
 /// Special tokens keep their text; normal ones are stored in the GPT-2 mapping.
-fn tokens(h: &GgufHeader) -> Result<Vec<TokenEntry>, TokenizerError> {
+fn tokens(h: &dyn Metadata) -> Result<Vec<TokenEntry>, TokenizerError> {
     let texts = array(h, "tokenizer.ggml.tokens")?;
     let types = h.get("tokenizer.ggml.token_type").and_then(MetaValue::as_array).unwrap_or(&[]);
     texts
@@ -117,7 +117,7 @@ fn tokens(h: &GgufHeader) -> Result<Vec<TokenEntry>, TokenizerError> {
         .collect()
 }
 
-fn merges(h: &GgufHeader) -> Result<Vec<MergeRule>, TokenizerError> {
+fn merges(h: &dyn Metadata) -> Result<Vec<MergeRule>, TokenizerError> {
     array(h, "tokenizer.ggml.merges")?
         .iter()
         .enumerate()

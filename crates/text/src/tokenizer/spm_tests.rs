@@ -1,9 +1,9 @@
 //! SentencePiece unit tests on tiny handmade vocabularies; Gemma 3 is checked against
 //! llama.cpp in `crates/engine/tests/tokenizer_golden.rs`.
 
+use super::tests::{header, Header};
 use super::*;
-use crate::format::gguf::{GgufHeader, MetaValue};
-use crate::format::gguf_write::GgufWriter;
+use crate::meta::MetaValue;
 
 /// `<unk>`, `<s>`, `</s>`, then (with `bytes`) `<0x00>`..`<0xFF>`, then the pieces, then
 /// the user-defined token `xy`.
@@ -19,7 +19,7 @@ const BOS: u32 = 1;
 const BYTE0: u32 = 3;
 
 impl TinySpm<'_> {
-    fn header(&self) -> GgufHeader {
+    fn header(&self) -> Header {
         let mut tokens: Vec<(String, f32, i32)> =
             vec![("<unk>".into(), 0.0, 2), ("<s>".into(), 0.0, 3), ("</s>".into(), 0.0, 3)];
         if self.bytes {
@@ -27,18 +27,16 @@ impl TinySpm<'_> {
         }
         tokens.extend(self.pieces.iter().map(|&(p, score)| (p.to_string(), score, 1)));
         tokens.push(("xy".into(), 0.0, 4));
-        let mut w = GgufWriter::new();
-        w.meta("tokenizer.ggml.model", MetaValue::Str("llama".into()))
-            .meta(
-                "tokenizer.ggml.tokens",
-                MetaValue::Array(tokens.iter().map(|t| MetaValue::Str(t.0.clone())).collect()),
-            )
-            .meta("tokenizer.ggml.scores", MetaValue::Array(tokens.iter().map(|t| MetaValue::F32(t.1)).collect()))
-            .meta("tokenizer.ggml.token_type", MetaValue::Array(tokens.iter().map(|t| MetaValue::I32(t.2)).collect()));
+        let mut h = header([
+            ("tokenizer.ggml.model", MetaValue::Str("llama".into())),
+            ("tokenizer.ggml.tokens", MetaValue::Array(tokens.iter().map(|t| MetaValue::Str(t.0.clone())).collect())),
+            ("tokenizer.ggml.scores", MetaValue::Array(tokens.iter().map(|t| MetaValue::F32(t.1)).collect())),
+            ("tokenizer.ggml.token_type", MetaValue::Array(tokens.iter().map(|t| MetaValue::I32(t.2)).collect())),
+        ]);
         if let Some(p) = self.prefix {
-            w.meta("tokenizer.ggml.add_space_prefix", MetaValue::Bool(p));
+            h.insert("tokenizer.ggml.add_space_prefix".into(), MetaValue::Bool(p));
         }
-        GgufHeader::parse(&w.to_bytes()).unwrap()
+        h
     }
 
     fn build(&self) -> Tokenizer {

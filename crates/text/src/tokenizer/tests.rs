@@ -4,9 +4,9 @@
 use super::bytemap::{byte_to_char, char_to_byte, map};
 use super::pretokenize::PreTokenizer;
 use super::*;
-use crate::format::gguf::{GgufHeader, MetaValue};
-use crate::format::gguf_write::GgufWriter;
+use crate::meta::MetaValue;
 use proptest::prelude::*;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -34,25 +34,32 @@ impl Tiny<'_> {
         t
     }
 
-    fn header(&self) -> GgufHeader {
+    fn header(&self) -> Header {
         let tokens = self.tokens();
         let types = (0..tokens.len()).map(|i| MetaValue::I32(if i < 3 { 3 } else { 1 }));
         let merges = self.merges.iter().map(|(a, b)| format!("{} {}", map(a.as_bytes()), map(b.as_bytes())));
-        let mut w = GgufWriter::new();
-        w.meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()))
-            .meta("tokenizer.ggml.pre", MetaValue::Str(self.pre.into()))
-            .meta("tokenizer.ggml.tokens", strs(tokens))
-            .meta("tokenizer.ggml.token_type", MetaValue::Array(types.collect()))
-            .meta("tokenizer.ggml.merges", strs(merges.collect()))
-            .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(1))
-            .meta("tokenizer.ggml.eos_token_id", MetaValue::U32(2))
-            .meta("tokenizer.chat_template", MetaValue::Str("{{ messages }}".into()));
-        GgufHeader::parse(&w.to_bytes()).unwrap()
+        header([
+            ("tokenizer.ggml.model", MetaValue::Str("gpt2".into())),
+            ("tokenizer.ggml.pre", MetaValue::Str(self.pre.into())),
+            ("tokenizer.ggml.tokens", strs(tokens)),
+            ("tokenizer.ggml.token_type", MetaValue::Array(types.collect())),
+            ("tokenizer.ggml.merges", strs(merges.collect())),
+            ("tokenizer.ggml.bos_token_id", MetaValue::U32(1)),
+            ("tokenizer.ggml.eos_token_id", MetaValue::U32(2)),
+            ("tokenizer.chat_template", MetaValue::Str("{{ messages }}".into())),
+        ])
     }
 
     fn build(&self) -> Tokenizer {
         Tokenizer::from_gguf(&self.header()).unwrap()
     }
+}
+
+/// A model file's metadata, as the GGUF reader hands it over.
+pub(super) type Header = BTreeMap<String, MetaValue>;
+
+pub(super) fn header<const N: usize>(entries: [(&str, MetaValue); N]) -> Header {
+    entries.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
 }
 
 fn strs(v: Vec<String>) -> MetaValue {
@@ -215,9 +222,9 @@ fn ignore_merges_takes_whole_words_for_llama3() {
     // `abc` is a token but the merges only build `ab`.
     let mut t = Tiny { pre: "llama-bpe", merges: &[("a", "b")], not_tokens: &[] };
     let mut h = t.header();
-    if let Some(MetaValue::Array(tokens)) = h.metadata.get_mut("tokenizer.ggml.tokens") {
+    if let Some(MetaValue::Array(tokens)) = h.get_mut("tokenizer.ggml.tokens") {
         tokens.push(MetaValue::Str("abc".into()));
-        if let Some(MetaValue::Array(types)) = h.metadata.get_mut("tokenizer.ggml.token_type") {
+        if let Some(MetaValue::Array(types)) = h.get_mut("tokenizer.ggml.token_type") {
             types.push(MetaValue::I32(1));
         }
     }
@@ -233,22 +240,22 @@ fn ignore_merges_takes_whole_words_for_llama3() {
 
 #[test]
 fn gguf_errors_are_reported() {
-    let with = |edit: &dyn Fn(&mut GgufHeader)| {
+    let with = |edit: &dyn Fn(&mut Header)| {
         let mut h = Tiny { pre: "gpt2", merges: HELLO, not_tokens: &[] }.header();
         edit(&mut h);
         Tokenizer::from_gguf(&h)
     };
     let set = |k: &'static str, v: MetaValue| {
-        move |h: &mut GgufHeader| {
-            h.metadata.insert(k.into(), v.clone());
+        move |h: &mut Header| {
+            h.insert(k.into(), v.clone());
         }
     };
     let r = with(&set("tokenizer.ggml.model", MetaValue::Str("bert".into())));
     assert!(matches!(r, Err(TokenizerError::Unsupported(_))));
     let message = r.unwrap_err().to_string();
     assert!(message.contains("`bert`") && message.contains("gpt2") && message.contains("llama"), "{message}");
-    let r = with(&|h: &mut GgufHeader| {
-        h.metadata.remove("tokenizer.ggml.merges");
+    let r = with(&|h: &mut Header| {
+        h.remove("tokenizer.ggml.merges");
     });
     assert!(matches!(r, Err(TokenizerError::MissingKey(_))));
     let r = with(&set("tokenizer.ggml.bos_token_id", MetaValue::U32(1_000_000)));

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 /// A small llama: 2 layers, hidden 64, FFN 128, 4 heads over 2 KV heads of 16, vocab 96.
 pub fn random_llama_config() -> ModelConfig {
     ModelConfig {
-        arch: Architecture::Llama,
+        arch: Architecture::LLAMA,
         n_layers: 2,
         hidden: 64,
         ffn_hidden: 128,
@@ -38,7 +38,7 @@ pub fn random_llama_config() -> ModelConfig {
 
 /// The same shapes as [`random_llama_config`] for qwen2 (which adds q/k/v biases).
 pub fn random_qwen2_config() -> ModelConfig {
-    ModelConfig { arch: Architecture::Qwen2, rms_eps: 1e-6, ..random_llama_config() }
+    ModelConfig { arch: Architecture::QWEN2, rms_eps: 1e-6, ..random_llama_config() }
 }
 
 /// [`random_llama_config`] widened to 256 (hidden, FFN, 4 heads of 64), so that every
@@ -221,7 +221,7 @@ fn layer_specs(cfg: &ModelConfig) -> Vec<(&'static str, &'static str, Vec<usize>
         ("mlp.up_proj.weight", "ffn_up.weight", vec![ffn, h], Role::Matrix),
         ("mlp.down_proj.weight", "ffn_down.weight", vec![h, ffn], Role::Matrix),
     ];
-    if cfg.arch == Architecture::Qwen2 {
+    if cfg.arch == Architecture::QWEN2 {
         layer.extend([
             ("self_attn.q_proj.bias", "attn_q.bias", vec![q], Role::Bias),
             ("self_attn.k_proj.bias", "attn_k.bias", vec![kv], Role::Bias),
@@ -340,8 +340,8 @@ fn safetensors_file(weights: &[Weight], opts: &RandomModelOptions) -> Result<Vec
 /// random models are written in (the others: scripts/random_gguf.py).
 fn arch_names(arch: Architecture) -> Result<(&'static str, &'static str, &'static str), FormatError> {
     match arch {
-        Architecture::Llama => Ok(("LlamaForCausalLM", "llama", "llama")),
-        Architecture::Qwen2 => Ok(("Qwen2ForCausalLM", "qwen2", "qwen2")),
+        Architecture::LLAMA => Ok(("LlamaForCausalLM", "llama", "llama")),
+        Architecture::QWEN2 => Ok(("Qwen2ForCausalLM", "qwen2", "qwen2")),
         _ => Err(FormatError::Invalid("random models are llama or qwen2 only".into())),
     }
 }
@@ -405,7 +405,7 @@ fn gguf_file(cfg: &ModelConfig, arch: &str, weights: &[Weight], dtype: DType) ->
             (None, _) => (encode(&t.values, dense_dtype(dtype)), dense_dtype(dtype)),
         };
         let bytes = match t.role {
-            Role::RopeMatrix(n_head) if cfg.arch == Architecture::Llama => {
+            Role::RopeMatrix(n_head) if cfg.arch == Architecture::LLAMA => {
                 let row_bytes = dtype.storage_bytes(&[cols]).unwrap_or(0);
                 permute_rows(&bytes, n_head, row_bytes)
                     .ok_or_else(|| FormatError::Invalid(format!("{} does not split into {n_head} heads", t.hf)))?
@@ -461,7 +461,7 @@ mod tests {
         let st = SafetensorsModel::open(&paths.safetensors_dir).unwrap();
         let gg = GgufFile::open(&paths.gguf_path).unwrap();
         let gg_cfg = ModelConfig::from_gguf(&gg.header).unwrap();
-        let llama = cfg.arch == Architecture::Llama;
+        let llama = cfg.arch == Architecture::LLAMA;
         let gguf_rope = if llama { RopeStyle::Normal } else { RopeStyle::Neox };
         assert_eq!(gg_cfg.rope_style, gguf_rope);
         let neox = ModelConfig { rope_style: RopeStyle::Neox, ..cfg.clone() };
@@ -517,7 +517,7 @@ mod tests {
         check_copies_agree("rand-qwen2-f16", &random_qwen2_config(), &opts(3, DType::F16, false));
         // Quantized GGUF copies: the safetensors copy holds their dequantized values.
         check_copies_agree("rand-llama-q4k", &random_llama_config_256(), &opts(4, DType::Q4_K, false));
-        let qwen2_256 = ModelConfig { arch: Architecture::Qwen2, rms_eps: 1e-6, ..random_llama_config_256() };
+        let qwen2_256 = ModelConfig { arch: Architecture::QWEN2, rms_eps: 1e-6, ..random_llama_config_256() };
         check_copies_agree("rand-qwen2-q6k", &qwen2_256, &opts(5, DType::Q6_K, true));
         check_copies_agree("rand-llama-q5_0", &random_llama_config(), &opts(6, DType::Q5_0, false));
     }

@@ -132,7 +132,7 @@ fn gemma3_greedy_matches_llama_cpp() {
 fn the_file_reads_as_gemma3_270m() {
     let file = GgufFile::open(&pdserve_engine::models::require_known_model("gemma3-270m")).unwrap();
     let cfg = ModelConfig::from_gguf(&file.header).unwrap();
-    assert_eq!(cfg.arch, pdserve_engine::config::Architecture::Gemma3);
+    assert_eq!(cfg.arch, pdserve_engine::config::Architecture::GEMMA3);
     assert_eq!(cfg.rope_style, pdserve_engine::config::RopeStyle::Neox);
     let dims = (cfg.n_layers, cfg.hidden, cfg.ffn_hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size);
     assert_eq!(dims, (18, 640, 2048, 4, 1, 256, 262_144));

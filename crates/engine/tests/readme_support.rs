@@ -3,8 +3,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::config::Architecture;
 use pdserve_engine::format::DType;
+use pdserve_engine::model::supported_architectures;
 use std::collections::BTreeSet;
 
 fn section() -> String {
@@ -21,7 +21,7 @@ fn the_readme_table_names_every_supported_architecture() {
         .filter_map(|l| l.strip_prefix("| `"))
         .map(|l| l.split('`').next().unwrap().to_string())
         .collect();
-    let supported: BTreeSet<String> = Architecture::SUPPORTED.split(", ").map(str::to_string).collect();
+    let supported: BTreeSet<String> = supported_architectures().split(", ").map(str::to_string).collect();
     assert_eq!(rows, supported);
 }
 

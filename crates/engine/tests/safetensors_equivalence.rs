@@ -113,7 +113,7 @@ fn check(name: &str, cfg: &ModelConfig, seed: u64, decode: usize) {
     let (_dir, st, gg) = both(name, cfg, seed);
     assert_eq!(st.cfg.rope_style, RopeStyle::Neox);
     let gguf_rope =
-        if cfg.arch == pdserve_engine::config::Architecture::Llama { RopeStyle::Normal } else { RopeStyle::Neox };
+        if cfg.arch == pdserve_engine::config::Architecture::LLAMA { RopeStyle::Normal } else { RopeStyle::Neox };
     assert_eq!(gg.cfg.rope_style, gguf_rope);
     let p = prompts(cfg.vocab_size);
     let (a, b) = (run(&st, &p, decode), run(&gg, &p, decode));

@@ -12,7 +12,7 @@ impl ModelConfig {
         let heads = hf.num_attention_heads;
         // Transformers' own defaults for fields older configs leave out.
         let default_context = match arch {
-            Architecture::Llama => 2048,
+            Architecture::LLAMA => 2048,
             // Not produced from config.json: the other architectures load from GGUF.
             _ => 32768,
         };
@@ -43,20 +43,20 @@ impl ModelConfig {
 fn architecture(hf: &HfConfig) -> Result<Architecture, FormatError> {
     let unsupported = |name: &str| FormatError::UnsupportedArchitecture {
         name: name.to_string(),
-        supported: Architecture::SUPPORTED,
+        supported: "llama, mistral, qwen2 (safetensors checkpoints; GGUF files load more)".to_string(),
     };
     if let Some(t) = &hf.model_type {
         return match t.as_str() {
-            "llama" | "mistral" => Ok(Architecture::Llama),
-            "qwen2" => Ok(Architecture::Qwen2),
+            "llama" | "mistral" => Ok(Architecture::LLAMA),
+            "qwen2" => Ok(Architecture::QWEN2),
             other => Err(unsupported(other)),
         };
     }
     let names = hf.architectures.as_deref().unwrap_or_default();
     for name in names {
         match name.as_str() {
-            "LlamaForCausalLM" | "MistralForCausalLM" => return Ok(Architecture::Llama),
-            "Qwen2ForCausalLM" => return Ok(Architecture::Qwen2),
+            "LlamaForCausalLM" | "MistralForCausalLM" => return Ok(Architecture::LLAMA),
+            "Qwen2ForCausalLM" => return Ok(Architecture::QWEN2),
             _ => {}
         }
     }

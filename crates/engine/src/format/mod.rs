@@ -174,7 +174,7 @@ pub enum FormatError {
     )]
     UnsupportedTensorType { tensor: String, ggml_type: u32 },
     #[error("unsupported architecture `{name}` (supported: {supported})")]
-    UnsupportedArchitecture { name: String, supported: &'static str },
+    UnsupportedArchitecture { name: String, supported: String },
     #[error("missing {0}")]
     Missing(String),
     #[error("{0}")]

@@ -18,13 +18,56 @@
 //! correct choice, so export, import and prefix caching need no special case.
 
 use super::blocks::{norm_rows, weight, Activation, Attention, AttnSpec, FeedForward, GatedMlp};
+use super::family::{ArchMeta, Family};
 use super::forward::{ForwardScratch, Step};
 use super::linear::load_vector;
 use super::Layers;
-use crate::config::{Gemma3Config, ModelConfig};
+use crate::config::{Architecture, Gemma3Config, ModelConfig, RopeStyle};
 use crate::format::{FormatError, TensorSource};
 use crate::kernels::ops::{add_assign, Rope, RopeTable};
 use crate::kvcache::KvStorage;
+
+impl Architecture {
+    /// Gemma 3 (text): sandwich norms, Q/K norms, GELU, local and global attention
+    /// layers.
+    pub const GEMMA3: Architecture = Architecture::named("gemma3");
+}
+
+/// The larger Gemma 3 models scale the global layers' positions linearly.
+pub(super) const GEMMA3: Family = Family {
+    arch: Architecture::GEMMA3,
+    rope: RopeStyle::Neox,
+    rope_scalings: &["linear"],
+    extra: read_config,
+    load: |src, cfg| Ok(Box::new(Gemma3::load(src, cfg)?)),
+};
+
+/// Gemma 3's extra hyper-parameters.
+fn read_config(meta: &ArchMeta<'_>, cfg: &mut ModelConfig) -> Result<(), FormatError> {
+    // Linear scaling of the global layers' positions (the larger Gemma 3 models); the
+    // 270M file has none.
+    let rope_scale_global = match meta.str("rope.scaling.type") {
+        None | Some("none") => 1.0,
+        Some("linear") => 1.0 / meta.float("rope.scaling.factor", 1.0),
+        Some(other) => return Err(FormatError::Invalid(format!("gemma3: unsupported rope scaling `{other}`"))),
+    };
+    // As llama.cpp (after gemma_pytorch): the 27B model (62 layers) scales queries by
+    // 1/sqrt(hidden / heads), every other size by 1/sqrt(head_dim).
+    let query_dim = if cfg.n_layers == 62 { cfg.hidden / cfg.n_heads.max(1) } else { cfg.head_dim };
+    // As llama.cpp: without a sliding window every layer is global.
+    let window = meta.int("attention.sliding_window").ok().filter(|&w| w > 0);
+    let softcap = meta.float_opt("final_logit_softcapping").filter(|&c| c != 0.0);
+    cfg.gemma3 = Some(Gemma3Config {
+        sliding_window: window.unwrap_or(usize::MAX),
+        global_every: if window.is_some() { 6 } else { 1 },
+        final_logit_softcap: softcap.map(|c| c as f32),
+        // llama.cpp's fixed local base, unless the file gives one.
+        rope_theta_local: meta.float("rope.freq_base_swa", 10000.0),
+        rope_scale_global,
+        query_scale: 1.0 / (query_dim as f32).sqrt(),
+    });
+    Ok(())
+}
 
 pub(super) struct Gemma3 {
     g: Gemma3Config,

@@ -10,12 +10,32 @@
 //! contexts.
 
 use super::blocks::{rope_with_factors, run_pre_norm, Activation, Attention, AttnSpec, GatedMlp, PreNormLayer};
+use super::family::{no_extra, Family};
 use super::forward::{ForwardScratch, Step};
 use super::Layers;
-use crate::config::{Architecture, ModelConfig};
+use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::format::{FormatError, TensorSource};
 use crate::kernels::ops::{Rope, RopeTable};
 use crate::kvcache::KvStorage;
+
+impl Architecture {
+    /// Llama 2/3.x, SmolLM2, Mistral (GGUF `llama`).
+    pub const LLAMA: Architecture = Architecture::named("llama");
+    /// Llama plus biases on q/k/v (GGUF `qwen2`).
+    pub const QWEN2: Architecture = Architecture::named("qwen2");
+}
+
+/// Llama's GGUF files hold Q and K permuted to adjacent RoPE pairs; its RoPE factors
+/// (Llama 3.1's) are the `rope_freqs` tensor, not a scaling type.
+pub(super) const LLAMA: Family = Family {
+    arch: Architecture::LLAMA,
+    rope: RopeStyle::Normal,
+    rope_scalings: &[],
+    extra: no_extra,
+    load: |src, cfg| Ok(Box::new(Llama::load(src, cfg)?)),
+};
+
+pub(super) const QWEN2: Family = Family { arch: Architecture::QWEN2, rope: RopeStyle::Neox, ..LLAMA };
 
 pub(super) struct Llama {
     rope: Rope,
@@ -25,7 +45,7 @@ pub(super) struct Llama {
 impl Llama {
     pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Self, FormatError> {
         let rope = rope_with_factors(src, cfg, "rope_freqs.weight")?;
-        let bias = cfg.arch == Architecture::Qwen2;
+        let bias = cfg.arch == Architecture::QWEN2;
         let layer = |l| {
             let attn = Attention::load(src, cfg, l, bias, false)?;
             PreNormLayer::load(src, cfg, l, attn, GatedMlp::load(src, cfg, l, cfg.ffn_hidden, Activation::Silu)?)

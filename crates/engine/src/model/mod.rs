@@ -1,10 +1,12 @@
 //! The transformer: token embeddings, a stack of decoder layers, the final norm and the
 //! output projection, with the forward pass over a batch of sequences sharing one paged
-//! KV cache. Each architecture's layers live in their own file, built from the shared
-//! blocks (`blocks.rs`, `moe.rs`) and registered in [`load_layers`]: `llama.rs` (Llama
-//! 2/3, SmolLM2, Mistral, Qwen2), `qwen3.rs`, `qwen3moe.rs`, `phi3.rs` and `gemma3.rs`.
+//! KV cache. Each architecture lives in its own file, built from the shared blocks
+//! (`blocks.rs`, `moe.rs`): its layers and its [`family::Family`] (name, RoPE pairing,
+//! extra hyper-parameters, loader), registered in [`FAMILIES`]: `llama.rs` (Llama 2/3,
+//! SmolLM2, Mistral, Qwen2), `qwen3.rs`, `qwen3moe.rs`, `phi3.rs` and `gemma3.rs`.
 
 mod blocks;
+mod family;
 mod forward;
 mod gemma3;
 pub mod linear;
@@ -14,9 +16,10 @@ mod phi3;
 mod qwen3;
 mod qwen3moe;
 
+pub use family::supported_architectures;
 pub use forward::{ForwardScratch, Scoring, SeqBatch};
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::format::{DType, FormatError, TensorSource};
 use crate::kernels::quant::dequantize_row;
 use crate::kvcache::KvStorage;
@@ -46,16 +49,12 @@ trait Layers: Send + Sync {
     }
 }
 
-/// The architectures: adding one is its file plus its line here (and its GGUF name in
-/// `config.rs`).
+/// The architectures: adding one is its file plus its line here (and its `mod`).
+const FAMILIES: &[&family::Family] =
+    &[&llama::LLAMA, &llama::QWEN2, &qwen3::QWEN3, &qwen3moe::QWEN3MOE, &phi3::PHI3, &gemma3::GEMMA3];
+
 fn load_layers(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Box<dyn Layers>, FormatError> {
-    Ok(match cfg.arch {
-        Architecture::Llama | Architecture::Qwen2 => Box::new(llama::Llama::load(src, cfg)?),
-        Architecture::Qwen3 => Box::new(qwen3::Qwen3::load(src, cfg)?),
-        Architecture::Qwen3Moe => Box::new(qwen3moe::Qwen3Moe::load(src, cfg)?),
-        Architecture::Phi3 => Box::new(phi3::Phi3::load(src, cfg)?),
-        Architecture::Gemma3 => Box::new(gemma3::Gemma3::load(src, cfg)?),
-    })
+    (family::of(cfg.arch)?.load)(src, cfg)
 }
 
 /// Token embeddings kept in the file's own encoding; rows are decoded on lookup.

@@ -14,12 +14,28 @@
 //! extension, with the file's attention factor, as llama.cpp chooses them.
 
 use super::blocks::{rope_with_factors, run_pre_norm, Activation, Attention, AttnSpec, GatedMlp, PreNormLayer};
+use super::family::{no_extra, Family};
 use super::forward::{ForwardScratch, Step};
 use super::Layers;
-use crate::config::ModelConfig;
+use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::format::{FormatError, TensorSource};
 use crate::kernels::ops::{Rope, RopeTable};
 use crate::kvcache::KvStorage;
+
+impl Architecture {
+    /// Phi-3 and Phi-3.5: fused q/k/v and gate/up projections, queries scaled before
+    /// attention, optional long/short RoPE factors.
+    pub const PHI3: Architecture = Architecture::named("phi3");
+}
+
+/// Phi-3.5's `longrope` factors are the `rope_factors_*` tensors.
+pub(super) const PHI3: Family = Family {
+    arch: Architecture::PHI3,
+    rope: RopeStyle::Neox,
+    rope_scalings: &["longrope"],
+    extra: no_extra,
+    load: |src, cfg| Ok(Box::new(Phi3::load(src, cfg)?)),
+};
 
 pub(super) struct Phi3 {
     rope: Rope,

@@ -8,12 +8,26 @@
 //! ```
 
 use super::blocks::{run_pre_norm, Activation, Attention, AttnSpec, GatedMlp, PreNormLayer};
+use super::family::{no_extra, Family};
 use super::forward::{ForwardScratch, Step};
 use super::Layers;
-use crate::config::ModelConfig;
+use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::format::{FormatError, TensorSource};
 use crate::kernels::ops::{Rope, RopeTable};
 use crate::kvcache::KvStorage;
+
+impl Architecture {
+    /// Qwen 3: Llama with per-head RMSNorm of queries and keys, no biases.
+    pub const QWEN3: Architecture = Architecture::named("qwen3");
+}
+
+pub(super) const QWEN3: Family = Family {
+    arch: Architecture::QWEN3,
+    rope: RopeStyle::Neox,
+    rope_scalings: &[],
+    extra: no_extra,
+    load: |src, cfg| Ok(Box::new(Qwen3::load(src, cfg)?)),
+};
 
 pub(super) struct Qwen3 {
     layers: Vec<PreNormLayer<GatedMlp>>,

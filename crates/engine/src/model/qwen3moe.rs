@@ -10,13 +10,42 @@
 //! chosen ones (`norm_topk_prob`).
 
 use super::blocks::{run_pre_norm, PreNormLayer};
+use super::family::{ArchMeta, Family};
 use super::forward::{ForwardScratch, Step};
 use super::moe::Moe;
 use super::qwen3::{attention, rope_and_spec};
 use super::Layers;
-use crate::config::ModelConfig;
+use crate::config::{Architecture, ModelConfig, MoeConfig, RopeStyle};
 use crate::format::{FormatError, TensorSource};
 use crate::kvcache::KvStorage;
+
+impl Architecture {
+    /// Qwen 3's attention with a sparse mixture-of-experts feed-forward.
+    pub const QWEN3MOE: Architecture = Architecture::named("qwen3moe");
+}
+
+pub(super) const QWEN3MOE: Family = Family {
+    arch: Architecture::QWEN3MOE,
+    rope: RopeStyle::Neox,
+    rope_scalings: &[],
+    extra: expert_counts,
+    load: |src, cfg| Ok(Box::new(Qwen3Moe::load(src, cfg)?)),
+};
+
+/// The expert counts, all required. A mixture of experts may have no dense width;
+/// its experts' stands in.
+fn expert_counts(meta: &ArchMeta<'_>, cfg: &mut ModelConfig) -> Result<(), FormatError> {
+    let m = MoeConfig {
+        experts: meta.int("expert_count")?,
+        used: meta.int("expert_used_count")?,
+        expert_ffn: meta.int("expert_feed_forward_length")?,
+    };
+    if cfg.ffn_hidden == 0 {
+        cfg.ffn_hidden = m.expert_ffn;
+    }
+    cfg.moe = Some(m);
+    Ok(())
+}
 
 pub(super) struct Qwen3Moe {
     layers: Vec<PreNormLayer<Moe>>,

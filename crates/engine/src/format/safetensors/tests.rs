@@ -158,11 +158,11 @@ fn reads_config_defaults_and_architecture_names() {
 
     let by_name = TINY_CONFIG.replace(r#""model_type": "llama""#, r#""architectures": ["Qwen2ForCausalLM"]"#);
     let dir = tiny_dir("st-arch", Some(&by_name), embd);
-    assert_eq!(config(&SafetensorsModel::open(&dir).unwrap()).arch, Architecture::Qwen2);
+    assert_eq!(config(&SafetensorsModel::open(&dir).unwrap()).arch, Architecture::QWEN2);
     let _ = std::fs::remove_dir_all(&dir);
     let mistral = TINY_CONFIG.replace("llama", "mistral");
     let dir = tiny_dir("st-mistral", Some(&mistral), embd);
-    assert_eq!(config(&SafetensorsModel::open(&dir).unwrap()).arch, Architecture::Llama);
+    assert_eq!(config(&SafetensorsModel::open(&dir).unwrap()).arch, Architecture::LLAMA);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

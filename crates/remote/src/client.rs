@@ -13,10 +13,10 @@ use crate::control::{
 use pdserve_kv_transfer::slots::LogEvery;
 use pdserve_kv_transfer::{auth, ClusterKey, HandoffToken, KvTarget, TransportKind};
 use pdserve_protocol::{
-    pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvCursor, KvDestination, KvEventLog, KvEvents, LinkProbe,
-    Prefilled, PrefixPeer, Reply, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
+    pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, KvEventLog, LinkProbe, Prefilled,
+    PrefixPeer, Reply, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
 };
-use pdserve_types::{Assignment, Epoch, RequestId};
+use pdserve_types::{Epoch, RequestId};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -184,6 +184,21 @@ impl RemoteWorker {
         Box::pin(async move { pick(answer.await?).map_err(|other| unexpected(&other)) })
     }
 
+    /// An [`Op::Ask`] (`crate::asks`), its answer read as a `T`.
+    pub(crate) fn ask_value<T: serde::de::DeserializeOwned + Send + 'static>(
+        &self,
+        ask: serde_json::Value,
+    ) -> Reply<'static, T> {
+        let answer = self.ask(Op::Ask(ask), false, |a| match a {
+            Answer::Value(v) => Ok(v),
+            a => Err(a),
+        });
+        Box::pin(async move {
+            serde_json::from_value(answer.await?)
+                .map_err(|e| ServeError::Internal(format!("the worker answered with an unexpected value: {e}")))
+        })
+    }
+
     /// A reservation whose first tokens, `keep`, the worker's own cache holds.
     fn reserve_call(
         &self,
@@ -314,40 +329,6 @@ impl PrefixPeer for RemoteWorker {
 
     fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {
         self.stream_call(events, Op::GenerateImported { req, imported })
-    }
-}
-
-impl KvEventLog for RemoteWorker {
-    fn kv_events(&self, after: KvCursor) -> Reply<'_, KvEvents> {
-        self.ask(Op::KvEvents { after }, false, |a| match a {
-            Answer::KvEvents(e) => Ok(e),
-            a => Err(a),
-        })
-    }
-}
-
-impl RoleSwitch for RemoteWorker {
-    fn set_role(&self, to: Assignment) -> Reply<'_, Assignment> {
-        self.ask(Op::SetRole { to }, false, |a| match a {
-            Answer::Assignment(a) => Ok(a),
-            a => Err(a),
-        })
-    }
-
-    fn move_decodes(&self) -> Reply<'_, usize> {
-        self.ask(Op::MoveDecodes, false, |a| match a {
-            Answer::Count(n) => Ok(n),
-            a => Err(a),
-        })
-    }
-}
-
-impl LinkProbe for RemoteWorker {
-    fn probe_inbox(&self, id: RequestId) -> Reply<'_, HandoffToken> {
-        self.ask(Op::ProbeInbox { id }, false, |a| match a {
-            Answer::Token(t) => Ok(t),
-            a => Err(a),
-        })
     }
 }
 

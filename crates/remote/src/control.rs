@@ -30,16 +30,14 @@
 
 pub use pdserve_kv_transfer::auth::{SessionMac, MAC_BYTES};
 use pdserve_kv_transfer::{auth, HandoffToken, KvAddr};
-use pdserve_protocol::{
-    DecodeHandoff, Event, GenerateRequest, KvCursor, KvEvents, Prefilled, ServeError, WorkerInfo, WorkerStats,
-};
-use pdserve_types::{Assignment, Epoch, RequestId};
+use pdserve_protocol::{DecodeHandoff, Event, GenerateRequest, Prefilled, ServeError, WorkerInfo, WorkerStats};
+use pdserve_types::{Epoch, RequestId};
 use serde::{Deserialize, Serialize};
 use std::io;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
@@ -187,23 +185,10 @@ pub enum Op {
         id: RequestId,
     },
     Stats,
-    /// Switch role if the epoch is newer; answered with [`Answer::Assignment`].
-    SetRole {
-        to: Assignment,
-    },
-    /// Hand back the decodes a worker that left decode still runs; answered with
-    /// [`Answer::Count`].
-    MoveDecodes,
-    /// The worker's prefix-cache events after a cursor; answered with
-    /// [`Answer::KvEvents`].
-    KvEvents {
-        after: KvCursor,
-    },
-    /// Open an inbox that throws its frames away, for a peer's link probe; answered
-    /// with [`Answer::Token`].
-    ProbeInbox {
-        id: RequestId,
-    },
+    /// An operation that only asks the worker (`crate::asks::Ask`, carried as its
+    /// JSON so the wire module need not know each one); answered with
+    /// [`Answer::Value`].
+    Ask(serde_json::Value),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -221,8 +206,8 @@ pub enum Answer {
     Prefilled(Prefilled),
     /// Boxed: the stats are several times the size of every other answer.
     Stats(Box<WorkerStats>),
-    KvEvents(KvEvents),
-    Assignment(Assignment),
+    /// The answer of an [`Op::Ask`], as JSON.
+    Value(serde_json::Value),
     Count(usize),
 }
 

@@ -12,6 +12,7 @@
 //! KV goes from the prefill process straight to the decode process over TCP or shared
 //! memory, never through the router.
 
+mod asks;
 mod client;
 pub mod control;
 mod server;

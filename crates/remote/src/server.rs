@@ -9,6 +9,7 @@
 //! in the session (see [`control`]): one that does not closes the connection before
 //! it is parsed, let alone run.
 
+use crate::asks::Ask;
 use crate::control::{
     self, Answer, CallId, Capability, FromWorker, Handshake, Op, SessionMac, ToWorker, PROTOCOL_VERSION,
 };
@@ -368,10 +369,11 @@ impl Session {
                 stats.stopping |= self.srv.stopping.load(std::sync::atomic::Ordering::SeqCst);
                 Answer::Stats(Box::new(stats))
             }
-            Op::SetRole { to } => Answer::Assignment(w.roles()?.set_role(to).await?),
-            Op::MoveDecodes => Answer::Count(w.roles()?.move_decodes().await?),
-            Op::KvEvents { after } => Answer::KvEvents(w.event_log()?.kv_events(after).await?),
-            Op::ProbeInbox { id } => Answer::Token(w.probes()?.probe_inbox(id).await?),
+            Op::Ask(ask) => {
+                let ask: Ask =
+                    serde_json::from_value(ask).map_err(|e| ServeError::Invalid(format!("bad call: {e}")))?;
+                Answer::Value(ask.answer(w).await?)
+            }
             _ => return Err(ServeError::Internal("not a call that only asks".into())),
         })
     }

@@ -2,7 +2,7 @@
 //! the client floor and the plots.
 
 use super::CompareReport;
-use crate::report::markdown::{header, num, summary_cells};
+use crate::report::markdown::{floor_cells, header, num, summary_cells};
 use std::fmt::Write;
 use std::path::PathBuf;
 
@@ -106,15 +106,10 @@ fn ratios(s: &mut String, r: &CompareReport) {
 
 fn floor(s: &mut String, r: &CompareReport) {
     let Some(c) = &r.calibration else { return };
-    let m = &c.summary;
+    let [t50, t99, i50, i99, busy] = floor_cells(&c.summary);
     let _ = writeln!(
         s,
-        "\n### Client overhead\n\nAgainst an instant in-process server ({}): TTFT p50/p99 {}/{} ms, ITL p50/p99 {}/{} ms, client busy {} ms per request (mean).",
-        c.label,
-        num(m.ttft_ms.p50, 3),
-        num(m.ttft_ms.p99, 3),
-        num(m.itl_ms.p50, 3),
-        num(m.itl_ms.p99, 3),
-        num(m.client_busy_ms.mean, 3)
+        "\n### Client overhead\n\nAgainst an instant in-process server ({}): TTFT p50/p99 {t50}/{t99} ms, ITL p50/p99 {i50}/{i99} ms, client busy {busy} ms per request (mean).",
+        c.label
     );
 }

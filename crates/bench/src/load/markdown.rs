@@ -1,7 +1,7 @@
 //! The stdout report of `bench load`, a table of the report module's rows.
 
 use super::LoadReport;
-use crate::report::markdown::{header, num, summary_cells};
+use crate::report::markdown::{floor_cells, header, summary_cells};
 use std::fmt::Write;
 
 /// The stdout report of `bench load`.
@@ -30,17 +30,8 @@ pub fn load_report(r: &LoadReport) -> String {
         out.push_str("\nClient floor (same points against an instant in-process server):\n\n");
         out.push_str("| point | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | client ms/req |\n|---|---|---|---|---|---|\n");
         for c in &r.calibration {
-            let s = &c.summary;
-            let _ = writeln!(
-                out,
-                "| {} | {} | {} | {} | {} | {} |",
-                c.label,
-                num(s.ttft_ms.p50, 3),
-                num(s.ttft_ms.p99, 3),
-                num(s.itl_ms.p50, 3),
-                num(s.itl_ms.p99, 3),
-                num(s.client_busy_ms.mean, 3)
-            );
+            let [t50, t99, i50, i99, busy] = floor_cells(&c.summary);
+            let _ = writeln!(out, "| {} | {t50} | {t99} | {i50} | {i99} | {busy} |", c.label);
         }
     }
     out

@@ -12,6 +12,11 @@ pub fn num(v: Option<f64>, d: usize) -> String {
     }
 }
 
+/// A client floor's figures (TTFT p50, p99, ITL p50, p99, client ms per request).
+pub fn floor_cells(s: &Summary) -> [String; 5] {
+    [s.ttft_ms.p50, s.ttft_ms.p99, s.itl_ms.p50, s.itl_ms.p99, s.client_busy_ms.mean].map(|v| num(v, 3))
+}
+
 /// The columns of a summary row (after the row's own label columns).
 pub const SUMMARY_HEADER: &str = "req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p99 ms | E2E p50 ms | goodput req/s (SLO %) | client ms/req | reused prompt blocks | ok | failed (shed, timed out)";
 

@@ -18,3 +18,84 @@ impl KvFrame {
         2 * (self.k.len() + self.v.len())
     }
 }
+
+/// How a KV cache stores its values: f16, or GGUF's `q8_0` / `q4_0` blocks (32 values
+/// sharing one f16 scale: 34 and 18 bytes), as llama.cpp's `--cache-type-k/-v` name
+/// them. Quantized forms cut what the pool, the tiers and the wire carry per token to
+/// 34/64 and 18/64 of f16's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvDtype {
+    #[default]
+    F16,
+    Q8_0,
+    Q4_0,
+}
+
+impl KvDtype {
+    /// Values per quantization block (1 for f16: any row length works).
+    pub fn block_values(self) -> usize {
+        match self {
+            KvDtype::F16 => 1,
+            KvDtype::Q8_0 | KvDtype::Q4_0 => 32,
+        }
+    }
+
+    /// Bytes of one block of [`KvDtype::block_values`] values.
+    fn block_bytes(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::Q8_0 => 34,
+            KvDtype::Q4_0 => 18,
+        }
+    }
+
+    /// Bytes `values` values take, or `None` when they do not fill whole blocks.
+    pub fn row_bytes(self, values: usize) -> Option<usize> {
+        values.is_multiple_of(self.block_values()).then(|| values / self.block_values() * self.block_bytes())
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::Q8_0 => "q8_0",
+            KvDtype::Q4_0 => "q4_0",
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [KvDtype::F16, KvDtype::Q8_0, KvDtype::Q4_0]
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| format!("unknown KV cache dtype `{s}` (expected f16, q8_0 or q4_0)"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KvDtype;
+
+    #[test]
+    fn sizes_names_and_parsing() {
+        // (dtype, bytes of a 64-value head row, its share of f16's)
+        for (d, bytes, share) in [(KvDtype::F16, 128, 1.0), (KvDtype::Q8_0, 68, 0.531), (KvDtype::Q4_0, 36, 0.281)] {
+            assert_eq!(d.row_bytes(64), Some(bytes));
+            assert!((bytes as f64 / 128.0 - share).abs() < 0.001, "{d}");
+            assert_eq!(d.name().parse::<KvDtype>(), Ok(d));
+        }
+        assert_eq!(KvDtype::Q8_0.row_bytes(48), None, "half a block");
+        assert_eq!(KvDtype::F16.row_bytes(3), Some(6));
+        assert!("fp8".parse::<KvDtype>().unwrap_err().contains("q8_0"));
+        assert_eq!(serde_json::to_string(&KvDtype::Q4_0).unwrap(), "\"q4_0\"");
+    }
+}

@@ -23,7 +23,7 @@ mod transfer;
 
 pub use grammar::{Grammar, GrammarSpec};
 pub use ids::{RequestId, TokenId};
-pub use kv::KvFrame;
+pub use kv::{KvDtype, KvFrame};
 pub use lock::lock;
 pub use millis::{millis, round_ms};
 pub use prefix::{BlockHash, KvEvent, PoolStats, Tier, TierCounters, TierStats};

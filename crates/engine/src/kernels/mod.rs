@@ -12,6 +12,7 @@ pub mod attention;
 mod attention_avx512;
 pub mod blocks;
 pub mod dense;
+pub mod kv_quant;
 pub mod ops;
 pub mod quant;
 mod quant_avx2;

@@ -44,6 +44,8 @@ enum Command {
     Sim(cmd::twin::SimArgs),
     /// Rank every topology of N nodes by simulated goodput and say when to disaggregate.
     Plan(cmd::twin::PlanArgs),
+    /// A model's perplexity on a text file, as llama.cpp's perplexity tool measures it.
+    Perplexity(cmd::perplexity::Args),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -64,6 +66,7 @@ impl Command {
             Command::Profile(_) => "profile",
             Command::Sim(_) => "sim",
             Command::Plan(_) => "plan",
+            Command::Perplexity(_) => "perplexity",
             Command::Bench { .. } => "bench",
         }
     }
@@ -99,6 +102,7 @@ fn main() -> ExitCode {
         Command::Profile(args) => cmd::twin::profile(args).map(|()| ExitCode::SUCCESS),
         Command::Sim(args) => cmd::twin::sim(args).map(|()| ExitCode::SUCCESS),
         Command::Plan(args) => cmd::twin::plan(args).map(|()| ExitCode::SUCCESS),
+        Command::Perplexity(args) => cmd::perplexity::run(args).map(|()| ExitCode::SUCCESS),
         Command::Bench { what } => cmd::bench::run(what).map(|()| ExitCode::SUCCESS),
     };
     cmd::runtime_dir::remove();

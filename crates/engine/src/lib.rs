@@ -16,6 +16,7 @@ pub mod kvcache;
 pub mod loader;
 pub mod model;
 pub mod models;
+pub mod perplexity;
 pub mod sampler;
 pub mod testing;
 pub mod threadpool;

@@ -6,6 +6,7 @@ pub mod fleet;
 pub mod frontend;
 pub mod generate;
 mod http;
+pub mod perplexity;
 pub mod planner;
 pub use http::Stopped;
 pub mod pull;

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""llama.cpp's perplexity on a text, chunked as `pdserve perplexity` and llama.cpp's
+`llama-perplexity` chunk it (BOS at the head of every chunk where the model adds one,
+the second half of each chunk scored), through the peer's libllama
+(scripts/build-peer.sh oracle), f16 KV cache, flash attention off.
+
+Usage: peer_perplexity.py PEER_DIR MODEL.gguf TEXT CTX CHUNKS
+"""
+import ctypes
+import importlib.util
+import math
+import os
+import pathlib
+import sys
+
+
+def main():
+    if len(sys.argv) != 6:
+        sys.exit(__doc__)
+    peer, model_path, text_path = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    n_ctx, chunks = int(sys.argv[4]), int(sys.argv[5])
+    here = pathlib.Path(__file__).parent
+    spec = importlib.util.spec_from_file_location("peer_logits", here / "peer_logits.py")
+    pl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pl)
+    os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(peer / "build" / "bin"))
+    ll = pl.bindings(peer)
+    quiet = ll.llama_log_callback(lambda level, text, data: None)
+    ll.llama_log_set(quiet, ctypes.c_void_p())
+    ll.llama_backend_init()
+    mp = ll.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = ll.llama_model_load_from_file(model_path.encode(), mp)
+    vocab = ll.llama_model_get_vocab(model)
+    n_vocab = ll.llama_vocab_n_tokens(vocab)
+    text = pathlib.Path(text_path).read_bytes()
+    buf = (ll.llama_token * (len(text) + 1))()
+    add_bos = ll.llama_vocab_get_add_bos(vocab)
+    n = ll.llama_tokenize(vocab, text, len(text), buf, len(text) + 1, add_bos, False)
+    tokens = list(buf[:n])
+    cp = ll.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    nll = []
+    for c in range(min(chunks, n // n_ctx)):
+        ctx = ll.llama_init_from_model(model, cp)
+        chunk = tokens[c * n_ctx:(c + 1) * n_ctx]
+        if add_bos:
+            chunk[0] = ll.llama_vocab_bos(vocab)
+        batch = ll.llama_batch_init(n_ctx, 0, 1)
+        for i, t in enumerate(chunk):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, 1
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = n_ctx
+        if ll.llama_decode(ctx, batch) != 0:
+            sys.exit("peer_perplexity: llama_decode failed")
+        for j in range(n_ctx // 2, n_ctx - 1):
+            ptr = ll.llama_get_logits_ith(ctx, j)
+            row = (ctypes.c_float * n_vocab).from_address(ctypes.addressof(ptr.contents))
+            top = max(row)
+            z = math.log(sum(math.exp(x - top) for x in row)) + top
+            nll.append(z - row[chunk[j + 1]])
+        ll.llama_batch_free(batch)
+        ll.llama_free(ctx)
+    mean = sum(nll) / len(nll)
+    var = max(sum(x * x for x in nll) / len(nll) - mean * mean, 0.0)
+    ppl = math.exp(mean)
+    print(f"llama.cpp: {len(nll)} tokens scored: PPL = {ppl:.4f} +/- {ppl * math.sqrt(var / (len(nll) - 1)):.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,13 +4,12 @@
 //! by BOS; within a chunk the first half is context and every later token is scored
 //! by the logits of the position before it. PPL = exp(mean negative log-likelihood).
 
+use crate::batch::BLOCK_SIZE as BLOCK;
 use crate::kvcache::KvStorage;
 use crate::loader::LoadedModel;
 use crate::model::{ForwardScratch, Scoring, SeqBatch};
 use crate::threadpool::ThreadPool;
 use std::sync::Mutex;
-
-const BLOCK: usize = 16;
 
 /// What [`perplexity`] measured.
 #[derive(Debug, Clone, PartialEq)]

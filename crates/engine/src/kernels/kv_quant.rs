@@ -2,9 +2,10 @@
 //! blocks of 32 values with one f16 scale, quantized the way llama.cpp's reference
 //! quantizer does (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`), so a cache
 //! written here reads back as llama.cpp's would and the GGUF dequantizer
-//! ([`super::quant::dequantize_row`]) decodes it. Scalar reference code: the
+//! ([`super::quant::dequantize_row`]) decodes it (and is what reads it back). Scalar reference code: the
 //! attention kernels that read these rows are checked against it.
 
+use crate::format::DType;
 use half::f16;
 use pdserve_types::KvDtype;
 
@@ -27,31 +28,16 @@ pub fn quantize_row(dtype: KvDtype, src: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// The values of a row stored by [`quantize_row`].
+/// The values of a row stored by [`quantize_row`]: the GGUF dequantizer of the same
+/// block type reads it.
 pub fn dequantize_row(dtype: KvDtype, src: &[u8], dst: &mut [f32]) {
     assert_eq!(dtype.row_bytes(dst.len()), Some(src.len()), "{dtype} row of {} values", dst.len());
-    match dtype {
-        KvDtype::F16 => {
-            for (o, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
-                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        KvDtype::Q8_0 => {
-            for (o, b) in dst.chunks_exact_mut(32).zip(src.chunks_exact(34)) {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                o.iter_mut().zip(&b[2..]).for_each(|(o, &q)| *o = d * f32::from(q as i8));
-            }
-        }
-        KvDtype::Q4_0 => {
-            for (o, b) in dst.chunks_exact_mut(32).zip(src.chunks_exact(18)) {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                for (j, &q) in b[2..].iter().enumerate() {
-                    o[j] = d * f32::from((q & 0x0f) as i8 - 8);
-                    o[j + 16] = d * f32::from((q >> 4) as i8 - 8);
-                }
-            }
-        }
-    }
+    let gguf = match dtype {
+        KvDtype::F16 => DType::F16,
+        KvDtype::Q8_0 => DType::Q8_0,
+        KvDtype::Q4_0 => DType::Q4_0,
+    };
+    super::quant::dequantize_row(gguf, src, dst);
 }
 
 /// 32 values as signed bytes of one scale `amax / 127`, rounded half away from zero.
@@ -82,8 +68,6 @@ fn q4_0(x: &[f32], b: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::DType;
-    use crate::kernels::quant;
     use pdserve_types::rng::Rng;
 
     fn row(seed: u64, n: usize) -> Vec<f32> {
@@ -96,18 +80,6 @@ mod tests {
         let mut b = vec![0u8; dtype.row_bytes(x.len()).unwrap()];
         quantize_row(dtype, x, &mut b);
         b
-    }
-
-    #[test]
-    fn the_gguf_dequantizer_reads_what_is_stored() {
-        for (kv, gguf) in [(KvDtype::Q8_0, DType::Q8_0), (KvDtype::Q4_0, DType::Q4_0), (KvDtype::F16, DType::F16)] {
-            let x = row(7, 128);
-            let b = stored(kv, &x);
-            let (mut ours, mut theirs) = (vec![0f32; 128], vec![0f32; 128]);
-            dequantize_row(kv, &b, &mut ours);
-            quant::dequantize_row(gguf, &b, &mut theirs);
-            assert_eq!(ours, theirs, "{kv}");
-        }
     }
 
     #[test]

@@ -415,7 +415,14 @@ fn evil_record() -> pdserve_fleet::NodeRecord {
         protocol: 1,
         endpoints: Endpoints { control: ([127, 0, 0, 1], 18399).into(), kv: ([127, 0, 0, 1], 18398).into() },
         threads: 1,
-        kv_cache: KvCache { block_size: 16, blocks_total: 8, blocks_free: 8, blocks_used: 0, blocks_cached: 0 },
+        kv_cache: KvCache {
+            block_size: 16,
+            blocks_total: 8,
+            blocks_free: 8,
+            blocks_used: 0,
+            blocks_cached: 0,
+            ..KvCache::default()
+        },
         load: Load::default(),
         links: Vec::new(),
         updated_unix_ms: pdserve_fleet::now_unix_ms(),

@@ -7,7 +7,7 @@
 use crate::batch::{Engine, EngineConfig};
 use crate::grammar::Grammars;
 use crate::loader::LoadedModel;
-use pdserve_types::{Grammar, GrammarSpec, RequestId, SamplingParams};
+use pdserve_types::{Grammar, GrammarSpec, KvDtype, RequestId, SamplingParams};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,6 +27,8 @@ pub struct EngineBench {
     pub decode_tokens: u32,
     /// Repetitions; the best is reported.
     pub reps: usize,
+    /// How the KV cache stores its values.
+    pub kv_dtype: KvDtype,
 }
 
 /// One measured figure.
@@ -66,14 +68,14 @@ pub fn engine(m: &LoadedModel, b: &EngineBench, mut each: impl FnMut(&Row)) -> R
     };
     for &threads in &b.threads {
         for &p in &b.prefill {
-            let tps = best_of(b.reps, || prefill(m, threads, p));
+            let tps = best_of(b.reps, || prefill(m, b.kv_dtype, threads, p));
             push(Row { kind: "prefill", threads, prompt: p, batch: 1, tokens_per_s: tps });
         }
         // llama-bench's tg128: generation from an (almost) empty context.
-        let tps = best_of(b.reps, || decode(m, threads, 1, 1, b.decode_tokens));
+        let tps = best_of(b.reps, || decode(m, b.kv_dtype, threads, 1, 1, b.decode_tokens));
         push(Row { kind: "decode", threads, prompt: 1, batch: 1, tokens_per_s: tps });
         for &n in &b.batch {
-            let tps = best_of(b.reps, || decode(m, threads, n, b.decode_prompt, b.decode_tokens));
+            let tps = best_of(b.reps, || decode(m, b.kv_dtype, threads, n, b.decode_prompt, b.decode_tokens));
             push(Row { kind: "decode", threads, prompt: b.decode_prompt, batch: n, tokens_per_s: tps });
         }
     }
@@ -163,7 +165,7 @@ fn constrained_decode(
     batch: usize,
     gen: u32,
 ) -> (f64, f64, f64) {
-    let mut e = new_engine(m, threads, batch * (prompt.len() + gen as usize), batch);
+    let mut e = new_engine(m, KvDtype::F16, threads, batch * (prompt.len() + gen as usize), batch);
     let mut p = params(gen);
     if let Some((gs, g)) = grammar {
         e = e.with_grammars(gs.clone());
@@ -183,10 +185,11 @@ fn best_of(reps: usize, mut f: impl FnMut() -> f64) -> f64 {
     (0..reps.max(1)).map(|_| f()).fold(0.0, f64::max)
 }
 
-fn new_engine(m: &LoadedModel, threads: usize, tokens: usize, seqs: usize) -> Engine {
+fn new_engine(m: &LoadedModel, kv_dtype: KvDtype, threads: usize, tokens: usize, seqs: usize) -> Engine {
     let cfg = EngineConfig {
         threads,
         num_blocks: tokens.div_ceil(16) + seqs + 8,
+        kv_dtype,
         max_batch_tokens: 512,
         max_seqs: seqs.max(1),
         cache_salt: 0,
@@ -212,8 +215,8 @@ fn params(max_tokens: u32) -> SamplingParams {
     SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }
 }
 
-fn prefill(m: &LoadedModel, threads: usize, len: usize) -> f64 {
-    let mut e = new_engine(m, threads, len + 1, 1);
+fn prefill(m: &LoadedModel, kv: KvDtype, threads: usize, len: usize) -> f64 {
+    let mut e = new_engine(m, kv, threads, len + 1, 1);
     let prompt = random_prompt(len, len as u64, m.model.cfg.vocab_size);
     let t = Instant::now();
     if e.add(RequestId(0), prompt, params(1)).is_err() {
@@ -225,8 +228,8 @@ fn prefill(m: &LoadedModel, threads: usize, len: usize) -> f64 {
     len as f64 / t.elapsed().as_secs_f64()
 }
 
-fn decode(m: &LoadedModel, threads: usize, batch: usize, prompt: usize, gen: u32) -> f64 {
-    let mut e = new_engine(m, threads, batch * (prompt + gen as usize), batch);
+fn decode(m: &LoadedModel, kv: KvDtype, threads: usize, batch: usize, prompt: usize, gen: u32) -> f64 {
+    let mut e = new_engine(m, kv, threads, batch * (prompt + gen as usize), batch);
     for i in 0..batch {
         let p = random_prompt(prompt, 1000 + i as u64, m.model.cfg.vocab_size);
         if e.add(RequestId(i as u64), p, params(gen)).is_err() {

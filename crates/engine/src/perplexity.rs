@@ -9,6 +9,7 @@ use crate::kvcache::KvStorage;
 use crate::loader::LoadedModel;
 use crate::model::{ForwardScratch, Scoring, SeqBatch};
 use crate::threadpool::ThreadPool;
+use pdserve_types::KvDtype;
 use std::sync::Mutex;
 
 /// What [`perplexity`] measured.
@@ -32,17 +33,24 @@ pub enum PerplexityError {
     TooShort { tokens: usize, ctx: usize },
     #[error("the forward pass failed: {0}")]
     Forward(String),
+    #[error("{0}")]
+    Cache(String),
 }
 
-/// Measures `m` on `text` in chunks of `ctx` tokens (at most `max_chunks` of them, all
-/// when `None`) on `threads` threads.
-pub fn perplexity(
-    m: &LoadedModel,
-    text: &str,
-    ctx: usize,
-    max_chunks: Option<usize>,
-    threads: usize,
-) -> Result<Perplexity, PerplexityError> {
+/// How [`perplexity`] runs: chunks of `ctx` tokens (at most `max_chunks` of them, all
+/// when `None`) on `threads` threads, the KV cache stored as `kv_dtype`.
+#[derive(Debug, Clone, Copy)]
+pub struct PerplexityRun {
+    pub ctx: usize,
+    pub max_chunks: Option<usize>,
+    pub threads: usize,
+    pub kv_dtype: KvDtype,
+}
+
+/// Measures `m` on `text` as `run` says.
+pub fn perplexity(m: &LoadedModel, text: &str, run: PerplexityRun) -> Result<Perplexity, PerplexityError> {
+    let PerplexityRun { ctx, max_chunks, threads, kv_dtype } = run;
+    crate::kvcache::check_dtype(&m.model.cfg, kv_dtype).map_err(PerplexityError::Cache)?;
     let max = m.model.cfg.context_length;
     if ctx < 4 || ctx > max {
         return Err(PerplexityError::BadContext { ctx, max });
@@ -60,7 +68,7 @@ pub fn perplexity(
         if let (true, Some(bos)) = (m.tokenizer.add_bos(), m.tokenizer.bos_id()) {
             chunk[0] = bos;
         }
-        for nll in chunk_nll(m, &pool, &chunk)? {
+        for nll in chunk_nll(m, &pool, &chunk, kv_dtype)? {
             (sum, sum2, n) = (sum + nll, sum2 + nll * nll, n + 1);
         }
     }
@@ -73,12 +81,17 @@ pub fn perplexity(
 
 /// The negative log-likelihoods of the second half of `chunk`: the first half goes
 /// in as context, then the rest is scored, each token by the row before it.
-fn chunk_nll(m: &LoadedModel, pool: &ThreadPool, chunk: &[u32]) -> Result<Vec<f64>, PerplexityError> {
+fn chunk_nll(
+    m: &LoadedModel,
+    pool: &ThreadPool,
+    chunk: &[u32],
+    kv_dtype: KvDtype,
+) -> Result<Vec<f64>, PerplexityError> {
     let (model, ctx) = (&m.model, chunk.len());
     let first = ctx / 2;
     let n_blocks = ctx.div_ceil(BLOCK);
     let blocks: Vec<u32> = (0..n_blocks as u32).collect();
-    let mut kv = KvStorage::new(&model.cfg, n_blocks, BLOCK);
+    let mut kv = KvStorage::with_dtype(&model.cfg, n_blocks, BLOCK, kv_dtype);
     let mut s = ForwardScratch::default();
     let isa = crate::kernels::Isa::detect();
     let stopped = || PerplexityError::Forward("the pass stopped early".into());

@@ -64,7 +64,7 @@ pub(crate) struct TierBytes {
 
 impl TierBytes {
     pub(crate) fn new(kv: &KvStorage, cfg: &TierConfig) -> Result<TierBytes, TierError> {
-        let slot_values = kv.n_layers * 2 * kv.block_elems();
+        let slot_values = kv.n_layers * 2 * kv.block_words();
         let disk = match (cfg.disk_blocks, &cfg.disk_dir) {
             (0, _) | (_, None) => None,
             (n, Some(dir)) => Some(DiskStore::open(dir, n, slot_values * 2)?),
@@ -179,7 +179,7 @@ fn write_disk(disk: Option<&DiskStore>, counters: &mut TierCounters, slot: u32, 
 
 /// Copies pool block `block` of every layer into `out` (one slot).
 fn gather(kv: &KvStorage, block: u32, out: &mut [u16]) {
-    let n = kv.block_elems();
+    let n = kv.block_words();
     for (l, layer) in out.chunks_exact_mut(2 * n).enumerate() {
         let (k, v) = kv.block(l, block);
         layer[..n].copy_from_slice(k);
@@ -189,7 +189,7 @@ fn gather(kv: &KvStorage, block: u32, out: &mut [u16]) {
 
 /// Copies one slot into pool block `block` of every layer.
 fn scatter(slot: &[u16], kv: &mut KvStorage, block: u32) {
-    let n = kv.block_elems();
+    let n = kv.block_words();
     for (l, layer) in slot.chunks_exact(2 * n).enumerate() {
         kv.set_block(l, block, &layer[..n], &layer[n..]);
     }

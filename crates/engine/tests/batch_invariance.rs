@@ -57,8 +57,15 @@ fn other_params(i: usize) -> SamplingParams {
 
 fn engine(threads: usize, max_batch_tokens: usize) -> Engine {
     let m = model();
-    let cfg =
-        EngineConfig { threads, num_blocks: 256, max_batch_tokens, max_seqs: 64, cache_salt: 0, objectives: None };
+    let cfg = EngineConfig {
+        threads,
+        num_blocks: 256,
+        max_batch_tokens,
+        max_seqs: 64,
+        cache_salt: 0,
+        objectives: None,
+        ..Default::default()
+    };
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec())
 }
 

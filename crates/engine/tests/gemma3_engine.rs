@@ -104,8 +104,15 @@ fn greedy() -> SamplingParams {
 }
 
 fn engine(threads: usize, max_batch_tokens: usize) -> Engine {
-    let cfg =
-        EngineConfig { threads, num_blocks: 192, max_batch_tokens, max_seqs: 16, cache_salt: 3, objectives: None };
+    let cfg = EngineConfig {
+        threads,
+        num_blocks: 192,
+        max_batch_tokens,
+        max_seqs: 16,
+        cache_salt: 3,
+        objectives: None,
+        ..Default::default()
+    };
     Engine::new(model(), cfg, vec![EOS])
 }
 

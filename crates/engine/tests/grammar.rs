@@ -29,7 +29,15 @@ fn engine(max_batch_tokens: usize) -> Engine {
 
 fn engine_with(num_blocks: usize, max_batch_tokens: usize) -> Engine {
     let m = model();
-    let cfg = EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 16, cache_salt: 0, objectives: None };
+    let cfg = EngineConfig {
+        threads: 1,
+        num_blocks,
+        max_batch_tokens,
+        max_seqs: 16,
+        cache_salt: 0,
+        objectives: None,
+        ..Default::default()
+    };
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).with_grammars(grammars())
 }
 

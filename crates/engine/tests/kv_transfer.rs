@@ -7,8 +7,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pdserve_engine::batch::{Engine, EngineConfig, EngineError, FinishReason, KvFrame, StepOutput};
+use pdserve_engine::kvcache::convert_block;
 use pdserve_engine::loader::{self, LoadedModel};
-use pdserve_types::TokenOut;
+use pdserve_types::{KvDtype, TokenOut};
 use pdserve_types::{RequestId, SamplingParams, StopCondition};
 use std::sync::OnceLock;
 
@@ -36,7 +37,15 @@ fn unrelated(n: usize) -> Vec<u32> {
 
 fn engine(num_blocks: usize, max_batch_tokens: usize) -> Engine {
     let m = model();
-    let cfg = EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 16, cache_salt: 7, objectives: None };
+    let cfg = EngineConfig {
+        threads: 1,
+        num_blocks,
+        max_batch_tokens,
+        max_seqs: 16,
+        cache_salt: 7,
+        objectives: None,
+        ..Default::default()
+    };
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec())
 }
 
@@ -674,4 +683,74 @@ fn a_prefix_is_exported_between_two_layers_of_a_running_prefill() {
     out.extend(drain(&mut h, RequestId(2)).into_iter().map(|o| o.sampled));
     assert_same("the running prefill", &aggregated(&other, &greedy(6)), &out);
     assert_eq!(h.stats().blocks.used, 0);
+}
+
+fn engine_in(kv_dtype: KvDtype) -> Engine {
+    let m = model();
+    let cfg = EngineConfig { num_blocks: 64, max_seqs: 16, cache_salt: 7, kv_dtype, ..Default::default() };
+    Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec())
+}
+
+/// Exports `prompt` from a fresh engine whose cache is `dtype`: its first token and
+/// frames.
+fn export_in(dtype: KvDtype, id: RequestId, prompt: &[u32], params: &SamplingParams) -> (StepOutput, Vec<KvFrame>) {
+    let mut frames = Vec::new();
+    let first = engine_in(dtype)
+        .prefill_export(id, prompt.to_vec(), params.clone(), &mut |f| {
+            frames.push(f);
+            true
+        })
+        .unwrap();
+    (first, frames)
+}
+
+#[test]
+fn every_cache_dtype_hands_off_and_a_receiver_of_another_converts() {
+    let (p, params, id) = (prompt(37), greedy(12), RequestId(9));
+    let shape = |e: &Engine| e.kv_shape();
+    for from in KvDtype::ALL {
+        let (first, frames) = export_in(from, id, &p, &params);
+        assert!(frames.iter().all(|f| f.dtype == from), "frames carry the sender's form");
+        for to in KvDtype::ALL {
+            let mut d = engine_in(to);
+            let rest = import(&mut d, id, &p, &first, &frames, &params);
+            assert_eq!(rest.len(), 11, "{from} -> {to}");
+            assert_eq!(d.stats().blocks.used, 0);
+            // The receiver holds exactly what converting the frames gives; the same
+            // dtype moves the stored bytes unchanged, so decoding matches one engine
+            // whose cache is that dtype.
+            let mut held = Vec::new();
+            d.export_cached(&p, 0, &mut |f| {
+                held.push(f);
+                true
+            })
+            .unwrap();
+            let whole: Vec<&KvFrame> = frames.iter().filter(|f| (f.index as usize + 1) * BLOCK <= p.len()).collect();
+            assert_eq!(held.len(), whole.len());
+            for (h, f) in held.iter().zip(whole) {
+                let (k, v) = convert_block(shape(&d), from, to, &f.k, &f.v).unwrap();
+                assert_eq!((h.dtype, &h.k, &h.v), (to, &k, &v), "{from} -> {to}: layer {} block {}", f.layer, f.index);
+            }
+            if from == to {
+                let mut one = engine_in(to);
+                one.add(RequestId(1), p.clone(), params.clone()).unwrap();
+                let want: Vec<u32> = drain(&mut one, RequestId(1)).iter().map(|o| o.sampled.token).collect();
+                let got: Vec<u32> =
+                    std::iter::once(first.sampled.token).chain(rest.iter().map(|o| o.sampled.token)).collect();
+                assert_eq!(got, want, "{to} handoff vs one {to} engine");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_frame_that_fits_no_dtype_shape_is_refused() {
+    let (p, params, id) = (prompt(20), greedy(2), RequestId(3));
+    let (_, frames) = export_in(KvDtype::F16, id, &p, &params);
+    let mut d = engine_in(KvDtype::Q8_0);
+    d.reserve_import(id, p.len()).unwrap();
+    // f16's words labelled q8_0: too many for a q8_0 block.
+    let mislabelled = KvFrame { dtype: KvDtype::Q8_0, ..frames[0].clone() };
+    assert!(matches!(d.import_frame(id, &mislabelled), Err(EngineError::BadFrame(_))));
+    d.import_frame(id, &frames[0]).unwrap();
 }

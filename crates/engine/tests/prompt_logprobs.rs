@@ -16,8 +16,15 @@ fn model() -> &'static LoadedModel {
 
 fn engine(max_batch_tokens: usize) -> Engine {
     let m = model();
-    let cfg =
-        EngineConfig { threads: 1, num_blocks: 256, max_batch_tokens, max_seqs: 8, cache_salt: 0, objectives: None };
+    let cfg = EngineConfig {
+        threads: 1,
+        num_blocks: 256,
+        max_batch_tokens,
+        max_seqs: 8,
+        cache_salt: 0,
+        objectives: None,
+        ..Default::default()
+    };
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec())
 }
 

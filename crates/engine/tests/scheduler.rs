@@ -20,7 +20,15 @@ fn model() -> &'static LoadedModel {
 
 fn engine(num_blocks: usize, max_batch_tokens: usize, max_seqs: usize) -> Engine {
     let m = model();
-    let cfg = EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs, cache_salt: 0, objectives: None };
+    let cfg = EngineConfig {
+        threads: 1,
+        num_blocks,
+        max_batch_tokens,
+        max_seqs,
+        cache_salt: 0,
+        objectives: None,
+        ..Default::default()
+    };
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec())
 }
 

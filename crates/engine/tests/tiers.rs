@@ -9,7 +9,7 @@ use pdserve_engine::loader::{self, LoadedModel};
 use pdserve_engine::tiers::TierConfig;
 use pdserve_kv::TierCounters;
 use pdserve_types::rng::Rng;
-use pdserve_types::{RequestId, SamplingParams};
+use pdserve_types::{KvDtype, RequestId, SamplingParams};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -20,6 +20,11 @@ fn model() -> &'static LoadedModel {
 
 /// A pool of 24 blocks: three 120-token prompts fill it, so a fourth evicts.
 fn engine(tiers: &TierConfig) -> Engine {
+    engine_in(tiers, KvDtype::F16)
+}
+
+/// [`engine`] with its cache (and so its tiers) stored as `kv_dtype`.
+fn engine_in(tiers: &TierConfig, kv_dtype: KvDtype) -> Engine {
     let m = model();
     let cfg = EngineConfig {
         threads: 1,
@@ -28,6 +33,7 @@ fn engine(tiers: &TierConfig) -> Engine {
         max_seqs: 8,
         cache_salt: 0,
         objectives: None,
+        kv_dtype,
     };
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).with_tiers(tiers).unwrap()
 }
@@ -77,7 +83,13 @@ fn without_tiers_an_evicted_prompt_is_computed_again() {
 
 #[test]
 fn blocks_evicted_to_host_ram_come_back_with_the_same_tokens() {
-    let mut e = engine(&TierConfig { host_blocks: 64, ..TierConfig::default() });
+    for dtype in KvDtype::ALL {
+        host_round_trip(dtype);
+    }
+}
+
+fn host_round_trip(dtype: KvDtype) {
+    let mut e = engine_in(&TierConfig { host_blocks: 64, ..TierConfig::default() }, dtype);
     let (cold, warm, cached) = evict_and_return(&mut e);
     // Every full block but the last (one token is always computed).
     assert_eq!(cached, 112);
@@ -91,9 +103,15 @@ fn blocks_evicted_to_host_ram_come_back_with_the_same_tokens() {
 
 #[test]
 fn blocks_pushed_on_to_disk_come_back_with_the_same_tokens() {
-    let dir = scratch("disk");
+    for dtype in KvDtype::ALL {
+        disk_round_trip(dtype);
+    }
+}
+
+fn disk_round_trip(dtype: KvDtype) {
+    let dir = scratch(&format!("disk-{dtype}"));
     let tiers = TierConfig { host_blocks: 4, disk_blocks: 64, disk_dir: Some(dir.clone()) };
-    let mut e = engine(&tiers);
+    let mut e = engine_in(&tiers, dtype);
     let (cold, warm, cached) = evict_and_return(&mut e);
     assert_eq!(cached, 112);
     assert_eq!(cold, warm, "K/V read back from disk gave other tokens");
@@ -148,6 +166,8 @@ fn exported_mid_step_then_idle(e: &mut Engine, skip: usize) -> [Exported; 2] {
         }
     });
     let mid = Exported { sent: served.unwrap().unwrap(), frames, tiers: e.stats().tiers };
+    let dtype = e.config().kv_dtype;
+    assert!(mid.frames.iter().all(|f| f.dtype == dtype), "frames carry the cache's form");
     while e.has_work() {
         e.step();
     }
@@ -178,11 +198,18 @@ fn a_fetch_served_mid_step_reads_host_tier_blocks_in_place() {
 
 #[test]
 fn a_fetch_served_mid_step_reads_disk_tier_blocks_too() {
+    for dtype in KvDtype::ALL {
+        mid_step_disk(dtype);
+    }
+}
+
+fn mid_step_disk(dtype: KvDtype) {
     // The history's 7 whole blocks went on through host RAM to disk: mid-step they
     // are read for the export without waiting for the step's end, and none is
     // copied back into the pool.
-    let dir = scratch("midstep");
-    let mut e = engine(&TierConfig { host_blocks: 4, disk_blocks: 64, disk_dir: Some(dir.clone()) });
+    let dir = scratch(&format!("midstep-{dtype}"));
+    let tiers = TierConfig { host_blocks: 4, disk_blocks: 64, disk_dir: Some(dir.clone()) };
+    let mut e = engine_in(&tiers, dtype);
     let [mid, idle] = exported_mid_step_then_idle(&mut e, 16);
     assert_eq!((mid.sent, idle.sent), (96, 96), "the 6 blocks after the one skipped");
     assert_eq!((mid.tiers.restored_host, mid.tiers.restored_disk), (0, 0), "{:?}", mid.tiers);

@@ -36,7 +36,15 @@ fn engine_keeping(
         restore,
         clock: Clock::Virtual,
     };
-    let cfg = EngineConfig { threads: 1, num_blocks, max_batch_tokens, max_seqs: 64, cache_salt: 0, objectives };
+    let cfg = EngineConfig {
+        threads: 1,
+        num_blocks,
+        max_batch_tokens,
+        max_seqs: 64,
+        cache_salt: 0,
+        objectives,
+        ..Default::default()
+    };
     Engine::timed(t, cfg, vec![])
 }
 

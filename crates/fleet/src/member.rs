@@ -95,6 +95,8 @@ impl Node {
                 blocks_free: s.blocks.free,
                 blocks_used: s.blocks.used,
                 blocks_cached: s.blocks.cached,
+                dtype: info.kv_dtype,
+                bytes_per_token: info.kv_bytes_per_token,
             },
             load: Load {
                 queued_prompt_tokens: s.queued_prompt_tokens,

@@ -1,6 +1,6 @@
 //! What a node says about itself in the fleet bucket, refreshed every second.
 
-use pdserve_types::{Epoch, Role};
+use pdserve_types::{Epoch, KvDtype, Role};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::net::SocketAddr;
@@ -111,6 +111,12 @@ pub struct KvCache {
     pub blocks_used: usize,
     /// Free but holding a reusable prefix.
     pub blocks_cached: usize,
+    /// How the cache stores K and V (what the node's exports put on the wire).
+    #[serde(default)]
+    pub dtype: KvDtype,
+    /// Bytes of one token's K and V over all layers in that form (0: not known).
+    #[serde(default)]
+    pub bytes_per_token: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,7 +164,14 @@ impl NodeRecord {
             protocol: 1,
             endpoints: Endpoints { control: ([127, 0, 0, 1], 7001).into(), kv: ([127, 0, 0, 1], 7101).into() },
             threads: 1,
-            kv_cache: KvCache { block_size: 16, blocks_total: 8, blocks_free: 5, blocks_used: 3, blocks_cached: 1 },
+            kv_cache: KvCache {
+                block_size: 16,
+                blocks_total: 8,
+                blocks_free: 5,
+                blocks_used: 3,
+                blocks_cached: 1,
+                ..KvCache::default()
+            },
             load: Load { queued_prompt_tokens: 10, waiting: 1, running: 2, importing: 0 },
             links: vec![LinkRecord {
                 to: "n2".parse().unwrap_or_else(|_| NodeId::sanitized("n2")),

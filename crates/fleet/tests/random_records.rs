@@ -109,6 +109,8 @@ impl Draws {
                 blocks_free: self.usize(),
                 blocks_used: self.usize(),
                 blocks_cached: self.usize(),
+                dtype: pdserve_types::KvDtype::ALL[self.usize() % 3],
+                bytes_per_token: self.u64(),
             },
             load: Load {
                 queued_prompt_tokens: self.usize(),

@@ -4,15 +4,20 @@
 //! offset  size       field
 //!      0     4       magic "PDKV"
 //!      4     2       version (1)
-//!      6     2       flags (0, or LOCAL: no checksum, shared memory only)
+//!      6     1       flags (0, or LOCAL: no checksum, shared memory only)
+//!      7     1       dtype of K and V: 0 f16, 1 q8_0, 2 q4_0
 //!      8     8       handoff id
 //!     16     4       layer
 //!     20     4       block index within the sequence
-//!     24     4       n: values in K, and in V
-//!     28    2n       K, f16 bits as little-endian u16
+//!     24     4       n: 16-bit words in K, and in V
+//!     28    2n       K as stored (f16 bits, or GGUF blocks), little-endian words
 //!  28+2n    2n       V, likewise
 //!  28+4n     4       CRC-32C of every byte before it (0 when LOCAL)
 //! ```
+//!
+//! An f16 frame is byte for byte what the format was before it carried a dtype (the
+//! flags were a little-endian u16 of at most 1), so the version stayed 1; a peer
+//! that predates quantized caches refuses a quantized frame by its flags.
 //!
 //! Frames that cross a network carry the checksum. Frames written into a shared
 //! memory segment on the same host may leave it out ([`FLAG_LOCAL`]): no wire stands
@@ -26,12 +31,12 @@
 
 use crate::crc32c::crc32c;
 use crate::HandoffId;
-use pdserve_types::KvFrame;
+use pdserve_types::{KvDtype, KvFrame};
 
 pub const MAGIC: [u8; 4] = *b"PDKV";
 pub const VERSION: u16 = 1;
 /// The frame was written into shared memory and carries no checksum.
-pub const FLAG_LOCAL: u16 = 1;
+pub const FLAG_LOCAL: u8 = 1;
 pub const HEADER_BYTES: usize = 28;
 pub const CHECKSUM_BYTES: usize = 4;
 /// The largest encoded frame accepted (64 MiB); a block of a real model is far smaller.
@@ -44,14 +49,15 @@ pub fn encoded_len_for(elems: usize) -> usize {
     HEADER_BYTES + 4 * elems + CHECKSUM_BYTES
 }
 
-/// One block of one layer: `n_kv_heads × block_size × head_dim` f16 values each of K
-/// and V, as raw bits.
+/// One block of one layer: `n_kv_heads × block_size × head_dim` values each of K
+/// and V in `dtype`'s stored form, as 16-bit words (see [`KvFrame`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Frame {
     pub handoff: HandoffId,
     pub layer: u32,
     /// The block's index within the sequence (position / block size).
     pub index: u32,
+    pub dtype: KvDtype,
     pub k: Vec<u16>,
     pub v: Vec<u16>,
 }
@@ -63,7 +69,9 @@ pub enum FrameError {
     #[error("unsupported frame version {0}")]
     Version(u16),
     #[error("unsupported frame flags {0:#x}")]
-    Flags(u16),
+    Flags(u8),
+    #[error("unknown KV dtype code {0}")]
+    Dtype(u8),
     #[error("frame of {elems} values per K/V exceeds the limit of {MAX_ELEMS}")]
     TooLarge { elems: usize },
     #[error("K has {k} values but V has {v}")]
@@ -77,12 +85,12 @@ pub enum FrameError {
 impl Frame {
     /// Wraps an engine frame for handoff `handoff`; the payloads move, not copy.
     pub fn from_kv(handoff: HandoffId, f: KvFrame) -> Frame {
-        Frame { handoff, layer: f.layer, index: f.index, k: f.k, v: f.v }
+        Frame { handoff, layer: f.layer, index: f.index, dtype: f.dtype, k: f.k, v: f.v }
     }
 
     /// The engine's frame, payloads moved.
     pub fn into_kv(self) -> KvFrame {
-        KvFrame { layer: self.layer, index: self.index, k: self.k, v: self.v }
+        KvFrame { layer: self.layer, index: self.index, dtype: self.dtype, k: self.k, v: self.v }
     }
 
     /// Bytes of K and V together.
@@ -143,7 +151,8 @@ impl Frame {
         header[0..4].copy_from_slice(&MAGIC);
         header[4..6].copy_from_slice(&VERSION.to_le_bytes());
         let flags = if checksum { 0 } else { FLAG_LOCAL };
-        header[6..8].copy_from_slice(&flags.to_le_bytes());
+        header[6] = flags;
+        header[7] = self.dtype.code();
         header[8..16].copy_from_slice(&self.handoff.0.to_le_bytes());
         header[16..20].copy_from_slice(&self.layer.to_le_bytes());
         header[20..24].copy_from_slice(&self.index.to_le_bytes());
@@ -195,7 +204,7 @@ fn decode_into(bytes: &[u8], header: Header, mut k: Vec<u16>, mut v: Vec<u16>) -
     let (k_bytes, v_bytes) = body[HEADER_BYTES..].split_at(2 * n);
     get_u16s(k_bytes, &mut k);
     get_u16s(v_bytes, &mut v);
-    Ok(Frame { handoff: header.handoff, layer: header.layer, index: header.index, k, v })
+    Ok(Frame { handoff: header.handoff, layer: header.layer, index: header.index, dtype: header.dtype, k, v })
 }
 
 /// The encoded length of the frame starting at `bytes`, read from its header.
@@ -211,7 +220,8 @@ pub(crate) struct Header {
     pub layer: u32,
     pub index: u32,
     pub elems: usize,
-    pub flags: u16,
+    pub flags: u8,
+    pub dtype: KvDtype,
 }
 
 pub(crate) fn peek(bytes: &[u8]) -> Result<Header, FrameError> {
@@ -227,16 +237,17 @@ pub(crate) fn peek(bytes: &[u8]) -> Result<Header, FrameError> {
     if u16_at(4) != VERSION {
         return Err(FrameError::Version(u16_at(4)));
     }
-    let flags = u16_at(6);
+    let flags = h[6];
     if flags & !FLAG_LOCAL != 0 {
         return Err(FrameError::Flags(flags));
     }
+    let dtype = KvDtype::from_code(h[7]).ok_or(FrameError::Dtype(h[7]))?;
     let elems = u32_at(24) as usize;
     if elems > MAX_ELEMS {
         return Err(FrameError::TooLarge { elems });
     }
     let handoff = HandoffId(u64::from(u32_at(8)) | u64::from(u32_at(12)) << 32);
-    Ok(Header { handoff, layer: u32_at(16), index: u32_at(20), elems, flags })
+    Ok(Header { handoff, layer: u32_at(16), index: u32_at(20), elems, flags, dtype })
 }
 
 // On little-endian hosts the payload's memory is its wire format: one `memcpy` each
@@ -285,6 +296,7 @@ mod tests {
             handoff: HandoffId(0x0123_4567_89ab_cdef),
             layer: 7,
             index: 42,
+            dtype: KvDtype::F16,
             k: (0..elems).map(|i| (i as u16).wrapping_mul(31).wrapping_add(seed)).collect(),
             v: (0..elems).map(|i| (i as u16).wrapping_mul(17) ^ seed).collect(),
         }
@@ -314,7 +326,7 @@ mod tests {
         let f = frame(3 * 16 * 64, 9);
         let mut slot = vec![0u8; f.encoded_len()];
         f.encode_local(&mut slot).unwrap();
-        assert_eq!(u16::from_le_bytes([slot[6], slot[7]]), FLAG_LOCAL);
+        assert_eq!((slot[6], slot[7]), (FLAG_LOCAL, 0));
         assert_eq!(&slot[slot.len() - 4..], &[0; 4]);
         assert_eq!(decode(&slot), Err(FrameError::Flags(FLAG_LOCAL)));
         assert_eq!(decode_reusing(&slot, false, Vec::new(), Vec::new()), Err(FrameError::Flags(FLAG_LOCAL)));
@@ -326,12 +338,24 @@ mod tests {
 
     #[test]
     fn layout_is_little_endian() {
-        let f = Frame { handoff: HandoffId(0x0102), layer: 3, index: 4, k: vec![0x1122], v: vec![0x3344] };
+        let f = Frame {
+            handoff: HandoffId(0x0102),
+            layer: 3,
+            index: 4,
+            dtype: KvDtype::F16,
+            k: vec![0x1122],
+            v: vec![0x3344],
+        };
         let b = encode(&f);
         assert_eq!(&b[..4], b"PDKV");
         assert_eq!(&b[8..10], &[0x02, 0x01]);
         assert_eq!(&b[28..32], &[0x22, 0x11, 0x44, 0x33]);
         assert_eq!(u32::from_le_bytes([b[32], b[33], b[34], b[35]]), crc32c(&b[..32]));
+        // The dtype is byte 7; f16's code 0 keeps the earlier encoding.
+        assert_eq!(b[6..8], [0, 0]);
+        let q = encode(&Frame { dtype: KvDtype::Q4_0, ..f });
+        assert_eq!(q[6..8], [0, 2]);
+        assert_eq!(decode(&q).unwrap().dtype, KvDtype::Q4_0);
     }
 
     #[test]
@@ -353,6 +377,9 @@ mod tests {
         b[24..28].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(decode(&b), Err(FrameError::TooLarge { .. })));
         let mut b = good.clone();
+        b[7] = 3;
+        assert_eq!(decode(&b), Err(FrameError::Dtype(3)));
+        let mut b = good.clone();
         b[100] ^= 1;
         assert!(matches!(decode(&b), Err(FrameError::Checksum { .. })));
         let bad = Frame { v: vec![1], ..f };
@@ -362,7 +389,7 @@ mod tests {
 
     #[test]
     fn engine_frames_convert_without_loss() {
-        let kv = KvFrame { layer: 2, index: 9, k: vec![1, 2], v: vec![3, 4] };
+        let kv = KvFrame { layer: 2, index: 9, dtype: KvDtype::Q8_0, k: vec![1, 2], v: vec![3, 4] };
         let f = Frame::from_kv(HandoffId(5), kv.clone());
         assert_eq!(f.payload_bytes(), 8);
         assert_eq!(f.into_kv(), kv);
@@ -401,8 +428,8 @@ mod tests {
         }
 
         #[test]
-        fn round_trip(elems in 0usize..300, seed in any::<u16>(), layer in any::<u32>(), index in any::<u32>()) {
-            let f = Frame { layer, index, ..frame(elems, seed) };
+        fn round_trip(elems in 0usize..300, seed in any::<u16>(), layer in any::<u32>(), index in any::<u32>(), code in 0u8..3) {
+            let f = Frame { layer, index, dtype: KvDtype::from_code(code).unwrap(), ..frame(elems, seed) };
             prop_assert_eq!(decode(&encode(&f)).unwrap(), f);
         }
     }

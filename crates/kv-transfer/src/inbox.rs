@@ -284,7 +284,7 @@ mod tests {
     use super::*;
 
     fn frame(id: u64, index: u32) -> Frame {
-        Frame { handoff: HandoffId(id), layer: 0, index, k: vec![1], v: vec![2] }
+        Frame { handoff: HandoffId(id), layer: 0, index, dtype: pdserve_types::KvDtype::F16, k: vec![1], v: vec![2] }
     }
 
     #[test]

@@ -102,7 +102,14 @@ fn probe_frames(id: HandoffId, bytes: usize, frame_elems: usize) -> Vec<Frame> {
     (0..n)
         .map(|i| {
             let fill = (i as u16) | 1;
-            Frame { handoff: id, layer: 0, index: i as u32, k: vec![fill; elems], v: vec![!fill; elems] }
+            Frame {
+                handoff: id,
+                layer: 0,
+                index: i as u32,
+                dtype: pdserve_types::KvDtype::F16,
+                k: vec![fill; elems],
+                v: vec![!fill; elems],
+            }
         })
         .collect()
 }

@@ -289,7 +289,14 @@ mod tests {
     use super::*;
 
     fn frame(index: u32) -> Frame {
-        Frame { handoff: HandoffId(1), layer: 0, index, k: vec![index as u16; 64], v: vec![1; 64] }
+        Frame {
+            handoff: HandoffId(1),
+            layer: 0,
+            index,
+            dtype: pdserve_types::KvDtype::F16,
+            k: vec![index as u16; 64],
+            v: vec![1; 64],
+        }
     }
 
     /// Records read in one go are batched; a bad frame among them still comes after

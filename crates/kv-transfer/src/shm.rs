@@ -197,7 +197,14 @@ mod tests {
     use crate::Frame;
 
     fn frame(id: u64, index: u32) -> Frame {
-        Frame { handoff: HandoffId(id), layer: 2, index, k: vec![index as u16 + 1; 3072], v: vec![9; 3072] }
+        Frame {
+            handoff: HandoffId(id),
+            layer: 2,
+            index,
+            dtype: pdserve_types::KvDtype::F16,
+            k: vec![index as u16 + 1; 3072],
+            v: vec![9; 3072],
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,6 +244,7 @@ mod tests {
             handoff: HandoffId(id),
             layer: index % 3,
             index,
+            dtype: pdserve_types::KvDtype::ALL[index as usize % 3],
             k: vec![index as u16; 256],
             v: vec![!(index as u16); 256],
         };

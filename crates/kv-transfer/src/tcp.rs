@@ -163,7 +163,14 @@ mod tests {
     use crate::{Frame, FrameError};
 
     fn frame(id: u64, index: u32) -> Frame {
-        Frame { handoff: HandoffId(id), layer: 1, index, k: vec![index as u16; 3072], v: vec![7; 3072] }
+        Frame {
+            handoff: HandoffId(id),
+            layer: 1,
+            index,
+            dtype: pdserve_types::KvDtype::F16,
+            k: vec![index as u16; 3072],
+            v: vec![7; 3072],
+        }
     }
 
     /// With the insecure key (no MACs) and with a real one (every record sealed).

@@ -9,7 +9,7 @@ use pdserve_kv_transfer::{
     HandoffToken, InProcess, Inboxes, KvAddr, KvTarget, KvTransport, Links, ShmConfig, ShmReceiver, ShmTransport,
     TcpReceiver, TcpTransport, Throughput, TransferError,
 };
-use pdserve_types::KvFrame;
+use pdserve_types::{KvDtype, KvFrame};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -78,6 +78,8 @@ fn frame(id: HandoffId, layer: u32, index: u32, elems: usize) -> Frame {
         handoff: id,
         layer,
         index,
+        // Every stored form crosses every transport.
+        dtype: KvDtype::ALL[layer as usize % 3],
         k: (0..elems).map(|i| seed.wrapping_add(i as u16)).collect(),
         v: (0..elems).map(|i| seed ^ (i as u16).rotate_left(3)).collect(),
     }
@@ -129,7 +131,7 @@ async fn engine_frames_survive_the_trip() {
         let p = pair(kind, ShmConfig::default()).await;
         let id = HandoffId(77);
         let mut inbox = p.inboxes.expect(id).unwrap();
-        let kv = KvFrame { layer: 29, index: 31, k: vec![0x3c00; REAL], v: vec![0xbc00; REAL] };
+        let kv = KvFrame { layer: 29, index: 31, dtype: KvDtype::F16, k: vec![0x3c00; REAL], v: vec![0xbc00; REAL] };
         send(&p.transport, id, inbox.token(), vec![Frame::from_kv(id, kv.clone())]).await.unwrap().unwrap();
         assert_eq!(inbox.recv().await.unwrap().map(Frame::into_kv), Some(kv), "{kind:?}");
     }

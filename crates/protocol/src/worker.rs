@@ -17,8 +17,8 @@
 
 use crate::{EventSender, GenerateRequest, ServeError};
 use pdserve_types::{
-    Assignment, BlockHash, DecodeSteps, Epoch, FinishReason, HandoffToken, KvEvent, KvTarget, PoolStats, PrefillSteps,
-    RequestId, Role, SamplingParams, Tier, TierCounters, TokenId, TokenOut, TransportKind,
+    Assignment, BlockHash, DecodeSteps, Epoch, FinishReason, HandoffToken, KvDtype, KvEvent, KvTarget, PoolStats,
+    PrefillSteps, RequestId, Role, SamplingParams, Tier, TierCounters, TokenId, TokenOut, TransportKind,
 };
 use serde::{Deserialize, Serialize};
 use std::future::Future;
@@ -213,6 +213,24 @@ pub struct WorkerInfo {
     pub model: String,
     /// The role it started in (the router's worker set holds the current one).
     pub role: Role,
+    /// How its KV cache stores K and V: what its exports put on the wire.
+    #[serde(default)]
+    pub kv_dtype: KvDtype,
+    /// Bytes of one token's K and V over all layers in that form (0: not known).
+    #[serde(default)]
+    pub kv_bytes_per_token: u64,
+}
+
+impl WorkerInfo {
+    /// A worker whose cache form is not known (f16, bytes per token 0).
+    pub fn new(name: impl Into<String>, model: impl Into<String>, role: Role) -> Self {
+        WorkerInfo { name: name.into(), model: model.into(), role, kv_dtype: KvDtype::F16, kv_bytes_per_token: 0 }
+    }
+
+    /// Says how its cache stores K and V, and what a token of it takes.
+    pub fn with_kv(self, kv_dtype: KvDtype, kv_bytes_per_token: u64) -> Self {
+        WorkerInfo { kv_dtype, kv_bytes_per_token, ..self }
+    }
 }
 
 /// Where a prefill sends its KV: the decode worker's target, and the token its

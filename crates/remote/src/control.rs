@@ -36,8 +36,9 @@ use serde::{Deserialize, Serialize};
 use std::io;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// Bumped on any incompatible change; both ends check it in the handshake.
-pub const PROTOCOL_VERSION: u32 = 12;
+/// Bumped on any incompatible change; both ends check it in the handshake. 13: KV
+/// frames carry their dtype, and worker info says how its cache stores K and V.
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";

@@ -651,7 +651,7 @@ impl TransferCost {
     /// The extra cost of handing off `tokens` prompt tokens whose prefill computes
     /// for `compute_s`, over `link` if it was probed.
     pub fn predict(&self, tokens: usize, link: Option<Link>, compute_s: f64) -> f64 {
-        self.view().predict(tokens, link, compute_s)
+        self.view().predict(tokens, link, compute_s, None)
     }
 }
 
@@ -703,6 +703,10 @@ mod tests {
         // 23 MB at 1 MB/s is 23 s on the wire, 22 of them past a 1 s prefill.
         let over_slow = t.predict(1000, Some(slow), 1.0);
         assert!((over_slow - (HANDOFF_FIXED + 5e-3 + 22.04)).abs() < 1e-6, "{over_slow}");
+        // A sender that announced what its tokens take is costed by that: a q8_0
+        // cache's 34/64 of f16's bytes spend 12.24 s on the wire.
+        let q8 = t.view().predict(1000, Some(slow), 1.0, Some(23_040.0 * 34.0 / 64.0));
+        assert!((q8 - (HANDOFF_FIXED + 5e-3 + 11.24)).abs() < 1e-6, "{q8}");
     }
 
     #[test]

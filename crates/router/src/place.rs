@@ -311,7 +311,8 @@ impl Placer<'_> {
         let remote = |i: usize| {
             let (v, to) = (self.view(i), &self.view(d).name);
             let compute = n as f64 * paces.per_token(v);
-            cost(v, self.cached_on(i)) + self.snap.transfer.predict(n, v.links.get(to).copied(), compute)
+            cost(v, self.cached_on(i))
+                + self.snap.transfer.predict(n, v.links.get(to).copied(), compute, v.kv_bytes_per_token)
         };
         let others = self.with_role(&[Role::Prefill, Role::Mixed], Some(d));
         if self.view(d).role == Role::Decode {

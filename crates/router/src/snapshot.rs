@@ -80,6 +80,9 @@ pub struct View {
     pub links: HashMap<String, Link>,
     /// The request's prompt blocks its prefix cache holds, as indexed.
     pub cached: CachedPrefix,
+    /// What one token of its KV cache takes on the wire, as it announced (its
+    /// cache's dtype decides it); `None` when it did not say.
+    pub kv_bytes_per_token: Option<f64>,
 }
 
 impl View {
@@ -269,11 +272,12 @@ pub struct TransferView {
 
 impl TransferView {
     /// The extra cost of handing off `tokens` prompt tokens whose prefill computes
-    /// for `compute_s`, over `link` if it was probed.
-    pub fn predict(&self, tokens: usize, link: Option<Link>, compute_s: f64) -> f64 {
+    /// for `compute_s`, over `link` if it was probed, from a sender whose cache
+    /// takes `sender_bpt` bytes per token (else the bytes the handoffs so far moved).
+    pub fn predict(&self, tokens: usize, link: Option<Link>, compute_s: f64, sender_bpt: Option<f64>) -> f64 {
         let per_token = self.seconds_per_token.unwrap_or(PRIOR_TRANSFER_PER_TOKEN);
         let learned = HANDOFF_FIXED + tokens as f64 * per_token;
-        let (Some(link), Some(bpt)) = (link, self.bytes_per_token) else { return learned };
+        let (Some(link), Some(bpt)) = (link, sender_bpt.or(self.bytes_per_token)) else { return learned };
         // Frames leave layer by layer while the prefill computes: only the wire time
         // beyond the compute delays the first token.
         let wire = tokens as f64 * bpt / link.bytes_per_s.max(1.0);

@@ -134,6 +134,7 @@ impl Entry {
             restore: self.restore.view(),
             links: self.links.lock().unwrap_or_else(PoisonError::into_inner).clone(),
             cached,
+            kv_bytes_per_token: Some(self.worker.info().kv_bytes_per_token as f64).filter(|&b| b > 0.0),
         }
     }
 

@@ -111,7 +111,7 @@ struct Import {
 
 impl FakeWorker {
     pub fn new(name: &str, role: Role, total_blocks: usize) -> FakeWorker {
-        let info = WorkerInfo { name: name.into(), model: "fake".into(), role };
+        let info = WorkerInfo::new(name, "fake", role);
         FakeWorker {
             inner: Arc::new(Inner {
                 role: RoleState::new(role),
@@ -255,6 +255,7 @@ impl Inner {
                         handoff: hid,
                         layer,
                         index,
+                        dtype: pdserve_types::KvDtype::F16,
                         k: vec![index as u16; 8],
                         v: vec![layer as u16; 8],
                     })?;

@@ -33,7 +33,7 @@ use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::RestoreCost;
 use pdserve_kv_transfer::{frame, probe, ClusterKey, HandoffId, Inboxes, KvTarget, Links, ListenAt, TransportKind};
 use pdserve_protocol::{Event, GenerateRequest, RoleSwitch, TokenStream, Worker};
-use pdserve_types::{Assignment, Epoch, KvFrame, RequestId, Role, SamplingParams};
+use pdserve_types::{Assignment, Epoch, KvDtype, KvFrame, RequestId, Role, SamplingParams};
 use pdserve_worker::{CoRun, LocalWorker, WorkerOptions};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -112,8 +112,9 @@ fn model_shape(spec: &Spec) -> ModelShape {
         vocab_size: c.vocab_size,
         context_length: c.context_length,
         n_layers: c.n_layers,
-        // K and V, f16, every layer.
-        kv_bytes_per_token: (2 * 2 * c.n_layers * c.n_kv_heads * c.head_dim) as f64,
+        // K and V, f16, every layer (`Profile::with_kv_dtype` rescales it).
+        kv_bytes_per_token: pdserve_engine::kvcache::bytes_per_token(c, KvDtype::F16) as f64,
+        kv_dtype: KvDtype::F16,
         kv_blocks: spec.kv_blocks,
         max_batch_tokens: None,
         max_seqs: None,
@@ -370,8 +371,13 @@ fn add_decodes(e: &mut Engine, model: &Arc<Model>, ctx: usize, b: usize, tokens:
         for layer in 0..c.n_layers {
             for index in 0..ctx.div_ceil(BLOCK_SIZE) {
                 let fill = half_bits(((index * 31 + layer * 7) % 97) as f32 / 97.0 - 0.5);
-                let f =
-                    KvFrame { layer: layer as u32, index: index as u32, k: vec![fill; elems], v: vec![fill; elems] };
+                let f = KvFrame {
+                    layer: layer as u32,
+                    index: index as u32,
+                    dtype: KvDtype::F16,
+                    k: vec![fill; elems],
+                    v: vec![fill; elems],
+                };
                 let _ = e.import_frame(id, &f);
             }
         }

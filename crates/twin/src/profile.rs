@@ -12,6 +12,7 @@ use crate::TwinError;
 use pdserve_engine::batch::EngineConfig;
 use pdserve_engine::timed::{Clock, DecodeTable, RestoreCost, StepCost, StepShape, StepTime, TimedModel};
 use pdserve_kv_transfer::TransportKind;
+use pdserve_types::KvDtype;
 use pdserve_worker::{CoRun, LinkModel};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -80,8 +81,11 @@ pub struct ModelShape {
     pub vocab_size: usize,
     pub context_length: usize,
     pub n_layers: usize,
-    /// Bytes of K and V per token, all layers (what a handoff moves).
+    /// Bytes of K and V per token, all layers (what a handoff moves), in `kv_dtype`.
     pub kv_bytes_per_token: f64,
+    /// How the profiled cache stored K and V.
+    #[serde(default)]
+    pub kv_dtype: KvDtype,
     /// KV blocks of 16 tokens a worker holds.
     pub kv_blocks: usize,
     /// Tokens per step and sequences at once, where the hardware wants other values
@@ -213,6 +217,19 @@ impl Profile {
         (self.model.kv_bytes_per_token * pdserve_engine::batch::BLOCK_SIZE as f64) as usize
     }
 
+    /// The profile with its cache stored as `dtype`: bytes per token scaled by the
+    /// dtype's share of f16's, and as many more blocks as the same memory holds.
+    /// Step times are kept: decode reads the cache's bytes, so a quantized cache's
+    /// steps at long context are if anything shorter (measured in docs/benchmarks.md).
+    pub fn with_kv_dtype(mut self, dtype: KvDtype) -> Profile {
+        let m = &mut self.model;
+        let ratio = dtype.share_of_f16() / m.kv_dtype.share_of_f16();
+        m.kv_bytes_per_token *= ratio;
+        m.kv_blocks = (m.kv_blocks as f64 / ratio) as usize;
+        m.kv_dtype = dtype;
+        self
+    }
+
     /// The timed stand-in of the model for a worker of `threads` threads.
     pub fn timed(&self, threads: usize, clock: Clock) -> TimedModel {
         // The step as timed on `threads`, and on one thread for the work it holds.
@@ -241,6 +258,7 @@ impl Profile {
         EngineConfig {
             threads,
             num_blocks: kv_blocks.unwrap_or(self.model.kv_blocks),
+            kv_dtype: self.model.kv_dtype,
             max_batch_tokens: self.model.max_batch_tokens.unwrap_or(d.max_batch_tokens),
             max_seqs: self.model.max_seqs.unwrap_or(d.max_seqs),
             ..d
@@ -406,6 +424,7 @@ mod tests {
             context_length: 100,
             n_layers: 1,
             kv_bytes_per_token: 1.0,
+            kv_dtype: pdserve_types::KvDtype::F16,
             kv_blocks: 1,
             max_batch_tokens: None,
             max_seqs: None,

@@ -34,6 +34,7 @@ fn profile() -> Profile {
             context_length: 8192,
             n_layers: 30,
             kv_bytes_per_token: 23040.0,
+            kv_dtype: pdserve_types::KvDtype::F16,
             kv_blocks: 1024,
             max_batch_tokens: None,
             max_seqs: None,

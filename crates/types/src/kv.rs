@@ -1,13 +1,16 @@
 use serde::{Deserialize, Serialize};
 
 /// One block of one layer of a sequence's KV cache: `n_kv_heads × block_size ×
-/// head_dim` f16 values each of K and V, as raw bits. The unit a prefill engine
-/// exports, a transport carries and a decode engine imports.
+/// head_dim` values each of K and V in the sender's stored form (`dtype`), as
+/// 16-bit little-endian words (f16 bits, or GGUF blocks, whose 34 and 18 bytes are
+/// whole words). The unit a prefill engine exports, a transport carries and a decode
+/// engine imports.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct KvFrame {
     pub layer: u32,
     /// The block's index within the sequence (position / block size).
     pub index: u32,
+    pub dtype: KvDtype,
     pub k: Vec<u16>,
     pub v: Vec<u16>,
 }
@@ -33,6 +36,21 @@ pub enum KvDtype {
 }
 
 impl KvDtype {
+    pub const ALL: [KvDtype; 3] = [KvDtype::F16, KvDtype::Q8_0, KvDtype::Q4_0];
+
+    /// The code a KV frame's header carries.
+    pub fn code(self) -> u8 {
+        match self {
+            KvDtype::F16 => 0,
+            KvDtype::Q8_0 => 1,
+            KvDtype::Q4_0 => 2,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<KvDtype> {
+        KvDtype::ALL.into_iter().find(|d| d.code() == code)
+    }
+
     /// Values per quantization block (1 for f16: any row length works).
     pub fn block_values(self) -> usize {
         match self {
@@ -42,12 +60,17 @@ impl KvDtype {
     }
 
     /// Bytes of one block of [`KvDtype::block_values`] values.
-    fn block_bytes(self) -> usize {
+    pub fn block_bytes(self) -> usize {
         match self {
             KvDtype::F16 => 2,
             KvDtype::Q8_0 => 34,
             KvDtype::Q4_0 => 18,
         }
+    }
+
+    /// What a row of whole blocks takes, as a share of f16's bytes (34/64, 18/64).
+    pub fn share_of_f16(self) -> f64 {
+        self.block_bytes() as f64 / (2 * self.block_values()) as f64
     }
 
     /// Bytes `values` values take, or `None` when they do not fill whole blocks.
@@ -74,7 +97,7 @@ impl std::str::FromStr for KvDtype {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        [KvDtype::F16, KvDtype::Q8_0, KvDtype::Q4_0]
+        KvDtype::ALL
             .into_iter()
             .find(|d| d.name() == s)
             .ok_or_else(|| format!("unknown KV cache dtype `{s}` (expected f16, q8_0 or q4_0)"))

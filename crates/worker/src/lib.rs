@@ -235,10 +235,12 @@ impl Receivers {
 impl LocalWorker {
     /// Starts the engine thread; `rt` runs the worker's KV tasks.
     pub fn spawn(opts: WorkerOptions, model: Arc<Model>, rt: tokio::runtime::Handle) -> std::io::Result<LocalWorker> {
-        // A frame is one block of one layer: K and V of every KV head.
+        // A frame is one block of one layer: K and V of every KV head, at most f16's
+        // words whatever the sender's dtype.
         let c = &model.cfg;
         let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
-        LocalWorker::start(opts, frame_elems, None, rt, move |cfg, eog| Engine::new(model, cfg, eog))
+        let per_token = pdserve_engine::kvcache::bytes_per_token(c, opts.engine.kv_dtype) as u64;
+        LocalWorker::start(opts, frame_elems, per_token, None, rt, move |cfg, eog| Engine::new(model, cfg, eog))
     }
 
     /// A simulated worker process's worker: a timed engine (on the wall clock) whose
@@ -251,12 +253,14 @@ impl LocalWorker {
         rt: tokio::runtime::Handle,
     ) -> std::io::Result<LocalWorker> {
         let frame_elems = BLOCK_SIZE * timed.kv_values.max(1);
-        LocalWorker::start(opts, frame_elems, Some(kv), rt, move |cfg, eog| Engine::timed(timed, cfg, eog))
+        let per_token = kv.bytes_per_token as u64;
+        LocalWorker::start(opts, frame_elems, per_token, Some(kv), rt, move |cfg, eog| Engine::timed(timed, cfg, eog))
     }
 
     fn start(
         opts: WorkerOptions,
         frame_elems: usize,
+        kv_bytes_per_token: u64,
         sim_kv: Option<SimKv>,
         rt: tokio::runtime::Handle,
         build: impl FnOnce(EngineConfig, Vec<u32>) -> Engine + Send + 'static,
@@ -267,6 +271,7 @@ impl LocalWorker {
         let frame_bytes = frame::encoded_len_for(frame_elems);
         let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
         let links = Links::new(opts.key);
+        let kv_dtype = opts.engine.kv_dtype;
         let (cfg, eog, grammars, tiers) = (opts.engine, opts.eog, opts.grammars.clone(), opts.tiers);
         let (pool_tx, pool_rx) = sync_channel(1);
         let exports = Exports::default();
@@ -289,7 +294,7 @@ impl LocalWorker {
             .recv()
             .map_err(|_| std::io::Error::other("the engine thread died while starting"))?
             .map_err(std::io::Error::other)?;
-        let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
+        let info = WorkerInfo::new(opts.name, opts.model_name, opts.role).with_kv(kv_dtype, kv_bytes_per_token);
         let inner = Inner {
             role: RoleState::new(info.role),
             info,

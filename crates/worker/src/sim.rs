@@ -79,6 +79,7 @@ impl SimWorker {
     /// when its disk tier cannot be opened.
     pub fn spawn(opts: SimOptions) -> Result<SimWorker, TierError> {
         let (layers, threads) = (opts.timed.n_layers, opts.engine.threads.max(1));
+        let kv_dtype = opts.engine.kv_dtype;
         let engine = Engine::timed(opts.timed, opts.engine, Vec::new()).with_tiers(&opts.tiers)?;
         let (tx, rx) = mpsc::channel(QUEUE);
         let active = Arc::new(AtomicUsize::new(0));
@@ -87,7 +88,8 @@ impl SimWorker {
         let clock = (opts.machine, threads, layers);
         let loop_ = worker_loop::run_virtual(engine, rx, active.clone(), clock, exports.clone());
         tokio::spawn(loop_);
-        let info = WorkerInfo { name: opts.name, model: opts.model_name, role: opts.role };
+        let info =
+            WorkerInfo::new(opts.name, opts.model_name, opts.role).with_kv(kv_dtype, opts.kv_bytes_per_token as u64);
         let inner = Inner {
             role: RoleState::new(info.role),
             info,

@@ -199,6 +199,9 @@ pub struct EngineArgs {
     /// Repetitions; the best is reported (as llama-bench reports the mean of quiet runs).
     #[arg(long, default_value_t = 2)]
     reps: usize,
+    /// How the KV cache stores K and V: f16 | q8_0 | q4_0.
+    #[arg(long, default_value = "f16")]
+    kv_cache_dtype: pdserve_types::KvDtype,
     /// Write the results as JSON here.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
@@ -296,7 +299,9 @@ fn engine_bench(a: EngineArgs) -> anyhow::Result<()> {
         decode_prompt: a.decode_prompt,
         decode_tokens: a.decode_tokens,
         reps: a.reps,
+        kv_dtype: a.kv_cache_dtype,
     };
+    pdserve_engine::kvcache::check_dtype(&m.model.cfg, a.kv_cache_dtype).map_err(anyhow::Error::msg)?;
     let report = bench::engine(&m, &b, |r| match r.kind {
         "prefill" => {
             println!("prefill  threads={} prompt={:<5}        {:8.1} tok/s", r.threads, r.prompt, r.tokens_per_s)

@@ -36,6 +36,9 @@ pub struct TiersArgs {
     /// Repetitions; the median is reported.
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// How the KV cache (and so every tier) stores K and V: f16 | q8_0 | q4_0.
+    #[arg(long, default_value = "f16")]
+    kv_cache_dtype: pdserve_types::KvDtype,
     /// Write the results as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -167,6 +170,7 @@ fn once(m: &LoadedModel, a: &TiersArgs, tokens: usize, from: From) -> anyhow::Re
         max_seqs: 1,
         cache_salt: 0,
         objectives: None,
+        kv_dtype: a.kv_cache_dtype,
     };
     let mut e = Engine::new(m.model.clone(), cfg, Vec::new()).with_tiers(&tiers)?;
     let prompt = pdserve_engine::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);

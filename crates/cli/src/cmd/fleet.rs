@@ -93,6 +93,7 @@ fn table(nodes: &[NodeRecord], plan: Option<&Plan>, now_ms: u64) -> String {
         "LOAD",
         "QUEUED TOK",
         "BLOCKS FREE/USED/CACHED",
+        "KV DTYPE",
         "HEARTBEAT",
     ]
     .into_iter()
@@ -110,6 +111,7 @@ fn table(nodes: &[NodeRecord], plan: Option<&Plan>, now_ms: u64) -> String {
             format!("{} run, {} wait", n.load.running, n.load.waiting + n.load.importing),
             n.load.queued_prompt_tokens.to_string(),
             format!("{}/{}/{}", k.blocks_free, k.blocks_used, k.blocks_cached),
+            k.dtype.to_string(),
             format!("{:.1} s ago", now_ms.saturating_sub(n.updated_unix_ms) as f64 / 1000.0),
         ]);
     }
@@ -177,7 +179,15 @@ mod tests {
             protocol: 1,
             endpoints: Endpoints { control: ([10, 0, 0, 2], 7001).into(), kv: ([10, 0, 0, 2], 7101).into() },
             threads: 1,
-            kv_cache: KvCache { block_size: 16, blocks_total: 10, blocks_free: 6, blocks_used: 4, blocks_cached: 2 },
+            kv_cache: KvCache {
+                block_size: 16,
+                blocks_total: 10,
+                blocks_free: 6,
+                blocks_used: 4,
+                blocks_cached: 2,
+                dtype: pdserve_types::KvDtype::Q8_0,
+                bytes_per_token: 12_240,
+            },
             load: Load { queued_prompt_tokens: 300, waiting: 1, running: 2, importing: 1 },
             links: vec![],
             updated_unix_ms: 10_000,
@@ -191,7 +201,7 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 3);
         assert!(lines[1].starts_with("gpu-1 "), "{t}");
-        for cell in ["decode/3", "prefill/4", "10.0.0.2:7001", "2 run, 2 wait", "300", "6/4/2", "0.4 s ago"] {
+        for cell in ["decode/3", "prefill/4", "10.0.0.2:7001", "2 run, 2 wait", "300", "6/4/2", "q8_0", "0.4 s ago"] {
             assert!(lines[1].contains(cell), "{cell} in {t}");
         }
         assert_eq!(lines[0].find("ROLE/EPOCH"), lines[1].find("decode/3"));

@@ -19,6 +19,7 @@ use anyhow::Context;
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::loader::{self, LoadedModel, ModelMeta};
 use pdserve_engine::tokenizer::Tokenizer;
+use pdserve_types::KvDtype;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -134,6 +135,66 @@ impl KvTierArgs {
             disk_blocks: blocks(self.kv_disk_gb),
             disk_dir: self.kv_disk_dir.clone(),
         })
+    }
+}
+
+/// How a worker's KV cache stores K and V, and how much memory its pool takes.
+#[derive(clap::Args, Clone, Copy)]
+pub struct KvCacheArgs {
+    /// How the KV cache stores K and V: f16 | q8_0 | q4_0 (GGUF's blocks of 32
+    /// values with one f16 scale, as llama.cpp's --cache-type-k/-v name them). A
+    /// quantized cache holds more tokens in the same memory and moves fewer bytes to
+    /// decode workers and tiers; its quality is in docs/models.md.
+    #[arg(long, default_value = "f16")]
+    pub kv_cache_dtype: KvDtype,
+    /// Memory of each worker's KV pool, in GB: the blocks it holds follow from the
+    /// dtype [default: what 1024 blocks of f16 take; --kv-blocks sets a count instead].
+    #[arg(long, conflicts_with = "kv_blocks")]
+    pub kv_cache_gb: Option<f64>,
+}
+
+impl KvCacheArgs {
+    /// Blocks of the pool: `kv_blocks` if given, else the byte budget (--kv-cache-gb,
+    /// or what `default_blocks` of f16 take) over a block of this dtype. The block
+    /// sizes are of one block of every layer, in f16 and in the chosen dtype.
+    pub fn blocks(
+        &self,
+        kv_blocks: Option<usize>,
+        default_blocks: usize,
+        f16_block: f64,
+        block: f64,
+    ) -> anyhow::Result<usize> {
+        if let Some(n) = kv_blocks {
+            return Ok(n);
+        }
+        let budget = match self.kv_cache_gb {
+            Some(gb) if !(gb.is_finite() && gb > 0.0) => {
+                anyhow::bail!("--kv-cache-gb must be a positive number of gigabytes (got {gb})")
+            }
+            Some(gb) => gb * 1e9,
+            None => default_blocks as f64 * f16_block,
+        };
+        match (budget / block.max(1.0)) as usize {
+            0 => anyhow::bail!("--kv-cache-gb {} holds no block of {block} bytes", budget / 1e9),
+            n => Ok(n),
+        }
+    }
+
+    /// The dtype, checked against the model's heads.
+    pub fn dtype_for(&self, cfg: &pdserve_engine::config::ModelConfig) -> anyhow::Result<KvDtype> {
+        pdserve_engine::kvcache::check_dtype(cfg, self.kv_cache_dtype).map_err(anyhow::Error::msg)?;
+        Ok(self.kv_cache_dtype)
+    }
+
+    /// Blocks of the pool for a real model.
+    pub fn model_blocks(
+        &self,
+        cfg: &pdserve_engine::config::ModelConfig,
+        kv_blocks: Option<usize>,
+        default_blocks: usize,
+    ) -> anyhow::Result<usize> {
+        let block = |d| pdserve_engine::kvcache::block_bytes(cfg, pdserve_engine::batch::BLOCK_SIZE, d) as f64;
+        self.blocks(kv_blocks, default_blocks, block(KvDtype::F16), block(self.dtype_for(cfg)?))
     }
 }
 

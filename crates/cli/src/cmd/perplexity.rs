@@ -2,6 +2,7 @@
 //! `llama-perplexity` does (see `pdserve_engine::perplexity`).
 
 use anyhow::Context;
+use pdserve_engine::perplexity::PerplexityRun;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -21,16 +22,20 @@ pub struct Args {
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// How the KV cache stores K and V: f16 | q8_0 | q4_0 (llama.cpp's -ctk/-ctv).
+    #[arg(long, default_value = "f16")]
+    kv_cache_dtype: pdserve_types::KvDtype,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let text = std::fs::read_to_string(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
     let m = super::load_model(&a.model)?;
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let p = pdserve_engine::perplexity::perplexity(&m, &text, a.ctx, a.chunks, threads)?;
+    let run = PerplexityRun { ctx: a.ctx, max_chunks: a.chunks, threads, kv_dtype: a.kv_cache_dtype };
+    let p = pdserve_engine::perplexity::perplexity(&m, &text, run)?;
     println!(
-        "{}: {} chunks of {} tokens, {} tokens scored: PPL = {:.4} +/- {:.4}",
-        m.name, p.chunks, p.ctx, p.scored, p.ppl, p.stderr
+        "{}: {} chunks of {} tokens, {} tokens scored, {} KV cache: PPL = {:.4} +/- {:.4}",
+        m.name, p.chunks, p.ctx, p.scored, a.kv_cache_dtype, p.ppl, p.stderr
     );
     Ok(())
 }

@@ -76,6 +76,8 @@ pub struct TopologyArgs {
     #[arg(long)]
     pub kv_blocks: Option<usize>,
     #[command(flatten)]
+    pub kv_cache: super::KvCacheArgs,
+    #[command(flatten)]
     pub tiers: super::KvTierArgs,
     /// How KV moves from prefill to decode workers: inproc (hand over the frames; the
     /// default), tcp (loopback socket) or shm (shared-memory ring); tcp and shm exercise
@@ -236,13 +238,16 @@ fn spawn_workers(
     let roles = t.roles();
     // Both ends of every KV link are in this process: a key of its own.
     let key = pdserve_kv_transfer::ClusterKey::random();
+    let cfg = &m.model.cfg;
+    let kv_dtype = t.kv_cache.dtype_for(cfg)?;
     let tiers =
-        t.tiers.config(pdserve_engine::kvcache::block_bytes(&m.model.cfg, pdserve_engine::batch::BLOCK_SIZE))?;
+        t.tiers.config(pdserve_engine::kvcache::block_bytes(cfg, pdserve_engine::batch::BLOCK_SIZE, kv_dtype))?;
     let (ttft_ms, tpot_ms) = objectives_ms(a);
     let objectives = t.protect_tpot.then_some(Objectives::from_ms(ttft_ms, tpot_ms));
     let engine = EngineConfig {
         threads: t.threads(roles.len()),
-        num_blocks: t.kv_blocks.unwrap_or(KV_BLOCKS),
+        num_blocks: t.kv_cache.model_blocks(cfg, t.kv_blocks, KV_BLOCKS)?,
+        kv_dtype,
         objectives,
         ..Default::default()
     };

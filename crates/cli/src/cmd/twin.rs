@@ -114,7 +114,11 @@ fn sim_topology(t: &TopologyArgs, admission: &AdmissionArgs, profile: &Profile, 
         mode: t.mode,
         policy: t.policy,
         threads,
-        kv_blocks: t.kv_blocks,
+        // A byte budget counts blocks of the profile's (already dtype-scaled) bytes.
+        kv_blocks: match t.kv_cache.kv_cache_gb {
+            Some(_) => Some(t.kv_cache.blocks(None, 0, 0.0, profile.block_bytes() as f64)?),
+            None => t.kv_blocks,
+        },
         via: t.kv_transport.unwrap_or(TransportKind::Inproc),
         planner: t.planner.then_some(model::Slo::from_ms(slo.ttft_ms, slo.tpot_ms)),
         objectives: t.protect_tpot.then_some(Objectives::from_ms(slo.ttft_ms, slo.tpot_ms)),
@@ -130,7 +134,7 @@ fn sim_topology(t: &TopologyArgs, admission: &AdmissionArgs, profile: &Profile, 
 
 pub fn sim(a: SimArgs) -> anyhow::Result<()> {
     a.topology.check()?;
-    let profile = Profile::load(&a.profile)?;
+    let profile = Profile::load(&a.profile)?.with_kv_dtype(a.topology.kv_cache.kv_cache_dtype);
     let slo = a.work.slo();
     let topology = sim_topology(&a.topology, &a.admission, &profile, slo)?;
     let workload = a.work.workload()?;

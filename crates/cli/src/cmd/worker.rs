@@ -40,9 +40,11 @@ pub struct Args {
     /// Compute threads (default 1: two workers share a 2-core machine).
     #[arg(long, default_value_t = 1)]
     threads: usize,
-    /// KV blocks of 16 tokens.
-    #[arg(long, default_value_t = 1024)]
-    kv_blocks: usize,
+    /// KV blocks of 16 tokens [default: 1024 of f16, in bytes: see --kv-cache-gb].
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+    #[command(flatten)]
+    kv_cache: super::KvCacheArgs,
     #[command(flatten)]
     tiers: super::KvTierArgs,
     /// Keep running decodes within --slo-tpot-ms, as `serve --protect-tpot` does.
@@ -74,6 +76,10 @@ pub struct Args {
     grace_seconds: u64,
 }
 
+/// KV blocks where neither --kv-blocks nor --kv-cache-gb is given: the budget is
+/// what this many f16 blocks take.
+const DEFAULT_KV_BLOCKS: usize = 1024;
+
 /// What computes a worker's steps.
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum EngineKind {
@@ -96,14 +102,35 @@ impl Compute {
         })
     }
 
-    /// Bytes of one KV block of the model (all layers): the unit of the tiers.
-    fn block_bytes(&self) -> usize {
+    /// Checks `--kv-cache-dtype` against the model; a simulated worker's profile
+    /// takes the dtype's bytes per token.
+    fn with_kv_dtype(self, a: &Args) -> anyhow::Result<Compute> {
+        Ok(match self {
+            Compute::Real(m) => {
+                a.kv_cache.dtype_for(&m.model.cfg)?;
+                Compute::Real(m)
+            }
+            Compute::Sim(p) => Compute::Sim(Box::new(p.with_kv_dtype(a.kv_cache.kv_cache_dtype))),
+        })
+    }
+
+    /// Bytes of one KV block of the model (all layers), in `dtype` and in f16.
+    fn block_bytes(&self, dtype: pdserve_types::KvDtype) -> (usize, usize) {
         let block = pdserve_engine::batch::BLOCK_SIZE;
         match self {
-            Compute::Real(m) => pdserve_engine::kvcache::block_bytes(&m.model.cfg, block),
+            Compute::Real(m) => {
+                let bytes = |d| pdserve_engine::kvcache::block_bytes(&m.model.cfg, block, d);
+                (bytes(dtype), bytes(pdserve_types::KvDtype::F16))
+            }
             // A simulated worker accounts the model's bytes, not its scaled frames'.
-            Compute::Sim(p) => p.block_bytes(),
+            Compute::Sim(p) => (p.block_bytes(), (p.block_bytes() as f64 / dtype.share_of_f16()) as usize),
         }
+    }
+
+    /// Blocks of the pool, from --kv-blocks or the byte budget.
+    fn pool_blocks(&self, a: &Args) -> anyhow::Result<usize> {
+        let (block, f16) = self.block_bytes(a.kv_cache.kv_cache_dtype);
+        a.kv_cache.blocks(a.kv_blocks, DEFAULT_KV_BLOCKS, f16 as f64, block as f64)
     }
 
     fn model_name(&self) -> String {
@@ -144,8 +171,9 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
         anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
     }
     let key = a.security.key()?;
-    let m = Compute::load(&a)?;
-    let tiers = a.tiers.config(m.block_bytes())?;
+    let m = Compute::load(&a)?.with_kv_dtype(&a)?;
+    let tiers = a.tiers.config(m.block_bytes(a.kv_cache.kv_cache_dtype).0)?;
+    let blocks = m.pool_blocks(&a)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async move {
         let listener =
@@ -158,7 +186,8 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
             model_name: m.model_name(),
             engine: EngineConfig {
                 threads: a.threads.max(1),
-                num_blocks: a.kv_blocks,
+                num_blocks: blocks,
+                kv_dtype: a.kv_cache.kv_cache_dtype,
                 objectives: a.objectives(),
                 ..Default::default()
             },
@@ -173,7 +202,7 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
         let control = listener.local_addr()?;
         let fleet = match a.nats.config(&name, Some(&key)) {
             None => None,
-            Some(cfg) => Some(join_fleet(&a, cfg, &name, &key, Endpoints { control, kv }, worker.clone())?),
+            Some(cfg) => Some(join_fleet(&a, cfg, &name, &key, Endpoints { control, kv }, worker.clone(), blocks)?),
         };
         let worker = Arc::new(worker) as Arc<dyn Worker>;
         // On SIGINT/SIGTERM the fleet record goes first, so frontends stop sending
@@ -186,9 +215,10 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
             }
         };
         tracing::info!(
-            "pdserve worker: {name} ({} role, {} thread(s)) listening on {}, KV on tcp port {}",
+            "pdserve worker: {name} ({} role, {} thread(s), {blocks} KV blocks of {}) listening on {}, KV on tcp port {}",
             a.role,
             a.threads.max(1),
+            a.kv_cache.kv_cache_dtype,
             control,
             kv.port()
         );
@@ -223,6 +253,7 @@ fn join_fleet(
     key: &ClusterKey,
     here: Endpoints,
     local: LocalWorker,
+    blocks: usize,
 ) -> anyhow::Result<Registration> {
     let at = |addr: SocketAddr| a.advertise.map_or(addr, |ip| SocketAddr::new(ip, addr.port()));
     if a.advertise.is_none() && here.control.ip().is_unspecified() {
@@ -240,7 +271,7 @@ fn join_fleet(
             worker: Arc::new(local),
             endpoints: Endpoints { control: at(here.control), kv: at(here.kv) },
             threads: a.threads.max(1),
-            blocks: a.kv_blocks,
+            blocks,
             send_probe,
             key: key.clone(),
         },

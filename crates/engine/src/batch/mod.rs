@@ -20,7 +20,7 @@ use crate::tiers::{TierBytes, TierConfig, TierError};
 use crate::timed::TimedModel;
 use pdserve_kv::{BlockPool, Place, PoolStats, TierCounters};
 use pdserve_types::TokenOut;
-use pdserve_types::{DecodeSteps, PrefillSteps, RequestId, SamplingParams};
+use pdserve_types::{DecodeSteps, KvDtype, PrefillSteps, RequestId, SamplingParams};
 use sequence::Sequence;
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -33,6 +33,9 @@ pub struct EngineConfig {
     pub threads: usize,
     /// KV blocks of `BLOCK_SIZE` tokens.
     pub num_blocks: usize,
+    /// How the KV cache stores its values (check it fits the model with
+    /// [`crate::kvcache::check_dtype`] first).
+    pub kv_dtype: KvDtype,
     /// Tokens per step: decodes first, then prefill chunks fill the rest.
     pub max_batch_tokens: usize,
     /// Sequences running at once.
@@ -49,6 +52,7 @@ impl Default for EngineConfig {
         EngineConfig {
             threads: 1,
             num_blocks: 1024,
+            kv_dtype: KvDtype::F16,
             max_batch_tokens: 512,
             max_seqs: 64,
             cache_salt: 0,
@@ -178,7 +182,7 @@ pub struct Engine {
 impl Engine {
     /// `eog` lists the end-of-generation token ids (from the tokenizer).
     pub fn new(model: Arc<Model>, cfg: EngineConfig, eog: Vec<u32>) -> Self {
-        let kv = KvStorage::new(&model.cfg, cfg.num_blocks, BLOCK_SIZE);
+        let kv = KvStorage::with_dtype(&model.cfg, cfg.num_blocks, BLOCK_SIZE, cfg.kv_dtype);
         Engine::with_compute(Compute::Model(model), kv, cfg, eog)
     }
 
@@ -298,6 +302,11 @@ impl Engine {
     pub fn with_grammars(mut self, grammars: Arc<Grammars>) -> Self {
         self.grammars = Some(grammars);
         self
+    }
+
+    /// The shape of one block of one layer of this engine's cache.
+    pub fn kv_shape(&self) -> crate::kvcache::BlockShape {
+        self.kv.block_shape()
     }
 
     pub fn config(&self) -> &EngineConfig {

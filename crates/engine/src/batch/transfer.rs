@@ -7,10 +7,10 @@
 //! row-wise kernels, so the tokens are identical to one engine doing both.
 
 use super::{Engine, EngineError, Sequence, StepOutput, BLOCK_SIZE};
-use crate::kvcache::KvStorage;
+use crate::kvcache::{convert_block, KvStorage};
 use crate::tiers::TierBytes;
 use pdserve_kv::{block_hashes, BlockHash, BlockPool, BlockTable, ImmutableBlock, Place};
-use pdserve_types::{KvFrame, RequestId, SamplingParams};
+use pdserve_types::{KvDtype, KvFrame, RequestId, SamplingParams};
 
 /// Blocks reserved on a decode engine for a transfer in flight.
 pub struct KvImport {
@@ -85,7 +85,7 @@ impl Engine {
             let mut outs = self.step_with(&mut |l, stored, seqs| {
                 for s in seqs.iter().filter(|s| s.last_chunk) {
                     let blocks = s.blocks.iter().map(|&b| stored.kv.block(l, b));
-                    stopped |= !export_layer(l, blocks, on_frame);
+                    stopped |= !export_layer(l, stored.kv.dtype, blocks, on_frame);
                 }
                 !stopped
             });
@@ -140,18 +140,28 @@ impl Engine {
         Ok(())
     }
 
-    /// Writes one frame into the reserved blocks of `id`.
+    /// Writes one frame into the reserved blocks of `id`. A frame of another dtype
+    /// than this cache's (a peer configured apart) is converted on receipt.
     pub fn import_frame(&mut self, id: RequestId, f: &KvFrame) -> Result<(), EngineError> {
         let imp = self.importing.iter().find(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
         let block = *imp
             .ids
             .get(f.index as usize)
             .ok_or_else(|| EngineError::BadFrame(format!("block index {} out of range", f.index)))?;
-        let n = self.kv.block_elems();
-        if f.layer as usize >= self.kv.n_layers || f.k.len() != n || f.v.len() != n {
-            return Err(EngineError::BadFrame(format!("layer {} with {} values", f.layer, f.k.len())));
+        let bad = || EngineError::BadFrame(format!("layer {} with {} {} words", f.layer, f.k.len(), f.dtype));
+        if f.layer as usize >= self.kv.n_layers {
+            return Err(bad());
         }
-        self.kv.set_block(f.layer as usize, block, &f.k, &f.v);
+        if f.dtype == self.kv.dtype {
+            let n = self.kv.block_words();
+            if f.k.len() != n || f.v.len() != n {
+                return Err(bad());
+            }
+            self.kv.set_block(f.layer as usize, block, &f.k, &f.v);
+        } else {
+            let (k, v) = convert_block(self.kv.block_shape(), f.dtype, self.kv.dtype, &f.k, &f.v).ok_or_else(bad)?;
+            self.kv.set_block(f.layer as usize, block, &k, &v);
+        }
         Ok(())
     }
 
@@ -330,7 +340,7 @@ impl CachedKv<'_> {
     ) -> Result<usize, EngineError> {
         let hashes = whole_block_hashes(tokens, self.salt);
         let Some(rest) = hashes.get(skip / BLOCK_SIZE..) else { return Ok(0) };
-        let n = self.stored.kv.block_elems();
+        let n = self.stored.kv.block_words();
         let run = self.cached_run(rest, n);
         let sent = (0..self.stored.kv.n_layers).all(|l| {
             let layers = run.iter().filter_map(|b| match b {
@@ -338,7 +348,7 @@ impl CachedKv<'_> {
                 Held::Host(tiers, slot) => tiers.host_layer(*slot, l, n),
                 Held::Disk(values) => values.get(l * 2 * n..(l + 1) * 2 * n).map(|layer| layer.split_at(n)),
             });
-            export_layer(l, layers, on_frame)
+            export_layer(l, self.stored.kv.dtype, layers, on_frame)
         });
         match sent {
             true => Ok(run.len() * BLOCK_SIZE),
@@ -386,7 +396,8 @@ fn export_blocks(
     hits: &[ImmutableBlock],
     on_frame: &mut dyn FnMut(KvFrame) -> bool,
 ) -> Result<usize, EngineError> {
-    let sent = (0..kv.n_layers).all(|l| export_layer(l, hits.iter().map(|b| kv.block(l, b.id().0)), on_frame));
+    let sent =
+        (0..kv.n_layers).all(|l| export_layer(l, kv.dtype, hits.iter().map(|b| kv.block(l, b.id().0)), on_frame));
     match sent {
         true => Ok(hits.len() * BLOCK_SIZE),
         false => Err(EngineError::Cancelled),
@@ -397,10 +408,11 @@ fn export_blocks(
 /// refuses a frame.
 fn export_layer<'k>(
     l: usize,
+    dtype: KvDtype,
     blocks: impl Iterator<Item = (&'k [u16], &'k [u16])>,
     on_frame: &mut dyn FnMut(KvFrame) -> bool,
 ) -> bool {
-    blocks
-        .enumerate()
-        .all(|(index, (k, v))| on_frame(KvFrame { layer: l as u32, index: index as u32, k: k.to_vec(), v: v.to_vec() }))
+    blocks.enumerate().all(|(index, (k, v))| {
+        on_frame(KvFrame { layer: l as u32, index: index as u32, dtype, k: k.to_vec(), v: v.to_vec() })
+    })
 }

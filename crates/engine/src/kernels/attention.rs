@@ -1,31 +1,43 @@
-//! Causal attention over the paged f16 KV cache.
+//! Causal attention over the paged KV cache, in any of its [`KvDtype`]s.
 //!
 //! Work is split by (sequence, KV head, tile of query tokens). The tile converts each
-//! cache block to f32 once and reuses it for all its queries and for the query heads
-//! sharing the KV head (GQA). Each query keeps its own online-softmax state and visits
+//! cache block to f32 once (f16 by F16C, q8_0 and q4_0 by [`kv_quant::read_row`]: a
+//! 16-token tile in scratch, never a widened copy of the cache) and reuses it for all
+//! its queries and for the query heads sharing the KV head (GQA). Each query keeps its own online-softmax state and visits
 //! blocks in order 0, 1, 2, …, so its result is the same whether it is decoded alone or
 //! prefilled in a chunk with others.
 
+use super::kv_quant::{self, words_as_bytes};
 use super::ops::fast_exp;
 use super::Isa;
 use half::f16;
-use half::slice::HalfFloatSliceExt;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+use pdserve_types::KvDtype;
 
-/// One layer's K pool, `[block][kv_head][head_dim][slot]`, and V pool,
-/// `[block][kv_head][slot][head_dim]`.
+/// One layer's K and V pools as the KV cache stores them: in f16, K
+/// `[block][kv_head][head_dim][slot]` and V `[block][kv_head][slot][head_dim]`;
+/// quantized, both `[block][kv_head][slot][row]`.
 pub struct LayerKv<'a> {
-    pub k: &'a [f16],
-    pub v: &'a [f16],
+    pub k: &'a [u16],
+    pub v: &'a [u16],
+    pub dtype: KvDtype,
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
+    /// Words of one token's row of one head.
+    pub row_words: usize,
 }
 
 impl LayerKv<'_> {
-    fn head_block<'b>(&self, pool: &'b [f16], block: u32, g: usize) -> &'b [f16] {
-        let per_head = self.block_size * self.head_dim;
+    fn head_block<'b>(&self, pool: &'b [u16], block: u32, g: usize) -> &'b [u16] {
+        let per_head = self.block_size * self.row_words;
         let start = (block as usize * self.n_kv_heads + g) * per_head;
         &pool[start..start + per_head]
+    }
+
+    /// An f16 cache's block, as f16.
+    fn head_block_f16<'b>(&self, pool: &'b [u16], block: u32, g: usize) -> &'b [f16] {
+        self.head_block(pool, block, g).reinterpret_cast()
     }
 }
 
@@ -82,6 +94,9 @@ pub fn attend(
     out: &mut [f32],
     s: &mut AttnScratch,
 ) {
+    if kv.dtype != KvDtype::F16 {
+        return attend_quantized(isa, kv, g, blocks, qs, out, s);
+    }
     match isa {
         // SAFETY: the ISA was detected on this CPU.
         #[cfg(target_arch = "x86_64")]
@@ -126,6 +141,91 @@ fn attend_impl(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out
     attend_with(kv, g, blocks, qs, out, s, |src, dst| src.convert_to_f32_slice(dst))
 }
 
+/// Attention over a quantized cache: each block's K and V read into the tile by the
+/// ISA's [`kv_quant::read_k_block`] and [`kv_quant::read_row`], then the f16 path's
+/// arithmetic.
+fn attend_quantized(
+    isa: Isa,
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    out: &mut [f32],
+    s: &mut AttnScratch,
+) {
+    match isa {
+        // SAFETY: the ISA was detected on this CPU.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => {
+            if !super::attention_avx512::attend(kv, g, blocks, qs, out) {
+                unsafe { attend_rows_avx512(kv, g, blocks, qs, out, s) }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { attend_rows_avx2(kv, g, blocks, qs, out, s) },
+        _ => attend_rows(isa, kv, g, blocks, qs, out, s),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+unsafe fn attend_rows_avx512(
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    out: &mut [f32],
+    s: &mut AttnScratch,
+) {
+    attend_rows(Isa::Avx512Vnni, kv, g, blocks, qs, out, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_rows_avx2(
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    out: &mut [f32],
+    s: &mut AttnScratch,
+) {
+    attend_rows(Isa::Avx2, kv, g, blocks, qs, out, s)
+}
+
+#[inline(always)]
+fn attend_rows(
+    isa: Isa,
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    out: &mut [f32],
+    s: &mut AttnScratch,
+) {
+    let hd = kv.head_dim;
+    // A head's 16 V rows lie one after another, whole quantization blocks each: one
+    // read of the run fills the tile. K comes transposed, as f16's does.
+    let read = |pool: &[u16], block: u32, tile: &mut [f32]| {
+        kv_quant::read_row(isa, kv.dtype, words_as_bytes(kv.head_block(pool, block, g)), tile)
+    };
+    let read_k = |block: u32, tile: &mut [f32]| {
+        kv_quant::read_k_block(isa, kv.dtype, words_as_bytes(kv.head_block(kv.k, block, g)), hd, tile)
+    };
+    walk_blocks(
+        kv,
+        blocks,
+        qs,
+        out,
+        s,
+        |block, kf, vf| {
+            read_k(block, kf);
+            read(kv.v, block, vf);
+        },
+        transposed_scores,
+    )
+}
+
 /// F16C conversion, eight values per instruction.
 #[cfg(target_arch = "x86_64")]
 mod f16c {
@@ -162,6 +262,33 @@ fn attend_with(
     s: &mut AttnScratch,
     to_f32: impl Fn(&[f16], &mut [f32]),
 ) {
+    walk_blocks(
+        kv,
+        blocks,
+        qs,
+        out,
+        s,
+        |block, kf, vf| {
+            to_f32(kv.head_block_f16(kv.k, block, g), kf);
+            to_f32(kv.head_block_f16(kv.v, block, g), vf);
+        },
+        transposed_scores,
+    )
+}
+
+/// The loop every portable kernel shares: each visible block read into the tile by
+/// `read` (K into `kf`, V into `vf`: `16 × head_dim`, K in whatever layout `scores`
+/// takes), then folded into each query vector's online softmax.
+#[inline(always)]
+fn walk_blocks(
+    kv: &LayerKv<'_>,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    out: &mut [f32],
+    s: &mut AttnScratch,
+    read: impl Fn(u32, &mut [f32], &mut [f32]),
+    scores: impl Fn(&[f32], &[f32]) -> [f32; BS],
+) {
     let (hd, bs) = (kv.head_dim, kv.block_size);
     assert_eq!(bs, BS, "attention is written for blocks of 16 tokens");
     let nvec = qs.pos.len() * qs.n_rep;
@@ -176,8 +303,7 @@ fn attend_with(
     let max_pos = qs.pos.iter().copied().max().unwrap_or(0);
     let first_block = qs.pos.iter().map(|&p| qs.first_visible(p)).min().unwrap_or(0) / bs;
     for (bi, &block) in blocks.iter().enumerate().take(max_pos / bs + 1).skip(first_block) {
-        to_f32(kv.head_block(kv.k, block, g), &mut s.kf);
-        to_f32(kv.head_block(kv.v, block, g), &mut s.vf);
+        read(block, &mut s.kf, &mut s.vf);
         let base = bi * bs;
         for (i, &p) in qs.pos.iter().enumerate() {
             let Some((from, to)) = qs.visible_in_block(p, base, bs) else { continue };
@@ -185,7 +311,7 @@ fn attend_with(
                 let v = i * qs.n_rep + r;
                 let q = &qs.q[v * hd..(v + 1) * hd];
                 let st = OnlineSoftmax { m: &mut s.m[v], l: &mut s.l[v], acc: &mut s.acc[v * hd..(v + 1) * hd] };
-                st.update(q, &s.kf, &s.vf, from, to, qs.scale);
+                st.update(scores(q, &s.kf), &s.vf, from, to, qs.scale);
             }
         }
     }
@@ -195,6 +321,19 @@ fn attend_with(
             *o = a * inv;
         }
     }
+}
+
+/// A block's 16 scores from K transposed (`head_dim × 16`).
+#[inline(always)]
+fn transposed_scores(q: &[f32], kt: &[f32]) -> [f32; BS] {
+    let mut s = [0f32; BS];
+    for (d, &qd) in q.iter().enumerate() {
+        let col = &kt[d * BS..(d + 1) * BS];
+        for j in 0..BS {
+            s[j] += qd * col[j];
+        }
+    }
+    s
 }
 
 /// Cache block size the vectorized score loop is written for.
@@ -208,17 +347,11 @@ struct OnlineSoftmax<'a> {
 }
 
 impl OnlineSoftmax<'_> {
-    /// Folds in one block: `kt` is K transposed (`head_dim × 16`), `v` is `16 ×
-    /// head_dim`, of which the slots `from..valid` are visible to this query.
+    /// Folds in one block: `s` holds its 16 unscaled scores, `v` is `16 × head_dim`,
+    /// of which the slots `from..valid` are visible to this query.
     #[inline(always)]
-    fn update(self, q: &[f32], kt: &[f32], v: &[f32], from: usize, valid: usize, scale: f32) {
-        let mut s = [0f32; BS];
-        for (d, &qd) in q.iter().enumerate() {
-            let col = &kt[d * BS..(d + 1) * BS];
-            for j in 0..BS {
-                s[j] += qd * col[j];
-            }
-        }
+    fn update(self, mut s: [f32; BS], v: &[f32], from: usize, valid: usize, scale: f32) {
+        let hd = self.acc.len();
         let mut bmax = f32::NEG_INFINITY;
         for (j, x) in s.iter_mut().enumerate() {
             *x = if (from..valid).contains(&j) { *x * scale } else { f32::NEG_INFINITY };
@@ -237,7 +370,7 @@ impl OnlineSoftmax<'_> {
             *a *= corr;
         }
         for (j, &pj) in p.iter().enumerate().take(valid).skip(from) {
-            for (a, x) in self.acc.iter_mut().zip(&v[j * q.len()..(j + 1) * q.len()]) {
+            for (a, x) in self.acc.iter_mut().zip(&v[j * hd..(j + 1) * hd]) {
                 *a += pj * x;
             }
         }
@@ -262,36 +395,54 @@ mod tests {
 
     #[test]
     fn matches_reference_and_is_tile_invariant() {
-        // 64 and 128 take the AVX-512 register kernel, 16 and 256 the portable one.
+        // f16 with 64 and 128 takes the AVX-512 register kernel, 16 and 256 the
+        // portable one; quantized caches (whole blocks of 32) their row kernels.
         // Windows: none, one key, within a block, a block, across blocks, all keys.
-        for hd in [16, 64, 128, 256] {
-            for window in [None, Some(1), Some(5), Some(16), Some(19), Some(21), Some(100)] {
-                check_head_dim(hd, window);
+        for (dtype, hds) in [
+            (KvDtype::F16, &[16, 64, 128, 256][..]),
+            (KvDtype::Q8_0, &[64, 128, 256][..]),
+            (KvDtype::Q4_0, &[64, 256][..]),
+        ] {
+            for &hd in hds {
+                for window in [None, Some(1), Some(5), Some(16), Some(19), Some(21), Some(100)] {
+                    check_head_dim(dtype, hd, window);
+                }
             }
         }
     }
 
-    fn check_head_dim(hd: usize, window: Option<usize>) {
+    fn check_head_dim(dtype: KvDtype, hd: usize, window: Option<usize>) {
         let (bs, nkv, n_rep, ctx) = (16, 2, 3, 40);
         let nblocks = ctx / bs + 1;
         let mut rng = pdserve_types::rng::Rng::new(1);
         let mut rnd = || (rng.next_f64() * 2.0 - 1.0) as f32;
+        let cfg = crate::config::ModelConfig {
+            n_layers: 1,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            ..crate::testing::random_llama_config()
+        };
+        let mut cache = crate::kvcache::KvStorage::with_dtype(&cfg, nblocks, bs, dtype);
         // Blocks stored out of order, as a paged cache does.
         let order: Vec<u32> = vec![2, 0, 1];
-        let kpool: Vec<f16> = (0..nblocks * nkv * bs * hd).map(|_| f16::from_f32(rnd())).collect();
-        let vpool: Vec<f16> = (0..nblocks * nkv * bs * hd).map(|_| f16::from_f32(rnd())).collect();
-        let kv = LayerKv { k: &kpool, v: &vpool, n_kv_heads: nkv, head_dim: hd, block_size: bs };
+        for p in 0..ctx {
+            let (k, v): (Vec<f32>, Vec<f32>) = (0..nkv * hd).map(|_| (rnd(), rnd())).unzip();
+            cache.write(0, &order, p, &k, &v);
+        }
+        let kv = cache.layer(0);
         let g = 1;
-        let logical = |pool: &[f16], transposed: bool| -> Vec<f32> {
+        // What the cache holds, read back by the scalar reference.
+        let shape = cache.block_shape();
+        let logical = |is_k: bool| -> Vec<f32> {
             (0..ctx)
                 .flat_map(|p| {
-                    let blk = kv.head_block(pool, order[p / bs], g);
-                    let at = |d: usize| if transposed { d * bs + p % bs } else { (p % bs) * hd + d };
-                    (0..hd).map(|d| blk[at(d)].to_f32()).collect::<Vec<_>>()
+                    let (k, v) = cache.block(0, order[p / bs]);
+                    let rows = crate::kvcache::read_rows(shape, dtype, if is_k { k } else { v }, is_k);
+                    rows[(g * bs + p % bs) * hd..(g * bs + p % bs + 1) * hd].to_vec()
                 })
                 .collect()
         };
-        let (kl, vl) = (logical(&kpool, true), logical(&vpool, false));
+        let (kl, vl) = (logical(true), logical(false));
         let pos: Vec<usize> = (20..ctx).collect();
         let q: Vec<f32> = (0..pos.len() * n_rep * hd).map(|_| rnd()).collect();
         for isa in Isa::available() {
@@ -308,7 +459,7 @@ mod tests {
                     let seen = (qs1.first_visible(p), p);
                     let want = reference(&kl, &vl, &one_q[r * hd..(r + 1) * hd], seen, hd, 0.25);
                     for (a, b) in one[r * hd..(r + 1) * hd].iter().zip(&want) {
-                        assert!((a - b).abs() < 1e-4, "{isa} window {window:?}: {a} vs {b}");
+                        assert!((a - b).abs() < 1e-4, "{dtype} {isa} window {window:?}: {a} vs {b}");
                     }
                 }
             }

@@ -1,17 +1,26 @@
-//! AVX-512 attention for head sizes that are a multiple of 16 with 16-token blocks.
+//! AVX-512 attention for heads of 64 and 128 with 16-token blocks, over a cache of
+//! any [`KvDtype`].
 //!
 //! Query vectors are taken four at a time; their scores, softmax state and value
 //! accumulators all live in registers while the loop walks the cache blocks, and K/V
-//! are converted from f16 in registers as they are used. Each vector's result depends
+//! are converted in registers as they are used: from f16, or from q8_0/q4_0 codes
+//! times their scales (the product the GGUF dequantizer computes). Each vector's result depends
 //! only on its own query and position, never on which vectors share its group.
 
 #![cfg(target_arch = "x86_64")]
 
 use super::attention::{LayerKv, Queries};
+use pdserve_types::KvDtype;
 use std::arch::x86_64::*;
 
 const BS: usize = 16;
 const MAX_GROUP: usize = 4;
+
+/// The cache's form, as a const parameter: the kernels' loads branch on it at
+/// compile time.
+const F16: u8 = 0;
+const Q8_0: u8 = 1;
+const Q4_0: u8 = 2;
 
 /// Handles `head_dim` 64 and 128; returns false for other shapes (callers fall back).
 pub(super) fn attend(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32]) -> bool {
@@ -23,30 +32,52 @@ pub(super) fn attend(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_
     let mut v0 = 0;
     while v0 < nvec {
         let n = MAX_GROUP.min(nvec - v0);
-        // SAFETY: the caller dispatched here on a CPU with AVX-512F and F16C; slice
-        // bounds are asserted above and block ids are checked against the pools.
-        unsafe {
-            match (kv.head_dim, n) {
-                (64, 4) => group::<4, 4>(kv, g, blocks, qs, v0, out),
-                (64, 3) => group::<4, 3>(kv, g, blocks, qs, v0, out),
-                (64, 2) => group::<4, 2>(kv, g, blocks, qs, v0, out),
-                (64, 1) => group::<4, 1>(kv, g, blocks, qs, v0, out),
-                (128, 4) => group::<8, 4>(kv, g, blocks, qs, v0, out),
-                (128, 3) => group::<8, 3>(kv, g, blocks, qs, v0, out),
-                (128, 2) => group::<8, 2>(kv, g, blocks, qs, v0, out),
-                (128, 1) => group::<8, 1>(kv, g, blocks, qs, v0, out),
-                _ => return false,
-            }
+        let done = match kv.dtype {
+            KvDtype::F16 => groups::<F16>(kv, g, blocks, qs, v0, n, out),
+            KvDtype::Q8_0 => groups::<Q8_0>(kv, g, blocks, qs, v0, n, out),
+            KvDtype::Q4_0 => groups::<Q4_0>(kv, g, blocks, qs, v0, n, out),
+        };
+        if !done {
+            return false;
         }
         v0 += n;
     }
     true
 }
 
+/// Runs the group of `n` vectors from `v0` in form `F`; false for a head size the
+/// kernels are not written for.
+fn groups<const F: u8>(
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    v0: usize,
+    n: usize,
+    out: &mut [f32],
+) -> bool {
+    // SAFETY: `attend` is dispatched here on a CPU with AVX-512F and F16C; it asserts
+    // the slice bounds, and block ids are checked against the pools.
+    unsafe {
+        match (kv.head_dim, n) {
+            (64, 4) => group::<4, 4, F>(kv, g, blocks, qs, v0, out),
+            (64, 3) => group::<4, 3, F>(kv, g, blocks, qs, v0, out),
+            (64, 2) => group::<4, 2, F>(kv, g, blocks, qs, v0, out),
+            (64, 1) => group::<4, 1, F>(kv, g, blocks, qs, v0, out),
+            (128, 4) => group::<8, 4, F>(kv, g, blocks, qs, v0, out),
+            (128, 3) => group::<8, 3, F>(kv, g, blocks, qs, v0, out),
+            (128, 2) => group::<8, 2, F>(kv, g, blocks, qs, v0, out),
+            (128, 1) => group::<8, 1, F>(kv, g, blocks, qs, v0, out),
+            _ => return false,
+        }
+    }
+    true
+}
+
 /// Vectors `v0..v0 + G` (vector `v` is query token `v / n_rep`, head `v % n_rep`),
-/// head size `16 * C`.
-#[target_feature(enable = "avx512f,f16c,fma")]
-unsafe fn group<const C: usize, const G: usize>(
+/// head size `16 * C`, cache form `F`.
+#[target_feature(enable = "avx512f,avx512bw,f16c,fma,avx2")]
+unsafe fn group<const C: usize, const G: usize, const F: u8>(
     kv: &LayerKv<'_>,
     g: usize,
     blocks: &[u32],
@@ -62,14 +93,15 @@ unsafe fn group<const C: usize, const G: usize>(
     let mut acc = [[_mm512_setzero_ps(); C]; G];
     let last = pos.iter().copied().max().unwrap_or(0) / BS;
     let first = pos.iter().map(|&p| qs.first_visible(p)).min().unwrap_or(0) / BS;
-    let per_head = BS * hd;
+    // Words of one head's block, K or V.
+    let per_head = BS * kv.row_words;
     for (bi, &block) in blocks.iter().enumerate().take(last + 1).skip(first) {
         let start = (block as usize * kv.n_kv_heads + g) * per_head;
         let (kt, vb) = (&kv.k[start..start + per_head], &kv.v[start..start + per_head]);
-        let kt = kt.as_ptr().cast::<u16>();
-        let vb = vb.as_ptr().cast::<u16>();
-        // SAFETY: `kt` holds `hd × 16` values.
-        let s = unsafe { block_scores::<C, G>(kt, &q) };
+        let kt = kt.as_ptr().cast::<u8>();
+        let vb = vb.as_ptr().cast::<u8>();
+        // SAFETY: `kt` holds the head's block of K in form `F`.
+        let s = unsafe { block_scores::<C, G, F>(kt, &q) };
         let base = bi * BS;
         let mut p = [_mm512_setzero_ps(); G];
         let mut corr = [_mm512_set1_ps(1.0); G];
@@ -77,26 +109,39 @@ unsafe fn group<const C: usize, const G: usize>(
             let Some((from, valid)) = qs.visible_in_block(pos[k], base, BS) else { continue };
             (p[k], corr[k]) = softmax_step(s[k], from, valid, qs.scale, &mut m[k], &mut l[k]);
         }
-        // SAFETY: `vb` holds `16 × hd` values.
-        unsafe { accumulate_values(&mut acc, &p, &corr, vb) };
+        // SAFETY: `vb` holds the head's block of V in form `F`.
+        unsafe { accumulate_values::<C, G, F>(&mut acc, &p, &corr, vb) };
     }
     store_results(&acc, &l, v0, out);
 }
 
 /// One block's scores, `s[k][j] = q_k · K[:, j]`. `kt` must hold the block's keys of
-/// this head transposed: `16 * C × 16` f16 values.
+/// this head transposed, in form `F` (see [`super::kv_quant::put_k_row`]).
 // Register-blocked loops index several arrays by the same counters; iterators would
 // obscure which registers pair up.
 #[allow(clippy::needless_range_loop)]
 #[inline]
-#[target_feature(enable = "avx512f,f16c,fma")]
-unsafe fn block_scores<const C: usize, const G: usize>(kt: *const u16, q: &[&[f32]; G]) -> [__m512; G] {
+#[target_feature(enable = "avx512f,avx512bw,f16c,fma,avx2")]
+unsafe fn block_scores<const C: usize, const G: usize, const F: u8>(kt: *const u8, q: &[&[f32]; G]) -> [__m512; G] {
     let hd = 16 * C;
+    // Quantized: the 16 slots' scales of each 32 dimensions, then the codes.
+    let codes = unsafe { kt.add(hd / 32 * BS * 2) };
+    let mut scale = _mm512_setzero_ps();
     // Scores: s[k][j] = q_k · K[:, j].
     let mut s = [_mm512_setzero_ps(); G];
     for d in 0..hd {
-        // SAFETY: `kt` holds `hd × 16` values.
-        let kcol = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(kt.add(d * BS).cast())) };
+        if F != F16 && d % 32 == 0 {
+            // SAFETY: the block starts with `hd / 32` runs of 16 f16 scales.
+            scale = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(kt.add(d / 32 * BS * 2).cast())) };
+        }
+        // SAFETY: `kt` holds `hd × 16` values in form `F`.
+        let kcol = unsafe {
+            match F {
+                F16 => _mm512_cvtph_ps(_mm256_loadu_si256(kt.add(d * BS * 2).cast())),
+                Q8_0 => _mm512_mul_ps(scale, bytes16(_mm_loadu_si128(codes.add(d * BS).cast()))),
+                _ => _mm512_mul_ps(scale, bytes16(nibbles16(codes.add(d * 8)))),
+            }
+        };
         for k in 0..G {
             s[k] = _mm512_fmadd_ps(_mm512_set1_ps(q[k][d]), kcol, s[k]);
         }
@@ -121,17 +166,62 @@ fn softmax_step(s: __m512, from: usize, valid: usize, scale: f32, m: &mut f32, l
     (p, _mm512_set1_ps(c))
 }
 
+/// Sixteen signed bytes as floats.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn bytes16(q: __m128i) -> __m512 {
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))
+}
+
+/// Sixteen nibble codes in 8 bytes (slot `i` low, `i + 8` high), minus 8.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn nibbles16(c: *const u8) -> __m128i {
+    // SAFETY: the caller passes 8 readable bytes.
+    let raw = unsafe { _mm_loadl_epi64(c.cast()) };
+    let low = _mm_set1_epi8(0x0f);
+    let (lo, hi) = (_mm_and_si128(raw, low), _mm_and_si128(_mm_srli_epi16(raw, 4), low));
+    _mm_sub_epi8(_mm_unpacklo_epi64(lo, hi), _mm_set1_epi8(8))
+}
+
+/// Values `16 c..16 c + 16` of V row `j` in form `F`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,f16c,fma,avx2")]
+unsafe fn v_chunk<const F: u8>(vb: *const u8, hd: usize, j: usize, c: usize) -> __m512 {
+    // A quantized row is GGUF blocks of 32: chunk `c` is half `c % 2` of block `c / 2`.
+    let block = |bytes: usize| unsafe { vb.add(j * (hd / 32) * bytes + c / 2 * bytes) };
+    let scale = |b: *const u8| _mm512_set1_ps(half::f16::from_le_bytes(unsafe { [*b, *b.add(1)] }).to_f32());
+    // SAFETY: the caller passes V rows of `hd` values in form `F`.
+    unsafe {
+        match F {
+            F16 => _mm512_cvtph_ps(_mm256_loadu_si256(vb.add((j * hd + c * 16) * 2).cast())),
+            Q8_0 => {
+                let b = block(34);
+                _mm512_mul_ps(scale(b), bytes16(_mm_loadu_si128(b.add(2 + c % 2 * 16).cast())))
+            }
+            _ => {
+                let b = block(18);
+                let raw = _mm_loadu_si128(b.add(2).cast());
+                let low = _mm_set1_epi8(0x0f);
+                let nib = if c.is_multiple_of(2) { raw } else { _mm_srli_epi16(raw, 4) };
+                let q = _mm_sub_epi8(_mm_and_si128(nib, low), _mm_set1_epi8(8));
+                _mm512_mul_ps(scale(b), bytes16(q))
+            }
+        }
+    }
+}
+
 /// Rescales each vector's accumulators by `corr`, then adds the block's values
-/// weighted by `p`. `vb` must hold the block's values of this head: `16 × 16 * C`
-/// f16 values.
+/// weighted by `p`. `vb` must hold the block's values of this head: 16 rows of
+/// `16 * C` values in form `F`.
 #[allow(clippy::needless_range_loop)]
 #[inline]
-#[target_feature(enable = "avx512f,f16c,fma")]
-unsafe fn accumulate_values<const C: usize, const G: usize>(
+#[target_feature(enable = "avx512f,avx512bw,f16c,fma,avx2")]
+unsafe fn accumulate_values<const C: usize, const G: usize, const F: u8>(
     acc: &mut [[__m512; C]; G],
     p: &[__m512; G],
     corr: &[__m512; G],
-    vb: *const u16,
+    vb: *const u8,
 ) {
     let hd = 16 * C;
     for k in 0..G {
@@ -147,8 +237,8 @@ unsafe fn accumulate_values<const C: usize, const G: usize>(
     }
     for j in 0..BS {
         for c in 0..C {
-            // SAFETY: `vb` holds `16 × hd` values.
-            let vrow = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(vb.add(j * hd + c * 16).cast())) };
+            // SAFETY: `vb` holds `16 × hd` values in form `F`.
+            let vrow = unsafe { v_chunk::<F>(vb, hd, j, c) };
             for k in 0..G {
                 acc[k][c] = _mm512_fmadd_ps(_mm512_set1_ps(pj[k][j]), vrow, acc[k][c]);
             }

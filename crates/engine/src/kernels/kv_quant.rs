@@ -2,12 +2,20 @@
 //! blocks of 32 values with one f16 scale, quantized the way llama.cpp's reference
 //! quantizer does (`quantize_row_q8_0_ref`, `quantize_row_q4_0_ref`), so a cache
 //! written here reads back as llama.cpp's would and the GGUF dequantizer
-//! ([`super::quant::dequantize_row`]) decodes it (and is what reads it back). Scalar reference code: the
-//! attention kernels that read these rows are checked against it.
+//! ([`super::quant::dequantize_row`]) decodes it: that scalar code is the reference
+//! [`read_row`]'s AVX2 and AVX-512 kernels, which attention reads the cache with, are
+//! checked against bit for bit.
 
+use super::Isa;
 use crate::format::DType;
 use half::f16;
 use pdserve_types::KvDtype;
+
+/// The bytes of a cache's stored words (it keeps every form as little-endian words).
+pub fn words_as_bytes(words: &[u16]) -> &[u8] {
+    // SAFETY: u8 has no alignment or validity requirement; the length is exact.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast(), words.len() * 2) }
+}
 
 /// Stores `src` in `dtype`'s form into `dst`, which holds exactly
 /// `dtype.row_bytes(src.len())` bytes.
@@ -38,6 +46,283 @@ pub fn dequantize_row(dtype: KvDtype, src: &[u8], dst: &mut [f32]) {
         KvDtype::Q4_0 => DType::Q4_0,
     };
     super::quant::dequantize_row(gguf, src, dst);
+}
+
+/// [`dequantize_row`] with the best kernel `isa` has; the same bits on every ISA
+/// (each value is one product `code × scale`, rounded once).
+pub fn read_row(isa: Isa, dtype: KvDtype, src: &[u8], dst: &mut [f32]) {
+    assert_eq!(dtype.row_bytes(dst.len()), Some(src.len()), "{dtype} row of {} values", dst.len());
+    match (isa, dtype) {
+        // SAFETY: the ISA was detected on this CPU; lengths are asserted above.
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Vnni, KvDtype::Q8_0) => unsafe { x86::q8_0_avx512(src, dst) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Vnni, KvDtype::Q4_0) => unsafe { x86::q4_0_avx512(src, dst) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, KvDtype::Q8_0) => unsafe { x86::q8_0_avx2(src, dst) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, KvDtype::Q4_0) => unsafe { x86::q4_0_avx2(src, dst) },
+        _ => dequantize_row(dtype, src, dst),
+    }
+}
+
+/// A quantized K block of one head holds its 16 tokens' rows transposed, so that
+/// attention computes the block's 16 scores as vectors, as it does for f16: first the
+/// f16 scales `[quant block][slot]`, then the codes `[dimension][slot]`, a byte each
+/// for q8_0, a nibble for q4_0 (byte `i` of a dimension holds slot `i` low and slot
+/// `i + 8` high). The same bytes as 16 GGUF rows, permuted: [`put_k_row`] and
+/// [`get_k_row`] move one row in and out in GGUF's form.
+pub const K_SLOTS: usize = 16;
+
+/// Bytes of the scales at the head of a K block of `hd` values per row.
+fn k_scales_bytes(hd: usize) -> usize {
+    hd / 32 * K_SLOTS * 2
+}
+
+/// Writes `row` (one token's head in GGUF blocks) into slot `slot` of `block`.
+pub fn put_k_row(dtype: KvDtype, block: &mut [u8], slot: usize, hd: usize, row: &[u8]) {
+    let (bb, sb) = (dtype.block_bytes(), k_scales_bytes(hd));
+    let (scales, codes) = block.split_at_mut(sb);
+    for (b, blk) in row.chunks_exact(bb).enumerate() {
+        scales[(b * K_SLOTS + slot) * 2..][..2].copy_from_slice(&blk[..2]);
+        for i in 0..32 {
+            let d = b * 32 + i;
+            match dtype {
+                KvDtype::Q8_0 => codes[d * K_SLOTS + slot] = blk[2 + i],
+                _ => {
+                    let code = if i < 16 { blk[2 + i] & 0x0f } else { blk[2 + i - 16] >> 4 };
+                    let byte = &mut codes[d * 8 + slot % 8];
+                    *byte = if slot < 8 { (*byte & 0xf0) | code } else { (*byte & 0x0f) | (code << 4) };
+                }
+            }
+        }
+    }
+}
+
+/// The GGUF row of slot `slot` of `block` (the inverse of [`put_k_row`]).
+pub fn get_k_row(dtype: KvDtype, block: &[u8], slot: usize, hd: usize, row: &mut [u8]) {
+    let (bb, sb) = (dtype.block_bytes(), k_scales_bytes(hd));
+    let (scales, codes) = block.split_at(sb);
+    for (b, blk) in row.chunks_exact_mut(bb).enumerate() {
+        blk[..2].copy_from_slice(&scales[(b * K_SLOTS + slot) * 2..][..2]);
+        for i in 0..32 {
+            let d = b * 32 + i;
+            match dtype {
+                KvDtype::Q8_0 => blk[2 + i] = codes[d * K_SLOTS + slot],
+                _ => {
+                    let byte = codes[d * 8 + slot % 8];
+                    let code = if slot < 8 { byte & 0x0f } else { byte >> 4 };
+                    let j = 2 + i % 16;
+                    blk[j] = if i < 16 { (blk[j] & 0xf0) | code } else { (blk[j] & 0x0f) | (code << 4) };
+                }
+            }
+        }
+    }
+}
+
+/// A quantized K block's values, transposed: `dst[d * 16 + slot]`, each the product
+/// of its code and its row's scale as the GGUF dequantizer computes it. The same bits
+/// on every ISA.
+pub fn read_k_block(isa: Isa, dtype: KvDtype, src: &[u8], hd: usize, dst: &mut [f32]) {
+    assert_eq!(Some(src.len()), dtype.row_bytes(hd).map(|r| r * K_SLOTS), "{dtype} K block of {hd}");
+    assert_eq!(dst.len(), hd * K_SLOTS);
+    let (scales, codes) = src.split_at(k_scales_bytes(hd));
+    for (b, sc) in scales.chunks_exact(K_SLOTS * 2).enumerate() {
+        let sc: [f32; K_SLOTS] = std::array::from_fn(|j| f16::from_le_bytes([sc[2 * j], sc[2 * j + 1]]).to_f32());
+        let out = &mut dst[b * 32 * K_SLOTS..(b + 1) * 32 * K_SLOTS];
+        match (isa, dtype) {
+            // SAFETY: the ISA was detected on this CPU; lengths are asserted above.
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512Vnni, KvDtype::Q8_0) => unsafe { x86::k_q8_0_avx512(&codes[b * 512..][..512], &sc, out) },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512Vnni, KvDtype::Q4_0) => unsafe { x86::k_q4_0_avx512(&codes[b * 256..][..256], &sc, out) },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2, KvDtype::Q8_0) => unsafe { x86::k_q8_0_avx2(&codes[b * 512..][..512], &sc, out) },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2, KvDtype::Q4_0) => unsafe { x86::k_q4_0_avx2(&codes[b * 256..][..256], &sc, out) },
+            (_, KvDtype::Q8_0) => k_q8_0(&codes[b * 512..][..512], &sc, out),
+            _ => k_q4_0(&codes[b * 256..][..256], &sc, out),
+        }
+    }
+}
+
+/// 32 dimensions of 16 slots' byte codes times their slots' scales.
+fn k_q8_0(codes: &[u8], sc: &[f32; K_SLOTS], out: &mut [f32]) {
+    for (c, o) in codes.chunks_exact(K_SLOTS).zip(out.chunks_exact_mut(K_SLOTS)) {
+        for j in 0..K_SLOTS {
+            o[j] = sc[j] * (c[j] as i8) as f32;
+        }
+    }
+}
+
+/// 32 dimensions of 16 slots' nibble codes (minus 8) times their slots' scales.
+fn k_q4_0(codes: &[u8], sc: &[f32; K_SLOTS], out: &mut [f32]) {
+    for (c, o) in codes.chunks_exact(8).zip(out.chunks_exact_mut(K_SLOTS)) {
+        for j in 0..K_SLOTS {
+            let code = if j < 8 { c[j] & 0x0f } else { c[j - 8] >> 4 };
+            o[j] = (code as i32 - 8) as f32 * sc[j];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    fn scale(b: &[u8]) -> f32 {
+        f16::from_le_bytes([b[0], b[1]]).to_f32()
+    }
+
+    /// 16 nibble codes minus 8 as signed bytes: the low nibbles (values 0..16 of the
+    /// block) and the high ones (16..32).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn q4_codes(b: &[u8]) -> (__m128i, __m128i) {
+        // SAFETY: a q4_0 block holds 16 code bytes after its scale.
+        let raw = unsafe { _mm_loadu_si128(b[2..18].as_ptr().cast()) };
+        let (low, eight) = (_mm_set1_epi8(0x0f), _mm_set1_epi8(8));
+        let lo = _mm_sub_epi8(_mm_and_si128(raw, low), eight);
+        let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);
+        (lo, hi)
+    }
+
+    /// Eight signed bytes (the low half of `q`) times `d`, stored at `out`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn store8(q: __m128i, d: __m256, out: &mut [f32]) {
+        let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+        // SAFETY: `out` holds 8 values (callers pass chunks of 8).
+        unsafe { _mm256_storeu_ps(out[..8].as_mut_ptr(), _mm256_mul_ps(x, d)) };
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn q8_0_avx2(src: &[u8], dst: &mut [f32]) {
+        for (b, out) in src.chunks_exact(34).zip(dst.chunks_exact_mut(32)) {
+            let d = _mm256_set1_ps(scale(b));
+            for (i, o) in out.chunks_exact_mut(8).enumerate() {
+                // SAFETY: 8 of the block's 32 code bytes.
+                let q = unsafe { _mm_loadl_epi64(b[2 + 8 * i..10 + 8 * i].as_ptr().cast()) };
+                unsafe { store8(q, d, o) };
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn q4_0_avx2(src: &[u8], dst: &mut [f32]) {
+        for (b, out) in src.chunks_exact(18).zip(dst.chunks_exact_mut(32)) {
+            let d = _mm256_set1_ps(scale(b));
+            let (lo, hi) = unsafe { q4_codes(b) };
+            let (first, second) = out.split_at_mut(16);
+            for (q, o) in [(lo, first), (hi, second)] {
+                let (a, c) = o.split_at_mut(8);
+                unsafe { store8(q, d, a) };
+                unsafe { store8(_mm_srli_si128(q, 8), d, c) };
+            }
+        }
+    }
+
+    /// Sixteen signed bytes times `d`, stored at `out`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn store16(q: __m128i, d: __m512, out: &mut [f32]) {
+        let x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+        // SAFETY: `out` holds 16 values (callers pass chunks of 16).
+        unsafe { _mm512_storeu_ps(out[..16].as_mut_ptr(), _mm512_mul_ps(x, d)) };
+    }
+
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) unsafe fn q8_0_avx512(src: &[u8], dst: &mut [f32]) {
+        for (b, out) in src.chunks_exact(34).zip(dst.chunks_exact_mut(32)) {
+            let d = _mm512_set1_ps(scale(b));
+            for (i, o) in out.chunks_exact_mut(16).enumerate() {
+                // SAFETY: 16 of the block's 32 code bytes.
+                let q = unsafe { _mm_loadu_si128(b[2 + 16 * i..18 + 16 * i].as_ptr().cast()) };
+                unsafe { store16(q, d, o) };
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) unsafe fn q4_0_avx512(src: &[u8], dst: &mut [f32]) {
+        for (b, out) in src.chunks_exact(18).zip(dst.chunks_exact_mut(32)) {
+            let d = _mm512_set1_ps(scale(b));
+            let (lo, hi) = unsafe { q4_codes(b) };
+            let (first, second) = out.split_at_mut(16);
+            unsafe { store16(lo, d, first) };
+            unsafe { store16(hi, d, second) };
+        }
+    }
+    /// Sixteen slots' codes (signed bytes in `q`) times their scales, stored.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scaled16(q: __m128i, sc: __m512, out: &mut [f32]) {
+        let x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+        // SAFETY: `out` holds 16 values.
+        unsafe { _mm512_storeu_ps(out[..16].as_mut_ptr(), _mm512_mul_ps(sc, x)) };
+    }
+
+    /// A dimension's 16 nibble codes (8 bytes), minus 8, as signed bytes in slot order.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn nibbles16(c: &[u8]) -> __m128i {
+        // SAFETY: `c` holds 8 bytes.
+        let raw = unsafe { _mm_loadl_epi64(c[..8].as_ptr().cast()) };
+        let low = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(raw, low);
+        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+        _mm_sub_epi8(_mm_unpacklo_epi64(lo, hi), _mm_set1_epi8(8))
+    }
+
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) unsafe fn k_q8_0_avx512(codes: &[u8], sc: &[f32; 16], out: &mut [f32]) {
+        // SAFETY: 16 scales.
+        let s = unsafe { _mm512_loadu_ps(sc.as_ptr()) };
+        for (c, o) in codes.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+            // SAFETY: 16 code bytes.
+            unsafe { scaled16(_mm_loadu_si128(c.as_ptr().cast()), s, o) };
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) unsafe fn k_q4_0_avx512(codes: &[u8], sc: &[f32; 16], out: &mut [f32]) {
+        // SAFETY: 16 scales.
+        let s = unsafe { _mm512_loadu_ps(sc.as_ptr()) };
+        for (c, o) in codes.chunks_exact(8).zip(out.chunks_exact_mut(16)) {
+            unsafe { scaled16(nibbles16(c), s, o) };
+        }
+    }
+
+    /// Sixteen slots' codes times their scales, as two halves of eight.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn scaled8x2(q: __m128i, s: [__m256; 2], out: &mut [f32]) {
+        let (a, b) = out.split_at_mut(8);
+        for (half, (sh, o)) in [q, _mm_srli_si128(q, 8)].into_iter().zip(s.into_iter().zip([a, b])) {
+            let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half));
+            // SAFETY: each half of `out` holds 8 values.
+            unsafe { _mm256_storeu_ps(o[..8].as_mut_ptr(), _mm256_mul_ps(sh, x)) };
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn k_q8_0_avx2(codes: &[u8], sc: &[f32; 16], out: &mut [f32]) {
+        // SAFETY: 16 scales.
+        let s = unsafe { [_mm256_loadu_ps(sc.as_ptr()), _mm256_loadu_ps(sc[8..].as_ptr())] };
+        for (c, o) in codes.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+            // SAFETY: 16 code bytes.
+            unsafe { scaled8x2(_mm_loadu_si128(c.as_ptr().cast()), s, o) };
+        }
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn k_q4_0_avx2(codes: &[u8], sc: &[f32; 16], out: &mut [f32]) {
+        // SAFETY: 16 scales.
+        let s = unsafe { [_mm256_loadu_ps(sc.as_ptr()), _mm256_loadu_ps(sc[8..].as_ptr())] };
+        for (c, o) in codes.chunks_exact(8).zip(out.chunks_exact_mut(16)) {
+            unsafe { scaled8x2(nibbles16(c), s, o) };
+        }
+    }
 }
 
 /// 32 values as signed bytes of one scale `amax / 127`, rounded half away from zero.
@@ -101,6 +386,58 @@ mod tests {
                         let bound = (step * 0.5).max(a.abs() - other * step) + (a.abs() + step) * 2f32.powi(-11) + 1e-6;
                         assert!((a - b).abs() <= bound, "{dtype} seed {seed}: {a} read back as {b}");
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_isa_reads_the_same_bits() {
+        for dtype in [KvDtype::Q8_0, KvDtype::Q4_0] {
+            for n in [32, 64, 256] {
+                let b = stored(dtype, &row(n as u64, n));
+                let mut want = vec![0f32; n];
+                dequantize_row(dtype, &b, &mut want);
+                for isa in Isa::available() {
+                    let mut got = vec![f32::NAN; n];
+                    read_row(isa, dtype, &b, &mut got);
+                    assert_eq!(
+                        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "{dtype} {isa} {n}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn k_blocks_hold_gguf_rows_and_every_isa_reads_them_alike() {
+        for dtype in [KvDtype::Q8_0, KvDtype::Q4_0] {
+            for hd in [32, 64, 256] {
+                let rows: Vec<Vec<u8>> =
+                    (0..K_SLOTS).map(|j| stored(dtype, &row(j as u64 * 7 + hd as u64, hd))).collect();
+                let mut block = vec![0u8; rows[0].len() * K_SLOTS];
+                for (j, r) in rows.iter().enumerate() {
+                    put_k_row(dtype, &mut block, j, hd, r);
+                }
+                // Each row reads back as written, and its values sit transposed.
+                let mut want = vec![0f32; hd * K_SLOTS];
+                for (j, r) in rows.iter().enumerate() {
+                    let mut back = vec![0u8; r.len()];
+                    get_k_row(dtype, &block, j, hd, &mut back);
+                    assert_eq!(&back, r, "{dtype} {hd} slot {j}");
+                    let mut vals = vec![0f32; hd];
+                    dequantize_row(dtype, r, &mut vals);
+                    for (d, v) in vals.iter().enumerate() {
+                        want[d * K_SLOTS + j] = *v;
+                    }
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                for isa in Isa::available() {
+                    let mut got = vec![f32::NAN; hd * K_SLOTS];
+                    read_k_block(isa, dtype, &block, hd, &mut got);
+                    assert_eq!(bits(&got), bits(&want), "{dtype} {isa} {hd}");
                 }
             }
         }

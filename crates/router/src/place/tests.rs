@@ -26,6 +26,7 @@ fn view(name: &str, role: Role) -> View {
         restore: Restore::default(),
         links: Default::default(),
         cached: CachedPrefix::default(),
+        kv_bytes_per_token: None,
     }
 }
 

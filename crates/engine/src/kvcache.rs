@@ -14,7 +14,7 @@
 
 use crate::config::ModelConfig;
 use crate::kernels::attention::LayerKv;
-use crate::kernels::kv_quant::{self, words_as_bytes};
+use crate::kernels::kv_quant::{self, words_as_bytes, Rotation};
 use half::f16;
 use pdserve_types::KvDtype;
 
@@ -38,6 +38,9 @@ pub fn bytes_per_token(cfg: &ModelConfig, dtype: KvDtype) -> usize {
 /// blocks of 32 values.
 pub fn check_dtype(cfg: &ModelConfig, dtype: KvDtype) -> Result<(), String> {
     match dtype.row_bytes(cfg.head_dim) {
+        Some(_) if dtype != KvDtype::F16 && cfg.head_dim > MAX_HEAD => {
+            Err(format!("a {dtype} KV cache takes heads of at most {MAX_HEAD}; this model's are {}", cfg.head_dim))
+        }
         Some(_) => Ok(()),
         None => Err(format!(
             "a {dtype} KV cache needs a head size that is a multiple of {}; this model's is {}",
@@ -54,6 +57,8 @@ pub struct KvStorage {
     pub block_size: usize,
     pub num_blocks: usize,
     pub dtype: KvDtype,
+    /// The rotation K and V are stored under, if any.
+    pub rotation: Option<Rotation>,
     /// Words of one token's row of one head.
     row_words: usize,
     /// Zeroed allocation so untouched blocks cost no resident memory.
@@ -89,6 +94,7 @@ impl KvStorage {
     ) -> Self {
         let row_bytes = dtype.row_bytes(head_dim).unwrap_or_else(|| panic!("{dtype} cache with head size {head_dim}"));
         assert!(dtype == KvDtype::F16 || block_size == kv_quant::K_SLOTS, "quantized K blocks hold 16 tokens");
+        assert!(dtype == KvDtype::F16 || head_dim <= MAX_HEAD, "quantized heads of at most {MAX_HEAD}");
         let row_words = row_bytes / 2;
         let per_layer = num_blocks * n_kv_heads * block_size * row_words;
         KvStorage {
@@ -98,6 +104,7 @@ impl KvStorage {
             block_size,
             num_blocks,
             dtype,
+            rotation: Rotation::of(dtype, head_dim),
             row_words,
             k: (0..n_layers).map(|_| vec![0u16; per_layer]).collect(),
             v: (0..n_layers).map(|_| vec![0u16; per_layer]).collect(),
@@ -126,8 +133,17 @@ impl KvStorage {
         let (bs, hd, rw) = (self.block_size, self.head_dim, self.row_words);
         let block = blocks[pos / bs] as usize;
         let slot = pos % bs;
+        let mut turned = [[0f32; MAX_HEAD]; 2];
         for g in 0..self.n_kv_heads {
-            let (kh, vh) = (&k[g * hd..(g + 1) * hd], &v[g * hd..(g + 1) * hd]);
+            let (mut kh, mut vh) = (&k[g * hd..(g + 1) * hd], &v[g * hd..(g + 1) * hd]);
+            if let Some(r) = self.rotation {
+                let [tk, tv] = &mut turned;
+                tk[..hd].copy_from_slice(kh);
+                tv[..hd].copy_from_slice(vh);
+                kv_quant::rotate(&mut tk[..hd], r.k);
+                kv_quant::rotate(&mut tv[..hd], r.v);
+                (kh, vh) = (&turned[0][..hd], &turned[1][..hd]);
+            }
             let head = (block * self.n_kv_heads + g) * bs * rw;
             if self.dtype == KvDtype::F16 {
                 for (i, x) in kh.iter().enumerate() {
@@ -166,8 +182,10 @@ impl KvStorage {
     }
 }
 
-/// The largest quantized row a K write stages on the stack (a head of 1024 in q8_0).
-const MAX_ROW_BYTES: usize = 1088;
+/// The largest head a write of a quantized cache stages on the stack.
+const MAX_HEAD: usize = 1024;
+/// Its bytes in q8_0.
+const MAX_ROW_BYTES: usize = MAX_HEAD / 32 * 34;
 
 /// Quantizes one row into `dst`, `dtype.row_bytes(src.len())` bytes held as words.
 fn store_row(dtype: KvDtype, src: &[f32], dst: &mut [u16]) {
@@ -210,15 +228,23 @@ pub fn convert_block(
     if k.len() != n_in || v.len() != n_in {
         return None;
     }
-    let (k_rows, v_rows) = (read_rows(shape, from, k, true), read_rows(shape, from, v, false));
+    if from == to {
+        return Some((k.to_vec(), v.to_vec()));
+    }
+    let (mut k_rows, mut v_rows) = (read_rows(shape, from, k, true), read_rows(shape, from, v, false));
+    // Out of `from`'s rotation, into `to`'s (each is its own inverse).
+    for r in [Rotation::of(from, shape.head_dim), Rotation::of(to, shape.head_dim)].into_iter().flatten() {
+        kv_quant::rotate(&mut k_rows, r.k);
+        kv_quant::rotate(&mut v_rows, r.v);
+    }
     let (mut k_out, mut v_out) = (vec![0u16; n_out], vec![0u16; n_out]);
     write_rows(shape, to, &k_rows, &mut k_out, true);
     write_rows(shape, to, &v_rows, &mut v_out, false);
     Some((k_out, v_out))
 }
 
-/// A block's rows in f32, `[head][slot][head_dim]`, from its stored form; `is_k`
-/// says whether f16 holds it transposed.
+/// A block's rows in f32, `[head][slot][head_dim]`, from its stored form (still under
+/// the dtype's [`Rotation`]); `is_k` says whether it is K (held transposed).
 pub(crate) fn read_rows(shape: BlockShape, dtype: KvDtype, words: &[u16], is_k: bool) -> Vec<f32> {
     let BlockShape { n_kv_heads, block_size: bs, head_dim: hd } = shape;
     let mut rows = vec![0f32; n_kv_heads * bs * hd];
@@ -304,8 +330,12 @@ mod tests {
             for to in all {
                 let (k2, v2) = convert_block(shape, from, to, &kw, &vw).unwrap();
                 // Converting to the same form changes nothing; to another, the result
-                // is what storing the first form's values afresh gives.
-                let want_k = read_rows(shape, from, &kw, true);
+                // is what storing the first form's values afresh gives, each form
+                // under its own rotation.
+                let mut want_k = read_rows(shape, from, &kw, true);
+                for r in [Rotation::of(from, 64), Rotation::of(to, 64)].into_iter().flatten() {
+                    kv_quant::rotate(&mut want_k, r.k);
+                }
                 let mut direct = vec![0u16; shape.words(to).unwrap()];
                 write_rows(shape, to, &want_k, &mut direct, true);
                 assert_eq!(k2, direct, "{from} -> {to}");
@@ -329,18 +359,30 @@ mod tests {
             kv.write(1, &[3, 1], 17, &k, &v);
             let (kw, vw) = kv.block(1, 1);
             let shape = kv.block_shape();
-            let (kr, vr) = (read_rows(shape, dtype, kw, true), read_rows(shape, dtype, vw, false));
-            let tol = match dtype {
+            let (mut kr, mut vr) = (read_rows(shape, dtype, kw, true), read_rows(shape, dtype, vw, false));
+            if let Some(r) = kv.rotation {
+                kv_quant::rotate(&mut kr, r.k);
+                kv_quant::rotate(&mut vr, r.v);
+            }
+            // Rows read back within the form's step (half of it at most per value
+            // where nothing is rotated; under a rotation the same error in the root
+            // mean square, its orthonormal turn spreading it over the row).
+            let step = match dtype {
                 KvDtype::F16 => 2e-3,
                 KvDtype::Q8_0 => 2.0 / 127.0,
                 KvDtype::Q4_0 => 2.0 / 7.0,
             };
+            let hd = cfg.head_dim;
             for g in 0..cfg.n_kv_heads {
-                let at = (g * 16 + 1) * cfg.head_dim;
-                for d in 0..cfg.head_dim {
-                    let (want_k, want_v) = (k[g * cfg.head_dim + d], v[g * cfg.head_dim + d]);
-                    assert!((kr[at + d] - want_k).abs() <= tol, "{dtype} K");
-                    assert!((vr[at + d] - want_v).abs() <= tol, "{dtype} V");
+                let at = (g * 16 + 1) * hd;
+                for (name, got, want) in [("K", &kr, &k), ("V", &vr, &v)] {
+                    let err: Vec<f32> = (0..hd).map(|d| got[at + d] - want[g * hd + d]).collect();
+                    let rms = (err.iter().map(|e| e * e).sum::<f32>() / hd as f32).sqrt();
+                    let max = err.iter().fold(0f32, |m, e| m.max(e.abs()));
+                    assert!(
+                        rms <= step / 2.0 && (kv.rotation.is_some() || max <= step / 2.0),
+                        "{dtype} {name}: {rms} {max}"
+                    );
                 }
             }
         }

@@ -11,6 +11,51 @@ use crate::format::DType;
 use half::f16;
 use pdserve_types::KvDtype;
 
+/// The Walsh-Hadamard rotations a quantized cache stores K and V under, as llama.cpp
+/// does (its `attn_rot_k`/`attn_rot_v`): an orthonormal rotation spreads a head's few
+/// outlier dimensions over all of them, so a block's one scale fits its values; for
+/// q4_0 on the default model it takes the perplexity added from +15 % to +4 %. K rows
+/// turn in pieces of the largest power of two dividing the head (64 or more), and the
+/// queries with them (so scores are unchanged); V rows in pieces of 64, the attention
+/// output turned back after (the rotation is its own inverse). `None` for f16, or a
+/// head that is not a multiple of 64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rotation {
+    pub k: usize,
+    pub v: usize,
+}
+
+impl Rotation {
+    pub fn of(dtype: KvDtype, head_dim: usize) -> Option<Rotation> {
+        if dtype == KvDtype::F16 || head_dim == 0 || !head_dim.is_multiple_of(64) {
+            return None;
+        }
+        Some(Rotation { k: 1 << head_dim.trailing_zeros(), v: 64 })
+    }
+}
+
+/// Turns `x` by the Sylvester Hadamard matrix of size `n` (a power of two), normalized,
+/// in pieces of `n`: the fast transform, `n log n` additions per piece.
+pub fn rotate(x: &mut [f32], n: usize) {
+    let scale = 1.0 / (n as f32).sqrt();
+    for piece in x.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for i in (0..n).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (piece[j], piece[j + h]);
+                    piece[j] = a + b;
+                    piece[j + h] = a - b;
+                }
+            }
+            h *= 2;
+        }
+        for v in piece.iter_mut() {
+            *v *= scale;
+        }
+    }
+}
+
 /// The bytes of a cache's stored words (it keeps every form as little-endian words).
 pub fn words_as_bytes(words: &[u16]) -> &[u8] {
     // SAFETY: u8 has no alignment or validity requirement; the length is exact.
@@ -441,6 +486,33 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_rotation_is_the_hadamard_matrix_and_its_own_inverse() {
+        // Row i of the Sylvester matrix: (-1)^popcount(i & j) / sqrt(n).
+        let n = 64;
+        let x = row(3, 2 * n);
+        let mut y = x.clone();
+        rotate(&mut y, n);
+        for (p, (xs, ys)) in x.chunks(n).zip(y.chunks(n)).enumerate() {
+            for (i, got) in ys.iter().enumerate() {
+                let want: f64 = xs
+                    .iter()
+                    .enumerate()
+                    .map(|(j, v)| if (i & j).count_ones() % 2 == 0 { *v as f64 } else { -*v as f64 })
+                    .sum::<f64>()
+                    / (n as f64).sqrt();
+                assert!((*got as f64 - want).abs() < 1e-4, "piece {p} row {i}");
+            }
+        }
+        rotate(&mut y, n);
+        assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() < 1e-5));
+        let r = |d, hd| Rotation::of(d, hd);
+        assert_eq!(r(KvDtype::Q8_0, 64), Some(Rotation { k: 64, v: 64 }));
+        assert_eq!(r(KvDtype::Q4_0, 256), Some(Rotation { k: 256, v: 64 }));
+        assert_eq!(r(KvDtype::Q4_0, 192), Some(Rotation { k: 64, v: 64 }));
+        assert_eq!((r(KvDtype::Q8_0, 96), r(KvDtype::F16, 128)), (None, None));
     }
 
     #[test]

@@ -8,6 +8,7 @@ use super::linear::{load_vector, Linear, LinearScratch};
 use crate::config::ModelConfig;
 use crate::format::{FormatError, TensorSource};
 use crate::kernels::attention::{self, AttnScratch, Queries};
+use crate::kernels::kv_quant;
 use crate::kernels::ops::{add_assign, gelu_tanh_f16_mul, rms_norm, silu_mul, RopeTable};
 use crate::kvcache::KvStorage;
 use crate::threadpool::{DisjointMut, ThreadPool};
@@ -309,8 +310,16 @@ pub(super) fn attend_all(
                 q.extend_from_slice(&qkv[t * width + g * span..t * width + (g + 1) * span]);
             }
             o.resize(n * span, 0.0);
+            // A cache stored under a rotation meets queries turned alike, and its
+            // values come out turned: turned back here (see `Rotation`).
+            if let Some(r) = kv.rotation {
+                kv_quant::rotate(q, r.k);
+            }
             let qs = Queries { q, pos: &positions[t0..t0 + n], n_rep, scale: spec.scale, window: spec.window };
             attention::attend(step.isa, &layer_kv, g, batch[si].blocks, &qs, o, scr);
+            if let Some(r) = kv.rotation {
+                kv_quant::rotate(o, r.v);
+            }
             for (k, t) in (t0..t0 + n).enumerate() {
                 // SAFETY: items own distinct (token, kv head) pairs, so these
                 // ranges never overlap.

@@ -412,6 +412,40 @@ async fn throughput_is_measurable() {
     }
 }
 
+/// Prints how long each transport takes to move the K/V of a 2,048-token prompt of
+/// the default model (30 layers, 3 KV heads of 64) in each cache dtype, as medians of
+/// seven runs (docs/benchmarks.md); asserts only the bytes moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompts_handoff_per_dtype_is_measurable() {
+    const TOKENS: usize = 2048;
+    const FRAMES: usize = 30 * TOKENS / 16;
+    for kind in [Kind::Tcp, Kind::Shm] {
+        let p = pair(kind, ShmConfig::default()).await;
+        for dtype in KvDtype::ALL {
+            // Words of one block of one layer: 16 tokens of 3 heads.
+            let elems = 3 * 16 * dtype.row_bytes(64).unwrap() / 2;
+            let bytes = FRAMES * 4 * elems;
+            let mut runs = Vec::new();
+            for round in 0..7 {
+                let (t, inboxes) = (p.transport.clone(), p.inboxes.clone());
+                let tp = tokio::task::spawn_blocking(move || {
+                    if round == 0 {
+                        measure(t.as_ref(), &inboxes, bytes, elems)?; // warm-up
+                    }
+                    measure(t.as_ref(), &inboxes, bytes, elems)
+                })
+                .await
+                .unwrap()
+                .unwrap();
+                assert_eq!(tp.bytes as usize, bytes);
+                runs.push(tp);
+            }
+            let tp = median(runs);
+            println!("{:<5} {dtype:<5} {TOKENS} tokens: {tp}", t_name(kind));
+        }
+    }
+}
+
 async fn blocking(f: impl FnOnce() -> std::io::Result<Throughput> + Send + 'static) -> Throughput {
     tokio::task::spawn_blocking(f).await.unwrap().unwrap()
 }

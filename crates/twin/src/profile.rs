@@ -467,3 +467,23 @@ mod tests {
         assert!(fit_error(&pts) < 0.2);
     }
 }
+
+#[cfg(test)]
+mod kv_dtype_tests {
+    use super::*;
+
+    #[test]
+    fn a_quantized_cache_moves_fewer_bytes_and_holds_more_blocks_in_the_same_memory() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../profiles/h100-llama3.1-8b.json");
+        let f16 = Profile::load(Path::new(path)).unwrap();
+        let q8 = f16.clone().with_kv_dtype(KvDtype::Q8_0);
+        let (b, n) = (f16.model.kv_bytes_per_token, f16.model.kv_blocks as f64);
+        assert_eq!(q8.model.kv_bytes_per_token, b * 34.0 / 64.0);
+        assert_eq!(q8.model.kv_blocks, (n * 64.0 / 34.0) as usize);
+        assert_eq!(q8.engine_config(1, None).kv_dtype, KvDtype::Q8_0);
+        // Back to f16 from q4_0: the figures it started from.
+        let back = q8.with_kv_dtype(KvDtype::Q4_0).with_kv_dtype(KvDtype::F16);
+        assert!((back.model.kv_bytes_per_token - b).abs() < 1e-6);
+        assert!((back.model.kv_blocks as f64 - n).abs() <= 2.0);
+    }
+}

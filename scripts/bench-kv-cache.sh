@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The quantized KV cache's speed and capacity (docs/bench/kv-cache.md), in one run:
+#   1. decode tok/s of one sequence after 4,096 and 8,128 prompt tokens (8,192 with the
+#      64 generated: the default model's context), per cache dtype,
+#      pdserve next to llama.cpp's llama-bench (-d, flash attention on, -ctk/-ctv);
+#   2. the K/V of a 2,048-token prompt of the default model moved over loopback TCP and
+#      shared memory, per dtype;
+#   3. a fixed KV memory budget (8 GB) at 64 concurrent 2,048-token requests, on the
+#      twin of an H100 serving Llama-3.1-8B, per dtype.
+# Quality (perplexity, greedy agreement) is measured by the commands in docs/models.md.
+#
+# Usage: scripts/bench-kv-cache.sh [MODEL]   (default: the default model)
+#   THREADS=n   compute threads (default 2)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=bench-results/kv-cache
+mkdir -p "$out"
+cargo build --release --bin pdserve >&2
+pdserve=./target/release/pdserve
+model=${1:-$("$pdserve" pull 2>/dev/null)}
+bin=$(scripts/build-peer.sh)
+threads=${THREADS:-2}
+echo "== decode at depth: pdserve (tok/s)"
+for d in f16 q8_0 q4_0; do
+  for depth in 4096 8128; do
+    "$pdserve" bench engine --model "$model" --threads "$threads" --prefill 16 --batch 1 --decode-prompt "$depth" \
+      --decode-tokens 64 --reps 2 --kv-cache-dtype "$d" --out "$out/decode-$d-$depth.json" 2>/dev/null \
+      | awk -v d="$d" -v depth="$depth" '/prompt='"$depth"'/ {print d, depth, $(NF-1)}'
+  done
+done
+echo "== decode at depth: llama.cpp (tok/s)"
+for d in f16 q8_0 q4_0; do
+  "$bin/llama-bench" -m "$model" -p 0 -n 64 -d 4096,8128 -t "$threads" -r 1 -fa 1 -ctk "$d" -ctv "$d" -o json \
+    > "$out/llama-bench-$d.json" 2>/dev/null
+  python3 -c 'import json,sys; [print(sys.argv[2], r["n_depth"], round(r["avg_ts"],1)) for r in json.load(open(sys.argv[1]))]' \
+    "$out/llama-bench-$d.json" "$d"
+done
+echo "== a 2,048-token prompt's K/V over each transport"
+cargo test --release -q -p pdserve-kv-transfer --test transports a_prompts_handoff_per_dtype_is_measurable \
+  -- --nocapture 2>&1 | grep tokens
+echo "== 8 GB of KV, 64 concurrent 2,048-token requests, twin of an H100 with Llama-3.1-8B"
+for d in f16 q8_0 q4_0; do
+  echo "-- $d"
+  "$pdserve" sim --profile profiles/h100-llama3.1-8b.json --mode aggregated --workers 1 --kv-cache-dtype "$d" \
+    --kv-cache-gb 8 --concurrency 64 --input-len 2048 --output-len 256 --requests 384 --out "$out/sim-$d" 2>/dev/null \
+    | grep -E '^\| (point|C=)'
+done

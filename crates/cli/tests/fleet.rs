@@ -12,8 +12,8 @@
 mod common;
 
 use common::{
-    complete, eventually, exit_code, fleet_records, metric, nats_binary, one_process, settle_used_blocks, start, Proc,
-    TempDir,
+    complete, eventually, exit_code, fleet_records, metric, nats_binary, one_process, settle_used_blocks, start,
+    worker_with, Proc, TempDir,
 };
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -68,21 +68,7 @@ fn nats_on(port: u16, extra: &[&str]) -> Nats {
 }
 
 fn fleet_worker(n: &Nats, role: &str, id: &str) -> Proc {
-    start(&[
-        "worker",
-        "--role",
-        role,
-        "--listen",
-        "127.0.0.1:0",
-        "--threads",
-        "1",
-        "--kv-blocks",
-        "512",
-        "--nats",
-        &n.url,
-        "--node-id",
-        id,
-    ])
+    worker_with(role, &["--nats", &n.url, "--node-id", id])
 }
 
 fn fleet_frontend(n: &Nats, mode: &str) -> Proc {

@@ -7,23 +7,11 @@
 
 mod common;
 
-use common::{complete, frontend, golden_prompts, metric, settle_used_blocks, start, Proc};
+use common::{complete, frontend, golden_prompts, metric, settle_used_blocks, start, worker_with, Proc};
 use serde_json::Value;
 
 fn worker_in(role: &str, dtype: &str) -> Proc {
-    start(&[
-        "worker",
-        "--role",
-        role,
-        "--listen",
-        "127.0.0.1:0",
-        "--threads",
-        "1",
-        "--kv-blocks",
-        "512",
-        "--kv-cache-dtype",
-        dtype,
-    ])
+    worker_with(role, &["--kv-cache-dtype", dtype])
 }
 
 fn serve_in(mode: &str, dtype: &str) -> Proc {

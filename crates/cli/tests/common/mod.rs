@@ -139,7 +139,13 @@ pub fn derived_profile(path: &std::path::Path) {
 }
 
 pub fn worker(role: &str) -> Proc {
-    start(&["worker", "--role", role, "--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "512"])
+    worker_with(role, &[])
+}
+
+/// [`worker`] with more flags.
+pub fn worker_with(role: &str, extra: &[&str]) -> Proc {
+    let args = ["worker", "--role", role, "--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "512"];
+    start(&[&args[..], extra].concat())
 }
 
 pub fn frontend(workers: &[&Proc], mode: &str, transport: &str) -> Proc {

@@ -94,9 +94,6 @@ pub fn attend(
     out: &mut [f32],
     s: &mut AttnScratch,
 ) {
-    if kv.dtype != KvDtype::F16 {
-        return attend_quantized(isa, kv, g, blocks, qs, out, s);
-    }
     match isa {
         // SAFETY: the ISA was detected on this CPU.
         #[cfg(target_arch = "x86_64")]
@@ -107,7 +104,7 @@ pub fn attend(
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { attend_avx2(kv, g, blocks, qs, out, s) },
-        _ => attend_impl(kv, g, blocks, qs, out, s),
+        _ => attend_tiles(Isa::Scalar, kv, g, blocks, qs, out, s),
     }
 }
 
@@ -121,7 +118,7 @@ unsafe fn attend_avx512(
     out: &mut [f32],
     s: &mut AttnScratch,
 ) {
-    attend_with(kv, g, blocks, qs, out, s, f16c::to_f32)
+    attend_tiles(Isa::Avx512Vnni, kv, g, blocks, qs, out, s)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -134,17 +131,14 @@ unsafe fn attend_avx2(
     out: &mut [f32],
     s: &mut AttnScratch,
 ) {
-    attend_with(kv, g, blocks, qs, out, s, f16c::to_f32)
+    attend_tiles(Isa::Avx2, kv, g, blocks, qs, out, s)
 }
 
-fn attend_impl(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32], s: &mut AttnScratch) {
-    attend_with(kv, g, blocks, qs, out, s, |src, dst| src.convert_to_f32_slice(dst))
-}
-
-/// Attention over a quantized cache: each block's K and V read into the tile by the
-/// ISA's [`kv_quant::read_k_block`] and [`kv_quant::read_row`], then the f16 path's
-/// arithmetic.
-fn attend_quantized(
+/// The tile kernels, compiled into each ISA's wrapper: each cache block turned into
+/// f32 once (f16 by F16C where `isa` has it; quantized K and V by
+/// [`kv_quant::read_k_block`] and [`kv_quant::read_row`]), then the same arithmetic.
+#[inline(always)]
+fn attend_tiles(
     isa: Isa,
     kv: &LayerKv<'_>,
     g: usize,
@@ -153,46 +147,15 @@ fn attend_quantized(
     out: &mut [f32],
     s: &mut AttnScratch,
 ) {
-    match isa {
-        // SAFETY: the ISA was detected on this CPU.
+    match (kv.dtype, isa) {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => {
-            if !super::attention_avx512::attend(kv, g, blocks, qs, out) {
-                unsafe { attend_rows_avx512(kv, g, blocks, qs, out, s) }
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { attend_rows_avx2(kv, g, blocks, qs, out, s) },
+        (KvDtype::F16, Isa::Avx2 | Isa::Avx512Vnni) => attend_with(kv, g, blocks, qs, out, s, f16c::to_f32),
+        (KvDtype::F16, _) => attend_with(kv, g, blocks, qs, out, s, |src, dst| src.convert_to_f32_slice(dst)),
         _ => attend_rows(isa, kv, g, blocks, qs, out, s),
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-unsafe fn attend_rows_avx512(
-    kv: &LayerKv<'_>,
-    g: usize,
-    blocks: &[u32],
-    qs: &Queries<'_>,
-    out: &mut [f32],
-    s: &mut AttnScratch,
-) {
-    attend_rows(Isa::Avx512Vnni, kv, g, blocks, qs, out, s)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_rows_avx2(
-    kv: &LayerKv<'_>,
-    g: usize,
-    blocks: &[u32],
-    qs: &Queries<'_>,
-    out: &mut [f32],
-    s: &mut AttnScratch,
-) {
-    attend_rows(Isa::Avx2, kv, g, blocks, qs, out, s)
-}
-
+/// Quantized blocks' tiles: K transposed, as f16's, and V rows.
 #[inline(always)]
 fn attend_rows(
     isa: Isa,

@@ -109,7 +109,7 @@ pub fn run(a: MigrateArgs) -> anyhow::Result<()> {
 }
 
 fn worker(m: &LoadedModel, a: &MigrateArgs, name: &str, key: &ClusterKey) -> anyhow::Result<Arc<dyn Worker>> {
-    Ok(Arc::new(mixed_worker(m, name, key, 1, a.kv_blocks)?))
+    Ok(Arc::new(mixed_worker(m, name, key, 1, a.kv_blocks, pdserve_types::KvDtype::F16)?))
 }
 
 /// A mixed worker on the model in this process, on the current runtime, for the
@@ -120,12 +120,13 @@ pub(super) fn mixed_worker(
     key: &ClusterKey,
     threads: usize,
     kv_blocks: usize,
+    kv_dtype: pdserve_types::KvDtype,
 ) -> anyhow::Result<LocalWorker> {
     let opts = WorkerOptions {
         name: name.into(),
         role: Role::Mixed,
         model_name: m.name.clone(),
-        engine: EngineConfig { threads, num_blocks: kv_blocks, ..Default::default() },
+        engine: EngineConfig { threads, num_blocks: kv_blocks, kv_dtype, ..Default::default() },
         eog: m.tokenizer.eog_ids().to_vec(),
         key: key.clone(),
         grammars: None,

@@ -104,6 +104,7 @@ enum From {
 
 pub fn run(a: TiersArgs) -> anyhow::Result<()> {
     let m = super::load_model(&a.model)?;
+    pdserve_engine::kvcache::check_dtype(&m.model.cfg, a.kv_cache_dtype).map_err(anyhow::Error::msg)?;
     println!(
         "| prefix tokens | recompute ms | host: TTFT ms | host: copy ms | × faster | disk: TTFT ms | disk: read ms | \
          × faster | peer over TCP: TTFT ms | × faster | peer over shm: TTFT ms | × faster | \
@@ -267,8 +268,8 @@ async fn warm_pair(
     blocks: usize,
 ) -> anyhow::Result<(LocalWorker, LocalWorker, Vec<u32>)> {
     let key = ClusterKey::random();
-    let holder = super::bench_migrate::mixed_worker(m, "holder", &key, a.threads, blocks)?;
-    let here = super::bench_migrate::mixed_worker(m, "here", &key, a.threads, blocks)?;
+    let holder = super::bench_migrate::mixed_worker(m, "holder", &key, a.threads, blocks, a.kv_cache_dtype)?;
+    let here = super::bench_migrate::mixed_worker(m, "here", &key, a.threads, blocks, a.kv_cache_dtype)?;
     super::serve::listen(&here, via).await?;
     let prompt = pdserve_engine::bench::random_prompt(tokens, tokens as u64, m.model.cfg.vocab_size);
     let (tx, mut warm) = TokenStream::channel(8);

@@ -133,31 +133,39 @@ impl KvStorage {
         let (bs, hd, rw) = (self.block_size, self.head_dim, self.row_words);
         let block = blocks[pos / bs] as usize;
         let slot = pos % bs;
-        let mut turned = [[0f32; MAX_HEAD]; 2];
         for g in 0..self.n_kv_heads {
-            let (mut kh, mut vh) = (&k[g * hd..(g + 1) * hd], &v[g * hd..(g + 1) * hd]);
-            if let Some(r) = self.rotation {
-                let [tk, tv] = &mut turned;
-                tk[..hd].copy_from_slice(kh);
-                tv[..hd].copy_from_slice(vh);
-                kv_quant::rotate(&mut tk[..hd], r.k);
-                kv_quant::rotate(&mut tv[..hd], r.v);
-                (kh, vh) = (&turned[0][..hd], &turned[1][..hd]);
-            }
+            let (kh, vh) = (&k[g * hd..(g + 1) * hd], &v[g * hd..(g + 1) * hd]);
             let head = (block * self.n_kv_heads + g) * bs * rw;
             if self.dtype == KvDtype::F16 {
                 for (i, x) in kh.iter().enumerate() {
                     self.k[l][head + i * bs + slot] = f16::from_f32(*x).to_bits();
                 }
+                store_row(self.dtype, vh, &mut self.v[l][head + slot * rw..head + (slot + 1) * rw]);
             } else {
-                let mut row = [0u8; MAX_ROW_BYTES];
-                let row = &mut row[..2 * rw];
-                kv_quant::quantize_row(self.dtype, kh, row);
-                let block = bytes_mut(&mut self.k[l][head..head + bs * rw]);
-                kv_quant::put_k_row(self.dtype, block, slot, hd, row);
+                self.write_quantized(l, head, slot, kh, vh);
             }
-            store_row(self.dtype, vh, &mut self.v[l][head + slot * rw..head + (slot + 1) * rw]);
         }
+    }
+
+    /// One head's K and V rows of a quantized cache, turned by its rotation first; the
+    /// head's block starts at word `head`. Staged on the stack, apart from the f16 path.
+    fn write_quantized(&mut self, l: usize, head: usize, slot: usize, kh: &[f32], vh: &[f32]) {
+        let (bs, hd, rw) = (self.block_size, self.head_dim, self.row_words);
+        let mut turned = [[0f32; MAX_HEAD]; 2];
+        let [tk, tv] = &mut turned;
+        let (tk, tv) = (&mut tk[..hd], &mut tv[..hd]);
+        tk.copy_from_slice(kh);
+        tv.copy_from_slice(vh);
+        if let Some(r) = self.rotation {
+            kv_quant::rotate(tk, r.k);
+            kv_quant::rotate(tv, r.v);
+        }
+        let mut row = [0u8; MAX_ROW_BYTES];
+        let row = &mut row[..2 * rw];
+        kv_quant::quantize_row(self.dtype, tk, row);
+        let block = bytes_mut(&mut self.k[l][head..head + bs * rw]);
+        kv_quant::put_k_row(self.dtype, block, slot, hd, row);
+        store_row(self.dtype, tv, &mut self.v[l][head + slot * rw..head + (slot + 1) * rw]);
     }
 
     /// One block's K and V for layer `l`, as stored (for export).

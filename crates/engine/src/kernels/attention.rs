@@ -81,6 +81,8 @@ pub struct AttnScratch {
     m: Vec<f32>,
     l: Vec<f32>,
     acc: Vec<f32>,
+    #[cfg(target_arch = "x86_64")]
+    staged: super::attention_avx512::Staged,
 }
 
 /// Attention of `qs` against KV head `g` of a sequence whose blocks are `blocks`;
@@ -98,7 +100,7 @@ pub fn attend(
         // SAFETY: the ISA was detected on this CPU.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => {
-            if !super::attention_avx512::attend(kv, g, blocks, qs, out) {
+            if !super::attention_avx512::attend(kv, g, blocks, qs, out, &mut s.staged) {
                 unsafe { attend_avx512(kv, g, blocks, qs, out, s) }
             }
         }

@@ -10,6 +10,7 @@
 #![cfg(target_arch = "x86_64")]
 
 use super::attention::{LayerKv, Queries};
+use super::kv_quant::words_as_bytes;
 use pdserve_types::KvDtype;
 use std::arch::x86_64::*;
 
@@ -21,32 +22,102 @@ const MAX_GROUP: usize = 4;
 const F16: u8 = 0;
 const Q8_0: u8 = 1;
 const Q4_0: u8 = 2;
+/// A quantized cache's blocks already turned into f32 (see [`Staged`]).
+const F32: u8 = 3;
+
+/// Above this many groups of vectors per KV head (a prefill chunk, or a verification
+/// of several drafted tokens), a quantized head is turned into f32 once rather than
+/// once per group.
+const STAGE_ABOVE_GROUPS: usize = 2;
+
+/// One KV head's visible blocks in f32, K transposed (`[block][dim][slot]`) then V
+/// (`[block][slot][dim]`): the same products of code and scale the in-register path
+/// computes, so a vector's result does not depend on which path ran.
+#[derive(Default)]
+pub(super) struct Staged {
+    vals: Vec<f32>,
+    ids: Vec<u32>,
+}
 
 /// Handles `head_dim` 64 and 128; returns false for other shapes (callers fall back).
-pub(super) fn attend(kv: &LayerKv<'_>, g: usize, blocks: &[u32], qs: &Queries<'_>, out: &mut [f32]) -> bool {
-    if kv.block_size != BS {
+pub(super) fn attend(
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    out: &mut [f32],
+    staged: &mut Staged,
+) -> bool {
+    if kv.block_size != BS || !matches!(kv.head_dim, 64 | 128) {
         return false;
     }
     let nvec = qs.pos.len() * qs.n_rep;
     assert!(qs.q.len() >= nvec * kv.head_dim && out.len() >= nvec * kv.head_dim);
+    let (form, staged_kv, ids);
+    let (kv, g, blocks) = if kv.dtype != KvDtype::F16 && nvec > STAGE_ABOVE_GROUPS * MAX_GROUP {
+        (staged_kv, ids) = stage(kv, g, blocks, qs, staged);
+        form = F32;
+        (&staged_kv, 0, ids)
+    } else {
+        form = match kv.dtype {
+            KvDtype::F16 => F16,
+            KvDtype::Q8_0 => Q8_0,
+            KvDtype::Q4_0 => Q4_0,
+        };
+        (kv, g, blocks)
+    };
     let mut v0 = 0;
     while v0 < nvec {
         let n = MAX_GROUP.min(nvec - v0);
-        let done = match kv.dtype {
-            KvDtype::F16 => groups::<F16>(kv, g, blocks, qs, v0, n, out),
-            KvDtype::Q8_0 => groups::<Q8_0>(kv, g, blocks, qs, v0, n, out),
-            KvDtype::Q4_0 => groups::<Q4_0>(kv, g, blocks, qs, v0, n, out),
-        };
-        if !done {
-            return false;
+        match form {
+            F16 => groups::<F16>(kv, g, blocks, qs, v0, n, out),
+            Q8_0 => groups::<Q8_0>(kv, g, blocks, qs, v0, n, out),
+            Q4_0 => groups::<Q4_0>(kv, g, blocks, qs, v0, n, out),
+            _ => groups::<F32>(kv, g, blocks, qs, v0, n, out),
         }
         v0 += n;
     }
     true
 }
 
-/// Runs the group of `n` vectors from `v0` in form `F`; false for a head size the
-/// kernels are not written for.
+/// Turns head `g`'s blocks that any of `qs` sees into f32 in `staged`, and returns a
+/// one-head cache over them with the block list that maps each logical block to its
+/// place there.
+fn stage<'s>(
+    kv: &LayerKv<'_>,
+    g: usize,
+    blocks: &[u32],
+    qs: &Queries<'_>,
+    staged: &'s mut Staged,
+) -> (LayerKv<'s>, &'s [u32]) {
+    let hd = kv.head_dim;
+    let tile = BS * hd;
+    let last = qs.pos.iter().copied().max().unwrap_or(0) / BS;
+    let first = qs.pos.iter().map(|&p| qs.first_visible(p)).min().unwrap_or(0) / BS;
+    let n = last + 1 - first;
+    staged.vals.resize(2 * n * tile, 0.0);
+    let (ks, vs) = staged.vals.split_at_mut(n * tile);
+    let per_head = BS * kv.row_words;
+    for (i, &block) in blocks[first..=last].iter().enumerate() {
+        let start = (block as usize * kv.n_kv_heads + g) * per_head;
+        let (k, v) = (&kv.k[start..start + per_head], &kv.v[start..start + per_head]);
+        let isa = super::Isa::Avx512Vnni;
+        super::kv_quant::read_k_block(isa, kv.dtype, words_as_bytes(k), hd, &mut ks[i * tile..(i + 1) * tile]);
+        super::kv_quant::read_row(isa, kv.dtype, words_as_bytes(v), &mut vs[i * tile..(i + 1) * tile]);
+    }
+    staged.ids.clear();
+    staged.ids.extend((0..=last).map(|bi| bi.saturating_sub(first) as u32));
+    let (k, v) = staged.vals.split_at(n * tile);
+    (LayerKv { k: f32_words(k), v: f32_words(v), n_kv_heads: 1, row_words: 2 * hd, ..*kv }, &staged.ids)
+}
+
+/// f32 values as the little-endian words a [`LayerKv`] holds.
+fn f32_words(x: &[f32]) -> &[u16] {
+    // SAFETY: u16 has weaker alignment than f32 and no invalid values; the length is exact.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len() * 2) }
+}
+
+/// Runs the group of `n` vectors from `v0` in form `F`, for a head of 64 or 128.
 fn groups<const F: u8>(
     kv: &LayerKv<'_>,
     g: usize,
@@ -55,23 +126,21 @@ fn groups<const F: u8>(
     v0: usize,
     n: usize,
     out: &mut [f32],
-) -> bool {
+) {
     // SAFETY: `attend` is dispatched here on a CPU with AVX-512F and F16C; it asserts
-    // the slice bounds, and block ids are checked against the pools.
+    // the slice bounds and the head size, and block ids are checked against the pools.
     unsafe {
         match (kv.head_dim, n) {
             (64, 4) => group::<4, 4, F>(kv, g, blocks, qs, v0, out),
             (64, 3) => group::<4, 3, F>(kv, g, blocks, qs, v0, out),
             (64, 2) => group::<4, 2, F>(kv, g, blocks, qs, v0, out),
-            (64, 1) => group::<4, 1, F>(kv, g, blocks, qs, v0, out),
-            (128, 4) => group::<8, 4, F>(kv, g, blocks, qs, v0, out),
-            (128, 3) => group::<8, 3, F>(kv, g, blocks, qs, v0, out),
-            (128, 2) => group::<8, 2, F>(kv, g, blocks, qs, v0, out),
-            (128, 1) => group::<8, 1, F>(kv, g, blocks, qs, v0, out),
-            _ => return false,
+            (64, _) => group::<4, 1, F>(kv, g, blocks, qs, v0, out),
+            (_, 4) => group::<8, 4, F>(kv, g, blocks, qs, v0, out),
+            (_, 3) => group::<8, 3, F>(kv, g, blocks, qs, v0, out),
+            (_, 2) => group::<8, 2, F>(kv, g, blocks, qs, v0, out),
+            _ => group::<8, 1, F>(kv, g, blocks, qs, v0, out),
         }
     }
-    true
 }
 
 /// Vectors `v0..v0 + G` (vector `v` is query token `v / n_rep`, head `v % n_rep`),
@@ -130,7 +199,7 @@ unsafe fn block_scores<const C: usize, const G: usize, const F: u8>(kt: *const u
     // Scores: s[k][j] = q_k · K[:, j].
     let mut s = [_mm512_setzero_ps(); G];
     for d in 0..hd {
-        if F != F16 && d % 32 == 0 {
+        if matches!(F, Q8_0 | Q4_0) && d % 32 == 0 {
             // SAFETY: the block starts with `hd / 32` runs of 16 f16 scales.
             scale = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(kt.add(d / 32 * BS * 2).cast())) };
         }
@@ -138,6 +207,7 @@ unsafe fn block_scores<const C: usize, const G: usize, const F: u8>(kt: *const u
         let kcol = unsafe {
             match F {
                 F16 => _mm512_cvtph_ps(_mm256_loadu_si256(kt.add(d * BS * 2).cast())),
+                F32 => _mm512_loadu_ps(kt.add(d * BS * 4).cast()),
                 Q8_0 => _mm512_mul_ps(scale, bytes16(_mm_loadu_si128(codes.add(d * BS).cast()))),
                 _ => _mm512_mul_ps(scale, bytes16(nibbles16(codes.add(d * 8)))),
             }
@@ -195,6 +265,7 @@ unsafe fn v_chunk<const F: u8>(vb: *const u8, hd: usize, j: usize, c: usize) -> 
     unsafe {
         match F {
             F16 => _mm512_cvtph_ps(_mm256_loadu_si256(vb.add((j * hd + c * 16) * 2).cast())),
+            F32 => _mm512_loadu_ps(vb.add((j * hd + c * 16) * 4).cast()),
             Q8_0 => {
                 let b = block(34);
                 _mm512_mul_ps(scale(b), bytes16(_mm_loadu_si128(b.add(2 + c % 2 * 16).cast())))

@@ -4,7 +4,8 @@
 #      64 generated: the default model's context), per cache dtype,
 #      pdserve next to llama.cpp's llama-bench (-d, flash attention on, -ctk/-ctv);
 #   2. the K/V of a 2,048-token prompt of the default model moved over loopback TCP and
-#      shared memory, per dtype;
+#      shared memory, per dtype, and over TCP through a 20 Mbit/s token bucket (the
+#      multi-host suite's slow link) in a network namespace;
 #   3. a fixed KV memory budget (8 GB) at 64 concurrent 2,048-token requests, on the
 #      twin of an H100 serving Llama-3.1-8B, per dtype.
 # Quality (perplexity, greedy agreement) is measured by the commands in docs/models.md.
@@ -38,6 +39,16 @@ done
 echo "== a 2,048-token prompt's K/V over each transport"
 cargo test --release -q -p pdserve-kv-transfer --test transports a_prompts_handoff_per_dtype_is_measurable \
   -- --nocapture 2>&1 | grep tokens
+echo "== the same over a 20 Mbit/s link (the multi-host suite's token bucket, one run each; needs root)"
+bin_t=$(cargo test --release -p pdserve-kv-transfer --test transports --no-run 2>&1 | grep -o 'target/release/deps/transports-[0-9a-f]*')
+ns=pdkvlink$$
+ip netns add "$ns"
+trap 'ip netns del "$ns" 2>/dev/null || true' EXIT
+ip netns exec "$ns" ip link set lo mtu 1500 up
+ip netns exec "$ns" tc qdisc add dev lo root tbf rate 20mbit burst 32kb latency 50ms
+PDSERVE_HANDOFF_ROUNDS=1 ip netns exec "$ns" "$bin_t" a_prompts_handoff_per_dtype_is_measurable --nocapture 2>&1 \
+  | grep '^tcp'
+ip netns del "$ns"
 echo "== 8 GB of KV, 64 concurrent 2,048-token requests, twin of an H100 with Llama-3.1-8B"
 for d in f16 q8_0 q4_0; do
   echo "-- $d"

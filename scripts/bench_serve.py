@@ -7,11 +7,16 @@ clients send requests back to back until `--requests` (default max(2C, 4)) are d
 Metrics: TTFT = request sent -> first streamed token; TPOT = (last - first token time)
 / (tokens - 1); output tok/s = all output tokens / wall time of the level.
 Prints one JSON line per level. (pdserve's own `bench load` will replace this script.)
+
+With `--peaks` (pdserve only) it also polls `/metrics` every 0.1 s and reports the most
+requests its workers ran at once and the most KV blocks they held in use: how many
+sequences a KV memory budget admitted.
 """
 import argparse
 import http.client
 import json
 import random
+import re
 import threading
 import time
 import urllib.parse
@@ -45,6 +50,34 @@ def one_request(url, prompt, osl, model):
             times.append(time.perf_counter())
     conn.close()
     return t0, times, tokens if tokens is not None else len(times)
+
+
+class Peaks:
+    """The largest running-request count and used-block count /metrics showed."""
+
+    RUNNING = re.compile(r'^pdserve_worker_requests\{[^}]*state="running"[^}]*\} (\S+)$', re.M)
+    USED = re.compile(r'^pdserve_kv_blocks\{[^}]*state="used",tier="device"[^}]*\} (\S+)$', re.M)
+
+    def __init__(self, url):
+        self.url, self.running, self.used = url, 0, 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.poll)
+        self.thread.start()
+
+    def poll(self):
+        u = urllib.parse.urlparse(self.url)
+        while not self.done.wait(0.1):
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+            conn.close()
+            self.running = max(self.running, sum(float(v) for v in self.RUNNING.findall(text)))
+            self.used = max(self.used, sum(float(v) for v in self.USED.findall(text)))
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+        return {"peak_running": int(self.running), "peak_used_blocks": int(self.used)}
 
 
 def level(url, c, n, isl, osl, vocab, model, seed):
@@ -81,6 +114,7 @@ def level(url, c, n, isl, osl, vocab, model, seed):
         "concurrency": c, "requests": len(results), "errors": len(errors), "output_tok_s": tokens / wall,
         "ttft_mean_ms": 1000 * sum(ttft) / max(len(ttft), 1), "ttft_p99_ms": 1000 * p99,
         "tpot_mean_ms": 1000 * sum(tpot) / max(len(tpot), 1), "tokens": tokens,
+        "requests_per_s": len(results) / wall, "first_error": errors[0] if errors else None,
     }
 
 
@@ -94,10 +128,14 @@ def main():
     ap.add_argument("--requests", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--model", default="")
+    ap.add_argument("--peaks", action="store_true")
     a = ap.parse_args()
     for c in [int(x) for x in a.concurrency.split(",")]:
         n = a.requests or max(2 * c, 4)
+        peaks = Peaks(a.url) if a.peaks else None
         r = level(a.url, c, n, a.isl, a.osl, a.vocab, a.model, seed=c)
+        if peaks:
+            r.update(peaks.stop())
         r["label"] = a.label
         print(json.dumps(r), flush=True)
 

@@ -7,7 +7,10 @@
 #      shared memory, per dtype, and over TCP through a 20 Mbit/s token bucket (the
 #      multi-host suite's slow link) in a network namespace;
 #   3. a fixed KV memory budget (8 GB) at 64 concurrent 2,048-token requests, on the
-#      twin of an H100 serving Llama-3.1-8B, per dtype.
+#      twin of an H100 serving Llama-3.1-8B, per dtype;
+#   4. the same on real workers: `pdserve serve` with 0.2 GB of KV, 16 clients sending
+#      32 requests of 2,048 prompt tokens and 256 out, admission control off so every
+#      request waits for room instead of being refused.
 # Quality (perplexity, greedy agreement) is measured by the commands in docs/models.md.
 #
 # Usage: scripts/bench-kv-cache.sh [MODEL]   (default: the default model)
@@ -55,4 +58,15 @@ for d in f16 q8_0 q4_0; do
   "$pdserve" sim --profile profiles/h100-llama3.1-8b.json --mode aggregated --workers 1 --kv-cache-dtype "$d" \
     --kv-cache-gb 8 --concurrency 64 --input-len 2048 --output-len 256 --requests 384 --out "$out/sim-$d" 2>/dev/null \
     | grep -E '^\| (point|C=)'
+done
+echo "== 0.2 GB of KV on a real worker, 16 clients, 2,048 in / 256 out"
+port=18093
+for d in f16 q8_0 q4_0; do
+  "$pdserve" serve --mode aggregated --port $port --kv-cache-gb 0.2 --kv-cache-dtype "$d" --max-queue-seconds 0 \
+    > "$out/serve-$d.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
+  python3 scripts/bench_serve.py --url "http://127.0.0.1:$port" --label "$d" --concurrency 16 --requests 32 \
+    --isl 2048 --osl 256 --peaks | tee "$out/serve-$d.json"
+  kill $pid; wait $pid 2>/dev/null || true
 done

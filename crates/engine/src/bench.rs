@@ -194,6 +194,7 @@ fn new_engine(m: &LoadedModel, kv_dtype: KvDtype, threads: usize, tokens: usize,
         max_seqs: seqs.max(1),
         cache_salt: 0,
         objectives: None,
+        speculation: None,
     };
     Engine::new(m.model.clone(), cfg, Vec::new())
 }

@@ -33,6 +33,7 @@ fn engine_in(tiers: &TierConfig, kv_dtype: KvDtype) -> Engine {
         max_seqs: 8,
         cache_salt: 0,
         objectives: None,
+        speculation: None,
         kv_dtype,
     };
     Engine::new(m.model.clone(), cfg, m.tokenizer.eog_ids().to_vec()).with_tiers(tiers).unwrap()

@@ -1,5 +1,6 @@
 //! Property test of the reliability contract: under any interleaving of admissions
-//! (with prefix hits), growth, finishes, cancels and preemptions, every block is in
+//! (with prefix hits), growth, speculative steps (room for drafted tokens, then all but
+//! the accepted ones given back), finishes, cancels and preemptions, every block is in
 //! exactly one state, no block has two writers, events mirror the registry, and the
 //! pool drains to zero used blocks when every sequence is gone. With host and disk
 //! tiers below the pool, the same holds, events mirror every tier's registry, and
@@ -32,6 +33,13 @@ enum Op {
         seq: usize,
         new: Vec<u32>,
     },
+    /// A speculative step: room for `drafts`, the first `accepted` of them kept and
+    /// committed, the rest rolled back.
+    Speculate {
+        seq: usize,
+        drafts: Vec<u32>,
+        accepted: usize,
+    },
     Finish {
         seq: usize,
     },
@@ -60,6 +68,7 @@ struct Coverage {
     evicted: Cell<usize>,
     hit_blocks: Cell<usize>,
     restored: Cell<usize>,
+    rolled_back: Cell<usize>,
 }
 
 fn pool_of(table: &BlockTable) -> &BlockPool {
@@ -102,6 +111,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (seq.clone(), toks(9)).prop_map(|(seq, prompt)| Op::Admit { seq, prompt }),
         4 => (seq.clone(), toks(5)).prop_map(|(seq, new)| Op::Extend { seq, new }),
+        3 => (seq.clone(), toks(6), 0..7usize).prop_map(|(seq, drafts, accepted)| Op::Speculate { seq, drafts, accepted }),
         1 => seq.clone().prop_map(|seq| Op::Finish { seq }),
         1 => (seq.clone(), 0..7usize).prop_map(|(seq, extra)| Op::Cancel { seq, extra }),
         1 => seq.prop_map(|seq| Op::Preempt { seq }),
@@ -130,6 +140,10 @@ fn apply(pool: &BlockPool, seqs: &mut [Seq], op: Op, bytes: &mut Bytes, cov: &Co
         }
         Op::Extend { seq, new } => match seqs[seq].table.take() {
             Some(table) => grow(&mut seqs[seq], table, &new, bytes, cov),
+            None => Ok(()),
+        },
+        Op::Speculate { seq, drafts, accepted } => match seqs[seq].table.take() {
+            Some(table) => speculate(&mut seqs[seq], table, &drafts, accepted, bytes, cov),
             None => Ok(()),
         },
         Op::Finish { seq } => {
@@ -197,6 +211,37 @@ fn grow(s: &mut Seq, mut table: BlockTable, new: &[u32], bytes: &mut Bytes, cov:
     bytes.write(&table);
     let expected = block_hashes(&s.tokens, BLOCK_SIZE, table.salt());
     prop_assert_eq!(table.full_block_hashes(), expected);
+    s.table = Some(table);
+    Ok(())
+}
+
+/// Makes room for every drafted token (all or nothing, as a step does), keeps the
+/// first `accepted`, commits them and gives back the blocks only rejected ones used.
+fn speculate(
+    s: &mut Seq,
+    mut table: BlockTable,
+    drafts: &[u32],
+    accepted: usize,
+    bytes: &mut Bytes,
+    cov: &Coverage,
+) -> TestCaseResult {
+    let room = table.ensure_capacity(s.tokens.len() + drafts.len());
+    bytes.settle(pool_of(&table));
+    if room.is_err() {
+        cov.exhausted.set(cov.exhausted.get() + 1);
+        return Ok(());
+    }
+    let kept = accepted.min(drafts.len());
+    s.tokens.extend_from_slice(&drafts[..kept]);
+    table.commit(&s.tokens);
+    bytes.write(&table);
+    table.truncate(s.tokens.len());
+    let needed = s.tokens.len().div_ceil(BLOCK_SIZE).max(table.num_full_blocks());
+    prop_assert_eq!(table.num_blocks(), needed, "rolled back to the accepted tokens");
+    prop_assert_eq!(table.full_block_hashes(), block_hashes(&s.tokens, BLOCK_SIZE, table.salt()));
+    if kept < drafts.len() {
+        cov.rolled_back.set(cov.rolled_back.get() + 1);
+    }
     s.table = Some(table);
     Ok(())
 }
@@ -291,6 +336,7 @@ fn run(tiers: (usize, usize)) -> Coverage {
     assert!(cov.exhausted.get() > 0, "no exhaustion");
     assert!(cov.evicted.get() > 0, "no eviction");
     assert!(cov.hit_blocks.get() > 0, "no prefix hit");
+    assert!(cov.rolled_back.get() > 0, "no draft rolled back");
     cov
 }
 

@@ -104,6 +104,14 @@ impl BlockTable {
         Ok(())
     }
 
+    /// Gives back the mutable blocks past those `n_tokens` need, last first: where a
+    /// speculative step wrote drafted tokens that were rejected. Complete blocks stay
+    /// (they hold committed tokens), so the table never shrinks below them.
+    pub fn truncate(&mut self, n_tokens: usize) {
+        let needed = n_tokens.div_ceil(self.pool.block_size());
+        while self.num_blocks() > needed && self.partial.pop_back().is_some() {}
+    }
+
     /// Records that K/V is written for every position `< tokens.len()`, where `tokens`
     /// is the sequence's full token list. Each block that is now full and still mutable
     /// is sealed with a hash chained from the block before it, which makes it findable

@@ -18,7 +18,7 @@
 use crate::{EventSender, GenerateRequest, ServeError};
 use pdserve_types::{
     Assignment, BlockHash, DecodeSteps, Epoch, FinishReason, HandoffToken, KvDtype, KvEvent, KvTarget, PoolStats,
-    PrefillSteps, RequestId, Role, SamplingParams, Tier, TierCounters, TokenId, TokenOut, TransportKind,
+    PrefillSteps, RequestId, Role, SamplingParams, SpecTotals, Tier, TierCounters, TokenId, TokenOut, TransportKind,
 };
 use serde::{Deserialize, Serialize};
 use std::future::Future;
@@ -332,6 +332,9 @@ pub struct WorkerStats {
     /// It is stopping (SIGTERM): it finishes what it has and should get nothing new.
     #[serde(default)]
     pub stopping: bool,
+    /// Drafted tokens it verified and accepted since it started.
+    #[serde(default)]
+    pub spec: SpecTotals,
 }
 
 /// The furthest a role switch may move a worker's epoch. Planners move it one at a

@@ -8,7 +8,7 @@
 use pdserve_kv::{TierCounters, TierStats};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::WorkerStats;
-use pdserve_types::Role;
+use pdserve_types::{Role, SpecTotals};
 use prometheus_client::encoding::text::encode_registry;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -50,6 +50,9 @@ const WORKER_QUEUED_PROMPT_TOKENS: &str = "pdserve_worker_queued_prompt_tokens";
 const CONSTRAINED: &str = "pdserve_constrained_requests";
 const GRAMMAR_MASKS: &str = "pdserve_grammar_masks";
 const GRAMMAR_MASK_SECONDS: &str = "pdserve_grammar_mask_seconds";
+const SPEC_DRAFT_TOKENS: &str = "pdserve_spec_draft_tokens";
+const SPEC_ACCEPTED_TOKENS: &str = "pdserve_spec_accepted_tokens";
+const SPEC_MEAN_ACCEPTED: &str = "pdserve_spec_mean_accepted_length";
 
 /// The content type `/metrics` answers with.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -158,6 +161,9 @@ struct Inner {
     constrained: Family<Label1, Counter>,
     grammar_masks: Family<Label1, Counter>,
     grammar_mask_seconds: Family<Label1, Counter<f64, AtomicU64>>,
+    spec_draft_tokens: Family<Label1, Counter>,
+    spec_accepted_tokens: Family<Label1, Counter>,
+    spec_mean_accepted: Family<Label1, Gauge<f64, AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -209,6 +215,9 @@ impl Metrics {
             constrained: Family::default(),
             grammar_masks: Family::default(),
             grammar_mask_seconds: Family::default(),
+            spec_draft_tokens: Family::default(),
+            spec_accepted_tokens: Family::default(),
+            spec_mean_accepted: Family::default(),
         };
         Metrics { inner: Arc::new(inner.registered()) }
     }
@@ -285,6 +294,20 @@ impl Metrics {
         masks.inc_by(s.grammar_masks.saturating_sub(masks.get()));
         let secs = self.inner.grammar_mask_seconds.get_or_create(&label);
         secs.inc_by((s.grammar_mask_ns as f64 * 1e-9 - secs.get()).max(0.0));
+        self.set_spec(&label, &s.spec);
+    }
+
+    /// A worker's speculation totals: drafted and accepted tokens, and the tokens a
+    /// verified draft kept on average.
+    fn set_spec(&self, label: &Label1, t: &SpecTotals) {
+        if t.verified_steps == 0 {
+            return;
+        }
+        let drafted = self.inner.spec_draft_tokens.get_or_create(label);
+        drafted.inc_by(t.drafted.saturating_sub(drafted.get()));
+        let accepted = self.inner.spec_accepted_tokens.get_or_create(label);
+        accepted.inc_by(t.accepted.saturating_sub(accepted.get()));
+        self.inner.spec_mean_accepted.get_or_create(label).set(t.accepted as f64 / t.verified_steps as f64);
     }
 
     /// A worker's tier counters (totals since it started) into the counters.
@@ -444,6 +467,10 @@ impl Inner {
         r.register(GRAMMAR_MASKS, "Token masks computed for constrained requests", self.grammar_masks.clone());
         let mask_seconds = self.grammar_mask_seconds.clone();
         r.register(GRAMMAR_MASK_SECONDS, "Time spent computing token masks", mask_seconds);
+        r.register(SPEC_DRAFT_TOKENS, "Drafted tokens each worker verified", self.spec_draft_tokens.clone());
+        r.register(SPEC_ACCEPTED_TOKENS, "Drafted tokens each worker accepted", self.spec_accepted_tokens.clone());
+        let help = "Drafted tokens a verified draft kept, on average, per worker";
+        r.register(SPEC_MEAN_ACCEPTED, help, self.spec_mean_accepted.clone());
         self
     }
 }
@@ -553,6 +580,21 @@ mod tests {
         assert!(text.contains("pdserve_requests_total{outcome=\"ok\"} 1\n"), "{text}");
         assert!(text.contains("pdserve_kv_transfer_bytes_total{transport=\"tcp\"} 42\n"), "{text}");
         assert!(!text.contains("# EOF"));
+    }
+
+    #[test]
+    fn speculation_totals_become_counters_and_a_mean() {
+        let m = Metrics::new();
+        m.set_worker_stats("w0", &WorkerStats::default());
+        assert!(!m.render().contains("pdserve_spec_draft_tokens_total{"), "no series before a draft is verified");
+        for (drafted, accepted, verified_steps) in [(10, 4, 5), (30, 18, 12)] {
+            let spec = SpecTotals { drafted, accepted, verified_steps };
+            m.set_worker_stats("w0", &WorkerStats { spec, ..Default::default() });
+        }
+        let text = m.render();
+        assert!(text.contains("pdserve_spec_draft_tokens_total{worker=\"w0\"} 30\n"), "{text}");
+        assert!(text.contains("pdserve_spec_accepted_tokens_total{worker=\"w0\"} 18\n"), "{text}");
+        assert!(text.contains("pdserve_spec_mean_accepted_length{worker=\"w0\"} 1.5\n"), "{text}");
     }
 
     #[test]

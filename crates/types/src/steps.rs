@@ -87,6 +87,12 @@ impl DecodeSteps {
         self.context_seconds += other.context_seconds;
     }
 
+    /// Whether the steps were of more than one size, so a fit can tell what a row
+    /// costs from what a step costs.
+    pub fn tells_rows_apart(&self) -> bool {
+        u128::from(self.steps) * u128::from(self.rows_sq) > u128::from(self.rows) * u128::from(self.rows)
+    }
+
     /// The step time by least squares with every part non-negative: the best of the
     /// fits over each subset of the three parts that solves with no part below zero.
     /// Where the data cannot tell parts apart (one batch size, say), the fit that
@@ -280,4 +286,14 @@ mod tests {
         assert!(f.fixed >= 0.0 && f.per_row > 0.0 && f.per_context == 0.0, "{f:?}");
         assert!(close(f.seconds(1.0, 0.0) + f.per_row, 0.00595), "{f:?}");
     }
+}
+
+/// Speculative decoding's running totals on one engine since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpecTotals {
+    /// Drafted tokens verified, and those of them accepted.
+    pub drafted: u64,
+    pub accepted: u64,
+    /// Drafts verified (a sequence's share of a step).
+    pub verified_steps: u64,
 }

@@ -415,6 +415,7 @@ impl Loop {
             tiers: s.tiers,
             // The server in front of it says so, when it stops.
             stopping: false,
+            spec: s.spec,
         }
     }
 

@@ -171,6 +171,7 @@ fn once(m: &LoadedModel, a: &TiersArgs, tokens: usize, from: From) -> anyhow::Re
         max_seqs: 1,
         cache_salt: 0,
         objectives: None,
+        speculation: None,
         kv_dtype: a.kv_cache_dtype,
     };
     let mut e = Engine::new(m.model.clone(), cfg, Vec::new()).with_tiers(&tiers)?;

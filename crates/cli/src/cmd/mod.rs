@@ -138,6 +138,44 @@ impl KvTierArgs {
     }
 }
 
+/// Speculative decoding on the workers that decode.
+#[derive(clap::Args, Clone, Copy)]
+pub struct SpecArgs {
+    /// Draft tokens and verify them in one step: `ngram` drafts what followed the
+    /// latest earlier occurrence of a request's last tokens in its prompt or output
+    /// (prompt lookup); `none` decodes one token a step. Output is the same either
+    /// way; how much a step verifies follows each request's acceptance and the
+    /// worker's measured step costs (docs/speculative.md).
+    #[arg(long, default_value = "none")]
+    pub speculative: SpecMode,
+    /// The most tokens drafted for one request in one step (vLLM's
+    /// --num-speculative-tokens, llama.cpp's --draft-max).
+    #[arg(long, default_value_t = 8, alias = "num-speculative-tokens", alias = "draft-max")]
+    pub spec_tokens: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecMode {
+    None,
+    Ngram,
+}
+
+/// The most `--spec-tokens` takes: each drafted row costs a row of logits.
+const MAX_SPEC_TOKENS: usize = 32;
+
+impl SpecArgs {
+    /// The engine's speculation settings, checked.
+    pub fn config(&self) -> anyhow::Result<Option<pdserve_engine::batch::SpecConfig>> {
+        if !(1..=MAX_SPEC_TOKENS).contains(&self.spec_tokens) {
+            anyhow::bail!("--spec-tokens must be 1 to {MAX_SPEC_TOKENS} (got {})", self.spec_tokens);
+        }
+        Ok(match self.speculative {
+            SpecMode::None => None,
+            SpecMode::Ngram => Some(pdserve_engine::batch::SpecConfig { max_draft: self.spec_tokens }),
+        })
+    }
+}
+
 /// How a worker's KV cache stores K and V, and how much memory its pool takes.
 #[derive(clap::Args, Clone, Copy)]
 pub struct KvCacheArgs {

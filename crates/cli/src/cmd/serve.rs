@@ -34,6 +34,8 @@ pub struct Args {
     river: bool,
     #[command(flatten)]
     topology: TopologyArgs,
+    #[command(flatten)]
+    spec: super::SpecArgs,
     /// The time-to-first-token objective the planner plans for, and by half of
     /// which --protect-tpot brings a held prompt's first token, in milliseconds
     /// [default: 5000].
@@ -171,6 +173,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     }
     let t = &a.topology;
     let via = t.kv_transport.unwrap_or(TransportKind::Inproc);
+    a.spec.config()?;
     let m = super::load_model(&a.model)?;
     let roles = t.roles();
     let threads = t.threads(roles.len());
@@ -249,6 +252,7 @@ fn spawn_workers(
         num_blocks: t.kv_cache.model_blocks(cfg, t.kv_blocks, KV_BLOCKS)?,
         kv_dtype,
         objectives,
+        speculation: a.spec.config()?,
         ..Default::default()
     };
     let mut workers = Vec::new();

@@ -47,6 +47,8 @@ pub struct Args {
     kv_cache: super::KvCacheArgs,
     #[command(flatten)]
     tiers: super::KvTierArgs,
+    #[command(flatten)]
+    spec: super::SpecArgs,
     /// Keep running decodes within --slo-tpot-ms, as `serve --protect-tpot` does.
     #[arg(long)]
     protect_tpot: bool,
@@ -171,6 +173,7 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
         anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
     }
     let key = a.security.key()?;
+    let speculation = a.spec.config()?;
     let m = Compute::load(&a)?.with_kv_dtype(&a)?;
     let tiers = a.tiers.config(m.block_bytes(a.kv_cache.kv_cache_dtype).0)?;
     let blocks = m.pool_blocks(&a)?;
@@ -189,6 +192,7 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
                 num_blocks: blocks,
                 kv_dtype: a.kv_cache.kv_cache_dtype,
                 objectives: a.objectives(),
+                speculation,
                 ..Default::default()
             },
             eog: Vec::new(),

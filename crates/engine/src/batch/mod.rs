@@ -6,9 +6,11 @@
 
 mod scheduler;
 mod sequence;
+mod speculate;
 mod transfer;
 
 pub use pdserve_types::{FinishReason, KvFrame};
+pub use speculate::SpecConfig;
 pub use transfer::{CachedKv, KvImport};
 
 use crate::grammar::{Grammars, MaskClock};
@@ -20,7 +22,7 @@ use crate::tiers::{TierBytes, TierConfig, TierError};
 use crate::timed::TimedModel;
 use pdserve_kv::{BlockPool, Place, PoolStats, TierCounters};
 use pdserve_types::TokenOut;
-use pdserve_types::{DecodeSteps, KvDtype, PrefillSteps, RequestId, SamplingParams};
+use pdserve_types::{DecodeSteps, KvDtype, PrefillSteps, RequestId, SamplingParams, SpecTotals};
 use sequence::Sequence;
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -45,6 +47,8 @@ pub struct EngineConfig {
     /// Objectives the steps keep running decodes within (none: every step fills its
     /// token budget; see [`Objectives`]).
     pub objectives: Option<Objectives>,
+    /// Speculative decoding by n-gram lookup (none: one token a step).
+    pub speculation: Option<SpecConfig>,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +61,7 @@ impl Default for EngineConfig {
             max_seqs: 64,
             cache_salt: 0,
             objectives: None,
+            speculation: None,
         }
     }
 }
@@ -137,6 +142,8 @@ pub struct EngineStats {
     pub prefill_steps: PrefillSteps,
     /// Blocks the lower tiers took and gave back (all zero without tiers).
     pub tiers: TierCounters,
+    /// Drafted tokens verified and accepted, since the engine started.
+    pub spec: SpecTotals,
 }
 
 /// What computes a step's tokens.
@@ -177,6 +184,7 @@ pub struct Engine {
     tiers: Option<TierBytes>,
     /// How long the last step took: the sequences' clocks advance by it.
     last_step_s: f64,
+    spec: SpecTotals,
 }
 
 impl Engine {
@@ -217,6 +225,7 @@ impl Engine {
             stalled: false,
             tiers: None,
             last_step_s: 0.0,
+            spec: SpecTotals::default(),
         }
     }
 
@@ -423,6 +432,7 @@ impl Engine {
             decode_steps: self.decode_steps,
             prefill_steps: self.prefill_steps,
             tiers: self.tiers.as_ref().map(|t| t.counters()).unwrap_or_default(),
+            spec: self.spec,
         }
     }
 

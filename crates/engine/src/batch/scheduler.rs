@@ -4,6 +4,7 @@
 //! recently admitted sequence is preempted and will be recomputed later.
 
 use super::sequence::Sequence;
+use super::speculate::{self, Candidate, PlainStep};
 use super::transfer::Stored;
 use super::{Compute, Engine, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
@@ -50,6 +51,24 @@ pub(crate) struct Planned {
     pub seq: usize,
     pub n: usize,
     pub logits: bool,
+    /// Drafted tokens verified after the last sampled one (its `verify` chunk); every
+    /// row then has logits.
+    pub draft: usize,
+}
+
+impl Planned {
+    fn new(seq: usize, n: usize, logits: bool) -> Self {
+        Planned { seq, n, logits, draft: 0 }
+    }
+
+    /// Rows of the chunk whose logits the step computes: its last, or all of a draft's.
+    fn logit_rows(&self) -> usize {
+        if self.draft > 0 {
+            self.n
+        } else {
+            usize::from(self.logits)
+        }
+    }
 }
 
 impl Engine {
@@ -87,7 +106,7 @@ impl Engine {
             }
             Compute::Timed(t) => {
                 let shape: StepShape =
-                    batch.iter().map(|b| StepShape::chunk(b.start_pos, b.tokens.len(), b.logits)).sum();
+                    batch.iter().map(|b| StepShape::chunk(b.start_pos, b.tokens.len(), b.logits > 0)).sum();
                 let (seconds, idle) = t.step_seconds(&shape);
                 self.charged += seconds;
                 self.idle += idle;
@@ -113,13 +132,14 @@ impl Engine {
     /// What the step's time is recorded against, taken just before its pass.
     fn start_timing(&self, plan: &[Planned]) -> StepTiming {
         StepTiming {
-            // A step of one token per sequence, every one sampled, decodes only.
-            decoding: plan.iter().all(|p| p.n == 1 && p.logits && self.running[p.seq].is_decoding()),
+            // A step of one token per sequence (and its verified draft), every row
+            // sampled, decodes only: a drafted row costs what a decode row does.
+            decoding: plan.iter().all(|p| p.n == 1 + p.draft && p.logits && self.running[p.seq].is_decoding()),
             // A step of prompt chunks only prefills only.
             prefilling: plan.iter().all(|p| !self.running[p.seq].is_decoding()),
-            prompt_tokens: plan.iter().map(|p| p.n).sum(),
-            // The tokens the step attends over: a decode step's cost grows with them.
-            context: plan.iter().map(|p| self.running[p.seq].computed).sum(),
+            rows: plan.iter().map(|p| p.n).sum(),
+            // The tokens the step's rows attend over: a decode step's cost grows with them.
+            context: plan.iter().map(|p| (0..p.n).map(|j| self.running[p.seq].computed + j).sum::<usize>()).sum(),
             started: std::time::Instant::now(),
             charged: self.charged,
         }
@@ -139,13 +159,13 @@ impl Engine {
             self.running[p.seq].prompt_scores.extend(got);
         }
         let out = self.finish_step(plan, logits);
-        self.record_step(plan.len(), timing);
+        self.record_step(timing);
         out
     }
 
     /// Records how long the step took: the sequences' clocks advance by it, and a
     /// decode-only or prefill-only step feeds its fit.
-    fn record_step(&mut self, seqs: usize, timing: &StepTiming) {
+    fn record_step(&mut self, timing: &StepTiming) {
         // A timed engine's step took what its model said, on any clock.
         let took = match self.compute {
             Compute::Model(_) => timing.started.elapsed().as_secs_f64(),
@@ -153,9 +173,9 @@ impl Engine {
         };
         self.last_step_s = took;
         if timing.decoding {
-            self.decode_steps.record(seqs, timing.context, took);
-        } else if timing.prefilling && timing.prompt_tokens > 0 {
-            self.prefill_steps.record(timing.prompt_tokens, took);
+            self.decode_steps.record(timing.rows, timing.context, took);
+        } else if timing.prefilling && timing.rows > 0 {
+            self.prefill_steps.record(timing.rows, took);
         }
     }
 
@@ -178,7 +198,7 @@ impl Engine {
             }
             if self.reserve(i, s.computed + n, !decoding) {
                 let s = &self.running[i];
-                plan.push(Planned { seq: i, n, logits: s.computed + n == s.tokens.len() });
+                plan.push(Planned::new(i, n, s.computed + n == s.tokens.len()));
                 budget -= n;
                 if !decoding {
                     prompts -= n;
@@ -193,10 +213,69 @@ impl Engine {
             }
             i += 1;
         }
+        budget -= self.add_drafts(&mut plan, budget);
         if !blocked {
             self.admit(&mut plan, budget.min(prompts));
         }
         plan
+    }
+
+    /// Gives the step's decodes the drafted tokens [`speculate::plan_drafts`] finds
+    /// worth verifying, within `room` rows and the blocks free now (a draft never
+    /// preempts anyone). Returns the rows added.
+    fn add_drafts(&mut self, plan: &mut [Planned], room: usize) -> usize {
+        let Some(spec) = self.cfg.speculation else { return 0 };
+        if matches!(self.compute, Compute::Timed(_)) || room == 0 {
+            return 0;
+        }
+        let context = self.context_length();
+        let mut drafted: Vec<(usize, &[u32])> = Vec::new();
+        let mut cands = Vec::new();
+        for (k, p) in plan.iter().enumerate() {
+            let s = &self.running[p.seq];
+            if p.n != 1 || !s.is_decoding() {
+                continue;
+            }
+            // The token after the draft is sampled too: leave room for it.
+            let max = spec.max_draft.min(s.tokens_left().saturating_sub(1)).min(context.saturating_sub(s.tokens.len()));
+            let draft = speculate::propose(&s.tokens, max);
+            if !draft.is_empty() {
+                cands.push(Candidate { drafted: draft.len(), rate: s.acceptance.rate(), context: s.computed + 1 });
+                drafted.push((k, draft));
+            }
+        }
+        if cands.is_empty() {
+            return 0;
+        }
+        let plain = PlainStep {
+            rows: plan.iter().map(|p| p.n).sum(),
+            context: plan.iter().map(|p| self.running[p.seq].computed).sum(),
+            yields: plan.iter().filter(|p| p.logits).count(),
+        };
+        let fit = self.decode_steps.tells_rows_apart().then(|| self.decode_steps.fit()).flatten();
+        let take = speculate::plan_drafts(fit.as_ref(), plain, &cands, room);
+        let chunks: Vec<(usize, Vec<u32>)> = drafted
+            .into_iter()
+            .zip(take)
+            .filter(|&(_, n)| n > 0)
+            .map(|((k, draft), n)| (k, draft[..n].to_vec()))
+            .collect();
+        let mut added = 0;
+        for (k, draft) in chunks {
+            let p = &mut plan[k];
+            let s = &mut self.running[p.seq];
+            let fits = s.table.as_mut().is_some_and(|t| t.ensure_capacity(s.computed + 1 + draft.len()).is_ok());
+            if !fits {
+                continue;
+            }
+            s.verify.clear();
+            s.verify.push(s.tokens[s.computed]);
+            s.verify.extend_from_slice(&draft);
+            p.draft = draft.len();
+            p.n += draft.len();
+            added += draft.len();
+        }
+        added
     }
 
     /// With [`Objectives`](super::Objectives): the prompt tokens a step may compute
@@ -311,7 +390,7 @@ impl Engine {
                 break;
             }
             budget -= n;
-            plan.push(Planned { seq: self.running.len(), n, logits: s.computed + n == s.tokens.len() });
+            plan.push(Planned::new(self.running.len(), n, s.computed + n == s.tokens.len()));
             self.running.push(s);
             busy += 1;
         }
@@ -393,26 +472,40 @@ impl Engine {
     }
 
     fn finish_step(&mut self, plan: &[Planned], logits: Logits<'_>) -> Vec<StepOutput> {
-        for p in plan {
+        for p in plan.iter().filter(|p| p.draft == 0) {
             let s = &mut self.running[p.seq];
             s.computed += p.n;
             if let Some(t) = s.table.as_mut() {
                 t.commit(&s.tokens[..s.computed]);
             }
         }
-        let sampled: Vec<usize> = plan.iter().filter(|p| p.logits).map(|p| p.seq).collect();
+        let sampled: Vec<(usize, usize)> = plan.iter().filter(|p| p.logits).map(|p| (p.seq, p.logit_rows())).collect();
         let results = self.sample_all(&sampled, logits);
-        let mut done: Vec<usize> = sampled.iter().zip(&results).filter(|(_, (_, fin))| *fin).map(|(&i, _)| i).collect();
+        // A verified draft's accepted tokens are computed; the blocks only rejected
+        // ones took go back.
+        for p in plan.iter().filter(|p| p.draft > 0) {
+            let s = &mut self.running[p.seq];
+            self.spec.drafted += p.draft as u64;
+            self.spec.accepted += s.last_accepted as u64;
+            self.spec.verified_steps += 1;
+            if let Some(t) = s.table.as_mut() {
+                t.commit(&s.tokens[..s.computed]);
+                t.truncate(s.tokens.len());
+            }
+        }
+        let mut done: Vec<usize> =
+            sampled.iter().zip(&results).filter(|(_, (_, fin))| *fin).map(|(&(i, _), _)| i).collect();
         done.sort_unstable();
         for i in done.into_iter().rev() {
             self.running.remove(i);
         }
-        results.into_iter().map(|(o, _)| o).collect()
+        results.into_iter().flat_map(|(o, _)| o).collect()
     }
 
-    /// Samples running sequences `seqs` (distinct indices) from their logits rows, in
-    /// parallel: each touches only its own sequence, so the split changes nothing.
-    fn sample_all(&mut self, seqs: &[usize], logits: Logits<'_>) -> Vec<(StepOutput, bool)> {
+    /// Samples running sequences `seqs` (distinct indices, each with its rows of
+    /// logits) in parallel: each touches only its own sequence, so the split changes
+    /// nothing.
+    fn sample_all(&mut self, seqs: &[(usize, usize)], logits: Logits<'_>) -> Vec<(Vec<StepOutput>, bool)> {
         let (vocab, context) = (self.vocab_size(), self.context_length());
         let logits = match logits {
             Logits::Rows(rows) => rows,
@@ -421,27 +514,32 @@ impl Engine {
                 let next = |s: &mut Sequence| {
                     let sampled =
                         TokenOut { token: timed::next_token(&s.tokens, vocab), logprob: 0.0, top: Vec::new() };
-                    record(s, sampled, eog, context)
+                    let (out, fin) = record(s, sampled, eog, context);
+                    (vec![out], fin)
                 };
-                return seqs.iter().map(|&i| next(&mut self.running[i])).collect();
+                return seqs.iter().map(|&(i, _)| next(&mut self.running[i])).collect();
             }
         };
         let eog = &self.eog;
-        let mut results: Vec<Option<(StepOutput, bool)>> = (0..seqs.len()).map(|_| None).collect();
+        let mut results: Vec<Option<(Vec<StepOutput>, bool)>> = (0..seqs.len()).map(|_| None).collect();
+        let first_row: Vec<usize> = seqs.iter().scan(0, |at, &(_, n)| Some(std::mem::replace(at, *at + n))).collect();
         let running = DisjointMut::new(&mut self.running[..]);
         let rows = DisjointMut::new(logits);
         let slots = DisjointMut::new(&mut results[..]);
         self.pool.run(seqs.len(), &|k| {
-            // SAFETY: sequence indices are distinct, and row and slot `k` belong to
-            // task `k` alone.
-            let (s, row, slot) = unsafe {
-                (
-                    &mut running.part(seqs[k]..seqs[k] + 1)[0],
-                    rows.part(k * vocab..(k + 1) * vocab),
-                    &mut slots.part(k..k + 1)[0],
-                )
+            let ((i, n), at) = (seqs[k], first_row[k]);
+            // SAFETY: sequence indices are distinct, and rows `at..at + n` and slot `k`
+            // belong to task `k` alone.
+            let (s, rows, slot) = unsafe {
+                (&mut running.part(i..i + 1)[0], rows.part(at * vocab..(at + n) * vocab), &mut slots.part(k..k + 1)[0])
             };
-            *slot = Some(sample_next(s, row, eog, context));
+            *slot = Some(match n {
+                1 => {
+                    let (out, fin) = sample_next(s, rows, eog, context);
+                    (vec![out], fin)
+                }
+                _ => verify_draft(s, rows, vocab, eog, context),
+            });
         });
         results.into_iter().flatten().collect()
     }
@@ -465,13 +563,8 @@ fn seq_batches<'a>(
                 top: s.params.prompt_logprobs.unwrap_or(0) as usize,
                 out,
             });
-            SeqBatch {
-                tokens: &s.tokens[s.computed..s.computed + p.n],
-                start_pos: s.computed,
-                blocks: &ls.blocks,
-                logits: p.logits,
-                score,
-            }
+            let tokens = if p.draft > 0 { &s.verify[..] } else { &s.tokens[s.computed..s.computed + p.n] };
+            SeqBatch { tokens, start_pos: s.computed, blocks: &ls.blocks, logits: p.logit_rows(), score }
         })
         .collect()
 }
@@ -481,7 +574,8 @@ fn seq_batches<'a>(
 struct StepTiming {
     decoding: bool,
     prefilling: bool,
-    prompt_tokens: usize,
+    /// Tokens the step computes (all prompt tokens in a prefill-only step).
+    rows: usize,
     context: usize,
     started: std::time::Instant,
     /// `charged` before the step (a timed engine's step took the difference).
@@ -518,6 +612,48 @@ pub(crate) fn sample_next(s: &mut Sequence, row: &mut [f32], eog: &[u32], contex
         },
     };
     record(s, sampled, eog, context)
+}
+
+/// Samples a verified draft's rows in order, as plain decoding would sample them one
+/// step at a time: row `j` saw the last sampled token and the draft's first `j`
+/// tokens, so it counts only while each of those was what the row before sampled.
+/// The first sample that differs from the draft (or the one after a whole draft) is
+/// the step's last token. Every emitted token is a plain sample of the right context,
+/// so greedy output is unchanged and sampled output keeps its distribution (a draft
+/// token is kept with exactly its probability) and, for a seed, its tokens.
+fn verify_draft(
+    s: &mut Sequence,
+    rows: &mut [f32],
+    vocab: usize,
+    eog: &[u32],
+    context: usize,
+) -> (Vec<StepOutput>, bool) {
+    let draft = std::mem::take(&mut s.verify);
+    // The last sampled token's K/V are written.
+    s.computed += 1;
+    let (mut outs, mut accepted, mut finished) = (Vec::new(), 0, false);
+    for (j, row) in rows.chunks_exact_mut(vocab).enumerate() {
+        let (out, fin) = sample_next(s, row, eog, context);
+        let token = out.sampled.token;
+        outs.push(out);
+        if fin {
+            finished = true;
+            break;
+        }
+        match draft.get(j + 1) {
+            Some(&d) if d == token => {
+                // Its K/V, written this step, are those of the right context.
+                s.computed += 1;
+                accepted += 1;
+            }
+            _ => break,
+        }
+    }
+    let drafted = draft.len() - 1;
+    let rejected = !finished && accepted < drafted;
+    s.acceptance.record(accepted + usize::from(rejected), accepted);
+    s.last_accepted = accepted;
+    (outs, finished)
 }
 
 /// Appends the sampled token to `s` and decides whether it finished.

@@ -1,5 +1,6 @@
 //! One request inside the engine: its tokens, its cache blocks, its sampler.
 
+use super::speculate::Acceptance;
 use super::BLOCK_SIZE;
 use crate::grammar::Constraint;
 use crate::sampler::{Sampler, TokenHistory};
@@ -33,6 +34,12 @@ pub(crate) struct Sequence {
     /// its first token (its answer's time so far, against the TPOT objective).
     pub waited_s: f64,
     pub decode_s: f64,
+    /// This step's chunk when it verifies a draft: the last sampled token, then the
+    /// drafted tokens.
+    pub verify: Vec<u32>,
+    /// How its drafts have fared, and how many tokens of the last one were kept.
+    pub acceptance: Acceptance,
+    pub last_accepted: usize,
 }
 
 impl Sequence {
@@ -53,6 +60,9 @@ impl Sequence {
             prompt_hashes: Vec::new(),
             waited_s: 0.0,
             decode_s: 0.0,
+            verify: Vec::new(),
+            acceptance: Acceptance::default(),
+            last_accepted: 0,
         }
     }
 

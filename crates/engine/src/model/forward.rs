@@ -17,8 +17,9 @@ pub struct SeqBatch<'a> {
     pub start_pos: usize,
     /// The sequence's cache blocks, covering every position up to the last new token.
     pub blocks: &'a [u32],
-    /// Whether to compute logits for the last new token.
-    pub logits: bool,
+    /// How many of the last new tokens get logits: 0, 1 (the next token's), or every
+    /// row of a verified draft.
+    pub logits: usize,
     /// Score the tokens that follow the first rows (prompt logprobs).
     pub score: Option<Scoring<'a>>,
 }
@@ -62,8 +63,8 @@ pub(super) struct Step<'a, 'b> {
 }
 
 impl Model {
-    /// Runs `batch` through the model, writing its K/V into `kv`. Returns the logits of
-    /// the sequences that asked for them, `vocab_size` values each, in batch order.
+    /// Runs `batch` through the model, writing its K/V into `kv`. Returns the logits
+    /// rows the sequences asked for, `vocab_size` values each, in batch order.
     /// `on_layer(l, kv)` is called once layer `l`'s K/V are written for the whole batch;
     /// returning `false` stops the pass there (a cancelled prefill) and yields `None`.
     pub fn forward<'s>(
@@ -99,9 +100,8 @@ impl Model {
         let mut end = 0;
         for b in batch {
             end += b.tokens.len();
-            if b.logits && !b.tokens.is_empty() {
-                s.last.extend_from_slice(&s.x[(end - 1) * h..end * h]);
-            }
+            let rows = b.logits.min(b.tokens.len());
+            s.last.extend_from_slice(&s.x[(end - rows) * h..end * h]);
         }
         self.score_rows(isa, pool, batch, s);
         let n = s.last.len() / h;

@@ -1,0 +1,62 @@
+//! Speculative decoding across the serving paths: `serve` aggregated and
+//! disaggregated, and prefill and decode worker processes over TCP and shared
+//! memory, give with `--speculative ngram` exactly the greedy text they give without
+//! it, the decode worker's drafts are verified and partly accepted (its counters reach
+//! `/metrics`), and no block is left used.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{complete, frontend, golden_prompts, metric, settle_used_blocks, start, worker_with, Proc};
+use serde_json::{json, Value};
+
+const TOKENS: u32 = 40;
+
+/// The golden prompts and one that asks for a copy of itself (drafts pay there).
+fn prompts() -> Vec<Value> {
+    let mut p = golden_prompts()[..3].to_vec();
+    p.push(json!(
+        "Repeat the list exactly.\n1. apples and pears\n2. bread and butter\n3. salt and pepper\n\nThe list again:\n1. apples"
+    ));
+    p
+}
+
+fn serve(mode: &str, spec: &[&str]) -> Proc {
+    let mut args = vec!["serve", "--mode", mode, "--threads-per-worker", "1", "--port", "0"];
+    if mode == "disaggregated" {
+        args.extend(["--kv-transport", "inproc"]);
+    }
+    args.extend(spec);
+    start(&args)
+}
+
+fn texts(p: &Proc) -> Vec<String> {
+    prompts().iter().map(|x| complete(p.addr, x, TOKENS)).collect()
+}
+
+fn accepted(p: &Proc) -> f64 {
+    metric(p.addr, "pdserve_spec_accepted_tokens_total", "")
+}
+
+const NGRAM: [&str; 4] = ["--speculative", "ngram", "--spec-tokens", "6"];
+
+#[test]
+fn speculation_gives_the_plain_text_on_every_path() {
+    let want = texts(&serve("aggregated", &[]));
+    for mode in ["aggregated", "disaggregated"] {
+        let s = serve(mode, &NGRAM);
+        assert_eq!(texts(&s), want, "serve {mode}");
+        assert!(accepted(&s) > 0.0, "serve {mode}: no draft accepted");
+        let drafted = metric(s.addr, "pdserve_spec_draft_tokens_total", "");
+        assert!(accepted(&s) < drafted, "serve {mode}: every draft accepted ({drafted})");
+        assert_eq!(settle_used_blocks(s.addr), 0.0, "serve {mode}");
+    }
+    let (p, d) = (worker_with("prefill", &[]), worker_with("decode", &NGRAM));
+    for transport in ["tcp", "shm"] {
+        let fe = frontend(&[&p, &d], "disaggregated", transport);
+        assert_eq!(texts(&fe), want, "worker processes over {transport}");
+        assert_eq!(settle_used_blocks(fe.addr), 0.0, "over {transport}");
+        assert!(accepted(&fe) > 0.0, "over {transport}: the decode worker's counters");
+    }
+}

@@ -1,0 +1,207 @@
+//! Speculative decoding by n-gram lookup: what to draft, and how much of it a step
+//! verifies.
+//!
+//! A decoding sequence's draft is the run of tokens that followed the latest earlier
+//! occurrence of its last few tokens (in its prompt or its own output): prompt lookup
+//! and history lookup in one search. The step runs the last sampled token and the
+//! draft as one chunk with logits at every row; the sequence then samples row by row
+//! exactly as plain decoding would, keeping each drafted token its own sample matched
+//! (see `finish_step`). How many drafted tokens a step verifies is an economic choice
+//! made from measurements: each sequence's acceptance so far, and the engine's fit of
+//! its step times ([`plan_drafts`]).
+
+use pdserve_types::StepFit;
+
+/// The n-gram lengths looked up, longest first: a longer match predicts better.
+const NGRAM_MAX: usize = 4;
+const NGRAM_MIN: usize = 2;
+
+/// Speculation settings of an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecConfig {
+    /// The most tokens drafted for one sequence in one step.
+    pub max_draft: usize,
+}
+
+/// Up to `max` tokens that followed the latest earlier occurrence of the last `n`
+/// tokens of `tokens`, for `n` from 4 down to 2; empty when none recurs.
+pub fn propose(tokens: &[u32], max: usize) -> &[u32] {
+    if max == 0 {
+        return &[];
+    }
+    for n in (NGRAM_MIN..=NGRAM_MAX).rev() {
+        let Some(tail_at) = tokens.len().checked_sub(n) else { continue };
+        let tail = &tokens[tail_at..];
+        // The latest start `i < tail_at` whose n tokens equal the tail.
+        if let Some(i) = (0..tail_at).rev().find(|&i| &tokens[i..i + n] == tail) {
+            let from = i + n;
+            return &tokens[from..(from + max).min(tokens.len())];
+        }
+    }
+    &[]
+}
+
+/// A sequence's record of drafted tokens: each verified one was either accepted or
+/// the first rejected of its draft.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Acceptance {
+    pub tried: u64,
+    pub accepted: u64,
+}
+
+impl Acceptance {
+    /// The chance the next drafted token is accepted given the ones before it were,
+    /// with one success and one failure assumed before any evidence.
+    pub fn rate(&self) -> f64 {
+        (self.accepted as f64 + 1.0) / (self.tried as f64 + 2.0)
+    }
+
+    /// Records a verified draft of `verified` tokens of which the first `accepted`
+    /// were kept (a draft cut short by the end of the output counts what it reached).
+    pub fn record(&mut self, verified: usize, accepted: usize) {
+        self.accepted += accepted as u64;
+        self.tried += (accepted + usize::from(accepted < verified)) as u64;
+    }
+}
+
+/// A decoding sequence that has a draft this step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Candidate {
+    /// Tokens drafted (the most it may verify).
+    pub drafted: usize,
+    /// Its [`Acceptance::rate`].
+    pub rate: f64,
+    /// Tokens its next row attends over.
+    pub context: usize,
+}
+
+/// The step as planned without drafts: its rows, the tokens they attend over in all,
+/// and the tokens it yields.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlainStep {
+    pub rows: usize,
+    pub context: usize,
+    pub yields: usize,
+}
+
+/// How many drafted tokens of each candidate to verify, within `room` extra rows.
+///
+/// The `j`-th drafted token of a sequence yields a token with chance `rate^j` (all
+/// before it accepted) and costs a row: `per_row` plus `per_context` for each token
+/// it attends over. Tokens are taken best value first while each raises the step's
+/// expected tokens per second, so a large batch, whose step is already long per
+/// token, verifies little or nothing, and a single sequence with a good record
+/// verifies its whole draft. `fit` is `None` while the engine's steps cannot tell a
+/// row's cost from the step's fixed cost (all of one size): then every draft is
+/// verified whole, which gives the fit the spread it lacks.
+pub fn plan_drafts(fit: Option<&StepFit>, plain: PlainStep, cands: &[Candidate], room: usize) -> Vec<usize> {
+    let Some(fit) = fit else {
+        let mut left = room;
+        return cands
+            .iter()
+            .map(|c| {
+                let n = c.drafted.min(left);
+                left -= n;
+                n
+            })
+            .collect();
+    };
+    // Every (candidate, j) with its expected tokens and its cost.
+    let mut options: Vec<(usize, usize, f64, f64)> = Vec::new();
+    for (i, c) in cands.iter().enumerate() {
+        for j in 1..=c.drafted {
+            let cost = fit.per_row + fit.per_context * (c.context + j) as f64;
+            options.push((i, j, c.rate.powi(j as i32), cost));
+        }
+    }
+    options.sort_by(|a, b| (b.2 * a.3).total_cmp(&(a.2 * b.3)).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
+    let mut take = vec![0; cands.len()];
+    let (mut tokens, mut seconds) = (plain.yields as f64, fit.seconds(plain.rows as f64, plain.context as f64));
+    let mut left = room;
+    for (i, j, gain, cost) in options {
+        // A draft is verified from its start: token j only after token j - 1.
+        if left == 0 || take[i] != j - 1 || gain * seconds <= tokens * cost {
+            continue;
+        }
+        take[i] = j;
+        tokens += gain;
+        seconds += cost;
+        left -= 1;
+    }
+    take
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn propose_follows_the_latest_longest_match() {
+        // (tokens, max, draft)
+        let cases: [(&[u32], usize, &[u32]); 7] = [
+            (&[1, 2, 3, 9, 1, 2, 3], 2, &[9, 1]),
+            // Latest occurrence wins.
+            (&[1, 2, 5, 1, 2, 6, 1, 2], 3, &[6, 1, 2]),
+            // The 4-gram match beats a later 2-gram one.
+            (&[7, 1, 2, 3, 8, 0, 2, 3, 9, 7, 1, 2, 3], 1, &[8]),
+            // Runs to the end of the tokens at most.
+            (&[4, 4, 4], 5, &[4]),
+            (&[1, 2, 3, 4], 3, &[]),
+            (&[1], 3, &[]),
+            (&[1, 2, 1, 2], 0, &[]),
+        ];
+        for (tokens, max, want) in cases {
+            assert_eq!(propose(tokens, max), want, "{tokens:?}");
+        }
+    }
+
+    #[test]
+    fn acceptance_counts_each_verified_token_once() {
+        let mut a = Acceptance::default();
+        assert_eq!(a.rate(), 0.5);
+        a.record(4, 4); // all kept
+        a.record(4, 1); // one kept, the second rejected, the rest never judged
+        a.record(3, 0);
+        assert_eq!(a, Acceptance { tried: 4 + 2 + 1, accepted: 5 });
+        assert_eq!(a.rate(), 6.0 / 9.0);
+    }
+
+    #[test]
+    fn drafts_are_verified_while_they_pay() {
+        // A CPU-like step: weights read once per step dominate, a row costs 1/50 of it.
+        let cpu = StepFit { fixed: 0.010, per_row: 0.0002, per_context: 0.0 };
+        // A compute-bound step: a row costs as much as the whole step's fixed part.
+        let bound = StepFit { fixed: 0.001, per_row: 0.001, per_context: 0.0 };
+        let one = PlainStep { rows: 1, context: 100, yields: 1 };
+        let cand = |drafted, rate| Candidate { drafted, rate, context: 100 };
+        // (fit, plain step, candidates, room, verified)
+        type Case = (Option<StepFit>, PlainStep, Vec<Candidate>, usize, Vec<usize>);
+        let cases: Vec<Case> = vec![
+            // Cheap rows, good record: the whole draft.
+            (Some(cpu), one, vec![cand(5, 0.8)], 16, vec![5]),
+            // Cheap rows, poor record: the first token (worth 1/10 of one, for 1/50
+            // of the step), not the second (1/100).
+            (Some(cpu), one, vec![cand(5, 0.1)], 16, vec![1]),
+            // Rows as dear as the step: only the likely first few.
+            (Some(bound), one, vec![cand(5, 0.9)], 16, vec![3]),
+            (Some(bound), one, vec![cand(5, 0.4)], 16, vec![0]),
+            // A large batch's step is long per token: drafts no longer pay.
+            (Some(bound), PlainStep { rows: 16, context: 1600, yields: 16 }, vec![cand(5, 0.6)], 16, vec![0]),
+            // Better records first when room is short.
+            (Some(cpu), one, vec![cand(4, 0.3), cand(4, 0.9)], 3, vec![0, 3]),
+            // No fit that tells rows apart yet: verify everything the room allows.
+            (None, one, vec![cand(3, 0.1), cand(3, 0.1)], 4, vec![3, 1]),
+        ];
+        for (fit, plain, cands, room, want) in cases {
+            assert_eq!(plan_drafts(fit.as_ref(), plain, &cands, room), want, "{fit:?} {plain:?} {cands:?}");
+        }
+    }
+
+    #[test]
+    fn context_makes_long_rows_dearer() {
+        let fit = StepFit { fixed: 0.002, per_row: 0.0005, per_context: 1e-6 };
+        let plain = |context| PlainStep { rows: 1, context, yields: 1 };
+        let at = |context| plan_drafts(Some(&fit), plain(context), &[Candidate { drafted: 8, rate: 0.5, context }], 8);
+        assert!(at(100)[0] > at(8000)[0], "{:?} {:?}", at(100), at(8000));
+    }
+}

@@ -219,10 +219,10 @@ pub async fn get(target: &Target, path: &str, timeout: Duration) -> Result<(u16,
 }
 
 /// The first model a server lists, to put in the `model` field (vLLM requires it).
-/// The server's prefix-cache hit counters, if it exports pdserve's.
-pub async fn prefix_hits(target: &Target) -> Option<crate::metrics::PrefixHits> {
+/// The server's Prometheus page, if it has one (pdserve's counters are read from it).
+pub async fn metrics_page(target: &Target) -> Option<String> {
     let (status, page) = get(target, "/metrics", Duration::from_secs(5)).await.ok()?;
-    (status == 200).then(|| crate::metrics::PrefixHits::scrape(&page)).flatten()
+    (status == 200).then_some(page)
 }
 
 pub async fn first_model(target: &Target) -> Result<Option<String>, crate::error::BenchError> {

@@ -115,6 +115,10 @@ pub struct Summary {
     /// and as its engines reused them (pdserve's `/metrics`; absent elsewhere).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefix_hits: Option<PrefixHits>,
+    /// Drafted tokens the server's workers verified and accepted during the point
+    /// (pdserve's `/metrics` with `--speculative`; absent elsewhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speculation: Option<Speculation>,
     /// Multi-turn: replies in the prompts' histories, and how many were the
     /// server's own (`--replies generated`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -144,6 +148,39 @@ pub struct PrefixHits {
     /// moved, not what the receiver kept of its own.
     #[serde(default)]
     pub fetched: f64,
+}
+
+/// Drafted tokens a server's workers verified and accepted, summed over workers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Speculation {
+    pub drafted: f64,
+    pub accepted: f64,
+}
+
+impl Speculation {
+    /// From a Prometheus text page: every worker's `pdserve_spec_draft_tokens_total`
+    /// and `pdserve_spec_accepted_tokens_total`; none when no worker drafted.
+    pub fn scrape(page: &str) -> Option<Self> {
+        let sum = |name: &str| -> Option<f64> {
+            let prefix = format!("{name}{{");
+            let values =
+                page.lines().filter(|l| l.starts_with(&prefix)).filter_map(|l| l.rsplit(' ').next()?.parse().ok());
+            values.reduce(|a: f64, b| a + b)
+        };
+        let drafted = sum("pdserve_spec_draft_tokens_total")?;
+        Some(Speculation { drafted, accepted: sum("pdserve_spec_accepted_tokens_total").unwrap_or(0.0) })
+    }
+
+    /// What happened between two scrapes.
+    pub fn since(self, before: Option<Speculation>) -> Self {
+        let b = before.unwrap_or_default();
+        Speculation { drafted: self.drafted - b.drafted, accepted: self.accepted - b.accepted }
+    }
+
+    /// Accepted over drafted, in percent (none drafted: none).
+    pub fn accepted_pct(&self) -> Option<f64> {
+        (self.drafted > 0.0).then(|| 100.0 * self.accepted / self.drafted)
+    }
 }
 
 /// Tokens in one of pdserve's KV blocks (its tier counters count blocks).
@@ -223,6 +260,7 @@ impl Summary {
             first_error: records.iter().find_map(|r| r.error.clone()),
             prompt_blocks: Default::default(),
             prefix_hits: None,
+            speculation: None,
             replies: records.iter().any(|r| r.generated_replies > 0).then(|| Replies {
                 in_history: records.iter().map(|r| u64::from(r.history_replies)).sum(),
                 generated: records.iter().map(|r| u64::from(r.generated_replies)).sum(),
@@ -269,6 +307,24 @@ impl std::ops::AddAssign for BlockReuse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn speculation_is_summed_over_workers_and_taken_as_a_difference() {
+        let page = |d0: u32, a0: u32, d1: u32, a1: u32| {
+            format!(
+                "# TYPE pdserve_spec_draft_tokens_total counter\n\
+                 pdserve_spec_draft_tokens_total{{worker=\"a\"}} {d0}\n\
+                 pdserve_spec_draft_tokens_total{{worker=\"b\"}} {d1}\n\
+                 pdserve_spec_accepted_tokens_total{{worker=\"a\"}} {a0}\n\
+                 pdserve_spec_accepted_tokens_total{{worker=\"b\"}} {a1}\n"
+            )
+        };
+        assert_eq!(Speculation::scrape("# TYPE pdserve_spec_draft_tokens_total counter\n"), None);
+        let before = Speculation::scrape(&page(10, 4, 0, 0));
+        let after = Speculation::scrape(&page(30, 12, 20, 8)).unwrap().since(before);
+        assert_eq!(after, Speculation { drafted: 40.0, accepted: 16.0 });
+        assert_eq!(after.accepted_pct(), Some(40.0));
+    }
 
     #[test]
     fn prefix_hits_are_read_from_a_metrics_page() {

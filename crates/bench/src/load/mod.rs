@@ -5,8 +5,9 @@ pub mod markdown;
 
 use crate::arrivals::{ArrivalKind, Arrivals};
 use crate::calibrate::{self, Calibration};
-use crate::client::{first_model, prefix_hits, Client};
+use crate::client::{first_model, metrics_page, Client};
 use crate::error::BenchError;
+use crate::metrics::{PrefixHits, Speculation};
 use crate::metrics::{Slo, Summary};
 use crate::openai::BodyOptions;
 use crate::phases::PhaseResult;
@@ -248,16 +249,23 @@ pub async fn measure(
     let mut out = Vec::new();
     for plan in plans {
         let t = Instant::now();
-        let before = prefix_hits(&client.target).await;
+        let before = metrics_page(&client.target).await;
         let started = unix_now();
         let records = run_point(client, w, plan, Some(crate::progress::Style::detect())).await;
         let mut point = PointResult::of(plan, w, records, slo);
         point.started_unix_s = Some(started);
-        if before.is_some() {
-            // pdserve's tier counters come with its once-a-second worker stats.
+        let before = before.as_deref();
+        let before_hits = before.and_then(PrefixHits::scrape);
+        if before_hits.is_some() {
+            // pdserve's tier and speculation counters come with its once-a-second
+            // worker stats.
             tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
         }
-        point.summary.prefix_hits = prefix_hits(&client.target).await.map(|after| after.since(before));
+        let after = metrics_page(&client.target).await;
+        let after = after.as_deref();
+        point.summary.prefix_hits = after.and_then(PrefixHits::scrape).map(|a| a.since(before_hits));
+        let before_spec = before.and_then(Speculation::scrape);
+        point.summary.speculation = after.and_then(Speculation::scrape).map(|a| a.since(before_spec));
         for r in &point.records {
             point.summary.prompt_blocks += sent.record_sent(w, plan.seed, r);
         }

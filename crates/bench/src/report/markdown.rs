@@ -86,6 +86,10 @@ pub fn one_line(label: &str, s: &Summary, wall_s: f64) -> String {
             let _ = write!(line, ", fetched from peers {:.0}", h.fetched);
         }
     }
+    if let Some(sp) = s.speculation {
+        let pct = sp.accepted_pct().map_or("-".to_string(), |p| format!("{p:.1} %"));
+        let _ = write!(line, "; drafted tokens verified/accepted {:.0}/{:.0} ({pct})", sp.drafted, sp.accepted);
+    }
     if let Some(e) = &s.first_error {
         let _ = write!(line, "; first error: {e}");
     }

@@ -185,6 +185,8 @@ pub struct Engine {
     /// How long the last step took: the sequences' clocks advance by it.
     last_step_s: f64,
     spec: SpecTotals,
+    /// Every request's drafts together: where a new request's acceptance starts.
+    acceptance: speculate::Acceptance,
 }
 
 impl Engine {
@@ -226,6 +228,7 @@ impl Engine {
             tiers: None,
             last_step_s: 0.0,
             spec: SpecTotals::default(),
+            acceptance: speculate::Acceptance::default(),
         }
     }
 

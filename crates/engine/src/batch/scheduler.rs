@@ -4,7 +4,7 @@
 //! recently admitted sequence is preempted and will be recomputed later.
 
 use super::sequence::Sequence;
-use super::speculate::{self, Candidate, PlainStep};
+use super::speculate::{self, Acceptance, Candidate, PlainStep};
 use super::transfer::Stored;
 use super::{Compute, Engine, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
@@ -240,7 +240,8 @@ impl Engine {
             let max = spec.max_draft.min(s.tokens_left().saturating_sub(1)).min(context.saturating_sub(s.tokens.len()));
             let draft = speculate::propose(&s.tokens, max);
             if !draft.is_empty() {
-                cands.push(Candidate { drafted: draft.len(), rate: s.acceptance.rate(), context: s.computed + 1 });
+                let rate = s.acceptance.rate_from(self.acceptance.rate());
+                cands.push(Candidate { drafted: draft.len(), rate, context: s.computed + 1 });
                 drafted.push((k, draft));
             }
         }
@@ -485,8 +486,9 @@ impl Engine {
         // ones took go back.
         for p in plan.iter().filter(|p| p.draft > 0) {
             let s = &mut self.running[p.seq];
+            self.acceptance.add(s.last_record);
             self.spec.drafted += p.draft as u64;
-            self.spec.accepted += s.last_accepted as u64;
+            self.spec.accepted += s.last_record.accepted;
             self.spec.verified_steps += 1;
             if let Some(t) = s.table.as_mut() {
                 t.commit(&s.tokens[..s.computed]);
@@ -651,8 +653,10 @@ fn verify_draft(
     }
     let drafted = draft.len() - 1;
     let rejected = !finished && accepted < drafted;
-    s.acceptance.record(accepted + usize::from(rejected), accepted);
-    s.last_accepted = accepted;
+    let mut record = Acceptance::default();
+    record.record(accepted + usize::from(rejected), accepted);
+    s.acceptance.add(record);
+    s.last_record = record;
     (outs, finished)
 }
 

@@ -37,9 +37,9 @@ pub(crate) struct Sequence {
     /// This step's chunk when it verifies a draft: the last sampled token, then the
     /// drafted tokens.
     pub verify: Vec<u32>,
-    /// How its drafts have fared, and how many tokens of the last one were kept.
+    /// How its drafts have fared, and its last draft's share of that.
     pub acceptance: Acceptance,
-    pub last_accepted: usize,
+    pub last_record: Acceptance,
 }
 
 impl Sequence {
@@ -62,7 +62,7 @@ impl Sequence {
             decode_s: 0.0,
             verify: Vec::new(),
             acceptance: Acceptance::default(),
-            last_accepted: 0,
+            last_record: Acceptance::default(),
         }
     }
 

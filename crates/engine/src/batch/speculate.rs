@@ -53,7 +53,18 @@ impl Acceptance {
     /// The chance the next drafted token is accepted given the ones before it were,
     /// with one success and one failure assumed before any evidence.
     pub fn rate(&self) -> f64 {
-        (self.accepted as f64 + 1.0) / (self.tried as f64 + 2.0)
+        self.rate_from(0.5)
+    }
+
+    /// [`Acceptance::rate`] with `prior` (say, the worker's rate over all its
+    /// requests) standing for two tokens of evidence before this record's own.
+    pub fn rate_from(&self, prior: f64) -> f64 {
+        (self.accepted as f64 + 2.0 * prior) / (self.tried as f64 + 2.0)
+    }
+
+    pub fn add(&mut self, other: Acceptance) {
+        self.tried += other.tried;
+        self.accepted += other.accepted;
     }
 
     /// Records a verified draft of `verified` tokens of which the first `accepted`
@@ -164,6 +175,13 @@ mod tests {
         a.record(3, 0);
         assert_eq!(a, Acceptance { tried: 4 + 2 + 1, accepted: 5 });
         assert_eq!(a.rate(), 6.0 / 9.0);
+        // A new request starts from its worker's record; its own soon outweighs it.
+        let fresh = Acceptance::default();
+        assert_eq!(fresh.rate_from(a.rate()), a.rate());
+        let mut own = Acceptance::default();
+        own.record(8, 8);
+        own.record(8, 8);
+        assert!(own.rate_from(0.1) > 0.85, "{}", own.rate_from(0.1));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::batch::{Engine, EngineConfig, EngineError, StepOutput};
+use pdserve_engine::batch::{Engine, EngineConfig, EngineError, SpecConfig, StepOutput};
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::loader::{self, LoadedModel};
 use pdserve_types::{Grammar, GrammarSpec, RequestId, SamplingParams};
@@ -119,6 +119,25 @@ fn json_schema_outputs_parse_and_match_greedy_and_sampled() {
         let v: Value = serde_json::from_str(&text(&tokens)).unwrap_or_else(|e| panic!("{e}: {}", text(&tokens)));
         check_person(&v);
     }
+}
+
+#[test]
+fn speculation_drafts_what_the_grammar_forces_and_changes_no_token() {
+    // The schema's keys and punctuation are forced: free drafts.
+    let prompt = chat("Describe a user of a web shop as JSON.");
+    let spec = GrammarSpec::JsonSchema(PERSON.into());
+    let reqs: Vec<_> = [None, Some(1), Some(2)]
+        .into_iter()
+        .enumerate()
+        .map(|(i, seed)| (i as u64, prompt.clone(), constrained(spec.clone(), 200, seed)))
+        .collect();
+    let want = run(&mut engine(512), &reqs);
+    let mut e = engine(512);
+    let cfg = EngineConfig { speculation: Some(SpecConfig { max_draft: 8 }), ..e.config().clone() };
+    e = Engine::new(model().model.clone(), cfg, model().tokenizer.eog_ids().to_vec()).with_grammars(grammars());
+    assert_eq!(run(&mut e, &reqs), want);
+    let spec = e.stats().spec;
+    assert!(spec.accepted > 0, "{spec:?}");
 }
 
 #[test]

@@ -185,8 +185,10 @@ pub struct Engine {
     /// How long the last step took: the sequences' clocks advance by it.
     last_step_s: f64,
     spec: SpecTotals,
-    /// Every request's drafts together: where a new request's acceptance starts.
+    /// Every request's n-gram drafts together (where a new request's acceptance
+    /// starts), and the drafts grammars forced.
     acceptance: speculate::Acceptance,
+    forced: speculate::Acceptance,
 }
 
 impl Engine {
@@ -229,6 +231,7 @@ impl Engine {
             last_step_s: 0.0,
             spec: SpecTotals::default(),
             acceptance: speculate::Acceptance::default(),
+            forced: speculate::Acceptance::default(),
         }
     }
 

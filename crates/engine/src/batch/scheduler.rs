@@ -220,6 +220,35 @@ impl Engine {
         plan
     }
 
+    /// Each planned decode's draft (what its grammar forces, else its n-gram lookup)
+    /// with its index in `plan`, and the candidates [`speculate::plan_drafts`] weighs.
+    fn propose_drafts(&mut self, plan: &[Planned], max_draft: usize) -> (Vec<(usize, Vec<u32>)>, Vec<Candidate>) {
+        let context = self.context_length();
+        let (ngram_rate, forced_rate) = (self.acceptance.rate(), self.forced.rate());
+        let (mut drafted, mut cands) = (Vec::new(), Vec::new());
+        for (k, p) in plan.iter().enumerate() {
+            let s = &mut self.running[p.seq];
+            if p.n != 1 || !s.is_decoding() {
+                continue;
+            }
+            // The token after the draft is sampled too: leave room for it.
+            let max = max_draft.min(s.tokens_left().saturating_sub(1)).min(context.saturating_sub(s.tokens.len()));
+            // What a grammar forces is drafted first; its record is the worker's.
+            let mut forced = s.constraint.as_mut().map(|c| c.forced()).unwrap_or_default();
+            forced.truncate(max);
+            s.draft_forced = !forced.is_empty();
+            let (draft, rate) = match s.draft_forced {
+                true => (forced, forced_rate),
+                false => (speculate::propose(&s.tokens, max).to_vec(), s.acceptance.rate_from(ngram_rate)),
+            };
+            if !draft.is_empty() {
+                cands.push(Candidate { drafted: draft.len(), rate, context: s.computed + 1 });
+                drafted.push((k, draft));
+            }
+        }
+        (drafted, cands)
+    }
+
     /// Gives the step's decodes the drafted tokens [`speculate::plan_drafts`] finds
     /// worth verifying, within `room` rows and the blocks free now (a draft never
     /// preempts anyone). Returns the rows added.
@@ -228,23 +257,7 @@ impl Engine {
         if matches!(self.compute, Compute::Timed(_)) || room == 0 {
             return 0;
         }
-        let context = self.context_length();
-        let mut drafted: Vec<(usize, &[u32])> = Vec::new();
-        let mut cands = Vec::new();
-        for (k, p) in plan.iter().enumerate() {
-            let s = &self.running[p.seq];
-            if p.n != 1 || !s.is_decoding() {
-                continue;
-            }
-            // The token after the draft is sampled too: leave room for it.
-            let max = spec.max_draft.min(s.tokens_left().saturating_sub(1)).min(context.saturating_sub(s.tokens.len()));
-            let draft = speculate::propose(&s.tokens, max);
-            if !draft.is_empty() {
-                let rate = s.acceptance.rate_from(self.acceptance.rate());
-                cands.push(Candidate { drafted: draft.len(), rate, context: s.computed + 1 });
-                drafted.push((k, draft));
-            }
-        }
+        let (drafted, cands) = self.propose_drafts(plan, spec.max_draft);
         if cands.is_empty() {
             return 0;
         }
@@ -259,7 +272,10 @@ impl Engine {
             .into_iter()
             .zip(take)
             .filter(|&(_, n)| n > 0)
-            .map(|((k, draft), n)| (k, draft[..n].to_vec()))
+            .map(|((k, mut draft), n)| {
+                draft.truncate(n);
+                (k, draft)
+            })
             .collect();
         let mut added = 0;
         for (k, draft) in chunks {
@@ -486,7 +502,13 @@ impl Engine {
         // ones took go back.
         for p in plan.iter().filter(|p| p.draft > 0) {
             let s = &mut self.running[p.seq];
-            self.acceptance.add(s.last_record);
+            match s.draft_forced {
+                true => self.forced.add(s.last_record),
+                false => {
+                    self.acceptance.add(s.last_record);
+                    s.acceptance.add(s.last_record);
+                }
+            }
             self.spec.drafted += p.draft as u64;
             self.spec.accepted += s.last_record.accepted;
             self.spec.verified_steps += 1;
@@ -655,7 +677,6 @@ fn verify_draft(
     let rejected = !finished && accepted < drafted;
     let mut record = Acceptance::default();
     record.record(accepted + usize::from(rejected), accepted);
-    s.acceptance.add(record);
     s.last_record = record;
     (outs, finished)
 }

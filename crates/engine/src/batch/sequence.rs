@@ -37,9 +37,11 @@ pub(crate) struct Sequence {
     /// This step's chunk when it verifies a draft: the last sampled token, then the
     /// drafted tokens.
     pub verify: Vec<u32>,
-    /// How its drafts have fared, and its last draft's share of that.
+    /// How its n-gram drafts have fared; its last draft's record, and whether that
+    /// draft was what its grammar forced.
     pub acceptance: Acceptance,
     pub last_record: Acceptance,
+    pub draft_forced: bool,
 }
 
 impl Sequence {
@@ -63,6 +65,7 @@ impl Sequence {
             verify: Vec::new(),
             acceptance: Acceptance::default(),
             last_record: Acceptance::default(),
+            draft_forced: false,
         }
     }
 

@@ -307,6 +307,17 @@ impl Constraint {
         self.mask.as_ref().map(SimpleVob::as_slice)
     }
 
+    /// The tokens the grammar forces from here (its canonical tokenization of the
+    /// bytes no other output could have), without advancing: free drafts for
+    /// speculative decoding. Empty when nothing is forced or the step fails.
+    pub fn forced(&mut self) -> Vec<u32> {
+        let armed = self.arm();
+        let tokens = self.matcher.compute_ff_tokens();
+        drop(armed);
+        self.over_budget |= self.matcher.is_cancelled();
+        tokens
+    }
+
     /// Advances past the chosen token; false if the grammar cannot take it.
     pub fn accept(&mut self, token: u32) -> bool {
         if self.matcher.is_stopped() {

@@ -260,8 +260,13 @@ mod tests {
             let t = ShmTransport::connect(&path, ShmConfig { slots: 2, slot_bytes: 16 << 10 }, &ClusterKey::insecure())
                 .unwrap();
             // A sink dropped with a slot half filled gives the slot back unsent...
+            // (No receiver expects handoff 3: under load its refusal may already be
+            // back when the frame is sent. Either way the slot must come back.)
             let mut dropped = t.open(HandoffId(3), HandoffToken([3; 16])).unwrap();
-            dropped.send(small(3, 0)).unwrap();
+            match dropped.send(small(3, 0)) {
+                Ok(()) | Err(TransferError::ReceiverGone(HandoffId(3))) => {}
+                Err(e) => panic!("sending into the dropped handoff: {e}"),
+            }
             drop(dropped);
             // ...so two handoffs interleaving 100 frames each still get both slots.
             let (mut sa, mut sb) = (t.open(HandoffId(1), ta).unwrap(), t.open(HandoffId(2), tb).unwrap());

@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{complete, frontend, golden_prompts, metric, settle_used_blocks, start, worker_with, Proc};
+use common::{complete, eventually, frontend, golden_prompts, metric, settle_used_blocks, start, worker_with, Proc};
 use serde_json::{json, Value};
 
 const TOKENS: u32 = 40;
@@ -47,16 +47,17 @@ fn speculation_gives_the_plain_text_on_every_path() {
     for mode in ["aggregated", "disaggregated"] {
         let s = serve(mode, &NGRAM);
         assert_eq!(texts(&s), want, "serve {mode}");
-        assert!(accepted(&s) > 0.0, "serve {mode}: no draft accepted");
+        assert_eq!(settle_used_blocks(s.addr), 0.0, "serve {mode}");
+        // The counters are the workers' as they last reported (once a second).
+        eventually(&format!("serve {mode}: a draft accepted"), || accepted(&s) > 0.0);
         let drafted = metric(s.addr, "pdserve_spec_draft_tokens_total", "");
         assert!(accepted(&s) < drafted, "serve {mode}: every draft accepted ({drafted})");
-        assert_eq!(settle_used_blocks(s.addr), 0.0, "serve {mode}");
     }
     let (p, d) = (worker_with("prefill", &[]), worker_with("decode", &NGRAM));
     for transport in ["tcp", "shm"] {
         let fe = frontend(&[&p, &d], "disaggregated", transport);
         assert_eq!(texts(&fe), want, "worker processes over {transport}");
         assert_eq!(settle_used_blocks(fe.addr), 0.0, "over {transport}");
-        assert!(accepted(&fe) > 0.0, "over {transport}: the decode worker's counters");
+        eventually(&format!("over {transport}: the decode worker's counters"), || accepted(&fe) > 0.0);
     }
 }

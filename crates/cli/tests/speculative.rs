@@ -39,7 +39,9 @@ fn accepted(p: &Proc) -> f64 {
     metric(p.addr, "pdserve_spec_accepted_tokens_total", "")
 }
 
-const NGRAM: [&str; 4] = ["--speculative", "ngram", "--spec-tokens", "6"];
+// Every draft verified whole: what the measured rule verifies follows step timings,
+// and the counters checked here must not.
+const NGRAM: [&str; 6] = ["--speculative", "ngram", "--spec-tokens", "6", "--spec-verify", "all"];
 
 #[test]
 fn speculation_gives_the_plain_text_on_every_path() {

@@ -1,9 +1,11 @@
 //! Speculative decoding on the real model: whatever the engine drafts, verifies and
 //! rolls back, every request's tokens, logprobs and top logprobs are bit for bit those
 //! of plain decoding: greedy requests, and sampled requests with a seed (each emitted
-//! token is the sample plain decoding draws, so the seed gives the same tokens). The
-//! drafts must actually be accepted and rejected for this to mean anything, and every
-//! block comes back.
+//! token is the sample plain decoding draws, so the seed gives the same tokens), with
+//! the measured verification rule and with every draft verified whole. The drafts must
+//! actually be accepted and rejected for this to mean anything (checked where every
+//! draft is verified: what the measured rule verifies follows step timings), and
+//! every block comes back.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -93,20 +95,23 @@ fn assert_same(what: &str, want: &BTreeMap<u64, Vec<TokenOut>>, got: &BTreeMap<u
 fn speculation_changes_no_token_and_no_logprob() {
     let want = plain();
     for max_draft in [1, 4, 8] {
-        let mut e = engine(Some(SpecConfig { max_draft }), 512, 256);
+        let mut e = engine(Some(SpecConfig { max_draft, verify_all: true }), 512, 256);
         let got = run(&mut e);
         assert_same(&format!("drafts of up to {max_draft}"), want, &got);
         let spec = e.stats().spec;
         assert!(spec.accepted > 0, "nothing accepted: {spec:?}");
         assert!(spec.accepted < spec.drafted, "nothing rejected: {spec:?}");
     }
+    // The measured rule verifies what it finds worth it: the same output.
+    let got = run(&mut engine(Some(SpecConfig { max_draft: 8, verify_all: false }), 512, 256));
+    assert_same("the measured rule", want, &got);
 }
 
 #[test]
 fn drafts_fit_a_tight_step_budget_and_a_small_pool() {
     // 6 tokens a step: prompts are chunked beside drafts, and drafts are cut to the
     // rows left. 24 blocks: sequences are preempted and recomputed while drafting.
-    let mut e = engine(Some(SpecConfig { max_draft: 8 }), 6, 24);
+    let mut e = engine(Some(SpecConfig { max_draft: 8, verify_all: true }), 6, 24);
     let got = run(&mut e);
     assert_same("tight budget and pool", plain(), &got);
     assert!(e.stats().spec.accepted > 0, "{:?}", e.stats().spec);
@@ -116,7 +121,7 @@ fn drafts_fit_a_tight_step_budget_and_a_small_pool() {
 fn input_grounded_requests_accept_most_drafts() {
     // The code to repeat is in the prompt: greedy output copies it, and the drafts
     // are that copy.
-    let mut e = engine(Some(SpecConfig { max_draft: 8 }), 512, 256);
+    let mut e = engine(Some(SpecConfig { max_draft: 8, verify_all: true }), 512, 256);
     let tokens = model().tokenizer.encode_with_bos(PROMPTS[0], false);
     e.add(RequestId(0), tokens, params(0)).unwrap();
     let mut steps = 0;

@@ -152,6 +152,17 @@ pub struct SpecArgs {
     /// --num-speculative-tokens, llama.cpp's --draft-max).
     #[arg(long, default_value_t = 8, alias = "num-speculative-tokens", alias = "draft-max")]
     pub spec_tokens: usize,
+    /// How much of each draft a step verifies: `measured` (what each request's
+    /// acceptance and the worker's step costs say pays) or `all` (every draft whole,
+    /// as vLLM and llama.cpp do).
+    #[arg(long, default_value = "measured")]
+    pub spec_verify: SpecVerify,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecVerify {
+    Measured,
+    All,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -171,7 +182,10 @@ impl SpecArgs {
         }
         Ok(match self.speculative {
             SpecMode::None => None,
-            SpecMode::Ngram => Some(pdserve_engine::batch::SpecConfig { max_draft: self.spec_tokens }),
+            SpecMode::Ngram => Some(pdserve_engine::batch::SpecConfig {
+                max_draft: self.spec_tokens,
+                verify_all: self.spec_verify == SpecVerify::All,
+            }),
         })
     }
 }

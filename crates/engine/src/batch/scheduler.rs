@@ -266,7 +266,9 @@ impl Engine {
             context: plan.iter().map(|p| self.running[p.seq].computed).sum(),
             yields: plan.iter().filter(|p| p.logits).count(),
         };
-        let fit = self.decode_steps.tells_rows_apart().then(|| self.decode_steps.fit()).flatten();
+        // Without a fit every draft is verified whole.
+        let measured = !spec.verify_all && self.decode_steps.tells_rows_apart();
+        let fit = measured.then(|| self.decode_steps.fit()).flatten();
         let take = speculate::plan_drafts(fit.as_ref(), plain, &cands, room);
         let chunks: Vec<(usize, Vec<u32>)> = drafted
             .into_iter()

@@ -21,6 +21,10 @@ const NGRAM_MIN: usize = 2;
 pub struct SpecConfig {
     /// The most tokens drafted for one sequence in one step.
     pub max_draft: usize,
+    /// Verify every draft whole (within the step's room), as vLLM and llama.cpp do,
+    /// instead of what [`plan_drafts`] finds worth it: what the measured rule is
+    /// compared against, and what makes a test's drafts independent of step timings.
+    pub verify_all: bool,
 }
 
 /// Up to `max` tokens that followed the latest earlier occurrence of the last `n`

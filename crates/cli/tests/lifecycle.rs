@@ -45,9 +45,11 @@ fn long_stream(addr: SocketAddr) -> (TcpStream, Vec<u8>) {
 
 #[test]
 fn flags_that_do_not_fit_the_mode_are_refused_in_one_line() {
-    let cases: [&[&str]; 8] = [
+    let cases: [&[&str]; 10] = [
         &["worker", "--role", "mixed", "--listen", "127.0.0.1:0"],
         &["serve", "--speculative", "ngram", "--spec-tokens", "0"],
+        &["serve", "--speculative", "draft"],
+        &["serve", "--speculative", "ngram", "--draft-model", "smollm2-135m"],
         &["serve", "--mode", "aggregated", "--prefill", "1"],
         &["serve", "--slo-tpot-ms", "20"],
         &["serve", "--protect-tpot", "--slo-tpot-ms", "0"],

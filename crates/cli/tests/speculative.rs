@@ -2,7 +2,9 @@
 //! disaggregated, and prefill and decode worker processes over TCP and shared
 //! memory, give with `--speculative ngram` exactly the greedy text they give without
 //! it, the decode worker's drafts are verified and partly accepted (its counters reach
-//! `/metrics`), and no block is left used.
+//! `/metrics`), and no block is left used. The same with a draft model (the default
+//! model drafting for itself), and a draft model of another vocabulary is refused at
+//! start-up.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -62,4 +64,39 @@ fn speculation_gives_the_plain_text_on_every_path() {
         assert_eq!(settle_used_blocks(fe.addr), 0.0, "over {transport}");
         eventually(&format!("over {transport}: the decode worker's counters"), || accepted(&fe) > 0.0);
     }
+}
+
+// The default model drafts for itself: its greedy drafts are the greedy text, so
+// every draft of these greedy requests is accepted.
+const DRAFT: [&str; 8] =
+    ["--speculative", "draft", "--draft-model", "smollm2-135m", "--spec-tokens", "4", "--spec-verify", "all"];
+
+#[test]
+fn a_draft_model_gives_the_plain_text_on_every_path() {
+    let want = texts(&serve("aggregated", &[]));
+    for mode in ["aggregated", "disaggregated"] {
+        let s = serve(mode, &DRAFT);
+        assert_eq!(texts(&s), want, "serve {mode}");
+        assert_eq!(settle_used_blocks(s.addr), 0.0, "serve {mode}");
+        eventually(&format!("serve {mode}: drafts accepted"), || accepted(&s) > 0.0);
+        let drafted = metric(s.addr, "pdserve_spec_draft_tokens_total", "");
+        assert_eq!(accepted(&s), drafted, "serve {mode}: a greedy self-draft rejected");
+    }
+    let (p, d) = (worker_with("prefill", &[]), worker_with("decode", &DRAFT));
+    let fe = frontend(&[&p, &d], "disaggregated", "tcp");
+    assert_eq!(texts(&fe), want, "worker processes over tcp");
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+    eventually("the decode worker's counters", || accepted(&fe) > 0.0);
+}
+
+#[test]
+fn a_draft_model_of_another_vocabulary_is_refused_at_start() {
+    let args = ["serve", "--port", "0", "--speculative", "draft", "--draft-model", "gemma3-270m"];
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pdserve")).args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    // Logs of the models' loading, then one line of error.
+    let errors: Vec<&str> = err.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(errors, [err.lines().last().unwrap()], "{err}");
+    assert!(errors[0].starts_with("error: the draft model's vocabulary is not the target's: 262144 tokens"), "{err}");
 }

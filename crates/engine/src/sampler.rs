@@ -26,6 +26,11 @@ mod math;
 pub use pdserve_types::rng::Rng;
 
 use math::{argmax, exp_det, lane_sum, max_value, weight, LogSoftmax};
+
+/// The greedy choice of a row of logits: the largest, ties to the lowest id.
+pub(crate) fn greedy_token(logits: &[f32]) -> u32 {
+    argmax(logits) as u32
+}
 use pdserve_types::{SamplingParams, TokenOut};
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};

@@ -133,7 +133,10 @@ fn speculation_drafts_what_the_grammar_forces_and_changes_no_token() {
         .collect();
     let want = run(&mut engine(512), &reqs);
     let mut e = engine(512);
-    let cfg = EngineConfig { speculation: Some(SpecConfig { max_draft: 8, verify_all: true }), ..e.config().clone() };
+    let cfg = EngineConfig {
+        speculation: Some(SpecConfig { max_draft: 8, verify_all: true, draft: None }),
+        ..e.config().clone()
+    };
     e = Engine::new(model().model.clone(), cfg, model().tokenizer.eog_ids().to_vec()).with_grammars(grammars());
     assert_eq!(run(&mut e, &reqs), want);
     let spec = e.stats().spec;

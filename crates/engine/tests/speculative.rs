@@ -9,8 +9,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::batch::{Engine, EngineConfig, SpecConfig, StepOutput};
+use pdserve_engine::batch::{DraftModel, Engine, EngineConfig, SpecConfig, StepOutput};
+use pdserve_engine::config::ModelConfig;
+use pdserve_engine::format::gguf::GgufFile;
 use pdserve_engine::loader::{self, LoadedModel};
+use pdserve_engine::model::Model;
+use pdserve_engine::testing::{random_llama_config, scratch_dir, write_random_llama};
 use pdserve_types::{RequestId, SamplingParams, TokenOut};
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
@@ -95,7 +99,7 @@ fn assert_same(what: &str, want: &BTreeMap<u64, Vec<TokenOut>>, got: &BTreeMap<u
 fn speculation_changes_no_token_and_no_logprob() {
     let want = plain();
     for max_draft in [1, 4, 8] {
-        let mut e = engine(Some(SpecConfig { max_draft, verify_all: true }), 512, 256);
+        let mut e = engine(Some(SpecConfig { max_draft, verify_all: true, draft: None }), 512, 256);
         let got = run(&mut e);
         assert_same(&format!("drafts of up to {max_draft}"), want, &got);
         let spec = e.stats().spec;
@@ -103,7 +107,7 @@ fn speculation_changes_no_token_and_no_logprob() {
         assert!(spec.accepted < spec.drafted, "nothing rejected: {spec:?}");
     }
     // The measured rule verifies what it finds worth it: the same output.
-    let got = run(&mut engine(Some(SpecConfig { max_draft: 8, verify_all: false }), 512, 256));
+    let got = run(&mut engine(Some(SpecConfig { max_draft: 8, verify_all: false, draft: None }), 512, 256));
     assert_same("the measured rule", want, &got);
 }
 
@@ -111,7 +115,7 @@ fn speculation_changes_no_token_and_no_logprob() {
 fn drafts_fit_a_tight_step_budget_and_a_small_pool() {
     // 6 tokens a step: prompts are chunked beside drafts, and drafts are cut to the
     // rows left. 24 blocks: sequences are preempted and recomputed while drafting.
-    let mut e = engine(Some(SpecConfig { max_draft: 8, verify_all: true }), 6, 24);
+    let mut e = engine(Some(SpecConfig { max_draft: 8, verify_all: true, draft: None }), 6, 24);
     let got = run(&mut e);
     assert_same("tight budget and pool", plain(), &got);
     assert!(e.stats().spec.accepted > 0, "{:?}", e.stats().spec);
@@ -121,7 +125,7 @@ fn drafts_fit_a_tight_step_budget_and_a_small_pool() {
 fn input_grounded_requests_accept_most_drafts() {
     // The code to repeat is in the prompt: greedy output copies it, and the drafts
     // are that copy.
-    let mut e = engine(Some(SpecConfig { max_draft: 8, verify_all: true }), 512, 256);
+    let mut e = engine(Some(SpecConfig { max_draft: 8, verify_all: true, draft: None }), 512, 256);
     let tokens = model().tokenizer.encode_with_bos(PROMPTS[0], false);
     e.add(RequestId(0), tokens, params(0)).unwrap();
     let mut steps = 0;
@@ -134,4 +138,74 @@ fn input_grounded_requests_accept_most_drafts() {
     let spec = e.stats().spec;
     // One step prefilled; the other steps made more than a token each.
     assert!(steps - 1 < n * 2 / 3, "{steps} steps for {n} tokens: {spec:?}");
+}
+
+/// The default model drafting for itself: its greedy drafts are what greedy requests
+/// sample (the numerics do not depend on the batch), so most drafts are kept.
+fn self_draft() -> DraftModel {
+    DraftModel::new(model().model.clone(), &model().model).unwrap()
+}
+
+/// A random two-layer model of the default model's vocabulary: its drafts are
+/// almost all rejected.
+fn random_draft() -> DraftModel {
+    static D: OnceLock<DraftModel> = OnceLock::new();
+    D.get_or_init(|| {
+        let target = &model().model;
+        let cfg = ModelConfig { vocab_size: target.cfg.vocab_size, context_length: 1024, ..random_llama_config() };
+        let dir = scratch_dir("spec-random-draft").unwrap();
+        let gguf = GgufFile::open(&write_random_llama(&dir, &cfg, 11).unwrap().gguf_path).unwrap();
+        let draft = Model::load(&gguf, ModelConfig::from_gguf(&gguf.header).unwrap()).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        DraftModel::new(std::sync::Arc::new(draft), target).unwrap()
+    })
+    .clone()
+}
+
+fn drafting(draft: DraftModel, max_draft: usize, verify_all: bool) -> Option<SpecConfig> {
+    Some(SpecConfig { max_draft, verify_all, draft: Some(draft) })
+}
+
+#[test]
+fn a_draft_model_changes_no_token_and_no_logprob() {
+    let want = plain();
+    for (name, draft) in [("itself", self_draft()), ("a random model", random_draft())] {
+        for max_draft in [1, 5] {
+            let mut e = engine(drafting(draft.clone(), max_draft, true), 512, 256);
+            let got = run(&mut e);
+            assert_same(&format!("{name}, drafts of up to {max_draft}"), want, &got);
+            let stats = e.stats();
+            assert!(stats.spec.accepted < stats.spec.drafted, "{name}: nothing rejected: {:?}", stats.spec);
+            assert_eq!(stats.draft_blocks.unwrap().used, 0, "{name}: a draft block was not given back");
+            if name == "itself" {
+                // The greedy half of the requests keeps every draft.
+                assert!(2 * stats.spec.accepted > stats.spec.drafted, "{name}: {:?}", stats.spec);
+            }
+        }
+    }
+    let got = run(&mut engine(drafting(random_draft(), 8, false), 512, 256));
+    assert_same("a random model, the measured rule", want, &got);
+}
+
+#[test]
+fn a_draft_model_fits_a_tight_step_budget_and_a_small_pool() {
+    // 6 tokens a step: the draft model catches up on a prompt over several steps.
+    // 24 blocks: preempted sequences drop their draft K/V and draft again.
+    let mut e = engine(drafting(self_draft(), 4, true), 6, 24);
+    let got = run(&mut e);
+    assert_same("tight budget and pool", plain(), &got);
+    let stats = e.stats();
+    assert!(stats.spec.accepted > 0, "{:?}", stats.spec);
+    assert_eq!(stats.draft_blocks.unwrap().used, 0);
+}
+
+#[test]
+fn a_vocabulary_of_another_size_is_refused() {
+    let cfg = random_llama_config();
+    let dir = scratch_dir("spec-small-vocab").unwrap();
+    let gguf = GgufFile::open(&write_random_llama(&dir, &cfg, 3).unwrap().gguf_path).unwrap();
+    let draft = Model::load(&gguf, ModelConfig::from_gguf(&gguf.header).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = DraftModel::new(std::sync::Arc::new(draft), &model().model).unwrap_err();
+    assert!(err.contains("96 tokens") && err.contains("49152"), "{err}");
 }

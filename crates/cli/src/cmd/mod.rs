@@ -16,6 +16,7 @@ pub mod worker;
 mod workload;
 
 use anyhow::Context;
+use pdserve_engine::batch::{DraftModel, SpecConfig};
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::loader::{self, LoadedModel, ModelMeta};
 use pdserve_engine::tokenizer::Tokenizer;
@@ -139,13 +140,14 @@ impl KvTierArgs {
 }
 
 /// Speculative decoding on the workers that decode.
-#[derive(clap::Args, Clone, Copy)]
+#[derive(clap::Args, Clone)]
 pub struct SpecArgs {
     /// Draft tokens and verify them in one step: `ngram` drafts what followed the
     /// latest earlier occurrence of a request's last tokens in its prompt or output
-    /// (prompt lookup); `none` decodes one token a step. Output is the same either
-    /// way; how much a step verifies follows each request's acceptance and the
-    /// worker's measured step costs (docs/speculative.md).
+    /// (prompt lookup); `draft` drafts with --draft-model; `none` decodes one token a
+    /// step. Output is the same either way; how much a step verifies follows each
+    /// request's acceptance and the worker's measured step costs
+    /// (docs/speculative.md).
     #[arg(long, default_value = "none")]
     pub speculative: SpecMode,
     /// The most tokens drafted for one request in one step (vLLM's
@@ -157,6 +159,11 @@ pub struct SpecArgs {
     /// as vLLM and llama.cpp do).
     #[arg(long, default_value = "measured")]
     pub spec_verify: SpecVerify,
+    /// The draft model of `--speculative draft`: a GGUF file (or a name `pdserve
+    /// pull` knows) whose vocabulary is the target's, token for token (llama.cpp's
+    /// --model-draft).
+    #[arg(long, alias = "model-draft")]
+    pub draft_model: Option<String>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -169,25 +176,52 @@ pub enum SpecVerify {
 pub enum SpecMode {
     None,
     Ngram,
+    Draft,
 }
 
 /// The most `--spec-tokens` takes: each drafted row costs a row of logits.
 const MAX_SPEC_TOKENS: usize = 32;
 
 impl SpecArgs {
-    /// The engine's speculation settings, checked.
-    pub fn config(&self) -> anyhow::Result<Option<pdserve_engine::batch::SpecConfig>> {
+    /// Checks the flags, before any model loads.
+    pub fn check(&self) -> anyhow::Result<()> {
         if !(1..=MAX_SPEC_TOKENS).contains(&self.spec_tokens) {
             anyhow::bail!("--spec-tokens must be 1 to {MAX_SPEC_TOKENS} (got {})", self.spec_tokens);
         }
-        Ok(match self.speculative {
-            SpecMode::None => None,
-            SpecMode::Ngram => Some(pdserve_engine::batch::SpecConfig {
-                max_draft: self.spec_tokens,
-                verify_all: self.spec_verify == SpecVerify::All,
-            }),
-        })
+        match (self.speculative, &self.draft_model) {
+            (SpecMode::Draft, None) => anyhow::bail!("--speculative draft needs --draft-model"),
+            (SpecMode::None | SpecMode::Ngram, Some(_)) => {
+                anyhow::bail!("--draft-model is used only with --speculative draft")
+            }
+            _ => Ok(()),
+        }
     }
+
+    /// The engine's speculation settings for `target` (`None`: a simulated worker),
+    /// the draft model loaded and its vocabulary checked against the target's.
+    pub fn config(&self, target: Option<&LoadedModel>) -> anyhow::Result<Option<SpecConfig>> {
+        self.check()?;
+        let draft = match (&self.draft_model, target) {
+            (None, _) => None,
+            (Some(_), None) => anyhow::bail!("--speculative draft needs a real model, not a simulated one"),
+            (Some(path), Some(target)) => Some(load_draft(path, target)?),
+        };
+        let verify_all = self.spec_verify == SpecVerify::All;
+        Ok((self.speculative != SpecMode::None).then_some(SpecConfig {
+            max_draft: self.spec_tokens,
+            verify_all,
+            draft,
+        }))
+    }
+}
+
+/// Loads the draft model at `spec` and checks it reads `target`'s token ids.
+fn load_draft(spec: &str, target: &LoadedModel) -> anyhow::Result<DraftModel> {
+    let draft = load_model(spec).context("--draft-model")?;
+    if let Some(diff) = target.tokenizer.vocab_difference(&draft.tokenizer) {
+        anyhow::bail!("the draft model's vocabulary is not the target's: {diff}");
+    }
+    DraftModel::new(draft.model, &target.model).map_err(|e| anyhow::anyhow!("--draft-model: {e}"))
 }
 
 /// How a worker's KV cache stores K and V, and how much memory its pool takes.

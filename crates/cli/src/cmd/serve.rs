@@ -173,7 +173,7 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     }
     let t = &a.topology;
     let via = t.kv_transport.unwrap_or(TransportKind::Inproc);
-    a.spec.config()?;
+    a.spec.check()?;
     let m = super::load_model(&a.model)?;
     let roles = t.roles();
     let threads = t.threads(roles.len());
@@ -252,7 +252,7 @@ fn spawn_workers(
         num_blocks: t.kv_cache.model_blocks(cfg, t.kv_blocks, KV_BLOCKS)?,
         kv_dtype,
         objectives,
-        speculation: a.spec.config()?,
+        speculation: a.spec.config(Some(m))?,
         ..Default::default()
     };
     let mut workers = Vec::new();

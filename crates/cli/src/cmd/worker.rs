@@ -104,6 +104,13 @@ impl Compute {
         })
     }
 
+    fn real(&self) -> Option<&pdserve_engine::loader::LoadedModel> {
+        match self {
+            Compute::Real(m) => Some(m),
+            Compute::Sim(_) => None,
+        }
+    }
+
     /// Checks `--kv-cache-dtype` against the model; a simulated worker's profile
     /// takes the dtype's bytes per token.
     fn with_kv_dtype(self, a: &Args) -> anyhow::Result<Compute> {
@@ -173,8 +180,9 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
         anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
     }
     let key = a.security.key()?;
-    let speculation = a.spec.config()?;
+    a.spec.check()?;
     let m = Compute::load(&a)?.with_kv_dtype(&a)?;
+    let speculation = a.spec.config(m.real())?;
     let tiers = a.tiers.config(m.block_bytes(a.kv_cache.kv_cache_dtype).0)?;
     let blocks = m.pool_blocks(&a)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;

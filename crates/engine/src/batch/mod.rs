@@ -4,11 +4,13 @@
 //! `has_work`, route each [`StepOutput`] to its client, `cancel` when a client goes
 //! away. Dropping a sequence drops its block table, which returns every block.
 
+mod draft;
 mod scheduler;
 mod sequence;
 mod speculate;
 mod transfer;
 
+pub use draft::DraftModel;
 pub use pdserve_types::{FinishReason, KvFrame};
 pub use speculate::SpecConfig;
 pub use transfer::{CachedKv, KvImport};
@@ -144,6 +146,8 @@ pub struct EngineStats {
     pub tiers: TierCounters,
     /// Drafted tokens verified and accepted, since the engine started.
     pub spec: SpecTotals,
+    /// The draft model's cache, when a draft model drafts.
+    pub draft_blocks: Option<PoolStats>,
 }
 
 /// What computes a step's tokens.
@@ -189,6 +193,8 @@ pub struct Engine {
     /// starts), and the drafts grammars forced.
     acceptance: speculate::Acceptance,
     forced: speculate::Acceptance,
+    /// The draft model's cache and pass times, when a draft model drafts.
+    drafter: Option<draft::Drafter>,
 }
 
 impl Engine {
@@ -206,7 +212,12 @@ impl Engine {
     }
 
     fn with_compute(compute: Compute, kv: KvStorage, cfg: EngineConfig, eog: Vec<u32>) -> Self {
+        let draft = cfg.speculation.as_ref().and_then(|s| s.draft.as_ref());
+        let drafter = draft
+            .filter(|_| matches!(compute, Compute::Model(_)))
+            .map(|d| draft::Drafter::new(d, cfg.num_blocks, BLOCK_SIZE, cfg.kv_dtype));
         Engine {
+            drafter,
             kv,
             blocks: BlockPool::new(cfg.num_blocks, BLOCK_SIZE),
             pool: ThreadPool::new(cfg.threads),
@@ -439,6 +450,7 @@ impl Engine {
             prefill_steps: self.prefill_steps,
             tiers: self.tiers.as_ref().map(|t| t.counters()).unwrap_or_default(),
             spec: self.spec,
+            draft_blocks: self.drafter.as_ref().map(|d| d.block_stats()),
         }
     }
 

@@ -220,11 +220,13 @@ impl Engine {
         plan
     }
 
-    /// Each planned decode's draft (what its grammar forces, else its n-gram lookup)
-    /// with its index in `plan`, and the candidates [`speculate::plan_drafts`] weighs.
-    fn propose_drafts(&mut self, plan: &[Planned], max_draft: usize) -> (Vec<(usize, Vec<u32>)>, Vec<Candidate>) {
+    /// Each planned decode's draft (what its grammar forces, else its n-gram lookup,
+    /// else up to `max_draft` tokens of the draft model's) with its index in `plan`,
+    /// and the candidates [`speculate::plan_drafts`] weighs.
+    fn propose_drafts(&mut self, plan: &[Planned], max_draft: usize) -> (Vec<(usize, Proposal)>, Vec<Candidate>) {
         let context = self.context_length();
-        let (ngram_rate, forced_rate) = (self.acceptance.rate(), self.forced.rate());
+        let (pooled, forced_rate) = (self.acceptance.rate(), self.forced.rate());
+        let decodes = plan.iter().filter(|p| p.n == 1 && self.running[p.seq].is_decoding()).count();
         let (mut drafted, mut cands) = (Vec::new(), Vec::new());
         for (k, p) in plan.iter().enumerate() {
             let s = &mut self.running[p.seq];
@@ -237,13 +239,15 @@ impl Engine {
             let mut forced = s.constraint.as_mut().map(|c| c.forced()).unwrap_or_default();
             forced.truncate(max);
             s.draft_forced = !forced.is_empty();
-            let (draft, rate) = match s.draft_forced {
-                true => (forced, forced_rate),
-                false => (speculate::propose(&s.tokens, max).to_vec(), s.acceptance.rate_from(ngram_rate)),
+            let rate = if s.draft_forced { forced_rate } else { s.acceptance.rate_from(pooled) };
+            let (proposal, draft_cost) = match (s.draft_forced, &self.drafter) {
+                (true, _) => (Proposal::Ready(forced), 0.0),
+                (false, None) => (Proposal::Ready(speculate::propose(&s.tokens, max).to_vec()), 0.0),
+                (false, Some(d)) => (Proposal::Model(max), d.cost(decodes, s.computed).unwrap_or(0.0)),
             };
-            if !draft.is_empty() {
-                cands.push(Candidate { drafted: draft.len(), rate, context: s.computed + 1 });
-                drafted.push((k, draft));
+            if proposal.len() > 0 {
+                cands.push(Candidate { drafted: proposal.len(), rate, context: s.computed + 1, draft_cost });
+                drafted.push((k, proposal));
             }
         }
         (drafted, cands)
@@ -253,11 +257,13 @@ impl Engine {
     /// worth verifying, within `room` rows and the blocks free now (a draft never
     /// preempts anyone). Returns the rows added.
     fn add_drafts(&mut self, plan: &mut [Planned], room: usize) -> usize {
-        let Some(spec) = self.cfg.speculation else { return 0 };
+        let Some(spec) = self.cfg.speculation.as_ref() else { return 0 };
+        let (max_draft, verify_all) = (spec.max_draft, spec.verify_all);
+        self.draft_prompts(plan);
         if matches!(self.compute, Compute::Timed(_)) || room == 0 {
             return 0;
         }
-        let (drafted, cands) = self.propose_drafts(plan, spec.max_draft);
+        let (drafted, cands) = self.propose_drafts(plan, max_draft);
         if cands.is_empty() {
             return 0;
         }
@@ -267,20 +273,12 @@ impl Engine {
             yields: plan.iter().filter(|p| p.logits).count(),
         };
         // Without a fit every draft is verified whole.
-        let measured = !spec.verify_all && self.decode_steps.tells_rows_apart();
+        let measured = !verify_all && self.decode_steps.tells_rows_apart();
         let fit = measured.then(|| self.decode_steps.fit()).flatten();
         let take = speculate::plan_drafts(fit.as_ref(), plain, &cands, room);
-        let chunks: Vec<(usize, Vec<u32>)> = drafted
-            .into_iter()
-            .zip(take)
-            .filter(|&(_, n)| n > 0)
-            .map(|((k, mut draft), n)| {
-                draft.truncate(n);
-                (k, draft)
-            })
-            .collect();
+        let chosen = drafted.into_iter().zip(take).filter(|&(_, n)| n > 0).map(|((k, p), n)| (k, p, n)).collect();
         let mut added = 0;
-        for (k, draft) in chunks {
+        for (k, draft) in self.make_drafts(plan, chosen) {
             let p = &mut plan[k];
             let s = &mut self.running[p.seq];
             let fits = s.table.as_mut().is_some_and(|t| t.ensure_capacity(s.computed + 1 + draft.len()).is_ok());
@@ -295,6 +293,49 @@ impl Engine {
             added += draft.len();
         }
         added
+    }
+
+    /// The draft model computes the step's prompt chunks beside the target, so that
+    /// its cache is ready when the sequence decodes.
+    fn draft_prompts(&mut self, plan: &[Planned]) {
+        let Some(d) = self.drafter.as_mut() else { return };
+        let upto: Vec<(usize, usize)> = plan
+            .iter()
+            .filter(|p| !self.running[p.seq].is_decoding())
+            .map(|p| (p.seq, self.running[p.seq].computed + p.n))
+            .collect();
+        if !upto.is_empty() {
+            d.follow(self.isa, &self.pool, &mut self.running, &upto, self.cfg.max_batch_tokens);
+        }
+    }
+
+    /// The drafts chosen, `n` tokens of each at most: lookups as they are, and the
+    /// draft model's made now, all of them together.
+    fn make_drafts(&mut self, plan: &[Planned], chosen: Vec<(usize, Proposal, usize)>) -> Vec<(usize, Vec<u32>)> {
+        let want: Vec<(usize, usize)> = chosen
+            .iter()
+            .filter(|(_, p, _)| matches!(p, Proposal::Model(_)))
+            .map(|&(k, _, n)| (plan[k].seq, n))
+            .collect();
+        let made = match self.drafter.as_mut() {
+            Some(d) if !want.is_empty() => {
+                d.draft(self.isa, &self.pool, &mut self.running, &want, self.cfg.max_batch_tokens)
+            }
+            _ => Vec::new(),
+        };
+        let mut made = made.into_iter();
+        chosen
+            .into_iter()
+            .map(|(k, p, n)| {
+                let mut draft = match p {
+                    Proposal::Ready(d) => d,
+                    Proposal::Model(_) => made.next().unwrap_or_default(),
+                };
+                draft.truncate(n);
+                (k, draft)
+            })
+            .filter(|(_, d)| !d.is_empty())
+            .collect()
     }
 
     /// With [`Objectives`](super::Objectives): the prompt tokens a step may compute
@@ -593,6 +634,22 @@ fn seq_batches<'a>(
             SeqBatch { tokens, start_pos: s.computed, blocks: &ls.blocks, logits: p.logit_rows(), score }
         })
         .collect()
+}
+
+/// A decode's draft this step: tokens found already, or up to this many for the
+/// draft model to draft once the step's plan says how many it verifies.
+enum Proposal {
+    Ready(Vec<u32>),
+    Model(usize),
+}
+
+impl Proposal {
+    fn len(&self) -> usize {
+        match self {
+            Proposal::Ready(d) => d.len(),
+            Proposal::Model(n) => *n,
+        }
+    }
 }
 
 /// The kind of a step and when it started: decode-only and prefill-only steps are

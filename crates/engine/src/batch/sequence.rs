@@ -1,5 +1,6 @@
 //! One request inside the engine: its tokens, its cache blocks, its sampler.
 
+use super::draft::DraftKv;
 use super::speculate::Acceptance;
 use super::BLOCK_SIZE;
 use crate::grammar::Constraint;
@@ -42,6 +43,8 @@ pub(crate) struct Sequence {
     pub acceptance: Acceptance,
     pub last_record: Acceptance,
     pub draft_forced: bool,
+    /// The draft model's K/V of its tokens, when a draft model drafts for it.
+    pub draft_kv: Option<DraftKv>,
 }
 
 impl Sequence {
@@ -66,6 +69,7 @@ impl Sequence {
             acceptance: Acceptance::default(),
             last_record: Acceptance::default(),
             draft_forced: false,
+            draft_kv: None,
         }
     }
 
@@ -152,6 +156,7 @@ impl Sequence {
     /// prefilled again, with the same numerics, on re-admission.
     pub fn preempt(&mut self) {
         self.table = None;
+        self.draft_kv = None;
         self.computed = 0;
         // Recomputed positions are scored again, with the same numerics.
         self.prompt_scores.clear();

@@ -17,7 +17,7 @@ const NGRAM_MAX: usize = 4;
 const NGRAM_MIN: usize = 2;
 
 /// Speculation settings of an engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecConfig {
     /// The most tokens drafted for one sequence in one step.
     pub max_draft: usize,
@@ -25,6 +25,8 @@ pub struct SpecConfig {
     /// instead of what [`plan_drafts`] finds worth it: what the measured rule is
     /// compared against, and what makes a test's drafts independent of step timings.
     pub verify_all: bool,
+    /// Draft with this model instead of by n-gram lookup.
+    pub draft: Option<super::draft::DraftModel>,
 }
 
 /// Up to `max` tokens that followed the latest earlier occurrence of the last `n`
@@ -88,6 +90,9 @@ pub struct Candidate {
     pub rate: f64,
     /// Tokens its next row attends over.
     pub context: usize,
+    /// Seconds each of its drafted tokens costs to draft (a draft model's pass; 0
+    /// for a lookup), paid for every token verified.
+    pub draft_cost: f64,
 }
 
 /// The step as planned without drafts: its rows, the tokens they attend over in all,
@@ -125,7 +130,7 @@ pub fn plan_drafts(fit: Option<&StepFit>, plain: PlainStep, cands: &[Candidate],
     let mut options: Vec<(usize, usize, f64, f64)> = Vec::new();
     for (i, c) in cands.iter().enumerate() {
         for j in 1..=c.drafted {
-            let cost = fit.per_row + fit.per_context * (c.context + j) as f64;
+            let cost = fit.per_row + fit.per_context * (c.context + j) as f64 + c.draft_cost;
             options.push((i, j, c.rate.powi(j as i32), cost));
         }
     }
@@ -195,7 +200,7 @@ mod tests {
         // A compute-bound step: a row costs as much as the whole step's fixed part.
         let bound = StepFit { fixed: 0.001, per_row: 0.001, per_context: 0.0 };
         let one = PlainStep { rows: 1, context: 100, yields: 1 };
-        let cand = |drafted, rate| Candidate { drafted, rate, context: 100 };
+        let cand = |drafted, rate| Candidate { drafted, rate, context: 100, draft_cost: 0.0 };
         // (fit, plain step, candidates, room, verified)
         type Case = (Option<StepFit>, PlainStep, Vec<Candidate>, usize, Vec<usize>);
         let cases: Vec<Case> = vec![
@@ -223,7 +228,9 @@ mod tests {
     fn context_makes_long_rows_dearer() {
         let fit = StepFit { fixed: 0.002, per_row: 0.0005, per_context: 1e-6 };
         let plain = |context| PlainStep { rows: 1, context, yields: 1 };
-        let at = |context| plan_drafts(Some(&fit), plain(context), &[Candidate { drafted: 8, rate: 0.5, context }], 8);
+        let at = |context| {
+            plan_drafts(Some(&fit), plain(context), &[Candidate { drafted: 8, rate: 0.5, context, draft_cost: 0.0 }], 8)
+        };
         assert!(at(100)[0] > at(8000)[0], "{:?} {:?}", at(100), at(8000));
     }
 }

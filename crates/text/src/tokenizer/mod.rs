@@ -303,6 +303,22 @@ impl Tokenizer {
         self.vocab.len()
     }
 
+    /// How `other`'s vocabulary differs from this one, if it does: its size, its
+    /// BOS and EOS, or the first token whose bytes differ. Two models whose
+    /// vocabularies agree read each other's token ids (a draft model and its target).
+    pub fn vocab_difference(&self, other: &Tokenizer) -> Option<String> {
+        let (a, b) = (self.vocab_size(), other.vocab_size());
+        if a != b {
+            return Some(format!("{b} tokens against {a}"));
+        }
+        if (self.bos, self.eos) != (other.bos, other.eos) {
+            return Some(format!("BOS/EOS {:?}/{:?} against {:?}/{:?}", other.bos, other.eos, self.bos, self.eos));
+        }
+        let differs = (0..a as u32).find(|&id| self.vocab.bytes(id) != other.vocab.bytes(id))?;
+        let show = |t: &Tokenizer| t.token_text(differs).unwrap_or_default();
+        Some(format!("token {differs} is {:?} against {:?}", show(other), show(self)))
+    }
+
     pub fn bos_id(&self) -> Option<u32> {
         self.bos
     }

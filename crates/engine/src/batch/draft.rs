@@ -1,0 +1,279 @@
+//! Drafting with a second, smaller model of the target's vocabulary.
+//!
+//! The draft model keeps a KV cache of its own (its own pool, blocks and dtype as
+//! the target's), one table per sequence, kept beside the sequence so that whatever
+//! drops the sequence drops its draft K/V too. Before a step, each sequence that
+//! drafts brings its draft cache up to its tokens (usually the one token sampled
+//! last step; the whole prompt the first time, a prefill the draft model does on the
+//! worker that decodes) and then runs the draft model greedily one token a pass, all
+//! drafting sequences batched in each pass. The target verifies the draft as it
+//! verifies an n-gram draft: a greedy draft is a single choice, so keeping a drafted
+//! token exactly when the target's own sample equals it leaves the target's output,
+//! greedy or sampled, what plain decoding gives.
+//!
+//! After the step, the draft cache is valid as far as the sequence's computed
+//! tokens: drafted tokens the target rejected are cut off the next time the sequence
+//! drafts ([`DraftKv::roll_back`]).
+
+use super::sequence::Sequence;
+use crate::kernels::Isa;
+use crate::kvcache::KvStorage;
+use crate::model::{ForwardScratch, Model, SeqBatch};
+use crate::threadpool::ThreadPool;
+use pdserve_kv::{BlockPool, BlockTable};
+use pdserve_types::{DecodeSteps, KvDtype, StepFit};
+use std::sync::Arc;
+
+/// A draft model for an engine's speculation, shared by every engine that drafts
+/// with it (the weights are read-only).
+#[derive(Clone)]
+pub struct DraftModel(Arc<Model>);
+
+impl DraftModel {
+    /// `draft` drafts for `target` when their vocabularies have one size; the caller
+    /// checks that the tokens themselves agree (the tokenizers live above the engine).
+    pub fn new(draft: Arc<Model>, target: &Model) -> Result<DraftModel, String> {
+        let (d, t) = (draft.cfg.vocab_size, target.cfg.vocab_size);
+        if d != t {
+            return Err(format!("the draft model's vocabulary has {d} tokens, the target's {t}"));
+        }
+        Ok(DraftModel(draft))
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for DraftModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.0.cfg;
+        write!(f, "DraftModel({} layers, hidden {})", c.n_layers, c.hidden)
+    }
+}
+
+impl PartialEq for DraftModel {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for DraftModel {}
+
+/// A sequence's draft K/V: the draft model's cache of its first `computed` tokens.
+pub(crate) struct DraftKv {
+    table: BlockTable,
+    computed: usize,
+}
+
+impl DraftKv {
+    /// Forgets what the target did not keep: positions past the sequence's computed
+    /// tokens hold drafted tokens that were rejected (or a step that was abandoned).
+    fn roll_back(&mut self, computed: usize) {
+        if self.computed > computed {
+            self.computed = computed;
+            self.table.truncate(computed);
+        }
+    }
+}
+
+/// An engine's draft model at work: its cache, its scratch and its pass times.
+pub(crate) struct Drafter {
+    model: Arc<Model>,
+    kv: KvStorage,
+    blocks: BlockPool,
+    scratch: ForwardScratch,
+    /// The draft passes' times, fitted as decode steps are.
+    passes: DecodeSteps,
+}
+
+/// One sequence's part of a drafting round: which running sequence, how many tokens
+/// it wants drafted, and what it has so far.
+struct Drafting {
+    seq: usize,
+    want: usize,
+    draft: Vec<u32>,
+    /// Still drafting (caught up, and its draft cache had room).
+    live: bool,
+}
+
+impl Drafter {
+    /// A cache of `num_blocks`, in `dtype` where the draft model's heads allow it
+    /// (else f16).
+    pub fn new(model: &DraftModel, num_blocks: usize, block_size: usize, dtype: KvDtype) -> Self {
+        let model = model.0.clone();
+        let dtype = if crate::kvcache::check_dtype(&model.cfg, dtype).is_ok() { dtype } else { KvDtype::F16 };
+        Drafter {
+            kv: KvStorage::with_dtype(&model.cfg, num_blocks, block_size, dtype),
+            blocks: BlockPool::new(num_blocks, block_size),
+            model,
+            scratch: ForwardScratch::default(),
+            passes: DecodeSteps::default(),
+        }
+    }
+
+    pub fn block_stats(&self) -> pdserve_kv::PoolStats {
+        self.blocks.stats()
+    }
+
+    /// What a drafted token costs in the draft passes: the fit of their times once it
+    /// tells rows apart, else the mean pass time spread over its rows; `None` before
+    /// any pass.
+    pub fn cost(&self, drafting: usize, context: usize) -> Option<f64> {
+        let p = &self.passes;
+        if self.passes.tells_rows_apart() {
+            if let Some(StepFit { fixed, per_row, per_context }) = p.fit() {
+                return Some(fixed / drafting.max(1) as f64 + per_row + per_context * context as f64);
+            }
+        }
+        (p.rows > 0).then(|| p.seconds / p.rows as f64)
+    }
+
+    /// Drafts up to `want` tokens for each `(running index, want)`, greedily, within
+    /// `budget` tokens of catching up; returns each sequence's draft (empty where it
+    /// is still catching up or its draft cache is full).
+    pub fn draft(
+        &mut self,
+        isa: Isa,
+        pool: &ThreadPool,
+        running: &mut [Sequence],
+        want: &[(usize, usize)],
+        budget: usize,
+    ) -> Vec<Vec<u32>> {
+        // A draft model of a shorter context drafts nothing past it.
+        let context = self.model.cfg.context_length;
+        let mut work: Vec<Drafting> = want
+            .iter()
+            .map(|&(seq, want)| Drafting {
+                seq,
+                want,
+                draft: Vec::new(),
+                live: running[seq].tokens.len() + want <= context,
+            })
+            .collect();
+        let mut left = budget;
+        let mut first = true;
+        while work.iter().any(|w| w.live && w.draft.len() < w.want) {
+            let chunks = self.chunks(running, &mut work, first, &mut left);
+            if chunks.is_empty() {
+                break;
+            }
+            self.pass(isa, pool, running, &mut work, &chunks);
+            first = false;
+        }
+        work.into_iter().map(|w| w.draft).collect()
+    }
+
+    /// Brings each `(running index, upto)`'s draft cache up to its first `upto` tokens
+    /// (a prompt chunk the target computes this step), `budget` tokens in all at most.
+    pub fn follow(
+        &mut self,
+        isa: Isa,
+        pool: &ThreadPool,
+        running: &mut [Sequence],
+        upto: &[(usize, usize)],
+        budget: usize,
+    ) {
+        let mut work = Vec::new();
+        let mut chunks = Vec::new();
+        let mut left = budget;
+        for &(seq, upto) in upto {
+            let s = &mut running[seq];
+            let d = s.draft_kv.get_or_insert_with(|| DraftKv { table: BlockTable::new(&self.blocks, 0), computed: 0 });
+            d.roll_back(s.computed);
+            let n = upto.saturating_sub(d.computed).min(left);
+            if n == 0 || d.table.ensure_capacity(d.computed + n).is_err() {
+                continue;
+            }
+            left -= n;
+            chunks.push((work.len(), s.tokens[d.computed..d.computed + n].to_vec()));
+            work.push(Drafting { seq, want: 0, draft: Vec::new(), live: false });
+        }
+        if !chunks.is_empty() {
+            self.pass(isa, pool, running, &mut work, &chunks);
+        }
+    }
+
+    /// Each live sequence's tokens for the next pass: first what its draft cache
+    /// lacks of its tokens (within `left`; one that cannot catch up drafts nothing
+    /// this step), then its last drafted token. Marks those it cannot hold dead.
+    fn chunks(
+        &self,
+        running: &mut [Sequence],
+        work: &mut [Drafting],
+        first: bool,
+        left: &mut usize,
+    ) -> Vec<(usize, Vec<u32>)> {
+        let mut chunks = Vec::new();
+        for (k, w) in work.iter_mut().enumerate() {
+            if !w.live || w.draft.len() >= w.want {
+                continue;
+            }
+            let s = &mut running[w.seq];
+            let d = s.draft_kv.get_or_insert_with(|| DraftKv { table: BlockTable::new(&self.blocks, 0), computed: 0 });
+            let chunk = if first {
+                d.roll_back(s.computed);
+                let lag = &s.tokens[d.computed..];
+                let n = lag.len().min(*left);
+                *left -= n;
+                w.live = n == lag.len();
+                lag[..n].to_vec()
+            } else {
+                w.draft.last().map(|&t| vec![t]).unwrap_or_default()
+            };
+            if chunk.is_empty() || d.table.ensure_capacity(d.computed + chunk.len()).is_err() {
+                w.live = false;
+                continue;
+            }
+            chunks.push((k, chunk));
+        }
+        chunks
+    }
+
+    /// Runs one pass over `chunks` and appends each caught-up sequence's greedy token.
+    fn pass(
+        &mut self,
+        isa: Isa,
+        pool: &ThreadPool,
+        running: &mut [Sequence],
+        work: &mut [Drafting],
+        chunks: &[(usize, Vec<u32>)],
+    ) {
+        let ids: Vec<Vec<u32>> = chunks
+            .iter()
+            .map(|(k, _)| {
+                let d = running[work[*k].seq].draft_kv.as_ref();
+                d.map(|d| d.table.block_ids().into_iter().map(|b| b.0).collect()).unwrap_or_default()
+            })
+            .collect();
+        let batch: Vec<SeqBatch<'_>> = chunks
+            .iter()
+            .zip(&ids)
+            .map(|((k, chunk), blocks)| {
+                let w = &work[*k];
+                let start_pos = running[w.seq].draft_kv.as_ref().map_or(0, |d| d.computed);
+                SeqBatch { tokens: chunk, start_pos, blocks, logits: usize::from(w.live), score: None }
+            })
+            .collect();
+        let context: usize = batch.iter().map(|b| b.start_pos + b.tokens.len()).sum();
+        let started = std::time::Instant::now();
+        let logits = self.model.forward(isa, pool, &batch, &mut self.kv, &mut self.scratch, &mut |_, _| true);
+        let vocab = self.model.cfg.vocab_size;
+        let mut rows = logits.map(|l| l.chunks_exact(vocab)).into_iter().flatten();
+        for (k, chunk) in chunks {
+            let w = &mut work[*k];
+            if let Some(d) = running[w.seq].draft_kv.as_mut() {
+                d.computed += chunk.len();
+            }
+            if w.live {
+                if let Some(row) = rows.next() {
+                    w.draft.push(crate::sampler::greedy_token(row));
+                }
+            }
+        }
+        // Catching up is a prefill: only single-token passes time a draft token.
+        if chunks.iter().all(|(_, c)| c.len() == 1) {
+            self.passes.record(chunks.len(), context, started.elapsed().as_secs_f64());
+        }
+    }
+}

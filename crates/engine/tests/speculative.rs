@@ -209,3 +209,25 @@ fn a_vocabulary_of_another_size_is_refused() {
     let err = DraftModel::new(std::sync::Arc::new(draft), &model().model).unwrap_err();
     assert!(err.contains("96 tokens") && err.contains("49152"), "{err}");
 }
+
+#[test]
+fn a_prompt_sent_again_finds_its_draft_blocks_cached() {
+    let mut e = engine(drafting(self_draft(), 4, true), 512, 256);
+    let tokens = model().tokenizer.encode_with_bos(PROMPTS[0], false);
+    let mut outs = Vec::new();
+    for id in 0..2 {
+        e.add(RequestId(id), tokens.clone(), params(0)).unwrap();
+        let mut got = Vec::new();
+        while e.has_work() {
+            got.extend(e.step().into_iter().map(|o| o.sampled.token));
+        }
+        outs.push(got);
+        let draft = e.stats().draft_blocks.unwrap();
+        // The prompt's and the accepted output's full blocks, in the draft pool's
+        // prefix cache as in the target's.
+        assert!(draft.cached >= tokens.len() / 16, "{draft:?}");
+        assert_eq!(draft.used, 0);
+    }
+    assert_eq!(outs[0], outs[1]);
+    assert_eq!(outs[0], plain()[&0].iter().map(|t| t.token).collect::<Vec<_>>());
+}

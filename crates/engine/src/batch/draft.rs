@@ -20,7 +20,7 @@ use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{ForwardScratch, Model, SeqBatch};
 use crate::threadpool::ThreadPool;
-use pdserve_kv::{BlockPool, BlockTable};
+use pdserve_kv::{block_hashes, BlockPool, BlockTable};
 use pdserve_types::{DecodeSteps, KvDtype, StepFit};
 use std::sync::Arc;
 
@@ -69,11 +69,14 @@ pub(crate) struct DraftKv {
 impl DraftKv {
     /// Forgets what the target did not keep: positions past the sequence's computed
     /// tokens hold drafted tokens that were rejected (or a step that was abandoned).
-    fn roll_back(&mut self, computed: usize) {
+    /// What is left is the sequence's own `tokens`: its full blocks join the draft
+    /// pool's prefix cache.
+    fn roll_back(&mut self, tokens: &[u32], computed: usize) {
         if self.computed > computed {
             self.computed = computed;
             self.table.truncate(computed);
         }
+        self.table.commit(&tokens[..self.computed]);
     }
 }
 
@@ -164,6 +167,17 @@ impl Drafter {
         work.into_iter().map(|w| w.draft).collect()
     }
 
+    /// A sequence's draft cache, starting with what the draft pool still caches of its
+    /// `tokens` (a prompt sent again, the turns before in a chat), all but the last
+    /// token (which the draft model computes for its logits).
+    fn start(&self, tokens: &[u32]) -> DraftKv {
+        let size = self.blocks.block_size();
+        let known = tokens.len().saturating_sub(1);
+        let hit = self.blocks.match_prefix(&block_hashes(&tokens[..known], size, 0));
+        let computed = hit.len() * size;
+        DraftKv { table: BlockTable::with_prefix(&self.blocks, 0, hit), computed }
+    }
+
     /// Brings each `(running index, upto)`'s draft cache up to its first `upto` tokens
     /// (a prompt chunk the target computes this step), `budget` tokens in all at most.
     pub fn follow(
@@ -179,8 +193,8 @@ impl Drafter {
         let mut left = budget;
         for &(seq, upto) in upto {
             let s = &mut running[seq];
-            let d = s.draft_kv.get_or_insert_with(|| DraftKv { table: BlockTable::new(&self.blocks, 0), computed: 0 });
-            d.roll_back(s.computed);
+            let d = s.draft_kv.get_or_insert_with(|| self.start(&s.tokens));
+            d.roll_back(&s.tokens, s.computed);
             let n = upto.saturating_sub(d.computed).min(left);
             if n == 0 || d.table.ensure_capacity(d.computed + n).is_err() {
                 continue;
@@ -210,9 +224,9 @@ impl Drafter {
                 continue;
             }
             let s = &mut running[w.seq];
-            let d = s.draft_kv.get_or_insert_with(|| DraftKv { table: BlockTable::new(&self.blocks, 0), computed: 0 });
+            let d = s.draft_kv.get_or_insert_with(|| self.start(&s.tokens));
             let chunk = if first {
-                d.roll_back(s.computed);
+                d.roll_back(&s.tokens, s.computed);
                 let lag = &s.tokens[d.computed..];
                 let n = lag.len().min(*left);
                 *left -= n;

@@ -301,7 +301,7 @@ impl Engine {
         let Some(d) = self.drafter.as_mut() else { return };
         let upto: Vec<(usize, usize)> = plan
             .iter()
-            .filter(|p| !self.running[p.seq].is_decoding())
+            .filter(|p| !self.running[p.seq].is_decoding() && !self.running[p.seq].exported)
             .map(|p| (p.seq, self.running[p.seq].computed + p.n))
             .collect();
         if !upto.is_empty() {

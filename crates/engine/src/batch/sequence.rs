@@ -45,6 +45,9 @@ pub(crate) struct Sequence {
     pub draft_forced: bool,
     /// The draft model's K/V of its tokens, when a draft model drafts for it.
     pub draft_kv: Option<DraftKv>,
+    /// Prefilled here for a decode worker elsewhere: no draft K/V is computed for it
+    /// (none would go with it).
+    pub exported: bool,
 }
 
 impl Sequence {
@@ -70,6 +73,7 @@ impl Sequence {
             last_record: Acceptance::default(),
             draft_forced: false,
             draft_kv: None,
+            exported: false,
         }
     }
 

@@ -75,10 +75,11 @@ impl Engine {
     /// during its last chunk; then drops it, its full blocks left in the cache.
     fn run_export(
         &mut self,
-        s: Sequence,
+        mut s: Sequence,
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<StepOutput, EngineError> {
         let id = s.id;
+        s.exported = true;
         self.waiting.push_back(s);
         loop {
             let mut stopped = false;

@@ -225,6 +225,8 @@ pub struct TimedModel {
     /// What copying a block back from a lower tier costs (none without tiers).
     pub restore: RestoreCost,
     pub clock: Clock,
+    /// How its drafts fare, when its engine speculates.
+    pub speculation: Option<TimedSpeculation>,
 }
 
 /// A step's time by its shape: the fitted line, corrected where decode steps were
@@ -283,15 +285,69 @@ const TOKEN_SPAN: u32 = 1000;
 /// The token a timed engine samples after `tokens`: a function of the last token and
 /// the position alone, so a request replayed elsewhere continues the same way.
 pub fn next_token(tokens: &[u32], vocab: usize) -> u32 {
-    let last = u64::from(tokens.last().copied().unwrap_or(0));
-    let mut x = last.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (tokens.len() as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    next_after(tokens.last().copied().unwrap_or(0), tokens.len(), vocab)
+}
+
+fn mix(last: u32, len: usize) -> u64 {
+    let mut x = u64::from(last).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (len as u64).wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
     x ^= x >> 31;
     x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x ^= x >> 29;
+    x ^ (x >> 29)
+}
+
+/// [`next_token`] after `len` tokens ending in `last`.
+fn next_after(last: u32, len: usize, vocab: usize) -> u32 {
+    let x = mix(last, len);
     let span = u64::from(TOKEN_SPAN);
     let vocab = vocab.max(1) as u64;
     let first = if vocab > u64::from(FIRST_TOKEN) + span { u64::from(FIRST_TOKEN) } else { 0 };
     ((first + x % span) % vocab) as u32
+}
+
+/// How a timed engine's drafts fare (speculation in the twin): each drafted token is
+/// right with this chance given that the ones before it were.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimedSpeculation {
+    pub per_token: f64,
+}
+
+impl TimedSpeculation {
+    /// From the share of drafted tokens a worker accepted (its
+    /// `pdserve_spec_accepted_tokens_total` over `pdserve_spec_draft_tokens_total`)
+    /// with drafts of `tokens`: the chance `a` with `(a + a² + … + a^K) / K` equal
+    /// to the share, what whole drafts of `K` would show.
+    pub fn from_share(share: f64, tokens: usize) -> Self {
+        let k = tokens.max(1);
+        let share_of = |a: f64| (1..=k).map(|j| a.powi(j as i32)).sum::<f64>() / k as f64;
+        let (mut lo, mut hi) = (0.0, 1.0);
+        for _ in 0..60 {
+            let mid = (lo + hi) / 2.0;
+            if share_of(mid) < share.clamp(0.0, 1.0) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        TimedSpeculation { per_token: (lo + hi) / 2.0 }
+    }
+
+    /// A draft of `max` tokens after `tokens`: what the engine will sample next, each
+    /// token right with chance `per_token` (a hash of its position decides, so a run
+    /// repeats); a wrong token is one the engine does not sample.
+    pub fn draft(&self, tokens: &[u32], max: usize, vocab: usize) -> Vec<u32> {
+        let (mut last, mut len) = (tokens.last().copied().unwrap_or(0), tokens.len());
+        let mut draft = Vec::with_capacity(max);
+        for _ in 0..max {
+            let mut t = next_after(last, len, vocab);
+            let u = (mix(last ^ 0x5bd1_e995, len) >> 11) as f64 / (1u64 << 53) as f64;
+            if u >= self.per_token {
+                t = (t + 1) % vocab.max(1) as u32;
+            }
+            draft.push(t);
+            (last, len) = (t, len + 1);
+        }
+        draft
+    }
 }
 
 /// Sleeps `seconds` on the calling thread (wall clock only).
@@ -303,6 +359,27 @@ pub(crate) fn spend(clock: Clock, seconds: f64) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn timed_drafts_are_right_as_often_as_the_share_measured() {
+        for (share, tokens) in [(0.0, 4), (0.25, 8), (0.8, 4), (1.0, 1)] {
+            let spec = TimedSpeculation::from_share(share, tokens);
+            let a = spec.per_token;
+            let got = (1..=tokens).map(|j| a.powi(j as i32)).sum::<f64>() / tokens as f64;
+            assert!((got - share).abs() < 1e-9, "{share} {tokens}: {a} gives {got}");
+        }
+        // A draft that is always right is what the engine samples; one never right
+        // is wrong at once.
+        let tokens = [5u32, 17, 900];
+        let always = TimedSpeculation { per_token: 1.0 }.draft(&tokens, 3, 49152);
+        let mut seq = tokens.to_vec();
+        for &t in &always {
+            assert_eq!(t, next_token(&seq, 49152));
+            seq.push(t);
+        }
+        let never = TimedSpeculation { per_token: 0.0 }.draft(&tokens, 3, 49152);
+        assert_ne!(never[0], next_token(&tokens, 49152));
+    }
     use super::*;
 
     #[test]
@@ -363,6 +440,7 @@ mod tests {
             work,
             restore: RestoreCost::default(),
             clock: Clock::Virtual,
+            speculation: None,
         };
         let one_thread = StepTime::line(StepCost { token_s: 1.5, ..StepCost::default() });
         // Two threads for 2 s against 3 s on one: a core-second idle.

@@ -35,6 +35,7 @@ fn engine_keeping(
         work: None,
         restore,
         clock: Clock::Virtual,
+        speculation: None,
     };
     let cfg = EngineConfig {
         threads: 1,

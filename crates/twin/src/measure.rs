@@ -118,6 +118,7 @@ fn model_shape(spec: &Spec) -> ModelShape {
         kv_blocks: spec.kv_blocks,
         max_batch_tokens: None,
         max_seqs: None,
+        speculation: None,
     }
 }
 

@@ -9,8 +9,10 @@
 //! ([`pdserve_engine::timed::DecodeTable`]): a request's TPOT is made of those steps.
 
 use crate::TwinError;
-use pdserve_engine::batch::EngineConfig;
-use pdserve_engine::timed::{Clock, DecodeTable, RestoreCost, StepCost, StepShape, StepTime, TimedModel};
+use pdserve_engine::batch::{EngineConfig, SpecConfig};
+use pdserve_engine::timed::{
+    Clock, DecodeTable, RestoreCost, StepCost, StepShape, StepTime, TimedModel, TimedSpeculation,
+};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_types::KvDtype;
 use pdserve_worker::{CoRun, LinkModel};
@@ -94,6 +96,19 @@ pub struct ModelShape {
     pub max_batch_tokens: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_seqs: Option<usize>,
+    /// Speculative decoding as measured on a server: drafts of so many tokens, and
+    /// the share of drafted tokens accepted ([`Profile::with_speculation`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speculation: Option<SpecProfile>,
+}
+
+/// Speculation a profile's workers do, from a server's `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SpecProfile {
+    /// `--spec-tokens`.
+    pub tokens: usize,
+    /// `pdserve_spec_accepted_tokens_total / pdserve_spec_draft_tokens_total`.
+    pub accepted_share: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -230,6 +245,14 @@ impl Profile {
         self
     }
 
+    /// The profile's workers speculate with drafts of `tokens`, of which the share
+    /// `accepted_share` is accepted (as a server's `/metrics` measured it): a verified
+    /// row costs what the profile's step cost says a row costs.
+    pub fn with_speculation(mut self, tokens: usize, accepted_share: f64) -> Self {
+        self.model.speculation = Some(SpecProfile { tokens, accepted_share });
+        self
+    }
+
     /// The timed stand-in of the model for a worker of `threads` threads.
     pub fn timed(&self, threads: usize, clock: Clock) -> TimedModel {
         // The step as timed on `threads`, and on one thread for the work it holds.
@@ -249,6 +272,7 @@ impl Profile {
             work: one.map(time),
             restore: self.tiers.unwrap_or_default(),
             clock,
+            speculation: self.model.speculation.map(|s| TimedSpeculation::from_share(s.accepted_share, s.tokens)),
         }
     }
 
@@ -261,6 +285,11 @@ impl Profile {
             kv_dtype: self.model.kv_dtype,
             max_batch_tokens: self.model.max_batch_tokens.unwrap_or(d.max_batch_tokens),
             max_seqs: self.model.max_seqs.unwrap_or(d.max_seqs),
+            speculation: self.model.speculation.map(|s| SpecConfig {
+                max_draft: s.tokens,
+                verify_all: false,
+                draft: None,
+            }),
             ..d
         }
     }
@@ -428,6 +457,7 @@ mod tests {
             kv_blocks: 1,
             max_batch_tokens: None,
             max_seqs: None,
+            speculation: None,
         };
         let mut p = Profile {
             schema: SCHEMA,

@@ -416,6 +416,7 @@ mod tests {
             work: None,
             restore: Default::default(),
             clock: Clock::Virtual,
+            speculation: None,
         };
         let fast = LinkModel { latency_s: 0.0, bytes_per_s: 1e15 };
         let opts = SimOptions {

@@ -100,6 +100,35 @@ pub struct SimArgs {
     /// format).
     #[arg(long)]
     out: Option<PathBuf>,
+    #[command(flatten)]
+    spec: TwinSpecArgs,
+}
+
+/// Speculative decoding in the twin, as a server measured it.
+#[derive(clap::Args)]
+struct TwinSpecArgs {
+    /// Simulate workers that speculate, with drafts of this many tokens (the measured
+    /// server's --spec-tokens).
+    #[arg(long, requires = "spec_acceptance")]
+    spec_tokens: Option<usize>,
+    /// The share of drafted tokens the measured server accepted, 0 to 1: its
+    /// pdserve_spec_accepted_tokens_total over pdserve_spec_draft_tokens_total.
+    #[arg(long, requires = "spec_tokens")]
+    spec_acceptance: Option<f64>,
+}
+
+impl TwinSpecArgs {
+    /// `profile` with the speculation these flags describe, checked.
+    fn apply(&self, profile: Profile) -> anyhow::Result<Profile> {
+        let (Some(tokens), Some(share)) = (self.spec_tokens, self.spec_acceptance) else { return Ok(profile) };
+        if !(1..=32).contains(&tokens) {
+            anyhow::bail!("--spec-tokens must be 1 to 32 (got {tokens})");
+        }
+        if !(0.0..=1.0).contains(&share) {
+            anyhow::bail!("--spec-acceptance is a share of drafted tokens, 0 to 1 (got {share})");
+        }
+        Ok(profile.with_speculation(tokens, share))
+    }
 }
 
 /// The simulator's topology for `serve`'s topology and admission flags, on
@@ -134,7 +163,7 @@ fn sim_topology(t: &TopologyArgs, admission: &AdmissionArgs, profile: &Profile, 
 
 pub fn sim(a: SimArgs) -> anyhow::Result<()> {
     a.topology.check()?;
-    let profile = Profile::load(&a.profile)?.with_kv_dtype(a.topology.kv_cache.kv_cache_dtype);
+    let profile = a.spec.apply(Profile::load(&a.profile)?.with_kv_dtype(a.topology.kv_cache.kv_cache_dtype))?;
     let slo = a.work.slo();
     let topology = sim_topology(&a.topology, &a.admission, &profile, slo)?;
     let workload = a.work.workload()?;
@@ -203,13 +232,15 @@ pub struct PlanArgs {
     /// Write plan.json and plan.svg into this directory.
     #[arg(long)]
     out: Option<PathBuf>,
+    #[command(flatten)]
+    spec: TwinSpecArgs,
 }
 
 /// The concurrencies a plan sweeps unless told otherwise.
 const PLAN_SWEEP: [usize; 6] = [1, 2, 4, 8, 16, 32];
 
 pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
-    let profile = Profile::load(&a.profile)?;
+    let profile = a.spec.apply(Profile::load(&a.profile)?)?;
     if a.nodes == 0 {
         anyhow::bail!("--nodes must be at least 1");
     }

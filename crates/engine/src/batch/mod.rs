@@ -195,6 +195,9 @@ pub struct Engine {
     forced: speculate::Acceptance,
     /// The draft model's cache and pass times, when a draft model drafts.
     drafter: Option<draft::Drafter>,
+    /// Whether the last step that could have verified drafts skipped them while the
+    /// decode fit could not yet tell rows apart (see `add_drafts`).
+    explore: bool,
 }
 
 impl Engine {
@@ -218,6 +221,7 @@ impl Engine {
             .map(|d| draft::Drafter::new(d, cfg.num_blocks, BLOCK_SIZE, cfg.kv_dtype));
         Engine {
             drafter,
+            explore: false,
             kv,
             blocks: BlockPool::new(cfg.num_blocks, BLOCK_SIZE),
             pool: ThreadPool::new(cfg.threads),

@@ -227,6 +227,7 @@ impl Engine {
         let context = self.context_length();
         let (pooled, forced_rate) = (self.acceptance.rate(), self.forced.rate());
         let decodes = plan.iter().filter(|p| p.n == 1 && self.running[p.seq].is_decoding()).count();
+        let (vocab, timed) = (self.vocab_size(), self.timed_speculation());
         let (mut drafted, mut cands) = (Vec::new(), Vec::new());
         for (k, p) in plan.iter().enumerate() {
             let s = &mut self.running[p.seq];
@@ -240,10 +241,11 @@ impl Engine {
             forced.truncate(max);
             s.draft_forced = !forced.is_empty();
             let rate = if s.draft_forced { forced_rate } else { s.acceptance.rate_from(pooled) };
-            let (proposal, draft_cost) = match (s.draft_forced, &self.drafter) {
-                (true, _) => (Proposal::Ready(forced), 0.0),
-                (false, None) => (Proposal::Ready(speculate::propose(&s.tokens, max).to_vec()), 0.0),
-                (false, Some(d)) => (Proposal::Model(max), d.cost(decodes, s.computed).unwrap_or(0.0)),
+            let (proposal, draft_cost) = match (s.draft_forced, &self.drafter, timed) {
+                (true, _, _) => (Proposal::Ready(forced), 0.0),
+                (false, Some(d), _) => (Proposal::Model(max), d.cost(decodes, s.computed).unwrap_or(0.0)),
+                (false, None, Some(t)) => (Proposal::Ready(t.draft(&s.tokens, max, vocab)), 0.0),
+                (false, None, None) => (Proposal::Ready(speculate::propose(&s.tokens, max).to_vec()), 0.0),
             };
             if proposal.len() > 0 {
                 cands.push(Candidate { drafted: proposal.len(), rate, context: s.computed + 1, draft_cost });
@@ -260,8 +262,19 @@ impl Engine {
         let Some(spec) = self.cfg.speculation.as_ref() else { return 0 };
         let (max_draft, verify_all) = (spec.max_draft, spec.verify_all);
         self.draft_prompts(plan);
-        if matches!(self.compute, Compute::Timed(_)) || room == 0 {
+        let timed_without = matches!(self.compute, Compute::Timed(_)) && self.timed_speculation().is_none();
+        if timed_without || room == 0 {
             return 0;
+        }
+        let measured = !verify_all && self.decode_steps.tells_rows_apart();
+        // Until the fit can tell a row's cost from a step's, every other step verifies
+        // nothing: the fit needs steps of both sizes (drafts of one length give one
+        // size), and drafts that keep failing must not be verified whole for good.
+        if !verify_all && !measured {
+            self.explore = !self.explore;
+            if self.explore {
+                return 0;
+            }
         }
         let (drafted, cands) = self.propose_drafts(plan, max_draft);
         if cands.is_empty() {
@@ -273,7 +286,6 @@ impl Engine {
             yields: plan.iter().filter(|p| p.logits).count(),
         };
         // Without a fit every draft is verified whole.
-        let measured = !verify_all && self.decode_steps.tells_rows_apart();
         let fit = measured.then(|| self.decode_steps.fit()).flatten();
         let take = speculate::plan_drafts(fit.as_ref(), plain, &cands, room);
         let chosen = drafted.into_iter().zip(take).filter(|&(_, n)| n > 0).map(|((k, p), n)| (k, p, n)).collect();
@@ -306,6 +318,15 @@ impl Engine {
             .collect();
         if !upto.is_empty() {
             d.follow(self.isa, &self.pool, &mut self.running, &upto, self.cfg.max_batch_tokens);
+        }
+    }
+
+    /// How a timed engine's drafts fare (`None` for a real model, or a timed one
+    /// without speculation).
+    fn timed_speculation(&self) -> Option<crate::timed::TimedSpeculation> {
+        match &self.compute {
+            Compute::Timed(t) => t.speculation,
+            Compute::Model(_) => None,
         }
     }
 
@@ -581,10 +602,16 @@ impl Engine {
                 let next = |s: &mut Sequence| {
                     let sampled =
                         TokenOut { token: timed::next_token(&s.tokens, vocab), logprob: 0.0, top: Vec::new() };
-                    let (out, fin) = record(s, sampled, eog, context);
-                    (vec![out], fin)
+                    record(s, sampled, eog, context)
                 };
-                return seqs.iter().map(|&(i, _)| next(&mut self.running[i])).collect();
+                let sample = |s: &mut Sequence, rows: usize| match rows {
+                    1 => {
+                        let (out, fin) = next(s);
+                        (vec![out], fin)
+                    }
+                    _ => verify_with(s, rows, |s| next(s)),
+                };
+                return seqs.iter().map(|&(i, rows)| sample(&mut self.running[i], rows)).collect();
             }
         };
         let eog = &self.eog;
@@ -711,12 +738,26 @@ fn verify_draft(
     eog: &[u32],
     context: usize,
 ) -> (Vec<StepOutput>, bool) {
+    let n = rows.len() / vocab;
+    let mut rows = rows.chunks_exact_mut(vocab);
+    verify_with(s, n, |s| match rows.next() {
+        Some(row) => sample_next(s, row, eog, context),
+        None => unreachable!("verify_with asks for at most {n} rows"),
+    })
+}
+
+/// [`verify_draft`] over `n` rows, each sampled by `sample` in order.
+fn verify_with(
+    s: &mut Sequence,
+    n: usize,
+    mut sample: impl FnMut(&mut Sequence) -> (StepOutput, bool),
+) -> (Vec<StepOutput>, bool) {
     let draft = std::mem::take(&mut s.verify);
     // The last sampled token's K/V are written.
     s.computed += 1;
     let (mut outs, mut accepted, mut finished) = (Vec::new(), 0, false);
-    for (j, row) in rows.chunks_exact_mut(vocab).enumerate() {
-        let (out, fin) = sample_next(s, row, eog, context);
+    for j in 0..n {
+        let (out, fin) = sample(s);
         let token = out.sampled.token;
         outs.push(out);
         if fin {

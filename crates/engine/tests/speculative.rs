@@ -231,3 +231,33 @@ fn a_prompt_sent_again_finds_its_draft_blocks_cached() {
     assert_eq!(outs[0], outs[1]);
     assert_eq!(outs[0], plain()[&0].iter().map(|t| t.token).collect::<Vec<_>>());
 }
+
+#[test]
+fn a_request_drafts_what_an_earlier_one_said_after_the_same_words() {
+    // The first request's prompt holds the code; the second's only its first line,
+    // so its own tokens have nothing to look up and its drafts come from the
+    // worker's pool of what earlier requests said.
+    let first = PROMPTS[0];
+    let second = "Write a Python function.\n\ndef area(width, height):\n";
+    let greedy = SamplingParams { max_tokens: 24, ignore_eos: true, ..Default::default() }.validate().unwrap();
+    let alone = |e: &mut Engine, id: u64, text: &str| {
+        e.add(RequestId(id), model().tokenizer.encode_with_bos(text, false), greedy.clone()).unwrap();
+        let mut got = Vec::new();
+        while e.has_work() {
+            got.extend(e.step().into_iter().map(|o| o.sampled.token));
+        }
+        got
+    };
+    let want = alone(&mut engine(None, 512, 256), 1, second);
+    let ngram = || engine(Some(SpecConfig { max_draft: 8, verify_all: true, draft: None }), 512, 256);
+    // Alone, it drafts from its own tokens only.
+    let mut own = ngram();
+    assert_eq!(alone(&mut own, 1, second), want);
+    let own = own.stats().spec.accepted;
+    let mut e = ngram();
+    alone(&mut e, 0, first);
+    let before = e.stats().spec;
+    assert_eq!(alone(&mut e, 1, second), want);
+    let pooled = e.stats().spec.accepted - before.accepted;
+    assert!(pooled > own, "{pooled} drafted tokens accepted after the first request, {own} alone");
+}

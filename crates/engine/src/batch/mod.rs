@@ -195,6 +195,8 @@ pub struct Engine {
     forced: speculate::Acceptance,
     /// The draft model's cache and pass times, when a draft model drafts.
     drafter: Option<draft::Drafter>,
+    /// What every request on this engine said after each few words (n-gram drafts).
+    ngrams: speculate::NgramPool,
     /// Whether the last step that could have verified drafts skipped them while the
     /// decode fit could not yet tell rows apart (see `add_drafts`).
     explore: bool,
@@ -222,6 +224,7 @@ impl Engine {
         Engine {
             drafter,
             explore: false,
+            ngrams: speculate::NgramPool::default(),
             kv,
             blocks: BlockPool::new(cfg.num_blocks, BLOCK_SIZE),
             pool: ThreadPool::new(cfg.threads),

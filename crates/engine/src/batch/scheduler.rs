@@ -245,7 +245,13 @@ impl Engine {
                 (true, _, _) => (Proposal::Ready(forced), 0.0),
                 (false, Some(d), _) => (Proposal::Model(max), d.cost(decodes, s.computed).unwrap_or(0.0)),
                 (false, None, Some(t)) => (Proposal::Ready(t.draft(&s.tokens, max, vocab)), 0.0),
-                (false, None, None) => (Proposal::Ready(speculate::propose(&s.tokens, max).to_vec()), 0.0),
+                (false, None, None) => {
+                    self.ngrams.learn(&s.tokens, s.pooled);
+                    s.pooled = s.tokens.len();
+                    let own = speculate::propose(&s.tokens, max);
+                    let draft = if own.is_empty() { self.ngrams.draft(&s.tokens, max) } else { own.to_vec() };
+                    (Proposal::Ready(draft), 0.0)
+                }
             };
             if proposal.len() > 0 {
                 cands.push(Candidate { drafted: proposal.len(), rate, context: s.computed + 1, draft_cost });

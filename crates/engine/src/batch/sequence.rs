@@ -45,6 +45,8 @@ pub(crate) struct Sequence {
     pub draft_forced: bool,
     /// The draft model's K/V of its tokens, when a draft model drafts for it.
     pub draft_kv: Option<DraftKv>,
+    /// Its tokens the worker's n-gram pool has learnt.
+    pub pooled: usize,
     /// Prefilled here for a decode worker elsewhere: no draft K/V is computed for it
     /// (none would go with it).
     pub exported: bool,
@@ -73,6 +75,7 @@ impl Sequence {
             last_record: Acceptance::default(),
             draft_forced: false,
             draft_kv: None,
+            pooled: 0,
             exported: false,
         }
     }

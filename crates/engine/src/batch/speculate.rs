@@ -47,6 +47,63 @@ pub fn propose(tokens: &[u32], max: usize) -> &[u32] {
     &[]
 }
 
+/// The n-gram length the worker's shared pool keys on.
+const POOL_NGRAM: usize = 3;
+/// Slots of the pool (16 bytes each: 1 MiB).
+const POOL_SLOTS: usize = 1 << 16;
+
+/// Continuations seen in every request on one worker: a fixed table from the hash of
+/// [`POOL_NGRAM`] tokens to the token that followed them last (llama.cpp's
+/// `ngram-mod` idea). A request whose own tokens have no match drafts from what the
+/// worker's other requests said after the same words: a document several users quote,
+/// code an agent sends again in a new request. Memory is fixed; a newer n-gram takes an
+/// older one's slot.
+#[derive(Default)]
+pub struct NgramPool {
+    /// Empty until the first request is learnt (an engine without n-gram drafts
+    /// holds none).
+    slots: Vec<(u64, u32)>,
+}
+
+impl NgramPool {
+    /// Learns the continuations of `tokens[from..]` (each token after the n before it).
+    pub fn learn(&mut self, tokens: &[u32], from: usize) {
+        if self.slots.is_empty() {
+            self.slots = vec![(0, 0); POOL_SLOTS];
+        }
+        for i in from.max(POOL_NGRAM)..tokens.len() {
+            let key = ngram_key(&tokens[i - POOL_NGRAM..i]);
+            self.slots[key as usize % POOL_SLOTS] = (key, tokens[i]);
+        }
+    }
+
+    /// Up to `max` tokens after `tokens`, each what followed the n tokens before it
+    /// last time the pool saw them; empty when it never saw the last n.
+    pub fn draft(&self, tokens: &[u32], max: usize) -> Vec<u32> {
+        let Some(start) = tokens.len().checked_sub(POOL_NGRAM).filter(|_| !self.slots.is_empty()) else {
+            return Vec::new();
+        };
+        let mut window: Vec<u32> = tokens[start..].to_vec();
+        let mut draft = Vec::new();
+        while draft.len() < max {
+            let key = ngram_key(&window[window.len() - POOL_NGRAM..]);
+            let (k, next) = self.slots[key as usize % POOL_SLOTS];
+            if k != key {
+                break;
+            }
+            draft.push(next);
+            window.push(next);
+        }
+        draft
+    }
+}
+
+/// A 64-bit hash of an n-gram (never 0, the empty slot's key).
+fn ngram_key(tokens: &[u32]) -> u64 {
+    let h = tokens.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| (h ^ u64::from(t)).wrapping_mul(0x0100_0000_01b3));
+    (h ^ (h >> 29)).max(1)
+}
+
 /// A sequence's record of drafted tokens: each verified one was either accepted or
 /// the first rejected of its draft.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -173,6 +230,22 @@ mod tests {
         for (tokens, max, want) in cases {
             assert_eq!(propose(tokens, max), want, "{tokens:?}");
         }
+    }
+
+    #[test]
+    fn the_pool_drafts_what_another_request_said_after_the_same_words() {
+        let mut pool = NgramPool::default();
+        // One request's tokens: ... 7 8 9 10 11 12 ...
+        pool.learn(&[1, 2, 7, 8, 9, 10, 11, 12], 0);
+        // Another ending in 7 8 9 gets the rest, as far as the pool knows it.
+        assert_eq!(pool.draft(&[5, 7, 8, 9], 2), [10, 11]);
+        assert_eq!(pool.draft(&[5, 7, 8, 9], 10), [10, 11, 12]);
+        // Unknown words: nothing; too few tokens: nothing.
+        assert!(pool.draft(&[4, 5, 6], 4).is_empty());
+        assert!(pool.draft(&[8, 9], 4).is_empty());
+        // A later continuation replaces the earlier one.
+        pool.learn(&[7, 8, 9, 42], 3);
+        assert_eq!(pool.draft(&[7, 8, 9], 1), [42]);
     }
 
     #[test]

@@ -309,6 +309,12 @@ fn next_after(last: u32, len: usize, vocab: usize) -> u32 {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TimedSpeculation {
     pub per_token: f64,
+    /// The share of a sequence's decode steps that have a draft (an n-gram lookup
+    /// often finds none; a draft model always drafts).
+    pub drafting: f64,
+    /// What a pass of the draft model costs, when a draft model drafts (none: drafts
+    /// are free, as a lookup nearly is).
+    pub draft_step: Option<StepCost>,
 }
 
 impl TimedSpeculation {
@@ -328,7 +334,22 @@ impl TimedSpeculation {
                 hi = mid;
             }
         }
-        TimedSpeculation { per_token: (lo + hi) / 2.0 }
+        TimedSpeculation { per_token: (lo + hi) / 2.0, drafting: 1.0, draft_step: None }
+    }
+
+    /// What one drafted token costs in draft passes when `rows` sequences draft over
+    /// `context` tokens each (0 without a draft model).
+    pub fn draft_token_seconds(&self, rows: usize, context: usize) -> f64 {
+        self.draft_seconds(rows, 1, context) / rows.max(1) as f64
+    }
+
+    /// Seconds the draft model's passes take for a step in which `rows` sequences
+    /// draft up to `passes` tokens each over `context` tokens on average.
+    pub fn draft_seconds(&self, rows: usize, passes: usize, context: usize) -> f64 {
+        match self.draft_step {
+            Some(step) if rows > 0 => passes as f64 * step.seconds(&StepShape::decode(rows, context)),
+            _ => 0.0,
+        }
     }
 
     /// A draft of `max` tokens after `tokens`: what the engine will sample next, each
@@ -336,11 +357,13 @@ impl TimedSpeculation {
     /// repeats); a wrong token is one the engine does not sample.
     pub fn draft(&self, tokens: &[u32], max: usize, vocab: usize) -> Vec<u32> {
         let (mut last, mut len) = (tokens.last().copied().unwrap_or(0), tokens.len());
+        if unit(mix(last ^ 0x27d4_eb2f, len)) >= self.drafting {
+            return Vec::new();
+        }
         let mut draft = Vec::with_capacity(max);
         for _ in 0..max {
             let mut t = next_after(last, len, vocab);
-            let u = (mix(last ^ 0x5bd1_e995, len) >> 11) as f64 / (1u64 << 53) as f64;
-            if u >= self.per_token {
+            if unit(mix(last ^ 0x5bd1_e995, len)) >= self.per_token {
                 t = (t + 1) % vocab.max(1) as u32;
             }
             draft.push(t);
@@ -348,6 +371,11 @@ impl TimedSpeculation {
         }
         draft
     }
+}
+
+/// A hash as a uniform number in [0, 1).
+fn unit(x: u64) -> f64 {
+    (x >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// Sleeps `seconds` on the calling thread (wall clock only).
@@ -371,14 +399,18 @@ mod tests {
         // A draft that is always right is what the engine samples; one never right
         // is wrong at once.
         let tokens = [5u32, 17, 900];
-        let always = TimedSpeculation { per_token: 1.0 }.draft(&tokens, 3, 49152);
+        let always = TimedSpeculation { per_token: 1.0, drafting: 1.0, draft_step: None }.draft(&tokens, 3, 49152);
         let mut seq = tokens.to_vec();
         for &t in &always {
             assert_eq!(t, next_token(&seq, 49152));
             seq.push(t);
         }
-        let never = TimedSpeculation { per_token: 0.0 }.draft(&tokens, 3, 49152);
+        let never = TimedSpeculation { per_token: 0.0, drafting: 1.0, draft_step: None }.draft(&tokens, 3, 49152);
         assert_ne!(never[0], next_token(&tokens, 49152));
+        // A lookup that finds nothing most of the time drafts about that often.
+        let rare = TimedSpeculation { per_token: 1.0, drafting: 0.25, draft_step: None };
+        let drafted = (0..4000u32).filter(|&t| !rare.draft(&[t, t + 1], 2, 49152).is_empty()).count();
+        assert!((800..1200).contains(&drafted), "{drafted} of 4000");
     }
     use super::*;
 

@@ -53,6 +53,7 @@ const GRAMMAR_MASK_SECONDS: &str = "pdserve_grammar_mask_seconds";
 const SPEC_DRAFT_TOKENS: &str = "pdserve_spec_draft_tokens";
 const SPEC_ACCEPTED_TOKENS: &str = "pdserve_spec_accepted_tokens";
 const SPEC_MEAN_ACCEPTED: &str = "pdserve_spec_mean_accepted_length";
+const SPEC_DRAFTING_SHARE: &str = "pdserve_spec_drafting_share";
 
 /// The content type `/metrics` answers with.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -164,6 +165,7 @@ struct Inner {
     spec_draft_tokens: Family<Label1, Counter>,
     spec_accepted_tokens: Family<Label1, Counter>,
     spec_mean_accepted: Family<Label1, Gauge<f64, AtomicU64>>,
+    spec_drafting_share: Family<Label1, Gauge<f64, AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -218,6 +220,7 @@ impl Metrics {
             spec_draft_tokens: Family::default(),
             spec_accepted_tokens: Family::default(),
             spec_mean_accepted: Family::default(),
+            spec_drafting_share: Family::default(),
         };
         Metrics { inner: Arc::new(inner.registered()) }
     }
@@ -308,6 +311,9 @@ impl Metrics {
         let accepted = self.inner.spec_accepted_tokens.get_or_create(label);
         accepted.inc_by(t.accepted.saturating_sub(accepted.get()));
         self.inner.spec_mean_accepted.get_or_create(label).set(t.accepted as f64 / t.verified_steps as f64);
+        if t.decodes > 0 {
+            self.inner.spec_drafting_share.get_or_create(label).set(t.verified_steps as f64 / t.decodes as f64);
+        }
     }
 
     /// A worker's tier counters (totals since it started) into the counters.
@@ -471,6 +477,8 @@ impl Inner {
         r.register(SPEC_ACCEPTED_TOKENS, "Drafted tokens each worker accepted", self.spec_accepted_tokens.clone());
         let help = "Drafted tokens a verified draft kept, on average, per worker";
         r.register(SPEC_MEAN_ACCEPTED, help, self.spec_mean_accepted.clone());
+        let help = "Share of each worker's decode steps (per request) that verified a draft";
+        r.register(SPEC_DRAFTING_SHARE, help, self.spec_drafting_share.clone());
         self
     }
 }
@@ -588,13 +596,14 @@ mod tests {
         m.set_worker_stats("w0", &WorkerStats::default());
         assert!(!m.render().contains("pdserve_spec_draft_tokens_total{"), "no series before a draft is verified");
         for (drafted, accepted, verified_steps) in [(10, 4, 5), (30, 18, 12)] {
-            let spec = SpecTotals { drafted, accepted, verified_steps };
+            let spec = SpecTotals { drafted, accepted, verified_steps, decodes: 48 };
             m.set_worker_stats("w0", &WorkerStats { spec, ..Default::default() });
         }
         let text = m.render();
         assert!(text.contains("pdserve_spec_draft_tokens_total{worker=\"w0\"} 30\n"), "{text}");
         assert!(text.contains("pdserve_spec_accepted_tokens_total{worker=\"w0\"} 18\n"), "{text}");
         assert!(text.contains("pdserve_spec_mean_accepted_length{worker=\"w0\"} 1.5\n"), "{text}");
+        assert!(text.contains("pdserve_spec_drafting_share{worker=\"w0\"} 0.25\n"), "{text}");
     }
 
     #[test]

@@ -103,12 +103,32 @@ pub struct ModelShape {
 }
 
 /// Speculation a profile's workers do, from a server's `/metrics`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SpecProfile {
     /// `--spec-tokens`.
     pub tokens: usize,
     /// `pdserve_spec_accepted_tokens_total / pdserve_spec_draft_tokens_total`.
     pub accepted_share: f64,
+    /// `pdserve_spec_drafting_share`: the share of decode steps that had a draft.
+    #[serde(default = "one")]
+    pub drafting_share: f64,
+    /// A draft model's step cost by threads (from its own profile); none: drafts
+    /// are free, as an n-gram lookup nearly is.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub draft_steps: Vec<(usize, StepCost)>,
+}
+
+impl SpecProfile {
+    /// The timed engine's speculation on `threads` threads.
+    fn timed(&self, threads: usize) -> TimedSpeculation {
+        let below = self.draft_steps.iter().filter(|(t, _)| *t <= threads).max_by_key(|(t, _)| *t);
+        let step = below.or_else(|| self.draft_steps.iter().min_by_key(|(t, _)| *t)).map(|(_, s)| *s);
+        TimedSpeculation {
+            drafting: self.drafting_share,
+            draft_step: step,
+            ..TimedSpeculation::from_share(self.accepted_share, self.tokens)
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -245,12 +265,18 @@ impl Profile {
         self
     }
 
-    /// The profile's workers speculate with drafts of `tokens`, of which the share
-    /// `accepted_share` is accepted (as a server's `/metrics` measured it): a verified
-    /// row costs what the profile's step cost says a row costs.
-    pub fn with_speculation(mut self, tokens: usize, accepted_share: f64) -> Self {
-        self.model.speculation = Some(SpecProfile { tokens, accepted_share });
+    /// The profile's workers speculate as `spec` says (as a server's `/metrics`
+    /// measured it): a verified row costs what the profile's step cost says a row
+    /// costs, a draft model's pass what its own profile says.
+    pub fn with_speculation(mut self, spec: SpecProfile) -> Self {
+        self.model.speculation = Some(spec);
         self
+    }
+
+    /// Each shape's step cost by threads: what a draft model of this profile costs
+    /// a pass ([`SpecProfile::draft_steps`]).
+    pub fn step_costs(&self) -> Vec<(usize, StepCost)> {
+        self.shapes.iter().map(|s| (s.threads, s.step)).collect()
     }
 
     /// The timed stand-in of the model for a worker of `threads` threads.
@@ -272,7 +298,7 @@ impl Profile {
             work: one.map(time),
             restore: self.tiers.unwrap_or_default(),
             clock,
-            speculation: self.model.speculation.map(|s| TimedSpeculation::from_share(s.accepted_share, s.tokens)),
+            speculation: self.model.speculation.as_ref().map(|s| s.timed(threads)),
         }
     }
 
@@ -285,7 +311,7 @@ impl Profile {
             kv_dtype: self.model.kv_dtype,
             max_batch_tokens: self.model.max_batch_tokens.unwrap_or(d.max_batch_tokens),
             max_seqs: self.model.max_seqs.unwrap_or(d.max_seqs),
-            speculation: self.model.speculation.map(|s| SpecConfig {
+            speculation: self.model.speculation.as_ref().map(|s| SpecConfig {
                 max_draft: s.tokens,
                 verify_all: false,
                 draft: None,

@@ -296,4 +296,8 @@ pub struct SpecTotals {
     pub accepted: u64,
     /// Drafts verified (a sequence's share of a step).
     pub verified_steps: u64,
+    /// Sequences' decode steps, with a draft or without: `verified_steps` over this
+    /// is how often a decode had a draft.
+    #[serde(default)]
+    pub decodes: u64,
 }

@@ -16,7 +16,7 @@ use pdserve_engine::batch::Objectives;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_planner::model;
 use pdserve_twin::measure;
-use pdserve_twin::profile::Profile;
+use pdserve_twin::profile::{Profile, SpecProfile};
 use pdserve_twin::sim::{simulate, SimSpec, Topology};
 use pdserve_twin::versus;
 use std::path::PathBuf;
@@ -115,19 +115,37 @@ struct TwinSpecArgs {
     /// pdserve_spec_accepted_tokens_total over pdserve_spec_draft_tokens_total.
     #[arg(long, requires = "spec_tokens")]
     spec_acceptance: Option<f64>,
+    /// The share of the measured server's decode steps that had a draft, 0 to 1: its
+    /// pdserve_spec_drafting_share [default: 1, a draft every step].
+    #[arg(long, requires = "spec_tokens")]
+    spec_drafting: Option<f64>,
+    /// A profile of the draft model on the same machine (`pdserve profile --model
+    /// DRAFT`): each draft pass costs what a decode step costs there [default: drafts
+    /// are free, as an n-gram lookup nearly is].
+    #[arg(long, requires = "spec_tokens")]
+    spec_draft_profile: Option<PathBuf>,
 }
 
 impl TwinSpecArgs {
     /// `profile` with the speculation these flags describe, checked.
     fn apply(&self, profile: Profile) -> anyhow::Result<Profile> {
-        let (Some(tokens), Some(share)) = (self.spec_tokens, self.spec_acceptance) else { return Ok(profile) };
+        let (Some(tokens), Some(accepted_share)) = (self.spec_tokens, self.spec_acceptance) else {
+            return Ok(profile);
+        };
         if !(1..=32).contains(&tokens) {
             anyhow::bail!("--spec-tokens must be 1 to 32 (got {tokens})");
         }
-        if !(0.0..=1.0).contains(&share) {
-            anyhow::bail!("--spec-acceptance is a share of drafted tokens, 0 to 1 (got {share})");
+        let drafting_share = self.spec_drafting.unwrap_or(1.0);
+        for (flag, share) in [("--spec-acceptance", accepted_share), ("--spec-drafting", drafting_share)] {
+            if !(0.0..=1.0).contains(&share) {
+                anyhow::bail!("{flag} is a share, 0 to 1 (got {share})");
+            }
         }
-        Ok(profile.with_speculation(tokens, share))
+        let draft_steps = match &self.spec_draft_profile {
+            Some(p) => Profile::load(p)?.step_costs(),
+            None => Vec::new(),
+        };
+        Ok(profile.with_speculation(SpecProfile { tokens, accepted_share, drafting_share, draft_steps }))
     }
 }
 

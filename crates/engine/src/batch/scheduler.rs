@@ -108,6 +108,7 @@ impl Engine {
                 let shape: StepShape =
                     batch.iter().map(|b| StepShape::chunk(b.start_pos, b.tokens.len(), b.logits > 0)).sum();
                 let (seconds, idle) = t.step_seconds(&shape);
+                let seconds = seconds + self.timed_draft_seconds(&plan);
                 self.charged += seconds;
                 self.idle += idle;
                 self.charged_prefill += seconds * shape.prompt_share();
@@ -197,6 +198,7 @@ impl Engine {
                 continue;
             }
             if self.reserve(i, s.computed + n, !decoding) {
+                self.spec.decodes += u64::from(decoding);
                 let s = &self.running[i];
                 plan.push(Planned::new(i, n, s.computed + n == s.tokens.len()));
                 budget -= n;
@@ -244,7 +246,9 @@ impl Engine {
             let (proposal, draft_cost) = match (s.draft_forced, &self.drafter, timed) {
                 (true, _, _) => (Proposal::Ready(forced), 0.0),
                 (false, Some(d), _) => (Proposal::Model(max), d.cost(decodes, s.computed).unwrap_or(0.0)),
-                (false, None, Some(t)) => (Proposal::Ready(t.draft(&s.tokens, max, vocab)), 0.0),
+                (false, None, Some(t)) => {
+                    (Proposal::Ready(t.draft(&s.tokens, max, vocab)), t.draft_token_seconds(decodes, s.computed))
+                }
                 (false, None, None) => {
                     self.ngrams.learn(&s.tokens, s.pooled);
                     s.pooled = s.tokens.len();
@@ -325,6 +329,15 @@ impl Engine {
         if !upto.is_empty() {
             d.follow(self.isa, &self.pool, &mut self.running, &upto, self.cfg.max_batch_tokens);
         }
+    }
+
+    /// What a timed engine's draft model took to draft the step's drafts.
+    fn timed_draft_seconds(&self, plan: &[Planned]) -> f64 {
+        let Some(spec) = self.timed_speculation() else { return 0.0 };
+        let drafted: Vec<&Planned> = plan.iter().filter(|p| p.draft > 0).collect();
+        let passes = drafted.iter().map(|p| p.draft).max().unwrap_or(0);
+        let context = drafted.iter().map(|p| self.running[p.seq].computed).sum::<usize>() / drafted.len().max(1);
+        spec.draft_seconds(drafted.len(), passes, context)
     }
 
     /// How a timed engine's drafts fare (`None` for a real model, or a timed one

@@ -215,7 +215,12 @@ fn a_prompt_sent_again_finds_its_draft_blocks_cached() {
     let mut e = engine(drafting(self_draft(), 4, true), 512, 256);
     let tokens = model().tokenizer.encode_with_bos(PROMPTS[0], false);
     let mut outs = Vec::new();
-    for id in 0..2 {
+    for id in 0..3 {
+        if id == 2 {
+            // The target's cache forgets the prompt, the draft pool's keeps it: the
+            // draft model starts ahead of the target, and nothing changes.
+            e.evict_cached();
+        }
         e.add(RequestId(id), tokens.clone(), params(0)).unwrap();
         let mut got = Vec::new();
         while e.has_work() {
@@ -229,6 +234,7 @@ fn a_prompt_sent_again_finds_its_draft_blocks_cached() {
         assert_eq!(draft.used, 0);
     }
     assert_eq!(outs[0], outs[1]);
+    assert_eq!(outs[0], outs[2]);
     assert_eq!(outs[0], plain()[&0].iter().map(|t| t.token).collect::<Vec<_>>());
 }
 

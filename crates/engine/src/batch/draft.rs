@@ -72,9 +72,13 @@ impl DraftKv {
     /// What is left is the sequence's own `tokens`: its full blocks join the draft
     /// pool's prefix cache.
     fn roll_back(&mut self, tokens: &[u32], computed: usize) {
-        if self.computed > computed {
-            self.computed = computed;
-            self.table.truncate(computed);
+        // Sealed blocks hold the request's own final tokens (sealed from them, or
+        // found in the pool's cache), however far the target has computed.
+        let sealed = self.table.num_full_blocks() * super::BLOCK_SIZE;
+        let keep = computed.max(sealed).min(self.computed);
+        if self.computed > keep {
+            self.computed = keep;
+            self.table.truncate(keep);
         }
         self.table.commit(&tokens[..self.computed]);
     }

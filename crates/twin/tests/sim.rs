@@ -428,16 +428,10 @@ fn protected_decodes_keep_their_tpot_objective_beside_long_prompts() {
 /// are soon not verified at all (the measured rule), so TPOT stays within 3 %.
 #[test]
 fn measured_speculation_shortens_tpot_only_where_drafts_are_accepted() {
-    let w = workload(256, 64);
-    let tpot = |p: &Profile| {
-        let out = run(p, topology(Mode::Aggregated, vec![Role::Mixed]), &w, Sweep::Concurrency(vec![1]), 4);
-        assert!(out[0].records.iter().all(|r| r.ok && r.output_tokens == 64), "{:?}", out[0].records);
-        out[0].summary.tpot_ms.p50.unwrap()
-    };
-    let plain = tpot(&profile());
+    let plain = lone_tpot(profile());
     let spec = |accepted_share| SpecProfile { tokens: 4, accepted_share, drafting_share: 1.0, draft_steps: vec![] };
-    let good = tpot(&profile().with_speculation(spec(0.8)));
-    let bad = tpot(&profile().with_speculation(spec(0.0)));
+    let good = lone_tpot(profile().with_speculation(spec(0.8)));
+    let bad = lone_tpot(profile().with_speculation(spec(0.0)));
     assert!(good < 0.7 * plain, "accepted drafts: {good:.2} ms against {plain:.2} ms");
     assert!(bad <= plain / 0.97, "rejected drafts: {bad:.2} ms against {plain:.2} ms");
 }
@@ -446,25 +440,24 @@ fn measured_speculation_shortens_tpot_only_where_drafts_are_accepted() {
 /// and a draft model's passes are charged: one as dear as the target gains nothing.
 #[test]
 fn speculation_gains_less_where_drafts_are_rarer_or_dearer() {
-    let w = workload(256, 64);
-    let tpot = |spec: Option<SpecProfile>| {
-        let p = match spec {
-            Some(s) => profile().with_speculation(s),
-            None => profile(),
-        };
-        let out = run(&p, topology(Mode::Aggregated, vec![Role::Mixed]), &w, Sweep::Concurrency(vec![1]), 4);
-        assert!(out[0].records.iter().all(|r| r.ok && r.output_tokens == 64), "{:?}", out[0].records);
-        out[0].summary.tpot_ms.p50.unwrap()
-    };
     let spec =
         |drafting_share, draft_steps| SpecProfile { tokens: 4, accepted_share: 0.8, drafting_share, draft_steps };
-    let plain = tpot(None);
-    let always = tpot(Some(spec(1.0, vec![])));
-    let rare = tpot(Some(spec(0.25, vec![])));
-    let dear = tpot(Some(spec(1.0, vec![(1, STEP)])));
+    let plain = lone_tpot(profile());
+    let always = lone_tpot(profile().with_speculation(spec(1.0, vec![])));
+    let rare = lone_tpot(profile().with_speculation(spec(0.25, vec![])));
+    let dear = lone_tpot(profile().with_speculation(spec(1.0, vec![(1, STEP)])));
     assert!(always < rare && rare < plain, "every step {always:.2}, a quarter {rare:.2}, none {plain:.2} ms");
     // Drafting costs more than it saves: the measured rule, which prices the draft
     // passes too, soon drafts nothing, so TPOT stays that of plain decoding.
     let dear_ok = (0.97 * plain..=plain / 0.97).contains(&dear);
     assert!(dear_ok, "a draft model as dear as the target: {dear:.2} against {plain:.2} ms");
+}
+
+/// TPOT p50 of four requests of 256 tokens in, 64 out, one at a time, on one mixed
+/// worker of `p`; every one must finish whole.
+fn lone_tpot(p: Profile) -> f64 {
+    let out =
+        run(&p, topology(Mode::Aggregated, vec![Role::Mixed]), &workload(256, 64), Sweep::Concurrency(vec![1]), 4);
+    assert!(out[0].records.iter().all(|r| r.ok && r.output_tokens == 64), "{:?}", out[0].records);
+    out[0].summary.tpot_ms.p50.unwrap()
 }

@@ -128,7 +128,7 @@ impl Drafter {
     /// any pass.
     pub fn cost(&self, drafting: usize, context: usize) -> Option<f64> {
         let p = &self.passes;
-        if self.passes.tells_rows_apart() {
+        if p.tells_rows_apart() {
             if let Some(StepFit { fixed, per_row, per_context }) = p.fit() {
                 return Some(fixed / drafting.max(1) as f64 + per_row + per_context * context as f64);
             }
@@ -196,20 +196,30 @@ impl Drafter {
         let mut chunks = Vec::new();
         let mut left = budget;
         for &(seq, upto) in upto {
-            let s = &mut running[seq];
-            let d = s.draft_kv.get_or_insert_with(|| self.start(&s.tokens));
-            d.roll_back(&s.tokens, s.computed);
-            let n = upto.saturating_sub(d.computed).min(left);
-            if n == 0 || d.table.ensure_capacity(d.computed + n).is_err() {
-                continue;
+            if let Some((chunk, _)) = self.lag(&mut running[seq], upto, &mut left) {
+                chunks.push((work.len(), chunk));
+                work.push(Drafting { seq, want: 0, draft: Vec::new(), live: false });
             }
-            left -= n;
-            chunks.push((work.len(), s.tokens[d.computed..d.computed + n].to_vec()));
-            work.push(Drafting { seq, want: 0, draft: Vec::new(), live: false });
         }
         if !chunks.is_empty() {
             self.pass(isa, pool, running, &mut work, &chunks);
         }
+    }
+
+    /// What `s`'s draft cache lacks of its first `upto` tokens (after cutting off what
+    /// the target did not keep), at most `left` of them, taken from `left`, with room
+    /// made for them; and whether that is all it lacks. `None` when there is nothing
+    /// to compute or no room.
+    fn lag(&self, s: &mut Sequence, upto: usize, left: &mut usize) -> Option<(Vec<u32>, bool)> {
+        let d = s.draft_kv.get_or_insert_with(|| self.start(&s.tokens));
+        d.roll_back(&s.tokens, s.computed);
+        let lacks = upto.saturating_sub(d.computed);
+        let n = lacks.min(*left);
+        if n == 0 || d.table.ensure_capacity(d.computed + n).is_err() {
+            return None;
+        }
+        *left -= n;
+        Some((s.tokens[d.computed..d.computed + n].to_vec(), n == lacks))
     }
 
     /// Each live sequence's tokens for the next pass: first what its draft cache
@@ -228,22 +238,20 @@ impl Drafter {
                 continue;
             }
             let s = &mut running[w.seq];
-            let d = s.draft_kv.get_or_insert_with(|| self.start(&s.tokens));
             let chunk = if first {
-                d.roll_back(&s.tokens, s.computed);
-                let lag = &s.tokens[d.computed..];
-                let n = lag.len().min(*left);
-                *left -= n;
-                w.live = n == lag.len();
-                lag[..n].to_vec()
+                let upto = s.tokens.len();
+                self.lag(s, upto, left).map(|(chunk, whole)| {
+                    w.live = whole;
+                    chunk
+                })
             } else {
-                w.draft.last().map(|&t| vec![t]).unwrap_or_default()
+                let room = s.draft_kv.as_mut().is_some_and(|d| d.table.ensure_capacity(d.computed + 1).is_ok());
+                w.draft.last().filter(|_| room).map(|&t| vec![t])
             };
-            if chunk.is_empty() || d.table.ensure_capacity(d.computed + chunk.len()).is_err() {
-                w.live = false;
-                continue;
+            match chunk {
+                Some(chunk) => chunks.push((k, chunk)),
+                None => w.live = false,
             }
-            chunks.push((k, chunk));
         }
         chunks
     }

@@ -628,7 +628,7 @@ impl Engine {
                         let (out, fin) = next(s);
                         (vec![out], fin)
                     }
-                    _ => verify_with(s, rows, |s| next(s)),
+                    _ => verify_with(s, 0..rows, |s, _| next(s)),
                 };
                 return seqs.iter().map(|&(i, rows)| sample(&mut self.running[i], rows)).collect();
             }
@@ -757,26 +757,21 @@ fn verify_draft(
     eog: &[u32],
     context: usize,
 ) -> (Vec<StepOutput>, bool) {
-    let n = rows.len() / vocab;
-    let mut rows = rows.chunks_exact_mut(vocab);
-    verify_with(s, n, |s| match rows.next() {
-        Some(row) => sample_next(s, row, eog, context),
-        None => unreachable!("verify_with asks for at most {n} rows"),
-    })
+    verify_with(s, rows.chunks_exact_mut(vocab), |s, row| sample_next(s, row, eog, context))
 }
 
-/// [`verify_draft`] over `n` rows, each sampled by `sample` in order.
-fn verify_with(
+/// [`verify_draft`] over `rows`, each sampled by `sample` in order.
+fn verify_with<R>(
     s: &mut Sequence,
-    n: usize,
-    mut sample: impl FnMut(&mut Sequence) -> (StepOutput, bool),
+    rows: impl IntoIterator<Item = R>,
+    mut sample: impl FnMut(&mut Sequence, R) -> (StepOutput, bool),
 ) -> (Vec<StepOutput>, bool) {
     let draft = std::mem::take(&mut s.verify);
     // The last sampled token's K/V are written.
     s.computed += 1;
     let (mut outs, mut accepted, mut finished) = (Vec::new(), 0, false);
-    for j in 0..n {
-        let (out, fin) = sample(s);
+    for (j, row) in rows.into_iter().enumerate() {
+        let (out, fin) = sample(s, row);
         let token = out.sampled.token;
         outs.push(out);
         if fin {

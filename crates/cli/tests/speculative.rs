@@ -3,8 +3,10 @@
 //! memory, give with `--speculative ngram` exactly the greedy text they give without
 //! it, the decode worker's drafts are verified and partly accepted (its counters reach
 //! `/metrics`), and no block is left used. The same with a draft model (the default
-//! model drafting for itself), and a draft model of another vocabulary is refused at
-//! start-up.
+//! model drafting for itself), whose K/V the prefill worker ships with the target's
+//! (the decode worker computes no prompt in the draft model); a draft model of
+//! another vocabulary is refused at start-up, and workers that draft with different
+//! draft models refuse each other when they connect.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -71,6 +73,24 @@ fn speculation_gives_the_plain_text_on_every_path() {
 const DRAFT: [&str; 8] =
     ["--speculative", "draft", "--draft-model", "smollm2-135m", "--spec-tokens", "4", "--spec-verify", "all"];
 
+/// The name of the worker in `role` (the only one).
+fn worker_in(addr: std::net::SocketAddr, role: &str) -> String {
+    let (_, text) = common::http(addr, "GET", "/metrics", None);
+    let line =
+        text.lines().find(|l| l.starts_with("pdserve_worker_role{") && l.contains(&format!("role=\"{role}\"}} 1")));
+    let line = line.unwrap_or_else(|| panic!("no {role} worker: {text}"));
+    line.split('"').nth(1).unwrap().to_string()
+}
+
+/// The prompt tokens the draft model computed on the prefill worker and on the
+/// decode worker: the prefill worker's draft K/V goes with the target's, so the
+/// decode worker computes none.
+fn draft_prompt_tokens(addr: std::net::SocketAddr) -> (f64, f64) {
+    let of =
+        |role| metric(addr, "pdserve_spec_draft_prompt_tokens_total", &format!("worker=\"{}\"", worker_in(addr, role)));
+    (of("prefill"), of("decode"))
+}
+
 #[test]
 fn a_draft_model_gives_the_plain_text_on_every_path() {
     let want = texts(&serve("aggregated", &[]));
@@ -81,12 +101,33 @@ fn a_draft_model_gives_the_plain_text_on_every_path() {
         eventually(&format!("serve {mode}: drafts accepted"), || accepted(&s) > 0.0);
         let drafted = metric(s.addr, "pdserve_spec_draft_tokens_total", "");
         assert_eq!(accepted(&s), drafted, "serve {mode}: a greedy self-draft rejected");
+        if mode == "disaggregated" {
+            eventually("serve: the prefill worker's draft prompts", || draft_prompt_tokens(s.addr).0 > 0.0);
+            assert_eq!(draft_prompt_tokens(s.addr).1, 0.0, "serve: the decode worker computed a prompt's draft K/V");
+        }
     }
+    let (p, d) = (worker_with("prefill", &DRAFT), worker_with("decode", &DRAFT));
+    for transport in ["tcp", "shm"] {
+        let fe = frontend(&[&p, &d], "disaggregated", transport);
+        assert_eq!(texts(&fe), want, "worker processes over {transport}");
+        assert_eq!(settle_used_blocks(fe.addr), 0.0);
+        eventually(&format!("over {transport}: the decode worker's counters"), || accepted(&fe) > 0.0);
+        let (prefill, decode) = draft_prompt_tokens(fe.addr);
+        assert!(prefill > 0.0, "over {transport}");
+        assert_eq!(decode, 0.0, "over {transport}: the decode worker computed a prompt's draft K/V");
+    }
+}
+
+#[test]
+fn workers_that_draft_apart_refuse_each_other_at_the_handshake() {
     let (p, d) = (worker_with("prefill", &[]), worker_with("decode", &DRAFT));
     let fe = frontend(&[&p, &d], "disaggregated", "tcp");
-    assert_eq!(texts(&fe), want, "worker processes over tcp");
-    assert_eq!(settle_used_blocks(fe.addr), 0.0);
-    eventually("the decode worker's counters", || accepted(&fe) > 0.0);
+    // Whichever connected first is in the set, the other refused, with why.
+    eventually("the refusal", || fe.logged("worker not used"));
+    let log = fe.log.lock().unwrap().clone();
+    let line = log.iter().find(|l| l.contains("worker not used")).unwrap();
+    assert!(line.contains("drafts with SmolLM2") && line.contains("with no draft model"), "{line}");
+    assert_eq!(metric(fe.addr, "pdserve_worker_up", ""), 1.0);
 }
 
 #[test]

@@ -9,13 +9,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::batch::{DraftModel, Engine, EngineConfig, SpecConfig, StepOutput};
+use pdserve_engine::batch::{DraftModel, Engine, EngineConfig, EngineError, SpecConfig, StepOutput};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::format::gguf::GgufFile;
 use pdserve_engine::loader::{self, LoadedModel};
 use pdserve_engine::model::Model;
 use pdserve_engine::testing::{random_llama_config, scratch_dir, write_random_llama};
-use pdserve_types::{RequestId, SamplingParams, TokenOut};
+use pdserve_types::{KvFrame, RequestId, SamplingParams, TokenOut};
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
@@ -143,7 +143,7 @@ fn input_grounded_requests_accept_most_drafts() {
 /// The default model drafting for itself: its greedy drafts are what greedy requests
 /// sample (the numerics do not depend on the batch), so most drafts are kept.
 fn self_draft() -> DraftModel {
-    DraftModel::new(model().model.clone(), &model().model).unwrap()
+    DraftModel::new(model().model.clone(), "self", &model().model).unwrap()
 }
 
 /// A random two-layer model of the default model's vocabulary: its drafts are
@@ -157,7 +157,7 @@ fn random_draft() -> DraftModel {
         let gguf = GgufFile::open(&write_random_llama(&dir, &cfg, 11).unwrap().gguf_path).unwrap();
         let draft = Model::load(&gguf, ModelConfig::from_gguf(&gguf.header).unwrap()).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
-        DraftModel::new(std::sync::Arc::new(draft), target).unwrap()
+        DraftModel::new(std::sync::Arc::new(draft), "random", target).unwrap()
     })
     .clone()
 }
@@ -206,7 +206,7 @@ fn a_vocabulary_of_another_size_is_refused() {
     let gguf = GgufFile::open(&write_random_llama(&dir, &cfg, 3).unwrap().gguf_path).unwrap();
     let draft = Model::load(&gguf, ModelConfig::from_gguf(&gguf.header).unwrap()).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    let err = DraftModel::new(std::sync::Arc::new(draft), &model().model).unwrap_err();
+    let err = DraftModel::new(std::sync::Arc::new(draft), "other", &model().model).unwrap_err();
     assert!(err.contains("96 tokens") && err.contains("49152"), "{err}");
 }
 
@@ -266,4 +266,130 @@ fn a_request_drafts_what_an_earlier_one_said_after_the_same_words() {
     assert_eq!(alone(&mut e, 1, second), want);
     let pooled = e.stats().spec.accepted - before.accepted;
     assert!(pooled > own, "{pooled} drafted tokens accepted after the first request, {own} alone");
+}
+
+/// Prefills each prompt on `p` for a decode engine `d` (frames through `pass`), then
+/// decodes them all together on `d`: each request's outputs.
+fn handed_off(p: &mut Engine, d: &mut Engine, pass: &mut dyn FnMut(&KvFrame) -> bool) -> BTreeMap<u64, Vec<TokenOut>> {
+    let mut out: BTreeMap<u64, Vec<TokenOut>> = BTreeMap::new();
+    for (i, text) in PROMPTS.iter().enumerate() {
+        let (id, tokens) = (RequestId(i as u64), model().tokenizer.encode_with_bos(text, false));
+        let mut frames = Vec::new();
+        let first = p
+            .prefill_export(id, tokens.clone(), params(i), &mut |f| {
+                frames.push(f);
+                true
+            })
+            .unwrap();
+        d.reserve_import(id, tokens.len()).unwrap();
+        for f in frames.iter().filter(|f| pass(f)) {
+            d.import_frame(id, f).unwrap();
+        }
+        assert!(d.finish_import(id, tokens, first.sampled.token, params(i)).unwrap());
+        out.insert(id.0, vec![first.sampled]);
+    }
+    while d.has_work() {
+        for StepOutput { id, sampled, .. } in d.step() {
+            out.entry(id.0).or_default().push(sampled);
+        }
+    }
+    for e in [p, d] {
+        let s = e.stats();
+        assert_eq!((s.blocks.used, s.draft_blocks.unwrap().used), (0, 0), "a block was not given back");
+    }
+    out
+}
+
+fn prompt_tokens() -> u64 {
+    PROMPTS.iter().map(|t| model().tokenizer.encode_with_bos(t, false).len() as u64).sum()
+}
+
+#[test]
+fn the_draft_kv_goes_with_the_target_kv_across_the_handoff() {
+    let target_layers = model().model.cfg.n_layers as u32;
+    // 16 tokens a step: the draft model cannot keep up with the prompt's chunks
+    // beside the target and finishes it before the export.
+    for (name, draft, budget) in [
+        ("itself", self_draft(), 512),
+        ("a random model", random_draft(), 512),
+        ("itself, 16-token steps", self_draft(), 16),
+    ] {
+        let draft_layers = draft.model().cfg.n_layers as u32;
+        let (mut p, mut d) =
+            (engine(drafting(draft.clone(), 4, true), budget, 256), engine(drafting(draft, 4, true), 512, 256));
+        let mut draft_frames = Vec::new();
+        let got = handed_off(&mut p, &mut d, &mut |f| {
+            if f.layer >= target_layers {
+                draft_frames.push((f.layer, f.index));
+            }
+            true
+        });
+        assert_same(name, plain(), &got);
+        // Every block of every prompt, in each of the draft model's layers.
+        let blocks: u32 =
+            PROMPTS.iter().map(|t| model().tokenizer.encode_with_bos(t, false).len().div_ceil(16) as u32).sum();
+        assert_eq!(draft_frames.len() as u32, blocks * draft_layers, "{name}");
+        assert!(draft_frames.iter().all(|&(l, _)| l < target_layers + draft_layers), "{name}");
+        // The prefill engine computed each prompt once in the draft model; the decode
+        // engine none of it, and drafted.
+        assert_eq!(p.stats().spec.draft_prompt_tokens, prompt_tokens(), "{name}");
+        let spec = d.stats().spec;
+        assert_eq!(spec.draft_prompt_tokens, 0, "{name}: the decode engine computed the prompt again");
+        assert!(spec.drafted > 0, "{name}: {spec:?}");
+    }
+}
+
+#[test]
+fn a_draft_kv_that_did_not_all_arrive_is_computed_again() {
+    let target_layers = model().model.cfg.n_layers as u32;
+    let (mut p, mut d) =
+        (engine(drafting(self_draft(), 4, true), 512, 256), engine(drafting(self_draft(), 4, true), 512, 256));
+    // The last draft layer's frames are lost: the decode engine gives those blocks
+    // back and computes the prompts in the draft model itself.
+    let last = target_layers + self_draft().model().cfg.n_layers as u32 - 1;
+    let got = handed_off(&mut p, &mut d, &mut |f| f.layer != last);
+    assert_same("draft frames lost", plain(), &got);
+    assert_eq!(d.stats().spec.draft_prompt_tokens, prompt_tokens());
+    assert!(d.stats().spec.accepted > 0);
+}
+
+#[test]
+fn draft_frames_a_decode_engine_cannot_place_are_refused() {
+    let target_layers = model().model.cfg.n_layers;
+    let draft_layers = self_draft().model().cfg.n_layers;
+    let tokens = model().tokenizer.encode_with_bos(PROMPTS[3], false);
+    let mut p = engine(drafting(self_draft(), 4, true), 512, 256);
+    let mut frames = Vec::new();
+    p.prefill_export(RequestId(1), tokens.clone(), params(0), &mut |f| {
+        frames.push(f);
+        true
+    })
+    .unwrap();
+    let draft_frame = frames.iter().find(|f| f.layer as usize == target_layers).unwrap().clone();
+    let cases = [
+        ("an engine without a draft model", engine(None, 512, 256), draft_frame.clone()),
+        (
+            "a layer past the draft model's",
+            engine(drafting(self_draft(), 4, true), 512, 256),
+            KvFrame { layer: (target_layers + draft_layers) as u32, ..draft_frame.clone() },
+        ),
+        (
+            "a block past the prompt's",
+            engine(drafting(self_draft(), 4, true), 512, 256),
+            KvFrame { index: tokens.len().div_ceil(16) as u32, ..draft_frame.clone() },
+        ),
+        (
+            "a frame of another size",
+            engine(drafting(self_draft(), 4, true), 512, 256),
+            KvFrame { k: vec![0; 3], ..draft_frame.clone() },
+        ),
+    ];
+    for (what, mut d, frame) in cases {
+        d.reserve_import(RequestId(1), tokens.len()).unwrap();
+        let err = d.import_frame(RequestId(1), &frame).unwrap_err();
+        assert!(matches!(err, EngineError::BadFrame(_)), "{what}: {err}");
+        d.abort_import(RequestId(1));
+        let s = d.stats();
+        assert_eq!((s.blocks.used, s.draft_blocks.map_or(0, |b| b.used)), (0, 0), "{what}");
+    }
 }

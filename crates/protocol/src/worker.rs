@@ -219,12 +219,39 @@ pub struct WorkerInfo {
     /// Bytes of one token's K and V over all layers in that form (0: not known).
     #[serde(default)]
     pub kv_bytes_per_token: u64,
+    /// The draft model it drafts with (`--speculative draft`), with the shape of its
+    /// K/V: a prefill worker ships the draft model's K/V with the target's.
+    #[serde(default)]
+    pub draft: Option<String>,
 }
 
 impl WorkerInfo {
     /// A worker whose cache form is not known (f16, bytes per token 0).
     pub fn new(name: impl Into<String>, model: impl Into<String>, role: Role) -> Self {
-        WorkerInfo { name: name.into(), model: model.into(), role, kv_dtype: KvDtype::F16, kv_bytes_per_token: 0 }
+        let (name, model) = (name.into(), model.into());
+        WorkerInfo { name, model, role, kv_dtype: KvDtype::F16, kv_bytes_per_token: 0, draft: None }
+    }
+
+    /// Says which draft model it drafts with.
+    pub fn with_draft(self, draft: Option<String>) -> Self {
+        WorkerInfo { draft, ..self }
+    }
+
+    /// Why requests cannot be handed between `self` and `other`, if they cannot:
+    /// they serve different models, or draft with different draft models (one's
+    /// prefill would ship draft K/V the other cannot use, or none where it needs it;
+    /// and roles switch, so every pair may hand off either way). Caches of other
+    /// dtypes can: frames are converted on receipt.
+    pub fn mismatch(&self, other: &WorkerInfo) -> Option<String> {
+        let none = || "no draft model".to_string();
+        if self.model != other.model {
+            Some(format!("{} serves {}, {} serves {}", self.name, self.model, other.name, other.model))
+        } else if self.draft != other.draft {
+            let (a, b) = (self.draft.clone().unwrap_or_else(none), other.draft.clone().unwrap_or_else(none));
+            Some(format!("{} drafts with {a}, {} with {b}", self.name, other.name))
+        } else {
+            None
+        }
     }
 
     /// Says how its cache stores K and V, and what a token of it takes.
@@ -335,6 +362,9 @@ pub struct WorkerStats {
     /// Drafted tokens it verified and accepted since it started.
     #[serde(default)]
     pub spec: SpecTotals,
+    /// Its draft model's block pool, when it drafts with one.
+    #[serde(default)]
+    pub draft_blocks: Option<PoolStats>,
 }
 
 /// The furthest a role switch may move a worker's epoch. Planners move it one at a
@@ -397,6 +427,26 @@ mod tests {
         assert!(e.is_retryable());
         assert!(s.fence("w", Some(Epoch(1)), Role::prefills).is_ok());
         assert!(s.fence("w", Some(Epoch(1)), Role::decodes).is_err(), "a prefill worker takes no decode");
+    }
+
+    #[test]
+    fn workers_hand_off_only_with_the_same_model_and_draft_model() {
+        let w = |name: &str, model: &str, draft: Option<&str>| {
+            WorkerInfo::new(name, model, Role::Decode).with_draft(draft.map(str::to_string))
+        };
+        let q8 = w("b", "m", None).with_kv(KvDtype::Q8_0, 10);
+        let cases = [
+            (w("a", "m", None), w("b", "m", None), None),
+            (w("a", "m", Some("d")), w("b", "m", Some("d")), None),
+            (w("a", "m", None), q8, None),
+            (w("a", "m", None), w("b", "n", None), Some("a serves m, b serves n")),
+            (w("a", "m", Some("d")), w("b", "m", None), Some("a drafts with d, b with no draft model")),
+            (w("a", "m", Some("d")), w("b", "m", Some("e")), Some("a drafts with d, b with e")),
+        ];
+        for (a, b, want) in cases {
+            assert_eq!(a.mismatch(&b).as_deref(), want, "{a:?} {b:?}");
+            assert_eq!(b.mismatch(&a).is_some(), want.is_some(), "either way");
+        }
     }
 
     #[test]

@@ -36,9 +36,10 @@ use serde::{Deserialize, Serialize};
 use std::io;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// Bumped on any incompatible change; both ends check it in the handshake. 13: KV
-/// frames carry their dtype, and worker info says how its cache stores K and V.
-pub const PROTOCOL_VERSION: u32 = 13;
+/// Bumped on any incompatible change; both ends check it in the handshake. 14: a
+/// prefill's frames carry the draft model's K/V after the target's layers, and worker
+/// info names the draft model.
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";

@@ -226,9 +226,30 @@ pub struct WorkerSet {
 impl WorkerSet {
     /// Adds a worker in the role it announced; it is routed to from the next request.
     pub fn add(&self, worker: Arc<dyn Worker>) -> WorkerId {
+        let entry = self.entry(worker);
+        let id = entry.id;
+        self.write().push(Arc::new(entry));
+        id
+    }
+
+    /// [`WorkerSet::add`] of a worker that can hand requests to and from every
+    /// worker already here; else why not (see
+    /// [`WorkerInfo::mismatch`](pdserve_protocol::WorkerInfo::mismatch)).
+    pub fn try_add(&self, worker: Arc<dyn Worker>) -> Result<WorkerId, String> {
+        let mut entries = self.write();
+        if let Some(why) = entries.iter().find_map(|e| worker.info().mismatch(e.worker.info())) {
+            return Err(why);
+        }
+        let entry = self.entry(worker);
+        let id = entry.id;
+        entries.push(Arc::new(entry));
+        Ok(id)
+    }
+
+    fn entry(&self, worker: Arc<dyn Worker>) -> Entry {
         let id = WorkerId(self.next.fetch_add(1, Ordering::Relaxed));
         let role = worker.info().role;
-        let entry = Entry {
+        Entry {
             id,
             worker,
             state: Mutex::new((role, Epoch::default())),
@@ -241,9 +262,7 @@ impl WorkerSet {
             restore: RestorePace::default(),
             links: Mutex::default(),
             decode: Mutex::default(),
-        };
-        self.write().push(Arc::new(entry));
-        id
+        }
     }
 
     /// Takes a worker out: no new work goes there; requests on it go on (await

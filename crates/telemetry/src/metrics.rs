@@ -52,6 +52,7 @@ const GRAMMAR_MASKS: &str = "pdserve_grammar_masks";
 const GRAMMAR_MASK_SECONDS: &str = "pdserve_grammar_mask_seconds";
 const SPEC_DRAFT_TOKENS: &str = "pdserve_spec_draft_tokens";
 const SPEC_ACCEPTED_TOKENS: &str = "pdserve_spec_accepted_tokens";
+const SPEC_DRAFT_PROMPT_TOKENS: &str = "pdserve_spec_draft_prompt_tokens";
 const SPEC_MEAN_ACCEPTED: &str = "pdserve_spec_mean_accepted_length";
 const SPEC_DRAFTING_SHARE: &str = "pdserve_spec_drafting_share";
 
@@ -164,6 +165,7 @@ struct Inner {
     grammar_mask_seconds: Family<Label1, Counter<f64, AtomicU64>>,
     spec_draft_tokens: Family<Label1, Counter>,
     spec_accepted_tokens: Family<Label1, Counter>,
+    spec_draft_prompt_tokens: Family<Label1, Counter>,
     spec_mean_accepted: Family<Label1, Gauge<f64, AtomicU64>>,
     spec_drafting_share: Family<Label1, Gauge<f64, AtomicU64>>,
 }
@@ -219,6 +221,7 @@ impl Metrics {
             grammar_mask_seconds: Family::default(),
             spec_draft_tokens: Family::default(),
             spec_accepted_tokens: Family::default(),
+            spec_draft_prompt_tokens: Family::default(),
             spec_mean_accepted: Family::default(),
             spec_drafting_share: Family::default(),
         };
@@ -303,6 +306,10 @@ impl Metrics {
     /// A worker's speculation totals: drafted and accepted tokens, and the tokens a
     /// verified draft kept on average.
     fn set_spec(&self, label: &Label1, t: &SpecTotals) {
+        if t.draft_prompt_tokens > 0 {
+            let prompt = self.inner.spec_draft_prompt_tokens.get_or_create(label);
+            prompt.inc_by(t.draft_prompt_tokens.saturating_sub(prompt.get()));
+        }
         if t.verified_steps == 0 {
             return;
         }
@@ -475,6 +482,8 @@ impl Inner {
         r.register(GRAMMAR_MASK_SECONDS, "Time spent computing token masks", mask_seconds);
         r.register(SPEC_DRAFT_TOKENS, "Drafted tokens each worker verified", self.spec_draft_tokens.clone());
         r.register(SPEC_ACCEPTED_TOKENS, "Drafted tokens each worker accepted", self.spec_accepted_tokens.clone());
+        let help = "Prompt tokens each worker's draft model computed (none where the draft K/V came with the target's)";
+        r.register(SPEC_DRAFT_PROMPT_TOKENS, help, self.spec_draft_prompt_tokens.clone());
         let help = "Drafted tokens a verified draft kept, on average, per worker";
         r.register(SPEC_MEAN_ACCEPTED, help, self.spec_mean_accepted.clone());
         let help = "Share of each worker's decode steps (per request) that verified a draft";
@@ -596,7 +605,7 @@ mod tests {
         m.set_worker_stats("w0", &WorkerStats::default());
         assert!(!m.render().contains("pdserve_spec_draft_tokens_total{"), "no series before a draft is verified");
         for (drafted, accepted, verified_steps) in [(10, 4, 5), (30, 18, 12)] {
-            let spec = SpecTotals { drafted, accepted, verified_steps, decodes: 48 };
+            let spec = SpecTotals { drafted, accepted, verified_steps, decodes: 48, draft_prompt_tokens: 7 };
             m.set_worker_stats("w0", &WorkerStats { spec, ..Default::default() });
         }
         let text = m.render();
@@ -604,6 +613,7 @@ mod tests {
         assert!(text.contains("pdserve_spec_accepted_tokens_total{worker=\"w0\"} 18\n"), "{text}");
         assert!(text.contains("pdserve_spec_mean_accepted_length{worker=\"w0\"} 1.5\n"), "{text}");
         assert!(text.contains("pdserve_spec_drafting_share{worker=\"w0\"} 0.25\n"), "{text}");
+        assert!(text.contains("pdserve_spec_draft_prompt_tokens_total{worker=\"w0\"} 7\n"), "{text}");
     }
 
     #[test]

@@ -300,4 +300,8 @@ pub struct SpecTotals {
     /// is how often a decode had a draft.
     #[serde(default)]
     pub decodes: u64,
+    /// Prompt tokens the draft model computed: a decode worker whose prefill worker
+    /// shipped the draft K/V with the target's computes none.
+    #[serde(default)]
+    pub draft_prompt_tokens: u64,
 }

@@ -268,10 +268,15 @@ impl LocalWorker {
         let (tx, rx) = sync_channel(QUEUE);
         let active = Arc::new(AtomicUsize::new(0));
         let counter = active.clone();
-        let frame_bytes = frame::encoded_len_for(frame_elems);
+        let draft = opts.engine.speculation.as_ref().and_then(|s| s.draft.as_ref());
+        // A prefill worker's draft K/V frames come too.
+        let largest = frame_elems.max(draft.map_or(0, |d| d.block_values(BLOCK_SIZE)));
+        let frame_bytes = frame::encoded_len_for(largest);
+        let info = WorkerInfo::new(&opts.name, &opts.model_name, opts.role)
+            .with_kv(opts.engine.kv_dtype, kv_bytes_per_token)
+            .with_draft(draft.map(|d| d.signature()));
         let inboxes = Inboxes::guarded(INBOX_FRAMES, opts.key.clone(), frame_bytes);
         let links = Links::new(opts.key);
-        let kv_dtype = opts.engine.kv_dtype;
         let (cfg, eog, grammars, tiers) = (opts.engine, opts.eog, opts.grammars.clone(), opts.tiers);
         let (pool_tx, pool_rx) = sync_channel(1);
         let exports = Exports::default();
@@ -294,7 +299,6 @@ impl LocalWorker {
             .recv()
             .map_err(|_| std::io::Error::other("the engine thread died while starting"))?
             .map_err(std::io::Error::other)?;
-        let info = WorkerInfo::new(opts.name, opts.model_name, opts.role).with_kv(kv_dtype, kv_bytes_per_token);
         let inner = Inner {
             role: RoleState::new(info.role),
             info,

@@ -416,6 +416,7 @@ impl Loop {
             // The server in front of it says so, when it stops.
             stopping: false,
             spec: s.spec,
+            draft_blocks: s.draft_blocks,
         }
     }
 

@@ -180,14 +180,20 @@ async fn supervise(
                 }
             };
             let info = w.info().clone();
-            if info.model != to.model {
-                tracing::error!(%addr, theirs = %info.model, ours = %to.model, "worker serves another model; not used");
-                announce();
-                drop(w);
-                tokio::time::sleep(Duration::from_secs(30)).await;
-                return;
-            }
-            let in_set = InSet::add(&to, &w);
+            let added = match info.model == to.model {
+                true => InSet::add(&to, &w),
+                false => Err(format!("it serves {}, this frontend {}", info.model, to.model)),
+            };
+            let in_set = match added {
+                Ok(in_set) => in_set,
+                Err(why) => {
+                    tracing::error!(%addr, "worker not used: {why}");
+                    announce();
+                    drop(w);
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                    return;
+                }
+            };
             announce();
             match load {
                 Some(load) => report(&w, &in_set, load).await,
@@ -222,12 +228,13 @@ struct InSet {
 }
 
 impl InSet {
-    fn add(to: &Target, w: &RemoteWorker) -> InSet {
+    /// Refused where the worker cannot hand requests to and from those in the set.
+    fn add(to: &Target, w: &RemoteWorker) -> Result<InSet, String> {
         let info = w.info();
-        let id = to.router.workers().add(Arc::new(w.clone()) as Arc<dyn Worker>);
+        let id = to.router.workers().try_add(Arc::new(w.clone()) as Arc<dyn Worker>)?;
         to.metrics.set_role(&info.name, info.role);
         to.metrics.set_worker_up(&info.name, true);
-        InSet { to: to.clone(), id, name: info.name.clone() }
+        Ok(InSet { to: to.clone(), id, name: info.name.clone() })
     }
 }
 

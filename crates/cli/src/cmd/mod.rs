@@ -221,7 +221,7 @@ fn load_draft(spec: &str, target: &LoadedModel) -> anyhow::Result<DraftModel> {
     if let Some(diff) = target.tokenizer.vocab_difference(&draft.tokenizer) {
         anyhow::bail!("the draft model's vocabulary is not the target's: {diff}");
     }
-    DraftModel::new(draft.model, &target.model).map_err(|e| anyhow::anyhow!("--draft-model: {e}"))
+    DraftModel::new(draft.model, draft.name, &target.model).map_err(|e| anyhow::anyhow!("--draft-model: {e}"))
 }
 
 /// How a worker's KV cache stores K and V, and how much memory its pool takes.

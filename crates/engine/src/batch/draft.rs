@@ -21,40 +21,56 @@ use crate::kvcache::KvStorage;
 use crate::model::{ForwardScratch, Model, SeqBatch};
 use crate::threadpool::ThreadPool;
 use pdserve_kv::{block_hashes, BlockPool, BlockTable};
-use pdserve_types::{DecodeSteps, KvDtype, StepFit};
+use pdserve_types::{DecodeSteps, KvDtype, KvFrame, StepFit};
 use std::sync::Arc;
 
 /// A draft model for an engine's speculation, shared by every engine that drafts
 /// with it (the weights are read-only).
 #[derive(Clone)]
-pub struct DraftModel(Arc<Model>);
+pub struct DraftModel {
+    model: Arc<Model>,
+    name: String,
+}
 
 impl DraftModel {
-    /// `draft` drafts for `target` when their vocabularies have one size; the caller
-    /// checks that the tokens themselves agree (the tokenizers live above the engine).
-    pub fn new(draft: Arc<Model>, target: &Model) -> Result<DraftModel, String> {
+    /// `draft` (named `name`, its file's) drafts for `target` when their vocabularies
+    /// have one size; the caller checks that the tokens themselves agree (the
+    /// tokenizers live above the engine).
+    pub fn new(draft: Arc<Model>, name: impl Into<String>, target: &Model) -> Result<DraftModel, String> {
         let (d, t) = (draft.cfg.vocab_size, target.cfg.vocab_size);
         if d != t {
             return Err(format!("the draft model's vocabulary has {d} tokens, the target's {t}"));
         }
-        Ok(DraftModel(draft))
+        Ok(DraftModel { model: draft, name: name.into() })
     }
 
     pub fn model(&self) -> &Arc<Model> {
-        &self.0
+        &self.model
+    }
+
+    /// Its name and the shape of its K/V: what two workers that hand requests to each
+    /// other must agree on, since a prefill worker ships its draft K/V.
+    pub fn signature(&self) -> String {
+        let c = &self.model.cfg;
+        format!("{} ({} layers, {} KV heads of {})", self.name, c.n_layers, c.n_kv_heads, c.head_dim)
+    }
+
+    /// Values of one layer's block of K (or V): a draft K/V frame's size.
+    pub fn block_values(&self, block_size: usize) -> usize {
+        let c = &self.model.cfg;
+        c.n_kv_heads * block_size * c.head_dim
     }
 }
 
 impl std::fmt::Debug for DraftModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let c = &self.0.cfg;
-        write!(f, "DraftModel({} layers, hidden {})", c.n_layers, c.hidden)
+        write!(f, "DraftModel({})", self.signature())
     }
 }
 
 impl PartialEq for DraftModel {
     fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+        Arc::ptr_eq(&self.model, &other.model)
     }
 }
 
@@ -84,6 +100,28 @@ impl DraftKv {
     }
 }
 
+/// Draft blocks a decode engine reserved for the draft K/V of a transfer: the
+/// prefill worker's draft model computed the prompt and ships it after the target's
+/// layers (see [`Drafter::export`]).
+pub(crate) struct DraftImport {
+    table: BlockTable,
+    ids: Vec<u32>,
+    /// Which frames, `layer * blocks + index`, arrived.
+    got: Vec<bool>,
+}
+
+impl DraftImport {
+    /// The draft cache of the imported `prompt`, once every frame of it arrived;
+    /// else `None` (its blocks go back, and the draft model computes the prompt).
+    pub(crate) fn finish(mut self, prompt: &[u32]) -> Option<DraftKv> {
+        if !self.got.iter().all(|&g| g) {
+            return None;
+        }
+        self.table.commit(prompt);
+        Some(DraftKv { table: self.table, computed: prompt.len() })
+    }
+}
+
 /// An engine's draft model at work: its cache, its scratch and its pass times.
 pub(crate) struct Drafter {
     model: Arc<Model>,
@@ -92,6 +130,9 @@ pub(crate) struct Drafter {
     scratch: ForwardScratch,
     /// The draft passes' times, fitted as decode steps are.
     passes: DecodeSteps,
+    /// Prompt tokens the draft model computed (none on a decode engine whose
+    /// prefill engine shipped the prompt's draft K/V).
+    prompt_tokens: u64,
 }
 
 /// One sequence's part of a drafting round: which running sequence, how many tokens
@@ -108,7 +149,7 @@ impl Drafter {
     /// A cache of `num_blocks`, in `dtype` where the draft model's heads allow it
     /// (else f16).
     pub fn new(model: &DraftModel, num_blocks: usize, block_size: usize, dtype: KvDtype) -> Self {
-        let model = model.0.clone();
+        let model = model.model.clone();
         let dtype = if crate::kvcache::check_dtype(&model.cfg, dtype).is_ok() { dtype } else { KvDtype::F16 };
         Drafter {
             kv: KvStorage::with_dtype(&model.cfg, num_blocks, block_size, dtype),
@@ -116,7 +157,80 @@ impl Drafter {
             model,
             scratch: ForwardScratch::default(),
             passes: DecodeSteps::default(),
+            prompt_tokens: 0,
         }
+    }
+
+    pub fn prompt_tokens(&self) -> u64 {
+        self.prompt_tokens
+    }
+
+    /// Blocks for the draft K/V of a `prompt_len`-token transfer; `None` when the
+    /// draft pool has no room (the draft model then computes the prompt here).
+    pub fn reserve(&self, prompt_len: usize) -> Option<DraftImport> {
+        let mut table = BlockTable::new(&self.blocks, 0);
+        table.ensure_capacity(prompt_len).ok()?;
+        let ids: Vec<u32> = table.block_ids().into_iter().map(|b| b.0).collect();
+        let got = vec![false; ids.len() * self.model.cfg.n_layers];
+        Some(DraftImport { table, ids, got })
+    }
+
+    /// Writes draft layer `layer`'s frame `f` into `imp`'s blocks.
+    pub fn import_frame(&mut self, imp: &mut DraftImport, layer: usize, f: &KvFrame) -> Result<(), String> {
+        let index = f.index as usize;
+        let (Some(&block), true) = (imp.ids.get(index), layer < self.model.cfg.n_layers) else {
+            return Err(format!("draft layer {layer} block {index} out of range"));
+        };
+        super::transfer::write_frame(&mut self.kv, layer, block, f)?;
+        imp.got[layer * imp.ids.len() + index] = true;
+        Ok(())
+    }
+
+    /// Brings the draft cache of `running[seq]` up to its first `upto` tokens, in
+    /// passes of `budget` tokens; whether it got there (it stops where the draft
+    /// pool has no room).
+    pub fn complete(
+        &mut self,
+        isa: Isa,
+        pool: &ThreadPool,
+        running: &mut [Sequence],
+        seq: usize,
+        upto: usize,
+        budget: usize,
+    ) -> bool {
+        let computed = |s: &Sequence| s.draft_kv.as_ref().map_or(0, |d| d.computed);
+        loop {
+            let before = computed(&running[seq]);
+            self.follow(isa, pool, running, &[(seq, upto)], budget);
+            let s = &mut running[seq];
+            let now = computed(s);
+            if now >= upto || now == before {
+                // Its full blocks join the draft pool's cache.
+                if let Some(d) = s.draft_kv.as_mut() {
+                    d.roll_back(&s.tokens, s.computed);
+                }
+                return now >= upto;
+            }
+        }
+    }
+
+    /// Sends `s`'s draft K/V of its first `upto` tokens layer by layer, as frames
+    /// numbered after the target's `target_layers`; false once the receiver refuses
+    /// one.
+    pub fn export(
+        &self,
+        s: &Sequence,
+        upto: usize,
+        target_layers: usize,
+        on_frame: &mut dyn FnMut(KvFrame) -> bool,
+    ) -> bool {
+        let Some(d) = s.draft_kv.as_ref().filter(|d| d.computed >= upto) else { return true };
+        let ids: Vec<u32> =
+            d.table.block_ids().into_iter().take(upto.div_ceil(super::BLOCK_SIZE)).map(|b| b.0).collect();
+        (0..self.model.cfg.n_layers).all(|l| {
+            let blocks = ids.iter().map(|&b| self.kv.block(l, b));
+            super::transfer::export_layer(target_layers + l, self.kv.dtype, blocks, on_frame)
+        })
     }
 
     pub fn block_stats(&self) -> pdserve_kv::PoolStats {
@@ -288,7 +402,9 @@ impl Drafter {
         let mut rows = logits.map(|l| l.chunks_exact(vocab)).into_iter().flatten();
         for (k, chunk) in chunks {
             let w = &mut work[*k];
-            if let Some(d) = running[w.seq].draft_kv.as_mut() {
+            let s = &mut running[w.seq];
+            if let Some(d) = s.draft_kv.as_mut() {
+                self.prompt_tokens += s.prompt_len.min(d.computed + chunk.len()).saturating_sub(d.computed) as u64;
                 d.computed += chunk.len();
             }
             if w.live {

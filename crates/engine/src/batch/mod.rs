@@ -456,7 +456,10 @@ impl Engine {
             decode_steps: self.decode_steps,
             prefill_steps: self.prefill_steps,
             tiers: self.tiers.as_ref().map(|t| t.counters()).unwrap_or_default(),
-            spec: self.spec,
+            spec: SpecTotals {
+                draft_prompt_tokens: self.drafter.as_ref().map_or(0, |d| d.prompt_tokens()),
+                ..self.spec
+            },
             draft_blocks: self.drafter.as_ref().map(|d| d.block_stats()),
         }
     }

@@ -318,12 +318,13 @@ impl Engine {
     }
 
     /// The draft model computes the step's prompt chunks beside the target, so that
-    /// its cache is ready when the sequence decodes.
+    /// its cache is ready when the sequence decodes (here, or on the decode engine a
+    /// prompt is exported to: see `Engine::export_draft`).
     fn draft_prompts(&mut self, plan: &[Planned]) {
         let Some(d) = self.drafter.as_mut() else { return };
         let upto: Vec<(usize, usize)> = plan
             .iter()
-            .filter(|p| !self.running[p.seq].is_decoding() && !self.running[p.seq].exported)
+            .filter(|p| !self.running[p.seq].is_decoding())
             .map(|p| (p.seq, self.running[p.seq].computed + p.n))
             .collect();
         if !upto.is_empty() {

@@ -47,9 +47,6 @@ pub(crate) struct Sequence {
     pub draft_kv: Option<DraftKv>,
     /// Its tokens the worker's n-gram pool has learnt.
     pub pooled: usize,
-    /// Prefilled here for a decode worker elsewhere: no draft K/V is computed for it
-    /// (none would go with it).
-    pub exported: bool,
 }
 
 impl Sequence {
@@ -76,7 +73,6 @@ impl Sequence {
             draft_forced: false,
             draft_kv: None,
             pooled: 0,
-            exported: false,
         }
     }
 

@@ -6,6 +6,7 @@
 //! as if it had prefilled the prompt itself. The numerics of both engines are the same
 //! row-wise kernels, so the tokens are identical to one engine doing both.
 
+use super::draft::DraftImport;
 use super::{Engine, EngineError, Sequence, StepOutput, BLOCK_SIZE};
 use crate::kvcache::{convert_block, KvStorage};
 use crate::tiers::TierBytes;
@@ -18,6 +19,8 @@ pub struct KvImport {
     prompt_len: usize,
     table: BlockTable,
     ids: Vec<u32>,
+    /// The draft model's blocks for the prompt, where this engine drafts with one.
+    draft: Option<DraftImport>,
 }
 
 impl Engine {
@@ -75,11 +78,10 @@ impl Engine {
     /// during its last chunk; then drops it, its full blocks left in the cache.
     fn run_export(
         &mut self,
-        mut s: Sequence,
+        s: Sequence,
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<StepOutput, EngineError> {
         let id = s.id;
-        s.exported = true;
         self.waiting.push_back(s);
         loop {
             let mut stopped = false;
@@ -96,8 +98,9 @@ impl Engine {
                 return Err(EngineError::Cancelled);
             }
             if let Some(first) = outs.pop() {
+                let sent = self.export_draft(id, on_frame);
                 self.cancel(id);
-                return Ok(first);
+                return if sent { Ok(first) } else { Err(EngineError::Cancelled) };
             }
             // Nothing else runs on this thread while it exports, so a step that
             // found no block for it (reservations and the sequences set aside hold
@@ -107,6 +110,21 @@ impl Engine {
                 return Err(EngineError::NoBlocks);
             }
         }
+    }
+
+    /// After an exported prefill, sends the draft model's K/V of the prompt (computed
+    /// beside the target's chunks, and finished here where the step's budget left
+    /// some), numbered after the target's layers: the decode engine then drafts
+    /// without computing the prompt again. False once the receiver is gone.
+    fn export_draft(&mut self, id: RequestId, on_frame: &mut dyn FnMut(KvFrame) -> bool) -> bool {
+        let Some(d) = self.drafter.as_mut() else { return true };
+        let Some(seq) = self.running.iter().position(|s| s.id == id) else { return true };
+        let upto = self.running[seq].prompt_len;
+        if !d.complete(self.isa, &self.pool, &mut self.running, seq, upto, self.cfg.max_batch_tokens) {
+            // No room in the draft pool: the decode engine computes it.
+            return true;
+        }
+        d.export(&self.running[seq], upto, self.kv.n_layers, on_frame)
     }
 
     /// Reserves blocks for a prompt of `prompt_len` tokens whose K/V will arrive as
@@ -137,33 +155,32 @@ impl Engine {
         // The frames overwrite these blocks: evicted ones go down first.
         self.settle_moves();
         let ids = table.block_ids().into_iter().skip(own.len() / BLOCK_SIZE).map(|b| b.0).collect();
-        self.importing.push(KvImport { id, prompt_len, table, ids });
+        // A peer's cached prefix comes without draft K/V; a prefill's comes with it.
+        let draft = self.drafter.as_ref().filter(|_| own.is_empty()).and_then(|d| d.reserve(prompt_len));
+        self.importing.push(KvImport { id, prompt_len, table, ids, draft });
         Ok(())
     }
 
     /// Writes one frame into the reserved blocks of `id`. A frame of another dtype
     /// than this cache's (a peer configured apart) is converted on receipt.
+    /// Frames numbered past the target's layers carry the draft model's K/V; where
+    /// the draft pool had no room for them they are dropped (the draft model then
+    /// computes the prompt here).
     pub fn import_frame(&mut self, id: RequestId, f: &KvFrame) -> Result<(), EngineError> {
-        let imp = self.importing.iter().find(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
+        let imp = self.importing.iter_mut().find(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
+        let layer = f.layer as usize;
+        if let Some(draft_layer) = layer.checked_sub(self.kv.n_layers) {
+            return match (self.drafter.as_mut(), imp.draft.as_mut()) {
+                (None, _) => Err(EngineError::BadFrame(format!("layer {layer} of {}", self.kv.n_layers))),
+                (Some(_), None) => Ok(()),
+                (Some(d), Some(imp)) => d.import_frame(imp, draft_layer, f).map_err(EngineError::BadFrame),
+            };
+        }
         let block = *imp
             .ids
             .get(f.index as usize)
             .ok_or_else(|| EngineError::BadFrame(format!("block index {} out of range", f.index)))?;
-        let bad = || EngineError::BadFrame(format!("layer {} with {} {} words", f.layer, f.k.len(), f.dtype));
-        if f.layer as usize >= self.kv.n_layers {
-            return Err(bad());
-        }
-        if f.dtype == self.kv.dtype {
-            let n = self.kv.block_words();
-            if f.k.len() != n || f.v.len() != n {
-                return Err(bad());
-            }
-            self.kv.set_block(f.layer as usize, block, &f.k, &f.v);
-        } else {
-            let (k, v) = convert_block(self.kv.block_shape(), f.dtype, self.kv.dtype, &f.k, &f.v).ok_or_else(bad)?;
-            self.kv.set_block(f.layer as usize, block, &k, &v);
-        }
-        Ok(())
+        write_frame(&mut self.kv, layer, block, f).map_err(EngineError::BadFrame)
     }
 
     /// Turns a completed import into a decoding sequence whose first generated token
@@ -188,6 +205,7 @@ impl Engine {
         let mut table = imp.table;
         table.commit(&s.tokens);
         s.table = Some(table);
+        s.draft_kv = imp.draft.and_then(|d| d.finish(&s.tokens));
         // Record the first token exactly as a local step would have.
         s.tokens.push(first);
         s.history.push(first);
@@ -405,9 +423,26 @@ fn export_blocks(
     }
 }
 
+/// Writes frame `f` into `block` of layer `layer` of `kv`, converting a frame of
+/// another dtype than the cache's (a peer configured apart).
+pub(crate) fn write_frame(kv: &mut KvStorage, layer: usize, block: u32, f: &KvFrame) -> Result<(), String> {
+    let bad = || format!("layer {} with {} {} words", f.layer, f.k.len(), f.dtype);
+    if f.dtype == kv.dtype {
+        let n = kv.block_words();
+        if f.k.len() != n || f.v.len() != n {
+            return Err(bad());
+        }
+        kv.set_block(layer, block, &f.k, &f.v);
+    } else {
+        let (k, v) = convert_block(kv.block_shape(), f.dtype, kv.dtype, &f.k, &f.v).ok_or_else(bad)?;
+        kv.set_block(layer, block, &k, &v);
+    }
+    Ok(())
+}
+
 /// Sends layer `l`'s K and V of each block in order; false once the receiver
 /// refuses a frame.
-fn export_layer<'k>(
+pub(crate) fn export_layer<'k>(
     l: usize,
     dtype: KvDtype,
     blocks: impl Iterator<Item = (&'k [u16], &'k [u16])>,

@@ -31,12 +31,17 @@ pub fn worker(name: &str, role: Role) -> Arc<dyn Worker> {
 
 /// A one-thread worker with `blocks` blocks on the default model, on the current runtime.
 pub fn local(name: &str, role: Role, blocks: usize) -> LocalWorker {
+    local_with(name, role, EngineConfig { threads: 1, num_blocks: blocks, ..Default::default() })
+}
+
+/// A worker on the default model with this engine, on the current runtime.
+pub fn local_with(name: &str, role: Role, engine: EngineConfig) -> LocalWorker {
     let m = model();
     let opts = WorkerOptions {
         name: name.into(),
         role,
         model_name: m.name.clone(),
-        engine: EngineConfig { threads: 1, num_blocks: blocks, ..Default::default() },
+        engine,
         eog: m.tokenizer.eog_ids().to_vec(),
         key: key(),
         grammars: Some(grammars()),

@@ -141,3 +141,53 @@ fn a_draft_model_of_another_vocabulary_is_refused_at_start() {
     assert_eq!(errors, [err.lines().last().unwrap()], "{err}");
     assert!(errors[0].starts_with("error: the draft model's vocabulary is not the target's: 262144 tokens"), "{err}");
 }
+
+#[test]
+fn bench_engine_measures_each_decode_figure_with_and_without_speculation() {
+    let dir = std::env::temp_dir().join(format!("pdserve-bench-spec-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (text, out) = (dir.join("text.txt"), dir.join("report.json"));
+    let words = (0..400).map(|i| format!("line {i} of the text, with its own words {}", i * 7)).collect::<Vec<_>>();
+    std::fs::write(&text, words.join("\n")).unwrap();
+    let args = [
+        "bench",
+        "engine",
+        "--threads",
+        "1",
+        "--prefill",
+        "16",
+        "--batch",
+        "1,2",
+        "--decode-prompt",
+        "64",
+        "--decode-tokens",
+        "12",
+        "--reps",
+        "1",
+        "--speculative",
+        "ngram",
+        "--spec-verify",
+        "all",
+        "--decode-quote",
+        "--decode-text",
+        text.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_pdserve")).args(args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let decodes: Vec<(u64, bool)> = report["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["kind"] == "decode")
+        .inspect(|r| assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0, "{r}"))
+        .map(|r| (r["batch"].as_u64().unwrap(), r["speculative"].as_bool().unwrap()))
+        .collect();
+    // Quoted passages: no one-token-prompt figure; each batch without, then with.
+    assert_eq!(decodes, [(1, false), (1, true), (2, false), (2, true)], "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.trim_start().starts_with("speculative")).count(), 2, "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

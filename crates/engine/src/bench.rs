@@ -2,9 +2,11 @@
 //! them: prompts are random token ids (no special tokens), generation ignores EOS,
 //! so every run does exactly the work it reports. Prefill is timed from `add` to the
 //! first token; decode is timed once every sequence has its first token, until all
-//! finish.
+//! finish. With speculation, each decode figure is taken without it and with it in the
+//! same run; with a text, decode prompts quote it (input-grounded: the answer repeats
+//! the prompt, where drafts pay).
 
-use crate::batch::{Engine, EngineConfig};
+use crate::batch::{Engine, EngineConfig, SpecConfig};
 use crate::grammar::Grammars;
 use crate::loader::LoadedModel;
 use pdserve_types::{Grammar, GrammarSpec, KvDtype, RequestId, SamplingParams};
@@ -29,6 +31,22 @@ pub struct EngineBench {
     pub reps: usize,
     /// How the KV cache stores its values.
     pub kv_dtype: KvDtype,
+    /// Speculation to measure each decode figure with, beside the figure without.
+    pub speculation: Option<SpecConfig>,
+    /// What the decode prompts are.
+    pub decode_prompts: DecodePrompts,
+}
+
+/// The prompts of the decode measurement.
+#[derive(Debug, Clone)]
+pub enum DecodePrompts {
+    /// Random token ids.
+    Random,
+    /// Passages of a text (its token ids), for the model to go on with.
+    Continue(Vec<u32>),
+    /// Passages of a text followed by their first tokens again, so that the model's
+    /// likeliest continuation quotes the passage (input-grounded).
+    Quote(Vec<u32>),
 }
 
 /// One measured figure.
@@ -39,6 +57,8 @@ pub struct Row {
     pub prompt: usize,
     pub batch: usize,
     pub tokens_per_s: f64,
+    /// Decoded with [`EngineBench::speculation`].
+    pub speculative: bool,
 }
 
 /// Everything `bench engine` measured.
@@ -69,14 +89,17 @@ pub fn engine(m: &LoadedModel, b: &EngineBench, mut each: impl FnMut(&Row)) -> R
     for &threads in &b.threads {
         for &p in &b.prefill {
             let tps = best_of(b.reps, || prefill(m, b.kv_dtype, threads, p));
-            push(Row { kind: "prefill", threads, prompt: p, batch: 1, tokens_per_s: tps });
+            push(Row { kind: "prefill", threads, prompt: p, batch: 1, tokens_per_s: tps, speculative: false });
         }
-        // llama-bench's tg128: generation from an (almost) empty context.
-        let tps = best_of(b.reps, || decode(m, b.kv_dtype, threads, 1, 1, b.decode_tokens));
-        push(Row { kind: "decode", threads, prompt: 1, batch: 1, tokens_per_s: tps });
-        for &n in &b.batch {
-            let tps = best_of(b.reps, || decode(m, b.kv_dtype, threads, n, b.decode_prompt, b.decode_tokens));
-            push(Row { kind: "decode", threads, prompt: b.decode_prompt, batch: n, tokens_per_s: tps });
+        // llama-bench's tg128: generation from an (almost) empty context (not with a
+        // text to quote: a one-token prompt quotes nothing).
+        let shapes = matches!(b.decode_prompts, DecodePrompts::Random).then_some((1, 1)).into_iter();
+        for (prompt, batch) in shapes.chain(b.batch.iter().map(|&n| (b.decode_prompt, n))) {
+            for spec in [None].into_iter().chain(b.speculation.as_ref().map(Some)) {
+                let run = || decode(m, b, threads, batch, prompt, spec);
+                let tps = best_of(b.reps, run);
+                push(Row { kind: "decode", threads, prompt, batch, tokens_per_s: tps, speculative: spec.is_some() });
+            }
         }
     }
     Report {
@@ -165,7 +188,7 @@ fn constrained_decode(
     batch: usize,
     gen: u32,
 ) -> (f64, f64, f64) {
-    let mut e = new_engine(m, KvDtype::F16, threads, batch * (prompt.len() + gen as usize), batch);
+    let mut e = new_engine(m, KvDtype::F16, threads, batch * (prompt.len() + gen as usize), batch, None);
     let mut p = params(gen);
     if let Some((gs, g)) = grammar {
         e = e.with_grammars(gs.clone());
@@ -185,7 +208,15 @@ fn best_of(reps: usize, mut f: impl FnMut() -> f64) -> f64 {
     (0..reps.max(1)).map(|_| f()).fold(0.0, f64::max)
 }
 
-fn new_engine(m: &LoadedModel, kv_dtype: KvDtype, threads: usize, tokens: usize, seqs: usize) -> Engine {
+/// An engine of blocks enough for `tokens` over `seqs` sequences.
+fn new_engine(
+    m: &LoadedModel,
+    kv_dtype: KvDtype,
+    threads: usize,
+    tokens: usize,
+    seqs: usize,
+    speculation: Option<&SpecConfig>,
+) -> Engine {
     let cfg = EngineConfig {
         threads,
         num_blocks: tokens.div_ceil(16) + seqs + 8,
@@ -194,7 +225,7 @@ fn new_engine(m: &LoadedModel, kv_dtype: KvDtype, threads: usize, tokens: usize,
         max_seqs: seqs.max(1),
         cache_salt: 0,
         objectives: None,
-        speculation: None,
+        speculation: speculation.cloned(),
     };
     Engine::new(m.model.clone(), cfg, Vec::new())
 }
@@ -217,7 +248,7 @@ fn params(max_tokens: u32) -> SamplingParams {
 }
 
 fn prefill(m: &LoadedModel, kv: KvDtype, threads: usize, len: usize) -> f64 {
-    let mut e = new_engine(m, kv, threads, len + 1, 1);
+    let mut e = new_engine(m, kv, threads, len + 1, 1, None);
     let prompt = random_prompt(len, len as u64, m.model.cfg.vocab_size);
     let t = Instant::now();
     if e.add(RequestId(0), prompt, params(1)).is_err() {
@@ -229,15 +260,38 @@ fn prefill(m: &LoadedModel, kv: KvDtype, threads: usize, len: usize) -> f64 {
     len as f64 / t.elapsed().as_secs_f64()
 }
 
-fn decode(m: &LoadedModel, kv: KvDtype, threads: usize, batch: usize, prompt: usize, gen: u32) -> f64 {
-    let mut e = new_engine(m, kv, threads, batch * (prompt + gen as usize), batch);
+fn decode(
+    m: &LoadedModel,
+    b: &EngineBench,
+    threads: usize,
+    batch: usize,
+    prompt: usize,
+    spec: Option<&SpecConfig>,
+) -> f64 {
+    let gen = b.decode_tokens;
+    // Drafted rows need blocks past the sequence's end too.
+    let seqs = batch * if spec.is_some() { 2 } else { 1 };
+    let mut e = new_engine(m, b.kv_dtype, threads, batch * (prompt + gen as usize), seqs, spec);
     for i in 0..batch {
-        let p = random_prompt(prompt, 1000 + i as u64, m.model.cfg.vocab_size);
+        let p = match &b.decode_prompts {
+            DecodePrompts::Random => random_prompt(prompt, 1000 + i as u64, m.model.cfg.vocab_size),
+            DecodePrompts::Continue(text) => passage(text, prompt, i, 0),
+            DecodePrompts::Quote(text) => passage(text, prompt, i, (prompt / 4).min(32)),
+        };
         if e.add(RequestId(i as u64), p, params(gen)).is_err() {
             return 0.0;
         }
     }
     decode_rate(&mut e, batch)
+}
+
+/// The `i`th prompt of `len` tokens from `text`: a passage of it, then its first
+/// `again` tokens again.
+fn passage(text: &[u32], len: usize, i: usize, again: usize) -> Vec<u32> {
+    let n = len - again;
+    let start = (i * n) % text.len().saturating_sub(n).max(1);
+    let p = &text[start..(start + n).min(text.len())];
+    p.iter().chain(&p[..again.min(p.len())]).copied().collect()
 }
 
 /// Tokens per second of `e`'s `batch` queued requests (ids 0..batch) once all of them

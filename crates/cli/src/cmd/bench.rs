@@ -11,7 +11,7 @@ use pdserve_bench::load::{run_load, LoadOptions, Sweep};
 use pdserve_bench::metrics::Slo;
 use pdserve_bench::openai::{BodyOptions, Endpoint};
 use pdserve_bench::prompt::{PromptKind, TokenRange};
-use pdserve_engine::bench::{self, EngineBench, GrammarBench};
+use pdserve_engine::bench::{self, DecodePrompts, EngineBench, GrammarBench};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -202,6 +202,18 @@ pub struct EngineArgs {
     /// How the KV cache stores K and V: f16 | q8_0 | q4_0.
     #[arg(long, default_value = "f16")]
     kv_cache_dtype: pdserve_types::KvDtype,
+    /// Decode prompts are passages of this text file for the model to go on with,
+    /// instead of random token ids.
+    #[arg(long)]
+    decode_text: Option<std::path::PathBuf>,
+    /// With `--decode-text`: each passage is followed by its first tokens again, so
+    /// that the model's likeliest answer quotes it (input-grounded).
+    #[arg(long, requires = "decode_text")]
+    decode_quote: bool,
+    /// With `--speculative`, each decode figure is measured without speculation and
+    /// with it, in the same run.
+    #[command(flatten)]
+    spec: super::SpecArgs,
     /// Write the results as JSON here.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
@@ -290,8 +302,21 @@ fn compare(a: CompareArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The decode prompts `--decode-text` and `--decode-quote` ask for.
+fn decode_prompts(a: &EngineArgs, m: &pdserve_engine::loader::LoadedModel) -> anyhow::Result<DecodePrompts> {
+    let Some(path) = &a.decode_text else { return Ok(DecodePrompts::Random) };
+    let text = std::fs::read_to_string(path).with_context(|| format!("--decode-text {}", path.display()))?;
+    let ids = m.tokenizer.encode(&text, false);
+    if ids.len() < 2 * a.decode_prompt {
+        anyhow::bail!("--decode-text: {} tokens, fewer than twice --decode-prompt", ids.len());
+    }
+    Ok(if a.decode_quote { DecodePrompts::Quote(ids) } else { DecodePrompts::Continue(ids) })
+}
+
 fn engine_bench(a: EngineArgs) -> anyhow::Result<()> {
+    a.spec.check()?;
     let m = super::load_model(&a.model)?;
+    let decode_prompts = decode_prompts(&a, &m)?;
     let b = EngineBench {
         threads: a.threads,
         prefill: a.prefill,
@@ -300,15 +325,28 @@ fn engine_bench(a: EngineArgs) -> anyhow::Result<()> {
         decode_tokens: a.decode_tokens,
         reps: a.reps,
         kv_dtype: a.kv_cache_dtype,
+        speculation: a.spec.config(Some(&m))?,
+        decode_prompts,
     };
     pdserve_engine::kvcache::check_dtype(&m.model.cfg, a.kv_cache_dtype).map_err(anyhow::Error::msg)?;
-    let report = bench::engine(&m, &b, |r| match r.kind {
-        "prefill" => {
+    // The figure without speculation each speculative one is compared with.
+    let mut plain = 0.0;
+    let report = bench::engine(&m, &b, |r| match (r.kind, r.speculative) {
+        ("prefill", _) => {
             println!("prefill  threads={} prompt={:<5}        {:8.1} tok/s", r.threads, r.prompt, r.tokens_per_s)
         }
-        _ => println!(
-            "decode   threads={} prompt={:<5} batch={:<3} {:8.1} tok/s",
-            r.threads, r.prompt, r.batch, r.tokens_per_s
+        (_, false) => {
+            plain = r.tokens_per_s;
+            println!(
+                "decode   threads={} prompt={:<5} batch={:<3} {:8.1} tok/s",
+                r.threads, r.prompt, r.batch, r.tokens_per_s
+            )
+        }
+        (_, true) => println!(
+            "  speculative                    batch={:<3} {:8.1} tok/s  {:.2}x",
+            r.batch,
+            r.tokens_per_s,
+            r.tokens_per_s / plain
         ),
     });
     for (t, gbps) in &report.read_gb_per_s {

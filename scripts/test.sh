@@ -28,7 +28,7 @@ if [ ! -x "$venv/bin/python" ]; then
         python3 -m venv "$venv"
     fi
 fi
-"$venv/bin/python" -m pip install -q --disable-pip-version-check openai prometheus-client "lm-eval[api]==0.4.13" \
+"$venv/bin/python" -m pip install -q --disable-pip-version-check openai anthropic prometheus-client "lm-eval[api]==0.4.13" \
     jsonschema "langchain-openai==1.7.4" "nats-py==2.16.0"
 # promtool (Prometheus's own checker) comes with Debian's prometheus package.
 command -v promtool >/dev/null || need_packages "promtool is missing" prometheus

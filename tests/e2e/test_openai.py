@@ -1,6 +1,7 @@
 """End-to-end: `pdserve serve` on the real model in every mode, and the same roles as
 separate processes (`pdserve worker` x2 behind `pdserve frontend`), driven by the
-official openai SDK and curl (structured outputs and tools: structured.py), /metrics checked by `promtool check metrics` (Debian's
+official openai SDK and curl (structured outputs and tools: structured.py) and the
+official anthropic SDK (anthropic_api.py), /metrics checked by `promtool check metrics` (Debian's
 prometheus package) and parsed by the Prometheus client library, then stopped with
 SIGTERM. Run by scripts/test.sh; prints one
 summary line.
@@ -20,6 +21,7 @@ import urllib.request
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+import anthropic_api
 import structured
 
 PDSERVE = sys.argv[1]
@@ -295,6 +297,7 @@ def suite(mode, url):
                      ("token_ids", token_ids)]:
         check(f"{mode}/{name}", fn)
     structured.suite(mode, url, check, curl)
+    anthropic_api.suite(mode, url, check)
     # lm-eval takes a few seconds to start: once in one process, once across processes.
     for name, fn in [("lm_eval_loglikelihood", lm_eval_loglikelihood)] if mode in ("aggregated", "processes") else []:
         check(f"{mode}/{name}", fn)

@@ -8,7 +8,7 @@ use crate::openai::{
     FunctionCall, ToolCall, Usage,
 };
 use crate::request_id::Tagged;
-use crate::sse::{finish_reason, to_json, Format};
+use crate::sse::{data, finish_reason, to_json, Format};
 use crate::tools::{Call, Tools};
 use crate::{errors::ApiError, AppState};
 use axum::extract::State;
@@ -178,11 +178,11 @@ impl Format for ChatFormat {
             self.held.insert(index, Output::default());
         }
         let delta = ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() };
-        Some(self.chunk_of(index, delta, None))
+        Some(data(&self.chunk_of(index, delta, None)))
     }
 
     fn chunk(&mut self, index: u32, step: &Output) -> Vec<String> {
-        self.tool_chunks(index, step)
+        self.tool_chunks(index, step).iter().map(|c| data(c)).collect()
     }
 
     fn usage_chunk(&self, usage: TokenUsage) -> String {

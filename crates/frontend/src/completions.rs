@@ -5,7 +5,7 @@ use crate::extract::ApiJson;
 use crate::generation::{Output, TokenInfo};
 use crate::openai::{Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, TopLogprobs, Usage};
 use crate::request_id::Tagged;
-use crate::sse::{finish_reason, to_json, Format};
+use crate::sse::{data, finish_reason, to_json, Format};
 use crate::validate::ValidRequest;
 use crate::{errors::ApiError, AppState};
 use axum::extract::State;
@@ -176,7 +176,7 @@ impl Format for CompletionFormat {
         let first = self.echoed.insert(index);
         let logprobs = !step.tokens.is_empty() || (self.echo.is_some() && first && step.prompt.is_some());
         let choice = self.choice(index, step, first, logprobs);
-        vec![to_json(&self.completion(vec![choice], None))]
+        vec![data(&to_json(&self.completion(vec![choice], None)))]
     }
 
     fn usage_chunk(&self, usage: TokenUsage) -> String {

@@ -6,13 +6,15 @@
 //! ```
 //!
 //! OpenAI-compatible HTTP in (`/v1/completions`, `/v1/chat/completions`,
-//! `/v1/models`, `/health`, `/metrics`); validation into a [`ValidRequest`] (chat
-//! template, tokenization, sampling ranges); a token stream back, detokenized, cut at
-//! stop strings and sent as JSON or server-sent events. Every failure is one
-//! [`ApiError`], mapped once to a status and an OpenAI error body. Dropping a
+//! `/v1/models`, `/health`, `/metrics`), and Anthropic's `/v1/messages` over the chat
+//! path; validation into a [`ValidRequest`] (chat template, tokenization, sampling
+//! ranges); a token stream back, detokenized, cut at stop strings and sent as JSON or
+//! server-sent events. Every failure is one [`ApiError`], mapped once to a status, and
+//! to each API's error body by its format. Dropping a
 //! response (client gone) drops its token stream, which cancels the request on every
 //! hop behind this one.
 
+mod anthropic;
 mod auth;
 mod chat_completions;
 mod completions;
@@ -175,6 +177,8 @@ impl Frontend {
         let mut app = Router::new()
             .route("/v1/completions", post(completions::handler))
             .route("/v1/chat/completions", post(chat_completions::handler))
+            .route("/v1/messages", post(anthropic::handler))
+            .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
             .route("/v1/models", get(models))
             .route("/v1/models/{*id}", get(model_card))
             .route("/tokenize", post(tokenize::tokenize))
@@ -271,9 +275,9 @@ pub(crate) async fn run<F: Format>(
 ) -> Response {
     let mut tracker = tracker;
     let v = match valid {
-        Ok(_) if app.life.is_draining() => return reject(tracker, ApiError::Serve(ServeError::ShuttingDown)),
+        Ok(_) if app.life.is_draining() => return reject::<F>(tracker, ApiError::Serve(ServeError::ShuttingDown)),
         Ok(v) => v,
-        Err(e) => return reject(tracker, e),
+        Err(e) => return reject::<F>(tracker, e),
     };
     tracker.accepted(&v.model, v.prompts.iter().map(|p| p.ids.len()).sum());
     if let Some(field) = v.constrained_by {
@@ -283,13 +287,13 @@ pub(crate) async fn run<F: Format>(
     let format = format(tagged.tag.as_str(), &v);
     let choices = match dispatch(&app, &tagged, tracker, &v).await {
         Ok(c) => c,
-        Err(e) => return e.into_response(),
+        Err(e) => return F::error_response(e),
     };
     let answer = match v.stream {
         true => sse::streamed(choices, format, v.include_usage, app.life.clone()).await,
         false => sse::whole(choices, format, app.life.clone()).await,
     };
-    answer.unwrap_or_else(IntoResponse::into_response)
+    answer.unwrap_or_else(F::error_response)
 }
 
 /// Starts every choice of a request: the first choice of each prompt at once, the
@@ -364,9 +368,10 @@ fn reject_quietly(mut tracker: Tracker, e: ApiError) -> ApiError {
     e
 }
 
-/// Refused before generation started: counted as `rejected`.
-fn reject(tracker: Tracker, e: ApiError) -> Response {
-    reject_quietly(tracker, e).into_response()
+/// Refused before generation started: counted as `rejected`, answered in `F`'s API's
+/// shape.
+fn reject<F: Format>(tracker: Tracker, e: ApiError) -> Response {
+    F::error_response(reject_quietly(tracker, e))
 }
 
 impl AppState {

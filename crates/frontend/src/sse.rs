@@ -19,19 +19,47 @@ use serde::Serialize;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 
-/// How one endpoint (completions or chat) writes its chunks and whole responses.
+/// How one endpoint writes its events, its whole responses and its errors. Streamed
+/// events are whole SSE frames: OpenAI's are `data:` lines ([`data`]), Anthropic's
+/// name their event.
 pub trait Format: Send + 'static {
-    /// A chunk sent before choice `index`'s first text (chat's assistant role).
+    /// Frames sent before choice `index`'s first text (chat's assistant role).
     fn preamble(&mut self, _index: u32) -> Option<String> {
         None
     }
-    /// The streamed chunks carrying `step` of choice `index`: usually one; none while
-    /// a format holds text back (a reply that may be a tool call).
+    /// The frames carrying `step` of choice `index`: usually one; none while a format
+    /// holds text back (a reply that may be a tool call).
     fn chunk(&mut self, index: u32, step: &Output) -> Vec<String>;
-    /// The last chunk when the client asked for usage: no choices, only usage.
+    /// The last chunk's JSON when the client asked for usage: no choices, only usage.
     fn usage_chunk(&self, usage: Usage) -> String;
+    /// The frames that end a stream whose choices all finished: OpenAI's usage chunk
+    /// (when asked for) and `[DONE]`.
+    fn ending(&mut self, usage: Usage, include_usage: bool) -> Vec<String> {
+        let usage = include_usage.then(|| data(&self.usage_chunk(usage)));
+        usage.into_iter().chain([DONE.to_string()]).collect()
+    }
+    /// The frames that end a stream that failed after its status line went out: the
+    /// error in-band, as vLLM sends it, and `[DONE]`.
+    fn failure(&mut self, e: &ApiError) -> Vec<String> {
+        vec![data(&to_json(&e.body())), DONE.to_string()]
+    }
+    /// An error answered instead of a response, in the API's own shape.
+    fn error_response(e: ApiError) -> Response
+    where
+        Self: Sized,
+    {
+        e.into_response()
+    }
     /// The whole, non-streamed response; `choices` in index order.
     fn response(&mut self, choices: &[(u32, Output)], usage: Usage) -> String;
+}
+
+/// OpenAI's end of a stream.
+const DONE: &str = "data: [DONE]\n\n";
+
+/// One OpenAI SSE frame: `data: {json}`.
+pub fn data(json: &str) -> String {
+    format!("data: {json}\n\n")
 }
 
 /// One choice of a request.
@@ -141,7 +169,7 @@ pub async fn streamed<F: Format>(
     };
     for c in choices {
         if let Some(p) = state.format.preamble(c.index) {
-            state.queue.push_back(frame(&p));
+            state.queue.push_back(Bytes::from(p));
         }
         state.steps.push(steps_of(c));
     }
@@ -167,10 +195,6 @@ fn steps_of(c: Choice) -> BoxStream<'static, Step> {
         }
     })
     .boxed()
-}
-
-fn frame(json: &str) -> Bytes {
-    Bytes::from(format!("data: {json}\n\n"))
 }
 
 struct SseState<F> {
@@ -203,36 +227,34 @@ impl<F: Format> SseState<F> {
             match step {
                 Some(Step::Out(index, out)) => {
                     if !out.is_empty() {
-                        for chunk in self.format.chunk(index, &out) {
-                            self.queue.push_back(frame(&chunk));
-                        }
+                        let frames = self.format.chunk(index, &out);
+                        self.queue.extend(frames.into_iter().map(Bytes::from));
                     }
                 }
                 Some(Step::End(prompt, usage)) => {
                     self.usages.push((prompt, usage));
                     self.open -= 1;
                     if self.open == 0 {
-                        self.end(true);
+                        self.end(None);
                     }
                 }
-                // The status line is gone; report the error in-band, as vLLM does.
-                Some(Step::Failed(e)) => {
-                    self.queue.push_back(frame(&to_json(&e.body())));
-                    self.end(false);
-                }
-                None => self.end(true),
+                // The status line is gone: the error goes in-band.
+                Some(Step::Failed(e)) => self.end(Some(e)),
+                None => self.end(None),
             }
         }
     }
 
-    fn end(&mut self, ok: bool) {
+    /// Ends the stream: every choice finished, or `failed`.
+    fn end(&mut self, failed: Option<ApiError>) {
         if self.done {
             return;
         }
-        if ok && self.include_usage {
-            self.queue.push_back(frame(&self.format.usage_chunk(total(&self.usages))));
-        }
-        self.queue.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+        let frames = match failed {
+            None => self.format.ending(total(&self.usages), self.include_usage),
+            Some(e) => self.format.failure(&e),
+        };
+        self.queue.extend(frames.into_iter().map(Bytes::from));
         self.done = true;
         // Whatever still runs is cancelled.
         self.steps = SelectAll::new();

@@ -9,7 +9,7 @@
 use crate::batch::{Engine, EngineConfig, SpecConfig};
 use crate::grammar::Grammars;
 use crate::loader::LoadedModel;
-use pdserve_types::{Grammar, GrammarSpec, KvDtype, RequestId, SamplingParams};
+use pdserve_types::{Grammar, GrammarSpec, KvDtype, RequestId, SamplingParams, SpecTotals};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -59,6 +59,9 @@ pub struct Row {
     pub tokens_per_s: f64,
     /// Decoded with [`EngineBench::speculation`].
     pub speculative: bool,
+    /// Drafted tokens verified and accepted (in the run reported).
+    pub drafted: u64,
+    pub accepted: u64,
 }
 
 /// Everything `bench engine` measured.
@@ -89,16 +92,33 @@ pub fn engine(m: &LoadedModel, b: &EngineBench, mut each: impl FnMut(&Row)) -> R
     for &threads in &b.threads {
         for &p in &b.prefill {
             let tps = best_of(b.reps, || prefill(m, b.kv_dtype, threads, p));
-            push(Row { kind: "prefill", threads, prompt: p, batch: 1, tokens_per_s: tps, speculative: false });
+            let row = Row {
+                kind: "prefill",
+                threads,
+                prompt: p,
+                batch: 1,
+                tokens_per_s: tps,
+                speculative: false,
+                drafted: 0,
+                accepted: 0,
+            };
+            push(row);
         }
         // llama-bench's tg128: generation from an (almost) empty context (not with a
         // text to quote: a one-token prompt quotes nothing).
         let shapes = matches!(b.decode_prompts, DecodePrompts::Random).then_some((1, 1)).into_iter();
         for (prompt, batch) in shapes.chain(b.batch.iter().map(|&n| (b.decode_prompt, n))) {
             for spec in [None].into_iter().chain(b.speculation.as_ref().map(Some)) {
-                let run = || decode(m, b, threads, batch, prompt, spec);
-                let tps = best_of(b.reps, run);
-                push(Row { kind: "decode", threads, prompt, batch, tokens_per_s: tps, speculative: spec.is_some() });
+                let (mut tps, mut totals) = (0.0, SpecTotals::default());
+                for _ in 0..b.reps.max(1) {
+                    let (t, s) = decode(m, b, threads, batch, prompt, spec);
+                    if t > tps {
+                        (tps, totals) = (t, s);
+                    }
+                }
+                let speculative = spec.is_some();
+                let (drafted, accepted) = (totals.drafted, totals.accepted);
+                push(Row { kind: "decode", threads, prompt, batch, tokens_per_s: tps, speculative, drafted, accepted });
             }
         }
     }
@@ -188,7 +208,7 @@ fn constrained_decode(
     batch: usize,
     gen: u32,
 ) -> (f64, f64, f64) {
-    let mut e = new_engine(m, KvDtype::F16, threads, batch * (prompt.len() + gen as usize), batch, None);
+    let mut e = new_engine(m, KvDtype::F16, threads, batch * (prompt.len() + gen as usize), batch, None, STEP_TOKENS);
     let mut p = params(gen);
     if let Some((gs, g)) = grammar {
         e = e.with_grammars(gs.clone());
@@ -208,7 +228,11 @@ fn best_of(reps: usize, mut f: impl FnMut() -> f64) -> f64 {
     (0..reps.max(1)).map(|_| f()).fold(0.0, f64::max)
 }
 
-/// An engine of blocks enough for `tokens` over `seqs` sequences.
+/// The serving default's token budget of a step.
+const STEP_TOKENS: usize = 512;
+
+/// An engine of blocks enough for `tokens` over `seqs` sequences, `max_batch_tokens`
+/// a step.
 fn new_engine(
     m: &LoadedModel,
     kv_dtype: KvDtype,
@@ -216,12 +240,13 @@ fn new_engine(
     tokens: usize,
     seqs: usize,
     speculation: Option<&SpecConfig>,
+    max_batch_tokens: usize,
 ) -> Engine {
     let cfg = EngineConfig {
         threads,
         num_blocks: tokens.div_ceil(16) + seqs + 8,
         kv_dtype,
-        max_batch_tokens: 512,
+        max_batch_tokens,
         max_seqs: seqs.max(1),
         cache_salt: 0,
         objectives: None,
@@ -248,7 +273,7 @@ fn params(max_tokens: u32) -> SamplingParams {
 }
 
 fn prefill(m: &LoadedModel, kv: KvDtype, threads: usize, len: usize) -> f64 {
-    let mut e = new_engine(m, kv, threads, len + 1, 1, None);
+    let mut e = new_engine(m, kv, threads, len + 1, 1, None, STEP_TOKENS);
     let prompt = random_prompt(len, len as u64, m.model.cfg.vocab_size);
     let t = Instant::now();
     if e.add(RequestId(0), prompt, params(1)).is_err() {
@@ -260,6 +285,7 @@ fn prefill(m: &LoadedModel, kv: KvDtype, threads: usize, len: usize) -> f64 {
     len as f64 / t.elapsed().as_secs_f64()
 }
 
+/// Decode tokens per second, and the speculation totals of the run.
 fn decode(
     m: &LoadedModel,
     b: &EngineBench,
@@ -267,11 +293,15 @@ fn decode(
     batch: usize,
     prompt: usize,
     spec: Option<&SpecConfig>,
-) -> f64 {
+) -> (f64, SpecTotals) {
     let gen = b.decode_tokens;
     // Drafted rows need blocks past the sequence's end too.
     let seqs = batch * if spec.is_some() { 2 } else { 1 };
-    let mut e = new_engine(m, b.kv_dtype, threads, batch * (prompt + gen as usize), seqs, spec);
+    // Every prompt in one step, so that every sequence decodes from the same step on:
+    // the figure is of `batch` sequences decoding together (one that started early
+    // and drafted would otherwise be done before the clock starts).
+    let step = (batch * (prompt + 1)).max(STEP_TOKENS);
+    let mut e = new_engine(m, b.kv_dtype, threads, batch * (prompt + gen as usize), seqs, spec, step);
     for i in 0..batch {
         let p = match &b.decode_prompts {
             DecodePrompts::Random => random_prompt(prompt, 1000 + i as u64, m.model.cfg.vocab_size),
@@ -279,10 +309,10 @@ fn decode(
             DecodePrompts::Quote(text) => passage(text, prompt, i, (prompt / 4).min(32)),
         };
         if e.add(RequestId(i as u64), p, params(gen)).is_err() {
-            return 0.0;
+            return (0.0, SpecTotals::default());
         }
     }
-    decode_rate(&mut e, batch)
+    (decode_rate(&mut e, batch), e.stats().spec)
 }
 
 /// The `i`th prompt of `len` tokens from `text`: a passage of it, then its first

@@ -393,3 +393,15 @@ fn draft_frames_a_decode_engine_cannot_place_are_refused() {
         assert_eq!((s.blocks.used, s.draft_blocks.map_or(0, |b| b.used)), (0, 0), "{what}");
     }
 }
+
+#[test]
+fn the_draft_model_follows_a_prompt_computed_in_its_first_step() {
+    // A prompt admitted and computed whole in one step: the draft model computes it
+    // in that step too, not in the first decode step (which would hold up every
+    // other sequence's decode for a prefill).
+    let mut e = engine(drafting(self_draft(), 4, true), 512, 256);
+    let tokens = model().tokenizer.encode_with_bos(PROMPTS[0], false);
+    e.add(RequestId(0), tokens.clone(), params(0)).unwrap();
+    assert_eq!(e.step().len(), 1, "the prompt in one step");
+    assert_eq!(e.stats().spec.draft_prompt_tokens, tokens.len() as u64);
+}

@@ -343,10 +343,12 @@ fn engine_bench(a: EngineArgs) -> anyhow::Result<()> {
             )
         }
         (_, true) => println!(
-            "  speculative                    batch={:<3} {:8.1} tok/s  {:.2}x",
+            "  speculative                    batch={:<3} {:8.1} tok/s  {:.2}x  ({} of {} drafted accepted)",
             r.batch,
             r.tokens_per_s,
-            r.tokens_per_s / plain
+            r.tokens_per_s / plain,
+            r.accepted,
+            r.drafted
         ),
     });
     for (t, gbps) in &report.read_gb_per_s {

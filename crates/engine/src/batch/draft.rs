@@ -122,14 +122,19 @@ impl DraftImport {
     }
 }
 
+/// The most tokens a drafting sequence's cache lacks after a step that verified its
+/// draft: its last drafted token and the token the target sampled after it.
+const CATCH_UP: usize = 2;
+
 /// An engine's draft model at work: its cache, its scratch and its pass times.
 pub(crate) struct Drafter {
     model: Arc<Model>,
     kv: KvStorage,
     blocks: BlockPool,
     scratch: ForwardScratch,
-    /// The draft passes' times, fitted as decode steps are.
-    passes: DecodeSteps,
+    /// The drafting rounds' times over the tokens they drafted, fitted as decode
+    /// steps are.
+    rounds: DecodeSteps,
     /// Prompt tokens the draft model computed (none on a decode engine whose
     /// prefill engine shipped the prompt's draft K/V).
     prompt_tokens: u64,
@@ -156,7 +161,7 @@ impl Drafter {
             blocks: BlockPool::new(num_blocks, block_size),
             model,
             scratch: ForwardScratch::default(),
-            passes: DecodeSteps::default(),
+            rounds: DecodeSteps::default(),
             prompt_tokens: 0,
         }
     }
@@ -237,11 +242,12 @@ impl Drafter {
         self.blocks.stats()
     }
 
-    /// What a drafted token costs in the draft passes: the fit of their times once it
-    /// tells rows apart, else the mean pass time spread over its rows; `None` before
-    /// any pass.
+    /// What a drafted token costs in draft-model time: the fit of drafting rounds'
+    /// times over the tokens they drafted once it tells them apart (`drafting`
+    /// sequences sharing a round's fixed cost), else the mean over every token drafted;
+    /// `None` before any round.
     pub fn cost(&self, drafting: usize, context: usize) -> Option<f64> {
-        let p = &self.passes;
+        let p = &self.rounds;
         if p.tells_rows_apart() {
             if let Some(StepFit { fixed, per_row, per_context }) = p.fit() {
                 return Some(fixed / drafting.max(1) as f64 + per_row + per_context * context as f64);
@@ -274,13 +280,23 @@ impl Drafter {
             .collect();
         let mut left = budget;
         let mut first = true;
+        // A round's time, its catch-up pass included, is what its drafted tokens cost;
+        // one that caught up on more than the last step's tokens (a prompt, or steps
+        // that drafted nothing) is a prefill, not timed.
+        let (started, mut steady, mut context) = (std::time::Instant::now(), true, 0);
         while work.iter().any(|w| w.live && w.draft.len() < w.want) {
             let chunks = self.chunks(running, &mut work, first, &mut left);
             if chunks.is_empty() {
                 break;
             }
+            steady &= !first || chunks.iter().all(|(_, c)| c.len() <= CATCH_UP);
+            context += chunks.iter().map(|(k, _)| running[work[*k].seq].tokens.len()).sum::<usize>();
             self.pass(isa, pool, running, &mut work, &chunks);
             first = false;
+        }
+        let drafted: usize = work.iter().map(|w| w.draft.len()).sum();
+        if steady && drafted > 0 {
+            self.rounds.record(drafted, context, started.elapsed().as_secs_f64());
         }
         work.into_iter().map(|w| w.draft).collect()
     }
@@ -395,8 +411,6 @@ impl Drafter {
                 SeqBatch { tokens: chunk, start_pos, blocks, logits: usize::from(w.live), score: None }
             })
             .collect();
-        let context: usize = batch.iter().map(|b| b.start_pos + b.tokens.len()).sum();
-        let started = std::time::Instant::now();
         let logits = self.model.forward(isa, pool, &batch, &mut self.kv, &mut self.scratch, &mut |_, _| true);
         let vocab = self.model.cfg.vocab_size;
         let mut rows = logits.map(|l| l.chunks_exact(vocab)).into_iter().flatten();
@@ -412,10 +426,6 @@ impl Drafter {
                     w.draft.push(crate::sampler::greedy_token(row));
                 }
             }
-        }
-        // Catching up is a prefill: only single-token passes time a draft token.
-        if chunks.iter().all(|(_, c)| c.len() == 1) {
-            self.passes.record(chunks.len(), context, started.elapsed().as_secs_f64());
         }
     }
 }

@@ -219,6 +219,8 @@ impl Engine {
         if !blocked {
             self.admit(&mut plan, budget.min(prompts));
         }
+        // After admitting: a prompt computed whole in its first step is followed too.
+        self.draft_prompts(&plan);
         plan
     }
 
@@ -271,7 +273,6 @@ impl Engine {
     fn add_drafts(&mut self, plan: &mut [Planned], room: usize) -> usize {
         let Some(spec) = self.cfg.speculation.as_ref() else { return 0 };
         let (max_draft, verify_all) = (spec.max_draft, spec.verify_all);
-        self.draft_prompts(plan);
         let timed_without = matches!(self.compute, Compute::Timed(_)) && self.timed_speculation().is_none();
         if timed_without || room == 0 {
             return 0;

@@ -30,6 +30,17 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check openai anthropic prometheus-client "lm-eval[api]==0.4.13" \
     jsonschema "langchain-openai==1.7.4" "nats-py==2.16.0"
+# Claude Code, the coding agent, from npm (pinned), run against pdserve by the e2e suite.
+command -v npm >/dev/null || need_packages "npm is missing (Claude Code comes from npm)" npm
+clients=target/npm-clients
+claude_version=2.1.197
+if [ "$(cat "$clients/claude.version" 2>/dev/null)" != "$claude_version" ]; then
+    npm install -q --no-audit --no-fund --prefix "$clients" "@anthropic-ai/claude-code@$claude_version" >/dev/null
+    echo "$claude_version" > "$clients/claude.version"
+fi
+PDSERVE_CLAUDE="$PWD/$clients/node_modules/.bin/claude"
+"$PDSERVE_CLAUDE" --version >/dev/null
+export PDSERVE_CLAUDE
 # promtool (Prometheus's own checker) comes with Debian's prometheus package.
 command -v promtool >/dev/null || need_packages "promtool is missing" prometheus
 

@@ -1,8 +1,15 @@
 """Anthropic's Messages API end to end with the official `anthropic` SDK: a message,
 its stream, a forced tool call and the tool result sent back, token counting, and
 errors raised as the SDK's own exception types. A greedy message says what the same
-chat completion says (one prompt path). Called by test_openai.py for each mode.
+chat completion says (one prompt path). Then Claude Code (npm, its path in
+$PDSERVE_CLAUDE) runs one non-interactive prompt against the server to its end.
+Called by test_openai.py for each mode.
 """
+import json
+import os
+import subprocess
+import tempfile
+
 import anthropic
 import openai
 
@@ -59,6 +66,14 @@ def suite(mode, url, check):
         calls = [b for b in final.content if b.type == "tool_use"]
         assert final.stop_reason == "tool_use" and calls and isinstance(calls[0].input.get("city"), str), final
 
+    def structured_output():
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+                  "additionalProperties": False}
+        r = client.messages.create(model=model, max_tokens=40, extra_body=GREEDY, messages=ASK,
+                                   output_config={"format": {"type": "json_schema", "schema": schema}})
+        value = json.loads(r.content[0].text)
+        assert set(value) == {"city"} and isinstance(value["city"], str), value
+
     def count_tokens():
         n = client.messages.count_tokens(model=model, system=SYSTEM, messages=ASK)
         assert n.input_tokens == said["input"], (n, said["input"])
@@ -72,6 +87,22 @@ def suite(mode, url, check):
             except kind as e:
                 assert e.body["type"] == "error" and e.body["error"]["message"], e.body
 
+    def claude_code():
+        # --bare: Claude Code's own tool definitions alone are ~22k tokens, past the
+        # default model's 8,192-token context (docs/usage.md); the rest of its exchange
+        # (a titling request with a JSON-schema output_config, then the streamed
+        # answer, with its system prompt, max_tokens 32000, thinking) is the real one.
+        home = tempfile.mkdtemp()
+        env = {**os.environ, "HOME": home, "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "none"}
+        out = subprocess.run([os.environ["PDSERVE_CLAUDE"], "-p", "Say hello in one word.", "--model", model,
+                              "--bare", "--output-format", "json"], capture_output=True, text=True, timeout=300,
+                             env=env, cwd=home)
+        assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+        result = json.loads(out.stdout)
+        assert not result["is_error"] and result["num_turns"] >= 1, result
+        assert result["usage"]["input_tokens"] > 0 and result["usage"]["output_tokens"] > 0, result
+
     for name, fn in [("message", message), ("stream", stream), ("tool_round_trip", tool_round_trip),
-                     ("streamed_tool_call", streamed_tool_call), ("count_tokens", count_tokens), ("errors", errors)]:
+                     ("streamed_tool_call", streamed_tool_call), ("count_tokens", count_tokens), ("errors", errors),
+                     ("structured_output", structured_output), ("claude_code", claude_code)]:
         check(f"{mode}/anthropic_{name}", fn)

@@ -39,6 +39,8 @@ pub struct MessagesRequest {
     pub stream: Option<bool>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// Structured outputs: `{"format": {"type": "json_schema", "schema": ...}}`.
+    pub output_config: Option<Value>,
 }
 
 /// `POST /v1/messages/count_tokens`: a Messages request without `max_tokens`.
@@ -74,7 +76,9 @@ fn to_chat(req: MessagesRequest, count_only: bool) -> Result<ChatRequest, ApiErr
     for m in req.messages {
         messages.extend(turns(m)?);
     }
-    let tools = req.tools.map(|t| t.into_iter().map(tool).collect::<Result<Vec<_>, _>>()).transpose()?;
+    // An empty list is no tools (Claude Code sends one), not chat's 400.
+    let tools = req.tools.filter(|t| !t.is_empty());
+    let tools = tools.map(|t| t.into_iter().map(tool).collect::<Result<Vec<_>, _>>()).transpose()?;
     let (tool_choice, parallel) = match req.tool_choice {
         Some(c) => choice(&c)?,
         None => (None, None),
@@ -92,9 +96,27 @@ fn to_chat(req: MessagesRequest, count_only: bool) -> Result<ChatRequest, ApiErr
         ("tools", tools.map(Value::Array)),
         ("tool_choice", tool_choice),
         ("parallel_tool_calls", parallel.map(Value::from)),
+        ("response_format", req.output_config.as_ref().map(response_format).transpose()?.flatten()),
     ];
     chat.extend(fields.into_iter().filter_map(|(k, v)| Some((k.to_string(), v?))));
-    serde_json::from_value(Value::Object(chat)).map_err(|e| ApiError::malformed(e.to_string()))
+    let mut chat: ChatRequest =
+        serde_json::from_value(Value::Object(chat)).map_err(|e| ApiError::malformed(e.to_string()))?;
+    // Agents ask for more tokens than a small model's context holds: up to its end.
+    chat.clamp_to_context = true;
+    Ok(chat)
+}
+
+/// `output_config.format` (a JSON schema the reply must follow) as chat's
+/// `response_format`; `None` without a format.
+fn response_format(config: &Value) -> Result<Option<Value>, ApiError> {
+    const P: &str = "output_config";
+    let Some(format) = config.get("format").filter(|f| !f.is_null()) else { return Ok(None) };
+    match (format["type"].as_str(), format.get("schema")) {
+        (Some("json_schema"), Some(schema)) => {
+            Ok(Some(json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema}})))
+        }
+        _ => Err(ApiError::invalid(P, "output_config.format must be {\"type\": \"json_schema\", \"schema\": ...}")),
+    }
 }
 
 /// A system prompt's or a message's text blocks as one string.
@@ -119,8 +141,12 @@ fn kind(block: &Value) -> &str {
 /// (before its text), an assistant's `tool_use` blocks its calls.
 fn turns(m: InMessage) -> Result<Vec<Value>, ApiError> {
     const P: &str = "messages";
-    if m.role != "user" && m.role != "assistant" {
-        return Err(ApiError::invalid(P, format!("messages: role must be `user` or `assistant`, not `{}`", m.role)));
+    // Claude Code sends system turns among the messages too.
+    if !["user", "assistant", "system"].contains(&m.role.as_str()) {
+        return Err(ApiError::invalid(
+            P,
+            format!("messages: role must be user, assistant or system, not `{}`", m.role),
+        ));
     }
     let blocks = match m.content {
         Blocks::Text(t) => return Ok(vec![json!({"role": m.role, "content": t})]),

@@ -75,6 +75,10 @@ pub struct ChatRequest {
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(flatten)]
     pub common: CommonParams,
+    /// A `max_tokens` past the context's end is cut to it rather than refused
+    /// (Anthropic's Messages: agents ask for more than a small model's context holds).
+    #[serde(skip)]
+    pub clamp_to_context: bool,
 }
 
 #[derive(Debug, Deserialize)]

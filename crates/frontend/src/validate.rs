@@ -151,7 +151,9 @@ impl Validator {
         if explicit == Some(0) {
             return Err(ApiError::invalid("max_tokens", "max_tokens must be at least 1"));
         }
-        let default = self.context_length.saturating_sub(prompt.len()).min(DEFAULT_CHAT_MAX_TOKENS);
+        let left = self.context_length.saturating_sub(prompt.len());
+        let explicit = explicit.map(|n| if req.clamp_to_context { n.min(left) } else { n });
+        let default = left.min(DEFAULT_CHAT_MAX_TOKENS);
         let max_tokens = self.fit(prompt.len(), explicit, default)?;
         let prompts = vec![ValidPrompt { ids: prompt, text: None }];
         let mut v = self.finish(model, prompts, max_tokens, top, None, &req.common)?;

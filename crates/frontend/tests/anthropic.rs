@@ -167,7 +167,7 @@ async fn bad_requests_and_backend_errors_come_in_anthropics_shape() {
     assert_eq!(error(&s.post_json("/v1/messages", &no_max).await, 400), "invalid_request_error");
     let image = body(json!({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}));
     assert_eq!(error(&s.post_json("/v1/messages", &image).await, 400), "invalid_request_error");
-    let role = body(json!({"messages": [{"role": "system", "content": "Hi"}]}));
+    let role = body(json!({"messages": [{"role": "tool", "content": "Hi"}]}));
     assert_eq!(error(&s.post_json("/v1/messages", &role).await, 400), "invalid_request_error");
     assert_eq!(error(&s.post("/v1/messages", "{not json").await, 400), "invalid_request_error");
     let model = body(json!({"model": "no-such-model"}));
@@ -185,4 +185,31 @@ async fn bad_requests_and_backend_errors_come_in_anthropics_shape() {
     let (name, last) = ev.last().unwrap();
     assert_eq!((name.as_str(), last["error"]["type"].as_str()), ("error", Some("api_error")));
     assert!(last["error"]["message"].as_str().unwrap().contains("worker lost"));
+}
+
+/// What Claude Code sends: `max_tokens` past the context, an empty tool list, system
+/// turns among the messages, a JSON schema in `output_config`, fields for thinking
+/// and context management.
+#[tokio::test]
+async fn what_claude_code_sends_is_served() {
+    let s = Server::start(reply(ANSWER)).await;
+    let schema = json!({"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]});
+    let req = body(json!({
+        "max_tokens": 32000, "tools": [], "thinking": {"type": "adaptive"},
+        "context_management": {"edits": []}, "metadata": {"user_id": "u"}, "output_config": {"effort": "high"},
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Title this."}],
+    }));
+    let r = s.post_json("/v1/messages", &req).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sent = s.last_request();
+    // Up to the context's end, not refused.
+    assert_eq!(sent.params.max_tokens as usize, common::CONTEXT - sent.prompt.len());
+    // A schema in output_config is a structured output (this server has no grammar
+    // compiler, so it says so; the e2e suite's server follows the schema).
+    let schema = body(json!({"output_config": {"format": {"type": "json_schema", "schema": schema}}}));
+    let r = s.post_json("/v1/messages", &schema).await;
+    assert_eq!(error(&r, 400), "invalid_request_error");
+    assert!(r.text().contains("constrained outputs"), "{}", r.text());
+    let bad = body(json!({"output_config": {"format": {"type": "xml"}}}));
+    assert_eq!(error(&s.post_json("/v1/messages", &bad).await, 400), "invalid_request_error");
 }

@@ -2,14 +2,15 @@
 //!
 //! The draft model keeps a KV cache of its own (its own pool, blocks and dtype as
 //! the target's), one table per sequence, kept beside the sequence so that whatever
-//! drops the sequence drops its draft K/V too. Before a step, each sequence that
-//! drafts brings its draft cache up to its tokens (usually the one token sampled
-//! last step; the whole prompt the first time, a prefill the draft model does on the
-//! worker that decodes) and then runs the draft model greedily one token a pass, all
-//! drafting sequences batched in each pass. The target verifies the draft as it
-//! verifies an n-gram draft: a greedy draft is a single choice, so keeping a drafted
-//! token exactly when the target's own sample equals it leaves the target's output,
-//! greedy or sampled, what plain decoding gives.
+//! drops the sequence drops its draft K/V too. The draft model computes a prompt's
+//! chunks in the steps that compute them, and a prefill engine ships the prompt's
+//! draft K/V after the target's (a decode engine that received it computes none).
+//! Before a step, each sequence that drafts brings its draft cache up to its tokens
+//! (the tokens sampled since it last drafted) and then runs the draft model greedily
+//! one token a pass, all drafting sequences batched in each pass. The target
+//! verifies the draft as it verifies an n-gram draft: a greedy draft is a single
+//! choice, so keeping a drafted token exactly when the target's own sample equals it
+//! leaves the target's output, greedy or sampled, what plain decoding gives.
 //!
 //! After the step, the draft cache is valid as far as the sequence's computed
 //! tokens: drafted tokens the target rejected are cut off the next time the sequence
@@ -126,7 +127,7 @@ impl DraftImport {
 /// draft: its last drafted token and the token the target sampled after it.
 const CATCH_UP: usize = 2;
 
-/// An engine's draft model at work: its cache, its scratch and its pass times.
+/// An engine's draft model at work: its cache, its scratch and its rounds' times.
 pub(crate) struct Drafter {
     model: Arc<Model>,
     kv: KvStorage,

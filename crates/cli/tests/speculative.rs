@@ -126,7 +126,8 @@ fn workers_that_draft_apart_refuse_each_other_at_the_handshake() {
     eventually("the refusal", || fe.logged("worker not used"));
     let log = fe.log.lock().unwrap().clone();
     let line = log.iter().find(|l| l.contains("worker not used")).unwrap();
-    assert!(line.contains("drafts with SmolLM2") && line.contains("with no draft model"), "{line}");
+    // Either side may be named first.
+    assert!(line.contains("drafts with") && line.contains("SmolLM2") && line.contains("no draft model"), "{line}");
     assert_eq!(metric(fe.addr, "pdserve_worker_up", ""), 1.0);
 }
 

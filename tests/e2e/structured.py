@@ -132,10 +132,25 @@ def suite(mode, url, check, curl):
                     assert call.function.name == "get_time", call
                 jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
                 assert call.id and call.type == "function"
-        # Parallel calls allowed: one or more, each valid.
-        m = chat("Weather in Paris and Oslo?", tools=[WEATHER], tool_choice="required").choices[0]
+        # Parallel calls asked for: one or more, each valid.
+        m = chat("Weather in Paris and Oslo?", tools=[WEATHER], tool_choice="required",
+                 parallel_tool_calls=True).choices[0]
         assert m.finish_reason == "tool_calls" and 1 <= len(m.message.tool_calls) <= 8, m
         GREEDY.setdefault("tools", {})[mode] = [(c.function.name, c.function.arguments) for c in m.message.tool_calls]
+
+    def tools_within_a_budget():
+        # A forced call ends when it is complete: one call, inside a small max_tokens.
+        r = chat("What is the weather in Paris?", tools=[WEATHER], tool_choice="required", max_tokens=60)
+        m = r.choices[0]
+        assert m.finish_reason == "tool_calls" and len(m.message.tool_calls) == 1, r
+        assert r.usage.completion_tokens < 60, r
+        # Parallel calls cut by max_tokens: the complete ones come back as calls.
+        r = chat("Weather in Paris, Oslo, Rome, Lima, Cairo and Tokyo?", tools=[WEATHER], tool_choice="required",
+                 parallel_tool_calls=True, max_tokens=60)
+        m = r.choices[0]
+        assert m.finish_reason == "tool_calls" and m.message.tool_calls and m.message.content is None, r
+        for call in m.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
     def tools_auto_both_ways():
         # Prose when nothing calls for a tool.
@@ -240,9 +255,14 @@ def suite(mode, url, check, curl):
         msg = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Lima?")
         assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather", msg
         assert isinstance(msg.tool_calls[0]["args"]["city"], str), msg
+        # Forced at a small budget (LangChain's "any"), the call still comes back as a call.
+        short = ChatOpenAI(base_url=url + "/v1", api_key="none", model=model, temperature=0, max_tokens=60)
+        msg = short.bind_tools([WEATHER], tool_choice="any").invoke("Weather in Lima?")
+        assert len(msg.tool_calls) == 1 and msg.tool_calls[0]["name"] == "get_weather", msg
 
     tests = [("schemas_validate", schemas_validate), ("json_object", json_object), ("sdk_parse", sdk_parse),
              ("vllm_extensions", vllm_extensions), ("tools_required_and_named", tools_required_and_named),
+             ("tools_within_a_budget", tools_within_a_budget),
              ("tools_auto_both_ways", tools_auto_both_ways), ("tool_round_trip", tool_round_trip),
              ("streamed_tool_calls", streamed_tool_calls), ("logit_bias", logit_bias), ("bad_inputs", bad_inputs),
              ("metrics_recorded", metrics_recorded)]

@@ -9,9 +9,11 @@
 //!
 //! - `"auto"` (the default with tools): the model writes prose or calls, unconstrained;
 //!   calls it writes are parsed.
-//! - `"required"`: the reply is constrained to one or more calls (one with
-//!   `parallel_tool_calls: false`, at most [`MAX_PARALLEL_CALLS`] otherwise), each
-//!   naming a tool, its arguments valid against that tool's `parameters`.
+//! - `"required"`: the reply is constrained to calls, each naming a tool, its
+//!   arguments valid against that tool's `parameters`: exactly one, so the reply ends
+//!   when the call is complete, unless `parallel_tool_calls: true` allows up to
+//!   [`MAX_PARALLEL_CALLS`]. (llama-server's default; a small model told it may call
+//!   again writes the same call twice and runs into `max_tokens`.)
 //! - `{"type": "function", "function": {"name": ...}}`: the same, for that tool alone.
 //! - `"none"`: the tools are not shown to the model and nothing is parsed.
 
@@ -80,7 +82,7 @@ pub fn parse(tools: Option<&Value>, choice: Option<&Value>, parallel: Option<boo
         return Err(ApiError::invalid("tools", format!("two tools are named `{}`", dup.1.name)));
     }
     let choice = tool_choice(choice, &functions)?;
-    Ok(Some(Tools { functions, choice, parallel: parallel.unwrap_or(true) }))
+    Ok(Some(Tools { functions, choice, parallel: parallel.unwrap_or(false) }))
 }
 
 fn function(v: &Value) -> Result<Function, ApiError> {
@@ -222,14 +224,19 @@ impl Tools {
     }
 
     /// The calls of a reply that is nothing but calls to known tools (whitespace
-    /// aside), or `None`: then the reply is prose.
+    /// aside), or `None`: then the reply is prose. A last call cut off unfinished
+    /// (by `max_tokens`) is dropped when complete calls come before it.
     pub fn calls(&self, text: &str) -> Option<Vec<Call>> {
         if !self.active() {
             return None;
         }
         let mut rest = text.trim();
         let mut calls = Vec::new();
-        while let Some(after) = rest.strip_prefix(CALL_OPEN) {
+        while !rest.is_empty() {
+            if !calls.is_empty() && cut_call(rest) {
+                break;
+            }
+            let after = rest.strip_prefix(CALL_OPEN)?;
             let (body, tail) = after.split_once(CALL_CLOSE).unwrap_or((after, ""));
             let v: Value = serde_json::from_str(body.trim()).ok()?;
             let name = v.get("name")?.as_str()?;
@@ -240,8 +247,15 @@ impl Tools {
             calls.push(Call { name: name.to_string(), arguments: args.to_string() });
             rest = tail.trim_start();
         }
-        (rest.is_empty() && !calls.is_empty()).then_some(calls)
+        (!calls.is_empty()).then_some(calls)
     }
+}
+
+/// Whether `rest` is the start of a call that never closed: its opening tag or part
+/// of it, with no closing tag after.
+fn cut_call(rest: &str) -> bool {
+    let opening = rest.starts_with(CALL_OPEN) || CALL_OPEN.starts_with(rest);
+    opening && !rest.contains(CALL_CLOSE)
 }
 
 /// An assistant turn's earlier calls (its `tool_calls`) as (name, arguments), the
@@ -329,6 +343,36 @@ mod tests {
     }
 
     #[test]
+    fn complete_calls_survive_a_cut_last_call() {
+        let t = tools(json!("required"));
+        let one = "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
+        let table: [(&str, Option<usize>); 6] = [
+            ("<tool_call>\n{\"name\": \"get_ti", None),
+            (&format!("{one}\n<tool_call>\n{{\"name\": \"get_ti")[..], Some(1)),
+            (&format!("{one}\n<tool_")[..], Some(1)),
+            (&format!("{one}\n{one}")[..], Some(2)),
+            (&format!("{one}\nand then some prose")[..], None),
+            (&format!("{one}\n<tool_call>{{\"name\": \"get_time\", \"arguments\": 3}}</tool_call>")[..], None),
+        ];
+        for (text, calls) in table {
+            assert_eq!(t.calls(text).map(|c| c.len()), calls, "{text}");
+        }
+    }
+
+    #[test]
+    fn a_forced_call_is_one_call_unless_parallel_calls_are_asked_for() {
+        let grammar = |parallel| {
+            let t = parse(Some(&weather()), Some(&json!("required")), parallel).unwrap().unwrap();
+            match t.grammar().unwrap() {
+                Some(Grammar { spec: GrammarSpec::Lark(g), .. }) => g,
+                _ => panic!("no grammar"),
+            }
+        };
+        assert!(!grammar(None).contains("{0,") && !grammar(Some(false)).contains("{0,"));
+        assert!(grammar(Some(true)).contains("{0,7}"));
+    }
+
+    #[test]
     fn earlier_calls_render_as_text_or_for_templates() {
         let calls = json!([{"id": "c0", "type": "function", "function": {"name": "get_time", "arguments": "{\"zone\": \"UTC\"}"}}]);
         assert_eq!(
@@ -349,7 +393,7 @@ mod tests {
         let Some(Grammar { spec: GrammarSpec::Lark(all), .. }) = tools(json!("required")).grammar().unwrap() else {
             panic!("no grammar")
         };
-        assert!(all.contains("anyOf") && all.contains("get_time") && all.contains("{0,7}"), "{all}");
+        assert!(all.contains("anyOf") && all.contains("get_time"), "{all}");
         let named = tools(json!({"type": "function", "function": {"name": "get_time"}}));
         let Some(Grammar { spec: GrammarSpec::Lark(one), .. }) = named.grammar().unwrap() else { panic!("no grammar") };
         assert!(!one.contains("get_weather") && !one.contains("anyOf"), "{one}");

@@ -30,7 +30,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check openai anthropic prometheus-client "lm-eval[api]==0.4.13" \
     jsonschema "langchain-openai==1.7.4" "nats-py==2.16.0"
-# Claude Code, the coding agent, from npm (pinned), run against pdserve by the e2e suite.
+# Claude Code, Anthropic's coding agent, from npm (pinned), run against pdserve by the e2e suite.
 command -v npm >/dev/null || need_packages "npm is missing (Claude Code comes from npm)" npm
 clients=target/npm-clients
 claude_version=2.1.197
@@ -41,6 +41,15 @@ fi
 PDSERVE_CLAUDE="$PWD/$clients/node_modules/.bin/claude"
 "$PDSERVE_CLAUDE" --version >/dev/null
 export PDSERVE_CLAUDE
+# Codex, OpenAI's coding agent, from npm (pinned), run against /v1/responses.
+codex_version=0.171.0
+if [ "$(cat "$clients/codex.version" 2>/dev/null)" != "$codex_version" ]; then
+    npm install -q --no-audit --no-fund --prefix "$clients" "@openai/codex@$codex_version" >/dev/null
+    echo "$codex_version" > "$clients/codex.version"
+fi
+PDSERVE_CODEX="$PWD/$clients/node_modules/.bin/codex"
+"$PDSERVE_CODEX" --version >/dev/null
+export PDSERVE_CODEX
 # promtool (Prometheus's own checker) comes with Debian's prometheus package.
 command -v promtool >/dev/null || need_packages "promtool is missing" prometheus
 

@@ -1,7 +1,8 @@
 """End-to-end: `pdserve serve` on the real model in every mode, and the same roles as
 separate processes (`pdserve worker` x2 behind `pdserve frontend`), driven by the
 official openai SDK and curl (structured outputs and tools: structured.py) and the
-official anthropic SDK (anthropic_api.py), /metrics checked by `promtool check metrics` (Debian's
+official anthropic SDK (anthropic_api.py), the Responses API with the openai SDK and
+Codex (responses_api.py), /metrics checked by `promtool check metrics` (Debian's
 prometheus package) and parsed by the Prometheus client library, then stopped with
 SIGTERM. Run by scripts/test.sh; prints one
 summary line.
@@ -22,6 +23,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 import anthropic_api
+import responses_api
 import structured
 
 PDSERVE = sys.argv[1]
@@ -56,8 +58,8 @@ def spawn(*args):
     return subprocess.Popen([PDSERVE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def start(mode):
-    """The server for `mode`: the front process last in the list."""
+def start(mode, *extra):
+    """The server for `mode` (with `extra` arguments): the front process last in the list."""
     port = free_port()
     if mode == "processes":
         ports = [free_port(), free_port()]
@@ -70,7 +72,7 @@ def start(mode):
         procs.append(spawn("frontend", "--workers", workers, "--mode", "disaggregated", "--port", str(port), *NAMES,
                            "--cluster-token-file", token))
     else:
-        procs = [spawn("serve", "--mode", mode, "--port", str(port), *NAMES)]
+        procs = [spawn("serve", "--mode", mode, "--port", str(port), *NAMES, *extra)]
     proc = procs[-1]
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -288,6 +290,17 @@ def suite(mode, url):
         assert "decode" in phases, phases
         if mode in ("disaggregated", "processes"):
             assert {"queue_prefill", "prefill", "kv_transfer", "queue_decode"} <= phases, phases
+        # vLLM's first counters: prompt and generated tokens by model and worker.
+        # One series per model, labelled with its first name whatever alias was asked for.
+        model = client.models.list().data[0].id
+        for name in ("pdserve_prompt_tokens", "pdserve_generation_tokens"):
+            samples = [s for s in families[name].samples if s.name.endswith("_total")]
+            assert samples and all(s.labels["model"] == model and s.labels["worker"] for s in samples), samples
+            assert sum(s.value for s in samples) > 0, samples
+        if mode in ("disaggregated", "processes"):
+            prefilled = {s.labels["worker"] for s in families["pdserve_prompt_tokens"].samples if s.value > 0}
+            decoded = {s.labels["worker"] for s in families["pdserve_generation_tokens"].samples if s.value > 0}
+            assert prefilled != decoded, (prefilled, decoded)
 
     for name, fn in [("completion", completion), ("completion_stream", completion_stream), ("chat", chat),
                      ("chat_stream_logprobs", chat_stream_logprobs), ("stop_string", stop_string),
@@ -298,16 +311,39 @@ def suite(mode, url):
         check(f"{mode}/{name}", fn)
     structured.suite(mode, url, check, curl)
     anthropic_api.suite(mode, url, check)
+    responses_api.suite(mode, url, check)
     # lm-eval takes a few seconds to start: once in one process, once across processes.
     for name, fn in [("lm_eval_loglikelihood", lm_eval_loglikelihood)] if mode in ("aggregated", "processes") else []:
         check(f"{mode}/{name}", fn)
 
 
+def greedy_default_suite(url):
+    """A server started with --override-generation-config: requests that set no
+    temperature are sampled greedily; Codex, which sets none, runs against it."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+
+    def defaults_apply():
+        ask = dict(model=model, max_tokens=24, messages=[{"role": "user", "content": "Tell me a story."}])
+        greedy = client.chat.completions.create(temperature=0, **ask).choices[0].message.content
+        for _ in range(3):
+            assert client.chat.completions.create(**ask).choices[0].message.content == greedy
+        sampled = {client.chat.completions.create(temperature=1.5, seed=s, **ask).choices[0].message.content
+                   for s in range(4)}
+        assert len(sampled) > 1, sampled
+
+    check("greedy_default/defaults_apply", defaults_apply)
+    responses_api.codex(url, check)
+
+
 def main():
-    for mode in ("aggregated", "disaggregated", "auto", "processes"):
-        procs, url = start(mode)
+    servers = [(mode, (mode,), suite) for mode in ("aggregated", "disaggregated", "auto", "processes")]
+    greedy = ("disaggregated", "--override-generation-config", '{"temperature": 0}')
+    servers.append(("greedy_default", greedy, lambda _, url: greedy_default_suite(url)))
+    for mode, args, tests in servers:
+        procs, url = start(*args)
         try:
-            suite(mode, url)
+            tests(mode, url)
         finally:
             # The front process first (it drains), then any workers behind it.
             rc = None

@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | malformed JSON, wrong types, out-of-range values, context too long | 400 | `invalid_request_error` | null, or `context_length_exceeded` |
 //! | API key missing or wrong (with `WWW-Authenticate: Bearer`) | 401 | `authentication_error` | `invalid_api_key` |
-//! | unknown model / unknown route | 404 | `invalid_request_error` | `model_not_found` / `not_found` |
+//! | unknown model / unknown route or stored response | 404 | `invalid_request_error` | `model_not_found` / `not_found` |
 //! | wrong method | 405 | `invalid_request_error` | `method_not_allowed` |
 //! | body not all sent within the deadline (the connection then closes) | 408 | `invalid_request_error` | `request_timeout` |
 //! | body over the limit | 413 | `invalid_request_error` | `request_too_large` |
@@ -30,6 +30,8 @@ pub enum ApiError {
     Invalid { message: String, param: Option<&'static str> },
     #[error("the model `{0}` does not exist")]
     ModelNotFound(String),
+    #[error("no stored response with id `{0}`")]
+    ResponseNotFound(String),
     #[error("no route for {0}")]
     RouteNotFound(String),
     #[error("method not allowed")]
@@ -67,7 +69,9 @@ impl ApiError {
         match self {
             ApiError::Invalid { param, .. } => (StatusCode::BAD_REQUEST, BAD, *param, None),
             ApiError::ModelNotFound(_) => (StatusCode::NOT_FOUND, BAD, Some("model"), Some("model_not_found")),
-            ApiError::RouteNotFound(_) => (StatusCode::NOT_FOUND, BAD, None, Some("not_found")),
+            ApiError::RouteNotFound(_) | ApiError::ResponseNotFound(_) => {
+                (StatusCode::NOT_FOUND, BAD, None, Some("not_found"))
+            }
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, BAD, None, Some("method_not_allowed")),
             ApiError::MissingApiKey | ApiError::InvalidApiKey => {
                 (StatusCode::UNAUTHORIZED, "authentication_error", None, Some("invalid_api_key"))

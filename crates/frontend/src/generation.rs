@@ -77,14 +77,18 @@ pub struct Tracker {
     trace: Trace,
     /// Told when the request is accepted and when it ends.
     observer: Option<(Arc<dyn Observer>, RequestRecord)>,
+    /// The model and prompt tokens, once the request is accepted.
+    accepted: Option<(String, usize)>,
 }
 
 impl Tracker {
     pub(crate) fn new(metrics: Metrics, mode: Arc<str>, span: tracing::Span, open: crate::lifecycle::Open) -> Self {
         let start = Instant::now();
         Tracker {
-            trace: Trace::default(),
+            // Always kept: the token counters need to know which workers ran it.
+            trace: Trace::new(),
             observer: None,
+            accepted: None,
             metrics,
             mode,
             span,
@@ -100,7 +104,6 @@ impl Tracker {
 
     /// Reports the request to `observer` (accepted, then finished) as `record`.
     pub(crate) fn observed(mut self, observer: Arc<dyn Observer>, record: RequestRecord) -> Self {
-        self.trace = Trace::new();
         self.observer = Some((observer, record));
         self
     }
@@ -110,8 +113,11 @@ impl Tracker {
         self.trace.clone()
     }
 
-    /// The request is valid and about to run.
-    pub(crate) fn accepted(&mut self, model: &str, prompt_tokens: usize) {
+    /// The request is valid and about to run: `model` is the name it asked for,
+    /// `served` the model's first name, which labels its token counts (one series
+    /// whatever alias a client uses).
+    pub(crate) fn accepted(&mut self, model: &str, served: &str, prompt_tokens: usize) {
+        self.accepted = Some((served.to_string(), prompt_tokens));
         if let Some((observer, record)) = &mut self.observer {
             record.model = Some(model.to_string());
             record.prompt_tokens = prompt_tokens;
@@ -156,6 +162,7 @@ impl Drop for Tracker {
             duration_ms = pdserve_types::millis(self.start.elapsed()),
             "request finished"
         );
+        self.count_tokens(outcome);
         self.report(outcome);
         if outcome != Outcome::Ok {
             return;
@@ -170,6 +177,17 @@ impl Drop for Tracker {
 }
 
 impl Tracker {
+    /// Counts the request's tokens by the workers that ran it; nothing for a request
+    /// no worker took.
+    fn count_tokens(&self, outcome: Outcome) {
+        let Some((model, prompt)) = self.accepted.as_ref().filter(|_| outcome != Outcome::Rejected) else { return };
+        let t = self.trace.get();
+        let Some(decode) = t.decode.as_deref() else { return };
+        // A local prefill ran on the decode worker.
+        let prefill = t.prefill.as_deref().unwrap_or(decode);
+        self.metrics.tokens(model, (prefill, *prompt), (decode, self.tokens));
+    }
+
     /// The finished record, to the observer.
     fn report(&mut self, outcome: Outcome) {
         let Some((observer, mut r)) = self.observer.take() else { return };

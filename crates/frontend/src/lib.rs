@@ -6,8 +6,8 @@
 //! ```
 //!
 //! OpenAI-compatible HTTP in (`/v1/completions`, `/v1/chat/completions`,
-//! `/v1/models`, `/health`, `/metrics`), and Anthropic's `/v1/messages` over the chat
-//! path; validation into a [`ValidRequest`] (chat template, tokenization, sampling
+//! `/v1/models`, `/health`, `/metrics`), and Anthropic's `/v1/messages` and OpenAI's
+//! `/v1/responses` over the chat path; validation into a [`ValidRequest`] (chat template, tokenization, sampling
 //! ranges); a token stream back, detokenized, cut at stop strings and sent as JSON or
 //! server-sent events. Every failure is one [`ApiError`], mapped once to a status, and
 //! to each API's error body by its format. Dropping a
@@ -28,6 +28,8 @@ pub use pdserve_telemetry::metrics;
 pub mod observe;
 mod openai;
 mod request_id;
+mod response_store;
+mod responses;
 mod sse;
 mod stop;
 mod structured;
@@ -41,7 +43,9 @@ pub use extract::BODY_LIMIT;
 pub use lifecycle::Lifecycle;
 pub use listen::HttpLimits;
 pub use metrics::Metrics;
-pub use validate::{ValidRequest, Validator, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS};
+pub use validate::{
+    GenerationDefaults, ValidRequest, Validator, DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS,
+};
 
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::header::CONTENT_TYPE;
@@ -83,6 +87,8 @@ pub(crate) struct AppState {
     observer: Option<Arc<dyn Observer>>,
     /// The key clients must present, if any.
     api_key: Option<auth::ApiKey>,
+    /// Responses kept for `previous_response_id`.
+    responses: Arc<response_store::ResponseStore>,
 }
 
 impl Frontend {
@@ -108,6 +114,7 @@ impl Frontend {
             context_length,
             max_prompt_bytes,
             grammars: None,
+            defaults: GenerationDefaults::default(),
         };
         let life = Lifecycle::default();
         let state = AppState {
@@ -120,6 +127,7 @@ impl Frontend {
             origins: None,
             observer: None,
             api_key: None,
+            responses: Arc::default(),
         };
         Frontend { state }
     }
@@ -154,6 +162,12 @@ impl Frontend {
         self
     }
 
+    /// Samples with `defaults` where a request leaves a field out.
+    pub fn with_generation_defaults(mut self, defaults: GenerationDefaults) -> Frontend {
+        self.state.validator.defaults = defaults;
+        self
+    }
+
     /// Lets browsers on `origins` call the API (CORS).
     pub fn with_cors(mut self, origins: Option<Origins>) -> Frontend {
         self.state.origins = origins;
@@ -179,6 +193,9 @@ impl Frontend {
             .route("/v1/chat/completions", post(chat_completions::handler))
             .route("/v1/messages", post(anthropic::handler))
             .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+            .route("/v1/responses", post(responses::create))
+            .route("/v1/responses/{id}", get(responses::get).delete(responses::delete))
+            .route("/v1/responses/{id}/input_items", get(responses::input_items))
             .route("/v1/models", get(models))
             .route("/v1/models/{*id}", get(model_card))
             .route("/tokenize", post(tokenize::tokenize))
@@ -279,7 +296,8 @@ pub(crate) async fn run<F: Format>(
         Ok(v) => v,
         Err(e) => return reject::<F>(tracker, e),
     };
-    tracker.accepted(&v.model, v.prompts.iter().map(|p| p.ids.len()).sum());
+    let served = app.validator.model_ids.first().unwrap_or(&v.model);
+    tracker.accepted(&v.model, served, v.prompts.iter().map(|p| p.ids.len()).sum());
     if let Some(field) = v.constrained_by {
         app.metrics.constrained(field);
         tagged.span.record("constrained_by", field);

@@ -2,7 +2,9 @@
 //! tokenized, every sampling value range-checked. Code past this point trusts it.
 //!
 //! Defaults follow OpenAI and vLLM:
-//! - `temperature` 1, `top_p` 1, no top-k, min-p or penalties.
+//! - `temperature` 1, `top_p` 1, no top-k, min-p or penalties; the server's
+//!   [`GenerationDefaults`] (`--override-generation-config`, as vLLM's) replace these
+//!   for fields a request leaves out.
 //! - `max_tokens` 16 for completions. For chat, the rest of the context
 //!   (`context_length − prompt`), capped at [`DEFAULT_CHAT_MAX_TOKENS`] so a forgotten
 //!   limit cannot hold a worker for minutes. Defaults shrink to fit the context; an
@@ -87,6 +89,57 @@ pub struct Validator {
     /// Compiles output constraints, to refuse a bad one with a 400 before it is
     /// queued; `None` refuses every constrained request.
     pub grammars: Option<Arc<Grammars>>,
+    /// Sampling values for fields a request leaves out.
+    pub defaults: GenerationDefaults,
+}
+
+/// Sampling defaults of the server, in place of OpenAI's for fields a request does not
+/// set: agents such as Codex send no `temperature`, and a small model sampled at 1
+/// rambles. Given as vLLM's `--override-generation-config` JSON; unknown keys are an
+/// error.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerationDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+}
+
+impl GenerationDefaults {
+    /// Parses the JSON object, checking each value's range as a request's would be.
+    pub fn parse(json: &str) -> Result<GenerationDefaults, String> {
+        let d: GenerationDefaults = serde_json::from_str(json).map_err(|e| format!("generation config: {e}"))?;
+        let c = CommonParams {
+            temperature: d.temperature,
+            top_p: d.top_p,
+            top_k: d.top_k,
+            min_p: d.min_p,
+            repetition_penalty: d.repetition_penalty,
+            frequency_penalty: d.frequency_penalty,
+            presence_penalty: d.presence_penalty,
+            ..Default::default()
+        };
+        sampling(&c, &GenerationDefaults::default()).map(|_| d).map_err(|e| format!("generation config: {e}"))
+    }
+}
+
+/// The sampling values of `c`, each from `defaults` where `c` leaves it out, checked.
+fn sampling(c: &CommonParams, defaults: &GenerationDefaults) -> Result<SamplingParams, ApiError> {
+    let params = SamplingParams {
+        temperature: c.temperature.or(defaults.temperature).unwrap_or(1.0),
+        top_k: top_k(c.top_k.or(defaults.top_k))?,
+        top_p: c.top_p.or(defaults.top_p).unwrap_or(1.0),
+        min_p: c.min_p.or(defaults.min_p).unwrap_or(0.0),
+        repetition_penalty: c.repetition_penalty.or(defaults.repetition_penalty).unwrap_or(1.0),
+        frequency_penalty: c.frequency_penalty.or(defaults.frequency_penalty).unwrap_or(0.0),
+        presence_penalty: c.presence_penalty.or(defaults.presence_penalty).unwrap_or(0.0),
+        ..SamplingParams::default()
+    };
+    Ok(params.validate()?)
 }
 
 impl Validator {
@@ -250,13 +303,6 @@ impl Validator {
         let params = SamplingParams {
             max_tokens: u32::try_from(max_tokens).unwrap_or(u32::MAX),
             min_tokens: count("min_tokens", c.min_tokens)?.map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX)),
-            temperature: c.temperature.unwrap_or(1.0),
-            top_k: top_k(c.top_k)?,
-            top_p: c.top_p.unwrap_or(1.0),
-            min_p: c.min_p.unwrap_or(0.0),
-            repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
-            frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
-            presence_penalty: c.presence_penalty.unwrap_or(0.0),
             // Negative seeds are accepted (vLLM does) and reinterpreted as u64.
             seed: c.seed.map(|s| s as u64),
             ignore_eos: c.ignore_eos.unwrap_or(false),
@@ -266,6 +312,7 @@ impl Validator {
             stop: StopCondition { strings: stop_strings(&c.stop), token_ids: self.stop_ids(&c.stop_token_ids)? },
             logit_bias: self.logit_bias(&c.logit_bias)?,
             grammar: None,
+            ..sampling(c, &self.defaults)?
         }
         .validate()?;
         let stream = c.stream.unwrap_or(false);
@@ -487,5 +534,33 @@ fn stop_strings(stop: &Option<Stop>) -> Vec<String> {
         None => Vec::new(),
         Some(Stop::One(s)) => vec![s.clone()],
         Some(Stop::Many(v)) => v.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_defaults_fill_only_what_a_request_leaves_out() {
+        let defaults = GenerationDefaults::parse(r#"{"temperature": 0, "top_k": 40}"#).unwrap();
+        let omitted = sampling(&CommonParams::default(), &defaults).unwrap();
+        assert_eq!((omitted.temperature, omitted.top_k, omitted.top_p), (0.0, 40, 1.0));
+        let asked = CommonParams { temperature: Some(0.7), ..Default::default() };
+        assert_eq!(sampling(&asked, &defaults).unwrap().temperature, 0.7);
+        assert_eq!(sampling(&CommonParams::default(), &GenerationDefaults::default()).unwrap().temperature, 1.0);
+    }
+
+    #[test]
+    fn a_bad_generation_config_is_one_clear_error() {
+        for (json, says) in [
+            (r#"{"temperature": -1}"#, "temperature"),
+            (r#"{"temprature": 0}"#, "unknown field"),
+            (r#"{"top_k": -5}"#, "top_k"),
+            ("not json", "generation config"),
+        ] {
+            let e = GenerationDefaults::parse(json).unwrap_err();
+            assert!(e.contains(says) && !e.contains('\n'), "{json}: {e}");
+        }
     }
 }

@@ -24,6 +24,8 @@ const REQUEST_TPOT: &str = "pdserve_request_tpot_seconds";
 const REQUEST_ITL: &str = "pdserve_request_itl_seconds";
 const REQUEST_E2E: &str = "pdserve_request_e2e_seconds";
 const REQUESTS: &str = "pdserve_requests";
+const PROMPT_TOKENS: &str = "pdserve_prompt_tokens";
+const GENERATION_TOKENS: &str = "pdserve_generation_tokens";
 const PHASE: &str = "pdserve_phase_seconds";
 const PREFILL_ROUTE: &str = "pdserve_prefill_route";
 const MIGRATED: &str = "pdserve_requests_migrated";
@@ -137,6 +139,8 @@ struct Inner {
     itl: Histograms,
     e2e: Histograms,
     requests: Family<Label1, Counter>,
+    prompt_tokens: Family<Label2, Counter>,
+    generation_tokens: Family<Label2, Counter>,
     phase: Histograms,
     prefill_route: Family<Label1, Counter>,
     migrated: Family<Label1, Counter>,
@@ -193,6 +197,8 @@ impl Metrics {
             itl: histograms(),
             e2e: histograms(),
             requests: Family::default(),
+            prompt_tokens: Family::default(),
+            generation_tokens: Family::default(),
             phase: histograms(),
             prefill_route: Family::default(),
             migrated: Family::default(),
@@ -251,6 +257,14 @@ impl Metrics {
     /// Counts one finished request.
     pub fn outcome(&self, outcome: Outcome) {
         self.inner.requests.get_or_create(&[("outcome", outcome.as_str().into())]).inc();
+    }
+
+    /// One request's tokens, as vLLM counts them: its prompt on the worker that
+    /// prefilled it, its output on the worker that decoded it.
+    pub fn tokens(&self, model: &str, prefill: (&str, usize), generation: (&str, usize)) {
+        let label = |worker: &str| [("model", model.into()), ("worker", worker.into())];
+        self.inner.prompt_tokens.get_or_create(&label(prefill.0)).inc_by(prefill.1 as u64);
+        self.inner.generation_tokens.get_or_create(&label(generation.0)).inc_by(generation.1 as u64);
     }
 
     /// Time a request spent in one phase.
@@ -429,13 +443,23 @@ fn block_series(s: &WorkerStats) -> [(&'static str, &'static str, usize); 7] {
 }
 
 impl Inner {
-    fn registered(mut self) -> Self {
+    /// The request's own metrics: latencies, outcomes, tokens.
+    fn register_requests(&mut self) {
         let r = &mut self.registry;
         r.register(REQUEST_TTFT, "Time to first token", self.ttft.clone());
         r.register(REQUEST_TPOT, "Mean time per output token after the first", self.tpot.clone());
         r.register(REQUEST_ITL, "Gap between consecutive output tokens", self.itl.clone());
         r.register(REQUEST_E2E, "Request latency, arrival to last token", self.e2e.clone());
         r.register(REQUESTS, "Finished requests by outcome", self.requests.clone());
+        let help = "Prompt tokens of requests, by model and the worker that prefilled them";
+        r.register(PROMPT_TOKENS, help, self.prompt_tokens.clone());
+        let help = "Tokens generated, by model and the worker that decoded them";
+        r.register(GENERATION_TOKENS, help, self.generation_tokens.clone());
+    }
+
+    fn registered(mut self) -> Self {
+        self.register_requests();
+        let r = &mut self.registry;
         r.register(PHASE, "Time spent per request phase", self.phase.clone());
         r.register(PREFILL_ROUTE, "Prefills by where they ran", self.prefill_route.clone());
         r.register(MIGRATED, "Requests moved to another worker mid-flight, by reason", self.migrated.clone());
@@ -597,6 +621,21 @@ mod tests {
         assert!(text.contains("pdserve_requests_total{outcome=\"ok\"} 1\n"), "{text}");
         assert!(text.contains("pdserve_kv_transfer_bytes_total{transport=\"tcp\"} 42\n"), "{text}");
         assert!(!text.contains("# EOF"));
+    }
+
+    #[test]
+    fn tokens_count_by_model_and_the_worker_that_ran_each_phase() {
+        let m = Metrics::new();
+        m.tokens("smol", ("p0", 100), ("d1", 7));
+        m.tokens("smol", ("d1", 20), ("d1", 3));
+        let text = m.render();
+        for line in [
+            "pdserve_prompt_tokens_total{model=\"smol\",worker=\"p0\"} 100\n",
+            "pdserve_prompt_tokens_total{model=\"smol\",worker=\"d1\"} 20\n",
+            "pdserve_generation_tokens_total{model=\"smol\",worker=\"d1\"} 10\n",
+        ] {
+            assert!(text.contains(line), "{line}{text}");
+        }
     }
 
     #[test]

@@ -118,7 +118,17 @@ fn plausible(field: &str, rng: &mut Draws) -> Value {
                     "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
                    {"role": "tool", "content": "3", "tool_call_id": "1"}]),
         ],
-        "text" => vec![json!("Hello there"), json!("")],
+        "text" => vec![json!("Hello there"), json!(""), json!({"format": {"type": "json_object"}})],
+        "input" => vec![
+            json!("Hello"),
+            json!([{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]),
+            json!([{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                   {"type": "function_call_output", "call_id": "c", "output": "3"}]),
+        ],
+        "instructions" => vec![json!("Be brief."), json!("")],
+        "max_output_tokens" => vec![json!(1), json!(4), json!(100_000)],
+        "store" => vec![json!(true), json!(false)],
+        "previous_response_id" => vec![json!("resp_none"), json!("")],
         "tokens" => vec![json!([1, 2, 3]), json!([])],
         "add_special_tokens" | "return_token_strs" => vec![json!(true), json!(false)],
         _ => vec![json!(null)],
@@ -180,14 +190,39 @@ pub fn endpoints() -> Vec<Endpoint> {
             fields: [COMMON, &chat_only, &["parallel_tool_calls"]].concat(),
             good: json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
         },
+        Endpoint {
+            path: "/v1/responses",
+            fields: vec![
+                "model",
+                "input",
+                "instructions",
+                "tools",
+                "tool_choice",
+                "parallel_tool_calls",
+                "max_output_tokens",
+                "temperature",
+                "top_p",
+                "stream",
+                "store",
+                "previous_response_id",
+                "text",
+                "metadata",
+            ],
+            good: json!({"input": "hi", "max_output_tokens": 4}),
+        },
         Endpoint { path: "/tokenize", fields: tokenize, good: json!({"prompt": "Hello"}) },
         Endpoint { path: "/detokenize", fields: vec!["model", "tokens"], good: json!({"tokens": [1, 2]}) },
     ]
 }
 
-/// A whole answer: JSON, or SSE ending in `[DONE]` whose events are JSON.
+/// A whole answer: JSON, or SSE ending in `[DONE]` whose events are JSON (or named
+/// events, each a JSON object of that `type`).
 fn check_answer(reply: &Reply, body: &Value) {
-    if reply.is_stream() {
+    if reply.is_stream() && reply.text().starts_with("event: ") {
+        for (name, v) in reply.named_events() {
+            assert_eq!(v["type"], name.as_str(), "{body}: {v}");
+        }
+    } else if reply.is_stream() {
         for v in reply.chunks_of(body) {
             assert!(v.get("error").is_none() || v["error"]["message"].is_string(), "{body}: {v}");
         }

@@ -130,6 +130,20 @@ impl Reply {
             .collect()
     }
 
+    /// The named events of an SSE body (`event: NAME` then `data: {json}`), as
+    /// Anthropic's and the Responses API's streams send them.
+    pub fn named_events(&self) -> Vec<(String, Value)> {
+        let text = self.text();
+        assert!(text.ends_with("\n\n"), "SSE body must end with a blank line: {text:?}");
+        let frame = |e: &str| {
+            let (name, data) = e.split_once('\n').unwrap_or_else(|| panic!("not a named event: {e:?}"));
+            let name = name.strip_prefix("event: ").unwrap_or_else(|| panic!("no event name: {e:?}"));
+            let data = data.strip_prefix("data: ").unwrap_or_else(|| panic!("no data: {e:?}"));
+            (name.to_string(), serde_json::from_str(data).unwrap_or_else(|err| panic!("{err}: {data}")))
+        };
+        text.trim_end_matches("\n\n").split("\n\n").map(frame).collect()
+    }
+
     /// The JSON chunks of an SSE body; asserts it ends with `[DONE]`.
     pub fn chunks(&self) -> Vec<Value> {
         self.chunks_of("")

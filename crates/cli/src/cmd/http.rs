@@ -93,6 +93,15 @@ pub struct ApiArgs {
     /// the model's context.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_model_len: Option<u64>,
+    /// Sampling defaults for fields a request leaves out, as vLLM's JSON: keys
+    /// temperature, top_p, top_k, min_p, repetition_penalty, frequency_penalty,
+    /// presence_penalty. E.g. '{"temperature": 0}' for agents that send none.
+    #[arg(long, value_parser = generation_config)]
+    override_generation_config: Option<pdserve_frontend::GenerationDefaults>,
+}
+
+fn generation_config(json: &str) -> Result<pdserve_frontend::GenerationDefaults, String> {
+    pdserve_frontend::GenerationDefaults::parse(json)
 }
 
 impl ApiArgs {
@@ -158,6 +167,7 @@ pub async fn serve(
     .with_grammars(model.grammars)
     .with_observer(model.observer)
     .with_served_names(api.served_model_names.clone())
+    .with_generation_defaults(api.override_generation_config.clone().unwrap_or_default())
     .with_cors(pdserve_frontend::Origins::parse(&api.allowed_origins))
     .with_api_key(api.api_key().as_deref());
     let listener = tokio::net::TcpListener::bind((api.host.as_str(), api.port))

@@ -29,7 +29,7 @@ if [ ! -x "$venv/bin/python" ]; then
     fi
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check openai anthropic prometheus-client "lm-eval[api]==0.4.13" \
-    jsonschema "langchain-openai==1.7.4" "nats-py==2.16.0"
+    jsonschema "langchain-openai==1.7.4" "nats-py==2.16.0" "litellm==1.110.2"
 # Claude Code, Anthropic's coding agent, from npm (pinned), run against pdserve by the e2e suite.
 command -v npm >/dev/null || need_packages "npm is missing (Claude Code comes from npm)" npm
 clients=target/npm-clients

@@ -1,11 +1,11 @@
 """End-to-end: `pdserve serve` on the real model in every mode, and the same roles as
 separate processes (`pdserve worker` x2 behind `pdserve frontend`), driven by the
-official openai SDK and curl (structured outputs and tools: structured.py) and the
-official anthropic SDK (anthropic_api.py), the Responses API with the openai SDK and
-Codex (responses_api.py), /metrics checked by `promtool check metrics` (Debian's
-prometheus package) and parsed by the Prometheus client library, then stopped with
-SIGTERM. Run by scripts/test.sh; prints one
-summary line.
+official openai SDK and curl (structured outputs and tools: structured.py), the
+official anthropic SDK and Claude Code (anthropic_api.py), the Responses API with the
+openai SDK and Codex (responses_api.py), LiteLLM's Anthropic and Responses routes
+(litellm_routes.py); /metrics checked by `promtool check metrics` (Debian's prometheus
+package) and parsed by the Prometheus client library; then stopped with SIGTERM. Run
+by scripts/test.sh; prints one summary line.
 
 Usage: python3 tests/e2e/test_openai.py PATH_TO_PDSERVE
 """
@@ -23,6 +23,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 import anthropic_api
+import litellm_routes
 import responses_api
 import structured
 
@@ -312,6 +313,8 @@ def suite(mode, url):
     structured.suite(mode, url, check, curl)
     anthropic_api.suite(mode, url, check)
     responses_api.suite(mode, url, check)
+    if mode == "aggregated":
+        litellm_routes.suite(mode, url, check)
     # lm-eval takes a few seconds to start: once in one process, once across processes.
     for name, fn in [("lm_eval_loglikelihood", lm_eval_loglikelihood)] if mode in ("aggregated", "processes") else []:
         check(f"{mode}/{name}", fn)

@@ -562,8 +562,8 @@ fn a_copy_of_a_forest_request_waits_for_its_runner_and_takes_over_only_a_lease_l
     });
 }
 
-fn sim_fleet_worker(n: &Nats, profile: &str, role: &str, id: &str) -> Proc {
-    start(&[
+fn sim_fleet_worker(n: &Nats, profile: &str, role: &str, id: &str, extra: &[&str]) -> Proc {
+    let args = [
         "worker",
         "--engine",
         "sim",
@@ -577,7 +577,8 @@ fn sim_fleet_worker(n: &Nats, profile: &str, role: &str, id: &str) -> Proc {
         &n.url,
         "--node-id",
         id,
-    ])
+    ];
+    start(&[&args[..], extra].concat())
 }
 
 /// Two simulated fleet workers (`nodes`, in `roles`) on a derived profile, and a
@@ -589,12 +590,26 @@ struct SimFleet {
 }
 
 fn sim_fleet(n: &Nats, nodes: [&str; 2], roles: [&str; 2], frontend_args: &[&str]) -> SimFleet {
+    sim_fleet_with(n, nodes, roles, frontend_args, &[])
+}
+
+/// [`sim_fleet`] with `worker_args` for both workers.
+fn sim_fleet_with(
+    n: &Nats,
+    nodes: [&str; 2],
+    roles: [&str; 2],
+    frontend_args: &[&str],
+    worker_args: &[&str],
+) -> SimFleet {
     let dir = TempDir(std::env::temp_dir().join(format!("pdserve-sim-fleet-{}-{}", std::process::id(), nodes[0])));
     std::fs::create_dir_all(&dir.0).unwrap();
     let profile = dir.0.join("derived.json");
     common::derived_profile(&profile);
     let p = profile.to_str().unwrap();
-    let workers = [sim_fleet_worker(n, p, roles[0], nodes[0]), sim_fleet_worker(n, p, roles[1], nodes[1])];
+    let workers = [
+        sim_fleet_worker(n, p, roles[0], nodes[0], worker_args),
+        sim_fleet_worker(n, p, roles[1], nodes[1], worker_args),
+    ];
     let fe = start(&[&["frontend", "--nats", &n.url, "--port", "0"], frontend_args].concat());
     eventually("the frontend routes to both workers", || ids(n) == nodes && status_of(fe.addr, 2) == 200);
     SimFleet { fe, _workers: workers, _dir: dir }
@@ -888,5 +903,118 @@ fn kv_events_arrive_over_nats_and_route_a_repeated_prompt_to_its_cache() {
         let v: Value = serde_json::from_str(&body).unwrap();
         let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
         assert!(cached >= 592, "the repeat went to the worker holding its prefix: {body}");
+    }
+}
+
+/// The Grafana dashboard (`deploy/grafana/pdserve.json`) against a real Prometheus
+/// (Debian's) scraping a fleet under load, its planner and both workers' roles
+/// switching: every query of every panel returns data.
+#[test]
+fn every_dashboard_panel_has_data_from_a_fleet_under_load() {
+    let n = nats();
+    // A pool a few prompts fill, over a host tier: cached prefixes move down to it.
+    let tiered = ["--kv-blocks", "400", "--kv-host-gb", "1"];
+    let sims =
+        sim_fleet_with(&n, ["w1", "w2"], ["prefill", "decode"], &["--mode", "auto", "--kv-transport", "tcp"], &tiered);
+    let planner = fleet_planner(&n, "plan-a");
+    eventually("the planner takes the lease", || planner.logged("took the planner lease"));
+    let prometheus = Prometheus::start(&[sims.fe.addr, planner.addr]);
+    let load = Load::start(sims.fe.addr);
+    eventually("the planner switches roles", || planner.logged("planner: switching roles"));
+    // The same prompt again: a prefix-cache hit the router predicts and the worker finds.
+    let repeated = json!((0..600u32).map(|t| 1000 + t % 977).collect::<Vec<_>>());
+    for _ in 0..3 {
+        complete(sims.fe.addr, &repeated, 4);
+    }
+    let queries = dashboard_queries();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let empty = loop {
+        let empty: Vec<_> = queries.iter().filter(|(_, q)| !prometheus.has_data(q)).cloned().collect();
+        if empty.is_empty() || Instant::now() > deadline {
+            break empty;
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    };
+    load.stop_all_served();
+    assert!(empty.is_empty(), "panels without data: {empty:#?}");
+}
+
+/// Every panel's queries, the dashboard's variables given their defaults (all
+/// models and workers, the first SLO choice marked current) and Grafana's intervals
+/// a window the test's scrapes fill.
+fn dashboard_queries() -> Vec<(String, String)> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/grafana/pdserve.json");
+    let dash: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut vars: Vec<(String, String)> =
+        vec![("$__rate_interval".into(), "15s".into()), ("$__range".into(), "10m".into())];
+    for v in dash["templating"]["list"].as_array().unwrap() {
+        let value = match v["type"].as_str() {
+            Some("custom") => v["current"]["value"].as_str().unwrap().to_string(),
+            Some("query") => v["allValue"].as_str().unwrap().to_string(),
+            _ => continue,
+        };
+        vars.push((format!("${}", v["name"].as_str().unwrap()), value));
+    }
+    let mut queries = Vec::new();
+    for panel in dash["panels"].as_array().unwrap().iter().filter(|p| p["type"] != "row") {
+        for target in panel["targets"].as_array().unwrap() {
+            let mut q = target["expr"].as_str().unwrap().to_string();
+            for (name, value) in &vars {
+                q = q.replace(name, value);
+            }
+            assert!(!q.contains('$'), "a variable the test does not know: {q}");
+            queries.push((panel["title"].as_str().unwrap().to_string(), q));
+        }
+    }
+    assert!(queries.len() >= 20, "{} queries", queries.len());
+    queries
+}
+
+/// A Prometheus server scraping `targets` every second, killed when dropped.
+struct Prometheus {
+    _child: Proc,
+    addr: SocketAddr,
+    _dir: TempDir,
+}
+
+impl Prometheus {
+    fn start(targets: &[SocketAddr]) -> Prometheus {
+        let dir = TempDir(std::env::temp_dir().join(format!("pdserve-prometheus-{}", std::process::id())));
+        std::fs::create_dir_all(&dir.0).unwrap();
+        let targets: Vec<String> = targets.iter().map(|a| format!("\"{a}\"")).collect();
+        let config = format!(
+            "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\nscrape_configs:\n  - job_name: pdserve\n    static_configs: [{{targets: [{}]}}]\n",
+            targets.join(", ")
+        );
+        let file = dir.0.join("prometheus.yml");
+        std::fs::write(&file, config).unwrap();
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let child = Command::new(common::system_tool("prometheus"))
+            .arg(format!("--config.file={}", file.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.0.join("data").display()))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("prometheus (Debian's prometheus package) is not installed");
+        let child = Proc { child, addr, log: Default::default() };
+        let ready = || TcpStream::connect(addr).is_ok() && common::http(addr, "GET", "/-/ready", None).0 == 200;
+        eventually("prometheus is ready", ready);
+        Prometheus { _child: child, addr, _dir: dir }
+    }
+
+    /// Whether the instant query `q` returns at least one series.
+    fn has_data(&self, q: &str) -> bool {
+        let encoded: String = q
+            .bytes()
+            .map(|b| match b {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+                _ => format!("%{b:02X}"),
+            })
+            .collect();
+        let (status, body) = common::http(self.addr, "GET", &format!("/api/v1/query?query={encoded}"), None);
+        assert_eq!(status, 200, "{q}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        v["data"]["result"].as_array().is_some_and(|r| !r.is_empty())
     }
 }

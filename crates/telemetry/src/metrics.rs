@@ -46,6 +46,8 @@ const KV_INDEX_BLOCKS: &str = "pdserve_kv_index_blocks";
 const WORKER_ROLE: &str = "pdserve_worker_role";
 const PLANNER_DECISIONS: &str = "pdserve_planner_decisions";
 const WORKER_UP: &str = "pdserve_worker_up";
+const LINK_BYTES_PER_SECOND: &str = "pdserve_link_bytes_per_second";
+const LINK_ROUND_TRIP: &str = "pdserve_link_round_trip_seconds";
 const PAUSED: &str = "pdserve_paused_requests";
 const WORKER_REQUESTS: &str = "pdserve_worker_requests";
 const WORKER_QUEUED_PROMPT_TOKENS: &str = "pdserve_worker_queued_prompt_tokens";
@@ -161,6 +163,8 @@ struct Inner {
     worker_role: Family<Label2, Gauge>,
     planner_decisions: Family<Label3, Counter>,
     worker_up: Family<Label1, Gauge>,
+    link_bytes_per_second: Family<Label2, Gauge<f64, AtomicU64>>,
+    link_round_trip: Family<Label2, Gauge<f64, AtomicU64>>,
     paused: Family<Label1, Gauge>,
     worker_requests: Family<Label2, Gauge>,
     worker_queued_prompt_tokens: Family<Label1, Gauge>,
@@ -219,6 +223,8 @@ impl Metrics {
             worker_role: Family::default(),
             planner_decisions: Family::default(),
             worker_up: Family::default(),
+            link_bytes_per_second: Family::default(),
+            link_round_trip: Family::default(),
             paused: Family::default(),
             worker_requests: Family::default(),
             worker_queued_prompt_tokens: Family::default(),
@@ -265,6 +271,14 @@ impl Metrics {
         let label = |worker: &str| [("model", model.into()), ("worker", worker.into())];
         self.inner.prompt_tokens.get_or_create(&label(prefill.0)).inc_by(prefill.1 as u64);
         self.inner.generation_tokens.get_or_create(&label(generation.0)).inc_by(generation.1 as u64);
+    }
+
+    /// The KV link from worker `from` to worker `to`, as the fleet's probe last
+    /// measured it.
+    pub fn set_link(&self, from: &str, to: &str, bytes_per_s: f64, round_trip_s: f64) {
+        let label = [("from", from.into()), ("to", to.into())];
+        self.inner.link_bytes_per_second.get_or_create(&label).set(bytes_per_s);
+        self.inner.link_round_trip.get_or_create(&label).set(round_trip_s);
     }
 
     /// Time a request spent in one phase.
@@ -491,6 +505,10 @@ impl Inner {
         let decisions = "Role switches the planner made, by the role vector before and after and why";
         r.register(PLANNER_DECISIONS, decisions, self.planner_decisions.clone());
         r.register(WORKER_UP, "1 while the worker answers, 0 once it is lost", self.worker_up.clone());
+        let help = "Payload rate of the KV link between two workers, as the fleet's probe last measured it";
+        r.register(LINK_BYTES_PER_SECOND, help, self.link_bytes_per_second.clone());
+        let help = "A one-frame handoff's round trip on the KV link between two workers, as last probed";
+        r.register(LINK_ROUND_TRIP, help, self.link_round_trip.clone());
         r.register(PAUSED, "Requests paused because their clients stopped reading", self.paused.clone());
         let help = "Requests on each worker's engine, waiting to start and running, as it last reported";
         r.register(WORKER_REQUESTS, help, self.worker_requests.clone());

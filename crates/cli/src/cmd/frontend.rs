@@ -210,6 +210,9 @@ async fn report(w: &RemoteWorker, at: &InSet, mut load: watch::Receiver<Reported
         let now = load.borrow_and_update().clone();
         w.report_load(now.load);
         if let Some(e) = at.to.router.workers().get(at.id) {
+            for (to, link) in &now.links {
+                at.to.metrics.set_link(e.name(), to, link.bytes_per_s, link.round_trip_s);
+            }
             e.set_links(now.links);
         }
         tokio::select! {

@@ -2,6 +2,7 @@
 //! lives in `cmd/`; the work happens in the library crates.
 
 mod cmd;
+mod hub;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -22,9 +23,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Fetch a known model into the cache: the default (SmolLM2-135M-Instruct Q4_1)
-    /// unless named; --list shows them.
+    /// Fetch a model into the cache: the default (SmolLM2-135M-Instruct Q4_1) unless
+    /// named, another known one (--list shows them), or hf:ORG/REPO[:QUANT] from the
+    /// Hugging Face Hub.
     Pull(cmd::pull::Args),
+    /// The models in the cache, with their sizes: the names --model takes.
+    Models,
     /// Generate text from a prompt and stream it to stdout.
     Generate(cmd::generate::Args),
     /// Serve the OpenAI-compatible API: frontend, router and workers in one process.
@@ -57,6 +61,7 @@ impl Command {
     fn name(&self) -> &'static str {
         match self {
             Command::Pull(_) => "pull",
+            Command::Models => "models",
             Command::Generate(_) => "generate",
             Command::Serve(_) => "serve",
             Command::Worker(_) => "worker",
@@ -93,6 +98,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Pull(a) => cmd::pull::run(&a).map(|()| ExitCode::SUCCESS),
+        Command::Models => cmd::pull::list_cached().map(|()| ExitCode::SUCCESS),
         Command::Generate(args) => cmd::generate::run(args).map(|()| ExitCode::SUCCESS),
         Command::Serve(args) => cmd::serve::run(args).map(exit_code),
         Command::Worker(args) => cmd::worker::run(args).map(exit_code),

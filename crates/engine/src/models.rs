@@ -75,7 +75,7 @@ pub enum PullError {
     #[error("no model named `{0}` to pull; known: {known}", known = known_names())]
     Unknown(String),
     #[error(
-        "model `{0}` not found; run `pdserve pull` for the default model, `pdserve pull NAME` for another known one ({known}), or pass a GGUF file or safetensors directory",
+        "model `{0}` not found; run `pdserve pull` for the default model, `pdserve pull NAME` for another known one ({known}), or pass hf:ORG/REPO[:QUANT], a GGUF file or a safetensors directory",
         known = known_names()
     )]
     NotFound(String),

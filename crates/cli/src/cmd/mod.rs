@@ -24,12 +24,20 @@ use pdserve_types::KvDtype;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Resolves `default`, a known model's name or a path, fetching a known model on
-/// first use.
+/// Resolves `default`, a known model's name, `hf:ORG/REPO[:QUANT]` or a path,
+/// fetching a known or hub model on first use.
 fn model_path(spec: &str) -> anyhow::Result<PathBuf> {
     use pdserve_engine::models;
+    let log = &mut |m: &str| tracing::info!("{m}");
+    if let Some(hub) = crate::hub::HubRef::parse(spec) {
+        let hub = hub?;
+        return match crate::hub::cached(&hub) {
+            Some(path) => Ok(path),
+            None => crate::hub::pull(&hub, log),
+        };
+    }
     Ok(match models::known(spec) {
-        Some(k) => models::pull(k, &mut |m| tracing::info!("{m}"))?,
+        Some(k) => models::pull(k, log)?,
         None => models::resolve(spec)?,
     })
 }

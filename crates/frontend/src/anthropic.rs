@@ -233,6 +233,7 @@ pub async fn handler(
         open: None,
         blocks: 0,
         finish: None,
+        stop_sequence: None,
         called: false,
     })
     .await
@@ -289,6 +290,8 @@ pub struct MessagesFormat {
     /// Content blocks started in the stream.
     blocks: usize,
     finish: Option<FinishReason>,
+    /// The stop sequence that ended the reply, if one did.
+    stop_sequence: Option<String>,
     /// The reply was tool calls.
     called: bool,
 }
@@ -319,10 +322,11 @@ fn event(data: &Value) -> String {
 
 impl MessagesFormat {
     fn stop_reason(&self) -> &'static str {
-        match (self.called, self.finish) {
-            (true, _) => "tool_use",
-            (false, Some(FinishReason::Length)) => "max_tokens",
-            (false, _) => "end_turn",
+        match (self.called, self.finish, &self.stop_sequence) {
+            (true, _, _) => "tool_use",
+            (false, Some(FinishReason::Length), _) => "max_tokens",
+            (false, _, Some(_)) => "stop_sequence",
+            (false, _, None) => "end_turn",
         }
     }
 
@@ -395,6 +399,7 @@ impl Format for MessagesFormat {
 
     fn chunk(&mut self, _index: u32, step: &Output) -> Vec<String> {
         self.finish = step.finish.or(self.finish);
+        self.stop_sequence = step.stop.clone().or(self.stop_sequence.take());
         let Some(held) = self.held.as_mut() else { return self.text_events(&step.text) };
         held.text.push_str(&step.text);
         held.finish = step.finish;
@@ -421,7 +426,7 @@ impl Format for MessagesFormat {
         let held = self.held.take().filter(|h| !h.text.is_empty());
         let mut out: Vec<String> = held.map(|h| self.text_events(&h.text)).unwrap_or_default();
         out.extend(self.stop_block());
-        let delta = json!({"stop_reason": self.stop_reason(), "stop_sequence": null});
+        let delta = json!({"stop_reason": self.stop_reason(), "stop_sequence": self.stop_sequence});
         let usage = serde_json::to_value(MessageUsage::from(usage)).unwrap_or_default();
         out.push(event(&json!({"type": "message_delta", "delta": delta, "usage": usage})));
         out.push(event(&json!({"type": "message_stop"})));
@@ -439,7 +444,7 @@ impl Format for MessagesFormat {
     fn response(&mut self, choices: &[(u32, Output)], usage: Usage) -> String {
         let empty = Output::default();
         let out = choices.first().map_or(&empty, |(_, o)| o);
-        self.finish = out.finish;
+        (self.finish, self.stop_sequence) = (out.finish, out.stop.clone());
         let content: Vec<Value> = match self.calls(out) {
             Some(calls) => {
                 self.called = true;
@@ -450,7 +455,7 @@ impl Format for MessagesFormat {
         };
         to_json(&json!({
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-            "stop_reason": self.stop_reason(), "stop_sequence": null, "usage": MessageUsage::from(usage),
+            "stop_reason": self.stop_reason(), "stop_sequence": self.stop_sequence, "usage": MessageUsage::from(usage),
         }))
     }
 }

@@ -70,7 +70,11 @@ pub async fn middleware(key: ApiKey, metrics: Metrics, req: Request, next: Next)
         Ok(()) => next.run(req).await,
         Err(e) => {
             metrics.outcome(Outcome::Unauthorized);
-            e.into_response()
+            // Each API refuses in its own error shape.
+            match req.uri().path().starts_with("/v1/messages") {
+                true => crate::anthropic::error_response(e),
+                false => e.into_response(),
+            }
         }
     }
 }

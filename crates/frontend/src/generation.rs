@@ -36,6 +36,8 @@ pub struct Output {
     /// The prompt's scores (tokens 2.. given those before), when asked for.
     pub prompt: Option<Vec<TokenOut>>,
     pub finish: Option<FinishReason>,
+    /// The stop string that ended the text, if one did.
+    pub stop: Option<String>,
 }
 
 impl Output {
@@ -45,6 +47,7 @@ impl Output {
         self.ids.extend(step.ids);
         self.prompt = step.prompt.or(self.prompt.take());
         self.finish = step.finish.or(self.finish);
+        self.stop = step.stop.or(self.stop.take());
     }
 
     /// Nothing a client would see.
@@ -385,7 +388,8 @@ impl Generation {
             true => vec![TokenInfo { token: t.token, logprob: t.logprob, top: t.top, text_offset }],
             false => Vec::new(),
         };
-        Output { text, tokens, ids, prompt: None, finish: stopped.then_some(FinishReason::Stop) }
+        let stop = self.text.stop.matched().filter(|_| stopped).map(String::from);
+        Output { text, tokens, ids, prompt: None, finish: stopped.then_some(FinishReason::Stop), stop }
     }
 
     fn on_done(&mut self, reason: FinishReason, usage: Usage) -> Output {
@@ -396,7 +400,8 @@ impl Generation {
         if self.silent {
             return Output { finish: Some(FinishReason::Length), ..Output::default() };
         }
-        Output { text: self.text.finish(), finish: Some(reason), ..Output::default() }
+        let text = self.text.finish();
+        Output { text, finish: Some(reason), stop: self.text.stop.matched().map(String::from), ..Output::default() }
     }
 
     fn fail(&mut self, e: ServeError) -> ApiError {

@@ -13,6 +13,8 @@ pub struct StopMatcher {
     /// (while inactive) text that may later match.
     pending: String,
     stopped: bool,
+    /// The stop string that matched.
+    matched: Option<usize>,
 }
 
 /// What a piece of text amounts to.
@@ -41,9 +43,9 @@ impl StopMatcher {
         }
         self.pending.push_str(piece);
         if active {
-            if let Some(at) = self.first_match() {
+            if let Some((at, which)) = self.first_match() {
                 self.pending.truncate(at);
-                self.stopped = true;
+                (self.stopped, self.matched) = (true, Some(which));
                 return Released { text: std::mem::take(&mut self.pending), stopped: true };
             }
         }
@@ -57,9 +59,14 @@ impl StopMatcher {
         std::mem::take(&mut self.pending)
     }
 
-    /// Byte offset of the earliest stop string in `pending`.
-    fn first_match(&self) -> Option<usize> {
-        self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min()
+    /// The stop string that ended the text, once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|i| self.stops[i].as_str())
+    }
+
+    /// Byte offset of the earliest stop string in `pending`, and which one it is.
+    fn first_match(&self) -> Option<(usize, usize)> {
+        self.stops.iter().enumerate().filter_map(|(i, s)| Some((self.pending.find(s.as_str())?, i))).min()
     }
 
     /// Length of the longest tail of `pending` that is a proper prefix of a stop
@@ -119,6 +126,10 @@ mod tests {
         let (out, stopped) = run(&["world", "lo"], &["hello world"]);
         assert!(stopped);
         assert_eq!(out.concat(), "hel");
+        let mut m = StopMatcher::new(vec!["world".into(), "lo".into()]);
+        assert_eq!(m.matched(), None);
+        m.push("hello world", true);
+        assert_eq!(m.matched(), Some("lo"), "the one that ended the text is named");
     }
 
     #[test]

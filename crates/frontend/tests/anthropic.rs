@@ -87,6 +87,20 @@ async fn a_message_renders_its_chat_twin_and_answers_as_a_message() {
 }
 
 #[tokio::test]
+async fn a_stop_sequence_that_ends_the_reply_is_named_whole_or_streamed() {
+    let s = Server::start(reply(ANSWER)).await;
+    let r = s.post_json("/v1/messages", &body(json!({"stop_sequences": ["zzz", " is"]}))).await;
+    let v = r.json();
+    assert_eq!(v["content"][0]["text"], "The capital of France");
+    assert_eq!((v["stop_reason"].as_str(), v["stop_sequence"].as_str()), (Some("stop_sequence"), Some(" is")));
+    let r = s.post_json("/v1/messages", &body(json!({"stop_sequences": [" is"], "stream": true}))).await;
+    let delta = events(&r).into_iter().find(|(n, _)| n == "message_delta").unwrap().1;
+    assert_eq!(delta["delta"], json!({"stop_reason": "stop_sequence", "stop_sequence": " is"}));
+    let r = s.post_json("/v1/messages", &body(json!({"stop_sequences": ["zzz"]}))).await;
+    assert_eq!((r.json()["stop_reason"].as_str(), r.json()["stop_sequence"].is_null()), (Some("end_turn"), true));
+}
+
+#[tokio::test]
 async fn a_streamed_message_sends_anthropics_events_in_order() {
     let s = Server::start(reply(ANSWER)).await;
     let r = s.post_json("/v1/messages", &body(json!({"stream": true}))).await;

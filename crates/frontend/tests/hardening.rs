@@ -63,6 +63,12 @@ async fn an_api_key_guards_every_route_but_health_and_metrics() {
         assert_eq!(r.header("www-authenticate"), Some("Bearer"));
         assert!(r.header("x-request-id").is_some());
     }
+    // Anthropic's route refuses in Anthropic's shape.
+    let r = http::send(addr, &http::post_request("/v1/messages", r#"{"max_tokens": 4, "messages": []}"#, &[])).await;
+    assert_eq!(r.status, 401, "{}", r.text());
+    let v = r.json();
+    assert_eq!((v["type"].as_str(), v["error"]["type"].as_str()), (Some("error"), Some("authentication_error")), "{v}");
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
     // The right key, in either header: served.
     for h in [&bearer, &x_api_key] {
         let r = http::send(addr, &completion(&[h])).await;
@@ -77,7 +83,7 @@ async fn an_api_key_guards_every_route_but_health_and_metrics() {
     }
     // Every refusal is counted, so a key being guessed shows.
     let metrics = http::send(addr, &get("/metrics", &[])).await.text();
-    assert!(metrics.contains("pdserve_requests_total{outcome=\"unauthorized\"} 7\n"), "{metrics}");
+    assert!(metrics.contains("pdserve_requests_total{outcome=\"unauthorized\"} 8\n"), "{metrics}");
 }
 
 #[tokio::test]

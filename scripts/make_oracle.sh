@@ -10,6 +10,8 @@
 #   tensors fall back to other types exactly as in files on the Hub);
 # - for each file, llama.cpp's logits at every position of a fixed token sequence
 #   (scripts/peer_logits.py), and target/oracle/oracle.json listing them;
+# - the default model's embeddings of that sequence's text tokens, mean and
+#   last-token pooled (scripts/peer_embeddings.py, crates/engine/tests/embeddings.rs);
 # - the tokenizer test vocabularies llama.cpp keeps (Llama 3's BPE, Qwen 2/3's, Phi-3's
 #   SentencePiece) with their texts and expected ids, in target/oracle/vocab
 #   (crates/engine/tests/tokenizer_vocabs.rs);
@@ -92,12 +94,17 @@ for q in Q4_K_M Q5_K_M Q6_K Q3_K_M Q2_K Q5_0 Q5_1 IQ4_NL IQ4_XS; do
   files+=("smollm2-$q.gguf")
 done
 for f in "${files[@]}"; do logits "$out/$f"; done
+# The default model's pooled embeddings (mean, then last token) of the text tokens.
+embed="$out/smollm2-Q4_1.embed.f32"
+[ -f "$embed" ] || "$py" scripts/peer_embeddings.py "$peer" "$out/smollm2-Q4_1.gguf" "$embed" $(echo $tokens | cut -d' ' -f1-"$text_tokens")
 
 "$py" - "$out" "${files[*]}" "$text_tokens" $tokens <<'EOF'
 import json, sys
 out, files, text, tokens = sys.argv[1], sys.argv[2].split(), int(sys.argv[3]), [int(t) for t in sys.argv[4:]]
 manifest = {"reference": "llama.cpp (llama-cpp-python 0.3.36 sources), CPU, flash attention off",
-            "tokens": tokens, "text_tokens": text, "files": [{"model": f, "logits": f[:-len(".gguf")] + ".f32", "real_weights": f.startswith("smollm2")}
+            "tokens": tokens, "text_tokens": text,
+            "embeddings": {"model": "smollm2-Q4_1.gguf", "file": "smollm2-Q4_1.embed.f32", "pooling": ["mean", "last"]},
+            "files": [{"model": f, "logits": f[:-len(".gguf")] + ".f32", "real_weights": f.startswith("smollm2")}
                       for f in files]}
 json.dump(manifest, open(f"{out}/oracle.json", "w"), indent=1)
 EOF

@@ -29,6 +29,8 @@ import structured
 
 PDSERVE = sys.argv[1]
 RESULTS = []
+# Each mode's embedding of the same text, compared across modes.
+EMBEDDINGS = {}
 # The served names every server answers to (vLLM's --served-model-name).
 NAMES = ["--served-model-name", "smol", "--served-model-name", "smol-alias"]
 
@@ -183,6 +185,31 @@ def suite(mode, url):
         last = scores[-1]
         assert any(abs(v["logprob"] - lp) < 1e-6 for v in last.values()), last
 
+    def embeddings():
+        texts = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Stock prices fell sharply today."]
+        r = client.embeddings.create(model=model, input=texts)  # the SDK asks for base64
+        v = [d.embedding for d in r.data]
+        dot = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
+        assert [d.index for d in r.data] == [0, 1, 2] and len({len(x) for x in v}) == 1 and len(v[0]) > 0, r
+        assert all(abs(dot(x, x) - 1) < 1e-4 for x in v), "unit length"
+        assert dot(v[0], v[1]) > dot(v[0], v[2]), "a paraphrase is nearer than another topic"
+        assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens, r.usage
+        one = client.embeddings.create(model=model, input=texts[0], encoding_format="float").data[0].embedding
+        assert max(abs(a - b) for a, b in zip(one, v[0])) < 1e-6, "float and base64 carry the same vector"
+        EMBEDDINGS[mode] = one
+        if mode == "processes":
+            assert all(e == one for e in EMBEDDINGS.values()), "the same embedding in every mode"
+        code, body = curl(url + "/v1/embeddings", "-H", "Content-Type: application/json",
+                          "-d", json.dumps({"input": texts[0], "pooling": "last"}))
+        last = json.loads(body)
+        assert code == 200 and last["pooling"] == "last" and dot(last["data"][0]["embedding"], one) < 0.999, body
+        for bad in [{"input": ""}, {"input": "x", "dimensions": 8}, {"input": "x", "encoding_format": "int8"}]:
+            try:
+                client.embeddings.create(model=model, **bad)
+                raise AssertionError(f"{bad} accepted")
+            except openai.BadRequestError as e:
+                assert e.body["param"] in ("input", "dimensions", "encoding_format"), e.body
+
     def token_ids():
         # vLLM's return_token_ids: the ids are the text's, and sent back as a prompt
         # they continue the same conversation (what bench load --replies generated does).
@@ -308,7 +335,7 @@ def suite(mode, url):
                      ("bad_requests", bad_requests), ("curl", curl_calls), ("metrics_parse", metrics_parse),
                      ("served_names", served_names), ("n_choices", n_choices), ("batched_prompts", batched_prompts),
                      ("echo_logprobs", echo_logprobs), ("tokenize", tokenize), ("cached_tokens", cached_tokens),
-                     ("token_ids", token_ids)]:
+                     ("token_ids", token_ids), ("embeddings", embeddings)]:
         check(f"{mode}/{name}", fn)
     structured.suite(mode, url, check, curl)
     anthropic_api.suite(mode, url, check)

@@ -95,12 +95,19 @@ fn chunk_nll(
     let mut s = ForwardScratch::default();
     let isa = crate::kernels::Isa::detect();
     let stopped = || PerplexityError::Forward("the pass stopped early".into());
-    let context = SeqBatch { tokens: &chunk[..first], start_pos: 0, blocks: &blocks, logits: 0, score: None };
+    let context =
+        SeqBatch { tokens: &chunk[..first], start_pos: 0, blocks: &blocks, logits: 0, score: None, pool: None };
     model.forward(isa, pool, &[context], &mut kv, &mut s, &mut |_, _| true).ok_or_else(stopped)?;
     let out = Mutex::new(Vec::new());
     let score = Scoring { targets: &chunk[first + 1..], top: 0, out: &out };
-    let rest =
-        SeqBatch { tokens: &chunk[first..ctx - 1], start_pos: first, blocks: &blocks, logits: 0, score: Some(score) };
+    let rest = SeqBatch {
+        tokens: &chunk[first..ctx - 1],
+        start_pos: first,
+        blocks: &blocks,
+        logits: 0,
+        score: Some(score),
+        pool: None,
+    };
     model.forward(isa, pool, &[rest], &mut kv, &mut s, &mut |_, _| true).ok_or_else(stopped)?;
     let scores = out.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
     Ok(scores.iter().map(|t| -f64::from(t.logprob)).collect())

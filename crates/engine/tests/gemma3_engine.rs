@@ -71,7 +71,8 @@ fn forward_chunked(prompt: &[u32], chunks: &[usize], decode: usize, threads: usi
     let mut sizes = chunks.iter().copied().chain(std::iter::repeat(*chunks.last().unwrap()));
     while pos < tokens.len() {
         let end = if pos < prompt.len() { (pos + sizes.next().unwrap()).min(prompt.len()) } else { tokens.len() };
-        let b = SeqBatch { tokens: &tokens[pos..end], start_pos: pos, blocks: &blocks, logits: 1, score: None };
+        let b =
+            SeqBatch { tokens: &tokens[pos..end], start_pos: pos, blocks: &blocks, logits: 1, score: None, pool: None };
         let logits = m.forward(Isa::detect(), &pool, &[b], &mut kv, &mut s, &mut |_, _| true).unwrap().to_vec();
         pos = end;
         if pos == tokens.len() && tokens.len() < prompt.len() + decode {

@@ -88,7 +88,7 @@ fn gemma3_greedy_matches_llama_cpp() {
         let mut tokens = prompt.clone();
         let mut pos = 0;
         for (i, step) in steps.iter().enumerate().take(last + 1) {
-            let b = SeqBatch { tokens: &tokens[pos..], start_pos: pos, blocks: &blocks, logits: 1, score: None };
+            let b = SeqBatch::plain(&tokens[pos..], pos, &blocks, 1);
             let logits = model.forward(isa, &pool, &[b], &mut kv, &mut s, &mut |_, _| true).unwrap().to_vec();
             pos = tokens.len();
             let lp = log_softmax(&logits);

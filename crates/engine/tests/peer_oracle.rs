@@ -80,7 +80,14 @@ fn our_logits(model: &Model, cfg: &ModelConfig, tokens: &[u32]) -> Vec<Vec<f32>>
     let mut s = ForwardScratch::default();
     (0..tokens.len())
         .map(|p| {
-            let b = SeqBatch { tokens: &tokens[p..p + 1], start_pos: p, blocks: &blocks, logits: 1, score: None };
+            let b = SeqBatch {
+                tokens: &tokens[p..p + 1],
+                start_pos: p,
+                blocks: &blocks,
+                logits: 1,
+                score: None,
+                pool: None,
+            };
             model.forward(Isa::detect(), &pool, &[b], &mut kv, &mut s, &mut |_, _| true).unwrap().to_vec()
         })
         .collect()

@@ -33,7 +33,8 @@ fn stepwise_nll(m: &LoadedModel, chunk: &[u32], first: usize, dtype: KvDtype) ->
     let mut s = ForwardScratch::default();
     let mut nll = Vec::new();
     for p in 0..chunk.len() - 1 {
-        let b = SeqBatch { tokens: &chunk[p..p + 1], start_pos: p, blocks: &blocks, logits: 1, score: None };
+        let b =
+            SeqBatch { tokens: &chunk[p..p + 1], start_pos: p, blocks: &blocks, logits: 1, score: None, pool: None };
         let logits = m.model.forward(Isa::detect(), &pool, &[b], &mut kv, &mut s, &mut |_, _| true).unwrap();
         if p >= first {
             let max = logits.iter().cloned().fold(f32::MIN, f32::max);

@@ -80,7 +80,14 @@ fn run(model: &Model, prompts: &[Vec<u32>], decode: usize) -> Vec<Vec<f32>> {
             .iter()
             .zip(&pos)
             .zip(&blocks)
-            .map(|((t, &p), b)| SeqBatch { tokens: &t[p..], start_pos: p, blocks: b, logits: 1, score: None })
+            .map(|((t, &p), b)| SeqBatch {
+                tokens: &t[p..],
+                start_pos: p,
+                blocks: b,
+                logits: 1,
+                score: None,
+                pool: None,
+            })
             .collect();
         let logits =
             model.forward(Isa::detect(), &pool, &batch, &mut kv, &mut scratch, &mut |_, _| true).unwrap().to_vec();

@@ -32,7 +32,7 @@ fn logits(file: &GgufFile) -> Vec<f32> {
     let model = Model::load(file, cfg.clone()).unwrap();
     let mut kv = KvStorage::new(&cfg, 1, 16);
     let tokens = [504u32, 3458, 282, 4649, 314];
-    let b = SeqBatch { tokens: &tokens, start_pos: 0, blocks: &[0], logits: 1, score: None };
+    let b = SeqBatch { tokens: &tokens, start_pos: 0, blocks: &[0], logits: 1, score: None, pool: None };
     let pool = ThreadPool::new(1);
     model
         .forward(Isa::detect(), &pool, &[b], &mut kv, &mut ForwardScratch::default(), &mut |_, _| true)

@@ -38,6 +38,8 @@ pub struct Output {
     pub finish: Option<FinishReason>,
     /// The stop string that ended the text, if one did.
     pub stop: Option<String>,
+    /// The prompt's pooled hidden states, when the request asked for them.
+    pub embedding: Option<Vec<f32>>,
 }
 
 impl Output {
@@ -48,6 +50,7 @@ impl Output {
         self.prompt = step.prompt.or(self.prompt.take());
         self.finish = step.finish.or(self.finish);
         self.stop = step.stop.or(self.stop.take());
+        self.embedding = step.embedding.or(self.embedding.take());
     }
 
     /// Nothing a client would see.
@@ -57,6 +60,7 @@ impl Output {
             && self.ids.is_empty()
             && self.prompt.is_none()
             && self.finish.is_none()
+            && self.embedding.is_none()
     }
 }
 
@@ -341,6 +345,7 @@ impl Generation {
         let event = stream.next().await;
         let step = match event {
             Some(Event::Prompt(scores)) => Output { prompt: Some(scores), ..Output::default() },
+            Some(Event::Embedding(e)) => Output { embedding: Some(e), ..Output::default() },
             Some(Event::Token(t)) => self.on_token(t),
             Some(Event::Done { reason, usage }) => self.on_done(reason, usage),
             Some(Event::Failed(e)) => return Err(self.fail(e)),
@@ -389,7 +394,7 @@ impl Generation {
             false => Vec::new(),
         };
         let stop = self.text.stop.matched().filter(|_| stopped).map(String::from);
-        Output { text, tokens, ids, prompt: None, finish: stopped.then_some(FinishReason::Stop), stop }
+        Output { text, tokens, ids, prompt: None, finish: stopped.then_some(FinishReason::Stop), stop, embedding: None }
     }
 
     fn on_done(&mut self, reason: FinishReason, usage: Usage) -> Output {

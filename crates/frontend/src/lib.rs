@@ -6,7 +6,7 @@
 //! ```
 //!
 //! OpenAI-compatible HTTP in (`/v1/completions`, `/v1/chat/completions`,
-//! `/v1/models`, `/health`, `/metrics`), and Anthropic's `/v1/messages` and OpenAI's
+//! `/v1/embeddings`, `/v1/models`, `/health`, `/metrics`), and Anthropic's `/v1/messages` and OpenAI's
 //! `/v1/responses` over the chat path; validation into a [`ValidRequest`] (chat template, tokenization, sampling
 //! ranges); a token stream back, detokenized, cut at stop strings and sent as JSON or
 //! server-sent events. Every failure is one [`ApiError`], mapped once to a status, and
@@ -19,6 +19,7 @@ mod auth;
 mod chat_completions;
 mod completions;
 mod cors;
+mod embeddings;
 mod errors;
 mod extract;
 mod generation;
@@ -193,6 +194,7 @@ impl Frontend {
             .route("/v1/chat/completions", post(chat_completions::handler))
             .route("/v1/messages", post(anthropic::handler))
             .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+            .route("/v1/embeddings", post(embeddings::handler))
             .route("/v1/responses", post(responses::create))
             .route("/v1/responses/{id}", get(responses::get).delete(responses::delete))
             .route("/v1/responses/{id}/input_items", get(responses::input_items))

@@ -274,7 +274,7 @@ impl Validator {
     }
 
     /// `max_tokens`, the default shrunk to fit the context, or a context error.
-    fn fit(&self, prompt: usize, explicit: Option<usize>, default: usize) -> Result<usize, ApiError> {
+    pub(crate) fn fit(&self, prompt: usize, explicit: Option<usize>, default: usize) -> Result<usize, ApiError> {
         let context = self.context_length;
         let too_long = |needed| ApiError::Serve(ServeError::ContextLength { context, prompt, needed });
         match explicit {
@@ -285,7 +285,7 @@ impl Validator {
         }
     }
 
-    fn finish(
+    pub(crate) fn finish(
         &self,
         model: String,
         prompts: Vec<ValidPrompt>,
@@ -335,7 +335,7 @@ impl Validator {
 
     /// The prompts of a completion request: one, or a batch of texts or of token-id
     /// lists.
-    fn prompts(&self, prompt: Prompt) -> Result<Vec<ValidPrompt>, ApiError> {
+    pub(crate) fn prompts(&self, prompt: Prompt) -> Result<Vec<ValidPrompt>, ApiError> {
         // Counted before any is tokenized, so an oversized batch costs nothing.
         let count = match &prompt {
             Prompt::Texts(texts) => texts.len(),

@@ -116,6 +116,8 @@ pub struct Usage {
 pub enum Event {
     /// Each prompt token from the second on, scored given the tokens before it.
     Prompt(Vec<TokenOut>),
+    /// The prompt's pooled final hidden states, when the request asked for them.
+    Embedding(Vec<f32>),
     Token(TokenOut),
     Done {
         reason: FinishReason,

@@ -289,6 +289,9 @@ pub struct Prefilled {
     /// The prompt's scores, when the request asked for them.
     #[serde(default)]
     pub prompt_logprobs: Option<Vec<TokenOut>>,
+    /// The prompt's embedding, when the request asked for it.
+    #[serde(default)]
+    pub embedding: Option<Vec<f32>>,
 }
 
 /// A transferred sequence, ready to decode.

@@ -220,7 +220,7 @@ impl RemoteWorker {
             return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
         };
         self.ask(Op::Prefill { req, to: addr, token: to.token, imported }, true, |a| match a {
-            Answer::Prefilled(p) => Ok(p),
+            Answer::Prefilled(p) => Ok(*p),
             a => Err(a),
         })
     }

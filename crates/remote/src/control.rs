@@ -36,10 +36,10 @@ use serde::{Deserialize, Serialize};
 use std::io;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// Bumped on any incompatible change; both ends check it in the handshake. 14: a
-/// prefill's frames carry the draft model's K/V after the target's layers, and worker
-/// info names the draft model.
-pub const PROTOCOL_VERSION: u32 = 14;
+/// Bumped on any incompatible change; both ends check it in the handshake. 15: a
+/// request may ask for its prompt's embedding, which comes back as its own event and
+/// with a prefill's first token.
+pub const PROTOCOL_VERSION: u32 = 15;
 
 /// What the router proves it knows.
 pub const ROUTER_LABEL: &[u8] = b"pdserve-control-router";
@@ -205,7 +205,9 @@ pub enum FromWorker {
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Answer {
     Token(HandoffToken),
-    Prefilled(Prefilled),
+    /// Boxed, as the stats are: a prefill's result is several times the size of the
+    /// small answers.
+    Prefilled(Box<Prefilled>),
     /// Boxed: the stats are several times the size of every other answer.
     Stats(Box<WorkerStats>),
     /// The answer of an [`Op::Ask`], as JSON.

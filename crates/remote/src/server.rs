@@ -355,7 +355,7 @@ impl Session {
         let answer = async move {
             let p = done.await.inspect_err(|e| tracing::warn!(kind = e.kind(), error = %e, "prefill failed"))?;
             tracing::debug!(prefill_ms = p.prefill_seconds * 1e3, kv_bytes = p.kv_bytes, "prefill done");
-            Ok(Answer::Prefilled(p))
+            Ok(Answer::Prefilled(Box::new(p)))
         };
         self.reply(call, tracing::Instrument::instrument(answer, span))
     }
@@ -444,7 +444,7 @@ impl Session {
                 Event::Token(_) => tokens += 1,
                 Event::Done { .. } => tracing::debug!(tokens, "finished"),
                 Event::Failed(e) => tracing::warn!(tokens, kind = e.kind(), error = %e, "failed"),
-                Event::Prompt(_) => {}
+                Event::Prompt(_) | Event::Embedding(_) => {}
             }
             let last = event.is_last();
             if self.out.send(FromWorker::Event { call, event }).await.is_err() || last {

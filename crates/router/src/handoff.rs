@@ -413,6 +413,9 @@ fn decode_ready(
     if let Some(scores) = first.prompt_logprobs.clone() {
         let _ = client.send(Event::Prompt(scores));
     }
+    if let Some(embedding) = first.embedding.clone() {
+        let _ = client.send(Event::Embedding(embedding));
+    }
     if client.send(Event::Token(first.token.clone())).is_err() {
         d.worker.release(id);
         return Outcome::Cancelled;

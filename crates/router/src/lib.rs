@@ -280,12 +280,12 @@ impl Router {
 
 /// The prompt's full blocks as the engines hash them, as far as an engine may take
 /// them from its cache: it leaves at least one prompt token to compute (for the
-/// logits), and scores a prompt in full when asked for its logprobs.
+/// logits), and computes a prompt in full when asked for its logprobs or embedding.
 fn prompt_blocks(req: &GenerateRequest) -> Vec<pdserve_kv::BlockHash> {
     let mut hashes = pdserve_kv::block_hashes(&req.prompt, BLOCK_SIZE, BLOCK_SALT);
-    let cacheable = match req.params.prompt_logprobs {
-        Some(_) => 0,
-        None => req.prompt.len().saturating_sub(1) / BLOCK_SIZE,
+    let cacheable = match req.params.whole_prompt() {
+        true => 0,
+        false => req.prompt.len().saturating_sub(1) / BLOCK_SIZE,
     };
     hashes.truncate(cacheable);
     hashes

@@ -145,7 +145,7 @@ impl Job {
                     }
                 }
                 // The new worker scores the replayed prompt again: the client has its scores.
-                Event::Prompt(_) if self.moves > 0 => continue,
+                Event::Prompt(_) | Event::Embedding(_) if self.moves > 0 => continue,
                 Event::Token(t) => {
                     self.sent.push(t.token);
                     self.first.get_or_insert_with(Instant::now);
@@ -182,6 +182,7 @@ impl Job {
             req.params.max_tokens = req.params.max_tokens.saturating_sub(done);
             req.params.min_tokens = req.params.min_tokens.saturating_sub(done);
             req.params.prompt_logprobs = None;
+            req.params.embed = None;
             // The new worker's matcher consumes the tokens sent before going on.
             if let Some(g) = req.params.grammar.as_mut() {
                 g.replayed += done;

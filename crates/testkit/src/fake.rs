@@ -77,6 +77,12 @@ pub fn scores(prompt: &[u32]) -> Vec<TokenOut> {
     prompt.iter().skip(1).map(|&token| TokenOut { token, logprob: -1.0, top: Vec::new() }).collect()
 }
 
+/// A stand-in embedding of `prompt`: four values that follow from its tokens.
+pub fn embedding(prompt: &[u32]) -> Vec<f32> {
+    let sum: f32 = prompt.iter().map(|&t| t as f32).sum();
+    vec![prompt.len() as f32, sum, 1.0, -1.0]
+}
+
 /// A model-free worker.
 #[derive(Clone)]
 pub struct FakeWorker {
@@ -276,6 +282,7 @@ impl Inner {
             transfer_seconds: 0.0,
             kv_bytes: u64::from(blocks * LAYERS) * 32,
             prompt_logprobs: req.params.prompt_logprobs.map(|_| scores(&req.prompt)),
+            embedding: req.params.embed.map(|_| embedding(&req.prompt)),
         })
     }
 
@@ -329,6 +336,9 @@ impl Worker for FakeWorker {
         let blocks = self.inner.take_blocks(req.prompt.len() + max)?;
         if req.params.prompt_logprobs.is_some() {
             let _ = events.send(Event::Prompt(scores(&req.prompt)));
+        }
+        if req.params.embed.is_some() {
+            let _ = events.send(Event::Embedding(embedding(&req.prompt)));
         }
         self.inner.clone().stream(req.prompt, 0, max, blocks, events, 0);
         Ok(())

@@ -38,6 +38,10 @@ pub struct SamplingParams {
     /// prefix-cache reuse), since cached positions have no logits.
     #[serde(default)]
     pub prompt_logprobs: Option<u32>,
+    /// Also return the prompt's final hidden states pooled into one vector (an
+    /// embedding). Such a request too computes its whole prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embed: Option<Pooling>,
     pub stop: StopCondition,
     /// Added to the logits of these tokens before sampling (OpenAI's `logit_bias`,
     /// each in [-100, 100]); sorted by id, each id once.
@@ -47,6 +51,25 @@ pub struct SamplingParams {
     /// masked before sampling.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grammar: Option<Grammar>,
+}
+
+/// How a prompt's final hidden states (after the output norm) become one vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pooling {
+    /// The mean over every prompt token.
+    Mean,
+    /// The last prompt token's.
+    Last,
+}
+
+impl Pooling {
+    pub fn name(self) -> &'static str {
+        match self {
+            Pooling::Mean => "mean",
+            Pooling::Last => "last",
+        }
+    }
 }
 
 /// Extra ways to end generation besides EOS and `max_tokens`.
@@ -75,6 +98,7 @@ impl Default for SamplingParams {
             top_logprobs: 0,
             logprobs: false,
             prompt_logprobs: None,
+            embed: None,
             stop: StopCondition::default(),
             logit_bias: Vec::new(),
             grammar: None,
@@ -104,6 +128,13 @@ pub const MAX_LOGIT_BIAS_TOKENS: usize = 1024;
 pub const MAX_STOP_TOKEN_IDS: usize = 1024;
 
 impl SamplingParams {
+    /// Whether the request computes its whole prompt, taking nothing from a prefix
+    /// cache: it scores the prompt or pools its hidden states, and cached positions
+    /// have neither.
+    pub fn whole_prompt(&self) -> bool {
+        self.prompt_logprobs.is_some() || self.embed.is_some()
+    }
+
     /// Greedy decoding of at most `max_tokens` tokens.
     pub fn greedy(max_tokens: u32) -> Self {
         SamplingParams { max_tokens, ..Default::default() }

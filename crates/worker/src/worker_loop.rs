@@ -523,6 +523,9 @@ impl Loop {
         if let Some(scores) = out.prompt_logprobs.clone() {
             let _ = live.events.send(Event::Prompt(scores));
         }
+        if let Some(embedding) = out.embedding.clone() {
+            let _ = live.events.send(Event::Embedding(embedding));
+        }
         if let Some(why) = out.broken {
             // The token that broke the grammar is not sent: the output so far is all
             // the client gets, with the error.
@@ -558,6 +561,7 @@ fn prefilled(o: StepOutput) -> Prefilled {
         transfer_seconds: 0.0,
         kv_bytes: 0,
         prompt_logprobs: o.prompt_logprobs,
+        embedding: o.embedding,
     }
 }
 

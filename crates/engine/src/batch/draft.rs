@@ -409,7 +409,7 @@ impl Drafter {
             .map(|((k, chunk), blocks)| {
                 let w = &work[*k];
                 let start_pos = running[w.seq].draft_kv.as_ref().map_or(0, |d| d.computed);
-                SeqBatch { tokens: chunk, start_pos, blocks, logits: usize::from(w.live), score: None }
+                SeqBatch { tokens: chunk, start_pos, blocks, logits: usize::from(w.live), score: None, pool: None }
             })
             .collect();
         let logits = self.model.forward(isa, pool, &batch, &mut self.kv, &mut self.scratch, &mut |_, _| true);

@@ -124,6 +124,9 @@ pub struct StepOutput {
     /// With a request's first token, when it asked: each prompt token from the second
     /// on, scored given the tokens before it.
     pub prompt_logprobs: Option<Vec<TokenOut>>,
+    /// With a request's first token, when it asked: its prompt's pooled final hidden
+    /// states.
+    pub embedding: Option<Vec<f32>>,
     /// Why the output stopped matching its grammar, if it did: the request ends in
     /// this error, never with an answer its grammar refuses.
     pub broken: Option<String>,

@@ -8,7 +8,7 @@ use super::speculate::{self, Acceptance, Candidate, PlainStep};
 use super::transfer::Stored;
 use super::{Compute, Engine, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
-use crate::model::{Scoring, SeqBatch};
+use crate::model::{Pool, Scoring, SeqBatch};
 use crate::threadpool::DisjointMut;
 use crate::timed::{self, StepShape};
 use pdserve_kv::{block_hashes, BlockHash, BlockTable, ImmutableBlock};
@@ -93,8 +93,8 @@ impl Engine {
         }
         let ids: Vec<LayerSeq> =
             plan.iter().map(|p| LayerSeq { blocks: table_ids(&self.running[p.seq]), last_chunk: p.logits }).collect();
-        let scores: Vec<Mutex<Vec<TokenOut>>> = plan.iter().map(|_| Mutex::default()).collect();
-        let batch = seq_batches(&self.running, &plan, &ids, &scores);
+        let gathered: Vec<Gathered> = plan.iter().map(|p| Gathered::for_seq(&self.running[p.seq])).collect();
+        let batch = seq_batches(&self.running, &plan, &ids, &gathered);
         let timing = self.start_timing(&plan);
         // The scratch leaves `self` for the step so the logits can be sampled in place.
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -123,7 +123,7 @@ impl Engine {
         };
         drop(batch);
         let out = match logits {
-            Some(logits) => self.finish_pass(&plan, scores, logits, &timing),
+            Some(logits) => self.finish_pass(&plan, gathered, logits, &timing),
             None => Vec::new(),
         };
         self.scratch = scratch;
@@ -146,18 +146,22 @@ impl Engine {
         }
     }
 
-    /// After a pass that ran to the end: keeps the prompt scores, samples the
-    /// logits and records how long the step took.
+    /// After a pass that ran to the end: keeps the prompt scores and pooled hidden
+    /// states, samples the logits and records how long the step took.
     fn finish_pass(
         &mut self,
         plan: &[Planned],
-        scores: Vec<Mutex<Vec<TokenOut>>>,
+        gathered: Vec<Gathered>,
         logits: Logits<'_>,
         timing: &StepTiming,
     ) -> Vec<StepOutput> {
-        for (p, got) in plan.iter().zip(scores) {
-            let got = got.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
-            self.running[p.seq].prompt_scores.extend(got);
+        for (p, got) in plan.iter().zip(gathered) {
+            let (scores, pooled) = got.into_parts();
+            let s = &mut self.running[p.seq];
+            s.prompt_scores.extend(scores);
+            if !pooled.is_empty() {
+                s.embedding = pooled;
+            }
         }
         let out = self.finish_step(plan, logits);
         self.record_step(timing);
@@ -500,11 +504,11 @@ impl Engine {
 
     /// The hashes of the whole blocks of `s` a cache may serve: all but the last
     /// token, which is always computed so the step yields logits. A request that
-    /// scores its prompt computes all of it: cached positions have no logits.
+    /// scores or pools its prompt computes all of it: cached positions have neither.
     fn shareable_hashes(&self, s: &Sequence) -> Vec<BlockHash> {
-        let usable = match s.params.prompt_logprobs {
-            Some(_) => 0,
-            None => (s.tokens.len() - 1) / BLOCK_SIZE * BLOCK_SIZE,
+        let usable = match s.params.whole_prompt() {
+            true => 0,
+            false => (s.tokens.len() - 1) / BLOCK_SIZE * BLOCK_SIZE,
         };
         block_hashes(&s.tokens[..usable], BLOCK_SIZE, self.cfg.cache_salt)
     }
@@ -660,26 +664,51 @@ impl Engine {
     }
 }
 
+/// What a pass gathers for one planned sequence besides its logits: prompt scores
+/// and pooled hidden states.
+#[derive(Default)]
+struct Gathered {
+    scores: Mutex<Vec<TokenOut>>,
+    pooled: Mutex<Vec<f32>>,
+}
+
+impl Gathered {
+    /// A pooling sequence's rows are added onto its sum so far, one row after another
+    /// whatever the chunking, so its embedding does not depend on it.
+    fn for_seq(s: &Sequence) -> Gathered {
+        Gathered { pooled: Mutex::new(s.embedding.clone()), ..Gathered::default() }
+    }
+
+    fn into_parts(self) -> (Vec<TokenOut>, Vec<f32>) {
+        use std::sync::PoisonError;
+        (
+            self.scores.into_inner().unwrap_or_else(PoisonError::into_inner),
+            self.pooled.into_inner().unwrap_or_else(PoisonError::into_inner),
+        )
+    }
+}
+
 /// The forward pass's view of each planned sequence: the tokens it computes, where
-/// its K/V go and what it scores.
+/// its K/V go, what it scores and what it pools.
 fn seq_batches<'a>(
     running: &'a [Sequence],
     plan: &[Planned],
     ids: &'a [LayerSeq],
-    scores: &'a [Mutex<Vec<TokenOut>>],
+    gathered: &'a [Gathered],
 ) -> Vec<SeqBatch<'a>> {
     plan.iter()
         .zip(ids)
-        .zip(scores)
-        .map(|((p, ls), out)| {
+        .zip(gathered)
+        .map(|((p, ls), g)| {
             let s = &running[p.seq];
             let score = s.score_targets(p.n).map(|targets| Scoring {
                 targets,
                 top: s.params.prompt_logprobs.unwrap_or(0) as usize,
-                out,
+                out: &g.scores,
             });
+            let pool = s.pooled_rows(p.n).map(|rows| Pool { rows, out: &g.pooled });
             let tokens = if p.draft > 0 { &s.verify[..] } else { &s.tokens[s.computed..s.computed + p.n] };
-            SeqBatch { tokens, start_pos: s.computed, blocks: &ls.blocks, logits: p.logit_rows(), score }
+            SeqBatch { tokens, start_pos: s.computed, blocks: &ls.blocks, logits: p.logit_rows(), score, pool }
         })
         .collect()
 }
@@ -806,6 +835,7 @@ fn record(s: &mut Sequence, sampled: TokenOut, eog: &[u32], context: usize) -> (
     let broken = s.constraint.as_mut().and_then(|c| c.broken(tok));
     let finish = if broken.is_some() { Some(FinishReason::Stop) } else { s.finish_reason(eog, context) };
     let prompt_logprobs = (first && s.params.prompt_logprobs.is_some()).then(|| std::mem::take(&mut s.prompt_scores));
+    let embedding = if first { s.take_embedding() } else { None };
     let output = StepOutput {
         id: s.id,
         sampled,
@@ -813,6 +843,7 @@ fn record(s: &mut Sequence, sampled: TokenOut, eog: &[u32], context: usize) -> (
         prompt_tokens: s.prompt_len,
         cached_tokens: s.cached_tokens,
         prompt_logprobs,
+        embedding,
         broken,
     };
     (output, finish.is_some())

@@ -4,9 +4,10 @@ use super::draft::DraftKv;
 use super::speculate::Acceptance;
 use super::BLOCK_SIZE;
 use crate::grammar::Constraint;
+use crate::model::Pooled;
 use crate::sampler::{Sampler, TokenHistory};
 use pdserve_kv::{BlockHash, BlockTable};
-use pdserve_types::{FinishReason, RequestId, SamplingParams, TokenOut};
+use pdserve_types::{FinishReason, Pooling, RequestId, SamplingParams, TokenOut};
 
 pub(crate) struct Sequence {
     pub id: RequestId,
@@ -47,6 +48,9 @@ pub(crate) struct Sequence {
     pub draft_kv: Option<DraftKv>,
     /// Its tokens the worker's n-gram pool has learnt.
     pub pooled: usize,
+    /// Its prompt's final hidden states pooled so far, when it asked for an
+    /// embedding: their sum (mean pooling) or the last one.
+    pub embedding: Vec<f32>,
 }
 
 impl Sequence {
@@ -73,6 +77,7 @@ impl Sequence {
             draft_forced: false,
             draft_kv: None,
             pooled: 0,
+            embedding: Vec::new(),
         }
     }
 
@@ -87,6 +92,32 @@ impl Sequence {
         let from = (self.computed + 1).min(self.prompt_len);
         let to = (self.computed + n + 1).min(self.prompt_len);
         Some(&self.tokens[from..to])
+    }
+
+    /// What the next `n` computed positions add to the prompt's embedding, if this
+    /// request asked for one and they include prompt positions.
+    pub fn pooled_rows(&self, n: usize) -> Option<Pooled> {
+        let pooling = self.params.embed?;
+        if self.generated() > 0 || self.computed >= self.prompt_len {
+            // Pooled and sent with the first token already (this is a recompute).
+            return None;
+        }
+        let rows = n.min(self.prompt_len - self.computed);
+        match pooling {
+            Pooling::Mean => Some(Pooled::Sum(rows)),
+            Pooling::Last => (self.computed + rows == self.prompt_len).then(|| Pooled::Row(rows - 1)),
+        }
+    }
+
+    /// The prompt's embedding, once, with its first token: the mean divides the sum.
+    pub fn take_embedding(&mut self) -> Option<Vec<f32>> {
+        let pooling = self.params.embed?;
+        let mut e = std::mem::take(&mut self.embedding);
+        if pooling == Pooling::Mean {
+            let n = self.prompt_len.max(1) as f32;
+            e.iter_mut().for_each(|x| *x /= n);
+        }
+        Some(e)
     }
 
     pub fn generated(&self) -> usize {
@@ -161,8 +192,9 @@ impl Sequence {
         self.table = None;
         self.draft_kv = None;
         self.computed = 0;
-        // Recomputed positions are scored again, with the same numerics.
+        // Recomputed positions are scored and pooled again, with the same numerics.
         self.prompt_scores.clear();
+        self.embedding.clear();
         self.paused = false;
     }
 }

@@ -286,11 +286,11 @@ impl Engine {
     ) -> Result<Sequence, EngineError> {
         let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
         let imp = self.importing.swap_remove(at);
-        // The engine leaves a token to compute for the logits, and scores a prompt
-        // asked for its logprobs in full.
-        let usable = match params.prompt_logprobs {
-            Some(_) => 0,
-            None => prompt.len().saturating_sub(1) / BLOCK_SIZE * BLOCK_SIZE,
+        // The engine leaves a token to compute for the logits, and computes a prompt
+        // asked for its logprobs or its embedding in full.
+        let usable = match params.whole_prompt() {
+            true => 0,
+            false => prompt.len().saturating_sub(1) / BLOCK_SIZE * BLOCK_SIZE,
         };
         if !imported.is_multiple_of(BLOCK_SIZE) || imported > usable || imported > imp.prompt_len {
             return Err(EngineError::BadFrame(format!("{imported} imported tokens do not fit the request")));

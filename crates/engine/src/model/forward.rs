@@ -22,6 +22,31 @@ pub struct SeqBatch<'a> {
     pub logits: usize,
     /// Score the tokens that follow the first rows (prompt logprobs).
     pub score: Option<Scoring<'a>>,
+    /// Pool the first rows' final hidden states (an embedding of the prompt).
+    pub pool: Option<Pool<'a>>,
+}
+
+impl<'a> SeqBatch<'a> {
+    /// A part that computes and yields `logits` rows, scoring and pooling nothing.
+    pub fn plain(tokens: &'a [u32], start_pos: usize, blocks: &'a [u32], logits: usize) -> Self {
+        SeqBatch { tokens, start_pos, blocks, logits, score: None, pool: None }
+    }
+}
+
+/// Where a sequence's part puts its rows' normed final hidden states (an
+/// embedding of its prompt), into `out`.
+pub struct Pool<'a> {
+    pub rows: Pooled,
+    pub out: &'a Mutex<Vec<f32>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Pooled {
+    /// The first `n` rows are added to `out` (mean pooling: divided once the prompt
+    /// is done).
+    Sum(usize),
+    /// Row `i` replaces `out` (the prompt's last position, for last-token pooling).
+    Row(usize),
 }
 
 /// Which tokens the rows of a sequence's part predict: row `j` is scored against
@@ -104,6 +129,7 @@ impl Model {
             s.last.extend_from_slice(&s.x[(end - rows) * h..end * h]);
         }
         self.score_rows(isa, pool, batch, s);
+        self.pool_rows(pool, batch, s);
         let n = s.last.len() / h;
         norm_rows(pool, &s.last, &self.norm, self.cfg.rms_eps, h, &mut s.h);
         s.logits.resize(n * v, 0.0);
@@ -141,6 +167,38 @@ impl Model {
 }
 
 impl Model {
+    /// Embeddings: each pooling part's prompt rows through the output norm, summed
+    /// into its sum, or its last row kept. The norm is the row-wise kernel every row
+    /// takes, so a prompt's embedding does not depend on the batch.
+    fn pool_rows(&self, pool: &ThreadPool, batch: &[SeqBatch<'_>], s: &mut ForwardScratch) {
+        let h = self.cfg.hidden;
+        let mut start = 0;
+        for b in batch {
+            let first_row = start;
+            start += b.tokens.len();
+            let Some(p) = &b.pool else { continue };
+            let (from, to) = match p.rows {
+                Pooled::Sum(n) => (first_row, first_row + n.min(b.tokens.len())),
+                Pooled::Row(i) if i < b.tokens.len() => (first_row + i, first_row + i + 1),
+                Pooled::Row(_) => continue,
+            };
+            if to <= from {
+                continue;
+            }
+            norm_rows(pool, &s.x[from * h..to * h], &self.norm, self.cfg.rms_eps, h, &mut s.h);
+            let mut out = p.out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            out.resize(h, 0.0);
+            match p.rows {
+                Pooled::Row(_) => out.copy_from_slice(&s.h[..h]),
+                Pooled::Sum(_) => {
+                    for row in s.h[..(to - from) * h].chunks_exact(h) {
+                        out.iter_mut().zip(row).for_each(|(o, x)| *o += x);
+                    }
+                }
+            }
+        }
+    }
+
     /// Final logit soft-capping, where the architecture has it.
     fn soft_cap(&self, logits: &mut [f32]) {
         if let Some(cap) = self.cfg.gemma3.as_ref().and_then(|g| g.final_logit_softcap) {

@@ -17,7 +17,7 @@ mod qwen3;
 mod qwen3moe;
 
 pub use family::supported_architectures;
-pub use forward::{ForwardScratch, Scoring, SeqBatch};
+pub use forward::{ForwardScratch, Pool, Pooled, Scoring, SeqBatch};
 
 use crate::config::ModelConfig;
 use crate::format::{DType, FormatError, TensorSource};

@@ -10,12 +10,11 @@ returns them: the final norm's output pooled, not normalised.
 Usage: peer_embeddings.py PEER_DIR MODEL.gguf OUT.f32 TOKEN [TOKEN ...]
 """
 import ctypes
-import os
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from peer_logits import bindings  # noqa: E402
+from peer_logits import load  # noqa: E402
 
 
 def pooled(ll, model, tokens, pooling):
@@ -55,17 +54,7 @@ def main():
         sys.exit(__doc__)
     peer, model_path, out = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     tokens = [int(t) for t in sys.argv[4:]]
-    os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(peer / "build" / "bin"))
-    ll = bindings(peer)
-    quiet = ll.llama_log_callback(lambda level, text, data: None)
-    if not os.environ.get("PEER_VERBOSE"):
-        ll.llama_log_set(quiet, ctypes.c_void_p())
-    ll.llama_backend_init()
-    mp = ll.llama_model_default_params()
-    mp.n_gpu_layers = 0
-    model = ll.llama_model_load_from_file(model_path.encode(), mp)
-    if not model:
-        sys.exit(f"peer_embeddings: llama.cpp could not load {model_path}")
+    ll, model = load(peer, model_path, "peer_embeddings")
     with open(out, "wb") as f:
         for pooling in (ll.LLAMA_POOLING_TYPE_MEAN, ll.LLAMA_POOLING_TYPE_LAST):
             f.write(pooled(ll, model, tokens, pooling))

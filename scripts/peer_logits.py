@@ -27,24 +27,32 @@ def bindings(peer):
     return ll
 
 
-def main():
-    if len(sys.argv) < 5:
-        sys.exit(__doc__)
-    peer, model_path, out = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    tokens = [int(t) for t in sys.argv[4:]]
+def load(peer, model_path, who):
+    """The bindings and the model at `model_path`, on the CPU, llama.cpp's log quiet
+    unless PEER_VERBOSE is set; `who` names the caller in errors."""
     import os
 
     os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(peer / "build" / "bin"))
     ll = bindings(peer)
-    quiet = ll.llama_log_callback(lambda level, text, data: None)
+    # Kept on the module: llama.cpp calls it for as long as the process lives.
+    load.quiet = ll.llama_log_callback(lambda level, text, data: None)
     if not os.environ.get("PEER_VERBOSE"):
-        ll.llama_log_set(quiet, ctypes.c_void_p())
+        ll.llama_log_set(load.quiet, ctypes.c_void_p())
     ll.llama_backend_init()
     mp = ll.llama_model_default_params()
     mp.n_gpu_layers = 0
     model = ll.llama_model_load_from_file(model_path.encode(), mp)
     if not model:
-        sys.exit(f"peer_logits: llama.cpp could not load {model_path}")
+        sys.exit(f"{who}: llama.cpp could not load {model_path}")
+    return ll, model
+
+
+def main():
+    if len(sys.argv) < 5:
+        sys.exit(__doc__)
+    peer, model_path, out = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    tokens = [int(t) for t in sys.argv[4:]]
+    ll, model = load(peer, model_path, "peer_logits")
     cp = ll.llama_context_default_params()
     # The model's own context length, which decides Phi-3's long or short RoPE factors.
     cp.n_ctx = 0

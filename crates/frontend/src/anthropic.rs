@@ -14,7 +14,7 @@ use crate::generation::Output;
 use crate::openai::ChatRequest;
 use crate::request_id::Tagged;
 use crate::sse::{to_json, Format};
-use crate::tools::{Call, Tools};
+use crate::tools::{Call, Held, Tools};
 use crate::{errors::ApiError, AppState};
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -400,20 +400,13 @@ impl Format for MessagesFormat {
     fn chunk(&mut self, _index: u32, step: &Output) -> Vec<String> {
         self.finish = step.finish.or(self.finish);
         self.stop_sequence = step.stop.clone().or(self.stop_sequence.take());
-        let Some(held) = self.held.as_mut() else { return self.text_events(&step.text) };
-        held.text.push_str(&step.text);
-        held.finish = step.finish;
-        let may_call = self.tools.as_ref().is_some_and(|t| t.may_call(&held.text));
-        if step.finish.is_none() && may_call {
-            return Vec::new();
-        }
-        let held = self.held.take().unwrap_or_default();
-        match self.calls(&held) {
-            Some(calls) => {
+        match crate::tools::hold(self.tools.as_deref(), &mut self.held, step) {
+            Held::Waiting => Vec::new(),
+            Held::Calls(calls) => {
                 self.called = true;
                 self.call_events(&calls)
             }
-            None => self.text_events(&held.text),
+            Held::Text(text) => self.text_events(&text),
         }
     }
 

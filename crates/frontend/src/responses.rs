@@ -19,7 +19,7 @@ use crate::openai::ChatRequest;
 use crate::request_id::Tagged;
 use crate::response_store::{ResponseStore, Stored};
 use crate::sse::{to_json, Format};
-use crate::tools::{Call, Tools};
+use crate::tools::{Call, Held, Tools};
 use crate::{errors::ApiError, AppState};
 use axum::extract::{Path, State};
 use axum::response::Response;
@@ -481,17 +481,10 @@ impl Format for ResponsesFormat {
 
     fn chunk(&mut self, _index: u32, step: &Output) -> Vec<String> {
         self.finish = step.finish.or(self.finish);
-        let Some(held) = self.held.as_mut() else { return self.text_events(&step.text) };
-        held.text.push_str(&step.text);
-        held.finish = step.finish;
-        let may_call = self.tools.as_ref().is_some_and(|t| t.may_call(&held.text));
-        if step.finish.is_none() && may_call {
-            return Vec::new();
-        }
-        let held = self.held.take().unwrap_or_default();
-        match self.calls_of(&held) {
-            Some(calls) => self.call_events(calls),
-            None => self.text_events(&held.text),
+        match crate::tools::hold(self.tools.as_deref(), &mut self.held, step) {
+            Held::Waiting => Vec::new(),
+            Held::Calls(calls) => self.call_events(calls),
+            Held::Text(text) => self.text_events(&text),
         }
     }
 

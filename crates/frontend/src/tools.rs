@@ -258,6 +258,37 @@ fn cut_call(rest: &str) -> bool {
     opening && !rest.contains(CALL_CLOSE)
 }
 
+/// What a streamed step of a reply that may be tool calls comes to.
+pub enum Held {
+    /// Still possibly calls: nothing to send yet.
+    Waiting,
+    /// The reply ended as these calls.
+    Calls(Vec<Call>),
+    /// Text to send: the reply is prose (what was held, with this step).
+    Text(String),
+}
+
+/// Adds `step` to the text `held` back while the reply may still become calls (no
+/// tools offered, or the reply known to be prose: `held` is `None` and the step's
+/// text goes out as it is).
+pub fn hold(
+    tools: Option<&Tools>,
+    held: &mut Option<crate::generation::Output>,
+    step: &crate::generation::Output,
+) -> Held {
+    let Some(h) = held.as_mut() else { return Held::Text(step.text.clone()) };
+    h.text.push_str(&step.text);
+    h.finish = step.finish;
+    if step.finish.is_none() && tools.is_some_and(|t| t.may_call(&h.text)) {
+        return Held::Waiting;
+    }
+    let h = held.take().unwrap_or_default();
+    match tools.and_then(|t| t.calls(&h.text)).filter(|_| h.finish.is_some()) {
+        Some(calls) => Held::Calls(calls),
+        None => Held::Text(h.text),
+    }
+}
+
 /// An assistant turn's earlier calls (its `tool_calls`) as (name, arguments), the
 /// arguments an object where their JSON text parses.
 fn earlier_calls(calls: &Value) -> Result<Vec<(&str, Value)>, ApiError> {

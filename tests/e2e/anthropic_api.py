@@ -2,8 +2,9 @@
 its stream, a forced tool call and the tool result sent back, token counting, and
 errors raised as the SDK's own exception types. A greedy message says what the same
 chat completion says (one prompt path). Then Claude Code (npm, its path in
-$PDSERVE_CLAUDE) runs one non-interactive prompt against the server to its end.
-Called by test_openai.py for each mode.
+$PDSERVE_CLAUDE) runs one non-interactive prompt against the server to its end
+(`claude_code`, against a server that samples greedily by default). Called by
+test_openai.py.
 """
 import json
 import os
@@ -87,7 +88,20 @@ def suite(mode, url, check):
             except kind as e:
                 assert e.body["type"] == "error" and e.body["error"]["message"], e.body
 
-    def claude_code():
+    for name, fn in [("message", message), ("stream", stream), ("tool_round_trip", tool_round_trip),
+                     ("streamed_tool_call", streamed_tool_call), ("count_tokens", count_tokens), ("errors", errors),
+                     ("structured_output", structured_output), ("claude_code", claude_code)]:
+        check(f"{mode}/anthropic_{name}", fn)
+
+
+def claude_code(url, check):
+    """Claude Code runs one prompt against the server at `url`, which samples greedily
+    where a request sets no temperature (Claude Code sends none; sampled at 1 the
+    default model may ramble to the end of its context, and Claude Code then asks to
+    continue past it)."""
+    model = openai.OpenAI(base_url=url + "/v1", api_key="none").models.list().data[0].id
+
+    def run():
         # --bare: Claude Code's own tool definitions alone are ~22k tokens, past the
         # default model's 8,192-token context (docs/usage.md); the rest of its exchange
         # (a titling request with a JSON-schema output_config, then the streamed
@@ -102,7 +116,4 @@ def suite(mode, url, check):
         assert not result["is_error"] and result["num_turns"] >= 1, result
         assert result["usage"]["input_tokens"] > 0 and result["usage"]["output_tokens"] > 0, result
 
-    for name, fn in [("message", message), ("stream", stream), ("tool_round_trip", tool_round_trip),
-                     ("streamed_tool_call", streamed_tool_call), ("count_tokens", count_tokens), ("errors", errors),
-                     ("structured_output", structured_output), ("claude_code", claude_code)]:
-        check(f"{mode}/anthropic_{name}", fn)
+    check("claude_code/print", run)

@@ -349,7 +349,8 @@ def suite(mode, url):
 
 def greedy_default_suite(url):
     """A server started with --override-generation-config: requests that set no
-    temperature are sampled greedily; Codex, which sets none, runs against it."""
+    temperature are sampled greedily; Claude Code and Codex, which set none, run
+    against it."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     model = client.models.list().data[0].id
 
@@ -363,6 +364,7 @@ def greedy_default_suite(url):
         assert len(sampled) > 1, sampled
 
     check("greedy_default/defaults_apply", defaults_apply)
+    anthropic_api.claude_code(url, check)
     responses_api.codex(url, check)
 
 

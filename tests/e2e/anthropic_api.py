@@ -90,7 +90,7 @@ def suite(mode, url, check):
 
     for name, fn in [("message", message), ("stream", stream), ("tool_round_trip", tool_round_trip),
                      ("streamed_tool_call", streamed_tool_call), ("count_tokens", count_tokens), ("errors", errors),
-                     ("structured_output", structured_output), ("claude_code", claude_code)]:
+                     ("structured_output", structured_output)]:
         check(f"{mode}/anthropic_{name}", fn)
 
 

@@ -3,7 +3,8 @@ separate processes (`pdserve worker` x2 behind `pdserve frontend`), driven by th
 official openai SDK and curl (structured outputs and tools: structured.py), the
 official anthropic SDK and Claude Code (anthropic_api.py), the Responses API with the
 openai SDK and Codex (responses_api.py), LiteLLM's Anthropic and Responses routes
-(litellm_routes.py); /metrics checked by `promtool check metrics` (Debian's prometheus
+(litellm_routes.py); two models behind one port, loaded together or one at a time
+(models.py); /metrics checked by `promtool check metrics` (Debian's prometheus
 package) and parsed by the Prometheus client library; then stopped with SIGTERM. Run
 by scripts/test.sh; prints one summary line.
 
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import anthropic_api
 import litellm_routes
+import models
 import responses_api
 import structured
 
@@ -388,6 +390,7 @@ def main():
                     code = "hung"
                 rc = code if rc is None else rc
             check(f"{mode}/sigterm_exit_0", lambda: (_ for _ in ()).throw(AssertionError(f"exit {rc}")) if rc != 0 else None)
+    check("models/run", lambda: models.run(PDSERVE, check))
     failed = sum(1 for _, e in RESULTS if e)
     print(f"e2e: {len(RESULTS) - failed} passed, {failed} failed")
     sys.exit(1 if failed else 0)

@@ -1018,3 +1018,88 @@ impl Prometheus {
         v["data"]["result"].as_array().is_some_and(|r| !r.is_empty())
     }
 }
+
+/// Two models in one fleet: each model's workers register side by side, the frontend
+/// routes each request to its model's workers, and the planner plans each model
+/// apart: load on the first switches its workers' roles, and the second's keep theirs
+/// while serving throughout.
+#[test]
+fn two_models_share_a_fleet_and_a_role_switch_in_one_leaves_the_other() {
+    let n = nats();
+    let (_dir, _workers) = two_model_workers(&n);
+    let second = _dir.0.join("second-model.gguf");
+    let models = ["--model", "default", "--model", second.to_str().unwrap()];
+    let fe = start(
+        &[&["frontend", "--nats", &n.url, "--port", "0", "--mode", "auto", "--kv-transport", "tcp"], &models[..]]
+            .concat(),
+    );
+    let to_second = |max_tokens: u32| {
+        let req =
+            json!({"model": "second-model.gguf", "prompt": [504, 3575, 282, 4649, 314], "max_tokens": max_tokens});
+        common::http(fe.addr, "POST", "/v1/completions", Some(&req))
+    };
+    eventually("the frontend routes to every worker of both models", || {
+        ids(&n) == ["a1", "a2", "b1", "b2"] && status_of(fe.addr, 2) == 200 && to_second(2).0 == 200
+    });
+    let (_, listed) = common::http(fe.addr, "GET", "/v1/models", None);
+    let listed: Vec<String> = serde_json::from_str::<Value>(&listed).unwrap()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(listed, ["SmolLM2-135M-Instruct.Q4_1.gguf", "second-model.gguf"]);
+
+    let planner = start(
+        &[
+            &["planner", "--nats", &n.url, "--id", "plan-2", "--metrics", "127.0.0.1:0"][..],
+            &["--slo-ttft-ms", "3000", "--slo-tpot-ms", "50"],
+            &models,
+        ]
+        .concat(),
+    );
+    eventually("the planner takes the lease", || planner.logged("took the planner lease"));
+    // Load on the first model only (requests naming none go to it).
+    let load = Load::start(fe.addr);
+    eventually("the first model's workers both decode and prefill", || {
+        let held = roles(&n);
+        held.iter().filter(|(id, _, _)| id.starts_with('a')).all(|(_, role, epoch)| role == "mixed" && *epoch >= 1)
+    });
+    for _ in 0..4 {
+        let (status, body) = to_second(8);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["model"], "second-model.gguf");
+    }
+    load.stop_all_served();
+    let second_roles: Vec<_> = roles(&n).into_iter().filter(|(id, _, _)| id.starts_with('b')).collect();
+    assert_eq!(
+        second_roles,
+        [("b1".to_string(), "prefill".to_string(), 0), ("b2".to_string(), "decode".to_string(), 0)],
+        "the second model's workers were not planned by the first's traffic"
+    );
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+}
+
+/// Simulated fleet workers of two models, a prefill and a decode worker each (node ids
+/// `a1`, `a2`, `b1`, `b2`). The second model is the default's file under another name
+/// (a model is known by its file's name), `second-model.gguf` in the directory
+/// returned, with a profile of that name for its workers.
+fn two_model_workers(n: &Nats) -> (TempDir, [Proc; 4]) {
+    let dir = TempDir(std::env::temp_dir().join(format!("pdserve-two-models-{}", std::process::id())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let second = dir.0.join("second-model.gguf");
+    std::os::unix::fs::symlink(pdserve_engine::models::resolve("default").unwrap(), &second).unwrap();
+    let (first_profile, second_profile) = (dir.0.join("first.json"), dir.0.join("second.json"));
+    common::derived_profile(&first_profile);
+    let mut p: Value = serde_json::from_str(&std::fs::read_to_string(&first_profile).unwrap()).unwrap();
+    p["model"]["name"] = json!("second-model.gguf");
+    std::fs::write(&second_profile, p.to_string()).unwrap();
+    let (a, b) = (first_profile.to_str().unwrap(), second_profile.to_str().unwrap());
+    let workers = [
+        sim_fleet_worker(n, a, "prefill", "a1", &[]),
+        sim_fleet_worker(n, a, "decode", "a2", &[]),
+        sim_fleet_worker(n, b, "prefill", "b1", &[]),
+        sim_fleet_worker(n, b, "decode", "b2", &[]),
+    ];
+    (dir, workers)
+}

@@ -23,16 +23,25 @@ const BATCH: usize = 2048;
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TrafficBatch {
     pub frontend: String,
+    /// The model the requests were for (a frontend may serve several; empty from one
+    /// that names none).
+    #[serde(default)]
+    pub model: String,
     pub samples: Vec<RequestSample>,
     /// Seconds per prompt token each worker prefilled at, by worker name.
     pub prefill_pace: BTreeMap<String, f64>,
 }
 
-/// Publishes `samples` as they come, with the paces `pace` reads, every
+/// Publishes `samples` of `model` as they come, with the paces `pace` reads, every
 /// [`TRAFFIC_EVERY`], until the sender side closes. Batches made while NATS is
 /// away are dropped.
-pub fn publish_traffic<F>(cfg: NatsConfig, frontend: String, mut samples: mpsc::Receiver<RequestSample>, pace: F)
-where
+pub fn publish_traffic<F>(
+    cfg: NatsConfig,
+    frontend: String,
+    model: String,
+    mut samples: mpsc::Receiver<RequestSample>,
+    pace: F,
+) where
     F: Fn() -> BTreeMap<String, f64> + Send + 'static,
 {
     tokio::spawn(async move {
@@ -41,7 +50,12 @@ where
         let mut tick = tokio::time::interval(TRAFFIC_EVERY);
         loop {
             tick.tick().await;
-            let mut batch = TrafficBatch { frontend: frontend.clone(), samples: Vec::new(), prefill_pace: pace() };
+            let mut batch = TrafficBatch {
+                frontend: frontend.clone(),
+                model: model.clone(),
+                samples: Vec::new(),
+                prefill_pace: pace(),
+            };
             let mut open = true;
             while batch.samples.len() < BATCH {
                 match samples.try_recv() {

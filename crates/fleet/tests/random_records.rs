@@ -175,7 +175,7 @@ impl Draws {
             })
             .collect();
         let prefill_pace: BTreeMap<String, f64> = (0..self.below(4)).map(|_| (self.text(), self.f64())).collect();
-        TrafficBatch { frontend: self.text(), samples, prefill_pace }
+        TrafficBatch { frontend: self.text(), model: self.text(), samples, prefill_pace }
     }
 
     /// Any JSON value, nested at most `depth` more levels.

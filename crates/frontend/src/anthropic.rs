@@ -43,11 +43,23 @@ pub struct MessagesRequest {
     pub output_config: Option<Value>,
 }
 
+impl crate::ForModel for MessagesRequest {
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+}
+
 /// `POST /v1/messages/count_tokens`: a Messages request without `max_tokens`.
 #[derive(Debug, Deserialize)]
 pub struct CountRequest {
     #[serde(flatten)]
     pub request: MessagesRequest,
+}
+
+impl crate::ForModel for CountRequest {
+    fn model(&self) -> Option<&str> {
+        self.request.model.as_deref()
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -249,7 +261,7 @@ pub async fn count_tokens(State(app): State<Arc<AppState>>, body: Result<ApiJson
     })
     .await;
     match counted {
-        Ok(v) => Json(json!({"input_tokens": v.prompts.first().map_or(0, |p| p.ids.len())})).into_response(),
+        Ok(c) => Json(json!({"input_tokens": c.request.prompts.first().map_or(0, |p| p.ids.len())})).into_response(),
         Err(e) => error_response(e),
     }
 }

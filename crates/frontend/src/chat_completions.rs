@@ -26,12 +26,11 @@ pub async fn handler(
 ) -> Response {
     let tracker = app.tracker(&tagged);
     let valid = crate::validate_blocking(&app, body, |v, req| v.chat(req)).await;
-    let tokenizer = app.validator.tokenizer.clone();
     crate::run(app, tagged, tracker, valid, move |id, v| ChatFormat {
         id: format!("chatcmpl-{id}"),
         created: crate::unix_now(),
         model: v.model.clone(),
-        tokenizer,
+        tokenizer: v.tokenizer.clone(),
         prompt_field: v.prompt_logprobs,
         token_ids: v.token_ids,
         prompt_ids: v.prompts.first().filter(|_| v.token_ids).map(|p| p.ids.clone()).unwrap_or_default(),

@@ -23,9 +23,10 @@ pub async fn handler(
 ) -> Response {
     let tracker = app.tracker(&tagged);
     let valid = crate::validate_blocking(&app, body, |v, req| v.completion(req)).await;
-    let tokenizer = app.validator.tokenizer.clone();
-    crate::run(app, tagged, tracker, valid, move |id, v| CompletionFormat::new(format!("cmpl-{id}"), v, tokenizer))
-        .await
+    crate::run(app, tagged, tracker, valid, move |id, v| {
+        CompletionFormat::new(format!("cmpl-{id}"), v, v.tokenizer.clone())
+    })
+    .await
 }
 
 /// What echoing needs of one prompt.

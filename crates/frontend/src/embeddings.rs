@@ -38,6 +38,12 @@ pub struct EmbeddingsRequest {
     pub pooling: Option<Pooling>,
 }
 
+impl crate::ForModel for EmbeddingsRequest {
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+}
+
 impl Validator {
     pub fn embeddings(&self, req: EmbeddingsRequest) -> Result<ValidRequest, ApiError> {
         if req.dimensions.is_some() {

@@ -68,15 +68,36 @@ use sse::Format;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-/// The HTTP frontend over one served model.
+/// The HTTP frontend over the served models.
 pub struct Frontend {
     state: AppState,
+    /// The served models, the first the one a request naming none gets.
+    models: Vec<Model>,
+}
+
+/// One model behind the port: what validation needs of it, and where its requests go.
+pub(crate) struct Model {
+    generate: Arc<dyn Generate>,
+    validator: Validator,
+}
+
+/// Another model behind the same port (`serve --model A --model B`).
+pub struct ModelSpec {
+    pub generate: Arc<dyn Generate>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat: Arc<ChatTemplate>,
+    /// The names it answers to, the first listed first.
+    pub names: Vec<String>,
+    pub context_length: usize,
+    pub grammars: Option<Arc<Grammars>>,
 }
 
 /// What every handler shares.
 pub(crate) struct AppState {
-    generate: Arc<dyn Generate>,
-    validator: Validator,
+    /// The served models, the first the one a request naming none gets.
+    models: Vec<Arc<Model>>,
+    /// Sampling values for fields a request leaves out, for every model.
+    defaults: GenerationDefaults,
     metrics: Metrics,
     /// The `mode` label of the latency histograms.
     mode: Arc<str>,
@@ -104,39 +125,35 @@ impl Frontend {
         context_length: usize,
         metrics: Metrics,
     ) -> Frontend {
-        let created = unix_now();
-        let longest =
-            (0..tokenizer.vocab_size() as u32).filter_map(|t| tokenizer.token_bytes(t)).map(<[u8]>::len).max();
-        let max_prompt_bytes = context_length.saturating_mul(longest.unwrap_or(1).max(1));
-        let validator = Validator {
-            tokenizer,
-            chat,
-            model_ids: vec![model_id.into()],
-            context_length,
-            max_prompt_bytes,
-            grammars: None,
-            defaults: GenerationDefaults::default(),
-        };
+        let spec =
+            ModelSpec { generate, tokenizer, chat, names: vec![model_id.into()], context_length, grammars: None };
         let life = Lifecycle::default();
         let state = AppState {
-            generate,
-            validator,
+            models: Vec::new(),
+            defaults: GenerationDefaults::default(),
             metrics,
             mode: "auto".into(),
-            created,
+            created: unix_now(),
             life,
             origins: None,
             observer: None,
             api_key: None,
             responses: Arc::default(),
         };
-        Frontend { state }
+        Frontend { state, models: vec![Model::new(spec)] }
+    }
+
+    /// Serves another model behind the same port: requests naming one of `spec`'s
+    /// names go to it.
+    pub fn with_model(mut self, spec: ModelSpec) -> Frontend {
+        self.models.push(Model::new(spec));
+        self
     }
 
     /// Serves constrained outputs (`response_format`, tools that must be called, ...)
-    /// with `grammars`, built from the served model's tokenizer.
+    /// of the first model with `grammars`, built from its tokenizer.
     pub fn with_grammars(mut self, grammars: Option<Arc<Grammars>>) -> Frontend {
-        self.state.validator.grammars = grammars;
+        self.models[0].validator.grammars = grammars;
         self
     }
 
@@ -154,18 +171,18 @@ impl Frontend {
         self
     }
 
-    /// The names the model answers to (`--served-model-name`, as vLLM's); the first is
-    /// the one listed first. None given: the model's own name.
+    /// The names the first model answers to (`--served-model-name`, as vLLM's); the
+    /// first is the one listed first. None given: the model's own name.
     pub fn with_served_names(mut self, names: Vec<String>) -> Frontend {
         if !names.is_empty() {
-            self.state.validator.model_ids = names;
+            self.models[0].validator.model_ids = names;
         }
         self
     }
 
-    /// Samples with `defaults` where a request leaves a field out.
+    /// Samples every model with `defaults` where a request leaves a field out.
     pub fn with_generation_defaults(mut self, defaults: GenerationDefaults) -> Frontend {
-        self.state.validator.defaults = defaults;
+        self.state.defaults = defaults;
         self
     }
 
@@ -188,7 +205,15 @@ impl Frontend {
 
     /// The axum router with every route, the body limit and JSON fallbacks.
     pub fn router(self) -> Router {
-        let origins = self.state.origins.clone();
+        let Frontend { mut state, models: served } = self;
+        state.models = served
+            .into_iter()
+            .map(|mut m| {
+                m.validator.defaults = state.defaults.clone();
+                Arc::new(m)
+            })
+            .collect();
+        let origins = state.origins.clone();
         let mut app = Router::new()
             .route("/v1/completions", post(completions::handler))
             .route("/v1/chat/completions", post(chat_completions::handler))
@@ -208,8 +233,8 @@ impl Frontend {
             .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
             .fallback(|uri: Uri| async move { ApiError::RouteNotFound(uri.path().to_string()) });
         // Inside the request id (a 401 carries one) and CORS (a preflight has no key).
-        if let Some(key) = self.state.api_key.clone() {
-            let metrics = self.state.metrics.clone();
+        if let Some(key) = state.api_key.clone() {
+            let metrics = state.metrics.clone();
             app = app.layer(axum::middleware::from_fn(move |req, next| {
                 auth::middleware(key.clone(), metrics.clone(), req, next)
             }));
@@ -217,7 +242,7 @@ impl Frontend {
         let app = app
             .layer(DefaultBodyLimit::max(BODY_LIMIT))
             .layer(axum::middleware::from_fn(request_id::middleware))
-            .with_state(Arc::new(self.state));
+            .with_state(Arc::new(state));
         match origins {
             Some(o) => app.layer(axum::middleware::from_fn(move |req, next| cors::middleware(o.clone(), req, next))),
             None => app,
@@ -250,7 +275,44 @@ pub async fn serve_with(listener: tokio::net::TcpListener, app: Router, limits: 
     listen::serve(listener, app, limits).await
 }
 
+impl Model {
+    fn new(spec: ModelSpec) -> Model {
+        let ModelSpec { generate, tokenizer, chat, names, context_length, grammars } = spec;
+        let longest =
+            (0..tokenizer.vocab_size() as u32).filter_map(|t| tokenizer.token_bytes(t)).map(<[u8]>::len).max();
+        let max_prompt_bytes = context_length.saturating_mul(longest.unwrap_or(1).max(1));
+        let validator = Validator {
+            tokenizer,
+            chat,
+            model_ids: names,
+            context_length,
+            max_prompt_bytes,
+            grammars,
+            defaults: GenerationDefaults::default(),
+        };
+        Model { generate, validator }
+    }
+}
+
+/// A request body that names the model it is for.
+pub(crate) trait ForModel {
+    fn model(&self) -> Option<&str>;
+}
+
+/// A validated request and the model it goes to.
+pub(crate) struct Checked {
+    pub(crate) model: Arc<Model>,
+    pub(crate) request: ValidRequest,
+}
+
 impl AppState {
+    /// The model a request names (the first one where it names none), or 404.
+    pub(crate) fn model(&self, name: Option<&str>) -> Result<&Arc<Model>, ApiError> {
+        let Some(name) = name else { return self.models.first().ok_or(ApiError::ModelNotFound(String::new())) };
+        let named = |m: &&Arc<Model>| m.validator.model_ids.iter().any(|id| id == name);
+        self.models.iter().find(named).ok_or_else(|| ApiError::ModelNotFound(name.to_string()))
+    }
+
     fn tracker(&self, tagged: &Tagged) -> Tracker {
         let t = Tracker::new(self.metrics.clone(), self.mode.clone(), tagged.span.clone(), self.life.enter());
         let Some(observer) = &self.observer else { return t };
@@ -269,18 +331,20 @@ pub(crate) fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// Validates on the blocking pool: templates and tokenization are CPU work that must
-/// not stall the async workers.
-pub(crate) async fn validate_blocking<R: Send + 'static>(
+/// Finds the model the request names and validates it for that model on the blocking
+/// pool: templates and tokenization are CPU work that must not stall the async workers.
+pub(crate) async fn validate_blocking<R: ForModel + Send + 'static>(
     app: &Arc<AppState>,
     body: Result<ApiJson<R>, ApiError>,
     check: fn(&Validator, R) -> Result<ValidRequest, ApiError>,
-) -> Result<ValidRequest, ApiError> {
+) -> Result<Checked, ApiError> {
     let ApiJson(req) = body?;
-    let app = app.clone();
-    tokio::task::spawn_blocking(move || check(&app.validator, req))
+    let model = app.model(req.model())?.clone();
+    let m = model.clone();
+    let request = tokio::task::spawn_blocking(move || check(&m.validator, req))
         .await
-        .map_err(|e| ApiError::Serve(ServeError::Internal(format!("validation failed: {e}"))))?
+        .map_err(|e| ApiError::Serve(ServeError::Internal(format!("validation failed: {e}"))))??;
+    Ok(Checked { model, request })
 }
 
 /// Sends a validated request downstream and answers with JSON or SSE. `format`
@@ -289,23 +353,23 @@ pub(crate) async fn run<F: Format>(
     app: Arc<AppState>,
     tagged: Tagged,
     tracker: Tracker,
-    valid: Result<ValidRequest, ApiError>,
+    valid: Result<Checked, ApiError>,
     format: impl FnOnce(&str, &ValidRequest) -> F,
 ) -> Response {
     let mut tracker = tracker;
-    let v = match valid {
+    let (model, v) = match valid {
         Ok(_) if app.life.is_draining() => return reject::<F>(tracker, ApiError::Serve(ServeError::ShuttingDown)),
-        Ok(v) => v,
+        Ok(c) => (c.model, c.request),
         Err(e) => return reject::<F>(tracker, e),
     };
-    let served = app.validator.model_ids.first().unwrap_or(&v.model);
+    let served = model.validator.model_ids.first().unwrap_or(&v.model);
     tracker.accepted(&v.model, served, v.prompts.iter().map(|p| p.ids.len()).sum());
     if let Some(field) = v.constrained_by {
         app.metrics.constrained(field);
         tagged.span.record("constrained_by", field);
     }
     let format = format(tagged.tag.as_str(), &v);
-    let choices = match dispatch(&app, &tagged, tracker, &v).await {
+    let choices = match dispatch(&model, &tagged, tracker, &v).await {
         Ok(c) => c,
         Err(e) => return F::error_response(e),
     };
@@ -320,12 +384,7 @@ pub(crate) async fn run<F: Format>(
 /// others once that first choice produced its first token, so its prompt is in a
 /// prefix cache and they reuse its KV instead of computing it again. Choice `k` of a
 /// seeded request uses seed + `k`, so the choices differ.
-async fn dispatch(
-    app: &AppState,
-    tagged: &Tagged,
-    tracker: Tracker,
-    v: &ValidRequest,
-) -> Result<Vec<Choice>, ApiError> {
+async fn dispatch(app: &Model, tagged: &Tagged, tracker: Tracker, v: &ValidRequest) -> Result<Vec<Choice>, ApiError> {
     let mut tracker = Some(tracker);
     let mut choices = Vec::with_capacity(v.prompts.len() * v.n);
     for p in 0..v.prompts.len() {
@@ -350,7 +409,7 @@ async fn dispatch(
 /// Sends choice `k` of prompt `p` downstream; it takes the tracker (if any) once it
 /// is under way, and leaves it to count a refusal.
 fn start(
-    app: &AppState,
+    app: &Model,
     tagged: &Tagged,
     v: &ValidRequest,
     (p, k): (usize, usize),
@@ -395,19 +454,19 @@ fn reject<F: Format>(tracker: Tracker, e: ApiError) -> Response {
 }
 
 impl AppState {
-    fn card(&self, id: &str) -> openai::ModelCard {
+    fn card(&self, m: &Model, id: &str) -> openai::ModelCard {
         openai::ModelCard {
             id: id.to_string(),
             object: "model",
             created: self.created,
             owned_by: "pdserve",
-            max_model_len: self.validator.context_length,
+            max_model_len: m.validator.context_length,
         }
     }
 }
 
 async fn models(State(app): State<Arc<AppState>>) -> Json<openai::ModelList> {
-    let data = app.validator.model_ids.iter().map(|id| app.card(id)).collect();
+    let data = app.models.iter().flat_map(|m| m.validator.model_ids.iter().map(|id| app.card(m, id))).collect();
     Json(openai::ModelList { object: "list", data })
 }
 
@@ -416,17 +475,15 @@ async fn model_card(
     State(app): State<Arc<AppState>>,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Json<openai::ModelCard>, ApiError> {
-    match app.validator.model_ids.contains(&id) {
-        true => Ok(Json(app.card(&id))),
-        false => Err(ApiError::ModelNotFound(id)),
-    }
+    let m = app.model(Some(&id))?;
+    Ok(Json(app.card(m, &id)))
 }
 
 async fn health(State(app): State<Arc<AppState>>) -> Response {
     if app.life.is_draining() {
         return ApiError::Serve(ServeError::ShuttingDown).into_response();
     }
-    match app.generate.ready() {
+    match app.models.iter().any(|m| m.generate.ready()) {
         true => Json(serde_json::json!({"status": "ok"})).into_response(),
         false => ApiError::Serve(ServeError::NoWorker("no worker is ready".into())).into_response(),
     }

@@ -59,6 +59,12 @@ pub struct CompletionRequest {
     pub common: CommonParams,
 }
 
+impl crate::ForModel for CompletionRequest {
+    fn model(&self) -> Option<&str> {
+        self.common.model.as_deref()
+    }
+}
+
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
@@ -79,6 +85,12 @@ pub struct ChatRequest {
     /// (Anthropic's Messages: agents ask for more than a small model's context holds).
     #[serde(skip)]
     pub clamp_to_context: bool,
+}
+
+impl crate::ForModel for ChatRequest {
+    fn model(&self) -> Option<&str> {
+        self.common.model.as_deref()
+    }
 }
 
 #[derive(Debug, Deserialize)]

@@ -53,6 +53,12 @@ pub struct ResponsesRequest {
     history: Vec<Value>,
 }
 
+impl crate::ForModel for ResponsesRequest {
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+}
+
 /// `input`: a user's text, or items.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged, expecting = "a string or an array of input items")]

@@ -12,7 +12,7 @@
 
 use crate::errors::ApiError;
 use crate::extract::ApiJson;
-use crate::openai::{CommonParams, Message};
+use crate::openai::Message;
 use crate::validate::Validator;
 use crate::AppState;
 use axum::extract::State;
@@ -36,20 +36,16 @@ pub struct DetokenizeRequest {
     tokens: Vec<i64>,
 }
 
-fn check_model(app: &AppState, model: Option<String>) -> Result<(), ApiError> {
-    app.validator.check_common(&CommonParams { model, ..Default::default() }).map(drop)
-}
-
 pub async fn tokenize(
     State(app): State<Arc<AppState>>,
     body: Result<ApiJson<TokenizeRequest>, ApiError>,
 ) -> Result<Json<Value>, ApiError> {
     let ApiJson(req) = body?;
-    check_model(&app, req.model)?;
+    let v = app.model(req.model.as_deref())?.validator.clone();
     if let Some(text) = &req.prompt {
-        fits(&app.validator, text)?;
+        fits(&v, text)?;
     }
-    let v = app.validator.clone();
+    let (tokenizer, context) = (v.tokenizer.clone(), v.context_length);
     let tokens = tokio::task::spawn_blocking(move || match (req.prompt, req.messages) {
         (Some(text), None) => Ok(match req.add_special_tokens.unwrap_or(true) {
             true => v.tokenizer.encode_with_bos(&text, false),
@@ -60,10 +56,9 @@ pub async fn tokenize(
     })
     .await
     .map_err(|e| ApiError::malformed(format!("tokenization failed: {e}")))??;
-    let mut out = json!({"count": tokens.len(), "max_model_len": app.validator.context_length, "tokens": tokens});
+    let mut out = json!({"count": tokens.len(), "max_model_len": context, "tokens": tokens});
     if req.return_token_strs == Some(true) {
-        let strs: Vec<String> =
-            tokens.iter().map(|&t| app.validator.tokenizer.token_text(t).unwrap_or_default()).collect();
+        let strs: Vec<String> = tokens.iter().map(|&t| tokenizer.token_text(t).unwrap_or_default()).collect();
         out["token_strs"] = json!(strs);
     }
     Ok(Json(out))
@@ -87,30 +82,31 @@ pub async fn detokenize(
     body: Result<ApiJson<DetokenizeRequest>, ApiError>,
 ) -> Result<Json<Value>, ApiError> {
     let ApiJson(req) = body?;
-    check_model(&app, req.model)?;
+    let v = &app.model(req.model.as_deref())?.validator;
     // No sequence of this model is longer than its context: a longer list is not
     // worth decoding on the request's thread.
-    let context = app.validator.context_length;
+    let context = v.context_length;
     if req.tokens.len() > context {
         let msg = format!("{} tokens; no sequence is longer than the context of {context}", req.tokens.len());
         return Err(ApiError::invalid("tokens", msg));
     }
-    let ids = app.validator.checked_ids("tokens", &req.tokens)?;
-    Ok(Json(json!({"prompt": app.validator.tokenizer.decode(&ids)})))
+    let ids = v.checked_ids("tokens", &req.tokens)?;
+    Ok(Json(json!({"prompt": v.tokenizer.decode(&ids)})))
 }
 
-/// `GET /tokenizer_info`.
-pub async fn info(State(app): State<Arc<AppState>>) -> Json<Value> {
-    let t = &app.validator.tokenizer;
+/// `GET /tokenizer_info`: the first model's tokenizer.
+pub async fn info(State(app): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    let v = &app.model(None)?.validator;
+    let t = &v.tokenizer;
     let text = |id: Option<u32>| id.and_then(|i| t.token_text(i));
-    Json(json!({
+    Ok(Json(json!({
         "tokenizer_class": "pdserve-bpe",
         "bos_token": text(t.bos_id()),
         "eos_token": text(t.eos_id()),
         "pad_token": Value::Null,
         "add_bos_token": t.add_bos(),
         "chat_template": t.chat_template(),
-        "model_max_length": app.validator.context_length,
+        "model_max_length": v.context_length,
         "vocab_size": t.vocab_size(),
-    }))
+    })))
 }

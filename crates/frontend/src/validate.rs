@@ -45,6 +45,8 @@ pub const MAX_CHOICES: usize = 128;
 pub struct ValidRequest {
     /// The name the request used for the model (one of the served names).
     pub model: String,
+    /// That model's tokenizer, to read the output with.
+    pub tokenizer: Arc<Tokenizer>,
     /// One per prompt; completions may send several.
     pub prompts: Vec<ValidPrompt>,
     /// Choices per prompt.
@@ -319,6 +321,7 @@ impl Validator {
         let include_usage = stream && c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
         Ok(ValidRequest {
             model,
+            tokenizer: self.tokenizer.clone(),
             prompts,
             n,
             params,

@@ -8,7 +8,8 @@
 //! reservation, first token to the client, decode continues — each state with a
 //! deadline and a cleanup path. `auto` decides per request with [`cost`]; which
 //! worker of a role gets a request is the [`policies`]' call. [`Migrating`] moves a
-//! request whose worker is lost mid-stream to another worker.
+//! request whose worker is lost mid-stream to another worker. With more models than
+//! room, [`resident`] loads each when asked for and unloads the least recently used.
 
 pub mod cost;
 mod execute;
@@ -21,6 +22,7 @@ pub mod place;
 mod planning;
 pub mod policies;
 mod relay;
+pub mod resident;
 pub mod snapshot;
 pub mod workers;
 

@@ -320,12 +320,14 @@ impl crate::Router {
         self: &Arc<Self>,
         sink: impl Fn(Vec<(Arc<Entry>, Option<WorkerStats>)>) + Send + Sync + 'static,
     ) {
-        let router = self.clone();
+        // Held weakly: the poll ends with the router (a model unloaded).
+        let router = Arc::downgrade(self);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(crate::STATS_EVERY);
             loop {
                 tick.tick().await;
-                sink(router.poll_stats().await);
+                let Some(r) = router.upgrade() else { return };
+                sink(r.poll_stats().await);
             }
         });
     }

@@ -9,7 +9,8 @@
 //! process only exits on a signal.
 
 use super::fleet::NatsArgs;
-use super::http::{self, ApiArgs, Served};
+use super::http::{self, ApiArgs, Served, Serving};
+use pdserve_engine::loader::ModelMeta;
 use pdserve_fleet::{Change, NatsConfig, NodeId, NodeRecord};
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
@@ -37,9 +38,11 @@ pub struct Args {
     /// subjects river.infer.>) and answer them with Leaves (docs/nimsforest.md).
     #[arg(long, requires = "nats")]
     river: bool,
-    /// The model the workers serve (the frontend loads only its tokenizer).
-    #[arg(long, default_value = "default")]
-    model: String,
+    /// The model the workers serve (the frontend loads only its tokenizer). Repeat
+    /// for several: each model's workers are routed apart, and requests go by their
+    /// `model` (the first where they name none) [default: default].
+    #[arg(long = "model")]
+    models: Vec<String>,
     /// aggregated | disaggregated | auto.
     #[arg(long, default_value = "auto")]
     mode: Mode,
@@ -75,9 +78,10 @@ fn transport(a: &Args) -> anyhow::Result<TransportKind> {
 
 /// The start-up line's list of workers. A fleet's workers join over NATS after the
 /// frontend starts.
-fn banner(router: &Router) -> String {
+fn banner(targets: &Targets) -> String {
+    let snapshot = |t: &Target| t.router.workers().snapshot();
     let workers: Vec<String> =
-        router.workers().snapshot().iter().map(|e| format!("{} ({})", e.name(), e.role())).collect();
+        targets.iter().flat_map(snapshot).map(|e| format!("{} ({})", e.name(), e.role())).collect();
     match workers.is_empty() {
         true => "no workers yet".to_string(),
         false => format!("workers: {}", workers.join(", ")),
@@ -87,55 +91,81 @@ fn banner(router: &Router) -> String {
 pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
     let via = transport(&a)?;
     let key = a.security.key()?;
-    let meta = super::load_meta(&a.model)?;
+    let metas = model_specs(&a.models).iter().map(|m| super::load_meta(m)).collect::<anyhow::Result<Vec<_>>>()?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let metrics = Metrics::new();
-        let router = Arc::new(
-            Router::new([], a.mode, a.api.deadlines(), tokio::runtime::Handle::current())
+        let router = || {
+            let r = Router::new([], a.mode, a.api.deadlines(), tokio::runtime::Handle::current())
                 .with_policy(a.policy.build())
                 .with_limits(a.api.admission.limits())
                 .with_transport(via)
                 .with_prefix_fetch(!a.no_kv_fetch)
-                .with_telemetry(Arc::new(metrics.clone())),
-        );
-        router.follow_kv_events();
-        let to =
-            || Target { key: key.clone(), router: router.clone(), metrics: metrics.clone(), model: meta.name.clone() };
+                .with_telemetry(Arc::new(metrics.clone()));
+            Arc::new(r)
+        };
+        let targets: Targets = metas
+            .iter()
+            .map(|m| Target { key: key.clone(), router: router(), metrics: metrics.clone(), model: m.name.clone() })
+            .collect::<Vec<_>>()
+            .into();
+        for t in targets.iter() {
+            t.router.follow_kv_events();
+        }
         let mut first = Vec::new();
         for &addr in &a.workers {
             let (tx, rx) = tokio::sync::oneshot::channel();
             first.push(rx);
-            tokio::spawn(supervise(addr, to(), Some(tx), None));
+            tokio::spawn(supervise(addr, targets.clone(), Some(tx), None));
         }
         if let Some(cfg) = a.nats.config("pdserve-frontend", Some(&key)) {
-            tokio::spawn(follow_fleet(cfg.clone(), to(), Arc::default()));
-            tokio::spawn(take_pushed_kv_events(cfg.clone(), router.clone()));
-            publish_traffic(cfg, &router);
+            tokio::spawn(follow_fleet(cfg.clone(), targets.clone(), Arc::default()));
+            tokio::spawn(take_pushed_kv_events(cfg.clone(), targets.clone()));
+            for t in targets.iter() {
+                publish_traffic(cfg.clone(), &t.router, &t.model);
+            }
         }
         // Serve as soon as every listed worker answered once, or after the patience.
         let _ = tokio::time::timeout(CONNECT_PATIENCE, futures_join(first)).await;
-        let banner = banner(&router);
+        let banner = banner(&targets);
         let river = a.nats.config("pdserve-river", Some(&key)).filter(|_| a.river);
         let observer = river.clone().map(pdserve_forest::LeafObserver::start);
-        let model = Served {
+        let models = served(metas, &targets, &a.api, &metrics).await;
+        let serving = Serving {
+            models,
+            routers: targets.iter().map(|t| t.router.clone()).collect(),
+            mode: a.mode,
             observer: observer.clone().map(|o| o as Arc<dyn pdserve_frontend::observe::Observer>),
+        };
+        let after_bind =
+            pdserve_forest::after_bind(river, observer, a.api.api_key(), a.nats.river_reply_prefix.clone());
+        http::serve(serving, metrics, &a.api, &banner, after_bind).await
+    })
+}
+
+/// Each model as the API serves it: through its router, its workers' stats watched.
+async fn served(metas: Vec<ModelMeta>, targets: &Targets, api: &ApiArgs, metrics: &Metrics) -> Vec<Served> {
+    let mut models = Vec::new();
+    for (meta, t) in metas.into_iter().zip(targets.iter()) {
+        http::watch_stats(&t.router, metrics).await;
+        models.push(Served {
             grammars: super::grammars(&meta.tokenizer),
             tokenizer: meta.tokenizer,
             chat: meta.chat,
             name: meta.name,
             context_length: meta.context_length,
-        };
-        http::serve(
-            router,
-            metrics,
-            model,
-            &a.api,
-            &banner,
-            pdserve_forest::after_bind(river, observer, a.api.api_key(), a.nats.river_reply_prefix.clone()),
-        )
-        .await
-    })
+            generate: http::migrating(&t.router, api),
+        });
+    }
+    models
+}
+
+/// The `--model`s given, `default` where none is.
+pub(super) fn model_specs(models: &[String]) -> Vec<String> {
+    match models.is_empty() {
+        true => vec!["default".to_string()],
+        false => models.to_vec(),
+    }
 }
 
 async fn futures_join(rxs: Vec<tokio::sync::oneshot::Receiver<()>>) {
@@ -153,6 +183,32 @@ pub(super) struct Target {
     pub model: String,
 }
 
+/// A router per model served: a worker joins the one of its model.
+#[derive(Clone)]
+pub(super) struct Targets(Arc<[Target]>);
+
+impl From<Vec<Target>> for Targets {
+    fn from(t: Vec<Target>) -> Targets {
+        Targets(t.into())
+    }
+}
+
+impl Targets {
+    pub(super) fn iter(&self) -> std::slice::Iter<'_, Target> {
+        self.0.iter()
+    }
+
+    /// The target of workers serving `model`.
+    pub(super) fn of(&self, model: &str) -> Option<&Target> {
+        self.0.iter().find(|t| t.model == model)
+    }
+
+    /// The models served, for messages.
+    fn models(&self) -> String {
+        self.0.iter().map(|t| t.model.as_str()).collect::<Vec<_>>().join(", ")
+    }
+}
+
 /// What a fleet node reports about itself that the router uses: its load, and its
 /// probed links by receiving worker's name.
 #[derive(Clone, Default)]
@@ -165,11 +221,12 @@ struct Reported {
 /// carries what it reports through the fleet, if it is in one.
 async fn supervise(
     addr: SocketAddr,
-    to: Target,
+    to: Targets,
     mut first: Option<tokio::sync::oneshot::Sender<()>>,
     load: Option<watch::Receiver<Reported>>,
 ) {
-    pdserve_remote::keep_connected(addr, to.key.clone(), |w: RemoteWorker| {
+    let key = to.0[0].key.clone();
+    pdserve_remote::keep_connected(addr, key, |w: RemoteWorker| {
         let (to, announce, load) = (to.clone(), first.take(), load.clone());
         async move {
             // Announced once it is in the set (or refused), so the server that waits
@@ -180,9 +237,9 @@ async fn supervise(
                 }
             };
             let info = w.info().clone();
-            let added = match info.model == to.model {
-                true => InSet::add(&to, &w),
-                false => Err(format!("it serves {}, this frontend {}", info.model, to.model)),
+            let added = match to.of(&info.model) {
+                Some(to) => InSet::add(to, &w),
+                None => Err(format!("it serves {}, this frontend {}", info.model, to.models())),
             };
             let in_set = match added {
                 Ok(in_set) => in_set,
@@ -261,18 +318,18 @@ impl Drop for Follower {
     }
 }
 
-/// Keeps the router's set equal to the fleet's nodes serving our model: a node that
-/// registers is connected, one that leaves is dropped (its requests in flight
-/// finish or fail over), one whose control address changed is connected anew.
-pub(super) async fn follow_fleet(cfg: NatsConfig, to: Target, names: Arc<FleetNames>) {
+/// Keeps each model's router's set equal to the fleet's nodes serving that model: a
+/// node that registers is connected, one that leaves is dropped (its requests in
+/// flight finish or fail over), one whose control address changed is connected anew.
+pub(super) async fn follow_fleet(cfg: NatsConfig, to: Targets, names: Arc<FleetNames>) {
     let mut changes = pdserve_fleet::follow(cfg);
     let mut nodes: HashMap<NodeId, Follower> = HashMap::new();
     let mut other_model: HashSet<NodeId> = HashSet::new();
     while let Some(change) = changes.recv().await {
         match change {
-            Change::Up(rec) if rec.model != to.model => {
+            Change::Up(rec) if to.of(&rec.model).is_none() => {
                 if other_model.insert(rec.node_id.clone()) {
-                    tracing::warn!(node = %rec.node_id, theirs = %rec.model, ours = %to.model, "fleet node serves another model; not used");
+                    tracing::warn!(node = %rec.node_id, theirs = %rec.model, ours = %to.models(), "fleet node serves another model; not used");
                 }
             }
             Change::Up(rec) => {
@@ -301,23 +358,26 @@ pub(super) async fn follow_fleet(cfg: NatsConfig, to: Target, names: Arc<FleetNa
     }
 }
 
-/// Feeds the KV events fleet workers push into the router's index.
-async fn take_pushed_kv_events(cfg: NatsConfig, router: Arc<Router>) {
+/// Feeds the KV events fleet workers push into the index of the router whose set
+/// holds the worker.
+async fn take_pushed_kv_events(cfg: NatsConfig, to: Targets) {
     let mut batches = pdserve_fleet::follow_kv_events(cfg);
     while let Some(b) = batches.recv().await {
-        router.take_pushed_kv_events(&b.worker, b.from, b.events);
+        let holds = |t: &&Target| t.router.workers().snapshot().iter().any(|e| e.name() == b.worker);
+        let Some(t) = to.iter().find(holds).or_else(|| to.iter().next()) else { continue };
+        t.router.take_pushed_kv_events(&b.worker, b.from, b.events);
     }
 }
 
-/// Publishes this frontend's traffic and measured prefill paces for a fleet planner
-/// (`pdserve planner`), if one listens.
-fn publish_traffic(cfg: NatsConfig, router: &Arc<Router>) {
+/// Publishes this frontend's traffic of `model` and its workers' measured prefill
+/// paces for a fleet planner (`pdserve planner`), if one listens.
+fn publish_traffic(cfg: NatsConfig, router: &Arc<Router>, model: &str) {
     let frontend = format!("{}-{}", cfg.client_name, std::process::id());
     let samples = router.signals.tap(TRAFFIC_TAP);
     let r = router.clone();
     let paces =
         move || r.workers().snapshot().iter().filter_map(|e| Some((e.name().to_string(), e.prefill_pace()?))).collect();
-    pdserve_fleet::publish_traffic(cfg, frontend, samples, paces);
+    pdserve_fleet::publish_traffic(cfg, frontend, model.to_string(), samples, paces);
 }
 
 /// Request records a frontend holds for its next traffic batch at most.

@@ -4,21 +4,32 @@
 use anyhow::Context;
 use pdserve_engine::chat::ChatTemplate;
 use pdserve_engine::tokenizer::Tokenizer;
-use pdserve_frontend::{Frontend, HttpLimits, Lifecycle, Metrics};
+use pdserve_frontend::{Frontend, HttpLimits, Lifecycle, Metrics, ModelSpec};
 use pdserve_protocol::Generate;
-use pdserve_router::{Admission, Deadlines, Migrating, Router};
+use pdserve_router::{Admission, Deadlines, Migrating, Mode, Router};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// What the frontend needs of the model.
+/// One model the API serves: what the frontend needs of it, and where its requests go.
 pub struct Served {
-    /// Hears of every request (the forest's lifecycle Leaves), when set.
-    pub observer: Option<Arc<dyn pdserve_frontend::observe::Observer>>,
     pub grammars: Option<Arc<pdserve_engine::grammar::Grammars>>,
     pub tokenizer: Arc<Tokenizer>,
     pub chat: Arc<ChatTemplate>,
     pub name: String,
     pub context_length: usize,
+    pub generate: Arc<dyn Generate>,
+}
+
+/// What one API port serves.
+pub struct Serving {
+    /// The first is the one a request naming no model gets.
+    pub models: Vec<Served>,
+    /// Refuse new requests at shutdown (a model loaded on demand drains with the
+    /// frontend).
+    pub routers: Vec<Arc<Router>>,
+    pub mode: Mode,
+    /// Hears of every request (the forest's lifecycle Leaves), when set.
+    pub observer: Option<Arc<dyn pdserve_frontend::observe::Observer>>,
 }
 
 /// Admission control's flags, shared by `serve`, `frontend` and `sim`.
@@ -143,33 +154,71 @@ pub enum Stopped {
     Cut(usize),
 }
 
+/// The router with requests moved off workers lost under them, as the frontend calls it.
+pub fn migrating(router: &Arc<Router>, api: &ApiArgs) -> Arc<dyn Generate> {
+    Arc::new(Migrating::new(router.clone(), api.max_migrations))
+}
+
+/// Reports `router`'s workers into `metrics` now and every [`pdserve_router::STATS_EVERY`]
+/// while the router lives. Admission knows every worker's blocks before the first
+/// request: a burst at start-up must not all be admitted on no figures at all.
+pub async fn watch_stats(router: &Arc<Router>, metrics: &Metrics) {
+    publish(metrics, router.poll_stats().await);
+    let metrics = metrics.clone();
+    router.spawn_stats_poll(move |round| publish(&metrics, round));
+}
+
+/// The frontend over every model of `s`.
+fn frontend(s: Serving, metrics: &Metrics, api: &ApiArgs) -> anyhow::Result<Frontend> {
+    if s.models.len() > 1 && !api.served_model_names.is_empty() {
+        anyhow::bail!("--served-model-name names one model; with several, each answers to its own name");
+    }
+    let fit = |context: usize| api.max_model_len.map_or(context, |n| context.min(n as usize));
+    let mut models = s.models.into_iter();
+    let first = models.next().context("no model to serve")?;
+    let mut f = Frontend::new(
+        first.generate,
+        first.tokenizer,
+        first.chat,
+        first.name,
+        fit(first.context_length),
+        metrics.clone(),
+    )
+    .with_grammars(first.grammars);
+    for m in models {
+        let names = vec![m.name];
+        let (generate, tokenizer, chat, grammars) = (m.generate, m.tokenizer, m.chat, m.grammars);
+        f = f.with_model(ModelSpec {
+            generate,
+            tokenizer,
+            chat,
+            names,
+            context_length: fit(m.context_length),
+            grammars,
+        });
+    }
+    Ok(f.with_mode(&format!("{:?}", s.mode).to_lowercase())
+        .with_observer(s.observer)
+        .with_served_names(api.served_model_names.clone())
+        .with_generation_defaults(api.override_generation_config.clone().unwrap_or_default())
+        .with_cors(pdserve_frontend::Origins::parse(&api.allowed_origins))
+        .with_api_key(api.api_key().as_deref()))
+}
+
 /// Serves the API until SIGINT/SIGTERM, then drains: requests in flight finish
 /// within the grace period while new ones get 503; what is left then is cut. A second
 /// signal cuts at once. `banner` describes the topology in the startup line.
 pub async fn serve(
-    router: Arc<Router>,
+    s: Serving,
     metrics: Metrics,
-    model: Served,
     api: &ApiArgs,
     banner: &str,
     after_bind: impl FnOnce(std::net::SocketAddr),
 ) -> anyhow::Result<Stopped> {
-    let mode = format!("{:?}", router.mode()).to_lowercase();
-    let frontend = Frontend::new(
-        Arc::new(Migrating::new(router.clone(), api.max_migrations)) as Arc<dyn Generate>,
-        model.tokenizer,
-        model.chat,
-        model.name.clone(),
-        api.max_model_len.map_or(model.context_length, |n| model.context_length.min(n as usize)),
-        metrics.clone(),
-    )
-    .with_mode(&mode)
-    .with_grammars(model.grammars)
-    .with_observer(model.observer)
-    .with_served_names(api.served_model_names.clone())
-    .with_generation_defaults(api.override_generation_config.clone().unwrap_or_default())
-    .with_cors(pdserve_frontend::Origins::parse(&api.allowed_origins))
-    .with_api_key(api.api_key().as_deref());
+    let mode = format!("{:?}", s.mode).to_lowercase();
+    let names = s.models.iter().map(|m| m.name.clone()).collect::<Vec<_>>().join(", ");
+    let routers = s.routers.clone();
+    let frontend = frontend(s, &metrics, api)?;
     let listener = tokio::net::TcpListener::bind((api.host.as_str(), api.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", api.host, api.port))?;
@@ -180,13 +229,8 @@ pub async fn serve(
     after_bind(addr);
     let first_signal = signal();
     tracing::info!(
-        "pdserve: serving {} ({} mode, {banner}) at http://{addr}/v1 — try: curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'",
-        model.name, mode
+        "pdserve: serving {names} ({mode} mode, {banner}) at http://{addr}/v1 — try: curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'"
     );
-    // Admission knows every worker's blocks before the first request: a burst at
-    // start-up must not all be admitted on no figures at all.
-    publish(&metrics, router.poll_stats().await);
-    router.spawn_stats_poll(move |round| publish(&metrics, round));
     let life = frontend.lifecycle();
     let server = pdserve_frontend::serve_with(listener, frontend.router(), http_limits());
     let stopped = tokio::select! {
@@ -194,7 +238,7 @@ pub async fn serve(
             r.context("http server")?;
             Stopped::Drained
         }
-        stopped = shut_down(router, life, Duration::from_secs(api.grace_seconds), first_signal) => stopped,
+        stopped = shut_down(routers, life, Duration::from_secs(api.grace_seconds), first_signal) => stopped,
     };
     tracing::info!("pdserve: stopped");
     Ok(stopped)
@@ -203,14 +247,14 @@ pub async fn serve(
 /// Waits for `first_signal`, drains, and cuts what the grace period (or a second
 /// signal) leaves open.
 async fn shut_down(
-    router: Arc<Router>,
+    routers: Vec<Arc<Router>>,
     life: Lifecycle,
     grace: Duration,
     first_signal: impl std::future::Future<Output = ()>,
 ) -> Stopped {
     first_signal.await;
     tracing::info!("pdserve: shutting down, finishing {} request(s) in flight (grace {grace:?})", life.open());
-    router.drain();
+    routers.iter().for_each(|r| r.drain());
     life.drain();
     let why = tokio::select! {
         _ = life.drained() => return Stopped::Drained,

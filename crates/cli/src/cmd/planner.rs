@@ -8,7 +8,7 @@
 //! lease and plans, the others wait and take over within seconds of its loss.
 
 use super::fleet::NatsArgs;
-use super::frontend::{follow_fleet, FleetNames, Target};
+use super::frontend::{follow_fleet, FleetNames, Target, Targets};
 use pdserve_fleet::forest::Leaf;
 use pdserve_fleet::{Bus, Lease, LeaseError, NatsConfig, NodeId, TrafficBatch, LEASE_GRACE, REFRESH};
 use pdserve_planner::model::Slo;
@@ -25,9 +25,11 @@ use std::time::{Duration, Instant};
 pub struct Args {
     #[command(flatten)]
     nats: NatsArgs,
-    /// The model the fleet serves (only its nodes are planned).
-    #[arg(long, default_value = "default")]
-    model: String,
+    /// The model the fleet serves (only its nodes are planned). Repeat for a fleet
+    /// of several models: each model's nodes are planned apart, from that model's
+    /// traffic [default: default].
+    #[arg(long = "model")]
+    models: Vec<String>,
     /// The time-to-first-token objective, in milliseconds.
     #[arg(long, default_value_t = 5000.0)]
     slo_ttft_ms: f64,
@@ -55,7 +57,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !(a.slo_ttft_ms > 0.0 && a.slo_tpot_ms > 0.0) {
         anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
     }
-    let model = super::load_meta(&a.model)?.name;
+    let models = super::frontend::model_specs(&a.models)
+        .iter()
+        .map(|m| Ok(super::load_meta(m)?.name))
+        .collect::<anyhow::Result<Vec<String>>>()?;
     let holder = a.id.clone().unwrap_or_else(default_id);
     let slo = Slo::from_ms(a.slo_ttft_ms, a.slo_tpot_ms);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
@@ -66,17 +71,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             tracing::info!("pdserve planner: metrics at http://{}/metrics", listener.local_addr()?);
             tokio::spawn(pdserve_frontend::serve_metrics(listener, metrics.clone()));
         }
-        let router = Arc::new(
-            Router::new([], Mode::Auto, Default::default(), tokio::runtime::Handle::current())
-                .with_telemetry(Arc::new(metrics.clone())),
-        );
-        let target = Target { key, router: router.clone(), metrics, model };
+        // A router per model: its view of that model's workers is what its planner plans.
+        let router = || {
+            let r = Router::new([], Mode::Auto, Default::default(), tokio::runtime::Handle::current())
+                .with_telemetry(Arc::new(metrics.clone()));
+            Arc::new(r)
+        };
+        let targets: Targets = models
+            .into_iter()
+            .map(|model| Target { key: key.clone(), router: router(), metrics: metrics.clone(), model })
+            .collect::<Vec<_>>()
+            .into();
         let nodes = Arc::new(FleetNames::default());
-        tokio::spawn(follow_fleet(cfg.clone(), target, nodes.clone()));
-        tokio::spawn(take_traffic(cfg.clone(), router.clone()));
+        tokio::spawn(follow_fleet(cfg.clone(), targets.clone(), nodes.clone()));
+        tokio::spawn(take_traffic(cfg.clone(), targets.clone()));
         let (stop, stopping) = tokio::sync::watch::channel(false);
-        let planning =
-            tokio::spawn(lead_when_possible(cfg, holder.clone(), router, nodes, PlannerConfig::new(slo), stopping));
+        let pc = PlannerConfig::new(slo);
+        let planning = tokio::spawn(lead_when_possible(cfg, holder.clone(), targets, nodes, pc, stopping));
         tracing::info!(holder = %holder, "pdserve planner: waiting for the lease");
         super::http::signal().await;
         tracing::info!("pdserve planner: stopping");
@@ -92,15 +103,17 @@ fn default_id() -> String {
     NodeId::sanitized(&format!("{}-{}", host.trim(), std::process::id())).to_string()
 }
 
-/// Feeds every frontend's traffic into the router's signals, and their measured
-/// prefill paces into its entries.
-async fn take_traffic(cfg: NatsConfig, router: Arc<Router>) {
+/// Feeds every frontend's traffic into the signals of its model's router (the first
+/// model's where a batch names none), and their measured prefill paces into the
+/// entries of the workers measured.
+async fn take_traffic(cfg: NatsConfig, to: Targets) {
     let mut batches = pdserve_fleet::follow_traffic(cfg);
-    while let Some(TrafficBatch { samples, prefill_pace, .. }) = batches.recv().await {
+    while let Some(TrafficBatch { model, samples, prefill_pace, .. }) = batches.recv().await {
+        let Some(t) = to.of(&model).or_else(|| to.iter().next().filter(|_| model.is_empty())) else { continue };
         for s in samples {
-            router.signals.record(s);
+            t.router.signals.record(s);
         }
-        for e in router.workers().snapshot() {
+        for e in to.iter().flat_map(|t| t.router.workers().snapshot()) {
             if let Some(&pace) = prefill_pace.get(e.name()) {
                 e.adopt_prefill_pace(pace);
             }
@@ -113,7 +126,7 @@ async fn take_traffic(cfg: NatsConfig, router: Arc<Router>) {
 async fn lead_when_possible(
     cfg: NatsConfig,
     holder: String,
-    router: Arc<Router>,
+    targets: Targets,
     nodes: Arc<FleetNames>,
     pc: PlannerConfig,
     mut stop: tokio::sync::watch::Receiver<bool>,
@@ -125,7 +138,7 @@ async fn lead_when_possible(
     let mut said_who = String::new();
     while !*stop.borrow() {
         match Lease::take(&bus, &holder).await {
-            Ok(Some(lease)) => lead(lease, bus.client(), &router, &nodes, pc, &mut stop).await,
+            Ok(Some(lease)) => lead(lease, bus.client(), &targets, &nodes, pc, &mut stop).await,
             Ok(None) => {
                 let who = pdserve_fleet::read_plan(&bus).await.ok().flatten().map(|p| p.holder).unwrap_or_default();
                 if who != said_who {
@@ -142,12 +155,12 @@ async fn lead_when_possible(
     }
 }
 
-/// Plans under `lease` until it is lost, renewing it every [`REFRESH`], or until
-/// `stop`, which gives it up.
+/// Plans each model's workers under `lease` until it is lost, renewing it every
+/// [`REFRESH`], or until `stop`, which gives it up.
 async fn lead(
     lease: Lease,
     nats: async_nats::Client,
-    router: &Arc<Router>,
+    targets: &Targets,
     nodes: &Arc<FleetNames>,
     pc: PlannerConfig,
     stop: &mut tokio::sync::watch::Receiver<bool>,
@@ -156,13 +169,14 @@ async fn lead(
     tracing::info!(holder = %holder, "took the planner lease; planning");
     let lease = Arc::new(tokio::sync::Mutex::new(lease));
     let act = Arc::new(ToBucket { lease: lease.clone(), nodes: nodes.clone(), nats, holder });
-    let planner = Planner::spawn_with(router.clone(), pc, act);
+    let planners: Vec<_> = targets.iter().map(|t| Planner::spawn_with(t.router.clone(), pc, act.clone())).collect();
+    let stop_planning = || planners.iter().for_each(|p| p.abort());
     let mut renewed = Instant::now();
     loop {
         tokio::select! {
             () = tokio::time::sleep(REFRESH) => {}
             _ = stop.changed() => {
-                planner.abort();
+                stop_planning();
                 lease.lock().await.release().await;
                 return tracing::info!("gave the planner lease up");
             }
@@ -185,7 +199,7 @@ async fn lead(
             Err(e) => tracing::warn!(error = %e, "cannot renew the planner lease; retrying"),
         }
     }
-    planner.abort();
+    stop_planning();
 }
 
 /// Carries a decision out by writing it into the plan, then handing each worker its

@@ -1,6 +1,6 @@
 //! `pdserve serve`: frontend, router and workers in one process.
 
-use super::http::{self, ApiArgs, Served};
+use super::http::{self, ApiArgs, Served, Serving};
 use anyhow::Context;
 use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_engine::grammar::Grammars;
@@ -8,7 +8,8 @@ use pdserve_engine::loader::LoadedModel;
 use pdserve_frontend::Metrics;
 use pdserve_kv_transfer::{ListenAt, TransportKind};
 use pdserve_planner::{model::Slo, Planner, PlannerConfig};
-use pdserve_protocol::Worker;
+use pdserve_protocol::{Generate, Worker};
+use pdserve_router::resident::{Load, Loading, Residency};
 use pdserve_router::{Mode, PolicyKind, Router};
 use pdserve_types::Role;
 use pdserve_worker::{LocalWorker, WorkerOptions};
@@ -20,10 +21,22 @@ use std::sync::Arc;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// `default`, a model `pdserve pull --list` names, or a path to a GGUF file or
-    /// safetensors directory.
-    #[arg(long, default_value = "default")]
-    model: String,
+    /// `default`, a model `pdserve pull --list` names, `hf:ORG/REPO[:QUANT]`, or a
+    /// path to a GGUF file or safetensors directory. Repeat to serve several models
+    /// behind one port, each with workers of its own; requests go by their `model`
+    /// (the first model where they name none) [default: default].
+    #[arg(long = "model")]
+    models: Vec<String>,
+    /// Serve every GGUF file in this directory too (one model each; split files by
+    /// their first part).
+    #[arg(long)]
+    models_dir: Option<std::path::PathBuf>,
+    /// Keep at most this many models loaded: the first loads at start, the others
+    /// when first asked for, and the one asked for least recently is unloaded
+    /// (once its requests in flight finish) when another needs room. Default: all
+    /// loaded at start.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    models_max: Option<u64>,
     /// The NATS of a NimsForest forest, for --river (this process's own workers do
     /// not join a fleet).
     #[command(flatten)]
@@ -171,110 +184,322 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
             "serve uses --nats only with --river (its workers do not join a fleet; use `pdserve worker --nats`)"
         );
     }
-    let t = &a.topology;
-    let via = t.kv_transport.unwrap_or(TransportKind::Inproc);
     a.spec.check()?;
-    let m = super::load_model(&a.model)?;
-    let roles = t.roles();
-    let threads = t.threads(roles.len());
+    let specs = model_specs(&a)?;
+    let resident = a.models_max.map_or(specs.len(), |n| (n as usize).min(specs.len()));
+    let roles = a.topology.roles();
+    let threads = a.topology.threads(roles.len() * resident);
     let metrics = Metrics::new();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let grammars = super::grammars(&m.tokenizer);
-    let (ttft_ms, tpot_ms) = objectives_ms(&a);
-    let workers = spawn_workers(&a, &m, &grammars, &metrics, rt.handle())?;
+    let per_model = if specs.len() > 1 { " per model" } else { "" };
     let banner = format!(
-        "workers: {}, {threads} thread(s) each",
+        "workers: {}{per_model}, {threads} thread(s) each",
         roles.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")
     );
+    let starts: Vec<ModelStart> = specs
+        .iter()
+        .map(|spec| ModelStart { spec: spec.clone(), prefix: None, threads, metrics: metrics.clone() })
+        .collect();
+    let a = Arc::new(a);
     let here = rt.handle().clone();
     rt.block_on(async move {
+        let (models, routers) = match resident < starts.len() {
+            false => all_loaded(&a, starts, &here).await?,
+            true => on_demand(&a, starts, resident, &here).await?,
+        };
+        let river = a.nats.config("pdserve-river", None).filter(|_| a.river);
+        let observer = river.clone().map(pdserve_forest::LeafObserver::start);
+        let serving = Serving {
+            models,
+            routers,
+            mode: a.topology.mode,
+            observer: observer.clone().map(|o| o as Arc<dyn pdserve_frontend::observe::Observer>),
+        };
+        let after_bind =
+            pdserve_forest::after_bind(river, observer, a.api.api_key(), a.nats.river_reply_prefix.clone());
+        http::serve(serving, metrics, &a.api, &banner, after_bind).await
+    })
+}
+
+/// The models to serve: every `--model`, then the GGUF files of `--models-dir`;
+/// `default` where neither names any.
+fn model_specs(a: &Args) -> anyhow::Result<Vec<String>> {
+    let mut specs = a.models.clone();
+    if let Some(dir) = &a.models_dir {
+        specs.extend(gguf_files(dir)?);
+    }
+    if specs.is_empty() {
+        specs.push("default".into());
+    }
+    Ok(specs)
+}
+
+/// The GGUF models in `dir`, by name: each file, or a split model's first part.
+fn gguf_files(dir: &std::path::Path) -> anyhow::Result<Vec<String>> {
+    let entries = std::fs::read_dir(dir).with_context(|| format!("--models-dir {}", dir.display()))?;
+    let mut files: Vec<String> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "gguf"))
+        .filter(|p| !later_split_part(&p.to_string_lossy()))
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        anyhow::bail!("--models-dir {}: no .gguf file in it", dir.display());
+    }
+    Ok(files)
+}
+
+/// A split GGUF's second or later part (`name-00002-of-00003.gguf`): loaded with
+/// its first.
+fn later_split_part(path: &str) -> bool {
+    let Some(stem) = path.strip_suffix(".gguf") else { return false };
+    let mut parts = stem.rsplitn(4, '-');
+    let (total, of, part) = (parts.next(), parts.next(), parts.next());
+    let number = |s: Option<&str>| s.filter(|s| s.len() == 5).and_then(|s| s.parse::<u32>().ok());
+    of == Some("of") && number(total).is_some() && number(part).is_some_and(|n| n > 1)
+}
+
+/// Every model loaded now, each with its workers.
+async fn all_loaded(
+    a: &Arc<Args>,
+    starts: Vec<ModelStart>,
+    rt: &tokio::runtime::Handle,
+) -> anyhow::Result<(Vec<Served>, Vec<Arc<Router>>)> {
+    let several = starts.len() > 1;
+    let (mut models, mut routers) = (Vec::new(), Vec::new());
+    for mut start in starts {
+        let m = super::load_model(&start.spec)?;
+        start.prefix = several.then(|| worker_prefix(&m.name));
+        let grammars = super::grammars(&m.tokenizer);
+        let started = start.start(a, &m, &grammars, rt).await?;
+        routers.push(started.router.clone());
+        models.push(Served {
+            grammars,
+            tokenizer: m.tokenizer.clone(),
+            chat: m.chat.clone(),
+            name: m.name.clone(),
+            context_length: m.model.cfg.context_length,
+            generate: Arc::new(started),
+        });
+    }
+    unique_names(&models)?;
+    Ok((models, routers))
+}
+
+/// The first model loaded now, the others when first asked for, at most `max` at a
+/// time. What validation needs of each (tokenizer, template) is read now.
+async fn on_demand(
+    a: &Arc<Args>,
+    starts: Vec<ModelStart>,
+    max: usize,
+    rt: &tokio::runtime::Handle,
+) -> anyhow::Result<(Vec<Served>, Vec<Arc<Router>>)> {
+    let pool = Residency::new(max, a.api.deadlines().client_stall, rt.clone());
+    let (mut models, mut first) = (Vec::new(), None);
+    for mut start in starts {
+        let meta = super::load_meta(&start.spec)?;
+        start.prefix = Some(worker_prefix(&meta.name));
+        let grammars = super::grammars(&meta.tokenizer);
+        let load = OnDemand { a: a.clone(), start, grammars: grammars.clone(), rt: rt.clone() };
+        let resident = Arc::new(pool.add(&meta.name, Arc::new(load)));
+        first.get_or_insert_with(|| resident.clone());
+        models.push(Served {
+            grammars,
+            tokenizer: meta.tokenizer,
+            chat: meta.chat,
+            name: meta.name,
+            context_length: meta.context_length,
+            generate: resident,
+        });
+    }
+    unique_names(&models)?;
+    // The first model is the one a request naming none gets: loaded before serving.
+    first.context("no model")?.preload().await?;
+    Ok((models, Vec::new()))
+}
+
+/// Two models of one name could not be told apart by a request.
+fn unique_names(models: &[Served]) -> anyhow::Result<()> {
+    for (i, m) in models.iter().enumerate() {
+        if models[..i].iter().any(|o| o.name == m.name) {
+            anyhow::bail!("two models are named {}: serve copies under different file names", m.name);
+        }
+    }
+    Ok(())
+}
+
+/// The prefix of a model's worker names where a server has several: its file name
+/// without `.gguf`.
+fn worker_prefix(name: &str) -> String {
+    name.strip_suffix(".gguf").unwrap_or(name).to_string()
+}
+
+/// What starts one model's workers.
+#[derive(Clone)]
+struct ModelStart {
+    spec: String,
+    /// Put before the workers' names (`{prefix}.{role}-{i}`) where a server has
+    /// several models.
+    prefix: Option<String>,
+    threads: usize,
+    metrics: Metrics,
+}
+
+/// A model loaded when first asked for ([`pdserve_router::resident`]).
+struct OnDemand {
+    a: Arc<Args>,
+    start: ModelStart,
+    grammars: Option<Arc<Grammars>>,
+    rt: tokio::runtime::Handle,
+}
+
+impl Load for OnDemand {
+    fn load(&self) -> Loading {
+        let (a, start, grammars, rt) = (self.a.clone(), self.start.clone(), self.grammars.clone(), self.rt.clone());
+        let spec = start.spec.clone();
+        Box::pin(async move {
+            let m = tokio::task::spawn_blocking(move || super::load_model(&spec))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("{e:#}"))?;
+            let started = start.start(&a, &m, &grammars, &rt).await.map_err(|e| format!("{e:#}"))?;
+            Ok(Arc::new(started) as Arc<dyn Generate>)
+        })
+    }
+}
+
+impl ModelStart {
+    /// Starts the model's workers over `m`'s weights, its router and (with
+    /// --planner) its planner.
+    async fn start(
+        &self,
+        a: &Args,
+        m: &LoadedModel,
+        grammars: &Option<Arc<Grammars>>,
+        rt: &tokio::runtime::Handle,
+    ) -> anyhow::Result<Started> {
+        let t = &a.topology;
+        let via = t.kv_transport.unwrap_or(TransportKind::Inproc);
+        let workers = self.spawn_workers(a, m, grammars, rt)?;
+        let names = workers.iter().map(|w| w.name().to_string()).collect();
         // The loopback transports need a receiver on each worker that may decode
         // (under the planner, any worker may come to).
         for w in workers.iter().filter(|w| t.planner || w.info().role.decodes()) {
             listen(w, via).await?;
         }
         let router = Arc::new(
-            Router::new(workers.into_iter().map(|w| Arc::new(w) as Arc<dyn Worker>), t.mode, a.api.deadlines(), here)
-                .with_policy(t.policy.build())
-                .with_limits(a.api.admission.limits())
-                .with_transport(via)
-                .with_prefix_fetch(!t.no_kv_fetch)
-                .with_telemetry(Arc::new(metrics.clone())),
+            Router::new(
+                workers.into_iter().map(|w| Arc::new(w) as Arc<dyn Worker>),
+                t.mode,
+                a.api.deadlines(),
+                rt.clone(),
+            )
+            .with_policy(t.policy.build())
+            .with_limits(a.api.admission.limits())
+            .with_transport(via)
+            .with_prefix_fetch(!t.no_kv_fetch)
+            .with_telemetry(Arc::new(self.metrics.clone())),
         );
         router.follow_kv_events();
-        if t.planner {
-            let slo = Slo::from_ms(ttft_ms, tpot_ms);
-            Planner::spawn(router.clone(), PlannerConfig::new(slo));
-        }
-        let river = a.nats.config("pdserve-river", None).filter(|_| a.river);
-        let observer = river.clone().map(pdserve_forest::LeafObserver::start);
-        let model = Served {
-            observer: observer.clone().map(|o| o as Arc<dyn pdserve_frontend::observe::Observer>),
-            grammars: grammars.clone(),
-            tokenizer: m.tokenizer.clone(),
-            chat: m.chat.clone(),
-            name: m.name.clone(),
-            context_length: m.model.cfg.context_length,
+        http::watch_stats(&router, &self.metrics).await;
+        let planner = t.planner.then(|| {
+            let (ttft_ms, tpot_ms) = objectives_ms(a);
+            let cfg = PlannerConfig::new(Slo::from_ms(ttft_ms, tpot_ms));
+            Planner::spawn_with(router.clone(), cfg, Arc::new(pdserve_planner::Direct))
+        });
+        let generate = http::migrating(&router, &a.api);
+        Ok(Started { router, generate, planner, workers: names, metrics: self.metrics.clone() })
+    }
+
+    /// Starts one worker per role of the topology, all over the one copy of the
+    /// model's weights, each named `{role}-{i}` (after the prefix, if any).
+    fn spawn_workers(
+        &self,
+        a: &Args,
+        m: &LoadedModel,
+        grammars: &Option<Arc<Grammars>>,
+        rt: &tokio::runtime::Handle,
+    ) -> anyhow::Result<Vec<LocalWorker>> {
+        let t = &a.topology;
+        let roles = t.roles();
+        // Both ends of every KV link are in this process: a key of its own.
+        let key = pdserve_kv_transfer::ClusterKey::random();
+        let cfg = &m.model.cfg;
+        let kv_dtype = t.kv_cache.dtype_for(cfg)?;
+        let tiers =
+            t.tiers.config(pdserve_engine::kvcache::block_bytes(cfg, pdserve_engine::batch::BLOCK_SIZE, kv_dtype))?;
+        let (ttft_ms, tpot_ms) = objectives_ms(a);
+        let objectives = t.protect_tpot.then_some(Objectives::from_ms(ttft_ms, tpot_ms));
+        let engine = EngineConfig {
+            threads: self.threads,
+            num_blocks: t.kv_cache.model_blocks(cfg, t.kv_blocks, KV_BLOCKS)?,
+            kv_dtype,
+            objectives,
+            speculation: a.spec.config(Some(m))?,
+            ..Default::default()
         };
-        http::serve(
-            router,
-            metrics,
-            model,
-            &a.api,
-            &banner,
-            pdserve_forest::after_bind(river, observer, a.api.api_key(), a.nats.river_reply_prefix.clone()),
-        )
-        .await
-    })
+        let mut workers = Vec::new();
+        for (i, role) in roles.iter().enumerate() {
+            let name = match &self.prefix {
+                Some(p) => format!("{p}.{role}-{i}"),
+                None => format!("{role}-{i}"),
+            };
+            let opts = WorkerOptions {
+                name: name.clone(),
+                role: *role,
+                model_name: m.name.clone(),
+                engine: engine.clone(),
+                eog: m.tokenizer.eog_ids().to_vec(),
+                key: key.clone(),
+                grammars: grammars.clone(),
+                tiers: tiers.clone(),
+            };
+            let w = LocalWorker::spawn(opts, m.model.clone(), rt.clone())
+                .with_context(|| format!("starting worker {name}"))?;
+            self.metrics.set_role(&name, *role);
+            self.metrics.set_worker_up(&name, true);
+            workers.push(w);
+        }
+        Ok(workers)
+    }
 }
 
-/// Starts one worker per role of the topology, all over the one copy of the model's
-/// weights, each named `{role}-{i}`.
-fn spawn_workers(
-    a: &Args,
-    m: &LoadedModel,
-    grammars: &Option<Arc<Grammars>>,
-    metrics: &Metrics,
-    rt: &tokio::runtime::Handle,
-) -> anyhow::Result<Vec<LocalWorker>> {
-    let t = &a.topology;
-    let roles = t.roles();
-    // Both ends of every KV link are in this process: a key of its own.
-    let key = pdserve_kv_transfer::ClusterKey::random();
-    let cfg = &m.model.cfg;
-    let kv_dtype = t.kv_cache.dtype_for(cfg)?;
-    let tiers =
-        t.tiers.config(pdserve_engine::kvcache::block_bytes(cfg, pdserve_engine::batch::BLOCK_SIZE, kv_dtype))?;
-    let (ttft_ms, tpot_ms) = objectives_ms(a);
-    let objectives = t.protect_tpot.then_some(Objectives::from_ms(ttft_ms, tpot_ms));
-    let engine = EngineConfig {
-        threads: t.threads(roles.len()),
-        num_blocks: t.kv_cache.model_blocks(cfg, t.kv_blocks, KV_BLOCKS)?,
-        kv_dtype,
-        objectives,
-        speculation: a.spec.config(Some(m))?,
-        ..Default::default()
-    };
-    let mut workers = Vec::new();
-    for (i, role) in roles.iter().enumerate() {
-        let name = format!("{role}-{i}");
-        let opts = WorkerOptions {
-            name: name.clone(),
-            role: *role,
-            model_name: m.name.clone(),
-            engine: engine.clone(),
-            eog: m.tokenizer.eog_ids().to_vec(),
-            key: key.clone(),
-            grammars: grammars.clone(),
-            tiers: tiers.clone(),
-        };
-        let w =
-            LocalWorker::spawn(opts, m.model.clone(), rt.clone()).with_context(|| format!("starting worker {name}"))?;
-        metrics.set_role(&name, *role);
-        metrics.set_worker_up(&name, true);
-        workers.push(w);
+/// One model's workers, router and planner, running. Dropped (the model unloaded),
+/// the planner stops and the router with its workers goes: each engine thread ends
+/// once the last handle to its worker does.
+struct Started {
+    router: Arc<Router>,
+    generate: Arc<dyn Generate>,
+    planner: Option<tokio::task::JoinHandle<()>>,
+    workers: Vec<String>,
+    metrics: Metrics,
+}
+
+impl Generate for Started {
+    fn generate(
+        &self,
+        req: pdserve_protocol::GenerateRequest,
+    ) -> Result<pdserve_protocol::TokenStream, pdserve_protocol::ServeError> {
+        self.generate.generate(req)
     }
-    Ok(workers)
+
+    fn ready(&self) -> bool {
+        self.generate.ready()
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        if let Some(p) = &self.planner {
+            p.abort();
+        }
+        self.router.drain();
+        for w in &self.workers {
+            self.metrics.forget_worker(w);
+        }
+    }
 }
 
 /// Binds `w`'s receiver for `via` on loopback (in-process needs none).

@@ -1,11 +1,12 @@
-"""Several models behind one port: `pdserve serve --model default --model gemma3-270m`,
-each with workers of its own, requests going by their `model`; then the same two with
-`--models-max 1`, where asking for one unloads the other once its requests in flight
+"""Several models behind one port: `pdserve serve --models-dir DIR` over the default model
+and Gemma 3 270M, each with workers of its own, requests going by their `model`; then
+`--model default --model gemma3-270m --models-max 1`, where asking for one unloads the other once its requests in flight
 have finished. Driven by the openai SDK; called by test_openai.py."""
 import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -85,10 +86,33 @@ def run(pdserve, check):
     expected = {"gemma3-270m": reference(pdserve, "gemma3-270m"), "default": reference(pdserve, "default")}
     both_loaded(pdserve, check, expected)
     one_at_a_time(pdserve, check, expected)
+    check("models/one_served_name_for_several", lambda: one_served_name_for_several(pdserve))
+
+
+def pulled(pdserve, name):
+    """The cached file of a known model (`pdserve pull` prints its path last)."""
+    out = subprocess.run([pdserve, "pull", name], capture_output=True, text=True, timeout=600, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def models_dir(pdserve):
+    """A directory holding both models under their own file names, as links."""
+    d = tempfile.mkdtemp()
+    for name in ("default", "gemma3-270m"):
+        path = pulled(pdserve, name)
+        os.symlink(path, os.path.join(d, os.path.basename(path)))
+    return d
+
+
+def one_served_name_for_several(pdserve):
+    out = subprocess.run([pdserve, "serve", "--port", "0", "--model", "default", "--model", "gemma3-270m",
+                          "--served-model-name", "x"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "--served-model-name names one model" in out.stderr, out
 
 
 def both_loaded(pdserve, check, expected):
-    proc, url, log = start(pdserve, "--mode", "aggregated", "--model", "default", "--model", "gemma3-270m")
+    # Both from a models directory (sorted by file name: SmolLM2 first).
+    proc, url, log = start(pdserve, "--mode", "aggregated", "--models-dir", models_dir(pdserve))
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     names = {}
 

@@ -2,7 +2,8 @@
 stream (the SDK's event types and its stream helper), a conversation carried by
 `previous_response_id` (retrieved, listed, deleted), a forced function call and its
 output sent back (through the store and in full, with the same answer), structured
-output through `responses.parse`, and errors raised as the SDK's own exception types.
+output through `responses.parse`, logprobs (`include`, `top_logprobs`) equal to the
+chat completion's, and errors raised as the SDK's own exception types.
 A greedy response says what the same chat completion says (one prompt path). Then
 Codex (npm, its path in $PDSERVE_CODEX) runs one non-interactive prompt against the
 server to its end (`codex`, against a server that samples greedily by default).
@@ -119,6 +120,23 @@ def suite(mode, url, check):
         r = client.responses.parse(model=model, temperature=0, max_output_tokens=40, input=ASK, text_format=City)
         assert isinstance(r.output_parsed, City), r
 
+    def logprobs():
+        # The chat completion's logprobs for the same prompt are the reference.
+        twin = client.chat.completions.create(model=model, temperature=0, max_tokens=24, logprobs=True,
+                                              top_logprobs=2, messages=[{"role": "system", "content": SYSTEM},
+                                                                        {"role": "user", "content": ASK}])
+        want = [(t.token, round(t.logprob, 4), [a.token for a in t.top_logprobs]) for t in twin.choices[0].logprobs.content]
+        ask = dict(instructions=SYSTEM, input=ASK, include=["message.output_text.logprobs"], top_logprobs=2)
+        r = respond(**ask)
+        got = [(t.token, round(t.logprob, 4), [a.token for a in t.top_logprobs]) for t in r.output[0].content[0].logprobs]
+        assert got == want and len(got) == r.usage.output_tokens, (got, want)
+        events = list(respond(stream=True, **ask))
+        streamed = [t.token for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+        done = [e for e in events if e.type == "response.output_text.done"][0]
+        assert streamed == [t[0] for t in want] == [t.token for t in done.logprobs], (streamed, want)
+        plain = respond(instructions=SYSTEM, input=ASK)
+        assert not plain.output[0].content[0].logprobs, plain
+
     def errors():
         bad = [(dict(model="no-such-model", input="hi"), openai.NotFoundError),
                (dict(model=model, input="hi", max_output_tokens=-1), openai.BadRequestError),
@@ -139,7 +157,7 @@ def suite(mode, url, check):
 
     for name, fn in [("response", response), ("stream", stream), ("conversation", conversation),
                      ("function_round_trip", function_round_trip), ("streamed_function_call", streamed_function_call),
-                     ("structured_output", structured_output), ("errors", errors)]:
+                     ("structured_output", structured_output), ("logprobs", logprobs), ("errors", errors)]:
         check(f"{mode}/responses_{name}", fn)
 
 

@@ -100,21 +100,7 @@ impl ChatFormat {
     }
 
     fn logprobs(&self, tokens: &[TokenInfo]) -> Option<ChatLogprobs> {
-        if tokens.is_empty() {
-            return None;
-        }
-        let content = tokens
-            .iter()
-            .map(|t| {
-                let top = t.top.iter().map(|&(id, logprob)| {
-                    let (token, bytes) = self.token(id);
-                    ChatTopLogprob { token, logprob, bytes }
-                });
-                let (token, bytes) = self.token(t.token);
-                ChatTokenLogprob { token, logprob: t.logprob, bytes, top_logprobs: top.collect() }
-            })
-            .collect();
-        Some(ChatLogprobs { content })
+        (!tokens.is_empty()).then(|| ChatLogprobs { content: token_logprobs(&self.tokenizer, tokens) })
     }
 
     /// The reply's calls, when it is calls.
@@ -163,12 +149,25 @@ impl ChatFormat {
         let content = (!step.text.is_empty()).then(|| step.text.clone());
         self.chunk_of(index, ChatDelta { content, ..Default::default() }, Some(step))
     }
+}
 
-    /// A token's text (lossy for partial characters) and its exact bytes.
-    fn token(&self, id: u32) -> (String, Vec<u8>) {
-        let bytes = self.tokenizer.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default();
+/// Each token's text (lossy for partial characters), exact bytes and logprob, with its
+/// top alternatives: the shape the chat API's `logprobs.content` and the Responses
+/// API's `output_text.logprobs` share.
+pub(crate) fn token_logprobs(tokenizer: &Tokenizer, tokens: &[TokenInfo]) -> Vec<ChatTokenLogprob> {
+    let token = |id: u32| {
+        let bytes = tokenizer.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default();
         (String::from_utf8_lossy(&bytes).into_owned(), bytes)
-    }
+    };
+    let scored = |t: &TokenInfo| {
+        let top = t.top.iter().map(|&(id, logprob)| {
+            let (token, bytes) = token(id);
+            ChatTopLogprob { token, logprob, bytes }
+        });
+        let (text, bytes) = token(t.token);
+        ChatTokenLogprob { token: text, logprob: t.logprob, bytes, top_logprobs: top.collect() }
+    };
+    tokens.iter().map(scored).collect()
 }
 
 impl Format for ChatFormat {

@@ -14,7 +14,7 @@
 //! the model is shown.
 
 use crate::extract::ApiJson;
-use crate::generation::Output;
+use crate::generation::{Output, TokenInfo};
 use crate::openai::ChatRequest;
 use crate::request_id::Tagged;
 use crate::response_store::{ResponseStore, Stored};
@@ -25,6 +25,7 @@ use axum::extract::{Path, State};
 use axum::response::Response;
 use axum::{Extension, Json};
 use pdserve_protocol::{FinishReason, Usage};
+use pdserve_text::tokenizer::Tokenizer;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
@@ -48,6 +49,10 @@ pub struct ResponsesRequest {
     /// `{"format": {"type": "text" | "json_object" | "json_schema", ...}}`.
     pub text: Option<Value>,
     pub metadata: Option<Value>,
+    /// `message.output_text.logprobs` asks for each output token's logprob.
+    pub include: Option<Vec<String>>,
+    /// Alternatives per token with those logprobs, 0 to 20.
+    pub top_logprobs: Option<i64>,
     /// The conversation before `input`, from `previous_response_id`.
     #[serde(skip)]
     history: Vec<Value>,
@@ -78,6 +83,7 @@ impl Input {
 
 /// The chat request a Responses request means; every malformed form is a 400.
 fn to_chat(req: ResponsesRequest) -> Result<ChatRequest, ApiError> {
+    let logprobs = wants_logprobs(&req);
     let mut messages = Vec::new();
     if let Some(i) = &req.instructions {
         messages.push(json!({"role": "system", "content": i}));
@@ -97,6 +103,8 @@ fn to_chat(req: ResponsesRequest) -> Result<ChatRequest, ApiError> {
         ("tool_choice", req.tool_choice.as_ref().map(choice).transpose()?),
         ("parallel_tool_calls", req.parallel_tool_calls.map(Value::from)),
         ("response_format", req.text.as_ref().map(response_format).transpose()?.flatten()),
+        ("logprobs", logprobs.then_some(Value::Bool(true))),
+        ("top_logprobs", req.top_logprobs.filter(|_| logprobs).map(Value::from)),
     ];
     chat.extend(fields.into_iter().filter_map(|(k, v)| Some((k.to_string(), v?))));
     let mut chat: ChatRequest =
@@ -105,6 +113,14 @@ fn to_chat(req: ResponsesRequest) -> Result<ChatRequest, ApiError> {
     chat.clamp_to_context = true;
     Ok(chat)
 }
+
+/// Whether `include` asks for the output's logprobs.
+fn wants_logprobs(req: &ResponsesRequest) -> bool {
+    req.include.iter().flatten().any(|i| i == LOGPROBS)
+}
+
+/// The `include` value that asks for the output's logprobs.
+const LOGPROBS: &str = "message.output_text.logprobs";
 
 fn kind(item: &Value) -> &str {
     match item["type"].as_str() {
@@ -288,6 +304,8 @@ pub async fn create(
             calls: Vec::new(),
             finish: None,
             sequence: 0,
+            tokenizer: v.tokenizer.clone(),
+            logprobs: Vec::new(),
         }
     })
     .await
@@ -336,6 +354,10 @@ pub struct ResponsesFormat {
     finish: Option<FinishReason>,
     /// Events sent, for their `sequence_number`.
     sequence: u64,
+    /// Reads the logprobs' tokens.
+    tokenizer: Arc<Tokenizer>,
+    /// The message's token logprobs so far, when they were asked for.
+    logprobs: Vec<Value>,
 }
 
 impl ResponsesFormat {
@@ -356,7 +378,9 @@ impl ResponsesFormat {
 
     fn message(&self, status: &str) -> Value {
         let content = match &self.text {
-            Some(t) if status == "completed" => json!([{"type": "output_text", "text": t, "annotations": []}]),
+            Some(t) if status == "completed" => {
+                json!([{"type": "output_text", "text": t, "annotations": [], "logprobs": self.logprobs}])
+            }
             _ => json!([]),
         };
         json!({"type": "message", "id": self.message_id(), "status": status, "role": "assistant", "content": content})
@@ -411,8 +435,18 @@ impl ResponsesFormat {
         }
     }
 
+    /// `tokens`' logprobs, kept for the whole message and answered for a delta.
+    fn scored(&mut self, tokens: &[TokenInfo]) -> Vec<Value> {
+        let scored: Vec<Value> = crate::chat_completions::token_logprobs(&self.tokenizer, tokens)
+            .into_iter()
+            .map(|t| serde_json::to_value(t).unwrap_or_default())
+            .collect();
+        self.logprobs.extend(scored.iter().cloned());
+        scored
+    }
+
     /// Events that send `text` in the message, opening it first.
-    fn text_events(&mut self, text: &str) -> Vec<String> {
+    fn text_events(&mut self, text: &str, logprobs: Vec<Value>) -> Vec<String> {
         let mut out = Vec::new();
         if self.text.is_none() {
             self.text = Some(String::new());
@@ -422,9 +456,10 @@ impl ResponsesFormat {
             let added = json!({"type": "response.content_part.added", "item_id": self.message_id(), "output_index": 0, "content_index": 0, "part": part});
             out.push(self.event(added));
         }
-        if !text.is_empty() {
+        // A token without text (the end of turn) still brings its logprob.
+        if !text.is_empty() || !logprobs.is_empty() {
             self.text.get_or_insert_default().push_str(text);
-            let delta = json!({"type": "response.output_text.delta", "item_id": self.message_id(), "output_index": 0, "content_index": 0, "delta": text, "logprobs": []});
+            let delta = json!({"type": "response.output_text.delta", "item_id": self.message_id(), "output_index": 0, "content_index": 0, "delta": text, "logprobs": logprobs});
             out.push(self.event(delta));
         }
         out
@@ -437,7 +472,7 @@ impl ResponsesFormat {
         let part = json!({"type": "output_text", "text": text, "annotations": []});
         let item = self.message("completed");
         vec![
-            self.event(json!({"type": "response.output_text.done", "item_id": id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []})),
+            self.event(json!({"type": "response.output_text.done", "item_id": id, "output_index": 0, "content_index": 0, "text": text, "logprobs": self.logprobs})),
             self.event(json!({"type": "response.content_part.done", "item_id": id, "output_index": 0, "content_index": 0, "part": part})),
             self.event(json!({"type": "response.output_item.done", "output_index": 0, "item": item})),
         ]
@@ -480,17 +515,18 @@ impl Format for ResponsesFormat {
         let mut frames = self.event(created) + &self.event(in_progress);
         // Without tools the reply is a message from its first token.
         if self.held.is_none() {
-            frames.extend(self.text_events(""));
+            frames.extend(self.text_events("", Vec::new()));
         }
         Some(frames)
     }
 
     fn chunk(&mut self, _index: u32, step: &Output) -> Vec<String> {
         self.finish = step.finish.or(self.finish);
+        let logprobs = self.scored(&step.tokens);
         match crate::tools::hold(self.tools.as_deref(), &mut self.held, step) {
             Held::Waiting => Vec::new(),
             Held::Calls(calls) => self.call_events(calls),
-            Held::Text(text) => self.text_events(&text),
+            Held::Text(text) => self.text_events(&text, logprobs),
         }
     }
 
@@ -501,7 +537,7 @@ impl Format for ResponsesFormat {
     fn ending(&mut self, usage: Usage, _include_usage: bool) -> Vec<String> {
         // A reply held to its end as a possible call, that was not one.
         let held = self.held.take().filter(|h| !h.text.is_empty());
-        let mut out: Vec<String> = held.map(|h| self.text_events(&h.text)).unwrap_or_default();
+        let mut out: Vec<String> = held.map(|h| self.text_events(&h.text, Vec::new())).unwrap_or_default();
         out.extend(self.close_message());
         let response = self.object(Some(usage));
         self.keep(&response);
@@ -523,7 +559,10 @@ impl Format for ResponsesFormat {
         self.finish = out.finish;
         match self.calls_of(out) {
             Some(calls) => self.calls = calls,
-            None => self.text = Some(out.text.clone()),
+            None => {
+                self.scored(&out.tokens);
+                self.text = Some(out.text.clone());
+            }
         }
         let response = self.object(Some(usage));
         self.keep(&response);
@@ -590,6 +629,16 @@ mod tests {
         }
     }
 
+    /// The default model's tokenizer, read once.
+    fn tokenizer() -> Arc<Tokenizer> {
+        static TOKENIZER: std::sync::OnceLock<Arc<Tokenizer>> = std::sync::OnceLock::new();
+        let read = || {
+            let path = pdserve_engine::models::require_default_model();
+            pdserve_engine::loader::load_meta(&path).expect("the default model").tokenizer
+        };
+        TOKENIZER.get_or_init(read).clone()
+    }
+
     fn format(tools: bool) -> ResponsesFormat {
         let tools = tools.then(|| {
             let list = json!([{"type": "function", "function": {"name": "get_time"}}]);
@@ -607,6 +656,8 @@ mod tests {
             calls: Vec::new(),
             finish: None,
             sequence: 0,
+            tokenizer: tokenizer(),
+            logprobs: Vec::new(),
         }
     }
 

@@ -511,3 +511,24 @@ pub(super) async fn listen(w: &LocalWorker, via: TransportKind) -> anyhow::Resul
     w.listen(via, &at).await.with_context(|| format!("{via} KV receiver"))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::later_split_part;
+
+    #[test]
+    fn a_models_directory_skips_only_later_parts_of_split_files() {
+        let cases = [
+            ("m.gguf", false),
+            ("m-00001-of-00003.gguf", false),
+            ("m-00002-of-00003.gguf", true),
+            ("dir/Llama-3-70B-Q4_K_M-00003-of-00003.gguf", true),
+            ("m-2-of-3.gguf", false),
+            ("m-00002-0f-00003.gguf", false),
+            ("m-00002-of-00003.bin", false),
+        ];
+        for (path, later) in cases {
+            assert_eq!(later_split_part(path), later, "{path}");
+        }
+    }
+}

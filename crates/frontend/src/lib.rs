@@ -127,6 +127,12 @@ impl Frontend {
     ) -> Frontend {
         let spec =
             ModelSpec { generate, tokenizer, chat, names: vec![model_id.into()], context_length, grammars: None };
+        Frontend::serving(spec, metrics)
+    }
+
+    /// A frontend over `first` (the model a request naming none gets); more with
+    /// [`Frontend::with_model`].
+    pub fn serving(first: ModelSpec, metrics: Metrics) -> Frontend {
         let life = Lifecycle::default();
         let state = AppState {
             models: Vec::new(),
@@ -140,7 +146,7 @@ impl Frontend {
             api_key: None,
             responses: Arc::default(),
         };
-        Frontend { state, models: vec![Model::new(spec)] }
+        Frontend { state, models: vec![Model::new(first)] }
     }
 
     /// Serves another model behind the same port: requests naming one of `spec`'s

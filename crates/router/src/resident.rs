@@ -5,7 +5,7 @@
 //! function; [`Residency`] carries it out, one load at a time.
 
 use crate::relay::relay;
-use pdserve_protocol::{Event, Generate, GenerateRequest, ServeError, TokenStream};
+use pdserve_protocol::{Event, EventSender, Generate, GenerateRequest, ServeError, TokenStream};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -180,22 +180,20 @@ impl Resident {
         self.pool.acquire(self.slot).await.map(drop)
     }
 
-    /// Relays `inner` to a stream of its own that counts the request in flight.
-    fn hold(&self, inner: TokenStream, params: &pdserve_types::SamplingParams, open: InFlight) -> TokenStream {
-        let (client, stream) = TokenStream::for_request(params);
+    /// Relays `inner` to `client`, the request counted in flight until it ends.
+    fn hold(&self, inner: TokenStream, client: EventSender, open: InFlight) {
         relay(&self.pool.rt, inner, client, self.pool.stall, |_| {}, move |_, _| drop(open));
-        stream
     }
 }
 
 impl Generate for Resident {
     fn generate(&self, req: GenerateRequest) -> Result<TokenStream, ServeError> {
         // Loaded: the model's own refusals (admission, ...) answer at once.
-        if let Some((generate, open)) = self.pool.ready(self.slot) {
-            let params = req.params.clone();
-            return Ok(self.hold(generate.generate(req)?, &params, open));
-        }
         let (client, stream) = TokenStream::for_request(&req.params);
+        if let Some((generate, open)) = self.pool.ready(self.slot) {
+            self.hold(generate.generate(req)?, client, open);
+            return Ok(stream);
+        }
         let me = Resident { pool: self.pool.clone(), slot: self.slot };
         self.pool.rt.spawn(async move {
             let started = match me.pool.acquire(me.slot).await {
@@ -204,9 +202,7 @@ impl Generate for Resident {
                 Err(e) => Err(e),
             };
             match started {
-                Ok((inner, open)) => {
-                    relay(&me.pool.rt, inner, client, me.pool.stall, |_| {}, move |_, _| drop(open));
-                }
+                Ok((inner, open)) => me.hold(inner, client, open),
                 Err(e) => drop(client.send(Event::Failed(e))),
             }
         });

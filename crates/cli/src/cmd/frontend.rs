@@ -9,10 +9,11 @@
 //! process only exits on a signal.
 
 use super::fleet::NatsArgs;
-use super::http::{self, ApiArgs, Served, Serving};
+use super::http::{self, ApiArgs, Serving};
 use pdserve_engine::loader::ModelMeta;
 use pdserve_fleet::{Change, NatsConfig, NodeId, NodeRecord};
 use pdserve_frontend::Metrics;
+use pdserve_frontend::ModelSpec;
 use pdserve_kv_transfer::{ClusterKey, TransportKind};
 use pdserve_protocol::Worker;
 use pdserve_remote::RemoteWorker;
@@ -144,15 +145,15 @@ pub fn run(a: Args) -> anyhow::Result<super::Stopped> {
 }
 
 /// Each model as the API serves it: through its router, its workers' stats watched.
-async fn served(metas: Vec<ModelMeta>, targets: &Targets, api: &ApiArgs, metrics: &Metrics) -> Vec<Served> {
+async fn served(metas: Vec<ModelMeta>, targets: &Targets, api: &ApiArgs, metrics: &Metrics) -> Vec<ModelSpec> {
     let mut models = Vec::new();
     for (meta, t) in metas.into_iter().zip(targets.iter()) {
         http::watch_stats(&t.router, metrics).await;
-        models.push(Served {
+        models.push(ModelSpec {
             grammars: super::grammars(&meta.tokenizer),
             tokenizer: meta.tokenizer,
             chat: meta.chat,
-            name: meta.name,
+            names: vec![meta.name],
             context_length: meta.context_length,
             generate: http::migrating(&t.router, api),
         });

@@ -2,28 +2,16 @@
 //! router, block-count reporting, and the graceful shutdown.
 
 use anyhow::Context;
-use pdserve_engine::chat::ChatTemplate;
-use pdserve_engine::tokenizer::Tokenizer;
 use pdserve_frontend::{Frontend, HttpLimits, Lifecycle, Metrics, ModelSpec};
 use pdserve_protocol::Generate;
 use pdserve_router::{Admission, Deadlines, Migrating, Mode, Router};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// One model the API serves: what the frontend needs of it, and where its requests go.
-pub struct Served {
-    pub grammars: Option<Arc<pdserve_engine::grammar::Grammars>>,
-    pub tokenizer: Arc<Tokenizer>,
-    pub chat: Arc<ChatTemplate>,
-    pub name: String,
-    pub context_length: usize,
-    pub generate: Arc<dyn Generate>,
-}
-
 /// What one API port serves.
 pub struct Serving {
     /// The first is the one a request naming no model gets.
-    pub models: Vec<Served>,
+    pub models: Vec<ModelSpec>,
     /// Refuse new requests at shutdown (a model loaded on demand drains with the
     /// frontend).
     pub routers: Vec<Arc<Router>>,
@@ -173,29 +161,14 @@ fn frontend(s: Serving, metrics: &Metrics, api: &ApiArgs) -> anyhow::Result<Fron
     if s.models.len() > 1 && !api.served_model_names.is_empty() {
         anyhow::bail!("--served-model-name names one model; with several, each answers to its own name");
     }
-    let fit = |context: usize| api.max_model_len.map_or(context, |n| context.min(n as usize));
-    let mut models = s.models.into_iter();
-    let first = models.next().context("no model to serve")?;
-    let mut f = Frontend::new(
-        first.generate,
-        first.tokenizer,
-        first.chat,
-        first.name,
-        fit(first.context_length),
-        metrics.clone(),
-    )
-    .with_grammars(first.grammars);
+    let fit = |mut m: ModelSpec| {
+        m.context_length = api.max_model_len.map_or(m.context_length, |n| m.context_length.min(n as usize));
+        m
+    };
+    let mut models = s.models.into_iter().map(fit);
+    let mut f = Frontend::serving(models.next().context("no model to serve")?, metrics.clone());
     for m in models {
-        let names = vec![m.name];
-        let (generate, tokenizer, chat, grammars) = (m.generate, m.tokenizer, m.chat, m.grammars);
-        f = f.with_model(ModelSpec {
-            generate,
-            tokenizer,
-            chat,
-            names,
-            context_length: fit(m.context_length),
-            grammars,
-        });
+        f = f.with_model(m);
     }
     Ok(f.with_mode(&format!("{:?}", s.mode).to_lowercase())
         .with_observer(s.observer)
@@ -216,7 +189,7 @@ pub async fn serve(
     after_bind: impl FnOnce(std::net::SocketAddr),
 ) -> anyhow::Result<Stopped> {
     let mode = format!("{:?}", s.mode).to_lowercase();
-    let names = s.models.iter().map(|m| m.name.clone()).collect::<Vec<_>>().join(", ");
+    let names = s.models.iter().flat_map(|m| m.names.first().cloned()).collect::<Vec<_>>().join(", ");
     let routers = s.routers.clone();
     let frontend = frontend(s, &metrics, api)?;
     let listener = tokio::net::TcpListener::bind((api.host.as_str(), api.port))

@@ -1,11 +1,12 @@
 //! `pdserve serve`: frontend, router and workers in one process.
 
-use super::http::{self, ApiArgs, Served, Serving};
+use super::http::{self, ApiArgs, Serving};
 use anyhow::Context;
 use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::loader::LoadedModel;
 use pdserve_frontend::Metrics;
+use pdserve_frontend::ModelSpec;
 use pdserve_kv_transfer::{ListenAt, TransportKind};
 use pdserve_planner::{model::Slo, Planner, PlannerConfig};
 use pdserve_protocol::{Generate, Worker};
@@ -266,7 +267,7 @@ async fn all_loaded(
     a: &Arc<Args>,
     starts: Vec<ModelStart>,
     rt: &tokio::runtime::Handle,
-) -> anyhow::Result<(Vec<Served>, Vec<Arc<Router>>)> {
+) -> anyhow::Result<(Vec<ModelSpec>, Vec<Arc<Router>>)> {
     let several = starts.len() > 1;
     let (mut models, mut routers) = (Vec::new(), Vec::new());
     for mut start in starts {
@@ -275,11 +276,11 @@ async fn all_loaded(
         let grammars = super::grammars(&m.tokenizer);
         let started = start.start(a, &m, &grammars, rt).await?;
         routers.push(started.router.clone());
-        models.push(Served {
+        models.push(ModelSpec {
             grammars,
             tokenizer: m.tokenizer.clone(),
             chat: m.chat.clone(),
-            name: m.name.clone(),
+            names: vec![m.name.clone()],
             context_length: m.model.cfg.context_length,
             generate: Arc::new(started),
         });
@@ -295,7 +296,7 @@ async fn on_demand(
     starts: Vec<ModelStart>,
     max: usize,
     rt: &tokio::runtime::Handle,
-) -> anyhow::Result<(Vec<Served>, Vec<Arc<Router>>)> {
+) -> anyhow::Result<(Vec<ModelSpec>, Vec<Arc<Router>>)> {
     let pool = Residency::new(max, a.api.deadlines().client_stall, rt.clone());
     let (mut models, mut first) = (Vec::new(), None);
     for mut start in starts {
@@ -305,11 +306,11 @@ async fn on_demand(
         let load = OnDemand { a: a.clone(), start, grammars: grammars.clone(), rt: rt.clone() };
         let resident = Arc::new(pool.add(&meta.name, Arc::new(load)));
         first.get_or_insert_with(|| resident.clone());
-        models.push(Served {
+        models.push(ModelSpec {
             grammars,
             tokenizer: meta.tokenizer,
             chat: meta.chat,
-            name: meta.name,
+            names: vec![meta.name],
             context_length: meta.context_length,
             generate: resident,
         });
@@ -321,10 +322,10 @@ async fn on_demand(
 }
 
 /// Two models of one name could not be told apart by a request.
-fn unique_names(models: &[Served]) -> anyhow::Result<()> {
+fn unique_names(models: &[ModelSpec]) -> anyhow::Result<()> {
     for (i, m) in models.iter().enumerate() {
-        if models[..i].iter().any(|o| o.name == m.name) {
-            anyhow::bail!("two models are named {}: serve copies under different file names", m.name);
+        if models[..i].iter().any(|o| o.names == m.names) {
+            anyhow::bail!("two models are named {}: serve copies under different file names", m.names.join(", "));
         }
     }
     Ok(())

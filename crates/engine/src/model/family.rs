@@ -3,13 +3,13 @@
 //! the common ones, and how its layers load. Each architecture's file declares one
 //! [`Family`]; `model::FAMILIES` lists them, and a GGUF file's config is read here.
 
-use super::Layers;
+use super::{LayerRange, Layers};
 use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::format::gguf::GgufHeader;
 use crate::format::{FormatError, TensorSource};
 
 /// Loads a family's layers from a file's tensors.
-type LoadLayers = fn(&dyn TensorSource, &ModelConfig) -> Result<Box<dyn Layers>, FormatError>;
+type LoadLayers = fn(&dyn TensorSource, &ModelConfig, LayerRange) -> Result<Box<dyn Layers>, FormatError>;
 
 pub(super) struct Family {
     pub(super) arch: Architecture,

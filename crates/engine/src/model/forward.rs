@@ -4,7 +4,7 @@
 //! own blocks.
 
 use super::blocks::norm_rows;
-use super::Model;
+use super::{Head, Model};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::threadpool::ThreadPool;
@@ -87,11 +87,21 @@ pub(super) struct Step<'a, 'b> {
     pub positions: &'a [usize],
 }
 
+/// What one stage's pass yields.
+pub enum StageOut<'s> {
+    /// The logits rows the sequences asked for (the last stage, or a whole model).
+    Logits(&'s mut [f32]),
+    /// The residual stream after this stage's layers, every row of the batch, for the
+    /// next stage.
+    Hidden(&'s [f32]),
+}
+
 impl Model {
     /// Runs `batch` through the model, writing its K/V into `kv`. Returns the logits
     /// rows the sequences asked for, `vocab_size` values each, in batch order.
     /// `on_layer(l, kv)` is called once layer `l`'s K/V are written for the whole batch;
     /// returning `false` stops the pass there (a cancelled prefill) and yields `None`.
+    /// The model must be whole (a stage runs through [`Model::forward_stage`]).
     pub fn forward<'s>(
         &self,
         isa: Isa,
@@ -101,20 +111,52 @@ impl Model {
         s: &'s mut ForwardScratch,
         on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
     ) -> Option<&'s mut [f32]> {
+        debug_assert!(self.embd.is_some() && self.head.is_some(), "forward on a pipeline stage");
+        match self.forward_stage(isa, pool, batch, &[], kv, s, on_layer)? {
+            StageOut::Logits(rows) => Some(rows),
+            StageOut::Hidden(_) => None,
+        }
+    }
+
+    /// [`Model::forward`] for any stage: the first embeds the batch's tokens, a later one
+    /// starts from `x_in`, the residual stream the stage before it yielded (every row of
+    /// the batch). Layer `l` of `on_layer` and of `kv` counts from this stage's first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_stage<'s>(
+        &self,
+        isa: Isa,
+        pool: &ThreadPool,
+        batch: &[SeqBatch<'_>],
+        x_in: &[f32],
+        kv: &mut KvStorage,
+        s: &'s mut ForwardScratch,
+        on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
+    ) -> Option<StageOut<'s>> {
         let h = self.cfg.hidden;
         let positions: Vec<usize> =
             batch.iter().flat_map(|b| (0..b.tokens.len()).map(move |j| b.start_pos + j)).collect();
         s.x.resize(positions.len() * h, 0.0);
-        for (i, tok) in batch.iter().flat_map(|b| b.tokens.iter()).enumerate() {
-            self.embed(*tok, &mut s.x[i * h..(i + 1) * h]);
+        match &self.embd {
+            Some(embd) => {
+                for (i, tok) in batch.iter().flat_map(|b| b.tokens.iter()).enumerate() {
+                    embd.row(*tok, &mut s.x[i * h..(i + 1) * h]);
+                }
+            }
+            None => s.x.copy_from_slice(x_in.get(..positions.len() * h)?),
         }
         let step = Step { isa, pool, batch, positions: &positions };
-        let finished = self.body.run(&self.cfg, &step, kv, s, on_layer);
-        finished.then(|| self.logits(isa, pool, batch, s))
+        if !self.body.run(&self.cfg, &step, kv, s, on_layer) {
+            return None;
+        }
+        Some(match &self.head {
+            Some(head) => StageOut::Logits(self.logits(head, isa, pool, batch, s)),
+            None => StageOut::Hidden(&s.x),
+        })
     }
 
     fn logits<'s>(
         &self,
+        head: &Head,
         isa: Isa,
         pool: &ThreadPool,
         batch: &[SeqBatch<'_>],
@@ -128,12 +170,12 @@ impl Model {
             let rows = b.logits.min(b.tokens.len());
             s.last.extend_from_slice(&s.x[(end - rows) * h..end * h]);
         }
-        self.score_rows(isa, pool, batch, s);
-        self.pool_rows(pool, batch, s);
+        self.score_rows(head, isa, pool, batch, s);
+        self.pool_rows(head, pool, batch, s);
         let n = s.last.len() / h;
-        norm_rows(pool, &s.last, &self.norm, self.cfg.rms_eps, h, &mut s.h);
+        norm_rows(pool, &s.last, &head.norm, self.cfg.rms_eps, h, &mut s.h);
         s.logits.resize(n * v, 0.0);
-        self.lm_head.forward(isa, pool, &s.h[..n * h], n, &mut s.logits, &mut s.lin);
+        head.lm_head.forward(isa, pool, &s.h[..n * h], n, &mut s.logits, &mut s.lin);
         self.soft_cap(&mut s.logits[..n * v]);
         &mut s.logits[..n * v]
     }
@@ -141,7 +183,7 @@ impl Model {
     /// Prompt scoring: logits for the rows that asked, a few rows at a time, each
     /// reduced at once to the logprob of the token that follows it. Every row goes
     /// through the same kernels as a sampled row, so scores do not depend on the batch.
-    fn score_rows(&self, isa: Isa, pool: &ThreadPool, batch: &[SeqBatch<'_>], s: &mut ForwardScratch) {
+    fn score_rows(&self, head: &Head, isa: Isa, pool: &ThreadPool, batch: &[SeqBatch<'_>], s: &mut ForwardScratch) {
         let (h, v) = (self.cfg.hidden, self.cfg.vocab_size);
         let mut start = 0;
         for b in batch {
@@ -153,9 +195,9 @@ impl Model {
             for lo in (0..rows).step_by(SCORE_ROWS) {
                 let n = SCORE_ROWS.min(rows - lo);
                 let x = &s.x[(first_row + lo) * h..(first_row + lo + n) * h];
-                norm_rows(pool, x, &self.norm, self.cfg.rms_eps, h, &mut s.h);
+                norm_rows(pool, x, &head.norm, self.cfg.rms_eps, h, &mut s.h);
                 s.logits.resize(n * v, 0.0);
-                self.lm_head.forward(isa, pool, &s.h[..n * h], n, &mut s.logits, &mut s.lin);
+                head.lm_head.forward(isa, pool, &s.h[..n * h], n, &mut s.logits, &mut s.lin);
                 self.soft_cap(&mut s.logits[..n * v]);
                 for (j, row) in s.logits[..n * v].chunks_exact(v).enumerate() {
                     scores.push(crate::sampler::score(row, sc.targets[lo + j], sc.top));
@@ -170,7 +212,7 @@ impl Model {
     /// Embeddings: each pooling part's prompt rows through the output norm, summed
     /// into its sum, or its last row kept. The norm is the row-wise kernel every row
     /// takes, so a prompt's embedding does not depend on the batch.
-    fn pool_rows(&self, pool: &ThreadPool, batch: &[SeqBatch<'_>], s: &mut ForwardScratch) {
+    fn pool_rows(&self, head: &Head, pool: &ThreadPool, batch: &[SeqBatch<'_>], s: &mut ForwardScratch) {
         let h = self.cfg.hidden;
         let mut start = 0;
         for b in batch {
@@ -185,7 +227,7 @@ impl Model {
             if to <= from {
                 continue;
             }
-            norm_rows(pool, &s.x[from * h..to * h], &self.norm, self.cfg.rms_eps, h, &mut s.h);
+            norm_rows(pool, &s.x[from * h..to * h], &head.norm, self.cfg.rms_eps, h, &mut s.h);
             let mut out = p.out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             out.resize(h, 0.0);
             match p.rows {

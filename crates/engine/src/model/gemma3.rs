@@ -21,7 +21,7 @@ use super::blocks::{norm_rows, weight, Activation, Attention, AttnSpec, FeedForw
 use super::family::{ArchMeta, Family};
 use super::forward::{ForwardScratch, Step};
 use super::linear::load_vector;
-use super::Layers;
+use super::{LayerRange, Layers};
 use crate::config::{Architecture, Gemma3Config, ModelConfig, RopeStyle};
 use crate::format::{FormatError, TensorSource};
 use crate::kernels::ops::{add_assign, Rope, RopeTable};
@@ -39,7 +39,7 @@ pub(super) const GEMMA3: Family = Family {
     rope: RopeStyle::Neox,
     rope_scalings: &["linear"],
     extra: read_config,
-    load: |src, cfg| Ok(Box::new(Gemma3::load(src, cfg)?)),
+    load: |src, cfg, layers| Ok(Box::new(Gemma3::load(src, cfg, layers)?)),
 };
 
 /// Gemma 3's extra hyper-parameters.
@@ -86,12 +86,12 @@ struct Layer {
 }
 
 impl Gemma3 {
-    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Self, FormatError> {
+    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig, layers: LayerRange) -> Result<Self, FormatError> {
         let g = cfg
             .gemma3
             .clone()
             .ok_or_else(|| FormatError::Invalid("gemma3 config without its Gemma 3 parameters".into()))?;
-        let layers = (0..cfg.n_layers).map(|l| Layer::load(src, cfg, &g, l)).collect::<Result<_, _>>()?;
+        let layers = layers.indices().map(|l| Layer::load(src, cfg, &g, l)).collect::<Result<_, _>>()?;
         Ok(Gemma3 { g, layers })
     }
 }

@@ -12,7 +12,7 @@
 use super::blocks::{rope_with_factors, run_pre_norm, Activation, Attention, AttnSpec, GatedMlp, PreNormLayer};
 use super::family::{no_extra, Family};
 use super::forward::{ForwardScratch, Step};
-use super::Layers;
+use super::{LayerRange, Layers};
 use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::format::{FormatError, TensorSource};
 use crate::kernels::ops::{Rope, RopeTable};
@@ -32,7 +32,7 @@ pub(super) const LLAMA: Family = Family {
     rope: RopeStyle::Normal,
     rope_scalings: &[],
     extra: no_extra,
-    load: |src, cfg| Ok(Box::new(Llama::load(src, cfg)?)),
+    load: |src, cfg, layers| Ok(Box::new(Llama::load(src, cfg, layers)?)),
 };
 
 pub(super) const QWEN2: Family = Family { arch: Architecture::QWEN2, rope: RopeStyle::Neox, ..LLAMA };
@@ -43,14 +43,14 @@ pub(super) struct Llama {
 }
 
 impl Llama {
-    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Self, FormatError> {
+    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig, layers: LayerRange) -> Result<Self, FormatError> {
         let rope = rope_with_factors(src, cfg, "rope_freqs.weight")?;
         let bias = cfg.arch == Architecture::QWEN2;
         let layer = |l| {
             let attn = Attention::load(src, cfg, l, bias, false)?;
             PreNormLayer::load(src, cfg, l, attn, GatedMlp::load(src, cfg, l, cfg.ffn_hidden, Activation::Silu)?)
         };
-        Ok(Llama { rope, layers: (0..cfg.n_layers).map(layer).collect::<Result<_, _>>()? })
+        Ok(Llama { rope, layers: layers.indices().map(layer).collect::<Result<_, _>>()? })
     }
 }
 

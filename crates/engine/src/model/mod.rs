@@ -15,9 +15,11 @@ mod moe;
 mod phi3;
 mod qwen3;
 mod qwen3moe;
+pub mod stage;
 
 pub use family::supported_architectures;
-pub use forward::{ForwardScratch, Pool, Pooled, Scoring, SeqBatch};
+pub use forward::{ForwardScratch, Pool, Pooled, Scoring, SeqBatch, StageOut};
+pub use stage::LayerRange;
 
 use crate::config::ModelConfig;
 use crate::format::{DType, FormatError, TensorSource};
@@ -53,8 +55,8 @@ trait Layers: Send + Sync {
 const FAMILIES: &[&family::Family] =
     &[&llama::LLAMA, &llama::QWEN2, &qwen3::QWEN3, &qwen3moe::QWEN3MOE, &phi3::PHI3, &gemma3::GEMMA3];
 
-fn load_layers(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Box<dyn Layers>, FormatError> {
-    (family::of(cfg.arch)?.load)(src, cfg)
+fn load_layers(src: &dyn TensorSource, cfg: &ModelConfig, layers: LayerRange) -> Result<Box<dyn Layers>, FormatError> {
+    (family::of(cfg.arch)?.load)(src, cfg, layers)
 }
 
 /// Token embeddings kept in the file's own encoding; rows are decoded on lookup.
@@ -66,48 +68,83 @@ struct Embedding {
     scale: f32,
 }
 
-pub struct Model {
-    pub cfg: ModelConfig,
-    embd: Embedding,
-    body: Box<dyn Layers>,
+/// The final norm and the output projection: the last stage's.
+struct Head {
     norm: Vec<f32>,
     lm_head: Linear,
+}
+
+/// A model, or one pipeline stage's part of it ([`LayerRange`]): `cfg` is always the
+/// whole model's, and the K/V this part writes is that of its own layers only.
+pub struct Model {
+    pub cfg: ModelConfig,
+    layers: LayerRange,
+    embd: Option<Embedding>,
+    body: Box<dyn Layers>,
+    head: Option<Head>,
 }
 
 impl Model {
     /// Loads every weight from `src` (GGUF tensor names), repacking quantized matrices
     /// for our kernels. The source can be dropped afterwards.
     pub fn load(src: &dyn TensorSource, cfg: ModelConfig) -> Result<Self, FormatError> {
-        let h = cfg.hidden;
-        let mut embd = load_embedding(src, &cfg)?;
-        let body = load_layers(src, &cfg)?;
-        embd.scale = body.embedding_scale(&cfg);
-        let head_name = if src.tensor("output.weight").is_some() { "output.weight" } else { "token_embd.weight" };
-        let lm_head = Linear::load(src, &[head_name.to_string()], false)?;
-        if lm_head.out_features != cfg.vocab_size || lm_head.in_features != h {
-            return Err(FormatError::Invalid(format!("{head_name} has the wrong shape")));
-        }
-        Ok(Model { embd, body, norm: load_vector(src, "output_norm.weight", h)?, lm_head, cfg })
+        let layers = LayerRange::whole(cfg.n_layers);
+        Model::load_stage(src, cfg, layers)
+    }
+
+    /// Loads the weights of `layers` only, with the embeddings when they start the
+    /// model and the head when they end it: a pipeline stage.
+    pub fn load_stage(src: &dyn TensorSource, cfg: ModelConfig, layers: LayerRange) -> Result<Self, FormatError> {
+        let layers = layers.within(cfg.n_layers)?;
+        let body = load_layers(src, &cfg, layers)?;
+        let embd = match layers.embeds() {
+            true => Some(Embedding { scale: body.embedding_scale(&cfg), ..load_embedding(src, &cfg)? }),
+            false => None,
+        };
+        let head = match layers.heads(cfg.n_layers) {
+            true => Some(load_head(src, &cfg)?),
+            false => None,
+        };
+        Ok(Model { embd, body, head, layers, cfg })
+    }
+
+    /// The layers this model holds ([`LayerRange::whole`] unless it is a stage).
+    pub fn layers(&self) -> LayerRange {
+        self.layers
     }
 
     /// Bytes of weights held in memory.
     pub fn weight_bytes(&self) -> usize {
-        self.body.size_bytes() + self.lm_head.size_bytes() + self.embd.data.len()
+        self.body.size_bytes()
+            + self.head.as_ref().map_or(0, |h| h.lm_head.size_bytes())
+            + self.embd.as_ref().map_or(0, |e| e.data.len())
     }
+}
 
-    fn embed(&self, token: u32, out: &mut [f32]) {
-        let at = token as usize * self.embd.row_bytes;
-        match self.embd.data.get(at..at + self.embd.row_bytes) {
-            Some(row) => dequantize_row(self.embd.dtype, row, out),
+impl Embedding {
+    fn row(&self, token: u32, out: &mut [f32]) {
+        let at = token as usize * self.row_bytes;
+        match self.data.get(at..at + self.row_bytes) {
+            Some(row) => dequantize_row(self.dtype, row, out),
             // Ids are validated upstream; an out-of-range id embeds as zeros.
             None => out.fill(0.0),
         }
-        if self.embd.scale != 1.0 {
+        if self.scale != 1.0 {
             for x in out {
-                *x *= self.embd.scale;
+                *x *= self.scale;
             }
         }
     }
+}
+
+fn load_head(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Head, FormatError> {
+    let h = cfg.hidden;
+    let head_name = if src.tensor("output.weight").is_some() { "output.weight" } else { "token_embd.weight" };
+    let lm_head = Linear::load(src, &[head_name.to_string()], false)?;
+    if lm_head.out_features != cfg.vocab_size || lm_head.in_features != h {
+        return Err(FormatError::Invalid(format!("{head_name} has the wrong shape")));
+    }
+    Ok(Head { norm: load_vector(src, "output_norm.weight", h)?, lm_head })
 }
 
 fn load_embedding(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Embedding, FormatError> {

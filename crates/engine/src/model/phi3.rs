@@ -16,7 +16,7 @@
 use super::blocks::{rope_with_factors, run_pre_norm, Activation, Attention, AttnSpec, GatedMlp, PreNormLayer};
 use super::family::{no_extra, Family};
 use super::forward::{ForwardScratch, Step};
-use super::Layers;
+use super::{LayerRange, Layers};
 use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::format::{FormatError, TensorSource};
 use crate::kernels::ops::{Rope, RopeTable};
@@ -34,7 +34,7 @@ pub(super) const PHI3: Family = Family {
     rope: RopeStyle::Neox,
     rope_scalings: &["longrope"],
     extra: no_extra,
-    load: |src, cfg| Ok(Box::new(Phi3::load(src, cfg)?)),
+    load: |src, cfg, layers| Ok(Box::new(Phi3::load(src, cfg, layers)?)),
 };
 
 pub(super) struct Phi3 {
@@ -43,7 +43,7 @@ pub(super) struct Phi3 {
 }
 
 impl Phi3 {
-    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Self, FormatError> {
+    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig, layers: LayerRange) -> Result<Self, FormatError> {
         let name = if cfg.context_length > cfg.rope_original_context {
             "rope_factors_long.weight"
         } else {
@@ -54,7 +54,7 @@ impl Phi3 {
             let attn = Attention::load(src, cfg, l, false, false)?;
             PreNormLayer::load(src, cfg, l, attn, GatedMlp::load(src, cfg, l, cfg.ffn_hidden, Activation::Silu)?)
         };
-        Ok(Phi3 { rope, layers: (0..cfg.n_layers).map(layer).collect::<Result<_, _>>()? })
+        Ok(Phi3 { rope, layers: layers.indices().map(layer).collect::<Result<_, _>>()? })
     }
 }
 

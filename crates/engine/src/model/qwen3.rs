@@ -10,7 +10,7 @@
 use super::blocks::{run_pre_norm, Activation, Attention, AttnSpec, GatedMlp, PreNormLayer};
 use super::family::{no_extra, Family};
 use super::forward::{ForwardScratch, Step};
-use super::Layers;
+use super::{LayerRange, Layers};
 use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::format::{FormatError, TensorSource};
 use crate::kernels::ops::{Rope, RopeTable};
@@ -26,7 +26,7 @@ pub(super) const QWEN3: Family = Family {
     rope: RopeStyle::Neox,
     rope_scalings: &[],
     extra: no_extra,
-    load: |src, cfg| Ok(Box::new(Qwen3::load(src, cfg)?)),
+    load: |src, cfg, layers| Ok(Box::new(Qwen3::load(src, cfg, layers)?)),
 };
 
 pub(super) struct Qwen3 {
@@ -34,12 +34,12 @@ pub(super) struct Qwen3 {
 }
 
 impl Qwen3 {
-    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Self, FormatError> {
+    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig, layers: LayerRange) -> Result<Self, FormatError> {
         let layer = |l| {
             let mlp = GatedMlp::load(src, cfg, l, cfg.ffn_hidden, Activation::Silu)?;
             PreNormLayer::load(src, cfg, l, attention(src, cfg, l)?, mlp)
         };
-        Ok(Qwen3 { layers: (0..cfg.n_layers).map(layer).collect::<Result<_, _>>()? })
+        Ok(Qwen3 { layers: layers.indices().map(layer).collect::<Result<_, _>>()? })
     }
 }
 

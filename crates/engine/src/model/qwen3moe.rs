@@ -14,7 +14,7 @@ use super::family::{ArchMeta, Family};
 use super::forward::{ForwardScratch, Step};
 use super::moe::Moe;
 use super::qwen3::{attention, rope_and_spec};
-use super::Layers;
+use super::{LayerRange, Layers};
 use crate::config::{Architecture, ModelConfig, MoeConfig, RopeStyle};
 use crate::format::{FormatError, TensorSource};
 use crate::kvcache::KvStorage;
@@ -29,7 +29,7 @@ pub(super) const QWEN3MOE: Family = Family {
     rope: RopeStyle::Neox,
     rope_scalings: &[],
     extra: expert_counts,
-    load: |src, cfg| Ok(Box::new(Qwen3Moe::load(src, cfg)?)),
+    load: |src, cfg, layers| Ok(Box::new(Qwen3Moe::load(src, cfg, layers)?)),
 };
 
 /// The expert counts, all required. A mixture of experts may have no dense width;
@@ -52,11 +52,11 @@ pub(super) struct Qwen3Moe {
 }
 
 impl Qwen3Moe {
-    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig) -> Result<Self, FormatError> {
+    pub(super) fn load(src: &dyn TensorSource, cfg: &ModelConfig, layers: LayerRange) -> Result<Self, FormatError> {
         let m =
             cfg.moe.as_ref().ok_or_else(|| FormatError::Invalid("qwen3moe config without its expert counts".into()))?;
         let layer = |l| PreNormLayer::load(src, cfg, l, attention(src, cfg, l)?, Moe::load(src, cfg, m, l)?);
-        Ok(Qwen3Moe { layers: (0..cfg.n_layers).map(layer).collect::<Result<_, _>>()? })
+        Ok(Qwen3Moe { layers: layers.indices().map(layer).collect::<Result<_, _>>()? })
     }
 }
 

@@ -1,0 +1,159 @@
+//! A pipeline stage's share of a model: a contiguous range of its decoder layers. The
+//! first stage also holds the token embeddings, the last the final norm and the output
+//! head; a stage in between takes the residual stream in and hands it on.
+
+use crate::format::FormatError;
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+/// Layers `first..=last` of a model (the CLI's `--layers A..B`, both ends included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LayerRange {
+    pub first: usize,
+    pub last: usize,
+}
+
+impl LayerRange {
+    /// Every layer of a model of `n` layers.
+    pub fn whole(n: usize) -> Self {
+        LayerRange { first: 0, last: n.saturating_sub(1) }
+    }
+
+    /// How many layers (never zero).
+    pub fn count(self) -> usize {
+        self.last + 1 - self.first
+    }
+
+    /// The layers' indices in the whole model.
+    pub fn indices(self) -> Range<usize> {
+        self.first..self.last + 1
+    }
+
+    /// Whether this range starts the model (so holds the embeddings).
+    pub fn embeds(self) -> bool {
+        self.first == 0
+    }
+
+    /// Whether this range ends a model of `total` layers (so holds the head).
+    pub fn heads(self, total: usize) -> bool {
+        self.last + 1 == total
+    }
+
+    /// This range, when it lies within a model of `total` layers.
+    pub fn within(self, total: usize) -> Result<Self, FormatError> {
+        if self.last < total {
+            Ok(self)
+        } else {
+            Err(FormatError::Invalid(format!("layers {self} are past the model's last layer, {}", total.saturating_sub(1))))
+        }
+    }
+}
+
+impl fmt::Display for LayerRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}..{}", self.first, self.last)
+    }
+}
+
+impl FromStr for LayerRange {
+    type Err = String;
+
+    /// `A..B` (layers A to B, both included) or a single layer `A`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("layers {s:?}: expected A..B (first and last layer, from 0)");
+        let (a, b) = s.split_once("..").unwrap_or((s, s));
+        let first: usize = a.trim().parse().map_err(|_| bad())?;
+        let last: usize = b.trim().trim_start_matches('=').parse().map_err(|_| bad())?;
+        if last < first {
+            return Err(format!("layers {s:?}: the last layer comes before the first"));
+        }
+        Ok(LayerRange { first, last })
+    }
+}
+
+/// Whether `ranges`, in any order, cover layers `0..total` exactly once, each: the
+/// stages of a group that can serve. Returns them sorted by first layer when they do.
+pub fn covering(ranges: &[LayerRange], total: usize) -> Option<Vec<LayerRange>> {
+    let mut sorted = ranges.to_vec();
+    sorted.sort_by_key(|r| r.first);
+    let mut next = 0;
+    for r in &sorted {
+        if r.first != next {
+            return None;
+        }
+        next = r.last + 1;
+    }
+    (next == total && total > 0).then_some(sorted)
+}
+
+/// Splits `total` layers into `stages` ranges whose sizes follow `weights` (each
+/// stage's free memory, say), every stage getting at least one layer.
+pub fn split(total: usize, weights: &[f64]) -> Option<Vec<LayerRange>> {
+    let n = weights.len();
+    if n == 0 || total < n || weights.iter().any(|w| !w.is_finite() || *w <= 0.0) {
+        return None;
+    }
+    let sum: f64 = weights.iter().sum();
+    let mut ranges = Vec::with_capacity(n);
+    let (mut first, mut acc) = (0, 0.0);
+    for (i, w) in weights.iter().enumerate() {
+        acc += w;
+        let left = n - i - 1;
+        // Rounded at the running share, so the rounding errors do not add up.
+        let end = ((acc / sum * total as f64).round() as usize).clamp(first + 1, total - left);
+        ranges.push(LayerRange { first, last: end - 1 });
+        first = end;
+    }
+    Some(ranges)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(first: usize, last: usize) -> LayerRange {
+        LayerRange { first, last }
+    }
+
+    #[test]
+    fn parses_ranges_and_refuses_nonsense() {
+        assert_eq!("0..14".parse(), Ok(r(0, 14)));
+        assert_eq!("15..=29".parse(), Ok(r(15, 29)));
+        assert_eq!("7".parse(), Ok(r(7, 7)));
+        for bad in ["", "a..3", "3..1", "1..", "..4", "-1..2"] {
+            assert!(bad.parse::<LayerRange>().is_err(), "{bad}");
+        }
+        assert_eq!(r(3, 9).to_string(), "3..9");
+    }
+
+    #[test]
+    fn a_group_serves_once_its_ranges_cover_every_layer_once() {
+        let table: &[(&[LayerRange], usize, bool)] = &[
+            (&[r(0, 29)], 30, true),
+            (&[r(15, 29), r(0, 14)], 30, true),
+            (&[r(0, 9), r(10, 19), r(20, 29)], 30, true),
+            (&[r(0, 14)], 30, false),
+            (&[r(0, 15), r(15, 29)], 30, false),
+            (&[r(0, 13), r(15, 29)], 30, false),
+            (&[r(0, 14), r(15, 30)], 30, false),
+            (&[], 30, false),
+        ];
+        for (ranges, total, serves) in table {
+            assert_eq!(covering(ranges, *total).is_some(), *serves, "{ranges:?}");
+        }
+    }
+
+    #[test]
+    fn splits_follow_the_weights_and_give_every_stage_a_layer() {
+        assert_eq!(split(30, &[1.0, 1.0]), Some(vec![r(0, 14), r(15, 29)]));
+        assert_eq!(split(30, &[1.0, 2.0]), Some(vec![r(0, 9), r(10, 29)]));
+        assert_eq!(split(3, &[100.0, 1.0, 1.0]), Some(vec![r(0, 0), r(1, 1), r(2, 2)]));
+        assert_eq!(split(2, &[1.0, 1.0, 1.0]), None);
+        assert_eq!(split(30, &[1.0, 0.0]), None);
+        for total in 3..40 {
+            let s = split(total, &[3.0, 1.0, 2.0]).unwrap();
+            assert!(covering(&s, total).is_some(), "{total}: {s:?}");
+        }
+    }
+}

@@ -3,10 +3,16 @@
 //! residual stream goes from one stage's pass to the next one's, and each stage keeps
 //! the K/V of its own layers. Checked on the real default model (SmolLM2, 30 layers) and
 //! Gemma 3 270M (18 layers, a global layer every sixth, so a cut can fall either side of
-//! one), prefilled in chunks and then decoded greedily.
+//! one), prefilled in chunks and then decoded greedily. An engine whose model is the
+//! first stage and whose later stages run behind [`NextStages`] serves requests as an
+//! engine with the whole model does, token for token, and a lost stage ends its step
+//! without advancing anything.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use pdserve_engine::batch::{
+    Engine, EngineConfig, EngineError, LocalStages, NextStages, StageLost, StagePart, StageRunner, StepOutput,
+};
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::format::gguf::GgufFile;
 use pdserve_engine::kernels::Isa;
@@ -14,6 +20,9 @@ use pdserve_engine::kvcache::KvStorage;
 use pdserve_types::KvDtype;
 use pdserve_engine::model::{ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
 use pdserve_engine::threadpool::ThreadPool;
+use pdserve_types::{RequestId, SamplingParams, TokenOut};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 const DECODE: usize = 8;
 
@@ -105,4 +114,127 @@ fn a_stage_past_the_models_last_layer_is_refused() {
 
 fn argmax(row: &[f32]) -> u32 {
     (0..row.len()).max_by(|&a, &b| row[a].total_cmp(&row[b]).then(b.cmp(&a))).unwrap() as u32
+}
+
+const BLOCKS: usize = 64;
+
+fn engine_cfg() -> EngineConfig {
+    EngineConfig { threads: 1, num_blocks: BLOCKS, max_batch_tokens: 64, max_seqs: 8, ..Default::default() }
+}
+
+fn loaded(cuts: &[(usize, usize)]) -> Vec<Arc<Model>> {
+    let file = GgufFile::open(&pdserve_engine::models::require_known_model("smollm2-135m")).unwrap();
+    let cfg = ModelConfig::from_gguf(&file.header).unwrap();
+    cuts.iter().map(|&(first, last)| Arc::new(Model::load_stage(&file, cfg.clone(), LayerRange { first, last }).unwrap())).collect()
+}
+
+/// A head engine over `cuts`, its later stages in this process behind `wrap`.
+fn head_engine(cuts: &[(usize, usize)], wrap: impl FnOnce(LocalStages) -> Box<dyn NextStages>) -> Engine {
+    let mut models = loaded(cuts).into_iter();
+    let head = models.next().unwrap();
+    let rest = models.map(|m| StageRunner::new(m, BLOCKS, KvDtype::F16, 1, 64)).collect();
+    Engine::new(head, engine_cfg(), vec![]).with_next_stages(wrap(LocalStages::new(rest)))
+}
+
+fn greedy(max_tokens: u32) -> SamplingParams {
+    SamplingParams { max_tokens, ignore_eos: true, logprobs: true, top_logprobs: 2, ..Default::default() }
+        .validate()
+        .unwrap()
+}
+
+/// Adds four prompts (two sharing a long prefix) and steps until idle.
+fn serve(e: &mut Engine) -> BTreeMap<u64, Vec<StepOutput>> {
+    let shared = prompt(37);
+    let mut prompts = vec![shared.clone(), prompt(5), prompt(50)];
+    prompts.push([shared, vec![11, 12, 13]].concat());
+    for (i, p) in prompts.into_iter().enumerate() {
+        e.add(RequestId(i as u64), p, greedy(12)).unwrap();
+    }
+    let mut out: BTreeMap<u64, Vec<StepOutput>> = BTreeMap::new();
+    for _ in 0..10_000 {
+        if !e.has_work() {
+            break;
+        }
+        for o in e.step() {
+            out.entry(o.id.0).or_default().push(o);
+        }
+        assert_eq!(e.take_stage_lost(), None);
+    }
+    assert!(!e.has_work(), "the engine does not make progress");
+    assert_eq!(e.stats().blocks.used, 0);
+    out
+}
+
+fn sampled(outs: &BTreeMap<u64, Vec<StepOutput>>) -> BTreeMap<u64, Vec<TokenOut>> {
+    outs.iter().map(|(id, o)| (*id, o.iter().map(|o| o.sampled.clone()).collect())).collect()
+}
+
+#[test]
+fn a_head_engine_with_its_later_stages_serves_what_a_whole_engine_does() {
+    let whole = sampled(&serve(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![])));
+    assert!(whole.values().all(|t| t.len() == 12));
+    for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
+        let mut e = head_engine(cuts, |s| Box::new(s));
+        let outs = serve(&mut e);
+        assert_eq!(sampled(&outs), whole, "{cuts:?}");
+        // The fourth prompt found the first one's blocks cached, on every stage.
+        assert_eq!(outs[&3][0].cached_tokens, 32, "{cuts:?}");
+    }
+}
+
+/// Later stages that fail the step after `ok` good ones, then come back.
+struct Flaky {
+    inner: LocalStages,
+    ok: usize,
+    failed: bool,
+    down: bool,
+}
+
+impl NextStages for Flaky {
+    fn run(&mut self, parts: &[StagePart], x: &[f32], logits: &mut Vec<f32>) -> Result<(), StageLost> {
+        if self.ok == 0 && !self.failed {
+            (self.failed, self.down) = (true, true);
+            return Err(StageLost("stage 1 (layers 15..29) closed the connection".into()));
+        }
+        self.ok = self.ok.saturating_sub(1);
+        self.inner.run(parts, x, logits)
+    }
+
+    fn reconnected(&mut self) -> bool {
+        self.inner.reconnected() || std::mem::take(&mut self.down)
+    }
+}
+
+#[test]
+fn a_lost_stage_ends_the_step_and_the_stages_come_back_with_an_empty_prefix_cache() {
+    let mut e = head_engine(&[(0, 14), (15, 29)], |s| Box::new(Flaky { inner: s, ok: 3, failed: false, down: false }));
+    let p = prompt(40);
+    e.add(RequestId(1), p.clone(), greedy(20)).unwrap();
+    let mut produced = 0;
+    let lost = loop {
+        produced += e.step().len();
+        if let Some(lost) = e.take_stage_lost() {
+            break lost;
+        }
+    };
+    assert!(lost.to_string().contains("closed the connection"), "{lost}");
+    assert!(produced < 20);
+    assert!(e.cancel(RequestId(1)));
+    assert_eq!(e.stats().blocks.used, 0);
+    // Back: the same prompt is computed whole again, none of it taken from the cache.
+    e.add(RequestId(2), p, greedy(2)).unwrap();
+    let first = loop {
+        if let Some(o) = e.step().into_iter().next() {
+            break o;
+        }
+    };
+    assert_eq!(first.cached_tokens, 0);
+}
+
+#[test]
+fn a_head_engine_refuses_what_its_last_stage_would_have_to_compute_alone() {
+    let mut e = head_engine(&[(0, 14), (15, 29)], |s| Box::new(s));
+    let params = SamplingParams { prompt_logprobs: Some(1), ..greedy(2) };
+    let err = e.add(RequestId(1), prompt(4), params).unwrap_err();
+    assert!(matches!(err, EngineError::NotOnStages(_)), "{err}");
 }

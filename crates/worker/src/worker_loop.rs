@@ -586,7 +586,8 @@ fn serve_error(e: EngineError) -> ServeError {
         EngineError::EmptyPrompt
         | EngineError::BadToken(_)
         | EngineError::TooLargeForCache { .. }
-        | EngineError::Grammar(_) => ServeError::Invalid(e.to_string()),
+        | EngineError::Grammar(_)
+        | EngineError::NotOnStages(_) => ServeError::Invalid(e.to_string()),
         EngineError::NoBlocks | EngineError::NotCached => ServeError::Overloaded(e.to_string()),
         EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) | EngineError::Cancelled => {
             ServeError::Internal(e.to_string())

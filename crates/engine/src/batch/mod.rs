@@ -8,11 +8,13 @@ mod draft;
 mod scheduler;
 mod sequence;
 mod speculate;
+mod stages;
 mod transfer;
 
 pub use draft::DraftModel;
 pub use pdserve_types::{FinishReason, KvFrame};
 pub use speculate::SpecConfig;
+pub use stages::{parts_of, LocalStages, NextStages, StageLost, StagePart, StageRows, StageRunner};
 pub use transfer::{CachedKv, KvImport};
 
 use crate::grammar::{Grammars, MaskClock};
@@ -90,6 +92,8 @@ impl Objectives {
 pub enum EngineError {
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error("{0} are not computed by a pipeline stage group yet")]
+    NotOnStages(&'static str),
     #[error("prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the context length {context}")]
     TooLong { prompt: usize, max_tokens: usize, context: usize },
     #[error("the request needs {needed} KV blocks but the cache has {total}")]
@@ -203,6 +207,8 @@ pub struct Engine {
     /// Whether the last step that could have verified drafts skipped them while the
     /// decode fit could not yet tell rows apart (see `add_drafts`).
     explore: bool,
+    /// The pipeline stages after this engine's model, when it is a group's head.
+    next: Option<stages::Next>,
 }
 
 impl Engine {
@@ -227,6 +233,7 @@ impl Engine {
         Engine {
             drafter,
             explore: false,
+            next: None,
             ngrams: speculate::NgramPool::default(),
             kv,
             blocks: BlockPool::new(cfg.num_blocks, BLOCK_SIZE),
@@ -392,6 +399,9 @@ impl Engine {
         }
         if self.contains(id) {
             return Err(EngineError::Duplicate(id));
+        }
+        if self.next.is_some() && (params.prompt_logprobs.is_some() || params.embed.is_some()) {
+            return Err(EngineError::NotOnStages("prompt logprobs and embeddings"));
         }
         Ok(())
     }

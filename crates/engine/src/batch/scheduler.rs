@@ -5,6 +5,7 @@
 
 use super::sequence::Sequence;
 use super::speculate::{self, Acceptance, Candidate, PlainStep};
+use super::stages::Pass;
 use super::transfer::Stored;
 use super::{Compute, Engine, StepOutput, BLOCK_SIZE};
 use crate::kvcache::KvStorage;
@@ -84,6 +85,7 @@ impl Engine {
         &mut self,
         on_layer: &mut dyn FnMut(usize, Stored<'_>, &[LayerSeq]) -> bool,
     ) -> Vec<StepOutput> {
+        self.check_stages();
         let plan = self.schedule();
         // Before the forward pass writes into the blocks this step was given.
         self.settle_moves();
@@ -101,9 +103,14 @@ impl Engine {
         let tiers = self.tiers.as_ref();
         let layer = &mut |l, kv: &KvStorage| on_layer(l, Stored { kv, tiers }, &ids);
         let logits = match &self.compute {
-            Compute::Model(m) => {
-                m.forward(self.isa, &self.pool, &batch, &mut self.kv, &mut scratch, layer).map(Logits::Rows)
+            Compute::Model(m) => match self.next.as_mut() {
+                None => m.forward(self.isa, &self.pool, &batch, &mut self.kv, &mut scratch, layer),
+                Some(next) => {
+                    let pass = Pass { isa: self.isa, pool: &self.pool, batch: &batch };
+                    next.forward(m, pass, &mut self.kv, &mut scratch, layer)
+                }
             }
+            .map(Logits::Rows),
             Compute::Timed(t) => {
                 let shape: StepShape =
                     batch.iter().map(|b| StepShape::chunk(b.start_pos, b.tokens.len(), b.logits > 0)).sum();

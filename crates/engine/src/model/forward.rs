@@ -78,6 +78,14 @@ pub struct ForwardScratch {
     last: Vec<f32>,
 }
 
+impl ForwardScratch {
+    /// The residual stream a stage's pass left (every row), and the buffer for the
+    /// logits rows the later stages return.
+    pub(crate) fn hidden_and_logits(&mut self) -> (&[f32], &mut Vec<f32>) {
+        (&self.x, &mut self.logits)
+    }
+}
+
 /// What every layer of one forward pass shares: the kernels' ISA, the thread pool, the
 /// batch and each of its tokens' absolute position.
 pub(super) struct Step<'a, 'b> {

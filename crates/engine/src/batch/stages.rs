@@ -1,0 +1,227 @@
+//! The head of a stage group: an engine whose model is the first pipeline stage (the
+//! embeddings and the first layers) and whose later stages run elsewhere. The head
+//! schedules, owns every block table and samples, as any engine does; each step it
+//! runs its own layers, hands the residual stream and the step's shape (each part's
+//! positions and block ids) to the stages after it, and samples from the logits the
+//! last one returns. A later stage keeps the K/V of its own layers under the same block
+//! ids, so the head's block accounting (prefix cache included) holds for every stage.
+//!
+//! A stage that cannot be reached fails the step: nothing advances, the engine reports
+//! the loss once ([`Engine::take_stage_lost`]), and its owner ends the sequences so the
+//! router moves them. The next step tries the stages again; K/V a stage may have lost
+//! meanwhile is not trusted, so the prefix cache is emptied first.
+
+use super::{Engine, BLOCK_SIZE};
+use crate::kernels::Isa;
+use crate::kvcache::KvStorage;
+use crate::model::{ForwardScratch, Model, SeqBatch, StageOut};
+use crate::threadpool::ThreadPool;
+use pdserve_types::KvDtype;
+use std::sync::Arc;
+
+/// The stages after this engine's own layers, together.
+pub trait NextStages: Send {
+    /// Runs the step whose parts are `parts` through the later stages, from `x` (every
+    /// row of this stage's output), and puts the last stage's logits rows (the rows
+    /// each part asked for, in order) into `logits`.
+    fn run(&mut self, parts: &[StagePart], x: &[f32], logits: &mut Vec<f32>) -> Result<(), StageLost>;
+
+    /// Whether the stages were reached afresh since the last call (their K/V may be
+    /// gone, so the head forgets its prefix cache).
+    fn reconnected(&mut self) -> bool;
+}
+
+/// Why a step could not go through the later stages.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("pipeline stage lost: {0}")]
+pub struct StageLost(pub String);
+
+/// The later stages and what became of the last step through them.
+pub(crate) struct Next {
+    stages: Box<dyn NextStages>,
+    lost: Option<StageLost>,
+}
+
+/// What a pass needs from the engine besides the stages.
+pub(crate) struct Pass<'a, 'b> {
+    pub isa: Isa,
+    pub pool: &'a ThreadPool,
+    pub batch: &'a [SeqBatch<'b>],
+}
+
+impl Next {
+    /// Runs `pass` through `head` then the later stages; `None` when a stage was lost
+    /// (or `on_layer` stopped the pass).
+    pub(crate) fn forward<'s>(
+        &mut self,
+        head: &Model,
+        pass: Pass<'_, '_>,
+        kv: &mut KvStorage,
+        s: &'s mut ForwardScratch,
+        on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
+    ) -> Option<&'s mut [f32]> {
+        match head.forward_stage(pass.isa, pass.pool, pass.batch, &[], kv, s, on_layer)? {
+            StageOut::Logits(_) => {
+                self.lost = Some(StageLost("the head stage holds the whole model".into()));
+                return None;
+            }
+            StageOut::Hidden(_) => {}
+        }
+        let (x, logits) = s.hidden_and_logits();
+        match self.stages.run(&parts_of(pass.batch), x, logits) {
+            Ok(()) => Some(logits.as_mut_slice()),
+            Err(e) => {
+                self.lost = Some(e);
+                None
+            }
+        }
+    }
+}
+
+impl Engine {
+    /// Runs the layers after this engine's model (a first stage) through `stages`.
+    pub fn with_next_stages(mut self, stages: Box<dyn NextStages>) -> Self {
+        self.next = Some(Next { stages, lost: None });
+        self
+    }
+
+    /// The loss of a stage the last step ran into, once; the sequences are still here,
+    /// for the caller to end ([`Engine::cancel`]).
+    pub fn take_stage_lost(&mut self) -> Option<StageLost> {
+        self.next.as_mut()?.lost.take()
+    }
+
+    /// Before a step through later stages: K/V they held may be gone if they were
+    /// reached afresh, so nothing cached is matched any more.
+    pub(crate) fn check_stages(&mut self) {
+        if self.next.as_mut().is_some_and(|n| n.stages.reconnected()) {
+            self.blocks.clear_cache();
+        }
+    }
+}
+
+/// One sequence's part of a step, as a later stage sees it: how many rows, from which
+/// position, in which blocks, and how many of its last rows get logits. No tokens: a
+/// later stage starts from the residual stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagePart {
+    pub rows: usize,
+    pub start_pos: usize,
+    pub logits: usize,
+    pub blocks: Vec<u32>,
+}
+
+/// The parts of a step's batch.
+pub fn parts_of(batch: &[SeqBatch<'_>]) -> Vec<StagePart> {
+    let part = |b: &SeqBatch<'_>| StagePart {
+        rows: b.tokens.len(),
+        start_pos: b.start_pos,
+        logits: b.logits.min(b.tokens.len()),
+        blocks: b.blocks.to_vec(),
+    };
+    batch.iter().map(part).collect()
+}
+
+/// A later stage: its part of the model, the K/V of its layers (as many blocks as the
+/// head's pool, under the head's block ids) and its threads.
+pub struct StageRunner {
+    model: Arc<Model>,
+    kv: KvStorage,
+    scratch: ForwardScratch,
+    pool: ThreadPool,
+    isa: Isa,
+    /// Rows a step may have at most (the head's batch budget).
+    max_rows: usize,
+}
+
+/// What a later stage's step yields.
+pub enum StageRows<'a> {
+    /// The residual stream for the next stage, every row.
+    Hidden(&'a [f32]),
+    /// The logits rows the parts asked for (the last stage).
+    Logits(&'a [f32]),
+}
+
+impl StageRunner {
+    pub fn new(model: Arc<Model>, num_blocks: usize, kv_dtype: KvDtype, threads: usize, max_rows: usize) -> Self {
+        let kv = KvStorage::for_model(&model, num_blocks, BLOCK_SIZE, kv_dtype);
+        let (pool, isa) = (ThreadPool::new(threads), Isa::detect());
+        StageRunner { model, kv, scratch: ForwardScratch::default(), pool, isa, max_rows }
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Runs one step of the head's from `x`. A step that does not fit this stage (a
+    /// block it lacks, a position past the context, rows that are not the step's) is
+    /// refused whole, before any K/V is written.
+    pub fn run(&mut self, parts: &[StagePart], x: &[f32]) -> Result<StageRows<'_>, String> {
+        let rows = self.check(parts, x.len())?;
+        let zeros = vec![0u32; parts.iter().map(|p| p.rows).max().unwrap_or(0)];
+        let batch: Vec<SeqBatch<'_>> =
+            parts.iter().map(|p| SeqBatch::plain(&zeros[..p.rows], p.start_pos, &p.blocks, p.logits)).collect();
+        let s = &mut self.scratch;
+        match self.model.forward_stage(self.isa, &self.pool, &batch, x, &mut self.kv, s, &mut |_, _| true) {
+            Some(StageOut::Hidden(h)) => Ok(StageRows::Hidden(&h[..rows * self.model.cfg.hidden])),
+            Some(StageOut::Logits(l)) => Ok(StageRows::Logits(l)),
+            None => Err("the stage's pass stopped".into()),
+        }
+    }
+
+    /// The step's rows, when `parts` and `x_len` values of input fit this stage.
+    fn check(&self, parts: &[StagePart], x_len: usize) -> Result<usize, String> {
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        if rows == 0 || rows > self.max_rows {
+            return Err(format!("a step of {rows} rows (this stage takes 1 to {})", self.max_rows));
+        }
+        if x_len != rows * self.model.cfg.hidden {
+            return Err(format!("{x_len} values of residual stream for {rows} rows of {}", self.model.cfg.hidden));
+        }
+        let context = self.model.cfg.context_length;
+        for p in parts {
+            let end = p.start_pos + p.rows;
+            if p.rows == 0 || end > context || end > p.blocks.len() * BLOCK_SIZE || p.logits > p.rows {
+                return Err(format!("a part of {} rows from position {} in {} blocks", p.rows, p.start_pos, p.blocks.len()));
+            }
+            if let Some(b) = p.blocks.iter().find(|&&b| b as usize >= self.kv.num_blocks) {
+                return Err(format!("block {b} of a pool of {}", self.kv.num_blocks));
+            }
+        }
+        Ok(rows)
+    }
+}
+
+/// Later stages in this process, one after the other (tests, and measuring what a
+/// split costs without a network).
+pub struct LocalStages {
+    stages: Vec<StageRunner>,
+    fresh: bool,
+}
+
+impl LocalStages {
+    pub fn new(stages: Vec<StageRunner>) -> Self {
+        LocalStages { stages, fresh: true }
+    }
+}
+
+impl NextStages for LocalStages {
+    fn run(&mut self, parts: &[StagePart], x: &[f32], logits: &mut Vec<f32>) -> Result<(), StageLost> {
+        let mut input = x.to_vec();
+        for stage in &mut self.stages {
+            match stage.run(parts, &input).map_err(StageLost)? {
+                StageRows::Hidden(h) => input = h.to_vec(),
+                StageRows::Logits(l) => {
+                    logits.clear();
+                    logits.extend_from_slice(l);
+                    return Ok(());
+                }
+            }
+        }
+        Err(StageLost("no stage holds the head".into()))
+    }
+
+    fn reconnected(&mut self) -> bool {
+        std::mem::take(&mut self.fresh)
+    }
+}

@@ -56,6 +56,11 @@ impl ClusterKey {
         Ok(ClusterKey(Arc::from(token)))
     }
 
+    #[cfg(test)]
+    pub(crate) fn of(token: &[u8]) -> ClusterKey {
+        ClusterKey(Arc::from(token))
+    }
+
     pub fn is_insecure(&self) -> bool {
         self.0.is_empty()
     }

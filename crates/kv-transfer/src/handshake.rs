@@ -9,6 +9,17 @@ use crate::records::{self, to_receiver, to_sender};
 const SENDER_LABEL: &[u8] = b"pdserve-kv-sender";
 /// What a KV receiver proves it knows.
 const RECEIVER_LABEL: &[u8] = b"pdserve-kv-receiver";
+
+/// What each side of a channel proves with: distinct per channel, so a proof (or a
+/// session) of one is worthless on another.
+#[derive(Clone, Copy)]
+pub(crate) struct Labels {
+    pub connecting: &'static [u8],
+    pub accepting: &'static [u8],
+}
+
+/// The KV ports'.
+pub(crate) const KV: Labels = Labels { connecting: SENDER_LABEL, accepting: RECEIVER_LABEL };
 /// How long either end waits for the other's part of the exchange.
 const EXCHANGE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
@@ -61,6 +72,15 @@ pub(crate) fn answer<S: std::io::Read + std::io::Write>(
     s: &mut S,
     key: &ClusterKey,
 ) -> Result<Session, crate::TransferError> {
+    answer_as(s, key, KV)
+}
+
+/// [`answer`] on the channel whose labels are `l`.
+pub(crate) fn answer_as<S: std::io::Read + std::io::Write>(
+    s: &mut S,
+    key: &ClusterKey,
+    l: Labels,
+) -> Result<Session, crate::TransferError> {
     let ours = nonce();
     let mut out = Vec::new();
     records::put(&mut out, to_receiver::KNOCK, crate::HandoffId(0), &ours);
@@ -75,13 +95,39 @@ pub(crate) fn answer<S: std::io::Read + std::io::Write>(
         return Err(crate::TransferError::Disconnected("the receiver sent no challenge".into()));
     }
     let (theirs, proof) = got.split_at(NONCE_BYTES);
-    if !key.verify(RECEIVER_LABEL, &ours, proof) {
+    if !key.verify(l.accepting, &ours, proof) {
         return Err(crate::TransferError::Disconnected("the receiver does not hold the cluster token".into()));
     }
     out.clear();
-    records::put(&mut out, to_receiver::PROOF, crate::HandoffId(0), &key.prove(SENDER_LABEL, theirs));
+    records::put(&mut out, to_receiver::PROOF, crate::HandoffId(0), &key.prove(l.connecting, theirs));
     s.write_all(&out)?;
-    Ok(key.session(&ours, theirs, SENDER_LABEL, RECEIVER_LABEL))
+    Ok(key.session(&ours, theirs, l.connecting, l.accepting))
+}
+
+/// [`challenge`] on a blocking stream whose read timeout bounds each wait, on the
+/// channel whose labels are `l`.
+pub(crate) fn challenge_blocking<S: std::io::Read + std::io::Write>(
+    s: &mut S,
+    key: &ClusterKey,
+    l: Labels,
+) -> std::io::Result<Session> {
+    let mut body = Vec::new();
+    let theirs = match records::read_sync(s, &mut body, records::REPLY_LIMIT, None)? {
+        Some(rec) if rec.tag == to_receiver::KNOCK && rec.len == NONCE_BYTES => body[..rec.len].to_vec(),
+        _ => return Err(denied("the sender did not knock")),
+    };
+    let ours = nonce();
+    let mut challenge = ours.to_vec();
+    challenge.extend_from_slice(&key.prove(l.accepting, &theirs));
+    let mut out = Vec::new();
+    records::put(&mut out, to_sender::CHALLENGE, crate::HandoffId(0), &challenge);
+    s.write_all(&out)?;
+    match records::read_sync(s, &mut body, records::REPLY_LIMIT, None)? {
+        Some(rec) if rec.tag == to_receiver::PROOF && key.verify(l.connecting, &ours, &body[..rec.len]) => {
+            Ok(key.session(&theirs, &ours, l.accepting, l.connecting))
+        }
+        _ => Err(denied("wrong cluster token")),
+    }
 }
 
 /// How long a connecting side waits for each step of the exchange.

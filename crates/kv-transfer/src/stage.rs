@@ -1,0 +1,190 @@
+//! The data plane of a pipeline stage group: a head's calls to a later stage, each one
+//! record answered by one record, on a TCP connection that opens with the KV ports'
+//! mutual challenge (under labels of its own, so a KV proof is worthless here) and then
+//! carries a MAC on every record in both directions. What the bodies mean (a step's
+//! shape and residual stream, the stage's output) is the caller's.
+//!
+//! A stage serves one head at a time; a newer authenticated connection takes over from
+//! an older one (a restarted head, whose old connection may linger), and the older one
+//! is closed before its next call.
+
+use crate::auth::{Session, SessionMac, MAC_BYTES};
+use crate::handshake::{self, Labels};
+use crate::records::{self, Record};
+use crate::{ClusterKey, HandoffId, TransferError};
+use std::io::{self, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+/// Head → stage: a call.
+const CALL: u8 = 40;
+/// Stage → head: the call's answer.
+const REPLY: u8 = 41;
+/// Stage → head: the call was refused (the body says why, in UTF-8).
+const REFUSED: u8 = 42;
+
+const LABELS: Labels = Labels { connecting: b"pdserve-stage-head", accepting: b"pdserve-stage" };
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The largest call or reply.
+const LIMIT: usize = usize::MAX;
+
+/// One end's framing: records out with room for their MAC, records in checked.
+struct Ends {
+    stream: TcpStream,
+    session: Session,
+    out: Vec<u8>,
+    body: Vec<u8>,
+}
+
+impl Ends {
+    fn send(&mut self, tag: u8, body: &[u8]) -> io::Result<()> {
+        self.out.clear();
+        let room = if self.session.is_some() { MAC_BYTES } else { 0 };
+        records::put_with_room(&mut self.out, tag, HandoffId(0), body, room);
+        if let Some((send, _)) = self.session.as_mut() {
+            records::seal(&mut self.out, send);
+        }
+        self.stream.write_all(&self.out)
+    }
+
+    fn receive(&mut self) -> io::Result<Option<Record>> {
+        let mac: Option<&mut SessionMac> = self.session.as_mut().map(|(_, recv)| recv);
+        records::read_sync(&mut self.stream, &mut self.body, LIMIT, mac)
+    }
+}
+
+/// A head's connection to a later stage.
+pub struct StageConn {
+    ends: Ends,
+    addr: SocketAddr,
+}
+
+impl StageConn {
+    /// Connects to the stage at `addr` and proves `key`; each call then waits at most
+    /// `call_timeout` for its answer.
+    pub fn connect(addr: SocketAddr, key: &ClusterKey, call_timeout: Duration) -> Result<StageConn, TransferError> {
+        let mut stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(handshake::exchange_timeout()))?;
+        stream.set_write_timeout(Some(call_timeout))?;
+        let session = handshake::answer_as(&mut stream, key, LABELS)?;
+        stream.set_read_timeout(Some(call_timeout))?;
+        Ok(StageConn { ends: Ends { stream, session, out: Vec::new(), body: Vec::new() }, addr })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Sends `body` and returns the stage's answer; a refusal, a timeout or a closed
+    /// connection is an error, after which the connection is of no further use.
+    pub fn call(&mut self, body: &[u8]) -> Result<&[u8], TransferError> {
+        self.ends.send(CALL, body)?;
+        let lost = |why: String| TransferError::Disconnected(why);
+        match self.ends.receive() {
+            Ok(Some(rec)) if rec.tag == REPLY => Ok(&self.ends.body[..rec.len]),
+            Ok(Some(rec)) if rec.tag == REFUSED => {
+                Err(lost(format!("the stage refused the call: {}", String::from_utf8_lossy(&self.ends.body[..rec.len]))))
+            }
+            Ok(Some(rec)) => Err(lost(format!("the stage answered with record {}", rec.tag))),
+            Ok(None) => Err(lost("the stage closed the connection".into())),
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Err(TransferError::TimedOut),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+/// What a stage does with a call: its answer into `reply`, or why it refuses.
+pub trait StageHandler: Send + 'static {
+    fn handle(&mut self, call: &[u8], reply: &mut Vec<u8>) -> Result<(), String>;
+}
+
+/// A stage's listener; dropping it stops accepting (connections end with their head).
+pub struct StageServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+}
+
+impl StageServer {
+    /// Serves `handler` on `listener`, on threads of its own.
+    pub fn start(listener: TcpListener, key: ClusterKey, handler: impl StageHandler) -> io::Result<StageServer> {
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let shared = Shared { handler: Mutex::new(Box::new(handler)), newest: AtomicU64::new(0), key };
+        let (s, st) = (Arc::new(shared), stop.clone());
+        std::thread::Builder::new().name("stage-accept".into()).spawn(move || accept(&listener, &s, &st))?;
+        Ok(StageServer { addr, stop })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StageServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wakes the accepting thread so it sees the flag.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+    }
+}
+
+struct Shared {
+    handler: Mutex<Box<dyn StageHandler>>,
+    /// The generation of the newest head's connection: an older one closes.
+    newest: AtomicU64,
+    key: ClusterKey,
+}
+
+fn accept(listener: &TcpListener, s: &Arc<Shared>, stop: &AtomicBool) {
+    let mut generation = 0;
+    for conn in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = conn else { continue };
+        generation += 1;
+        let (s, g) = (s.clone(), generation);
+        let spawned = std::thread::Builder::new().name("stage-head".into()).spawn(move || {
+            if let Err(e) = serve_head(stream, &s, g) {
+                tracing::info!(error = %e, "stage: a head's connection ended");
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "stage: cannot serve a connection");
+        }
+    }
+}
+
+fn serve_head(mut stream: TcpStream, s: &Shared, generation: u64) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(handshake::exchange_timeout()))?;
+    let session = handshake::challenge_blocking(&mut stream, &s.key, LABELS)?;
+    stream.set_read_timeout(None)?;
+    if s.newest.fetch_max(generation, Ordering::SeqCst) > generation {
+        return Ok(());
+    }
+    tracing::info!(peer = ?stream.peer_addr().ok(), "stage: serving a head");
+    let mut ends = Ends { stream, session, out: Vec::new(), body: Vec::new() };
+    let mut reply = Vec::new();
+    while let Some(rec) = ends.receive()? {
+        if s.newest.load(Ordering::SeqCst) != generation {
+            return Err(io::Error::other("a newer head connected"));
+        }
+        if rec.tag != CALL {
+            return Err(records::invalid(format!("record {} from a head", rec.tag)));
+        }
+        reply.clear();
+        let handled = s.handler.lock().unwrap_or_else(PoisonError::into_inner).handle(&ends.body[..rec.len], &mut reply);
+        match handled {
+            Ok(()) => ends.send(REPLY, &reply)?,
+            Err(why) => ends.send(REFUSED, why.as_bytes())?,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -5,8 +5,8 @@ use crate::chat::ChatTemplate;
 use crate::config::ModelConfig;
 use crate::format::gguf::GgufFile;
 use crate::format::safetensors::SafetensorsModel;
-use crate::format::FormatError;
-use crate::model::Model;
+use crate::format::{FormatError, TensorSource};
+use crate::model::{LayerRange, Model};
 use crate::tokenizer::Tokenizer;
 use std::path::Path;
 use std::sync::Arc;
@@ -41,8 +41,13 @@ pub struct ModelMeta {
 
 /// Loads `path`: a `.gguf` file, or a directory with config.json and *.safetensors.
 pub fn load(path: &Path) -> Result<LoadedModel, LoadError> {
+    load_layers(path, None)
+}
+
+/// [`load`], only `layers` of the model when given (a pipeline stage's).
+pub fn load_layers(path: &Path, layers: Option<LayerRange>) -> Result<LoadedModel, LoadError> {
     let name = model_name(path);
-    let (model, tokenizer) = if path.is_dir() { load_safetensors(path)? } else { load_gguf(path)? };
+    let (model, tokenizer) = if path.is_dir() { load_safetensors(path, layers)? } else { load_gguf(path, layers)? };
     let chat = chat_template(&tokenizer)?;
     Ok(LoadedModel { model: Arc::new(model), tokenizer: Arc::new(tokenizer), chat: Arc::new(chat), name })
 }
@@ -83,18 +88,25 @@ fn chat_template(tokenizer: &Tokenizer) -> Result<ChatTemplate, LoadError> {
     }
 }
 
-fn load_gguf(path: &Path) -> Result<(Model, Tokenizer), LoadError> {
+fn load_gguf(path: &Path, layers: Option<LayerRange>) -> Result<(Model, Tokenizer), LoadError> {
     let file = GgufFile::open(path)?;
     let cfg = ModelConfig::from_gguf(&file.header)?;
     let tokenizer = Tokenizer::from_gguf(&file.header).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
-    Ok((Model::load(&file, cfg)?, tokenizer))
+    Ok((load_model(&file, cfg, layers)?, tokenizer))
 }
 
-fn load_safetensors(dir: &Path) -> Result<(Model, Tokenizer), LoadError> {
+fn load_safetensors(dir: &Path, layers: Option<LayerRange>) -> Result<(Model, Tokenizer), LoadError> {
     let st = SafetensorsModel::open(dir)?;
     let tokenizer = safetensors_tokenizer(&st, dir)?;
-    let model = Model::load(&st, ModelConfig::from_hf(st.hf_config())?)?;
+    let model = load_model(&st, ModelConfig::from_hf(st.hf_config())?, layers)?;
     Ok((model, tokenizer))
+}
+
+fn load_model(src: &dyn TensorSource, cfg: ModelConfig, layers: Option<LayerRange>) -> Result<Model, FormatError> {
+    match layers {
+        Some(l) => Model::load_stage(src, cfg, l),
+        None => Model::load(src, cfg),
+    }
 }
 
 fn safetensors_tokenizer(st: &SafetensorsModel, dir: &Path) -> Result<Tokenizer, LoadError> {

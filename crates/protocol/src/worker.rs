@@ -362,6 +362,10 @@ pub struct WorkerStats {
     /// It is stopping (SIGTERM): it finishes what it has and should get nothing new.
     #[serde(default)]
     pub stopping: bool,
+    /// It heads a stage group whose later stages are not all reachable: it holds no
+    /// request and should get none until they are.
+    #[serde(default)]
+    pub incomplete: bool,
     /// Drafted tokens it verified and accepted since it started.
     #[serde(default)]
     pub spec: SpecTotals,

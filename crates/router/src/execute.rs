@@ -106,9 +106,9 @@ impl Router {
             }
             drop(ticket);
         };
-        relay::relay(&self.runtime, inner, client, self.deadlines.client_stall, on_first, move |out, cached| {
-            end.ended(out, cached)
-        });
+        let lost = d.clone();
+        let on_end = move |out, cached| end.ended(out, cached);
+        relay::relay(&self.runtime, inner, client, self.deadlines.client_stall, on_first, on_end, move || lost.lost_one());
         Ok(stream)
     }
 

@@ -176,7 +176,7 @@ fn fall_back(h: &Handoff, mut req: GenerateRequest, client: EventSender, waiting
             };
             let on_end = move |out, cached| end.ended(out, cached);
             let stall = h.deadlines.client_stall;
-            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end);
+            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end, || {});
             Outcome::LocalFallback
         }
         Err(e) => fail(&client, d.noted(e)),
@@ -451,7 +451,7 @@ fn decode_ready(
             let stall = h.deadlines.client_stall;
             // The first token came from the prefill: one more than the relay sees.
             let on_end = move |out, cached| end.ended(1 + out, cached);
-            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end);
+            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end, || {});
             Outcome::Streaming
         }
         Err(e) => {

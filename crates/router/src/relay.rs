@@ -7,7 +7,8 @@ use std::time::Duration;
 
 /// Forwards `inner` to `client` on a task of `rt`, calling `on_first` with the first
 /// event and `on_end` once the stream is over, with the tokens forwarded and, if it
-/// finished, the prompt tokens served from a prefix cache. A client that leaves drops
+/// finished, the prompt tokens served from a prefix cache. `on_lost` runs before a
+/// [`ServeError::WorkerLost`] is forwarded (so before the request is moved). A client that leaves drops
 /// `inner`, which cancels the request upstream.
 /// While `pace::WINDOW` events wait unread in `client`, nothing more is forwarded, so
 /// they pile up in `inner` and the worker pauses the sequence; a client that reads
@@ -19,9 +20,10 @@ pub fn relay(
     stall: Duration,
     on_first: impl FnOnce(&Event) + Send + 'static,
     on_end: impl FnOnce(usize, Option<usize>) + Send + 'static,
+    on_lost: impl FnOnce() + Send + 'static,
 ) {
     rt.spawn(async move {
-        let mut on_first = Some(on_first);
+        let (mut on_first, mut on_lost) = (Some(on_first), Some(on_lost));
         let (mut tokens, mut cached) = (0, None);
         loop {
             let ev = tokio::select! {
@@ -37,6 +39,11 @@ pub fn relay(
             tokens += usize::from(matches!(ev, Event::Token(_)));
             if let Event::Done { usage, .. } = &ev {
                 cached = Some(usage.cached_tokens);
+            }
+            if matches!(ev, Event::Failed(ServeError::WorkerLost(_))) {
+                if let Some(f) = on_lost.take() {
+                    f();
+                }
             }
             if !forward(&client, ev, stall).await {
                 break;

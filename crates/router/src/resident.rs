@@ -182,7 +182,7 @@ impl Resident {
 
     /// Relays `inner` to `client`, the request counted in flight until it ends.
     fn hold(&self, inner: TokenStream, client: EventSender, open: InFlight) {
-        relay(&self.pool.rt, inner, client, self.pool.stall, |_| {}, move |_, _| drop(open));
+        relay(&self.pool.rt, inner, client, self.pool.stall, |_| {}, move |_, _| drop(open), || {});
     }
 }
 

@@ -43,7 +43,8 @@ pub struct Entry {
     state: Mutex<(Role, Epoch)>,
     /// Taken out of the set.
     draining: AtomicBool,
-    /// The worker said it is stopping: it finishes its work, and gets no more.
+    /// The worker said it is stopping (it finishes its work, and gets no more), or
+    /// that its stage group is not whole.
     stopping: AtomicBool,
     /// Prompt tokens queued here and the measured prefill rate (`auto`'s cost model).
     pub(crate) prefill: Arc<PrefillLoad>,
@@ -93,6 +94,12 @@ impl Entry {
     }
 
     /// Learns from `e` if it is a refusal for a stale epoch; gives `e` back.
+    /// The worker, still connected, ended a request as lost (a stage group that lost a
+    /// stage): it gets no new work until its stats say it can take some.
+    pub fn lost_one(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
     pub fn noted(&self, e: ServeError) -> ServeError {
         if let ServeError::StaleEpoch { now, .. } = &e {
             self.learn(*now);
@@ -165,7 +172,7 @@ impl Entry {
         if let Some(now) = s.assignment {
             self.learn(now);
         }
-        self.stopping.store(s.stopping, Ordering::SeqCst);
+        self.stopping.store(s.stopping || s.incomplete, Ordering::SeqCst);
         Ok(s)
     }
 

@@ -10,6 +10,7 @@
 
 mod events;
 mod kv;
+pub mod stages;
 mod machine;
 pub mod sim;
 mod worker_loop;
@@ -241,6 +242,23 @@ impl LocalWorker {
         let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
         let per_token = pdserve_engine::kvcache::bytes_per_token(c, opts.engine.kv_dtype) as u64;
         LocalWorker::start(opts, frame_elems, per_token, None, rt, move |cfg, eog| Engine::new(model, cfg, eog))
+    }
+
+    /// The head of a stage group: `model` is the first stage, `stages` the later
+    /// ones; its requests end (for the router to move) when a stage is lost, and it
+    /// takes none while the group is not whole.
+    pub fn spawn_head(
+        opts: WorkerOptions,
+        model: Arc<Model>,
+        stages: Box<dyn pdserve_engine::batch::NextStages>,
+        rt: tokio::runtime::Handle,
+    ) -> std::io::Result<LocalWorker> {
+        let c = &model.cfg;
+        let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
+        let per_token = pdserve_engine::kvcache::bytes_per_token(c, opts.engine.kv_dtype) as u64;
+        LocalWorker::start(opts, frame_elems, per_token, None, rt, move |cfg, eog| {
+            Engine::new(model, cfg, eog).with_next_stages(stages)
+        })
     }
 
     /// A simulated worker process's worker: a timed engine (on the wall clock) whose

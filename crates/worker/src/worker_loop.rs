@@ -93,6 +93,8 @@ pub(crate) struct Loop {
     /// Prompts in arrival order behind an exported prefill that waits for this
     /// engine's earlier prompts (see [`Loop::serve_in_order`]).
     behind: VecDeque<Command>,
+    /// Why this stage group's head cannot serve now: a later stage is not reachable.
+    incomplete: Option<String>,
 }
 
 pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize>, exports: Exports) {
@@ -113,6 +115,7 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         };
+        l.check_group();
         let mut next = first;
         while let Some(c) = next {
             l.serve_in_order(c);
@@ -133,6 +136,7 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
             for out in outs {
                 l.route(out);
             }
+            l.check_group();
         }
     }
 }
@@ -224,6 +228,33 @@ impl Loop {
             active,
             owed: 0.0,
             behind: VecDeque::new(),
+            incomplete: None,
+        }
+    }
+
+    /// A stage group's head: ends every request when a later stage is lost (the
+    /// router moves them), and serves again once every stage answers.
+    fn check_group(&mut self) {
+        if let Some(lost) = self.engine.take_stage_lost() {
+            tracing::warn!(error = %lost, requests = self.streams.len(), "stage group lost a stage; ending its requests");
+            let ids: Vec<RequestId> = self.streams.keys().copied().collect();
+            for id in ids {
+                self.engine.cancel(id);
+                if let Some(live) = self.streams.get(&id) {
+                    let _ = live.events.send(Event::Failed(ServeError::WorkerLost(lost.to_string())));
+                }
+                self.untrack(id);
+            }
+            self.incomplete = Some(lost.to_string());
+        }
+        let ready = self.engine.stages_ready();
+        match (&self.incomplete, ready) {
+            (Some(_), true) => {
+                tracing::info!("stage group whole: serving");
+                self.incomplete = None;
+            }
+            (None, false) => self.incomplete = Some("a later stage is not reachable".into()),
+            _ => {}
         }
     }
 
@@ -280,10 +311,16 @@ impl Loop {
 
     fn handle(&mut self, c: Command) {
         match c {
-            Command::Generate(req, events) => {
-                let added = self.engine.add(req.id, req.prompt, req.params);
-                self.start(req.id, added, events);
-            }
+            Command::Generate(req, events) => match &self.incomplete {
+                Some(why) => {
+                    self.done();
+                    let _ = events.send(Event::Failed(ServeError::WorkerLost(format!("stage group not whole: {why}"))));
+                }
+                None => {
+                    let added = self.engine.add(req.id, req.prompt, req.params);
+                    self.start(req.id, added, events);
+                }
+            },
             Command::Prefill { req, imported, sink, reply, sent } => {
                 let first = self.prefill(req, imported, sink, sent);
                 self.done();
@@ -415,6 +452,7 @@ impl Loop {
             tiers: s.tiers,
             // The server in front of it says so, when it stops.
             stopping: false,
+            incomplete: self.incomplete.is_some(),
             spec: s.spec,
             draft_blocks: s.draft_blocks,
         }

@@ -11,6 +11,7 @@ pub mod planner;
 pub use http::Stopped;
 pub mod pull;
 pub mod serve;
+mod stage;
 pub mod twin;
 pub mod worker;
 mod workload;
@@ -44,8 +45,13 @@ fn model_path(spec: &str) -> anyhow::Result<PathBuf> {
 
 /// Loads a model (weights included) from `default`, a known name or a path.
 pub fn load_model(spec: &str) -> anyhow::Result<LoadedModel> {
+    load_model_layers(spec, None)
+}
+
+/// [`load_model`], only `layers` of it when given (a pipeline stage).
+pub fn load_model_layers(spec: &str, layers: Option<pdserve_engine::model::LayerRange>) -> anyhow::Result<LoadedModel> {
     let path = model_path(spec)?;
-    loader::load(&path).with_context(|| format!("cannot load model {}", path.display()))
+    loader::load_layers(&path, layers).with_context(|| format!("cannot load model {}", path.display()))
 }
 
 /// The grammar compiler of a model's vocabulary, for constrained outputs; without

@@ -9,6 +9,7 @@ use pdserve_kv_transfer::{ClusterKey, KvAddr, ListenAt, TransportKind};
 use pdserve_protocol::Worker;
 use pdserve_remote::WorkerServer;
 use pdserve_types::Role;
+use pdserve_worker::stages::RemoteStages;
 use pdserve_worker::{LocalWorker, WorkerOptions};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -76,6 +77,8 @@ pub struct Args {
     /// Seconds the requests running here get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 30)]
     grace_seconds: u64,
+    #[command(flatten)]
+    group: super::stage::GroupArgs,
 }
 
 /// KV blocks where neither --kv-blocks nor --kv-cache-gb is given: the budget is
@@ -100,7 +103,7 @@ impl Compute {
         Ok(match (a.engine, &a.profile) {
             (EngineKind::Sim, Some(p)) => Compute::Sim(Box::new(pdserve_twin::profile::Profile::load(p)?)),
             (EngineKind::Sim, None) => anyhow::bail!("--engine sim needs --profile"),
-            (EngineKind::Real, _) => Compute::Real(super::load_model(&a.model)?),
+            (EngineKind::Real, _) => Compute::Real(super::load_model_layers(&a.model, a.group.layers())?),
         })
     }
 
@@ -149,12 +152,20 @@ impl Compute {
         }
     }
 
-    fn spawn(&self, mut opts: WorkerOptions, rt: tokio::runtime::Handle) -> std::io::Result<LocalWorker> {
+    fn spawn(
+        &self,
+        mut opts: WorkerOptions,
+        stages: Option<RemoteStages>,
+        rt: tokio::runtime::Handle,
+    ) -> std::io::Result<LocalWorker> {
         match self {
             Compute::Real(m) => {
                 opts.eog = m.tokenizer.eog_ids().to_vec();
                 opts.grammars = super::grammars(&m.tokenizer);
-                LocalWorker::spawn(opts, m.model.clone(), rt)
+                match stages {
+                    Some(s) => LocalWorker::spawn_head(opts, m.model.clone(), Box::new(s), rt),
+                    None => LocalWorker::spawn(opts, m.model.clone(), rt),
+                }
             }
             Compute::Sim(p) => {
                 let timed = p.timed(opts.engine.threads, pdserve_engine::timed::Clock::Wall);
@@ -181,10 +192,21 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
     }
     let key = a.security.key()?;
     a.spec.check()?;
+    a.group.check(a.role)?;
     let m = Compute::load(&a)?.with_kv_dtype(&a)?;
     let speculation = a.spec.config(m.real())?;
     let tiers = a.tiers.config(m.block_bytes(a.kv_cache.kv_cache_dtype).0)?;
+    // Every stage of a group counts blocks of the whole model, so all have as many.
     let blocks = m.pool_blocks(&a)?;
+    let stages = match (m.real(), a.group.layers()) {
+        (Some(lm), Some(_)) if a.group.later().is_some() => {
+            let how = (blocks, a.threads.max(1), a.kv_cache.kv_cache_dtype);
+            return super::stage::serve(&a.group, lm, a.listen, how, key);
+        }
+        (Some(lm), Some(_)) => Some(a.group.head_stages(lm, blocks, &key)),
+        (None, Some(_)) => anyhow::bail!("a stage group runs the real engine"),
+        _ => None,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async move {
         let listener =
@@ -208,8 +230,9 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
             grammars: None,
             tiers,
         };
-        let worker =
-            m.spawn(opts, tokio::runtime::Handle::current()).with_context(|| format!("starting worker {name}"))?;
+        let worker = m
+            .spawn(opts, stages, tokio::runtime::Handle::current())
+            .with_context(|| format!("starting worker {name}"))?;
         let kv = listen_everywhere(&a, &worker).await?;
         let control = listener.local_addr()?;
         let fleet = match a.nats.config(&name, Some(&key)) {

@@ -29,6 +29,12 @@ pub trait NextStages: Send {
     /// Whether the stages were reached afresh since the last call (their K/V may be
     /// gone, so the head forgets its prefix cache).
     fn reconnected(&mut self) -> bool;
+
+    /// Whether every stage can be reached now (trying those that could not, as often
+    /// as the implementation sees fit).
+    fn ready(&mut self) -> bool {
+        true
+    }
 }
 
 /// Why a step could not go through the later stages.
@@ -89,6 +95,11 @@ impl Engine {
     /// for the caller to end ([`Engine::cancel`]).
     pub fn take_stage_lost(&mut self) -> Option<StageLost> {
         self.next.as_mut()?.lost.take()
+    }
+
+    /// Whether the stages after this engine's own (if any) can all be reached.
+    pub fn stages_ready(&mut self) -> bool {
+        self.next.as_mut().is_none_or(|n| n.stages.ready())
     }
 
     /// Before a step through later stages: K/V they held may be gone if they were

@@ -1,0 +1,117 @@
+//! `pdserve worker --group NAME --layers A..B`: one stage of a model split by layers
+//! across processes. The stage holding layer 0 is the group's head: a worker as any
+//! other to routers, given the later stages' addresses (`--stage`). A later stage
+//! serves only the head's calls, on `--listen`.
+
+use super::http::{self, Stopped};
+use anyhow::Context;
+use pdserve_engine::batch::StageRunner;
+use pdserve_engine::loader::LoadedModel;
+use pdserve_engine::model::LayerRange;
+use pdserve_kv_transfer::{ClusterKey, StageServer};
+use pdserve_worker::stages::{RemoteStages, StageHello, StageService};
+use std::net::SocketAddr;
+
+/// Rows a later stage takes in one step: past any head's batch budget.
+const STAGE_MAX_ROWS: usize = 4096;
+
+#[derive(clap::Args, Clone)]
+pub struct GroupArgs {
+    /// The stage group this worker is a stage of: the model split by layers across
+    /// processes (see --layers).
+    #[arg(long, requires = "layers")]
+    group: Option<String>,
+    /// The layers this stage holds, A..B (from 0, both included). The stage with
+    /// layer 0 heads the group and takes requests; a later one serves the head.
+    #[arg(long, requires = "group")]
+    layers: Option<LayerRange>,
+    /// A later stage of the group (its --listen address), for the head; repeat for
+    /// each. The head serves once the stages' layers and its own cover the model.
+    #[arg(long = "stage", requires = "group")]
+    stages: Vec<SocketAddr>,
+}
+
+impl GroupArgs {
+    /// The layers to load (all when not a stage).
+    pub fn layers(&self) -> Option<LayerRange> {
+        self.layers
+    }
+
+    /// The layers of a later stage, which serves a head instead of routers.
+    pub fn later(&self) -> Option<LayerRange> {
+        self.layers.filter(|l| !l.embeds())
+    }
+
+    /// Refuses what a stage group cannot be.
+    pub fn check(&self, role: pdserve_types::Role) -> anyhow::Result<()> {
+        let Some(layers) = self.layers else { return Ok(()) };
+        if layers.embeds() && self.stages.is_empty() {
+            anyhow::bail!("the head of stage group {} (layers {layers}) needs --stage ADDR for each later stage", self.name());
+        }
+        if !layers.embeds() && !self.stages.is_empty() {
+            anyhow::bail!("--stage is for the group's head (the stage with layer 0); layers {layers} serve a head");
+        }
+        if layers.embeds() && role != pdserve_types::Role::Mixed {
+            anyhow::bail!("a stage group runs in the mixed role for now (prefill and decode groups are not built yet)");
+        }
+        Ok(())
+    }
+
+    fn name(&self) -> &str {
+        self.group.as_deref().unwrap_or("?")
+    }
+
+    /// The head's view of its later stages, tried once now (they may start later).
+    pub fn head_stages(&self, m: &LoadedModel, blocks: usize, key: &ClusterKey) -> RemoteStages {
+        let hello = hello_of(m, blocks);
+        let mut stages = RemoteStages::new(hello, &self.stages, key.clone());
+        match stages.connect(true) {
+            None => tracing::info!(group = self.name(), "stage group whole"),
+            Some(why) => tracing::warn!(group = self.name(), "stage group not whole yet: {why}"),
+        }
+        stages
+    }
+}
+
+fn hello_of(m: &LoadedModel, blocks: usize) -> StageHello {
+    let c = &m.model.cfg;
+    StageHello {
+        layers: m.model.layers(),
+        total_layers: c.n_layers,
+        hidden: c.hidden,
+        vocab: c.vocab_size,
+        blocks,
+        model: m.name.clone(),
+    }
+}
+
+/// Serves a later stage on `listen` until SIGINT/SIGTERM.
+pub fn serve(
+    g: &GroupArgs,
+    m: &LoadedModel,
+    listen: SocketAddr,
+    (blocks, threads, dtype): (usize, usize, pdserve_types::KvDtype),
+    key: ClusterKey,
+) -> anyhow::Result<Stopped> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    // Before the announcement, so a signal right after it is handled.
+    let signal = {
+        let _in = rt.enter();
+        http::signal()
+    };
+    let listener = std::net::TcpListener::bind(listen).with_context(|| format!("cannot listen on {listen}"))?;
+    let runner = StageRunner::new(m.model.clone(), blocks, dtype, threads, STAGE_MAX_ROWS);
+    let server = StageServer::start(listener, key, StageService::new(runner, blocks, m.name.clone()))?;
+    tracing::info!(
+        "pdserve worker: stage {} of group {} ({} thread(s), {blocks} KV blocks of {dtype}, {:.0} MiB of weights) listening on {}",
+        m.model.layers(),
+        g.name(),
+        threads,
+        m.model.weight_bytes() as f64 / (1 << 20) as f64,
+        server.local_addr()
+    );
+    rt.block_on(signal);
+    drop(server);
+    tracing::info!("pdserve worker: stage stopped");
+    Ok(Stopped::Drained)
+}

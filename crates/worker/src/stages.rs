@@ -1,0 +1,306 @@
+//! A stage group across processes: the head's [`RemoteStages`] (the engine's
+//! [`NextStages`] over the stage data plane) and a later stage's [`StageService`] (a
+//! [`StageRunner`] answering the head's calls). The calls, little-endian:
+//!
+//! ```text
+//! hello: op 0                                   → first u32 | last u32 | layers u32 | hidden u32
+//!                                                  | vocab u32 | blocks u32 | model name (UTF-8)
+//! step:  op 1 | parts u32 | per part: rows u32 | start u32 | logits u32 | blocks u32 | ids u32…
+//!             | residual stream f32… (rows × hidden)
+//!                                               → the next residual stream, or the logits rows (last stage)
+//! ```
+//!
+//! The head calls the stages one after the other (a star, not a ring): the stream goes
+//! back to the head between stages, which costs one more hop per stage past the second
+//! but keeps every stage a plain server.
+
+use pdserve_engine::batch::{NextStages, StageLost, StagePart, StageRows, StageRunner};
+use pdserve_engine::model::stage::covering;
+use pdserve_engine::model::LayerRange;
+use pdserve_kv_transfer::{ClusterKey, StageConn, StageHandler};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+const HELLO: u8 = 0;
+const STEP: u8 = 1;
+/// How long a head waits for one stage's answer to a step before it counts the stage
+/// lost (a step of a large model on a slow host takes seconds; a dead host that sent
+/// no reset is found this late).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often a head whose stages are not all reachable tries them again.
+const RETRY: Duration = Duration::from_millis(500);
+
+/// What a stage says of itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageHello {
+    pub layers: LayerRange,
+    /// The model's: its layer count, hidden size, vocabulary, and name.
+    pub total_layers: usize,
+    pub hidden: usize,
+    pub vocab: usize,
+    /// Blocks of its K/V pool (at least the head's, whose ids it is sent).
+    pub blocks: usize,
+    pub model: String,
+}
+
+impl StageHello {
+    fn encode(&self) -> Vec<u8> {
+        let l = &self.layers;
+        let mut out = Vec::new();
+        for v in [l.first, l.last, self.total_layers, self.hidden, self.vocab, self.blocks] {
+            put_u32(&mut out, v);
+        }
+        out.extend_from_slice(self.model.as_bytes());
+        out
+    }
+
+    fn decode(b: &[u8]) -> Result<StageHello, String> {
+        let mut r = Reader(b);
+        let (first, last) = (r.u32()?, r.u32()?);
+        let (total_layers, hidden, vocab, blocks) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+        let model = String::from_utf8_lossy(r.0).into_owned();
+        Ok(StageHello { layers: LayerRange { first, last }, total_layers, hidden, vocab, blocks, model })
+    }
+
+    /// Why a head of `head` cannot use this stage, if it cannot.
+    pub fn mismatch(&self, head: &StageHello) -> Option<String> {
+        let same = (self.total_layers, self.hidden, self.vocab) == (head.total_layers, head.hidden, head.vocab);
+        if !same || self.model != head.model {
+            return Some(format!(
+                "the stage runs {} ({} layers, hidden {}, vocabulary {}), the head {} ({} layers, hidden {}, vocabulary {})",
+                self.model, self.total_layers, self.hidden, self.vocab, head.model, head.total_layers, head.hidden, head.vocab
+            ));
+        }
+        (self.blocks < head.blocks)
+            .then(|| format!("the stage has {} KV blocks, fewer than the head's {}", self.blocks, head.blocks))
+    }
+}
+
+fn put_u32(out: &mut Vec<u8>, v: usize) {
+    out.extend_from_slice(&(v as u32).to_le_bytes());
+}
+
+/// Reads what a call or an answer holds, refusing short input.
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn u32(&mut self) -> Result<usize, String> {
+        let (head, rest) = self.0.split_first_chunk::<4>().ok_or("a call cut short")?;
+        self.0 = rest;
+        Ok(u32::from_le_bytes(*head) as usize)
+    }
+
+    fn floats(self, out: &mut Vec<f32>) -> Result<(), String> {
+        if !self.0.len().is_multiple_of(4) {
+            return Err("a residual stream of partial values".into());
+        }
+        out.clear();
+        out.extend(self.0.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        Ok(())
+    }
+}
+
+fn put_floats(out: &mut Vec<u8>, xs: &[f32]) {
+    out.reserve(xs.len() * 4);
+    for x in xs {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+fn encode_step(parts: &[StagePart], x: &[f32], out: &mut Vec<u8>) {
+    out.clear();
+    out.push(STEP);
+    put_u32(out, parts.len());
+    for p in parts {
+        for v in [p.rows, p.start_pos, p.logits, p.blocks.len()] {
+            put_u32(out, v);
+        }
+        p.blocks.iter().for_each(|&b| put_u32(out, b as usize));
+    }
+    put_floats(out, x);
+}
+
+/// A step call's parts and residual stream (`body` past its op byte).
+fn decode_step(body: &[u8], x: &mut Vec<f32>) -> Result<Vec<StagePart>, String> {
+    let mut r = Reader(body);
+    let n = r.u32()?;
+    // Each part takes 16 bytes at least: a count past that is a lie.
+    if n > r.0.len() / 16 {
+        return Err(format!("a step of {n} parts in {} bytes", body.len()));
+    }
+    let mut parts = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (rows, start_pos, logits, n_blocks) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+        if n_blocks > r.0.len() / 4 {
+            return Err(format!("a part of {n_blocks} blocks in {} bytes", r.0.len()));
+        }
+        let blocks = (0..n_blocks).map(|_| r.u32().map(|b| b as u32)).collect::<Result<_, _>>()?;
+        parts.push(StagePart { rows, start_pos, logits, blocks });
+    }
+    r.floats(x)?;
+    Ok(parts)
+}
+
+/// A later stage's side: its runner answers the head's calls.
+pub struct StageService {
+    runner: StageRunner,
+    hello: StageHello,
+    x: Vec<f32>,
+}
+
+impl StageService {
+    pub fn new(runner: StageRunner, blocks: usize, model: String) -> StageService {
+        let m = runner.model();
+        let hello = StageHello {
+            layers: m.layers(),
+            total_layers: m.cfg.n_layers,
+            hidden: m.cfg.hidden,
+            vocab: m.cfg.vocab_size,
+            blocks,
+            model,
+        };
+        StageService { runner, hello, x: Vec::new() }
+    }
+}
+
+impl StageHandler for StageService {
+    fn handle(&mut self, call: &[u8], reply: &mut Vec<u8>) -> Result<(), String> {
+        match call.split_first() {
+            Some((&HELLO, _)) => reply.extend_from_slice(&self.hello.encode()),
+            Some((&STEP, body)) => {
+                let parts = decode_step(body, &mut self.x)?;
+                match self.runner.run(&parts, &self.x)? {
+                    StageRows::Hidden(h) | StageRows::Logits(h) => put_floats(reply, h),
+                }
+            }
+            _ => return Err("an unknown call".into()),
+        }
+        Ok(())
+    }
+}
+
+/// One later stage as the head knows it.
+struct Stage {
+    addr: SocketAddr,
+    conn: Option<StageConn>,
+    /// Its layers, once it said hello.
+    layers: Option<LayerRange>,
+}
+
+/// The head's side: the later stages at their addresses, called in layer order.
+pub struct RemoteStages {
+    head: StageHello,
+    stages: Vec<Stage>,
+    key: ClusterKey,
+    /// When reconnecting was last tried, and why the group is not whole.
+    tried: Option<Instant>,
+    missing: Option<String>,
+    fresh: bool,
+    call: Vec<u8>,
+    x: Vec<f32>,
+}
+
+impl RemoteStages {
+    /// The stages at `addrs` (any order), for a head that says `head` of itself.
+    pub fn new(head: StageHello, addrs: &[SocketAddr], key: ClusterKey) -> RemoteStages {
+        let stages = addrs.iter().map(|&addr| Stage { addr, conn: None, layers: None }).collect();
+        let missing = Some("not connected yet".into());
+        RemoteStages { head, stages, key, tried: None, missing, fresh: false, call: Vec::new(), x: Vec::new() }
+    }
+
+    /// Why the group cannot serve now (`None` once every stage answered and their
+    /// layers cover the model's with the head's).
+    pub fn missing(&self) -> Option<&str> {
+        self.missing.as_deref()
+    }
+
+    /// Connects to every stage not connected and checks the group; at most once per
+    /// [`RETRY`] unless `now`.
+    pub fn connect(&mut self, now: bool) -> Option<&str> {
+        if !now && self.tried.is_some_and(|t| t.elapsed() < RETRY) {
+            return self.missing();
+        }
+        self.tried = Some(Instant::now());
+        let mut why = None;
+        for s in self.stages.iter_mut().filter(|s| s.conn.is_none()) {
+            match hello(s.addr, &self.key, &self.head) {
+                Ok((conn, layers)) => {
+                    (s.conn, s.layers) = (Some(conn), Some(layers));
+                    self.fresh = true;
+                }
+                Err(e) => why = Some(format!("stage at {}: {e}", s.addr)),
+            }
+        }
+        self.missing = why.or_else(|| self.order());
+        self.missing()
+    }
+
+    /// Sorts the stages by layer; why their layers and the head's do not cover the
+    /// model once each, if they do not.
+    fn order(&mut self) -> Option<String> {
+        self.stages.sort_by_key(|s| s.layers.map(|l| l.first));
+        let mut ranges: Vec<LayerRange> = self.stages.iter().filter_map(|s| s.layers).collect();
+        ranges.push(self.head.layers);
+        match covering(&ranges, self.head.total_layers) {
+            Some(_) => None,
+            None => {
+                let have: Vec<String> = ranges.iter().map(ToString::to_string).collect();
+                Some(format!("layers {} do not cover 0..{} once each", have.join(", "), self.head.total_layers - 1))
+            }
+        }
+    }
+
+    fn lose(&mut self, i: usize, why: String) -> StageLost {
+        let s = &mut self.stages[i];
+        s.conn = None;
+        let why = format!("stage at {} (layers {}): {why}", s.addr, s.layers.map_or("?".into(), |l| l.to_string()));
+        self.missing = Some(why.clone());
+        StageLost(why)
+    }
+}
+
+/// Connects to a stage and reads its hello.
+fn hello(addr: SocketAddr, key: &ClusterKey, head: &StageHello) -> Result<(StageConn, LayerRange), String> {
+    let mut conn = StageConn::connect(addr, key, CALL_TIMEOUT).map_err(|e| e.to_string())?;
+    let said = StageHello::decode(conn.call(&[HELLO]).map_err(|e| e.to_string())?)?;
+    match said.mismatch(head) {
+        Some(why) => Err(why),
+        None => Ok((conn, said.layers)),
+    }
+}
+
+impl NextStages for RemoteStages {
+    fn run(&mut self, parts: &[StagePart], x: &[f32], logits: &mut Vec<f32>) -> Result<(), StageLost> {
+        if let Some(why) = self.missing.clone() {
+            return Err(StageLost(why));
+        }
+        let mut buf = std::mem::take(&mut self.x);
+        let n = self.stages.len();
+        for i in 0..n {
+            encode_step(parts, if i == 0 { x } else { &buf }, &mut self.call);
+            let Some(conn) = self.stages[i].conn.as_mut() else {
+                self.x = buf;
+                return Err(self.lose(i, "not connected".into()));
+            };
+            let out = if i + 1 == n { &mut *logits } else { &mut buf };
+            let answered = conn.call(&self.call).map_err(|e| e.to_string()).and_then(|a| Reader(a).floats(out));
+            if let Err(why) = answered {
+                self.x = buf;
+                return Err(self.lose(i, why));
+            }
+        }
+        self.x = buf;
+        Ok(())
+    }
+
+    fn reconnected(&mut self) -> bool {
+        std::mem::take(&mut self.fresh)
+    }
+
+    fn ready(&mut self) -> bool {
+        self.connect(false).is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -84,7 +84,7 @@ cargo_status=${PIPESTATUS[0]}
 # user's machine is not always quiet, and a test that waits must wait for a
 # condition, not for a time only a quiet machine keeps.
 scripts/under_load.sh cargo test --release -p pdserve-cli --test fleet --test processes --test hosts --test lifecycle \
-    --test ports --test nats_permissions --no-fail-fast 2>&1 | tee -a "$log"
+    --test ports --test nats_permissions --test stages --no-fail-fast 2>&1 | tee -a "$log"
 load_status=${PIPESTATUS[0]}
 # `pdserve serve` in every mode and worker+frontend processes, driven by the openai
 # SDK and curl, stopped by SIGTERM.

@@ -2,14 +2,20 @@
 //! --layers A..B`), its head behind `pdserve frontend`, answers greedy prompts as one
 //! process does, in 2 and 3 stages. A stage killed mid-stream takes the group out of
 //! the set: its requests move to another worker and end with their full greedy text,
-//! no block stays used, and the group serves again once the stage is back.
+//! no block stays used, and the group serves again once the stage is back. "Hosts"
+//! whose memory is capped (a cgroup each) below what the whole model takes run it
+//! across 2 and 3 of them, with one process's greedy text.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
-use common::{complete, eventually, golden_prompts, one_process, settle_used_blocks, start, worker, Proc};
+use common::{
+    complete, eventually, golden_prompts, metric, one_process, settle_used_blocks, spawn_announced, start, worker, Proc,
+};
 use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::Command;
 use std::time::Duration;
 
 /// A later stage of group `g` holding `layers`, on `listen`.
@@ -54,6 +60,13 @@ fn a_model_split_across_two_and_three_processes_answers_as_one_process_does() {
             assert_eq!(&complete(fe.addr, p, 24), w, "{cuts:?}: prompt {p}");
         }
         assert_eq!(settle_used_blocks(fe.addr), 0.0, "{cuts:?}");
+        // Every step went through the later stages: a residual-stream row (576 values
+        // of f32) out per token computed, every decoded token among them.
+        let rows = metric(fe.addr, "pdserve_stage_rows_total", "");
+        let bytes = metric(fe.addr, "pdserve_stage_activation_bytes_total", "");
+        let decoded = 23 * prompts.len();
+        assert!(rows >= decoded as f64, "{cuts:?}: {rows} rows for {decoded} decoded tokens");
+        assert!(bytes >= rows * 576.0 * 4.0, "{cuts:?}: {bytes} bytes for {rows} rows");
     }
 }
 
@@ -75,9 +88,10 @@ fn a_head_without_its_stages_or_with_a_wrong_split_is_refused_or_waits() {
 
 #[test]
 fn a_stage_killed_mid_stream_moves_its_requests_and_the_group_comes_back() {
-    let prompt = json!((0..40u32).map(|i| 1000 + (i * 7919) % 30000).collect::<Vec<_>>());
+    let prompts: Vec<Value> =
+        (0..4u32).map(|r| json!((0..40u32).map(|i| 1000 + (i * 7919 + r * 131) % 30000).collect::<Vec<_>>())).collect();
     let n = 160;
-    let want = reference(std::slice::from_ref(&prompt), n).remove(0);
+    let want = reference(&prompts, n);
     // A fixed port, so the stage comes back where the head looks for it.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let listen = format!("127.0.0.1:{port}");
@@ -86,17 +100,19 @@ fn a_stage_killed_mid_stream_moves_its_requests_and_the_group_comes_back() {
     let whole = worker("mixed");
     let fe = frontend(&[&h, &whole]);
     let addr = fe.addr;
-    let requests: Vec<_> = (0..4)
-        .map(|_| {
-            let p = prompt.clone();
+    let requests: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let p = p.clone();
             std::thread::spawn(move || complete(addr, &p, n))
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(1000));
+    let on_head = format!("mixed@{}\",state=\"running\"", h.addr);
+    eventually("a request runs on the group", || metric(addr, "pdserve_worker_requests", &on_head) > 0.0);
     s.child.kill().unwrap();
     s.child.wait().unwrap();
-    for r in requests {
-        assert_eq!(r.join().unwrap(), want, "a request lost tokens when its stage died");
+    for (r, w) in requests.into_iter().zip(&want) {
+        assert_eq!(&r.join().unwrap(), w, "a request lost tokens when its stage died");
     }
     assert!(h.logged("stage group lost a stage"), "the stage died after the requests ended");
     assert!(!h.logged("requests=0"), "no request was on the group when its stage died");
@@ -104,8 +120,100 @@ fn a_stage_killed_mid_stream_moves_its_requests_and_the_group_comes_back() {
     // Back on its port: the group re-forms and serves again.
     let _s = stage("15..29", &listen);
     eventually("the group re-forms", || h.logged("stage group whole: serving"));
-    for _ in 0..4 {
-        assert_eq!(complete(fe.addr, &prompt, n), want);
+    for (p, w) in prompts.iter().zip(&want) {
+        assert_eq!(&complete(fe.addr, p, n), w);
     }
     assert_eq!(settle_used_blocks(fe.addr), 0.0);
+}
+
+/// A memory cgroup capped at `bytes` (v2 where the unified hierarchy has the memory
+/// controller, else v1's), removed when dropped; a process joins it before it execs.
+struct Capped {
+    dir: PathBuf,
+}
+
+impl Capped {
+    fn new(name: &str, bytes: u64) -> Capped {
+        assert_eq!(unsafe { libc::geteuid() }, 0, "capping memory needs root (cgroups)");
+        let v2 = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers").is_ok_and(|c| c.contains("memory"));
+        let root = if v2 { "/sys/fs/cgroup" } else { "/sys/fs/cgroup/memory" };
+        let dir = PathBuf::from(root).join(format!("pdserve-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir(&dir);
+        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("cannot make cgroup {}: {e}", dir.display()));
+        let write = |file: &str| std::fs::write(dir.join(file), bytes.to_string());
+        if v2 {
+            write("memory.max").unwrap();
+            let _ = write("memory.swap.max");
+        } else {
+            write("memory.limit_in_bytes").unwrap();
+            // No swap to spill into either, where the kernel accounts it.
+            let _ = write("memory.memsw.limit_in_bytes");
+        }
+        Capped { dir }
+    }
+
+    /// `pdserve ARGS…` run inside this cgroup.
+    fn command(&self) -> Command {
+        let procs = self.dir.join("cgroup.procs");
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            &format!("echo $$ > {} && exec \"$0\" \"$@\"", procs.display()),
+            env!("CARGO_BIN_EXE_pdserve"),
+        ]);
+        cmd
+    }
+
+    fn start(&self, args: &[&str]) -> Proc {
+        spawn_announced(self.command(), args, &[])
+    }
+}
+
+impl Drop for Capped {
+    fn drop(&mut self) {
+        // Its processes are killed first (they are dropped before it); an exiting one
+        // may hold it for a moment.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Below what the whole default model takes in one process (about 160 MB of its own
+/// memory at start), above what half of it takes (about 80 to 95 MB).
+const CAP: u64 = 130 << 20;
+
+#[test]
+fn hosts_capped_below_the_models_size_run_it_across_two_and_three_of_them() {
+    let prompts = golden_prompts();
+    let want = reference(&prompts, 16);
+    // The whole model does not fit one capped host.
+    let alone = Capped::new("whole", CAP);
+    let out = alone.command().args(["generate", "--prompt", "Hi", "--max-tokens", "2"]).output().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(9), "the whole model was not killed for memory under the cap: {out:?}");
+    drop(alone);
+    for cuts in [&["0..14", "15..29"][..], &["0..9", "10..19", "20..29"]] {
+        let hosts: Vec<Capped> = (0..cuts.len()).map(|i| Capped::new(&format!("host{i}"), CAP)).collect();
+        let flags =
+            ["--role", "mixed", "--group", "g", "--threads", "1", "--kv-blocks", "64", "--listen", "127.0.0.1:0"];
+        let later: Vec<Proc> = cuts[1..]
+            .iter()
+            .zip(&hosts[1..])
+            .map(|(l, h)| h.start(&[&["worker", "--layers", l][..], &flags].concat()))
+            .collect();
+        let mut head = vec!["worker", "--layers", cuts[0]];
+        let addrs: Vec<String> = later.iter().map(|p| p.addr.to_string()).collect();
+        addrs.iter().for_each(|a| head.extend(["--stage", a.as_str()]));
+        let h = hosts[0].start(&[&head[..], &flags].concat());
+        assert!(h.logged("stage group whole"), "{cuts:?}");
+        let fe = frontend(&[&h]);
+        for (p, w) in prompts.iter().zip(&want) {
+            assert_eq!(&complete(fe.addr, p, 16), w, "{cuts:?}: prompt {p}");
+        }
+        drop((fe, h, later));
+    }
 }

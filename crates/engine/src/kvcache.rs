@@ -78,10 +78,10 @@ impl KvStorage {
         KvStorage::shaped(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, dtype)
     }
 
-    /// [`KvStorage::with_dtype`] for the layers `model` holds (a pipeline stage's own).
-    pub fn for_model(model: &crate::model::Model, num_blocks: usize, block_size: usize, dtype: KvDtype) -> Self {
-        let c = &model.cfg;
-        KvStorage::shaped(model.layers().count(), c.n_kv_heads, c.head_dim, num_blocks, block_size, dtype)
+    /// [`KvStorage::with_dtype`] for `n_layers` of the model's layers (a pipeline
+    /// stage's own).
+    pub fn for_layers(cfg: &ModelConfig, n_layers: usize, num_blocks: usize, block_size: usize, dtype: KvDtype) -> Self {
+        KvStorage::shaped(n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, dtype)
     }
 
     /// Storage of `values` K (and V) values per token and layer, as one head: a timed

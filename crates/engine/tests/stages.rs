@@ -17,9 +17,9 @@ use pdserve_engine::config::ModelConfig;
 use pdserve_engine::format::gguf::GgufFile;
 use pdserve_engine::kernels::Isa;
 use pdserve_engine::kvcache::KvStorage;
-use pdserve_types::KvDtype;
 use pdserve_engine::model::{ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
 use pdserve_engine::threadpool::ThreadPool;
+use pdserve_types::KvDtype;
 use pdserve_types::{RequestId, SamplingParams, TokenOut};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -38,7 +38,7 @@ fn stages(name: &str, cuts: &[(usize, usize)], n_blocks: usize) -> Vec<Stage> {
     cuts.iter()
         .map(|&(first, last)| {
             let model = Model::load_stage(&file, cfg.clone(), LayerRange { first, last }).unwrap();
-            let kv = KvStorage::for_model(&model, n_blocks, 16, KvDtype::F16);
+            let kv = model.kv_storage(n_blocks, 16, KvDtype::F16);
             Stage { model, kv, scratch: ForwardScratch::default() }
         })
         .collect()
@@ -125,7 +125,9 @@ fn engine_cfg() -> EngineConfig {
 fn loaded(cuts: &[(usize, usize)]) -> Vec<Arc<Model>> {
     let file = GgufFile::open(&pdserve_engine::models::require_known_model("smollm2-135m")).unwrap();
     let cfg = ModelConfig::from_gguf(&file.header).unwrap();
-    cuts.iter().map(|&(first, last)| Arc::new(Model::load_stage(&file, cfg.clone(), LayerRange { first, last }).unwrap())).collect()
+    cuts.iter()
+        .map(|&(first, last)| Arc::new(Model::load_stage(&file, cfg.clone(), LayerRange { first, last }).unwrap()))
+        .collect()
 }
 
 /// A head engine over `cuts`, its later stages in this process behind `wrap`.

@@ -85,12 +85,15 @@ impl StageConn {
         let lost = |why: String| TransferError::Disconnected(why);
         match self.ends.receive() {
             Ok(Some(rec)) if rec.tag == REPLY => Ok(&self.ends.body[..rec.len]),
-            Ok(Some(rec)) if rec.tag == REFUSED => {
-                Err(lost(format!("the stage refused the call: {}", String::from_utf8_lossy(&self.ends.body[..rec.len]))))
-            }
+            Ok(Some(rec)) if rec.tag == REFUSED => Err(lost(format!(
+                "the stage refused the call: {}",
+                String::from_utf8_lossy(&self.ends.body[..rec.len])
+            ))),
             Ok(Some(rec)) => Err(lost(format!("the stage answered with record {}", rec.tag))),
             Ok(None) => Err(lost("the stage closed the connection".into())),
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => Err(TransferError::TimedOut),
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                Err(TransferError::TimedOut)
+            }
             Err(e) => Err(e.into()),
         }
     }
@@ -177,7 +180,8 @@ fn serve_head(mut stream: TcpStream, s: &Shared, generation: u64) -> io::Result<
             return Err(records::invalid(format!("record {} from a head", rec.tag)));
         }
         reply.clear();
-        let handled = s.handler.lock().unwrap_or_else(PoisonError::into_inner).handle(&ends.body[..rec.len], &mut reply);
+        let handled =
+            s.handler.lock().unwrap_or_else(PoisonError::into_inner).handle(&ends.body[..rec.len], &mut reply);
         match handled {
             Ok(()) => ends.send(REPLY, &reply)?,
             Err(why) => ends.send(REFUSED, why.as_bytes())?,

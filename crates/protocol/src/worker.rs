@@ -372,6 +372,9 @@ pub struct WorkerStats {
     /// Its draft model's block pool, when it drafts with one.
     #[serde(default)]
     pub draft_blocks: Option<PoolStats>,
+    /// Its steps through the later stages of its group, when it heads one.
+    #[serde(default)]
+    pub stages: pdserve_types::StageTotals,
 }
 
 /// The furthest a role switch may move a worker's epoch. Planners move it one at a

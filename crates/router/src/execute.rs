@@ -108,7 +108,9 @@ impl Router {
         };
         let lost = d.clone();
         let on_end = move |out, cached| end.ended(out, cached);
-        relay::relay(&self.runtime, inner, client, self.deadlines.client_stall, on_first, on_end, move || lost.lost_one());
+        relay::relay(&self.runtime, inner, client, self.deadlines.client_stall, on_first, on_end, move || {
+            lost.lost_one()
+        });
         Ok(stream)
     }
 

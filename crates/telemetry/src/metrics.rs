@@ -8,7 +8,7 @@
 use pdserve_kv::{TierCounters, TierStats};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::WorkerStats;
-use pdserve_types::{Role, SpecTotals};
+use pdserve_types::{Role, SpecTotals, StageTotals};
 use prometheus_client::encoding::text::encode_registry;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -59,6 +59,10 @@ const SPEC_ACCEPTED_TOKENS: &str = "pdserve_spec_accepted_tokens";
 const SPEC_DRAFT_PROMPT_TOKENS: &str = "pdserve_spec_draft_prompt_tokens";
 const SPEC_MEAN_ACCEPTED: &str = "pdserve_spec_mean_accepted_length";
 const SPEC_DRAFTING_SHARE: &str = "pdserve_spec_drafting_share";
+const STAGE_STEPS: &str = "pdserve_stage_steps";
+const STAGE_ROWS: &str = "pdserve_stage_rows";
+const STAGE_BYTES: &str = "pdserve_stage_activation_bytes";
+const STAGE_SECONDS: &str = "pdserve_stage_seconds";
 
 /// The content type `/metrics` answers with.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -176,6 +180,10 @@ struct Inner {
     spec_draft_prompt_tokens: Family<Label1, Counter>,
     spec_mean_accepted: Family<Label1, Gauge<f64, AtomicU64>>,
     spec_drafting_share: Family<Label1, Gauge<f64, AtomicU64>>,
+    stage_steps: Family<Label1, Counter>,
+    stage_rows: Family<Label1, Counter>,
+    stage_bytes: Family<Label1, Counter>,
+    stage_seconds: Family<Label1, Counter<f64, AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -236,6 +244,10 @@ impl Metrics {
             spec_draft_prompt_tokens: Family::default(),
             spec_mean_accepted: Family::default(),
             spec_drafting_share: Family::default(),
+            stage_steps: Family::default(),
+            stage_rows: Family::default(),
+            stage_bytes: Family::default(),
+            stage_seconds: Family::default(),
         };
         Metrics { inner: Arc::new(inner.registered()) }
     }
@@ -329,6 +341,23 @@ impl Metrics {
         let secs = self.inner.grammar_mask_seconds.get_or_create(&label);
         secs.inc_by((s.grammar_mask_ns as f64 * 1e-9 - secs.get()).max(0.0));
         self.set_spec(&label, &s.spec);
+        self.set_stages(&label, &s.stages);
+    }
+
+    /// A stage group head's totals: steps, rows and activation bytes through its
+    /// later stages, and the time it waited on them.
+    fn set_stages(&self, label: &Label1, t: &StageTotals) {
+        if t.steps == 0 {
+            return;
+        }
+        for (family, n) in
+            [(&self.inner.stage_steps, t.steps), (&self.inner.stage_rows, t.rows), (&self.inner.stage_bytes, t.bytes)]
+        {
+            let c = family.get_or_create(label);
+            c.inc_by(n.saturating_sub(c.get()));
+        }
+        let secs = self.inner.stage_seconds.get_or_create(label);
+        secs.inc_by((t.seconds - secs.get()).max(0.0));
     }
 
     /// A worker's speculation totals: drafted and accepted tokens, and the tokens a
@@ -471,6 +500,27 @@ impl Inner {
         r.register(GENERATION_TOKENS, help, self.generation_tokens.clone());
     }
 
+    /// What workers total since they started: speculation and stage groups.
+    fn register_engine_totals(&mut self) {
+        let r = &mut self.registry;
+        r.register(SPEC_DRAFT_TOKENS, "Drafted tokens each worker verified", self.spec_draft_tokens.clone());
+        r.register(SPEC_ACCEPTED_TOKENS, "Drafted tokens each worker accepted", self.spec_accepted_tokens.clone());
+        let help = "Prompt tokens each worker's draft model computed (none where the draft K/V came with the target's)";
+        r.register(SPEC_DRAFT_PROMPT_TOKENS, help, self.spec_draft_prompt_tokens.clone());
+        let help = "Drafted tokens a verified draft kept, on average, per worker";
+        r.register(SPEC_MEAN_ACCEPTED, help, self.spec_mean_accepted.clone());
+        let help = "Share of each worker's decode steps (per request) that verified a draft";
+        r.register(SPEC_DRAFTING_SHARE, help, self.spec_drafting_share.clone());
+        let help = "Steps a stage group's head sent through its later stages";
+        r.register(STAGE_STEPS, help, self.stage_steps.clone());
+        let help = "Rows (tokens computed) of those steps: activation bytes over rows is the bytes per token";
+        r.register(STAGE_ROWS, help, self.stage_rows.clone());
+        let help = "Bytes of residual stream and logits between a stage group's head and its later stages";
+        r.register(STAGE_BYTES, help, self.stage_bytes.clone());
+        let help = "Time a stage group's head waited on its later stages (their compute and the links)";
+        r.register(STAGE_SECONDS, help, self.stage_seconds.clone());
+    }
+
     fn registered(mut self) -> Self {
         self.register_requests();
         let r = &mut self.registry;
@@ -522,14 +572,7 @@ impl Inner {
         r.register(GRAMMAR_MASKS, "Token masks computed for constrained requests", self.grammar_masks.clone());
         let mask_seconds = self.grammar_mask_seconds.clone();
         r.register(GRAMMAR_MASK_SECONDS, "Time spent computing token masks", mask_seconds);
-        r.register(SPEC_DRAFT_TOKENS, "Drafted tokens each worker verified", self.spec_draft_tokens.clone());
-        r.register(SPEC_ACCEPTED_TOKENS, "Drafted tokens each worker accepted", self.spec_accepted_tokens.clone());
-        let help = "Prompt tokens each worker's draft model computed (none where the draft K/V came with the target's)";
-        r.register(SPEC_DRAFT_PROMPT_TOKENS, help, self.spec_draft_prompt_tokens.clone());
-        let help = "Drafted tokens a verified draft kept, on average, per worker";
-        r.register(SPEC_MEAN_ACCEPTED, help, self.spec_mean_accepted.clone());
-        let help = "Share of each worker's decode steps (per request) that verified a draft";
-        r.register(SPEC_DRAFTING_SHARE, help, self.spec_drafting_share.clone());
+        self.register_engine_totals();
         self
     }
 }
@@ -671,6 +714,26 @@ mod tests {
         assert!(text.contains("pdserve_spec_mean_accepted_length{worker=\"w0\"} 1.5\n"), "{text}");
         assert!(text.contains("pdserve_spec_drafting_share{worker=\"w0\"} 0.25\n"), "{text}");
         assert!(text.contains("pdserve_spec_draft_prompt_tokens_total{worker=\"w0\"} 7\n"), "{text}");
+    }
+
+    #[test]
+    fn a_stage_heads_totals_become_counters() {
+        let m = Metrics::new();
+        m.set_worker_stats("h", &WorkerStats::default());
+        assert!(!m.render().contains("pdserve_stage_steps_total{"), "no series for a worker that heads no group");
+        for (steps, rows, bytes, seconds) in [(4, 10, 1000, 0.5), (9, 20, 3000, 1.25)] {
+            let stages = StageTotals { steps, rows, bytes, seconds };
+            m.set_worker_stats("h", &WorkerStats { stages, ..Default::default() });
+        }
+        let text = m.render();
+        for line in [
+            "pdserve_stage_steps_total{worker=\"h\"} 9\n",
+            "pdserve_stage_rows_total{worker=\"h\"} 20\n",
+            "pdserve_stage_activation_bytes_total{worker=\"h\"} 3000\n",
+            "pdserve_stage_seconds_total{worker=\"h\"} 1.25\n",
+        ] {
+            assert!(text.contains(line), "{line}{text}");
+        }
     }
 
     #[test]

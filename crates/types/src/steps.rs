@@ -288,6 +288,19 @@ mod tests {
     }
 }
 
+/// A stage group head's steps through its later stages since it started: what
+/// `pdserve_stage_*` in `/metrics` report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageTotals {
+    /// Steps sent through the later stages, and their rows (one per token computed).
+    pub steps: u64,
+    pub rows: u64,
+    /// Bytes of residual stream sent to the stages and of their answers.
+    pub bytes: u64,
+    /// Seconds the head waited on them: their compute and the links both ways.
+    pub seconds: f64,
+}
+
 /// Speculative decoding's running totals on one engine since it started.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SpecTotals {

@@ -10,9 +10,9 @@
 
 mod events;
 mod kv;
-pub mod stages;
 mod machine;
 pub mod sim;
+pub mod stages;
 mod worker_loop;
 
 pub use machine::{CoRun, LinkModel, Machine};
@@ -169,6 +169,9 @@ struct Inner {
     pool: BlockPool,
     /// A simulated worker's accounting of its transfers (see [`SimKv`]).
     sim_kv: Option<SimKv>,
+    /// It holds every layer's K/V: not a stage group's head, whose cache holds only its
+    /// own layers', so it neither exports K/V to peers nor changes role.
+    whole: bool,
     /// Compiles constrained requests' grammars before the engine thread sees them.
     grammars: Option<Arc<Grammars>>,
     /// Peers' fetches waiting for the engine.
@@ -241,7 +244,7 @@ impl LocalWorker {
         let c = &model.cfg;
         let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
         let per_token = pdserve_engine::kvcache::bytes_per_token(c, opts.engine.kv_dtype) as u64;
-        LocalWorker::start(opts, frame_elems, per_token, None, rt, move |cfg, eog| Engine::new(model, cfg, eog))
+        LocalWorker::start(opts, frame_elems, per_token, None, (rt, true), move |cfg, eog| Engine::new(model, cfg, eog))
     }
 
     /// The head of a stage group: `model` is the first stage, `stages` the later
@@ -256,7 +259,7 @@ impl LocalWorker {
         let c = &model.cfg;
         let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
         let per_token = pdserve_engine::kvcache::bytes_per_token(c, opts.engine.kv_dtype) as u64;
-        LocalWorker::start(opts, frame_elems, per_token, None, rt, move |cfg, eog| {
+        LocalWorker::start(opts, frame_elems, per_token, None, (rt, false), move |cfg, eog| {
             Engine::new(model, cfg, eog).with_next_stages(stages)
         })
     }
@@ -272,7 +275,8 @@ impl LocalWorker {
     ) -> std::io::Result<LocalWorker> {
         let frame_elems = BLOCK_SIZE * timed.kv_values.max(1);
         let per_token = kv.bytes_per_token as u64;
-        LocalWorker::start(opts, frame_elems, per_token, Some(kv), rt, move |cfg, eog| Engine::timed(timed, cfg, eog))
+        let build = move |cfg, eog| Engine::timed(timed, cfg, eog);
+        LocalWorker::start(opts, frame_elems, per_token, Some(kv), (rt, true), build)
     }
 
     fn start(
@@ -280,7 +284,7 @@ impl LocalWorker {
         frame_elems: usize,
         kv_bytes_per_token: u64,
         sim_kv: Option<SimKv>,
-        rt: tokio::runtime::Handle,
+        (rt, whole): (tokio::runtime::Handle, bool),
         build: impl FnOnce(EngineConfig, Vec<u32>) -> Engine + Send + 'static,
     ) -> std::io::Result<LocalWorker> {
         let (tx, rx) = sync_channel(QUEUE);
@@ -333,6 +337,7 @@ impl LocalWorker {
             rt,
             pool,
             sim_kv,
+            whole,
             grammars: opts.grammars,
             exports,
         };
@@ -457,7 +462,7 @@ impl Worker for LocalWorker {
     }
 
     fn prefix_peer(&self) -> Option<&dyn PrefixPeer> {
-        Some(self)
+        self.inner.whole.then_some(self as &dyn PrefixPeer)
     }
 
     fn kv_event_log(&self) -> Option<&dyn KvEventLog> {
@@ -465,7 +470,7 @@ impl Worker for LocalWorker {
     }
 
     fn role_switch(&self) -> Option<&dyn RoleSwitch> {
-        Some(self)
+        self.inner.whole.then_some(self as &dyn RoleSwitch)
     }
 
     fn link_probe(&self) -> Option<&dyn LinkProbe> {

@@ -18,6 +18,7 @@ use pdserve_engine::batch::{NextStages, StageLost, StagePart, StageRows, StageRu
 use pdserve_engine::model::stage::covering;
 use pdserve_engine::model::LayerRange;
 use pdserve_kv_transfer::{ClusterKey, StageConn, StageHandler};
+use pdserve_types::StageTotals;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -198,6 +199,7 @@ pub struct RemoteStages {
     fresh: bool,
     call: Vec<u8>,
     x: Vec<f32>,
+    totals: StageTotals,
 }
 
 impl RemoteStages {
@@ -205,7 +207,8 @@ impl RemoteStages {
     pub fn new(head: StageHello, addrs: &[SocketAddr], key: ClusterKey) -> RemoteStages {
         let stages = addrs.iter().map(|&addr| Stage { addr, conn: None, layers: None }).collect();
         let missing = Some("not connected yet".into());
-        RemoteStages { head, stages, key, tried: None, missing, fresh: false, call: Vec::new(), x: Vec::new() }
+        let (call, x, totals) = (Vec::new(), Vec::new(), StageTotals::default());
+        RemoteStages { head, stages, key, tried: None, missing, fresh: false, call, x, totals }
     }
 
     /// Why the group cannot serve now (`None` once every stage answered and their
@@ -276,6 +279,7 @@ impl NextStages for RemoteStages {
         }
         let mut buf = std::mem::take(&mut self.x);
         let n = self.stages.len();
+        let started = Instant::now();
         for i in 0..n {
             encode_step(parts, if i == 0 { x } else { &buf }, &mut self.call);
             let Some(conn) = self.stages[i].conn.as_mut() else {
@@ -283,13 +287,19 @@ impl NextStages for RemoteStages {
                 return Err(self.lose(i, "not connected".into()));
             };
             let out = if i + 1 == n { &mut *logits } else { &mut buf };
-            let answered = conn.call(&self.call).map_err(|e| e.to_string()).and_then(|a| Reader(a).floats(out));
+            let answered = conn.call(&self.call).map_err(|e| e.to_string()).and_then(|a| {
+                self.totals.bytes += (self.call.len() + a.len()) as u64;
+                Reader(a).floats(out)
+            });
             if let Err(why) = answered {
                 self.x = buf;
                 return Err(self.lose(i, why));
             }
         }
         self.x = buf;
+        self.totals.steps += 1;
+        self.totals.rows += parts.iter().map(|p| p.rows as u64).sum::<u64>();
+        self.totals.seconds += started.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -299,6 +309,10 @@ impl NextStages for RemoteStages {
 
     fn ready(&mut self) -> bool {
         self.connect(false).is_none()
+    }
+
+    fn totals(&self) -> StageTotals {
+        self.totals
     }
 }
 

@@ -455,6 +455,7 @@ impl Loop {
             incomplete: self.incomplete.is_some(),
             spec: s.spec,
             draft_blocks: s.draft_blocks,
+            stages: self.engine.stage_totals(),
         }
     }
 

@@ -31,22 +31,53 @@ pub struct GroupArgs {
     stages: Vec<SocketAddr>,
 }
 
+/// What a worker process is in a stage group.
+pub enum Part {
+    /// Not in one: it holds the whole model.
+    Whole,
+    /// The head, with its later stages.
+    Head(Box<RemoteStages>),
+    /// A later stage, served until it was stopped.
+    Later(Stopped),
+}
+
+/// The blocks, threads and K/V dtype a stage's pool and runner take.
+type Shape = (usize, usize, pdserve_types::KvDtype);
+
 impl GroupArgs {
+    /// What this worker is (`m`: its model, `None` for a simulated engine); a later
+    /// stage is served here, on `listen`, until it stops.
+    pub fn part(
+        &self,
+        m: Option<&LoadedModel>,
+        listen: SocketAddr,
+        how: Shape,
+        key: &ClusterKey,
+    ) -> anyhow::Result<Part> {
+        Ok(match (m, self.layers) {
+            (_, None) => Part::Whole,
+            (None, Some(_)) => anyhow::bail!("a stage group runs the real engine"),
+            (Some(m), Some(l)) if l.embeds() => Part::Head(Box::new(self.head_stages(m, how.0, key))),
+            (Some(m), Some(_)) => Part::Later(serve(self, m, listen, how, key.clone())?),
+        })
+    }
+
     /// The layers to load (all when not a stage).
     pub fn layers(&self) -> Option<LayerRange> {
         self.layers
     }
 
-    /// The layers of a later stage, which serves a head instead of routers.
-    pub fn later(&self) -> Option<LayerRange> {
-        self.layers.filter(|l| !l.embeds())
-    }
-
-    /// Refuses what a stage group cannot be.
-    pub fn check(&self, role: pdserve_types::Role) -> anyhow::Result<()> {
+    /// Refuses what a stage group cannot be (`tiers`: whether K/V tiers are asked for).
+    pub fn check(&self, role: pdserve_types::Role, tiers: bool) -> anyhow::Result<()> {
         let Some(layers) = self.layers else { return Ok(()) };
+        if tiers {
+            anyhow::bail!("a stage group keeps no K/V tiers yet (its head's would hold only its own layers)");
+        }
         if layers.embeds() && self.stages.is_empty() {
-            anyhow::bail!("the head of stage group {} (layers {layers}) needs --stage ADDR for each later stage", self.name());
+            anyhow::bail!(
+                "the head of stage group {} (layers {layers}) needs --stage ADDR for each later stage",
+                self.name()
+            );
         }
         if !layers.embeds() && !self.stages.is_empty() {
             anyhow::bail!("--stage is for the group's head (the stage with layer 0); layers {layers} serve a head");
@@ -62,7 +93,7 @@ impl GroupArgs {
     }
 
     /// The head's view of its later stages, tried once now (they may start later).
-    pub fn head_stages(&self, m: &LoadedModel, blocks: usize, key: &ClusterKey) -> RemoteStages {
+    fn head_stages(&self, m: &LoadedModel, blocks: usize, key: &ClusterKey) -> RemoteStages {
         let hello = hello_of(m, blocks);
         let mut stages = RemoteStages::new(hello, &self.stages, key.clone());
         match stages.connect(true) {
@@ -86,13 +117,8 @@ fn hello_of(m: &LoadedModel, blocks: usize) -> StageHello {
 }
 
 /// Serves a later stage on `listen` until SIGINT/SIGTERM.
-pub fn serve(
-    g: &GroupArgs,
-    m: &LoadedModel,
-    listen: SocketAddr,
-    (blocks, threads, dtype): (usize, usize, pdserve_types::KvDtype),
-    key: ClusterKey,
-) -> anyhow::Result<Stopped> {
+fn serve(g: &GroupArgs, m: &LoadedModel, listen: SocketAddr, how: Shape, key: ClusterKey) -> anyhow::Result<Stopped> {
+    let (blocks, threads, dtype) = how;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     // Before the announcement, so a signal right after it is handled.
     let signal = {

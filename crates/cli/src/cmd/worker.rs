@@ -2,6 +2,7 @@
 
 use super::fleet::NatsArgs;
 use super::http::{self, Stopped};
+use super::stage::Part;
 use anyhow::Context;
 use pdserve_engine::batch::{EngineConfig, Objectives};
 use pdserve_fleet::{Endpoints, Member, NatsConfig, NodeId, Registration, SendProbe};
@@ -184,28 +185,41 @@ impl Args {
     fn objectives(&self) -> Option<Objectives> {
         self.protect_tpot.then_some(Objectives::from_ms(self.slo_ttft_ms, self.slo_tpot_ms))
     }
+
+    fn check_objectives(&self) -> anyhow::Result<()> {
+        if self.protect_tpot && !(self.slo_ttft_ms > 0.0 && self.slo_tpot_ms > 0.0) {
+            anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
+        }
+        Ok(())
+    }
+
+    fn engine(&self, num_blocks: usize, speculation: Option<pdserve_engine::batch::SpecConfig>) -> EngineConfig {
+        EngineConfig {
+            threads: self.threads.max(1),
+            num_blocks,
+            kv_dtype: self.kv_cache.kv_cache_dtype,
+            objectives: self.objectives(),
+            speculation,
+            ..Default::default()
+        }
+    }
 }
 
 pub fn run(a: Args) -> anyhow::Result<Stopped> {
-    if a.protect_tpot && !(a.slo_ttft_ms > 0.0 && a.slo_tpot_ms > 0.0) {
-        anyhow::bail!("--slo-ttft-ms and --slo-tpot-ms must be positive");
-    }
+    a.check_objectives()?;
     let key = a.security.key()?;
     a.spec.check()?;
-    a.group.check(a.role)?;
     let m = Compute::load(&a)?.with_kv_dtype(&a)?;
     let speculation = a.spec.config(m.real())?;
     let tiers = a.tiers.config(m.block_bytes(a.kv_cache.kv_cache_dtype).0)?;
+    a.group.check(a.role, tiers.host_blocks + tiers.disk_blocks > 0)?;
     // Every stage of a group counts blocks of the whole model, so all have as many.
     let blocks = m.pool_blocks(&a)?;
-    let stages = match (m.real(), a.group.layers()) {
-        (Some(lm), Some(_)) if a.group.later().is_some() => {
-            let how = (blocks, a.threads.max(1), a.kv_cache.kv_cache_dtype);
-            return super::stage::serve(&a.group, lm, a.listen, how, key);
-        }
-        (Some(lm), Some(_)) => Some(a.group.head_stages(lm, blocks, &key)),
-        (None, Some(_)) => anyhow::bail!("a stage group runs the real engine"),
-        _ => None,
+    let how = (blocks, a.threads.max(1), a.kv_cache.kv_cache_dtype);
+    let stages = match a.group.part(m.real(), a.listen, how, &key)? {
+        Part::Later(stopped) => return Ok(stopped),
+        Part::Head(stages) => Some(*stages),
+        Part::Whole => None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     rt.block_on(async move {
@@ -217,14 +231,7 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
             name: name.clone(),
             role: a.role,
             model_name: m.model_name(),
-            engine: EngineConfig {
-                threads: a.threads.max(1),
-                num_blocks: blocks,
-                kv_dtype: a.kv_cache.kv_cache_dtype,
-                objectives: a.objectives(),
-                speculation,
-                ..Default::default()
-            },
+            engine: a.engine(blocks, speculation),
             eog: Vec::new(),
             key: key.clone(),
             grammars: None,

@@ -88,7 +88,7 @@ pub fn system_tool(name: &'static str) -> &'static str {
 }
 
 /// Runs `cmd ARGS` (a pdserve command line) and waits for its address.
-fn spawn_announced(mut cmd: Command, args: &[&str], env: &[(&str, &str)]) -> Proc {
+pub fn spawn_announced(mut cmd: Command, args: &[&str], env: &[(&str, &str)]) -> Proc {
     // Workers and frontends share the tests' cluster token.
     let token = ["--cluster-token-file", token_file()];
     let secured = matches!(args.first(), Some(&"worker" | &"frontend" | &"planner"));

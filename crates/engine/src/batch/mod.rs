@@ -214,7 +214,7 @@ pub struct Engine {
 impl Engine {
     /// `eog` lists the end-of-generation token ids (from the tokenizer).
     pub fn new(model: Arc<Model>, cfg: EngineConfig, eog: Vec<u32>) -> Self {
-        let kv = KvStorage::for_model(&model, cfg.num_blocks, BLOCK_SIZE, cfg.kv_dtype);
+        let kv = model.kv_storage(cfg.num_blocks, BLOCK_SIZE, cfg.kv_dtype);
         Engine::with_compute(Compute::Model(model), kv, cfg, eog)
     }
 

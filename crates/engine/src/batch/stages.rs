@@ -16,7 +16,7 @@ use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{ForwardScratch, Model, SeqBatch, StageOut};
 use crate::threadpool::ThreadPool;
-use pdserve_types::KvDtype;
+use pdserve_types::{KvDtype, StageTotals};
 use std::sync::Arc;
 
 /// The stages after this engine's own layers, together.
@@ -34,6 +34,11 @@ pub trait NextStages: Send {
     /// as the implementation sees fit).
     fn ready(&mut self) -> bool {
         true
+    }
+
+    /// The steps sent through these stages since they were made.
+    fn totals(&self) -> StageTotals {
+        StageTotals::default()
     }
 }
 
@@ -97,6 +102,11 @@ impl Engine {
         self.next.as_mut()?.lost.take()
     }
 
+    /// The steps through later stages, when this engine heads a group.
+    pub fn stage_totals(&self) -> StageTotals {
+        self.next.as_ref().map(|n| n.stages.totals()).unwrap_or_default()
+    }
+
     /// Whether the stages after this engine's own (if any) can all be reached.
     pub fn stages_ready(&mut self) -> bool {
         self.next.as_mut().is_none_or(|n| n.stages.ready())
@@ -155,7 +165,7 @@ pub enum StageRows<'a> {
 
 impl StageRunner {
     pub fn new(model: Arc<Model>, num_blocks: usize, kv_dtype: KvDtype, threads: usize, max_rows: usize) -> Self {
-        let kv = KvStorage::for_model(&model, num_blocks, BLOCK_SIZE, kv_dtype);
+        let kv = model.kv_storage(num_blocks, BLOCK_SIZE, kv_dtype);
         let (pool, isa) = (ThreadPool::new(threads), Isa::detect());
         StageRunner { model, kv, scratch: ForwardScratch::default(), pool, isa, max_rows }
     }
@@ -193,7 +203,12 @@ impl StageRunner {
         for p in parts {
             let end = p.start_pos + p.rows;
             if p.rows == 0 || end > context || end > p.blocks.len() * BLOCK_SIZE || p.logits > p.rows {
-                return Err(format!("a part of {} rows from position {} in {} blocks", p.rows, p.start_pos, p.blocks.len()));
+                return Err(format!(
+                    "a part of {} rows from position {} in {} blocks",
+                    p.rows,
+                    p.start_pos,
+                    p.blocks.len()
+                ));
             }
             if let Some(b) = p.blocks.iter().find(|&&b| b as usize >= self.kv.num_blocks) {
                 return Err(format!("block {b} of a pool of {}", self.kv.num_blocks));

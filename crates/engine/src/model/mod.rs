@@ -25,6 +25,7 @@ use crate::config::ModelConfig;
 use crate::format::{DType, FormatError, TensorSource};
 use crate::kernels::quant::dequantize_row;
 use crate::kvcache::KvStorage;
+use pdserve_types::KvDtype;
 use forward::Step;
 use linear::{load_vector, Linear};
 
@@ -111,6 +112,11 @@ impl Model {
     /// The layers this model holds ([`LayerRange::whole`] unless it is a stage).
     pub fn layers(&self) -> LayerRange {
         self.layers
+    }
+
+    /// A K/V cache for the layers this model holds.
+    pub fn kv_storage(&self, num_blocks: usize, block_size: usize, dtype: KvDtype) -> KvStorage {
+        KvStorage::for_layers(&self.cfg, self.layers.count(), num_blocks, block_size, dtype)
     }
 
     /// Bytes of weights held in memory.

@@ -45,7 +45,10 @@ impl LayerRange {
         if self.last < total {
             Ok(self)
         } else {
-            Err(FormatError::Invalid(format!("layers {self} are past the model's last layer, {}", total.saturating_sub(1))))
+            Err(FormatError::Invalid(format!(
+                "layers {self} are past the model's last layer, {}",
+                total.saturating_sub(1)
+            )))
         }
     }
 }

@@ -7,6 +7,9 @@
 #
 #   scripts/bench-stages.sh                      the default model
 #   MODEL=PATH SPLITS="0..14,15..29 0..9,10..19,20..29" scripts/bench-stages.sh
+#   LINK=1gbit scripts/bench-stages.sh          loopback rate-limited by a token bucket (tc tbf,
+#                                                root; every process's traffic, the one-process
+#                                                run's too)
 #   (also CONCURRENCY=1,8 REQUESTS=16 INPUT=64 OUTPUT=128)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +21,11 @@ token="$out/token"; head -c 32 /dev/urandom | base64 > "$token"; chmod 600 "$tok
 common=(--model "$model" --role mixed --threads 1 --kv-blocks 1024 --cluster-token-file "$token")
 pids=()
 stop() { kill "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; pids=(); }
-trap stop EXIT
+unshape() { [ -n "${LINK:-}" ] && tc qdisc del dev lo root 2>/dev/null || true; }
+trap 'stop; unshape' EXIT
+if [ -n "${LINK:-}" ]; then
+  tc qdisc replace dev lo root tbf rate "$LINK" burst 256kb latency 50ms
+fi
 waitport() { for _ in $(seq 300); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return; sleep 0.2; done; }
 
 for split in "whole" ${SPLITS:-"0..14,15..29" "0..9,10..19,20..29"}; do

@@ -80,7 +80,13 @@ impl KvStorage {
 
     /// [`KvStorage::with_dtype`] for `n_layers` of the model's layers (a pipeline
     /// stage's own).
-    pub fn for_layers(cfg: &ModelConfig, n_layers: usize, num_blocks: usize, block_size: usize, dtype: KvDtype) -> Self {
+    pub fn for_layers(
+        cfg: &ModelConfig,
+        n_layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        dtype: KvDtype,
+    ) -> Self {
         KvStorage::shaped(n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, dtype)
     }
 

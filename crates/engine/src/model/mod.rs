@@ -25,9 +25,9 @@ use crate::config::ModelConfig;
 use crate::format::{DType, FormatError, TensorSource};
 use crate::kernels::quant::dequantize_row;
 use crate::kvcache::KvStorage;
-use pdserve_types::KvDtype;
 use forward::Step;
 use linear::{load_vector, Linear};
+use pdserve_types::KvDtype;
 
 /// One architecture's decoder layers: everything between the embedding and the final
 /// norm.

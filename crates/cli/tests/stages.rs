@@ -183,7 +183,8 @@ impl Drop for Capped {
 }
 
 /// Below what the whole default model takes in one process (about 160 MB of its own
-/// memory at start), above what half of it takes (about 80 to 95 MB).
+/// memory at start), above what each stage below takes: about 3 MB a layer, and 68 MB
+/// more for the first stage's embeddings and output head, so it gets fewer layers.
 const CAP: u64 = 130 << 20;
 
 #[test]
@@ -196,7 +197,7 @@ fn hosts_capped_below_the_models_size_run_it_across_two_and_three_of_them() {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(out.status.signal(), Some(9), "the whole model was not killed for memory under the cap: {out:?}");
     drop(alone);
-    for cuts in [&["0..14", "15..29"][..], &["0..9", "10..19", "20..29"]] {
+    for cuts in [&["0..9", "10..29"][..], &["0..5", "6..17", "18..29"]] {
         let hosts: Vec<Capped> = (0..cuts.len()).map(|i| Capped::new(&format!("host{i}"), CAP)).collect();
         let flags =
             ["--role", "mixed", "--group", "g", "--threads", "1", "--kv-blocks", "64", "--listen", "127.0.0.1:0"];

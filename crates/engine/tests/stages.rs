@@ -1,7 +1,8 @@
 //! A model cut into pipeline stages computes what the whole model does, bit for bit:
-//! each stage loads only its layers (the first the embeddings, the last the head), the
-//! residual stream goes from one stage's pass to the next one's, and each stage keeps
-//! the K/V of its own layers. Checked on the real default model (SmolLM2, 30 layers) and
+//! each stage loads only its layers (the first also the embeddings and the output
+//! head), the residual stream goes from one stage's pass to the next one's and the last
+//! one's rows back to the first for their logits, and each stage keeps the K/V of its
+//! own layers. Checked on the real default model (SmolLM2, 30 layers) and
 //! Gemma 3 270M (18 layers, a global layer every sixth, so a cut can fall either side of
 //! one), prefilled in chunks and then decoded greedily. An engine whose model is the
 //! first stage and whose later stages run behind [`NextStages`] serves requests as an
@@ -17,7 +18,7 @@ use pdserve_engine::config::ModelConfig;
 use pdserve_engine::format::gguf::GgufFile;
 use pdserve_engine::kernels::Isa;
 use pdserve_engine::kvcache::KvStorage;
-use pdserve_engine::model::{ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
+use pdserve_engine::model::{logit_rows, ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
 use pdserve_engine::threadpool::ThreadPool;
 use pdserve_types::KvDtype;
 use pdserve_types::{RequestId, SamplingParams, TokenOut};
@@ -44,28 +45,38 @@ fn stages(name: &str, cuts: &[(usize, usize)], n_blocks: usize) -> Vec<Stage> {
         .collect()
 }
 
-/// Every logits row of a chunked prefill and a greedy decode, through `stages` in turn.
+/// Every logits row of a chunked prefill and a greedy decode, through `stages` in turn
+/// (the last one's final rows back to the first, which holds the output head).
 fn run(stages: &mut [Stage], prompt: &[u32], chunk: usize, blocks: &[u32]) -> Vec<Vec<f32>> {
     let pool = ThreadPool::new(1);
     let isa = Isa::detect();
+    let h = stages[0].model.cfg.hidden;
     let (mut tokens, mut pos, mut out) = (prompt.to_vec(), 0, Vec::new());
     while out.len() < DECODE + prompt.len().div_ceil(chunk) {
         let n = if pos < prompt.len() { chunk.min(prompt.len() - pos) } else { 1 };
         let batch = [SeqBatch::plain(&tokens[pos..pos + n], pos, blocks, 1)];
-        let (mut x, mut next) = (Vec::new(), None);
+        let mut x = Vec::new();
+        let mut logits = None;
         for st in stages.iter_mut() {
             match st.model.forward_stage(isa, &pool, &batch, &x, &mut st.kv, &mut st.scratch, &mut |_, _| true) {
-                Some(StageOut::Hidden(h)) => x = h.to_vec(),
-                Some(StageOut::Logits(l)) => {
-                    next = Some(argmax(l));
-                    out.push(l.to_vec());
-                }
+                Some(StageOut::Hidden(rows)) => x = rows.to_vec(),
+                Some(StageOut::Logits(l)) => logits = Some(l.to_vec()),
                 None => panic!("a stage stopped"),
             }
         }
+        let logits = logits.unwrap_or_else(|| {
+            let last: Vec<f32> = logit_rows([(n, 1)], &x, h).flatten().copied().collect();
+            let first = &mut stages[0];
+            first
+                .model
+                .head_logits(isa, &pool, &last, &mut first.scratch)
+                .expect("the first stage has the head")
+                .to_vec()
+        });
         if pos + n >= prompt.len() {
-            tokens.push(next.expect("the last stage yields logits"));
+            tokens.push(argmax(&logits));
         }
+        out.push(logits);
         pos += n;
     }
     out
@@ -193,13 +204,13 @@ struct Flaky {
 }
 
 impl NextStages for Flaky {
-    fn run(&mut self, parts: &[StagePart], x: &[f32], logits: &mut Vec<f32>) -> Result<(), StageLost> {
+    fn run(&mut self, parts: &[StagePart], x: &[f32], rows: &mut Vec<f32>) -> Result<(), StageLost> {
         if self.ok == 0 && !self.failed {
             (self.failed, self.down) = (true, true);
             return Err(StageLost("stage 1 (layers 15..29) closed the connection".into()));
         }
         self.ok = self.ok.saturating_sub(1);
-        self.inner.run(parts, x, logits)
+        self.inner.run(parts, x, rows)
     }
 
     fn reconnected(&mut self) -> bool {
@@ -234,7 +245,7 @@ fn a_lost_stage_ends_the_step_and_the_stages_come_back_with_an_empty_prefix_cach
 }
 
 #[test]
-fn a_head_engine_refuses_what_its_last_stage_would_have_to_compute_alone() {
+fn a_head_engine_refuses_prompt_scores_and_embeddings() {
     let mut e = head_engine(&[(0, 14), (15, 29)], |s| Box::new(s));
     let params = SamplingParams { prompt_logprobs: Some(1), ..greedy(2) };
     let err = e.add(RequestId(1), prompt(4), params).unwrap_err();

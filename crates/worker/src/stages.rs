@@ -7,7 +7,8 @@
 //!                                                  | vocab u32 | blocks u32 | model name (UTF-8)
 //! step:  op 1 | parts u32 | per part: rows u32 | start u32 | logits u32 | blocks u32 | ids u32…
 //!             | residual stream f32… (rows × hidden)
-//!                                               → the next residual stream, or the logits rows (last stage)
+//!                                               → the next residual stream, or (last stage) the final
+//!                                                 residual rows that get logits on the head
 //! ```
 //!
 //! The head calls the stages one after the other (a star, not a ring): the stream goes
@@ -171,7 +172,7 @@ impl StageHandler for StageService {
             Some((&STEP, body)) => {
                 let parts = decode_step(body, &mut self.x)?;
                 match self.runner.run(&parts, &self.x)? {
-                    StageRows::Hidden(h) | StageRows::Logits(h) => put_floats(reply, h),
+                    StageRows::Hidden(h) | StageRows::Last(h) => put_floats(reply, h),
                 }
             }
             _ => return Err("an unknown call".into()),
@@ -273,7 +274,7 @@ fn hello(addr: SocketAddr, key: &ClusterKey, head: &StageHello) -> Result<(Stage
 }
 
 impl NextStages for RemoteStages {
-    fn run(&mut self, parts: &[StagePart], x: &[f32], logits: &mut Vec<f32>) -> Result<(), StageLost> {
+    fn run(&mut self, parts: &[StagePart], x: &[f32], rows: &mut Vec<f32>) -> Result<(), StageLost> {
         if let Some(why) = self.missing.clone() {
             return Err(StageLost(why));
         }
@@ -286,7 +287,7 @@ impl NextStages for RemoteStages {
                 self.x = buf;
                 return Err(self.lose(i, "not connected".into()));
             };
-            let out = if i + 1 == n { &mut *logits } else { &mut buf };
+            let out = if i + 1 == n { &mut *rows } else { &mut buf };
             let answered = conn.call(&self.call).map_err(|e| e.to_string()).and_then(|a| {
                 self.totals.bytes += (self.call.len() + a.len()) as u64;
                 Reader(a).floats(out)

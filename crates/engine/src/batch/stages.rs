@@ -14,7 +14,7 @@
 use super::{Engine, BLOCK_SIZE};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
-use crate::model::{ForwardScratch, Model, SeqBatch, StageOut};
+use crate::model::{logit_rows, ForwardScratch, Model, SeqBatch, StageOut};
 use crate::threadpool::ThreadPool;
 use pdserve_types::{KvDtype, StageTotals};
 use std::sync::Arc;
@@ -22,9 +22,9 @@ use std::sync::Arc;
 /// The stages after this engine's own layers, together.
 pub trait NextStages: Send {
     /// Runs the step whose parts are `parts` through the later stages, from `x` (every
-    /// row of this stage's output), and puts the last stage's logits rows (the rows
-    /// each part asked for, in order) into `logits`.
-    fn run(&mut self, parts: &[StagePart], x: &[f32], logits: &mut Vec<f32>) -> Result<(), StageLost>;
+    /// row of this stage's output), and puts the last stage's final residual rows that
+    /// get logits (each part's last `logits` rows, in order) into `rows`.
+    fn run(&mut self, parts: &[StagePart], x: &[f32], rows: &mut Vec<f32>) -> Result<(), StageLost>;
 
     /// Whether the stages were reached afresh since the last call (their K/V may be
     /// gone, so the head forgets its prefix cache).
@@ -51,6 +51,8 @@ pub struct StageLost(pub String);
 pub(crate) struct Next {
     stages: Box<dyn NextStages>,
     lost: Option<StageLost>,
+    /// The last stage's rows of the step.
+    rows: Vec<f32>,
 }
 
 /// What a pass needs from the engine besides the stages.
@@ -71,28 +73,25 @@ impl Next {
         s: &'s mut ForwardScratch,
         on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
     ) -> Option<&'s mut [f32]> {
-        match head.forward_stage(pass.isa, pass.pool, pass.batch, &[], kv, s, on_layer)? {
+        let x = match head.forward_stage(pass.isa, pass.pool, pass.batch, &[], kv, s, on_layer)? {
+            StageOut::Hidden(x) => x,
             StageOut::Logits(_) => {
                 self.lost = Some(StageLost("the head stage holds the whole model".into()));
                 return None;
             }
-            StageOut::Hidden(_) => {}
+        };
+        if let Err(e) = self.stages.run(&parts_of(pass.batch), x, &mut self.rows) {
+            self.lost = Some(e);
+            return None;
         }
-        let (x, logits) = s.hidden_and_logits();
-        match self.stages.run(&parts_of(pass.batch), x, logits) {
-            Ok(()) => Some(logits.as_mut_slice()),
-            Err(e) => {
-                self.lost = Some(e);
-                None
-            }
-        }
+        head.head_logits(pass.isa, pass.pool, &self.rows, s)
     }
 }
 
 impl Engine {
     /// Runs the layers after this engine's model (a first stage) through `stages`.
     pub fn with_next_stages(mut self, stages: Box<dyn NextStages>) -> Self {
-        self.next = Some(Next { stages, lost: None });
+        self.next = Some(Next { stages, lost: None, rows: Vec::new() });
         self
     }
 
@@ -153,21 +152,23 @@ pub struct StageRunner {
     isa: Isa,
     /// Rows a step may have at most (the head's batch budget).
     max_rows: usize,
+    /// The last stage's rows that get logits.
+    last: Vec<f32>,
 }
 
 /// What a later stage's step yields.
 pub enum StageRows<'a> {
     /// The residual stream for the next stage, every row.
     Hidden(&'a [f32]),
-    /// The logits rows the parts asked for (the last stage).
-    Logits(&'a [f32]),
+    /// The final residual rows that get logits on the head (the last stage's).
+    Last(&'a [f32]),
 }
 
 impl StageRunner {
     pub fn new(model: Arc<Model>, num_blocks: usize, kv_dtype: KvDtype, threads: usize, max_rows: usize) -> Self {
         let kv = model.kv_storage(num_blocks, BLOCK_SIZE, kv_dtype);
         let (pool, isa) = (ThreadPool::new(threads), Isa::detect());
-        StageRunner { model, kv, scratch: ForwardScratch::default(), pool, isa, max_rows }
+        StageRunner { model, kv, scratch: ForwardScratch::default(), pool, isa, max_rows, last: Vec::new() }
     }
 
     pub fn model(&self) -> &Model {
@@ -182,12 +183,18 @@ impl StageRunner {
         let zeros = vec![0u32; parts.iter().map(|p| p.rows).max().unwrap_or(0)];
         let batch: Vec<SeqBatch<'_>> =
             parts.iter().map(|p| SeqBatch::plain(&zeros[..p.rows], p.start_pos, &p.blocks, p.logits)).collect();
-        let s = &mut self.scratch;
-        match self.model.forward_stage(self.isa, &self.pool, &batch, x, &mut self.kv, s, &mut |_, _| true) {
-            Some(StageOut::Hidden(h)) => Ok(StageRows::Hidden(&h[..rows * self.model.cfg.hidden])),
-            Some(StageOut::Logits(l)) => Ok(StageRows::Logits(l)),
-            None => Err("the stage's pass stopped".into()),
+        let (s, h) = (&mut self.scratch, self.model.cfg.hidden);
+        let x = match self.model.forward_stage(self.isa, &self.pool, &batch, x, &mut self.kv, s, &mut |_, _| true) {
+            Some(StageOut::Hidden(x)) => &x[..rows * h],
+            _ => return Err("this stage holds the output head: it is a group's first".into()),
+        };
+        let m = &self.model;
+        if !m.layers().heads(m.cfg.n_layers) {
+            return Ok(StageRows::Hidden(x));
         }
+        self.last.clear();
+        logit_rows(parts.iter().map(|p| (p.rows, p.logits)), x, h).for_each(|r| self.last.extend_from_slice(r));
+        Ok(StageRows::Last(&self.last))
     }
 
     /// The step's rows, when `parts` and `x_len` values of input fit this stage.
@@ -232,19 +239,19 @@ impl LocalStages {
 }
 
 impl NextStages for LocalStages {
-    fn run(&mut self, parts: &[StagePart], x: &[f32], logits: &mut Vec<f32>) -> Result<(), StageLost> {
+    fn run(&mut self, parts: &[StagePart], x: &[f32], rows: &mut Vec<f32>) -> Result<(), StageLost> {
         let mut input = x.to_vec();
         for stage in &mut self.stages {
             match stage.run(parts, &input).map_err(StageLost)? {
                 StageRows::Hidden(h) => input = h.to_vec(),
-                StageRows::Logits(l) => {
-                    logits.clear();
-                    logits.extend_from_slice(l);
+                StageRows::Last(l) => {
+                    rows.clear();
+                    rows.extend_from_slice(l);
                     return Ok(());
                 }
             }
         }
-        Err(StageLost("no stage holds the head".into()))
+        Err(StageLost("no stage holds the model's last layer".into()))
     }
 
     fn reconnected(&mut self) -> bool {

@@ -78,12 +78,18 @@ pub struct ForwardScratch {
     last: Vec<f32>,
 }
 
-impl ForwardScratch {
-    /// The residual stream a stage's pass left (every row), and the buffer for the
-    /// logits rows the later stages return.
-    pub(crate) fn hidden_and_logits(&mut self) -> (&[f32], &mut Vec<f32>) {
-        (&self.x, &mut self.logits)
-    }
+/// The rows of `x` (every row of a step, `hidden` values each) that get logits: of
+/// each part, given as (its rows, its logits rows), the last logits rows, in order.
+pub fn logit_rows<'x>(
+    parts: impl IntoIterator<Item = (usize, usize)> + 'x,
+    x: &'x [f32],
+    hidden: usize,
+) -> impl Iterator<Item = &'x [f32]> {
+    let mut end = 0;
+    parts.into_iter().map(move |(rows, logits)| {
+        end += rows;
+        &x[(end - logits.min(rows)) * hidden..end * hidden]
+    })
 }
 
 /// What every layer of one forward pass shares: the kernels' ISA, the thread pool, the
@@ -97,10 +103,11 @@ pub(super) struct Step<'a, 'b> {
 
 /// What one stage's pass yields.
 pub enum StageOut<'s> {
-    /// The logits rows the sequences asked for (the last stage, or a whole model).
+    /// The logits rows the sequences asked for (a whole model).
     Logits(&'s mut [f32]),
-    /// The residual stream after this stage's layers, every row of the batch, for the
-    /// next stage.
+    /// The residual stream after this stage's layers, every row of the batch: for the
+    /// next stage, or from the last one the rows that get logits on the first
+    /// ([`Model::head_logits`]).
     Hidden(&'s [f32]),
 }
 
@@ -157,9 +164,28 @@ impl Model {
             return None;
         }
         Some(match &self.head {
-            Some(head) => StageOut::Logits(self.logits(head, isa, pool, batch, s)),
-            None => StageOut::Hidden(&s.x),
+            Some(head) if self.layers.heads(self.cfg.n_layers) => {
+                StageOut::Logits(self.logits(head, isa, pool, batch, s))
+            }
+            _ => StageOut::Hidden(&s.x),
         })
+    }
+
+    /// The first stage's logits of `rows`, the last stage's final residual rows that
+    /// get logits (as [`logit_rows`] picks them): the output norm and projection a
+    /// whole model applies to the same rows, so the same values. `None` on a stage
+    /// without the output head.
+    pub fn head_logits<'s>(
+        &self,
+        isa: Isa,
+        pool: &ThreadPool,
+        rows: &[f32],
+        s: &'s mut ForwardScratch,
+    ) -> Option<&'s mut [f32]> {
+        let head = self.head.as_ref()?;
+        s.last.clear();
+        s.last.extend_from_slice(rows);
+        Some(self.project(head, isa, pool, s))
     }
 
     fn logits<'s>(
@@ -170,16 +196,18 @@ impl Model {
         batch: &[SeqBatch<'_>],
         s: &'s mut ForwardScratch,
     ) -> &'s mut [f32] {
-        let (h, v) = (self.cfg.hidden, self.cfg.vocab_size);
         s.last.clear();
-        let mut end = 0;
-        for b in batch {
-            end += b.tokens.len();
-            let rows = b.logits.min(b.tokens.len());
-            s.last.extend_from_slice(&s.x[(end - rows) * h..end * h]);
+        for row in logit_rows(batch.iter().map(|b| (b.tokens.len(), b.logits)), &s.x, self.cfg.hidden) {
+            s.last.extend_from_slice(row);
         }
         self.score_rows(head, isa, pool, batch, s);
         self.pool_rows(head, pool, batch, s);
+        self.project(head, isa, pool, s)
+    }
+
+    /// The logits of the rows in `s.last`: the output norm, the projection, the cap.
+    fn project<'s>(&self, head: &Head, isa: Isa, pool: &ThreadPool, s: &'s mut ForwardScratch) -> &'s mut [f32] {
+        let (h, v) = (self.cfg.hidden, self.cfg.vocab_size);
         let n = s.last.len() / h;
         norm_rows(pool, &s.last, &head.norm, self.cfg.rms_eps, h, &mut s.h);
         s.logits.resize(n * v, 0.0);

@@ -18,7 +18,7 @@ mod qwen3moe;
 pub mod stage;
 
 pub use family::supported_architectures;
-pub use forward::{ForwardScratch, Pool, Pooled, Scoring, SeqBatch, StageOut};
+pub use forward::{logit_rows, ForwardScratch, Pool, Pooled, Scoring, SeqBatch, StageOut};
 pub use stage::LayerRange;
 
 use crate::config::ModelConfig;
@@ -69,7 +69,8 @@ struct Embedding {
     scale: f32,
 }
 
-/// The final norm and the output projection: the last stage's.
+/// The final norm and the output projection: the first stage's, beside the
+/// embeddings (see [`Model::load_stage`]).
 struct Head {
     norm: Vec<f32>,
     lm_head: Linear,
@@ -93,18 +94,19 @@ impl Model {
         Model::load_stage(src, cfg, layers)
     }
 
-    /// Loads the weights of `layers` only, with the embeddings when they start the
-    /// model and the head when they end it: a pipeline stage.
+    /// Loads the weights of `layers` only: a pipeline stage. The first stage also
+    /// holds the embeddings and the output head (norm and projection), so the last one
+    /// hands back its final residual rows (`hidden` values a token) and the first
+    /// computes the logits (`vocabulary` values a token, 20 to 60 times more to send).
     pub fn load_stage(src: &dyn TensorSource, cfg: ModelConfig, layers: LayerRange) -> Result<Self, FormatError> {
         let layers = layers.within(cfg.n_layers)?;
         let body = load_layers(src, &cfg, layers)?;
-        let embd = match layers.embeds() {
-            true => Some(Embedding { scale: body.embedding_scale(&cfg), ..load_embedding(src, &cfg)? }),
-            false => None,
-        };
-        let head = match layers.heads(cfg.n_layers) {
-            true => Some(load_head(src, &cfg)?),
-            false => None,
+        let (embd, head) = match layers.embeds() {
+            true => {
+                let embd = Embedding { scale: body.embedding_scale(&cfg), ..load_embedding(src, &cfg)? };
+                (Some(embd), Some(load_head(src, &cfg)?))
+            }
+            false => (None, None),
         };
         Ok(Model { embd, body, head, layers, cfg })
     }

@@ -1,9 +1,9 @@
 //! The head of a stage group: an engine whose model is the first pipeline stage (the
-//! embeddings and the first layers) and whose later stages run elsewhere. The head
-//! schedules, owns every block table and samples, as any engine does; each step it
-//! runs its own layers, hands the residual stream and the step's shape (each part's
-//! positions and block ids) to the stages after it, and samples from the logits the
-//! last one returns. A later stage keeps the K/V of its own layers under the same block
+//! embeddings, the first layers and the output head) and whose later stages run
+//! elsewhere. The head schedules, owns every block table and samples, as any engine
+//! does; each step it runs its own layers, hands the residual stream and the step's
+//! shape (each part's positions and block ids) to the stages after it, and samples from
+//! the logits of the final rows the last one returns. A later stage keeps the K/V of its own layers under the same block
 //! ids, so the head's block accounting (prefix cache included) holds for every stage.
 //!
 //! A stage that cannot be reached fails the step: nothing advances, the engine reports

@@ -1,6 +1,7 @@
 //! A pipeline stage's share of a model: a contiguous range of its decoder layers. The
-//! first stage also holds the token embeddings, the last the final norm and the output
-//! head; a stage in between takes the residual stream in and hands it on.
+//! first stage also holds the token embeddings and the output head (final norm and
+//! projection); a later stage takes the residual stream in and hands it on, the last
+//! one back to the first for the logits.
 
 use crate::format::FormatError;
 use std::fmt;

@@ -75,7 +75,7 @@ impl KvStorage {
     /// # Panics
     /// When [`check_dtype`] refuses `dtype` for this model (callers check first).
     pub fn with_dtype(cfg: &ModelConfig, num_blocks: usize, block_size: usize, dtype: KvDtype) -> Self {
-        KvStorage::shaped(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_blocks, block_size, dtype)
+        KvStorage::for_layers(cfg, cfg.n_layers, num_blocks, block_size, dtype)
     }
 
     /// [`KvStorage::with_dtype`] for `n_layers` of the model's layers (a pipeline

@@ -224,7 +224,7 @@ pub fn read_sync<R: Read>(
 }
 
 /// The largest record that carries a frame of `frame_bytes`.
-pub fn record_limit(frame_bytes: usize) -> usize {
+pub const fn record_limit(frame_bytes: usize) -> usize {
     9 + frame_bytes
 }
 

@@ -27,8 +27,9 @@ const REFUSED: u8 = 42;
 
 const LABELS: Labels = Labels { connecting: b"pdserve-stage-head", accepting: b"pdserve-stage" };
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// The largest call or reply.
-const LIMIT: usize = usize::MAX;
+/// The largest call or reply: a frame's record (64 MiB), which `read_sync` caps any
+/// limit at; a length past it closes the connection before anything is allocated.
+const LIMIT: usize = records::record_limit(crate::frame::MAX_FRAME_BYTES);
 
 /// One end's framing: records out with room for their MAC, records in checked.
 struct Ends {

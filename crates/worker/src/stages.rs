@@ -221,7 +221,8 @@ impl RemoteStages {
     /// Connects to every stage not connected and checks the group; at most once per
     /// [`RETRY`] unless `now`.
     pub fn connect(&mut self, now: bool) -> Option<&str> {
-        if !now && self.tried.is_some_and(|t| t.elapsed() < RETRY) {
+        let whole = self.missing.is_none() && self.stages.iter().all(|s| s.conn.is_some());
+        if whole || (!now && self.tried.is_some_and(|t| t.elapsed() < RETRY)) {
             return self.missing();
         }
         self.tried = Some(Instant::now());

@@ -154,6 +154,7 @@ pub struct StageRunner {
     max_rows: usize,
     /// The last stage's rows that get logits.
     last: Vec<f32>,
+    zeros: Vec<u32>,
 }
 
 /// What a later stage's step yields.
@@ -168,7 +169,8 @@ impl StageRunner {
     pub fn new(model: Arc<Model>, num_blocks: usize, kv_dtype: KvDtype, threads: usize, max_rows: usize) -> Self {
         let kv = model.kv_storage(num_blocks, BLOCK_SIZE, kv_dtype);
         let (pool, isa) = (ThreadPool::new(threads), Isa::detect());
-        StageRunner { model, kv, scratch: ForwardScratch::default(), pool, isa, max_rows, last: Vec::new() }
+        let (last, zeros) = (Vec::new(), Vec::new());
+        StageRunner { model, kv, scratch: ForwardScratch::default(), pool, isa, max_rows, last, zeros }
     }
 
     pub fn model(&self) -> &Model {
@@ -180,7 +182,9 @@ impl StageRunner {
     /// refused whole, before any K/V is written.
     pub fn run(&mut self, parts: &[StagePart], x: &[f32]) -> Result<StageRows<'_>, String> {
         let rows = self.check(parts, x.len())?;
-        let zeros = vec![0u32; parts.iter().map(|p| p.rows).max().unwrap_or(0)];
+        // Stand-in tokens: only their count is read past the first stage.
+        self.zeros.resize(self.zeros.len().max(rows), 0);
+        let zeros = &self.zeros;
         let batch: Vec<SeqBatch<'_>> =
             parts.iter().map(|p| SeqBatch::plain(&zeros[..p.rows], p.start_pos, &p.blocks, p.logits)).collect();
         let (s, h) = (&mut self.scratch, self.model.cfg.hidden);

@@ -67,6 +67,22 @@ fn a_model_split_across_two_and_three_processes_answers_as_one_process_does() {
         let decoded = 23 * prompts.len();
         assert!(rows >= decoded as f64, "{cuts:?}: {rows} rows for {decoded} decoded tokens");
         assert!(bytes >= rows * 576.0 * 4.0, "{cuts:?}: {bytes} bytes for {rows} rows");
+        // Each stage's compute is timed by its layers, and what the head waited is
+        // the later stages' compute and the links' share.
+        let waited = metric(fe.addr, "pdserve_stage_seconds_total", "");
+        let mut later = 0.0;
+        for (i, layers) in cuts.iter().enumerate() {
+            let s = metric(fe.addr, "pdserve_stage_compute_seconds_total", &format!("layers=\"{layers}\""));
+            assert!(s > 0.0, "{cuts:?}: no compute time for stage {layers}");
+            later += if i > 0 { s } else { 0.0 };
+        }
+        let link = metric(fe.addr, "pdserve_stage_link_seconds_total", "");
+        assert!(
+            link > 0.0 && (later + link - waited).abs() < 1e-6 * waited.max(1.0),
+            "{cuts:?}: {later} + {link} ≠ {waited}"
+        );
+        let per_token = metric(fe.addr, "pdserve_stage_activation_bytes_per_token", "");
+        assert!((per_token - bytes / rows).abs() < 1e-6 * per_token, "{cuts:?}: {per_token} per token");
     }
 }
 

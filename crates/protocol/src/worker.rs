@@ -329,7 +329,7 @@ pub struct KvEvents {
 }
 
 /// A snapshot of a worker's engine.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkerStats {
     pub waiting: usize,
     pub running: usize,

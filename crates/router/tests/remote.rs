@@ -77,14 +77,14 @@ async fn a_stopping_worker_is_routed_nothing_new() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let round = loop {
         let round = r.poll_stats().await;
-        if round[0].1.is_some_and(|s| s.stopping) || tokio::time::Instant::now() > deadline {
+        if round[0].1.as_ref().is_some_and(|s| s.stopping) || tokio::time::Instant::now() > deadline {
             break round;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let usable: Vec<(String, bool)> = round.iter().map(|(e, _)| (e.name().to_string(), e.usable())).collect();
     assert_eq!(usable, [("stopping".to_string(), false), ("staying".to_string(), true)]);
-    assert!(round[0].1.is_some_and(|s| s.stopping), "its stats say it stops");
+    assert!(round[0].1.as_ref().is_some_and(|s| s.stopping), "its stats say it stops");
     for (i, prompt) in PROMPTS.iter().enumerate() {
         let (toks, last) = collect(r.generate(request(i as u64, prompt, 4)).unwrap()).await;
         assert!(matches!(last, Event::Done { .. }) && !toks.is_empty(), "{last:?}");

@@ -63,6 +63,9 @@ const STAGE_STEPS: &str = "pdserve_stage_steps";
 const STAGE_ROWS: &str = "pdserve_stage_rows";
 const STAGE_BYTES: &str = "pdserve_stage_activation_bytes";
 const STAGE_SECONDS: &str = "pdserve_stage_seconds";
+const STAGE_COMPUTE_SECONDS: &str = "pdserve_stage_compute_seconds";
+const STAGE_LINK_SECONDS: &str = "pdserve_stage_link_seconds";
+const STAGE_BYTES_PER_TOKEN: &str = "pdserve_stage_activation_bytes_per_token";
 
 /// The content type `/metrics` answers with.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -184,6 +187,9 @@ struct Inner {
     stage_rows: Family<Label1, Counter>,
     stage_bytes: Family<Label1, Counter>,
     stage_seconds: Family<Label1, Counter<f64, AtomicU64>>,
+    stage_compute_seconds: Family<Label2, Counter<f64, AtomicU64>>,
+    stage_link_seconds: Family<Label1, Counter<f64, AtomicU64>>,
+    stage_bytes_per_token: Family<Label1, Gauge<f64, AtomicU64>>,
 }
 
 impl Default for Metrics {
@@ -248,6 +254,9 @@ impl Metrics {
             stage_rows: Family::default(),
             stage_bytes: Family::default(),
             stage_seconds: Family::default(),
+            stage_compute_seconds: Family::default(),
+            stage_link_seconds: Family::default(),
+            stage_bytes_per_token: Family::default(),
         };
         Metrics { inner: Arc::new(inner.registered()) }
     }
@@ -356,8 +365,15 @@ impl Metrics {
             let c = family.get_or_create(label);
             c.inc_by(n.saturating_sub(c.get()));
         }
-        let secs = self.inner.stage_seconds.get_or_create(label);
-        secs.inc_by((t.seconds - secs.get()).max(0.0));
+        let grow = |c: &Counter<f64, AtomicU64>, total: f64| c.inc_by((total - c.get()).max(0.0));
+        grow(&self.inner.stage_seconds.get_or_create(label), t.seconds);
+        grow(&self.inner.stage_link_seconds.get_or_create(label), t.link_seconds());
+        for c in &t.compute {
+            let by = [label[0].clone(), ("layers", format!("{}..{}", c.first, c.last))];
+            grow(&self.inner.stage_compute_seconds.get_or_create(&by), c.seconds);
+        }
+        let per_token = t.bytes as f64 / t.rows.max(1) as f64;
+        self.inner.stage_bytes_per_token.get_or_create(label).set(per_token);
     }
 
     /// A worker's speculation totals: drafted and accepted tokens, and the tokens a
@@ -519,6 +535,12 @@ impl Inner {
         r.register(STAGE_BYTES, help, self.stage_bytes.clone());
         let help = "Time a stage group's head waited on its later stages (their compute and the links)";
         r.register(STAGE_SECONDS, help, self.stage_seconds.clone());
+        let help = "Time each stage of a group computed its layers on the head's steps (over steps: its step time)";
+        r.register(STAGE_COMPUTE_SECONDS, help, self.stage_compute_seconds.clone());
+        let help = "Time a stage group's head waited beyond its later stages' compute: the hops both ways";
+        r.register(STAGE_LINK_SECONDS, help, self.stage_link_seconds.clone());
+        let help = "Activation bytes per token computed, both ways over every hop of a stage group";
+        r.register(STAGE_BYTES_PER_TOKEN, help, self.stage_bytes_per_token.clone());
     }
 
     fn registered(mut self) -> Self {
@@ -670,7 +692,7 @@ fn gauge(n: usize) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pdserve_types::PoolStats;
+    use pdserve_types::{PoolStats, StageCompute};
 
     #[test]
     fn counters_keep_their_total_suffix() {
@@ -722,7 +744,11 @@ mod tests {
         m.set_worker_stats("h", &WorkerStats::default());
         assert!(!m.render().contains("pdserve_stage_steps_total{"), "no series for a worker that heads no group");
         for (steps, rows, bytes, seconds) in [(4, 10, 1000, 0.5), (9, 20, 3000, 1.25)] {
-            let stages = StageTotals { steps, rows, bytes, seconds };
+            let compute = vec![
+                StageCompute { first: 0, last: 9, seconds: seconds / 4.0 },
+                StageCompute { first: 10, last: 29, seconds: seconds / 2.0 },
+            ];
+            let stages = StageTotals { steps, rows, bytes, seconds, compute };
             m.set_worker_stats("h", &WorkerStats { stages, ..Default::default() });
         }
         let text = m.render();
@@ -731,6 +757,10 @@ mod tests {
             "pdserve_stage_rows_total{worker=\"h\"} 20\n",
             "pdserve_stage_activation_bytes_total{worker=\"h\"} 3000\n",
             "pdserve_stage_seconds_total{worker=\"h\"} 1.25\n",
+            "pdserve_stage_compute_seconds_total{worker=\"h\",layers=\"0..9\"} 0.3125\n",
+            "pdserve_stage_compute_seconds_total{worker=\"h\",layers=\"10..29\"} 0.625\n",
+            "pdserve_stage_link_seconds_total{worker=\"h\"} 0.625\n",
+            "pdserve_stage_activation_bytes_per_token{worker=\"h\"} 150.0\n",
         ] {
             assert!(text.contains(line), "{line}{text}");
         }

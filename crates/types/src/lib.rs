@@ -29,7 +29,7 @@ pub use millis::{millis, round_ms};
 pub use prefix::{BlockHash, KvEvent, PoolStats, Tier, TierCounters, TierStats};
 pub use role::{Assignment, Epoch, Role};
 pub use sampling::{Pooling, SamplingError, SamplingParams, StopCondition, MAX_STOP_TOKEN_IDS};
-pub use steps::{DecodeSteps, PrefillSteps, SpecTotals, StageTotals, StepFit};
+pub use steps::{DecodeSteps, PrefillSteps, SpecTotals, StageCompute, StageTotals, StepFit};
 pub use token::{FinishReason, TokenOut};
 pub use traffic::RequestSample;
 pub use transfer::{HandoffToken, InProcTarget, KvAddr, KvTarget, TransportKind};

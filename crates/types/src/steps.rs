@@ -290,7 +290,7 @@ mod tests {
 
 /// A stage group head's steps through its later stages since it started: what
 /// `pdserve_stage_*` in `/metrics` report.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StageTotals {
     /// Steps sent through the later stages, and their rows (one per token computed).
     pub steps: u64,
@@ -299,6 +299,29 @@ pub struct StageTotals {
     pub bytes: u64,
     /// Seconds the head waited on them: their compute and the links both ways.
     pub seconds: f64,
+    /// Seconds each stage spent computing its layers' share of those steps: the head
+    /// first (its layers and the output head), then the later stages in layer order.
+    /// The waited seconds less the later stages' are the links' share.
+    #[serde(default)]
+    pub compute: Vec<StageCompute>,
+}
+
+/// One stage's compute time over a head's steps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageCompute {
+    /// Its layers, inclusive.
+    pub first: usize,
+    pub last: usize,
+    pub seconds: f64,
+}
+
+impl StageTotals {
+    /// Seconds the head waited beyond what the later stages computed: the hops' wire
+    /// time, both ways, with their encoding and the stages' reading of them.
+    pub fn link_seconds(&self) -> f64 {
+        let later: f64 = self.compute.iter().skip(1).map(|c| c.seconds).sum();
+        (self.seconds - later).max(0.0)
+    }
 }
 
 /// Speculative decoding's running totals on one engine since it started.

@@ -449,11 +449,11 @@ impl Worker for LocalWorker {
             let mut s = match tokio::time::timeout(STATS_PATIENCE, rx).await {
                 Ok(answer) => {
                     let s = answer.map_err(|_| self.inner.stopped())?;
-                    *lock(&self.inner.last_stats) = s;
+                    *lock(&self.inner.last_stats) = s.clone();
                     s
                 }
                 // Mid-step (a long prefill): what the engine said last.
-                Err(_) => *lock(&self.inner.last_stats),
+                Err(_) => lock(&self.inner.last_stats).clone(),
             };
             s.queued_prompt_tokens += self.inner.prefill_tokens.load(Ordering::Relaxed);
             s.assignment = Some(self.inner.role.get());

@@ -7,8 +7,9 @@
 //!                                                  | vocab u32 | blocks u32 | model name (UTF-8)
 //! step:  op 1 | parts u32 | per part: rows u32 | start u32 | logits u32 | blocks u32 | ids u32…
 //!             | residual stream f32… (rows × hidden)
-//!                                               → the next residual stream, or (last stage) the final
-//!                                                 residual rows that get logits on the head
+//!                                               → compute ns u64 | the next residual stream, or (last
+//!                                                 stage) the final residual rows that get logits on
+//!                                                 the head
 //! ```
 //!
 //! The head calls the stages one after the other (a star, not a ring): the stream goes
@@ -19,7 +20,7 @@ use pdserve_engine::batch::{NextStages, StageLost, StagePart, StageRows, StageRu
 use pdserve_engine::model::stage::covering;
 use pdserve_engine::model::LayerRange;
 use pdserve_kv_transfer::{ClusterKey, StageConn, StageHandler};
-use pdserve_types::StageTotals;
+use pdserve_types::{StageCompute, StageTotals};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -90,6 +91,12 @@ impl Reader<'_> {
         let (head, rest) = self.0.split_first_chunk::<4>().ok_or("a call cut short")?;
         self.0 = rest;
         Ok(u32::from_le_bytes(*head) as usize)
+    }
+
+    fn u64(&mut self) -> Result<u64, String> {
+        let (head, rest) = self.0.split_first_chunk::<8>().ok_or("an answer cut short")?;
+        self.0 = rest;
+        Ok(u64::from_le_bytes(*head))
     }
 
     fn floats(self, out: &mut Vec<f32>) -> Result<(), String> {
@@ -171,9 +178,13 @@ impl StageHandler for StageService {
             Some((&HELLO, _)) => reply.extend_from_slice(&self.hello.encode()),
             Some((&STEP, body)) => {
                 let parts = decode_step(body, &mut self.x)?;
-                match self.runner.run(&parts, &self.x)? {
-                    StageRows::Hidden(h) | StageRows::Last(h) => put_floats(reply, h),
-                }
+                let started = Instant::now();
+                let rows = match self.runner.run(&parts, &self.x)? {
+                    StageRows::Hidden(h) | StageRows::Last(h) => h,
+                };
+                let ns = started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+                reply.extend_from_slice(&ns.to_le_bytes());
+                put_floats(reply, rows);
             }
             _ => return Err("an unknown call".into()),
         }
@@ -187,6 +198,8 @@ struct Stage {
     conn: Option<StageConn>,
     /// Its layers, once it said hello.
     layers: Option<LayerRange>,
+    /// Seconds it said it computed, over every step it answered.
+    compute_s: f64,
 }
 
 /// The head's side: the later stages at their addresses, called in layer order.
@@ -206,7 +219,7 @@ pub struct RemoteStages {
 impl RemoteStages {
     /// The stages at `addrs` (any order), for a head that says `head` of itself.
     pub fn new(head: StageHello, addrs: &[SocketAddr], key: ClusterKey) -> RemoteStages {
-        let stages = addrs.iter().map(|&addr| Stage { addr, conn: None, layers: None }).collect();
+        let stages = addrs.iter().map(|&addr| Stage { addr, conn: None, layers: None, compute_s: 0.0 }).collect();
         let missing = Some("not connected yet".into());
         let (call, x, totals) = (Vec::new(), Vec::new(), StageTotals::default());
         RemoteStages { head, stages, key, tried: None, missing, fresh: false, call, x, totals }
@@ -284,14 +297,18 @@ impl NextStages for RemoteStages {
         let started = Instant::now();
         for i in 0..n {
             encode_step(parts, if i == 0 { x } else { &buf }, &mut self.call);
-            let Some(conn) = self.stages[i].conn.as_mut() else {
+            let stage = &mut self.stages[i];
+            let Some(conn) = stage.conn.as_mut() else {
                 self.x = buf;
                 return Err(self.lose(i, "not connected".into()));
             };
             let out = if i + 1 == n { &mut *rows } else { &mut buf };
+            let compute_s = &mut stage.compute_s;
             let answered = conn.call(&self.call).map_err(|e| e.to_string()).and_then(|a| {
                 self.totals.bytes += (self.call.len() + a.len()) as u64;
-                Reader(a).floats(out)
+                let mut r = Reader(a);
+                *compute_s += r.u64()? as f64 * 1e-9;
+                r.floats(out)
             });
             if let Err(why) = answered {
                 self.x = buf;
@@ -314,7 +331,11 @@ impl NextStages for RemoteStages {
     }
 
     fn totals(&self) -> StageTotals {
-        self.totals
+        let compute = self.stages.iter().filter_map(|s| {
+            let l = s.layers?;
+            Some(StageCompute { first: l.first, last: l.last, seconds: s.compute_s })
+        });
+        StageTotals { compute: compute.collect(), ..self.totals.clone() }
     }
 }
 

@@ -335,7 +335,7 @@ mod tests {
         let polled = set.get(id).expect("just added");
         let metrics = Metrics::new();
         let stats = WorkerStats { blocks: PoolStats { used: 26, ..Default::default() }, ..Default::default() };
-        publish(&metrics, vec![(polled.clone(), Some(stats))]);
+        publish(&metrics, vec![(polled.clone(), Some(stats.clone()))]);
         assert!(metrics.render().contains("worker=\"d-1\",state=\"used\",tier=\"device\"} 26"));
         set.remove(id);
         metrics.forget_worker("d-1");

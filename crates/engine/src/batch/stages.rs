@@ -11,13 +11,14 @@
 //! router moves them. The next step tries the stages again; K/V a stage may have lost
 //! meanwhile is not trusted, so the prefix cache is emptied first.
 
-use super::{Engine, BLOCK_SIZE};
+use super::{Compute, Engine, BLOCK_SIZE};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{logit_rows, ForwardScratch, Model, SeqBatch, StageOut};
 use crate::threadpool::ThreadPool;
-use pdserve_types::{KvDtype, StageTotals};
+use pdserve_types::{KvDtype, StageCompute, StageTotals};
 use std::sync::Arc;
+use std::time::Instant;
 
 /// The stages after this engine's own layers, together.
 pub trait NextStages: Send {
@@ -53,6 +54,8 @@ pub(crate) struct Next {
     lost: Option<StageLost>,
     /// The last stage's rows of the step.
     rows: Vec<f32>,
+    /// Seconds this engine spent in its own layers and the output head on those steps.
+    head_s: f64,
 }
 
 /// What a pass needs from the engine besides the stages.
@@ -73,6 +76,7 @@ impl Next {
         s: &'s mut ForwardScratch,
         on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
     ) -> Option<&'s mut [f32]> {
+        let started = Instant::now();
         let x = match head.forward_stage(pass.isa, pass.pool, pass.batch, &[], kv, s, on_layer)? {
             StageOut::Hidden(x) => x,
             StageOut::Logits(_) => {
@@ -80,18 +84,22 @@ impl Next {
                 return None;
             }
         };
+        let own = started.elapsed();
         if let Err(e) = self.stages.run(&parts_of(pass.batch), x, &mut self.rows) {
             self.lost = Some(e);
             return None;
         }
-        head.head_logits(pass.isa, pass.pool, &self.rows, s)
+        let started = Instant::now();
+        let logits = head.head_logits(pass.isa, pass.pool, &self.rows, s);
+        self.head_s += (own + started.elapsed()).as_secs_f64();
+        logits
     }
 }
 
 impl Engine {
     /// Runs the layers after this engine's model (a first stage) through `stages`.
     pub fn with_next_stages(mut self, stages: Box<dyn NextStages>) -> Self {
-        self.next = Some(Next { stages, lost: None, rows: Vec::new() });
+        self.next = Some(Next { stages, lost: None, rows: Vec::new(), head_s: 0.0 });
         self
     }
 
@@ -101,9 +109,16 @@ impl Engine {
         self.next.as_mut()?.lost.take()
     }
 
-    /// The steps through later stages, when this engine heads a group.
+    /// The steps through later stages, when this engine heads a group, with this
+    /// engine's own compute first in [`StageTotals::compute`].
     pub fn stage_totals(&self) -> StageTotals {
-        self.next.as_ref().map(|n| n.stages.totals()).unwrap_or_default()
+        let Some(n) = self.next.as_ref() else { return StageTotals::default() };
+        let mut t = n.stages.totals();
+        if let Compute::Model(m) = &self.compute {
+            let l = m.layers();
+            t.compute.insert(0, StageCompute { first: l.first, last: l.last, seconds: n.head_s });
+        }
+        t
     }
 
     /// Whether the stages after this engine's own (if any) can all be reached.

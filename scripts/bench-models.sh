@@ -18,10 +18,7 @@ cd "$(dirname "$0")/.."
 out=bench-results/models
 mkdir -p "$out" target/shapes
 bin=$(scripts/build-peer.sh)
-peer=$(dirname "$(dirname "$bin")")
 py=${PDSERVE_ORACLE_PYTHON:-target/test-venv/bin/python}
-"$py" -m pip install -q --disable-pip-version-check numpy tqdm pyyaml requests
-export PYTHONPATH="$peer/src/vendor/llama.cpp/gguf-py"
 pdserve=${PDSERVE_BIN:-}
 if [ -z "$pdserve" ]; then
   cargo build --release --bin pdserve >&2
@@ -29,15 +26,7 @@ if [ -z "$pdserve" ]; then
 fi
 
 # The Q4_K_M file of a Llama shape, made on first use.
-shape() {
-  local f="target/shapes/llama-$1-Q4_K_M.gguf" src="target/shapes/llama-$1-f16.gguf"
-  if [ ! -f "$f" ]; then
-    "$py" scripts/random_gguf.py llama "$1" "$src" --donor "$("$pdserve" pull)" >&2
-    "$bin/llama-quantize" "$src" "$f" Q4_K_M >&2
-    rm -f "$src"
-  fi
-  echo "$f"
-}
+shape() { PDSERVE_BIN=$pdserve scripts/make-shape.sh "$1"; }
 
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(gemma3-270m 1b 8b)

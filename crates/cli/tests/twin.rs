@@ -60,6 +60,10 @@ fn profile_then_simulate() {
     let p: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
     assert_eq!(p["provenance"]["kind"], "measured");
     assert_eq!(p["model"]["n_layers"], 30);
+    // What a stage group's model needs: the residual width, and the weights (the Q4_1
+    // file's tensors: between 60 and 120 MB).
+    assert_eq!(p["model"]["hidden"], 576);
+    assert!(p["model"]["weight_bytes"].as_f64().is_some_and(|b| (60e6..120e6).contains(&b)), "{}", p["model"]);
     let shape = &p["shapes"][0];
     assert_eq!(shape["threads"], 1);
     assert!(shape["points"].as_array().unwrap().len() >= 20);
@@ -191,6 +195,41 @@ fn plan_ranks_every_topology_and_says_when_to_disaggregate() {
     let decision = p["decision"].as_str().unwrap();
     assert!(text.contains(decision) && decision.contains("isaggregate"), "{decision}");
     assert!(std::fs::read_to_string(dir.join("plan.svg")).unwrap().starts_with("<svg"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `plan --stage-link`: stage groups beside the whole-model topologies; nodes too
+/// small for the weights get groups only, and without a link they are refused.
+#[test]
+fn plan_weighs_stage_groups_and_plans_only_groups_for_a_model_no_node_holds() {
+    let dir = std::env::temp_dir().join(format!("pdserve-plan-groups-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let profile = dir.join("derived.json");
+    common::derived_profile(&profile);
+    let plan = |extra: &[&str]| {
+        let args = ["plan", "--profile", profile.to_str().unwrap(), "--nodes", "2", "--concurrency", "1,4"];
+        let more = ["--input-len", "256", "--output-len", "16", "--requests", "8", "--out", dir.to_str().unwrap()];
+        pdserve(&[&args[..], &more, extra].concat())
+    };
+    let names = || -> Vec<String> {
+        let p: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+        p["candidates"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap().to_string()).collect()
+    };
+    let out = plan(&["--stage-link", "1gbe"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let all = names();
+    assert!(all.iter().any(|n| n == "aggregated ×1 of 2-stage groups (1 GbE)"), "{all:?}");
+    assert!(all.iter().any(|n| n == "aggregated ×2"), "{all:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("stage split"), "{}", String::from_utf8_lossy(&out.stdout));
+    // 80 MB nodes: the 100 MB of weights fit two halves, not one node.
+    let out = plan(&["--stage-link", "10gbe", "--node-memory-gb", "0.08"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(names(), ["aggregated ×1 of 2-stage groups (10 GbE)"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("does not fit one node"));
+    let out = plan(&["--node-memory-gb", "0.08"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("give a stage link") && err.lines().count() == 1, "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

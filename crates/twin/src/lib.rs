@@ -5,9 +5,12 @@
 //!   times it on this machine).
 //! - [`sim`]: a topology under a `bench load` workload on a virtual clock
 //!   (`pdserve sim`), with `bench load`'s records and summaries as output.
+//! - [`group`]: a worker split by layers across nodes (a stage group): its step
+//!   cost over the links and its cache.
 //! - [`plan`]: every topology of N nodes simulated over a concurrency sweep, ranked
 //!   by goodput, with the crossover and the advice (`pdserve plan`).
 
+pub mod group;
 pub mod measure;
 pub mod plan;
 pub mod profile;

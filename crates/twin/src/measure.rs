@@ -116,6 +116,8 @@ fn model_shape(spec: &Spec) -> ModelShape {
         kv_bytes_per_token: pdserve_engine::kvcache::bytes_per_token(c, KvDtype::F16) as f64,
         kv_dtype: KvDtype::F16,
         kv_blocks: spec.kv_blocks,
+        hidden: c.hidden,
+        weight_bytes: spec.model.weight_bytes() as u64,
         max_batch_tokens: None,
         max_seqs: None,
         speculation: None,

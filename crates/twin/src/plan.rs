@@ -3,6 +3,7 @@
 //! mixed workers under the planner — at each concurrency of a sweep, ranks them by predicted
 //! goodput, and says in one sentence when to disaggregate.
 
+use crate::group::{loopback, row_and_weights, GroupShape, StageLink};
 use crate::profile::Profile;
 use crate::sim::{simulate, SimSpec, Topology};
 use crate::TwinError;
@@ -17,6 +18,7 @@ use pdserve_kv_transfer::TransportKind;
 use pdserve_planner::model;
 use pdserve_router::{Admission, Mode, PolicyKind};
 use pdserve_types::Role;
+use pdserve_worker::LinkModel;
 use serde::Serialize;
 
 /// What to plan for.
@@ -33,6 +35,11 @@ pub struct PlanSpec<'a> {
     pub slo: Slo,
     /// How KV moves between nodes.
     pub via: TransportKind,
+    /// Plan stage groups too, their stages joined by this link.
+    pub stage_link: Option<StageLink>,
+    /// Bytes of memory a node has for the model's weights and its cache (default:
+    /// the weights and the profile's blocks).
+    pub node_memory: Option<f64>,
 }
 
 /// One topology's predictions.
@@ -40,6 +47,8 @@ pub struct PlanSpec<'a> {
 pub struct Candidate {
     pub name: String,
     pub disaggregated: bool,
+    /// Stages per worker (1: each holds the whole model).
+    pub stages: usize,
     pub points: Vec<Predicted>,
     /// The best goodput over the sweep: what the ranking goes by.
     pub best_goodput: f64,
@@ -75,8 +84,9 @@ pub fn plan(spec: &PlanSpec<'_>) -> Result<Plan, TwinError> {
         return Err(TwinError::Invalid("plan needs at least one node and one concurrency".into()));
     }
     let mut candidates = Vec::new();
-    for (name, topology) in topologies(spec) {
+    for (name, topology) in topologies(spec)? {
         let disaggregated = topology.mode == Mode::Disaggregated;
+        let stages = topology.group.map_or(1, |g| g.stages);
         let mut points = Vec::new();
         for &c in &spec.concurrency {
             let n = spec.requests.max(4 * c);
@@ -100,11 +110,14 @@ pub fn plan(spec: &PlanSpec<'_>) -> Result<Plan, TwinError> {
             });
         }
         let best_goodput = points.iter().map(|p| p.goodput).fold(0.0, f64::max);
-        candidates.push(Candidate { name, disaggregated, points, best_goodput });
+        candidates.push(Candidate { name, disaggregated, stages, points, best_goodput });
     }
     candidates.sort_by(|a, b| b.best_goodput.total_cmp(&a.best_goodput));
     let crossover = crossover_of(&candidates, &spec.concurrency);
-    let decision = decide(&candidates, crossover, spec);
+    let mut decision = decide(&candidates, crossover, spec);
+    if let Some(link) = spec.stage_link {
+        decision = format!("{decision} {}", decide_split(&candidates, link));
+    }
     Ok(Plan {
         nodes: spec.nodes,
         threads: spec.threads,
@@ -120,23 +133,88 @@ fn invalid(e: impl std::fmt::Display) -> TwinError {
     TwinError::Invalid(e.to_string())
 }
 
-/// All aggregated, one node alone, every split, and mixed workers under the planner.
-fn topologies(spec: &PlanSpec<'_>) -> Vec<(String, Topology)> {
+/// All aggregated, one node alone, every split, and mixed workers under the planner;
+/// with a stage link, groups of every size that divides the nodes. Where the model
+/// does not fit one node, only the groups whose stages fit.
+fn topologies(spec: &PlanSpec<'_>) -> Result<Vec<(String, Topology)>, TwinError> {
     let n = spec.nodes;
-    let base = |mode, roles: Vec<Role>| Topology {
+    let mut out = Vec::new();
+    let memory = Memory::of(spec)?;
+    if memory.as_ref().is_none_or(|m| m.blocks(1).is_some()) {
+        out = whole_topologies(spec, memory.as_ref().and_then(|m| m.blocks(1)));
+    }
+    if let (Some(link), Some(m)) = (spec.stage_link, memory) {
+        for k in (2..=n).filter(|&k| n.is_multiple_of(k)) {
+            let group = GroupShape { stages: k, link: link.model(m.loopback) };
+            let Some(blocks) = group.kv_blocks(m.node, m.weights, m.block) else { continue };
+            let roles = vec![Role::Mixed; n / k];
+            let t = Topology { group: Some(group), ..topology(spec, Mode::Aggregated, roles, Some(blocks)) };
+            out.push((format!("aggregated ×{} of {k}-stage groups ({})", n / k, link.name()), t));
+        }
+    }
+    if out.is_empty() {
+        return Err(TwinError::Invalid(match spec.stage_link {
+            Some(_) => "the model's weights do not fit the nodes, split as far as they go".into(),
+            None => "the model's weights do not fit one node: give a stage link to plan stage groups".into(),
+        }));
+    }
+    Ok(out)
+}
+
+/// A node's memory, in the terms a split needs.
+struct Memory {
+    node: f64,
+    weights: f64,
+    block: f64,
+    loopback: LinkModel,
+}
+
+impl Memory {
+    /// `None` where neither groups nor a node's memory were asked about.
+    fn of(spec: &PlanSpec<'_>) -> Result<Option<Memory>, TwinError> {
+        if spec.stage_link.is_none() && spec.node_memory.is_none() {
+            return Ok(None);
+        }
+        let (_, weights) = row_and_weights(spec.profile)?;
+        let block = spec.profile.block_bytes() as f64;
+        let node = spec.node_memory.unwrap_or(weights + spec.profile.model.kv_blocks as f64 * block);
+        let loopback = match spec.stage_link {
+            Some(_) => loopback(spec.profile)?,
+            None => LinkModel { latency_s: 0.0, bytes_per_s: 1.0 },
+        };
+        Ok(Some(Memory { node, weights, block, loopback }))
+    }
+
+    /// Blocks a worker of `stages` stages holds.
+    fn blocks(&self, stages: usize) -> Option<usize> {
+        let g = GroupShape { stages, link: self.loopback };
+        g.kv_blocks(self.node, self.weights, self.block)
+    }
+}
+
+/// A topology of the plan's nodes, `kv_blocks` per worker (`None`: the profile's).
+fn topology(spec: &PlanSpec<'_>, mode: Mode, roles: Vec<Role>, kv_blocks: Option<usize>) -> Topology {
+    Topology {
         mode,
         roles,
         policy: PolicyKind::default(),
         threads: spec.threads,
-        kv_blocks: None,
+        kv_blocks,
         via: spec.via,
         planner: None,
         objectives: None,
         shared_machine: false,
         prefix_fetch: true,
+        group: None,
         tiers: TierConfig::default(),
         admission: Admission::default(),
-    };
+    }
+}
+
+/// The topologies of workers that each hold the whole model.
+fn whole_topologies(spec: &PlanSpec<'_>, kv_blocks: Option<usize>) -> Vec<(String, Topology)> {
+    let n = spec.nodes;
+    let base = |mode, roles: Vec<Role>| topology(spec, mode, roles, kv_blocks);
     let mut out = vec![(format!("aggregated ×{n}"), base(Mode::Aggregated, vec![Role::Mixed; n]))];
     if n > 1 {
         // One node alone: what adding the others buys.
@@ -185,6 +263,36 @@ fn decide(cands: &[Candidate], crossover: Option<usize>, spec: &PlanSpec<'_>) ->
                  ({split} leads at {at} only)."
             ),
         },
+    }
+}
+
+/// Whether splitting the model into stage groups pays, in one sentence.
+fn decide_split(cands: &[Candidate], link: StageLink) -> String {
+    let best = |groups: bool| {
+        cands.iter().filter(|c| (c.stages > 1) == groups).max_by(|a, b| a.best_goodput.total_cmp(&b.best_goodput))
+    };
+    match (best(true), best(false)) {
+        (Some(g), None) => format!(
+            "The model does not fit one node: only stage groups serve it, best {} ({:.2} req/s).",
+            g.name, g.best_goodput
+        ),
+        (Some(g), Some(w)) if g.best_goodput > w.best_goodput => format!(
+            "A stage split pays over {}: {} ({:.2} req/s) beats {} ({:.2}), its freed weights' memory holding more cache.",
+            link.name(),
+            g.name,
+            g.best_goodput,
+            w.name,
+            w.best_goodput
+        ),
+        (Some(g), Some(w)) => format!(
+            "A stage split does not pay over {}: the best group, {} ({:.2} req/s), trails {} ({:.2}).",
+            link.name(),
+            g.name,
+            g.best_goodput,
+            w.name,
+            w.best_goodput
+        ),
+        (None, _) => format!("No stage group fits these nodes over {}.", link.name()),
     }
 }
 
@@ -278,7 +386,34 @@ mod tests {
             })
             .collect();
         let best_goodput = points.iter().map(|p| p.goodput).fold(0.0, f64::max);
-        Candidate { name: name.into(), disaggregated, points, best_goodput }
+        let stages = name.split_once("-stage").and_then(|(a, _)| a.rsplit(' ').next()?.parse().ok()).unwrap_or(1);
+        Candidate { name: name.into(), disaggregated, stages, points, best_goodput }
+    }
+
+    #[test]
+    fn the_split_advice_weighs_the_best_group_against_the_best_whole_model_plan() {
+        let whole = candidate("aggregated ×2", false, &[(4, 2.0), (8, 3.0)]);
+        let slow = candidate("aggregated ×1 of 2-stage groups (1 GbE)", false, &[(4, 1.0), (8, 1.5)]);
+        let roomy = candidate("aggregated ×1 of 2-stage groups (1 GbE)", false, &[(4, 1.0), (8, 3.5)]);
+        let table: [(&[Candidate], &str); 4] = [
+            (
+                &[whole.clone(), slow.clone()],
+                "does not pay over 1 GbE: the best group, aggregated ×1 of 2-stage groups (1 GbE) (1.50",
+            ),
+            (
+                &[roomy.clone(), whole.clone()],
+                "pays over 1 GbE: aggregated ×1 of 2-stage groups (1 GbE) (3.50 req/s) beats aggregated ×2",
+            ),
+            (
+                std::slice::from_ref(&slow),
+                "does not fit one node: only stage groups serve it, best aggregated ×1 of 2-stage groups",
+            ),
+            (std::slice::from_ref(&whole), "No stage group fits"),
+        ];
+        for (cands, want) in table {
+            let said = decide_split(cands, StageLink::Gbe1);
+            assert!(said.contains(want), "{said}");
+        }
     }
 
     #[test]

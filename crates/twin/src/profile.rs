@@ -90,6 +90,12 @@ pub struct ModelShape {
     pub kv_dtype: KvDtype,
     /// KV blocks of 16 tokens a worker holds.
     pub kv_blocks: usize,
+    /// The residual stream's width and the weights' bytes: what a stage group of the
+    /// model sends per token and splits (0 in a profile timed before groups were).
+    #[serde(default)]
+    pub hidden: usize,
+    #[serde(default)]
+    pub weight_bytes: u64,
     /// Tokens per step and sequences at once, where the hardware wants other values
     /// than pdserve's defaults (512 and 64), as a GPU server's larger batches.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -481,6 +487,8 @@ mod tests {
             kv_bytes_per_token: 1.0,
             kv_dtype: pdserve_types::KvDtype::F16,
             kv_blocks: 1,
+            hidden: 0,
+            weight_bytes: 0,
             max_batch_tokens: None,
             max_seqs: None,
             speculation: None,

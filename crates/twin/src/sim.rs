@@ -7,6 +7,7 @@
 //! own runner and workloads, and the output its own records and summaries, so a
 //! prediction and a measurement compare field by field.
 
+use crate::group::{row_and_weights, GroupShape};
 use crate::profile::Profile;
 use crate::TwinError;
 use pdserve_bench::load::{PointResult, SwitchRecord};
@@ -55,6 +56,9 @@ pub struct Topology {
     /// Whether a worker may fetch a prefix a peer caches (`serve`'s default) rather
     /// than recompute it.
     pub prefix_fetch: bool,
+    /// Every worker a stage group of this shape, each stage on a node of its own
+    /// (none: every worker holds the whole model).
+    pub group: Option<GroupShape>,
     /// What the router refuses rather than queues (`serve`'s `--max-queue-seconds`
     /// by default): a refused request is shed as `bench load` sees a 429, and the
     /// closed loop waits its `Retry-After`.
@@ -71,6 +75,10 @@ impl Topology {
             Mode::Disaggregated => format!("{p}P{d}D"),
             Mode::Auto if m > 0 => format!("auto {m}M"),
             Mode::Auto => format!("auto {p}P{d}D"),
+        };
+        let base = match self.group {
+            Some(g) => format!("{base} of {}-stage groups", g.stages),
+            None => base,
         };
         match self.planner {
             Some(_) => format!("{base} + planner"),
@@ -213,6 +221,13 @@ impl SimServer {
             true => shared.clone(),
             false => Machine::new(cores, CoRun::uniform(1.0), profile.host_token_s),
         };
+        let timed = || -> Result<_, TwinError> {
+            let whole = profile.timed(t.threads, Clock::Virtual);
+            match t.group {
+                Some(g) => Ok(g.timed(whole, row_and_weights(profile)?.0)),
+                None => Ok(whole),
+            }
+        };
         let mut workers = Vec::with_capacity(t.roles.len());
         for (i, &role) in t.roles.iter().enumerate() {
             let opts = SimOptions {
@@ -220,7 +235,7 @@ impl SimServer {
                 role,
                 model_name: profile.model.name.clone(),
                 engine: EngineConfig { objectives: t.objectives, ..profile.engine_config(t.threads, t.kv_blocks) },
-                timed: profile.timed(t.threads, Clock::Virtual),
+                timed: timed()?,
                 kv_bytes_per_token: profile.model.kv_bytes_per_token,
                 links: profile.links(),
                 machine: machine(),

@@ -14,6 +14,7 @@ use pdserve_engine::batch::Objectives;
 use pdserve_engine::timed::{StepCost, StepShape};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_router::{Admission, Mode, PolicyKind};
+use pdserve_twin::group::GroupShape;
 use pdserve_twin::profile::{Link, ModelShape, Profile, Provenance, Shape, SpecProfile, SCHEMA};
 use pdserve_twin::sim::{simulate, SimServer, SimSpec, Topology};
 use pdserve_types::Role;
@@ -36,6 +37,8 @@ fn profile() -> Profile {
             kv_bytes_per_token: 23040.0,
             kv_dtype: pdserve_types::KvDtype::F16,
             kv_blocks: 1024,
+            hidden: 576,
+            weight_bytes: 100_000_000,
             max_batch_tokens: None,
             max_seqs: None,
             speculation: None,
@@ -64,6 +67,7 @@ fn topology(mode: Mode, roles: Vec<Role>) -> Topology {
         objectives: None,
         shared_machine: true,
         prefix_fetch: true,
+        group: None,
         tiers: Default::default(),
         admission: Admission::default(),
     }
@@ -158,6 +162,37 @@ fn a_burst_the_pool_cannot_hold_is_shed_at_start_as_serve_sheds_it() {
     let shed: Vec<_> = first.iter().filter(|r| r.shed.is_some()).collect();
     assert!(!shed.is_empty(), "a burst four times the pool was all admitted");
     assert!(shed.iter().all(|r| r.error.as_deref().is_some_and(|e| e.contains("would wait"))), "{shed:?}");
+}
+
+#[test]
+fn a_stage_group_adds_its_hops_to_every_step_and_holds_more_blocks() {
+    let mut p = profile();
+    p.links.push(Link { transport: "tcp".into(), ..LINK });
+    let link = p.links().into_iter().find(|(k, _)| *k == TransportKind::Tcp).unwrap().1;
+    let w = workload(256, 8);
+    for stages in [2, 3] {
+        let group = GroupShape { stages, link };
+        let t = Topology { group: Some(group), ..topology(Mode::Aggregated, vec![Role::Mixed]) };
+        let out = run(&p, t, &w, Sweep::Concurrency(vec![1]), 2);
+        let r = &out[0].records[0];
+        assert!(r.ok, "{:?}", r.error);
+        // Each step goes to every later stage and back: 2 hops each, every row on
+        // each hop but the last one back, which carries the logits row alone.
+        let hops = 2.0 * (stages - 1) as f64;
+        let row = 576.0 * 4.0 / LINK.bytes_per_s;
+        let prefill =
+            STEP.seconds(&StepShape::prefill(0, 256)) + hops * LINK.latency_s + (hops - 1.0) * 256.0 * row + row;
+        close(r.ttft_s.unwrap(), ADMISSION + prefill);
+        let decode = |k: usize| STEP.seconds(&StepShape::decode(1, 256 + k)) + hops * (LINK.latency_s + row);
+        close(r.tpot_s.unwrap(), (0..7).map(decode).sum::<f64>() / 7.0);
+    }
+    // The nodes' weights a split frees are cache: 1024 blocks beside 100 MB of weights
+    // on one node, 2048 and the 50 MB the second node does not hold on two.
+    let block = p.block_bytes() as f64;
+    let memory = 100e6 + 1024.0 * block;
+    let blocks = GroupShape { stages: 2, link }.kv_blocks(memory, 100e6, block).unwrap();
+    assert_eq!(blocks, (2.0 * (memory - 50e6) / block) as usize);
+    assert!(blocks > 2048, "{blocks}");
 }
 
 #[test]

@@ -15,6 +15,7 @@ use pdserve_bench::topology::Topology as Served;
 use pdserve_engine::batch::Objectives;
 use pdserve_kv_transfer::TransportKind;
 use pdserve_planner::model;
+use pdserve_twin::group::{self, GroupShape, StageLink};
 use pdserve_twin::measure;
 use pdserve_twin::profile::{Profile, SpecProfile};
 use pdserve_twin::sim::{simulate, SimSpec, Topology};
@@ -102,6 +103,15 @@ pub struct SimArgs {
     out: Option<PathBuf>,
     #[command(flatten)]
     spec: TwinSpecArgs,
+    /// Simulate every worker as a stage group of this many stages, one node each
+    /// (`pdserve worker --group`), its KV blocks what the weights each node no longer
+    /// holds free unless --kv-blocks says.
+    #[arg(long, default_value_t = 1)]
+    group_stages: usize,
+    /// The link between a group's stages: loopback (the profile's timed TCP link), 1gbe
+    /// or 10gbe (loopback's cost plus the wire's).
+    #[arg(long, default_value = "loopback")]
+    stage_link: StageLink,
 }
 
 /// Speculative decoding in the twin, as a server measured it.
@@ -173,6 +183,7 @@ fn sim_topology(t: &TopologyArgs, admission: &AdmissionArgs, profile: &Profile, 
         // more are a fleet, one machine each.
         shared_machine: threads * roles.len() <= widest,
         prefix_fetch: !t.no_kv_fetch,
+        group: None,
         admission: admission.limits(),
         roles,
         tiers,
@@ -183,7 +194,18 @@ pub fn sim(a: SimArgs) -> anyhow::Result<()> {
     a.topology.check()?;
     let profile = a.spec.apply(Profile::load(&a.profile)?.with_kv_dtype(a.topology.kv_cache.kv_cache_dtype))?;
     let slo = a.work.slo();
-    let topology = sim_topology(&a.topology, &a.admission, &profile, slo)?;
+    let mut topology = sim_topology(&a.topology, &a.admission, &profile, slo)?;
+    if a.group_stages == 0 {
+        anyhow::bail!("--group-stages must be at least 1");
+    }
+    if a.group_stages > 1 {
+        let g = GroupShape { stages: a.group_stages, link: a.stage_link.model(group::loopback(&profile)?) };
+        let (_, weights) = group::row_and_weights(&profile)?;
+        let block = profile.block_bytes() as f64;
+        let memory = weights + profile.model.kv_blocks as f64 * block;
+        topology.kv_blocks = topology.kv_blocks.or(g.kv_blocks(memory, weights, block));
+        topology.group = Some(g);
+    }
     let workload = a.work.workload()?;
     let plans = plans(&a.work.sweep()?, a.work.requests, a.work.seconds, workload.trace_len())?;
     let started = Instant::now();
@@ -247,6 +269,15 @@ pub struct PlanArgs {
     kv_transport: TransportKind,
     #[command(flatten)]
     work: WorkloadArgs,
+    /// Plan stage groups too (the model split by layers across nodes, `pdserve worker
+    /// --group`), their stages joined by this link: loopback, 1gbe or 10gbe.
+    #[arg(long)]
+    stage_link: Option<StageLink>,
+    /// GB of memory a node has for the model's weights and its KV cache [default: the
+    /// weights and the profile's blocks]. A node that cannot hold the weights gets
+    /// no whole-model worker.
+    #[arg(long)]
+    node_memory_gb: Option<f64>,
     /// Write plan.json and plan.svg into this directory.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -262,6 +293,9 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
     if a.nodes == 0 {
         anyhow::bail!("--nodes must be at least 1");
     }
+    if a.node_memory_gb.is_some_and(|gb| gb.is_nan() || gb <= 0.0) {
+        anyhow::bail!("--node-memory-gb must be positive");
+    }
     if !a.work.rate.is_empty() || a.work.trace.is_some() || !a.work.phase.is_empty() {
         anyhow::bail!("plan sweeps concurrency: give --concurrency, not --rate, --trace or --phase");
     }
@@ -276,6 +310,8 @@ pub fn plan(a: PlanArgs) -> anyhow::Result<()> {
         requests: a.work.requests,
         slo: a.work.slo(),
         via: a.kv_transport,
+        stage_link: a.stage_link,
+        node_memory: a.node_memory_gb.map(|gb| gb * 1e9),
     };
     let p = pdserve_twin::plan::plan(&spec)?;
     if let Some(dir) = &a.out {

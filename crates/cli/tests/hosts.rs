@@ -17,9 +17,9 @@
 
 mod common;
 
+use common::net::Net;
 use common::{
-    eventually, fleet_records, ip, metric, nats_binary, settle_used_blocks, start_in, system_tool, try_fleet_records,
-    Proc, TempDir,
+    eventually, fleet_records, ip, metric, nats_binary, settle_used_blocks, start_in, try_fleet_records, Proc, TempDir,
 };
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -38,111 +38,6 @@ const MAX_TOKENS: u32 = 120;
 /// Prompt tokens of a prefill-heavy request: about a second of prefill on one
 /// thread, so a prefill worker is busy most of the time and its record shows it.
 const LONG_PROMPT: u64 = 1000;
-
-fn tc() -> &'static str {
-    system_tool("tc")
-}
-
-/// Runs a command that must succeed.
-fn sh(args: &[&str]) {
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-/// Hosts on a bridge, removed when dropped (after the processes in them).
-struct Net {
-    tag: String,
-    subnet: u8,
-    bridge: String,
-    hosts: Vec<String>,
-}
-
-impl Net {
-    fn new() -> Net {
-        assert_eq!(unsafe { libc::geteuid() }, 0, "the multi-host tests need root (network namespaces)");
-        let pid = std::process::id();
-        let tag = format!("pd{}", pid % 100_000);
-        let subnet = (pid % 200 + 20) as u8;
-        let bridge = format!("{tag}br");
-        let _ = Command::new(ip()).args(["link", "del", &bridge]).output();
-        sh(&[ip(), "link", "add", &bridge, "type", "bridge"]);
-        sh(&[ip(), "addr", "add", &format!("10.231.{subnet}.254/24"), "dev", &bridge]);
-        sh(&[ip(), "link", "set", &bridge, "up"]);
-        let mut net = Net { tag, subnet, bridge, hosts: Vec::new() };
-        for _ in 0..3 {
-            net.add_host();
-        }
-        net
-    }
-
-    /// A new host: a namespace with loopback and one veth into the bridge.
-    fn add_host(&mut self) -> usize {
-        let i = self.hosts.len();
-        let ns = format!("{}h{i}", self.tag);
-        let _ = Command::new(ip()).args(["netns", "del", &ns]).output();
-        sh(&[ip(), "netns", "add", &ns]);
-        let (inner, outer) = (format!("{}i{i}", self.tag), self.veth(i));
-        sh(&[ip(), "link", "add", &inner, "type", "veth", "peer", "name", &outer]);
-        sh(&[ip(), "link", "set", &inner, "netns", &ns]);
-        sh(&[ip(), "link", "set", &outer, "master", &self.bridge, "up"]);
-        sh(&[ip(), "netns", "exec", &ns, ip(), "addr", "add", &format!("{}/24", self.ip(i)), "dev", &inner]);
-        sh(&[ip(), "netns", "exec", &ns, ip(), "link", "set", &inner, "up"]);
-        sh(&[ip(), "netns", "exec", &ns, ip(), "link", "set", "lo", "up"]);
-        self.hosts.push(ns);
-        i
-    }
-
-    fn ip(&self, host: usize) -> String {
-        format!("10.231.{}.{}", self.subnet, host + 1)
-    }
-
-    /// The bridge side of host `i`'s cable.
-    fn veth(&self, host: usize) -> String {
-        format!("{}o{host}", self.tag)
-    }
-
-    fn ns(&self, host: usize) -> &str {
-        &self.hosts[host]
-    }
-
-    /// Unplugs (or plugs back) host `i`'s cable.
-    fn cable(&self, host: usize, up: bool) {
-        sh(&[ip(), "link", "set", &self.veth(host), if up { "up" } else { "down" }]);
-    }
-
-    /// Limits what reaches host `i` to 20 Mbit/s with up to 50 ms of queue, or lifts
-    /// the limit.
-    fn throttle(&self, host: usize, on: bool) {
-        let dev = self.veth(host);
-        match on {
-            true => sh(&[
-                tc(),
-                "qdisc",
-                "add",
-                "dev",
-                &dev,
-                "root",
-                "tbf",
-                "rate",
-                "20mbit",
-                "burst",
-                "32kb",
-                "latency",
-                "50ms",
-            ]),
-            false => sh(&[tc(), "qdisc", "del", "dev", &dev, "root"]),
-        }
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        for ns in &self.hosts {
-            let _ = Command::new(ip()).args(["netns", "del", ns]).output();
-        }
-        let _ = Command::new(ip()).args(["link", "del", &self.bridge]).output();
-    }
-}
 
 /// One nats-server of the cluster, on its host.
 struct NatsNode {
@@ -488,7 +383,7 @@ fn kill_mid_flight(
 
 #[test]
 fn a_fleet_of_three_hosts_rides_out_process_nats_and_network_faults() {
-    let mut net = Net::new();
+    let mut net = Net::new(3);
     let mut nats: Vec<Option<NatsNode>> = (0..3).map(|h| Some(nats_node(&net, h, 3))).collect();
     let url = urls(&net, 0);
     // Host 0: the frontend and a prefill worker; host 1: a decode worker; host 2: a

@@ -10,13 +10,18 @@
 
 mod common;
 
+use common::net::Net;
 use common::{
-    complete, eventually, golden_prompts, metric, one_process, settle_used_blocks, spawn_announced, start, worker, Proc,
+    complete, eventually, golden_prompts, ip, metric, one_process, settle_used_blocks, spawn_announced, start,
+    start_in, worker, Proc,
 };
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// A head's wait for a stage's answer (the worker crate's `CALL_TIMEOUT`).
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A later stage of group `g` holding `layers`, on `listen`.
 fn stage(layers: &str, listen: &str) -> Proc {
@@ -180,8 +185,13 @@ impl Capped {
         cmd
     }
 
-    fn start(&self, args: &[&str]) -> Proc {
-        spawn_announced(self.command(), args, &[])
+    /// `pdserve ARGS…` inside this cgroup and network namespace `ns`: a host.
+    fn start_in(&self, ns: &str, args: &[&str]) -> Proc {
+        let procs = self.dir.join("cgroup.procs");
+        let mut cmd = Command::new("sh");
+        let enter = format!("echo $$ > {} && exec \"$0\" \"$@\"", procs.display());
+        cmd.args(["-c", &enter, ip(), "netns", "exec", ns, env!("CARGO_BIN_EXE_pdserve")]);
+        spawn_announced(cmd, args, &[])
     }
 }
 
@@ -214,23 +224,74 @@ fn hosts_capped_below_the_models_size_run_it_across_two_and_three_of_them() {
     assert_eq!(out.status.signal(), Some(9), "the whole model was not killed for memory under the cap: {out:?}");
     drop(alone);
     for cuts in [&["0..9", "10..29"][..], &["0..5", "6..17", "18..29"]] {
+        // Each host a network namespace on one bridge and a memory cgroup.
+        let net = Net::new(cuts.len());
         let hosts: Vec<Capped> = (0..cuts.len()).map(|i| Capped::new(&format!("host{i}"), CAP)).collect();
-        let flags =
-            ["--role", "mixed", "--group", "g", "--threads", "1", "--kv-blocks", "64", "--listen", "127.0.0.1:0"];
-        let later: Vec<Proc> = cuts[1..]
-            .iter()
-            .zip(&hosts[1..])
-            .map(|(l, h)| h.start(&[&["worker", "--layers", l][..], &flags].concat()))
-            .collect();
+        let flags = ["--role", "mixed", "--group", "g", "--threads", "1", "--kv-blocks", "64"];
+        let on = |i: usize, args: &[&str]| {
+            let listen = format!("{}:0", net.ip(i));
+            hosts[i].start_in(net.ns(i), &[args, &flags, &["--listen", &listen]].concat())
+        };
+        let later: Vec<Proc> = (1..cuts.len()).map(|i| on(i, &["worker", "--layers", cuts[i]])).collect();
         let mut head = vec!["worker", "--layers", cuts[0]];
         let addrs: Vec<String> = later.iter().map(|p| p.addr.to_string()).collect();
         addrs.iter().for_each(|a| head.extend(["--stage", a.as_str()]));
-        let h = hosts[0].start(&[&head[..], &flags].concat());
+        let h = on(0, &head);
         assert!(h.logged("stage group whole"), "{cuts:?}");
         let fe = frontend(&[&h]);
         for (p, w) in prompts.iter().zip(&want) {
             assert_eq!(&complete(fe.addr, p, 16), w, "{cuts:?}: prompt {p}");
         }
         drop((fe, h, later));
+        drop(net);
     }
+}
+
+/// A stage whose host drops off the network without a word (its cable pulled: no
+/// reset reaches the head, whose call is left unanswered) is found lost in seconds,
+/// not at the 60 s call timeout: each request ends with its full greedy text on the
+/// other worker, no block stays used, and the group serves again once the cable is
+/// back.
+#[test]
+fn a_stage_whose_host_vanishes_without_a_reset_is_found_lost_in_seconds() {
+    let prompts: Vec<Value> =
+        (0..3u32).map(|r| json!((0..40u32).map(|i| 1000 + (i * 7919 + r * 331) % 30000).collect::<Vec<_>>())).collect();
+    let n = 160;
+    let want = reference(&prompts, n);
+    let net = Net::new(2);
+    let flags = ["worker", "--role", "mixed", "--group", "g", "--threads", "1", "--kv-blocks", "512"];
+    let stage_at = format!("{}:7301", net.ip(1));
+    let _s = start_in(net.ns(1), &[&flags[..], &["--layers", "15..29", "--listen", &stage_at]].concat());
+    let head_at = format!("{}:0", net.ip(0));
+    let h =
+        start_in(net.ns(0), &[&flags[..], &["--layers", "0..14", "--stage", &stage_at, "--listen", &head_at]].concat());
+    assert!(h.logged("stage group whole"));
+    let whole = worker("mixed");
+    let fe = frontend(&[&h, &whole]);
+    let addr = fe.addr;
+    let requests: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let p = p.clone();
+            std::thread::spawn(move || complete(addr, &p, n))
+        })
+        .collect();
+    let on_head = format!("mixed@{}\",state=\"running\"", h.addr);
+    eventually("a request runs on the group", || metric(addr, "pdserve_worker_requests", &on_head) > 0.0);
+    let cut = Instant::now();
+    net.cable(1, false);
+    for (r, w) in requests.into_iter().zip(&want) {
+        assert_eq!(&r.join().unwrap(), w, "a request lost tokens when its stage's host vanished");
+    }
+    // Well inside the call timeout: the kernel's probes found the host gone.
+    let took = cut.elapsed();
+    assert!(took < CALL_TIMEOUT / 2, "the requests ended {took:?} after the cut");
+    assert!(h.logged("stage group lost a stage"), "the stage's host was cut after the requests ended");
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+    net.cable(1, true);
+    eventually("the group re-forms", || h.logged("stage group whole: serving"));
+    for (p, w) in prompts.iter().zip(&want) {
+        assert_eq!(&complete(fe.addr, p, n), w);
+    }
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
 }

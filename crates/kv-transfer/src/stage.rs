@@ -27,6 +27,9 @@ const REFUSED: u8 = 42;
 
 const LABELS: Labels = Labels { connecting: b"pdserve-stage-head", accepting: b"pdserve-stage" };
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a peer's kernel may leave us unanswered (sent data unacknowledged, or an
+/// idle connection's probes) before the connection counts as lost.
+pub const LIVENESS: Duration = Duration::from_secs(5);
 /// The largest call or reply: a frame's record (64 MiB), which `read_sync` caps any
 /// limit at; a length past it closes the connection before anything is allocated.
 const LIMIT: usize = records::record_limit(crate::frame::MAX_FRAME_BYTES);
@@ -68,6 +71,7 @@ impl StageConn {
     pub fn connect(addr: SocketAddr, key: &ClusterKey, call_timeout: Duration) -> Result<StageConn, TransferError> {
         let mut stream = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT)?;
         stream.set_nodelay(true)?;
+        watch_liveness(&stream)?;
         stream.set_read_timeout(Some(handshake::exchange_timeout()))?;
         stream.set_write_timeout(Some(call_timeout))?;
         let session = handshake::answer_as(&mut stream, key, LABELS)?;
@@ -98,6 +102,22 @@ impl StageConn {
             Err(e) => Err(e.into()),
         }
     }
+}
+
+/// Has the kernel find a peer host that vanished without a reset (power, cable) in
+/// [`LIVENESS`], not at the call timeout: it probes an idle connection every second,
+/// and drops one whose probes or sent data go unanswered that long. A stage busy with
+/// a long step still answers (its kernel does), so only a lost host or link trips it.
+fn watch_liveness(stream: &TcpStream) -> io::Result<()> {
+    let s = socket2::SockRef::from(stream);
+    let second = Duration::from_secs(1);
+    let probes = socket2::TcpKeepalive::new().with_time(second).with_interval(second);
+    #[cfg(target_os = "linux")]
+    let probes = probes.with_retries(LIVENESS.as_secs() as u32);
+    s.set_tcp_keepalive(&probes)?;
+    #[cfg(target_os = "linux")]
+    s.set_tcp_user_timeout(Some(LIVENESS))?;
+    Ok(())
 }
 
 /// What a stage does with a call: its answer into `reply`, or why it refuses.
@@ -164,6 +184,7 @@ fn accept(listener: &TcpListener, s: &Arc<Shared>, stop: &AtomicBool) {
 
 fn serve_head(mut stream: TcpStream, s: &Shared, generation: u64) -> io::Result<()> {
     stream.set_nodelay(true)?;
+    watch_liveness(&stream)?;
     stream.set_read_timeout(Some(handshake::exchange_timeout()))?;
     let session = handshake::challenge_blocking(&mut stream, &s.key, LABELS)?;
     stream.set_read_timeout(None)?;

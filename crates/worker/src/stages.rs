@@ -209,6 +209,9 @@ pub struct RemoteStages {
     key: ClusterKey,
     /// When reconnecting was last tried, and why the group is not whole.
     tried: Option<Instant>,
+    /// Dials in flight, off the worker's loop: a host that is gone takes the connect
+    /// timeout to say so.
+    dialing: Option<std::thread::JoinHandle<Vec<Dialed>>>,
     missing: Option<String>,
     fresh: bool,
     call: Vec<u8>,
@@ -222,7 +225,7 @@ impl RemoteStages {
         let stages = addrs.iter().map(|&addr| Stage { addr, conn: None, layers: None, compute_s: 0.0 }).collect();
         let missing = Some("not connected yet".into());
         let (call, x, totals) = (Vec::new(), Vec::new(), StageTotals::default());
-        RemoteStages { head, stages, key, tried: None, missing, fresh: false, call, x, totals }
+        RemoteStages { head, stages, key, tried: None, dialing: None, missing, fresh: false, call, x, totals }
     }
 
     /// Why the group cannot serve now (`None` once every stage answered and their
@@ -231,26 +234,49 @@ impl RemoteStages {
         self.missing.as_deref()
     }
 
-    /// Connects to every stage not connected and checks the group; at most once per
-    /// [`RETRY`] unless `now`.
+    /// Connects to every stage not connected and checks the group: at once and
+    /// waiting if `now`, else on a thread of its own at most once per [`RETRY`], its
+    /// outcome taken by a later call.
     pub fn connect(&mut self, now: bool) -> Option<&str> {
+        if let Some(done) = self.dialing.take_if(|d| now || d.is_finished()) {
+            let dialed = done.join().unwrap_or_default();
+            self.take(dialed);
+        }
         let whole = self.missing.is_none() && self.stages.iter().all(|s| s.conn.is_some());
-        if whole || (!now && self.tried.is_some_and(|t| t.elapsed() < RETRY)) {
+        if whole || self.dialing.is_some() || (!now && self.tried.is_some_and(|t| t.elapsed() < RETRY)) {
             return self.missing();
         }
         self.tried = Some(Instant::now());
+        let addrs: Vec<SocketAddr> = self.stages.iter().filter(|s| s.conn.is_none()).map(|s| s.addr).collect();
+        let (key, head) = (self.key.clone(), self.head.clone());
+        let dial = move || addrs.into_iter().map(|addr| (addr, hello(addr, &key, &head))).collect();
+        match now {
+            true => {
+                let dialed = dial();
+                self.take(dialed);
+            }
+            false => match std::thread::Builder::new().name("stage-dial".into()).spawn(dial) {
+                Ok(handle) => self.dialing = Some(handle),
+                Err(e) => self.missing = Some(format!("cannot dial the stages: {e}")),
+            },
+        }
+        self.missing()
+    }
+
+    /// Takes what dialing the missing stages gave.
+    fn take(&mut self, dialed: Vec<Dialed>) {
         let mut why = None;
-        for s in self.stages.iter_mut().filter(|s| s.conn.is_none()) {
-            match hello(s.addr, &self.key, &self.head) {
+        for (addr, got) in dialed {
+            let Some(s) = self.stages.iter_mut().find(|s| s.addr == addr && s.conn.is_none()) else { continue };
+            match got {
                 Ok((conn, layers)) => {
                     (s.conn, s.layers) = (Some(conn), Some(layers));
                     self.fresh = true;
                 }
-                Err(e) => why = Some(format!("stage at {}: {e}", s.addr)),
+                Err(e) => why = Some(format!("stage at {addr}: {e}")),
             }
         }
         self.missing = why.or_else(|| self.order());
-        self.missing()
     }
 
     /// Sorts the stages by layer; why their layers and the head's do not cover the
@@ -276,6 +302,9 @@ impl RemoteStages {
         StageLost(why)
     }
 }
+
+/// A stage's address and what dialing it gave.
+type Dialed = (SocketAddr, Result<(StageConn, LayerRange), String>);
 
 /// Connects to a stage and reads its hello.
 fn hello(addr: SocketAddr, key: &ClusterKey, head: &StageHello) -> Result<(StageConn, LayerRange), String> {

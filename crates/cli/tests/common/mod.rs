@@ -26,6 +26,8 @@ pub fn token_file() -> &'static str {
     })
 }
 
+pub mod net;
+
 const GOLDEN: &str = include_str!("../../../engine/tests/golden/smollm2-135m-q4_1.json");
 
 /// A child process killed when the test ends, however it ends.

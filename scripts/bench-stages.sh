@@ -130,6 +130,7 @@ for r in rows:
     if not st or r["split"] in seen:
         continue
     seen.add(r["split"])
-    per = ", ".join(f"{k}: {v:.2f}" for k, v in st["compute_ms_per_step"].items())
+    by_layer = sorted(st["compute_ms_per_step"].items(), key=lambda kv: int(kv[0].split("..")[0]))
+    per = ", ".join(f"{k}: {v:.2f}" for k, v in by_layer)
     print(f'| {r["split"]} | {st["steps"]:.0f} | {st["bytes_per_token"]:.0f} | {st["link_ms_per_step"]:.3f} | {per} |')
 PY

@@ -12,60 +12,14 @@
 mod common;
 
 use common::{
-    complete, eventually, exit_code, fleet_records, metric, nats_binary, one_process, settle_used_blocks, start,
-    worker_with, Proc, TempDir,
+    complete, eventually, exit_code, fleet_records, free_port, metric, nats, nats_on, nats_with, one_process,
+    settle_used_blocks, start, worker_with, Nats, Proc, TempDir,
 };
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// A nats-server with JetStream on a free port, killed when dropped.
-struct Nats {
-    child: Child,
-    url: String,
-    _dir: TempDir,
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn nats() -> Nats {
-    nats_with(&[])
-}
-
-/// A nats-server started with these extra flags (e.g. to require a password).
-fn nats_with(extra: &[&str]) -> Nats {
-    nats_on(free_port(), extra)
-}
-
-/// A nats-server on `port` (to bring one back where it was).
-fn nats_on(port: u16, extra: &[&str]) -> Nats {
-    let dir = std::env::temp_dir().join(format!("pdserve-nats-{}-{port}", std::process::id()));
-    let child = Command::new(nats_binary())
-        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-        .arg(&dir)
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "nats-server did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Nats { child, url: format!("nats://127.0.0.1:{port}"), _dir: TempDir(dir) }
-}
 
 fn fleet_worker(n: &Nats, role: &str, id: &str) -> Proc {
     worker_with(role, &["--nats", &n.url, "--node-id", id])

@@ -12,8 +12,8 @@ mod common;
 
 use common::net::Net;
 use common::{
-    complete, eventually, golden_prompts, ip, metric, one_process, settle_used_blocks, spawn_announced, start,
-    start_in, worker, Proc,
+    complete, eventually, fleet_records, golden_prompts, ip, metric, nats, one_process, settle_used_blocks,
+    spawn_announced, start, start_in, worker, Proc,
 };
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -88,6 +88,59 @@ fn a_model_split_across_two_and_three_processes_answers_as_one_process_does() {
         );
         let per_token = metric(fe.addr, "pdserve_stage_activation_bytes_per_token", "");
         assert!((per_token - bytes / rows).abs() < 1e-6 * per_token, "{cuts:?}: {per_token} per token");
+    }
+}
+
+/// Over NATS the head is given no addresses: the later stages announce themselves
+/// (under keys of their own, so no frontend takes one for a worker) and the head
+/// takes its group's. A frontend that follows the fleet sees the head alone and
+/// answers as one process does; a stage that leaves takes the group out, and one
+/// started anew (another port) brings it back.
+#[test]
+fn a_head_finds_its_stages_in_the_fleet() {
+    let n = nats();
+    let prompts = golden_prompts();
+    let want = reference(&prompts, 16);
+    let fleet = ["--nats", n.url.as_str()];
+    let later = |layers: &str| {
+        start(
+            &[
+                &["worker", "--role", "mixed", "--group", "g", "--layers", layers][..],
+                &fleet,
+                &["--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "512"],
+            ]
+            .concat(),
+        )
+    };
+    let mut s2 = later("20..29");
+    let _s1 = later("10..19");
+    let h = start(
+        &[
+            &["worker", "--role", "mixed", "--group", "g", "--layers", "0..9"][..],
+            &fleet,
+            &["--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "512"],
+        ]
+        .concat(),
+    );
+    eventually("the head finds its stages", || h.logged("stage group whole: serving"));
+    let fe = start(&["frontend", "--nats", &n.url, "--mode", "aggregated", "--port", "0"]);
+    eventually("the frontend takes the head", || metric(fe.addr, "pdserve_worker_role", "") >= 1.0);
+    assert_eq!(fleet_records(&n.url).len(), 1, "later stages are not workers");
+    for (p, w) in prompts.iter().zip(&want) {
+        assert_eq!(&complete(fe.addr, p, 16), w, "prompt {p}");
+    }
+    s2.child.kill().unwrap();
+    s2.child.wait().unwrap();
+    eventually("the head sees the stage gone", || h.logged("it closed the connection"));
+    let _s2 = later("20..29");
+    eventually("the group re-forms with the new stage", || h.log_count("stage group whole: serving") >= 2);
+    // The frontend takes the head back at its next look at the head's stats.
+    let one = json!({"prompt": "Hi", "max_tokens": 1});
+    eventually("the frontend routes to the group again", || {
+        common::http(fe.addr, "POST", "/v1/completions", Some(&one)).0 == 200
+    });
+    for (p, w) in prompts.iter().zip(&want) {
+        assert_eq!(&complete(fe.addr, p, 16), w, "prompt {p}, after the stage moved");
     }
 }
 

@@ -124,32 +124,51 @@ impl Bus {
 
     /// Writes `rec` under its node's key.
     pub async fn put(&self, rec: &NodeRecord) -> Result<(), FleetError> {
-        let key = key(&rec.node_id);
-        let sealed = self.seal(seal::NODE, &rec.encode());
-        self.store.put(&key, sealed.into()).await.map_err(|e| FleetError::Bucket(e.to_string()))?;
+        self.put_sealed(&key(&rec.node_id), seal::NODE, &rec.encode()).await
+    }
+
+    /// Writes `body` sealed for `label` under `key`.
+    pub(crate) async fn put_sealed(&self, key: &str, label: &[u8], body: &[u8]) -> Result<(), FleetError> {
+        let sealed = self.seal(label, body);
+        self.store.put(key, sealed.into()).await.map_err(|e| FleetError::Bucket(e.to_string()))?;
         Ok(())
     }
 
     /// Removes a node's record (a clean stop).
     pub async fn remove(&self, id: &NodeId) -> Result<(), FleetError> {
-        self.store.delete(key(id)).await.map_err(|e| FleetError::Bucket(e.to_string()))
+        self.remove_key(&key(id)).await
     }
 
-    /// Every record in the bucket now.
-    pub async fn nodes(&self) -> Result<Vec<NodeRecord>, FleetError> {
+    pub(crate) async fn remove_key(&self, key: &str) -> Result<(), FleetError> {
+        self.store.delete(key).await.map_err(|e| FleetError::Bucket(e.to_string()))
+    }
+
+    /// Every value under keys starting with `prefix` now that opens for `label`,
+    /// parsed as `T`; the others are logged and left out.
+    pub(crate) async fn values<T: serde::de::DeserializeOwned>(
+        &self,
+        prefix: &str,
+        label: &[u8],
+    ) -> Result<Vec<T>, FleetError> {
         use futures_util::TryStreamExt;
         let err = |e: &dyn std::fmt::Display| FleetError::Bucket(e.to_string());
         let keys: Vec<String> =
             self.store.keys().await.map_err(|e| err(&e))?.try_collect().await.map_err(|e| err(&e))?;
         let mut out = Vec::new();
-        for k in keys.iter().filter(|k| k.starts_with(KEY_PREFIX)) {
+        for k in keys.iter().filter(|k| k.starts_with(prefix)) {
             if let Some(v) = self.store.get(k).await.map_err(|e| err(&e))? {
-                match self.record(&v) {
-                    Ok(rec) => out.push(rec),
+                match self.open_as(label, &v) {
+                    Ok(value) => out.push(value),
                     Err(e) => tracing::warn!(key = %k, error = %e, "ignoring a record"),
                 }
             }
         }
+        Ok(out)
+    }
+
+    /// Every record in the bucket now.
+    pub async fn nodes(&self) -> Result<Vec<NodeRecord>, FleetError> {
+        let mut out: Vec<NodeRecord> = self.values(KEY_PREFIX, seal::NODE).await?;
         out.sort_by(|a, b| a.node_id.cmp(&b.node_id));
         Ok(out)
     }
@@ -219,7 +238,7 @@ pub(crate) fn node_of(key: &str) -> Option<NodeId> {
     key.strip_prefix(KEY_PREFIX)?.parse().ok()
 }
 
-fn key(id: &NodeId) -> String {
+pub(crate) fn key(id: &NodeId) -> String {
     format!("{KEY_PREFIX}{id}")
 }
 

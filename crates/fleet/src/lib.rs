@@ -21,6 +21,7 @@ mod record;
 mod register;
 pub mod request_lease;
 pub mod seal;
+mod stage;
 mod traffic;
 
 pub use bus::{Bus, FleetError, NatsConfig, BUCKET, REFRESH, TTL};
@@ -31,4 +32,5 @@ pub use plan::{follow_plan, read_plan, Lease, LeaseError, Plan, LEASE_GRACE, PLA
 pub use probe::SendProbe;
 pub use record::{now_unix_ms, Endpoints, KvCache, LinkRecord, Load, NodeId, NodeRecord};
 pub use register::{register, Registration};
+pub use stage::{announce_stage, find_stages, StageRecord};
 pub use traffic::{follow_traffic, publish_traffic, TrafficBatch, TRAFFIC_EVERY, TRAFFIC_SUBJECT};

@@ -3,6 +3,7 @@
 
 use crate::bus::{Bus, NatsConfig, REFRESH};
 use crate::record::{NodeId, NodeRecord};
+use crate::seal;
 use std::future::Future;
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -21,16 +22,31 @@ where
     F: FnMut() -> Fut + Send + 'static,
     Fut: Future<Output = NodeRecord> + Send,
 {
+    let key = crate::bus::key(&id);
+    keep(cfg, id, key, seal::NODE, move || {
+        let rec = record();
+        async move { rec.await.encode() }
+    })
+}
+
+/// Keeps the value `body` makes under `key`, sealed for `label`, for node `id`:
+/// written every [`REFRESH`] from when NATS first answers, deleted by
+/// [`Registration::deregister`].
+pub(crate) fn keep<F, Fut>(cfg: NatsConfig, id: NodeId, key: String, label: &'static [u8], mut body: F) -> Registration
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: Future<Output = Vec<u8>> + Send,
+{
     let (stop, mut stopped) = oneshot::channel();
     let task = tokio::spawn(async move {
         let mut bus = tokio::select! {
             bus = Bus::connect_patiently(&cfg) => bus,
             _ = &mut stopped => return,
         };
-        tracing::info!(node = %id, url = %cfg.url, "registered in the fleet");
+        tracing::info!(node = %id, key, url = %cfg.url, "registered in the fleet");
         let mut failing = false;
         loop {
-            match bus.put(&record().await).await {
+            match bus.put_sealed(&key, label, &body().await).await {
                 Ok(()) if failing => {
                     tracing::info!(node = %id, "fleet record written again");
                     failing = false;
@@ -52,7 +68,7 @@ where
                 _ = &mut stopped => break,
             }
         }
-        match bus.remove(&id).await {
+        match bus.remove_key(&key).await {
             Ok(()) => tracing::info!(node = %id, "left the fleet"),
             Err(e) => tracing::warn!(node = %id, error = %e, "cannot delete the fleet record; it expires"),
         }

@@ -22,6 +22,8 @@ pub const NODE: &[u8] = b"pdserve-fleet-node";
 pub const KV_EVENTS: &[u8] = b"pdserve-fleet-kv-events";
 /// A frontend's batch of traffic samples (`pdserve.traffic`): planners plan by it.
 pub const TRAFFIC: &[u8] = b"pdserve-fleet-traffic";
+/// A later stage's record (`stages.<group>.<node>`).
+pub const STAGE: &[u8] = b"pdserve-fleet-stage";
 
 #[derive(Serialize, Deserialize)]
 struct Envelope {

@@ -83,6 +83,22 @@ impl StageConn {
         self.addr
     }
 
+    /// Whether the stage has closed the connection (or it broke), looked at without
+    /// waiting: between calls a stage sends nothing, so anything readable is its end.
+    pub fn is_closed(&self) -> bool {
+        let s = &self.ends.stream;
+        if s.set_nonblocking(true).is_err() {
+            return true;
+        }
+        let mut byte = [0u8; 1];
+        let closed = match s.peek(&mut byte) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() != io::ErrorKind::WouldBlock,
+        };
+        s.set_nonblocking(false).is_err() || closed
+    }
+
     /// Sends `body` and returns the stage's answer; a refusal, a timeout or a closed
     /// connection is an error, after which the connection is of no further use.
     pub fn call(&mut self, body: &[u8]) -> Result<&[u8], TransferError> {

@@ -212,12 +212,20 @@ pub struct RemoteStages {
     /// Dials in flight, off the worker's loop: a host that is gone takes the connect
     /// timeout to say so.
     dialing: Option<std::thread::JoinHandle<Vec<Dialed>>>,
+    /// When the connections were last looked at for a stage that closed.
+    checked: Option<Instant>,
     missing: Option<String>,
     fresh: bool,
     call: Vec<u8>,
     x: Vec<f32>,
     totals: StageTotals,
+    /// Where the stages are, when something finds them (the fleet) rather than being
+    /// given once.
+    finder: Option<Finder>,
 }
+
+/// The later stages' addresses as they are found now.
+pub type Finder = Box<dyn FnMut() -> Vec<SocketAddr> + Send>;
 
 impl RemoteStages {
     /// The stages at `addrs` (any order), for a head that says `head` of itself.
@@ -225,7 +233,25 @@ impl RemoteStages {
         let stages = addrs.iter().map(|&addr| Stage { addr, conn: None, layers: None, compute_s: 0.0 }).collect();
         let missing = Some("not connected yet".into());
         let (call, x, totals) = (Vec::new(), Vec::new(), StageTotals::default());
-        RemoteStages { head, stages, key, tried: None, dialing: None, missing, fresh: false, call, x, totals }
+        let (tried, dialing, checked, finder) = (None, None, None, None);
+        RemoteStages { head, stages, key, tried, dialing, checked, missing, fresh: false, call, x, totals, finder }
+    }
+
+    /// Takes the stages `finder` finds from now on, while the group is not whole: a
+    /// new address is dialed, an unconnected one no longer found is forgotten (a
+    /// connected one stays until it fails). A whole group takes no other stage.
+    pub fn with_finder(mut self, finder: Finder) -> RemoteStages {
+        self.finder = Some(finder);
+        self
+    }
+
+    fn offer(&mut self, addrs: &[SocketAddr]) {
+        self.stages.retain(|s| s.conn.is_some() || addrs.contains(&s.addr));
+        for &addr in addrs {
+            if !self.stages.iter().any(|s| s.addr == addr) {
+                self.stages.push(Stage { addr, conn: None, layers: None, compute_s: 0.0 });
+            }
+        }
     }
 
     /// Why the group cannot serve now (`None` once every stage answered and their
@@ -242,7 +268,14 @@ impl RemoteStages {
             let dialed = done.join().unwrap_or_default();
             self.take(dialed);
         }
+        if !now && self.checked.is_none_or(|t| t.elapsed() >= RETRY) {
+            self.checked = Some(Instant::now());
+            self.check_idle();
+        }
         let whole = self.missing.is_none() && self.stages.iter().all(|s| s.conn.is_some());
+        if let Some(found) = self.finder.as_mut().filter(|_| !whole).map(|f| f()) {
+            self.offer(&found);
+        }
         if whole || self.dialing.is_some() || (!now && self.tried.is_some_and(|t| t.elapsed() < RETRY)) {
             return self.missing();
         }
@@ -261,6 +294,18 @@ impl RemoteStages {
             },
         }
         self.missing()
+    }
+
+    /// Loses every stage whose connection closed while the head was idle, so the group
+    /// is out before a request is routed to it.
+    fn check_idle(&mut self) {
+        let closed: Vec<usize> = (0..self.stages.len())
+            .filter(|&i| self.stages[i].conn.as_ref().is_some_and(StageConn::is_closed))
+            .collect();
+        for i in closed {
+            let lost = self.lose(i, "it closed the connection".into());
+            tracing::warn!(error = %lost, "stage group not whole");
+        }
     }
 
     /// Takes what dialing the missing stages gave.

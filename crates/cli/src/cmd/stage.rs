@@ -1,6 +1,7 @@
 //! `pdserve worker --group NAME --layers A..B`: one stage of a model split by layers
 //! across processes. The stage holding layer 0 is the group's head: a worker as any
-//! other to routers, given the later stages' addresses (`--stage`). A later stage
+//! other to routers, given the later stages' addresses (`--stage`) or finding them in
+//! the fleet (`--nats`, where each later stage announces itself). A later stage
 //! serves only the head's calls, on `--listen`.
 
 use super::http::{self, Stopped};
@@ -27,8 +28,18 @@ pub struct GroupArgs {
     layers: Option<LayerRange>,
     /// A later stage of the group (its --listen address), for the head; repeat for
     /// each. The head serves once the stages' layers and its own cover the model.
+    /// With --nats and no --stage, the head takes the stages of its group and model
+    /// that announce themselves in the fleet.
     #[arg(long = "stage", requires = "group")]
     stages: Vec<SocketAddr>,
+}
+
+/// Where a stage meets the fleet: its NATS settings, the address others reach it at
+/// (`--advertise`) and its node id.
+pub struct InFleet {
+    pub cfg: pdserve_fleet::NatsConfig,
+    pub advertise: Option<std::net::IpAddr>,
+    pub node_id: Option<pdserve_fleet::NodeId>,
 }
 
 /// What a worker process is in a stage group.
@@ -53,13 +64,22 @@ impl GroupArgs {
         listen: SocketAddr,
         how: Shape,
         key: &ClusterKey,
+        fleet: Option<InFleet>,
     ) -> anyhow::Result<Part> {
         Ok(match (m, self.layers) {
             (_, None) => Part::Whole,
             (None, Some(_)) => anyhow::bail!("a stage group runs the real engine"),
             (Some(m), Some(l)) if l.embeds() => Part::Head(Box::new(self.head_stages(m, how.0, key))),
-            (Some(m), Some(_)) => Part::Later(serve(self, m, listen, how, key.clone())?),
+            (Some(m), Some(_)) => Part::Later(serve(self, m, (listen, fleet), how, key.clone())?),
         })
+    }
+
+    /// The head's stages found in the fleet from now on, where it was given none
+    /// (on the current runtime).
+    pub fn find(&self, stages: RemoteStages, fleet: Option<&InFleet>, model: &str) -> RemoteStages {
+        let (Some(f), true) = (fleet, self.stages.is_empty()) else { return stages };
+        let found = pdserve_fleet::find_stages(f.cfg.clone(), self.name(), model);
+        stages.with_finder(Box::new(move || found.lock().map(|a| a.clone()).unwrap_or_default()))
     }
 
     /// The layers to load (all when not a stage).
@@ -67,15 +87,16 @@ impl GroupArgs {
         self.layers
     }
 
-    /// Refuses what a stage group cannot be (`tiers`: whether K/V tiers are asked for).
-    pub fn check(&self, role: pdserve_types::Role, tiers: bool) -> anyhow::Result<()> {
+    /// Refuses what a stage group cannot be (`tiers`: whether K/V tiers are asked
+    /// for; `nats`: whether the fleet is).
+    pub fn check(&self, role: pdserve_types::Role, tiers: bool, nats: bool) -> anyhow::Result<()> {
         let Some(layers) = self.layers else { return Ok(()) };
         if tiers {
             anyhow::bail!("a stage group keeps no K/V tiers yet (its head's would hold only its own layers)");
         }
-        if layers.embeds() && self.stages.is_empty() {
+        if layers.embeds() && self.stages.is_empty() && !nats {
             anyhow::bail!(
-                "the head of stage group {} (layers {layers}) needs --stage ADDR for each later stage",
+                "the head of stage group {} (layers {layers}) needs --stage ADDR for each later stage, or --nats to find them",
                 self.name()
             );
         }
@@ -116,8 +137,15 @@ fn hello_of(m: &LoadedModel, blocks: usize) -> StageHello {
     }
 }
 
-/// Serves a later stage on `listen` until SIGINT/SIGTERM.
-fn serve(g: &GroupArgs, m: &LoadedModel, listen: SocketAddr, how: Shape, key: ClusterKey) -> anyhow::Result<Stopped> {
+/// Serves a later stage on `listen` until SIGINT/SIGTERM, announced in the fleet
+/// when it is in one.
+fn serve(
+    g: &GroupArgs,
+    m: &LoadedModel,
+    (listen, fleet): (SocketAddr, Option<InFleet>),
+    how: Shape,
+    key: ClusterKey,
+) -> anyhow::Result<Stopped> {
     let (blocks, threads, dtype) = how;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     // Before the announcement, so a signal right after it is handled.
@@ -136,8 +164,43 @@ fn serve(g: &GroupArgs, m: &LoadedModel, listen: SocketAddr, how: Shape, key: Cl
         m.model.weight_bytes() as f64 / (1 << 20) as f64,
         server.local_addr()
     );
-    rt.block_on(signal);
+    let announced = match fleet {
+        Some(f) => Some(announce(g, m, &f, server.local_addr(), &rt)?),
+        None => None,
+    };
+    rt.block_on(async move {
+        signal.await;
+        if let Some(reg) = announced {
+            reg.deregister().await;
+        }
+    });
     drop(server);
     tracing::info!("pdserve worker: stage stopped");
     Ok(Stopped::Drained)
+}
+
+/// Announces the later stage serving at `at` in the fleet, on `rt`.
+fn announce(
+    g: &GroupArgs,
+    m: &LoadedModel,
+    f: &InFleet,
+    at: SocketAddr,
+    rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<pdserve_fleet::Registration> {
+    if f.advertise.is_none() && at.ip().is_unspecified() {
+        anyhow::bail!("a stage listening on {at} must say where its head reaches it: add --advertise IP");
+    }
+    let addr = f.advertise.map_or(at, |ip| SocketAddr::new(ip, at.port()));
+    let l = m.model.layers();
+    let id =
+        f.node_id.clone().unwrap_or_else(|| pdserve_fleet::NodeId::sanitized(&format!("stage-{}-{addr}", g.name())));
+    let rec = pdserve_fleet::StageRecord {
+        group: g.name().to_string(),
+        model: m.name.clone(),
+        first: l.first,
+        last: l.last,
+        addr,
+    };
+    let _in = rt.enter();
+    Ok(pdserve_fleet::announce_stage(f.cfg.clone(), id, rec))
 }

@@ -212,11 +212,9 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
     let m = Compute::load(&a)?.with_kv_dtype(&a)?;
     let speculation = a.spec.config(m.real())?;
     let tiers = a.tiers.config(m.block_bytes(a.kv_cache.kv_cache_dtype).0)?;
-    a.group.check(a.role, tiers.host_blocks + tiers.disk_blocks > 0)?;
     // Every stage of a group counts blocks of the whole model, so all have as many.
     let blocks = m.pool_blocks(&a)?;
-    let how = (blocks, a.threads.max(1), a.kv_cache.kv_cache_dtype);
-    let stages = match a.group.part(m.real(), a.listen, how, &key)? {
+    let stages = match group_part(&a, &m, blocks, &key, tiers.host_blocks + tiers.disk_blocks > 0)? {
         Part::Later(stopped) => return Ok(stopped),
         Part::Head(stages) => Some(*stages),
         Part::Whole => None,
@@ -237,6 +235,7 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
             grammars: None,
             tiers,
         };
+        let stages = stages.map(|s| a.group.find(s, in_fleet(&a, &key, &name).as_ref(), &m.model_name()));
         let worker = m
             .spawn(opts, stages, tokio::runtime::Handle::current())
             .with_context(|| format!("starting worker {name}"))?;
@@ -269,6 +268,21 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
         tracing::info!("pdserve worker: stopped");
         Ok(stopped)
     })
+}
+
+/// What this worker is in a stage group (`tiers`: whether it keeps K/V tiers); a
+/// later stage is served here until it stops.
+fn group_part(a: &Args, m: &Compute, blocks: usize, key: &ClusterKey, tiers: bool) -> anyhow::Result<Part> {
+    a.group.check(a.role, tiers, a.nats.nats.is_some())?;
+    let how = (blocks, a.threads.max(1), a.kv_cache.kv_cache_dtype);
+    let fleet = in_fleet(a, key, &format!("stage@{}", a.listen));
+    a.group.part(m.real(), a.listen, how, key, fleet)
+}
+
+/// Where a stage of a group meets the fleet, when this worker is in one.
+fn in_fleet(a: &Args, key: &ClusterKey, name: &str) -> Option<super::stage::InFleet> {
+    let cfg = a.nats.config(name, Some(key))?;
+    Some(super::stage::InFleet { cfg, advertise: a.advertise, node_id: a.node_id.clone() })
 }
 
 /// Binds a receiver of every transport: any worker receives KV, since its role may

@@ -41,7 +41,12 @@ pub struct Proc {
 
 impl Proc {
     pub fn logged(&self, needle: &str) -> bool {
-        self.log.lock().unwrap().iter().any(|l| l.contains(needle))
+        self.log_count(needle) > 0
+    }
+
+    /// How many of its log lines hold `needle`.
+    pub fn log_count(&self, needle: &str) -> usize {
+        self.log.lock().unwrap().iter().filter(|l| l.contains(needle)).count()
     }
 }
 
@@ -204,6 +209,52 @@ pub fn nats_binary() -> String {
         "no nats-server: run `scripts/nats.sh install` (scripts/test.sh does) or set PDSERVE_NATS_SERVER"
     );
     local.to_string()
+}
+
+/// A nats-server with JetStream on a free port, killed when dropped.
+pub struct Nats {
+    child: Child,
+    pub url: String,
+    _dir: TempDir,
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub fn nats() -> Nats {
+    nats_with(&[])
+}
+
+/// A nats-server started with these extra flags (e.g. to require a password).
+pub fn nats_with(extra: &[&str]) -> Nats {
+    nats_on(free_port(), extra)
+}
+
+/// A nats-server on `port` (to bring one back where it was).
+pub fn nats_on(port: u16, extra: &[&str]) -> Nats {
+    let dir = std::env::temp_dir().join(format!("pdserve-nats-{}-{port}", std::process::id()));
+    let child = Command::new(nats_binary())
+        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+        .arg(&dir)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "nats-server did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Nats { child, url: format!("nats://127.0.0.1:{port}"), _dir: TempDir(dir) }
 }
 
 /// A directory removed when dropped.

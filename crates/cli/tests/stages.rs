@@ -16,8 +16,10 @@ use common::{
     spawn_announced, start, start_in, worker, Proc,
 };
 use serde_json::{json, Value};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Command;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// A head's wait for a stage's answer (the worker crate's `CALL_TIMEOUT`).
@@ -160,10 +162,28 @@ fn a_head_without_its_stages_or_with_a_wrong_split_is_refused_or_waits() {
     assert!(h.logged("do not cover 0..29 once each"));
 }
 
+/// `count` prompts of 40 ordinary tokens, other ones for another `salt`.
+fn long_prompts(count: u32, salt: u32) -> Vec<Value> {
+    let prompt = |r: u32| json!((0..40u32).map(|i| 1000 + (i * 7919 + r * salt) % 30000).collect::<Vec<_>>());
+    (0..count).map(prompt).collect()
+}
+
+/// Sends every prompt for `n` greedy tokens at once through the frontend at `fe`, and
+/// returns once one runs on the group `head` heads; each thread answers its text.
+fn stream_onto_group(fe: SocketAddr, head: &Proc, prompts: &[Value], n: u32) -> Vec<JoinHandle<String>> {
+    let send = |p: &Value| {
+        let p = p.clone();
+        std::thread::spawn(move || complete(fe, &p, n))
+    };
+    let requests = prompts.iter().map(send).collect();
+    let on_head = format!("mixed@{}\",state=\"running\"", head.addr);
+    eventually("a request runs on the group", || metric(fe, "pdserve_worker_requests", &on_head) > 0.0);
+    requests
+}
+
 #[test]
 fn a_stage_killed_mid_stream_moves_its_requests_and_the_group_comes_back() {
-    let prompts: Vec<Value> =
-        (0..4u32).map(|r| json!((0..40u32).map(|i| 1000 + (i * 7919 + r * 131) % 30000).collect::<Vec<_>>())).collect();
+    let prompts = long_prompts(4, 131);
     let n = 160;
     let want = reference(&prompts, n);
     // A fixed port, so the stage comes back where the head looks for it.
@@ -173,16 +193,7 @@ fn a_stage_killed_mid_stream_moves_its_requests_and_the_group_comes_back() {
     let h = head("0..14", &[&s]);
     let whole = worker("mixed");
     let fe = frontend(&[&h, &whole]);
-    let addr = fe.addr;
-    let requests: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let p = p.clone();
-            std::thread::spawn(move || complete(addr, &p, n))
-        })
-        .collect();
-    let on_head = format!("mixed@{}\",state=\"running\"", h.addr);
-    eventually("a request runs on the group", || metric(addr, "pdserve_worker_requests", &on_head) > 0.0);
+    let requests = stream_onto_group(fe.addr, &h, &prompts, n);
     s.child.kill().unwrap();
     s.child.wait().unwrap();
     for (r, w) in requests.into_iter().zip(&want) {
@@ -307,8 +318,7 @@ fn hosts_capped_below_the_models_size_run_it_across_two_and_three_of_them() {
 /// back.
 #[test]
 fn a_stage_whose_host_vanishes_without_a_reset_is_found_lost_in_seconds() {
-    let prompts: Vec<Value> =
-        (0..3u32).map(|r| json!((0..40u32).map(|i| 1000 + (i * 7919 + r * 331) % 30000).collect::<Vec<_>>())).collect();
+    let prompts = long_prompts(3, 331);
     let n = 160;
     let want = reference(&prompts, n);
     let net = Net::new(2);
@@ -321,16 +331,7 @@ fn a_stage_whose_host_vanishes_without_a_reset_is_found_lost_in_seconds() {
     assert!(h.logged("stage group whole"));
     let whole = worker("mixed");
     let fe = frontend(&[&h, &whole]);
-    let addr = fe.addr;
-    let requests: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let p = p.clone();
-            std::thread::spawn(move || complete(addr, &p, n))
-        })
-        .collect();
-    let on_head = format!("mixed@{}\",state=\"running\"", h.addr);
-    eventually("a request runs on the group", || metric(addr, "pdserve_worker_requests", &on_head) > 0.0);
+    let requests = stream_onto_group(fe.addr, &h, &prompts, n);
     let cut = Instant::now();
     net.cable(1, false);
     for (r, w) in requests.into_iter().zip(&want) {

@@ -13,6 +13,15 @@ fn pdserve(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_pdserve")).args(args).env("RUST_LOG", "warn").output().unwrap()
 }
 
+/// A new directory `pdserve-TAG-PID` holding a derived profile of the default model.
+fn derived_in(tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("pdserve-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let profile = dir.join("derived.json");
+    common::derived_profile(&profile);
+    (dir, profile)
+}
+
 /// The GPU profiles' step costs are the fit of the GPU steps they hold: refitting
 /// them gives the same costs (so nobody edits one without the other), and a profile
 /// without points is refused.
@@ -161,10 +170,7 @@ fn sixteen_simulated_worker_processes_serve_behind_one_frontend() {
 
 #[test]
 fn plan_ranks_every_topology_and_says_when_to_disaggregate() {
-    let dir = std::env::temp_dir().join(format!("pdserve-plan-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let profile = dir.join("derived.json");
-    common::derived_profile(&profile);
+    let (dir, profile) = derived_in("plan-test");
     let out = pdserve(&[
         "plan",
         "--profile",
@@ -202,10 +208,7 @@ fn plan_ranks_every_topology_and_says_when_to_disaggregate() {
 /// small for the weights get groups only, and without a link they are refused.
 #[test]
 fn plan_weighs_stage_groups_and_plans_only_groups_for_a_model_no_node_holds() {
-    let dir = std::env::temp_dir().join(format!("pdserve-plan-groups-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let profile = dir.join("derived.json");
-    common::derived_profile(&profile);
+    let (dir, profile) = derived_in("plan-groups");
     let plan = |extra: &[&str]| {
         let args = ["plan", "--profile", profile.to_str().unwrap(), "--nodes", "2", "--concurrency", "1,4"];
         let more = ["--input-len", "256", "--output-len", "16", "--requests", "8", "--out", dir.to_str().unwrap()];
@@ -239,10 +242,7 @@ fn plan_weighs_stage_groups_and_plans_only_groups_for_a_model_no_node_holds() {
 /// refused before anything runs.
 #[test]
 fn compare_puts_the_twins_predictions_beside_the_measurements() {
-    let dir = std::env::temp_dir().join(format!("pdserve-compare-sim-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let profile = dir.join("derived.json");
-    common::derived_profile(&profile);
+    let (dir, profile) = derived_in("compare-sim");
     let run = |profile: &str| {
         pdserve(&[
             "bench",

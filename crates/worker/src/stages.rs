@@ -21,6 +21,7 @@ use pdserve_engine::model::stage::covering;
 use pdserve_engine::model::LayerRange;
 use pdserve_kv_transfer::{ClusterKey, StageConn, StageHandler};
 use pdserve_types::{StageCompute, StageTotals};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -198,8 +199,6 @@ struct Stage {
     conn: Option<StageConn>,
     /// Its layers, once it said hello.
     layers: Option<LayerRange>,
-    /// Seconds it said it computed, over every step it answered.
-    compute_s: f64,
 }
 
 /// The head's side: the later stages at their addresses, called in layer order.
@@ -219,6 +218,9 @@ pub struct RemoteStages {
     call: Vec<u8>,
     x: Vec<f32>,
     totals: StageTotals,
+    /// Seconds the stages said they computed, by their layers: kept across a stage
+    /// that leaves and one that takes its place.
+    compute: BTreeMap<(usize, usize), f64>,
     /// Where the stages are, when something finds them (the fleet) rather than being
     /// given once.
     finder: Option<Finder>,
@@ -230,11 +232,26 @@ pub type Finder = Box<dyn FnMut() -> Vec<SocketAddr> + Send>;
 impl RemoteStages {
     /// The stages at `addrs` (any order), for a head that says `head` of itself.
     pub fn new(head: StageHello, addrs: &[SocketAddr], key: ClusterKey) -> RemoteStages {
-        let stages = addrs.iter().map(|&addr| Stage { addr, conn: None, layers: None, compute_s: 0.0 }).collect();
+        let stages = addrs.iter().map(|&addr| Stage { addr, conn: None, layers: None }).collect();
         let missing = Some("not connected yet".into());
         let (call, x, totals) = (Vec::new(), Vec::new(), StageTotals::default());
         let (tried, dialing, checked, finder) = (None, None, None, None);
-        RemoteStages { head, stages, key, tried, dialing, checked, missing, fresh: false, call, x, totals, finder }
+        let compute = BTreeMap::new();
+        RemoteStages {
+            head,
+            stages,
+            key,
+            tried,
+            dialing,
+            checked,
+            missing,
+            fresh: false,
+            call,
+            x,
+            totals,
+            compute,
+            finder,
+        }
     }
 
     /// Takes the stages `finder` finds from now on, while the group is not whole: a
@@ -249,7 +266,7 @@ impl RemoteStages {
         self.stages.retain(|s| s.conn.is_some() || addrs.contains(&s.addr));
         for &addr in addrs {
             if !self.stages.iter().any(|s| s.addr == addr) {
-                self.stages.push(Stage { addr, conn: None, layers: None, compute_s: 0.0 });
+                self.stages.push(Stage { addr, conn: None, layers: None });
             }
         }
     }
@@ -377,7 +394,8 @@ impl NextStages for RemoteStages {
                 return Err(self.lose(i, "not connected".into()));
             };
             let out = if i + 1 == n { &mut *rows } else { &mut buf };
-            let compute_s = &mut stage.compute_s;
+            let layers = stage.layers.map_or((0, 0), |l| (l.first, l.last));
+            let compute_s = self.compute.entry(layers).or_default();
             let answered = conn.call(&self.call).map_err(|e| e.to_string()).and_then(|a| {
                 self.totals.bytes += (self.call.len() + a.len()) as u64;
                 let mut r = Reader(a);
@@ -405,10 +423,7 @@ impl NextStages for RemoteStages {
     }
 
     fn totals(&self) -> StageTotals {
-        let compute = self.stages.iter().filter_map(|s| {
-            let l = s.layers?;
-            Some(StageCompute { first: l.first, last: l.last, seconds: s.compute_s })
-        });
+        let compute = self.compute.iter().map(|(&(first, last), &seconds)| StageCompute { first, last, seconds });
         StageTotals { compute: compute.collect(), ..self.totals.clone() }
     }
 }

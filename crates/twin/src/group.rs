@@ -128,6 +128,14 @@ pub fn row_and_weights(profile: &Profile) -> Result<(f64, f64), TwinError> {
     Ok((m.hidden as f64 * 4.0, m.weight_bytes as f64))
 }
 
+/// A node's bytes for a group's cache: its memory (`node`, or by default the weights
+/// and the profile's blocks beside them), the weights, and one block of every layer.
+pub fn node_bytes(profile: &Profile, node: Option<f64>) -> Result<(f64, f64, f64), TwinError> {
+    let (_, weights) = row_and_weights(profile)?;
+    let block = profile.block_bytes() as f64;
+    Ok((node.unwrap_or(weights + profile.model.kv_blocks as f64 * block), weights, block))
+}
+
 /// The profile's timed TCP link: a stage hop over loopback.
 pub fn loopback(profile: &Profile) -> Result<LinkModel, TwinError> {
     let tcp = profile.links().into_iter().find(|(k, _)| *k == pdserve_kv_transfer::TransportKind::Tcp);

@@ -3,7 +3,7 @@
 //! mixed workers under the planner — at each concurrency of a sweep, ranks them by predicted
 //! goodput, and says in one sentence when to disaggregate.
 
-use crate::group::{loopback, row_and_weights, GroupShape, StageLink};
+use crate::group::{loopback, node_bytes, GroupShape, StageLink};
 use crate::profile::Profile;
 use crate::sim::{simulate, SimSpec, Topology};
 use crate::TwinError;
@@ -175,9 +175,7 @@ impl Memory {
         if spec.stage_link.is_none() && spec.node_memory.is_none() {
             return Ok(None);
         }
-        let (_, weights) = row_and_weights(spec.profile)?;
-        let block = spec.profile.block_bytes() as f64;
-        let node = spec.node_memory.unwrap_or(weights + spec.profile.model.kv_blocks as f64 * block);
+        let (node, weights, block) = node_bytes(spec.profile, spec.node_memory)?;
         let loopback = match spec.stage_link {
             Some(_) => loopback(spec.profile)?,
             None => LinkModel { latency_s: 0.0, bytes_per_s: 1.0 },

@@ -200,9 +200,7 @@ pub fn sim(a: SimArgs) -> anyhow::Result<()> {
     }
     if a.group_stages > 1 {
         let g = GroupShape { stages: a.group_stages, link: a.stage_link.model(group::loopback(&profile)?) };
-        let (_, weights) = group::row_and_weights(&profile)?;
-        let block = profile.block_bytes() as f64;
-        let memory = weights + profile.model.kv_blocks as f64 * block;
+        let (memory, weights, block) = group::node_bytes(&profile, None)?;
         topology.kv_blocks = topology.kv_blocks.or(g.kv_blocks(memory, weights, block));
         topology.group = Some(g);
     }

@@ -4,7 +4,8 @@
 //! the set: its requests move to another worker and end with their full greedy text,
 //! no block stays used, and the group serves again once the stage is back. "Hosts"
 //! whose memory is capped (a cgroup each) below what the whole model takes run it
-//! across 2 and 3 of them, with one process's greedy text.
+//! across 2 and 3 of them, with one process's greedy text, mixed or as a prefill group
+//! handing to a decode group cut elsewhere.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -291,17 +292,7 @@ fn hosts_capped_below_the_models_size_run_it_across_two_and_three_of_them() {
         // Each host a network namespace on one bridge and a memory cgroup.
         let net = Net::new(cuts.len());
         let hosts: Vec<Capped> = (0..cuts.len()).map(|i| Capped::new(&format!("host{i}"), CAP)).collect();
-        let flags = ["--role", "mixed", "--group", "g", "--threads", "1", "--kv-blocks", "64"];
-        let on = |i: usize, args: &[&str]| {
-            let listen = format!("{}:0", net.ip(i));
-            hosts[i].start_in(net.ns(i), &[args, &flags, &["--listen", &listen]].concat())
-        };
-        let later: Vec<Proc> = (1..cuts.len()).map(|i| on(i, &["worker", "--layers", cuts[i]])).collect();
-        let mut head = vec!["worker", "--layers", cuts[0]];
-        let addrs: Vec<String> = later.iter().map(|p| p.addr.to_string()).collect();
-        addrs.iter().for_each(|a| head.extend(["--stage", a.as_str()]));
-        let h = on(0, &head);
-        assert!(h.logged("stage group whole"), "{cuts:?}");
+        let (h, later) = capped_group(&net, &hosts, (0, "g", "mixed"), cuts);
         let fe = frontend(&[&h]);
         for (p, w) in prompts.iter().zip(&want) {
             assert_eq!(&complete(fe.addr, p, 16), w, "{cuts:?}: prompt {p}");
@@ -309,6 +300,52 @@ fn hosts_capped_below_the_models_size_run_it_across_two_and_three_of_them() {
         drop((fe, h, later));
         drop(net);
     }
+}
+
+/// Group `name` in `role` on the capped hosts `at..` of `net`, one stage a host:
+/// its head (ready) and its later stages.
+fn capped_group(
+    net: &Net,
+    hosts: &[Capped],
+    (at, name, role): (usize, &str, &str),
+    cuts: &[&str],
+) -> (Proc, Vec<Proc>) {
+    let flags = ["--role", role, "--group", name, "--threads", "1", "--kv-blocks", "64"];
+    let on = |i: usize, args: &[&str]| {
+        let listen = format!("{}:0", net.ip(at + i));
+        hosts[at + i].start_in(net.ns(at + i), &[args, &flags, &["--listen", &listen]].concat())
+    };
+    let later: Vec<Proc> = (1..cuts.len()).map(|i| on(i, &["worker", "--layers", cuts[i]])).collect();
+    let mut head = vec!["worker", "--layers", cuts[0]];
+    let addrs: Vec<String> = later.iter().map(|p| p.addr.to_string()).collect();
+    addrs.iter().for_each(|a| head.extend(["--stage", a.as_str()]));
+    let h = on(0, &head);
+    assert!(h.logged("stage group whole"), "{name}: {cuts:?}");
+    (h, later)
+}
+
+/// Disaggregated across groups cut apart: a prefill group on 2 capped hosts hands
+/// each prompt's K/V to a decode group on 3 others, every layer from the stage that
+/// computed it to the stage that holds it, and the text is one process's.
+#[test]
+fn a_prefill_group_on_two_capped_hosts_hands_to_a_decode_group_on_three() {
+    let prompts = golden_prompts();
+    let want = reference(&prompts, 16);
+    let net = Net::new(5);
+    let hosts: Vec<Capped> = (0..5).map(|i| Capped::new(&format!("pd{i}"), CAP)).collect();
+    let (p, _p_later) = capped_group(&net, &hosts, (0, "p", "prefill"), &["0..9", "10..29"]);
+    let (d, _d_later) = capped_group(&net, &hosts, (2, "d", "decode"), &["0..5", "6..17", "18..29"]);
+    let list = format!("{},{}", p.addr, d.addr);
+    let fe =
+        start(&["frontend", "--workers", &list, "--mode", "disaggregated", "--kv-transport", "tcp", "--port", "0"]);
+    for (pr, w) in prompts.iter().zip(&want) {
+        assert_eq!(&complete(fe.addr, pr, 16), w, "prompt {pr}");
+    }
+    // Whole blocks of all 30 layers moved (768 bytes a token a layer, f16).
+    let moved = metric(fe.addr, "pdserve_kv_transfer_bytes_total", "tcp");
+    let blocks_of_every_layer = 30.0 * 16.0 * 768.0;
+    assert!(moved > 0.0 && moved % blocks_of_every_layer == 0.0, "{moved} bytes moved");
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
 }
 
 /// A stage whose host drops off the network without a word (its cable pulled: no

@@ -7,7 +7,9 @@
 //! one), prefilled in chunks and then decoded greedily. An engine whose model is the
 //! first stage and whose later stages run behind [`NextStages`] serves requests as an
 //! engine with the whole model does, token for token, and a lost stage ends its step
-//! without advancing anything.
+//! without advancing anything. A group hands a prompt's K/V to another engine (a whole
+//! one or a group cut elsewhere) as one engine does: every layer's frames, from the
+//! stage that computed them to the stage that holds them.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -20,7 +22,7 @@ use pdserve_engine::kernels::Isa;
 use pdserve_engine::kvcache::KvStorage;
 use pdserve_engine::model::{logit_rows, ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
 use pdserve_engine::threadpool::ThreadPool;
-use pdserve_types::KvDtype;
+use pdserve_types::{KvDtype, KvFrame};
 use pdserve_types::{RequestId, SamplingParams, TokenOut};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -216,6 +218,14 @@ impl NextStages for Flaky {
     fn reconnected(&mut self) -> bool {
         self.inner.reconnected() || std::mem::take(&mut self.down)
     }
+
+    fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost> {
+        self.inner.read_kv(layer, blocks)
+    }
+
+    fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost> {
+        self.inner.write_kv(frames)
+    }
 }
 
 #[test]
@@ -250,4 +260,63 @@ fn a_head_engine_refuses_prompt_scores_and_embeddings() {
     let params = SamplingParams { prompt_logprobs: Some(1), ..greedy(2) };
     let err = e.add(RequestId(1), prompt(4), params).unwrap_err();
     assert!(matches!(err, EngineError::NotOnStages(_)), "{err}");
+}
+
+/// Whole engines and groups, by their cuts (one cut: a whole engine).
+fn engine_of(cuts: &[(usize, usize)]) -> Engine {
+    match cuts {
+        [_] => Engine::new(loaded(cuts).remove(0), engine_cfg(), vec![]),
+        _ => head_engine(cuts, |s| Box::new(s)),
+    }
+}
+
+/// What `from` prefills of `p` and `to` decodes after it: the tokens, and `from`'s
+/// frames by (layer, index).
+fn handed(from: &[(usize, usize)], to: &[(usize, usize)], p: &[u32]) -> (Vec<TokenOut>, Vec<(u32, u32)>) {
+    let (mut pe, mut de) = (engine_of(from), engine_of(to));
+    let id = RequestId(7);
+    let mut frames = Vec::new();
+    let first = pe.prefill_export(id, p.to_vec(), greedy(12), &mut |f| {
+        frames.push(f);
+        true
+    });
+    let first = first.unwrap();
+    assert_eq!(pe.stats().blocks.used, 0);
+    de.reserve_import(id, p.len()).unwrap();
+    frames.iter().for_each(|f| de.import_frame(id, f).unwrap());
+    assert!(de.finish_import(id, p.to_vec(), first.sampled.token, greedy(12)).unwrap());
+    let mut out = vec![first.sampled];
+    while de.has_work() {
+        out.extend(de.step().into_iter().map(|o| o.sampled));
+        assert_eq!(de.take_stage_lost(), None);
+    }
+    assert_eq!(de.stats().blocks.used, 0);
+    (out, frames.iter().map(|f| (f.layer, f.index)).collect())
+}
+
+#[test]
+fn a_group_hands_its_kv_to_a_group_cut_elsewhere_as_one_engine_does() {
+    let p = prompt(45);
+    let whole = [(0, 29)];
+    let (want, order) = handed(&whole, &whole, &p);
+    assert_eq!(want.len(), 12);
+    // Every layer's blocks, layer by layer.
+    let blocks = p.len().div_ceil(16) as u32;
+    assert_eq!(order, (0..30).flat_map(|l| (0..blocks).map(move |b| (l, b))).collect::<Vec<_>>());
+    let two: &[(usize, usize)] = &[(0, 14), (15, 29)];
+    let three: &[(usize, usize)] = &[(0, 3), (4, 20), (21, 29)];
+    for (from, to) in [(two, three), (&whole[..], three), (two, &whole[..]), (three, two)] {
+        let (got, frames) = handed(from, to, &p);
+        assert_eq!(got, want, "{from:?} → {to:?}");
+        assert_eq!(frames, order, "{from:?} → {to:?}");
+    }
+}
+
+#[test]
+fn a_group_that_loses_a_stage_while_exporting_frees_its_blocks() {
+    let mut e = head_engine(&[(0, 14), (15, 29)], |s| Box::new(Flaky { inner: s, ok: 0, failed: false, down: false }));
+    let err = e.prefill_export(RequestId(1), prompt(40), greedy(4), &mut |_| true).unwrap_err();
+    assert!(matches!(err, EngineError::Stage(_)), "{err}");
+    assert!(e.take_stage_lost().is_some());
+    assert_eq!(e.stats().blocks.used, 0);
 }

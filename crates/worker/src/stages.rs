@@ -10,7 +10,14 @@
 //!                                               → compute ns u64 | the next residual stream, or (last
 //!                                                 stage) the final residual rows that get logits on
 //!                                                 the head
+//! read:  op 2 | layer u32 | n u32 | block ids u32… → n u32 | n frames
+//! write: op 3 | n u32 | n frames                   → (nothing)
+//! frame: layer u32 | block u32 (read: its index) | dtype u8 | words u32 | K u16… | V u16…
 //! ```
+//!
+//! Reads and writes move a prefill group's K/V out of its later stages and a decode
+//! group's into them, through the head: the handoff between two groups is the one
+//! between two workers, whatever their splits.
 //!
 //! The head calls the stages one after the other (a star, not a ring): the stream goes
 //! back to the head between stages, which costs one more hop per stage past the second
@@ -20,13 +27,18 @@ use pdserve_engine::batch::{NextStages, StageLost, StagePart, StageRows, StageRu
 use pdserve_engine::model::stage::covering;
 use pdserve_engine::model::LayerRange;
 use pdserve_kv_transfer::{ClusterKey, StageConn, StageHandler};
-use pdserve_types::{StageCompute, StageTotals};
+use pdserve_types::{KvDtype, KvFrame, StageCompute, StageTotals};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 const HELLO: u8 = 0;
 const STEP: u8 = 1;
+const READ: u8 = 2;
+const WRITE: u8 = 3;
+/// Blocks a read asks for in one call: its answer (a block of one layer is at most
+/// 64 KiB for the models run here) stays far below a record's limit.
+const READ_BLOCKS: usize = 256;
 /// How long a head waits for one stage's answer to a step before it counts the stage
 /// lost (a step of a large model on a slow host takes seconds; a dead host that sent
 /// no reset is found this late).
@@ -110,6 +122,47 @@ impl Reader<'_> {
     }
 }
 
+/// One frame, numbered by `block` (a block id, or its index within a read).
+fn put_frame(out: &mut Vec<u8>, block: u32, f: &KvFrame) {
+    put_u32(out, f.layer as usize);
+    put_u32(out, block as usize);
+    out.push(f.dtype.code());
+    put_u32(out, f.k.len());
+    for x in f.k.iter().chain(&f.v) {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+}
+
+impl Reader<'_> {
+    fn frames(&mut self) -> Result<Vec<(u32, KvFrame)>, String> {
+        let n = self.u32()?;
+        // Each frame takes 13 bytes at least: a count past that is a lie.
+        if n > self.0.len() / 13 {
+            return Err(format!("{n} frames in {} bytes", self.0.len()));
+        }
+        (0..n).map(|_| self.frame()).collect()
+    }
+
+    fn frame(&mut self) -> Result<(u32, KvFrame), String> {
+        let (layer, block) = (self.u32()? as u32, self.u32()? as u32);
+        let (&code, rest) = self.0.split_first().ok_or("a frame cut short")?;
+        self.0 = rest;
+        let dtype = KvDtype::from_code(code).ok_or_else(|| format!("a frame of K/V type {code}"))?;
+        let words = self.u32()?;
+        if words > self.0.len() / 4 {
+            return Err(format!("a frame of {words} words in {} bytes", self.0.len()));
+        }
+        let (k, v) = (self.words(words), self.words(words));
+        Ok((block, KvFrame { layer, index: block, dtype, k, v }))
+    }
+
+    fn words(&mut self, n: usize) -> Vec<u16> {
+        let (head, rest) = self.0.split_at(n * 2);
+        self.0 = rest;
+        head.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+    }
+}
+
 fn put_floats(out: &mut Vec<u8>, xs: &[f32]) {
     out.reserve(xs.len() * 4);
     for x in xs {
@@ -186,6 +239,22 @@ impl StageHandler for StageService {
                 let ns = started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
                 reply.extend_from_slice(&ns.to_le_bytes());
                 put_floats(reply, rows);
+            }
+            Some((&READ, body)) => {
+                let mut r = Reader(body);
+                let (layer, n) = (r.u32()?, r.u32()?);
+                if n > r.0.len() / 4 {
+                    return Err(format!("a read of {n} blocks in {} bytes", body.len()));
+                }
+                let blocks: Vec<u32> = (0..n).map(|_| r.u32().map(|b| b as u32)).collect::<Result<_, _>>()?;
+                let frames = self.runner.read_kv(layer, &blocks)?;
+                put_u32(reply, frames.len());
+                frames.iter().for_each(|f| put_frame(reply, f.index, f));
+            }
+            Some((&WRITE, body)) => {
+                // Checked whole before any is written.
+                let frames = Reader(body).frames()?;
+                frames.iter().try_for_each(|(b, f)| self.runner.write_kv(*b, f))?;
             }
             _ => return Err("an unknown call".into()),
         }
@@ -365,6 +434,26 @@ impl RemoteStages {
     }
 }
 
+impl RemoteStages {
+    /// The stage holding `layer`.
+    fn holding(&mut self, layer: usize) -> Result<usize, StageLost> {
+        if let Some(why) = self.missing.clone() {
+            return Err(StageLost(why));
+        }
+        let holds = |s: &Stage| s.layers.is_some_and(|l| l.indices().contains(&layer));
+        self.stages.iter().position(holds).ok_or_else(|| StageLost(format!("no stage holds layer {layer}")))
+    }
+
+    /// Sends the call made in `self.call` to stage `i` and reads its answer with
+    /// `read`; the stage is lost if either fails.
+    fn call_stage<T>(&mut self, i: usize, read: impl FnOnce(&[u8]) -> Result<T, String>) -> Result<T, StageLost> {
+        let Some(conn) = self.stages[i].conn.as_mut() else { return Err(self.lose(i, "not connected".into())) };
+        // Not counted in the activation bytes: K/V, not the residual stream.
+        let answered = conn.call(&self.call).map_err(|e| e.to_string()).and_then(read);
+        answered.map_err(|why| self.lose(i, why))
+    }
+}
+
 /// A stage's address and what dialing it gave.
 type Dialed = (SocketAddr, Result<(StageConn, LayerRange), String>);
 
@@ -416,6 +505,45 @@ impl NextStages for RemoteStages {
 
     fn reconnected(&mut self) -> bool {
         std::mem::take(&mut self.fresh)
+    }
+
+    fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost> {
+        let i = self.holding(layer)?;
+        let mut out = Vec::with_capacity(blocks.len());
+        for chunk in blocks.chunks(READ_BLOCKS) {
+            self.call.clear();
+            self.call.push(READ);
+            put_u32(&mut self.call, layer);
+            put_u32(&mut self.call, chunk.len());
+            chunk.iter().for_each(|&b| put_u32(&mut self.call, b as usize));
+            let base = out.len() as u32;
+            let read = self.call_stage(i, |a| {
+                let frames = Reader(a).frames()?;
+                if frames.len() != chunk.len() || frames.iter().any(|(_, f)| f.layer as usize != layer) {
+                    return Err(format!("a read of layer {layer} answered with other frames"));
+                }
+                Ok(frames.into_iter().map(|(index, f)| KvFrame { index: base + index, ..f }))
+            })?;
+            out.extend(read);
+        }
+        Ok(out)
+    }
+
+    fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost> {
+        for i in 0..self.stages.len() {
+            let Some(l) = self.stages[i].layers else { continue };
+            let mine: Vec<&(u32, KvFrame)> =
+                frames.iter().filter(|(_, f)| l.indices().contains(&(f.layer as usize))).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            self.call.clear();
+            self.call.push(WRITE);
+            put_u32(&mut self.call, mine.len());
+            mine.iter().for_each(|(b, f)| put_frame(&mut self.call, *b, f));
+            self.call_stage(i, |_| Ok(()))?;
+        }
+        Ok(())
     }
 
     fn ready(&mut self) -> bool {

@@ -299,6 +299,12 @@ impl Loop {
         prompts.fold((0, 0), |(n, t), p| (n + 1, t + p))
     }
 
+    /// The refusal of new work while this stage group's head lacks a stage.
+    fn not_whole(&self) -> Option<ServeError> {
+        let why = self.incomplete.as_ref()?;
+        Some(ServeError::WorkerLost(format!("stage group not whole: {why}")))
+    }
+
     /// Whether the loop has something to do without a new command: a step to
     /// take, or a queued prompt whose turn came as the last step ended.
     fn runnable(&self) -> bool {
@@ -311,10 +317,10 @@ impl Loop {
 
     fn handle(&mut self, c: Command) {
         match c {
-            Command::Generate(req, events) => match &self.incomplete {
-                Some(why) => {
+            Command::Generate(req, events) => match self.not_whole() {
+                Some(e) => {
                     self.done();
-                    let _ = events.send(Event::Failed(ServeError::WorkerLost(format!("stage group not whole: {why}"))));
+                    let _ = events.send(Event::Failed(e));
                 }
                 None => {
                     let added = self.engine.add(req.id, req.prompt, req.params);
@@ -327,7 +333,10 @@ impl Loop {
                 let _ = reply.send(first);
             }
             Command::Reserve { id, prompt_len, keep, reply } => {
-                let res = self.engine.reserve_import_after(id, prompt_len, &keep).map_err(serve_error);
+                let res = match self.not_whole() {
+                    Some(e) => Err(e),
+                    None => self.engine.reserve_import_after(id, prompt_len, &keep).map_err(serve_error),
+                };
                 if res.is_ok() {
                     self.imports.insert(id, Instant::now());
                 }
@@ -391,6 +400,10 @@ impl Loop {
         sent: Instant,
     ) -> Result<Prefilled, ServeError> {
         self.imports.remove(&req.id);
+        if let Some(e) = self.not_whole() {
+            self.engine.abort_import(req.id);
+            return Err(e);
+        }
         let started = Instant::now();
         // On a virtual clock the prefill starts after what this loop already owes: the
         // prefills handled before it in this turn.
@@ -628,6 +641,7 @@ fn serve_error(e: EngineError) -> ServeError {
         | EngineError::Grammar(_)
         | EngineError::NotOnStages(_) => ServeError::Invalid(e.to_string()),
         EngineError::NoBlocks | EngineError::NotCached => ServeError::Overloaded(e.to_string()),
+        EngineError::Stage(lost) => ServeError::WorkerLost(lost.to_string()),
         EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) | EngineError::Cancelled => {
             ServeError::Internal(e.to_string())
         }

@@ -88,8 +88,9 @@ impl GroupArgs {
     }
 
     /// Refuses what a stage group cannot be (`tiers`: whether K/V tiers are asked
-    /// for; `nats`: whether the fleet is).
-    pub fn check(&self, role: pdserve_types::Role, tiers: bool, nats: bool) -> anyhow::Result<()> {
+    /// for; `nats`: whether the fleet is). The head's role is the group's (a later
+    /// stage serves its head's steps whatever its own `--role` says).
+    pub fn check(&self, tiers: bool, nats: bool) -> anyhow::Result<()> {
         let Some(layers) = self.layers else { return Ok(()) };
         if tiers {
             anyhow::bail!("a stage group keeps no K/V tiers yet (its head's would hold only its own layers)");
@@ -102,9 +103,6 @@ impl GroupArgs {
         }
         if !layers.embeds() && !self.stages.is_empty() {
             anyhow::bail!("--stage is for the group's head (the stage with layer 0); layers {layers} serve a head");
-        }
-        if layers.embeds() && role != pdserve_types::Role::Mixed {
-            anyhow::bail!("a stage group runs in the mixed role for now (prefill and decode groups are not built yet)");
         }
         Ok(())
     }

@@ -273,7 +273,7 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
 /// What this worker is in a stage group (`tiers`: whether it keeps K/V tiers); a
 /// later stage is served here until it stops.
 fn group_part(a: &Args, m: &Compute, blocks: usize, key: &ClusterKey, tiers: bool) -> anyhow::Result<Part> {
-    a.group.check(a.role, tiers, a.nats.nats.is_some())?;
+    a.group.check(tiers, a.nats.nats.is_some())?;
     let how = (blocks, a.threads.max(1), a.kv_cache.kv_cache_dtype);
     let fleet = in_fleet(a, key, &format!("stage@{}", a.listen));
     a.group.part(m.real(), a.listen, how, key, fleet)

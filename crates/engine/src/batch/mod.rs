@@ -114,6 +114,8 @@ pub enum EngineError {
     Cancelled,
     #[error("grammar: {0}")]
     Grammar(String),
+    #[error(transparent)]
+    Stage(#[from] StageLost),
 }
 
 /// One token for one request.

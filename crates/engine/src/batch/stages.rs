@@ -11,12 +11,13 @@
 //! router moves them. The next step tries the stages again; K/V a stage may have lost
 //! meanwhile is not trusted, so the prefix cache is emptied first.
 
-use super::{Compute, Engine, BLOCK_SIZE};
+use super::transfer::write_frame;
+use super::{Compute, Engine, EngineError, BLOCK_SIZE};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{logit_rows, ForwardScratch, Model, SeqBatch, StageOut};
 use crate::threadpool::ThreadPool;
-use pdserve_types::{KvDtype, StageCompute, StageTotals};
+use pdserve_types::{KvDtype, KvFrame, StageCompute, StageTotals};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -41,6 +42,15 @@ pub trait NextStages: Send {
     fn totals(&self) -> StageTotals {
         StageTotals::default()
     }
+
+    /// Layer `layer`'s K/V of `blocks` (the head's block ids, in the sequence's order)
+    /// from the stage that holds it, as frames indexed from 0: a prefill group's
+    /// export of the layers past its head's.
+    fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost>;
+
+    /// Writes each frame (its layer past the head's) into the given block of the stage
+    /// that holds its layer: a decode group's import.
+    fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost>;
 }
 
 /// Why a step could not go through the later stages.
@@ -96,6 +106,15 @@ impl Next {
     }
 }
 
+impl Next {
+    /// Notes a stage lost outside a step (for the worker to end its requests, as a
+    /// step's loss does); the error for the transfer that found it.
+    fn lose(&mut self, e: StageLost) -> EngineError {
+        self.lost = Some(e.clone());
+        EngineError::Stage(e)
+    }
+}
+
 impl Engine {
     /// Runs the layers after this engine's model (a first stage) through `stages`.
     pub fn with_next_stages(mut self, stages: Box<dyn NextStages>) -> Self {
@@ -119,6 +138,49 @@ impl Engine {
             t.compute.insert(0, StageCompute { first: l.first, last: l.last, seconds: n.head_s });
         }
         t
+    }
+
+    /// The loss of a stage the last step (or transfer) ran into, left for
+    /// [`Engine::take_stage_lost`].
+    pub(crate) fn stage_lost(&self) -> Option<&StageLost> {
+        self.next.as_ref()?.lost.as_ref()
+    }
+
+    /// The model's layer count: past this engine's own where it heads a group.
+    pub(crate) fn total_layers(&self) -> usize {
+        match (&self.compute, &self.next) {
+            (Compute::Model(m), Some(_)) => m.cfg.n_layers,
+            _ => self.kv.n_layers,
+        }
+    }
+
+    /// Sends the K/V of `blocks` in every later stage's layers through `on_frame`,
+    /// layer by layer, after this engine's own: a prefill group's export. `Ok(false)`
+    /// once `on_frame` refuses a frame.
+    pub(crate) fn export_stages(
+        &mut self,
+        blocks: &[u32],
+        on_frame: &mut dyn FnMut(KvFrame) -> bool,
+    ) -> Result<bool, EngineError> {
+        let (own, total) = (self.kv.n_layers, self.total_layers());
+        let Some(next) = self.next.as_mut() else { return Ok(true) };
+        for l in own..total {
+            let frames = next.stages.read_kv(l, blocks).map_err(|e| next.lose(e))?;
+            if !frames.into_iter().all(&mut *on_frame) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Writes `frames` (layers past this engine's own, each with its block) into the
+    /// later stages that hold them: a decode group's import.
+    pub(crate) fn import_stages(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), EngineError> {
+        let Some((_, f)) = frames.first() else { return Ok(()) };
+        let Some(next) = self.next.as_mut() else {
+            return Err(EngineError::BadFrame(format!("layer {} of {}", f.layer, self.kv.n_layers)));
+        };
+        next.stages.write_kv(frames).map_err(|e| next.lose(e))
     }
 
     /// Whether the stages after this engine's own (if any) can all be reached.
@@ -216,6 +278,39 @@ impl StageRunner {
         Ok(StageRows::Last(&self.last))
     }
 
+    /// Layer `layer` (the model's numbering)'s K/V of `blocks`, as frames indexed from 0.
+    pub fn read_kv(&self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, String> {
+        let l = self.local(layer)?;
+        let (kv, layer) = (&self.kv, layer as u32);
+        let frame = |(index, &b): (usize, &u32)| {
+            let (k, v) = kv.block(l, self.block(b)?);
+            Ok(KvFrame { layer, index: index as u32, dtype: kv.dtype, k: k.to_vec(), v: v.to_vec() })
+        };
+        blocks.iter().enumerate().map(frame).collect()
+    }
+
+    /// Writes frame `f` (its layer in the model's numbering) into block `block`.
+    pub fn write_kv(&mut self, block: u32, f: &KvFrame) -> Result<(), String> {
+        let (l, b) = (self.local(f.layer as usize)?, self.block(block)?);
+        write_frame(&mut self.kv, l, b, f)
+    }
+
+    /// This stage's index of the model's layer `layer`.
+    fn local(&self, layer: usize) -> Result<usize, String> {
+        let r = self.model.layers();
+        match r.indices().contains(&layer) {
+            true => Ok(layer - r.first),
+            false => Err(format!("layer {layer} is not this stage's ({r})")),
+        }
+    }
+
+    fn block(&self, b: u32) -> Result<u32, String> {
+        match (b as usize) < self.kv.num_blocks {
+            true => Ok(b),
+            false => Err(format!("block {b} of a pool of {}", self.kv.num_blocks)),
+        }
+    }
+
     /// The step's rows, when `parts` and `x_len` values of input fit this stage.
     fn check(&self, parts: &[StagePart], x_len: usize) -> Result<usize, String> {
         let rows: usize = parts.iter().map(|p| p.rows).sum();
@@ -275,5 +370,20 @@ impl NextStages for LocalStages {
 
     fn reconnected(&mut self) -> bool {
         std::mem::take(&mut self.fresh)
+    }
+
+    fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost> {
+        self.holding(layer)?.read_kv(layer, blocks).map_err(StageLost)
+    }
+
+    fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost> {
+        frames.iter().try_for_each(|(b, f)| self.holding(f.layer as usize)?.write_kv(*b, f).map_err(StageLost))
+    }
+}
+
+impl LocalStages {
+    fn holding(&mut self, layer: usize) -> Result<&mut StageRunner, StageLost> {
+        let holds = |s: &&mut StageRunner| s.model.layers().indices().contains(&layer);
+        self.stages.iter_mut().find(holds).ok_or_else(|| StageLost(format!("no stage holds layer {layer}")))
     }
 }

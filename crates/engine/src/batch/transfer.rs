@@ -21,7 +21,14 @@ pub struct KvImport {
     ids: Vec<u32>,
     /// The draft model's blocks for the prompt, where this engine drafts with one.
     draft: Option<DraftImport>,
+    /// Frames of later stages' layers (a group's head), with their blocks, not yet
+    /// sent to the stages, and their bytes.
+    staged: Vec<(u32, KvFrame)>,
+    staged_bytes: usize,
 }
+
+/// Bytes of later stages' frames a group's head holds before it sends them on.
+const STAGED_BYTES: usize = 8 << 20;
 
 impl Engine {
     /// Prefills `prompt` alone, streaming its K/V through `on_frame` layer by layer
@@ -84,11 +91,12 @@ impl Engine {
         let id = s.id;
         self.waiting.push_back(s);
         loop {
-            let mut stopped = false;
+            let (mut stopped, mut blocks) = (false, Vec::new());
             let mut outs = self.step_with(&mut |l, stored, seqs| {
                 for s in seqs.iter().filter(|s| s.last_chunk) {
-                    let blocks = s.blocks.iter().map(|&b| stored.kv.block(l, b));
-                    stopped |= !export_layer(l, stored.kv.dtype, blocks, on_frame);
+                    stopped |=
+                        !export_layer(l, stored.kv.dtype, s.blocks.iter().map(|&b| stored.kv.block(l, b)), on_frame);
+                    blocks.clone_from(&s.blocks);
                 }
                 !stopped
             });
@@ -97,10 +105,18 @@ impl Engine {
                 self.cancel(id);
                 return Err(EngineError::Cancelled);
             }
-            if let Some(first) = outs.pop() {
-                let sent = self.export_draft(id, on_frame);
+            if let Some(lost) = self.stage_lost() {
+                let lost = lost.clone();
                 self.cancel(id);
-                return if sent { Ok(first) } else { Err(EngineError::Cancelled) };
+                return Err(EngineError::Stage(lost));
+            }
+            if let Some(first) = outs.pop() {
+                let sent = self.export_stages(&blocks, on_frame).map(|sent| sent && self.export_draft(id, on_frame));
+                self.cancel(id);
+                return match sent? {
+                    true => Ok(first),
+                    false => Err(EngineError::Cancelled),
+                };
             }
             // Nothing else runs on this thread while it exports, so a step that
             // found no block for it (reservations and the sequences set aside hold
@@ -117,6 +133,7 @@ impl Engine {
     /// some), numbered after the target's layers: the decode engine then drafts
     /// without computing the prompt again. False once the receiver is gone.
     fn export_draft(&mut self, id: RequestId, on_frame: &mut dyn FnMut(KvFrame) -> bool) -> bool {
+        let total = self.total_layers();
         let Some(d) = self.drafter.as_mut() else { return true };
         let Some(seq) = self.running.iter().position(|s| s.id == id) else { return true };
         let upto = self.running[seq].prompt_len;
@@ -124,7 +141,7 @@ impl Engine {
             // No room in the draft pool: the decode engine computes it.
             return true;
         }
-        d.export(&self.running[seq], upto, self.kv.n_layers, on_frame)
+        d.export(&self.running[seq], upto, total, on_frame)
     }
 
     /// Reserves blocks for a prompt of `prompt_len` tokens whose K/V will arrive as
@@ -157,7 +174,8 @@ impl Engine {
         let ids = table.block_ids().into_iter().skip(own.len() / BLOCK_SIZE).map(|b| b.0).collect();
         // A peer's cached prefix comes without draft K/V; a prefill's comes with it.
         let draft = self.drafter.as_ref().filter(|_| own.is_empty()).and_then(|d| d.reserve(prompt_len));
-        self.importing.push(KvImport { id, prompt_len, table, ids, draft });
+        let (staged, staged_bytes) = (Vec::new(), 0);
+        self.importing.push(KvImport { id, prompt_len, table, ids, draft, staged, staged_bytes });
         Ok(())
     }
 
@@ -166,12 +184,15 @@ impl Engine {
     /// Frames numbered past the target's layers carry the draft model's K/V; where
     /// the draft pool had no room for them they are dropped (the draft model then
     /// computes the prompt here).
+    /// A group's head holds its later stages' frames and sends them on in batches.
     pub fn import_frame(&mut self, id: RequestId, f: &KvFrame) -> Result<(), EngineError> {
-        let imp = self.importing.iter_mut().find(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
+        let total = self.total_layers();
+        let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
+        let imp = &mut self.importing[at];
         let layer = f.layer as usize;
-        if let Some(draft_layer) = layer.checked_sub(self.kv.n_layers) {
+        if let Some(draft_layer) = layer.checked_sub(total) {
             return match (self.drafter.as_mut(), imp.draft.as_mut()) {
-                (None, _) => Err(EngineError::BadFrame(format!("layer {layer} of {}", self.kv.n_layers))),
+                (None, _) => Err(EngineError::BadFrame(format!("layer {layer} of {total}"))),
                 (Some(_), None) => Ok(()),
                 (Some(d), Some(imp)) => d.import_frame(imp, draft_layer, f).map_err(EngineError::BadFrame),
             };
@@ -180,7 +201,32 @@ impl Engine {
             .ids
             .get(f.index as usize)
             .ok_or_else(|| EngineError::BadFrame(format!("block index {} out of range", f.index)))?;
-        write_frame(&mut self.kv, layer, block, f).map_err(EngineError::BadFrame)
+        if layer < self.kv.n_layers {
+            return write_frame(&mut self.kv, layer, block, f).map_err(EngineError::BadFrame);
+        }
+        imp.staged.push((block, f.clone()));
+        imp.staged_bytes += f.payload_bytes();
+        match imp.staged_bytes >= STAGED_BYTES {
+            true => self.send_staged(at),
+            false => Ok(()),
+        }
+    }
+
+    /// Sends import `at`'s frames held for later stages on to them.
+    fn send_staged(&mut self, at: usize) -> Result<(), EngineError> {
+        let imp = &mut self.importing[at];
+        let staged = std::mem::take(&mut imp.staged);
+        imp.staged_bytes = 0;
+        self.import_stages(&staged)
+    }
+
+    /// Takes import `id` out of the transfers in flight, its later stages' frames
+    /// sent on (refused, it is gone all the same: its blocks return to the pool).
+    fn take_import(&mut self, id: RequestId) -> Result<KvImport, EngineError> {
+        let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
+        let sent = self.send_staged(at);
+        let imp = self.importing.swap_remove(at);
+        sent.map(|()| imp)
     }
 
     /// Turns a completed import into a decoding sequence whose first generated token
@@ -199,7 +245,7 @@ impl Engine {
             return Err(EngineError::BadFrame("prompt length differs from the reservation".into()));
         }
         let mut s = self.sequence(id, prompt, params)?;
-        let imp = self.importing.swap_remove(at);
+        let imp = self.take_import(id)?;
         s.sampler.replay_draw();
         s.computed = s.prompt_len;
         let mut table = imp.table;
@@ -284,8 +330,7 @@ impl Engine {
         params: SamplingParams,
         imported: usize,
     ) -> Result<Sequence, EngineError> {
-        let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
-        let imp = self.importing.swap_remove(at);
+        let imp = self.take_import(id)?;
         // The engine leaves a token to compute for the logits, and computes a prompt
         // asked for its logprobs or its embedding in full.
         let usable = match params.whole_prompt() {

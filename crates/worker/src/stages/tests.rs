@@ -58,3 +58,34 @@ fn a_stage_of_another_model_or_a_smaller_pool_does_not_join() {
     let small = hello(LayerRange { first: 15, last: 29 }, 99);
     assert!(small.mismatch(&head).unwrap().contains("fewer than the head's 100"));
 }
+
+fn frames() -> Vec<(u32, KvFrame)> {
+    let f = |layer, block, dtype| {
+        let k: Vec<u16> = (0..6).map(|i| (i * 1000 + layer) as u16).collect();
+        let v = k.iter().map(|x| x ^ 0x8000).collect();
+        (block, KvFrame { layer: layer as u32, index: block, dtype, k, v })
+    };
+    vec![f(12, 40, KvDtype::F16), f(13, 3, KvDtype::Q8_0)]
+}
+
+#[test]
+fn frames_decode_to_what_was_encoded_and_a_cut_or_lie_is_refused() {
+    let mut call = Vec::new();
+    put_u32(&mut call, 2);
+    frames().iter().for_each(|(b, f)| put_frame(&mut call, *b, f));
+    assert_eq!(Reader(&call).frames().unwrap(), frames());
+    for end in 0..call.len() {
+        assert!(Reader(&call[..end]).frames().is_err(), "cut at {end}");
+    }
+    // More frames, or more words, than the bytes could hold.
+    let mut lie = call.clone();
+    lie[..4].copy_from_slice(&(1u32 << 30).to_le_bytes());
+    assert!(Reader(&lie).frames().is_err());
+    let mut lie = call.clone();
+    lie[13..17].copy_from_slice(&(1u32 << 30).to_le_bytes());
+    assert!(Reader(&lie).frames().is_err());
+    // A K/V type nobody has.
+    let mut lie = call;
+    lie[12] = 200;
+    assert!(Reader(&lie).frames().is_err());
+}

@@ -10,6 +10,9 @@
 #   LINK=1gbit scripts/bench-stages.sh          loopback rate-limited by a token bucket (tc tbf,
 #                                                root; every process's traffic, the one-process
 #                                                run's too)
+#   MICRO=off scripts/bench-stages.sh            heads send every step whole (--no-micro-batches):
+#                                                against the default, micro-batches where the
+#                                                stages' measured costs say they pay
 #   (also CONCURRENCY=1,8 REQUESTS=16 INPUT=64 OUTPUT=128)
 #   TWIN=0                                       skip the twin: by default each split is also
 #                                                simulated (`pdserve sim --group-stages`) on a
@@ -57,6 +60,7 @@ for split in "whole" ${SPLITS:-"0..14,15..29" "0..9,10..19,20..29"}; do
       head_args+=(--stage "127.0.0.1:$port")
     done
     head_args+=(--group g --layers "${ranges[0]}")
+    if [ "${MICRO:-auto}" = off ]; then head_args+=(--no-micro-batches); fi
   fi
   $bin worker "${common[@]}" "${head_args[@]}" --listen 127.0.0.1:18210 > "$out/head-$split.log" 2>&1 &
   pids+=($!); waitport 18210
@@ -77,7 +81,7 @@ stage = None
 if steps:
     compute = {m.group(1): float(m.group(2)) for m in
                re.finditer(r'pdserve_stage_compute_seconds_total\{[^}]*layers="([^"]+)"\} (\S+)', text)}
-    stage = {"steps": steps, "rows": rows, "bytes_per_token": total("pdserve_stage_activation_bytes_per_token"),
+    stage = {"steps": steps, "rows": rows, "pipelined": total("pdserve_stage_pipelined_steps_total"), "bytes_per_token": total("pdserve_stage_activation_bytes_per_token"),
              "link_ms_per_step": 1000 * total("pdserve_stage_link_seconds_total") / steps,
              "link_us_per_token": 1e6 * total("pdserve_stage_link_seconds_total") / rows,
              "compute_ms_per_step": {k: 1000 * v / steps for k, v in compute.items()}}
@@ -85,6 +89,7 @@ for p in d["points"]:
     s, c = p["summary"], p["plan"]["issue"]["closed"]["concurrency"]
     tpot = s["tpot_ms"]["p50"]
     print(json.dumps({"split": sys.argv[2], "concurrency": c, "decode_tok_s": c * 1000 / tpot,
+                      "ttft_p50_ms": s["ttft_ms"]["p50"],
                       "tok_s": s["output_token_throughput"], "tpot_p50_ms": tpot, "stage": stage}))
 PY
   stop
@@ -102,12 +107,12 @@ def twin(n, link):
     d = json.load(open(path))
     return {p["plan"]["issue"]["closed"]["concurrency"]: p["summary"]["tpot_ms"]["p50"] for p in d["points"]}
 base = {r["concurrency"]: r for r in rows if r["split"] == "whole"}
-print("| stages | C | TPOT p50 ms | decode tok/s (C / TPOT) | against one process | output tok/s (prefill included) | against one process |")
-print("|---|---|---|---|---|---|---|")
+print("| stages | C | TTFT p50 ms | TPOT p50 ms | decode tok/s (C / TPOT) | against one process | output tok/s (prefill included) | against one process |")
+print("|---|---|---|---|---|---|---|---|")
 for r in rows:
     b = base[r["concurrency"]]
     n = 1 if r["split"] == "whole" else len(r["split"].split(","))
-    print(f'| {n} ({r["split"]}) | {r["concurrency"]} | {r["tpot_p50_ms"]:.2f} | {r["decode_tok_s"]:.1f} | '
+    print(f'| {n} ({r["split"]}) | {r["concurrency"]} | {r["ttft_p50_ms"]:.1f} | {r["tpot_p50_ms"]:.2f} | {r["decode_tok_s"]:.1f} | '
           f'{r["decode_tok_s"] / b["decode_tok_s"]:.3f}× | {r["tok_s"]:.1f} | {r["tok_s"] / b["tok_s"]:.3f}× |')
 if any(twin(1, "loopback").values()):
     print()
@@ -123,8 +128,8 @@ if any(twin(1, "loopback").values()):
         err = (t["loopback"] - r["tpot_p50_ms"]) / r["tpot_p50_ms"]
         print(f'| {n} | {c} | {r["tpot_p50_ms"]:.2f} | {t["loopback"]:.2f} | {100 * err:+.1f} % | {ratio} |')
 print()
-print("| stages | steps | bytes per token | link ms per step | link µs per token | compute ms per step, by stage |")
-print("|---|---|---|---|---|---|")
+print("| stages | steps | in micro-batches | bytes per token | link ms per step | link µs per token | compute ms per step, by stage |")
+print("|---|---|---|---|---|---|---|")
 seen = set()
 for r in rows:
     st = r.get("stage")
@@ -133,6 +138,6 @@ for r in rows:
     seen.add(r["split"])
     by_layer = sorted(st["compute_ms_per_step"].items(), key=lambda kv: int(kv[0].split("..")[0]))
     per = ", ".join(f"{k}: {v:.2f}" for k, v in by_layer)
-    print(f'| {r["split"]} | {st["steps"]:.0f} | {st["bytes_per_token"]:.0f} | {st["link_ms_per_step"]:.3f} | '
+    print(f'| {r["split"]} | {st["steps"]:.0f} | {st.get("pipelined", 0):.0f} | {st["bytes_per_token"]:.0f} | {st["link_ms_per_step"]:.3f} | '
           f'{st["link_us_per_token"]:.0f} | {per} |')
 PY

@@ -14,7 +14,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use pdserve_engine::batch::{
-    Engine, EngineConfig, EngineError, LocalStages, NextStages, StageLost, StagePart, StageRunner, StepOutput,
+    Engine, EngineConfig, EngineError, LocalStages, NextStages, PassCost, StageCosts, StageLost, StagePart,
+    StageRunner, StepOutput,
 };
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::format::gguf::GgufFile;
@@ -22,7 +23,7 @@ use pdserve_engine::kernels::Isa;
 use pdserve_engine::kvcache::KvStorage;
 use pdserve_engine::model::{logit_rows, ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
 use pdserve_engine::threadpool::ThreadPool;
-use pdserve_types::{KvDtype, KvFrame};
+use pdserve_types::{KvDtype, KvFrame, StageTotals};
 use pdserve_types::{RequestId, SamplingParams, TokenOut};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -197,6 +198,59 @@ fn a_head_engine_with_its_later_stages_serves_what_a_whole_engine_does() {
     }
 }
 
+/// Later stages said to cost a second a row and nothing fixed, so a step of more
+/// than one row always goes through in micro-batches (the head's own passes cost
+/// more for more rows): the head's side of pipelining, in one thread.
+struct Pipelining(LocalStages);
+
+impl NextStages for Pipelining {
+    fn run(&mut self, parts: &[StagePart], x: &[f32], rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        self.0.run(parts, x, rows)
+    }
+
+    fn reconnected(&mut self) -> bool {
+        self.0.reconnected()
+    }
+
+    fn totals(&self) -> StageTotals {
+        self.0.totals()
+    }
+
+    fn costs(&self) -> StageCosts {
+        let per_row = Some(PassCost { fixed: 0.0, per_row: 1.0 });
+        StageCosts { passes: self.0.costs().passes.iter().map(|_| per_row).collect(), hop: Some(PassCost::default()) }
+    }
+
+    fn start(&mut self, parts: &[StagePart], x: &[f32]) -> Result<(), StageLost> {
+        self.0.start(parts, x)
+    }
+
+    fn finish(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        self.0.finish(rows)
+    }
+
+    fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost> {
+        self.0.read_kv(layer, blocks)
+    }
+
+    fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost> {
+        self.0.write_kv(frames)
+    }
+}
+
+#[test]
+fn a_head_engine_in_micro_batches_serves_what_a_whole_engine_does() {
+    let whole = sampled(&serve(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![])));
+    for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
+        let mut e = head_engine(cuts, |s| Box::new(Pipelining(s)));
+        let outs = serve(&mut e);
+        assert_eq!(sampled(&outs), whole, "{cuts:?}");
+        let t = e.stage_totals();
+        // Every step of more than one row (once the head's passes were timed at two sizes).
+        assert!(t.pipelined > 0 && t.pipelined < t.steps, "{cuts:?}: {t:?}");
+    }
+}
+
 /// Later stages that fail the step after `ok` good ones, then come back.
 struct Flaky {
     inner: LocalStages,
@@ -270,10 +324,24 @@ fn engine_of(cuts: &[(usize, usize)]) -> Engine {
     }
 }
 
+/// A group whose steps go in micro-batches, once its head timed two sizes of pass
+/// (a warm-up prompt's chunks and its decode).
+fn pipelining(cuts: &[(usize, usize)]) -> Engine {
+    let mut e = head_engine(cuts, |s| Box::new(Pipelining(s)));
+    e.add(RequestId(99), prompt(100), greedy(2)).unwrap();
+    while e.has_work() {
+        e.step();
+    }
+    e
+}
+
 /// What `from` prefills of `p` and `to` decodes after it: the tokens, and `from`'s
 /// frames by (layer, index).
 fn handed(from: &[(usize, usize)], to: &[(usize, usize)], p: &[u32]) -> (Vec<TokenOut>, Vec<(u32, u32)>) {
-    let (mut pe, mut de) = (engine_of(from), engine_of(to));
+    handed_by(&mut engine_of(from), &mut engine_of(to), p)
+}
+
+fn handed_by(pe: &mut Engine, de: &mut Engine, p: &[u32]) -> (Vec<TokenOut>, Vec<(u32, u32)>) {
     let id = RequestId(7);
     let mut frames = Vec::new();
     let first = pe.prefill_export(id, p.to_vec(), greedy(12), &mut |f| {
@@ -310,6 +378,12 @@ fn a_group_hands_its_kv_to_a_group_cut_elsewhere_as_one_engine_does() {
         assert_eq!(got, want, "{from:?} → {to:?}");
         assert_eq!(frames, order, "{from:?} → {to:?}");
     }
+    // A prefill group whose prompt goes in micro-batches sends each layer once, whole.
+    let (mut pe, mut de) = (pipelining(two), engine_of(three));
+    let before = pe.stage_totals().pipelined;
+    let (got, frames) = handed_by(&mut pe, &mut de, &p);
+    assert_eq!((got, frames), (want, order));
+    assert_eq!(pe.stage_totals().pipelined, before + 1, "the prompt's one step went in micro-batches");
 }
 
 #[test]

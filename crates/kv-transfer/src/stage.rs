@@ -44,13 +44,18 @@ struct Ends {
 
 impl Ends {
     fn send(&mut self, tag: u8, body: &[u8]) -> io::Result<()> {
+        self.record(tag, body);
+        self.stream.write_all(&self.out)
+    }
+
+    /// Puts the record of `body`, sealed, into `self.out`.
+    fn record(&mut self, tag: u8, body: &[u8]) {
         self.out.clear();
         let room = if self.session.is_some() { MAC_BYTES } else { 0 };
         records::put_with_room(&mut self.out, tag, HandoffId(0), body, room);
         if let Some((send, _)) = self.session.as_mut() {
             records::seal(&mut self.out, send);
         }
-        self.stream.write_all(&self.out)
     }
 
     fn receive(&mut self) -> io::Result<Option<Record>> {
@@ -63,7 +68,38 @@ impl Ends {
 pub struct StageConn {
     ends: Ends,
     addr: SocketAddr,
+    /// Writes the calls sent without waiting ([`StageConn::send`]), so the head never
+    /// blocks on a stage that has stopped reading while it writes answers nobody reads
+    /// yet; started at the first such call.
+    writer: Option<Writer>,
+    /// Calls sent and not yet answered.
+    in_flight: usize,
 }
+
+/// A thread writing a connection's records in order, until its channel closes or a
+/// write fails (then it shuts the connection, so the reader sees the failure too).
+struct Writer {
+    tx: std::sync::mpsc::SyncSender<Vec<u8>>,
+}
+
+impl Writer {
+    fn start(stream: &TcpStream) -> io::Result<Writer> {
+        let mut stream = stream.try_clone()?;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(WRITES_QUEUED);
+        std::thread::Builder::new().name("stage-write".into()).spawn(move || {
+            for record in rx {
+                if stream.write_all(&record).is_err() {
+                    let _ = stream.shutdown(std::net::Shutdown::Both);
+                    return;
+                }
+            }
+        })?;
+        Ok(Writer { tx })
+    }
+}
+
+/// Calls a head may have queued for writing to one stage: past a step's micro-batches.
+const WRITES_QUEUED: usize = 64;
 
 impl StageConn {
     /// Connects to the stage at `addr` and proves `key`; each call then waits at most
@@ -76,7 +112,8 @@ impl StageConn {
         stream.set_write_timeout(Some(call_timeout))?;
         let session = handshake::answer_as(&mut stream, key, LABELS)?;
         stream.set_read_timeout(Some(call_timeout))?;
-        Ok(StageConn { ends: Ends { stream, session, out: Vec::new(), body: Vec::new() }, addr })
+        let ends = Ends { stream, session, out: Vec::new(), body: Vec::new() };
+        Ok(StageConn { ends, addr, writer: None, in_flight: 0 })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -102,7 +139,38 @@ impl StageConn {
     /// Sends `body` and returns the stage's answer; a refusal, a timeout or a closed
     /// connection is an error, after which the connection is of no further use.
     pub fn call(&mut self, body: &[u8]) -> Result<&[u8], TransferError> {
+        if self.in_flight > 0 {
+            return Err(TransferError::Disconnected(format!("a call with {} in flight", self.in_flight)));
+        }
         self.ends.send(CALL, body)?;
+        self.in_flight = 1;
+        self.answer()
+    }
+
+    /// Sends `body` without waiting for its answer (a thread of the connection's writes
+    /// it): calls in flight are answered in order, each by [`StageConn::answer`].
+    pub fn send(&mut self, body: &[u8]) -> Result<(), TransferError> {
+        if self.writer.is_none() {
+            self.writer = Some(Writer::start(&self.ends.stream)?);
+        }
+        self.ends.record(CALL, body);
+        let record = std::mem::take(&mut self.ends.out);
+        let writer = self.writer.as_ref().map(|w| w.tx.send(record));
+        if !matches!(writer, Some(Ok(()))) {
+            return Err(TransferError::Disconnected("the connection's writer stopped".into()));
+        }
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Calls sent and not yet answered.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// The answer to the oldest call in flight; errors as [`StageConn::call`]'s.
+    pub fn answer(&mut self) -> Result<&[u8], TransferError> {
+        self.in_flight = self.in_flight.saturating_sub(1);
         let lost = |why: String| TransferError::Disconnected(why);
         match self.ends.receive() {
             Ok(Some(rec)) if rec.tag == REPLY => Ok(&self.ends.body[..rec.len]),

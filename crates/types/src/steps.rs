@@ -304,6 +304,9 @@ pub struct StageTotals {
     /// The waited seconds less the later stages' are the links' share.
     #[serde(default)]
     pub compute: Vec<StageCompute>,
+    /// Steps among them that went through in micro-batches, one behind another.
+    #[serde(default)]
+    pub pipelined: u64,
 }
 
 /// One stage's compute time over a head's steps.

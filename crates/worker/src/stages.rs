@@ -23,7 +23,7 @@
 //! back to the head between stages, which costs one more hop per stage past the second
 //! but keeps every stage a plain server.
 
-use pdserve_engine::batch::{NextStages, StageLost, StagePart, StageRows, StageRunner};
+use pdserve_engine::batch::{NextStages, PassTimes, StageCosts, StageLost, StagePart, StageRows, StageRunner};
 use pdserve_engine::model::stage::covering;
 use pdserve_engine::model::LayerRange;
 use pdserve_kv_transfer::{ClusterKey, StageConn, StageHandler};
@@ -287,9 +287,18 @@ pub struct RemoteStages {
     call: Vec<u8>,
     x: Vec<f32>,
     totals: StageTotals,
-    /// Seconds the stages said they computed, by their layers: kept across a stage
-    /// that leaves and one that takes its place.
+    /// Seconds the stages said they computed, by their layers, and their passes by
+    /// rows: kept across a stage that leaves and one that takes its place.
     compute: BTreeMap<(usize, usize), f64>,
+    passes: BTreeMap<(usize, usize), PassTimes>,
+    /// Hops of a step's whole rows (the round trip less the stage's compute).
+    hop: PassTimes,
+    /// A step's micro-batches sent and not finished, and what the head waited sending
+    /// them.
+    flights: Vec<Vec<StagePart>>,
+    waited: f64,
+    /// Never micro-batches ([`RemoteStages::whole_steps`]).
+    whole_steps: bool,
     /// Where the stages are, when something finds them (the fleet) rather than being
     /// given once.
     finder: Option<Finder>,
@@ -305,8 +314,13 @@ impl RemoteStages {
         let missing = Some("not connected yet".into());
         let (call, x, totals) = (Vec::new(), Vec::new(), StageTotals::default());
         let (tried, dialing, checked, finder) = (None, None, None, None);
-        let compute = BTreeMap::new();
+        let (compute, passes, hop, flights) = (BTreeMap::new(), BTreeMap::new(), PassTimes::default(), Vec::new());
         RemoteStages {
+            passes,
+            hop,
+            flights,
+            waited: 0.0,
+            whole_steps: false,
             head,
             stages,
             key,
@@ -321,6 +335,13 @@ impl RemoteStages {
             compute,
             finder,
         }
+    }
+
+    /// Sends every step through the stages whole: no micro-batches, whatever the
+    /// stages' costs (for comparison).
+    pub fn whole_steps(mut self) -> RemoteStages {
+        self.whole_steps = true;
+        self
     }
 
     /// Takes the stages `finder` finds from now on, while the group is not whole: a
@@ -435,6 +456,65 @@ impl RemoteStages {
 }
 
 impl RemoteStages {
+    /// Takes the micro-batches `flights` (sent to the first later stage) through every
+    /// stage: each stage's answers read in order, each sent on to the next stage at
+    /// once, the last stage's rows into `rows`.
+    fn through(&mut self, flights: &[Vec<StagePart>], rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        let mut buf = std::mem::take(&mut self.x);
+        rows.clear();
+        let last = self.stages.len() - 1;
+        for i in 0..=last {
+            for parts in flights {
+                let compute = self.answer_stage(i, &mut buf)?;
+                self.computed(i, parts.iter().map(|p| p.rows).sum(), compute);
+                self.totals.bytes += (8 + buf.len() * 4) as u64;
+                match i == last {
+                    true => rows.extend_from_slice(&buf),
+                    false => {
+                        encode_step(parts, &buf, &mut self.call);
+                        self.send_stage(i + 1)?;
+                    }
+                }
+            }
+        }
+        self.x = buf;
+        Ok(())
+    }
+
+    /// Counts stage `i`'s compute on a pass of `rows` rows.
+    fn computed(&mut self, i: usize, rows: usize, seconds: f64) {
+        let l = self.stages[i].layers.map_or((0, 0), |l| (l.first, l.last));
+        *self.compute.entry(l).or_default() += seconds;
+        self.passes.entry(l).or_default().record(rows, seconds);
+    }
+
+    /// Counts a step of `rows` rows that the head waited `seconds` on.
+    fn stepped(&mut self, rows: usize, seconds: f64) {
+        self.totals.steps += 1;
+        self.totals.rows += rows as u64;
+        self.totals.seconds += seconds;
+    }
+
+    /// Sends the call in `self.call` to stage `i` without waiting; the stage is lost
+    /// if it cannot be sent.
+    fn send_stage(&mut self, i: usize) -> Result<(), StageLost> {
+        let Some(conn) = self.stages[i].conn.as_mut() else { return Err(self.lose(i, "not connected".into())) };
+        match conn.send(&self.call) {
+            Ok(()) => {
+                self.totals.bytes += self.call.len() as u64;
+                Ok(())
+            }
+            Err(e) => Err(self.lose(i, e.to_string())),
+        }
+    }
+
+    /// Stage `i`'s answer to its oldest call in flight into `out`: its compute seconds.
+    fn answer_stage(&mut self, i: usize, out: &mut Vec<f32>) -> Result<f64, StageLost> {
+        let Some(conn) = self.stages[i].conn.as_mut() else { return Err(self.lose(i, "not connected".into())) };
+        let answered = conn.answer().map_err(|e| e.to_string()).and_then(|a| answer_of(a, out));
+        answered.map_err(|why| self.lose(i, why))
+    }
+
     /// The stage holding `layer`.
     fn holding(&mut self, layer: usize) -> Result<usize, StageLost> {
         if let Some(why) = self.missing.clone() {
@@ -452,6 +532,14 @@ impl RemoteStages {
         let answered = conn.call(&self.call).map_err(|e| e.to_string()).and_then(read);
         answered.map_err(|why| self.lose(i, why))
     }
+}
+
+/// A step's answer: the stage's compute seconds, and its rows into `out`.
+fn answer_of(a: &[u8], out: &mut Vec<f32>) -> Result<f64, String> {
+    let mut r = Reader(a);
+    let compute = r.u64()? as f64 * 1e-9;
+    r.floats(out)?;
+    Ok(compute)
 }
 
 /// A stage's address and what dialing it gave.
@@ -473,33 +561,58 @@ impl NextStages for RemoteStages {
             return Err(StageLost(why));
         }
         let mut buf = std::mem::take(&mut self.x);
-        let n = self.stages.len();
+        let n = parts.iter().map(|p| p.rows).sum();
         let started = Instant::now();
-        for i in 0..n {
+        for i in 0..self.stages.len() {
             encode_step(parts, if i == 0 { x } else { &buf }, &mut self.call);
-            let stage = &mut self.stages[i];
-            let Some(conn) = stage.conn.as_mut() else {
-                self.x = buf;
-                return Err(self.lose(i, "not connected".into()));
-            };
-            let out = if i + 1 == n { &mut *rows } else { &mut buf };
-            let layers = stage.layers.map_or((0, 0), |l| (l.first, l.last));
-            let compute_s = self.compute.entry(layers).or_default();
-            let answered = conn.call(&self.call).map_err(|e| e.to_string()).and_then(|a| {
-                self.totals.bytes += (self.call.len() + a.len()) as u64;
-                let mut r = Reader(a);
-                *compute_s += r.u64()? as f64 * 1e-9;
-                r.floats(out)
-            });
-            if let Err(why) = answered {
-                self.x = buf;
-                return Err(self.lose(i, why));
-            }
+            let out = if i + 1 == self.stages.len() { &mut *rows } else { &mut buf };
+            let sent = Instant::now();
+            let compute = self.call_stage(i, |a| answer_of(a, out))?;
+            self.hop.record(n, (sent.elapsed().as_secs_f64() - compute).max(0.0));
+            self.computed(i, n, compute);
+            self.totals.bytes += (self.call.len() + 8 + out.len() * 4) as u64;
         }
         self.x = buf;
-        self.totals.steps += 1;
-        self.totals.rows += parts.iter().map(|p| p.rows as u64).sum::<u64>();
-        self.totals.seconds += started.elapsed().as_secs_f64();
+        self.stepped(n, started.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    fn costs(&self) -> StageCosts {
+        if self.whole_steps {
+            return StageCosts::default();
+        }
+        let cost = |s: &Stage| s.layers.and_then(|l| self.passes.get(&(l.first, l.last))).and_then(PassTimes::cost);
+        StageCosts { passes: self.stages.iter().map(cost).collect(), hop: self.hop.cost() }
+    }
+
+    fn start(&mut self, parts: &[StagePart], x: &[f32]) -> Result<(), StageLost> {
+        if let Some(why) = self.missing.clone() {
+            return Err(StageLost(why));
+        }
+        let started = Instant::now();
+        encode_step(parts, x, &mut self.call);
+        self.send_stage(0)?;
+        self.flights.push(parts.to_vec());
+        self.waited += started.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    fn finish(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        let started = Instant::now();
+        let flights = std::mem::take(&mut self.flights);
+        let finished = self.through(&flights, rows);
+        if finished.is_err() {
+            // Answers left in flight on the other stages would answer the next step.
+            let stale: Vec<usize> = (0..self.stages.len())
+                .filter(|&i| self.stages[i].conn.as_ref().is_some_and(|c| c.in_flight() > 0))
+                .collect();
+            stale.into_iter().for_each(|i| drop(self.lose(i, "a step in micro-batches failed".into())));
+        }
+        finished?;
+        let n = flights.iter().flatten().map(|p| p.rows).sum();
+        let waited = std::mem::take(&mut self.waited) + started.elapsed().as_secs_f64();
+        self.stepped(n, waited);
+        self.totals.pipelined += 1;
         Ok(())
     }
 

@@ -32,6 +32,11 @@ pub struct GroupArgs {
     /// that announce themselves in the fleet.
     #[arg(long = "stage", requires = "group")]
     stages: Vec<SocketAddr>,
+    /// For the head: send every step through the stages whole. By default the head
+    /// cuts a step into micro-batches that follow one another through the stages
+    /// where the stages' measured costs predict it ends sooner.
+    #[arg(long, requires = "group")]
+    no_micro_batches: bool,
 }
 
 /// Where a stage meets the fleet: its NATS settings, the address others reach it at
@@ -115,6 +120,9 @@ impl GroupArgs {
     fn head_stages(&self, m: &LoadedModel, blocks: usize, key: &ClusterKey) -> RemoteStages {
         let hello = hello_of(m, blocks);
         let mut stages = RemoteStages::new(hello, &self.stages, key.clone());
+        if self.no_micro_batches {
+            stages = stages.whole_steps();
+        }
         match stages.connect(true) {
             None => tracing::info!(group = self.name(), "stage group whole"),
             Some(why) => tracing::warn!(group = self.name(), "stage group not whole yet: {why}"),

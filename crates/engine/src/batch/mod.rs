@@ -5,6 +5,7 @@
 //! away. Dropping a sequence drops its block table, which returns every block.
 
 mod draft;
+mod pipeline;
 mod scheduler;
 mod sequence;
 mod speculate;
@@ -13,8 +14,9 @@ mod transfer;
 
 pub use draft::DraftModel;
 pub use pdserve_types::{FinishReason, KvFrame};
+pub use pipeline::{PassCost, PassTimes};
 pub use speculate::SpecConfig;
-pub use stages::{parts_of, LocalStages, NextStages, StageLost, StagePart, StageRows, StageRunner};
+pub use stages::{parts_of, LocalStages, NextStages, StageCosts, StageLost, StagePart, StageRows, StageRunner};
 pub use transfer::{CachedKv, KvImport};
 
 use crate::grammar::{Grammars, MaskClock};

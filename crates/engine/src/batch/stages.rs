@@ -11,6 +11,7 @@
 //! router moves them. The next step tries the stages again; K/V a stage may have lost
 //! meanwhile is not trusted, so the prefix cache is emptied first.
 
+use super::pipeline::{cut, micro_batches, PassCost, PassTimes};
 use super::transfer::write_frame;
 use super::{Compute, Engine, EngineError, BLOCK_SIZE};
 use crate::kernels::Isa;
@@ -18,6 +19,7 @@ use crate::kvcache::KvStorage;
 use crate::model::{logit_rows, ForwardScratch, Model, SeqBatch, StageOut};
 use crate::threadpool::ThreadPool;
 use pdserve_types::{KvDtype, KvFrame, StageCompute, StageTotals};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -43,6 +45,29 @@ pub trait NextStages: Send {
         StageTotals::default()
     }
 
+    /// What the later stages' passes (in layer order) and a hop between two stages
+    /// were measured to cost; no passes where the stages take no micro-batches.
+    fn costs(&self) -> StageCosts {
+        StageCosts::default()
+    }
+
+    /// Sends a micro-batch of a step (`parts`, from `x`, this engine's output rows for
+    /// them) into the stages without waiting for it; only where [`NextStages::costs`]
+    /// names passes.
+    fn start(&mut self, parts: &[StagePart], x: &[f32]) -> Result<(), StageLost> {
+        let _ = (parts, x);
+        Err(StageLost("these stages take no micro-batches".into()))
+    }
+
+    /// Takes every micro-batch started since the last call through the rest of the
+    /// stages, one behind another, and puts their last stage's rows that get logits
+    /// into `rows`, in the order they started: the step's rows, as [`NextStages::run`]
+    /// gives them.
+    fn finish(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        let _ = rows;
+        Err(StageLost("these stages take no micro-batches".into()))
+    }
+
     /// Layer `layer`'s K/V of `blocks` (the head's block ids, in the sequence's order)
     /// from the stage that holds it, as frames indexed from 0: a prefill group's
     /// export of the layers past its head's.
@@ -51,6 +76,15 @@ pub trait NextStages: Send {
     /// Writes each frame (its layer past the head's) into the given block of the stage
     /// that holds its layer: a decode group's import.
     fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost>;
+}
+
+/// What a group's later stages cost, as measured.
+#[derive(Debug, Clone, Default)]
+pub struct StageCosts {
+    /// Each later stage's pass, in layer order (`None` until measured).
+    pub passes: Vec<Option<PassCost>>,
+    /// A hop of a micro-batch between two stages.
+    pub hop: Option<PassCost>,
 }
 
 /// Why a step could not go through the later stages.
@@ -66,6 +100,8 @@ pub(crate) struct Next {
     rows: Vec<f32>,
     /// Seconds this engine spent in its own layers and the output head on those steps.
     head_s: f64,
+    /// This engine's passes through its own layers, by their rows.
+    own: PassTimes,
 }
 
 /// What a pass needs from the engine besides the stages.
@@ -75,9 +111,13 @@ pub(crate) struct Pass<'a, 'b> {
     pub batch: &'a [SeqBatch<'b>],
 }
 
+/// What a step's own layers are run with: the pass, the K/V and the scratch.
+type Own<'p, 'a, 'b, 'x> = (&'p Pass<'a, 'b>, &'p mut KvStorage, &'x mut ForwardScratch);
+
 impl Next {
-    /// Runs `pass` through `head` then the later stages; `None` when a stage was lost
-    /// (or `on_layer` stopped the pass).
+    /// Runs `pass` through `head` then the later stages, whole or in micro-batches as
+    /// the stages' measured costs say pays; `None` when a stage was lost (or
+    /// `on_layer` stopped the pass).
     pub(crate) fn forward<'s>(
         &mut self,
         head: &Model,
@@ -86,24 +126,108 @@ impl Next {
         s: &'s mut ForwardScratch,
         on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
     ) -> Option<&'s mut [f32]> {
-        let started = Instant::now();
-        let x = match head.forward_stage(pass.isa, pass.pool, pass.batch, &[], kv, s, on_layer)? {
-            StageOut::Hidden(x) => x,
-            StageOut::Logits(_) => {
-                self.lost = Some(StageLost("the head stage holds the whole model".into()));
-                return None;
-            }
-        };
-        let own = started.elapsed();
-        if let Err(e) = self.stages.run(&parts_of(pass.batch), x, &mut self.rows) {
-            self.lost = Some(e);
-            return None;
+        let rows: Vec<usize> = pass.batch.iter().map(|b| b.tokens.len()).collect();
+        match self.depth(pass.batch, rows.iter().sum()) {
+            1 => self.whole(head, (&pass, kv, &mut *s), on_layer)?,
+            m => self.pipelined(head, (&pass, kv, &mut *s), on_layer, &cut(&rows, m))?,
         }
         let started = Instant::now();
         let logits = head.head_logits(pass.isa, pass.pool, &self.rows, s);
-        self.head_s += (own + started.elapsed()).as_secs_f64();
+        self.head_s += started.elapsed().as_secs_f64();
         logits
     }
+
+    /// How many micro-batches a step of `batch` (`rows` rows) goes through in.
+    fn depth(&self, batch: &[SeqBatch<'_>], rows: usize) -> usize {
+        if batch.iter().any(|b| b.score.is_some() || b.pool.is_some()) {
+            return 1;
+        }
+        let later = self.stages.costs();
+        if later.passes.is_empty() {
+            return 1;
+        }
+        let costs: Vec<Option<PassCost>> = std::iter::once(self.own.cost()).chain(later.passes).collect();
+        micro_batches(&costs, later.hop, rows)
+    }
+
+    /// The step whole through this engine's layers, then the later stages'.
+    fn whole(
+        &mut self,
+        head: &Model,
+        (pass, kv, s): Own<'_, '_, '_, '_>,
+        on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
+    ) -> Option<()> {
+        let x = self.own_layers(head, (pass, kv, s), pass.batch, on_layer)?;
+        self.sent(|st, rows| st.run(&parts_of(pass.batch), x, rows))
+    }
+
+    /// The step in the micro-batches of `plan`, each sent on to the stages as soon as
+    /// this engine's layers computed it, so the next stage computes it while this one
+    /// computes the next. Only the last micro-batch's layers are shown to `on_layer`:
+    /// by then each of those layers holds every row's K/V of the step.
+    fn pipelined(
+        &mut self,
+        head: &Model,
+        (pass, kv, s): Own<'_, '_, '_, '_>,
+        on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
+        plan: &[Vec<(usize, Range<usize>)>],
+    ) -> Option<()> {
+        for (j, mb) in plan.iter().enumerate() {
+            let sub: Vec<SeqBatch<'_>> = mb.iter().map(|(p, r)| rows_of(&pass.batch[*p], r.clone())).collect();
+            let mut unseen = |_: usize, _: &KvStorage| true;
+            let layer: &mut dyn FnMut(usize, &KvStorage) -> bool =
+                if j + 1 == plan.len() { &mut *on_layer } else { &mut unseen };
+            let Some(x) = self.own_layers(head, (pass, &mut *kv, &mut *s), &sub, layer) else {
+                // Stopped or lost: what is in flight is answered (or fails) first.
+                let _ = self.stages.finish(&mut self.rows);
+                return None;
+            };
+            self.sent(|st, _| st.start(&parts_of(&sub), x))?;
+        }
+        self.sent(|st, rows| st.finish(rows))
+    }
+
+    /// `batch` through this engine's layers: the residual stream for the next stage.
+    fn own_layers<'x>(
+        &mut self,
+        head: &Model,
+        (pass, kv, s): Own<'_, '_, '_, 'x>,
+        batch: &[SeqBatch<'_>],
+        on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
+    ) -> Option<&'x [f32]> {
+        let started = Instant::now();
+        let out = head.forward_stage(pass.isa, pass.pool, batch, &[], kv, s, on_layer)?;
+        let took = started.elapsed().as_secs_f64();
+        self.head_s += took;
+        self.own.record(batch.iter().map(|b| b.tokens.len()).sum(), took);
+        match out {
+            StageOut::Hidden(x) => Some(x),
+            StageOut::Logits(_) => {
+                self.lost = Some(StageLost("the head stage holds the whole model".into()));
+                None
+            }
+        }
+    }
+
+    /// What `send` did with the stages; a loss is kept for the engine to report.
+    fn sent(&mut self, send: impl FnOnce(&mut dyn NextStages, &mut Vec<f32>) -> Result<(), StageLost>) -> Option<()> {
+        match send(&mut *self.stages, &mut self.rows) {
+            Ok(()) => Some(()),
+            Err(e) => {
+                self.lost = Some(e);
+                None
+            }
+        }
+    }
+}
+
+/// Rows `r` of `b`'s part: its positions from `r.start` on, and those of its rows
+/// that get logits (its last ones).
+fn rows_of<'b>(b: &SeqBatch<'b>, r: Range<usize>) -> SeqBatch<'b> {
+    let n = b.tokens.len();
+    let first_logit = n - b.logits.min(n);
+    let logits = r.end.saturating_sub(first_logit.max(r.start));
+    SeqBatch::plain(&b.tokens[r.clone()], b.start_pos + r.start, b.blocks, logits)
 }
 
 impl Next {
@@ -118,7 +242,7 @@ impl Next {
 impl Engine {
     /// Runs the layers after this engine's model (a first stage) through `stages`.
     pub fn with_next_stages(mut self, stages: Box<dyn NextStages>) -> Self {
-        self.next = Some(Next { stages, lost: None, rows: Vec::new(), head_s: 0.0 });
+        self.next = Some(Next { stages, lost: None, rows: Vec::new(), head_s: 0.0, own: PassTimes::default() });
         self
     }
 
@@ -340,23 +464,41 @@ impl StageRunner {
 }
 
 /// Later stages in this process, one after the other (tests, and measuring what a
-/// split costs without a network).
+/// split costs without a network). Micro-batches go through when the step ends, one
+/// after the other: in one thread nothing overlaps, but the head's side of pipelining
+/// is the same.
 pub struct LocalStages {
     stages: Vec<StageRunner>,
     fresh: bool,
+    /// Each stage's passes, and the micro-batches started and not yet finished.
+    times: Vec<PassTimes>,
+    started: Vec<(Vec<StagePart>, Vec<f32>)>,
+    totals: StageTotals,
 }
 
 impl LocalStages {
     pub fn new(stages: Vec<StageRunner>) -> Self {
-        LocalStages { stages, fresh: true }
+        let times = vec![PassTimes::default(); stages.len()];
+        LocalStages { stages, fresh: true, times, started: Vec::new(), totals: StageTotals::default() }
+    }
+
+    fn holding(&mut self, layer: usize) -> Result<&mut StageRunner, StageLost> {
+        let holds = |s: &&mut StageRunner| s.model.layers().indices().contains(&layer);
+        self.stages.iter_mut().find(holds).ok_or_else(|| StageLost(format!("no stage holds layer {layer}")))
     }
 }
 
-impl NextStages for LocalStages {
-    fn run(&mut self, parts: &[StagePart], x: &[f32], rows: &mut Vec<f32>) -> Result<(), StageLost> {
+impl LocalStages {
+    /// `parts` through every stage, the last one's rows into `rows`.
+    fn pass(&mut self, parts: &[StagePart], x: &[f32], rows: &mut Vec<f32>) -> Result<(), StageLost> {
         let mut input = x.to_vec();
-        for stage in &mut self.stages {
-            match stage.run(parts, &input).map_err(StageLost)? {
+        let n: usize = parts.iter().map(|p| p.rows).sum();
+        self.totals.rows += n as u64;
+        for (stage, times) in self.stages.iter_mut().zip(&mut self.times) {
+            let started = Instant::now();
+            let out = stage.run(parts, &input).map_err(StageLost)?;
+            times.record(n, started.elapsed().as_secs_f64());
+            match out {
                 StageRows::Hidden(h) => input = h.to_vec(),
                 StageRows::Last(l) => {
                     rows.clear();
@@ -367,9 +509,43 @@ impl NextStages for LocalStages {
         }
         Err(StageLost("no stage holds the model's last layer".into()))
     }
+}
+
+impl NextStages for LocalStages {
+    fn run(&mut self, parts: &[StagePart], x: &[f32], rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        self.totals.steps += 1;
+        self.pass(parts, x, rows)
+    }
 
     fn reconnected(&mut self) -> bool {
         std::mem::take(&mut self.fresh)
+    }
+
+    fn totals(&self) -> StageTotals {
+        self.totals.clone()
+    }
+
+    /// No hop in one process.
+    fn costs(&self) -> StageCosts {
+        StageCosts { passes: self.times.iter().map(PassTimes::cost).collect(), hop: Some(PassCost::default()) }
+    }
+
+    fn start(&mut self, parts: &[StagePart], x: &[f32]) -> Result<(), StageLost> {
+        self.started.push((parts.to_vec(), x.to_vec()));
+        Ok(())
+    }
+
+    fn finish(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        let (mut all, mut one) = (Vec::new(), Vec::new());
+        let started = std::mem::take(&mut self.started);
+        for (parts, x) in &started {
+            self.pass(parts, x, &mut one)?;
+            all.extend_from_slice(&one);
+        }
+        self.totals.steps += 1;
+        self.totals.pipelined += 1;
+        *rows = all;
+        Ok(())
     }
 
     fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost> {
@@ -378,12 +554,5 @@ impl NextStages for LocalStages {
 
     fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost> {
         frames.iter().try_for_each(|(b, f)| self.holding(f.layer as usize)?.write_kv(*b, f).map_err(StageLost))
-    }
-}
-
-impl LocalStages {
-    fn holding(&mut self, layer: usize) -> Result<&mut StageRunner, StageLost> {
-        let holds = |s: &&mut StageRunner| s.model.layers().indices().contains(&layer);
-        self.stages.iter_mut().find(holds).ok_or_else(|| StageLost(format!("no stage holds layer {layer}")))
     }
 }

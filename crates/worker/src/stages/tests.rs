@@ -89,3 +89,60 @@ fn frames_decode_to_what_was_encoded_and_a_cut_or_lie_is_refused() {
     lie[12] = 200;
     assert!(Reader(&lie).frames().is_err());
 }
+
+/// Two later stages of the default model served on loopback, and a head's view of them.
+fn served_stages() -> (RemoteStages, Vec<pdserve_kv_transfer::StageServer>) {
+    use pdserve_engine::config::ModelConfig;
+    use pdserve_engine::format::gguf::GgufFile;
+    use pdserve_engine::model::Model;
+    let file = GgufFile::open(&pdserve_engine::models::require_known_model("smollm2-135m")).unwrap();
+    let cfg = ModelConfig::from_gguf(&file.header).unwrap();
+    let key = ClusterKey::random();
+    let servers: Vec<_> = [(10, 19), (20, 29)]
+        .into_iter()
+        .map(|(first, last)| {
+            let m = std::sync::Arc::new(Model::load_stage(&file, cfg.clone(), LayerRange { first, last }).unwrap());
+            let runner = StageRunner::new(m, 8, KvDtype::F16, 1, 64);
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            pdserve_kv_transfer::StageServer::start(listener, key.clone(), StageService::new(runner, 8, "m".into()))
+                .unwrap()
+        })
+        .collect();
+    let head = StageHello {
+        layers: LayerRange { first: 0, last: 9 },
+        total_layers: 30,
+        hidden: cfg.hidden,
+        vocab: cfg.vocab_size,
+        blocks: 8,
+        model: "m".into(),
+    };
+    let addrs: Vec<SocketAddr> = servers.iter().map(|s| s.local_addr()).collect();
+    let mut stages = RemoteStages::new(head, &addrs, key);
+    assert_eq!(stages.connect(true), None);
+    (stages, servers)
+}
+
+#[test]
+fn a_step_in_micro_batches_over_the_wire_gives_the_whole_steps_rows() {
+    let (mut stages, _servers) = served_stages();
+    let h = 576;
+    // Two sequences: 5 rows in block 0, 3 in block 1, each wanting its last row's logits.
+    let part = |rows, start_pos, logits, b| StagePart { rows, start_pos, logits, blocks: vec![b] };
+    let x: Vec<f32> = (0..8 * h).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+    let mut whole = Vec::new();
+    stages.run(&[part(5, 0, 1, 0), part(3, 0, 1, 1)], &x, &mut whole).unwrap();
+    assert_eq!(whole.len(), 2 * h);
+    // The first sequence cut across the two micro-batches, as the head's plan cuts it.
+    stages.start(&[part(3, 0, 0, 0)], &x[..3 * h]).unwrap();
+    stages.start(&[part(2, 3, 1, 0), part(3, 0, 1, 1)], &x[3 * h..]).unwrap();
+    let mut piped = Vec::new();
+    stages.finish(&mut piped).unwrap();
+    assert_eq!(piped, whole);
+    let t = stages.totals();
+    assert_eq!((t.steps, t.rows, t.pipelined), (2, 16, 1));
+    assert_eq!(t.compute.len(), 2);
+    // Both stages timed passes of two sizes (8 rows whole, 3 and 5 in micro-batches).
+    assert!(stages.costs().passes.iter().all(Option::is_some));
+    // The connections are clear for the next step.
+    stages.run(&[part(1, 5, 1, 0)], &x[..h], &mut whole).unwrap();
+}

@@ -227,6 +227,32 @@ pub struct TimedModel {
     pub clock: Clock,
     /// How its drafts fare, when its engine speculates.
     pub speculation: Option<TimedSpeculation>,
+    /// A stage group's pipelining, when it heads one.
+    pub stages: Option<TimedStages>,
+}
+
+/// A stage group's steps as its head pipelines them: `whole`, the whole model's cost
+/// on one node, shared evenly by `stages` stages, with `hop` a round trip to a later
+/// stage. A step [`crate::batch::pipeline::micro_batches`] keeps whole costs what
+/// [`TimedModel::step`] says (the group's line, hops included); one it cuts costs its
+/// pipeline's span.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimedStages {
+    pub stages: usize,
+    pub whole: StepCost,
+    pub hop: crate::batch::PassCost,
+}
+
+impl TimedStages {
+    /// The pipelined span of a step of shape `s`, when it is cut.
+    fn cut(&self, s: &StepShape) -> Option<f64> {
+        let rows = s.tokens.round().max(1.0) as usize;
+        let n = self.stages.max(1) as f64;
+        let per_row = (self.whole.seconds(s) - self.whole.fixed_s).max(0.0) / rows as f64;
+        let stage = crate::batch::PassCost { fixed: self.whole.fixed_s / n, per_row: per_row / n };
+        let (m, span) = crate::batch::pipeline::soonest(&vec![stage; self.stages], self.hop, rows);
+        (m > 1).then_some(span)
+    }
 }
 
 /// A step's time by its shape: the fitted line, corrected where decode steps were
@@ -253,7 +279,8 @@ impl TimedModel {
     /// Seconds a step of this shape takes, and the core-seconds its threads sit idle
     /// meanwhile.
     pub fn step_seconds(&self, s: &StepShape) -> (f64, f64) {
-        let seconds = self.step.seconds(s);
+        let line = self.step.seconds(s);
+        let seconds = self.stages.as_ref().and_then(|g| g.cut(s)).unwrap_or(line);
         let idle = self.work.as_ref().map_or(0.0, |w| self.threads as f64 * seconds - w.seconds(s));
         (seconds, idle.max(0.0))
     }
@@ -473,6 +500,7 @@ mod tests {
             restore: RestoreCost::default(),
             clock: Clock::Virtual,
             speculation: None,
+            stages: None,
         };
         let one_thread = StepTime::line(StepCost { token_s: 1.5, ..StepCost::default() });
         // Two threads for 2 s against 3 s on one: a core-second idle.

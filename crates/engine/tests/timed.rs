@@ -36,6 +36,7 @@ fn engine_keeping(
         restore,
         clock: Clock::Virtual,
         speculation: None,
+        stages: None,
     };
     let cfg = EngineConfig {
         threads: 1,

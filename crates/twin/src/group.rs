@@ -2,16 +2,17 @@
 //! the profile's shape, one stage each, joined by a link.
 //!
 //! A group's head runs its layers, then calls each later stage in turn with the
-//! residual stream and takes the answer back (a star), so a step costs the whole
-//! model's compute (the stages take turns: nothing is pipelined) plus two hops per
-//! later stage. Every hop carries every row of the step but the last one back, which
+//! residual stream and takes the answer back (a star), so a step it keeps whole costs
+//! the whole model's compute (the stages take turns) plus two hops per later stage; a
+//! step it cuts into micro-batches costs their pipeline's span. Every hop carries every row of the step but the last one back, which
 //! carries only the rows that get logits. A stage holds its share of the layers, so
 //! its K/V blocks are that much smaller, and the weights a node no longer holds
 //! become cache.
 
 use crate::profile::Profile;
 use crate::TwinError;
-use pdserve_engine::timed::{StepCost, TimedModel};
+use pdserve_engine::batch::PassCost;
+use pdserve_engine::timed::{StepCost, TimedModel, TimedStages};
 use pdserve_worker::LinkModel;
 use std::str::FromStr;
 
@@ -45,9 +46,17 @@ impl GroupShape {
         }
     }
 
-    /// The timed model of a group of `whole`'s model: its steps cost [`Self::step`],
-    /// its threads' work stays the compute (they wait on the links, idle).
+    /// The timed model of a group of `whole`'s model: a step its head keeps whole
+    /// costs [`Self::step`]; one it cuts into micro-batches (as a head does, from the
+    /// stages' costs: here the whole model's shared evenly, and a hop's round trip)
+    /// costs its pipeline's span. Its threads' work stays the compute (they wait on
+    /// the links, idle).
     pub fn timed(&self, mut whole: TimedModel, row_bytes: f64) -> TimedModel {
+        if self.stages > 1 {
+            let per_row = row_bytes / self.link.bytes_per_s.max(1.0);
+            let hop = PassCost { fixed: 2.0 * self.link.latency_s, per_row: 2.0 * per_row };
+            whole.stages = Some(TimedStages { stages: self.stages, whole: whole.step.cost, hop });
+        }
         whole.step.cost = self.step(whole.step.cost, row_bytes);
         whole
     }

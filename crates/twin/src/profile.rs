@@ -305,6 +305,7 @@ impl Profile {
             restore: self.tiers.unwrap_or_default(),
             clock,
             speculation: self.model.speculation.as_ref().map(|s| s.timed(threads)),
+            stages: None,
         }
     }
 

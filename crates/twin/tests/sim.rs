@@ -165,7 +165,7 @@ fn a_burst_the_pool_cannot_hold_is_shed_at_start_as_serve_sheds_it() {
 }
 
 #[test]
-fn a_stage_group_adds_its_hops_to_every_step_and_holds_more_blocks() {
+fn a_stage_group_pipelines_its_prompt_adds_hops_to_each_decode_and_holds_more_blocks() {
     let mut p = profile();
     p.links.push(Link { transport: "tcp".into(), ..LINK });
     let link = p.links().into_iter().find(|(k, _)| *k == TransportKind::Tcp).unwrap().1;
@@ -176,13 +176,29 @@ fn a_stage_group_adds_its_hops_to_every_step_and_holds_more_blocks() {
         let out = run(&p, t, &w, Sweep::Concurrency(vec![1]), 2);
         let r = &out[0].records[0];
         assert!(r.ok, "{:?}", r.error);
-        // Each step goes to every later stage and back: 2 hops each, every row on
+        // A decode step goes to every later stage and back: 2 hops each, every row on
         // each hop but the last one back, which carries the logits row alone.
         let hops = 2.0 * (stages - 1) as f64;
         let row = 576.0 * 4.0 / LINK.bytes_per_s;
-        let prefill =
-            STEP.seconds(&StepShape::prefill(0, 256)) + hops * LINK.latency_s + (hops - 1.0) * 256.0 * row + row;
-        close(r.ttft_s.unwrap(), ADMISSION + prefill);
+        // The prompt's one step costs mostly per row: the head cuts it into one
+        // micro-batch per stage (even rows), each stage a share of the step, a
+        // round trip before each later stage.
+        let whole = STEP.seconds(&StepShape::prefill(0, 256));
+        let n = stages as f64;
+        let pass = |r: usize| STEP.fixed_s / n + (whole - STEP.fixed_s) / 256.0 / n * r as f64;
+        let hop = |r: usize| 2.0 * (LINK.latency_s + r as f64 * row);
+        let sizes: Vec<usize> = (0..stages).map(|j| (j + 1) * 256 / stages - j * 256 / stages).collect();
+        let mut done = vec![0.0f64; stages];
+        for i in 0..stages {
+            let mut free = 0.0f64;
+            for (j, &r) in sizes.iter().enumerate() {
+                free = free.max(if i == 0 { 0.0 } else { done[j] + hop(r) }) + pass(r);
+                done[j] = free;
+            }
+        }
+        let unpipelined = whole + hops * LINK.latency_s + (hops - 1.0) * 256.0 * row + row;
+        assert!(done[stages - 1] < unpipelined * 0.8, "{stages}: {} against {unpipelined}", done[stages - 1]);
+        close(r.ttft_s.unwrap(), ADMISSION + done[stages - 1]);
         let decode = |k: usize| STEP.seconds(&StepShape::decode(1, 256 + k)) + hops * (LINK.latency_s + row);
         close(r.tpot_s.unwrap(), (0..7).map(decode).sum::<f64>() / 7.0);
     }

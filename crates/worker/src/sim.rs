@@ -417,6 +417,7 @@ mod tests {
             restore: Default::default(),
             clock: Clock::Virtual,
             speculation: None,
+            stages: None,
         };
         let fast = LinkModel { latency_s: 0.0, bytes_per_s: 1e15 };
         let opts = SimOptions {

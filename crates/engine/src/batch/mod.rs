@@ -5,7 +5,7 @@
 //! away. Dropping a sequence drops its block table, which returns every block.
 
 mod draft;
-mod pipeline;
+pub mod pipeline;
 mod scheduler;
 mod sequence;
 mod speculate;

@@ -55,6 +55,15 @@ pub fn micro_batches(stages: &[Option<PassCost>], hop: Option<PassCost>, rows: u
     (2..=most).fold((1, end(1)), |best, m| if end(m) < best.1 { (m, end(m)) } else { best }).0
 }
 
+/// The micro-batches [`micro_batches`] takes for a step of `rows` rows through
+/// `stages` (every cost known) and when the last leaves the last stage: what a stage
+/// group's step is predicted to take (the twin's clock for a group).
+pub fn soonest(stages: &[PassCost], hop: PassCost, rows: usize) -> (usize, f64) {
+    let known: Vec<Option<PassCost>> = stages.iter().copied().map(Some).collect();
+    let m = micro_batches(&known, Some(hop), rows);
+    (m, makespan(stages, hop, &even(rows, m)))
+}
+
 /// `rows` cut into `m` runs as even as whole rows allow.
 fn even(rows: usize, m: usize) -> Vec<usize> {
     (0..m).map(|j| (j + 1) * rows / m - j * rows / m).collect()

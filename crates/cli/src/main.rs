@@ -48,6 +48,9 @@ enum Command {
     Sim(cmd::twin::SimArgs),
     /// Rank every topology of N nodes by simulated goodput and say when to disaggregate.
     Plan(cmd::twin::PlanArgs),
+    /// Each node's layers for a stage group of nodes of the given memory (`worker
+    /// --layers`), from the model file.
+    Split(cmd::stage::SplitArgs),
     /// A model's perplexity on a text file, as llama.cpp's perplexity tool measures it.
     Perplexity(cmd::perplexity::Args),
     /// Benchmarks.
@@ -71,6 +74,7 @@ impl Command {
             Command::Profile(_) => "profile",
             Command::Sim(_) => "sim",
             Command::Plan(_) => "plan",
+            Command::Split(_) => "split",
             Command::Perplexity(_) => "perplexity",
             Command::Bench { .. } => "bench",
         }
@@ -108,6 +112,7 @@ fn main() -> ExitCode {
         Command::Profile(args) => cmd::twin::profile(args).map(|()| ExitCode::SUCCESS),
         Command::Sim(args) => cmd::twin::sim(args).map(|()| ExitCode::SUCCESS),
         Command::Plan(args) => cmd::twin::plan(args).map(|()| ExitCode::SUCCESS),
+        Command::Split(args) => cmd::stage::split(&args).map(|()| ExitCode::SUCCESS),
         Command::Perplexity(args) => cmd::perplexity::run(args).map(|()| ExitCode::SUCCESS),
         Command::Bench { what } => cmd::bench::run(what).map(|()| ExitCode::SUCCESS),
     };

@@ -4,8 +4,9 @@
 //! the set: its requests move to another worker and end with their full greedy text,
 //! no block stays used, and the group serves again once the stage is back. "Hosts"
 //! whose memory is capped (a cgroup each) below what the whole model takes run it
-//! across 2 and 3 of them, with one process's greedy text, mixed or as a prefill group
-//! handing to a decode group cut elsewhere.
+//! across 2 and 3 of them in the ranges `pdserve split` chooses for their memory, with
+//! one process's greedy text, mixed or as a prefill group handing to a decode group cut
+//! elsewhere.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -288,7 +289,13 @@ fn hosts_capped_below_the_models_size_run_it_across_two_and_three_of_them() {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(out.status.signal(), Some(9), "the whole model was not killed for memory under the cap: {out:?}");
     drop(alone);
-    for cuts in [&["0..9", "10..29"][..], &["0..5", "6..17", "18..29"]] {
+    // The ranges `pdserve split` chooses for hosts of 100 MB each for weights and K/V
+    // (the cap less the process's own), run on them.
+    for memory in ["0.1,0.1", "0.1,0.1,0.1"] {
+        let cuts = split(memory);
+        let cuts: Vec<&str> = cuts.iter().map(String::as_str).collect();
+        assert_eq!(cuts.len(), memory.split(',').count());
+        let cuts = &cuts[..];
         // Each host a network namespace on one bridge and a memory cgroup.
         let net = Net::new(cuts.len());
         let hosts: Vec<Capped> = (0..cuts.len()).map(|i| Capped::new(&format!("host{i}"), CAP)).collect();
@@ -300,6 +307,19 @@ fn hosts_capped_below_the_models_size_run_it_across_two_and_three_of_them() {
         drop((fe, h, later));
         drop(net);
     }
+}
+
+/// The `--layers` `pdserve split` gives nodes of `memory_gb` (comma separated) with
+/// the tests' 64 KV blocks.
+fn split(memory_gb: &str) -> Vec<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve"))
+        .args(["split", "--memory-gb", memory_gb, "--kv-blocks", "64"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let ranges = text.lines().filter_map(|l| l.split("--layers ").nth(1)?.split_whitespace().next());
+    ranges.map(String::from).collect()
 }
 
 /// Group `name` in `role` on the capped hosts `at..` of `net`, one stage a host:

@@ -11,7 +11,7 @@ pub mod planner;
 pub use http::Stopped;
 pub mod pull;
 pub mod serve;
-mod stage;
+pub mod stage;
 pub mod twin;
 pub mod worker;
 mod workload;

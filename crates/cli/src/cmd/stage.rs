@@ -8,6 +8,7 @@ use super::http::{self, Stopped};
 use anyhow::Context;
 use pdserve_engine::batch::StageRunner;
 use pdserve_engine::loader::LoadedModel;
+use pdserve_engine::model::stage::StageBytes;
 use pdserve_engine::model::LayerRange;
 use pdserve_kv_transfer::{ClusterKey, StageServer};
 use pdserve_worker::stages::{RemoteStages, StageHello, StageService};
@@ -209,4 +210,58 @@ fn announce(
     };
     let _in = rt.enter();
     Ok(pdserve_fleet::announce_stage(f.cfg.clone(), id, rec))
+}
+
+#[derive(clap::Args)]
+pub struct SplitArgs {
+    /// The model to split (a path, a known name or hf:ORG/REPO[:QUANT]).
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// Each node's memory for the model and its K/V, in GB, the head's first:
+    /// `--memory-gb 8,4,4`.
+    #[arg(long, value_delimiter = ',', required = true)]
+    memory_gb: Vec<f64>,
+    /// KV blocks every stage keeps (as each stage's --kv-blocks).
+    #[arg(long, default_value_t = 1024)]
+    kv_blocks: usize,
+    /// How the K/V is stored (as the workers' --kv-cache-dtype).
+    #[arg(long, default_value = "f16")]
+    kv_cache_dtype: pdserve_types::KvDtype,
+}
+
+/// `pdserve split`: each node's `--layers` for a group of nodes of the memory given,
+/// from the model file's tensor sizes, or one line on why they cannot hold it.
+pub fn split(a: &SplitArgs) -> anyhow::Result<()> {
+    use pdserve_engine::format::gguf::GgufFile;
+    let path = super::model_path(&a.model)?;
+    let file = GgufFile::open(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let cfg = pdserve_engine::config::ModelConfig::from_gguf(&file.header)?;
+    let bytes = |name: &str| file.header.tensor(name).map_or(0.0, |t| t.n_bytes as f64);
+    let layers: Vec<f64> = (0..cfg.n_layers)
+        .map(|i| {
+            let prefix = format!("blk.{i}.");
+            file.header.tensors.iter().filter(|t| t.name.starts_with(&prefix)).map(|t| t.n_bytes as f64).sum()
+        })
+        .collect();
+    // A model with tied embeddings is held with its output head as a second copy.
+    let head = match file.header.tensor("output.weight") {
+        Some(t) => t.n_bytes as f64,
+        None => bytes("token_embd.weight"),
+    };
+    let first = bytes("token_embd.weight") + head + bytes("output_norm.weight");
+    let kv_token = pdserve_engine::kvcache::bytes_per_token(&cfg, a.kv_cache_dtype) as f64 / cfg.n_layers as f64;
+    let kv = kv_token * (a.kv_blocks * pdserve_engine::batch::BLOCK_SIZE) as f64;
+    let need = StageBytes { layers: &layers, first, kv };
+    let memory: Vec<f64> = a.memory_gb.iter().map(|g| g * 1e9).collect();
+    let ranges = need.ranges(&memory).map_err(anyhow::Error::msg)?;
+    let mib = |b: f64| b / (1 << 20) as f64;
+    for (i, r) in ranges.iter().enumerate() {
+        let role = if i == 0 { "the head" } else { "a later stage" };
+        println!(
+            "node {i} ({} GB, {role}): --layers {r}  ({:.0} MiB of weights and K/V as the file stores them)",
+            a.memory_gb[i],
+            mib(need.of(i, *r))
+        );
+    }
+    Ok(())
 }

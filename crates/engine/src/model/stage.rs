@@ -112,9 +112,74 @@ pub fn split(total: usize, weights: &[f64]) -> Option<Vec<LayerRange>> {
     Some(ranges)
 }
 
+/// What a node of a group holds: the weights of its layers (`layers[i]`, bytes of
+/// layer i) and, on the first, `first` bytes more (the embeddings and the output
+/// head), plus `kv` bytes of K/V per layer it holds.
+pub struct StageBytes<'a> {
+    pub layers: &'a [f64],
+    pub first: f64,
+    pub kv: f64,
+}
+
+impl StageBytes<'_> {
+    /// The bytes node `i` of a group needs for `range`.
+    pub fn of(&self, i: usize, range: LayerRange) -> f64 {
+        let weights: f64 = self.layers[range.indices()].iter().sum();
+        weights + self.kv * range.count() as f64 + if i == 0 { self.first } else { 0.0 }
+    }
+
+    /// Ranges for nodes of `memory` bytes each (the first the group's head): layers
+    /// in proportion to what each can spare past what it holds whatever its range
+    /// (the head's embeddings and output head), or why they cannot hold the model.
+    pub fn ranges(&self, memory: &[f64]) -> Result<Vec<LayerRange>, String> {
+        if let Some(&head) = memory.first().filter(|&&m| m <= self.first) {
+            return Err(format!(
+                "the head (node 0, {:.0} MiB) cannot hold the embeddings and output head ({:.0} MiB)",
+                head / MIB,
+                self.first / MIB
+            ));
+        }
+        let spare: Vec<f64> =
+            memory.iter().enumerate().map(|(i, m)| m - if i == 0 { self.first } else { 0.0 }).collect();
+        let ranges = split(self.layers.len(), &spare).ok_or_else(|| {
+            format!("{} nodes cannot split {} layers, one or more each", memory.len(), self.layers.len())
+        })?;
+        for (i, (&r, m)) in ranges.iter().zip(memory).enumerate() {
+            let need = self.of(i, r);
+            if need > *m {
+                return Err(format!(
+                    "node {i} would need {:.0} MiB for layers {r}, past its {:.0} MiB: the model does not fit these nodes",
+                    need / MIB,
+                    m / MIB
+                ));
+            }
+        }
+        Ok(ranges)
+    }
+}
+
+const MIB: f64 = (1 << 20) as f64;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranges_follow_what_each_node_spares_and_refuse_what_does_not_fit() {
+        // 10 layers of 10 bytes with 2 of K/V each; the head keeps 30 more.
+        let b = StageBytes { layers: &[10.0; 10], first: 30.0, kv: 2.0 };
+        // 90 spare on the head, 60 on the second: 6 and 4 layers.
+        assert_eq!(b.ranges(&[120.0, 60.0]), Ok(vec![r(0, 5), r(6, 9)]));
+        assert_eq!(b.of(0, r(0, 5)), 102.0);
+        // Equal nodes: the head takes fewer layers.
+        assert_eq!(b.ranges(&[80.0, 80.0, 80.0]), Ok(vec![r(0, 1), r(2, 5), r(6, 9)]));
+        // Too small in all: 150 needed, 140 there.
+        let err = b.ranges(&[70.0, 70.0]).unwrap_err();
+        assert!(err.contains("does not fit"), "{err}");
+        // A head that cannot hold its own embeddings, more nodes than layers.
+        assert!(b.ranges(&[20.0, 200.0]).unwrap_err().contains("the head"));
+        assert!(b.ranges(&[200.0; 11]).is_err());
+    }
 
     fn r(first: usize, last: usize) -> LayerRange {
         LayerRange { first, last }

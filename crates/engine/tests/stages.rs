@@ -394,3 +394,29 @@ fn a_group_that_loses_a_stage_while_exporting_frees_its_blocks() {
     assert!(e.take_stage_lost().is_some());
     assert_eq!(e.stats().blocks.used, 0);
 }
+
+/// The K/V of `p`'s cached whole blocks as `e` exports them to a peer, after it
+/// served `p`.
+fn cached_frames(mut e: Engine, p: &[u32]) -> Vec<KvFrame> {
+    e.add(RequestId(3), p.to_vec(), greedy(2)).unwrap();
+    while e.has_work() {
+        e.step();
+    }
+    let mut frames = Vec::new();
+    let sent = e.export_cached(p, 0, &mut |f| {
+        frames.push(f);
+        true
+    });
+    assert_eq!(sent.unwrap(), p.len() / 16 * 16);
+    frames
+}
+
+#[test]
+fn a_group_exports_a_cached_prefix_as_one_engine_does() {
+    let p = prompt(50);
+    let whole = cached_frames(engine_of(&[(0, 29)]), &p);
+    assert_eq!(whole.len(), 30 * 3);
+    for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
+        assert!(cached_frames(engine_of(cuts), &p) == whole, "{cuts:?}");
+    }
+}

@@ -170,7 +170,8 @@ struct Inner {
     /// A simulated worker's accounting of its transfers (see [`SimKv`]).
     sim_kv: Option<SimKv>,
     /// It holds every layer's K/V: not a stage group's head, whose cache holds only its
-    /// own layers', so it neither exports K/V to peers nor changes role.
+    /// own layers' (it reads the others' from its stages to export), so it does not
+    /// change role (moving its sequences out is not built for groups).
     whole: bool,
     /// Compiles constrained requests' grammars before the engine thread sees them.
     grammars: Option<Arc<Grammars>>,
@@ -462,7 +463,7 @@ impl Worker for LocalWorker {
     }
 
     fn prefix_peer(&self) -> Option<&dyn PrefixPeer> {
-        self.inner.whole.then_some(self as &dyn PrefixPeer)
+        Some(self)
     }
 
     fn kv_event_log(&self) -> Option<&dyn KvEventLog> {

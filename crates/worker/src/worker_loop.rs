@@ -127,9 +127,10 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
         l.reap();
         l.pace();
         if l.engine.has_work() {
-            let exports = l.exports.clone();
+            // A group's head reads its later stages' K/V between steps only.
+            let exports = (!l.engine.heads_group()).then(|| l.exports.clone());
             let outs = l.engine.step_serving(&mut |pool| {
-                while let Some(x) = exports.pop() {
+                while let Some(x) = exports.as_ref().and_then(Exports::pop) {
                     x.serve(|tokens, skip, on_frame| pool.export(tokens, skip, on_frame));
                 }
             });
@@ -137,6 +138,7 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
                 l.route(out);
             }
             l.check_group();
+            l.serve_exports();
         }
     }
 }
@@ -354,13 +356,7 @@ impl Loop {
                 recycle.recycle(frame.k, frame.v);
             }
             Command::Decode(h, events) => self.decode(h, events),
-            Command::ServeExports => {
-                while let Some(x) = self.exports.pop() {
-                    x.serve(|tokens, skip, on_frame| self.engine.export_cached(tokens, skip, on_frame));
-                    // Blocks a timed engine copied back from a lower tier take its time.
-                    self.owed += self.engine.take_charged();
-                }
-            }
+            Command::ServeExports => self.serve_exports(),
             Command::GenerateImported(req, imported, events) => {
                 self.imports.remove(&req.id);
                 let added = self.engine.add_imported(req.id, req.prompt, req.params, imported);
@@ -376,6 +372,15 @@ impl Loop {
             Command::Stats(reply) => {
                 let _ = reply.send(self.stats());
             }
+        }
+    }
+
+    /// Serves the peers' fetches waiting, between steps.
+    fn serve_exports(&mut self) {
+        while let Some(x) = self.exports.pop() {
+            x.serve(|tokens, skip, on_frame| self.engine.export_cached(tokens, skip, on_frame));
+            // Blocks a timed engine copied back from a lower tier take its time.
+            self.owed += self.engine.take_charged();
         }
     }
 

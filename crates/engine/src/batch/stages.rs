@@ -264,6 +264,12 @@ impl Engine {
         t
     }
 
+    /// Whether this engine heads a stage group (its K/V past its own layers is its
+    /// later stages').
+    pub fn heads_group(&self) -> bool {
+        self.next.is_some()
+    }
+
     /// The loss of a stage the last step (or transfer) ran into, left for
     /// [`Engine::take_stage_lost`].
     pub(crate) fn stage_lost(&self) -> Option<&StageLost> {

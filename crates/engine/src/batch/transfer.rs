@@ -273,7 +273,8 @@ impl Engine {
     /// batch is untouched. Returns the tokens sent, 0 when the block at `skip` is
     /// not cached; `on_frame` returning `false` stops it
     /// ([`EngineError::Cancelled`]). While a step runs, [`CachedKv::export`] serves
-    /// the same without waiting for the step's end.
+    /// the same without waiting for the step's end, except on a group's head, whose
+    /// later stages' layers are read between steps only.
     pub fn export_cached(
         &mut self,
         tokens: &[u32],
@@ -284,7 +285,13 @@ impl Engine {
         // Held while the frames are copied out; dropped, they go back to the cache.
         // The skipped blocks are the receiver's: not even copied back here.
         let hits = self.cached_chain_from(&hashes, skip / BLOCK_SIZE);
-        export_blocks(&self.kv, &hits, on_frame)
+        let sent = export_blocks(&self.kv, &hits, on_frame)?;
+        // A group's head: its later stages' layers of the same blocks.
+        let ids: Vec<u32> = hits.iter().map(|b| b.id().0).collect();
+        match self.export_stages(&ids, on_frame)? {
+            true => Ok(sent),
+            false => Err(EngineError::Cancelled),
+        }
     }
 
     /// [`Engine::step`], calling `between` after each layer with what the pool

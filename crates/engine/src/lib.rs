@@ -17,6 +17,7 @@ pub mod loader;
 pub mod model;
 pub mod models;
 pub mod perplexity;
+pub mod pipeline;
 pub mod sampler;
 pub mod testing;
 pub mod threadpool;

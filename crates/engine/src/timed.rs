@@ -233,14 +233,14 @@ pub struct TimedModel {
 
 /// A stage group's steps as its head pipelines them: `whole`, the whole model's cost
 /// on one node, shared evenly by `stages` stages, with `hop` a round trip to a later
-/// stage. A step [`crate::batch::pipeline::micro_batches`] keeps whole costs what
+/// stage. A step [`crate::pipeline::micro_batches`] keeps whole costs what
 /// [`TimedModel::step`] says (the group's line, hops included); one it cuts costs its
 /// pipeline's span.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TimedStages {
     pub stages: usize,
     pub whole: StepCost,
-    pub hop: crate::batch::PassCost,
+    pub hop: crate::pipeline::PassCost,
 }
 
 impl TimedStages {
@@ -249,8 +249,8 @@ impl TimedStages {
         let rows = s.tokens.round().max(1.0) as usize;
         let n = self.stages.max(1) as f64;
         let per_row = (self.whole.seconds(s) - self.whole.fixed_s).max(0.0) / rows as f64;
-        let stage = crate::batch::PassCost { fixed: self.whole.fixed_s / n, per_row: per_row / n };
-        let (m, span) = crate::batch::pipeline::soonest(&vec![stage; self.stages], self.hop, rows);
+        let stage = crate::pipeline::PassCost { fixed: self.whole.fixed_s / n, per_row: per_row / n };
+        let (m, span) = crate::pipeline::soonest(&vec![stage; self.stages], self.hop, rows);
         (m > 1).then_some(span)
     }
 }

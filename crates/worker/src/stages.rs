@@ -599,7 +599,10 @@ impl NextStages for RemoteStages {
 
     fn finish(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
         let started = Instant::now();
-        let flights = std::mem::take(&mut self.flights);
+        let (flights, sending) = (std::mem::take(&mut self.flights), std::mem::take(&mut self.waited));
+        if flights.is_empty() {
+            return Ok(());
+        }
         let finished = self.through(&flights, rows);
         if finished.is_err() {
             // Answers left in flight on the other stages would answer the next step.
@@ -610,8 +613,7 @@ impl NextStages for RemoteStages {
         }
         finished?;
         let n = flights.iter().flatten().map(|p| p.rows).sum();
-        let waited = std::mem::take(&mut self.waited) + started.elapsed().as_secs_f64();
-        self.stepped(n, waited);
+        self.stepped(n, sending + started.elapsed().as_secs_f64());
         self.totals.pipelined += 1;
         Ok(())
     }

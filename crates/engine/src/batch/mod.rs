@@ -5,16 +5,15 @@
 //! away. Dropping a sequence drops its block table, which returns every block.
 
 mod draft;
-pub mod pipeline;
 mod scheduler;
 mod sequence;
 mod speculate;
 mod stages;
 mod transfer;
 
+pub use crate::pipeline::{PassCost, PassTimes};
 pub use draft::DraftModel;
 pub use pdserve_types::{FinishReason, KvFrame};
-pub use pipeline::{PassCost, PassTimes};
 pub use speculate::SpecConfig;
 pub use stages::{parts_of, LocalStages, NextStages, StageCosts, StageLost, StagePart, StageRows, StageRunner};
 pub use transfer::{CachedKv, KvImport};

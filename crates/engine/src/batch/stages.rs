@@ -11,12 +11,12 @@
 //! router moves them. The next step tries the stages again; K/V a stage may have lost
 //! meanwhile is not trusted, so the prefix cache is emptied first.
 
-use super::pipeline::{cut, micro_batches, PassCost, PassTimes};
 use super::transfer::write_frame;
 use super::{Compute, Engine, EngineError, BLOCK_SIZE};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{logit_rows, ForwardScratch, Model, SeqBatch, StageOut};
+use crate::pipeline::{cut, micro_batches, PassCost, PassTimes};
 use crate::threadpool::ThreadPool;
 use pdserve_types::{KvDtype, KvFrame, StageCompute, StageTotals};
 use std::ops::Range;
@@ -544,6 +544,9 @@ impl NextStages for LocalStages {
     fn finish(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
         let (mut all, mut one) = (Vec::new(), Vec::new());
         let started = std::mem::take(&mut self.started);
+        if started.is_empty() {
+            return Ok(());
+        }
         for (parts, x) in &started {
             self.pass(parts, x, &mut one)?;
             all.extend_from_slice(&one);

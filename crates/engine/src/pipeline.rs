@@ -32,6 +32,11 @@ impl PassTimes {
         self.0.record(rows, seconds);
     }
 
+    /// The passes' seconds together.
+    pub fn seconds(&self) -> f64 {
+        self.0.seconds
+    }
+
     /// The passes' cost, once passes of more than one size tell its fixed part from
     /// its part per row.
     pub fn cost(&self) -> Option<PassCost> {
@@ -52,7 +57,7 @@ pub fn micro_batches(stages: &[Option<PassCost>], hop: Option<PassCost>, rows: u
     let (Some(costs), Some(hop)) = (stages.iter().copied().collect::<Option<Vec<_>>>(), hop) else { return 1 };
     let most = costs.len().min(rows).max(1);
     let end = |m: usize| makespan(&costs, hop, &even(rows, m));
-    (2..=most).fold((1, end(1)), |best, m| if end(m) < best.1 { (m, end(m)) } else { best }).0
+    (2..=most).map(|m| (m, end(m))).fold((1, end(1)), |best, (m, t)| if t < best.1 { (m, t) } else { best }).0
 }
 
 /// The micro-batches [`micro_batches`] takes for a step of `rows` rows through

@@ -287,9 +287,8 @@ pub struct RemoteStages {
     call: Vec<u8>,
     x: Vec<f32>,
     totals: StageTotals,
-    /// Seconds the stages said they computed, by their layers, and their passes by
-    /// rows: kept across a stage that leaves and one that takes its place.
-    compute: BTreeMap<(usize, usize), f64>,
+    /// The stages' passes by their layers (the rows and the seconds each said it
+    /// computed): kept across a stage that leaves and one that takes its place.
     passes: BTreeMap<(usize, usize), PassTimes>,
     /// Hops of a step's whole rows (the round trip less the stage's compute).
     hop: PassTimes,
@@ -314,7 +313,7 @@ impl RemoteStages {
         let missing = Some("not connected yet".into());
         let (call, x, totals) = (Vec::new(), Vec::new(), StageTotals::default());
         let (tried, dialing, checked, finder) = (None, None, None, None);
-        let (compute, passes, hop, flights) = (BTreeMap::new(), BTreeMap::new(), PassTimes::default(), Vec::new());
+        let (passes, hop, flights) = (BTreeMap::new(), PassTimes::default(), Vec::new());
         RemoteStages {
             passes,
             hop,
@@ -332,7 +331,6 @@ impl RemoteStages {
             call,
             x,
             totals,
-            compute,
             finder,
         }
     }
@@ -484,7 +482,6 @@ impl RemoteStages {
     /// Counts stage `i`'s compute on a pass of `rows` rows.
     fn computed(&mut self, i: usize, rows: usize, seconds: f64) {
         let l = self.stages[i].layers.map_or((0, 0), |l| (l.first, l.last));
-        *self.compute.entry(l).or_default() += seconds;
         self.passes.entry(l).or_default().record(rows, seconds);
     }
 
@@ -666,7 +663,7 @@ impl NextStages for RemoteStages {
     }
 
     fn totals(&self) -> StageTotals {
-        let compute = self.compute.iter().map(|(&(first, last), &seconds)| StageCompute { first, last, seconds });
+        let compute = self.passes.iter().map(|(&(first, last), t)| StageCompute { first, last, seconds: t.seconds() });
         StageTotals { compute: compute.collect(), ..self.totals.clone() }
     }
 }

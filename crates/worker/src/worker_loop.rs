@@ -138,7 +138,9 @@ pub(crate) fn run(engine: Engine, rx: Receiver<Command>, active: Arc<AtomicUsize
                 l.route(out);
             }
             l.check_group();
-            l.serve_exports();
+            if l.engine.heads_group() {
+                l.serve_exports();
+            }
         }
     }
 }

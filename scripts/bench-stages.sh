@@ -81,9 +81,10 @@ stage = None
 if steps:
     compute = {m.group(1): float(m.group(2)) for m in
                re.finditer(r'pdserve_stage_compute_seconds_total\{[^}]*layers="([^"]+)"\} (\S+)', text)}
-    stage = {"steps": steps, "rows": rows, "pipelined": total("pdserve_stage_pipelined_steps_total"), "bytes_per_token": total("pdserve_stage_activation_bytes_per_token"),
-             "link_ms_per_step": 1000 * total("pdserve_stage_link_seconds_total") / steps,
-             "link_us_per_token": 1e6 * total("pdserve_stage_link_seconds_total") / rows,
+    # The links' share is measured on the steps sent whole only.
+    pipelined = total("pdserve_stage_pipelined_steps_total")
+    stage = {"steps": steps, "rows": rows, "pipelined": pipelined, "bytes_per_token": total("pdserve_stage_activation_bytes_per_token"),
+             "link_ms_per_whole_step": 1000 * total("pdserve_stage_link_seconds_total") / max(steps - pipelined, 1),
              "compute_ms_per_step": {k: 1000 * v / steps for k, v in compute.items()}}
 for p in d["points"]:
     s, c = p["summary"], p["plan"]["issue"]["closed"]["concurrency"]
@@ -128,8 +129,8 @@ if any(twin(1, "loopback").values()):
         err = (t["loopback"] - r["tpot_p50_ms"]) / r["tpot_p50_ms"]
         print(f'| {n} | {c} | {r["tpot_p50_ms"]:.2f} | {t["loopback"]:.2f} | {100 * err:+.1f} % | {ratio} |')
 print()
-print("| stages | steps | in micro-batches | bytes per token | link ms per step | link µs per token | compute ms per step, by stage |")
-print("|---|---|---|---|---|---|---|")
+print("| stages | steps | in micro-batches | bytes per token | link ms per whole step | compute ms per step, by stage |")
+print("|---|---|---|---|---|---|")
 seen = set()
 for r in rows:
     st = r.get("stage")
@@ -138,6 +139,6 @@ for r in rows:
     seen.add(r["split"])
     by_layer = sorted(st["compute_ms_per_step"].items(), key=lambda kv: int(kv[0].split("..")[0]))
     per = ", ".join(f"{k}: {v:.2f}" for k, v in by_layer)
-    print(f'| {r["split"]} | {st["steps"]:.0f} | {st.get("pipelined", 0):.0f} | {st["bytes_per_token"]:.0f} | {st["link_ms_per_step"]:.3f} | '
-          f'{st["link_us_per_token"]:.0f} | {per} |')
+    print(f'| {r["split"]} | {st["steps"]:.0f} | {st.get("pipelined", 0):.0f} | {st["bytes_per_token"]:.0f} | '
+          f'{st["link_ms_per_whole_step"]:.3f} | {per} |')
 PY

@@ -374,7 +374,7 @@ impl Metrics {
         }
         let grow = |c: &Counter<f64, AtomicU64>, total: f64| c.inc_by((total - c.get()).max(0.0));
         grow(&self.inner.stage_seconds.get_or_create(label), t.seconds);
-        grow(&self.inner.stage_link_seconds.get_or_create(label), t.link_seconds());
+        grow(&self.inner.stage_link_seconds.get_or_create(label), t.link);
         for c in &t.compute {
             let by = [label[0].clone(), ("layers", format!("{}..{}", c.first, c.last))];
             grow(&self.inner.stage_compute_seconds.get_or_create(&by), c.seconds);
@@ -546,7 +546,7 @@ impl Inner {
         r.register(STAGE_SECONDS, help, self.stage_seconds.clone());
         let help = "Time each stage of a group computed its layers on the head's steps (over steps: its step time)";
         r.register(STAGE_COMPUTE_SECONDS, help, self.stage_compute_seconds.clone());
-        let help = "Time a stage group's head waited beyond its later stages' compute: the hops both ways";
+        let help = "On steps sent whole, the time a stage group's head waited beyond its later stages' compute: the hops both ways";
         r.register(STAGE_LINK_SECONDS, help, self.stage_link_seconds.clone());
         let help = "Activation bytes per token computed, both ways over every hop of a stage group";
         r.register(STAGE_BYTES_PER_TOKEN, help, self.stage_bytes_per_token.clone());
@@ -757,7 +757,8 @@ mod tests {
                 StageCompute { first: 0, last: 9, seconds: seconds / 4.0 },
                 StageCompute { first: 10, last: 29, seconds: seconds / 2.0 },
             ];
-            let stages = StageTotals { steps, rows, bytes, seconds, compute, pipelined: steps / 2 };
+            let link = seconds / 2.0;
+            let stages = StageTotals { steps, rows, bytes, seconds, compute, link, pipelined: steps / 2 };
             m.set_worker_stats("h", &WorkerStats { stages, ..Default::default() });
         }
         let text = m.render();

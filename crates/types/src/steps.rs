@@ -301,9 +301,14 @@ pub struct StageTotals {
     pub seconds: f64,
     /// Seconds each stage spent computing its layers' share of those steps: the head
     /// first (its layers and the output head), then the later stages in layer order.
-    /// The waited seconds less the later stages' are the links' share.
     #[serde(default)]
     pub compute: Vec<StageCompute>,
+    /// Of the steps sent whole, the seconds waited beyond the later stages' compute:
+    /// the hops' share. A step in micro-batches overlaps its hops with the stages'
+    /// compute (and the head reads answers only once its own layers are done), so
+    /// its wait has no such share to measure.
+    #[serde(default)]
+    pub link: f64,
     /// Steps among them that went through in micro-batches, one behind another.
     #[serde(default)]
     pub pipelined: u64,
@@ -316,15 +321,6 @@ pub struct StageCompute {
     pub first: usize,
     pub last: usize,
     pub seconds: f64,
-}
-
-impl StageTotals {
-    /// Seconds the head waited beyond what the later stages computed: the hops' wire
-    /// time, both ways, with their encoding and the stages' reading of them.
-    pub fn link_seconds(&self) -> f64 {
-        let later: f64 = self.compute.iter().skip(1).map(|c| c.seconds).sum();
-        (self.seconds - later).max(0.0)
-    }
 }
 
 /// Speculative decoding's running totals on one engine since it started.

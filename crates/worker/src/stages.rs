@@ -559,7 +559,7 @@ impl NextStages for RemoteStages {
         }
         let mut buf = std::mem::take(&mut self.x);
         let n = parts.iter().map(|p| p.rows).sum();
-        let started = Instant::now();
+        let (started, mut computed) = (Instant::now(), 0.0);
         for i in 0..self.stages.len() {
             encode_step(parts, if i == 0 { x } else { &buf }, &mut self.call);
             let out = if i + 1 == self.stages.len() { &mut *rows } else { &mut buf };
@@ -567,10 +567,13 @@ impl NextStages for RemoteStages {
             let compute = self.call_stage(i, |a| answer_of(a, out))?;
             self.hop.record(n, (sent.elapsed().as_secs_f64() - compute).max(0.0));
             self.computed(i, n, compute);
+            computed += compute;
             self.totals.bytes += (self.call.len() + 8 + out.len() * 4) as u64;
         }
         self.x = buf;
-        self.stepped(n, started.elapsed().as_secs_f64());
+        let waited = started.elapsed().as_secs_f64();
+        self.totals.link += (waited - computed).max(0.0);
+        self.stepped(n, waited);
         Ok(())
     }
 

@@ -77,6 +77,13 @@ impl PartialEq for DraftModel {
 
 impl Eq for DraftModel {}
 
+/// What a drafting pass costs: its fixed part, and a drafted token's row in it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DraftCost {
+    pub pass: f64,
+    pub row: f64,
+}
+
 /// A sequence's draft K/V: the draft model's cache of its first `computed` tokens.
 pub(crate) struct DraftKv {
     table: BlockTable,
@@ -127,15 +134,15 @@ impl DraftImport {
 /// draft: its last drafted token and the token the target sampled after it.
 const CATCH_UP: usize = 2;
 
-/// An engine's draft model at work: its cache, its scratch and its rounds' times.
+/// An engine's draft model at work: its cache, its scratch and its passes' times.
 pub(crate) struct Drafter {
     model: Arc<Model>,
     kv: KvStorage,
     blocks: BlockPool,
     scratch: ForwardScratch,
-    /// The drafting rounds' times over the tokens they drafted, fitted as decode
+    /// The drafting passes' times over the tokens they computed, fitted as decode
     /// steps are.
-    rounds: DecodeSteps,
+    passes: DecodeSteps,
     /// Prompt tokens the draft model computed (none on a decode engine whose
     /// prefill engine shipped the prompt's draft K/V).
     prompt_tokens: u64,
@@ -162,7 +169,7 @@ impl Drafter {
             blocks: BlockPool::new(num_blocks, block_size),
             model,
             scratch: ForwardScratch::default(),
-            rounds: DecodeSteps::default(),
+            passes: DecodeSteps::default(),
             prompt_tokens: 0,
         }
     }
@@ -243,18 +250,19 @@ impl Drafter {
         self.blocks.stats()
     }
 
-    /// What a drafted token costs in draft-model time: the fit of drafting rounds'
-    /// times over the tokens they drafted once it tells them apart (`drafting`
-    /// sequences sharing a round's fixed cost), else the mean over every token drafted;
-    /// `None` before any round.
-    pub fn cost(&self, drafting: usize, context: usize) -> Option<f64> {
-        let p = &self.rounds;
+    /// What drafting costs in draft-model time, from the fit of the passes' times once
+    /// it tells rows apart: a pass's fixed part (its weights read once, shared by the
+    /// sequences drafting in it) and a drafted token's row at `context`; before that,
+    /// no fixed part and the mean over every token a pass computed. `None` before any
+    /// timed pass.
+    pub fn cost(&self, context: usize) -> Option<DraftCost> {
+        let p = &self.passes;
         if p.tells_rows_apart() {
             if let Some(StepFit { fixed, per_row, per_context }) = p.fit() {
-                return Some(fixed / drafting.max(1) as f64 + per_row + per_context * context as f64);
+                return Some(DraftCost { pass: fixed, row: per_row + per_context * context as f64 });
             }
         }
-        (p.rows > 0).then(|| p.seconds / p.rows as f64)
+        (p.rows > 0).then(|| DraftCost { pass: 0.0, row: p.seconds / p.rows as f64 })
     }
 
     /// Drafts up to `want` tokens for each `(running index, want)`, greedily, within
@@ -281,23 +289,24 @@ impl Drafter {
             .collect();
         let mut left = budget;
         let mut first = true;
-        // A round's time, its catch-up pass included, is what its drafted tokens cost;
-        // one that caught up on more than the last step's tokens (a prompt, or steps
-        // that drafted nothing) is a prefill, not timed.
-        let (started, mut steady, mut context) = (std::time::Instant::now(), true, 0);
         while work.iter().any(|w| w.live && w.draft.len() < w.want) {
             let chunks = self.chunks(running, &mut work, first, &mut left);
             if chunks.is_empty() {
                 break;
             }
-            steady &= !first || chunks.iter().all(|(_, c)| c.len() <= CATCH_UP);
-            context += chunks.iter().map(|(k, _)| running[work[*k].seq].tokens.len()).sum::<usize>();
+            // Each pass is timed as a decode step is: its fixed part (the draft
+            // model's weights read once) is shared by the sequences drafting in it. A
+            // first pass that caught up on more than the last step's tokens (a prompt,
+            // or steps that drafted nothing) is a prefill, not timed.
+            let steady = chunks.iter().all(|(_, c)| c.len() <= CATCH_UP);
+            let rows = chunks.iter().map(|(_, c)| c.len()).sum();
+            let context = chunks.iter().map(|(k, _)| running[work[*k].seq].tokens.len()).sum();
+            let started = std::time::Instant::now();
             self.pass(isa, pool, running, &mut work, &chunks);
+            if steady {
+                self.passes.record(rows, context, started.elapsed().as_secs_f64());
+            }
             first = false;
-        }
-        let drafted: usize = work.iter().map(|w| w.draft.len()).sum();
-        if steady && drafted > 0 {
-            self.rounds.record(drafted, context, started.elapsed().as_secs_f64());
         }
         work.into_iter().map(|w| w.draft).collect()
     }

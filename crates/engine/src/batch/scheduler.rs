@@ -258,7 +258,7 @@ impl Engine {
             let rate = if s.draft_forced { forced_rate } else { s.acceptance.rate_from(pooled) };
             let (proposal, draft_cost) = match (s.draft_forced, &self.drafter, timed) {
                 (true, _, _) => (Proposal::Ready(forced), 0.0),
-                (false, Some(d), _) => (Proposal::Model(max), d.cost(decodes, s.computed).unwrap_or(0.0)),
+                (false, Some(d), _) => (Proposal::Model(max), d.cost(s.computed).map_or(0.0, |c| c.row)),
                 (false, None, Some(t)) => {
                     (Proposal::Ready(t.draft(&s.tokens, max, vocab)), t.draft_token_seconds(decodes, s.computed))
                 }
@@ -271,7 +271,8 @@ impl Engine {
                 }
             };
             if proposal.len() > 0 {
-                cands.push(Candidate { drafted: proposal.len(), rate, context: s.computed + 1, draft_cost });
+                let passes = matches!(proposal, Proposal::Model(_));
+                cands.push(Candidate { drafted: proposal.len(), rate, context: s.computed + 1, draft_cost, passes });
                 drafted.push((k, proposal));
             }
         }
@@ -309,7 +310,8 @@ impl Engine {
         };
         // Without a fit every draft is verified whole.
         let fit = measured.then(|| self.decode_steps.fit()).flatten();
-        let take = speculate::plan_drafts(fit.as_ref(), plain, &cands, room);
+        let pass_cost = self.drafter.as_ref().and_then(|d| d.cost(0)).map_or(0.0, |c| c.pass);
+        let take = speculate::plan_drafts(fit.as_ref(), plain, &cands, room, pass_cost);
         let chosen = drafted.into_iter().zip(take).filter(|&(_, n)| n > 0).map(|((k, p), n)| (k, p, n)).collect();
         let mut added = 0;
         for (k, draft) in self.make_drafts(plan, chosen) {

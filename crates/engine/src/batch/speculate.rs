@@ -147,9 +147,12 @@ pub struct Candidate {
     pub rate: f64,
     /// Tokens its next row attends over.
     pub context: usize,
-    /// Seconds each of its drafted tokens costs to draft (a draft model's pass; 0
-    /// for a lookup), paid for every token verified.
+    /// Seconds each of its drafted tokens costs to draft (its row of a draft model's
+    /// pass; 0 for a lookup), paid for every token verified.
     pub draft_cost: f64,
+    /// Its draft is the draft model's: its `j`-th token needs the step's `j`-th
+    /// drafting pass, whose fixed cost the drafting sequences share.
+    pub passes: bool,
 }
 
 /// The step as planned without drafts: its rows, the tokens they attend over in all,
@@ -165,13 +168,23 @@ pub struct PlainStep {
 ///
 /// The `j`-th drafted token of a sequence yields a token with chance `rate^j` (all
 /// before it accepted) and costs a row: `per_row` plus `per_context` for each token
-/// it attends over. Tokens are taken best value first while each raises the step's
-/// expected tokens per second, so a large batch, whose step is already long per
-/// token, verifies little or nothing, and a single sequence with a good record
-/// verifies its whole draft. `fit` is `None` while the engine's steps cannot tell a
-/// row's cost from the step's fixed cost (all of one size): then every draft is
-/// verified whole, which gives the fit the spread it lacks.
-pub fn plan_drafts(fit: Option<&StepFit>, plain: PlainStep, cands: &[Candidate], room: usize) -> Vec<usize> {
+/// it attends over, and its draft cost. A draft model's tokens also need passes: the
+/// `j`-th token of any sequence needs the `j`-th pass, which costs `pass_cost` however
+/// many sequences draft in it. For each number of passes, tokens are taken best value
+/// first while each raises the step's expected tokens per second, the passes' cost
+/// paid up front; the plan with the most tokens per second wins (the fewest passes on
+/// a tie). So a large batch, whose step is already long per token, verifies little or
+/// nothing, a single sequence with a good record verifies its whole draft, and
+/// sequences that draft together share what a pass costs. `fit` is `None` while the
+/// engine's steps cannot tell a row's cost from the step's fixed cost (all of one
+/// size): then every draft is verified whole, which gives the fit the spread it lacks.
+pub fn plan_drafts(
+    fit: Option<&StepFit>,
+    plain: PlainStep,
+    cands: &[Candidate],
+    room: usize,
+    pass_cost: f64,
+) -> Vec<usize> {
     let Some(fit) = fit else {
         let mut left = room;
         return cands
@@ -183,17 +196,42 @@ pub fn plan_drafts(fit: Option<&StepFit>, plain: PlainStep, cands: &[Candidate],
             })
             .collect();
     };
+    let most = cands.iter().filter(|c| c.passes).map(|c| c.drafted).max().unwrap_or(0);
+    let counts = if pass_cost > 0.0 { 0..=most } else { most..=most };
+    let mut best: Option<(f64, Vec<usize>)> = None;
+    for passes in counts {
+        let (take, tokens, seconds) = within_passes(fit, plain, cands, room, passes, pass_cost);
+        let rate = tokens / seconds;
+        if best.as_ref().is_none_or(|(r, _)| rate > *r) {
+            best = Some((rate, take));
+        }
+    }
+    best.map(|(_, take)| take).unwrap_or_else(|| vec![0; cands.len()])
+}
+
+/// [`plan_drafts`] for at most `passes` drafting passes: what each candidate verifies,
+/// the tokens the step is expected to yield and the seconds it is expected to take
+/// (the passes it uses included).
+fn within_passes(
+    fit: &StepFit,
+    plain: PlainStep,
+    cands: &[Candidate],
+    room: usize,
+    passes: usize,
+    pass_cost: f64,
+) -> (Vec<usize>, f64, f64) {
     // Every (candidate, j) with its expected tokens and its cost.
     let mut options: Vec<(usize, usize, f64, f64)> = Vec::new();
     for (i, c) in cands.iter().enumerate() {
-        for j in 1..=c.drafted {
+        for j in 1..=if c.passes { c.drafted.min(passes) } else { c.drafted } {
             let cost = fit.per_row + fit.per_context * (c.context + j) as f64 + c.draft_cost;
             options.push((i, j, c.rate.powi(j as i32), cost));
         }
     }
     options.sort_by(|a, b| (b.2 * a.3).total_cmp(&(a.2 * b.3)).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
     let mut take = vec![0; cands.len()];
-    let (mut tokens, mut seconds) = (plain.yields as f64, fit.seconds(plain.rows as f64, plain.context as f64));
+    let plain_seconds = fit.seconds(plain.rows as f64, plain.context as f64);
+    let (mut tokens, mut seconds) = (plain.yields as f64, plain_seconds + passes as f64 * pass_cost);
     let mut left = room;
     for (i, j, gain, cost) in options {
         // A draft is verified from its start: token j only after token j - 1.
@@ -205,7 +243,9 @@ pub fn plan_drafts(fit: Option<&StepFit>, plain: PlainStep, cands: &[Candidate],
         seconds += cost;
         left -= 1;
     }
-    take
+    // The passes the plan uses, which may be fewer than it paid for.
+    let used = cands.iter().zip(&take).filter(|(c, _)| c.passes).map(|(_, &n)| n).max().unwrap_or(0);
+    (take, tokens, seconds - (passes - used) as f64 * pass_cost)
 }
 
 #[cfg(test)]
@@ -273,7 +313,7 @@ mod tests {
         // A compute-bound step: a row costs as much as the whole step's fixed part.
         let bound = StepFit { fixed: 0.001, per_row: 0.001, per_context: 0.0 };
         let one = PlainStep { rows: 1, context: 100, yields: 1 };
-        let cand = |drafted, rate| Candidate { drafted, rate, context: 100, draft_cost: 0.0 };
+        let cand = |drafted, rate| Candidate { drafted, rate, context: 100, draft_cost: 0.0, passes: false };
         // (fit, plain step, candidates, room, verified)
         type Case = (Option<StepFit>, PlainStep, Vec<Candidate>, usize, Vec<usize>);
         let cases: Vec<Case> = vec![
@@ -293,8 +333,36 @@ mod tests {
             (None, one, vec![cand(3, 0.1), cand(3, 0.1)], 4, vec![3, 1]),
         ];
         for (fit, plain, cands, room, want) in cases {
-            assert_eq!(plan_drafts(fit.as_ref(), plain, &cands, room), want, "{fit:?} {plain:?} {cands:?}");
+            assert_eq!(plan_drafts(fit.as_ref(), plain, &cands, room, 0.0), want, "{fit:?} {plain:?} {cands:?}");
         }
+    }
+
+    #[test]
+    fn a_draft_models_passes_are_shared_by_the_sequences_drafting_in_them() {
+        // Cheap rows; a drafting pass costs 20 of them whoever drafts in it.
+        let cpu = StepFit { fixed: 0.010, per_row: 0.0002, per_context: 0.0 };
+        let four = PlainStep { rows: 4, context: 0, yields: 4 };
+        let model = |rate| Candidate { drafted: 4, rate, context: 100, draft_cost: 0.0002, passes: true };
+        // (candidates, verified)
+        let cases: [(Vec<Candidate>, Vec<usize>); 4] = [
+            // One sequence of four drafting alone does not pay for its passes.
+            (vec![model(0.99)], vec![0]),
+            // Four drafting together do.
+            (vec![model(0.99); 4], vec![4; 4]),
+            // A poor record rides along on the passes others pay for: its first token
+            // costs it only a row, its second is not worth that.
+            (vec![model(0.99), model(0.99), model(0.99), model(0.3)], vec![4, 4, 4, 1]),
+            // A lookup's draft needs no pass: taken as it would be without a model.
+            (vec![Candidate { passes: false, draft_cost: 0.0, ..model(0.99) }], vec![4]),
+        ];
+        for (cands, want) in cases {
+            assert_eq!(plan_drafts(Some(&cpu), four, &cands, 64, 0.004), want, "{cands:?}");
+        }
+        // Without a pass cost, the passes are not weighed: the rows alone decide.
+        assert_eq!(plan_drafts(Some(&cpu), four, &[model(0.99)], 64, 0.0), [4]);
+        // Passes are worth their cost while the tokens they add are likely: at 0.9
+        // the fourth pass of four requests adds less than a step's mean.
+        assert_eq!(plan_drafts(Some(&cpu), four, &[Candidate { drafted: 8, ..model(0.9) }; 4], 64, 0.004), [3; 4]);
     }
 
     #[test]
@@ -302,7 +370,8 @@ mod tests {
         let fit = StepFit { fixed: 0.002, per_row: 0.0005, per_context: 1e-6 };
         let plain = |context| PlainStep { rows: 1, context, yields: 1 };
         let at = |context| {
-            plan_drafts(Some(&fit), plain(context), &[Candidate { drafted: 8, rate: 0.5, context, draft_cost: 0.0 }], 8)
+            let cand = Candidate { drafted: 8, rate: 0.5, context, draft_cost: 0.0, passes: false };
+            plan_drafts(Some(&fit), plain(context), &[cand], 8, 0.0)
         };
         assert!(at(100)[0] > at(8000)[0], "{:?} {:?}", at(100), at(8000));
     }

@@ -265,9 +265,7 @@ impl Engine {
                 (false, None, None) => {
                     self.ngrams.learn(&s.tokens, s.pooled);
                     s.pooled = s.tokens.len();
-                    let own = speculate::propose(&s.tokens, max);
-                    let draft = if own.is_empty() { self.ngrams.draft(&s.tokens, max) } else { own.to_vec() };
-                    (Proposal::Ready(draft), 0.0)
+                    (Proposal::Ready(speculate::draft(&s.tokens, &self.ngrams, max)), 0.0)
                 }
             };
             if proposal.len() > 0 {

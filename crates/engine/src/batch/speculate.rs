@@ -30,10 +30,11 @@ pub struct SpecConfig {
 }
 
 /// Up to `max` tokens that followed the latest earlier occurrence of the last `n`
-/// tokens of `tokens`, for `n` from 4 down to 2; empty when none recurs.
-pub fn propose(tokens: &[u32], max: usize) -> &[u32] {
+/// tokens of `tokens`, for `n` from 4 down to 2 (empty when none recurs), and `n`
+/// (0 for none).
+fn matched(tokens: &[u32], max: usize) -> (&[u32], usize) {
     if max == 0 {
-        return &[];
+        return (&[], 0);
     }
     for n in (NGRAM_MIN..=NGRAM_MAX).rev() {
         let Some(tail_at) = tokens.len().checked_sub(n) else { continue };
@@ -41,10 +42,26 @@ pub fn propose(tokens: &[u32], max: usize) -> &[u32] {
         // The latest start `i < tail_at` whose n tokens equal the tail.
         if let Some(i) = (0..tail_at).rev().find(|&i| &tokens[i..i + n] == tail) {
             let from = i + n;
-            return &tokens[from..(from + max).min(tokens.len())];
+            return (&tokens[from..(from + max).min(tokens.len())], n);
         }
     }
-    &[]
+    (&[], 0)
+}
+
+/// A sequence's n-gram draft: from the longer match of its own tokens and the
+/// worker's pool (its own on a tie, as the nearer context). A short match in the
+/// sequence's own text ("of the") predicts less than the pool's longer one.
+pub fn draft(tokens: &[u32], pool: &NgramPool, max: usize) -> Vec<u32> {
+    let (own, n) = matched(tokens, max);
+    if n >= POOL_NGRAM {
+        return own.to_vec();
+    }
+    let pooled = pool.draft(tokens, max);
+    if pooled.is_empty() {
+        own.to_vec()
+    } else {
+        pooled
+    }
 }
 
 /// The n-gram length the worker's shared pool keys on.
@@ -170,14 +187,20 @@ pub struct PlainStep {
 /// before it accepted) and costs a row: `per_row` plus `per_context` for each token
 /// it attends over, and its draft cost. A draft model's tokens also need passes: the
 /// `j`-th token of any sequence needs the `j`-th pass, which costs `pass_cost` however
-/// many sequences draft in it. For each number of passes, tokens are taken best value
-/// first while each raises the step's expected tokens per second, the passes' cost
-/// paid up front; the plan with the most tokens per second wins (the fewest passes on
-/// a tie). So a large batch, whose step is already long per token, verifies little or
-/// nothing, a single sequence with a good record verifies its whole draft, and
-/// sequences that draft together share what a pass costs. `fit` is `None` while the
-/// engine's steps cannot tell a row's cost from the step's fixed cost (all of one
-/// size): then every draft is verified whole, which gives the fit the spread it lacks.
+/// many sequences draft in it.
+///
+/// What is maximised is the product of the step's sequences' token rates (the sum of
+/// their logs): a drafted token raises one sequence's rate, and its row slows every
+/// sequence in the step. With one sequence this is the step's tokens per second; with
+/// many it does not let a step be slowed for a few sequences' drafts where the others
+/// only wait (so the median request never pays for its neighbours' drafts). For each
+/// number of passes, tokens are taken best value first while each raises that
+/// product, the passes' cost paid up front; the best plan wins (the fewest passes on a
+/// tie). So a large batch, whose step is already long, verifies little or nothing, a
+/// single sequence with a good record verifies its whole draft, and sequences that
+/// draft together share what a pass costs. `fit` is `None` while the engine's steps
+/// cannot tell a row's cost from the step's fixed cost (all of one size): then every
+/// draft is verified whole, which gives the fit the spread it lacks.
 pub fn plan_drafts(
     fit: Option<&StepFit>,
     plain: PlainStep,
@@ -200,18 +223,17 @@ pub fn plan_drafts(
     let counts = if pass_cost > 0.0 { 0..=most } else { most..=most };
     let mut best: Option<(f64, Vec<usize>)> = None;
     for passes in counts {
-        let (take, tokens, seconds) = within_passes(fit, plain, cands, room, passes, pass_cost);
-        let rate = tokens / seconds;
-        if best.as_ref().is_none_or(|(r, _)| rate > *r) {
-            best = Some((rate, take));
+        let (take, score) = within_passes(fit, plain, cands, room, passes, pass_cost);
+        if best.as_ref().is_none_or(|(b, _)| score > *b) {
+            best = Some((score, take));
         }
     }
     best.map(|(_, take)| take).unwrap_or_else(|| vec![0; cands.len()])
 }
 
 /// [`plan_drafts`] for at most `passes` drafting passes: what each candidate verifies,
-/// the tokens the step is expected to yield and the seconds it is expected to take
-/// (the passes it uses included).
+/// and the plan's score (the sum of the logs of the sequences' expected token rates,
+/// less what every plan of this step shares), the passes it uses charged.
 fn within_passes(
     fit: &StepFit,
     plain: PlainStep,
@@ -219,7 +241,7 @@ fn within_passes(
     room: usize,
     passes: usize,
     pass_cost: f64,
-) -> (Vec<usize>, f64, f64) {
+) -> (Vec<usize>, f64) {
     // Every (candidate, j) with its expected tokens and its cost.
     let mut options: Vec<(usize, usize, f64, f64)> = Vec::new();
     for (i, c) in cands.iter().enumerate() {
@@ -229,23 +251,31 @@ fn within_passes(
         }
     }
     options.sort_by(|a, b| (b.2 * a.3).total_cmp(&(a.2 * b.3)).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
+    // Each candidate's expected tokens this step (one without drafts), and how many
+    // sequences the step's time divides.
+    let mut tokens = vec![1.0; cands.len()];
+    let sequences = plain.yields.max(cands.len()).max(1) as f64;
     let mut take = vec![0; cands.len()];
     let plain_seconds = fit.seconds(plain.rows as f64, plain.context as f64);
-    let (mut tokens, mut seconds) = (plain.yields as f64, plain_seconds + passes as f64 * pass_cost);
+    let mut seconds = plain_seconds + passes as f64 * pass_cost;
     let mut left = room;
     for (i, j, gain, cost) in options {
         // A draft is verified from its start: token j only after token j - 1.
-        if left == 0 || take[i] != j - 1 || gain * seconds <= tokens * cost {
+        if left == 0 || take[i] != j - 1 {
+            continue;
+        }
+        if (1.0 + gain / tokens[i]).ln() <= sequences * (1.0 + cost / seconds).ln() {
             continue;
         }
         take[i] = j;
-        tokens += gain;
+        tokens[i] += gain;
         seconds += cost;
         left -= 1;
     }
     // The passes the plan uses, which may be fewer than it paid for.
     let used = cands.iter().zip(&take).filter(|(c, _)| c.passes).map(|(_, &n)| n).max().unwrap_or(0);
-    (take, tokens, seconds - (passes - used) as f64 * pass_cost)
+    let seconds = seconds - (passes - used) as f64 * pass_cost;
+    (take, tokens.iter().map(|t| t.ln()).sum::<f64>() - sequences * seconds.ln())
 }
 
 #[cfg(test)]
@@ -253,7 +283,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn propose_follows_the_latest_longest_match() {
+    fn a_lookup_follows_the_latest_longest_match() {
         // (tokens, max, draft)
         let cases: [(&[u32], usize, &[u32]); 7] = [
             (&[1, 2, 3, 9, 1, 2, 3], 2, &[9, 1]),
@@ -268,7 +298,7 @@ mod tests {
             (&[1, 2, 1, 2], 0, &[]),
         ];
         for (tokens, max, want) in cases {
-            assert_eq!(propose(tokens, max), want, "{tokens:?}");
+            assert_eq!(matched(tokens, max).0, want, "{tokens:?}");
         }
     }
 
@@ -286,6 +316,19 @@ mod tests {
         // A later continuation replaces the earlier one.
         pool.learn(&[7, 8, 9, 42], 3);
         assert_eq!(pool.draft(&[7, 8, 9], 1), [42]);
+    }
+
+    #[test]
+    fn the_longer_match_drafts() {
+        let mut pool = NgramPool::default();
+        pool.learn(&[7, 8, 9, 10, 11], 0);
+        // Its own 2-gram (8 9 … 8 9 → 5) against the pool's 3-gram (7 8 9 → 10).
+        assert_eq!(draft(&[8, 9, 5, 1, 7, 8, 9], &pool, 2), [10, 11]);
+        // Its own 3-gram wins a tie, as the nearer context.
+        assert_eq!(draft(&[7, 8, 9, 6, 7, 8, 9], &pool, 2), [6, 7]);
+        // Nothing in the pool: its own short match.
+        assert_eq!(draft(&[1, 2, 3, 1, 2], &pool, 1), [3]);
+        assert!(draft(&[1, 2, 3], &NgramPool::default(), 4).is_empty());
     }
 
     #[test]
@@ -327,6 +370,10 @@ mod tests {
             (Some(bound), one, vec![cand(5, 0.4)], 16, vec![0]),
             // A large batch's step is long per token: drafts no longer pay.
             (Some(bound), PlainStep { rows: 16, context: 1600, yields: 16 }, vec![cand(5, 0.6)], 16, vec![0]),
+            // One of sixteen: its draft slows fifteen that only wait, so it verifies
+            // its likeliest two tokens (the step's tokens per second alone would take
+            // all five).
+            (Some(cpu), PlainStep { rows: 16, context: 0, yields: 16 }, vec![cand(5, 0.8)], 16, vec![2]),
             // Better records first when room is short.
             (Some(cpu), one, vec![cand(4, 0.3), cand(4, 0.9)], 3, vec![0, 3]),
             // No fit that tells rows apart yet: verify everything the room allows.
@@ -349,9 +396,10 @@ mod tests {
             (vec![model(0.99)], vec![0]),
             // Four drafting together do.
             (vec![model(0.99); 4], vec![4; 4]),
-            // A poor record rides along on the passes others pay for: its first token
-            // costs it only a row, its second is not worth that.
-            (vec![model(0.99), model(0.99), model(0.99), model(0.3)], vec![4, 4, 4, 1]),
+            // A poor record rides along on the passes others pay for (its first token
+            // costs only a row), and the passes stop sooner, as it waits through them
+            // for little.
+            (vec![model(0.99), model(0.99), model(0.99), model(0.3)], vec![2, 2, 2, 1]),
             // A lookup's draft needs no pass: taken as it would be without a model.
             (vec![Candidate { passes: false, draft_cost: 0.0, ..model(0.99) }], vec![4]),
         ];

@@ -306,8 +306,11 @@ impl Engine {
             context: plan.iter().map(|p| self.running[p.seq].computed).sum(),
             yields: plan.iter().filter(|p| p.logits).count(),
         };
-        // Without a fit every draft is verified whole.
+        // Without a fit every draft is verified whole; while exploring for one, in up
+        // to as many extra rows as the step has: a second size for the fit, not a step
+        // many times dearer than a plain one.
         let fit = measured.then(|| self.decode_steps.fit()).flatten();
+        let room = if verify_all || measured { room } else { room.min(plain.rows) };
         let pass_cost = self.drafter.as_ref().and_then(|d| d.cost(0)).map_or(0.0, |c| c.pass);
         let take = speculate::plan_drafts(fit.as_ref(), plain, &cands, room, pass_cost);
         let chosen = drafted.into_iter().zip(take).filter(|&(_, n)| n > 0).map(|((k, p), n)| (k, p, n)).collect();

@@ -198,9 +198,9 @@ pub struct PlainStep {
 /// product, the passes' cost paid up front; the best plan wins (the fewest passes on a
 /// tie). So a large batch, whose step is already long, verifies little or nothing, a
 /// single sequence with a good record verifies its whole draft, and sequences that
-/// draft together share what a pass costs. `fit` is `None` while the engine's steps
-/// cannot tell a row's cost from the step's fixed cost (all of one size): then every
-/// draft is verified whole, which gives the fit the spread it lacks.
+/// draft together share what a pass costs. With no `fit` (the engine's steps cannot
+/// tell a row's cost from the step's fixed cost yet, or every draft is to be verified)
+/// drafts are verified whole, in order, within `room`.
 pub fn plan_drafts(
     fit: Option<&StepFit>,
     plain: PlainStep,
@@ -376,7 +376,7 @@ mod tests {
             (Some(cpu), PlainStep { rows: 16, context: 0, yields: 16 }, vec![cand(5, 0.8)], 16, vec![2]),
             // Better records first when room is short.
             (Some(cpu), one, vec![cand(4, 0.3), cand(4, 0.9)], 3, vec![0, 3]),
-            // No fit that tells rows apart yet: verify everything the room allows.
+            // No fit: verify everything the room allows, in order.
             (None, one, vec![cand(3, 0.1), cand(3, 0.1)], 4, vec![3, 1]),
         ];
         for (fit, plain, cands, room, want) in cases {

@@ -77,11 +77,20 @@ impl PartialEq for DraftModel {
 
 impl Eq for DraftModel {}
 
-/// What a drafting pass costs: its fixed part, and a drafted token's row in it.
+/// What a drafting pass costs: its fixed part, and a drafted token's row in it (a
+/// part per row and one per token the row attends over).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct DraftCost {
     pub pass: f64,
-    pub row: f64,
+    per_row: f64,
+    per_context: f64,
+}
+
+impl DraftCost {
+    /// A drafted token's row at `context`.
+    pub fn row(&self, context: usize) -> f64 {
+        self.per_row + self.per_context * context as f64
+    }
 }
 
 /// A sequence's draft K/V: the draft model's cache of its first `computed` tokens.
@@ -252,17 +261,16 @@ impl Drafter {
 
     /// What drafting costs in draft-model time, from the fit of the passes' times once
     /// it tells rows apart: a pass's fixed part (its weights read once, shared by the
-    /// sequences drafting in it) and a drafted token's row at `context`; before that,
-    /// no fixed part and the mean over every token a pass computed. `None` before any
-    /// timed pass.
-    pub fn cost(&self, context: usize) -> Option<DraftCost> {
+    /// sequences drafting in it) and a drafted token's row; before that, no fixed part
+    /// and the mean over every token a pass computed. `None` before any timed pass.
+    pub fn cost(&self) -> Option<DraftCost> {
         let p = &self.passes;
         if p.tells_rows_apart() {
             if let Some(StepFit { fixed, per_row, per_context }) = p.fit() {
-                return Some(DraftCost { pass: fixed, row: per_row + per_context * context as f64 });
+                return Some(DraftCost { pass: fixed, per_row, per_context });
             }
         }
-        (p.rows > 0).then(|| DraftCost { pass: 0.0, row: p.seconds / p.rows as f64 })
+        (p.rows > 0).then(|| DraftCost { pass: 0.0, per_row: p.seconds / p.rows as f64, per_context: 0.0 })
     }
 
     /// Drafts up to `want` tokens for each `(running index, want)`, greedily, within

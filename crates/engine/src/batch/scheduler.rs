@@ -3,6 +3,7 @@
 //! admitted in arrival order with chunked prefill. When blocks run out, the most
 //! recently admitted sequence is preempted and will be recomputed later.
 
+use super::draft::{DraftCost, Drafter};
 use super::sequence::Sequence;
 use super::speculate::{self, Acceptance, Candidate, PlainStep};
 use super::stages::Pass;
@@ -238,7 +239,12 @@ impl Engine {
     /// Each planned decode's draft (what its grammar forces, else its n-gram lookup,
     /// else up to `max_draft` tokens of the draft model's) with its index in `plan`,
     /// and the candidates [`speculate::plan_drafts`] weighs.
-    fn propose_drafts(&mut self, plan: &[Planned], max_draft: usize) -> (Vec<(usize, Proposal)>, Vec<Candidate>) {
+    fn propose_drafts(
+        &mut self,
+        plan: &[Planned],
+        max_draft: usize,
+        draft_cost: Option<DraftCost>,
+    ) -> (Vec<(usize, Proposal)>, Vec<Candidate>) {
         let context = self.context_length();
         let (pooled, forced_rate) = (self.acceptance.rate(), self.forced.rate());
         let decodes = plan.iter().filter(|p| p.n == 1 && self.running[p.seq].is_decoding()).count();
@@ -258,7 +264,7 @@ impl Engine {
             let rate = if s.draft_forced { forced_rate } else { s.acceptance.rate_from(pooled) };
             let (proposal, draft_cost) = match (s.draft_forced, &self.drafter, timed) {
                 (true, _, _) => (Proposal::Ready(forced), 0.0),
-                (false, Some(d), _) => (Proposal::Model(max), d.cost(s.computed).map_or(0.0, |c| c.row)),
+                (false, Some(_), _) => (Proposal::Model(max), draft_cost.map_or(0.0, |c| c.row(s.computed))),
                 (false, None, Some(t)) => {
                     (Proposal::Ready(t.draft(&s.tokens, max, vocab)), t.draft_token_seconds(decodes, s.computed))
                 }
@@ -297,7 +303,9 @@ impl Engine {
                 return 0;
             }
         }
-        let (drafted, cands) = self.propose_drafts(plan, max_draft);
+        // The draft model's cost, fitted once for the step.
+        let draft_cost = self.drafter.as_ref().and_then(Drafter::cost);
+        let (drafted, cands) = self.propose_drafts(plan, max_draft, draft_cost);
         if cands.is_empty() {
             return 0;
         }
@@ -311,7 +319,7 @@ impl Engine {
         // many times dearer than a plain one.
         let fit = measured.then(|| self.decode_steps.fit()).flatten();
         let room = if verify_all || measured { room } else { room.min(plain.rows) };
-        let pass_cost = self.drafter.as_ref().and_then(|d| d.cost(0)).map_or(0.0, |c| c.pass);
+        let pass_cost = draft_cost.map_or(0.0, |c| c.pass);
         let take = speculate::plan_drafts(fit.as_ref(), plain, &cands, room, pass_cost);
         let chosen = drafted.into_iter().zip(take).filter(|&(_, n)| n > 0).map(|((k, p), n)| (k, p, n)).collect();
         let mut added = 0;

@@ -219,11 +219,20 @@ pub fn plan_drafts(
             })
             .collect();
     };
+    // Every (candidate, j) with its expected tokens and its cost, best value first.
+    let mut options: Vec<(usize, usize, f64, f64)> = Vec::new();
+    for (i, c) in cands.iter().enumerate() {
+        for j in 1..=c.drafted {
+            let cost = fit.per_row + fit.per_context * (c.context + j) as f64 + c.draft_cost;
+            options.push((i, j, c.rate.powi(j as i32), cost));
+        }
+    }
+    options.sort_by(|a, b| (b.2 * a.3).total_cmp(&(a.2 * b.3)).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
     let most = cands.iter().filter(|c| c.passes).map(|c| c.drafted).max().unwrap_or(0);
     let counts = if pass_cost > 0.0 { 0..=most } else { most..=most };
     let mut best: Option<(f64, Vec<usize>)> = None;
     for passes in counts {
-        let (take, score) = within_passes(fit, plain, cands, room, passes, pass_cost);
+        let (take, score) = within_passes(fit, plain, cands, &options, room, passes, pass_cost);
         if best.as_ref().is_none_or(|(b, _)| score > *b) {
             best = Some((score, take));
         }
@@ -231,26 +240,19 @@ pub fn plan_drafts(
     best.map(|(_, take)| take).unwrap_or_else(|| vec![0; cands.len()])
 }
 
-/// [`plan_drafts`] for at most `passes` drafting passes: what each candidate verifies,
-/// and the plan's score (the sum of the logs of the sequences' expected token rates,
-/// less what every plan of this step shares), the passes it uses charged.
+/// [`plan_drafts`] for at most `passes` drafting passes, over its sorted `options`:
+/// what each candidate verifies, and the plan's score (the sum of the logs of the
+/// sequences' expected token rates, less what every plan of this step shares), the
+/// passes it uses charged.
 fn within_passes(
     fit: &StepFit,
     plain: PlainStep,
     cands: &[Candidate],
+    options: &[(usize, usize, f64, f64)],
     room: usize,
     passes: usize,
     pass_cost: f64,
 ) -> (Vec<usize>, f64) {
-    // Every (candidate, j) with its expected tokens and its cost.
-    let mut options: Vec<(usize, usize, f64, f64)> = Vec::new();
-    for (i, c) in cands.iter().enumerate() {
-        for j in 1..=if c.passes { c.drafted.min(passes) } else { c.drafted } {
-            let cost = fit.per_row + fit.per_context * (c.context + j) as f64 + c.draft_cost;
-            options.push((i, j, c.rate.powi(j as i32), cost));
-        }
-    }
-    options.sort_by(|a, b| (b.2 * a.3).total_cmp(&(a.2 * b.3)).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
     // Each candidate's expected tokens this step (one without drafts), and how many
     // sequences the step's time divides.
     let mut tokens = vec![1.0; cands.len()];
@@ -259,9 +261,10 @@ fn within_passes(
     let plain_seconds = fit.seconds(plain.rows as f64, plain.context as f64);
     let mut seconds = plain_seconds + passes as f64 * pass_cost;
     let mut left = room;
-    for (i, j, gain, cost) in options {
-        // A draft is verified from its start: token j only after token j - 1.
-        if left == 0 || take[i] != j - 1 {
+    for &(i, j, gain, cost) in options {
+        // A draft is verified from its start: token j only after token j - 1; a draft
+        // model's token j only within the passes.
+        if left == 0 || take[i] != j - 1 || (cands[i].passes && j > passes) {
             continue;
         }
         if (1.0 + gain / tokens[i]).ln() <= sequences * (1.0 + cost / seconds).ln() {

@@ -1,28 +1,21 @@
-"""Speculative decoding against none, on one server: TPOT of streamed chat replies.
+"""The prompts of the speculation benchmark (scripts/bench-spec.sh), one file a workload.
 
-Workloads (each a chat request, greedy, `max_tokens` OUT, `ignore_eos`):
+Workloads (each a chat request's user message; `pdserve bench load --prompts` sends
+them, greedy, `ignore_eos`):
   code:    return a source file of this repository whole, with one line added;
   quote:   quote a passage of Hamlet (scripts/fetch-text.sh) exactly;
   extract: pull fields out of a text as JSON;
   open:    open-ended chat.
 Every request of a workload has its own prompt (another file, passage, person or
-story), the same list on every server run: greedy requests with one prompt would write
-one text, and a request could draft what another wrote before it, which no two users'
+story), the same list on every run: greedy requests with one prompt would write one
+text, and a request could draft what another wrote before it, which no two users'
 requests do.
-At each concurrency C, C clients each send REQUESTS requests of one workload back to
-back. TPOT = (last token time - first token time) / (tokens - 1), one per request.
-Prints one JSON line per (workload, C): TPOT p50/p99 in ms and output tok/s.
 
-Usage: bench_spec.py URL LABEL TEXT_FILE [C,C..] [REQUESTS] [OUT]
+Usage: bench_spec.py TEXT_FILE OUT_DIR N    writes OUT_DIR/<workload>.jsonl, N prompts each
 """
 import glob
-import http.client
-import itertools
 import json
 import sys
-import threading
-import time
-import urllib.parse
 
 ROOT = __file__.rsplit("/scripts/", 1)[0]
 
@@ -67,63 +60,17 @@ def workloads(text_file):
                 "employees and phone, each copied from the text.")
 
     def story(k):
-        return f"Tell me a story about {STORIES[k % len(STORIES)]}."
+        return f"Tell me a story about {STORIES[k % len(STORIES)]}, in {CITIES[k % len(CITIES)]}."
 
     return {"code": code, "quote": quote, "extract": extract, "open": story}
 
 
-def one(url, prompt, out):
-    u = urllib.parse.urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": out, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    assert resp.status == 200, resp.read()[:200]
-    times = []
-    for raw in resp:
-        line = raw.strip()
-        if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
-            chunk = json.loads(line[5:])
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                times.append(time.perf_counter())
-    conn.close()
-    return times
-
-
-def point(url, prompts, c, n, out):
-    """C clients, n requests each, each request the next of `prompts`."""
-    results, lock = [], threading.Lock()
-
-    def client():
-        for _ in range(n):
-            with lock:
-                prompt = next(prompts)
-            t = one(url, prompt, out)
-            with lock:
-                results.append(t)
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(c)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    wall = time.perf_counter() - start
-    tpot = sorted((t[-1] - t[0]) / (len(t) - 1) for t in results if len(t) > 1)
-    pct = lambda q: 1000 * tpot[min(len(tpot) - 1, int(q * len(tpot)))]
-    return {"tpot_p50_ms": pct(0.5), "tpot_p99_ms": pct(0.99), "tok_s": sum(len(t) for t in results) / wall}
-
-
 def main():
-    url, label, text = sys.argv[1:4]
-    conc = [int(c) for c in (sys.argv[4] if len(sys.argv) > 4 else "1,4").split(",")]
-    n = int(sys.argv[5]) if len(sys.argv) > 5 else 2
-    out = int(sys.argv[6]) if len(sys.argv) > 6 else 128
+    text, out_dir, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     for name, make in workloads(text).items():
-        prompts = map(make, itertools.count())
-        one(url, next(prompts), 8)  # warm-up: the step fit started
-        for c in conc:
-            r = point(url, prompts, c, n, out)
-            print(json.dumps({"label": label, "workload": name, "concurrency": c, **r}), flush=True)
+        with open(f"{out_dir}/{name}.jsonl", "w") as f:
+            for k in range(n):
+                f.write(json.dumps(make(k)) + "\n")
 
 
 if __name__ == "__main__":

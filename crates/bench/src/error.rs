@@ -16,9 +16,9 @@ pub enum BenchError {
     /// A non-loopback URL without `--allow-remote`.
     #[error("{0} is not a loopback address; pass --allow-remote to load a remote server")]
     NotLoopback(String),
-    /// A trace file line that is not a valid trace row.
+    /// A line of an input file (a trace, a prompts file) that does not parse.
     #[error("{path}:{line}: {reason}")]
-    Trace { path: String, line: usize, reason: String },
+    BadLine { path: String, line: usize, reason: String },
     /// Reading or writing a file.
     #[error("{}: {source}", path.display())]
     Io {

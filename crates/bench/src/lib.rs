@@ -3,8 +3,8 @@
 //! - `bench load` ([`load`]): an OpenAI-compatible load generator that works against
 //!   any such server (pdserve, llama-server, vLLM): completions or chat, streamed;
 //!   closed loop at given concurrencies or open loop at given rates (Poisson or gamma
-//!   arrivals); fixed or distributed lengths; random-token or text prompts; shared
-//!   prefixes; Mooncake-format trace replay.
+//!   arrivals); fixed or distributed lengths; random-token or text prompts, or prompts of a file;
+//!   shared prefixes; Mooncake-format trace replay.
 //! - `bench compare` ([`compare`]): starts each serving topology of a compute budget
 //!   in turn, sweeps workloads × concurrencies against it, and reports tables, plots
 //!   and where disaggregation overtakes replication.
@@ -28,6 +28,7 @@ pub mod point;
 pub mod process;
 pub mod progress;
 pub mod prompt;
+pub mod prompts_file;
 pub mod record;
 pub mod report;
 pub mod reuse;

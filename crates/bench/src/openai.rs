@@ -82,6 +82,10 @@ impl BodyOptions {
         });
         let p = &spec.prompt;
         let (key, value) = match (self.endpoint, self.prompt_kind) {
+            (Endpoint::Completions, _) if spec.text.is_some() => ("prompt", json!(spec.text.as_deref())),
+            (Endpoint::Chat, _) if spec.text.is_some() => {
+                ("messages", json!([{"role": "user", "content": spec.text.as_deref()}]))
+            }
             (Endpoint::Completions, PromptKind::Ids) => ("prompt", json!(p.ids())),
             (Endpoint::Completions, PromptKind::Text) => ("prompt", json!(ids_to_text(&p.ids()))),
             (Endpoint::Chat, _) => ("messages", chat_messages(&p.prefix, &p.body)),
@@ -236,6 +240,19 @@ mod tests {
         assert_eq!(b["messages"][0]["content"], json!("the of"));
         assert_eq!(b["messages"][1]["content"], json!("and"));
         assert!(BodyOptions { prompt_kind: PromptKind::Ids, ..o }.validate().is_err());
+    }
+
+    #[test]
+    fn a_prompt_of_a_file_goes_as_it_is() {
+        let text = RequestSpec { text: Some("Quote this.".into()), ..spec() };
+        for (endpoint, kind) in [(Endpoint::Completions, PromptKind::Ids), (Endpoint::Chat, PromptKind::Text)] {
+            let o = BodyOptions { endpoint, prompt_kind: kind, model: None, temperature: 0.0, token_ids: false };
+            let b = o.body(&text);
+            match endpoint {
+                Endpoint::Completions => assert_eq!(b["prompt"], json!("Quote this.")),
+                Endpoint::Chat => assert_eq!(b["messages"], json!([{"role": "user", "content": "Quote this."}])),
+            }
+        }
     }
 
     #[test]

@@ -36,13 +36,13 @@ pub fn parse(text: &str, name: &str) -> Result<Vec<TraceRow>, BenchError> {
         if line.trim().is_empty() {
             continue;
         }
-        let err = |reason: String| BenchError::Trace { path: name.to_string(), line: i + 1, reason };
+        let err = |reason: String| BenchError::BadLine { path: name.to_string(), line: i + 1, reason };
         let row: TraceRow = serde_json::from_str(line).map_err(|e| err(format!("not a trace row: {e}")))?;
         check(&row).map_err(err)?;
         rows.push(row);
     }
     if rows.is_empty() {
-        return Err(BenchError::Trace { path: name.to_string(), line: 0, reason: "the trace has no rows".into() });
+        return Err(BenchError::BadLine { path: name.to_string(), line: 0, reason: "the trace has no rows".into() });
     }
     rows.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
     Ok(rows)

@@ -42,6 +42,9 @@ pub enum Source {
     /// A shifting workload: the phases' requests as rows, whose times count from the
     /// start of the run (not from the first row) so phases keep their places.
     Phased { phases: Arc<Phases>, rows: Arc<Vec<TraceRow>> },
+    /// Prompts of a file, sent as text, dealt as `crate::prompts_file::pick` says
+    /// (`per_point`: the requests a point sends at most).
+    Texts { prompts: Arc<Vec<Arc<str>>>, per_point: usize, output: LengthSpec },
 }
 
 /// Which shared prefix a request takes.
@@ -195,6 +198,8 @@ pub struct RequestSpec {
     pub index: usize,
     pub prompt: Prompt,
     pub output_len: u32,
+    /// A prompt given as text (`--prompts`), sent as it is in place of `prompt`.
+    pub text: Option<Arc<str>>,
     /// The turn this request is, where its reply goes into later turns' prompts.
     pub turn: Option<TurnKey>,
     /// Earlier replies in the prompt, and how many of them the server generated.
@@ -239,6 +244,10 @@ impl Workload {
                 Some(row) => (row.prompt(16, self.range, self.seed, rng.next_u64()), row.output_length),
                 None => (Prompt::default(), 1),
             },
+            Source::Texts { prompts, per_point, output } => {
+                let text = prompts.get(crate::prompts_file::pick(prompts.len(), *per_point, point, index)).cloned();
+                return RequestSpec { index, text, output_len: output.sample(&mut rng), ..RequestSpec::default() };
+            }
         };
         RequestSpec { index, prompt, output_len, ..RequestSpec::default() }
     }
@@ -275,7 +284,7 @@ impl Workload {
             let output_len = output.sample(&mut r);
             if t == step {
                 let (prompt, turn) = (Prompt { prefix: Vec::new(), body }, reply.map(|_| key(t)));
-                return RequestSpec { index: 0, prompt, output_len, turn, replies, generated_replies };
+                return RequestSpec { index: 0, prompt, output_len, turn, replies, generated_replies, text: None };
             }
             replies += 1;
             if reply.is_some_and(|f| f(key(t), &mut body)) {
@@ -371,6 +380,7 @@ impl Workload {
             }
             Source::Trace { rows, block_size } => format!("trace of {} rows (block {block_size})", rows.len()),
             Source::Phased { phases, rows } => format!("{} ({} requests)", phases.describe(), rows.len()),
+            Source::Texts { prompts, output, .. } => format!("{} prompts of a file / OSL {output}", prompts.len()),
         }
     }
 }
@@ -378,6 +388,23 @@ impl Workload {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prompts_file_is_dealt_point_by_point() {
+        let prompts: Vec<Arc<str>> = (0..10).map(|i| Arc::from(format!("p{i}"))).collect();
+        let source = Source::Texts { prompts: Arc::new(prompts), per_point: 4, output: LengthSpec::Fixed(7) };
+        let w = Workload { source, range: TokenRange::default(), seed: 1 };
+        let text = |point, i| w.request(point, i).text.map(|t| t.to_string());
+        assert_eq!((text(0, 0), text(0, 3), text(1, 0), text(2, 1)), (p(0), p(3), p(4), p(9)));
+        assert_eq!(text(u64::MAX, 0), p(9), "the warm-up starts from the end");
+        let r = w.request(1, 2);
+        assert_eq!((r.index, r.output_len, r.prompt.is_empty()), (2, 7, true));
+        assert_eq!(w.describe(), "10 prompts of a file / OSL 7");
+    }
+
+    fn p(i: usize) -> Option<String> {
+        Some(format!("p{i}"))
+    }
 
     fn shared(prefixes: usize, order: PrefixOrder) -> Workload {
         shared_by(prefixes, order, 1.0)

@@ -11,6 +11,7 @@ use pdserve_bench::load::{run_load, LoadOptions, Sweep};
 use pdserve_bench::metrics::Slo;
 use pdserve_bench::openai::{BodyOptions, Endpoint};
 use pdserve_bench::prompt::{PromptKind, TokenRange};
+use pdserve_bench::workload::Source;
 use pdserve_engine::bench::{self, DecodePrompts, EngineBench, GrammarBench};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -83,6 +84,12 @@ pub struct LoadArgs {
     temperature: f64,
     #[command(flatten)]
     work: WorkloadArgs,
+    /// Prompts of your own, one JSON string per line, sent as text in place of
+    /// generated ones (--input-len does not apply); request i of point p takes prompt
+    /// p × R + i, R the requests a point sends at most, so a long enough file gives
+    /// every request its own.
+    #[arg(long)]
+    prompts: Option<PathBuf>,
     /// Per-request timeout.
     #[arg(long, default_value_t = 600)]
     timeout_seconds: u64,
@@ -234,7 +241,10 @@ pub fn run(what: What) -> anyhow::Result<()> {
 fn load(a: LoadArgs) -> anyhow::Result<()> {
     let w = &a.work;
     let default_prompt = if a.endpoint == Endpoint::Chat { PromptKind::Text } else { PromptKind::Ids };
-    let workload = w.workload()?;
+    let workload = match &a.prompts {
+        Some(path) => prompts_workload(w, path)?,
+        None => w.workload()?,
+    };
     let opts = LoadOptions {
         url: a.url,
         allow_remote: a.allow_remote,
@@ -258,6 +268,19 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
     let report = run_load(&opts)?;
     print!("{}", pdserve_bench::load::markdown::load_report(&report));
     Ok(())
+}
+
+/// `--prompts FILE`: the file's prompts, dealt so that each point takes its own.
+fn prompts_workload(w: &WorkloadArgs, path: &std::path::Path) -> anyhow::Result<pdserve_bench::workload::Workload> {
+    let generated = w.workload()?;
+    if !matches!(generated.source, Source::Random { .. }) {
+        anyhow::bail!("--prompts mixes with none of --shared-prefixes, --conversations, --trace and --phase");
+    }
+    let prompts = pdserve_bench::prompts_file::load(path)?;
+    let plans = pdserve_bench::load::plans(&w.sweep()?, w.requests, w.seconds, None)?;
+    let per_point = plans.iter().map(|p| p.bounds.max_requests).max().unwrap_or(w.requests);
+    let source = Source::Texts { prompts: std::sync::Arc::new(prompts), per_point, output: w.output_len };
+    Ok(pdserve_bench::workload::Workload { source, ..generated })
 }
 
 fn compare(a: CompareArgs) -> anyhow::Result<()> {

@@ -207,9 +207,8 @@ pub struct Engine {
     drafter: Option<draft::Drafter>,
     /// What every request on this engine said after each few words (n-gram drafts).
     ngrams: speculate::NgramPool,
-    /// Whether the last step that could have verified drafts skipped them while the
-    /// decode fit could not yet tell rows apart (see `add_drafts`).
-    explore: bool,
+    /// When a step verifies drafts whatever the fit says (see `add_drafts`).
+    exploration: speculate::Exploration,
     /// The pipeline stages after this engine's model, when it is a group's head.
     next: Option<stages::Next>,
 }
@@ -235,7 +234,7 @@ impl Engine {
             .map(|d| draft::Drafter::new(d, cfg.num_blocks, BLOCK_SIZE, cfg.kv_dtype));
         Engine {
             drafter,
-            explore: false,
+            exploration: speculate::Exploration::default(),
             next: None,
             ngrams: speculate::NgramPool::default(),
             kv,

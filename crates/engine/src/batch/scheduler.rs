@@ -5,7 +5,7 @@
 
 use super::draft::{DraftCost, Drafter};
 use super::sequence::Sequence;
-use super::speculate::{self, Acceptance, Candidate, PlainStep};
+use super::speculate::{self, Acceptance, Candidate, PlainStep, Verify};
 use super::stages::Pass;
 use super::transfer::Stored;
 use super::{Compute, Engine, StepOutput, BLOCK_SIZE};
@@ -293,15 +293,15 @@ impl Engine {
         if timed_without || room == 0 {
             return 0;
         }
-        let measured = !verify_all && self.decode_steps.tells_rows_apart();
         // Until the fit can tell a row's cost from a step's, every other step verifies
         // nothing: the fit needs steps of both sizes (drafts of one length give one
         // size), and drafts that keep failing must not be verified whole for good.
-        if !verify_all && !measured {
-            self.explore = !self.explore;
-            if self.explore {
-                return 0;
-            }
+        let verify = match verify_all {
+            true => Verify::Plan,
+            false => self.exploration.next(self.decode_steps.tells_rows_apart()),
+        };
+        if verify == Verify::Skip {
+            return 0;
         }
         // The draft model's cost, fitted once for the step.
         let draft_cost = self.drafter.as_ref().and_then(Drafter::cost);
@@ -314,13 +314,16 @@ impl Engine {
             context: plan.iter().map(|p| self.running[p.seq].computed).sum(),
             yields: plan.iter().filter(|p| p.logits).count(),
         };
-        // Without a fit every draft is verified whole; while exploring for one, in up
-        // to as many extra rows as the step has: a second size for the fit, not a step
-        // many times dearer than a plain one.
-        let fit = measured.then(|| self.decode_steps.fit()).flatten();
-        let room = if verify_all || measured { room } else { room.min(plain.rows) };
+        // Without a fit every draft is verified whole; while exploring, in up to as
+        // many extra rows as the step has (or a whole draft's): a second size for the
+        // fit, not a step many times dearer than a plain one.
+        let fit = (verify == Verify::Plan && !verify_all).then(|| self.decode_steps.fit()).flatten();
+        let room = if verify == Verify::Explore { room.min(plain.rows.max(max_draft)) } else { room };
         let pass_cost = draft_cost.map_or(0.0, |c| c.pass);
         let take = speculate::plan_drafts(fit.as_ref(), plain, &cands, room, pass_cost);
+        if !verify_all {
+            self.exploration.verified(take.iter().any(|&n| n > 0));
+        }
         let chosen = drafted.into_iter().zip(take).filter(|&(_, n)| n > 0).map(|((k, p), n)| (k, p, n)).collect();
         let mut added = 0;
         for (k, draft) in self.make_drafts(plan, chosen) {

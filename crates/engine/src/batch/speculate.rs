@@ -155,6 +155,54 @@ impl Acceptance {
     }
 }
 
+/// Steps in a row that had drafts and verified none, after which a step explores.
+/// An exploring step costs at most about twice a plain one, so exploring once in this
+/// many steps costs at most about 1.5 % of the time where nothing is worth verifying.
+pub const EXPLORE_AFTER: u32 = 64;
+
+/// What a step does with its drafts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verify {
+    /// Nothing: the step gives the fit a plain step's time.
+    Skip,
+    /// The drafts from their start, in up to as many extra rows as the step has or a
+    /// whole draft's: a step of another size for the fit, and evidence of acceptance.
+    Explore,
+    /// What [`plan_drafts`] finds worth it.
+    Plan,
+}
+
+/// When a step explores instead of following the plan. While the decode fit cannot
+/// tell a row's cost from a step's, every other step explores. After that, a step
+/// explores once [`EXPLORE_AFTER`] steps in a row had drafts and verified none: a fit
+/// misled by a few noisy early steps, or a poor acceptance record, would otherwise stop
+/// speculation for good, since only verified drafts can correct either.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Exploration {
+    skipped_last: bool,
+    idle: u32,
+}
+
+impl Exploration {
+    /// This step's choice; `measured`: the fit tells rows apart.
+    pub fn next(&mut self, measured: bool) -> Verify {
+        if !measured {
+            self.skipped_last = !self.skipped_last;
+            return if self.skipped_last { Verify::Skip } else { Verify::Explore };
+        }
+        if self.idle >= EXPLORE_AFTER {
+            Verify::Explore
+        } else {
+            Verify::Plan
+        }
+    }
+
+    /// After a step that had drafts: whether it verified any.
+    pub fn verified(&mut self, any: bool) {
+        self.idle = if any { 0 } else { self.idle + 1 };
+    }
+}
+
 /// A decoding sequence that has a draft this step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Candidate {
@@ -284,6 +332,27 @@ fn within_passes(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exploration_alternates_until_measured_then_breaks_long_idle_runs() {
+        let mut e = Exploration::default();
+        // Before the fit tells rows apart: skip, explore, skip, ...
+        let early: Vec<Verify> = (0..4).map(|_| e.next(false)).collect();
+        assert_eq!(early, [Verify::Skip, Verify::Explore, Verify::Skip, Verify::Explore]);
+        // Measured: the plan, until EXPLORE_AFTER steps with drafts verified none.
+        for _ in 0..EXPLORE_AFTER {
+            assert_eq!(e.next(true), Verify::Plan);
+            e.verified(false);
+        }
+        assert_eq!(e.next(true), Verify::Explore);
+        e.verified(true);
+        assert_eq!(e.next(true), Verify::Plan);
+        // A verified draft anywhere in the run starts the count again.
+        for i in 0..2 * EXPLORE_AFTER {
+            assert_eq!(e.next(true), Verify::Plan);
+            e.verified(i % 50 == 49);
+        }
+    }
 
     #[test]
     fn a_lookup_follows_the_latest_longest_match() {

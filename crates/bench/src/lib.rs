@@ -19,6 +19,7 @@ pub mod client;
 pub mod compare;
 pub mod error;
 pub mod fake_server;
+pub mod jsonl;
 pub mod lengths;
 pub mod load;
 pub mod metrics;

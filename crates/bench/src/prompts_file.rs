@@ -19,22 +19,13 @@ pub fn load(path: &Path) -> Result<Vec<Arc<str>>, BenchError> {
 
 /// Parses prompts text (`name` is used in errors); blank lines are skipped.
 pub fn parse(text: &str, name: &str) -> Result<Vec<Arc<str>>, BenchError> {
-    let mut prompts = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
+    crate::jsonl::parse(text, name, "the file has no prompts", |line| {
+        let prompt: String = serde_json::from_str(line).map_err(|e| format!("not a JSON string: {e}"))?;
+        match prompt.is_empty() {
+            true => Err("an empty prompt".into()),
+            false => Ok(Arc::from(prompt)),
         }
-        let err = |reason: String| BenchError::BadLine { path: name.to_string(), line: i + 1, reason };
-        let prompt: String = serde_json::from_str(line).map_err(|e| err(format!("not a JSON string: {e}")))?;
-        if prompt.is_empty() {
-            return Err(err("an empty prompt".into()));
-        }
-        prompts.push(Arc::from(prompt));
-    }
-    if prompts.is_empty() {
-        return Err(BenchError::BadLine { path: name.to_string(), line: 0, reason: "the file has no prompts".into() });
-    }
-    Ok(prompts)
+    })
 }
 
 /// Which prompt request `index` of `point` takes (`u64::MAX` is the warm-up).

@@ -31,19 +31,11 @@ pub fn load(path: &Path) -> Result<Vec<TraceRow>, BenchError> {
 
 /// Parses trace text (`name` is used in errors). Rows are sorted by timestamp.
 pub fn parse(text: &str, name: &str) -> Result<Vec<TraceRow>, BenchError> {
-    let mut rows = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let err = |reason: String| BenchError::BadLine { path: name.to_string(), line: i + 1, reason };
-        let row: TraceRow = serde_json::from_str(line).map_err(|e| err(format!("not a trace row: {e}")))?;
-        check(&row).map_err(err)?;
-        rows.push(row);
-    }
-    if rows.is_empty() {
-        return Err(BenchError::BadLine { path: name.to_string(), line: 0, reason: "the trace has no rows".into() });
-    }
+    let mut rows = crate::jsonl::parse(text, name, "the trace has no rows", |line| {
+        let row: TraceRow = serde_json::from_str(line).map_err(|e| format!("not a trace row: {e}"))?;
+        check(&row)?;
+        Ok(row)
+    })?;
     rows.sort_by(|a, b| a.timestamp.total_cmp(&b.timestamp));
     Ok(rows)
 }

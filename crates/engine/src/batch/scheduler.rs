@@ -296,6 +296,7 @@ impl Engine {
         // Until the fit can tell a row's cost from a step's, every other step verifies
         // nothing: the fit needs steps of both sizes (drafts of one length give one
         // size), and drafts that keep failing must not be verified whole for good.
+        // After, a long run of steps that verify nothing ends in one that explores.
         let verify = match verify_all {
             true => Verify::Plan,
             false => self.exploration.next(self.decode_steps.tells_rows_apart()),

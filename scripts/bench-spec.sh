@@ -21,9 +21,12 @@ cargo build --release --bin pdserve >&2
 text=$(scripts/fetch-text.sh)
 conc=${CONCURRENCY:-1,4,16}
 requests=${REQUESTS:-8}
-# Enough prompts that no request of any point (or the warm-up) repeats another's.
+# Enough prompts that no request of any point (or the warm-up) repeats another's: a
+# closed-loop point sends max(REQUESTS, 2 × C) requests at most.
 points=$(echo "$conc" | tr ',' '\n' | wc -l)
-python3 scripts/bench_spec.py "$text" "$out" $(( (points + 1) * (requests > 32 ? requests : 32) + 2 ))
+most_c=$(echo "$conc" | tr ',' '\n' | sort -n | tail -1)
+per_point=$(( requests > 2 * most_c ? requests : 2 * most_c ))
+python3 scripts/bench_spec.py "$text" "$out" $(( points * per_point + 1 ))
 port=18095
 model=${MODEL:-smollm2-135m}
 for round in $(seq "${REPEAT:-1}"); do

@@ -1,6 +1,6 @@
 //! One model across several processes: a stage group (`pdserve worker --group G
-//! --layers A..B`), its head behind `pdserve frontend`, answers greedy prompts as one
-//! process does, in 2 and 3 stages. A stage killed mid-stream takes the group out of
+//! --layers A..B`), its head behind `pdserve frontend`, answers greedy prompts, and
+//! scores and embeds a prompt, as one process does, in 2 and 3 stages. A stage killed mid-stream takes the group out of
 //! the set: its requests move to another worker and end with their full greedy text,
 //! no block stays used, and the group serves again once the stage is back. "Hosts"
 //! whose memory is capped (a cgroup each) below what the whole model takes run it
@@ -14,7 +14,7 @@ mod common;
 
 use common::net::Net;
 use common::{
-    complete, eventually, fleet_records, golden_prompts, ip, metric, nats, one_process, settle_used_blocks,
+    complete, eventually, fleet_records, golden_prompts, http, ip, metric, nats, one_process, settle_used_blocks,
     spawn_announced, start, start_in, worker, Proc,
 };
 use serde_json::{json, Value};
@@ -62,10 +62,26 @@ fn reference(prompts: &[Value], n: u32) -> Vec<String> {
     prompts.iter().map(|p| complete(one.addr, p, n)).collect()
 }
 
+/// A prompt's scores (vLLM's `prompt_logprobs`) and its embedding, as served at `addr`.
+fn scores_and_embedding(addr: SocketAddr, prompt: &Value) -> (Value, Value) {
+    let body = json!({"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 1});
+    let (status, text) = http(addr, "POST", "/v1/completions", Some(&body));
+    assert_eq!(status, 200, "{text}");
+    let scores = serde_json::from_str::<Value>(&text).unwrap()["choices"][0]["prompt_logprobs"].clone();
+    let (status, text) = http(addr, "POST", "/v1/embeddings", Some(&json!({"input": prompt})));
+    assert_eq!(status, 200, "{text}");
+    let embedding = serde_json::from_str::<Value>(&text).unwrap()["data"][0]["embedding"].clone();
+    assert!(scores.as_array().is_some_and(|s| s.len() > 1) && embedding.as_array().is_some_and(|e| e.len() == 576));
+    (scores, embedding)
+}
+
 #[test]
 fn a_model_split_across_two_and_three_processes_answers_as_one_process_does() {
     let prompts = golden_prompts();
-    let want = reference(&prompts, 24);
+    let one = one_process();
+    let want: Vec<String> = prompts.iter().map(|p| complete(one.addr, p, 24)).collect();
+    let scored = scores_and_embedding(one.addr, &prompts[0]);
+    drop(one);
     // Two stages sending every step whole, three in micro-batches where they pay.
     for (cuts, whole) in [(&["0..14", "15..29"][..], true), (&["0..5", "6..20", "21..29"], false)] {
         let later: Vec<Proc> = cuts[1..].iter().map(|l| stage(l, "127.0.0.1:0")).collect();
@@ -76,6 +92,7 @@ fn a_model_split_across_two_and_three_processes_answers_as_one_process_does() {
         for (p, w) in prompts.iter().zip(&want) {
             assert_eq!(&complete(fe.addr, p, 24), w, "{cuts:?}: prompt {p}");
         }
+        assert!(scores_and_embedding(fe.addr, &prompts[0]) == scored, "{cuts:?}: prompt scores or embedding");
         assert_eq!(settle_used_blocks(fe.addr), 0.0, "{cuts:?}");
         // Every step went through the later stages: a residual-stream row (576 values
         // of f32) out per token computed, every decoded token among them.

@@ -7,7 +7,9 @@
 //! one), prefilled in chunks and then decoded greedily. An engine whose model is the
 //! first stage and whose later stages run behind [`NextStages`] serves requests as an
 //! engine with the whole model does, token for token, and a lost stage ends its step
-//! without advancing anything. A group hands a prompt's K/V to another engine (a whole
+//! without advancing anything; its prompt scores and embeddings are the whole
+//! engine's too (the last stage returns every prompt row of a part that asks for
+//! them). A group hands a prompt's K/V to another engine (a whole
 //! one or a group cut elsewhere) as one engine does: every layer's frames, from the
 //! stage that computed them to the stage that holds them.
 
@@ -24,7 +26,7 @@ use pdserve_engine::kvcache::KvStorage;
 use pdserve_engine::model::{logit_rows, ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
 use pdserve_engine::threadpool::ThreadPool;
 use pdserve_types::{KvDtype, KvFrame, StageTotals};
-use pdserve_types::{RequestId, SamplingParams, TokenOut};
+use pdserve_types::{Pooling, RequestId, SamplingParams, TokenOut};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -72,7 +74,7 @@ fn run(stages: &mut [Stage], prompt: &[u32], chunk: usize, blocks: &[u32]) -> Ve
             let first = &mut stages[0];
             first
                 .model
-                .head_logits(isa, &pool, &last, &mut first.scratch)
+                .head_logits(isa, &pool, &batch, &last, &mut first.scratch)
                 .expect("the first stage has the head")
                 .to_vec()
         });
@@ -308,12 +310,40 @@ fn a_lost_stage_ends_the_step_and_the_stages_come_back_with_an_empty_prefix_cach
     assert_eq!(first.cached_tokens, 0);
 }
 
+/// A request's prompt scores and embedding.
+type ScoredAndPooled = (Option<Vec<TokenOut>>, Option<Vec<f32>>);
+
+/// Each request's prompt scores and embedding, beside a plain request, in chunks of
+/// the engine's batch budget (64 rows: the 90-token prompts take two).
+fn scored_and_pooled(e: &mut Engine) -> Vec<ScoredAndPooled> {
+    let asks = [
+        SamplingParams { prompt_logprobs: Some(2), ..greedy(3) },
+        SamplingParams { embed: Some(Pooling::Mean), ..greedy(1) },
+        SamplingParams { embed: Some(Pooling::Last), prompt_logprobs: Some(0), ..greedy(2) },
+        greedy(4),
+    ];
+    for (i, params) in asks.into_iter().enumerate() {
+        e.add(RequestId(i as u64), prompt(90 - i), params).unwrap();
+    }
+    let mut firsts: BTreeMap<u64, StepOutput> = BTreeMap::new();
+    while e.has_work() {
+        for o in e.step() {
+            firsts.entry(o.id.0).or_insert(o);
+        }
+        assert_eq!(e.take_stage_lost(), None);
+    }
+    assert_eq!(e.stats().blocks.used, 0);
+    firsts.into_values().map(|o| (o.prompt_logprobs, o.embedding)).collect()
+}
+
 #[test]
-fn a_head_engine_refuses_prompt_scores_and_embeddings() {
-    let mut e = head_engine(&[(0, 14), (15, 29)], |s| Box::new(s));
-    let params = SamplingParams { prompt_logprobs: Some(1), ..greedy(2) };
-    let err = e.add(RequestId(1), prompt(4), params).unwrap_err();
-    assert!(matches!(err, EngineError::NotOnStages(_)), "{err}");
+fn a_group_scores_and_pools_a_prompt_as_a_whole_engine_does() {
+    let whole = scored_and_pooled(&mut engine_of(&[(0, 29)]));
+    assert_eq!(whole[0].0.as_ref().map(Vec::len), Some(89), "every prompt token past the first is scored");
+    assert!(whole[1].1.is_some() && whole[2].1.is_some() && whole[3] == (None, None));
+    for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
+        assert!(scored_and_pooled(&mut engine_of(cuts)) == whole, "{cuts:?}");
+    }
 }
 
 /// Whole engines and groups, by their cuts (one cut: a whole engine).

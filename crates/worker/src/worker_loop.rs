@@ -645,8 +645,7 @@ fn serve_error(e: EngineError) -> ServeError {
         EngineError::EmptyPrompt
         | EngineError::BadToken(_)
         | EngineError::TooLargeForCache { .. }
-        | EngineError::Grammar(_)
-        | EngineError::NotOnStages(_) => ServeError::Invalid(e.to_string()),
+        | EngineError::Grammar(_) => ServeError::Invalid(e.to_string()),
         EngineError::NoBlocks | EngineError::NotCached => ServeError::Overloaded(e.to_string()),
         EngineError::Stage(lost) => ServeError::WorkerLost(lost.to_string()),
         EngineError::Duplicate(_) | EngineError::Unknown(_) | EngineError::BadFrame(_) | EngineError::Cancelled => {

@@ -93,8 +93,6 @@ impl Objectives {
 pub enum EngineError {
     #[error("the prompt is empty")]
     EmptyPrompt,
-    #[error("{0} are not computed by a pipeline stage group yet")]
-    NotOnStages(&'static str),
     #[error("prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the context length {context}")]
     TooLong { prompt: usize, max_tokens: usize, context: usize },
     #[error("the request needs {needed} KV blocks but the cache has {total}")]
@@ -401,9 +399,6 @@ impl Engine {
         }
         if self.contains(id) {
             return Err(EngineError::Duplicate(id));
-        }
-        if self.next.is_some() && (params.prompt_logprobs.is_some() || params.embed.is_some()) {
-            return Err(EngineError::NotOnStages("prompt logprobs and embeddings"));
         }
         Ok(())
     }

@@ -15,7 +15,7 @@ use super::transfer::write_frame;
 use super::{Compute, Engine, EngineError, BLOCK_SIZE};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
-use crate::model::{logit_rows, ForwardScratch, Model, SeqBatch, StageOut};
+use crate::model::{logit_rows, returned_rows, ForwardScratch, Model, SeqBatch, StageOut};
 use crate::pipeline::{cut, micro_batches, PassCost, PassTimes};
 use crate::threadpool::ThreadPool;
 use pdserve_types::{KvDtype, KvFrame, StageCompute, StageTotals};
@@ -132,7 +132,7 @@ impl Next {
             m => self.pipelined(head, (&pass, kv, &mut *s), on_layer, &cut(&rows, m))?,
         }
         let started = Instant::now();
-        let logits = head.head_logits(pass.isa, pass.pool, &self.rows, s);
+        let logits = head.head_logits(pass.isa, pass.pool, pass.batch, &self.rows, s);
         self.head_s += started.elapsed().as_secs_f64();
         logits
     }
@@ -343,7 +343,7 @@ pub fn parts_of(batch: &[SeqBatch<'_>]) -> Vec<StagePart> {
     let part = |b: &SeqBatch<'_>| StagePart {
         rows: b.tokens.len(),
         start_pos: b.start_pos,
-        logits: b.logits.min(b.tokens.len()),
+        logits: returned_rows(b),
         blocks: b.blocks.to_vec(),
     };
     batch.iter().map(part).collect()

@@ -92,6 +92,16 @@ pub fn logit_rows<'x>(
     })
 }
 
+/// The final residual rows of `b`'s part a group's last stage sends back to its
+/// first: every row where the part scores or pools its prompt, else those that get
+/// logits.
+pub fn returned_rows(b: &SeqBatch<'_>) -> usize {
+    match b.score.is_some() || b.pool.is_some() {
+        true => b.tokens.len(),
+        false => b.logits.min(b.tokens.len()),
+    }
+}
+
 /// What every layer of one forward pass shares: the kernels' ISA, the thread pool, the
 /// batch and each of its tokens' absolute position.
 pub(super) struct Step<'a, 'b> {
@@ -171,23 +181,26 @@ impl Model {
         })
     }
 
-    /// The first stage's logits of `rows`, the last stage's final residual rows that
-    /// get logits (as [`logit_rows`] picks them): the output norm and projection a
-    /// whole model applies to the same rows, so the same values. `None` on a stage
-    /// without the output head.
+    /// The first stage's outputs of `batch` from `rows`, the final residual rows the
+    /// last stage returned (each part's [`returned_rows`], in order): its logits rows,
+    /// prompt scores and pooled rows, through the output norm and projection a whole
+    /// model applies to the same rows, so the same values. `None` on a stage without
+    /// the output head.
     pub fn head_logits<'s>(
         &self,
         isa: Isa,
         pool: &ThreadPool,
+        batch: &[SeqBatch<'_>],
         rows: &[f32],
         s: &'s mut ForwardScratch,
     ) -> Option<&'s mut [f32]> {
         let head = self.head.as_ref()?;
-        s.last.clear();
-        s.last.extend_from_slice(rows);
-        Some(self.project(head, isa, pool, s))
+        s.x.clear();
+        s.x.extend_from_slice(rows);
+        Some(self.outputs(head, (isa, pool), batch, returned_rows, s))
     }
 
+    /// A whole model's outputs of `batch`, from every row of the step in `s.x`.
     fn logits<'s>(
         &self,
         head: &Head,
@@ -196,12 +209,25 @@ impl Model {
         batch: &[SeqBatch<'_>],
         s: &'s mut ForwardScratch,
     ) -> &'s mut [f32] {
+        self.outputs(head, (isa, pool), batch, |b| b.tokens.len(), s)
+    }
+
+    /// The logits rows, prompt scores and pooled rows of `batch` from the final
+    /// residual rows in `s.x`, where each part has `rows_in(part)` rows (its last ones).
+    fn outputs<'s>(
+        &self,
+        head: &Head,
+        (isa, pool): (Isa, &ThreadPool),
+        batch: &[SeqBatch<'_>],
+        rows_in: impl Fn(&SeqBatch<'_>) -> usize,
+        s: &'s mut ForwardScratch,
+    ) -> &'s mut [f32] {
         s.last.clear();
-        for row in logit_rows(batch.iter().map(|b| (b.tokens.len(), b.logits)), &s.x, self.cfg.hidden) {
+        for row in logit_rows(batch.iter().map(|b| (rows_in(b), b.logits)), &s.x, self.cfg.hidden) {
             s.last.extend_from_slice(row);
         }
-        self.score_rows(head, isa, pool, batch, s);
-        self.pool_rows(head, pool, batch, s);
+        self.score_rows(head, isa, pool, batch, &rows_in, s);
+        self.pool_rows(head, pool, batch, &rows_in, s);
         self.project(head, isa, pool, s)
     }
 
@@ -219,12 +245,20 @@ impl Model {
     /// Prompt scoring: logits for the rows that asked, a few rows at a time, each
     /// reduced at once to the logprob of the token that follows it. Every row goes
     /// through the same kernels as a sampled row, so scores do not depend on the batch.
-    fn score_rows(&self, head: &Head, isa: Isa, pool: &ThreadPool, batch: &[SeqBatch<'_>], s: &mut ForwardScratch) {
+    fn score_rows(
+        &self,
+        head: &Head,
+        isa: Isa,
+        pool: &ThreadPool,
+        batch: &[SeqBatch<'_>],
+        rows_in: &dyn Fn(&SeqBatch<'_>) -> usize,
+        s: &mut ForwardScratch,
+    ) {
         let (h, v) = (self.cfg.hidden, self.cfg.vocab_size);
         let mut start = 0;
         for b in batch {
             let first_row = start;
-            start += b.tokens.len();
+            start += rows_in(b);
             let Some(sc) = &b.score else { continue };
             let rows = sc.targets.len().min(b.tokens.len());
             let mut scores = Vec::with_capacity(rows);
@@ -248,12 +282,19 @@ impl Model {
     /// Embeddings: each pooling part's prompt rows through the output norm, summed
     /// into its sum, or its last row kept. The norm is the row-wise kernel every row
     /// takes, so a prompt's embedding does not depend on the batch.
-    fn pool_rows(&self, head: &Head, pool: &ThreadPool, batch: &[SeqBatch<'_>], s: &mut ForwardScratch) {
+    fn pool_rows(
+        &self,
+        head: &Head,
+        pool: &ThreadPool,
+        batch: &[SeqBatch<'_>],
+        rows_in: &dyn Fn(&SeqBatch<'_>) -> usize,
+        s: &mut ForwardScratch,
+    ) {
         let h = self.cfg.hidden;
         let mut start = 0;
         for b in batch {
             let first_row = start;
-            start += b.tokens.len();
+            start += rows_in(b);
             let Some(p) = &b.pool else { continue };
             let (from, to) = match p.rows {
                 Pooled::Sum(n) => (first_row, first_row + n.min(b.tokens.len())),

@@ -35,12 +35,12 @@ fn stage(layers: &str, listen: &str) -> Proc {
 
 /// The head of group `g` holding `layers`, with the later stages `stages`.
 fn head(layers: &str, stages: &[&Proc]) -> Proc {
-    head_with(layers, stages, &[])
+    head_with(layers, stages, &["--role", "mixed"])
 }
 
-/// [`head`] with more arguments.
+/// [`head`] with more arguments, its role among them.
 fn head_with(layers: &str, stages: &[&Proc], more: &[&str]) -> Proc {
-    let mut args: Vec<String> = ["worker", "--role", "mixed", "--group", "g", "--layers", layers]
+    let mut args: Vec<String> = ["worker", "--group", "g", "--layers", layers]
         .into_iter()
         .chain(["--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "512"])
         .chain(more.iter().copied())
@@ -85,7 +85,7 @@ fn a_model_split_across_two_and_three_processes_answers_as_one_process_does() {
     // Two stages sending every step whole, three in micro-batches where they pay.
     for (cuts, whole) in [(&["0..14", "15..29"][..], true), (&["0..5", "6..20", "21..29"], false)] {
         let later: Vec<Proc> = cuts[1..].iter().map(|l| stage(l, "127.0.0.1:0")).collect();
-        let more: &[&str] = if whole { &["--no-micro-batches"] } else { &[] };
+        let more: &[&str] = if whole { &["--role", "mixed", "--no-micro-batches"] } else { &["--role", "mixed"] };
         let h = head_with(cuts[0], &later.iter().collect::<Vec<_>>(), more);
         assert!(h.logged("stage group whole"), "{cuts:?}");
         let fe = frontend(&[&h]);
@@ -195,19 +195,30 @@ fn a_head_without_its_stages_or_with_a_wrong_split_is_refused_or_waits() {
 
 /// `count` prompts of 40 ordinary tokens, other ones for another `salt`.
 fn long_prompts(count: u32, salt: u32) -> Vec<Value> {
-    let prompt = |r: u32| json!((0..40u32).map(|i| 1000 + (i * 7919 + r * salt) % 30000).collect::<Vec<_>>());
+    prompts_of(count, 40, salt)
+}
+
+/// `count` prompts of `len` ordinary tokens, other ones for another `salt`.
+fn prompts_of(count: u32, len: u32, salt: u32) -> Vec<Value> {
+    let prompt = |r: u32| json!((0..len).map(|i| 1000 + (i * 7919 + r * salt) % 30000).collect::<Vec<_>>());
     (0..count).map(prompt).collect()
 }
 
 /// Sends every prompt for `n` greedy tokens at once through the frontend at `fe`, and
-/// returns once one runs on the group `head` heads; each thread answers its text.
-fn stream_onto_group(fe: SocketAddr, head: &Proc, prompts: &[Value], n: u32) -> Vec<JoinHandle<String>> {
+/// returns once one runs on the group `head` heads (in `role`); each thread answers
+/// its text.
+fn stream_onto_group(
+    fe: SocketAddr,
+    (head, role): (&Proc, &str),
+    prompts: &[Value],
+    n: u32,
+) -> Vec<JoinHandle<String>> {
     let send = |p: &Value| {
         let p = p.clone();
         std::thread::spawn(move || complete(fe, &p, n))
     };
     let requests = prompts.iter().map(send).collect();
-    let on_head = format!("mixed@{}\",state=\"running\"", head.addr);
+    let on_head = format!("{role}@{}\",state=\"running\"", head.addr);
     eventually("a request runs on the group", || metric(fe, "pdserve_worker_requests", &on_head) > 0.0);
     requests
 }
@@ -224,7 +235,7 @@ fn a_stage_killed_mid_stream_moves_its_requests_and_the_group_comes_back() {
     let h = head("0..14", &[&s]);
     let whole = worker("mixed");
     let fe = frontend(&[&h, &whole]);
-    let requests = stream_onto_group(fe.addr, &h, &prompts, n);
+    let requests = stream_onto_group(fe.addr, (&h, "mixed"), &prompts, n);
     s.child.kill().unwrap();
     s.child.wait().unwrap();
     for (r, w) in requests.into_iter().zip(&want) {
@@ -239,6 +250,65 @@ fn a_stage_killed_mid_stream_moves_its_requests_and_the_group_comes_back() {
     for (p, w) in prompts.iter().zip(&want) {
         assert_eq!(&complete(fe.addr, p, n), w);
     }
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+}
+
+/// Disaggregated, a stage of a decode group killed while the group decodes: each
+/// request moves to the other decode worker (replayed from its tokens) and ends with
+/// its full greedy text, and no block stays used anywhere. Then a stage of a prefill
+/// group killed while the group prefills: each prompt is prefilled again on the other
+/// prefill worker, with the same text.
+#[test]
+fn a_stage_killed_in_a_decode_or_a_prefill_group_loses_no_request() {
+    let disaggregated = |workers: &[&Proc]| {
+        let list = workers.iter().map(|w| w.addr.to_string()).collect::<Vec<_>>().join(",");
+        // No shedding: the long prompts' predicted wait may pass the default limit.
+        start(&["frontend", "--workers", &list, "--mode", "disaggregated", "--max-queue-seconds", "0", "--port", "0"])
+    };
+    let prompts = long_prompts(4, 173);
+    let n = 160;
+    let want = reference(&prompts, n);
+    let (prefill, decode) = (worker("prefill"), worker("decode"));
+    let mut s = stage("15..29", "127.0.0.1:0");
+    let h = head_with("0..14", &[&s], &["--role", "decode"]);
+    let fe = disaggregated(&[&prefill, &h, &decode]);
+    let requests = stream_onto_group(fe.addr, (&h, "decode"), &prompts, n);
+    s.child.kill().unwrap();
+    s.child.wait().unwrap();
+    for (r, w) in requests.into_iter().zip(&want) {
+        assert_eq!(&r.join().unwrap(), w, "a request lost tokens when its decode stage died");
+    }
+    assert!(h.logged("stage group lost a stage"), "the stage died after the requests ended");
+    assert!(!h.logged("requests=0"), "no request was on the group when its stage died");
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+    drop((fe, h, decode, prefill));
+
+    // The stage is stopped first, so the group's first prefill waits on it (its host
+    // still answers the link's probes) until the kill.
+    let prompts = prompts_of(6, 200, 211);
+    let want = reference(&prompts, 8);
+    let (decode, prefill) = (worker("decode"), worker("prefill"));
+    let mut s = stage("15..29", "127.0.0.1:0");
+    let h = head_with("0..14", &[&s], &["--role", "prefill"]);
+    let fe = disaggregated(&[&h, &prefill, &decode]);
+    let pid = s.child.id() as i32;
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let send = |p: &Value| {
+        let (p, fe) = (p.clone(), fe.addr);
+        std::thread::spawn(move || complete(fe, &p, 8))
+    };
+    let requests: Vec<JoinHandle<String>> = prompts.iter().map(send).collect();
+    // Routed in well under this: some of the six to the group, whose step waits.
+    std::thread::sleep(Duration::from_secs(2));
+    s.child.kill().unwrap();
+    s.child.wait().unwrap();
+    for (r, w) in requests.into_iter().zip(&want) {
+        assert_eq!(&r.join().unwrap(), w, "a request lost tokens when its prefill stage died");
+    }
+    // The prefills on the group failed as lost, and each started over elsewhere.
+    assert!(h.logged("prefill failed kind=\"worker_lost\""), "no prefill was on the group when its stage died");
+    let started_over = metric(fe.addr, "pdserve_requests_migrated_total", "prefill_failed");
+    assert!(started_over >= 1.0, "{started_over} prefills started over");
     assert_eq!(settle_used_blocks(fe.addr), 0.0);
 }
 
@@ -417,7 +487,7 @@ fn a_stage_whose_host_vanishes_without_a_reset_is_found_lost_in_seconds() {
     assert!(h.logged("stage group whole"));
     let whole = worker("mixed");
     let fe = frontend(&[&h, &whole]);
-    let requests = stream_onto_group(fe.addr, &h, &prompts, n);
+    let requests = stream_onto_group(fe.addr, (&h, "mixed"), &prompts, n);
     let cut = Instant::now();
     net.cable(1, false);
     for (r, w) in requests.into_iter().zip(&want) {

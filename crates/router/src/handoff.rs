@@ -175,8 +175,9 @@ fn fall_back(h: &Handoff, mut req: GenerateRequest, client: EventSender, waiting
                 }
             };
             let on_end = move |out, cached| end.ended(out, cached);
-            let stall = h.deadlines.client_stall;
-            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end, || {});
+            let (stall, lost) = (h.deadlines.client_stall, d.clone());
+            let on_lost = move || lost.lost_one();
+            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end, on_lost);
             Outcome::LocalFallback
         }
         Err(e) => fail(&client, d.noted(e)),
@@ -451,12 +452,14 @@ fn decode_ready(
             let stall = h.deadlines.client_stall;
             // The first token came from the prefill: one more than the relay sees.
             let on_end = move |out, cached| end.ended(1 + out, cached);
-            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end, || {});
+            let lost = h.decode.clone();
+            let on_lost = move || lost.lost_one();
+            crate::relay::relay(&tokio::runtime::Handle::current(), inner, client, stall, on_first, on_end, on_lost);
             Outcome::Streaming
         }
         Err(e) => {
             d.worker.release(id);
-            fail(&client, e)
+            fail(&client, d.noted(e))
         }
     }
 }

@@ -93,16 +93,21 @@ impl Entry {
         newer
     }
 
-    /// Learns from `e` if it is a refusal for a stale epoch; gives `e` back.
     /// The worker, still connected, ended a request as lost (a stage group that lost a
     /// stage): it gets no new work until its stats say it can take some.
     pub fn lost_one(&self) {
         self.stopping.store(true, Ordering::SeqCst);
     }
 
+    /// Learns from `e` if it is a refusal for a stale epoch, or takes the worker out
+    /// if it answered as lost; gives `e` back.
     pub fn noted(&self, e: ServeError) -> ServeError {
-        if let ServeError::StaleEpoch { now, .. } = &e {
-            self.learn(*now);
+        match &e {
+            ServeError::StaleEpoch { now, .. } => {
+                self.learn(*now);
+            }
+            ServeError::WorkerLost(_) => self.lost_one(),
+            _ => {}
         }
         e
     }

@@ -125,6 +125,32 @@ async fn a_decode_worker_lost_after_a_handoff_resumes_on_another_decode_worker()
     no_blocks_held(&[&p, &d2]).await;
 }
 
+/// A decode worker that stays connected but ends a request as lost (a stage group's
+/// head without a stage) is taken out at once: the request moves to the other decode
+/// worker, not back to it, and so does the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_worker_that_answers_as_lost_gets_no_more_work() {
+    let p = FakeWorker::new("p", Role::Prefill, 1000);
+    let (d1, d2) = (FakeWorker::new("d1", Role::Decode, 1000), FakeWorker::new("d2", Role::Decode, 1000));
+    let (r, moves) = migrating(&[&p, slow(&d1), slow(&d2)], Mode::Disaggregated, 1);
+    let req = request(64, 24);
+    let (got, end) = read(r.generate(req.clone()).unwrap(), |n| {
+        if n == 6 {
+            d1.lose_a_stage()
+        }
+    })
+    .await;
+    assert_eq!(got, expected(&req));
+    assert!(matches!(end, Event::Done { .. }), "{end:?}");
+    let next = request(48, 8);
+    let (got, end) = read(r.generate(next.clone()).unwrap(), |_| {}).await;
+    assert_eq!(got, expected(&next));
+    assert!(matches!(end, Event::Done { .. }), "{end:?}");
+    assert_eq!((d1.served(), d2.served()), (1, 2), "both went to the other decode worker");
+    assert_eq!(moves.of("worker_lost"), 1);
+    no_blocks_held(&[&p, &d2]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transfer_lost_on_its_way_to_the_decode_worker_is_prefilled_again_with_no_token_lost() {
     let p = FakeWorker::new("p", Role::Prefill, 1000);

@@ -103,6 +103,8 @@ struct Inner {
     /// Requests this worker generated tokens for (whole, or after a transfer).
     served: AtomicUsize,
     alive: AtomicBool,
+    /// Still connected, but its streams fail and its calls are refused as lost.
+    lost_a_stage: AtomicBool,
     inboxes: Inboxes,
     links: Links,
     imports: Mutex<HashMap<RequestId, Import>>,
@@ -129,6 +131,7 @@ impl FakeWorker {
                 streaming: AtomicUsize::new(0),
                 served: AtomicUsize::new(0),
                 alive: AtomicBool::new(true),
+                lost_a_stage: AtomicBool::new(false),
                 inboxes: Inboxes::new(64),
                 links: Links::default(),
                 imports: Mutex::default(),
@@ -163,6 +166,12 @@ impl FakeWorker {
     pub fn kill(&self) {
         self.inner.alive.store(false, Ordering::SeqCst);
     }
+
+    /// The worker stays connected but answers as lost, as a stage group's head that
+    /// lost a stage does: its streams fail and every call is refused.
+    pub fn lose_a_stage(&self) {
+        self.inner.lost_a_stage.store(true, Ordering::SeqCst);
+    }
 }
 
 impl Inner {
@@ -185,6 +194,9 @@ impl Inner {
     }
 
     fn check_alive(&self) -> Result<(), ServeError> {
+        if self.lost_a_stage.load(Ordering::SeqCst) {
+            return Err(ServeError::WorkerLost(format!("{} lost a stage", self.info.name)));
+        }
         match self.alive.load(Ordering::SeqCst) {
             true => Ok(()),
             false => Err(ServeError::WorkerLost(format!("{} is dead", self.info.name))),

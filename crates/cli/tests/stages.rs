@@ -6,7 +6,8 @@
 //! whose memory is capped (a cgroup each) below what the whole model takes run it
 //! across 2 and 3 of them in the ranges `pdserve split` chooses for their memory, with
 //! one process's greedy text, mixed or as a prefill group handing to a decode group cut
-//! elsewhere.
+//! elsewhere. A stage of a decode or a prefill group killed loses no request, and a
+//! prefill worker fetches a prefix only a decode group caches.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -309,6 +310,46 @@ fn a_stage_killed_in_a_decode_or_a_prefill_group_loses_no_request() {
     assert!(h.logged("prefill failed kind=\"worker_lost\""), "no prefill was on the group when its stage died");
     let started_over = metric(fe.addr, "pdserve_requests_migrated_total", "prefill_failed");
     assert!(started_over >= 1.0, "{started_over} prefills started over");
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+}
+
+/// The token ids of `n` greedy tokens after `prompt`, as served at `addr`.
+fn completion_ids(addr: SocketAddr, prompt: &Value, n: u32) -> Vec<Value> {
+    let req =
+        json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": true, "return_token_ids": true});
+    let (status, body) = http(addr, "POST", "/v1/completions", Some(&req));
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    v["choices"][0]["token_ids"].as_array().unwrap().clone()
+}
+
+/// Disaggregated, a conversation's first turn decodes on a group, so only the group
+/// caches its answer; the next turn's prefill worker fetches those blocks from the
+/// group (its head's layers from the head, the rest from the stage) rather than
+/// recompute them, and the turn's text is one process's.
+#[test]
+fn a_prefill_worker_fetches_what_a_decode_group_caches() {
+    let first = prompts_of(1, 300, 17).remove(0);
+    let one = one_process();
+    let answer = completion_ids(one.addr, &first, 80);
+    let question = prompts_of(1, 20, 5).remove(0);
+    let second = json!([&first.as_array().unwrap()[..], &answer, &question.as_array().unwrap()[..]].concat());
+    let want = complete(one.addr, &second, 16);
+    drop(one);
+    let prefill = worker("prefill");
+    let s = stage("15..29", "127.0.0.1:0");
+    let h = head_with("0..14", &[&s], &["--role", "decode"]);
+    let list = format!("{},{}", prefill.addr, h.addr);
+    let fe =
+        start(&["frontend", "--workers", &list, "--mode", "disaggregated", "--kv-transport", "tcp", "--port", "0"]);
+    assert_eq!(completion_ids(fe.addr, &first, 80), answer);
+    // The group caches the prompt and all but the last answer token: 23 whole blocks.
+    eventually("the index sees the group's blocks", || metric(fe.addr, "pdserve_kv_index_blocks", "") >= 23.0);
+    assert_eq!(complete(fe.addr, &second, 16), want);
+    let fetched = metric(fe.addr, "pdserve_kv_fetched_tokens_total", "");
+    assert!(metric(fe.addr, "pdserve_kv_fetches_total", "outcome=\"fetched\"") >= 1.0, "no fetch");
+    // The prefill worker lacked the blocks past its own prompt's 18.
+    assert_eq!(fetched, (23.0 - 18.0) * 16.0, "{fetched} tokens fetched");
     assert_eq!(settle_used_blocks(fe.addr), 0.0);
 }
 

@@ -5,13 +5,14 @@
 
 mod common;
 
-use common::{collect, collect_all, model, request, rt, worker, PROMPTS};
+use common::{collect, collect_all, group_head, model, request, rt, worker, PROMPTS};
 
 use common::local;
 use pdserve_kv_transfer::{ListenAt, TransportKind};
 use pdserve_protocol::{Event, Generate, TokenStream, Worker};
 use pdserve_router::{Deadlines, Mode, Router};
 use pdserve_types::{Role, SamplingParams};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -327,4 +328,61 @@ async fn concurrent_long_prompts_are_served_not_refused() {
         assert_eq!(toks.len(), 8);
     }
     assert_eq!(settle(&r).await, 0);
+}
+
+/// A stage group's head leaving decode hands its running sequence back: it is
+/// prefilled again on the head from its cache (the head's layers from its own pool,
+/// the later stage's from that stage) and decodes on the other worker, with the
+/// tokens of an uninterrupted run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_head_leaving_decode_hands_its_sequences_on_unchanged() {
+    let long = |id: u64| {
+        let mut r = request(id, PROMPTS[1], 96);
+        r.params.ignore_eos = true;
+        r
+    };
+    let alone = Router::new([worker("alone", Role::Mixed)], Mode::Aggregated, Deadlines::default(), rt());
+    let (want, _) = collect(alone.generate(long(1)).unwrap()).await;
+    let (g, b) = (group_head("g", Role::Mixed), local("b", Role::Mixed, 256));
+    let workers: [Arc<dyn Worker>; 2] = [Arc::new(g.clone()), Arc::new(b.clone())];
+    let moved = Arc::new(Moved::default());
+    let r = Router::new(workers, Mode::Auto, Deadlines::default(), rt())
+        .with_transport(TransportKind::Inproc)
+        .with_telemetry(moved.clone());
+    let r = Arc::new(r);
+    let front = pdserve_router::Migrating::new(r.clone(), 0);
+    let streams: Vec<TokenStream> = (0..2).map(|i| front.generate(long(10 + i)).unwrap()).collect();
+    // Both decode (one on each worker) before the group leaves decode.
+    for _ in 0..2000 {
+        if g.stats().await.unwrap().running > 0 && b.stats().await.unwrap().running > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let eg = r.workers().snapshot().into_iter().find(|e| e.name() == "g").unwrap();
+    r.switch_role(&eg, Role::Prefill).await.unwrap();
+    assert_eq!(eg.worker.role_switch().unwrap().move_decodes().await.unwrap(), 1, "g hands back the one it decodes");
+    for (got, end) in collect_all(streams).await {
+        assert!(matches!(end, Event::Done { .. }), "{end:?}");
+        assert_eq!(got, want, "the uninterrupted greedy tokens");
+    }
+    // Handed over, not recomputed on b: whole blocks of all 30 layers (768 bytes a
+    // token a layer, f16), the later stage's among them.
+    let bytes = moved.0.load(Ordering::SeqCst);
+    assert!(bytes > 0 && bytes % (30 * 16 * 768) == 0, "{bytes} bytes handed over");
+    assert_eq!(g.stats().await.unwrap().running, 0);
+    assert_eq!(common::settle(&[&g, &b]).await, 0);
+}
+
+/// The K/V bytes the router saw handed over.
+#[derive(Default)]
+struct Moved(AtomicU64);
+
+impl pdserve_protocol::Telemetry for Moved {
+    fn phase(&self, _: pdserve_protocol::Phase, _: f64) {}
+    fn route(&self, _: pdserve_protocol::PrefillRoute) {}
+    fn kv_transfer_bytes(&self, _: TransportKind, bytes: u64) {
+        self.0.fetch_add(bytes, Ordering::SeqCst);
+    }
+    fn migrated(&self, _: &'static str) {}
 }

@@ -169,10 +169,6 @@ struct Inner {
     pool: BlockPool,
     /// A simulated worker's accounting of its transfers (see [`SimKv`]).
     sim_kv: Option<SimKv>,
-    /// It holds every layer's K/V: not a stage group's head, whose cache holds only its
-    /// own layers' (it reads the others' from its stages to export), so it does not
-    /// change role (moving its sequences out is not built for groups).
-    whole: bool,
     /// Compiles constrained requests' grammars before the engine thread sees them.
     grammars: Option<Arc<Grammars>>,
     /// Peers' fetches waiting for the engine.
@@ -245,7 +241,7 @@ impl LocalWorker {
         let c = &model.cfg;
         let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
         let per_token = pdserve_engine::kvcache::bytes_per_token(c, opts.engine.kv_dtype) as u64;
-        LocalWorker::start(opts, frame_elems, per_token, None, (rt, true), move |cfg, eog| Engine::new(model, cfg, eog))
+        LocalWorker::start(opts, frame_elems, per_token, None, rt, move |cfg, eog| Engine::new(model, cfg, eog))
     }
 
     /// The head of a stage group: `model` is the first stage, `stages` the later
@@ -260,7 +256,7 @@ impl LocalWorker {
         let c = &model.cfg;
         let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
         let per_token = pdserve_engine::kvcache::bytes_per_token(c, opts.engine.kv_dtype) as u64;
-        LocalWorker::start(opts, frame_elems, per_token, None, (rt, false), move |cfg, eog| {
+        LocalWorker::start(opts, frame_elems, per_token, None, rt, move |cfg, eog| {
             Engine::new(model, cfg, eog).with_next_stages(stages)
         })
     }
@@ -277,7 +273,7 @@ impl LocalWorker {
         let frame_elems = BLOCK_SIZE * timed.kv_values.max(1);
         let per_token = kv.bytes_per_token as u64;
         let build = move |cfg, eog| Engine::timed(timed, cfg, eog);
-        LocalWorker::start(opts, frame_elems, per_token, Some(kv), (rt, true), build)
+        LocalWorker::start(opts, frame_elems, per_token, Some(kv), rt, build)
     }
 
     fn start(
@@ -285,7 +281,7 @@ impl LocalWorker {
         frame_elems: usize,
         kv_bytes_per_token: u64,
         sim_kv: Option<SimKv>,
-        (rt, whole): (tokio::runtime::Handle, bool),
+        rt: tokio::runtime::Handle,
         build: impl FnOnce(EngineConfig, Vec<u32>) -> Engine + Send + 'static,
     ) -> std::io::Result<LocalWorker> {
         let (tx, rx) = sync_channel(QUEUE);
@@ -338,7 +334,6 @@ impl LocalWorker {
             rt,
             pool,
             sim_kv,
-            whole,
             grammars: opts.grammars,
             exports,
         };
@@ -471,7 +466,7 @@ impl Worker for LocalWorker {
     }
 
     fn role_switch(&self) -> Option<&dyn RoleSwitch> {
-        self.inner.whole.then_some(self as &dyn RoleSwitch)
+        Some(self as &dyn RoleSwitch)
     }
 
     fn link_probe(&self) -> Option<&dyn LinkProbe> {

@@ -50,6 +50,33 @@ pub fn local_with(name: &str, role: Role, engine: EngineConfig) -> LocalWorker {
     LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current()).unwrap()
 }
 
+/// The head of a stage group on the default model (layers 0..14, the rest in a
+/// later stage in this process): one thread each, 256 blocks each.
+pub fn group_head(name: &str, role: Role) -> LocalWorker {
+    use pdserve_engine::batch::{LocalStages, StageRunner};
+    use pdserve_engine::config::ModelConfig;
+    use pdserve_engine::format::gguf::GgufFile;
+    use pdserve_engine::model::{LayerRange, Model};
+    let file = GgufFile::open(&pdserve_engine::models::require_default_model()).unwrap();
+    let cfg = ModelConfig::from_gguf(&file.header).unwrap();
+    let stage = |first, last| Arc::new(Model::load_stage(&file, cfg.clone(), LayerRange { first, last }).unwrap());
+    let engine = EngineConfig { threads: 1, num_blocks: 256, ..Default::default() };
+    let later = StageRunner::new(stage(15, 29), 256, engine.kv_dtype, 1, engine.max_batch_tokens);
+    let m = model();
+    let opts = WorkerOptions {
+        name: name.into(),
+        role,
+        model_name: m.name.clone(),
+        engine,
+        eog: m.tokenizer.eog_ids().to_vec(),
+        key: key(),
+        grammars: Some(grammars()),
+        tiers: Default::default(),
+    };
+    let stages = Box::new(LocalStages::new(vec![later]));
+    LocalWorker::spawn_head(opts, stage(0, 14), stages, tokio::runtime::Handle::current()).unwrap()
+}
+
 /// The grammar compiler of the default model, built once.
 pub fn grammars() -> Arc<pdserve_engine::grammar::Grammars> {
     static G: OnceLock<Arc<pdserve_engine::grammar::Grammars>> = OnceLock::new();

@@ -39,11 +39,13 @@ fn head(layers: &str, stages: &[&Proc]) -> Proc {
     head_with(layers, stages, &["--role", "mixed"])
 }
 
-/// [`head`] with more arguments, its role among them.
+/// [`head`] with more arguments, its role among them (and `--kv-blocks`, else 512).
 fn head_with(layers: &str, stages: &[&Proc], more: &[&str]) -> Proc {
+    let blocks: &[&str] = if more.contains(&"--kv-blocks") { &[] } else { &["--kv-blocks", "512"] };
     let mut args: Vec<String> = ["worker", "--group", "g", "--layers", layers]
         .into_iter()
-        .chain(["--listen", "127.0.0.1:0", "--threads", "1", "--kv-blocks", "512"])
+        .chain(["--listen", "127.0.0.1:0", "--threads", "1"])
+        .chain(blocks.iter().copied())
         .chain(more.iter().copied())
         .map(String::from)
         .collect();
@@ -311,6 +313,35 @@ fn a_stage_killed_in_a_decode_or_a_prefill_group_loses_no_request() {
     let started_over = metric(fe.addr, "pdserve_requests_migrated_total", "prefill_failed");
     assert!(started_over >= 1.0, "{started_over} prefills started over");
     assert_eq!(settle_used_blocks(fe.addr), 0.0);
+}
+
+/// A group's head with host and disk tiers and a small pool: a prompt pushed out of
+/// the pool by others comes back from the tiers (the later stage's layers from its
+/// own), and its text is one process's.
+#[test]
+fn a_groups_tiers_give_back_a_prompt_pushed_out_of_its_pool() {
+    let prompts = prompts_of(5, 200, 43);
+    let want = reference(&prompts[..1], 8).remove(0);
+    let dir = std::env::temp_dir().join(format!("pdserve-group-disk-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let s = stage("15..29", "127.0.0.1:0");
+    // A 48-block pool, a host tier of 5 blocks of the whole model (368,640 bytes
+    // each) and a disk tier of about 135: as in the tiers test of one worker.
+    let tiers = ["--kv-blocks", "48", "--kv-host-gb", "0.002", "--kv-disk-gb", "0.05", "--kv-disk-dir"];
+    let h = head_with("0..14", &[&s], &[&["--role", "mixed"][..], &tiers, &[dir.to_str().unwrap()]].concat());
+    let fe = frontend(&[&h]);
+    assert_eq!(complete(fe.addr, &prompts[0], 8), want);
+    for p in &prompts[1..] {
+        complete(fe.addr, p, 8);
+    }
+    assert_eq!(complete(fe.addr, &prompts[0], 8), want, "the prompt's K/V from the tiers");
+    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+    let restored = |tier: &str| {
+        metric(fe.addr, "pdserve_kv_tier_blocks_total", &format!("tier=\"{tier}\",direction=\"restored\""))
+    };
+    assert!(restored("host") + restored("disk") >= 12.0, "{} + {}", restored("host"), restored("disk"));
+    drop((fe, h));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The token ids of `n` greedy tokens after `prompt`, as served at `addr`.

@@ -17,7 +17,7 @@
 
 use pdserve_engine::batch::{
     Engine, EngineConfig, EngineError, LocalStages, NextStages, PassCost, StageCosts, StageLost, StagePart,
-    StageRunner, StepOutput,
+    StageRunner, StepOutput, TierSlots,
 };
 use pdserve_engine::config::ModelConfig;
 use pdserve_engine::format::gguf::GgufFile;
@@ -25,6 +25,8 @@ use pdserve_engine::kernels::Isa;
 use pdserve_engine::kvcache::KvStorage;
 use pdserve_engine::model::{logit_rows, ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
 use pdserve_engine::threadpool::ThreadPool;
+use pdserve_engine::tiers::TierConfig;
+use pdserve_kv::Move;
 use pdserve_types::{KvDtype, KvFrame, StageTotals};
 use pdserve_types::{Pooling, RequestId, SamplingParams, TokenOut};
 use std::collections::BTreeMap;
@@ -282,6 +284,10 @@ impl NextStages for Flaky {
     fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost> {
         self.inner.write_kv(frames)
     }
+
+    fn tiers(&mut self, slots: TierSlots, copies: &[Move]) -> Result<(), StageLost> {
+        self.inner.tiers(slots, copies)
+    }
 }
 
 #[test]
@@ -344,6 +350,78 @@ fn a_group_scores_and_pools_a_prompt_as_a_whole_engine_does() {
     for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
         assert!(scored_and_pooled(&mut engine_of(cuts)) == whole, "{cuts:?}");
     }
+}
+
+/// `e` with a host tier of 2 blocks and a disk tier of 16 below it (in `dir`).
+fn tiered(e: Engine, dir: &std::path::Path) -> Engine {
+    let cfg = TierConfig { host_blocks: 2, disk_blocks: 16, disk_dir: Some(dir.to_path_buf()) };
+    e.with_tiers(&cfg).unwrap()
+}
+
+/// Serves `prompts` one after the other, the pool's cache sent down to the tiers
+/// after each: each one's tokens and the prompt tokens it found cached.
+fn served_from_tiers(e: &mut Engine, prompts: &[Vec<u32>]) -> Vec<(Vec<TokenOut>, usize)> {
+    let mut out = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        e.add(RequestId(i as u64), p.clone(), greedy(6)).unwrap();
+        let mut got: (Vec<TokenOut>, Option<usize>) = (Vec::new(), None);
+        while e.has_work() {
+            for o in e.step() {
+                got.1.get_or_insert(o.cached_tokens);
+                got.0.push(o.sampled);
+            }
+            assert_eq!(e.take_stage_lost(), None);
+        }
+        out.push((got.0, got.1.unwrap()));
+        e.evict_cached();
+    }
+    assert_eq!(e.stats().blocks.used, 0);
+    out
+}
+
+#[test]
+fn a_groups_tiers_keep_and_give_back_what_a_whole_engines_do() {
+    // Made private by the disk tier; its file is unlinked once made.
+    let dir = std::env::temp_dir().join(format!("pdserve-stage-tiers-{}", std::process::id()));
+    let p = prompt(70);
+    // Another prompt, whose blocks are the ones the first one's left (so a block
+    // copied back must be copied on every stage); then the first again, and one
+    // sharing its first 48 tokens: found in the host and disk tiers (a host tier of 2).
+    let other: Vec<u32> = prompt(70).iter().map(|t| t + 1).collect();
+    let prompts = [p.clone(), other, [&p[..], &[7, 8, 9]].concat(), [&p[..48], &prompt(9)[..]].concat()];
+    let mut whole = tiered(engine_of(&[(0, 29)]), &dir);
+    let want = served_from_tiers(&mut whole, &prompts);
+    assert_eq!(want.iter().map(|w| w.1).collect::<Vec<_>>(), [0, 0, 64, 48]);
+    for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
+        let mut e = tiered(engine_of(cuts), &dir);
+        assert!(served_from_tiers(&mut e, &prompts) == want, "{cuts:?}");
+        let t = e.stats().tiers;
+        assert!(t.restored_host > 0 && t.restored_disk > 0, "{cuts:?}: {t:?}");
+    }
+}
+
+#[test]
+fn a_stage_that_comes_back_takes_the_heads_tiers_with_it() {
+    // Made private by the disk tier; its file is unlinked once made.
+    let dir = std::env::temp_dir().join(format!("pdserve-stage-tiers-{}", std::process::id()));
+    let flaky = |s| Box::new(Flaky { inner: s, ok: 6, failed: false, down: false }) as Box<dyn NextStages>;
+    let mut e = tiered(head_engine(&[(0, 14), (15, 29)], flaky), &dir);
+    let p = prompt(40);
+    // A prefill and five decode steps: the prompt's blocks go down to the tiers.
+    assert_eq!(served_from_tiers(&mut e, std::slice::from_ref(&p))[0].1, 0);
+    e.add(RequestId(8), prompt(20), greedy(2)).unwrap();
+    while e.take_stage_lost().is_none() {
+        e.step();
+    }
+    assert!(e.cancel(RequestId(8)));
+    // Back: nothing the tiers held before is trusted.
+    e.add(RequestId(9), p, greedy(1)).unwrap();
+    let first = loop {
+        if let Some(o) = e.step().into_iter().next() {
+            break o;
+        }
+    };
+    assert_eq!(first.cached_tokens, 0);
 }
 
 /// Whole engines and groups, by their cuts (one cut: a whole engine).

@@ -121,6 +121,13 @@ impl BlockPool {
         self.lock().forget_lower(place);
     }
 
+    /// Drops every block the lower tiers hold, and the copies still owed to them:
+    /// their bytes can no longer be trusted (a stage group's later stage came back,
+    /// its tiers perhaps empty).
+    pub fn forget_lower_all(&self) {
+        self.lock().forget_lower_all();
+    }
+
     /// The events after number `after` of log `instance`, oldest first, or a gap:
     /// the reader must start over from [`BlockPool::snapshot`].
     pub fn events_since(&self, instance: u64, after: u64) -> Result<Vec<LoggedEvent>, EventGap> {

@@ -139,6 +139,15 @@ impl PoolState {
         }
     }
 
+    /// Drops every lower-tier block and the copies still owed to the tiers, logging
+    /// each hash's removal.
+    pub(crate) fn forget_lower_all(&mut self) {
+        self.lower.moves.clear();
+        for place in self.lower.held() {
+            self.forget_lower(place);
+        }
+    }
+
     /// Drops the lower-tier block at `place` (its bytes were lost), logging it.
     pub(crate) fn forget_lower(&mut self, place: Place) {
         if let Some((hash, tier)) = self.lower.forget(place) {

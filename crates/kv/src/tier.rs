@@ -213,6 +213,12 @@ impl Lower {
     pub(crate) fn stats(&self, tier: Tier) -> TierStats {
         self.tiers.iter().find(|t| t.tier == tier).map(TierIndex::stats).unwrap_or_default()
     }
+
+    /// Every place a block is held in, in any tier.
+    pub(crate) fn held(&self) -> Vec<Place> {
+        let held = |t: &TierIndex| t.map.values().map(|&s| Place::of(t.tier, s)).collect::<Vec<_>>();
+        self.tiers.iter().flat_map(held).collect()
+    }
 }
 
 #[cfg(test)]

@@ -12,8 +12,13 @@
 //!                                                 the head
 //! read:  op 2 | layer u32 | n u32 | block ids u32… → n u32 | n frames
 //! write: op 3 | n u32 | n frames                   → (nothing)
+//! tiers: op 4 | host slots u32 | disk slots u32 | n u32 | n copies → (nothing)
 //! frame: layer u32 | block u32 (read: its index) | dtype u8 | words u32 | K u16… | V u16…
+//! copy:  from place | to place, each: tier u8 (0 pool, 1 host, 2 disk) | block or slot u32
 //! ```
+//!
+//! A tiers call makes the head's lower-tier copies in the stage's layers before the
+//! next call reads or writes a block (a block just handed out may be one evicted).
 //!
 //! Reads and writes move a prefill group's K/V out of its later stages and a decode
 //! group's into them, through the head: the handoff between two groups is the one
@@ -23,9 +28,12 @@
 //! back to the head between stages, which costs one more hop per stage past the second
 //! but keeps every stage a plain server.
 
-use pdserve_engine::batch::{NextStages, PassTimes, StageCosts, StageLost, StagePart, StageRows, StageRunner};
+use pdserve_engine::batch::{
+    NextStages, PassTimes, StageCosts, StageLost, StagePart, StageRows, StageRunner, TierSlots,
+};
 use pdserve_engine::model::stage::covering;
 use pdserve_engine::model::LayerRange;
+use pdserve_kv::{BlockId, Move, Place};
 use pdserve_kv_transfer::{ClusterKey, StageConn, StageHandler};
 use pdserve_types::{KvDtype, KvFrame, StageCompute, StageTotals};
 use std::collections::BTreeMap;
@@ -36,6 +44,7 @@ const HELLO: u8 = 0;
 const STEP: u8 = 1;
 const READ: u8 = 2;
 const WRITE: u8 = 3;
+const TIERS: u8 = 4;
 /// Blocks a read asks for in one call: its answer (a block of one layer is at most
 /// 64 KiB for the models run here) stays far below a record's limit.
 const READ_BLOCKS: usize = 256;
@@ -163,6 +172,43 @@ impl Reader<'_> {
     }
 }
 
+fn put_place(out: &mut Vec<u8>, p: Place) {
+    let (tier, at) = match p {
+        Place::Device(b) => (0, b.0),
+        Place::Host(s) => (1, s),
+        Place::Disk(s) => (2, s),
+    };
+    out.push(tier);
+    put_u32(out, at as usize);
+}
+
+impl Reader<'_> {
+    fn place(&mut self) -> Result<Place, String> {
+        let (&tier, rest) = self.0.split_first().ok_or("a copy cut short")?;
+        self.0 = rest;
+        let at = self.u32()? as u32;
+        match tier {
+            0 => Ok(Place::Device(BlockId(at))),
+            1 => Ok(Place::Host(at)),
+            2 => Ok(Place::Disk(at)),
+            t => Err(format!("a copy to tier {t}")),
+        }
+    }
+
+    /// A tiers call's slots and copies.
+    fn copies(&mut self) -> Result<(TierSlots, Vec<Move>), String> {
+        let slots = (self.u32()?, self.u32()?);
+        let n = self.u32()?;
+        // Each copy takes 10 bytes: a count past that is a lie.
+        if n > self.0.len() / 10 {
+            return Err(format!("{n} tier copies in {} bytes", self.0.len()));
+        }
+        let copies =
+            (0..n).map(|_| Ok(Move { from: self.place()?, to: self.place()? })).collect::<Result<_, String>>()?;
+        Ok((slots, copies))
+    }
+}
+
 fn put_floats(out: &mut Vec<u8>, xs: &[f32]) {
     out.reserve(xs.len() * 4);
     for x in xs {
@@ -255,6 +301,10 @@ impl StageHandler for StageService {
                 // Checked whole before any is written.
                 let frames = Reader(body).frames()?;
                 frames.iter().try_for_each(|(b, f)| self.runner.write_kv(*b, f))?;
+            }
+            Some((&TIERS, body)) => {
+                let (slots, copies) = Reader(body).copies()?;
+                self.runner.copy_tiers(slots, &copies)?;
             }
             _ => return Err("an unknown call".into()),
         }
@@ -659,6 +709,22 @@ impl NextStages for RemoteStages {
             self.call_stage(i, |_| Ok(()))?;
         }
         Ok(())
+    }
+
+    fn tiers(&mut self, slots: TierSlots, copies: &[Move]) -> Result<(), StageLost> {
+        if let Some(why) = self.missing.clone() {
+            return Err(StageLost(why));
+        }
+        self.call.clear();
+        self.call.push(TIERS);
+        for v in [slots.0, slots.1, copies.len()] {
+            put_u32(&mut self.call, v);
+        }
+        for m in copies {
+            put_place(&mut self.call, m.from);
+            put_place(&mut self.call, m.to);
+        }
+        (0..self.stages.len()).try_for_each(|i| self.call_stage(i, |_| Ok(())))
     }
 
     fn ready(&mut self) -> bool {

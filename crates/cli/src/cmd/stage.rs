@@ -95,11 +95,14 @@ impl GroupArgs {
 
     /// Refuses what a stage group cannot be (`tiers`: whether K/V tiers are asked
     /// for; `nats`: whether the fleet is). The head's role is the group's (a later
-    /// stage serves its head's steps whatever its own `--role` says).
+    /// stage serves its head's steps whatever its own `--role` says), and so are its
+    /// tiers (a later stage keeps as many slots as its head, of its own layers).
     pub fn check(&self, tiers: bool, nats: bool) -> anyhow::Result<()> {
         let Some(layers) = self.layers else { return Ok(()) };
-        if tiers {
-            anyhow::bail!("a stage group keeps no K/V tiers yet (its head's would hold only its own layers)");
+        if tiers && !layers.embeds() {
+            anyhow::bail!(
+                "a later stage keeps the K/V tiers its head has (layers {layers}): give --kv-host-gb and --kv-disk-gb to the head"
+            );
         }
         if layers.embeds() && self.stages.is_empty() && !nats {
             anyhow::bail!(

@@ -15,7 +15,9 @@ pub use crate::pipeline::{PassCost, PassTimes};
 pub use draft::DraftModel;
 pub use pdserve_types::{FinishReason, KvFrame};
 pub use speculate::SpecConfig;
-pub use stages::{parts_of, LocalStages, NextStages, StageCosts, StageLost, StagePart, StageRows, StageRunner};
+pub use stages::{
+    parts_of, LocalStages, NextStages, StageCosts, StageLost, StagePart, StageRows, StageRunner, TierSlots,
+};
 pub use transfer::{CachedKv, KvImport};
 
 use crate::grammar::{Grammars, MaskClock};
@@ -273,7 +275,17 @@ impl Engine {
         self.tiers = Some(TierBytes::new(&self.kv, cfg)?);
         let disk = if cfg.disk_dir.is_some() { cfg.disk_blocks } else { 0 };
         self.blocks = BlockPool::with_tiers(self.cfg.num_blocks, BLOCK_SIZE, cfg.host_blocks, disk);
+        let slots = self.tier_slots();
+        if let Some(next) = self.next.as_mut() {
+            next.slots = slots;
+        }
         Ok(self)
+    }
+
+    /// The lower tiers' slots: (host, disk).
+    pub(crate) fn tier_slots(&self) -> stages::TierSlots {
+        let s = self.blocks.stats();
+        (s.host.capacity, s.disk.capacity)
     }
 
     /// Drops every block only the prefix cache holds from the pool, down to the lower
@@ -295,6 +307,10 @@ impl Engine {
         let Some(tiers) = self.tiers.as_mut() else { return };
         for m in self.blocks.take_moves() {
             tiers.apply(m, &self.kv);
+            // A group's later stages copy their layers of the same block.
+            if let Some(next) = self.next.as_mut() {
+                next.owe(m);
+            }
         }
         // A block whose disk bytes were lost is not cached any more: say so.
         for slot in tiers.take_lost() {

@@ -13,7 +13,7 @@ use crate::kvcache::KvStorage;
 use crate::model::{Pool, Scoring, SeqBatch};
 use crate::threadpool::DisjointMut;
 use crate::timed::{self, StepShape};
-use pdserve_kv::{block_hashes, BlockHash, BlockTable, ImmutableBlock};
+use pdserve_kv::{block_hashes, BlockHash, BlockTable, ImmutableBlock, Move, Place};
 use pdserve_types::{FinishReason, TokenOut};
 use std::sync::Mutex;
 
@@ -588,6 +588,9 @@ impl Engine {
             let Some((_, place)) = self.blocks.locate_lower(hashes[at]) else { break };
             if !tiers.restore(place, &mut self.kv, block.id().0) {
                 break;
+            }
+            if let Some(next) = self.next.as_mut() {
+                next.owe(Move { from: place, to: Place::Device(block.id()) });
             }
             modelled += charge.map_or(0.0, |(cost, _)| cost.seconds(place));
             hits.push(block.complete(hashes[at], at.checked_sub(1).map(|p| hashes[p])));

@@ -18,6 +18,8 @@ use crate::kvcache::KvStorage;
 use crate::model::{logit_rows, returned_rows, ForwardScratch, Model, SeqBatch, StageOut};
 use crate::pipeline::{cut, micro_batches, PassCost, PassTimes};
 use crate::threadpool::ThreadPool;
+use crate::tiers::{TierBytes, TierConfig};
+use pdserve_kv::{Move, Place};
 use pdserve_types::{KvDtype, KvFrame, StageCompute, StageTotals};
 use std::ops::Range;
 use std::sync::Arc;
@@ -76,7 +78,18 @@ pub trait NextStages: Send {
     /// Writes each frame (its layer past the head's) into the given block of the stage
     /// that holds its layer: a decode group's import.
     fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost>;
+
+    /// Makes the head's lower-tier copies on every stage, in order, each of its own
+    /// layers: a block down from the pool or the host tier, or (to a pool block) back
+    /// up. Each stage keeps `slots` (host, disk) slots, as the head does.
+    fn tiers(&mut self, slots: TierSlots, copies: &[Move]) -> Result<(), StageLost> {
+        let _ = (slots, copies);
+        Err(StageLost("these stages keep no K/V tiers".into()))
+    }
 }
+
+/// A group's lower tiers, in slots of one block: (host, disk).
+pub type TierSlots = (usize, usize);
 
 /// What a group's later stages cost, as measured.
 #[derive(Debug, Clone, Default)]
@@ -96,6 +109,9 @@ pub struct StageLost(pub String);
 pub(crate) struct Next {
     stages: Box<dyn NextStages>,
     lost: Option<StageLost>,
+    /// The head's tier copies the stages have not made yet, and the tiers' slots.
+    copies: Vec<Move>,
+    pub(crate) slots: TierSlots,
     /// The last stage's rows of the step.
     rows: Vec<f32>,
     /// Seconds this engine spent in its own layers and the output head on those steps.
@@ -126,6 +142,7 @@ impl Next {
         s: &'s mut ForwardScratch,
         on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
     ) -> Option<&'s mut [f32]> {
+        self.copied().ok()?;
         let rows: Vec<usize> = pass.batch.iter().map(|b| b.tokens.len()).collect();
         match self.depth(pass.batch, rows.iter().sum()) {
             1 => self.whole(head, (&pass, kv, &mut *s), on_layer)?,
@@ -237,12 +254,29 @@ impl Next {
         self.lost = Some(e.clone());
         EngineError::Stage(e)
     }
+
+    /// Makes the tier copies the stages owe, before anything reads or writes their
+    /// blocks (a block just handed out may be what was evicted).
+    fn copied(&mut self) -> Result<(), EngineError> {
+        if self.copies.is_empty() {
+            return Ok(());
+        }
+        let copies = std::mem::take(&mut self.copies);
+        self.stages.tiers(self.slots, &copies).map_err(|e| self.lose(e))
+    }
+
+    /// Notes a copy the head made in its tiers, for the stages to make too.
+    pub(crate) fn owe(&mut self, m: Move) {
+        self.copies.push(m);
+    }
 }
 
 impl Engine {
     /// Runs the layers after this engine's model (a first stage) through `stages`.
     pub fn with_next_stages(mut self, stages: Box<dyn NextStages>) -> Self {
-        self.next = Some(Next { stages, lost: None, rows: Vec::new(), head_s: 0.0, own: PassTimes::default() });
+        let slots = self.tier_slots();
+        let (copies, rows, own) = (Vec::new(), Vec::new(), PassTimes::default());
+        self.next = Some(Next { stages, lost: None, copies, slots, rows, head_s: 0.0, own });
         self
     }
 
@@ -294,6 +328,7 @@ impl Engine {
     ) -> Result<bool, EngineError> {
         let (own, total) = (self.kv.n_layers, self.total_layers());
         let Some(next) = self.next.as_mut() else { return Ok(true) };
+        next.copied()?;
         for l in own..total {
             let frames = next.stages.read_kv(l, blocks).map_err(|e| next.lose(e))?;
             if !frames.into_iter().all(&mut *on_frame) {
@@ -310,6 +345,7 @@ impl Engine {
         let Some(next) = self.next.as_mut() else {
             return Err(EngineError::BadFrame(format!("layer {} of {}", f.layer, self.kv.n_layers)));
         };
+        next.copied()?;
         next.stages.write_kv(frames).map_err(|e| next.lose(e))
     }
 
@@ -321,9 +357,14 @@ impl Engine {
     /// Before a step through later stages: K/V they held may be gone if they were
     /// reached afresh, so nothing cached is matched any more.
     pub(crate) fn check_stages(&mut self) {
-        if self.next.as_mut().is_some_and(|n| n.stages.reconnected()) {
-            self.blocks.clear_cache();
+        let Some(next) = self.next.as_mut() else { return };
+        if !next.stages.reconnected() {
+            return;
         }
+        // A stage that came back may have come back empty, its tiers too.
+        next.copies.clear();
+        self.blocks.clear_cache();
+        self.blocks.forget_lower_all();
     }
 }
 
@@ -354,6 +395,10 @@ pub fn parts_of(batch: &[SeqBatch<'_>]) -> Vec<StagePart> {
 pub struct StageRunner {
     model: Arc<Model>,
     kv: KvStorage,
+    /// Its lower tiers, of its layers, once its head copies blocks there: their
+    /// slots, and where a disk tier's file goes.
+    tiers: Option<(TierSlots, TierBytes)>,
+    disk_dir: std::path::PathBuf,
     scratch: ForwardScratch,
     pool: ThreadPool,
     isa: Isa,
@@ -376,8 +421,54 @@ impl StageRunner {
     pub fn new(model: Arc<Model>, num_blocks: usize, kv_dtype: KvDtype, threads: usize, max_rows: usize) -> Self {
         let kv = model.kv_storage(num_blocks, BLOCK_SIZE, kv_dtype);
         let (pool, isa) = (ThreadPool::new(threads), Isa::detect());
-        let (last, zeros) = (Vec::new(), Vec::new());
-        StageRunner { model, kv, scratch: ForwardScratch::default(), pool, isa, max_rows, last, zeros }
+        // A directory of its own (the disk tier refuses one others can write).
+        let disk_dir = std::env::temp_dir().join(format!("pdserve-stage-{}", std::process::id()));
+        let (last, zeros, tiers) = (Vec::new(), Vec::new(), None);
+        StageRunner { model, kv, tiers, disk_dir, scratch: ForwardScratch::default(), pool, isa, max_rows, last, zeros }
+    }
+
+    /// Keeps a disk tier's file (when its head has a disk tier) in `dir`, not in a
+    /// directory of its own in the system's temporary one.
+    pub fn with_disk_dir(mut self, dir: std::path::PathBuf) -> Self {
+        self.disk_dir = dir;
+        self
+    }
+
+    /// Makes the head's tier copies in this stage's layers, in order (see
+    /// [`NextStages::tiers`]); checked whole before any is made. The tiers are made
+    /// at the first copies, with the head's slots.
+    pub fn copy_tiers(&mut self, slots: TierSlots, copies: &[Move]) -> Result<(), String> {
+        if self.tiers.as_ref().is_none_or(|(s, _)| *s != slots) {
+            let (host_blocks, disk_blocks) = slots;
+            let cfg = TierConfig { host_blocks, disk_blocks, disk_dir: Some(self.disk_dir.clone()) };
+            self.tiers = Some((slots, TierBytes::new(&self.kv, &cfg).map_err(|e| e.to_string())?));
+        }
+        let blocks = self.kv.num_blocks;
+        let fits = |p: &Place| match *p {
+            Place::Device(b) => (b.0 as usize) < blocks,
+            Place::Host(s) => (s as usize) < slots.0,
+            Place::Disk(s) => (s as usize) < slots.1,
+        };
+        if let Some(m) = copies.iter().find(|m| !fits(&m.from) || !fits(&m.to) || m.from == m.to) {
+            return Err(format!(
+                "a tier copy from {:?} to {:?} with {blocks} blocks and slots {slots:?}",
+                m.from, m.to
+            ));
+        }
+        let Some((_, tiers)) = self.tiers.as_mut() else { return Ok(()) };
+        for m in copies {
+            match (m.from, m.to) {
+                (Place::Device(_), Place::Device(_)) => return Err("a copy from one pool block to another".into()),
+                (from, Place::Device(b)) => {
+                    if !tiers.restore(from, &mut self.kv, b.0) {
+                        return Err(format!("cannot read back the block at {from:?}"));
+                    }
+                }
+                (Place::Disk(_), _) => return Err("a copy up from the disk tier to the host tier".into()),
+                _ => tiers.apply(*m, &self.kv),
+            }
+        }
+        Ok(())
     }
 
     pub fn model(&self) -> &Model {
@@ -563,5 +654,9 @@ impl NextStages for LocalStages {
 
     fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost> {
         frames.iter().try_for_each(|(b, f)| self.holding(f.layer as usize)?.write_kv(*b, f).map_err(StageLost))
+    }
+
+    fn tiers(&mut self, slots: TierSlots, copies: &[Move]) -> Result<(), StageLost> {
+        self.stages.iter_mut().try_for_each(|s| s.copy_tiers(slots, copies).map_err(StageLost))
     }
 }

@@ -146,3 +146,59 @@ fn a_step_in_micro_batches_over_the_wire_gives_the_whole_steps_rows() {
     // The connections are clear for the next step.
     stages.run(&[part(1, 5, 1, 0)], &x[..h], &mut whole).unwrap();
 }
+
+#[test]
+fn tier_copies_decode_to_what_was_encoded_and_a_cut_or_lie_is_refused() {
+    let copies = [
+        Move { from: Place::Device(BlockId(3)), to: Place::Host(1) },
+        Move { from: Place::Host(1), to: Place::Disk(7) },
+        Move { from: Place::Disk(7), to: Place::Device(BlockId(5)) },
+    ];
+    let mut call = Vec::new();
+    for v in [2, 8, copies.len()] {
+        put_u32(&mut call, v);
+    }
+    for m in &copies {
+        put_place(&mut call, m.from);
+        put_place(&mut call, m.to);
+    }
+    assert_eq!(Reader(&call).copies().unwrap(), ((2, 8), copies.to_vec()));
+    for end in 0..call.len() {
+        assert!(Reader(&call[..end]).copies().is_err(), "cut at {end}");
+    }
+    let mut lie = call.clone();
+    lie[8..12].copy_from_slice(&(1u32 << 30).to_le_bytes());
+    assert!(Reader(&lie).copies().is_err(), "more copies than bytes");
+    let mut lie = call;
+    lie[12] = 9;
+    assert!(Reader(&lie).copies().is_err(), "a tier nobody has");
+}
+
+#[test]
+fn a_block_sent_down_the_tiers_comes_back_whole_over_the_wire() {
+    let (mut stages, _servers) = served_stages();
+    let h = 576;
+    let x: Vec<f32> = (0..4 * h).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+    let mut rows = Vec::new();
+    let part = StagePart { rows: 4, start_pos: 0, logits: 1, blocks: vec![2] };
+    stages.run(&[part], &x, &mut rows).unwrap();
+    let before: Vec<Vec<KvFrame>> = [10, 25].iter().map(|&l| stages.read_kv(l, &[2]).unwrap()).collect();
+    // Down to the host tier, on to disk; block 2 written over; back from disk into 6.
+    let down = [
+        Move { from: Place::Device(BlockId(2)), to: Place::Host(0) },
+        Move { from: Place::Host(0), to: Place::Disk(1) },
+    ];
+    stages.tiers((1, 2), &down).unwrap();
+    let part = StagePart { rows: 4, start_pos: 0, logits: 1, blocks: vec![2] };
+    let other: Vec<f32> = x.iter().map(|v| -v).collect();
+    stages.run(&[part], &other, &mut rows).unwrap();
+    assert_ne!(stages.read_kv(10, &[2]).unwrap(), before[0]);
+    stages.tiers((1, 2), &[Move { from: Place::Disk(1), to: Place::Device(BlockId(6)) }]).unwrap();
+    for (l, want) in [10, 25].into_iter().zip(&before) {
+        let back = stages.read_kv(l, &[6]).unwrap();
+        assert_eq!((&back[0].k, &back[0].v), (&want[0].k, &want[0].v), "layer {l}");
+    }
+    // A copy past the slots is refused: the stage is lost, nothing is copied.
+    let past = Move { from: Place::Device(BlockId(2)), to: Place::Host(1) };
+    assert!(stages.tiers((1, 2), &[past]).is_err());
+}

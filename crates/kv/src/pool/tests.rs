@@ -185,3 +185,25 @@ fn a_lost_disk_block_is_forgotten_and_its_removal_logged() {
     pool.forget_lower(Place::Disk(0));
     assert!(pool.take_events().is_empty());
 }
+
+#[test]
+fn forgetting_the_lower_tiers_drops_every_block_and_every_copy_owed() {
+    let pool = BlockPool::with_tiers(3, 16, 1, 4);
+    for i in 1..=3 {
+        cache_one(&pool, h(i));
+    }
+    pool.clear_cache();
+    pool.take_events();
+    assert!(!pool.take_moves().is_empty());
+    // Evicted again, with copies still owed: those go too.
+    cache_one(&pool, h(4));
+    pool.clear_cache();
+    pool.forget_lower_all();
+    assert!(pool.take_moves().is_empty());
+    assert!((1..=4).all(|i| pool.locate_lower(h(i)).is_none()));
+    let s = check(&pool);
+    assert_eq!((s.host.used, s.disk.used), (0, 0));
+    let removed = pool.take_events().into_iter().filter(|e| matches!(e, KvEvent::Removed { .. })).count();
+    // h(4) was stored and removed, the other three removed once each.
+    assert!(removed >= 4, "{removed} removals logged");
+}

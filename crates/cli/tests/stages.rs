@@ -226,6 +226,24 @@ fn stream_onto_group(
     requests
 }
 
+/// Kills stage `s` while `requests` stream from the group `head` heads (behind the
+/// frontend at `fe`): each ends with its text in `want`, and no block stays used.
+fn kill_under_streams(
+    s: &mut Proc,
+    (head, fe): (&Proc, SocketAddr),
+    requests: Vec<JoinHandle<String>>,
+    want: &[String],
+) {
+    s.child.kill().unwrap();
+    s.child.wait().unwrap();
+    for (r, w) in requests.into_iter().zip(want) {
+        assert_eq!(&r.join().unwrap(), w, "a request lost tokens when its stage died");
+    }
+    assert!(head.logged("stage group lost a stage"), "the stage died after the requests ended");
+    assert!(!head.logged("requests=0"), "no request was on the group when its stage died");
+    assert_eq!(settle_used_blocks(fe), 0.0);
+}
+
 #[test]
 fn a_stage_killed_mid_stream_moves_its_requests_and_the_group_comes_back() {
     let prompts = long_prompts(4, 131);
@@ -239,14 +257,7 @@ fn a_stage_killed_mid_stream_moves_its_requests_and_the_group_comes_back() {
     let whole = worker("mixed");
     let fe = frontend(&[&h, &whole]);
     let requests = stream_onto_group(fe.addr, (&h, "mixed"), &prompts, n);
-    s.child.kill().unwrap();
-    s.child.wait().unwrap();
-    for (r, w) in requests.into_iter().zip(&want) {
-        assert_eq!(&r.join().unwrap(), w, "a request lost tokens when its stage died");
-    }
-    assert!(h.logged("stage group lost a stage"), "the stage died after the requests ended");
-    assert!(!h.logged("requests=0"), "no request was on the group when its stage died");
-    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+    kill_under_streams(&mut s, (&h, fe.addr), requests, &want);
     // Back on its port: the group re-forms and serves again.
     let _s = stage("15..29", &listen);
     eventually("the group re-forms", || h.logged("stage group whole: serving"));
@@ -276,14 +287,7 @@ fn a_stage_killed_in_a_decode_or_a_prefill_group_loses_no_request() {
     let h = head_with("0..14", &[&s], &["--role", "decode"]);
     let fe = disaggregated(&[&prefill, &h, &decode]);
     let requests = stream_onto_group(fe.addr, (&h, "decode"), &prompts, n);
-    s.child.kill().unwrap();
-    s.child.wait().unwrap();
-    for (r, w) in requests.into_iter().zip(&want) {
-        assert_eq!(&r.join().unwrap(), w, "a request lost tokens when its decode stage died");
-    }
-    assert!(h.logged("stage group lost a stage"), "the stage died after the requests ended");
-    assert!(!h.logged("requests=0"), "no request was on the group when its stage died");
-    assert_eq!(settle_used_blocks(fe.addr), 0.0);
+    kill_under_streams(&mut s, (&h, fe.addr), requests, &want);
     drop((fe, h, decode, prefill));
 
     // The stage is stopped first, so the group's first prefill waits on it (its host

@@ -36,8 +36,13 @@ pub fn local(name: &str, role: Role, blocks: usize) -> LocalWorker {
 
 /// A worker on the default model with this engine, on the current runtime.
 pub fn local_with(name: &str, role: Role, engine: EngineConfig) -> LocalWorker {
+    LocalWorker::spawn(options(name, role, engine), model().model.clone(), tokio::runtime::Handle::current()).unwrap()
+}
+
+/// A worker's options on the default model with this engine.
+fn options(name: &str, role: Role, engine: EngineConfig) -> WorkerOptions {
     let m = model();
-    let opts = WorkerOptions {
+    WorkerOptions {
         name: name.into(),
         role,
         model_name: m.name.clone(),
@@ -46,8 +51,7 @@ pub fn local_with(name: &str, role: Role, engine: EngineConfig) -> LocalWorker {
         key: key(),
         grammars: Some(grammars()),
         tiers: Default::default(),
-    };
-    LocalWorker::spawn(opts, m.model.clone(), tokio::runtime::Handle::current()).unwrap()
+    }
 }
 
 /// The head of a stage group on the default model (layers 0..14, the rest in a
@@ -62,18 +66,8 @@ pub fn group_head(name: &str, role: Role) -> LocalWorker {
     let stage = |first, last| Arc::new(Model::load_stage(&file, cfg.clone(), LayerRange { first, last }).unwrap());
     let engine = EngineConfig { threads: 1, num_blocks: 256, ..Default::default() };
     let later = StageRunner::new(stage(15, 29), 256, engine.kv_dtype, 1, engine.max_batch_tokens);
-    let m = model();
-    let opts = WorkerOptions {
-        name: name.into(),
-        role,
-        model_name: m.name.clone(),
-        engine,
-        eog: m.tokenizer.eog_ids().to_vec(),
-        key: key(),
-        grammars: Some(grammars()),
-        tiers: Default::default(),
-    };
     let stages = Box::new(LocalStages::new(vec![later]));
+    let opts = options(name, role, engine);
     LocalWorker::spawn_head(opts, stage(0, 14), stages, tokio::runtime::Handle::current()).unwrap()
 }
 

@@ -395,8 +395,8 @@ pub fn parts_of(batch: &[SeqBatch<'_>]) -> Vec<StagePart> {
 pub struct StageRunner {
     model: Arc<Model>,
     kv: KvStorage,
-    /// Its lower tiers, of its layers, once its head copies blocks there: their
-    /// slots, and where a disk tier's file goes.
+    /// Its lower tiers, of its layers, once its head copies blocks there (with
+    /// their slots), and where a disk tier's file goes.
     tiers: Option<(TierSlots, TierBytes)>,
     disk_dir: std::path::PathBuf,
     scratch: ForwardScratch,
@@ -427,13 +427,6 @@ impl StageRunner {
         StageRunner { model, kv, tiers, disk_dir, scratch: ForwardScratch::default(), pool, isa, max_rows, last, zeros }
     }
 
-    /// Keeps a disk tier's file (when its head has a disk tier) in `dir`, not in a
-    /// directory of its own in the system's temporary one.
-    pub fn with_disk_dir(mut self, dir: std::path::PathBuf) -> Self {
-        self.disk_dir = dir;
-        self
-    }
-
     /// Makes the head's tier copies in this stage's layers, in order (see
     /// [`NextStages::tiers`]); checked whole before any is made. The tiers are made
     /// at the first copies, with the head's slots.
@@ -449,7 +442,13 @@ impl StageRunner {
             Place::Host(s) => (s as usize) < slots.0,
             Place::Disk(s) => (s as usize) < slots.1,
         };
-        if let Some(m) = copies.iter().find(|m| !fits(&m.from) || !fits(&m.to) || m.from == m.to) {
+        // Down a tier (pool to host or disk, host to disk) or back into the pool.
+        let way = |m: &Move| match (m.from, m.to) {
+            (Place::Device(_), Place::Host(_) | Place::Disk(_)) | (Place::Host(_), Place::Disk(_)) => Some(false),
+            (Place::Host(_) | Place::Disk(_), Place::Device(_)) => Some(true),
+            _ => None,
+        };
+        if let Some(m) = copies.iter().find(|m| !fits(&m.from) || !fits(&m.to) || way(m).is_none()) {
             return Err(format!(
                 "a tier copy from {:?} to {:?} with {blocks} blocks and slots {slots:?}",
                 m.from, m.to
@@ -457,15 +456,12 @@ impl StageRunner {
         }
         let Some((_, tiers)) = self.tiers.as_mut() else { return Ok(()) };
         for m in copies {
-            match (m.from, m.to) {
-                (Place::Device(_), Place::Device(_)) => return Err("a copy from one pool block to another".into()),
-                (from, Place::Device(b)) => {
-                    if !tiers.restore(from, &mut self.kv, b.0) {
-                        return Err(format!("cannot read back the block at {from:?}"));
-                    }
+            match (m.to, way(m) == Some(true)) {
+                (Place::Device(b), true) if !tiers.restore(m.from, &mut self.kv, b.0) => {
+                    return Err(format!("cannot read back the block at {:?}", m.from));
                 }
-                (Place::Disk(_), _) => return Err("a copy up from the disk tier to the host tier".into()),
-                _ => tiers.apply(*m, &self.kv),
+                (_, true) => {}
+                (_, false) => tiers.apply(*m, &self.kv),
             }
         }
         Ok(())

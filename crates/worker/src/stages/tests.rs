@@ -198,7 +198,11 @@ fn a_block_sent_down_the_tiers_comes_back_whole_over_the_wire() {
         let back = stages.read_kv(l, &[6]).unwrap();
         assert_eq!((&back[0].k, &back[0].v), (&want[0].k, &want[0].v), "layer {l}");
     }
-    // A copy past the slots is refused: the stage is lost, nothing is copied.
+    // A copy past the slots, or up from disk to the host tier, is refused: the stage
+    // is lost, nothing is copied.
     let past = Move { from: Place::Device(BlockId(2)), to: Place::Host(1) };
     assert!(stages.tiers((1, 2), &[past]).is_err());
+    let (mut stages, _servers) = served_stages();
+    let up = Move { from: Place::Disk(1), to: Place::Host(0) };
+    assert!(stages.tiers((1, 2), &[up]).is_err());
 }

@@ -305,8 +305,12 @@ fn a_stage_killed_in_a_decode_or_a_prefill_group_loses_no_request() {
         std::thread::spawn(move || complete(fe, &p, 8))
     };
     let requests: Vec<JoinHandle<String>> = prompts.iter().map(send).collect();
-    // Routed in well under this: some of the six to the group, whose step waits.
-    std::thread::sleep(Duration::from_secs(2));
+    // A prefill is on the group, its step waiting on the stopped stage (the head's
+    // stats count a prefill's tokens until it answers, even mid-step).
+    let on_head = format!("prefill@{}\"", h.addr);
+    eventually("a prefill waits on the group", || {
+        metric(fe.addr, "pdserve_worker_queued_prompt_tokens", &on_head) > 0.0
+    });
     s.child.kill().unwrap();
     s.child.wait().unwrap();
     for (r, w) in requests.into_iter().zip(&want) {

@@ -351,7 +351,7 @@ def suite(mode, url):
 
 def greedy_default_suite(url):
     """A server started with --override-generation-config: requests that set no
-    temperature are sampled greedily; Claude Code and Codex, which set none, run
+    temperature are sampled greedily, with a repetition penalty; Claude Code and Codex, which set none, run
     against it."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     model = client.models.list().data[0].id
@@ -372,7 +372,10 @@ def greedy_default_suite(url):
 
 def main():
     servers = [(mode, (mode,), suite) for mode in ("aggregated", "disaggregated", "auto", "processes")]
-    greedy = ("disaggregated", "--override-generation-config", '{"temperature": 0}')
+    # ollama's default repetition penalty as well: greedy alone, the default model now and
+    # then loops ("hello, hello, ...") to its context's end on Claude Code's prompt, whose
+    # working directory and date change from run to run (docs/decisions, Claude Code).
+    greedy = ("disaggregated", "--override-generation-config", '{"temperature": 0, "repetition_penalty": 1.1}')
     servers.append(("greedy_default", greedy, lambda _, url: greedy_default_suite(url)))
     for mode, args, tests in servers:
         procs, url = start(*args)

@@ -197,7 +197,12 @@ fn a_worker_stopped_mid_stream_finishes_its_request_before_it_exits() {
     });
     assert!(done, "the stream ended with [DONE]");
     assert_eq!(text, want, "the whole greedy text, from the worker that was stopping");
-    assert_eq!(metric(fe.addr, "pdserve_requests_migrated_total", ""), 0.0, "nothing was moved");
+    // CI once counted a move here (1 in about 40 runs); the reason and both logs say why.
+    let moved = |p: &Proc| -> Vec<String> {
+        p.log.lock().unwrap().iter().filter(|l| l.contains("moving") || l.contains("lost")).cloned().collect()
+    };
+    let why = (moved(&fe), workers.iter().flat_map(moved).collect::<Vec<_>>());
+    assert_eq!(metric(fe.addr, "pdserve_requests_migrated_total", ""), 0.0, "nothing was moved: {why:?}");
     let code = exit_code(&mut workers[stopped.unwrap()], Duration::from_secs(30));
     assert_eq!(code, Some(0), "drained: exit 0 (None: never exited)");
     assert_eq!(status_of(fe.addr, 2), 200, "the other worker serves");

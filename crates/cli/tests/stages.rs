@@ -491,14 +491,39 @@ fn hosts_capped_below_the_models_size_run_it_across_two_and_three_of_them() {
 /// The `--layers` `pdserve split` gives nodes of `memory_gb` (comma separated) with
 /// the tests' 64 KV blocks.
 fn split(memory_gb: &str) -> Vec<String> {
-    let out = Command::new(env!("CARGO_BIN_EXE_pdserve"))
-        .args(["split", "--memory-gb", memory_gb, "--kv-blocks", "64"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let text = String::from_utf8(out.stdout).unwrap();
+    let text = split_with(&["--memory-gb", memory_gb]).unwrap();
     let ranges = text.lines().filter_map(|l| l.split("--layers ").nth(1)?.split_whitespace().next());
     ranges.map(String::from).collect()
+}
+
+/// What `pdserve split ARGS --kv-blocks 64` prints, or its error.
+fn split_with(args: &[&str]) -> Result<String, String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve")).arg("split").args(args).args(["--kv-blocks", "64"]).output();
+    let out = out.unwrap();
+    match out.status.success() {
+        true => Ok(String::from_utf8(out.stdout).unwrap()),
+        false => Err(String::from_utf8(out.stderr).unwrap()),
+    }
+}
+
+/// Given the links, `split` makes the node with the cheapest hops to the others the
+/// head, unless it cannot hold the embeddings and output head.
+#[test]
+fn split_heads_the_group_with_the_best_linked_node_that_holds_the_embeddings() {
+    // Node 2 is 0.05 ms from both others, which are 5 ms apart.
+    let links = "0-1=5:1,0-2=0.05:1,1-2=0.05:1";
+    let text = split_with(&["--memory-gb", "0.1,0.1,0.1", "--link", links]).unwrap();
+    let heads: Vec<&str> = text.lines().filter(|l| l.contains("--layers")).map(|l| &l[..6]).collect();
+    assert_eq!(heads, ["node 2", "node 0", "node 1"], "{text}");
+    assert!(text.lines().next().unwrap().contains("the head") && text.contains("0.2"), "{text}");
+    // 30 MB cannot hold the default model's embeddings and head: node 0 heads.
+    let text = split_with(&["--memory-gb", "0.1,0.1,0.03", "--link", links]).unwrap();
+    assert!(text.starts_with("node 0 (0.1 GB, the head)"), "{text}");
+    for bad in ["0-1=5", "0-0=1:1", "0-1=-1:1", "0-3=1:1", "0-1=1:0"] {
+        let err = split_with(&["--memory-gb", "0.1,0.1,0.1", "--link", bad]).unwrap_err();
+        assert_eq!(err.trim().lines().count(), 1, "{bad}: {err}");
+        assert!(err.contains("--link"), "{bad}: {err}");
+    }
 }
 
 /// Group `name` in `role` on the capped hosts `at..` of `net`, one stage a host:
@@ -525,7 +550,8 @@ fn capped_group(
 
 /// Disaggregated across groups cut apart: a prefill group on 2 capped hosts hands
 /// each prompt's K/V to a decode group on 3 others, every layer from the stage that
-/// computed it to the stage that holds it, and the text is one process's.
+/// computed it to the stage that holds it (through both heads), and the text is one
+/// process's.
 #[test]
 fn a_prefill_group_on_two_capped_hosts_hands_to_a_decode_group_on_three() {
     let prompts = golden_prompts();

@@ -8,7 +8,7 @@ use super::http::{self, Stopped};
 use anyhow::Context;
 use pdserve_engine::batch::StageRunner;
 use pdserve_engine::loader::LoadedModel;
-use pdserve_engine::model::stage::StageBytes;
+use pdserve_engine::model::stage::{heads_by_links, StageBytes};
 use pdserve_engine::model::LayerRange;
 use pdserve_kv_transfer::{ClusterKey, StageServer};
 use pdserve_worker::stages::{RemoteStages, StageHello, StageService};
@@ -230,12 +230,68 @@ pub struct SplitArgs {
     /// How the K/V is stored (as the workers' --kv-cache-dtype).
     #[arg(long, default_value = "f16")]
     kv_cache_dtype: pdserve_types::KvDtype,
+    /// The links between the nodes (numbered as in --memory-gb, from 0), each
+    /// `I-J=MS:GBPS`: one-way latency in ms and GB/s, the figures `pdserve fleet`
+    /// shows for running nodes. With them the head is the node whose hops to the
+    /// others cost least (that can hold the embeddings); without, the first.
+    #[arg(long, value_delimiter = ',')]
+    link: Vec<String>,
+}
+
+/// A link of `--link`: nodes `I` and `J` joined with this latency and bandwidth.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct NodeLink {
+    i: usize,
+    j: usize,
+    latency_ms: f64,
+    gb_per_s: f64,
+}
+
+impl std::str::FromStr for NodeLink {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("--link {s:?}: want I-J=MS:GBPS, e.g. 0-1=0.05:1.17");
+        let (pair, figures) = s.split_once('=').ok_or_else(bad)?;
+        let (i, j) = pair.split_once('-').ok_or_else(bad)?;
+        let (ms, gbps) = figures.split_once(':').ok_or_else(bad)?;
+        let (i, j) = (i.trim().parse().map_err(|_| bad())?, j.trim().parse().map_err(|_| bad())?);
+        let (latency_ms, gb_per_s): (f64, f64) =
+            (ms.trim().parse().map_err(|_| bad())?, gbps.trim().parse().map_err(|_| bad())?);
+        if i == j || !(latency_ms.is_finite() && latency_ms >= 0.0) || !(gb_per_s.is_finite() && gb_per_s > 0.0) {
+            return Err(bad());
+        }
+        Ok(NodeLink { i, j, latency_ms, gb_per_s })
+    }
+}
+
+/// The links of `--link` between `nodes` nodes, or why one is not.
+fn node_links(given: &[String], nodes: usize) -> Result<Vec<NodeLink>, String> {
+    let links = given.iter().map(|l| l.parse::<NodeLink>()).collect::<Result<Vec<_>, _>>()?;
+    match links.iter().find(|l| l.i >= nodes || l.j >= nodes) {
+        Some(l) => Err(format!("--link {}-{}: there are {nodes} nodes, numbered from 0", l.i, l.j)),
+        None => Ok(links),
+    }
+}
+
+/// What one decode row's hop costs between each pair of `nodes` (ms; `None` where no
+/// link is given): the latency and a residual row of `hidden` f32 values over the
+/// bandwidth, the same both ways.
+fn hop_costs(links: &[NodeLink], nodes: usize, hidden: usize) -> Vec<Vec<Option<f64>>> {
+    let mut hop = vec![vec![None; nodes]; nodes];
+    for l in links {
+        let ms = l.latency_ms + (hidden * 4) as f64 / (l.gb_per_s * 1e9) * 1e3;
+        hop[l.i][l.j] = Some(ms);
+        hop[l.j][l.i] = Some(ms);
+    }
+    hop
 }
 
 /// `pdserve split`: each node's `--layers` for a group of nodes of the memory given,
 /// from the model file's tensor sizes, or one line on why they cannot hold it.
 pub fn split(a: &SplitArgs) -> anyhow::Result<()> {
     use pdserve_engine::format::gguf::GgufFile;
+    let links = node_links(&a.link, a.memory_gb.len()).map_err(anyhow::Error::msg)?;
     let path = super::model_path(&a.model)?;
     let file = GgufFile::open(&path).with_context(|| format!("cannot read {}", path.display()))?;
     let cfg = pdserve_engine::config::ModelConfig::from_gguf(&file.header)?;
@@ -256,15 +312,25 @@ pub fn split(a: &SplitArgs) -> anyhow::Result<()> {
     let kv = kv_token * (a.kv_blocks * pdserve_engine::batch::BLOCK_SIZE) as f64;
     let need = StageBytes { layers: &layers, first, kv };
     let memory: Vec<f64> = a.memory_gb.iter().map(|g| g * 1e9).collect();
-    let ranges = need.ranges(&memory).map_err(anyhow::Error::msg)?;
+    let hop = hop_costs(&links, memory.len(), cfg.hidden);
+    let heads = if links.is_empty() { vec![0] } else { heads_by_links(&hop) };
+    let (order, ranges) = need.place(&memory, &heads).map_err(anyhow::Error::msg)?;
     let mib = |b: f64| b / (1 << 20) as f64;
-    for (i, r) in ranges.iter().enumerate() {
-        let role = if i == 0 { "the head" } else { "a later stage" };
+    for (at, (&node, r)) in order.iter().zip(&ranges).enumerate() {
+        let role = if at == 0 { "the head" } else { "a later stage" };
         println!(
-            "node {i} ({} GB, {role}): --layers {r}  ({:.0} MiB of weights and K/V as the file stores them)",
-            a.memory_gb[i],
-            mib(need.of(i, *r))
+            "node {node} ({} GB, {role}): --layers {r}  ({:.0} MiB of weights and K/V as the file stores them)",
+            a.memory_gb[node],
+            mib(need.of(at, *r))
         );
+    }
+    if !links.is_empty() {
+        let head = order[0];
+        let step: Option<f64> = order[1..].iter().map(|&k| Some(hop[head][k]? * 2.0)).sum();
+        match step {
+            Some(ms) => println!("links: {ms:.3} ms a decode step at batch 1 (each later stage's row out and back)"),
+            None => println!("links: not every link from the head was given; its hops are not priced"),
+        }
     }
     Ok(())
 }

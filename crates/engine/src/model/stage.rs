@@ -132,9 +132,15 @@ impl StageBytes<'_> {
     /// in proportion to what each can spare past what it holds whatever its range
     /// (the head's embeddings and output head), or why they cannot hold the model.
     pub fn ranges(&self, memory: &[f64]) -> Result<Vec<LayerRange>, String> {
+        self.ranges_of(memory, &(0..memory.len()).collect::<Vec<_>>())
+    }
+
+    /// [`Self::ranges`] for nodes in group order whose names (in errors) are `nodes`.
+    fn ranges_of(&self, memory: &[f64], nodes: &[usize]) -> Result<Vec<LayerRange>, String> {
         if let Some(&head) = memory.first().filter(|&&m| m <= self.first) {
             return Err(format!(
-                "the head (node 0, {:.0} MiB) cannot hold the embeddings and output head ({:.0} MiB)",
+                "the head (node {}, {:.0} MiB) cannot hold the embeddings and output head ({:.0} MiB)",
+                nodes[0],
                 head / MIB,
                 self.first / MIB
             ));
@@ -148,7 +154,8 @@ impl StageBytes<'_> {
             let need = self.of(i, r);
             if need > *m {
                 return Err(format!(
-                    "node {i} would need {:.0} MiB for layers {r}, past its {:.0} MiB: the model does not fit these nodes",
+                    "node {} would need {:.0} MiB for layers {r}, past its {:.0} MiB: the model does not fit these nodes",
+                    nodes[i],
                     need / MIB,
                     m / MIB
                 ));
@@ -156,6 +163,48 @@ impl StageBytes<'_> {
         }
         Ok(ranges)
     }
+
+    /// The nodes in group order (the head first) and their ranges, for nodes of
+    /// `memory` bytes: the head is the first of `heads` (best first, see
+    /// [`heads_by_links`]) under which the nodes hold the model, the others follow in
+    /// the order given; or why the best head's group cannot hold it.
+    pub fn place(&self, memory: &[f64], heads: &[usize]) -> Result<Placement, String> {
+        let mut first_err = None;
+        for &h in heads {
+            let order: Vec<usize> = std::iter::once(h).chain((0..memory.len()).filter(|&i| i != h)).collect();
+            let ordered: Vec<f64> = order.iter().map(|&i| memory[i]).collect();
+            match self.ranges_of(&ordered, &order) {
+                Ok(ranges) => return Ok((order, ranges)),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        Err(first_err.unwrap_or_else(|| "no node to head the group".to_string()))
+    }
+}
+
+/// Nodes in group order (the head first, numbered as given) and their ranges.
+pub type Placement = (Vec<usize>, Vec<LayerRange>);
+
+/// The nodes best placed to head a group, best first, when a hop from node i to node
+/// j costs `hop[i][j]` (`None`: not known). Every later stage's rows go out from the
+/// head and come back to it, so a head's cost is the sum of its hops to the others,
+/// both ways; a node with a hop not known ranks after every node whose hops are all
+/// known; ties keep the order given.
+pub fn heads_by_links(hop: &[Vec<Option<f64>>]) -> Vec<usize> {
+    let cost = |h: usize| -> f64 {
+        (0..hop.len())
+            .filter(|&k| k != h)
+            .map(|k| match (hop[h][k], hop[k][h]) {
+                (Some(out), Some(back)) => out + back,
+                _ => f64::INFINITY,
+            })
+            .sum()
+    };
+    let mut heads: Vec<usize> = (0..hop.len()).collect();
+    heads.sort_by(|&a, &b| cost(a).total_cmp(&cost(b)));
+    heads
 }
 
 const MIB: f64 = (1 << 20) as f64;
@@ -179,6 +228,36 @@ mod tests {
         // A head that cannot hold its own embeddings, more nodes than layers.
         assert!(b.ranges(&[20.0, 200.0]).unwrap_err().contains("the head"));
         assert!(b.ranges(&[200.0; 11]).is_err());
+    }
+
+    #[test]
+    fn the_head_is_the_node_with_the_cheapest_hops_that_holds_the_model() {
+        let k = Some;
+        // Node 1 is 1 ms from each other node; 0 and 2 are 5 ms apart.
+        let star = vec![vec![None, k(1.0), k(5.0)], vec![k(1.0), None, k(1.0)], vec![k(5.0), k(1.0), None]];
+        assert_eq!(heads_by_links(&star), vec![1, 0, 2]);
+        // One-way figures add up both ways; an unknown hop ranks a node last.
+        let uneven = vec![vec![None, k(1.0), k(1.0)], vec![k(9.0), None, None], vec![k(1.0), None, None]];
+        assert_eq!(heads_by_links(&uneven), vec![0, 1, 2]);
+        type Case<'a> = (&'a [f64], &'a [usize], Result<Placement, &'a str>);
+        let table: &[Case] = &[
+            // The best head holds it: it goes first, the rest in the order given.
+            (&[80.0, 200.0, 80.0], &[1, 0, 2], Ok((vec![1, 0, 2], vec![r(0, 4), r(5, 7), r(8, 9)]))),
+            // The best head cannot hold the embeddings: the next one heads.
+            (&[120.0, 20.0, 60.0], &[1, 0, 2], Ok((vec![0, 1, 2], vec![r(0, 4), r(5, 5), r(6, 9)]))),
+            // No head makes them hold the model: the best head's reason, naming nodes
+            // as given.
+            (&[40.0, 40.0], &[1, 0], Err("node 1 would need")),
+            (&[20.0, 20.0], &[1, 0], Err("the head (node 1,")),
+        ];
+        let b = StageBytes { layers: &[10.0; 10], first: 30.0, kv: 2.0 };
+        for (memory, heads, want) in table {
+            match (b.place(memory, heads), want) {
+                (Ok(got), Ok(want)) => assert_eq!(&got, want, "{memory:?}"),
+                (Err(e), Err(want)) => assert!(e.contains(want), "{memory:?}: {e}"),
+                (got, want) => panic!("{memory:?}: {got:?}, want {want:?}"),
+            }
+        }
     }
 
     fn r(first: usize, last: usize) -> LayerRange {

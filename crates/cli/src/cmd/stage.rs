@@ -231,19 +231,19 @@ pub struct SplitArgs {
     #[arg(long, default_value = "f16")]
     kv_cache_dtype: pdserve_types::KvDtype,
     /// The links between the nodes (numbered as in --memory-gb, from 0), each
-    /// `I-J=MS:GBPS`: one-way latency in ms and GB/s, the figures `pdserve fleet`
-    /// shows for running nodes. With them the head is the node whose hops to the
-    /// others cost least (that can hold the embeddings); without, the first.
+    /// `I-J=MS:GBPS`: round trip in ms and GB/s, the figures `pdserve fleet` shows
+    /// for running nodes. With them the head is the node whose hops to the others
+    /// cost least (that can hold the embeddings); without, the first.
     #[arg(long, value_delimiter = ',')]
     link: Vec<String>,
 }
 
-/// A link of `--link`: nodes `I` and `J` joined with this latency and bandwidth.
+/// A link of `--link`: nodes `I` and `J` joined with this round trip and bandwidth.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct NodeLink {
     i: usize,
     j: usize,
-    latency_ms: f64,
+    round_trip_ms: f64,
     gb_per_s: f64,
 }
 
@@ -251,17 +251,17 @@ impl std::str::FromStr for NodeLink {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("--link {s:?}: want I-J=MS:GBPS, e.g. 0-1=0.05:1.17");
+        let bad = || format!("--link {s:?}: want I-J=MS:GBPS, e.g. 0-1=0.1:1.17");
         let (pair, figures) = s.split_once('=').ok_or_else(bad)?;
         let (i, j) = pair.split_once('-').ok_or_else(bad)?;
         let (ms, gbps) = figures.split_once(':').ok_or_else(bad)?;
         let (i, j) = (i.trim().parse().map_err(|_| bad())?, j.trim().parse().map_err(|_| bad())?);
-        let (latency_ms, gb_per_s): (f64, f64) =
+        let (round_trip_ms, gb_per_s): (f64, f64) =
             (ms.trim().parse().map_err(|_| bad())?, gbps.trim().parse().map_err(|_| bad())?);
-        if i == j || !(latency_ms.is_finite() && latency_ms >= 0.0) || !(gb_per_s.is_finite() && gb_per_s > 0.0) {
+        if i == j || !(round_trip_ms.is_finite() && round_trip_ms >= 0.0) || !(gb_per_s.is_finite() && gb_per_s > 0.0) {
             return Err(bad());
         }
-        Ok(NodeLink { i, j, latency_ms, gb_per_s })
+        Ok(NodeLink { i, j, round_trip_ms, gb_per_s })
     }
 }
 
@@ -275,12 +275,12 @@ fn node_links(given: &[String], nodes: usize) -> Result<Vec<NodeLink>, String> {
 }
 
 /// What one decode row's hop costs between each pair of `nodes` (ms; `None` where no
-/// link is given): the latency and a residual row of `hidden` f32 values over the
-/// bandwidth, the same both ways.
+/// link is given): half the round trip and a residual row of `hidden` f32 values over
+/// the bandwidth, the same both ways.
 fn hop_costs(links: &[NodeLink], nodes: usize, hidden: usize) -> Vec<Vec<Option<f64>>> {
     let mut hop = vec![vec![None; nodes]; nodes];
     for l in links {
-        let ms = l.latency_ms + (hidden * 4) as f64 / (l.gb_per_s * 1e9) * 1e3;
+        let ms = l.round_trip_ms / 2.0 + (hidden * 4) as f64 / (l.gb_per_s * 1e9) * 1e3;
         hop[l.i][l.j] = Some(ms);
         hop[l.j][l.i] = Some(ms);
     }

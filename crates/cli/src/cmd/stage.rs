@@ -8,7 +8,7 @@ use super::http::{self, Stopped};
 use anyhow::Context;
 use pdserve_engine::batch::StageRunner;
 use pdserve_engine::loader::LoadedModel;
-use pdserve_engine::model::stage::{heads_by_links, StageBytes};
+use pdserve_engine::model::stage::{head_cost, heads_by_links, StageBytes};
 use pdserve_engine::model::LayerRange;
 use pdserve_kv_transfer::{ClusterKey, StageServer};
 use pdserve_worker::stages::{RemoteStages, StageHello, StageService};
@@ -325,11 +325,11 @@ pub fn split(a: &SplitArgs) -> anyhow::Result<()> {
         );
     }
     if !links.is_empty() {
-        let head = order[0];
-        let step: Option<f64> = order[1..].iter().map(|&k| Some(hop[head][k]? * 2.0)).sum();
-        match step {
-            Some(ms) => println!("links: {ms:.3} ms a decode step at batch 1 (each later stage's row out and back)"),
-            None => println!("links: not every link from the head was given; its hops are not priced"),
+        match head_cost(&hop, order[0]) {
+            ms if ms.is_finite() => {
+                println!("links: {ms:.3} ms a decode step at batch 1 (each later stage's row out and back)")
+            }
+            _ => println!("links: not every link from the head was given; its hops are not priced"),
         }
     }
     Ok(())

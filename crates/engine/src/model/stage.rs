@@ -187,23 +187,22 @@ impl StageBytes<'_> {
 /// Nodes in group order (the head first, numbered as given) and their ranges.
 pub type Placement = (Vec<usize>, Vec<LayerRange>);
 
-/// The nodes best placed to head a group, best first, when a hop from node i to node
-/// j costs `hop[i][j]` (`None`: not known). Every later stage's rows go out from the
-/// head and come back to it, so a head's cost is the sum of its hops to the others,
-/// both ways; a node with a hop not known ranks after every node whose hops are all
-/// known; ties keep the order given.
+/// What a step's hops cost with node `h` heading a group whose hop from node i to
+/// node j costs `hop[i][j]` (`None`: not known): every later stage's rows go out from
+/// the head and come back to it, so the sum of its hops to the others, both ways;
+/// infinite when one is not known.
+pub fn head_cost(hop: &[Vec<Option<f64>>], h: usize) -> f64 {
+    let both_ways = |k: usize| hop[h][k].zip(hop[k][h]).map_or(f64::INFINITY, |(out, back)| out + back);
+    (0..hop.len()).filter(|&k| k != h).map(both_ways).sum()
+}
+
+/// The nodes best placed to head a group, best first, by [`head_cost`]: a node with a
+/// hop not known ranks after every node whose hops are all known; ties keep the order
+/// given.
 pub fn heads_by_links(hop: &[Vec<Option<f64>>]) -> Vec<usize> {
-    let cost = |h: usize| -> f64 {
-        (0..hop.len())
-            .filter(|&k| k != h)
-            .map(|k| match (hop[h][k], hop[k][h]) {
-                (Some(out), Some(back)) => out + back,
-                _ => f64::INFINITY,
-            })
-            .sum()
-    };
+    let cost: Vec<f64> = (0..hop.len()).map(|h| head_cost(hop, h)).collect();
     let mut heads: Vec<usize> = (0..hop.len()).collect();
-    heads.sort_by(|&a, &b| cost(a).total_cmp(&cost(b)));
+    heads.sort_by(|&a, &b| cost[a].total_cmp(&cost[b]));
     heads
 }
 

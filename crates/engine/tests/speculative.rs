@@ -405,3 +405,31 @@ fn the_draft_model_follows_a_prompt_computed_in_its_first_step() {
     assert_eq!(e.step().len(), 1, "the prompt in one step");
     assert_eq!(e.stats().spec.draft_prompt_tokens, tokens.len() as u64);
 }
+
+#[test]
+fn a_long_prompt_for_a_short_answer_drafts_by_lookup_once_the_costs_are_measured() {
+    let greedy = |max_tokens| SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }.validate().unwrap();
+    let alone = |e: &mut Engine, id: u64, tokens: Vec<u32>, max_tokens| {
+        e.add(RequestId(id), tokens, greedy(max_tokens)).unwrap();
+        let mut got = Vec::new();
+        while e.has_work() {
+            got.extend(e.step().into_iter().map(|o| o.sampled.token));
+        }
+        got
+    };
+    // The measured rule. A first request times what the decision weighs: the draft
+    // model's prompt, its passes, and decode steps of two sizes.
+    let mut e = engine(drafting(self_draft(), 4, false), 512, 256);
+    let first = model().tokenizer.encode_with_bos(PROMPTS[1], false);
+    alone(&mut e, 0, first.clone(), 32);
+    let followed = e.stats().spec.draft_prompt_tokens;
+    assert!(followed >= first.len() as u64 - 1, "the first prompt was not followed: {followed}");
+    // A long prompt for two tokens: what drafts could save on them is less than
+    // the draft model's compute of the prompt, so it drafts by lookup, the draft
+    // model computes none of it, and the output is plain decoding's.
+    let long = model().tokenizer.encode_with_bos(&PROMPTS[0].repeat(3), false);
+    let got = alone(&mut e, 1, long.clone(), 2);
+    assert_eq!(e.stats().spec.draft_prompt_tokens, followed, "the draft model computed the long prompt");
+    assert_eq!(got, alone(&mut engine(None, 512, 256), 1, long, 2));
+    assert_eq!(e.stats().draft_blocks.unwrap().used, 0);
+}

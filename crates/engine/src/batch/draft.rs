@@ -155,6 +155,9 @@ pub(crate) struct Drafter {
     /// Prompt tokens the draft model computed (none on a decode engine whose
     /// prefill engine shipped the prompt's draft K/V).
     prompt_tokens: u64,
+    /// The tokens and seconds of the passes that followed prompts: what a prompt
+    /// costs the draft model, a token.
+    followed: (u64, f64),
 }
 
 /// One sequence's part of a drafting round: which running sequence, how many tokens
@@ -180,11 +183,29 @@ impl Drafter {
             scratch: ForwardScratch::default(),
             passes: DecodeSteps::default(),
             prompt_tokens: 0,
+            followed: (0, 0.0),
         }
     }
 
     pub fn prompt_tokens(&self) -> u64 {
         self.prompt_tokens
+    }
+
+    /// Seconds the draft model takes a prompt token, from the prompts it followed;
+    /// `None` before the first.
+    pub fn prompt_cost(&self) -> Option<f64> {
+        let (tokens, seconds) = self.followed;
+        (tokens > 0).then(|| seconds / tokens as f64)
+    }
+
+    /// The tokens of `s` its draft cache lacks: all but what it holds, or, before it
+    /// has one, what the draft pool does not cache of its tokens.
+    pub fn lacks(&self, s: &Sequence) -> usize {
+        let computed = match s.draft_kv.as_ref() {
+            Some(d) => d.computed,
+            None => self.start(&s.tokens).computed,
+        };
+        s.tokens.len().saturating_sub(computed)
     }
 
     /// Blocks for the draft K/V of a `prompt_len`-token transfer; `None` when the
@@ -350,7 +371,11 @@ impl Drafter {
             }
         }
         if !chunks.is_empty() {
+            let started = std::time::Instant::now();
             self.pass(isa, pool, running, &mut work, &chunks);
+            let tokens: usize = chunks.iter().map(|(_, c)| c.len()).sum();
+            self.followed.0 += tokens as u64;
+            self.followed.1 += started.elapsed().as_secs_f64();
         }
     }
 

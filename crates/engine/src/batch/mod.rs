@@ -203,6 +203,12 @@ pub struct Engine {
     /// starts), and the drafts grammars forced.
     acceptance: speculate::Acceptance,
     forced: speculate::Acceptance,
+    /// The draft model's drafts alone: what a sequence deciding whether to draft
+    /// with it expects.
+    by_model: speculate::Acceptance,
+    /// Requests that finished here and the tokens they output: what a new one is
+    /// expected to output, where its limit allows.
+    outputs: (u64, u64),
     /// The draft model's cache and pass times, when a draft model drafts.
     drafter: Option<draft::Drafter>,
     /// What every request on this engine said after each few words (n-gram drafts).
@@ -262,6 +268,8 @@ impl Engine {
             spec: SpecTotals::default(),
             acceptance: speculate::Acceptance::default(),
             forced: speculate::Acceptance::default(),
+            by_model: speculate::Acceptance::default(),
+            outputs: (0, 0),
         }
     }
 

@@ -246,29 +246,39 @@ impl Engine {
         draft_cost: Option<DraftCost>,
     ) -> (Vec<(usize, Proposal)>, Vec<Candidate>) {
         let context = self.context_length();
-        let (pooled, forced_rate) = (self.acceptance.rate(), self.forced.rate());
-        let decodes = plan.iter().filter(|p| p.n == 1 && self.running[p.seq].is_decoding()).count();
+        let (pooled, forced_rate, by_model_rate) = (self.acceptance.rate(), self.forced.rate(), self.by_model.rate());
+        let decoding: Vec<bool> = plan.iter().map(|p| p.n == 1 && self.running[p.seq].is_decoding()).collect();
+        let decodes = decoding.iter().filter(|&&d| d).count();
+        let by_model: Vec<bool> = plan
+            .iter()
+            .zip(&decoding)
+            .map(|(p, &d)| d && self.drafter.is_some() && self.drafts_by_model(p.seq))
+            .collect();
         let (vocab, timed) = (self.vocab_size(), self.timed_speculation());
         let (mut drafted, mut cands) = (Vec::new(), Vec::new());
         for (k, p) in plan.iter().enumerate() {
-            let s = &mut self.running[p.seq];
-            if p.n != 1 || !s.is_decoding() {
+            if !decoding[k] {
                 continue;
             }
+            let s = &mut self.running[p.seq];
             // The token after the draft is sampled too: leave room for it.
             let max = max_draft.min(s.tokens_left().saturating_sub(1)).min(context.saturating_sub(s.tokens.len()));
             // What a grammar forces is drafted first; its record is the worker's.
             let mut forced = s.constraint.as_mut().map(|c| c.forced()).unwrap_or_default();
             forced.truncate(max);
             s.draft_forced = !forced.is_empty();
-            let rate = if s.draft_forced { forced_rate } else { s.acceptance.rate_from(pooled) };
-            let (proposal, draft_cost) = match (s.draft_forced, &self.drafter, timed) {
+            let rate = match (s.draft_forced, by_model[k]) {
+                (true, _) => forced_rate,
+                (false, true) => s.acceptance.rate_from(by_model_rate),
+                (false, false) => s.acceptance.rate_from(pooled),
+            };
+            let (proposal, draft_cost) = match (s.draft_forced, by_model[k], timed) {
                 (true, _, _) => (Proposal::Ready(forced), 0.0),
-                (false, Some(_), _) => (Proposal::Model(max), draft_cost.map_or(0.0, |c| c.row(s.computed))),
-                (false, None, Some(t)) => {
+                (false, true, _) => (Proposal::Model(max), draft_cost.map_or(0.0, |c| c.row(s.computed))),
+                (false, false, Some(t)) => {
                     (Proposal::Ready(t.draft(&s.tokens, max, vocab)), t.draft_token_seconds(decodes, s.computed))
                 }
-                (false, None, None) => {
+                (false, false, None) => {
                     self.ngrams.learn(&s.tokens, s.pooled);
                     s.pooled = s.tokens.len();
                     (Proposal::Ready(speculate::draft(&s.tokens, &self.ngrams, max)), 0.0)
@@ -348,14 +358,77 @@ impl Engine {
     /// its cache is ready when the sequence decodes (here, or on the decode engine a
     /// prompt is exported to: see `Engine::export_draft`).
     fn draft_prompts(&mut self, plan: &[Planned]) {
-        let Some(d) = self.drafter.as_mut() else { return };
-        let upto: Vec<(usize, usize)> = plan
-            .iter()
-            .filter(|p| !self.running[p.seq].is_decoding())
-            .map(|p| (p.seq, self.running[p.seq].computed + p.n))
-            .collect();
-        if !upto.is_empty() {
+        if self.drafter.is_none() {
+            return;
+        }
+        let mut upto: Vec<(usize, usize)> = Vec::new();
+        for p in plan {
+            if !self.running[p.seq].is_decoding() && self.drafts_by_model(p.seq) {
+                upto.push((p.seq, self.running[p.seq].computed + p.n));
+            }
+        }
+        if let (Some(d), false) = (self.drafter.as_mut(), upto.is_empty()) {
             d.follow(self.isa, &self.pool, &mut self.running, &upto, self.cfg.max_batch_tokens);
+        }
+    }
+
+    /// Whether `running[seq]` drafts with the draft model, deciding it the first
+    /// time it is asked: until the engine has measured what the decision needs (its
+    /// decode steps, the draft model's passes and a prompt it followed), yes.
+    fn drafts_by_model(&mut self, seq: usize) -> bool {
+        if let Some(by_model) = self.running[seq].model_drafts {
+            return by_model;
+        }
+        let by_model = self.model_drafts_pay(seq).unwrap_or(true);
+        self.running[seq].model_drafts = Some(by_model);
+        by_model
+    }
+
+    /// [`speculate::price_model_drafts`] for `running[seq]` beside the decodes running
+    /// now; `None` while something it weighs is unmeasured.
+    fn model_drafts_pay(&self, seq: usize) -> Option<bool> {
+        let (d, spec) = (self.drafter.as_ref()?, self.cfg.speculation.as_ref()?);
+        if spec.verify_all {
+            // Every draft verified, as vLLM and llama.cpp do: every sequence drafts.
+            return Some(true);
+        }
+        // A fit that cannot tell a row from a step charges every row alike, and
+        // drafts would seem to save nothing.
+        let fit = self.decode_steps.tells_rows_apart().then(|| self.decode_steps.fit()).flatten()?;
+        let (cost, per_token) = (d.cost()?, d.prompt_cost()?);
+        let s = &self.running[seq];
+        let others = self.running.iter().enumerate().filter(|&(i, r)| i != seq && !r.paused && r.is_decoding());
+        let contexts: Vec<usize> = others.map(|(_, r)| r.computed).chain([s.tokens.len()]).collect();
+        let drafting = speculate::ModelDrafting {
+            prompt_s: d.lacks(s) as f64 * per_token,
+            output: self.expected_output(s),
+            drafted: spec.max_draft,
+            rate: self.by_model.rate(),
+            pass_s: cost.pass,
+            row_s: cost.row(s.tokens.len()),
+        };
+        let price = speculate::price_model_drafts(&fit, &contexts, &drafting);
+        tracing::debug!(
+            request = s.id.0,
+            by_model = price.pays,
+            prompt_ms = drafting.prompt_s * 1e3,
+            saved_ms_per_token = price.saved_per_token * 1e3,
+            verified = price.verified,
+            output = drafting.output,
+            decodes = contexts.len() - 1,
+            rate = drafting.rate,
+            "draft model or lookup"
+        );
+        Some(price.pays)
+    }
+
+    /// The tokens `s` is expected to output still: the mean of the requests that
+    /// finished here, within its limit.
+    fn expected_output(&self, s: &Sequence) -> f64 {
+        let left = s.tokens_left() as f64;
+        match self.outputs {
+            (0, _) => left,
+            (n, tokens) => left.min(tokens as f64 / n as f64),
         }
     }
 
@@ -621,6 +694,9 @@ impl Engine {
                 false => {
                     self.acceptance.add(s.last_record);
                     s.acceptance.add(s.last_record);
+                    if s.model_drafts == Some(true) {
+                        self.by_model.add(s.last_record);
+                    }
                 }
             }
             self.spec.drafted += p.draft as u64;
@@ -635,7 +711,9 @@ impl Engine {
             sampled.iter().zip(&results).filter(|(_, (_, fin))| *fin).map(|(&(i, _), _)| i).collect();
         done.sort_unstable();
         for i in done.into_iter().rev() {
-            self.running.remove(i);
+            let s = self.running.remove(i);
+            self.outputs.0 += 1;
+            self.outputs.1 += s.generated() as u64;
         }
         results.into_iter().flat_map(|(o, _)| o).collect()
     }

@@ -46,6 +46,10 @@ pub(crate) struct Sequence {
     pub draft_forced: bool,
     /// The draft model's K/V of its tokens, when a draft model drafts for it.
     pub draft_kv: Option<DraftKv>,
+    /// On an engine with a draft model, whether it drafts with it (else by lookup):
+    /// decided once, when its prompt is first followed or it first drafts
+    /// (`speculate::price_model_drafts`).
+    pub model_drafts: Option<bool>,
     /// Its tokens the worker's n-gram pool has learnt.
     pub pooled: usize,
     /// Its prompt's final hidden states pooled so far, when it asked for an
@@ -76,6 +80,7 @@ impl Sequence {
             last_record: Acceptance::default(),
             draft_forced: false,
             draft_kv: None,
+            model_drafts: None,
             pooled: 0,
             embedding: Vec::new(),
         }

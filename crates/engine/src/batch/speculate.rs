@@ -267,6 +267,24 @@ pub fn plan_drafts(
             })
             .collect();
     };
+    best_plan(fit, plain, cands, room, pass_cost).take
+}
+
+/// A plan of what each candidate verifies, with what the step is then expected to
+/// yield and to take.
+struct DraftPlan {
+    take: Vec<usize>,
+    /// The sum of the logs of the sequences' expected token rates, less what every
+    /// plan of the step shares: what [`plan_drafts`] maximises.
+    score: f64,
+    /// The candidates' expected tokens (one each without drafts), and the step's
+    /// seconds.
+    tokens: f64,
+    seconds: f64,
+}
+
+/// [`plan_drafts`] given a fit.
+fn best_plan(fit: &StepFit, plain: PlainStep, cands: &[Candidate], room: usize, pass_cost: f64) -> DraftPlan {
     // Every (candidate, j) with its expected tokens and its cost, best value first.
     let mut options: Vec<(usize, usize, f64, f64)> = Vec::new();
     for (i, c) in cands.iter().enumerate() {
@@ -277,21 +295,19 @@ pub fn plan_drafts(
     }
     options.sort_by(|a, b| (b.2 * a.3).total_cmp(&(a.2 * b.3)).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
     let most = cands.iter().filter(|c| c.passes).map(|c| c.drafted).max().unwrap_or(0);
-    let counts = if pass_cost > 0.0 { 0..=most } else { most..=most };
-    let mut best: Option<(f64, Vec<usize>)> = None;
-    for passes in counts {
-        let (take, score) = within_passes(fit, plain, cands, &options, room, passes, pass_cost);
-        if best.as_ref().is_none_or(|(b, _)| score > *b) {
-            best = Some((score, take));
+    let fewest = if pass_cost > 0.0 { 0 } else { most };
+    let mut best = within_passes(fit, plain, cands, &options, room, fewest, pass_cost);
+    for passes in fewest + 1..=most {
+        let plan = within_passes(fit, plain, cands, &options, room, passes, pass_cost);
+        if plan.score > best.score {
+            best = plan;
         }
     }
-    best.map(|(_, take)| take).unwrap_or_else(|| vec![0; cands.len()])
+    best
 }
 
-/// [`plan_drafts`] for at most `passes` drafting passes, over its sorted `options`:
-/// what each candidate verifies, and the plan's score (the sum of the logs of the
-/// sequences' expected token rates, less what every plan of this step shares), the
-/// passes it uses charged.
+/// [`plan_drafts`] for at most `passes` drafting passes, over its sorted `options`,
+/// the passes it uses charged.
 fn within_passes(
     fit: &StepFit,
     plain: PlainStep,
@@ -300,7 +316,7 @@ fn within_passes(
     room: usize,
     passes: usize,
     pass_cost: f64,
-) -> (Vec<usize>, f64) {
+) -> DraftPlan {
     // Each candidate's expected tokens this step (one without drafts), and how many
     // sequences the step's time divides.
     let mut tokens = vec![1.0; cands.len()];
@@ -326,7 +342,67 @@ fn within_passes(
     // The passes the plan uses, which may be fewer than it paid for.
     let used = cands.iter().zip(&take).filter(|(c, _)| c.passes).map(|(_, &n)| n).max().unwrap_or(0);
     let seconds = seconds - (passes - used) as f64 * pass_cost;
-    (take, tokens.iter().map(|t| t.ln()).sum::<f64>() - sequences * seconds.ln())
+    let score = tokens.iter().map(|t| t.ln()).sum::<f64>() - sequences * seconds.ln();
+    DraftPlan { take, score, tokens: tokens.iter().sum(), seconds }
+}
+
+/// What a sequence's drafts from a draft model would cost it up front and save it
+/// later: what [`price_model_drafts`] weighs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModelDrafting {
+    /// Seconds the draft model takes to compute the sequence's prompt (what its cache
+    /// lacks of it).
+    pub prompt_s: f64,
+    /// Tokens the sequence is expected to output.
+    pub output: f64,
+    /// The most tokens it drafts a step, and the chance each is accepted.
+    pub drafted: usize,
+    pub rate: f64,
+    /// A drafting pass's fixed seconds, and a drafted token's row in it.
+    pub pass_s: f64,
+    pub row_s: f64,
+}
+
+/// Whether a sequence should draft with the draft model (whose prompt compute it
+/// then pays) rather than by lookup, which costs nothing up front. Its drafts save,
+/// on each token it outputs, what a step of `contexts` decodes (its own among them)
+/// that all draft by model, planned as [`plan_drafts`] plans, saves per token over a
+/// plain step; that saving over its expected output must exceed the prompt's
+/// compute. Both are machine time: on a worker whose decodes share its cores, the
+/// prompt's compute is time every decode beside it waits, and what drafts save is
+/// time none of them waits. So a long prompt with a short answer, or a batch whose
+/// steps already share their weights among many rows (where drafts save little),
+/// drafts by lookup.
+pub fn price_model_drafts(fit: &StepFit, contexts: &[usize], m: &ModelDrafting) -> DraftPrice {
+    let n = contexts.len().max(1);
+    let plain = PlainStep { rows: n, context: contexts.iter().sum(), yields: n };
+    let cand = |&context: &usize| Candidate {
+        drafted: m.drafted,
+        rate: m.rate,
+        context: context + 1,
+        draft_cost: m.row_s,
+        passes: true,
+    };
+    let cands: Vec<Candidate> = contexts.iter().map(cand).collect();
+    let plan = best_plan(fit, plain, &cands, n * m.drafted, m.pass_s);
+    let plain_per_token = fit.seconds(n as f64, plain.context as f64) / n as f64;
+    let saved_per_token = plain_per_token - plan.seconds / plan.tokens.max(1.0);
+    DraftPrice {
+        saved_per_token,
+        verified: plan.take.last().copied().unwrap_or(0),
+        pays: m.output * saved_per_token > m.prompt_s,
+    }
+}
+
+/// [`price_model_drafts`]'s answer, with what it found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftPrice {
+    /// Seconds drafting by model saves a token, and the tokens the sequence (the
+    /// last of the step's decodes) verifies in its plan.
+    pub saved_per_token: f64,
+    pub verified: usize,
+    /// The saving over the expected output exceeds the prompt's compute.
+    pub pays: bool,
 }
 
 #[cfg(test)]
@@ -483,6 +559,35 @@ mod tests {
         // Passes are worth their cost while the tokens they add are likely: at 0.9
         // the fourth pass of four requests adds less than a step's mean.
         assert_eq!(plan_drafts(Some(&cpu), four, &[Candidate { drafted: 8, ..model(0.9) }; 4], 64, 0.004), [3; 4]);
+    }
+
+    #[test]
+    fn a_draft_model_computes_a_prompt_only_where_its_drafts_repay_it() {
+        // Weights read once per step dominate; a drafting pass costs a tenth of a step.
+        let cpu = StepFit { fixed: 0.010, per_row: 0.0002, per_context: 0.0 };
+        // Rows as dear as the step's fixed part: a batch's step is long per token.
+        let bound = StepFit { fixed: 0.001, per_row: 0.001, per_context: 0.0 };
+        let m =
+            |prompt_s, output| ModelDrafting { prompt_s, output, drafted: 8, rate: 0.95, pass_s: 0.001, row_s: 0.0001 };
+        // (fit, decodes' contexts, drafting, pays)
+        let cases: [(StepFit, Vec<usize>, ModelDrafting, bool); 6] = [
+            // Alone on a CPU-like step, its drafts save most of each 10 ms token: 128
+            // tokens repay a 0.3 s prompt, not a 2 s one.
+            (cpu, vec![100], m(0.3, 128.0), true),
+            (cpu, vec![100], m(2.0, 128.0), false),
+            // A short answer does not repay even the short prompt.
+            (cpu, vec![100], m(0.3, 8.0), false),
+            // Nothing to compute up front: any saving pays.
+            (cpu, vec![100; 4], m(0.0, 1.0), true),
+            // Where a step's rows cost what its weights do, drafts save nothing in a
+            // batch of sixteen: lookups, whatever the prompt.
+            (bound, vec![100; 16], m(0.0, 128.0), false),
+            (bound, vec![100; 16], m(0.01, 1e6), false),
+        ];
+        for (fit, contexts, drafting, want) in cases {
+            let price = price_model_drafts(&fit, &contexts, &drafting);
+            assert_eq!(price.pays, want, "{fit:?} {} {drafting:?}: {price:?}", contexts.len());
+        }
     }
 
     #[test]

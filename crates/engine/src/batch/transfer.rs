@@ -136,6 +136,10 @@ impl Engine {
         let total = self.total_layers();
         let Some(d) = self.drafter.as_mut() else { return true };
         let Some(seq) = self.running.iter().position(|s| s.id == id) else { return true };
+        if self.running[seq].model_drafts == Some(false) {
+            // It drafts by lookup: the decode engine decides for itself.
+            return true;
+        }
         let upto = self.running[seq].prompt_len;
         if !d.complete(self.isa, &self.pool, &mut self.running, seq, upto, self.cfg.max_batch_tokens) {
             // No room in the draft pool: the decode engine computes it.
@@ -252,6 +256,8 @@ impl Engine {
         table.commit(&s.tokens);
         s.table = Some(table);
         s.draft_kv = imp.draft.and_then(|d| d.finish(&s.tokens));
+        // Shipped, its prompt's draft compute is paid; else this engine decides.
+        s.model_drafts = s.draft_kv.as_ref().map(|_| true);
         // Record the first token exactly as a local step would have.
         s.tokens.push(first);
         s.history.push(first);

@@ -364,7 +364,8 @@ pub struct ModelDrafting {
 }
 
 /// Whether a sequence should draft with the draft model (whose prompt compute it
-/// then pays) rather than by lookup, which costs nothing up front. Its drafts save,
+/// then pays) rather than by lookup, which costs nothing up front
+/// ([`DraftPrice::pays`], with the figures it weighed). Its drafts save,
 /// on each token it outputs, what a step of `contexts` decodes (its own among them)
 /// that all draft by model, planned as [`plan_drafts`] plans, saves per token over a
 /// plain step; that saving over its expected output must exceed the prompt's

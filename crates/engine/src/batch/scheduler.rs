@@ -87,7 +87,10 @@ impl Engine {
         on_layer: &mut dyn FnMut(usize, Stored<'_>, &[LayerSeq]) -> bool,
     ) -> Vec<StepOutput> {
         self.check_stages();
+        // Planning includes the draft model's passes (drafts, and prompts followed).
+        let planning = std::time::Instant::now();
         let plan = self.schedule();
+        let planning_s = planning.elapsed().as_secs_f64();
         // Before the forward pass writes into the blocks this step was given.
         self.settle_moves();
         self.stalled = plan.is_empty();
@@ -99,6 +102,7 @@ impl Engine {
         let gathered: Vec<Gathered> = plan.iter().map(|p| Gathered::for_seq(&self.running[p.seq])).collect();
         let batch = seq_batches(&self.running, &plan, &ids, &gathered);
         let timing = self.start_timing(&plan);
+        let rows = tracing::enabled!(tracing::Level::TRACE).then(|| self.step_rows(&plan));
         // The scratch leaves `self` for the step so the logits can be sampled in place.
         let mut scratch = std::mem::take(&mut self.scratch);
         let tiers = self.tiers.as_ref();
@@ -130,12 +134,26 @@ impl Engine {
             }
         };
         drop(batch);
+        let pass_s = timing.started.elapsed().as_secs_f64();
         let out = match logits {
             Some(logits) => self.finish_pass(&plan, gathered, logits, &timing),
             None => Vec::new(),
         };
+        if let Some((decodes, drafted, prompt)) = rows {
+            let (planning_ms, pass_ms) = (planning_s * 1e3, pass_s * 1e3);
+            tracing::trace!(planning_ms, pass_ms, decodes, drafted, prompt, sampled = out.len(), "step");
+        }
         self.scratch = scratch;
         out
+    }
+
+    /// A step's decodes, the drafted tokens they verify, and its prompt tokens: what
+    /// the step's trace says of its size.
+    fn step_rows(&self, plan: &[Planned]) -> (usize, usize, usize) {
+        let (prompts, decodes): (Vec<&Planned>, Vec<&Planned>) =
+            plan.iter().partition(|p| !self.running[p.seq].is_decoding());
+        let drafted = decodes.iter().map(|p| p.draft).sum();
+        (decodes.len(), drafted, prompts.iter().map(|p| p.n).sum())
     }
 
     /// What the step's time is recorded against, taken just before its pass.

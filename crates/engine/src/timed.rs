@@ -379,6 +379,15 @@ impl TimedSpeculation {
         }
     }
 
+    /// Seconds the draft model takes to compute `n` prompt tokens after `start` (0
+    /// without a draft model): a pass of its own, with no logits.
+    pub fn draft_prompt_seconds(&self, start: usize, n: usize) -> f64 {
+        match self.draft_step {
+            Some(step) if n > 0 => step.seconds(&StepShape::chunk(start, n, false)),
+            _ => 0.0,
+        }
+    }
+
     /// A draft of `max` tokens after `tokens`: what the engine will sample next, each
     /// token right with chance `per_token` (a hash of its position decides, so a run
     /// repeats); a wrong token is one the engine does not sample.

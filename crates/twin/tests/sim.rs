@@ -504,6 +504,35 @@ fn speculation_gains_less_where_drafts_are_rarer_or_dearer() {
     assert!(dear_ok, "a draft model as dear as the target: {dear:.2} against {plain:.2} ms");
 }
 
+/// A draft model computes each prompt it drafts for: the twin charges that to the
+/// prompt's steps, and prices it per request as the engine does. Short prompts with
+/// long answers repay it and pay it; once the costs are measured, a long prompt with
+/// a short answer drafts by lookup (nothing, in the twin) and is spared it.
+#[test]
+fn a_draft_model_computes_the_prompts_whose_drafts_repay_it() {
+    let draft = StepCost { fixed_s: 0.0004, token_s: 0.00005, pair_s: 1e-8, decode_pair_s: 4e-8, logits_s: 0.0001 };
+    let spec = SpecProfile { tokens: 4, accepted_share: 1.0, drafting_share: 1.0, draft_steps: vec![(1, draft)] };
+    let ttfts = |p: Profile, input, output| {
+        let t = topology(Mode::Aggregated, vec![Role::Mixed]);
+        let out = run(&p, t, &workload(input, output), Sweep::Concurrency(vec![1]), 4);
+        assert!(out[0].records.iter().all(|r| r.ok && r.output_tokens == u64::from(output)), "{:?}", out[0].records);
+        out[0].records.iter().map(|r| r.ttft_s.unwrap()).collect::<Vec<f64>>()
+    };
+    let follow = |input| draft.seconds(&StepShape::chunk(0, input, false));
+    // 256 in, 64 out: every prompt is computed by both models.
+    let (plain, drafting) = (ttfts(profile(), 256, 64), ttfts(profile().with_speculation(spec.clone()), 256, 64));
+    for (p, d) in plain.iter().zip(&drafting) {
+        close(*d, p + follow(256));
+    }
+    // 2048 in, 16 out: the first request drafts by model and measures the costs;
+    // after it, drafts would save less than the prompt costs the draft model.
+    let (plain, drafting) = (ttfts(profile(), 2048, 16), ttfts(profile().with_speculation(spec), 2048, 16));
+    close(drafting[0], plain[0] + follow(2048));
+    for (p, d) in plain.iter().zip(&drafting).skip(1) {
+        close(*d, *p);
+    }
+}
+
 /// TPOT p50 of four requests of 256 tokens in, 64 out, one at a time, on one mixed
 /// worker of `p`; every one must finish whole.
 fn lone_tpot(p: Profile) -> f64 {

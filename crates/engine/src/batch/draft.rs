@@ -87,6 +87,16 @@ pub struct DraftCost {
 }
 
 impl DraftCost {
+    /// What a timed draft model's passes cost, by its profiled step cost: a decode
+    /// row at context `c` attends over `c + 1` positions and has logits.
+    pub(crate) fn of_step(step: &crate::timed::StepCost) -> DraftCost {
+        DraftCost {
+            pass: step.fixed_s,
+            per_row: step.token_s + step.logits_s + step.decode_pair_s,
+            per_context: step.decode_pair_s,
+        }
+    }
+
     /// A drafted token's row at `context`.
     pub fn row(&self, context: usize) -> f64 {
         self.per_row + self.per_context * context as f64

@@ -120,7 +120,7 @@ impl Engine {
                 let shape: StepShape =
                     batch.iter().map(|b| StepShape::chunk(b.start_pos, b.tokens.len(), b.logits > 0)).sum();
                 let (seconds, idle) = t.step_seconds(&shape);
-                let seconds = seconds + self.timed_draft_seconds(&plan);
+                let seconds = seconds + self.timed_draft_seconds(&plan) + self.timed_draft_prompt_seconds(&plan);
                 self.charged += seconds;
                 self.idle += idle;
                 self.charged_prefill += seconds * shape.prompt_share();
@@ -270,7 +270,7 @@ impl Engine {
         let by_model: Vec<bool> = plan
             .iter()
             .zip(&decoding)
-            .map(|(p, &d)| d && self.drafter.is_some() && self.drafts_by_model(p.seq))
+            .map(|(p, &d)| d && self.has_draft_model() && self.drafts_by_model(p.seq))
             .collect();
         let (vocab, timed) = (self.vocab_size(), self.timed_speculation());
         let (mut drafted, mut cands) = (Vec::new(), Vec::new());
@@ -292,7 +292,14 @@ impl Engine {
             };
             let (proposal, draft_cost) = match (s.draft_forced, by_model[k], timed) {
                 (true, _, _) => (Proposal::Ready(forced), 0.0),
-                (false, true, _) => (Proposal::Model(max), draft_cost.map_or(0.0, |c| c.row(s.computed))),
+                // A timed draft model drafts as its profile says. Beside one, the twin
+                // has no measure of a lookup's drafts: a request that drafts by
+                // lookup drafts nothing there.
+                (false, true, Some(t)) => {
+                    (Proposal::Ready(t.draft(&s.tokens, max, vocab)), t.draft_token_seconds(decodes, s.computed))
+                }
+                (false, false, Some(t)) if t.draft_step.is_some() => (Proposal::Ready(Vec::new()), 0.0),
+                (false, true, None) => (Proposal::Model(max), draft_cost.map_or(0.0, |c| c.row(s.computed))),
                 (false, false, Some(t)) => {
                     (Proposal::Ready(t.draft(&s.tokens, max, vocab)), t.draft_token_seconds(decodes, s.computed))
                 }
@@ -376,7 +383,7 @@ impl Engine {
     /// its cache is ready when the sequence decodes (here, or on the decode engine a
     /// prompt is exported to: see `Engine::export_draft`).
     fn draft_prompts(&mut self, plan: &[Planned]) {
-        if self.drafter.is_none() {
+        if !self.has_draft_model() {
             return;
         }
         let mut upto: Vec<(usize, usize)> = Vec::new();
@@ -388,6 +395,24 @@ impl Engine {
         if let (Some(d), false) = (self.drafter.as_mut(), upto.is_empty()) {
             d.follow(self.isa, &self.pool, &mut self.running, &upto, self.cfg.max_batch_tokens);
         }
+    }
+
+    /// A draft model drafts here: a real one, or a timed engine's profiled one.
+    pub(super) fn has_draft_model(&self) -> bool {
+        self.drafter.is_some() || self.timed_speculation().is_some_and(|t| t.draft_step.is_some())
+    }
+
+    /// What drafting by model costs `s`: the draft model's passes, and the seconds
+    /// it takes to compute what its cache lacks of `s`'s tokens. A real draft model's
+    /// are measured (`None` until they are); a timed one's are its profile's, which
+    /// caches no prompt.
+    fn model_draft_costs(&self, s: &Sequence) -> Option<(DraftCost, f64)> {
+        if let Some(d) = self.drafter.as_ref() {
+            return Some((d.cost()?, d.lacks(s) as f64 * d.prompt_cost()?));
+        }
+        let t = self.timed_speculation()?;
+        let step = t.draft_step?;
+        Some((DraftCost::of_step(&step), t.draft_prompt_seconds(s.computed, s.tokens.len() - s.computed)))
     }
 
     /// Whether `running[seq]` drafts with the draft model, deciding it the first
@@ -405,7 +430,7 @@ impl Engine {
     /// [`speculate::price_model_drafts`] for `running[seq]` beside the decodes running
     /// now; `None` while something it weighs is unmeasured.
     fn model_drafts_pay(&self, seq: usize) -> Option<bool> {
-        let (d, spec) = (self.drafter.as_ref()?, self.cfg.speculation.as_ref()?);
+        let spec = self.cfg.speculation.as_ref().filter(|_| self.has_draft_model())?;
         if spec.verify_all {
             // Every draft verified, as vLLM and llama.cpp do: every sequence drafts.
             return Some(true);
@@ -413,12 +438,12 @@ impl Engine {
         // A fit that cannot tell a row from a step charges every row alike, and
         // drafts would seem to save nothing.
         let fit = self.decode_steps.tells_rows_apart().then(|| self.decode_steps.fit()).flatten()?;
-        let (cost, per_token) = (d.cost()?, d.prompt_cost()?);
         let s = &self.running[seq];
+        let (cost, prompt_s) = self.model_draft_costs(s)?;
         let others = self.running.iter().enumerate().filter(|&(i, r)| i != seq && !r.paused && r.is_decoding());
         let contexts: Vec<usize> = others.map(|(_, r)| r.computed).chain([s.tokens.len()]).collect();
         let drafting = speculate::ModelDrafting {
-            prompt_s: d.lacks(s) as f64 * per_token,
+            prompt_s,
             output: self.expected_output(s),
             drafted: spec.max_draft,
             rate: self.by_model.rate(),
@@ -457,6 +482,15 @@ impl Engine {
         let passes = drafted.iter().map(|p| p.draft).max().unwrap_or(0);
         let context = drafted.iter().map(|p| self.running[p.seq].computed).sum::<usize>() / drafted.len().max(1);
         spec.draft_seconds(drafted.len(), passes, context)
+    }
+
+    /// What a timed engine's draft model took to compute the step's prompt chunks of
+    /// the sequences that draft by model.
+    fn timed_draft_prompt_seconds(&self, plan: &[Planned]) -> f64 {
+        let Some(spec) = self.timed_speculation() else { return 0.0 };
+        let following = plan.iter().map(|p| (p, &self.running[p.seq]));
+        let following = following.filter(|(_, s)| !s.is_decoding() && s.model_drafts == Some(true));
+        following.map(|(p, s)| spec.draft_prompt_seconds(s.computed, p.n)).sum()
     }
 
     /// How a timed engine's drafts fare (`None` for a real model, or a timed one

@@ -256,8 +256,11 @@ impl Engine {
         table.commit(&s.tokens);
         s.table = Some(table);
         s.draft_kv = imp.draft.and_then(|d| d.finish(&s.tokens));
-        // Shipped, its prompt's draft compute is paid; else this engine decides.
-        s.model_drafts = s.draft_kv.as_ref().map(|_| true);
+        // Shipped, its prompt's draft compute is paid; else this engine decides. A
+        // timed engine ships no draft K/V: the twin takes its prefill side's draft
+        // compute to have been paid.
+        let timed_draft = self.drafter.is_none() && self.has_draft_model();
+        s.model_drafts = (s.draft_kv.is_some() || timed_draft).then_some(true);
         // Record the first token exactly as a local step would have.
         s.tokens.push(first);
         s.history.push(first);

@@ -54,12 +54,7 @@ impl ServerProcess {
 
     /// CPU seconds (user + system) the server has used so far, from `/proc`.
     pub fn cpu_seconds(&self) -> Option<f64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
-        // After the command name's closing parenthesis: state is field 3, utime 14, stime 15.
-        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-        let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
-        // Linux reports them in USER_HZ, 100 per second on every architecture it runs on.
-        Some((ticks(11)? + ticks(12)?) / 100.0)
+        cpu_seconds(&self.child.id().to_string())
     }
 
     /// Polls `/health` until it answers 200; fails if the process exits first or
@@ -115,4 +110,15 @@ impl Drop for ServerProcess {
             let _ = self.child.wait();
         }
     }
+}
+
+/// CPU seconds (user + system) process `pid` (or `self`) has used so far, from
+/// `/proc`.
+pub fn cpu_seconds(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name's closing parenthesis: state is field 3, utime 14, stime 15.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+    // Linux reports them in USER_HZ, 100 per second on every architecture it runs on.
+    Some((ticks(11)? + ticks(12)?) / 100.0)
 }

@@ -3,7 +3,7 @@
 //! admitted in arrival order with chunked prefill. When blocks run out, the most
 //! recently admitted sequence is preempted and will be recomputed later.
 
-use super::draft::{DraftCost, Drafter};
+use super::draft::DraftCost;
 use super::sequence::Sequence;
 use super::speculate::{self, Acceptance, Candidate, PlainStep, Verify};
 use super::stages::Pass;
@@ -290,27 +290,27 @@ impl Engine {
                 (false, true) => s.acceptance.rate_from(by_model_rate),
                 (false, false) => s.acceptance.rate_from(pooled),
             };
-            let (proposal, draft_cost) = match (s.draft_forced, by_model[k], timed) {
-                (true, _, _) => (Proposal::Ready(forced), 0.0),
+            // A draft model's token is its row of a pass; the pass is the step's.
+            let row = draft_cost.map_or(0.0, |c| c.row(s.computed));
+            let (proposal, draft_cost, passes) = match (s.draft_forced, by_model[k], timed) {
+                (true, _, _) => (Proposal::Ready(forced), 0.0, false),
                 // A timed draft model drafts as its profile says. Beside one, the twin
                 // has no measure of a lookup's drafts: a request that drafts by
                 // lookup drafts nothing there.
-                (false, true, Some(t)) => {
-                    (Proposal::Ready(t.draft(&s.tokens, max, vocab)), t.draft_token_seconds(decodes, s.computed))
-                }
-                (false, false, Some(t)) if t.draft_step.is_some() => (Proposal::Ready(Vec::new()), 0.0),
-                (false, true, None) => (Proposal::Model(max), draft_cost.map_or(0.0, |c| c.row(s.computed))),
+                (false, true, Some(t)) => (Proposal::Ready(t.draft(&s.tokens, max, vocab)), row, true),
+                (false, false, Some(t)) if t.draft_step.is_some() => (Proposal::Ready(Vec::new()), 0.0, false),
+                (false, true, None) => (Proposal::Model(max), row, true),
                 (false, false, Some(t)) => {
-                    (Proposal::Ready(t.draft(&s.tokens, max, vocab)), t.draft_token_seconds(decodes, s.computed))
+                    let draft = t.draft(&s.tokens, max, vocab);
+                    (Proposal::Ready(draft), t.draft_token_seconds(decodes, s.computed), false)
                 }
                 (false, false, None) => {
                     self.ngrams.learn(&s.tokens, s.pooled);
                     s.pooled = s.tokens.len();
-                    (Proposal::Ready(speculate::draft(&s.tokens, &self.ngrams, max)), 0.0)
+                    (Proposal::Ready(speculate::draft(&s.tokens, &self.ngrams, max)), 0.0, false)
                 }
             };
             if proposal.len() > 0 {
-                let passes = matches!(proposal, Proposal::Model(_));
                 cands.push(Candidate { drafted: proposal.len(), rate, context: s.computed + 1, draft_cost, passes });
                 drafted.push((k, proposal));
             }
@@ -340,7 +340,7 @@ impl Engine {
             return 0;
         }
         // The draft model's cost, fitted once for the step.
-        let draft_cost = self.drafter.as_ref().and_then(Drafter::cost);
+        let draft_cost = self.draft_pass_cost();
         let (drafted, cands) = self.propose_drafts(plan, max_draft, draft_cost);
         if cands.is_empty() {
             return 0;
@@ -407,12 +407,21 @@ impl Engine {
     /// are measured (`None` until they are); a timed one's are its profile's, which
     /// caches no prompt.
     fn model_draft_costs(&self, s: &Sequence) -> Option<(DraftCost, f64)> {
+        let cost = self.draft_pass_cost()?;
         if let Some(d) = self.drafter.as_ref() {
-            return Some((d.cost()?, d.lacks(s) as f64 * d.prompt_cost()?));
+            return Some((cost, d.lacks(s) as f64 * d.prompt_cost()?));
         }
         let t = self.timed_speculation()?;
-        let step = t.draft_step?;
-        Some((DraftCost::of_step(&step), t.draft_prompt_seconds(s.computed, s.tokens.len() - s.computed)))
+        Some((cost, t.draft_prompt_seconds(s.computed, s.tokens.len() - s.computed)))
+    }
+
+    /// What a drafting pass of the draft model costs: measured (`None` until it is),
+    /// or a timed engine's profiled one.
+    fn draft_pass_cost(&self) -> Option<DraftCost> {
+        match self.drafter.as_ref() {
+            Some(d) => d.cost(),
+            None => self.timed_speculation()?.draft_step.map(|step| DraftCost::of_step(&step)),
+        }
     }
 
     /// Whether `running[seq]` drafts with the draft model, deciding it the first

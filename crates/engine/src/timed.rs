@@ -364,12 +364,6 @@ impl TimedSpeculation {
         TimedSpeculation { per_token: (lo + hi) / 2.0, drafting: 1.0, draft_step: None }
     }
 
-    /// What one drafted token costs in draft passes when `rows` sequences draft over
-    /// `context` tokens each (0 without a draft model).
-    pub fn draft_token_seconds(&self, rows: usize, context: usize) -> f64 {
-        self.draft_seconds(rows, 1, context) / rows.max(1) as f64
-    }
-
     /// Seconds the draft model's passes take for a step in which `rows` sequences
     /// draft up to `passes` tokens each over `context` tokens on average.
     pub fn draft_seconds(&self, rows: usize, passes: usize, context: usize) -> f64 {

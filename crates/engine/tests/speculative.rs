@@ -433,3 +433,71 @@ fn a_long_prompt_for_a_short_answer_drafts_by_lookup_once_the_costs_are_measured
     assert_eq!(got, alone(&mut engine(None, 512, 256), 1, long, 2));
     assert_eq!(e.stats().draft_blocks.unwrap().used, 0);
 }
+
+#[test]
+fn a_prefill_engine_ships_the_draft_kv_only_where_the_receiver_values_it_above_its_cost() {
+    let target_layers = model().model.cfg.n_layers as u32;
+    let encode = |i: usize| model().tokenizer.encode_with_bos(PROMPTS[i], false);
+    let greedy = |max_tokens| SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }.validate().unwrap();
+    let alone = |e: &mut Engine, id: u64, tokens: Vec<u32>, max_tokens| {
+        e.add(RequestId(id), tokens, greedy(max_tokens)).unwrap();
+        let mut got = Vec::new();
+        while e.has_work() {
+            got.extend(e.step().into_iter().map(|o| o.sampled.token));
+        }
+        got
+    };
+    let (tokens, id) = (encode(0), RequestId(1));
+    let want = alone(&mut engine(None, 512, 256), 1, tokens.clone(), 24);
+    // A decode engine that has measured nothing wants the draft K/V whatever it
+    // costs; once it has, it puts a price on it.
+    let mut d = engine(drafting(self_draft(), 4, false), 512, 256);
+    d.reserve_import(id, tokens.len()).unwrap();
+    assert_eq!(d.draft_kv_worth(id), None);
+    d.abort_import(id);
+    alone(&mut d, 0, encode(1), 32);
+    d.reserve_import(id, tokens.len()).unwrap();
+    let worth = d.draft_kv_worth(id);
+    assert!(worth.is_some_and(|w| w.is_finite() && w >= 0.0), "{worth:?}");
+    d.abort_import(id);
+    // An engine without a draft model, or one that verifies every draft, says so.
+    let mut plain_d = engine(None, 512, 256);
+    plain_d.reserve_import(id, tokens.len()).unwrap();
+    assert_eq!(plain_d.draft_kv_worth(id), Some(0.0));
+    let mut all = engine(drafting(self_draft(), 4, true), 512, 256);
+    alone(&mut all, 0, encode(1), 32);
+    all.reserve_import(id, tokens.len()).unwrap();
+    assert_eq!(all.draft_kv_worth(id), None);
+    // A prefill engine that has measured its draft model's prompt cost computes the
+    // prompt in it and ships it where it is worth more than that (or its worth is
+    // not known), and not where it is worth less; the decode engine then drafts by
+    // lookup without computing it either, and the tokens are plain decoding's.
+    for (worth, ships) in [(Some(0.0), false), (Some(1e9), true), (None, true)] {
+        let mut p = engine(drafting(self_draft(), 4, false), 512, 256);
+        alone(&mut p, 0, encode(1), 2);
+        let before = p.stats().spec.draft_prompt_tokens;
+        let mut d = engine(drafting(self_draft(), 4, false), 512, 256);
+        d.reserve_import(id, tokens.len()).unwrap();
+        let mut draft_frames = 0;
+        let mut on_frame = |f: KvFrame| {
+            draft_frames += usize::from(f.layer >= target_layers);
+            d.import_frame(id, &f).is_ok()
+        };
+        let first = p.prefill_export_to(id, tokens.clone(), greedy(24), 0, worth, &mut on_frame).unwrap();
+        let computed = p.stats().spec.draft_prompt_tokens - before;
+        assert_eq!((computed > 0, draft_frames > 0), (ships, ships), "{worth:?}: {computed} tokens");
+        assert!(d.finish_import(id, tokens.clone(), first.sampled.token, greedy(24)).unwrap());
+        let mut got = vec![first.sampled.token];
+        while d.has_work() {
+            got.extend(d.step().into_iter().map(|o| o.sampled.token));
+        }
+        assert_eq!(got, want, "{worth:?}");
+        let spec = d.stats().spec;
+        assert_eq!(spec.draft_prompt_tokens, 0, "{worth:?}: the decode engine computed the prompt");
+        assert!(!ships || spec.drafted > 0, "{worth:?}: {spec:?}");
+        for e in [&p, &d] {
+            let s = e.stats();
+            assert_eq!((s.blocks.used, s.draft_blocks.unwrap().used), (0, 0), "{worth:?}: a block was not given back");
+        }
+    }
+}

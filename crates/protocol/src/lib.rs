@@ -14,7 +14,7 @@ pub mod worker;
 pub use pdserve_types::{FinishReason, TokenOut};
 pub use worker::{
     unsupported, Capabilities, DecodeHandoff, KvCursor, KvDestination, KvEventLog, KvEvents, LinkProbe, Prefilled,
-    PrefixPeer, Reply, RoleState, RoleSwitch, Worker, WorkerInfo, WorkerStats,
+    PrefixPeer, Reply, Reserved, RoleState, RoleSwitch, Worker, WorkerInfo, WorkerStats,
 };
 
 use pdserve_types::{Assignment, Epoch, RequestId, SamplingParams, TokenId};

@@ -52,9 +52,10 @@ pub trait Worker: Send + Sync + 'static {
     fn kv_target(&self, via: TransportKind) -> Option<KvTarget>;
 
     /// Reserves blocks for the `prompt_len` tokens of handoff `id` and starts
-    /// receiving its frames. Answers with the token the sender must present.
+    /// receiving its frames. Answers with the token the sender must present, and
+    /// what the draft model's K/V of the prompt would save this worker.
     /// Refused with [`ServeError::StaleEpoch`] unless the worker is at epoch `fence`.
-    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken>;
+    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, Reserved>;
 
     /// Prefills `req` here, sending its KV to `to` layer by layer; resolves once the
     /// receiver holds every frame. Dropping the future stops the prefill.
@@ -260,12 +261,39 @@ impl WorkerInfo {
     }
 }
 
-/// Where a prefill sends its KV: the decode worker's target, and the token its
-/// reservation issued.
+/// Where a prefill sends its KV: the decode worker's target, the token its
+/// reservation issued, and what the draft model's K/V of the prompt is worth there.
 #[derive(Debug, Clone)]
 pub struct KvDestination {
     pub target: KvTarget,
     pub token: HandoffToken,
+    /// [`Reserved::draft_worth`]: a prefill worker with a draft model computes the
+    /// prompt in it and ships its K/V only where that beats its own cost.
+    pub draft_worth: Option<f64>,
+}
+
+impl KvDestination {
+    /// A destination that takes no draft model's K/V (a prefix's, a probe's).
+    pub fn plain(target: KvTarget, token: HandoffToken) -> KvDestination {
+        KvDestination { target, token, draft_worth: Some(0.0) }
+    }
+
+    /// The destination of a prefill into reservation `r` at `target`.
+    pub fn reserved(target: KvTarget, r: Reserved) -> KvDestination {
+        KvDestination { target, token: r.token, draft_worth: r.draft_worth }
+    }
+}
+
+/// A decode worker's reservation of a handoff's blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Reserved {
+    /// What the sender must present.
+    pub token: HandoffToken,
+    /// Seconds the draft model's K/V of the prompt would save the reserving
+    /// worker's decodes (they draft by lookup without it): 0 where it drafts with
+    /// no draft model or has no room for the K/V; `None` while it has not measured
+    /// the saving (the K/V is then wanted whatever it costs).
+    pub draft_worth: Option<f64>,
 }
 
 /// What a prefill worker hands the decode worker: the first token it sampled and

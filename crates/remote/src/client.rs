@@ -14,7 +14,7 @@ use pdserve_kv_transfer::slots::LogEvery;
 use pdserve_kv_transfer::{auth, ClusterKey, HandoffToken, KvTarget, TransportKind};
 use pdserve_protocol::{
     pace, DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, KvEventLog, LinkProbe, Prefilled,
-    PrefixPeer, Reply, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
+    PrefixPeer, Reply, Reserved, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::{Epoch, RequestId};
 use std::collections::HashMap;
@@ -206,9 +206,11 @@ impl RemoteWorker {
         prompt_len: usize,
         keep: Vec<u32>,
         fence: Option<Epoch>,
-    ) -> Reply<'_, HandoffToken> {
+    ) -> Reply<'_, Reserved> {
         self.ask(Op::Reserve { id, prompt_len, fence, keep }, false, |a| match a {
-            Answer::Token(t) => Ok(t),
+            Answer::Reserved(r) => Ok(r),
+            // What a reservation that keeps its own answers: no draft K/V comes.
+            Answer::Token(token) => Ok(Reserved { token, draft_worth: Some(0.0) }),
             a => Err(a),
         })
     }
@@ -219,7 +221,8 @@ impl RemoteWorker {
         let KvTarget::Remote(addr) = to.target else {
             return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
         };
-        self.ask(Op::Prefill { req, to: addr, token: to.token, imported }, true, |a| match a {
+        let (token, draft_worth) = (to.token, to.draft_worth);
+        self.ask(Op::Prefill { req, to: addr, token, imported, draft_worth }, true, |a| match a {
             Answer::Prefilled(p) => Ok(*p),
             a => Err(a),
         })
@@ -262,7 +265,7 @@ impl Worker for RemoteWorker {
     }
 
     /// Any worker takes a reservation that keeps nothing of its own (an empty `keep`).
-    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
+    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, Reserved> {
         self.reserve_call(id, prompt_len, Vec::new(), fence)
     }
 
@@ -310,7 +313,8 @@ impl PrefixPeer for RemoteWorker {
         keep: Vec<u32>,
         fence: Option<Epoch>,
     ) -> Reply<'_, HandoffToken> {
-        self.reserve_call(id, prompt_len, keep, fence)
+        let reserved = self.reserve_call(id, prompt_len, keep, fence);
+        Box::pin(async move { Ok(reserved.await?.token) })
     }
 
     fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {

@@ -30,7 +30,9 @@
 
 pub use pdserve_kv_transfer::auth::{SessionMac, MAC_BYTES};
 use pdserve_kv_transfer::{auth, HandoffToken, KvAddr};
-use pdserve_protocol::{DecodeHandoff, Event, GenerateRequest, Prefilled, ServeError, WorkerInfo, WorkerStats};
+use pdserve_protocol::{
+    DecodeHandoff, Event, GenerateRequest, Prefilled, Reserved, ServeError, WorkerInfo, WorkerStats,
+};
 use pdserve_types::{Epoch, RequestId};
 use serde::{Deserialize, Serialize};
 use std::io;
@@ -137,7 +139,8 @@ pub enum Op {
     Generate {
         req: GenerateRequest,
     },
-    /// Reserve blocks for a transfer; answered with [`Answer::Token`].
+    /// Reserve blocks for a transfer; answered with [`Answer::Reserved`], or with
+    /// [`Answer::Token`] where it keeps some of its own.
     Reserve {
         id: RequestId,
         prompt_len: usize,
@@ -159,6 +162,10 @@ pub enum Op {
         /// reservation `req.id` (`PrefixPeer::prefill_imported`); 0: none.
         #[serde(default)]
         imported: usize,
+        /// What the draft model's K/V of the prompt is worth to the receiver
+        /// (`Reserved::draft_worth`).
+        #[serde(default)]
+        draft_worth: Option<f64>,
     },
     /// Decode a transferred sequence; events after the first token stream back.
     Decode {
@@ -205,6 +212,7 @@ pub enum FromWorker {
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Answer {
     Token(HandoffToken),
+    Reserved(Reserved),
     /// Boxed, as the stats are: a prefill's result is several times the size of the
     /// small answers.
     Prefilled(Box<Prefilled>),

@@ -250,7 +250,7 @@ impl Session {
             }
             Op::ExportPrefix { id, tokens, skip, to, token } => {
                 let span = tracing::info_span!("export", %id, tokens = tokens.len(), skip);
-                let to = KvDestination { target: KvTarget::Remote(to), token };
+                let to = KvDestination::plain(KvTarget::Remote(to), token);
                 let done = match self.worker().peering() {
                     Ok(peer) => peer.export_prefix(id, tokens, skip, to),
                     Err(e) => Box::pin(std::future::ready(Err(e))),
@@ -262,8 +262,9 @@ impl Session {
                 self.reply(call, tracing::Instrument::instrument(answer, span))
             }
             Op::Reserve { id, prompt_len, fence, keep } => self.reserve(call, id, prompt_len, fence, keep),
-            Op::Prefill { req, to, token, imported } => {
-                self.prefill(call, req, KvDestination { target: KvTarget::Remote(to), token }, imported)
+            Op::Prefill { req, to, token, imported, draft_worth } => {
+                let to = KvDestination { target: KvTarget::Remote(to), token, draft_worth };
+                self.prefill(call, req, to, imported)
             }
             // A reservation still being granted is released now too, not when its
             // answer comes: the router's next call for the same id (prefilling it
@@ -322,14 +323,14 @@ impl Session {
         let s = self.clone();
         self.reply(call, async move {
             let granted = match keep.is_empty() {
-                true => s.worker().reserve(id, prompt_len, fence).await,
+                true => s.worker().reserve(id, prompt_len, fence).await.map(Answer::Reserved),
                 false => match s.worker().peering() {
-                    Ok(peer) => peer.reserve_after(id, prompt_len, keep, fence).await,
+                    Ok(peer) => peer.reserve_after(id, prompt_len, keep, fence).await.map(Answer::Token),
                     Err(e) => Err(e),
                 },
             };
             s.granted(id, granted.is_ok())?;
-            Ok(Answer::Token(granted?))
+            granted
         })
     }
 
@@ -531,7 +532,9 @@ fn checked(op: Op) -> Result<Op, ServeError> {
     };
     Ok(match op {
         Op::Generate { req } => Op::Generate { req: valid(req)? },
-        Op::Prefill { req, to, token, imported } => Op::Prefill { req: valid(req)?, to, token, imported },
+        Op::Prefill { req, to, token, imported, draft_worth } => {
+            Op::Prefill { req: valid(req)?, to, token, imported, draft_worth }
+        }
         Op::GenerateImported { req, imported } => Op::GenerateImported { req: valid(req)?, imported },
         Op::Decode { mut handoff } => {
             if handoff.prompt.is_empty() {

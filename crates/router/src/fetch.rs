@@ -206,9 +206,9 @@ async fn fetch(
     };
     let (token, kept) = match kept {
         Some(granted) => granted,
-        None => (r.worker.reserve(req.id, f.tokens, fence).await?, 0),
+        None => (r.worker.reserve(req.id, f.tokens, fence).await?.token, 0),
     };
-    let to = KvDestination { target, token };
+    let to = KvDestination::plain(target, token);
     let sent = f.from.worker.peering()?.export_prefix(req.id, prefix.to_vec(), kept, to).await?;
     Ok(Fetched { kept, sent })
 }

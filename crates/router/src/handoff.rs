@@ -24,10 +24,10 @@ use crate::cost::{Queue, Ticket, TransferCost, Waiting};
 use crate::fetch::{self, Fetch, FetchCtx, FetchPace};
 use crate::workers::Entry;
 use crate::Ending;
-use pdserve_kv_transfer::{HandoffToken, TransportKind};
+use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{
-    Capabilities, DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Phase, Prefilled, ServeError,
-    Telemetry, TokenStream, Usage,
+    Capabilities, DecodeHandoff, Event, EventSender, GenerateRequest, KvDestination, Phase, Prefilled, Reserved,
+    ServeError, Telemetry, TokenStream, Usage,
 };
 use std::future::Future;
 use std::sync::Arc;
@@ -206,10 +206,10 @@ async fn run(
     };
     let router_queue = started.elapsed().as_secs_f64();
     // Reserved(D): blocks next, so a transfer never arrives where it cannot land.
-    let token = match reserve(&d, &req, &client, h.deadlines.reserve).await {
-        Reserve::Held(token) => {
+    let reserved = match reserve(&d, &req, &client, h.deadlines.reserve).await {
+        Reserve::Held(reserved) => {
             waiting.holds_blocks();
-            token
+            reserved
         }
         Reserve::Failed(e) => return fail(&client, d.noted(e)),
         Reserve::Cancelled => return Outcome::Cancelled,
@@ -227,7 +227,7 @@ async fn run(
         return Outcome::Cancelled;
     };
     // Prefilling(P), frames flowing into D as each layer completes (Transferring).
-    let prefilled = prefill(&h, &req, &client, token, imported).await;
+    let prefilled = prefill(&h, &req, &client, reserved, imported).await;
     drop((slot, ticket));
     let first = match prefilled {
         Ok(first) => {
@@ -326,7 +326,7 @@ fn secs(s: f64) -> Duration {
 }
 
 enum Reserve {
-    Held(HandoffToken),
+    Held(Reserved),
     /// D had no room for the whole reserve deadline.
     Full,
     Failed(ServeError),
@@ -344,7 +344,7 @@ async fn reserve(d: &Entry, req: &GenerateRequest, client: &EventSender, limit: 
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match wait(left, client, d.worker.reserve(req.id, req.prompt.len(), Some(d.epoch()))).await {
-            Wait::Done(Ok(token)) => return Reserve::Held(token),
+            Wait::Done(Ok(reserved)) => return Reserve::Held(reserved),
             Wait::Done(Err(ServeError::Overloaded(_))) if Instant::now() + RESERVE_RETRY < deadline => {
                 if let Wait::Cancelled = wait(RESERVE_RETRY, client, std::future::pending::<()>()).await {
                     return Reserve::Cancelled;
@@ -370,7 +370,7 @@ async fn prefill(
     h: &Handoff,
     req: &GenerateRequest,
     client: &EventSender,
-    token: HandoffToken,
+    reserved: Reserved,
     imported: usize,
 ) -> Result<Prefilled, Wait<ServeError>> {
     let Some(target) = h.decode.worker.kv_target(h.via) else {
@@ -381,7 +381,7 @@ async fn prefill(
         return Err(Wait::Done(ServeError::Internal(e)));
     };
     let fenced = GenerateRequest { fence: Some(h.prefill.epoch()), ..req.clone() };
-    let to = KvDestination { target, token };
+    let to = KvDestination::reserved(target, reserved);
     let call = match imported {
         0 => h.prefill.worker.prefill(fenced, to),
         n => match h.prefill.worker.peering() {

@@ -291,7 +291,7 @@ impl Worker for BrokenExport {
     fn kv_target(&self, via: TransportKind) -> Option<KvTarget> {
         self.0.kv_target(via)
     }
-    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
+    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, pdserve_protocol::Reserved> {
         self.0.reserve(id, prompt_len, fence)
     }
     fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
@@ -368,8 +368,8 @@ async fn a_role_switch_that_overtakes_a_fetch_gives_its_blocks_back() {
     let req = greedy(2, &format!("{HISTORY} When do the huts open?"), 4);
     let tokens = (req.prompt.len() - 1) / 16 * 16;
     let epoch = b.stats().await.unwrap().assignment.unwrap();
-    let token = b.reserve(req.id, tokens, Some(epoch.epoch)).await.unwrap();
-    let to = KvDestination { target: b.kv_target(TransportKind::Inproc).unwrap(), token };
+    let token = b.reserve(req.id, tokens, Some(epoch.epoch)).await.unwrap().token;
+    let to = KvDestination::plain(b.kv_target(TransportKind::Inproc).unwrap(), token);
     assert_eq!(a.export_prefix(req.id, req.prompt[..tokens].to_vec(), 0, to).await.unwrap(), tokens);
     b.set_role(epoch.switch(Role::Prefill)).await.unwrap();
     let (tx, _rx) = pdserve_protocol::TokenStream::channel(8);

@@ -184,7 +184,9 @@ async fn a_connection_cannot_touch_another_connections_reservations() {
     let d = serve("own", Role::Decode).await;
     let intruder = RemoteWorker::connect(d.remote.addr(), &key()).await.unwrap();
     let id = pdserve_types::RequestId(77);
-    d.remote.reserve(id, 40, None).await.unwrap();
+    let reserved = d.remote.reserve(id, 40, None).await.unwrap();
+    // Its answer crossed the wire whole: a worker that drafts nothing wants no draft K/V.
+    assert_eq!(reserved.draft_worth, Some(0.0));
     intruder.release(id);
     let handoff = pdserve_protocol::DecodeHandoff {
         id,
@@ -235,7 +237,7 @@ impl Worker for LateGrant {
         id: pdserve_types::RequestId,
         prompt_len: usize,
         fence: Option<pdserve_types::Epoch>,
-    ) -> pdserve_protocol::Reply<'_, pdserve_kv_transfer::HandoffToken> {
+    ) -> pdserve_protocol::Reply<'_, pdserve_protocol::Reserved> {
         Box::pin(async move {
             let granted = self.0.reserve(id, prompt_len, fence).await;
             tokio::time::sleep(Duration::from_millis(300)).await;

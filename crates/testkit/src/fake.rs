@@ -8,10 +8,11 @@
 //! resumed from its prompt plus the tokens it had already generated.
 
 use pdserve_kv::{BlockHash, Tier};
-use pdserve_kv_transfer::{Frame, HandoffId, HandoffToken, Inbox, Inboxes, KvTarget, Links, TransportKind};
+use pdserve_kv_transfer::{Frame, HandoffId, Inbox, Inboxes, KvTarget, Links, TransportKind};
 use pdserve_protocol::{
     unsupported, DecodeHandoff, Event, EventSender, FinishReason, GenerateRequest, KvCursor, KvDestination, KvEventLog,
-    KvEvents, Prefilled, Reply, RoleState, RoleSwitch, ServeError, TokenOut, Usage, Worker, WorkerInfo, WorkerStats,
+    KvEvents, Prefilled, Reply, Reserved, RoleState, RoleSwitch, ServeError, TokenOut, Usage, Worker, WorkerInfo,
+    WorkerStats,
 };
 use pdserve_types::{lock, Assignment, Epoch, PoolStats, RequestId, Role};
 use std::collections::HashMap;
@@ -360,7 +361,7 @@ impl Worker for FakeWorker {
         (via == TransportKind::Inproc).then(|| pdserve_kv_transfer::in_proc(self.inner.inboxes.clone()))
     }
 
-    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
+    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, Reserved> {
         Box::pin(async move {
             self.inner.check_alive()?;
             self.inner.role.fence(&self.inner.info.name, fence, Role::decodes)?;
@@ -375,7 +376,8 @@ impl Worker for FakeWorker {
             let token = inbox.token();
             let receiving = Some(tokio::spawn(receive(inbox)));
             lock(&self.inner.imports).insert(id, Import { blocks, receiving });
-            Ok(token)
+            // It drafts nothing.
+            Ok(Reserved { token, draft_worth: Some(0.0) })
         })
     }
 

@@ -32,7 +32,7 @@ use pdserve_kv_transfer::{
 };
 use pdserve_protocol::{
     DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEventLog, KvEvents, LinkProbe, Prefilled,
-    PrefixPeer, Reply, RoleState, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
+    PrefixPeer, Reply, Reserved, RoleState, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::{lock, Assignment, Epoch, Grammar, KvFrame, RequestId, Role};
 use std::collections::{HashMap, HashSet};
@@ -51,6 +51,9 @@ pub(crate) enum Command {
         /// Leading prompt tokens whose K/V came into reservation `req.id` from a
         /// peer (0: none, the whole prompt is computed).
         imported: usize,
+        /// What the draft model's K/V of the prompt is worth to the receiver
+        /// ([`pdserve_protocol::Reserved::draft_worth`]).
+        draft_worth: Option<f64>,
         sink: FrameSink,
         reply: oneshot::Sender<Result<Prefilled, ServeError>>,
         sent: tokio::time::Instant,
@@ -60,7 +63,8 @@ pub(crate) enum Command {
         prompt_len: usize,
         /// Leading tokens whose blocks come from the engine's own cache.
         keep: Vec<u32>,
-        reply: oneshot::Sender<Result<(), ServeError>>,
+        /// Granted: what the draft model's K/V of the prompt is worth here.
+        reply: oneshot::Sender<Result<Option<f64>, ServeError>>,
     },
     Frame {
         id: RequestId,
@@ -411,13 +415,12 @@ impl Worker for LocalWorker {
         }
     }
 
-    fn reserve(
-        &self,
-        id: RequestId,
-        prompt_len: usize,
-        fence: Option<Epoch>,
-    ) -> Reply<'_, pdserve_kv_transfer::HandoffToken> {
-        self.reserve_after(id, prompt_len, Vec::new(), fence)
+    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, Reserved> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            inner.fence(fence, Role::decodes)?;
+            inner.reserve(id, prompt_len, Vec::new()).await
+        })
     }
 
     fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
@@ -485,7 +488,7 @@ impl PrefixPeer for LocalWorker {
         let inner = self.inner.clone();
         Box::pin(async move {
             inner.fence(fence, Role::decodes)?;
-            inner.reserve(id, prompt_len, keep).await
+            Ok(inner.reserve(id, prompt_len, keep).await?.token)
         })
     }
 
@@ -652,7 +655,7 @@ impl Inner {
         id: RequestId,
         prompt_len: usize,
         keep: Vec<u32>,
-    ) -> Result<pdserve_kv_transfer::HandoffToken, ServeError> {
+    ) -> Result<Reserved, ServeError> {
         if lock(&self.imports).insert(id, Import::Reserving).is_some() {
             return Err(ServeError::Invalid(format!("{id} already has a reservation")));
         }
@@ -672,7 +675,7 @@ impl Inner {
         }
         let (reply, rx) = oneshot::channel();
         self.send(Command::Reserve { id, prompt_len, keep, reply })?;
-        rx.await.map_err(|_| self.stopped())??;
+        let draft_worth = rx.await.map_err(|_| self.stopped())??;
         let inbox =
             self.inboxes.expect(HandoffId::from(id)).map_err(|e| ServeError::Internal(format!("KV receiver: {e}")))?;
         let token = inbox.token();
@@ -685,7 +688,7 @@ impl Inner {
         imports.insert(id, Import::Receiving(task));
         drop(imports);
         guard.disarm();
-        Ok(token)
+        Ok(Reserved { token, draft_worth })
     }
 
     /// Opens the sending end of handoff `hid` to `to`.
@@ -733,7 +736,9 @@ impl Inner {
         let tokens = req.prompt.len();
         // Queued are the tokens to compute; all of them move.
         let _queued = Counted::add(&self.prefill_tokens, tokens - imported.min(tokens));
-        self.send_counted(Command::Prefill { req, imported, sink: frames, reply, sent: tokio::time::Instant::now() })?;
+        let draft_worth = to.draft_worth;
+        let sent = tokio::time::Instant::now();
+        self.send_counted(Command::Prefill { req, imported, draft_worth, sink: frames, reply, sent })?;
         let mut first = rx.await.map_err(|_| self.stopped())??;
         let tail = std::time::Instant::now();
         self.finish_sink(&sink, &to, &broken).await?;

@@ -17,7 +17,7 @@ use pdserve_kv::BlockPool;
 use pdserve_kv_transfer::{HandoffToken, Inboxes, KvTarget, TransportKind};
 use pdserve_protocol::{
     DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEventLog, KvEvents, Prefilled, PrefixPeer,
-    Reply, RoleState, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
+    Reply, Reserved, RoleState, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
 };
 use pdserve_types::{Assignment, Epoch, RequestId, Role};
 
@@ -135,8 +135,8 @@ impl Worker for SimWorker {
         })
     }
 
-    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, HandoffToken> {
-        self.reserve_after(id, prompt_len, Vec::new(), fence)
+    fn reserve(&self, id: RequestId, prompt_len: usize, fence: Option<Epoch>) -> Reply<'_, Reserved> {
+        Box::pin(self.reserve_keeping(id, prompt_len, Vec::new(), fence))
     }
 
     fn prefill(&self, req: GenerateRequest, to: KvDestination) -> Reply<'static, Prefilled> {
@@ -182,16 +182,17 @@ impl Worker for SimWorker {
     }
 }
 
-impl PrefixPeer for SimWorker {
-    fn reserve_after(
+impl SimWorker {
+    /// A reservation whose first tokens, `keep`, the engine's own cache holds.
+    fn reserve_keeping(
         &self,
         id: RequestId,
         prompt_len: usize,
         keep: Vec<u32>,
         fence: Option<Epoch>,
-    ) -> Reply<'_, HandoffToken> {
+    ) -> impl std::future::Future<Output = Result<Reserved, ServeError>> + Send + 'static {
         let inner = self.inner.clone();
-        Box::pin(async move {
+        async move {
             inner.fence(fence, Role::decodes)?;
             if !lock(&inner.imports).insert(id) {
                 return Err(ServeError::Invalid(format!("{id} already has a reservation")));
@@ -203,13 +204,26 @@ impl PrefixPeer for SimWorker {
             });
             let (reply, rx) = oneshot::channel();
             inner.send(Command::Reserve { id, prompt_len, keep, reply })?;
-            rx.await.map_err(|_| inner.stopped())??;
+            let draft_worth = rx.await.map_err(|_| inner.stopped())??;
             if !lock(&inner.imports).contains(&id) {
                 return Err(ServeError::Internal(format!("the reservation of {id} was released")));
             }
             guard.disarm();
-            Ok(HandoffToken::random())
-        })
+            Ok(Reserved { token: HandoffToken::random(), draft_worth })
+        }
+    }
+}
+
+impl PrefixPeer for SimWorker {
+    fn reserve_after(
+        &self,
+        id: RequestId,
+        prompt_len: usize,
+        keep: Vec<u32>,
+        fence: Option<Epoch>,
+    ) -> Reply<'_, HandoffToken> {
+        let reserved = self.reserve_keeping(id, prompt_len, keep, fence);
+        Box::pin(async move { Ok(reserved.await?.token) })
     }
 
     fn prefill_imported(&self, req: GenerateRequest, imported: usize, to: KvDestination) -> Reply<'static, Prefilled> {
@@ -333,8 +347,8 @@ impl Inner {
         let queued = Counted::add(&self.prefill_tokens, todo);
         let (reply, rx) = oneshot::channel();
         let sent_at = tokio::time::Instant::now();
-        let sent =
-            self.send_counted(Command::Prefill { req, imported, sink: Box::new(|_| true), reply, sent: sent_at });
+        let (draft_worth, sink) = (to.draft_worth, Box::new(|_| true));
+        let sent = self.send_counted(Command::Prefill { req, imported, draft_worth, sink, reply, sent: sent_at });
         let answer = match sent {
             Ok(()) => rx.await.map_err(|_| self.stopped()).and_then(|r| r),
             Err(e) => Err(e),
@@ -463,8 +477,8 @@ mod tests {
         holder.generate(request(2, (2000..4000).collect()), tx).unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         let asked = tokio::time::Instant::now();
-        let token = receiver.reserve(RequestId(3), 256, None).await.unwrap();
-        let to = KvDestination { target: receiver.kv_target(TransportKind::Inproc).unwrap(), token };
+        let token = receiver.reserve(RequestId(3), 256, None).await.unwrap().token;
+        let to = KvDestination::plain(receiver.kv_target(TransportKind::Inproc).unwrap(), token);
         let sent = holder.export_prefix(RequestId(3), prefix[..256].to_vec(), 0, to).await.unwrap();
         assert_eq!(sent, 256);
         let waited = asked.elapsed().as_secs_f64();
@@ -489,8 +503,8 @@ mod tests {
         // export comes while the first prompt is half done.
         let (tx, first) = pdserve_protocol::TokenStream::channel(4);
         worker.generate(request(1, (1000..2024).collect()), tx).unwrap();
-        let token = decode.reserve(RequestId(2), 256, None).await.unwrap();
-        let to = KvDestination { target: decode.kv_target(TransportKind::Inproc).unwrap(), token };
+        let reserved = decode.reserve(RequestId(2), 256, None).await.unwrap();
+        let to = KvDestination::reserved(decode.kv_target(TransportKind::Inproc).unwrap(), reserved);
         let export = tokio::spawn(worker.prefill(request(2, (3000..3256).collect()), to));
         // The export's command goes out when its task first runs.
         tokio::task::yield_now().await;
@@ -515,8 +529,8 @@ mod tests {
         let one = |id: u64| {
             let (p, d) = (prefill.clone(), decode.clone());
             async move {
-                let token = d.reserve(RequestId(id), 256, None).await.unwrap();
-                let to = KvDestination { target: d.kv_target(TransportKind::Inproc).unwrap(), token };
+                let reserved = d.reserve(RequestId(id), 256, None).await.unwrap();
+                let to = KvDestination::reserved(d.kv_target(TransportKind::Inproc).unwrap(), reserved);
                 let prompt = (0..256).map(|i| 1000 * id as u32 + i).collect();
                 let first = p.prefill(request(id, prompt), to).await.unwrap();
                 (first.queued_seconds, start.elapsed().as_secs_f64())

@@ -331,8 +331,8 @@ impl Loop {
                     self.start(req.id, added, events);
                 }
             },
-            Command::Prefill { req, imported, sink, reply, sent } => {
-                let first = self.prefill(req, imported, sink, sent);
+            Command::Prefill { req, imported, draft_worth, sink, reply, sent } => {
+                let first = self.prefill(req, (imported, draft_worth), sink, sent);
                 self.done();
                 let _ = reply.send(first);
             }
@@ -341,6 +341,7 @@ impl Loop {
                     Some(e) => Err(e),
                     None => self.engine.reserve_import_after(id, prompt_len, &keep).map_err(serve_error),
                 };
+                let res = res.map(|()| self.engine.draft_kv_worth(id));
                 if res.is_ok() {
                     self.imports.insert(id, Instant::now());
                 }
@@ -402,7 +403,7 @@ impl Loop {
     fn prefill(
         &mut self,
         req: GenerateRequest,
-        imported: usize,
+        (imported, draft_worth): (usize, Option<f64>),
         mut sink: FrameSink,
         sent: Instant,
     ) -> Result<Prefilled, ServeError> {
@@ -416,10 +417,7 @@ impl Loop {
         // prefills handled before it in this turn.
         let ahead = self.owed;
         let (id, prompt, params, on_frame) = (req.id, req.prompt, req.params, &mut |f| sink(f));
-        let res = match imported {
-            0 => self.engine.prefill_export(id, prompt, params, on_frame),
-            n => self.engine.prefill_export_imported(id, prompt, params, n, on_frame),
-        };
+        let res = self.engine.prefill_export_to(id, prompt, params, imported, draft_worth, on_frame);
         // A timed engine's prefill took what its model says, on either clock.
         let modelled = self.engine.take_charged();
         self.owed += modelled;

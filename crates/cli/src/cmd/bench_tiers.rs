@@ -200,9 +200,9 @@ fn peer(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind) -> an
         for id in 1..=a.reps.max(1) as u64 {
             let req = request("peer", id, &prompt, 2);
             let started = Instant::now();
-            let token = here.reserve(req.id, tokens, None).await?;
+            let reserved = here.reserve(req.id, tokens, None).await?;
             let target = here.kv_target(via).context("no KV receiver here")?;
-            let got = holder.prefill(req, KvDestination { target, token }).await;
+            let got = holder.prefill(req, KvDestination::reserved(target, reserved)).await;
             times.push(started.elapsed().as_secs_f64());
             here.release(RequestId(id));
             let got = got?;
@@ -241,10 +241,10 @@ fn fetch(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind, busy
                 false => None,
             };
             let started = Instant::now();
-            let token = here.reserve(RequestId(id), whole, None).await?;
+            let token = here.reserve(RequestId(id), whole, None).await?.token;
             let target = here.kv_target(via).context("no KV receiver here")?;
             let sent =
-                holder.export_prefix(RequestId(id), prompt[..whole].to_vec(), 0, KvDestination { target, token });
+                holder.export_prefix(RequestId(id), prompt[..whole].to_vec(), 0, KvDestination::plain(target, token));
             let sent = sent.await?;
             anyhow::ensure!(sent == whole, "the holder sent {sent} of {whole} cached tokens");
             let (tx, mut stream) = TokenStream::channel(8);

@@ -138,6 +138,11 @@ pub(crate) struct DraftImport {
 }
 
 impl DraftImport {
+    /// Whether no frame of it arrived: the prefill side chose not to compute it.
+    pub(crate) fn got_none(&self) -> bool {
+        !self.got.contains(&true)
+    }
+
     /// The draft cache of the imported `prompt`, once every frame of it arrived;
     /// else `None` (its blocks go back, and the draft model computes the prompt).
     pub(crate) fn finish(mut self, prompt: &[u32]) -> Option<DraftKv> {

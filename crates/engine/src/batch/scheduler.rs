@@ -14,7 +14,7 @@ use crate::model::{Pool, Scoring, SeqBatch};
 use crate::threadpool::DisjointMut;
 use crate::timed::{self, StepShape};
 use pdserve_kv::{block_hashes, BlockHash, BlockTable, ImmutableBlock, Move, Place};
-use pdserve_types::{FinishReason, TokenOut};
+use pdserve_types::{FinishReason, RequestId, TokenOut};
 use std::sync::Mutex;
 
 /// The share of an objective the held steps aim at: their times leave out the
@@ -436,39 +436,65 @@ impl Engine {
     /// [`speculate::price_model_drafts`] for `running[seq]` beside the decodes running
     /// now; `None` while something it weighs is unmeasured.
     fn model_drafts_pay(&self, seq: usize) -> Option<bool> {
+        let s = &self.running[seq];
+        let (cost, prompt_s) = self.model_draft_costs(s)?;
+        let price = self.price_drafts(s.id, seq, s.tokens.len(), cost, self.expected_output(s))?;
+        tracing::debug!(
+            request = s.id.0,
+            by_model = price.pays(prompt_s),
+            prompt_ms = prompt_s * 1e3,
+            saved_ms_per_token = price.saved_per_token * 1e3,
+            verified = price.verified,
+            output = price.output,
+            "draft model or lookup"
+        );
+        Some(price.pays(prompt_s))
+    }
+
+    /// What the draft model's K/V of a `prompt_len`-token prompt reserved here would
+    /// save this engine's decodes, in seconds, were the prompt computed elsewhere (a
+    /// prefill worker's): what its drafts save a token beside the decodes running now,
+    /// over the tokens this engine's requests output on average. `None` while
+    /// something it weighs is unmeasured (the K/V is then worth having).
+    pub(super) fn drafts_worth(&self, id: RequestId, prompt_len: usize) -> Option<f64> {
+        let cost = self.draft_pass_cost()?;
+        let output = match self.outputs {
+            (0, _) => return None,
+            (n, tokens) => tokens as f64 / n as f64,
+        };
+        let price = self.price_drafts(id, self.running.len(), prompt_len, cost, output)?;
+        // Every draft verified: worth whatever it costs.
+        let worth = Some((price.output * price.saved_per_token).max(0.0)).filter(|w| w.is_finite())?;
+        tracing::debug!(request = id.0, worth_ms = worth * 1e3, verified = price.verified, "draft K/V worth");
+        Some(worth)
+    }
+
+    /// What drafting by model saves a token of a sequence of `tokens` (at `seq` in
+    /// the batch, or past its end) beside the other decodes running now, with the
+    /// draft model's passes costing `cost`; `None` while something it weighs is
+    /// unmeasured.
+    fn price_drafts(&self, id: RequestId, seq: usize, tokens: usize, cost: DraftCost, output: f64) -> Option<Priced> {
         let spec = self.cfg.speculation.as_ref().filter(|_| self.has_draft_model())?;
         if spec.verify_all {
             // Every draft verified, as vLLM and llama.cpp do: every sequence drafts.
-            return Some(true);
+            return Some(Priced { saved_per_token: f64::INFINITY, verified: spec.max_draft, output });
         }
         // A fit that cannot tell a row from a step charges every row alike, and
         // drafts would seem to save nothing.
         let fit = self.decode_steps.tells_rows_apart().then(|| self.decode_steps.fit()).flatten()?;
-        let s = &self.running[seq];
-        let (cost, prompt_s) = self.model_draft_costs(s)?;
-        let others = self.running.iter().enumerate().filter(|&(i, r)| i != seq && !r.paused && r.is_decoding());
-        let contexts: Vec<usize> = others.map(|(_, r)| r.computed).chain([s.tokens.len()]).collect();
+        let others = self.running.iter().enumerate().filter(|&(i, r)| i != seq && r.id != id);
+        let others = others.filter(|(_, r)| !r.paused && r.is_decoding());
+        let contexts: Vec<usize> = others.map(|(_, r)| r.computed).chain([tokens]).collect();
         let drafting = speculate::ModelDrafting {
-            prompt_s,
-            output: self.expected_output(s),
+            prompt_s: 0.0,
+            output,
             drafted: spec.max_draft,
             rate: self.by_model.rate(),
             pass_s: cost.pass,
-            row_s: cost.row(s.tokens.len()),
+            row_s: cost.row(tokens),
         };
         let price = speculate::price_model_drafts(&fit, &contexts, &drafting);
-        tracing::debug!(
-            request = s.id.0,
-            by_model = price.pays,
-            prompt_ms = drafting.prompt_s * 1e3,
-            saved_ms_per_token = price.saved_per_token * 1e3,
-            verified = price.verified,
-            output = drafting.output,
-            decodes = contexts.len() - 1,
-            rate = drafting.rate,
-            "draft model or lookup"
-        );
-        Some(price.pays)
+        Some(Priced { saved_per_token: price.saved_per_token, verified: price.verified, output })
     }
 
     /// The tokens `s` is expected to output still: the mean of the requests that
@@ -501,7 +527,7 @@ impl Engine {
 
     /// How a timed engine's drafts fare (`None` for a real model, or a timed one
     /// without speculation).
-    fn timed_speculation(&self) -> Option<crate::timed::TimedSpeculation> {
+    pub(super) fn timed_speculation(&self) -> Option<crate::timed::TimedSpeculation> {
         match &self.compute {
             Compute::Timed(t) => t.speculation,
             Compute::Model(_) => None,
@@ -1015,4 +1041,20 @@ fn only(token: u32) -> Vec<u32> {
     let mut words = vec![0; token as usize / 32 + 1];
     words[token as usize / 32] = 1 << (token % 32);
     words
+}
+
+/// What drafts by model would save a sequence: a token's saving, the drafted tokens
+/// a step verifies, and the tokens it is expected to output.
+struct Priced {
+    saved_per_token: f64,
+    verified: usize,
+    output: f64,
+}
+
+impl Priced {
+    /// Whether the saving over the expected output exceeds `prompt_s`, the draft
+    /// model's compute of the prompt.
+    fn pays(&self, prompt_s: f64) -> bool {
+        self.output * self.saved_per_token > prompt_s
+    }
 }

@@ -21,6 +21,9 @@ pub struct KvImport {
     ids: Vec<u32>,
     /// The draft model's blocks for the prompt, where this engine drafts with one.
     draft: Option<DraftImport>,
+    /// What the draft model's K/V of the prompt would save this engine, as the
+    /// prefill side was told ([`Engine::draft_kv_worth`]; `None`: whatever it costs).
+    draft_worth: Option<f64>,
     /// Frames of later stages' layers (a group's head), with their blocks, not yet
     /// sent to the stages, and their bytes.
     staged: Vec<(u32, KvFrame)>,
@@ -43,9 +46,7 @@ impl Engine {
         params: SamplingParams,
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<StepOutput, EngineError> {
-        self.check_new(id, &prompt, &params)?;
-        let s = self.sequence(id, prompt, params)?;
-        self.set_aside(|e| e.run_export(s, on_frame))
+        self.prefill_export_to(id, prompt, params, 0, None, on_frame)
     }
 
     /// [`Engine::prefill_export`] of a prompt whose first `imported` tokens' K/V
@@ -60,8 +61,56 @@ impl Engine {
         imported: usize,
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<StepOutput, EngineError> {
-        let s = self.imported_sequence(id, prompt, params, imported)?;
+        self.prefill_export_to(id, prompt, params, imported, None, on_frame)
+    }
+
+    /// [`Engine::prefill_export`], or [`Engine::prefill_export_imported`] where
+    /// `imported` > 0, for a receiver whose reservation said what the draft model's
+    /// K/V of the prompt would save it (`draft_worth`, [`Engine::draft_kv_worth`]):
+    /// with a draft model here, the prompt is computed in it and shipped only where
+    /// that saving exceeds what the computing costs here (a cost not yet measured is
+    /// paid, to measure it). `None`: this engine decides as for its own decodes.
+    pub fn prefill_export_to(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        imported: usize,
+        draft_worth: Option<f64>,
+        on_frame: &mut dyn FnMut(KvFrame) -> bool,
+    ) -> Result<StepOutput, EngineError> {
+        let mut s = match imported {
+            0 => {
+                self.check_new(id, &prompt, &params)?;
+                self.sequence(id, prompt, params)?
+            }
+            n => self.imported_sequence(id, prompt, params, n)?,
+        };
+        if let Some(worth) = draft_worth.filter(|_| self.has_draft_model()) {
+            s.model_drafts = Some(self.draft_kv_pays(&s.tokens, worth, |d| d.lacks(&s)));
+        }
         self.set_aside(|e| e.run_export(s, on_frame))
+    }
+
+    /// Whether computing the draft model's K/V of `prompt` here (its `lacks` tokens
+    /// the draft pool does not cache) costs less than the `worth` a receiver put on
+    /// it; yes while this engine has not measured the cost.
+    fn draft_kv_pays(&self, prompt: &[u32], worth: f64, lacks: impl Fn(&super::draft::Drafter) -> usize) -> bool {
+        let cost = match (self.drafter.as_ref(), self.timed_speculation()) {
+            (Some(d), _) => d.prompt_cost().map(|c| c * lacks(d) as f64),
+            (None, Some(t)) => Some(t.draft_prompt_seconds(0, prompt.len())),
+            (None, None) => None,
+        };
+        cost.is_none_or(|c| worth > c)
+    }
+
+    /// What the draft model's K/V of a prompt of `prompt_len` tokens, reserved here
+    /// as `id`, would save this engine's decodes, in seconds (`None`: whatever it
+    /// costs, while the saving is unmeasured; 0 without a draft model, or with no
+    /// room for it): what the reservation tells the prefill side.
+    pub fn draft_kv_worth(&self, id: RequestId) -> Option<f64> {
+        let imp = self.importing.iter().find(|i| i.id == id)?;
+        imp.draft_worth
     }
 
     /// Runs `f` with the batch emptied, then puts the sequences back as they were:
@@ -176,10 +225,16 @@ impl Engine {
         // The frames overwrite these blocks: evicted ones go down first.
         self.settle_moves();
         let ids = table.block_ids().into_iter().skip(own.len() / BLOCK_SIZE).map(|b| b.0).collect();
-        // A peer's cached prefix comes without draft K/V; a prefill's comes with it.
+        // A peer's cached prefix comes without draft K/V; a prefill's may come with it.
         let draft = self.drafter.as_ref().filter(|_| own.is_empty()).and_then(|d| d.reserve(prompt_len));
+        // A timed engine's draft model has no pool: it takes any prompt's.
+        let timed = self.drafter.is_none() && self.has_draft_model();
+        let draft_worth = match own.is_empty() && (draft.is_some() || timed) {
+            true => self.drafts_worth(id, prompt_len),
+            false => Some(0.0),
+        };
         let (staged, staged_bytes) = (Vec::new(), 0);
-        self.importing.push(KvImport { id, prompt_len, table, ids, draft, staged, staged_bytes });
+        self.importing.push(KvImport { id, prompt_len, table, ids, draft, draft_worth, staged, staged_bytes });
         Ok(())
     }
 
@@ -255,12 +310,18 @@ impl Engine {
         let mut table = imp.table;
         table.commit(&s.tokens);
         s.table = Some(table);
+        let declined = imp.draft.as_ref().is_some_and(|d| d.got_none());
         s.draft_kv = imp.draft.and_then(|d| d.finish(&s.tokens));
-        // Shipped, its prompt's draft compute is paid; else this engine decides. A
-        // timed engine ships no draft K/V: the twin takes its prefill side's draft
-        // compute to have been paid.
-        let timed_draft = self.drafter.is_none() && self.has_draft_model();
-        s.model_drafts = (s.draft_kv.is_some() || timed_draft).then_some(true);
+        // Shipped, its prompt's draft compute is paid; declined by the prefill side
+        // (none of it came), it drafts by lookup; else (part of it lost, or no room
+        // for it here) this engine decides. A timed engine ships no draft K/V: its
+        // prefill side decided as `prefill_export_to` does, on the same profile.
+        s.model_drafts = match (self.drafter.is_some(), self.has_draft_model()) {
+            (true, _) if s.draft_kv.is_some() => Some(true),
+            (true, _) if declined => Some(false),
+            (false, true) => Some(imp.draft_worth.is_none_or(|w| self.draft_kv_pays(&s.tokens, w, |_| 0))),
+            _ => None,
+        };
         // Record the first token exactly as a local step would have.
         s.tokens.push(first);
         s.history.push(first);

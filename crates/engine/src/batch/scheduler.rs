@@ -446,6 +446,7 @@ impl Engine {
             saved_ms_per_token = price.saved_per_token * 1e3,
             verified = price.verified,
             output = price.output,
+            decodes = price.decodes,
             "draft model or lookup"
         );
         Some(price.pays(prompt_s))
@@ -465,7 +466,8 @@ impl Engine {
         let price = self.price_drafts(id, self.running.len(), prompt_len, cost, output)?;
         // Every draft verified: worth whatever it costs.
         let worth = Some((price.output * price.saved_per_token).max(0.0)).filter(|w| w.is_finite())?;
-        tracing::debug!(request = id.0, worth_ms = worth * 1e3, verified = price.verified, "draft K/V worth");
+        let (verified, decodes) = (price.verified, price.decodes);
+        tracing::debug!(request = id.0, worth_ms = worth * 1e3, verified, decodes, "draft K/V worth");
         Some(worth)
     }
 
@@ -477,7 +479,7 @@ impl Engine {
         let spec = self.cfg.speculation.as_ref().filter(|_| self.has_draft_model())?;
         if spec.verify_all {
             // Every draft verified, as vLLM and llama.cpp do: every sequence drafts.
-            return Some(Priced { saved_per_token: f64::INFINITY, verified: spec.max_draft, output });
+            return Some(Priced { saved_per_token: f64::INFINITY, verified: spec.max_draft, output, decodes: 0 });
         }
         // A fit that cannot tell a row from a step charges every row alike, and
         // drafts would seem to save nothing.
@@ -494,7 +496,8 @@ impl Engine {
             row_s: cost.row(tokens),
         };
         let price = speculate::price_model_drafts(&fit, &contexts, &drafting);
-        Some(Priced { saved_per_token: price.saved_per_token, verified: price.verified, output })
+        let decodes = contexts.len() - 1;
+        Some(Priced { saved_per_token: price.saved_per_token, verified: price.verified, output, decodes })
     }
 
     /// The tokens `s` is expected to output still: the mean of the requests that
@@ -1044,11 +1047,13 @@ fn only(token: u32) -> Vec<u32> {
 }
 
 /// What drafts by model would save a sequence: a token's saving, the drafted tokens
-/// a step verifies, and the tokens it is expected to output.
+/// a step verifies, the tokens it is expected to output, and the other decodes the
+/// saving was priced beside.
 struct Priced {
     saved_per_token: f64,
     verified: usize,
     output: f64,
+    decodes: usize,
 }
 
 impl Priced {

@@ -101,7 +101,9 @@ impl Engine {
             (None, Some(t)) => Some(t.draft_prompt_seconds(0, prompt.len())),
             (None, None) => None,
         };
-        cost.is_none_or(|c| worth > c)
+        let pays = cost.is_none_or(|c| worth > c);
+        tracing::debug!(pays, worth_ms = worth * 1e3, cost_ms = cost.map(|c| c * 1e3), "draft K/V for a receiver");
+        pays
     }
 
     /// What the draft model's K/V of a prompt of `prompt_len` tokens, reserved here
@@ -186,12 +188,13 @@ impl Engine {
         let Some(d) = self.drafter.as_mut() else { return true };
         let Some(seq) = self.running.iter().position(|s| s.id == id) else { return true };
         if self.running[seq].model_drafts == Some(false) {
-            // It drafts by lookup: the decode engine decides for itself.
+            // Not worth its compute (here, or to the receiver): none of it goes, and
+            // the decode engine drafts it by lookup.
             return true;
         }
         let upto = self.running[seq].prompt_len;
         if !d.complete(self.isa, &self.pool, &mut self.running, seq, upto, self.cfg.max_batch_tokens) {
-            // No room in the draft pool: the decode engine computes it.
+            // No room in the draft pool: none of it goes, as above.
             return true;
         }
         d.export(&self.running[seq], upto, total, on_frame)

@@ -406,17 +406,23 @@ fn the_draft_model_follows_a_prompt_computed_in_its_first_step() {
     assert_eq!(e.stats().spec.draft_prompt_tokens, tokens.len() as u64);
 }
 
+/// Greedy, `max_tokens` of them whatever the model says.
+fn greedy(max_tokens: u32) -> SamplingParams {
+    SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }.validate().unwrap()
+}
+
+/// Runs `tokens` greedily on `e` with nothing beside it: the tokens it generates.
+fn alone(e: &mut Engine, id: u64, tokens: Vec<u32>, max_tokens: u32) -> Vec<u32> {
+    e.add(RequestId(id), tokens, greedy(max_tokens)).unwrap();
+    let mut got = Vec::new();
+    while e.has_work() {
+        got.extend(e.step().into_iter().map(|o| o.sampled.token));
+    }
+    got
+}
+
 #[test]
 fn a_long_prompt_for_a_short_answer_drafts_by_lookup_once_the_costs_are_measured() {
-    let greedy = |max_tokens| SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }.validate().unwrap();
-    let alone = |e: &mut Engine, id: u64, tokens: Vec<u32>, max_tokens| {
-        e.add(RequestId(id), tokens, greedy(max_tokens)).unwrap();
-        let mut got = Vec::new();
-        while e.has_work() {
-            got.extend(e.step().into_iter().map(|o| o.sampled.token));
-        }
-        got
-    };
     // The measured rule. A first request times what the decision weighs: the draft
     // model's prompt, its passes, and decode steps of two sizes.
     let mut e = engine(drafting(self_draft(), 4, false), 512, 256);
@@ -438,15 +444,6 @@ fn a_long_prompt_for_a_short_answer_drafts_by_lookup_once_the_costs_are_measured
 fn a_prefill_engine_ships_the_draft_kv_only_where_the_receiver_values_it_above_its_cost() {
     let target_layers = model().model.cfg.n_layers as u32;
     let encode = |i: usize| model().tokenizer.encode_with_bos(PROMPTS[i], false);
-    let greedy = |max_tokens| SamplingParams { max_tokens, ignore_eos: true, ..Default::default() }.validate().unwrap();
-    let alone = |e: &mut Engine, id: u64, tokens: Vec<u32>, max_tokens| {
-        e.add(RequestId(id), tokens, greedy(max_tokens)).unwrap();
-        let mut got = Vec::new();
-        while e.has_work() {
-            got.extend(e.step().into_iter().map(|o| o.sampled.token));
-        }
-        got
-    };
     let (tokens, id) = (encode(0), RequestId(1));
     let want = alone(&mut engine(None, 512, 256), 1, tokens.clone(), 24);
     // A decode engine that has measured nothing wants the draft K/V whatever it

@@ -533,6 +533,42 @@ fn a_draft_model_computes_the_prompts_whose_drafts_repay_it() {
     }
 }
 
+/// Across a handoff the prefill worker computes the draft model's prompt only where
+/// the decode worker's reservation prices its K/V above that cost, and the decode
+/// worker drafts by model exactly then: the same requests as above, on a prefill
+/// worker and a decode worker.
+#[test]
+fn a_prefill_worker_computes_the_draft_prompts_the_decode_worker_prices_above_their_cost() {
+    let draft = StepCost { fixed_s: 0.0004, token_s: 0.00005, pair_s: 1e-8, decode_pair_s: 4e-8, logits_s: 0.0001 };
+    let spec = SpecProfile { tokens: 4, accepted_share: 1.0, drafting_share: 1.0, draft_steps: vec![(1, draft)] };
+    let runs = |p: Profile, input, output| {
+        let t = topology(Mode::Disaggregated, vec![Role::Prefill, Role::Decode]);
+        let out = run(&p, t, &workload(input, output), Sweep::Concurrency(vec![1]), 4);
+        assert!(out[0].records.iter().all(|r| r.ok && r.output_tokens == u64::from(output)), "{:?}", out[0].records);
+        let ttft = out[0].records.iter().map(|r| r.ttft_s.unwrap()).collect::<Vec<f64>>();
+        (ttft, out[0].summary.tpot_ms.p50.unwrap())
+    };
+    let follow = |input| draft.seconds(&StepShape::chunk(0, input, false));
+    // 256 in, 64 out: every prompt's draft K/V is worth its compute, and drafts pay.
+    let ((plain, plain_tpot), (drafting, drafting_tpot)) =
+        (runs(profile(), 256, 64), runs(profile().with_speculation(spec.clone()), 256, 64));
+    for (p, d) in plain.iter().zip(&drafting) {
+        close(*d, p + follow(256));
+    }
+    assert!(drafting_tpot < plain_tpot * 0.8, "{drafting_tpot} ms against {plain_tpot} ms");
+    // 2048 in, 16 out: the first prompt is computed while the decode worker has
+    // measured nothing; after it, its reservations price the draft K/V below the
+    // prompt's cost, neither worker pays it, and the decode worker drafts those
+    // requests by lookup (nothing, in the twin): three of four decode as plain ones.
+    let ((plain, plain_tpot), (drafting, drafting_tpot)) =
+        (runs(profile(), 2048, 16), runs(profile().with_speculation(spec), 2048, 16));
+    close(drafting[0], plain[0] + follow(2048));
+    for (p, d) in plain.iter().zip(&drafting).skip(1) {
+        close(*d, *p);
+    }
+    close(drafting_tpot / 1e3, plain_tpot / 1e3);
+}
+
 /// TPOT p50 of four requests of 256 tokens in, 64 out, one at a time, on one mixed
 /// worker of `p`; every one must finish whole.
 fn lone_tpot(p: Profile) -> f64 {

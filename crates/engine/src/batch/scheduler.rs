@@ -438,7 +438,7 @@ impl Engine {
     fn model_drafts_pay(&self, seq: usize) -> Option<bool> {
         let s = &self.running[seq];
         let (cost, prompt_s) = self.model_draft_costs(s)?;
-        let price = self.price_drafts(s.id, seq, s.tokens.len(), cost, self.expected_output(s))?;
+        let price = self.price_drafts(s.id, s.tokens.len(), cost, self.expected_output(s))?;
         tracing::debug!(
             request = s.id.0,
             by_model = price.pays(prompt_s),
@@ -463,7 +463,7 @@ impl Engine {
             (0, _) => return None,
             (n, tokens) => tokens as f64 / n as f64,
         };
-        let price = self.price_drafts(id, self.running.len(), prompt_len, cost, output)?;
+        let price = self.price_drafts(id, prompt_len, cost, output)?;
         // Every draft verified: worth whatever it costs.
         let worth = Some((price.output * price.saved_per_token).max(0.0)).filter(|w| w.is_finite())?;
         let (verified, decodes) = (price.verified, price.decodes);
@@ -471,11 +471,10 @@ impl Engine {
         Some(worth)
     }
 
-    /// What drafting by model saves a token of a sequence of `tokens` (at `seq` in
-    /// the batch, or past its end) beside the other decodes running now, with the
-    /// draft model's passes costing `cost`; `None` while something it weighs is
-    /// unmeasured.
-    fn price_drafts(&self, id: RequestId, seq: usize, tokens: usize, cost: DraftCost, output: f64) -> Option<Priced> {
+    /// What drafting by model saves a token of sequence `id` of `tokens` (running
+    /// here or not yet) beside the other decodes running now, with the draft model's
+    /// passes costing `cost`; `None` while something it weighs is unmeasured.
+    fn price_drafts(&self, id: RequestId, tokens: usize, cost: DraftCost, output: f64) -> Option<Priced> {
         let spec = self.cfg.speculation.as_ref().filter(|_| self.has_draft_model())?;
         if spec.verify_all {
             // Every draft verified, as vLLM and llama.cpp do: every sequence drafts.
@@ -484,9 +483,8 @@ impl Engine {
         // A fit that cannot tell a row from a step charges every row alike, and
         // drafts would seem to save nothing.
         let fit = self.decode_steps.tells_rows_apart().then(|| self.decode_steps.fit()).flatten()?;
-        let others = self.running.iter().enumerate().filter(|&(i, r)| i != seq && r.id != id);
-        let others = others.filter(|(_, r)| !r.paused && r.is_decoding());
-        let contexts: Vec<usize> = others.map(|(_, r)| r.computed).chain([tokens]).collect();
+        let others = self.running.iter().filter(|r| r.id != id && !r.paused && r.is_decoding());
+        let contexts: Vec<usize> = others.map(|r| r.computed).chain([tokens]).collect();
         let drafting = speculate::ModelDrafting {
             prompt_s: 0.0,
             output,

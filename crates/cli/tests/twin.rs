@@ -66,6 +66,9 @@ fn profile_then_simulate() {
     let profile = dir.join("profile.json");
     let out = pdserve(&["profile", "--threads", "1", "--out", profile.to_str().unwrap()]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // It times steps that verify drafts and says how far its price of them is off.
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("verified drafts: their price off by") && log.contains("1×9 at 512: "), "{log}");
     let p: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
     assert_eq!(p["provenance"]["kind"], "measured");
     assert_eq!(p["model"]["n_layers"], 30);
@@ -115,7 +118,48 @@ fn profile_then_simulate() {
             assert_eq!(rec["output_tokens"], 32);
         }
     }
+
+    simulates_speculation(&profile);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Speculation as servers measured it: a draft model (the profile at `profile` stands
+/// in for its own) and a lookup's figures beside it; a share past 1 is refused.
+fn simulates_speculation(profile: &std::path::Path) {
+    let p = profile.to_str().unwrap();
+    let spec = |lookup: &str| {
+        pdserve(&[
+            "sim",
+            "--profile",
+            p,
+            "--mode",
+            "aggregated",
+            "--concurrency",
+            "1",
+            "--input-len",
+            "64",
+            "--output-len",
+            "16",
+            "--requests",
+            "2",
+            "--spec-tokens",
+            "4",
+            "--spec-acceptance",
+            "0.9",
+            "--spec-draft-profile",
+            p,
+            "--spec-lookup-acceptance",
+            lookup,
+            "--spec-lookup-drafting",
+            "0.5",
+        ])
+    };
+    let ok = spec("0.7");
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    let bad = spec("1.5");
+    assert_eq!(bad.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("--spec-lookup-acceptance is a share, 0 to 1 (got 1.5)"), "{err}");
 }
 
 #[test]

@@ -38,6 +38,19 @@ impl StepShape {
         }
     }
 
+    /// A sequence's part of a step as the engine runs it: `n` tokens from position
+    /// `start`, the last `logits` of them sampled. A verified draft (several rows
+    /// sampled) is a chunk with a logits row for each: its rows share one context,
+    /// as a prompt chunk's do (not each its own, as decode rows), and each gets the
+    /// logits a decode row would. `pdserve profile` times such steps and logs how far
+    /// this price is off.
+    pub fn part(start: usize, n: usize, logits: usize) -> StepShape {
+        match n {
+            1 => StepShape::chunk(start, 1, logits == 1),
+            _ => StepShape { logits: logits as f64, ..StepShape::chunk(start, n, false) },
+        }
+    }
+
     /// A decode step of `batch` sequences, each at `context` positions.
     pub fn decode(batch: usize, context: usize) -> StepShape {
         (0..batch).map(|_| StepShape::chunk(context, 1, true)).sum()
@@ -342,6 +355,17 @@ pub struct TimedSpeculation {
     /// What a pass of the draft model costs, when a draft model drafts (none: drafts
     /// are free, as a lookup nearly is).
     pub draft_step: Option<StepCost>,
+    /// Beside a draft model, how the drafts of a request that drafts by lookup fare
+    /// (none: such a request drafts nothing).
+    pub lookup: Option<TimedLookup>,
+}
+
+/// A lookup's drafts as an n-gram server measured them: the per-token chance and the
+/// share of steps with a draft, as [`TimedSpeculation`]'s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimedLookup {
+    pub per_token: f64,
+    pub drafting: f64,
 }
 
 impl TimedSpeculation {
@@ -361,7 +385,14 @@ impl TimedSpeculation {
                 hi = mid;
             }
         }
-        TimedSpeculation { per_token: (lo + hi) / 2.0, drafting: 1.0, draft_step: None }
+        TimedSpeculation { per_token: (lo + hi) / 2.0, drafting: 1.0, draft_step: None, lookup: None }
+    }
+
+    /// How a lookup beside this draft model drafts: free, with the lookup's figures;
+    /// `None` where the twin has none.
+    pub fn lookup(&self) -> Option<TimedSpeculation> {
+        let l = self.lookup?;
+        Some(TimedSpeculation { per_token: l.per_token, drafting: l.drafting, draft_step: None, lookup: None })
     }
 
     /// Seconds the draft model's passes take for a step in which `rows` sequences
@@ -429,16 +460,18 @@ mod tests {
         // A draft that is always right is what the engine samples; one never right
         // is wrong at once.
         let tokens = [5u32, 17, 900];
-        let always = TimedSpeculation { per_token: 1.0, drafting: 1.0, draft_step: None }.draft(&tokens, 3, 49152);
+        let always =
+            TimedSpeculation { per_token: 1.0, drafting: 1.0, draft_step: None, lookup: None }.draft(&tokens, 3, 49152);
         let mut seq = tokens.to_vec();
         for &t in &always {
             assert_eq!(t, next_token(&seq, 49152));
             seq.push(t);
         }
-        let never = TimedSpeculation { per_token: 0.0, drafting: 1.0, draft_step: None }.draft(&tokens, 3, 49152);
+        let never =
+            TimedSpeculation { per_token: 0.0, drafting: 1.0, draft_step: None, lookup: None }.draft(&tokens, 3, 49152);
         assert_ne!(never[0], next_token(&tokens, 49152));
         // A lookup that finds nothing most of the time drafts about that often.
-        let rare = TimedSpeculation { per_token: 1.0, drafting: 0.25, draft_step: None };
+        let rare = TimedSpeculation { per_token: 1.0, drafting: 0.25, draft_step: None, lookup: None };
         let drafted = (0..4000u32).filter(|&t| !rare.draft(&[t, t + 1], 2, 49152).is_empty()).count();
         assert!((800..1200).contains(&drafted), "{drafted} of 4000");
     }
@@ -488,6 +521,23 @@ mod tests {
         // A prompt chunk beside one decode row: the chunk's linear cost, the row's residual.
         assert_eq!(step.seconds(&(StepShape::prefill(0, 4) + StepShape::decode(1, 10))), 5.5);
         assert_eq!(step.seconds(&StepShape::prefill(0, 4)), 4.0);
+    }
+
+    #[test]
+    fn a_verified_draft_is_a_chunk_whose_every_row_gets_logits() {
+        // A sequence at 10 positions verifying 2 drafted tokens: 3 rows over one
+        // context, each sampled.
+        let verify = StepShape::part(10, 3, 3);
+        assert_eq!(verify, StepShape { logits: 3.0, ..StepShape::chunk(10, 3, false) });
+        assert_eq!((verify.tokens, verify.pairs, verify.decode_pairs, verify.decodes), (3.0, 36.0, 0.0, 0.0));
+        // A prompt chunk samples one row at most; a lone row is a decode row.
+        assert_eq!(StepShape::part(10, 3, 1), StepShape::chunk(10, 3, true));
+        assert_eq!(StepShape::part(10, 3, 0), StepShape::chunk(10, 3, false));
+        assert_eq!(StepShape::part(10, 1, 1), StepShape::decode(1, 10));
+        // Its price: three tokens, its pairs, three logits rows, no decode residual.
+        let c = StepCost { fixed_s: 1.0, token_s: 2.0, pair_s: 0.5, decode_pair_s: 7.0, logits_s: 3.0 };
+        let table = DecodeTable::from_points(&[(1, 10, 100.0), (3, 10, 100.0)]).unwrap();
+        assert_eq!(StepTime { cost: c, decode_table: table }.seconds(&verify), 1.0 + 6.0 + 18.0 + 9.0);
     }
 
     #[test]

@@ -6,6 +6,10 @@
 //! - Decode: batches of 1 to 32 sequences at three context lengths, each sequence's
 //!   context imported as a KV transfer (no prefill to compute, no blocks shared); the
 //!   median of three steps in each of three passes over the grid.
+//! - Verified drafts: a step of sequences each computing several rows with logits,
+//!   as a speculating engine verifies drafts, timed through the model alone (no
+//!   sampling) and set against what the fitted shape prices them at; logged, a check
+//!   of that price rather than a figure the profile keeps.
 //! - KV links: a 64 KiB and a 16 MiB handoff over each transport (the best of three):
 //!   the small one is the latency, the difference the rate.
 //! - KV tiers: a 512-token prompt pushed out of a fresh engine's pool into the host
@@ -28,9 +32,12 @@ use pdserve_bench::prompt::{Prompt, PromptKind};
 use pdserve_bench::target::Target;
 use pdserve_bench::workload::RequestSpec;
 use pdserve_engine::batch::{Engine, EngineConfig, BLOCK_SIZE};
-use pdserve_engine::model::Model;
+use pdserve_engine::kernels::Isa;
+use pdserve_engine::kvcache::KvStorage;
+use pdserve_engine::model::{ForwardScratch, Model, SeqBatch};
+use pdserve_engine::threadpool::ThreadPool;
 use pdserve_engine::tiers::TierConfig;
-use pdserve_engine::timed::RestoreCost;
+use pdserve_engine::timed::{RestoreCost, StepShape, StepTime};
 use pdserve_kv_transfer::{frame, probe, ClusterKey, HandoffId, Inboxes, KvTarget, Links, ListenAt, TransportKind};
 use pdserve_protocol::{Event, GenerateRequest, RoleSwitch, TokenStream, Worker};
 use pdserve_types::{Assignment, Epoch, KvDtype, KvFrame, RequestId, Role, SamplingParams};
@@ -147,9 +154,51 @@ fn time_shapes(spec: &Spec, log: &mut dyn FnMut(&str)) -> Vec<Shape> {
                 NOISY_FIT * 100.0
             ));
         }
-        shapes.push(Shape { threads: t, step, points });
+        let shape = Shape { threads: t, step, points };
+        log(&format!("{t} thread(s): {}", verify_check(&spec.model, &shape)));
+        shapes.push(shape);
     }
     shapes
+}
+
+/// Steps of sequences verifying drafts: (sequences, rows each, context).
+const VERIFY_STEPS: [(usize, usize, usize); 6] =
+    [(1, 5, 64), (1, 9, 64), (4, 5, 64), (1, 5, 512), (1, 9, 512), (4, 9, 512)];
+
+/// Times [`VERIFY_STEPS`] through the model (the median of five passes, after one
+/// that warms it) and says how far `shape`'s price of them is off.
+fn verify_check(model: &Arc<Model>, shape: &Shape) -> String {
+    let step = StepTime { cost: shape.step, decode_table: shape.decode_table() };
+    let (pool, isa) = (ThreadPool::new(shape.threads), Isa::detect());
+    let per_seq = 1024 / BLOCK_SIZE;
+    let mut kv = KvStorage::new(&model.cfg, 4 * per_seq, BLOCK_SIZE);
+    let mut scratch = ForwardScratch::default();
+    let tables: Vec<Vec<u32>> = (0..4u32).map(|i| (i * per_seq as u32..(i + 1) * per_seq as u32).collect()).collect();
+    let mut errors = Vec::new();
+    let mut said = Vec::new();
+    for (b, r, ctx) in VERIFY_STEPS {
+        let tokens: Vec<Vec<u32>> = (0..b).map(|i| prompt(r, 7000 + i)).collect();
+        let batch: Vec<SeqBatch<'_>> = (0..b).map(|i| SeqBatch::plain(&tokens[i], ctx, &tables[i], r)).collect();
+        let mut times: Vec<f64> = (0..6)
+            .map(|_| {
+                let t = Instant::now();
+                model.forward(isa, &pool, &batch, &mut kv, &mut scratch, &mut |_, _| true);
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        times.remove(0);
+        let measured = median(times);
+        let priced = step.seconds(&(0..b).map(|_| StepShape::part(ctx, r, r)).sum());
+        errors.push((priced - measured).abs() / measured);
+        said.push(format!("{b}×{r} at {ctx}: {:.2} ms, priced {:.2}", measured * 1e3, priced * 1e3));
+    }
+    let worst = errors.iter().copied().fold(0.0, f64::max);
+    format!(
+        "verified drafts: their price off by {:.1} % (median), {:.1} % at worst ({})",
+        median(errors) * 100.0,
+        worst * 100.0,
+        said.join("; ")
+    )
 }
 
 /// Each transport's latency and rate, for frames of `frame_elems` values.

@@ -11,7 +11,7 @@
 use crate::TwinError;
 use pdserve_engine::batch::{EngineConfig, SpecConfig};
 use pdserve_engine::timed::{
-    Clock, DecodeTable, RestoreCost, StepCost, StepShape, StepTime, TimedModel, TimedSpeculation,
+    Clock, DecodeTable, RestoreCost, StepCost, StepShape, StepTime, TimedLookup, TimedModel, TimedSpeculation,
 };
 use pdserve_kv_transfer::TransportKind;
 use pdserve_types::KvDtype;
@@ -122,6 +122,11 @@ pub struct SpecProfile {
     /// are free, as an n-gram lookup nearly is.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub draft_steps: Vec<(usize, StepCost)>,
+    /// Beside a draft model, a lookup's drafts as a `--speculative ngram` server
+    /// measured them on the same workload: (accepted share, drafting share). None: a
+    /// request that drafts by lookup there drafts nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookup: Option<(f64, f64)>,
 }
 
 impl SpecProfile {
@@ -129,9 +134,14 @@ impl SpecProfile {
     fn timed(&self, threads: usize) -> TimedSpeculation {
         let below = self.draft_steps.iter().filter(|(t, _)| *t <= threads).max_by_key(|(t, _)| *t);
         let step = below.or_else(|| self.draft_steps.iter().min_by_key(|(t, _)| *t)).map(|(_, s)| *s);
+        let lookup = self.lookup.map(|(accepted, drafting)| TimedLookup {
+            per_token: TimedSpeculation::from_share(accepted, self.tokens).per_token,
+            drafting,
+        });
         TimedSpeculation {
             drafting: self.drafting_share,
             draft_step: step,
+            lookup,
             ..TimedSpeculation::from_share(self.accepted_share, self.tokens)
         }
     }

@@ -480,7 +480,13 @@ fn protected_decodes_keep_their_tpot_objective_beside_long_prompts() {
 #[test]
 fn measured_speculation_shortens_tpot_only_where_drafts_are_accepted() {
     let plain = lone_tpot(profile());
-    let spec = |accepted_share| SpecProfile { tokens: 4, accepted_share, drafting_share: 1.0, draft_steps: vec![] };
+    let spec = |accepted_share| SpecProfile {
+        tokens: 4,
+        accepted_share,
+        drafting_share: 1.0,
+        draft_steps: vec![],
+        lookup: None,
+    };
     let good = lone_tpot(profile().with_speculation(spec(0.8)));
     let bad = lone_tpot(profile().with_speculation(spec(0.0)));
     assert!(good < 0.7 * plain, "accepted drafts: {good:.2} ms against {plain:.2} ms");
@@ -491,8 +497,13 @@ fn measured_speculation_shortens_tpot_only_where_drafts_are_accepted() {
 /// and a draft model's passes are charged: one as dear as the target gains nothing.
 #[test]
 fn speculation_gains_less_where_drafts_are_rarer_or_dearer() {
-    let spec =
-        |drafting_share, draft_steps| SpecProfile { tokens: 4, accepted_share: 0.8, drafting_share, draft_steps };
+    let spec = |drafting_share, draft_steps| SpecProfile {
+        tokens: 4,
+        accepted_share: 0.8,
+        drafting_share,
+        draft_steps,
+        lookup: None,
+    };
     let plain = lone_tpot(profile());
     let always = lone_tpot(profile().with_speculation(spec(1.0, vec![])));
     let rare = lone_tpot(profile().with_speculation(spec(0.25, vec![])));
@@ -511,7 +522,13 @@ fn speculation_gains_less_where_drafts_are_rarer_or_dearer() {
 #[test]
 fn a_draft_model_computes_the_prompts_whose_drafts_repay_it() {
     let draft = StepCost { fixed_s: 0.0004, token_s: 0.00005, pair_s: 1e-8, decode_pair_s: 4e-8, logits_s: 0.0001 };
-    let spec = SpecProfile { tokens: 4, accepted_share: 1.0, drafting_share: 1.0, draft_steps: vec![(1, draft)] };
+    let spec = SpecProfile {
+        tokens: 4,
+        accepted_share: 1.0,
+        drafting_share: 1.0,
+        draft_steps: vec![(1, draft)],
+        lookup: None,
+    };
     let ttfts = |p: Profile, input, output| {
         let t = topology(Mode::Aggregated, vec![Role::Mixed]);
         let out = run(&p, t, &workload(input, output), Sweep::Concurrency(vec![1]), 4);
@@ -533,6 +550,48 @@ fn a_draft_model_computes_the_prompts_whose_drafts_repay_it() {
     }
 }
 
+/// Beside a draft model, a request that drafts by lookup drafts as the lookup's
+/// measured figures say: the long prompts above, spared the draft model's prompt, gain
+/// from their lookups' drafts where the twin has the lookup's figures, and decode as
+/// plain ones where it has none; neither pays for the prompt.
+#[test]
+fn beside_a_draft_model_a_lookup_drafts_as_its_own_figures_say() {
+    let draft = StepCost { fixed_s: 0.0004, token_s: 0.00005, pair_s: 1e-8, decode_pair_s: 4e-8, logits_s: 0.0001 };
+    let spec = |lookup| SpecProfile {
+        tokens: 4,
+        accepted_share: 1.0,
+        drafting_share: 1.0,
+        draft_steps: vec![(1, draft)],
+        lookup,
+    };
+    let runs = |p: Profile| {
+        let t = topology(Mode::Aggregated, vec![Role::Mixed]);
+        let out = run(&p, t, &workload(2048, 16), Sweep::Concurrency(vec![1]), 4);
+        assert!(out[0].records.iter().all(|r| r.ok && r.output_tokens == 16), "{:?}", out[0].records);
+        out[0].records.iter().map(|r| (r.ttft_s.unwrap(), r.tpot_s.unwrap())).collect::<Vec<(f64, f64)>>()
+    };
+    let plain = runs(profile());
+    let nothing = runs(profile().with_speculation(spec(None)));
+    let lookup = runs(profile().with_speculation(spec(Some((0.9, 1.0)))));
+    // The first request drafts by model (nothing is measured yet); the rest by lookup.
+    for ((p, n), l) in plain.iter().zip(&nothing).zip(&lookup).skip(1) {
+        close(n.0, p.0);
+        close(l.0, p.0);
+        assert!((n.1 - p.1).abs() <= 0.01 * p.1, "no lookup figures: TPOT {} against {} s", n.1, p.1);
+    }
+    // The second learns what a lookup's drafts are worth (the worker has no record of
+    // them yet); those after it verify them, and pay none of the draft model's passes:
+    // they decode within 20 % of a worker's that drafts by lookup alone with the same
+    // figures (its record of the drafts differs by the first request, drafted by
+    // model here). Charged the passes, they took 1.3× as long.
+    let alone =
+        runs(profile().with_speculation(SpecProfile { draft_steps: vec![], accepted_share: 0.9, ..spec(None) }));
+    for ((p, l), a) in plain.iter().zip(&lookup).zip(&alone).skip(2) {
+        assert!(l.1 < 0.8 * p.1, "a lookup's drafts: TPOT {:.2} ms against {:.2} ms", l.1 * 1e3, p.1 * 1e3);
+        assert!(l.1 <= 1.2 * a.1, "beside a draft model: TPOT {:.2} ms, by lookup alone {:.2}", l.1 * 1e3, a.1 * 1e3);
+    }
+}
+
 /// Across a handoff the prefill worker computes the draft model's prompt only where
 /// the decode worker's reservation prices its K/V above that cost, and the decode
 /// worker drafts by model exactly then: the same requests as above, on a prefill
@@ -540,7 +599,13 @@ fn a_draft_model_computes_the_prompts_whose_drafts_repay_it() {
 #[test]
 fn a_prefill_worker_computes_the_draft_prompts_the_decode_worker_prices_above_their_cost() {
     let draft = StepCost { fixed_s: 0.0004, token_s: 0.00005, pair_s: 1e-8, decode_pair_s: 4e-8, logits_s: 0.0001 };
-    let spec = SpecProfile { tokens: 4, accepted_share: 1.0, drafting_share: 1.0, draft_steps: vec![(1, draft)] };
+    let spec = SpecProfile {
+        tokens: 4,
+        accepted_share: 1.0,
+        drafting_share: 1.0,
+        draft_steps: vec![(1, draft)],
+        lookup: None,
+    };
     let runs = |p: Profile, input, output| {
         let t = topology(Mode::Disaggregated, vec![Role::Prefill, Role::Decode]);
         let out = run(&p, t, &workload(input, output), Sweep::Concurrency(vec![1]), 4);

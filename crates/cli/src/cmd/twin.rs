@@ -134,6 +134,15 @@ struct TwinSpecArgs {
     /// are free, as an n-gram lookup nearly is].
     #[arg(long, requires = "spec_tokens")]
     spec_draft_profile: Option<PathBuf>,
+    /// Beside a draft model, the share of a lookup's drafted tokens accepted, 0 to 1,
+    /// as a `--speculative ngram` server measured it on the same workload: a request
+    /// that drafts by lookup there drafts with it [default: such a request drafts
+    /// nothing].
+    #[arg(long, requires = "spec_draft_profile")]
+    spec_lookup_acceptance: Option<f64>,
+    /// That server's pdserve_spec_drafting_share, 0 to 1 [default: 1].
+    #[arg(long, requires = "spec_lookup_acceptance")]
+    spec_lookup_drafting: Option<f64>,
 }
 
 impl TwinSpecArgs {
@@ -146,7 +155,14 @@ impl TwinSpecArgs {
             anyhow::bail!("--spec-tokens must be 1 to 32 (got {tokens})");
         }
         let drafting_share = self.spec_drafting.unwrap_or(1.0);
-        for (flag, share) in [("--spec-acceptance", accepted_share), ("--spec-drafting", drafting_share)] {
+        let lookup = self.spec_lookup_acceptance.map(|a| (a, self.spec_lookup_drafting.unwrap_or(1.0)));
+        let shares = [
+            ("--spec-acceptance", Some(accepted_share)),
+            ("--spec-drafting", Some(drafting_share)),
+            ("--spec-lookup-acceptance", lookup.map(|l| l.0)),
+            ("--spec-lookup-drafting", lookup.map(|l| l.1)),
+        ];
+        for (flag, share) in shares.into_iter().filter_map(|(f, s)| Some((f, s?))) {
             if !(0.0..=1.0).contains(&share) {
                 anyhow::bail!("{flag} is a share, 0 to 1 (got {share})");
             }
@@ -155,7 +171,7 @@ impl TwinSpecArgs {
             Some(p) => Profile::load(p)?.step_costs(),
             None => Vec::new(),
         };
-        Ok(profile.with_speculation(SpecProfile { tokens, accepted_share, drafting_share, draft_steps }))
+        Ok(profile.with_speculation(SpecProfile { tokens, accepted_share, drafting_share, draft_steps, lookup }))
     }
 }
 

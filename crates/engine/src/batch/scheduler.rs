@@ -118,7 +118,7 @@ impl Engine {
             .map(Logits::Rows),
             Compute::Timed(t) => {
                 let shape: StepShape =
-                    batch.iter().map(|b| StepShape::chunk(b.start_pos, b.tokens.len(), b.logits > 0)).sum();
+                    batch.iter().map(|b| StepShape::part(b.start_pos, b.tokens.len(), b.logits)).sum();
                 let (seconds, idle) = t.step_seconds(&shape);
                 let seconds = seconds + self.timed_draft_seconds(&plan) + self.timed_draft_prompt_seconds(&plan);
                 self.charged += seconds;
@@ -293,11 +293,14 @@ impl Engine {
             let row = draft_cost.map_or(0.0, |c| c.row(s.computed));
             let (proposal, draft_cost, passes) = match (s.draft_forced, by_model[k], timed) {
                 (true, _, _) => (Proposal::Ready(forced), 0.0, false),
-                // A timed draft model drafts as its profile says. Beside one, the twin
-                // has no measure of a lookup's drafts: a request that drafts by
-                // lookup drafts nothing there.
+                // A timed draft model drafts as its profile says. Beside one, a request
+                // that drafts by lookup drafts as the lookup's measured figures say,
+                // and nothing where the twin was given none.
                 (false, true, Some(t)) => (Proposal::Ready(t.draft(&s.tokens, max, vocab)), row, true),
-                (false, false, Some(t)) if t.draft_step.is_some() => (Proposal::Ready(Vec::new()), 0.0, false),
+                (false, false, Some(t)) if t.draft_step.is_some() => {
+                    let lookup = t.lookup().map(|l| l.draft(&s.tokens, max, vocab)).unwrap_or_default();
+                    (Proposal::Ready(lookup), 0.0, false)
+                }
                 (false, true, None) => (Proposal::Model(max), row, true),
                 // A timed lookup: free, as a real one nearly is.
                 (false, false, Some(t)) => (Proposal::Ready(t.draft(&s.tokens, max, vocab)), 0.0, false),
@@ -511,7 +514,10 @@ impl Engine {
     /// What a timed engine's draft model took to draft the step's drafts.
     fn timed_draft_seconds(&self, plan: &[Planned]) -> f64 {
         let Some(spec) = self.timed_speculation() else { return 0.0 };
-        let drafted: Vec<&Planned> = plan.iter().filter(|p| p.draft > 0).collect();
+        // Only drafts the model made took its passes: not a lookup's, nor a grammar's.
+        let by_model =
+            |p: &&Planned| self.running[p.seq].model_drafts == Some(true) && !self.running[p.seq].draft_forced;
+        let drafted: Vec<&Planned> = plan.iter().filter(|p| p.draft > 0).filter(by_model).collect();
         let passes = drafted.iter().map(|p| p.draft).max().unwrap_or(0);
         let context = drafted.iter().map(|p| self.running[p.seq].computed).sum::<usize>() / drafted.len().max(1);
         spec.draft_seconds(drafted.len(), passes, context)

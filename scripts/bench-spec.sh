@@ -16,7 +16,7 @@
 # serve every request.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=bench-results/spec; mkdir -p "$out"; rm -f "$out"/load-*.json
+out=bench-results/spec; mkdir -p "$out"; rm -f "$out"/load-*.json "$out"/metrics-*.txt
 cargo build --release --bin pdserve >&2
 text=$(scripts/fetch-text.sh)
 conc=${CONCURRENCY:-1,4,16}
@@ -44,6 +44,8 @@ for mode in ${MODES:-aggregated disaggregated}; do
         --prompts "$out/$w.jsonl" --concurrency "$conc" --requests "$requests" --output-len "${OUT:-128}" \
         --warmup 1 --seconds 600 --out "$out/load-$mode-$spec-$w-$round.json" >&2
     done
+    # The server's counters, for the twin (`pdserve sim --spec-acceptance ... --spec-drafting ...`).
+    curl -sf "http://127.0.0.1:$port/metrics" > "$out/metrics-$mode-$spec-$round.txt" || true
     kill $pid; wait $pid 2>/dev/null || true
   done
 done

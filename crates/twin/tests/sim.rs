@@ -518,24 +518,18 @@ fn speculation_gains_less_where_drafts_are_rarer_or_dearer() {
 /// A draft model computes each prompt it drafts for: the twin charges that to the
 /// prompt's steps, and prices it per request as the engine does. Short prompts with
 /// long answers repay it and pay it; once the costs are measured, a long prompt with
-/// a short answer drafts by lookup (nothing, in the twin) and is spared it.
+/// a short answer drafts by lookup (nothing, in a twin given no lookup figures) and is
+/// spared it.
 #[test]
 fn a_draft_model_computes_the_prompts_whose_drafts_repay_it() {
-    let draft = StepCost { fixed_s: 0.0004, token_s: 0.00005, pair_s: 1e-8, decode_pair_s: 4e-8, logits_s: 0.0001 };
-    let spec = SpecProfile {
-        tokens: 4,
-        accepted_share: 1.0,
-        drafting_share: 1.0,
-        draft_steps: vec![(1, draft)],
-        lookup: None,
-    };
+    let spec = draft_spec(None);
     let ttfts = |p: Profile, input, output| {
         let t = topology(Mode::Aggregated, vec![Role::Mixed]);
         let out = run(&p, t, &workload(input, output), Sweep::Concurrency(vec![1]), 4);
         assert!(out[0].records.iter().all(|r| r.ok && r.output_tokens == u64::from(output)), "{:?}", out[0].records);
         out[0].records.iter().map(|r| r.ttft_s.unwrap()).collect::<Vec<f64>>()
     };
-    let follow = |input| draft.seconds(&StepShape::chunk(0, input, false));
+    let follow = |input| DRAFT.seconds(&StepShape::chunk(0, input, false));
     // 256 in, 64 out: every prompt is computed by both models.
     let (plain, drafting) = (ttfts(profile(), 256, 64), ttfts(profile().with_speculation(spec.clone()), 256, 64));
     for (p, d) in plain.iter().zip(&drafting) {
@@ -556,14 +550,6 @@ fn a_draft_model_computes_the_prompts_whose_drafts_repay_it() {
 /// plain ones where it has none; neither pays for the prompt.
 #[test]
 fn beside_a_draft_model_a_lookup_drafts_as_its_own_figures_say() {
-    let draft = StepCost { fixed_s: 0.0004, token_s: 0.00005, pair_s: 1e-8, decode_pair_s: 4e-8, logits_s: 0.0001 };
-    let spec = |lookup| SpecProfile {
-        tokens: 4,
-        accepted_share: 1.0,
-        drafting_share: 1.0,
-        draft_steps: vec![(1, draft)],
-        lookup,
-    };
     let runs = |p: Profile| {
         let t = topology(Mode::Aggregated, vec![Role::Mixed]);
         let out = run(&p, t, &workload(2048, 16), Sweep::Concurrency(vec![1]), 4);
@@ -571,8 +557,8 @@ fn beside_a_draft_model_a_lookup_drafts_as_its_own_figures_say() {
         out[0].records.iter().map(|r| (r.ttft_s.unwrap(), r.tpot_s.unwrap())).collect::<Vec<(f64, f64)>>()
     };
     let plain = runs(profile());
-    let nothing = runs(profile().with_speculation(spec(None)));
-    let lookup = runs(profile().with_speculation(spec(Some((0.9, 1.0)))));
+    let nothing = runs(profile().with_speculation(draft_spec(None)));
+    let lookup = runs(profile().with_speculation(draft_spec(Some((0.9, 1.0)))));
     // The first request drafts by model (nothing is measured yet); the rest by lookup.
     for ((p, n), l) in plain.iter().zip(&nothing).zip(&lookup).skip(1) {
         close(n.0, p.0);
@@ -585,7 +571,7 @@ fn beside_a_draft_model_a_lookup_drafts_as_its_own_figures_say() {
     // figures (its record of the drafts differs by the first request, drafted by
     // model here). Charged the passes, they took 1.3× as long.
     let alone =
-        runs(profile().with_speculation(SpecProfile { draft_steps: vec![], accepted_share: 0.9, ..spec(None) }));
+        runs(profile().with_speculation(SpecProfile { draft_steps: vec![], accepted_share: 0.9, ..draft_spec(None) }));
     for ((p, l), a) in plain.iter().zip(&lookup).zip(&alone).skip(2) {
         assert!(l.1 < 0.8 * p.1, "a lookup's drafts: TPOT {:.2} ms against {:.2} ms", l.1 * 1e3, p.1 * 1e3);
         assert!(l.1 <= 1.2 * a.1, "beside a draft model: TPOT {:.2} ms, by lookup alone {:.2}", l.1 * 1e3, a.1 * 1e3);
@@ -598,14 +584,7 @@ fn beside_a_draft_model_a_lookup_drafts_as_its_own_figures_say() {
 /// worker and a decode worker.
 #[test]
 fn a_prefill_worker_computes_the_draft_prompts_the_decode_worker_prices_above_their_cost() {
-    let draft = StepCost { fixed_s: 0.0004, token_s: 0.00005, pair_s: 1e-8, decode_pair_s: 4e-8, logits_s: 0.0001 };
-    let spec = SpecProfile {
-        tokens: 4,
-        accepted_share: 1.0,
-        drafting_share: 1.0,
-        draft_steps: vec![(1, draft)],
-        lookup: None,
-    };
+    let spec = draft_spec(None);
     let runs = |p: Profile, input, output| {
         let t = topology(Mode::Disaggregated, vec![Role::Prefill, Role::Decode]);
         let out = run(&p, t, &workload(input, output), Sweep::Concurrency(vec![1]), 4);
@@ -613,7 +592,7 @@ fn a_prefill_worker_computes_the_draft_prompts_the_decode_worker_prices_above_th
         let ttft = out[0].records.iter().map(|r| r.ttft_s.unwrap()).collect::<Vec<f64>>();
         (ttft, out[0].summary.tpot_ms.p50.unwrap())
     };
-    let follow = |input| draft.seconds(&StepShape::chunk(0, input, false));
+    let follow = |input| DRAFT.seconds(&StepShape::chunk(0, input, false));
     // 256 in, 64 out: every prompt's draft K/V is worth its compute, and drafts pay.
     let ((plain, plain_tpot), (drafting, drafting_tpot)) =
         (runs(profile(), 256, 64), runs(profile().with_speculation(spec.clone()), 256, 64));
@@ -632,6 +611,15 @@ fn a_prefill_worker_computes_the_draft_prompts_the_decode_worker_prices_above_th
         close(*d, *p);
     }
     close(drafting_tpot / 1e3, plain_tpot / 1e3);
+}
+
+/// A draft model's step cost, far below the test profile's.
+const DRAFT: StepCost =
+    StepCost { fixed_s: 0.0004, token_s: 0.00005, pair_s: 1e-8, decode_pair_s: 4e-8, logits_s: 0.0001 };
+
+/// Drafts of 4 by [`DRAFT`], all accepted, beside a lookup's `lookup` figures.
+fn draft_spec(lookup: Option<(f64, f64)>) -> SpecProfile {
+    SpecProfile { tokens: 4, accepted_share: 1.0, drafting_share: 1.0, draft_steps: vec![(1, DRAFT)], lookup }
 }
 
 /// TPOT p50 of four requests of 256 tokens in, 64 out, one at a time, on one mixed

@@ -15,7 +15,7 @@ use pdserve_engine::format::gguf::GgufFile;
 use pdserve_engine::loader::{self, LoadedModel};
 use pdserve_engine::model::Model;
 use pdserve_engine::testing::{random_llama_config, scratch_dir, write_random_llama};
-use pdserve_types::{KvFrame, RequestId, SamplingParams, TokenOut};
+use pdserve_types::{DraftRecord, KvFrame, RequestId, SamplingParams, TokenOut};
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
@@ -497,4 +497,40 @@ fn a_prefill_engine_ships_the_draft_kv_only_where_the_receiver_values_it_above_i
             assert_eq!((s.blocks.used, s.draft_blocks.unwrap().used), (0, 0), "{worth:?}: a block was not given back");
         }
     }
+}
+
+/// A request moved from another worker starts from the record of drafts it brings
+/// (`SamplingParams::drafts_so_far`) and adds to it, its tokens those of plain
+/// decoding; one that brings none starts with none.
+#[test]
+fn a_moved_request_goes_on_from_its_record_of_drafts() {
+    let spec = Some(SpecConfig { max_draft: 8, verify_all: true, draft: None });
+    let mut e = engine(spec, 512, 256);
+    // The code to repeat is in the prompt, so lookups find drafts.
+    let prompt = model().tokenizer.encode_with_bos(PROMPTS[0], false);
+    let brought = DraftRecord { tried: 40, accepted: 30 };
+    let moved = SamplingParams { drafts_so_far: Some(brought), ..greedy(24) };
+    e.add(RequestId(1), prompt.clone(), moved).unwrap();
+    e.add(RequestId(2), prompt.clone(), greedy(24)).unwrap();
+    let mut got: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    let mut first = true;
+    let mut last = brought;
+    while e.has_work() {
+        for o in e.step() {
+            got.entry(o.id.0).or_default().push(o.sampled.token);
+        }
+        if first {
+            assert_eq!(e.draft_record(RequestId(1)), Some(brought), "after the prompt's step");
+            assert_eq!(e.draft_record(RequestId(2)), None);
+            first = false;
+        }
+        if let Some(r) = e.draft_record(RequestId(1)) {
+            assert!(r.tried >= last.tried && r.accepted >= last.accepted, "{r:?} after {last:?}");
+            last = r;
+        }
+    }
+    assert!(last.tried > brought.tried, "it drafted on: {last:?}");
+    let plain = alone(&mut engine(None, 512, 256), 1, prompt, 24);
+    assert_eq!(got[&1], plain);
+    assert_eq!(got[&2], plain);
 }

@@ -17,7 +17,7 @@ pub use worker::{
     PrefixPeer, Reply, Reserved, RoleState, RoleSwitch, Worker, WorkerInfo, WorkerStats,
 };
 
-use pdserve_types::{Assignment, Epoch, RequestId, SamplingParams, TokenId};
+use pdserve_types::{Assignment, DraftRecord, Epoch, RequestId, SamplingParams, TokenId};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::sync::Arc;
@@ -284,9 +284,14 @@ pub enum ServeError {
     StaleEpoch { worker: String, now: Assignment },
     /// The worker stopped decoding (a role switch) and handed the sequence back
     /// mid-stream: its KV stays in `worker`'s prefix cache, and the router moves the
-    /// request on from there (503 if it reaches a client).
+    /// request on from there (503 if it reaches a client), with `drafts`, the
+    /// sequence's record of drafted tokens (none where it drafted nothing).
     #[error("worker {worker} left decode; the request moves to another worker")]
-    Moved { worker: String },
+    Moved {
+        worker: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        drafts: Option<DraftRecord>,
+    },
     /// A bug (500).
     #[error("internal error: {0}")]
     Internal(String),

@@ -24,7 +24,7 @@
 use crate::relay::forward;
 use crate::Router;
 use pdserve_protocol::{Event, Generate, GenerateRequest, ServeError, TokenStream, Usage};
-use pdserve_types::{RequestId, TokenId};
+use pdserve_types::{DraftRecord, RequestId, TokenId};
 use std::sync::Arc;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -69,6 +69,7 @@ impl Generate for Migrating {
             left: self.max,
             reroutes,
             sent: Vec::new(),
+            drafts: None,
             req,
             attempts: 0,
             moves: 0,
@@ -85,6 +86,30 @@ impl Generate for Migrating {
     }
 }
 
+/// The request `req` routed again (the `attempt`th time) after `sent` went to its
+/// client: its prompt extended by them and its limits less them (token replay), with
+/// the drafts record its last worker handed back. Before the first token it starts
+/// over as it came, under a new id.
+fn replayed(req: &GenerateRequest, attempt: u32, sent: &[TokenId], drafts: Option<DraftRecord>) -> GenerateRequest {
+    let mut req = req.clone();
+    req.id = RequestId(req.id.0.wrapping_add(0x9e37_79b9_7f4a_7c15_u64.wrapping_mul(u64::from(attempt))));
+    let done = sent.len() as u32;
+    if done == 0 {
+        return req;
+    }
+    req.prompt.extend_from_slice(sent);
+    req.params.max_tokens = req.params.max_tokens.saturating_sub(done);
+    req.params.min_tokens = req.params.min_tokens.saturating_sub(done);
+    req.params.prompt_logprobs = None;
+    req.params.embed = None;
+    // The new worker's matcher consumes the tokens sent before going on.
+    if let Some(g) = req.params.grammar.as_mut() {
+        g.replayed += done;
+    }
+    req.params.drafts_so_far = drafts;
+    req
+}
+
 /// One request as the client sees it, across the workers that serve it.
 struct Job {
     router: Arc<Router>,
@@ -92,6 +117,8 @@ struct Job {
     req: GenerateRequest,
     /// Tokens forwarded to the client so far.
     sent: Vec<TokenId>,
+    /// Its record of drafted tokens, as the last worker that handed it back said.
+    drafts: Option<DraftRecord>,
     /// Moves still allowed.
     left: u32,
     /// Re-routes after stale-epoch refusals still allowed.
@@ -124,9 +151,8 @@ impl Job {
                         Err(e) => Event::Failed(e),
                     }
                 }
-                Event::Failed(ServeError::Moved { worker }) if self.reroutes > 0 => {
-                    self.reroutes -= 1;
-                    match self.resume(&format!("{worker} left decode"), ROLE_SWITCH, Some(&worker)) {
+                Event::Failed(ServeError::Moved { worker, drafts }) if self.reroutes > 0 => {
+                    match self.handed_back(&worker, drafts) {
                         Ok(next) => {
                             inner = next;
                             continue;
@@ -167,26 +193,22 @@ impl Job {
         }
     }
 
+    /// Routes the request again from `worker`, which left decode and handed it back
+    /// with its record of drafts.
+    fn handed_back(&mut self, worker: &str, drafts: Option<DraftRecord>) -> Result<TokenStream, ServeError> {
+        self.reroutes -= 1;
+        self.drafts = drafts.or(self.drafts);
+        self.resume(&format!("{worker} left decode"), ROLE_SWITCH, Some(worker))
+    }
+
     /// Routes the request again, its prompt extended by the tokens already sent; with
     /// `prefill_on`, prefilled there (where its KV is cached).
     fn resume(&mut self, why: &str, reason: &'static str, prefill_on: Option<&str>) -> Result<TokenStream, ServeError> {
         self.attempts += 1;
         let done = self.sent.len() as u32;
-        let mut req = self.req.clone();
-        req.id =
-            RequestId(self.req.id.0.wrapping_add(0x9e37_79b9_7f4a_7c15_u64.wrapping_mul(u64::from(self.attempts))));
-        // Before the first token the request starts over as it came.
+        let req = replayed(&self.req, self.attempts, &self.sent, self.drafts);
         if done > 0 {
             self.moves += 1;
-            req.prompt.extend_from_slice(&self.sent);
-            req.params.max_tokens = req.params.max_tokens.saturating_sub(done);
-            req.params.min_tokens = req.params.min_tokens.saturating_sub(done);
-            req.params.prompt_logprobs = None;
-            req.params.embed = None;
-            // The new worker's matcher consumes the tokens sent before going on.
-            if let Some(g) = req.params.grammar.as_mut() {
-                g.replayed += done;
-            }
         }
         match prefill_on {
             Some(_) => tracing::info!(reason = why, tokens_sent = done, "moving the request to another worker"),
@@ -221,6 +243,7 @@ impl Job {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdserve_types::SamplingParams;
 
     #[test]
     fn usage_counts_replayed_tokens_as_completion() {
@@ -237,9 +260,37 @@ mod tests {
             trace: Default::default(),
         };
         let (arrived, first) = (Instant::now(), None);
-        let job =
-            Job { router, req, sent: vec![9, 9, 9, 8, 8], left: 0, reroutes: 0, attempts: 1, moves: 1, arrived, first };
+        let sent = vec![9, 9, 9, 8, 8];
+        let job = Job { router, req, sent, drafts: None, left: 0, reroutes: 0, attempts: 1, moves: 1, arrived, first };
         let u = job.usage(Usage { prompt_tokens: 7, completion_tokens: 2, cached_tokens: 6 });
         assert_eq!(u, Usage { prompt_tokens: 4, completion_tokens: 5, cached_tokens: 4 });
+    }
+
+    #[test]
+    fn a_replayed_request_carries_its_tokens_limits_and_drafts_record() {
+        let params = SamplingParams { max_tokens: 10, min_tokens: 4, ..Default::default() };
+        let req = GenerateRequest {
+            fence: None,
+            id: RequestId(1),
+            tag: pdserve_protocol::RequestTag("t".into()),
+            prompt: vec![1, 2],
+            params,
+            trace: Default::default(),
+        };
+        let record = Some(DraftRecord { tried: 12, accepted: 9 });
+        // (tokens sent, record handed back) → (prompt, max_tokens, min_tokens, record)
+        type Case<'a> = (&'a [u32], Option<DraftRecord>, &'a [u32], u32, u32, Option<DraftRecord>);
+        let table: [Case<'_>; 3] = [
+            (&[7, 8, 9], record, &[1, 2, 7, 8, 9], 7, 1, record),
+            (&[7], None, &[1, 2, 7], 9, 3, None),
+            // Before its first token it starts over as it came.
+            (&[], record, &[1, 2], 10, 4, None),
+        ];
+        for (sent, drafts, prompt, max, min, carried) in table {
+            let r = replayed(&req, 1, sent, drafts);
+            assert_ne!(r.id, req.id);
+            assert_eq!((r.prompt.as_slice(), r.params.max_tokens, r.params.min_tokens), (prompt, max, min));
+            assert_eq!(r.params.drafts_so_far, carried, "sent {sent:?}");
+        }
     }
 }

@@ -10,9 +10,9 @@ mod common;
 use common::{collect, collect_all, local_with, model, request, rt, settle, worker, PROMPTS};
 use pdserve_engine::batch::{DraftModel, EngineConfig, SpecConfig};
 use pdserve_kv_transfer::TransportKind;
-use pdserve_protocol::{Event, Generate, GenerateRequest, TokenStream, Worker};
+use pdserve_protocol::{Event, Generate, GenerateRequest, ServeError, TokenStream, Worker};
 use pdserve_router::{Deadlines, Migrating, Mode, Router};
-use pdserve_types::Role;
+use pdserve_types::{Assignment, Epoch, Role};
 use pdserve_worker::LocalWorker;
 use std::sync::Arc;
 use std::time::Duration;
@@ -68,4 +68,31 @@ async fn a_drafting_sequence_moved_by_a_role_switch_takes_its_draft_kv_along() {
     for w in [&a, &b] {
         assert_eq!(w.stats().await.unwrap().draft_blocks.map(|d| d.used), Some(0), "{}", w.name());
     }
+}
+
+/// A sequence a role switch hands back brings its record of drafts with it, which the
+/// router gives the request on its next worker (`replayed` in its migration), so that
+/// worker plans the request's drafts from it instead of learning them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_handed_back_brings_its_record_of_drafts() {
+    let a = drafting("sa");
+    let req = long(20);
+    let (events, stream) = TokenStream::for_request(&req.params);
+    a.generate(req, events).unwrap();
+    for _ in 0..2000 {
+        if a.stats().await.unwrap().spec.accepted > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let roles = a.role_switch().unwrap();
+    roles.set_role(Assignment::new(Role::Prefill, Epoch(1))).await.unwrap();
+    assert_eq!(roles.move_decodes().await.unwrap(), 1);
+    let (got, end) = collect(stream).await;
+    let Event::Failed(ServeError::Moved { worker, drafts: Some(record) }) = end else { panic!("{end:?}") };
+    assert_eq!(worker, "sa");
+    // Every drafted token is right here, and at least one step verified a draft.
+    assert!(record.accepted > 0 && record.accepted <= record.tried, "{record:?} after {} tokens", got.len());
+    assert!(record.accepted < got.len() as u64, "{record:?} after {} tokens", got.len());
+    assert_eq!(settle(&[&a]).await, 0);
 }

@@ -28,7 +28,7 @@ pub use lock::lock;
 pub use millis::{millis, round_ms};
 pub use prefix::{BlockHash, KvEvent, PoolStats, Tier, TierCounters, TierStats};
 pub use role::{Assignment, Epoch, Role};
-pub use sampling::{Pooling, SamplingError, SamplingParams, StopCondition, MAX_STOP_TOKEN_IDS};
+pub use sampling::{DraftRecord, Pooling, SamplingError, SamplingParams, StopCondition, MAX_STOP_TOKEN_IDS};
 pub use steps::{DecodeSteps, PrefillSteps, SpecTotals, StageCompute, StageTotals, StepFit};
 pub use token::{FinishReason, TokenOut};
 pub use traffic::RequestSample;

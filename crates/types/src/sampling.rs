@@ -51,6 +51,19 @@ pub struct SamplingParams {
     /// masked before sampling.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grammar: Option<Grammar>,
+    /// A moved request's drafts so far, set by the router that moves it (never from a
+    /// client's body): its new worker plans the request's drafts from this record
+    /// instead of learning it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drafts_so_far: Option<DraftRecord>,
+}
+
+/// What a request's drafted tokens came to: each one verified was either accepted or
+/// the first rejected of its draft.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DraftRecord {
+    pub tried: u64,
+    pub accepted: u64,
 }
 
 /// How a prompt's final hidden states (after the output norm) become one vector.
@@ -102,6 +115,7 @@ impl Default for SamplingParams {
             stop: StopCondition::default(),
             logit_bias: Vec::new(),
             grammar: None,
+            drafts_so_far: None,
         }
     }
 }
@@ -197,6 +211,9 @@ impl SamplingParams {
         if self.logit_bias.windows(2).any(|w| w[0].0 >= w[1].0) {
             return err("logit_bias", "token ids must be sorted and distinct");
         }
+        if self.drafts_so_far.is_some_and(|d| d.accepted > d.tried) {
+            return err("drafts_so_far", "cannot have accepted more drafted tokens than it tried");
+        }
         Ok(self)
     }
 
@@ -234,6 +251,7 @@ mod tests {
                 stop: StopCondition { token_ids: (0..=MAX_STOP_TOKEN_IDS as u32).collect(), ..Default::default() },
                 ..Default::default()
             },
+            SamplingParams { drafts_so_far: Some(DraftRecord { tried: 3, accepted: 4 }), ..Default::default() },
         ];
         for p in bad {
             assert!(p.clone().validate().is_err(), "{p:?} should be rejected");

@@ -498,7 +498,7 @@ impl Loop {
     /// their full blocks stay cached for the prefill that moves them on. Queued
     /// exports stay: they are a peer's, and run once the engine is empty.
     fn move_out(&mut self, worker: &str) -> usize {
-        let moved = ServeError::Moved { worker: worker.to_string() };
+        let moved = ServeError::Moved { worker: worker.to_string(), drafts: None };
         let mut queued = 0;
         for c in std::mem::take(&mut self.behind) {
             let events = match c {
@@ -521,9 +521,12 @@ impl Loop {
         let mut ids: Vec<RequestId> = self.streams.keys().copied().collect();
         ids.sort_unstable();
         for &id in &ids {
+            // The sequence's record of drafts goes with it, so its next worker need
+            // not learn it again.
+            let drafts = self.engine.draft_record(id);
             self.engine.cancel(id);
             if let Some(live) = self.streams.get(&id) {
-                let _ = live.events.send(Event::Failed(moved.clone()));
+                let _ = live.events.send(Event::Failed(ServeError::Moved { worker: worker.to_string(), drafts }));
             }
             self.untrack(id);
         }

@@ -436,6 +436,13 @@ impl Engine {
         self.waiting.iter().chain(&self.running).any(|s| s.id == id) || self.importing.iter().any(|i| i.id == id)
     }
 
+    /// A running request's record of drafted tokens (what it brought with it
+    /// included); none before it has one.
+    pub fn draft_record(&self, id: RequestId) -> Option<pdserve_types::DraftRecord> {
+        let s = self.running.iter().find(|s| s.id == id)?;
+        (s.acceptance.tried > 0).then(|| s.acceptance.into())
+    }
+
     /// Drops a request in any state; its blocks return to the pool at once.
     pub fn cancel(&mut self, id: RequestId) -> bool {
         let before = self.waiting.len() + self.running.len() + self.importing.len();

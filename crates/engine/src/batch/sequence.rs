@@ -59,6 +59,8 @@ pub(crate) struct Sequence {
 
 impl Sequence {
     pub fn new(id: RequestId, prompt: Vec<u32>, params: SamplingParams, seed: u64) -> Self {
+        // A moved request goes on from its record (its router brought it).
+        let acceptance = params.drafts_so_far.map(Acceptance::from).unwrap_or_default();
         Sequence {
             id,
             prompt_len: prompt.len(),
@@ -76,7 +78,7 @@ impl Sequence {
             waited_s: 0.0,
             decode_s: 0.0,
             verify: Vec::new(),
-            acceptance: Acceptance::default(),
+            acceptance,
             last_record: Acceptance::default(),
             draft_forced: false,
             draft_kv: None,

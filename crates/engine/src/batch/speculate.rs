@@ -10,7 +10,7 @@
 //! made from measurements: each sequence's acceptance so far, and the engine's fit of
 //! its step times ([`plan_drafts`]).
 
-use pdserve_types::StepFit;
+use pdserve_types::{DraftRecord, StepFit};
 
 /// The n-gram lengths looked up, longest first: a longer match predicts better.
 const NGRAM_MAX: usize = 4;
@@ -127,6 +127,18 @@ fn ngram_key(tokens: &[u32]) -> u64 {
 pub struct Acceptance {
     pub tried: u64,
     pub accepted: u64,
+}
+
+impl From<DraftRecord> for Acceptance {
+    fn from(d: DraftRecord) -> Self {
+        Acceptance { tried: d.tried, accepted: d.accepted }
+    }
+}
+
+impl From<Acceptance> for DraftRecord {
+    fn from(a: Acceptance) -> Self {
+        DraftRecord { tried: a.tried, accepted: a.accepted }
+    }
 }
 
 impl Acceptance {

@@ -69,6 +69,33 @@ pub fn soonest(stages: &[PassCost], hop: PassCost, rows: usize) -> (usize, f64) 
     (m, makespan(stages, hop, &even(rows, m)))
 }
 
+/// Whether a group's decodes of `rows` rows go in two lanes, pipelined across steps:
+/// one lane's rows go into the later stages while the head computes the other's, so
+/// each lane's next step starts as soon as its tokens are sampled. A round (every
+/// sequence one token on) then takes the longer of a lane's way through the stages and
+/// the busiest stage's two passes, against one whole step's way through them; taken
+/// where that is shorter, from the stages' measured costs (the head's first). Each
+/// pass of a lane pays a stage's fixed time again, so a stage far slower than the
+/// others keeps the decodes whole; a slow link favours lanes (one crosses it while
+/// the head computes the other).
+pub fn lanes_pay(stages: &[Option<PassCost>], hop: Option<PassCost>, rows: usize) -> bool {
+    let (Some(costs), Some(hop)) = (stages.iter().copied().collect::<Option<Vec<_>>>(), hop) else { return false };
+    lanes_round(&costs, hop, rows).is_some()
+}
+
+/// What a round of `rows` decodes in two lanes takes ([`lanes_pay`]), where it is
+/// shorter than one step whole: the twin's clock for a group's decodes.
+pub fn lanes_round(stages: &[PassCost], hop: PassCost, rows: usize) -> Option<f64> {
+    if rows < 2 || stages.len() < 2 {
+        return None;
+    }
+    let (a, b) = (rows - rows / 2, rows / 2);
+    let through = |n: usize| makespan(stages, hop, &[n]);
+    let busiest = stages.iter().map(|c| c.of(a) + c.of(b)).fold(0.0, f64::max);
+    let round = through(a).max(busiest);
+    (round < through(rows)).then_some(round)
+}
+
 /// `rows` cut into `m` runs as even as whole rows allow.
 fn even(rows: usize, m: usize) -> Vec<usize> {
     (0..m).map(|j| (j + 1) * rows / m - j * rows / m).collect()
@@ -124,6 +151,7 @@ mod tests {
     const MEMORY_BOUND: PassCost = PassCost { fixed: 0.004, per_row: 0.0001 };
     const PER_ROW: PassCost = PassCost { fixed: 0.0005, per_row: 0.001 };
     const HOP: PassCost = PassCost { fixed: 0.0001, per_row: 0.000_002 };
+    const LIGHT: PassCost = PassCost { fixed: 0.0005, per_row: 0.0 };
 
     #[test]
     fn micro_batches_follow_what_a_pass_costs() {
@@ -148,6 +176,33 @@ mod tests {
         ];
         for (i, &(stages, hop, rows, want)) in cases.iter().enumerate() {
             assert_eq!(micro_batches(stages, hop, rows), want, "case {i}");
+        }
+    }
+
+    #[test]
+    fn decodes_go_in_lanes_where_a_round_is_predicted_shorter() {
+        let two = |c| [Some(c), Some(c)];
+        // (each stage's pass, a hop, the decodes, in lanes)
+        type Case<'a> = (&'a [Option<PassCost>], Option<PassCost>, usize, bool);
+        let cases: &[Case<'_>] = &[
+            // Decodes that cost their weights' reading: each lane pays it again, but a
+            // stage reads while the other does, so a round still ends sooner.
+            (&two(MEMORY_BOUND), Some(HOP), 4, true),
+            (&two(PER_ROW), Some(HOP), 16, true),
+            (&[Some(PER_ROW), Some(PER_ROW), Some(PER_ROW)], Some(HOP), 9, true),
+            // One sequence has no second lane; one stage has no other to overlap.
+            (&two(MEMORY_BOUND), Some(HOP), 1, false),
+            (&[Some(MEMORY_BOUND)], Some(HOP), 8, false),
+            // A later stage far slower than the head: its two passes outlast a whole step.
+            (&[Some(LIGHT), Some(PassCost { fixed: 0.01, per_row: 0.0001 })], Some(HOP), 4, false),
+            // A slow link: one lane crosses it while the head computes the other.
+            (&two(MEMORY_BOUND), Some(PassCost { fixed: 0.02, per_row: 0.0 }), 4, true),
+            // A cost not measured yet.
+            (&[Some(MEMORY_BOUND), None], Some(HOP), 4, false),
+            (&two(MEMORY_BOUND), None, 4, false),
+        ];
+        for (i, &(stages, hop, rows, want)) in cases.iter().enumerate() {
+            assert_eq!(lanes_pay(stages, hop, rows), want, "case {i}");
         }
     }
 

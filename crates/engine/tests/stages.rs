@@ -150,10 +150,19 @@ fn loaded(cuts: &[(usize, usize)]) -> Vec<Arc<Model>> {
 
 /// A head engine over `cuts`, its later stages in this process behind `wrap`.
 fn head_engine(cuts: &[(usize, usize)], wrap: impl FnOnce(LocalStages) -> Box<dyn NextStages>) -> Engine {
+    head_engine_in(cuts, engine_cfg(), wrap)
+}
+
+/// [`head_engine`] configured as `cfg` says.
+fn head_engine_in(
+    cuts: &[(usize, usize)],
+    cfg: EngineConfig,
+    wrap: impl FnOnce(LocalStages) -> Box<dyn NextStages>,
+) -> Engine {
     let mut models = loaded(cuts).into_iter();
     let head = models.next().unwrap();
-    let rest = models.map(|m| StageRunner::new(m, BLOCKS, KvDtype::F16, 1, 64)).collect();
-    Engine::new(head, engine_cfg(), vec![]).with_next_stages(wrap(LocalStages::new(rest)))
+    let rest = models.map(|m| StageRunner::new(m, cfg.num_blocks, KvDtype::F16, 1, 64)).collect();
+    Engine::new(head, cfg, vec![]).with_next_stages(wrap(LocalStages::new(rest)))
 }
 
 fn greedy(max_tokens: u32) -> SamplingParams {
@@ -167,6 +176,11 @@ fn serve(e: &mut Engine) -> BTreeMap<u64, Vec<StepOutput>> {
     let shared = prompt(37);
     let mut prompts = vec![shared.clone(), prompt(5), prompt(50)];
     prompts.push([shared, vec![11, 12, 13]].concat());
+    serve_all(e, prompts)
+}
+
+/// Adds `prompts` and steps until idle.
+fn serve_all(e: &mut Engine, prompts: Vec<Vec<u32>>) -> BTreeMap<u64, Vec<StepOutput>> {
     for (i, p) in prompts.into_iter().enumerate() {
         e.add(RequestId(i as u64), p, greedy(12)).unwrap();
     }
@@ -203,12 +217,24 @@ fn a_head_engine_with_its_later_stages_serves_what_a_whole_engine_does() {
 }
 
 /// Later stages said to cost a second a row and nothing fixed, so a step of more
-/// than one row always goes through in micro-batches (the head's own passes cost
-/// more for more rows): the head's side of pipelining, in one thread.
-struct Pipelining(LocalStages);
+/// than one row always goes through in micro-batches, and decodes go in lanes (the
+/// head's own passes cost more for more rows): the head's side of pipelining, in one
+/// thread. As over a stage connection, no other call may go while micro-batches
+/// (the second field counts them) are in flight.
+struct Pipelining(LocalStages, usize);
+
+impl Pipelining {
+    fn clear(&self) -> Result<(), StageLost> {
+        match self.1 {
+            0 => Ok(()),
+            n => Err(StageLost(format!("a call with {n} in flight"))),
+        }
+    }
+}
 
 impl NextStages for Pipelining {
     fn run(&mut self, parts: &[StagePart], x: &[f32], rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        self.clear()?;
         self.0.run(parts, x, rows)
     }
 
@@ -226,18 +252,27 @@ impl NextStages for Pipelining {
     }
 
     fn start(&mut self, parts: &[StagePart], x: &[f32]) -> Result<(), StageLost> {
+        self.1 += 1;
         self.0.start(parts, x)
     }
 
     fn finish(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        self.1 = 0;
         self.0.finish(rows)
     }
 
+    fn finish_first(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        self.1 = self.1.saturating_sub(1);
+        self.0.finish_first(rows)
+    }
+
     fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost> {
+        self.clear()?;
         self.0.read_kv(layer, blocks)
     }
 
     fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost> {
+        self.clear()?;
         self.0.write_kv(frames)
     }
 }
@@ -246,13 +281,130 @@ impl NextStages for Pipelining {
 fn a_head_engine_in_micro_batches_serves_what_a_whole_engine_does() {
     let whole = sampled(&serve(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![])));
     for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
-        let mut e = head_engine(cuts, |s| Box::new(Pipelining(s)));
-        let outs = serve(&mut e);
-        assert_eq!(sampled(&outs), whole, "{cuts:?}");
+        let mut e = head_engine(cuts, |s| Box::new(Pipelining(s, 0)));
+        assert_eq!(sampled(&serve(&mut e)), whole, "{cuts:?}");
+        // Again, the head's passes timed at two sizes by now: every step of more than
+        // one row's prompt goes in micro-batches (the decodes go in lanes).
+        let before = e.stage_totals();
+        assert_eq!(sampled(&serve(&mut e)), whole, "{cuts:?}, again");
         let t = e.stage_totals();
-        // Every step of more than one row (once the head's passes were timed at two sizes).
-        assert!(t.pipelined > 0 && t.pipelined < t.steps, "{cuts:?}: {t:?}");
+        assert!(
+            t.pipelined > before.pipelined && t.pipelined - before.pipelined < t.steps - before.steps,
+            "{cuts:?}: {t:?}"
+        );
     }
+}
+
+#[test]
+fn a_head_engine_decodes_in_lanes_what_a_whole_engine_does() {
+    let whole = sampled(&serve(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![])));
+    for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
+        let mut e = head_engine(cuts, |s| Box::new(Pipelining(s, 0)));
+        assert_eq!(sampled(&serve(&mut e)), whole, "{cuts:?}");
+        let t = e.stage_totals();
+        assert!(t.lanes > 11, "the decodes went in lanes: {t:?}");
+        // Each row once: the prompts less the 32 tokens the third and fourth found
+        // cached (the first's), 11 decodes each.
+        assert_eq!(t.rows, 37 + 5 + (50 - 32) + (40 - 32) + 4 * 11, "no row in flight went again");
+    }
+}
+
+#[test]
+fn a_request_cancelled_while_its_lane_is_in_flight_leaves_the_others_whole() {
+    let prompts = vec![prompt(37), prompt(5), prompt(50), prompt(20)];
+    let whole =
+        sampled(&serve_all(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![]), prompts.clone()));
+    let mut e = head_engine(&[(0, 14), (15, 29)], |s| Box::new(Pipelining(s, 0)));
+    for (i, p) in prompts.into_iter().enumerate() {
+        e.add(RequestId(i as u64), p, greedy(12)).unwrap();
+    }
+    let mut out: BTreeMap<u64, Vec<TokenOut>> = BTreeMap::new();
+    let mut cancelled = None;
+    while e.has_work() {
+        let lanes = e.stage_totals().lanes;
+        let step = e.step();
+        let landed: Vec<u64> = step.iter().map(|o| o.id.0).collect();
+        step.into_iter().for_each(|o| out.entry(o.id.0).or_default().push(o.sampled));
+        // After a lane landed, the running requests that sampled nothing are in flight.
+        if cancelled.is_none() && lanes > 0 && e.stage_totals().lanes > lanes {
+            let flying = (0..4).find(|id| !landed.contains(id) && out.get(id).is_some_and(|t| t.len() < 12));
+            if let Some(id) = flying {
+                assert!(e.cancel(RequestId(id)));
+                cancelled = Some(id);
+            }
+        }
+        assert_eq!(e.take_stage_lost(), None);
+    }
+    let cancelled = cancelled.expect("a request was in flight in a lane");
+    assert_eq!(e.stats().blocks.used, 0);
+    for (id, tokens) in &out {
+        match *id == cancelled {
+            true => assert_eq!(tokens[..], whole[id][..tokens.len()], "the cancelled request's tokens so far"),
+            false => assert_eq!(tokens, &whole[id], "request {id}"),
+        }
+    }
+}
+
+/// Six requests of different lengths: two at once, then one every third step, each
+/// one's tokens by id.
+fn staggered(e: &mut Engine) -> BTreeMap<u64, Vec<TokenOut>> {
+    let asks: Vec<(Vec<u32>, u32)> =
+        [(30, 3), (20, 12), (45, 5), (25, 9), (40, 2), (35, 7)].map(|(n, max)| (prompt(n), max)).into();
+    let mut out: BTreeMap<u64, Vec<TokenOut>> = BTreeMap::new();
+    let mut next = 0;
+    for step in 0..10_000 {
+        if next < asks.len() && (next < 2 || step % 3 == 0) {
+            let (p, max) = asks[next].clone();
+            e.add(RequestId(next as u64), p, greedy(max)).unwrap();
+            next += 1;
+        }
+        if next == asks.len() && !e.has_work() {
+            break;
+        }
+        e.step().into_iter().for_each(|o| out.entry(o.id.0).or_default().push(o.sampled));
+        assert_eq!(e.take_stage_lost(), None);
+    }
+    assert_eq!(e.stats().blocks.used, 0);
+    out
+}
+
+#[test]
+fn requests_that_come_and_end_while_lanes_fly_get_a_whole_engines_tokens() {
+    let whole = staggered(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![]));
+    for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
+        let mut e = head_engine(cuts, |s| Box::new(Pipelining(s, 0)));
+        assert_eq!(staggered(&mut e), whole, "{cuts:?}");
+        assert!(e.stage_totals().lanes > 0, "{cuts:?}");
+    }
+}
+
+#[test]
+fn a_pool_that_runs_out_preempts_no_sequence_whose_lane_is_in_flight() {
+    // 14 blocks of 16 for four prompts of 40 to 48 tokens that grow by 12 each: the
+    // decodes run out of blocks and preempt one another, lanes in flight.
+    let distinct = |i: u32| prompt(40 + 3 * i as usize).into_iter().map(|t| t + 4000 * i).collect();
+    let prompts: Vec<Vec<u32>> = (0..4).map(distinct).collect();
+    let whole =
+        sampled(&serve_all(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![]), prompts.clone()));
+    let cfg = EngineConfig { num_blocks: 14, ..engine_cfg() };
+    let mut e = head_engine_in(&[(0, 14), (15, 29)], cfg, |s| Box::new(Pipelining(s, 0)));
+    for (i, p) in prompts.into_iter().enumerate() {
+        e.add(RequestId(i as u64), p, greedy(12)).unwrap();
+    }
+    let (mut out, mut preempted): (BTreeMap<u64, Vec<TokenOut>>, usize) = (BTreeMap::new(), 0);
+    for _ in 0..10_000 {
+        if !e.has_work() {
+            break;
+        }
+        // The queue grows only when a running sequence is preempted.
+        let waiting = e.stats().waiting;
+        e.step().into_iter().for_each(|o| out.entry(o.id.0).or_default().push(o.sampled));
+        preempted += usize::from(e.stats().waiting > waiting);
+        assert_eq!(e.take_stage_lost(), None);
+    }
+    assert_eq!(out, whole);
+    assert_eq!(e.stats().blocks.used, 0);
+    assert!(preempted > 0 && e.stage_totals().lanes > 0, "{preempted} preemptions, {:?}", e.stage_totals());
 }
 
 /// Later stages that fail the step after `ok` good ones, then come back.
@@ -435,7 +587,7 @@ fn engine_of(cuts: &[(usize, usize)]) -> Engine {
 /// A group whose steps go in micro-batches, once its head timed two sizes of pass
 /// (a warm-up prompt's chunks and its decode).
 fn pipelining(cuts: &[(usize, usize)]) -> Engine {
-    let mut e = head_engine(cuts, |s| Box::new(Pipelining(s)));
+    let mut e = head_engine(cuts, |s| Box::new(Pipelining(s, 0)));
     e.add(RequestId(99), prompt(100), greedy(2)).unwrap();
     while e.has_work() {
         e.step();
@@ -492,6 +644,48 @@ fn a_group_hands_its_kv_to_a_group_cut_elsewhere_as_one_engine_does() {
     let (got, frames) = handed_by(&mut pe, &mut de, &p);
     assert_eq!((got, frames), (want, order));
     assert_eq!(pe.stage_totals().pipelined, before + 1, "the prompt's one step went in micro-batches");
+}
+
+#[test]
+fn a_decode_group_imports_a_prompt_while_its_decodes_are_in_lanes() {
+    let (p, whole) = (prompt(45), [(0, 29)]);
+    let (want, _) = handed(&whole, &whole, &p);
+    let others = vec![prompt(20).into_iter().map(|t| t + 4000).collect(), prompt(30)];
+    let others_want =
+        sampled(&serve_all(&mut Engine::new(loaded(&whole).remove(0), engine_cfg(), vec![]), others.clone()));
+    let mut de = pipelining(&[(0, 3), (4, 20), (21, 29)]);
+    for (i, o) in others.into_iter().enumerate() {
+        de.add(RequestId(i as u64), o, greedy(12)).unwrap();
+    }
+    let mut out: BTreeMap<u64, Vec<TokenOut>> = BTreeMap::new();
+    let step = |de: &mut Engine, out: &mut BTreeMap<u64, Vec<TokenOut>>| {
+        de.step().into_iter().for_each(|o| out.entry(o.id.0).or_default().push(o.sampled));
+        assert_eq!(de.take_stage_lost(), None);
+    };
+    for _ in 0..100 {
+        if de.stage_totals().lanes >= 2 {
+            break;
+        }
+        step(&mut de, &mut out);
+    }
+    assert!(de.stage_totals().lanes >= 2, "the decodes went in lanes");
+    // A lane is in flight: the import's writes to the later stages land it first.
+    let (id, mut frames) = (RequestId(7), Vec::new());
+    let first = engine_of(&whole).prefill_export(id, p.clone(), greedy(12), &mut |f| {
+        frames.push(f);
+        true
+    });
+    de.reserve_import(id, p.len()).unwrap();
+    frames.iter().for_each(|f| de.import_frame(id, f).unwrap());
+    let first = first.unwrap().sampled;
+    assert!(de.finish_import(id, p, first.token, greedy(12)).unwrap());
+    out.entry(7).or_default().push(first);
+    while de.has_work() {
+        step(&mut de, &mut out);
+    }
+    assert_eq!(out.remove(&7).unwrap(), want);
+    assert_eq!(out, others_want);
+    assert_eq!(de.stats().blocks.used, 0);
 }
 
 #[test]

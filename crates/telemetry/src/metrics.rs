@@ -61,6 +61,7 @@ const SPEC_MEAN_ACCEPTED: &str = "pdserve_spec_mean_accepted_length";
 const SPEC_DRAFTING_SHARE: &str = "pdserve_spec_drafting_share";
 const STAGE_STEPS: &str = "pdserve_stage_steps";
 const STAGE_PIPELINED: &str = "pdserve_stage_pipelined_steps";
+const STAGE_LANES: &str = "pdserve_stage_lane_steps";
 const STAGE_ROWS: &str = "pdserve_stage_rows";
 const STAGE_BYTES: &str = "pdserve_stage_activation_bytes";
 const STAGE_SECONDS: &str = "pdserve_stage_seconds";
@@ -186,6 +187,7 @@ struct Inner {
     spec_drafting_share: Family<Label1, Gauge<f64, AtomicU64>>,
     stage_steps: Family<Label1, Counter>,
     stage_pipelined: Family<Label1, Counter>,
+    stage_lanes: Family<Label1, Counter>,
     stage_rows: Family<Label1, Counter>,
     stage_bytes: Family<Label1, Counter>,
     stage_seconds: Family<Label1, Counter<f64, AtomicU64>>,
@@ -254,6 +256,7 @@ impl Metrics {
             spec_drafting_share: Family::default(),
             stage_steps: Family::default(),
             stage_pipelined: Family::default(),
+            stage_lanes: Family::default(),
             stage_rows: Family::default(),
             stage_bytes: Family::default(),
             stage_seconds: Family::default(),
@@ -366,6 +369,7 @@ impl Metrics {
         for (family, n) in [
             (&i.stage_steps, t.steps),
             (&i.stage_pipelined, t.pipelined),
+            (&i.stage_lanes, t.lanes),
             (&i.stage_rows, t.rows),
             (&i.stage_bytes, t.bytes),
         ] {
@@ -538,6 +542,8 @@ impl Inner {
         r.register(STAGE_STEPS, help, self.stage_steps.clone());
         let help = "Steps of a stage group's head that went through its stages in micro-batches, one behind another";
         r.register(STAGE_PIPELINED, help, self.stage_pipelined.clone());
+        let help = "Steps of a stage group's head that were one lane of its decodes, sent on while another lane was in its later stages";
+        r.register(STAGE_LANES, help, self.stage_lanes.clone());
         let help = "Rows (tokens computed) of those steps: activation bytes over rows is the bytes per token";
         r.register(STAGE_ROWS, help, self.stage_rows.clone());
         let help = "Bytes of residual stream and logits between a stage group's head and its later stages";
@@ -758,13 +764,15 @@ mod tests {
                 StageCompute { first: 10, last: 29, seconds: seconds / 2.0 },
             ];
             let link = seconds / 2.0;
-            let stages = StageTotals { steps, rows, bytes, seconds, compute, link, pipelined: steps / 2 };
+            let stages =
+                StageTotals { steps, rows, bytes, seconds, compute, link, pipelined: steps / 2, lanes: steps / 3 };
             m.set_worker_stats("h", &WorkerStats { stages, ..Default::default() });
         }
         let text = m.render();
         for line in [
             "pdserve_stage_steps_total{worker=\"h\"} 9\n",
             "pdserve_stage_pipelined_steps_total{worker=\"h\"} 4\n",
+            "pdserve_stage_lane_steps_total{worker=\"h\"} 3\n",
             "pdserve_stage_rows_total{worker=\"h\"} 20\n",
             "pdserve_stage_activation_bytes_total{worker=\"h\"} 3000\n",
             "pdserve_stage_seconds_total{worker=\"h\"} 1.25\n",

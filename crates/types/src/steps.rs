@@ -312,6 +312,10 @@ pub struct StageTotals {
     /// Steps among them that went through in micro-batches, one behind another.
     #[serde(default)]
     pub pipelined: u64,
+    /// Steps among them that were a lane's: part of the group's decodes, sent into
+    /// the later stages while another part was still in them (pipelining across steps).
+    #[serde(default)]
+    pub lanes: u64,
 }
 
 /// One stage's compute time over a head's steps.

@@ -5,6 +5,7 @@
 //! away. Dropping a sequence drops its block table, which returns every block.
 
 mod draft;
+mod lanes;
 mod scheduler;
 mod sequence;
 mod speculate;

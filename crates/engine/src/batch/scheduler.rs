@@ -59,7 +59,7 @@ pub(crate) struct Planned {
 }
 
 impl Planned {
-    fn new(seq: usize, n: usize, logits: bool) -> Self {
+    pub(super) fn new(seq: usize, n: usize, logits: bool) -> Self {
         Planned { seq, n, logits, draft: 0 }
     }
 
@@ -86,23 +86,42 @@ impl Engine {
         &mut self,
         on_layer: &mut dyn FnMut(usize, Stored<'_>, &[LayerSeq]) -> bool,
     ) -> Vec<StepOutput> {
+        let started = std::time::Instant::now();
         self.check_stages();
         // Planning includes the draft model's passes (drafts, and prompts followed).
-        let planning = std::time::Instant::now();
-        let plan = self.schedule();
-        let planning_s = planning.elapsed().as_secs_f64();
+        let mut plan = self.schedule();
+        let planning_s = started.elapsed().as_secs_f64();
         // Before the forward pass writes into the blocks this step was given.
         self.settle_moves();
-        self.stalled = plan.is_empty();
+        let mut out = self.take_landed();
+        match self.lane_step(&mut plan, on_layer, started) {
+            Some(landed) => out.extend(landed),
+            None => {
+                // A lane in flight lands before the stages take a step whole.
+                out.extend(self.land_beside(&mut plan, started));
+                out.extend(self.run_plan(&plan, on_layer, planning_s));
+            }
+        }
+        self.stalled = plan.is_empty() && out.is_empty();
+        out
+    }
+
+    /// Runs `plan` through the model (and a group's later stages) and samples it.
+    fn run_plan(
+        &mut self,
+        plan: &[Planned],
+        on_layer: &mut dyn FnMut(usize, Stored<'_>, &[LayerSeq]) -> bool,
+        planning_s: f64,
+    ) -> Vec<StepOutput> {
         if plan.is_empty() {
             return Vec::new();
         }
         let ids: Vec<LayerSeq> =
             plan.iter().map(|p| LayerSeq { blocks: table_ids(&self.running[p.seq]), last_chunk: p.logits }).collect();
         let gathered: Vec<Gathered> = plan.iter().map(|p| Gathered::for_seq(&self.running[p.seq])).collect();
-        let batch = seq_batches(&self.running, &plan, &ids, &gathered);
-        let timing = self.start_timing(&plan);
-        let rows = tracing::enabled!(tracing::Level::TRACE).then(|| self.step_rows(&plan));
+        let batch = seq_batches(&self.running, plan, &ids, &gathered);
+        let timing = self.start_timing(plan);
+        let rows = tracing::enabled!(tracing::Level::TRACE).then(|| self.step_rows(plan));
         // The scratch leaves `self` for the step so the logits can be sampled in place.
         let mut scratch = std::mem::take(&mut self.scratch);
         let tiers = self.tiers.as_ref();
@@ -120,7 +139,7 @@ impl Engine {
                 let shape: StepShape =
                     batch.iter().map(|b| StepShape::part(b.start_pos, b.tokens.len(), b.logits)).sum();
                 let (seconds, idle) = t.step_seconds(&shape);
-                let seconds = seconds + self.timed_draft_seconds(&plan) + self.timed_draft_prompt_seconds(&plan);
+                let seconds = seconds + self.timed_draft_seconds(plan) + self.timed_draft_prompt_seconds(plan);
                 self.charged += seconds;
                 self.idle += idle;
                 self.charged_prefill += seconds * shape.prompt_share();
@@ -136,7 +155,7 @@ impl Engine {
         drop(batch);
         let pass_s = timing.started.elapsed().as_secs_f64();
         let out = match logits {
-            Some(logits) => self.finish_pass(&plan, gathered, logits, &timing),
+            Some(logits) => self.finish_pass(plan, gathered, logits, &timing),
             None => Vec::new(),
         };
         if let Some((decodes, drafted, prompt)) = rows {
@@ -174,7 +193,7 @@ impl Engine {
 
     /// After a pass that ran to the end: keeps the prompt scores and pooled hidden
     /// states, samples the logits and records how long the step took.
-    fn finish_pass(
+    pub(super) fn finish_pass(
         &mut self,
         plan: &[Planned],
         gathered: Vec<Gathered>,
@@ -223,7 +242,7 @@ impl Engine {
             let s = &self.running[i];
             let decoding = s.is_decoding();
             let n = if decoding { s.pending().min(budget) } else { s.pending().min(budget).min(prompts) };
-            if s.paused || n == 0 {
+            if s.paused || s.in_lane || n == 0 {
                 i += 1;
                 continue;
             }
@@ -646,11 +665,12 @@ impl Engine {
                 holder.preempt();
                 continue;
             }
-            let Some(mut victim) = self.running.pop() else { return false };
+            // The last sequence from `i` on, but none whose row is in a lane's flight.
+            let j = (i..self.running.len()).rev().find(|&j| !self.running[j].in_lane).unwrap_or(i);
+            let mut victim = self.running.remove(j);
             victim.preempt();
-            let was_self = self.running.len() == i;
             self.waiting.push_front(victim);
-            if was_self {
+            if j == i {
                 return false;
             }
         }
@@ -861,7 +881,7 @@ impl Engine {
 /// What a pass gathers for one planned sequence besides its logits: prompt scores
 /// and pooled hidden states.
 #[derive(Default)]
-struct Gathered {
+pub(super) struct Gathered {
     scores: Mutex<Vec<TokenOut>>,
     pooled: Mutex<Vec<f32>>,
 }
@@ -869,7 +889,7 @@ struct Gathered {
 impl Gathered {
     /// A pooling sequence's rows are added onto its sum so far, one row after another
     /// whatever the chunking, so its embedding does not depend on it.
-    fn for_seq(s: &Sequence) -> Gathered {
+    pub(super) fn for_seq(s: &Sequence) -> Gathered {
         Gathered { pooled: Mutex::new(s.embedding.clone()), ..Gathered::default() }
     }
 
@@ -884,7 +904,7 @@ impl Gathered {
 
 /// The forward pass's view of each planned sequence: the tokens it computes, where
 /// its K/V go, what it scores and what it pools.
-fn seq_batches<'a>(
+pub(super) fn seq_batches<'a>(
     running: &'a [Sequence],
     plan: &[Planned],
     ids: &'a [LayerSeq],
@@ -925,26 +945,26 @@ impl Proposal {
 
 /// The kind of a step and when it started: decode-only and prefill-only steps are
 /// timed into their fits.
-struct StepTiming {
-    decoding: bool,
-    prefilling: bool,
+pub(super) struct StepTiming {
+    pub decoding: bool,
+    pub prefilling: bool,
     /// Tokens the step computes (all prompt tokens in a prefill-only step).
-    rows: usize,
-    context: usize,
-    started: std::time::Instant,
+    pub rows: usize,
+    pub context: usize,
+    pub started: std::time::Instant,
     /// `charged` before the step (a timed engine's step took the difference).
-    charged: f64,
+    pub charged: f64,
 }
 
 /// What a step computed to sample from.
-enum Logits<'a> {
+pub(super) enum Logits<'a> {
     /// One row of `vocab` logits per sampled sequence.
     Rows(&'a mut [f32]),
     /// Nothing: a timed engine's tokens follow from the sequence alone.
     Timed,
 }
 
-fn table_ids(s: &Sequence) -> Vec<u32> {
+pub(super) fn table_ids(s: &Sequence) -> Vec<u32> {
     s.table.as_ref().map(|t| t.block_ids().into_iter().map(|b| b.0).collect()).unwrap_or_default()
 }
 

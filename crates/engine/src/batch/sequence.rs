@@ -27,6 +27,9 @@ pub(crate) struct Sequence {
     pub prompt_scores: Vec<TokenOut>,
     /// Not stepped while set: its consumer has fallen behind (it keeps its blocks).
     pub paused: bool,
+    /// Its row is in a stage group's later stages (a lane in flight): not stepped,
+    /// nor preempted, until the lane lands.
+    pub in_lane: bool,
     /// The grammar state of a constrained request.
     pub constraint: Option<Constraint>,
     /// The chained hashes of the prompt's whole blocks it may share, from its last
@@ -73,6 +76,7 @@ impl Sequence {
             cached_tokens: 0,
             prompt_scores: Vec::new(),
             paused: false,
+            in_lane: false,
             constraint: None,
             prompt_hashes: Vec::new(),
             waited_s: 0.0,

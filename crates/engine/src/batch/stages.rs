@@ -11,12 +11,13 @@
 //! router moves them. The next step tries the stages again; K/V a stage may have lost
 //! meanwhile is not trusted, so the prefix cache is emptied first.
 
+use super::lanes::Lane;
 use super::transfer::write_frame;
-use super::{Compute, Engine, EngineError, BLOCK_SIZE};
+use super::{Compute, Engine, EngineError, StepOutput, BLOCK_SIZE};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{logit_rows, returned_rows, ForwardScratch, Model, SeqBatch, StageOut};
-use crate::pipeline::{cut, micro_batches, PassCost, PassTimes};
+use crate::pipeline::{cut, lanes_pay, micro_batches, PassCost, PassTimes};
 use crate::threadpool::ThreadPool;
 use crate::tiers::{TierBytes, TierConfig};
 use pdserve_kv::{Move, Place};
@@ -70,6 +71,15 @@ pub trait NextStages: Send {
         Err(StageLost("these stages take no micro-batches".into()))
     }
 
+    /// Takes the oldest micro-batch started and not finished (a lane of decodes)
+    /// through the rest of the stages and puts its last stage's rows that get logits
+    /// into `rows`; those started after it stay in flight. Only where
+    /// [`NextStages::costs`] names passes.
+    fn finish_first(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        let _ = rows;
+        Err(StageLost("these stages take no lanes".into()))
+    }
+
     /// Layer `layer`'s K/V of `blocks` (the head's block ids, in the sequence's order)
     /// from the stage that holds it, as frames indexed from 0: a prefill group's
     /// export of the layers past its head's.
@@ -118,6 +128,10 @@ pub(crate) struct Next {
     head_s: f64,
     /// This engine's passes through its own layers, by their rows.
     own: PassTimes,
+    /// The lane of decodes in the later stages, and what a lane that landed outside
+    /// a step (before a transfer) sampled, for the next step to hand out.
+    pub(crate) lane: Option<Lane>,
+    pub(crate) landed: Vec<StepOutput>,
 }
 
 /// What a pass needs from the engine besides the stages.
@@ -165,6 +179,68 @@ impl Next {
         }
         let costs: Vec<Option<PassCost>> = std::iter::once(self.own.cost()).chain(later.passes).collect();
         micro_batches(&costs, later.hop, rows)
+    }
+
+    /// Whether decodes of `rows` rows go in lanes, as the measured costs say.
+    pub(crate) fn lanes_pay(&self, rows: usize) -> bool {
+        let later = self.stages.costs();
+        if later.passes.is_empty() {
+            return false;
+        }
+        let costs: Vec<Option<PassCost>> = std::iter::once(self.own.cost()).chain(later.passes).collect();
+        lanes_pay(&costs, later.hop, rows)
+    }
+
+    /// Whether tier copies wait to be made on the stages (a call of its own, which
+    /// no step may have in flight).
+    pub(crate) fn owes_copies(&self) -> bool {
+        !self.copies.is_empty()
+    }
+
+    /// Runs `pass` (a lane's decodes) through `head` and sends it into the later
+    /// stages without waiting; false when a stage was lost (or `on_layer` stopped it).
+    pub(crate) fn start_lane(
+        &mut self,
+        head: &Model,
+        pass: Pass<'_, '_>,
+        kv: &mut KvStorage,
+        s: &mut ForwardScratch,
+        on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
+    ) -> bool {
+        let Some(x) = self.own_layers(head, (&pass, kv, s), pass.batch, on_layer) else { return false };
+        self.sent(|st, _| st.start(&parts_of(pass.batch), x)).is_some()
+    }
+
+    /// The oldest lane's last rows, out of the later stages into `self.rows`; false
+    /// (and the loss kept) when a stage was lost.
+    pub(crate) fn land_first(&mut self) -> bool {
+        self.sent(|st, rows| st.finish_first(rows)).is_some()
+    }
+
+    /// The output head over a landed lane's final `rows`: its logits, in `s`.
+    pub(crate) fn lane_logits<'s>(
+        &mut self,
+        head: &Model,
+        pass: Pass<'_, '_>,
+        rows: &[f32],
+        s: &'s mut ForwardScratch,
+    ) -> Option<&'s mut [f32]> {
+        let started = Instant::now();
+        let logits = head.head_logits(pass.isa, pass.pool, pass.batch, rows, s);
+        self.head_s += started.elapsed().as_secs_f64();
+        logits
+    }
+
+    /// Forgets every lane in flight: what the stages hold of them is answered (or
+    /// fails) and dropped, so no answer is left for a later step.
+    pub(crate) fn drop_lanes(&mut self) {
+        self.lane = None;
+        let _ = self.stages.finish(&mut self.rows);
+    }
+
+    /// The final rows of the last lane landed.
+    pub(crate) fn landed_rows(&self) -> &[f32] {
+        &self.rows
     }
 
     /// The step whole through this engine's layers, then the later stages'.
@@ -276,7 +352,8 @@ impl Engine {
     pub fn with_next_stages(mut self, stages: Box<dyn NextStages>) -> Self {
         let slots = self.tier_slots();
         let (copies, rows, own) = (Vec::new(), Vec::new(), PassTimes::default());
-        self.next = Some(Next { stages, lost: None, copies, slots, rows, head_s: 0.0, own });
+        let (lane, landed) = (None, Vec::new());
+        self.next = Some(Next { stages, lost: None, copies, slots, rows, head_s: 0.0, own, lane, landed });
         self
     }
 
@@ -327,6 +404,8 @@ impl Engine {
         on_frame: &mut dyn FnMut(KvFrame) -> bool,
     ) -> Result<bool, EngineError> {
         let (own, total) = (self.kv.n_layers, self.total_layers());
+        // A call of its own: no lane may be in flight on the stages' connections.
+        self.settle_lane();
         let Some(next) = self.next.as_mut() else { return Ok(true) };
         next.copied()?;
         for l in own..total {
@@ -342,6 +421,7 @@ impl Engine {
     /// later stages that hold them: a decode group's import.
     pub(crate) fn import_stages(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), EngineError> {
         let Some((_, f)) = frames.first() else { return Ok(()) };
+        self.settle_lane();
         let Some(next) = self.next.as_mut() else {
             return Err(EngineError::BadFrame(format!("layer {} of {}", f.layer, self.kv.n_layers)));
         };
@@ -642,6 +722,16 @@ impl NextStages for LocalStages {
         self.totals.pipelined += 1;
         *rows = all;
         Ok(())
+    }
+
+    fn finish_first(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        if self.started.is_empty() {
+            return Err(StageLost("no lane in flight".into()));
+        }
+        let (parts, x) = self.started.remove(0);
+        self.totals.steps += 1;
+        self.totals.lanes += 1;
+        self.pass(&parts, &x, rows)
     }
 
     fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost> {

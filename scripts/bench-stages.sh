@@ -11,8 +11,8 @@
 #                                                root; every process's traffic, the one-process
 #                                                run's too)
 #   MICRO=off scripts/bench-stages.sh            heads send every step whole (--no-micro-batches):
-#                                                against the default, micro-batches where the
-#                                                stages' measured costs say they pay
+#                                                against the default, micro-batches and decode
+#                                                lanes where the stages' measured costs say they pay
 #   (also CONCURRENCY=1,8 REQUESTS=16 INPUT=64 OUTPUT=128)
 #   TWIN=0                                       skip the twin: by default each split is also
 #                                                simulated (`pdserve sim --group-stages`) on a
@@ -81,10 +81,12 @@ stage = None
 if steps:
     compute = {m.group(1): float(m.group(2)) for m in
                re.finditer(r'pdserve_stage_compute_seconds_total\{[^}]*layers="([^"]+)"\} (\S+)', text)}
-    # The links' share is measured on the steps sent whole only.
+    # The links' share is measured on the steps sent whole only (not in micro-batches, not lanes).
     pipelined = total("pdserve_stage_pipelined_steps_total")
-    stage = {"steps": steps, "rows": rows, "pipelined": pipelined, "bytes_per_token": total("pdserve_stage_activation_bytes_per_token"),
-             "link_ms_per_whole_step": 1000 * total("pdserve_stage_link_seconds_total") / max(steps - pipelined, 1),
+    lanes = total("pdserve_stage_lane_steps_total")
+    stage = {"steps": steps, "rows": rows, "pipelined": pipelined, "lanes": lanes,
+             "bytes_per_token": total("pdserve_stage_activation_bytes_per_token"),
+             "link_ms_per_whole_step": 1000 * total("pdserve_stage_link_seconds_total") / max(steps - pipelined - lanes, 1),
              "compute_ms_per_step": {k: 1000 * v / steps for k, v in compute.items()}}
 for p in d["points"]:
     s, c = p["summary"], p["plan"]["issue"]["closed"]["concurrency"]
@@ -129,8 +131,8 @@ if any(twin(1, "loopback").values()):
         err = (t["loopback"] - r["tpot_p50_ms"]) / r["tpot_p50_ms"]
         print(f'| {n} | {c} | {r["tpot_p50_ms"]:.2f} | {t["loopback"]:.2f} | {100 * err:+.1f} % | {ratio} |')
 print()
-print("| stages | steps | in micro-batches | bytes per token | link ms per whole step | compute ms per step, by stage |")
-print("|---|---|---|---|---|---|")
+print("| stages | steps | in micro-batches | in lanes | bytes per token | link ms per whole step | compute ms per step, by stage |")
+print("|---|---|---|---|---|---|---|")
 seen = set()
 for r in rows:
     st = r.get("stage")
@@ -139,6 +141,6 @@ for r in rows:
     seen.add(r["split"])
     by_layer = sorted(st["compute_ms_per_step"].items(), key=lambda kv: int(kv[0].split("..")[0]))
     per = ", ".join(f"{k}: {v:.2f}" for k, v in by_layer)
-    print(f'| {r["split"]} | {st["steps"]:.0f} | {st.get("pipelined", 0):.0f} | {st["bytes_per_token"]:.0f} | '
+    print(f'| {r["split"]} | {st["steps"]:.0f} | {st.get("pipelined", 0):.0f} | {st.get("lanes", 0):.0f} | {st["bytes_per_token"]:.0f} | '
           f'{st["link_ms_per_whole_step"]:.3f} | {per} |')
 PY

@@ -85,8 +85,9 @@ fn a_model_split_across_two_and_three_processes_answers_as_one_process_does() {
     let want: Vec<String> = prompts.iter().map(|p| complete(one.addr, p, 24)).collect();
     let scored = scores_and_embedding(one.addr, &prompts[0]);
     drop(one);
-    // Two stages sending every step whole, three in micro-batches where they pay.
-    for (cuts, whole) in [(&["0..14", "15..29"][..], true), (&["0..5", "6..20", "21..29"], false)] {
+    // Two stages sending every step whole, three in micro-batches and lanes where
+    // they pay (an even split: a stage's two lane passes then take less than a step).
+    for (cuts, whole) in [(&["0..14", "15..29"][..], true), (&["0..9", "10..19", "20..29"], false)] {
         let later: Vec<Proc> = cuts[1..].iter().map(|l| stage(l, "127.0.0.1:0")).collect();
         let more: &[&str] = if whole { &["--role", "mixed", "--no-micro-batches"] } else { &["--role", "mixed"] };
         let h = head_with(cuts[0], &later.iter().collect::<Vec<_>>(), more);
@@ -96,12 +97,20 @@ fn a_model_split_across_two_and_three_processes_answers_as_one_process_does() {
             assert_eq!(&complete(fe.addr, p, 24), w, "{cuts:?}: prompt {p}");
         }
         assert!(scores_and_embedding(fe.addr, &prompts[0]) == scored, "{cuts:?}: prompt scores or embedding");
+        // At once, their decodes in lanes (the stages' costs were timed by now).
+        let at_once: Vec<String> = std::thread::scope(|s| {
+            let asked: Vec<_> = prompts.iter().map(|p| s.spawn(|| complete(fe.addr, p, 24))).collect();
+            asked.into_iter().map(|a| a.join().unwrap()).collect()
+        });
+        assert_eq!(at_once, want, "{cuts:?}: at once");
         assert_eq!(settle_used_blocks(fe.addr), 0.0, "{cuts:?}");
+        let lanes = metric(fe.addr, "pdserve_stage_lane_steps_total", "");
+        assert_eq!(lanes > 0.0, !whole, "{cuts:?}: {lanes} steps in lanes");
         // Every step went through the later stages: a residual-stream row (576 values
         // of f32) out per token computed, every decoded token among them.
         let rows = metric(fe.addr, "pdserve_stage_rows_total", "");
         let bytes = metric(fe.addr, "pdserve_stage_activation_bytes_total", "");
-        let decoded = 23 * prompts.len();
+        let decoded = 2 * 23 * prompts.len();
         assert!(rows >= decoded as f64, "{cuts:?}: {rows} rows for {decoded} decoded tokens");
         assert!(bytes >= rows * 576.0 * 4.0, "{cuts:?}: {bytes} bytes for {rows} rows");
         // Each stage's compute is timed by its layers. Where every step went whole,

@@ -529,6 +529,15 @@ impl RemoteStages {
         Ok(())
     }
 
+    /// Loses every stage with answers still in flight after a failed step: they
+    /// would answer the next one.
+    fn drop_stale(&mut self) {
+        let stale: Vec<usize> = (0..self.stages.len())
+            .filter(|&i| self.stages[i].conn.as_ref().is_some_and(|c| c.in_flight() > 0))
+            .collect();
+        stale.into_iter().for_each(|i| drop(self.lose(i, "a step in micro-batches failed".into())));
+    }
+
     /// Counts stage `i`'s compute on a pass of `rows` rows.
     fn computed(&mut self, i: usize, rows: usize, seconds: f64) {
         let l = self.stages[i].layers.map_or((0, 0), |l| (l.first, l.last));
@@ -655,16 +664,29 @@ impl NextStages for RemoteStages {
         }
         let finished = self.through(&flights, rows);
         if finished.is_err() {
-            // Answers left in flight on the other stages would answer the next step.
-            let stale: Vec<usize> = (0..self.stages.len())
-                .filter(|&i| self.stages[i].conn.as_ref().is_some_and(|c| c.in_flight() > 0))
-                .collect();
-            stale.into_iter().for_each(|i| drop(self.lose(i, "a step in micro-batches failed".into())));
+            self.drop_stale();
         }
         finished?;
         let n = flights.iter().flatten().map(|p| p.rows).sum();
         self.stepped(n, sending + started.elapsed().as_secs_f64());
         self.totals.pipelined += 1;
+        Ok(())
+    }
+
+    fn finish_first(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        let started = Instant::now();
+        if self.flights.is_empty() {
+            return Err(StageLost("no lane in flight".into()));
+        }
+        let (first, sending) = (self.flights.remove(0), std::mem::take(&mut self.waited));
+        let finished = self.through(std::slice::from_ref(&first), rows);
+        if finished.is_err() {
+            self.flights.clear();
+            self.drop_stale();
+        }
+        finished?;
+        self.stepped(first.iter().map(|p| p.rows).sum(), sending + started.elapsed().as_secs_f64());
+        self.totals.lanes += 1;
         Ok(())
     }
 

@@ -34,8 +34,9 @@ pub struct GroupArgs {
     #[arg(long = "stage", requires = "group")]
     stages: Vec<SocketAddr>,
     /// For the head: send every step through the stages whole. By default the head
-    /// cuts a step into micro-batches that follow one another through the stages
-    /// where the stages' measured costs predict it ends sooner.
+    /// cuts a step into micro-batches that follow one another through the stages,
+    /// and runs its decodes in two lanes pipelined across steps, where the stages'
+    /// measured costs predict it ends sooner.
     #[arg(long, requires = "group")]
     no_micro_batches: bool,
 }

@@ -148,6 +148,32 @@ fn a_step_in_micro_batches_over_the_wire_gives_the_whole_steps_rows() {
 }
 
 #[test]
+fn lanes_over_the_wire_land_one_at_a_time_with_the_whole_steps_rows() {
+    let (mut stages, _servers) = served_stages();
+    let h = 576;
+    let part = |rows, start_pos, b| StagePart { rows, start_pos, logits: 1, blocks: vec![b] };
+    let x: Vec<f32> = (0..10 * h).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+    let mut rows = Vec::new();
+    stages.run(&[part(5, 0, 0), part(3, 0, 1)], &x[..8 * h], &mut rows).unwrap();
+    // The next token of each sequence, in one step whole.
+    let mut whole = Vec::new();
+    stages.run(&[part(1, 5, 0), part(1, 3, 1)], &x[8 * h..], &mut whole).unwrap();
+    // The same rows as two lanes: both in flight, then landed oldest first.
+    stages.start(&[part(1, 5, 0)], &x[8 * h..9 * h]).unwrap();
+    stages.start(&[part(1, 3, 1)], &x[9 * h..]).unwrap();
+    let (mut first, mut second) = (Vec::new(), Vec::new());
+    stages.finish_first(&mut first).unwrap();
+    assert_eq!(first, whole[..h]);
+    stages.finish_first(&mut second).unwrap();
+    assert_eq!(second, whole[h..]);
+    assert!(stages.finish_first(&mut second).is_err(), "no lane left in flight");
+    let t = stages.totals();
+    assert_eq!((t.steps, t.lanes), (4, 2));
+    // The connections are clear for the next step.
+    stages.run(&[part(1, 6, 0)], &x[..h], &mut whole).unwrap();
+}
+
+#[test]
 fn tier_copies_decode_to_what_was_encoded_and_a_cut_or_lie_is_refused() {
     let copies = [
         Move { from: Place::Device(BlockId(3)), to: Place::Host(1) },

@@ -245,10 +245,11 @@ pub struct TimedModel {
 }
 
 /// A stage group's steps as its head pipelines them: `whole`, the whole model's cost
-/// on one node, shared evenly by `stages` stages, with `hop` a round trip to a later
+/// on one node, its layers shared evenly by `stages` stages and its logits on the
+/// head, with `hop` a round trip to a later
 /// stage. A step [`crate::pipeline::micro_batches`] keeps whole costs what
 /// [`TimedModel::step`] says (the group's line, hops included); one it cuts costs its
-/// pipeline's span.
+/// pipeline's span, and decodes that go in lanes a round of them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TimedStages {
     pub stages: usize,
@@ -257,14 +258,30 @@ pub struct TimedStages {
 }
 
 impl TimedStages {
-    /// The pipelined span of a step of shape `s`, when it is cut.
+    /// The pipelined span of a step of shape `s`, when it is cut; for a step of
+    /// decodes alone, the round of two lanes a head takes them in where that is
+    /// shorter (every sequence one token on, as in the step).
     fn cut(&self, s: &StepShape) -> Option<f64> {
         let rows = s.tokens.round().max(1.0) as usize;
-        let n = self.stages.max(1) as f64;
-        let per_row = (self.whole.seconds(s) - self.whole.fixed_s).max(0.0) / rows as f64;
-        let stage = crate::pipeline::PassCost { fixed: self.whole.fixed_s / n, per_row: per_row / n };
-        let (m, span) = crate::pipeline::soonest(&vec![stage; self.stages], self.hop, rows);
+        let stages = self.passes(s, rows);
+        let decodes = s.decodes >= 2.0 && s.decodes == s.tokens;
+        if let Some(round) = decodes.then(|| crate::pipeline::lanes_round(&stages, self.hop, rows)).flatten() {
+            return Some(round);
+        }
+        let (m, span) = crate::pipeline::soonest(&stages, self.hop, rows);
         (m > 1).then_some(span)
+    }
+
+    /// Each stage's pass over a step of shape `s` (`rows` rows), the head's first: an
+    /// even share of the whole model's layers each, and the logits (the output head
+    /// a head holds) on the head.
+    fn passes(&self, s: &StepShape, rows: usize) -> Vec<crate::pipeline::PassCost> {
+        let (n, rows) = (self.stages.max(1) as f64, rows as f64);
+        let logits = self.whole.logits_s * s.logits;
+        let layers = (self.whole.seconds(s) - self.whole.fixed_s - logits).max(0.0) / rows / n;
+        let later = crate::pipeline::PassCost { fixed: self.whole.fixed_s / n, per_row: layers };
+        let head = crate::pipeline::PassCost { per_row: layers + logits / rows, ..later };
+        std::iter::once(head).chain(std::iter::repeat_n(later, self.stages.saturating_sub(1))).collect()
     }
 }
 
@@ -448,6 +465,28 @@ pub(crate) fn spend(clock: Clock, seconds: f64) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_groups_decodes_are_priced_as_a_round_of_two_lanes() {
+        // Each of two stages: 2 ms fixed and 0.25 ms a row; a hop 0.2 ms.
+        let whole = StepCost { fixed_s: 0.004, token_s: 0.0005, ..StepCost::default() };
+        let hop = crate::pipeline::PassCost { fixed: 0.0002, per_row: 0.0 };
+        let g = TimedStages { stages: 2, whole, hop };
+        // Eight decodes whole take 4 + 0.2 + 4 ms; in lanes of four a round takes one
+        // lane's way (2 + 1, 0.2, 2 + 1 ms), longer than a stage's two passes (6 ms).
+        let got = g.cut(&StepShape::decode(8, 100)).unwrap();
+        assert!((got - 0.0062).abs() < 1e-12, "{got}");
+        // One decode has no second lane, and its pass is mostly fixed: not cut either.
+        assert_eq!(g.cut(&StepShape::decode(1, 100)), None);
+        // The logits are the head's: the output head is there.
+        let g = TimedStages { whole: StepCost { logits_s: 0.0003, ..whole }, ..g };
+        let [head, later] = g.passes(&StepShape::decode(8, 100), 8)[..] else { panic!("two stages") };
+        assert!((head.per_row - later.per_row - 0.0003).abs() < 1e-12 && head.fixed == later.fixed, "{head:?}");
+        // A prompt's chunk is cut in micro-batches, not lanes.
+        let chunk = StepShape::prefill(0, 64);
+        let (_, span) = crate::pipeline::soonest(&g.passes(&chunk, 64), hop, 64);
+        assert_eq!(g.cut(&chunk), Some(span));
+    }
 
     #[test]
     fn timed_drafts_are_right_as_often_as_the_share_measured() {

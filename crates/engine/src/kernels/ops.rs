@@ -150,12 +150,21 @@ pub fn fast_exp(x: f32) -> f32 {
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut lanes = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let (ta, tb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for l in 0..16 {
             lanes[l] += x[l] * y[l];
         }
     }
+    dot_sum(&lanes, ta, tb)
+}
+
+/// A [`dot`]'s end: the products of the columns past the last whole 16 (`ta`, `tb`),
+/// then its 16 lanes added in order. Whatever else computes a dot product lane by lane
+/// as `dot` does and ends with this gets `dot`'s bits.
+#[inline(always)]
+pub fn dot_sum(lanes: &[f32; 16], ta: &[f32], tb: &[f32]) -> f32 {
+    let tail: f32 = ta.iter().zip(tb).map(|(x, y)| x * y).sum();
     let mut s = tail;
     for l in lanes {
         s += l;

@@ -320,7 +320,10 @@ fn a_request_cancelled_while_its_lane_is_in_flight_leaves_the_others_whole() {
     }
     let mut out: BTreeMap<u64, Vec<TokenOut>> = BTreeMap::new();
     let mut cancelled = None;
-    while e.has_work() {
+    for _ in 0..10_000 {
+        if !e.has_work() {
+            break;
+        }
         let lanes = e.stage_totals().lanes;
         let step = e.step();
         let landed: Vec<u64> = step.iter().map(|o| o.id.0).collect();
@@ -335,6 +338,7 @@ fn a_request_cancelled_while_its_lane_is_in_flight_leaves_the_others_whole() {
         }
         assert_eq!(e.take_stage_lost(), None);
     }
+    assert!(!e.has_work(), "the engine does not make progress");
     let cancelled = cancelled.expect("a request was in flight in a lane");
     assert_eq!(e.stats().blocks.used, 0);
     for (id, tokens) in &out {
@@ -647,7 +651,7 @@ fn a_group_hands_its_kv_to_a_group_cut_elsewhere_as_one_engine_does() {
 }
 
 #[test]
-fn a_decode_group_imports_a_prompt_while_its_decodes_are_in_lanes() {
+fn a_group_hands_prompts_over_while_its_decodes_are_in_lanes() {
     let (p, whole) = (prompt(45), [(0, 29)]);
     let (want, _) = handed(&whole, &whole, &p);
     let others = vec![prompt(20).into_iter().map(|t| t + 4000).collect(), prompt(30)];
@@ -658,17 +662,18 @@ fn a_decode_group_imports_a_prompt_while_its_decodes_are_in_lanes() {
         de.add(RequestId(i as u64), o, greedy(12)).unwrap();
     }
     let mut out: BTreeMap<u64, Vec<TokenOut>> = BTreeMap::new();
-    let step = |de: &mut Engine, out: &mut BTreeMap<u64, Vec<TokenOut>>| {
-        de.step().into_iter().for_each(|o| out.entry(o.id.0).or_default().push(o.sampled));
-        assert_eq!(de.take_stage_lost(), None);
-    };
-    for _ in 0..100 {
-        if de.stage_totals().lanes >= 2 {
-            break;
+    // Steps (a bounded number) until `done` holds.
+    let step_until = |de: &mut Engine, out: &mut BTreeMap<u64, Vec<TokenOut>>, done: &dyn Fn(&Engine) -> bool| {
+        for _ in 0..1000 {
+            if done(de) {
+                return;
+            }
+            de.step().into_iter().for_each(|o| out.entry(o.id.0).or_default().push(o.sampled));
+            assert_eq!(de.take_stage_lost(), None);
         }
-        step(&mut de, &mut out);
-    }
-    assert!(de.stage_totals().lanes >= 2, "the decodes went in lanes");
+        panic!("the engine does not make progress");
+    };
+    step_until(&mut de, &mut out, &|de| de.stage_totals().lanes >= 2);
     // A lane is in flight: the import's writes to the later stages land it first.
     let (id, mut frames) = (RequestId(7), Vec::new());
     let first = engine_of(&whole).prefill_export(id, p.clone(), greedy(12), &mut |f| {
@@ -680,9 +685,14 @@ fn a_decode_group_imports_a_prompt_while_its_decodes_are_in_lanes() {
     let first = first.unwrap().sampled;
     assert!(de.finish_import(id, p, first.token, greedy(12)).unwrap());
     out.entry(7).or_default().push(first);
-    while de.has_work() {
-        step(&mut de, &mut out);
-    }
+    // Another lane in flight: a prompt prefilled here for another worker sets the
+    // batch aside, the lane landed first.
+    let lanes = de.stage_totals().lanes;
+    step_until(&mut de, &mut out, &|de| de.stage_totals().lanes >= lanes + 2);
+    let q = prompt(33);
+    let exported = de.prefill_export(RequestId(8), q.clone(), greedy(12), &mut |_| true).unwrap();
+    assert_eq!(exported.sampled, handed(&whole, &whole, &q).0[0], "the exported prompt's first token");
+    step_until(&mut de, &mut out, &|de| !de.has_work());
     assert_eq!(out.remove(&7).unwrap(), want);
     assert_eq!(out, others_want);
     assert_eq!(de.stats().blocks.used, 0);

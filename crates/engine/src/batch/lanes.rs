@@ -181,6 +181,13 @@ impl Engine {
         self.next.as_mut().map(|n| std::mem::take(&mut n.landed)).unwrap_or_default()
     }
 
+    /// Keeps `out` (taken by [`Engine::take_landed`]) for the next step to hand out.
+    pub(super) fn keep_landed(&mut self, out: Vec<StepOutput>) {
+        if let Some(n) = self.next.as_mut() {
+            n.landed.splice(0..0, out);
+        }
+    }
+
     /// After a stage was lost: no lane is in flight any more.
     fn drop_lanes(&mut self) {
         self.running.iter_mut().for_each(|s| s.in_lane = false);

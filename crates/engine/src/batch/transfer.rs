@@ -121,6 +121,10 @@ impl Engine {
     /// the prefill, as the router's cost of a remote prefill counts) keep their
     /// blocks. Nothing else touches the engine meanwhile: one thread owns it.
     fn set_aside<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {
+        // A group's lane in flight lands first (its sequences are set aside too), and
+        // what it sampled waits for the next step of the batch, not the export's.
+        self.settle_lane();
+        let landed = self.take_landed();
         let (waiting, running) = (std::mem::take(&mut self.waiting), std::mem::take(&mut self.running));
         let stalled = self.stalled;
         let out = f(self);
@@ -129,6 +133,7 @@ impl Engine {
         self.waiting.extend(waiting);
         self.running.extend(running);
         self.stalled = stalled;
+        self.keep_landed(landed);
         out
     }
 

@@ -495,6 +495,8 @@ impl RemoteStages {
     }
 
     fn lose(&mut self, i: usize, why: String) -> StageLost {
+        // Nothing in flight outlives the connection it went on.
+        self.flights.clear();
         let s = &mut self.stages[i];
         s.conn = None;
         let why = format!("stage at {} (layers {}): {why}", s.addr, s.layers.map_or("?".into(), |l| l.to_string()));

@@ -441,8 +441,11 @@ impl Engine {
         if !next.stages.reconnected() {
             return;
         }
-        // A stage that came back may have come back empty, its tiers too.
+        // A stage that came back may have come back empty, its tiers too; a lane sent
+        // before went on a connection that is gone.
         next.copies.clear();
+        next.lane = None;
+        self.running.iter_mut().for_each(|s| s.in_lane = false);
         self.blocks.clear_cache();
         self.blocks.forget_lower_all();
     }

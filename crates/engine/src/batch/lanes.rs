@@ -13,7 +13,7 @@
 //! the lane first, so a stage connection never has a lane and another call in flight.
 //! Each row is computed as it would be in any batch, so the tokens are a whole step's.
 
-use super::scheduler::{seq_batches, table_ids, Gathered, LayerSeq, Logits, Planned, StepTiming};
+use super::scheduler::{seq_batches, LayerSeq, Logits, Planned, StepTiming};
 use super::stages::Pass;
 use super::transfer::Stored;
 use super::{Compute, Engine, StepOutput};
@@ -72,9 +72,7 @@ impl Engine {
 
     /// Runs `plan`'s rows through this engine's layers and sends them on as a lane.
     fn start_lane(&mut self, plan: &[Planned], on_layer: &mut OnLayer<'_>) -> bool {
-        let ids: Vec<LayerSeq> =
-            plan.iter().map(|p| LayerSeq { blocks: table_ids(&self.running[p.seq]), last_chunk: true }).collect();
-        let gathered: Vec<Gathered> = plan.iter().map(|p| Gathered::for_seq(&self.running[p.seq])).collect();
+        let (ids, gathered) = self.pass_of(plan);
         let batch = seq_batches(&self.running, plan, &ids, &gathered);
         let (Compute::Model(m), Some(next)) = (&self.compute, self.next.as_mut()) else { return false };
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -127,9 +125,7 @@ impl Engine {
         if plan.is_empty() {
             return Vec::new();
         }
-        let ids: Vec<LayerSeq> =
-            plan.iter().map(|p| LayerSeq { blocks: table_ids(&self.running[p.seq]), last_chunk: true }).collect();
-        let gathered: Vec<Gathered> = plan.iter().map(|p| Gathered::for_seq(&self.running[p.seq])).collect();
+        let (ids, gathered) = self.pass_of(plan);
         let batch = seq_batches(&self.running, plan, &ids, &gathered);
         let (Compute::Model(m), Some(next)) = (&self.compute, self.next.as_mut()) else { return Vec::new() };
         let mut scratch = std::mem::take(&mut self.scratch);

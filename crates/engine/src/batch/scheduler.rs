@@ -116,9 +116,7 @@ impl Engine {
         if plan.is_empty() {
             return Vec::new();
         }
-        let ids: Vec<LayerSeq> =
-            plan.iter().map(|p| LayerSeq { blocks: table_ids(&self.running[p.seq]), last_chunk: p.logits }).collect();
-        let gathered: Vec<Gathered> = plan.iter().map(|p| Gathered::for_seq(&self.running[p.seq])).collect();
+        let (ids, gathered) = self.pass_of(plan);
         let batch = seq_batches(&self.running, plan, &ids, &gathered);
         let timing = self.start_timing(plan);
         let rows = tracing::enabled!(tracing::Level::TRACE).then(|| self.step_rows(plan));
@@ -164,6 +162,14 @@ impl Engine {
         }
         self.scratch = scratch;
         out
+    }
+
+    /// What a pass of `plan` needs beside its tokens: each sequence's blocks (and
+    /// whether the step ends its pending tokens), and what it gathers.
+    pub(super) fn pass_of(&self, plan: &[Planned]) -> (Vec<LayerSeq>, Vec<Gathered>) {
+        let seq = |p: &Planned| &self.running[p.seq];
+        let ids = plan.iter().map(|p| LayerSeq { blocks: table_ids(seq(p)), last_chunk: p.logits }).collect();
+        (ids, plan.iter().map(|p| Gathered::for_seq(seq(p))).collect())
     }
 
     /// A step's decodes, the drafted tokens they verify, and its prompt tokens: what
@@ -964,7 +970,7 @@ pub(super) enum Logits<'a> {
     Timed,
 }
 
-pub(super) fn table_ids(s: &Sequence) -> Vec<u32> {
+fn table_ids(s: &Sequence) -> Vec<u32> {
     s.table.as_ref().map(|t| t.block_ids().into_iter().map(|b| b.0).collect()).unwrap_or_default()
 }
 

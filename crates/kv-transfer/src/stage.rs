@@ -76,6 +76,13 @@ pub struct StageConn {
     in_flight: usize,
 }
 
+/// What a connection holds unread.
+enum Peeked {
+    Nothing,
+    Data,
+    Closed,
+}
+
 /// A thread writing a connection's records in order, until its channel closes or a
 /// write fails (then it shuts the connection, so the reader sees the failure too).
 struct Writer {
@@ -123,17 +130,33 @@ impl StageConn {
     /// Whether the stage has closed the connection (or it broke), looked at without
     /// waiting: between calls a stage sends nothing, so anything readable is its end.
     pub fn is_closed(&self) -> bool {
+        matches!(self.peek(), Peeked::Closed)
+    }
+
+    /// Whether the oldest call in flight has begun to be answered (or the connection
+    /// ended), so [`StageConn::answer`] will not wait on the stage's compute: looked at
+    /// without waiting.
+    pub fn answered(&self) -> bool {
+        self.in_flight > 0 && !matches!(self.peek(), Peeked::Nothing)
+    }
+
+    /// What the connection holds unread, looked at without waiting.
+    fn peek(&self) -> Peeked {
         let s = &self.ends.stream;
         if s.set_nonblocking(true).is_err() {
-            return true;
+            return Peeked::Closed;
         }
         let mut byte = [0u8; 1];
-        let closed = match s.peek(&mut byte) {
-            Ok(0) => true,
-            Ok(_) => false,
-            Err(e) => e.kind() != io::ErrorKind::WouldBlock,
+        let peeked = match s.peek(&mut byte) {
+            Ok(0) => Peeked::Closed,
+            Ok(_) => Peeked::Data,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Peeked::Nothing,
+            Err(_) => Peeked::Closed,
         };
-        s.set_nonblocking(false).is_err() || closed
+        match s.set_nonblocking(false) {
+            Ok(()) => peeked,
+            Err(_) => Peeked::Closed,
+        }
     }
 
     /// Sends `body` and returns the stage's answer; a refusal, a timeout or a closed

@@ -26,7 +26,9 @@
 //!
 //! The head calls the stages one after the other (a star, not a ring): the stream goes
 //! back to the head between stages, which costs one more hop per stage past the second
-//! but keeps every stage a plain server.
+//! but keeps every stage a plain server. Micro-batches and lanes in flight do not wait
+//! for the head to finish its own layers: between them it sends each answer that
+//! arrived on to the next stage ([`NextStages::relay`]), so three stages compute at once.
 
 use pdserve_engine::batch::{
     NextStages, PassTimes, StageCosts, StageLost, StagePart, StageRows, StageRunner, TierSlots,
@@ -342,15 +344,28 @@ pub struct RemoteStages {
     passes: BTreeMap<(usize, usize), PassTimes>,
     /// Hops of a step's whole rows (the round trip less the stage's compute).
     hop: PassTimes,
-    /// A step's micro-batches sent and not finished, and what the head waited sending
-    /// them.
-    flights: Vec<Vec<StagePart>>,
+    /// A step's micro-batches (or lanes) sent and not finished, oldest first, and what
+    /// the head waited sending them.
+    flights: Vec<Flight>,
     waited: f64,
     /// Never micro-batches ([`RemoteStages::whole_steps`]).
     whole_steps: bool,
     /// Where the stages are, when something finds them (the fleet) rather than being
     /// given once.
     finder: Option<Finder>,
+}
+
+/// A micro-batch in flight: its parts, and the stage whose answer to it is awaited.
+/// Each stage answers in order, so an older flight is never behind a newer one.
+struct Flight {
+    parts: Vec<StagePart>,
+    at: usize,
+}
+
+impl Flight {
+    fn rows(&self) -> usize {
+        self.parts.iter().map(|p| p.rows).sum()
+    }
 }
 
 /// The later stages' addresses as they are found now.
@@ -506,28 +521,36 @@ impl RemoteStages {
 }
 
 impl RemoteStages {
-    /// Takes the micro-batches `flights` (sent to the first later stage) through every
+    /// Takes the micro-batches `flights` (each awaited at its stage) through every
     /// stage: each stage's answers read in order, each sent on to the next stage at
     /// once, the last stage's rows into `rows`.
-    fn through(&mut self, flights: &[Vec<StagePart>], rows: &mut Vec<f32>) -> Result<(), StageLost> {
+    fn through(&mut self, flights: &mut [Flight], rows: &mut Vec<f32>) -> Result<(), StageLost> {
         let mut buf = std::mem::take(&mut self.x);
         rows.clear();
         let last = self.stages.len() - 1;
         for i in 0..=last {
-            for parts in flights {
-                let compute = self.answer_stage(i, &mut buf)?;
-                self.computed(i, parts.iter().map(|p| p.rows).sum(), compute);
-                self.totals.bytes += (8 + buf.len() * 4) as u64;
-                match i == last {
-                    true => rows.extend_from_slice(&buf),
-                    false => {
-                        encode_step(parts, &buf, &mut self.call);
-                        self.send_stage(i + 1)?;
-                    }
+            for f in flights.iter_mut().filter(|f| f.at == i) {
+                self.forward(f, &mut buf)?;
+                if i == last {
+                    rows.extend_from_slice(&buf);
                 }
             }
         }
         self.x = buf;
+        Ok(())
+    }
+
+    /// Reads `f`'s answer from its stage into `buf` and sends it on to the next stage,
+    /// if there is one.
+    fn forward(&mut self, f: &mut Flight, buf: &mut Vec<f32>) -> Result<(), StageLost> {
+        let compute = self.answer_stage(f.at, buf)?;
+        self.computed(f.at, f.rows(), compute);
+        self.totals.bytes += (8 + buf.len() * 4) as u64;
+        f.at += 1;
+        if f.at < self.stages.len() {
+            encode_step(&f.parts, buf, &mut self.call);
+            self.send_stage(f.at)?;
+        }
         Ok(())
     }
 
@@ -653,23 +676,23 @@ impl NextStages for RemoteStages {
         let started = Instant::now();
         encode_step(parts, x, &mut self.call);
         self.send_stage(0)?;
-        self.flights.push(parts.to_vec());
+        self.flights.push(Flight { parts: parts.to_vec(), at: 0 });
         self.waited += started.elapsed().as_secs_f64();
         Ok(())
     }
 
     fn finish(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
         let started = Instant::now();
-        let (flights, sending) = (std::mem::take(&mut self.flights), std::mem::take(&mut self.waited));
+        let (mut flights, sending) = (std::mem::take(&mut self.flights), std::mem::take(&mut self.waited));
         if flights.is_empty() {
             return Ok(());
         }
-        let finished = self.through(&flights, rows);
+        let finished = self.through(&mut flights, rows);
         if finished.is_err() {
             self.drop_stale();
         }
         finished?;
-        let n = flights.iter().flatten().map(|p| p.rows).sum();
+        let n = flights.iter().map(Flight::rows).sum();
         self.stepped(n, sending + started.elapsed().as_secs_f64());
         self.totals.pipelined += 1;
         Ok(())
@@ -680,16 +703,40 @@ impl NextStages for RemoteStages {
         if self.flights.is_empty() {
             return Err(StageLost("no lane in flight".into()));
         }
-        let (first, sending) = (self.flights.remove(0), std::mem::take(&mut self.waited));
-        let finished = self.through(std::slice::from_ref(&first), rows);
+        let (mut first, sending) = (self.flights.remove(0), std::mem::take(&mut self.waited));
+        let finished = self.through(std::slice::from_mut(&mut first), rows);
         if finished.is_err() {
             self.flights.clear();
             self.drop_stale();
         }
         finished?;
-        self.stepped(first.iter().map(|p| p.rows).sum(), sending + started.elapsed().as_secs_f64());
+        self.stepped(first.rows(), sending + started.elapsed().as_secs_f64());
         self.totals.lanes += 1;
         Ok(())
+    }
+
+    /// Each stage's oldest flight that it has answered goes on to the next stage, so
+    /// lanes flow stage to stage while the head computes.
+    fn relay(&mut self) -> Result<(), StageLost> {
+        let last = self.stages.len().saturating_sub(1);
+        let mut buf = std::mem::take(&mut self.x);
+        let mut flights = std::mem::take(&mut self.flights);
+        let mut relayed = Ok(());
+        for i in 0..last {
+            let Some(f) = flights.iter_mut().find(|f| f.at == i) else { continue };
+            if self.stages[i].conn.as_ref().is_some_and(StageConn::answered) {
+                relayed = self.forward(f, &mut buf);
+                if relayed.is_err() {
+                    break;
+                }
+            }
+        }
+        self.x = buf;
+        match relayed {
+            Ok(()) => self.flights = flights,
+            Err(_) => self.drop_stale(),
+        }
+        relayed
     }
 
     fn reconnected(&mut self) -> bool {

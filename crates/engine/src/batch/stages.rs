@@ -80,6 +80,13 @@ pub trait NextStages: Send {
         Err(StageLost("these stages take no lanes".into()))
     }
 
+    /// Sends on, without waiting, each micro-batch a stage has answered to the stage
+    /// after it, so micro-batches in flight move stage to stage while the head
+    /// computes; the head calls it between its own layers.
+    fn relay(&mut self) -> Result<(), StageLost> {
+        Ok(())
+    }
+
     /// Layer `layer`'s K/V of `blocks` (the head's block ids, in the sequence's order)
     /// from the stage that holds it, as frames indexed from 0: a prefill group's
     /// export of the layers past its head's.
@@ -289,7 +296,16 @@ impl Next {
         on_layer: &mut dyn FnMut(usize, &KvStorage) -> bool,
     ) -> Option<&'x [f32]> {
         let started = Instant::now();
-        let out = head.forward_stage(pass.isa, pass.pool, batch, &[], kv, s, on_layer)?;
+        let Next { stages, lost, .. } = self;
+        // Between its layers the head passes on what the stages answered meanwhile.
+        let mut layer = |l: usize, kv: &KvStorage| match stages.relay() {
+            Ok(()) => on_layer(l, kv),
+            Err(e) => {
+                *lost = Some(e);
+                false
+            }
+        };
+        let out = head.forward_stage(pass.isa, pass.pool, batch, &[], kv, s, &mut layer)?;
         let took = started.elapsed().as_secs_f64();
         self.head_s += took;
         self.own.record(batch.iter().map(|b| b.tokens.len()).sum(), took);

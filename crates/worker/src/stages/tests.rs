@@ -174,6 +174,35 @@ fn lanes_over_the_wire_land_one_at_a_time_with_the_whole_steps_rows() {
 }
 
 #[test]
+fn lanes_go_on_stage_to_stage_while_the_head_computes() {
+    let (mut stages, _servers) = served_stages();
+    let h = 576;
+    let part = |rows, start_pos, b| StagePart { rows, start_pos, logits: 1, blocks: vec![b] };
+    let x: Vec<f32> = (0..10 * h).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+    let mut rows = Vec::new();
+    stages.run(&[part(5, 0, 0), part(3, 0, 1)], &x[..8 * h], &mut rows).unwrap();
+    let mut whole = Vec::new();
+    stages.run(&[part(1, 5, 0), part(1, 3, 1)], &x[8 * h..], &mut whole).unwrap();
+    stages.start(&[part(1, 5, 0)], &x[8 * h..9 * h]).unwrap();
+    stages.start(&[part(1, 3, 1)], &x[9 * h..]).unwrap();
+    // The head relays between its layers, never waiting: both lanes reach the last
+    // stage with no call from the head to land them.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while stages.flights.iter().any(|f| f.at == 0) {
+        assert!(Instant::now() < deadline, "a lane stayed at the first stage");
+        stages.relay().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (mut first, mut second) = (Vec::new(), Vec::new());
+    stages.finish_first(&mut first).unwrap();
+    stages.finish_first(&mut second).unwrap();
+    assert_eq!((first.as_slice(), second.as_slice()), (&whole[..h], &whole[h..]));
+    // Nothing is left to relay, and the connections are clear for the next step.
+    stages.relay().unwrap();
+    stages.run(&[part(1, 6, 0)], &x[..h], &mut whole).unwrap();
+}
+
+#[test]
 fn tier_copies_decode_to_what_was_encoded_and_a_cut_or_lie_is_refused() {
     let copies = [
         Move { from: Place::Device(BlockId(3)), to: Place::Host(1) },

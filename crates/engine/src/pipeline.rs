@@ -69,31 +69,34 @@ pub fn soonest(stages: &[PassCost], hop: PassCost, rows: usize) -> (usize, f64) 
     (m, makespan(stages, hop, &even(rows, m)))
 }
 
-/// Whether a group's decodes of `rows` rows go in two lanes, pipelined across steps:
-/// one lane's rows go into the later stages while the head computes the other's, so
-/// each lane's next step starts as soon as its tokens are sampled. A round (every
-/// sequence one token on) then takes the longer of a lane's way through the stages and
-/// the busiest stage's two passes, against one whole step's way through them; taken
-/// where that is shorter, from the stages' measured costs (the head's first). Each
-/// pass of a lane pays a stage's fixed time again, so a stage far slower than the
+/// How many lanes a group's decodes of `rows` rows go in, pipelined across steps;
+/// `None` where they go whole. Each step sends one lane's rows into the later stages
+/// and lands the oldest lane's, so while the head computes one lane the others are in
+/// the later stages, and a lane's next step starts as soon as its tokens are sampled.
+/// A round (every sequence one token on) then takes the longer of a lane's way
+/// through the stages and the busiest stage's passes, one a lane, against one whole
+/// step's way through them; the count (2 up to one a stage) whose round is shortest is
+/// taken where that is shorter, from the stages' measured costs (the head's first).
+/// Each pass of a lane pays a stage's fixed time again, so a stage far slower than the
 /// others keeps the decodes whole; a slow link favours lanes (one crosses it while
-/// the head computes the other).
-pub fn lanes_pay(stages: &[Option<PassCost>], hop: Option<PassCost>, rows: usize) -> bool {
-    let (Some(costs), Some(hop)) = (stages.iter().copied().collect::<Option<Vec<_>>>(), hop) else { return false };
-    lanes_round(&costs, hop, rows).is_some()
+/// the head computes another).
+pub fn lanes(stages: &[Option<PassCost>], hop: Option<PassCost>, rows: usize) -> Option<usize> {
+    let (Some(costs), Some(hop)) = (stages.iter().copied().collect::<Option<Vec<_>>>(), hop) else { return None };
+    lanes_round(&costs, hop, rows).map(|(lanes, _)| lanes)
 }
 
-/// What a round of `rows` decodes in two lanes takes ([`lanes_pay`]), where it is
-/// shorter than one step whole: the twin's clock for a group's decodes.
-pub fn lanes_round(stages: &[PassCost], hop: PassCost, rows: usize) -> Option<f64> {
-    if rows < 2 || stages.len() < 2 {
-        return None;
-    }
-    let (a, b) = (rows - rows / 2, rows / 2);
-    let through = |n: usize| makespan(stages, hop, &[n]);
-    let busiest = stages.iter().map(|c| c.of(a) + c.of(b)).fold(0.0, f64::max);
-    let round = through(a).max(busiest);
-    (round < through(rows)).then_some(round)
+/// The lanes [`lanes`] takes for `rows` decodes and what a round of them takes, where
+/// that is shorter than one step whole: the twin's clock for a group's decodes.
+pub fn lanes_round(stages: &[PassCost], hop: PassCost, rows: usize) -> Option<(usize, f64)> {
+    let whole = makespan(stages, hop, &[rows]);
+    let round = |lanes: usize| {
+        let sizes = even(rows, lanes);
+        let widest = sizes.iter().copied().max().unwrap_or(0);
+        let busiest = stages.iter().map(|c| sizes.iter().map(|&r| c.of(r)).sum::<f64>()).fold(0.0, f64::max);
+        makespan(stages, hop, &[widest]).max(busiest)
+    };
+    let counts = 2..=stages.len().min(rows);
+    counts.map(|l| (l, round(l))).filter(|&(_, t)| t < whole).min_by(|a, b| a.1.total_cmp(&b.1))
 }
 
 /// `rows` cut into `m` runs as even as whole rows allow.
@@ -182,27 +185,36 @@ mod tests {
     #[test]
     fn decodes_go_in_lanes_where_a_round_is_predicted_shorter() {
         let two = |c| [Some(c), Some(c)];
-        // (each stage's pass, a hop, the decodes, in lanes)
-        type Case<'a> = (&'a [Option<PassCost>], Option<PassCost>, usize, bool);
+        let three = |c| [Some(c), Some(c), Some(c)];
+        let heavy = PassCost { fixed: 0.004, per_row: 0.0002 };
+        // (each stage's pass, a hop, the decodes, the lanes)
+        type Case<'a> = (&'a [Option<PassCost>], Option<PassCost>, usize, Option<usize>);
         let cases: &[Case<'_>] = &[
             // Decodes that cost their weights' reading: each lane pays it again, but a
-            // stage reads while the other does, so a round still ends sooner.
-            (&two(MEMORY_BOUND), Some(HOP), 4, true),
-            (&two(PER_ROW), Some(HOP), 16, true),
-            (&[Some(PER_ROW), Some(PER_ROW), Some(PER_ROW)], Some(HOP), 9, true),
+            // stage reads while the others do, so a round still ends sooner.
+            (&two(MEMORY_BOUND), Some(HOP), 4, Some(2)),
+            (&two(PER_ROW), Some(HOP), 16, Some(2)),
+            // Three stages keep busiest with a lane each...
+            (&three(PER_ROW), Some(HOP), 9, Some(3)),
+            (&three(MEMORY_BOUND), Some(HOP), 6, Some(3)),
+            // ...but no more lanes than sequences,
+            (&three(PER_ROW), Some(HOP), 2, Some(2)),
+            // nor a third lane that pays two heavy stages' fixed time once more than
+            // its overlap saves.
+            (&[Some(LIGHT), Some(heavy), Some(heavy)], Some(HOP), 8, Some(2)),
             // One sequence has no second lane; one stage has no other to overlap.
-            (&two(MEMORY_BOUND), Some(HOP), 1, false),
-            (&[Some(MEMORY_BOUND)], Some(HOP), 8, false),
+            (&two(MEMORY_BOUND), Some(HOP), 1, None),
+            (&[Some(MEMORY_BOUND)], Some(HOP), 8, None),
             // A later stage far slower than the head: its two passes outlast a whole step.
-            (&[Some(LIGHT), Some(PassCost { fixed: 0.01, per_row: 0.0001 })], Some(HOP), 4, false),
+            (&[Some(LIGHT), Some(PassCost { fixed: 0.01, per_row: 0.0001 })], Some(HOP), 4, None),
             // A slow link: one lane crosses it while the head computes the other.
-            (&two(MEMORY_BOUND), Some(PassCost { fixed: 0.02, per_row: 0.0 }), 4, true),
+            (&two(MEMORY_BOUND), Some(PassCost { fixed: 0.02, per_row: 0.0 }), 4, Some(2)),
             // A cost not measured yet.
-            (&[Some(MEMORY_BOUND), None], Some(HOP), 4, false),
-            (&two(MEMORY_BOUND), None, 4, false),
+            (&[Some(MEMORY_BOUND), None], Some(HOP), 4, None),
+            (&two(MEMORY_BOUND), None, 4, None),
         ];
         for (i, &(stages, hop, rows, want)) in cases.iter().enumerate() {
-            assert_eq!(lanes_pay(stages, hop, rows), want, "case {i}");
+            assert_eq!(lanes(stages, hop, rows), want, "case {i}");
         }
     }
 

@@ -259,13 +259,13 @@ pub struct TimedStages {
 
 impl TimedStages {
     /// The pipelined span of a step of shape `s`, when it is cut; for a step of
-    /// decodes alone, the round of two lanes a head takes them in where that is
+    /// decodes alone, the round of lanes a head takes them in where that is
     /// shorter (every sequence one token on, as in the step).
     fn cut(&self, s: &StepShape) -> Option<f64> {
         let rows = s.tokens.round().max(1.0) as usize;
         let stages = self.passes(s, rows);
         let decodes = s.decodes >= 2.0 && s.decodes == s.tokens;
-        if let Some(round) = decodes.then(|| crate::pipeline::lanes_round(&stages, self.hop, rows)).flatten() {
+        if let Some((_, round)) = decodes.then(|| crate::pipeline::lanes_round(&stages, self.hop, rows)).flatten() {
             return Some(round);
         }
         let (m, span) = crate::pipeline::soonest(&stages, self.hop, rows);

@@ -30,6 +30,7 @@ use pdserve_kv::Move;
 use pdserve_types::{KvDtype, KvFrame, StageTotals};
 use pdserve_types::{Pooling, RequestId, SamplingParams, TokenOut};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 const DECODE: usize = 8;
@@ -220,10 +221,15 @@ fn a_head_engine_with_its_later_stages_serves_what_a_whole_engine_does() {
 /// than one row always goes through in micro-batches, and decodes go in lanes (the
 /// head's own passes cost more for more rows): the head's side of pipelining, in one
 /// thread. As over a stage connection, no other call may go while micro-batches
-/// (the second field counts them) are in flight.
-struct Pipelining(LocalStages, usize);
+/// (the second field counts them) are in flight; the third keeps the most that were
+/// when a lane landed.
+struct Pipelining(LocalStages, usize, Arc<AtomicUsize>);
 
 impl Pipelining {
+    fn new(s: LocalStages) -> Pipelining {
+        Pipelining(s, 0, Arc::default())
+    }
+
     fn clear(&self) -> Result<(), StageLost> {
         match self.1 {
             0 => Ok(()),
@@ -262,6 +268,7 @@ impl NextStages for Pipelining {
     }
 
     fn finish_first(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        self.2.fetch_max(self.1, Ordering::Relaxed);
         self.1 = self.1.saturating_sub(1);
         self.0.finish_first(rows)
     }
@@ -281,7 +288,7 @@ impl NextStages for Pipelining {
 fn a_head_engine_in_micro_batches_serves_what_a_whole_engine_does() {
     let whole = sampled(&serve(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![])));
     for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
-        let mut e = head_engine(cuts, |s| Box::new(Pipelining(s, 0)));
+        let mut e = head_engine(cuts, |s| Box::new(Pipelining::new(s)));
         assert_eq!(sampled(&serve(&mut e)), whole, "{cuts:?}");
         // Again, the head's passes timed at two sizes by now: every step of more than
         // one row's prompt goes in micro-batches (the decodes go in lanes).
@@ -297,15 +304,23 @@ fn a_head_engine_in_micro_batches_serves_what_a_whole_engine_does() {
 
 #[test]
 fn a_head_engine_decodes_in_lanes_what_a_whole_engine_does() {
-    let whole = sampled(&serve(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![])));
+    // Six sequences: three lanes of two through three stages.
+    let shared = prompt(37);
+    let mut prompts = vec![shared.clone(), prompt(5), prompt(50), [shared, vec![11, 12, 13]].concat()];
+    prompts.extend([vec![7; 9], vec![8; 13]]);
+    let whole =
+        sampled(&serve_all(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![]), prompts.clone()));
     for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
-        let mut e = head_engine(cuts, |s| Box::new(Pipelining(s, 0)));
-        assert_eq!(sampled(&serve(&mut e)), whole, "{cuts:?}");
+        let most = Arc::new(AtomicUsize::new(0));
+        let mut e = head_engine(cuts, |s| Box::new(Pipelining(s, 0, most.clone())));
+        assert_eq!(sampled(&serve_all(&mut e, prompts.clone())), whole, "{cuts:?}");
         let t = e.stage_totals();
         assert!(t.lanes > 11, "the decodes went in lanes: {t:?}");
+        // A lane a stage: the head computes one while each later stage holds another.
+        assert_eq!(most.load(Ordering::Relaxed), cuts.len(), "{cuts:?}: lanes in flight at once");
         // Each row once: the prompts less the 32 tokens the third and fourth found
         // cached (the first's), 11 decodes each.
-        assert_eq!(t.rows, 37 + 5 + (50 - 32) + (40 - 32) + 4 * 11, "no row in flight went again");
+        assert_eq!(t.rows, 37 + 5 + (50 - 32) + (40 - 32) + 9 + 13 + 6 * 11, "no row in flight went again");
     }
 }
 
@@ -314,7 +329,7 @@ fn a_request_cancelled_while_its_lane_is_in_flight_leaves_the_others_whole() {
     let prompts = vec![prompt(37), prompt(5), prompt(50), prompt(20)];
     let whole =
         sampled(&serve_all(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![]), prompts.clone()));
-    let mut e = head_engine(&[(0, 14), (15, 29)], |s| Box::new(Pipelining(s, 0)));
+    let mut e = head_engine(&[(0, 14), (15, 29)], |s| Box::new(Pipelining::new(s)));
     for (i, p) in prompts.into_iter().enumerate() {
         e.add(RequestId(i as u64), p, greedy(12)).unwrap();
     }
@@ -376,7 +391,7 @@ fn staggered(e: &mut Engine) -> BTreeMap<u64, Vec<TokenOut>> {
 fn requests_that_come_and_end_while_lanes_fly_get_a_whole_engines_tokens() {
     let whole = staggered(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![]));
     for cuts in [&[(0, 14), (15, 29)][..], &[(0, 3), (4, 20), (21, 29)]] {
-        let mut e = head_engine(cuts, |s| Box::new(Pipelining(s, 0)));
+        let mut e = head_engine(cuts, |s| Box::new(Pipelining::new(s)));
         assert_eq!(staggered(&mut e), whole, "{cuts:?}");
         assert!(e.stage_totals().lanes > 0, "{cuts:?}");
     }
@@ -391,7 +406,7 @@ fn a_pool_that_runs_out_preempts_no_sequence_whose_lane_is_in_flight() {
     let whole =
         sampled(&serve_all(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![]), prompts.clone()));
     let cfg = EngineConfig { num_blocks: 14, ..engine_cfg() };
-    let mut e = head_engine_in(&[(0, 14), (15, 29)], cfg, |s| Box::new(Pipelining(s, 0)));
+    let mut e = head_engine_in(&[(0, 14), (15, 29)], cfg, |s| Box::new(Pipelining::new(s)));
     for (i, p) in prompts.into_iter().enumerate() {
         e.add(RequestId(i as u64), p, greedy(12)).unwrap();
     }
@@ -591,7 +606,7 @@ fn engine_of(cuts: &[(usize, usize)]) -> Engine {
 /// A group whose steps go in micro-batches, once its head timed two sizes of pass
 /// (a warm-up prompt's chunks and its decode).
 fn pipelining(cuts: &[(usize, usize)]) -> Engine {
-    let mut e = head_engine(cuts, |s| Box::new(Pipelining(s, 0)));
+    let mut e = head_engine(cuts, |s| Box::new(Pipelining::new(s)));
     e.add(RequestId(99), prompt(100), greedy(2)).unwrap();
     while e.has_work() {
         e.step();

@@ -1,11 +1,12 @@
 //! A stage group's decodes pipelined across steps. Taking turns, a group's stages
 //! leave all but one idle; cutting a decode step in micro-batches does not help, since
-//! each half pays a stage's fixed cost. Instead the running decodes go in two lanes:
-//! each step sends one lane's rows into the later stages and then samples the other
-//! lane's, which were in them meanwhile, so the head computes one lane while the later
-//! stages compute the other, and a lane's next step starts as soon as its tokens are
-//! sampled. [`crate::pipeline::lanes_pay`] says, from the stages' measured costs,
-//! when a round of two lanes ends sooner than a step whole.
+//! each part pays a stage's fixed cost. Instead the running decodes go in lanes, up to
+//! one a stage: each step sends one lane's rows into the later stages and then samples
+//! the oldest lane's, which were in them meanwhile, so the head computes one lane while
+//! the later stages compute the others (the head passes each on between its layers),
+//! and a lane's next step starts as soon as its tokens are sampled.
+//! [`crate::pipeline::lanes`] says, from the stages' measured costs, how many lanes
+//! a round ends soonest in, if any ends sooner than a step whole.
 //!
 //! A sequence whose row is in flight is `in_lane`: no step schedules it and nothing
 //! preempts it until its lane lands; a cancelled one's row is dropped when it lands.
@@ -30,44 +31,49 @@ pub(crate) struct Lane {
 type OnLayer<'h> = dyn FnMut(usize, Stored<'_>, &[LayerSeq]) -> bool + 'h;
 
 impl Engine {
-    /// The step, where it goes in lanes: `plan` (its first half, when no lane is in
-    /// flight) sent into the later stages as a lane, and the lane in flight, if any,
-    /// landed and sampled. `None` where the step goes the usual way.
+    /// The step, where it goes in lanes: `plan` sent into the later stages as a lane
+    /// (its share, while a round's lanes are still being filled), and the oldest lane
+    /// landed and sampled once the round's lanes are all in flight. `None` where the
+    /// step goes the usual way.
     pub(super) fn lane_step(
         &mut self,
         plan: &mut Vec<Planned>,
         on_layer: &mut OnLayer<'_>,
         started: Instant,
     ) -> Option<Vec<StepOutput>> {
-        if !self.lanes_take(plan) {
-            return None;
-        }
-        let flying = self.next.as_mut()?.lane.take();
-        if flying.is_none() {
-            // The other half waits for the next step, beside this lane's flight.
-            let left = plan.split_off(plan.len() - plan.len() / 2);
+        let width = self.lanes_take(plan)?;
+        let next = self.next.as_mut()?;
+        let flying = next.lanes.len();
+        next.width = width;
+        if flying + 1 < width {
+            // The rest wait for the next steps, each of which starts a lane of its own.
+            let left = plan.split_off(plan.len().div_ceil(width - flying));
             self.spec.decodes -= left.len() as u64;
         }
         if !self.start_lane(plan, on_layer) {
             self.drop_lanes();
             return Some(Vec::new());
         }
-        Some(flying.map(|l| self.land(l, started)).unwrap_or_default())
+        let oldest = self.next.as_mut().filter(|n| n.lanes.len() >= width).and_then(|n| n.lanes.pop_front());
+        Some(oldest.map(|l| self.land(l, started)).unwrap_or_default())
     }
 
-    /// Whether `plan` goes as a lane: decodes only (no draft, no prompt, nothing
-    /// scored or pooled), on a group head that owes its stages no tier copies, with a
-    /// lane in flight already or lanes predicted to pay.
-    fn lanes_take(&self, plan: &[Planned]) -> bool {
-        let (Compute::Model(_), Some(next)) = (&self.compute, self.next.as_ref()) else { return false };
+    /// How many lanes `plan` goes in, if it goes as a lane: decodes only (no draft, no
+    /// prompt, nothing scored or pooled), on a group head that owes its stages no tier
+    /// copies, with a round's lanes in flight already or lanes predicted to pay.
+    fn lanes_take(&self, plan: &[Planned]) -> Option<usize> {
+        let (Compute::Model(_), Some(next)) = (&self.compute, self.next.as_ref()) else { return None };
         let decode = |p: &Planned| {
             let s = &self.running[p.seq];
             p.n == 1 && p.draft == 0 && p.logits && s.is_decoding() && !s.params.whole_prompt()
         };
         if plan.is_empty() || !plan.iter().all(decode) || next.owes_copies() {
-            return false;
+            return None;
         }
-        next.lane.is_some() || next.lanes_pay(plan.len())
+        match next.lanes.is_empty() {
+            true => next.lanes_for(plan.len()),
+            false => Some(next.width),
+        }
     }
 
     /// Runs `plan`'s rows through this engine's layers and sends them on as a lane.
@@ -89,9 +95,8 @@ impl Engine {
                 s.in_lane = true;
                 seqs.push((s.id, s.computed));
             }
-            let lane = Lane { seqs };
             if let Some(n) = self.next.as_mut() {
-                n.lane = Some(lane);
+                n.lanes.push_back(Lane { seqs });
             }
         }
         sent
@@ -143,30 +148,31 @@ impl Engine {
         out
     }
 
-    /// Lands the lane in flight, if any: its outputs.
-    fn land_lane(&mut self, started: Instant) -> Vec<StepOutput> {
-        match self.next.as_mut().and_then(|n| n.lane.take()) {
-            Some(lane) => self.land(lane, started),
-            None => Vec::new(),
+    /// Lands every lane in flight, oldest first: their outputs.
+    fn land_lanes(&mut self, started: Instant) -> Vec<StepOutput> {
+        let mut out = Vec::new();
+        while let Some(lane) = self.next.as_mut().and_then(|n| n.lanes.pop_front()) {
+            out.extend(self.land(lane, started));
         }
+        out
     }
 
-    /// Lands the lane in flight, if any, before `plan` goes whole: its outputs. The
-    /// sequences the lane finishes leave `running`, so `plan` (none of whose
-    /// sequences is in the lane) is pointed at its sequences' places after them.
+    /// Lands the lanes in flight, if any, before `plan` goes whole: their outputs.
+    /// The sequences they finish leave `running`, so `plan` (none of whose sequences
+    /// is in a lane) is pointed at its sequences' places after them.
     pub(super) fn land_beside(&mut self, plan: &mut [Planned], started: Instant) -> Vec<StepOutput> {
         let ids: Vec<RequestId> = plan.iter().map(|p| self.running[p.seq].id).collect();
-        let out = self.land_lane(started);
+        let out = self.land_lanes(started);
         for (p, id) in plan.iter_mut().zip(ids) {
             p.seq = self.running.iter().position(|s| s.id == id).unwrap_or(p.seq);
         }
         out
     }
 
-    /// Lands the lane in flight before a call to the stages outside a step; the next
-    /// step hands its outputs out.
-    pub(super) fn settle_lane(&mut self) {
-        let out = self.land_lane(Instant::now());
+    /// Lands the lanes in flight before a call to the stages outside a step; the next
+    /// step hands their outputs out.
+    pub(super) fn settle_lanes(&mut self) {
+        let out = self.land_lanes(Instant::now());
         if let Some(n) = self.next.as_mut() {
             n.landed.extend(out);
         }

@@ -17,11 +17,12 @@ use super::{Compute, Engine, EngineError, StepOutput, BLOCK_SIZE};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
 use crate::model::{logit_rows, returned_rows, ForwardScratch, Model, SeqBatch, StageOut};
-use crate::pipeline::{cut, lanes_pay, micro_batches, PassCost, PassTimes};
+use crate::pipeline::{cut, lanes, micro_batches, PassCost, PassTimes};
 use crate::threadpool::ThreadPool;
 use crate::tiers::{TierBytes, TierConfig};
 use pdserve_kv::{Move, Place};
 use pdserve_types::{KvDtype, KvFrame, StageCompute, StageTotals};
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -135,9 +136,11 @@ pub(crate) struct Next {
     head_s: f64,
     /// This engine's passes through its own layers, by their rows.
     own: PassTimes,
-    /// The lane of decodes in the later stages, and what a lane that landed outside
-    /// a step (before a transfer) sampled, for the next step to hand out.
-    pub(crate) lane: Option<Lane>,
+    /// The lanes of decodes in the later stages (oldest first) and how many a round
+    /// of them has, and what a lane that landed outside a step (before a transfer)
+    /// sampled, for the next step to hand out.
+    pub(crate) lanes: VecDeque<Lane>,
+    pub(crate) width: usize,
     pub(crate) landed: Vec<StepOutput>,
 }
 
@@ -188,14 +191,14 @@ impl Next {
         micro_batches(&costs, later.hop, rows)
     }
 
-    /// Whether decodes of `rows` rows go in lanes, as the measured costs say.
-    pub(crate) fn lanes_pay(&self, rows: usize) -> bool {
+    /// How many lanes decodes of `rows` rows go in, as the measured costs say.
+    pub(crate) fn lanes_for(&self, rows: usize) -> Option<usize> {
         let later = self.stages.costs();
         if later.passes.is_empty() {
-            return false;
+            return None;
         }
         let costs: Vec<Option<PassCost>> = std::iter::once(self.own.cost()).chain(later.passes).collect();
-        lanes_pay(&costs, later.hop, rows)
+        lanes(&costs, later.hop, rows)
     }
 
     /// Whether tier copies wait to be made on the stages (a call of its own, which
@@ -241,7 +244,7 @@ impl Next {
     /// Forgets every lane in flight: what the stages hold of them is answered (or
     /// fails) and dropped, so no answer is left for a later step.
     pub(crate) fn drop_lanes(&mut self) {
-        self.lane = None;
+        self.lanes.clear();
         let _ = self.stages.finish(&mut self.rows);
     }
 
@@ -368,8 +371,9 @@ impl Engine {
     pub fn with_next_stages(mut self, stages: Box<dyn NextStages>) -> Self {
         let slots = self.tier_slots();
         let (copies, rows, own) = (Vec::new(), Vec::new(), PassTimes::default());
-        let (lane, landed) = (None, Vec::new());
-        self.next = Some(Next { stages, lost: None, copies, slots, rows, head_s: 0.0, own, lane, landed });
+        let (lanes, landed) = (VecDeque::new(), Vec::new());
+        let next = Next { stages, lost: None, copies, slots, rows, head_s: 0.0, own, lanes, width: 0, landed };
+        self.next = Some(next);
         self
     }
 
@@ -421,7 +425,7 @@ impl Engine {
     ) -> Result<bool, EngineError> {
         let (own, total) = (self.kv.n_layers, self.total_layers());
         // A call of its own: no lane may be in flight on the stages' connections.
-        self.settle_lane();
+        self.settle_lanes();
         let Some(next) = self.next.as_mut() else { return Ok(true) };
         next.copied()?;
         for l in own..total {
@@ -437,7 +441,7 @@ impl Engine {
     /// later stages that hold them: a decode group's import.
     pub(crate) fn import_stages(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), EngineError> {
         let Some((_, f)) = frames.first() else { return Ok(()) };
-        self.settle_lane();
+        self.settle_lanes();
         let Some(next) = self.next.as_mut() else {
             return Err(EngineError::BadFrame(format!("layer {} of {}", f.layer, self.kv.n_layers)));
         };
@@ -460,7 +464,7 @@ impl Engine {
         // A stage that came back may have come back empty, its tiers too; a lane sent
         // before went on a connection that is gone.
         next.copies.clear();
-        next.lane = None;
+        next.lanes.clear();
         self.running.iter_mut().for_each(|s| s.in_lane = false);
         self.blocks.clear_cache();
         self.blocks.forget_lower_all();

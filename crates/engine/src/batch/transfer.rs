@@ -123,7 +123,7 @@ impl Engine {
     fn set_aside<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {
         // A group's lane in flight lands first (its sequences are set aside too), and
         // what it sampled waits for the next step of the batch, not the export's.
-        self.settle_lane();
+        self.settle_lanes();
         let landed = self.take_landed();
         let (waiting, running) = (std::mem::take(&mut self.waiting), std::mem::take(&mut self.running));
         let stalled = self.stalled;

@@ -324,6 +324,71 @@ fn a_head_engine_decodes_in_lanes_what_a_whole_engine_does() {
     }
 }
 
+/// [`Pipelining`] whose connections are lost and made again once between two steps,
+/// after `after` lanes landed and while others fly: what was in flight is gone
+/// (computed, as a stage may have done before it went, and never answered), and the
+/// stages say they were reached afresh. Their K/V stays, so the head's sequences can
+/// go on from where they were.
+struct Reconnecting {
+    inner: Pipelining,
+    after: u64,
+    done: bool,
+}
+
+impl NextStages for Reconnecting {
+    fn run(&mut self, parts: &[StagePart], x: &[f32], rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        self.inner.run(parts, x, rows)
+    }
+
+    /// Asked once at the start of every step.
+    fn reconnected(&mut self) -> bool {
+        if !self.done && self.inner.1 > 0 && self.inner.totals().lanes >= self.after {
+            self.done = true;
+            let _ = self.inner.finish(&mut Vec::new());
+            return true;
+        }
+        self.inner.reconnected()
+    }
+
+    fn totals(&self) -> StageTotals {
+        self.inner.totals()
+    }
+
+    fn costs(&self) -> StageCosts {
+        self.inner.costs()
+    }
+
+    fn start(&mut self, parts: &[StagePart], x: &[f32]) -> Result<(), StageLost> {
+        self.inner.start(parts, x)
+    }
+
+    fn finish(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        self.inner.finish(rows)
+    }
+
+    fn finish_first(&mut self, rows: &mut Vec<f32>) -> Result<(), StageLost> {
+        self.inner.finish_first(rows)
+    }
+
+    fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost> {
+        self.inner.read_kv(layer, blocks)
+    }
+
+    fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost> {
+        self.inner.write_kv(frames)
+    }
+}
+
+#[test]
+fn lanes_sent_before_the_stages_were_reached_afresh_are_sent_again() {
+    let whole = sampled(&serve(&mut Engine::new(loaded(&[(0, 29)]).remove(0), engine_cfg(), vec![])));
+    let mut e = head_engine(&[(0, 14), (15, 29)], |s| {
+        Box::new(Reconnecting { inner: Pipelining::new(s), after: 4, done: false })
+    });
+    assert_eq!(sampled(&serve(&mut e)), whole);
+    assert!(e.stage_totals().lanes > 11, "the decodes went in lanes: {:?}", e.stage_totals());
+}
+
 #[test]
 fn a_request_cancelled_while_its_lane_is_in_flight_leaves_the_others_whole() {
     let prompts = vec![prompt(37), prompt(5), prompt(50), prompt(20)];

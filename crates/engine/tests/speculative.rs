@@ -333,6 +333,7 @@ fn the_draft_kv_goes_with_the_target_kv_across_the_handoff() {
         // The prefill engine computed each prompt once in the draft model; the decode
         // engine none of it, and drafted.
         assert_eq!(p.stats().spec.draft_prompt_tokens, prompt_tokens(), "{name}");
+        assert_eq!(p.take_draft_shipped() as u64, prompt_tokens(), "{name}: the draft K/V its worker reports sent");
         let spec = d.stats().spec;
         assert_eq!(spec.draft_prompt_tokens, 0, "{name}: the decode engine computed the prompt again");
         assert!(spec.drafted > 0, "{name}: {spec:?}");

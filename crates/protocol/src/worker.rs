@@ -314,6 +314,10 @@ pub struct Prefilled {
     pub transfer_seconds: f64,
     /// Payload bytes sent to the decode worker.
     pub kv_bytes: u64,
+    /// Prompt tokens of the draft model's K/V sent beside the target's, after them (0
+    /// without a draft model, or where the draft's K/V was not worth computing).
+    #[serde(default)]
+    pub draft_kv_tokens: usize,
     /// The prompt's scores, when the request asked for them.
     #[serde(default)]
     pub prompt_logprobs: Option<Vec<TokenOut>>,

@@ -294,6 +294,7 @@ impl Inner {
             prefill_seconds: delay.as_secs_f64(),
             transfer_seconds: 0.0,
             kv_bytes: u64::from(blocks * LAYERS) * 32,
+            draft_kv_tokens: 0,
             prompt_logprobs: req.params.prompt_logprobs.map(|_| scores(&req.prompt)),
             embedding: req.params.embed.map(|_| embedding(&req.prompt)),
         })

@@ -122,6 +122,10 @@ pub struct SpecProfile {
     /// are free, as an n-gram lookup nearly is.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub draft_steps: Vec<(usize, StepCost)>,
+    /// The draft model's K/V bytes a prompt token (from its own profile): a handoff
+    /// carries them after the target's where the draft model computed the prompt.
+    #[serde(default)]
+    pub draft_kv_bytes_per_token: f64,
     /// Beside a draft model, a lookup's drafts as a `--speculative ngram` server
     /// measured them on the same workload: (accepted share, drafting share). None: a
     /// request that drafts by lookup there drafts nothing.

@@ -237,6 +237,11 @@ impl SimServer {
                 engine: EngineConfig { objectives: t.objectives, ..profile.engine_config(t.threads, t.kv_blocks) },
                 timed: timed()?,
                 kv_bytes_per_token: profile.model.kv_bytes_per_token,
+                draft_kv_bytes_per_token: profile
+                    .model
+                    .speculation
+                    .as_ref()
+                    .map_or(0.0, |s| s.draft_kv_bytes_per_token),
                 links: profile.links(),
                 machine: machine(),
                 tiers: t.tiers.clone(),

@@ -485,6 +485,7 @@ fn measured_speculation_shortens_tpot_only_where_drafts_are_accepted() {
         accepted_share,
         drafting_share: 1.0,
         draft_steps: vec![],
+        draft_kv_bytes_per_token: 0.0,
         lookup: None,
     };
     let good = lone_tpot(profile().with_speculation(spec(0.8)));
@@ -502,6 +503,7 @@ fn speculation_gains_less_where_drafts_are_rarer_or_dearer() {
         accepted_share: 0.8,
         drafting_share,
         draft_steps,
+        draft_kv_bytes_per_token: 0.0,
         lookup: None,
     };
     let plain = lone_tpot(profile());
@@ -613,13 +615,46 @@ fn a_prefill_worker_computes_the_draft_prompts_the_decode_worker_prices_above_th
     close(drafting_tpot / 1e3, plain_tpot / 1e3);
 }
 
+/// The draft model's K/V rides the handoff after the target's, where the prefill
+/// worker computed it: the first token comes that many bytes' link time later, and
+/// not at all later for the prompts whose draft K/V was not worth computing.
+#[test]
+fn a_handoff_carries_the_draft_models_kv_after_the_targets() {
+    let ttfts = |draft_kv_bytes_per_token, input, output| {
+        let spec = SpecProfile { draft_kv_bytes_per_token, ..draft_spec(None) };
+        let t = topology(Mode::Disaggregated, vec![Role::Prefill, Role::Decode]);
+        let out = run(&profile().with_speculation(spec), t, &workload(input, output), Sweep::Concurrency(vec![1]), 4);
+        assert!(out[0].records.iter().all(|r| r.ok), "{:?}", out[0].records);
+        out[0].records.iter().map(|r| r.ttft_s.unwrap()).collect::<Vec<f64>>()
+    };
+    let draft = 40_000.0;
+    // 256 in, 64 out: every prompt's draft K/V goes.
+    for (without, with) in ttfts(0.0, 256, 64).iter().zip(ttfts(draft, 256, 64)) {
+        close(with, without + 256.0 * draft / LINK.bytes_per_s);
+    }
+    // 2048 in, 16 out: only the first (nothing is measured yet).
+    let (without, with) = (ttfts(0.0, 2048, 16), ttfts(draft, 2048, 16));
+    close(with[0], without[0] + 2048.0 * draft / LINK.bytes_per_s);
+    for (w, d) in without.iter().zip(&with).skip(1) {
+        close(*d, *w);
+    }
+}
+
 /// A draft model's step cost, far below the test profile's.
 const DRAFT: StepCost =
     StepCost { fixed_s: 0.0004, token_s: 0.00005, pair_s: 1e-8, decode_pair_s: 4e-8, logits_s: 0.0001 };
 
 /// Drafts of 4 by [`DRAFT`], all accepted, beside a lookup's `lookup` figures.
 fn draft_spec(lookup: Option<(f64, f64)>) -> SpecProfile {
-    SpecProfile { tokens: 4, accepted_share: 1.0, drafting_share: 1.0, draft_steps: vec![(1, DRAFT)], lookup }
+    let draft_kv_bytes_per_token = 0.0;
+    SpecProfile {
+        tokens: 4,
+        accepted_share: 1.0,
+        drafting_share: 1.0,
+        draft_steps: vec![(1, DRAFT)],
+        draft_kv_bytes_per_token,
+        lookup,
+    }
 }
 
 /// TPOT p50 of four requests of 256 tokens in, 64 out, one at a time, on one mixed

@@ -41,6 +41,9 @@ pub struct SimOptions {
     pub timed: TimedModel,
     /// Bytes of K and V one prompt token moves in a handoff (the real model's).
     pub kv_bytes_per_token: f64,
+    /// Bytes the draft model's K and V of one prompt token add to a handoff that
+    /// carries them (0 without a draft model).
+    pub draft_kv_bytes_per_token: f64,
     /// The link of each transport the router may send KV over.
     pub links: Vec<(TransportKind, LinkModel)>,
     /// The machine it shares with other simulated workers.
@@ -63,6 +66,7 @@ struct Inner {
     active: Arc<AtomicUsize>,
     prefill_tokens: Arc<AtomicUsize>,
     kv_bytes_per_token: f64,
+    draft_kv_bytes_per_token: f64,
     layers: usize,
     links: Vec<(TransportKind, LinkModel)>,
     /// Reservations granted and not yet decoded or released.
@@ -97,6 +101,7 @@ impl SimWorker {
             active,
             prefill_tokens: Arc::default(),
             kv_bytes_per_token: opts.kv_bytes_per_token,
+            draft_kv_bytes_per_token: opts.draft_kv_bytes_per_token,
             layers,
             links: opts.links,
             imports: Mutex::default(),
@@ -363,9 +368,11 @@ impl Inner {
         tokio::time::sleep_until(computed).await;
         drop(queued);
         let bytes = tokens as f64 * self.kv_bytes_per_token;
-        let tail = link.tail(bytes, self.layers, first.prefill_seconds);
+        // The draft model's K/V goes after the target's last layer, overlapping nothing.
+        let draft = first.draft_kv_tokens as f64 * self.draft_kv_bytes_per_token;
+        let tail = link.tail(bytes, self.layers, first.prefill_seconds) + draft / link.bytes_per_s.max(1.0);
         tokio::time::sleep_until(computed + Duration::from_secs_f64(tail)).await;
-        first.kv_bytes = bytes as u64;
+        first.kv_bytes = (bytes + draft) as u64;
         first.transfer_seconds = tail;
         Ok(first)
     }
@@ -441,6 +448,7 @@ mod tests {
             engine: EngineConfig { num_blocks: 512, ..EngineConfig::default() },
             timed,
             kv_bytes_per_token: 1000.0,
+            draft_kv_bytes_per_token: 0.0,
             links: vec![(TransportKind::Inproc, fast)],
             machine: Machine::new(2, CoRun::uniform(1.0), 0.0),
             tiers: TierConfig::default(),

@@ -422,9 +422,11 @@ impl Loop {
         let modelled = self.engine.take_charged();
         self.owed += modelled;
         let took = if modelled > 0.0 { modelled } else { started.elapsed().as_secs_f64() };
+        let draft_kv_tokens = self.engine.take_draft_shipped();
         res.map_err(serve_error).and_then(whole).map(|o| Prefilled {
             queued_seconds: (started - sent).as_secs_f64() + ahead,
             prefill_seconds: took,
+            draft_kv_tokens,
             ..prefilled(o)
         })
     }
@@ -620,6 +622,7 @@ fn prefilled(o: StepOutput) -> Prefilled {
         prefill_seconds: 0.0,
         transfer_seconds: 0.0,
         kv_bytes: 0,
+        draft_kv_tokens: 0,
         prompt_logprobs: o.prompt_logprobs,
         embedding: o.embedding,
     }

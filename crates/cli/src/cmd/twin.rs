@@ -167,11 +167,16 @@ impl TwinSpecArgs {
                 anyhow::bail!("{flag} is a share, 0 to 1 (got {share})");
             }
         }
-        let draft_steps = match &self.spec_draft_profile {
-            Some(p) => Profile::load(p)?.step_costs(),
-            None => Vec::new(),
+        let (draft_steps, draft_kv_bytes_per_token) = match &self.spec_draft_profile {
+            Some(p) => {
+                let draft = Profile::load(p)?;
+                (draft.step_costs(), draft.model.kv_bytes_per_token)
+            }
+            None => (Vec::new(), 0.0),
         };
-        Ok(profile.with_speculation(SpecProfile { tokens, accepted_share, drafting_share, draft_steps, lookup }))
+        let spec =
+            SpecProfile { tokens, accepted_share, drafting_share, draft_steps, draft_kv_bytes_per_token, lookup };
+        Ok(profile.with_speculation(spec))
     }
 }
 

@@ -193,6 +193,8 @@ pub struct Engine {
     idle: f64,
     /// The part of `charged` spent on prompt chunks ([`Engine::take_charged_prefill`]).
     charged_prefill: f64,
+    /// Prompt tokens of draft-model K/V exported since [`Engine::take_draft_shipped`].
+    draft_shipped: usize,
     /// The last step found nothing it could compute (see [`Engine::stalled`]).
     stalled: bool,
     /// Host and disk stores below the pool ([`Engine::with_tiers`]).
@@ -262,6 +264,7 @@ impl Engine {
             prefill_steps: PrefillSteps::default(),
             charged: 0.0,
             charged_prefill: 0.0,
+            draft_shipped: 0,
             idle: 0.0,
             stalled: false,
             tiers: None,
@@ -352,6 +355,12 @@ impl Engine {
     /// on the same machine slows a prefill and a decode differently.
     pub fn take_charged_prefill(&mut self) -> f64 {
         std::mem::take(&mut self.charged_prefill)
+    }
+
+    /// Prompt tokens of the draft model's K/V the exported prefills since the last
+    /// call sent beside the target's (a timed engine counts what a real one would send).
+    pub fn take_draft_shipped(&mut self) -> usize {
+        std::mem::take(&mut self.draft_shipped)
     }
 
     /// Core-seconds a timed engine's threads sat idle in the steps charged since the

@@ -190,7 +190,6 @@ impl Engine {
     /// without computing the prompt again. False once the receiver is gone.
     fn export_draft(&mut self, id: RequestId, on_frame: &mut dyn FnMut(KvFrame) -> bool) -> bool {
         let total = self.total_layers();
-        let Some(d) = self.drafter.as_mut() else { return true };
         let Some(seq) = self.running.iter().position(|s| s.id == id) else { return true };
         if self.running[seq].model_drafts == Some(false) {
             // Not worth its compute (here, or to the receiver): none of it goes, and
@@ -198,11 +197,20 @@ impl Engine {
             return true;
         }
         let upto = self.running[seq].prompt_len;
+        let Some(d) = self.drafter.as_mut() else {
+            // A timed engine's worker prices the bytes a real one would send.
+            if self.timed_speculation().is_some_and(|t| t.draft_step.is_some()) {
+                self.draft_shipped += upto;
+            }
+            return true;
+        };
         if !d.complete(self.isa, &self.pool, &mut self.running, seq, upto, self.cfg.max_batch_tokens) {
             // No room in the draft pool: none of it goes, as above.
             return true;
         }
-        d.export(&self.running[seq], upto, total, on_frame)
+        let sent = d.export(&self.running[seq], upto, total, on_frame);
+        self.draft_shipped += if sent { upto } else { 0 };
+        sent
     }
 
     /// Reserves blocks for a prompt of `prompt_len` tokens whose K/V will arrive as

@@ -147,20 +147,32 @@ fn a_step_in_micro_batches_over_the_wire_gives_the_whole_steps_rows() {
     stages.run(&[part(1, 5, 1, 0)], &x[..h], &mut whole).unwrap();
 }
 
+/// A lane's part: `rows` rows from `start_pos` of the sequence in block `b`.
+fn lane_part(rows: usize, start_pos: usize, b: u32) -> StagePart {
+    StagePart { rows, start_pos, logits: 1, blocks: vec![b] }
+}
+
+/// Two sequences' prompts through `stages`, then their next rows in one step whole
+/// (its final rows, returned), then the same rows started again as two lanes: the
+/// input rows, 576 wide.
+fn two_lanes_started(stages: &mut RemoteStages) -> (Vec<f32>, Vec<f32>) {
+    let h = 576;
+    let x: Vec<f32> = (0..10 * h).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+    let mut rows = Vec::new();
+    stages.run(&[lane_part(5, 0, 0), lane_part(3, 0, 1)], &x[..8 * h], &mut rows).unwrap();
+    let mut whole = Vec::new();
+    stages.run(&[lane_part(1, 5, 0), lane_part(1, 3, 1)], &x[8 * h..], &mut whole).unwrap();
+    stages.start(&[lane_part(1, 5, 0)], &x[8 * h..9 * h]).unwrap();
+    stages.start(&[lane_part(1, 3, 1)], &x[9 * h..]).unwrap();
+    (x, whole)
+}
+
 #[test]
 fn lanes_over_the_wire_land_one_at_a_time_with_the_whole_steps_rows() {
     let (mut stages, _servers) = served_stages();
     let h = 576;
-    let part = |rows, start_pos, b| StagePart { rows, start_pos, logits: 1, blocks: vec![b] };
-    let x: Vec<f32> = (0..10 * h).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
-    let mut rows = Vec::new();
-    stages.run(&[part(5, 0, 0), part(3, 0, 1)], &x[..8 * h], &mut rows).unwrap();
-    // The next token of each sequence, in one step whole.
-    let mut whole = Vec::new();
-    stages.run(&[part(1, 5, 0), part(1, 3, 1)], &x[8 * h..], &mut whole).unwrap();
-    // The same rows as two lanes: both in flight, then landed oldest first.
-    stages.start(&[part(1, 5, 0)], &x[8 * h..9 * h]).unwrap();
-    stages.start(&[part(1, 3, 1)], &x[9 * h..]).unwrap();
+    // Both lanes in flight, then landed oldest first.
+    let (x, mut whole) = two_lanes_started(&mut stages);
     let (mut first, mut second) = (Vec::new(), Vec::new());
     stages.finish_first(&mut first).unwrap();
     assert_eq!(first, whole[..h]);
@@ -170,21 +182,14 @@ fn lanes_over_the_wire_land_one_at_a_time_with_the_whole_steps_rows() {
     let t = stages.totals();
     assert_eq!((t.steps, t.lanes), (4, 2));
     // The connections are clear for the next step.
-    stages.run(&[part(1, 6, 0)], &x[..h], &mut whole).unwrap();
+    stages.run(&[lane_part(1, 6, 0)], &x[..h], &mut whole).unwrap();
 }
 
 #[test]
 fn lanes_go_on_stage_to_stage_while_the_head_computes() {
     let (mut stages, _servers) = served_stages();
     let h = 576;
-    let part = |rows, start_pos, b| StagePart { rows, start_pos, logits: 1, blocks: vec![b] };
-    let x: Vec<f32> = (0..10 * h).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
-    let mut rows = Vec::new();
-    stages.run(&[part(5, 0, 0), part(3, 0, 1)], &x[..8 * h], &mut rows).unwrap();
-    let mut whole = Vec::new();
-    stages.run(&[part(1, 5, 0), part(1, 3, 1)], &x[8 * h..], &mut whole).unwrap();
-    stages.start(&[part(1, 5, 0)], &x[8 * h..9 * h]).unwrap();
-    stages.start(&[part(1, 3, 1)], &x[9 * h..]).unwrap();
+    let (x, mut whole) = two_lanes_started(&mut stages);
     // The head relays between its layers, never waiting: both lanes reach the last
     // stage with no call from the head to land them.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -199,7 +204,7 @@ fn lanes_go_on_stage_to_stage_while_the_head_computes() {
     assert_eq!((first.as_slice(), second.as_slice()), (&whole[..h], &whole[h..]));
     // Nothing is left to relay, and the connections are clear for the next step.
     stages.relay().unwrap();
-    stages.run(&[part(1, 6, 0)], &x[..h], &mut whole).unwrap();
+    stages.run(&[lane_part(1, 6, 0)], &x[..h], &mut whole).unwrap();
 }
 
 #[test]

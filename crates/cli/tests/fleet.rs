@@ -370,6 +370,7 @@ fn evil_record() -> pdserve_fleet::NodeRecord {
         },
         load: Load::default(),
         links: Vec::new(),
+        memory_available: 0,
         updated_unix_ms: pdserve_fleet::now_unix_ms(),
     }
 }

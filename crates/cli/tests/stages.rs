@@ -540,6 +540,42 @@ fn split_heads_the_group_with_the_best_linked_node_that_holds_the_embeddings() {
     }
 }
 
+/// `pdserve split --nats` places a group on the fleet's nodes by the memory each says
+/// its host has available: two workers in cgroups capped at 800 and 500 MB, each
+/// reporting its cap less what it holds.
+#[test]
+fn split_places_a_group_on_the_fleets_nodes_by_their_available_memory() {
+    let n = nats();
+    let caps = [("big", 800_000_000u64), ("small", 500_000_000)];
+    let hosts: Vec<Capped> = caps.iter().map(|&(id, cap)| Capped::new(&format!("split-{id}"), cap)).collect();
+    let _workers: Vec<Proc> = hosts
+        .iter()
+        .zip(caps)
+        .map(|(h, (id, _))| {
+            let flags = ["--role", "mixed", "--threads", "1", "--kv-blocks", "64", "--listen", "127.0.0.1:0"];
+            spawn_announced(h.command(), &[&["worker", "--nats", &n.url, "--node-id", id][..], &flags].concat(), &[])
+        })
+        .collect();
+    let memory = |id: &str| {
+        let records = fleet_records(&n.url);
+        records.iter().find(|r| r["node_id"] == id).and_then(|r| r["memory_available"].as_u64()).unwrap_or(0)
+    };
+    eventually("both nodes say what memory they have", || memory("big") > 0 && memory("small") > 0);
+    for (id, cap) in caps {
+        assert!(memory(id) < cap, "{id}: {} bytes available under a cap of {cap}", memory(id));
+    }
+    let text = split_with(&["--nats", &n.url]).unwrap();
+    let placed: Vec<&str> = text.lines().filter(|l| l.contains("--layers")).collect();
+    assert_eq!(placed.len(), 2, "{text}");
+    assert!(placed.iter().any(|l| l.starts_with("node big (")), "{text}");
+    assert!(placed.iter().any(|l| l.starts_with("node small (")), "{text}");
+    let one = split_with(&["--nats", &n.url, "--nodes", "big"]).unwrap();
+    assert!(one.starts_with("node big (") && one.contains("--layers 0..29"), "{one}");
+    // One line of error, after the log's line on reaching NATS.
+    let err = split_with(&["--nats", &n.url, "--nodes", "big,nope"]).unwrap_err();
+    assert_eq!(err.trim().lines().last(), Some("error: no node nope in the fleet"), "{err}");
+}
+
 /// Group `name` in `role` on the capped hosts `at..` of `net`, one stage a host:
 /// its head (ready) and its later stages.
 fn capped_group(

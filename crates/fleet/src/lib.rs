@@ -13,6 +13,7 @@
 mod bus;
 mod follow;
 pub mod forest;
+mod host;
 mod kv_events;
 mod member;
 mod plan;
@@ -26,6 +27,7 @@ mod traffic;
 
 pub use bus::{Bus, FleetError, NatsConfig, BUCKET, REFRESH, TTL};
 pub use follow::{follow, Change};
+pub use host::memory_available;
 pub use kv_events::{follow_kv_events, publish_kv_events, KvBatch, KV_SUBJECT_PREFIX};
 pub use member::{join, Member};
 pub use plan::{follow_plan, read_plan, Lease, LeaseError, Plan, LEASE_GRACE, PLAN_KEY};

@@ -105,6 +105,7 @@ impl Node {
                 importing: s.importing,
             },
             links: self.links.snapshot(),
+            memory_available: crate::memory_available().unwrap_or(0),
             updated_unix_ms: crate::now_unix_ms(),
         }
     }

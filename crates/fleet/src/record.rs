@@ -75,6 +75,11 @@ pub struct NodeRecord {
     /// What the node measured on its KV links to peers that decode (the link probe).
     #[serde(default)]
     pub links: Vec<LinkRecord>,
+    /// Bytes of memory its host (or its cgroup, where that leaves less) has available
+    /// besides what runs there now: what `pdserve split --nats` places layers by.
+    /// 0: not known.
+    #[serde(default)]
+    pub memory_available: u64,
     /// Milliseconds since the Unix epoch when the node wrote this.
     pub updated_unix_ms: u64,
 }
@@ -180,6 +185,7 @@ impl NodeRecord {
                 latency_ms: 0.2,
                 measured_unix_ms: 4,
             }],
+            memory_available: 8_000_000_000,
             updated_unix_ms,
         }
     }

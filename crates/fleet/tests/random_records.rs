@@ -127,6 +127,7 @@ impl Draws {
                     measured_unix_ms: self.u64(),
                 })
                 .collect(),
+            memory_available: self.u64(),
             updated_unix_ms: self.u64(),
         }
     }

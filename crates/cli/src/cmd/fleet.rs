@@ -61,13 +61,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let Some(cfg) = a.nats.config("pdserve-fleet", None) else {
         anyhow::bail!("give --nats URL: the fleet's NATS server")
     };
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (nodes, plan) = rt.block_on(async {
-        let bus = tokio::time::timeout(Duration::from_secs(10), Bus::connect(&cfg))
-            .await
-            .map_err(|_| anyhow::anyhow!("NATS at {} did not answer within 10 s", cfg.url))??;
-        anyhow::Ok((bus.nodes().await?, pdserve_fleet::read_plan(&bus).await?))
-    })?;
+    let (nodes, plan) =
+        read(&cfg, |bus| async move { anyhow::Ok((bus.nodes().await?, pdserve_fleet::read_plan(&bus).await?)) })?;
     let now = pdserve_fleet::now_unix_ms();
     match (a.plan, a.json) {
         (true, _) => println!("{}", serde_json::to_string_pretty(&plan)?),
@@ -78,6 +73,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The nodes registered in the fleet at `cfg`, their records read unchecked.
+pub fn records(cfg: &NatsConfig) -> anyhow::Result<Vec<NodeRecord>> {
+    read(cfg, |bus| async move { anyhow::Ok(bus.nodes().await?) })
+}
+
+/// What `f` reads from the fleet at `cfg`, on a runtime of its own.
+fn read<T, F>(cfg: &NatsConfig, f: impl FnOnce(Bus) -> F) -> anyhow::Result<T>
+where
+    F: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let bus = tokio::time::timeout(Duration::from_secs(10), Bus::connect(cfg))
+            .await
+            .map_err(|_| anyhow::anyhow!("NATS at {} did not answer within 10 s", cfg.url))??;
+        f(bus).await
+    })
 }
 
 /// The nodes as an aligned text table, with the role a fleet planner wants of each;
@@ -94,6 +108,7 @@ fn table(nodes: &[NodeRecord], plan: Option<&Plan>, now_ms: u64) -> String {
         "QUEUED TOK",
         "BLOCKS FREE/USED/CACHED",
         "KV DTYPE",
+        "MEM AVAIL",
         "HEARTBEAT",
     ]
     .into_iter()
@@ -112,6 +127,10 @@ fn table(nodes: &[NodeRecord], plan: Option<&Plan>, now_ms: u64) -> String {
             n.load.queued_prompt_tokens.to_string(),
             format!("{}/{}/{}", k.blocks_free, k.blocks_used, k.blocks_cached),
             k.dtype.to_string(),
+            match n.memory_available {
+                0 => "-".into(),
+                b => format!("{:.1} GB", b as f64 / 1e9),
+            },
             format!("{:.1} s ago", now_ms.saturating_sub(n.updated_unix_ms) as f64 / 1000.0),
         ]);
     }
@@ -190,6 +209,7 @@ mod tests {
             },
             load: Load { queued_prompt_tokens: 300, waiting: 1, running: 2, importing: 1 },
             links: vec![],
+            memory_available: 7_960_000_000,
             updated_unix_ms: 10_000,
         };
         let plan = Plan {
@@ -201,7 +221,9 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(lines.len(), 3);
         assert!(lines[1].starts_with("gpu-1 "), "{t}");
-        for cell in ["decode/3", "prefill/4", "10.0.0.2:7001", "2 run, 2 wait", "300", "6/4/2", "q8_0", "0.4 s ago"] {
+        for cell in
+            ["decode/3", "prefill/4", "10.0.0.2:7001", "2 run, 2 wait", "300", "6/4/2", "q8_0", "8.0 GB", "0.4 s ago"]
+        {
             assert!(lines[1].contains(cell), "{cell} in {t}");
         }
         assert_eq!(lines[0].find("ROLE/EPOCH"), lines[1].find("decode/3"));
@@ -235,6 +257,7 @@ mod tests {
                     measured_unix_ms: 0,
                 })
                 .collect(),
+            memory_available: 0,
             updated_unix_ms: 0,
         };
         let nodes = [node("a", &[("b", 1.5), ("c", 0.1)]), node("b", &[("a", 2.0)]), node("c", &[])];

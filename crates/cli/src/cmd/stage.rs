@@ -223,7 +223,7 @@ pub struct SplitArgs {
     model: String,
     /// Each node's memory for the model and its K/V, in GB, the head's first:
     /// `--memory-gb 8,4,4`.
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(long, value_delimiter = ',', required_unless_present = "nats", conflicts_with = "nats")]
     memory_gb: Vec<f64>,
     /// KV blocks every stage keeps (as each stage's --kv-blocks).
     #[arg(long, default_value_t = 1024)]
@@ -235,8 +235,68 @@ pub struct SplitArgs {
     /// `I-J=MS:GBPS`: round trip in ms and GB/s, the figures `pdserve fleet` shows
     /// for running nodes. With them the head is the node whose hops to the others
     /// cost least (that can hold the embeddings); without, the first.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', conflicts_with = "nats")]
     link: Vec<String>,
+    /// Instead of --memory-gb and --link: the fleet's nodes, each with the memory its
+    /// host has available (as its record says) and the links it probed.
+    #[command(flatten)]
+    nats: super::fleet::NatsArgs,
+    /// With --nats: the nodes to place the group on, by node id [default: every node
+    /// registered].
+    #[arg(long, value_delimiter = ',', requires = "nats")]
+    nodes: Vec<String>,
+}
+
+/// The nodes a group is placed on: their names, memory (GB) and links.
+struct Nodes {
+    names: Vec<String>,
+    memory_gb: Vec<f64>,
+    links: Vec<NodeLink>,
+}
+
+impl SplitArgs {
+    /// The nodes given by flags, numbered from 0, or read from the fleet.
+    fn nodes(&self) -> anyhow::Result<Nodes> {
+        let Some(cfg) = self.nats.config("pdserve-split", None) else {
+            let links = node_links(&self.link, self.memory_gb.len()).map_err(anyhow::Error::msg)?;
+            let names = (0..self.memory_gb.len()).map(|i| i.to_string()).collect();
+            return Ok(Nodes { names, memory_gb: self.memory_gb.clone(), links });
+        };
+        let records = super::fleet::records(&cfg)?;
+        fleet_nodes(&records, &self.nodes).map_err(anyhow::Error::msg)
+    }
+}
+
+/// The fleet's `records` (those named in `wanted`, in its order; all where it is
+/// empty) as nodes to place a group on: each one's available memory, and the links
+/// it probed to the others (a probe's time as the round trip).
+fn fleet_nodes(records: &[pdserve_fleet::NodeRecord], wanted: &[String]) -> Result<Nodes, String> {
+    let chosen: Vec<&pdserve_fleet::NodeRecord> = match wanted.is_empty() {
+        true => records.iter().collect(),
+        false => wanted
+            .iter()
+            .map(|id| records.iter().find(|r| r.node_id.as_str() == id).ok_or(format!("no node {id} in the fleet")))
+            .collect::<Result<_, _>>()?,
+    };
+    if chosen.is_empty() {
+        return Err("no node is registered in the fleet".into());
+    }
+    if let Some(r) = chosen.iter().find(|r| r.memory_available == 0) {
+        return Err(format!("node {} does not say what memory it has available", r.node_id));
+    }
+    let names: Vec<String> = chosen.iter().map(|r| r.node_id.to_string()).collect();
+    // In GB to the hundredth, as a person would write them.
+    let memory_gb = chosen.iter().map(|r| (r.memory_available as f64 / 1e7).floor() / 100.0).collect();
+    let mut links = Vec::new();
+    for (i, r) in chosen.iter().enumerate() {
+        for l in &r.links {
+            let Some(j) = names.iter().position(|n| n == l.to.as_str()).filter(|&j| j != i) else { continue };
+            if l.gb_per_s > 0.0 && l.latency_ms >= 0.0 {
+                links.push(NodeLink { i, j, round_trip_ms: l.latency_ms, gb_per_s: l.gb_per_s });
+            }
+        }
+    }
+    Ok(Nodes { names, memory_gb, links })
 }
 
 /// A link of `--link`: nodes `I` and `J` joined with this round trip and bandwidth.
@@ -292,7 +352,7 @@ fn hop_costs(links: &[NodeLink], nodes: usize, hidden: usize) -> Vec<Vec<Option<
 /// from the model file's tensor sizes, or one line on why they cannot hold it.
 pub fn split(a: &SplitArgs) -> anyhow::Result<()> {
     use pdserve_engine::format::gguf::GgufFile;
-    let links = node_links(&a.link, a.memory_gb.len()).map_err(anyhow::Error::msg)?;
+    let Nodes { names, memory_gb, links } = a.nodes()?;
     let path = super::model_path(&a.model)?;
     let file = GgufFile::open(&path).with_context(|| format!("cannot read {}", path.display()))?;
     let cfg = pdserve_engine::config::ModelConfig::from_gguf(&file.header)?;
@@ -312,7 +372,7 @@ pub fn split(a: &SplitArgs) -> anyhow::Result<()> {
     let kv_token = pdserve_engine::kvcache::bytes_per_token(&cfg, a.kv_cache_dtype) as f64 / cfg.n_layers as f64;
     let kv = kv_token * (a.kv_blocks * pdserve_engine::batch::BLOCK_SIZE) as f64;
     let need = StageBytes { layers: &layers, first, kv };
-    let memory: Vec<f64> = a.memory_gb.iter().map(|g| g * 1e9).collect();
+    let memory: Vec<f64> = memory_gb.iter().map(|g| g * 1e9).collect();
     let hop = hop_costs(&links, memory.len(), cfg.hidden);
     let heads = if links.is_empty() { vec![0] } else { heads_by_links(&hop) };
     let (order, ranges) = need.place(&memory, &heads).map_err(anyhow::Error::msg)?;
@@ -320,8 +380,9 @@ pub fn split(a: &SplitArgs) -> anyhow::Result<()> {
     for (at, (&node, r)) in order.iter().zip(&ranges).enumerate() {
         let role = if at == 0 { "the head" } else { "a later stage" };
         println!(
-            "node {node} ({} GB, {role}): --layers {r}  ({:.0} MiB of weights and K/V as the file stores them)",
-            a.memory_gb[node],
+            "node {} ({} GB, {role}): --layers {r}  ({:.0} MiB of weights and K/V as the file stores them)",
+            names[node],
+            memory_gb[node],
             mib(need.of(at, *r))
         );
     }
@@ -334,4 +395,61 @@ pub fn split(a: &SplitArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fleet record of node `id`: `memory_available` bytes, and links (to, ms, GB/s).
+    fn record(id: &str, memory_available: u64, links: &[(&str, f64, f64)]) -> pdserve_fleet::NodeRecord {
+        let links: Vec<serde_json::Value> = links
+            .iter()
+            .map(|&(to, ms, gb)| {
+                serde_json::json!({"to": to, "transport": "tcp", "gb_per_s": gb, "latency_ms": ms, "measured_unix_ms": 0})
+            })
+            .collect();
+        let r = serde_json::json!({
+            "node_id": id, "model": "m", "role": "mixed", "epoch": 0, "protocol": 1,
+            "endpoints": {"control": "127.0.0.1:1", "kv": "127.0.0.1:2"}, "threads": 1,
+            "kv_cache": {"block_size": 16, "blocks_total": 1, "blocks_free": 1, "blocks_used": 0, "blocks_cached": 0},
+            "load": {"queued_prompt_tokens": 0, "waiting": 0, "running": 0, "importing": 0},
+            "links": links, "memory_available": memory_available, "updated_unix_ms": 0,
+        });
+        serde_json::from_value(r).expect("a record")
+    }
+
+    #[test]
+    fn fleet_nodes_bring_their_memory_and_the_links_among_them() {
+        let records = [
+            record("a", 8_000_000_000, &[("b", 0.2, 1.0), ("z", 0.1, 1.0), ("a", 0.1, 9.0)]),
+            record("b", 4_009_999_999, &[("c", 0.3, 0.5)]),
+            record("c", 2_500_000_000, &[("a", 0.4, 0.1), ("b", 0.3, 0.0)]),
+        ];
+        let all = fleet_nodes(&records, &[]).expect("every node");
+        assert_eq!(all.names, ["a", "b", "c"]);
+        assert_eq!(all.memory_gb, [8.0, 4.0, 2.5], "to the hundredth, down");
+        // Links to a node not placed on, to itself, or of no bandwidth are left out.
+        let want = [
+            NodeLink { i: 0, j: 1, round_trip_ms: 0.2, gb_per_s: 1.0 },
+            NodeLink { i: 1, j: 2, round_trip_ms: 0.3, gb_per_s: 0.5 },
+            NodeLink { i: 2, j: 0, round_trip_ms: 0.4, gb_per_s: 0.1 },
+        ];
+        assert_eq!(all.links, want);
+        let two = fleet_nodes(&records, &["c".into(), "a".into()]).expect("two nodes");
+        assert_eq!((two.names, two.memory_gb), (vec!["c".to_string(), "a".into()], vec![2.5, 8.0]));
+        assert_eq!(two.links, [NodeLink { i: 0, j: 1, round_trip_ms: 0.4, gb_per_s: 0.1 }]);
+        // (records, wanted, what the one-line error names)
+        let unknown = record("d", 0, &[]);
+        let cases: &[(&[pdserve_fleet::NodeRecord], &[&str], &str)] = &[
+            (&records, &["x"], "no node x"),
+            (&[], &[], "no node is registered"),
+            (std::slice::from_ref(&unknown), &[], "node d does not say"),
+        ];
+        for (recs, wanted, why) in cases {
+            let wanted: Vec<String> = wanted.iter().map(|s| s.to_string()).collect();
+            let err = fleet_nodes(recs, &wanted).err().expect("an error");
+            assert!(err.contains(why), "{err}");
+        }
+    }
 }

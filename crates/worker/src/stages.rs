@@ -718,6 +718,10 @@ impl NextStages for RemoteStages {
     /// Each stage's oldest flight that it has answered goes on to the next stage, so
     /// lanes flow stage to stage while the head computes.
     fn relay(&mut self) -> Result<(), StageLost> {
+        // Called after every layer of the head's: a step sent whole has nothing to pass.
+        if self.flights.is_empty() {
+            return Ok(());
+        }
         let last = self.stages.len().saturating_sub(1);
         let mut buf = std::mem::take(&mut self.x);
         let mut flights = std::mem::take(&mut self.flights);

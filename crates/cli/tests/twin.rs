@@ -81,6 +81,10 @@ fn profile_then_simulate() {
     assert_eq!(shape["threads"], 1);
     assert!(shape["points"].as_array().unwrap().len() >= 20);
     assert!(shape["step"]["token_s"].as_f64().unwrap() > 0.0, "{shape}");
+    // A pass through the layers alone has a fixed part of its own, short of the
+    // step's: the output head's weights and the step around the layers are the rest.
+    let layers = shape["layers_fixed_s"].as_f64().unwrap_or(0.0);
+    assert!(layers > 0.0 && layers < shape["step"]["fixed_s"].as_f64().unwrap(), "{shape}");
     let links: Vec<&str> = p["links"].as_array().unwrap().iter().map(|l| l["transport"].as_str().unwrap()).collect();
     assert_eq!(links, ["inproc", "tcp", "shm"]);
     // Each pair of step kinds timed side by side, never faster than alone.

@@ -254,6 +254,10 @@ pub struct TimedModel {
 pub struct TimedStages {
     pub stages: usize,
     pub whole: StepCost,
+    /// The part of `whole`'s fixed time a pass through every layer pays; the stages
+    /// share it, and the rest (the output head's weights, the step around the
+    /// layers) is the head's on every pass it makes.
+    pub layers_fixed_s: f64,
     pub hop: crate::pipeline::PassCost,
 }
 
@@ -273,14 +277,19 @@ impl TimedStages {
     }
 
     /// Each stage's pass over a step of shape `s` (`rows` rows), the head's first: an
-    /// even share of the whole model's layers each, and the logits (the output head
-    /// a head holds) on the head.
+    /// even share of the whole model's layers each, and the logits and the rest of a
+    /// step's fixed time (the output head a head holds, the step around the layers)
+    /// on the head.
     fn passes(&self, s: &StepShape, rows: usize) -> Vec<crate::pipeline::PassCost> {
         let (n, rows) = (self.stages.max(1) as f64, rows as f64);
         let logits = self.whole.logits_s * s.logits;
         let layers = (self.whole.seconds(s) - self.whole.fixed_s - logits).max(0.0) / rows / n;
-        let later = crate::pipeline::PassCost { fixed: self.whole.fixed_s / n, per_row: layers };
-        let head = crate::pipeline::PassCost { per_row: layers + logits / rows, ..later };
+        let layers_fixed = self.layers_fixed_s.clamp(0.0, self.whole.fixed_s);
+        let later = crate::pipeline::PassCost { fixed: layers_fixed / n, per_row: layers };
+        let head = crate::pipeline::PassCost {
+            fixed: later.fixed + self.whole.fixed_s - layers_fixed,
+            per_row: layers + logits / rows,
+        };
         std::iter::once(head).chain(std::iter::repeat_n(later, self.stages.saturating_sub(1))).collect()
     }
 }
@@ -471,7 +480,7 @@ mod tests {
         // Each of two stages: 2 ms fixed and 0.25 ms a row; a hop 0.2 ms.
         let whole = StepCost { fixed_s: 0.004, token_s: 0.0005, ..StepCost::default() };
         let hop = crate::pipeline::PassCost { fixed: 0.0002, per_row: 0.0 };
-        let g = TimedStages { stages: 2, whole, hop };
+        let g = TimedStages { stages: 2, whole, layers_fixed_s: 0.004, hop };
         // Eight decodes whole take 4 + 0.2 + 4 ms; in lanes of four a round takes one
         // lane's way (2 + 1, 0.2, 2 + 1 ms), longer than a stage's two passes (6 ms).
         let got = g.cut(&StepShape::decode(8, 100)).unwrap();
@@ -486,6 +495,25 @@ mod tests {
         let chunk = StepShape::prefill(0, 64);
         let (_, span) = crate::pipeline::soonest(&g.passes(&chunk, 64), hop, 64);
         assert_eq!(g.cut(&chunk), Some(span));
+    }
+
+    #[test]
+    fn the_fixed_time_outside_the_layers_is_the_heads_on_every_pass() {
+        // The layers' passes pay 3 of a step's 4 ms fixed; the last 1 ms (the output
+        // head, the step around the layers) is the head's.
+        let whole = StepCost { fixed_s: 0.004, token_s: 0.0005, ..StepCost::default() };
+        let hop = crate::pipeline::PassCost { fixed: 0.0002, per_row: 0.0 };
+        let g = TimedStages { stages: 2, whole, layers_fixed_s: 0.003, hop };
+        let [head, later] = g.passes(&StepShape::decode(8, 100), 8)[..] else { panic!("two stages") };
+        assert!((head.fixed - 0.0025).abs() < 1e-12 && (later.fixed - 0.0015).abs() < 1e-12, "{head:?} {later:?}");
+        // In lanes of four the head is the busiest stage: two passes of 2.5 + 1 ms,
+        // longer than a lane's way (3.5, 0.2, 1.5 + 1 ms).
+        let got = g.cut(&StepShape::decode(8, 100)).unwrap();
+        assert!((got - 0.007).abs() < 1e-12, "{got}");
+        // A figure past the step's fixed time (a noisy fit) is taken as all of it.
+        let over = TimedStages { layers_fixed_s: 0.005, ..g };
+        let [head, later] = over.passes(&StepShape::decode(8, 100), 8)[..] else { panic!("two stages") };
+        assert!(head.fixed == later.fixed && (head.fixed - 0.002).abs() < 1e-12, "{head:?}");
     }
 
     #[test]

@@ -48,14 +48,18 @@ impl GroupShape {
 
     /// The timed model of a group of `whole`'s model: a step its head keeps whole
     /// costs [`Self::step`]; one it cuts into micro-batches (as a head does, from the
-    /// stages' costs: here the whole model's shared evenly, and a hop's round trip)
-    /// costs its pipeline's span. Its threads' work stays the compute (they wait on
-    /// the links, idle).
-    pub fn timed(&self, mut whole: TimedModel, row_bytes: f64) -> TimedModel {
+    /// stages' costs: here the whole model's layers shared evenly, the rest on the
+    /// head, and a hop's round trip) costs its pipeline's span. `layers_fixed_s` is
+    /// the fixed part of a pass through every layer alone, where the profile timed it
+    /// (else the stages share the step's whole fixed part). Its threads' work stays
+    /// the compute (they wait on the links, idle).
+    pub fn timed(&self, mut whole: TimedModel, row_bytes: f64, layers_fixed_s: Option<f64>) -> TimedModel {
         if self.stages > 1 {
             let per_row = row_bytes / self.link.bytes_per_s.max(1.0);
             let hop = PassCost { fixed: 2.0 * self.link.latency_s, per_row: 2.0 * per_row };
-            whole.stages = Some(TimedStages { stages: self.stages, whole: whole.step.cost, hop });
+            let cost = whole.step.cost;
+            let layers_fixed_s = layers_fixed_s.unwrap_or(cost.fixed_s);
+            whole.stages = Some(TimedStages { stages: self.stages, whole: cost, layers_fixed_s, hop });
         }
         whole.step.cost = self.step(whole.step.cost, row_bytes);
         whole

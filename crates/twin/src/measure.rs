@@ -6,6 +6,9 @@
 //! - Decode: batches of 1 to 32 sequences at three context lengths, each sequence's
 //!   context imported as a KV transfer (no prefill to compute, no blocks shared); the
 //!   median of three steps in each of three passes over the grid.
+//! - The layers alone: decode passes of 1 to 16 sequences through the model less its
+//!   output head's over the same rows; their fixed part is what a stage group's
+//!   stages share (the rest of a step's stays on its head).
 //! - Verified drafts: a step of sequences each computing several rows with logits,
 //!   as a speculating engine verifies drafts, timed through the model alone (no
 //!   sampling) and set against what the fitted shape prices them at; logged, a check
@@ -31,7 +34,7 @@ use pdserve_bench::process::ServerProcess;
 use pdserve_bench::prompt::{Prompt, PromptKind};
 use pdserve_bench::target::Target;
 use pdserve_bench::workload::RequestSpec;
-use pdserve_engine::batch::{Engine, EngineConfig, BLOCK_SIZE};
+use pdserve_engine::batch::{Engine, EngineConfig, PassTimes, BLOCK_SIZE};
 use pdserve_engine::kernels::Isa;
 use pdserve_engine::kvcache::KvStorage;
 use pdserve_engine::model::{ForwardScratch, Model, SeqBatch};
@@ -154,11 +157,58 @@ fn time_shapes(spec: &Spec, log: &mut dyn FnMut(&str)) -> Vec<Shape> {
                 NOISY_FIT * 100.0
             ));
         }
-        let shape = Shape { threads: t, step, points };
+        let layers_fixed_s = layers_fixed(&spec.model, t);
+        if let Some(f) = layers_fixed_s {
+            log(&format!(
+                "{t} thread(s): a decode pass through the layers alone: {:.2} ms fixed, of the step's {:.2}",
+                f * 1e3,
+                step.fixed_s * 1e3
+            ));
+        }
+        let shape = Shape { threads: t, step, points, layers_fixed_s };
         log(&format!("{t} thread(s): {}", verify_check(&spec.model, &shape)));
         shapes.push(shape);
     }
     shapes
+}
+
+/// Decode batches whose passes through the layers alone are timed, at this context.
+const LAYER_BATCHES: [usize; 5] = [1, 2, 4, 8, 16];
+const LAYER_CONTEXT: usize = 64;
+
+/// The fixed part of a decode pass through every layer alone: what a stage group's
+/// stages share, each paying its share on every pass. The rest of a step's fixed
+/// part (the output head's weights, sampling, the step's bookkeeping) stays on the
+/// group's head. Each batch's pass is the model's whole pass less its output head's
+/// over as many rows, the head timed right after the layers as a step meets it (its
+/// weights no longer in the cache: timed alone, again and again, it takes less than
+/// half as long here); the medians of five, after one that warms, and the line
+/// through them by rows gives the fixed part.
+fn layers_fixed(model: &Arc<Model>, threads: usize) -> Option<f64> {
+    let (pool, isa) = (ThreadPool::new(threads), Isa::detect());
+    let most = LAYER_BATCHES.iter().copied().max().unwrap_or(1);
+    let per_seq = (LAYER_CONTEXT + 1).div_ceil(BLOCK_SIZE);
+    let mut kv = KvStorage::new(&model.cfg, most * per_seq, BLOCK_SIZE);
+    let mut s = ForwardScratch::default();
+    let tables: Vec<Vec<u32>> = (0..most as u32).map(|i| (i * per_seq as u32..(i + 1) * per_seq as u32).collect()).collect();
+    let mut passes = PassTimes::default();
+    for b in LAYER_BATCHES {
+        let tokens: Vec<Vec<u32>> = (0..b).map(|i| prompt(1, 9000 + i)).collect();
+        let batch: Vec<SeqBatch<'_>> = (0..b).map(|i| SeqBatch::plain(&tokens[i], LAYER_CONTEXT, &tables[i], 1)).collect();
+        let rows = vec![0.5f32; b * model.cfg.hidden];
+        let (mut whole, mut head) = (Vec::new(), Vec::new());
+        for _ in 0..6 {
+            let started = Instant::now();
+            model.forward(isa, &pool, &batch, &mut kv, &mut s, &mut |_, _| true);
+            let between = Instant::now();
+            model.head_logits(isa, &pool, &batch, &rows, &mut s);
+            whole.push((between - started).as_secs_f64());
+            head.push(between.elapsed().as_secs_f64());
+        }
+        let (whole, head) = (median(whole[1..].to_vec()), median(head[1..].to_vec()));
+        passes.record(b, (whole - head).max(0.0));
+    }
+    passes.cost().map(|c| c.fixed)
 }
 
 /// Steps of sequences verifying drafts: (sequences, rows each, context).

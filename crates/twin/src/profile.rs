@@ -157,6 +157,12 @@ pub struct Shape {
     pub step: StepCost,
     /// What the fit was made from.
     pub points: Vec<Point>,
+    /// The fixed part of a decode pass through every layer alone, without the output
+    /// head or the step around it: what a stage group's stages share (absent in a
+    /// profile timed before it was; a group's stages then share the step's whole
+    /// fixed part).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers_fixed_s: Option<f64>,
 }
 
 /// One timed step.
@@ -473,7 +479,7 @@ mod tests {
             }
         }
         let step = fit(&mut points);
-        let shape = Shape { threads: 1, step, points: points.clone() };
+        let shape = Shape { threads: 1, step, points: points.clone(), layers_fixed_s: None };
         let t = StepTime { cost: step, decode_table: shape.decode_table() };
         for p in &points {
             assert!((t.seconds(&p.shape()) - p.seconds).abs() < 1e-12, "{p:?}");
@@ -492,8 +498,8 @@ mod tests {
             points.push(point(PointKind::Decode, b, c, &truth));
         }
         let stated = StepCost { fixed_s: 1.0, ..StepCost::default() };
-        let timed = Shape { threads: 1, step: stated, points };
-        let bare = Shape { threads: 2, step: stated, points: Vec::new() };
+        let timed = Shape { threads: 1, step: stated, points, layers_fixed_s: None };
+        let bare = Shape { threads: 2, step: stated, points: Vec::new(), layers_fixed_s: None };
         let model = ModelShape {
             name: "m".into(),
             vocab_size: 10,

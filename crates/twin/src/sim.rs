@@ -224,7 +224,7 @@ impl SimServer {
         let timed = || -> Result<_, TwinError> {
             let whole = profile.timed(t.threads, Clock::Virtual);
             match t.group {
-                Some(g) => Ok(g.timed(whole, row_and_weights(profile)?.0)),
+                Some(g) => Ok(g.timed(whole, row_and_weights(profile)?.0, profile.shape(t.threads).layers_fixed_s)),
                 None => Ok(whole),
             }
         };

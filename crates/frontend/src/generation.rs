@@ -342,11 +342,16 @@ impl Generation {
 
     async fn pull(&mut self) -> Result<Option<Output>, ApiError> {
         let Some(stream) = self.stream.as_mut() else { return Ok(None) };
-        let event = stream.next().await;
+        // A record of drafts is the router's (a stream straight from a worker has them).
+        let mut event = stream.next().await;
+        while let Some(Event::Drafts(_)) = event {
+            event = stream.next().await;
+        }
         let step = match event {
             Some(Event::Prompt(scores)) => Output { prompt: Some(scores), ..Output::default() },
             Some(Event::Embedding(e)) => Output { embedding: Some(e), ..Output::default() },
             Some(Event::Token(t)) => self.on_token(t),
+            Some(Event::Drafts(_)) => Output::default(),
             Some(Event::Done { reason, usage }) => self.on_done(reason, usage),
             Some(Event::Failed(e)) => return Err(self.fail(e)),
             None => {

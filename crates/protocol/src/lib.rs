@@ -119,6 +119,10 @@ pub enum Event {
     /// The prompt's pooled final hidden states, when the request asked for them.
     Embedding(Vec<f32>),
     Token(TokenOut),
+    /// What the sequence's drafted tokens came to so far, now and then while it
+    /// speculates: the router keeps the latest, so that a request whose worker is
+    /// lost brings it to its next one. Never sent on to a client.
+    Drafts(DraftRecord),
     Done {
         reason: FinishReason,
         usage: Usage,

@@ -445,7 +445,7 @@ impl Session {
                 Event::Token(_) => tokens += 1,
                 Event::Done { .. } => tracing::debug!(tokens, "finished"),
                 Event::Failed(e) => tracing::warn!(tokens, kind = e.kind(), error = %e, "failed"),
-                Event::Prompt(_) | Event::Embedding(_) => {}
+                Event::Prompt(_) | Event::Embedding(_) | Event::Drafts(_) => {}
             }
             let last = event.is_last();
             if self.out.send(FromWorker::Event { call, event }).await.is_err() || last {

@@ -117,7 +117,8 @@ struct Job {
     req: GenerateRequest,
     /// Tokens forwarded to the client so far.
     sent: Vec<TokenId>,
-    /// Its record of drafted tokens, as the last worker that handed it back said.
+    /// Its record of drafted tokens, as its worker last said (on its stream, or
+    /// handing it back).
     drafts: Option<DraftRecord>,
     /// Moves still allowed.
     left: u32,
@@ -131,6 +132,16 @@ struct Job {
     first: Option<Instant>,
 }
 
+/// What a job does with an event from its worker's stream.
+enum Next {
+    /// Sends it on to the client.
+    Forward(Event),
+    /// Nothing for the client (kept, or already had).
+    Keep,
+    /// Goes on with the request's stream from another worker.
+    Moved(TokenStream),
+}
+
 impl Job {
     async fn run(mut self, mut inner: TokenStream, client: pdserve_protocol::EventSender) {
         let stall = self.router.deadlines.client_stall;
@@ -140,56 +151,56 @@ impl Job {
                 _ = client.closed() => return,
             };
             let Some(ev) = ev else { return };
-            let ev = match ev {
-                Event::Failed(e @ (ServeError::WorkerLost(_) | ServeError::KvLost(_))) if self.left > 0 => {
-                    self.left -= 1;
-                    match self.resume(&e.to_string(), e.kind(), None) {
-                        Ok(next) => {
-                            inner = next;
-                            continue;
-                        }
-                        Err(e) => Event::Failed(e),
+            match self.on_event(ev) {
+                Next::Forward(ev) => {
+                    if !forward(&client, ev, stall).await {
+                        return;
                     }
                 }
-                Event::Failed(ServeError::Moved { worker, drafts }) if self.reroutes > 0 => {
-                    match self.handed_back(&worker, drafts) {
-                        Ok(next) => {
-                            inner = next;
-                            continue;
-                        }
-                        Err(e) => Event::Failed(e),
-                    }
-                }
-                Event::Failed(e @ ServeError::StaleEpoch { .. }) if self.reroutes > 0 => {
-                    self.reroutes -= 1;
-                    match self.resume(&e.to_string(), STALE_EPOCH, None) {
-                        Ok(next) => {
-                            inner = next;
-                            continue;
-                        }
-                        Err(e) => Event::Failed(e),
-                    }
-                }
-                // The new worker scores the replayed prompt again: the client has its scores.
-                Event::Prompt(_) | Event::Embedding(_) if self.moves > 0 => continue,
-                Event::Token(t) => {
-                    self.sent.push(t.token);
-                    self.first.get_or_insert_with(Instant::now);
-                    Event::Token(t)
-                }
-                Event::Done { reason, usage } => {
-                    self.report(false);
-                    Event::Done { reason, usage: self.usage(usage) }
-                }
-                Event::Failed(e) => {
-                    self.report(true);
-                    Event::Failed(e)
-                }
-                other => other,
-            };
-            if !forward(&client, ev, stall).await {
-                return;
+                Next::Keep => {}
+                Next::Moved(next) => inner = next,
             }
+        }
+    }
+
+    fn on_event(&mut self, ev: Event) -> Next {
+        let moved = |r: Result<TokenStream, ServeError>| match r {
+            Ok(next) => Next::Moved(next),
+            Err(e) => Next::Forward(Event::Failed(e)),
+        };
+        match ev {
+            Event::Failed(e @ (ServeError::WorkerLost(_) | ServeError::KvLost(_))) if self.left > 0 => {
+                self.left -= 1;
+                moved(self.resume(&e.to_string(), e.kind(), None))
+            }
+            Event::Failed(ServeError::Moved { worker, drafts }) if self.reroutes > 0 => {
+                moved(self.handed_back(&worker, drafts))
+            }
+            Event::Failed(e @ ServeError::StaleEpoch { .. }) if self.reroutes > 0 => {
+                self.reroutes -= 1;
+                moved(self.resume(&e.to_string(), STALE_EPOCH, None))
+            }
+            // The new worker scores the replayed prompt again: the client has its scores.
+            Event::Prompt(_) | Event::Embedding(_) if self.moves > 0 => Next::Keep,
+            // Kept for the next worker, should this one be lost.
+            Event::Drafts(d) => {
+                self.drafts = Some(d);
+                Next::Keep
+            }
+            Event::Token(t) => {
+                self.sent.push(t.token);
+                self.first.get_or_insert_with(Instant::now);
+                Next::Forward(Event::Token(t))
+            }
+            Event::Done { reason, usage } => {
+                self.report(false);
+                Next::Forward(Event::Done { reason, usage: self.usage(usage) })
+            }
+            Event::Failed(e) => {
+                self.report(true);
+                Next::Forward(Event::Failed(e))
+            }
+            other => Next::Forward(other),
         }
     }
 

@@ -111,6 +111,31 @@ async fn a_mixed_worker_lost_mid_stream_hands_the_request_on_with_no_token_lost(
     assert_eq!(moves.of("worker_lost"), 1);
 }
 
+/// A speculating request's stream says its record of drafts now and then; when its
+/// worker is lost, the last record said goes to its next worker with the replay, so
+/// that one need not learn the request's acceptance again. No record reaches the
+/// client (`read` would end at one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_workers_request_brings_the_record_of_drafts_its_stream_last_said() {
+    let (a, b) = (FakeWorker::new("a", Role::Mixed, 1000), FakeWorker::new("b", Role::Mixed, 1000));
+    for w in [&a, &b] {
+        w.knobs(|k| k.drafts = true);
+    }
+    let (r, moves) = migrating(&[slow(&a), slow(&b)], Mode::Aggregated, 1);
+    let req = request(20, 40);
+    let (got, end) = kill_after(r.generate(req.clone()).unwrap(), 5, &a).await;
+    assert_eq!(got, expected(&req));
+    assert!(matches!(end, Event::Done { .. }), "{end:?}");
+    assert_eq!(moves.of("worker_lost"), 1);
+    // `a` said two drafts tried and one accepted a token, after each of the k tokens
+    // the client had from it (5 at least, fewer than all): `b` starts from that.
+    assert_eq!(a.drafts_brought(), [None]);
+    let brought = b.drafts_brought();
+    let [Some(d)] = brought[..] else { panic!("{brought:?}") };
+    assert!(d.tried == 2 * d.accepted && (5..40).contains(&d.accepted), "{d:?}");
+    no_blocks_held(&[&a, &b]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_decode_worker_lost_after_a_handoff_resumes_on_another_decode_worker() {
     let p = FakeWorker::new("p", Role::Prefill, 1000);

@@ -12,7 +12,7 @@ use pdserve_engine::batch::{DraftModel, EngineConfig, SpecConfig};
 use pdserve_kv_transfer::TransportKind;
 use pdserve_protocol::{Event, Generate, GenerateRequest, ServeError, TokenStream, Worker};
 use pdserve_router::{Deadlines, Migrating, Mode, Router};
-use pdserve_types::{Assignment, Epoch, Role};
+use pdserve_types::{Assignment, DraftRecord, Epoch, Role};
 use pdserve_worker::LocalWorker;
 use std::sync::Arc;
 use std::time::Duration;
@@ -79,8 +79,9 @@ async fn a_sequence_handed_back_brings_its_record_of_drafts() {
     let req = long(20);
     let (events, stream) = TokenStream::for_request(&req.params);
     a.generate(req, events).unwrap();
+    // Past 8 tokens, after which the stream says the record a first time.
     for _ in 0..2000 {
-        if a.stats().await.unwrap().spec.accepted > 0 {
+        if a.stats().await.unwrap().spec.accepted >= 12 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -88,11 +89,29 @@ async fn a_sequence_handed_back_brings_its_record_of_drafts() {
     let roles = a.role_switch().unwrap();
     roles.set_role(Assignment::new(Role::Prefill, Epoch(1))).await.unwrap();
     assert_eq!(roles.move_decodes().await.unwrap(), 1);
-    let (got, end) = collect(stream).await;
+    let (got, said, end) = with_drafts(stream).await;
     let Event::Failed(ServeError::Moved { worker, drafts: Some(record) }) = end else { panic!("{end:?}") };
     assert_eq!(worker, "sa");
     // Every drafted token is right here, and at least one step verified a draft.
     assert!(record.accepted > 0 && record.accepted <= record.tried, "{record:?} after {} tokens", got.len());
     assert!(record.accepted < got.len() as u64, "{record:?} after {} tokens", got.len());
+    // On the way the stream said the record now and then (what a lost worker's
+    // request brings to its next worker), each said growing, none past the last.
+    assert!(!said.is_empty(), "no record said in {} tokens", got.len());
+    let grows = |a: &DraftRecord, b: &DraftRecord| a.tried < b.tried && a.accepted <= b.accepted;
+    assert!(said.windows(2).all(|w| grows(&w[0], &w[1])), "{said:?}");
+    assert!(said.iter().all(|d| d.tried <= record.tried && d.accepted <= record.accepted), "{said:?} {record:?}");
     assert_eq!(settle(&[&a]).await, 0);
+}
+
+/// A stream's tokens, the records of drafts it said, and its end.
+async fn with_drafts(mut s: TokenStream) -> (Vec<u32>, Vec<DraftRecord>, Event) {
+    let (mut toks, mut said) = (Vec::new(), Vec::new());
+    loop {
+        match s.next().await.expect("stream ended without a final event") {
+            Event::Token(t) => toks.push(t.token),
+            Event::Drafts(d) => said.push(d),
+            last => return (toks, said, last),
+        }
+    }
 }

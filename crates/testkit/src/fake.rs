@@ -14,7 +14,7 @@ use pdserve_protocol::{
     KvEvents, Prefilled, Reply, Reserved, RoleState, RoleSwitch, ServeError, TokenOut, Usage, Worker, WorkerInfo,
     WorkerStats,
 };
-use pdserve_types::{lock, Assignment, Epoch, PoolStats, RequestId, Role};
+use pdserve_types::{lock, Assignment, DraftRecord, Epoch, PoolStats, RequestId, Role};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,6 +40,10 @@ pub struct Knobs {
     /// The next this many transfers into this worker are lost (as a frame it cannot
     /// take loses one): their decodes fail with [`ServeError::KvLost`].
     pub lose_transfers: AtomicUsize,
+    /// Requests it generates speculate: after each token its stream says their
+    /// record of drafts, the one they brought and two drafts tried a token, one of
+    /// them accepted.
+    pub drafts: bool,
 }
 
 impl Default for Knobs {
@@ -50,6 +54,7 @@ impl Default for Knobs {
             token_interval: Duration::from_millis(1),
             fail_prefill: AtomicBool::new(false),
             lose_transfers: AtomicUsize::new(0),
+            drafts: false,
         }
     }
 }
@@ -111,6 +116,8 @@ struct Inner {
     imports: Mutex<HashMap<RequestId, Import>>,
     /// The block hashes its "prefix cache" reports, and how often they were set.
     cached: Mutex<(Vec<BlockHash>, u64)>,
+    /// The record of drafts each request it generated for brought, in order.
+    brought: Mutex<Vec<Option<DraftRecord>>>,
 }
 
 struct Import {
@@ -137,6 +144,7 @@ impl FakeWorker {
                 links: Links::default(),
                 imports: Mutex::default(),
                 cached: Mutex::default(),
+                brought: Mutex::default(),
             }),
         }
     }
@@ -149,6 +157,11 @@ impl FakeWorker {
     /// Blocks held now (requests and reservations).
     pub fn used_blocks(&self) -> usize {
         self.inner.used.load(Ordering::SeqCst)
+    }
+
+    /// The record of drafts each request it was asked to generate for brought.
+    pub fn drafts_brought(&self) -> Vec<Option<DraftRecord>> {
+        lock(&self.inner.brought).clone()
     }
 
     /// Requests it generated tokens for so far.
@@ -209,7 +222,9 @@ impl Inner {
     }
 
     /// Streams tokens `from..max_tokens` of `prompt` to `events`, holding `blocks`
-    /// until the end, the client's departure or the worker's death.
+    /// until the end, the client's departure or the worker's death; with `drafts`,
+    /// the record of drafts (grown from it) after each token.
+    #[allow(clippy::too_many_arguments)]
     fn stream(
         self: Arc<Self>,
         prompt: Vec<u32>,
@@ -218,6 +233,7 @@ impl Inner {
         blocks: usize,
         events: EventSender,
         cached: usize,
+        drafts: Option<DraftRecord>,
     ) {
         self.active.fetch_add(1, Ordering::SeqCst);
         self.streaming.fetch_add(1, Ordering::SeqCst);
@@ -236,6 +252,11 @@ impl Inner {
                 let t = TokenOut { token: tokens.next().unwrap_or_default(), logprob: -0.5, top: Vec::new() };
                 if events.send(Event::Token(t)).is_err() {
                     break;
+                }
+                if let Some(base) = drafts {
+                    let n = (i + 1 - from) as u64;
+                    let _ = events
+                        .send(Event::Drafts(DraftRecord { tried: base.tried + 2 * n, accepted: base.accepted + n }));
                 }
                 if i + 1 == max {
                     let usage = Usage { prompt_tokens: prompt.len(), completion_tokens: max, cached_tokens: cached };
@@ -354,7 +375,9 @@ impl Worker for FakeWorker {
         if req.params.embed.is_some() {
             let _ = events.send(Event::Embedding(embedding(&req.prompt)));
         }
-        self.inner.clone().stream(req.prompt, 0, max, blocks, events, 0);
+        lock(&self.inner.brought).push(req.params.drafts_so_far);
+        let drafts = lock(&self.inner.knobs).drafts.then(|| req.params.drafts_so_far.unwrap_or_default());
+        self.inner.clone().stream(req.prompt, 0, max, blocks, events, 0, drafts);
         Ok(())
     }
 
@@ -414,7 +437,7 @@ impl Worker for FakeWorker {
                 let _ = events.send(Event::Failed(ServeError::KvLost("the transfer did not complete".into())));
                 return;
             }
-            inner.stream(h.prompt, 1, max, import.blocks + more, events, h.cached_tokens);
+            inner.stream(h.prompt, 1, max, import.blocks + more, events, h.cached_tokens, None);
         });
         Ok(())
     }

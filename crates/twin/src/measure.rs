@@ -190,11 +190,13 @@ fn layers_fixed(model: &Arc<Model>, threads: usize) -> Option<f64> {
     let per_seq = (LAYER_CONTEXT + 1).div_ceil(BLOCK_SIZE);
     let mut kv = KvStorage::new(&model.cfg, most * per_seq, BLOCK_SIZE);
     let mut s = ForwardScratch::default();
-    let tables: Vec<Vec<u32>> = (0..most as u32).map(|i| (i * per_seq as u32..(i + 1) * per_seq as u32).collect()).collect();
+    let tables: Vec<Vec<u32>> =
+        (0..most as u32).map(|i| (i * per_seq as u32..(i + 1) * per_seq as u32).collect()).collect();
     let mut passes = PassTimes::default();
     for b in LAYER_BATCHES {
         let tokens: Vec<Vec<u32>> = (0..b).map(|i| prompt(1, 9000 + i)).collect();
-        let batch: Vec<SeqBatch<'_>> = (0..b).map(|i| SeqBatch::plain(&tokens[i], LAYER_CONTEXT, &tables[i], 1)).collect();
+        let batch: Vec<SeqBatch<'_>> =
+            (0..b).map(|i| SeqBatch::plain(&tokens[i], LAYER_CONTEXT, &tables[i], 1)).collect();
         let rows = vec![0.5f32; b * model.cfg.hidden];
         let (mut whole, mut head) = (Vec::new(), Vec::new());
         for _ in 0..6 {

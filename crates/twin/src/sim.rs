@@ -377,7 +377,7 @@ async fn read_events(stream: &mut TokenStream, sent: Instant, rec: &mut RequestR
                 chunks.push(sent.elapsed().as_secs_f64());
                 rec.reply_ids.push(t.token);
             }
-            Event::Prompt(_) | Event::Embedding(_) => {}
+            Event::Prompt(_) | Event::Embedding(_) | Event::Drafts(_) => {}
             Event::Done { usage, .. } => {
                 rec.ok = true;
                 rec.output_tokens = usage.completion_tokens as u64;

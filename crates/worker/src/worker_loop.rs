@@ -5,7 +5,7 @@ use pdserve_engine::batch::{Engine, EngineError, KvFrame, StepOutput};
 use pdserve_protocol::{
     pace, DecodeHandoff, Event, EventSender, GenerateRequest, Prefilled, ServeError, Usage, WorkerStats,
 };
-use pdserve_types::RequestId;
+use pdserve_types::{DraftRecord, RequestId};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
@@ -35,7 +35,14 @@ struct Live {
     cached_elsewhere: usize,
     /// Since when the sequence has been paused for its consumer to catch up.
     paused: Option<Instant>,
+    /// The record of drafts last sent on the stream.
+    drafts: Option<DraftRecord>,
 }
+
+/// A speculating sequence's record of drafts goes on its stream after every this many
+/// tokens, where it changed: a lost worker's requests bring one this recent at worst
+/// to their next worker, for an event every so many tokens.
+const DRAFTS_EVERY: usize = 8;
 
 /// A peer's fetch of a cached prefix, waiting for the engine.
 pub(crate) struct Export {
@@ -481,7 +488,7 @@ impl Loop {
 
     /// The sender counted the request in `active` when it queued the command.
     fn track(&mut self, id: RequestId, events: EventSender, generated: usize, cached_elsewhere: usize) {
-        self.streams.insert(id, Live { events, generated, cached_elsewhere, paused: None });
+        self.streams.insert(id, Live { events, generated, cached_elsewhere, paused: None, drafts: None });
     }
 
     /// A counted command ended without a stream to track.
@@ -596,6 +603,13 @@ impl Loop {
             return;
         }
         let sent = live.events.send(Event::Token(out.sampled.clone())).is_ok();
+        if live.generated.is_multiple_of(DRAFTS_EVERY) && out.finish.is_none() {
+            let changed = self.engine.draft_record(out.id).filter(|d| live.drafts != Some(*d));
+            if let Some(d) = changed {
+                live.drafts = Some(d);
+                let _ = live.events.send(Event::Drafts(d));
+            }
+        }
         if let Some(reason) = out.finish {
             let usage = Usage {
                 prompt_tokens: out.prompt_tokens,

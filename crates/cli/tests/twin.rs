@@ -71,6 +71,8 @@ fn profile_then_simulate() {
     assert!(log.contains("verified drafts: their price off by") && log.contains("1×9 at 512: "), "{log}");
     let p: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&profile).unwrap()).unwrap();
     assert_eq!(p["provenance"]["kind"], "measured");
+    // The machine's cores, which a stage group's stages over loopback share.
+    assert!(p["cores"].as_u64().is_some_and(|c| c >= 1), "{}", p["cores"]);
     assert_eq!(p["model"]["n_layers"], 30);
     // What a stage group's model needs: the residual width, and the weights as loaded
     // (the 100 MB file with its tied embeddings held a second time as the output

@@ -99,8 +99,14 @@ pub fn lanes_round(stages: &[PassCost], hop: PassCost, rows: usize) -> Option<(u
     counts.map(|l| (l, round(l))).filter(|&(_, t)| t < whole).min_by(|a, b| a.1.total_cmp(&b.1))
 }
 
+/// The compute of every stage's passes over micro-batches (or lanes) of `sizes`
+/// rows each: what the stages' cores must do, wherever they do it.
+pub(crate) fn work(stages: &[PassCost], sizes: &[usize]) -> f64 {
+    stages.iter().map(|c| sizes.iter().map(|&r| c.of(r)).sum::<f64>()).sum()
+}
+
 /// `rows` cut into `m` runs as even as whole rows allow.
-fn even(rows: usize, m: usize) -> Vec<usize> {
+pub(crate) fn even(rows: usize, m: usize) -> Vec<usize> {
     (0..m).map(|j| (j + 1) * rows / m - j * rows / m).collect()
 }
 

@@ -259,6 +259,9 @@ pub struct TimedStages {
     /// layers) is the head's on every pass it makes.
     pub layers_fixed_s: f64,
     pub hop: crate::pipeline::PassCost,
+    /// The cores the stages share, where they run on one machine (`None`: a host
+    /// each). Fewer cores than stages cannot compute every stage's pass at once.
+    pub cores: Option<usize>,
 }
 
 impl TimedStages {
@@ -269,11 +272,22 @@ impl TimedStages {
         let rows = s.tokens.round().max(1.0) as usize;
         let stages = self.passes(s, rows);
         let decodes = s.decodes >= 2.0 && s.decodes == s.tokens;
-        if let Some((_, round)) = decodes.then(|| crate::pipeline::lanes_round(&stages, self.hop, rows)).flatten() {
-            return Some(round);
+        if let Some((lanes, round)) = decodes.then(|| crate::pipeline::lanes_round(&stages, self.hop, rows)).flatten() {
+            return Some(self.on_cores(round, &stages, &crate::pipeline::even(rows, lanes)));
         }
         let (m, span) = crate::pipeline::soonest(&stages, self.hop, rows);
-        (m > 1).then_some(span)
+        (m > 1).then(|| self.on_cores(span, &stages, &crate::pipeline::even(rows, m)))
+    }
+
+    /// `span`, the pipeline's over parts of `sizes` rows, or what the stages' cores
+    /// take to compute every pass of it where they are fewer than the stages. A head
+    /// chooses its lanes and micro-batches from the passes' costs alone, not knowing
+    /// the cores, and so does the twin.
+    fn on_cores(&self, span: f64, stages: &[crate::pipeline::PassCost], sizes: &[usize]) -> f64 {
+        match self.cores {
+            Some(c) if c < stages.len() => span.max(crate::pipeline::work(stages, sizes) / c.max(1) as f64),
+            _ => span,
+        }
     }
 
     /// Each stage's pass over a step of shape `s` (`rows` rows), the head's first: an
@@ -480,7 +494,7 @@ mod tests {
         // Each of two stages: 2 ms fixed and 0.25 ms a row; a hop 0.2 ms.
         let whole = StepCost { fixed_s: 0.004, token_s: 0.0005, ..StepCost::default() };
         let hop = crate::pipeline::PassCost { fixed: 0.0002, per_row: 0.0 };
-        let g = TimedStages { stages: 2, whole, layers_fixed_s: 0.004, hop };
+        let g = TimedStages { stages: 2, whole, layers_fixed_s: 0.004, hop, cores: None };
         // Eight decodes whole take 4 + 0.2 + 4 ms; in lanes of four a round takes one
         // lane's way (2 + 1, 0.2, 2 + 1 ms), longer than a stage's two passes (6 ms).
         let got = g.cut(&StepShape::decode(8, 100)).unwrap();
@@ -498,12 +512,30 @@ mod tests {
     }
 
     #[test]
+    fn stages_on_fewer_cores_than_stages_take_turns_on_them() {
+        // Three stages of 2 ms fixed and 0.5 ms a row of the whole model's layers
+        // between them (1/6 ms each), a hop 0.2 ms.
+        let whole = StepCost { fixed_s: 0.006, token_s: 0.0005, ..StepCost::default() };
+        let hop = crate::pipeline::PassCost { fixed: 0.0002, per_row: 0.0 };
+        let g = TimedStages { stages: 3, whole, layers_fixed_s: 0.006, hop, cores: None };
+        let nine = StepShape::decode(9, 100);
+        // A host each: three lanes of three, a round a lane's way (3 × 2.5 ms, 2 hops).
+        let round = g.cut(&nine).unwrap();
+        assert!((round - 0.0079).abs() < 1e-12, "{round}");
+        // Two cores compute the round's nine passes of 2.5 ms two at a time at best.
+        let two = TimedStages { cores: Some(2), ..g }.cut(&nine).unwrap();
+        assert!((two - 0.01125).abs() < 1e-12, "{two}");
+        // As many cores as stages change nothing.
+        assert_eq!(TimedStages { cores: Some(3), ..g }.cut(&nine), Some(round));
+    }
+
+    #[test]
     fn the_fixed_time_outside_the_layers_is_the_heads_on_every_pass() {
         // The layers' passes pay 3 of a step's 4 ms fixed; the last 1 ms (the output
         // head, the step around the layers) is the head's.
         let whole = StepCost { fixed_s: 0.004, token_s: 0.0005, ..StepCost::default() };
         let hop = crate::pipeline::PassCost { fixed: 0.0002, per_row: 0.0 };
-        let g = TimedStages { stages: 2, whole, layers_fixed_s: 0.003, hop };
+        let g = TimedStages { stages: 2, whole, layers_fixed_s: 0.003, hop, cores: None };
         let [head, later] = g.passes(&StepShape::decode(8, 100), 8)[..] else { panic!("two stages") };
         assert!((head.fixed - 0.0025).abs() < 1e-12 && (later.fixed - 0.0015).abs() < 1e-12, "{head:?} {later:?}");
         // In lanes of four the head is the busiest stage: two passes of 2.5 + 1 ms,

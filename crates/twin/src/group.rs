@@ -22,6 +22,9 @@ pub struct GroupShape {
     pub stages: usize,
     /// One hop, head to a later stage or back.
     pub link: LinkModel,
+    /// The cores its stages share, where they run on one machine (`None`: a node
+    /// each).
+    pub cores: Option<usize>,
 }
 
 impl GroupShape {
@@ -59,7 +62,8 @@ impl GroupShape {
             let hop = PassCost { fixed: 2.0 * self.link.latency_s, per_row: 2.0 * per_row };
             let cost = whole.step.cost;
             let layers_fixed_s = layers_fixed_s.unwrap_or(cost.fixed_s);
-            whole.stages = Some(TimedStages { stages: self.stages, whole: cost, layers_fixed_s, hop });
+            let cores = self.cores;
+            whole.stages = Some(TimedStages { stages: self.stages, whole: cost, layers_fixed_s, hop, cores });
         }
         whole.step.cost = self.step(whole.step.cost, row_bytes);
         whole
@@ -171,7 +175,7 @@ mod tests {
         for (stages, fixed, token, logits) in
             [(1, 0.010, 0.001, 0.002), (2, 0.0102, 0.002, 0.003), (3, 0.0104, 0.004, 0.003), (4, 0.0106, 0.006, 0.003)]
         {
-            let s = GroupShape { stages, link }.step(whole, 1000.0);
+            let s = GroupShape { stages, link, cores: None }.step(whole, 1000.0);
             assert!(close(s.fixed_s, fixed) && close(s.token_s, token) && close(s.logits_s, logits), "{stages}: {s:?}");
             assert_eq!((s.pair_s, s.decode_pair_s), (whole.pair_s, whole.decode_pair_s));
         }
@@ -180,7 +184,7 @@ mod tests {
     #[test]
     fn a_split_frees_the_weights_a_node_no_longer_holds_for_cache() {
         let link = LinkModel { latency_s: 0.0, bytes_per_s: 1.0 };
-        let g = |stages| GroupShape { stages, link };
+        let g = |stages| GroupShape { stages, link, cores: None };
         // A node of 10 units, weights of 6, blocks of 1 unit (every layer's).
         assert_eq!(g(1).kv_blocks(10.0, 6.0, 1.0), Some(4));
         assert_eq!(g(2).kv_blocks(10.0, 6.0, 1.0), Some(14));

@@ -109,6 +109,7 @@ pub fn profile(spec: &Spec, log: &mut dyn FnMut(&str)) -> Result<Profile, TwinEr
         token_overhead_s: token_s,
         host_token_s,
         co_run_slowdown: co.decode_beside_decode,
+        cores: std::thread::available_parallelism().ok().map(|n| n.get()),
         co_run: Some(co),
         tiers: Some(tiers),
     })

@@ -145,7 +145,7 @@ fn topologies(spec: &PlanSpec<'_>) -> Result<Vec<(String, Topology)>, TwinError>
     }
     if let (Some(link), Some(m)) = (spec.stage_link, memory) {
         for k in (2..=n).filter(|&k| n.is_multiple_of(k)) {
-            let group = GroupShape { stages: k, link: link.model(m.loopback) };
+            let group = GroupShape { stages: k, link: link.model(m.loopback), cores: None };
             let Some(blocks) = group.kv_blocks(m.node, m.weights, m.block) else { continue };
             let roles = vec![Role::Mixed; n / k];
             let t = Topology { group: Some(group), ..topology(spec, Mode::Aggregated, roles, Some(blocks)) };
@@ -185,7 +185,7 @@ impl Memory {
 
     /// Blocks a worker of `stages` stages holds.
     fn blocks(&self, stages: usize) -> Option<usize> {
-        let g = GroupShape { stages, link: self.loopback };
+        let g = GroupShape { stages, link: self.loopback, cores: None };
         g.kv_blocks(self.node, self.weights, self.block)
     }
 }

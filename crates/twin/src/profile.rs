@@ -62,6 +62,10 @@ pub struct Profile {
     /// refuses tier flags).
     #[serde(default)]
     pub tiers: Option<RestoreCost>,
+    /// The cores of the machine it was timed on (absent in a profile timed before
+    /// they were stated, and in a derived one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cores: Option<usize>,
 }
 
 fn one() -> f64 {
@@ -525,6 +529,7 @@ mod tests {
             token_overhead_s: 0.0,
             host_token_s: 0.0,
             co_run_slowdown: 1.0,
+            cores: None,
             co_run: None,
             tiers: None,
         };

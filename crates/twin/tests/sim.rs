@@ -50,6 +50,7 @@ fn profile() -> Profile {
         token_overhead_s: 0.0,
         host_token_s: 0.0,
         co_run_slowdown: 1.0,
+        cores: None,
         co_run: None,
         tiers: None,
     }
@@ -173,7 +174,7 @@ fn a_stage_group_pipelines_its_prompt_adds_hops_to_each_decode_and_holds_more_bl
     // (stages, the fixed part of a pass through every layer alone, where timed)
     for (stages, layers_fixed) in [(2, None), (3, None), (2, Some(0.002)), (3, Some(0.0))] {
         p.shapes[0].layers_fixed_s = layers_fixed;
-        let group = GroupShape { stages, link };
+        let group = GroupShape { stages, link, cores: None };
         let t = Topology { group: Some(group), ..topology(Mode::Aggregated, vec![Role::Mixed]) };
         let out = run(&p, t, &w, Sweep::Concurrency(vec![1]), 2);
         let r = &out[0].records[0];
@@ -221,7 +222,7 @@ fn a_stage_group_pipelines_its_prompt_adds_hops_to_each_decode_and_holds_more_bl
     // on one node, 2048 and the 50 MB the second node does not hold on two.
     let block = p.block_bytes() as f64;
     let memory = 100e6 + 1024.0 * block;
-    let blocks = GroupShape { stages: 2, link }.kv_blocks(memory, 100e6, block).unwrap();
+    let blocks = GroupShape { stages: 2, link, cores: None }.kv_blocks(memory, 100e6, block).unwrap();
     assert_eq!(blocks, (2.0 * (memory - 50e6) / block) as usize);
     assert!(blocks > 2048, "{blocks}");
 }

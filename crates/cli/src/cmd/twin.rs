@@ -108,8 +108,9 @@ pub struct SimArgs {
     /// holds free unless --kv-blocks says.
     #[arg(long, default_value_t = 1)]
     group_stages: usize,
-    /// The link between a group's stages: loopback (the profile's timed TCP link), 1gbe
-    /// or 10gbe (loopback's cost plus the wire's).
+    /// The link between a group's stages: loopback (the profile's timed TCP link; the
+    /// stages then share the cores of the profile's machine, where it states them),
+    /// 1gbe or 10gbe (loopback's cost plus the wire's, a host each).
     #[arg(long, default_value = "loopback")]
     stage_link: StageLink,
 }
@@ -220,7 +221,11 @@ pub fn sim(a: SimArgs) -> anyhow::Result<()> {
         anyhow::bail!("--group-stages must be at least 1");
     }
     if a.group_stages > 1 {
-        let g = GroupShape { stages: a.group_stages, link: a.stage_link.model(group::loopback(&profile)?) };
+        let link = a.stage_link.model(group::loopback(&profile)?);
+        // Over loopback the stages are on one machine: they share the profile's cores
+        // (where it states them; a host each otherwise).
+        let cores = profile.cores.filter(|_| a.stage_link == StageLink::Loopback);
+        let g = GroupShape { stages: a.group_stages, link, cores };
         let (memory, weights, block) = group::node_bytes(&profile, None)?;
         topology.kv_blocks = topology.kv_blocks.or(g.kv_blocks(memory, weights, block));
         topology.group = Some(g);

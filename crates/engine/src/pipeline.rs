@@ -20,6 +20,11 @@ impl PassCost {
     fn of(self, rows: usize) -> f64 {
         self.fixed + self.per_row * rows as f64
     }
+
+    /// This pass, then `next` on the same stage.
+    pub fn then(self, next: PassCost) -> PassCost {
+        PassCost { fixed: self.fixed + next.fixed, per_row: self.per_row + next.per_row }
+    }
 }
 
 /// A stage's passes so far, by their rows: the running sums a step's pace is fitted
@@ -161,6 +166,8 @@ mod tests {
     const PER_ROW: PassCost = PassCost { fixed: 0.0005, per_row: 0.001 };
     const HOP: PassCost = PassCost { fixed: 0.0001, per_row: 0.000_002 };
     const LIGHT: PassCost = PassCost { fixed: 0.0005, per_row: 0.0 };
+    const EVEN: PassCost = PassCost { fixed: 0.002, per_row: 0.0005 };
+    const OUTPUT_HEAD: PassCost = PassCost { fixed: 0.0025, per_row: 0.0004 };
 
     #[test]
     fn micro_batches_follow_what_a_pass_costs() {
@@ -208,6 +215,10 @@ mod tests {
             // nor a third lane that pays two heavy stages' fixed time once more than
             // its overlap saves.
             (&[Some(LIGHT), Some(heavy), Some(heavy)], Some(HOP), 8, Some(2)),
+            // Stages alike take a lane each; but a head that also runs its output
+            // head once a lane is busiest, and two lanes end its round sooner.
+            (&three(EVEN), Some(HOP), 6, Some(3)),
+            (&[Some(EVEN.then(OUTPUT_HEAD)), Some(EVEN), Some(EVEN)], Some(HOP), 6, Some(2)),
             // One sequence has no second lane; one stage has no other to overlap.
             (&two(MEMORY_BOUND), Some(HOP), 1, None),
             (&[Some(MEMORY_BOUND)], Some(HOP), 8, None),

@@ -134,8 +134,10 @@ pub(crate) struct Next {
     rows: Vec<f32>,
     /// Seconds this engine spent in its own layers and the output head on those steps.
     head_s: f64,
-    /// This engine's passes through its own layers, by their rows.
+    /// This engine's passes through its own layers, by their rows, and through its
+    /// output head, by the rows given logits.
     own: PassTimes,
+    head: PassTimes,
     /// The lanes of decodes in the later stages (oldest first) and how many a round
     /// of them has, and what a lane that landed outside a step (before a transfer)
     /// sampled, for the next step to hand out.
@@ -174,8 +176,18 @@ impl Next {
         }
         let started = Instant::now();
         let logits = head.head_logits(pass.isa, pass.pool, pass.batch, &self.rows, s);
-        self.head_s += started.elapsed().as_secs_f64();
+        self.headed(pass.batch, started);
         logits
+    }
+
+    /// Counts an output head's pass over `batch`, begun at `started`.
+    fn headed(&mut self, batch: &[SeqBatch<'_>], started: Instant) {
+        let took = started.elapsed().as_secs_f64();
+        self.head_s += took;
+        // Scored and pooled rows make a pass of another kind.
+        if batch.iter().all(|b| b.score.is_none() && b.pool.is_none()) {
+            self.head.record(batch.iter().map(|b| b.logits).sum(), took);
+        }
     }
 
     /// How many micro-batches a step of `batch` (`rows` rows) goes through in.
@@ -197,7 +209,13 @@ impl Next {
         if later.passes.is_empty() {
             return None;
         }
-        let costs: Vec<Option<PassCost>> = std::iter::once(self.own.cost()).chain(later.passes).collect();
+        // Each lane's landing runs the output head again: the head's pass pays it
+        // (a step in micro-batches runs it once, after them all).
+        let own = match (self.own.cost(), self.head.cost()) {
+            (Some(own), Some(head)) => Some(own.then(head)),
+            (own, _) => own,
+        };
+        let costs: Vec<Option<PassCost>> = std::iter::once(own).chain(later.passes).collect();
         lanes(&costs, later.hop, rows)
     }
 
@@ -237,7 +255,7 @@ impl Next {
     ) -> Option<&'s mut [f32]> {
         let started = Instant::now();
         let logits = head.head_logits(pass.isa, pass.pool, pass.batch, rows, s);
-        self.head_s += started.elapsed().as_secs_f64();
+        self.headed(pass.batch, started);
         logits
     }
 
@@ -370,9 +388,9 @@ impl Engine {
     /// Runs the layers after this engine's model (a first stage) through `stages`.
     pub fn with_next_stages(mut self, stages: Box<dyn NextStages>) -> Self {
         let slots = self.tier_slots();
-        let (copies, rows, own) = (Vec::new(), Vec::new(), PassTimes::default());
+        let (copies, rows, own, head) = (Vec::new(), Vec::new(), PassTimes::default(), PassTimes::default());
         let (lanes, landed) = (VecDeque::new(), Vec::new());
-        let next = Next { stages, lost: None, copies, slots, rows, head_s: 0.0, own, lanes, width: 0, landed };
+        let next = Next { stages, lost: None, copies, slots, rows, head_s: 0.0, own, head, lanes, width: 0, landed };
         self.next = Some(next);
         self
     }

@@ -342,7 +342,7 @@ impl Generation {
 
     async fn pull(&mut self) -> Result<Option<Output>, ApiError> {
         let Some(stream) = self.stream.as_mut() else { return Ok(None) };
-        // A record of drafts is the router's (a stream straight from a worker has them).
+        // A record of drafts is the router's to keep, never the client's.
         let mut event = stream.next().await;
         while let Some(Event::Drafts(_)) = event {
             event = stream.next().await;
@@ -351,7 +351,7 @@ impl Generation {
             Some(Event::Prompt(scores)) => Output { prompt: Some(scores), ..Output::default() },
             Some(Event::Embedding(e)) => Output { embedding: Some(e), ..Output::default() },
             Some(Event::Token(t)) => self.on_token(t),
-            Some(Event::Drafts(_)) => Output::default(),
+            Some(Event::Drafts(_)) => Output::default(), // skipped above
             Some(Event::Done { reason, usage }) => self.on_done(reason, usage),
             Some(Event::Failed(e)) => return Err(self.fail(e)),
             None => {

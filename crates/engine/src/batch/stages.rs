@@ -184,9 +184,11 @@ impl Next {
     fn headed(&mut self, batch: &[SeqBatch<'_>], started: Instant) {
         let took = started.elapsed().as_secs_f64();
         self.head_s += took;
-        // Scored and pooled rows make a pass of another kind.
-        if batch.iter().all(|b| b.score.is_none() && b.pool.is_none()) {
-            self.head.record(batch.iter().map(|b| b.logits).sum(), took);
+        // Scored and pooled rows make a pass of another kind, and a step of prompt
+        // chunks that gives no logits reads none of the output head's weights.
+        let rows: usize = batch.iter().map(|b| b.logits).sum();
+        if rows > 0 && batch.iter().all(|b| b.score.is_none() && b.pool.is_none()) {
+            self.head.record(rows, took);
         }
     }
 
@@ -785,5 +787,55 @@ impl NextStages for LocalStages {
 
     fn tiers(&mut self, slots: TierSlots, copies: &[Move]) -> Result<(), StageLost> {
         self.stages.iter_mut().try_for_each(|s| s.copy_tiers(slots, copies).map_err(StageLost))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Later stages whose passes cost what they are told.
+    struct Costing(Vec<PassCost>);
+
+    impl NextStages for Costing {
+        fn run(&mut self, _: &[StagePart], _: &[f32], _: &mut Vec<f32>) -> Result<(), StageLost> {
+            Ok(())
+        }
+
+        fn reconnected(&mut self) -> bool {
+            false
+        }
+
+        fn costs(&self) -> StageCosts {
+            StageCosts { passes: self.0.iter().copied().map(Some).collect(), hop: Some(PassCost::default()) }
+        }
+
+        fn read_kv(&mut self, _: usize, _: &[u32]) -> Result<Vec<KvFrame>, StageLost> {
+            Ok(Vec::new())
+        }
+
+        fn write_kv(&mut self, _: &[(u32, KvFrame)]) -> Result<(), StageLost> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_heads_lanes_count_its_output_head_once_a_lane() {
+        let even = PassCost { fixed: 0.002, per_row: 0.0005 };
+        let (copies, rows, landed, lanes) = (Vec::new(), Vec::new(), Vec::new(), VecDeque::new());
+        let (own, head) = (PassTimes::default(), PassTimes::default());
+        let stages: Box<dyn NextStages> = Box::new(Costing(vec![even, even]));
+        let mut n =
+            Next { stages, lost: None, copies, slots: (0, 0), rows, head_s: 0.0, own, head, lanes, width: 0, landed };
+        // Its own layers cost what each later stage's do: a lane a stage.
+        for r in [2, 6] {
+            n.own.record(r, even.fixed + even.per_row * r as f64);
+        }
+        assert_eq!(n.lanes_for(6), Some(3));
+        // Its output head, run once a lane, makes it the busiest: two lanes.
+        for r in [2, 6] {
+            n.head.record(r, 0.0025 + 0.0004 * r as f64);
+        }
+        assert_eq!(n.lanes_for(6), Some(2));
     }
 }

@@ -599,9 +599,10 @@ fn capped_group(
 }
 
 /// Disaggregated across groups cut apart: a prefill group on 2 capped hosts hands
-/// each prompt's K/V to a decode group on 3 others, every layer from the stage that
-/// computed it to the stage that holds it (through both heads), and the text is one
-/// process's.
+/// each prompt's K/V to a decode group on 3 others, and the text is one process's.
+/// Every layer goes from the stage that computed it to the decode group's head (the
+/// prefill group's later stage sends its own layers as a part of the handoff), and
+/// on through that head to the stage that holds it.
 #[test]
 fn a_prefill_group_on_two_capped_hosts_hands_to_a_decode_group_on_three() {
     let prompts = golden_prompts();
@@ -620,6 +621,9 @@ fn a_prefill_group_on_two_capped_hosts_hands_to_a_decode_group_on_three() {
     let moved = metric(fe.addr, "pdserve_kv_transfer_bytes_total", "tcp");
     let blocks_of_every_layer = 30.0 * 16.0 * 768.0;
     assert!(moved > 0.0 && moved % blocks_of_every_layer == 0.0, "{moved} bytes moved");
+    let parts = metric(fe.addr, "pdserve_stage_kv_parts_total", "");
+    let relayed = metric(fe.addr, "pdserve_stage_kv_relayed_layers_total", "");
+    assert!(parts >= prompts.len() as f64 && relayed == 0.0, "{parts} parts, {relayed} layers through the head");
     assert_eq!(settle_used_blocks(fe.addr), 0.0);
 }
 

@@ -2,7 +2,7 @@
 //! handoff's bounded channel. Nothing is encoded, copied or checksummed.
 
 use crate::inbox::Feed;
-use crate::{Frame, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, TransferError, TransportKind};
+use crate::{Frame, HandoffId, HandoffToken, Inboxes, KvSink, KvTransport, Share, TransferError, TransportKind};
 
 /// Delivers straight into a decode worker's [`Inboxes`] in this process.
 #[derive(Clone)]
@@ -18,7 +18,7 @@ impl InProcess {
 
 impl KvTransport for InProcess {
     fn open(&self, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
-        let feed = self.inboxes.claim(id, token).ok_or(TransferError::ReceiverGone(id))?;
+        let feed = self.inboxes.claim(id, token, Share::Main).ok_or(TransferError::ReceiverGone(id))?;
         Ok(Box::new(InProcessSink { id, feed: Some(feed) }))
     }
 
@@ -51,6 +51,10 @@ impl KvSink for InProcessSink {
         let feed = self.feed.take().ok_or(TransferError::ReceiverGone(self.id))?;
         if feed.is_gone() {
             return Err(TransferError::ReceiverGone(self.id));
+        }
+        if let Some(e) = feed.parts_unfinished() {
+            feed.end(Err(e.clone()));
+            return Err(e);
         }
         feed.end(Ok(()));
         Ok(())

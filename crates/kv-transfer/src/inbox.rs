@@ -2,17 +2,45 @@
 //! number of transports at once.
 
 use crate::frame::MAX_FRAME_BYTES;
-use crate::{ClusterKey, Frame, HandoffId, HandoffToken, TransferError};
+use crate::{ClusterKey, Frame, HandoffId, HandoffToken, Share, TransferError};
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::pin;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::{self, Thread};
 use tokio::sync::{mpsc, Semaphore};
 
-/// How a handoff ended, set once by its feed before the feed drops its channel.
-type End = Arc<OnceLock<Result<(), TransferError>>>;
+/// How a handoff ended, set once by a feed before the feed drops its channel.
+type End = Arc<Ending>;
+
+#[derive(Default)]
+struct Ending {
+    result: OnceLock<Result<(), TransferError>>,
+    /// The inbox waiting for frames: a failure wakes it even while a part still
+    /// holds the channel open.
+    waiting: Mutex<Option<Waker>>,
+}
+
+impl Ending {
+    fn get(&self) -> Option<&Result<(), TransferError>> {
+        self.result.get()
+    }
+
+    fn set(&self, result: Result<(), TransferError>) {
+        let failed = result.is_err();
+        if self.result.set(result).is_ok() && failed {
+            if let Some(w) = self.waiting.lock().unwrap_or_else(PoisonError::into_inner).take() {
+                w.wake();
+            }
+        }
+    }
+
+    fn failed(&self) -> bool {
+        matches!(self.get(), Some(Err(_)))
+    }
+}
 
 /// The handoffs a decode worker expects. Cheap to clone; every transport's receiver
 /// delivers into the same one.
@@ -40,7 +68,14 @@ struct Shared {
     record_limit: usize,
     /// Payload buffers handed back by consumers.
     pool: Mutex<Pool>,
-    expected: Mutex<HashMap<HandoffId, Feed>>,
+    expected: Mutex<HashMap<HandoffId, Expected>>,
+}
+
+/// A handoff expected: the feed its sinks claim copies of, and whether its main
+/// sink has claimed one (parts may claim theirs until the main sink's feed is gone).
+struct Expected {
+    feed: Feed,
+    main_claimed: bool,
 }
 
 impl Inboxes {
@@ -78,7 +113,9 @@ impl Inboxes {
     /// inbox tells the sender the receiver is gone.
     pub fn expect(&self, id: HandoffId) -> Result<Inbox, TransferError> {
         let mut expected = self.shared.expected.lock().unwrap_or_else(PoisonError::into_inner);
-        if expected.get(&id).is_some_and(|f| !f.tx.is_closed()) {
+        // One whose main sink claimed it is under way: a retried handoff replaces it
+        // here, and the old one's sink keeps its own feed until it ends.
+        if expected.get(&id).is_some_and(|e| !e.main_claimed && !e.feed.tx.is_closed()) {
             return Err(TransferError::Duplicate(id));
         }
         // The channel is unbounded; `room` bounds it, in frames.
@@ -87,7 +124,18 @@ impl Inboxes {
         let end = End::default();
         let max_batch = self.shared.capacity.min(MAX_BATCH);
         let token = HandoffToken::random();
-        expected.insert(id, Feed { tx, room: room.clone(), max_batch, end: end.clone(), token });
+        let feed = Feed {
+            id,
+            tx,
+            room: room.clone(),
+            max_batch,
+            end: end.clone(),
+            token,
+            share: None,
+            parts_open: Arc::default(),
+            home: Arc::downgrade(&self.shared),
+        };
+        expected.insert(id, Expected { feed, main_claimed: false });
         Ok(Inbox { id, token, rx, room, ready: Vec::new().into_iter(), end, shared: self.shared.clone() })
     }
 
@@ -111,15 +159,21 @@ impl Inboxes {
         (pool.take(), pool.take())
     }
 
-    /// Takes the feed of an expected handoff, once, for the sink that presents its
-    /// token: the first link to claim it owns it. A wrong token claims nothing and
-    /// leaves the handoff to its real sender.
-    pub(crate) fn claim(&self, id: HandoffId, token: HandoffToken) -> Option<Feed> {
+    /// A feed of an expected handoff for a sink that presents its token: the main
+    /// sink's once (the first link to claim it owns it), a part's any number of times
+    /// while the main sink has not ended. A wrong token claims nothing and leaves the
+    /// handoff to its real senders.
+    pub(crate) fn claim(&self, id: HandoffId, token: HandoffToken, share: Share) -> Option<Feed> {
         let mut expected = self.shared.expected.lock().unwrap_or_else(PoisonError::into_inner);
-        if expected.get(&id).is_some_and(|f| f.token != token) {
-            return None;
+        let e = expected.get_mut(&id).filter(|e| e.feed.token == token && !e.feed.tx.is_closed())?;
+        match share {
+            Share::Main if e.main_claimed => return None,
+            Share::Main => e.main_claimed = true,
+            Share::Part => {
+                e.feed.parts_open.fetch_add(1, Ordering::AcqRel);
+            }
         }
-        expected.remove(&id).filter(|f| !f.tx.is_closed())
+        Some(e.feed.copy(share))
     }
 }
 
@@ -181,7 +235,7 @@ impl Inbox {
             if let Some(f) = self.ready.next() {
                 return Ok(Some(f));
             }
-            match self.rx.recv().await {
+            match self.next_batch().await {
                 Some(batch) => {
                     self.room.add_permits(batch.len());
                     self.ready = batch.into_iter();
@@ -194,6 +248,23 @@ impl Inbox {
             Some(Err(e)) => Err(e.clone()),
             None => Err(TransferError::Disconnected("the receiving link stopped".into())),
         }
+    }
+
+    /// The next batch of frames; `None` once the channel closed, or the handoff
+    /// failed and nothing more is queued.
+    async fn next_batch(&mut self) -> Option<Vec<Frame>> {
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(batch) = self.rx.poll_recv(cx) {
+                return Poll::Ready(batch);
+            }
+            *self.end.waiting.lock().unwrap_or_else(PoisonError::into_inner) = Some(cx.waker().clone());
+            // Looked at after the waker is in place: a failure set since wakes it.
+            match self.end.failed() {
+                true => Poll::Ready(None),
+                false => Poll::Pending,
+            }
+        })
+        .await
     }
 
     /// [`Inbox::recv`] for a plain thread.
@@ -210,21 +281,36 @@ impl Drop for Inbox {
     fn drop(&mut self) {
         // A feed waiting for room learns the inbox is gone.
         self.room.close();
-        let mut expected = self.shared.expected.lock().unwrap_or_else(PoisonError::into_inner);
-        if expected.get(&self.id).is_some_and(|f| Arc::ptr_eq(&f.end, &self.end)) {
-            expected.remove(&self.id);
-        }
+        forget_if_ours(&self.shared, self.id, &self.end);
     }
 }
 
-/// The producer half of one handoff's inbox, held by the link that claimed it.
+/// Stops expecting handoff `id` if the entry is still the one whose end is `end`
+/// (not a retry's).
+fn forget_if_ours(shared: &Shared, id: HandoffId, end: &End) {
+    let mut expected = shared.expected.lock().unwrap_or_else(PoisonError::into_inner);
+    if expected.get(&id).is_some_and(|e| Arc::ptr_eq(&e.feed.end, end)) {
+        // The entry's own feed has no share: dropping it here takes no lock.
+        expected.remove(&id);
+    }
+}
+
+/// The producer half of one handoff's inbox, held by the link that claimed it (the
+/// expected handoff's entry holds one with no share, to copy for its sinks).
 pub(crate) struct Feed {
+    id: HandoffId,
     tx: mpsc::UnboundedSender<Vec<Frame>>,
     room: Arc<Semaphore>,
     /// The most frames one `deliver` takes.
     max_batch: usize,
     end: End,
     token: HandoffToken,
+    /// The sink's share of the handoff; `None` in the expected handoff's entry.
+    share: Option<Share>,
+    /// Parts that claimed a feed and have not ended.
+    parts_open: Arc<AtomicU32>,
+    /// The registry, so that the main sink's feed, dropped, lets no part in after it.
+    home: Weak<Shared>,
 }
 
 /// The inbox was dropped.
@@ -253,9 +339,53 @@ impl Feed {
         self.tx.is_closed()
     }
 
-    /// Ends the handoff: the inbox yields its remaining frames, then `result`.
+    /// Ends the handoff: the inbox yields its remaining frames, then `result`. A
+    /// part's failure fails the handoff too; its success is the main sink's to say.
     pub fn end(self, result: Result<(), TransferError>) {
-        let _ = self.end.set(result);
+        if result.is_err() || self.share != Some(Share::Part) {
+            self.end.set(result);
+        }
+    }
+
+    /// Why a sink whose own frames all arrived cannot end well: the handoff failed
+    /// already (a part failed it), or, for the main sink, a part has not ended.
+    pub fn parts_unfinished(&self) -> Option<TransferError> {
+        if let Some(Err(e)) = self.end.get() {
+            return Some(e.clone());
+        }
+        let open = self.parts_open.load(Ordering::Acquire);
+        let main = self.share == Some(Share::Main);
+        (main && open > 0).then(|| TransferError::Disconnected(format!("{open} part(s) of the handoff had not ended")))
+    }
+
+    fn copy(&self, share: Share) -> Feed {
+        Feed {
+            id: self.id,
+            tx: self.tx.clone(),
+            room: self.room.clone(),
+            max_batch: self.max_batch,
+            end: self.end.clone(),
+            token: self.token,
+            share: Some(share),
+            parts_open: self.parts_open.clone(),
+            home: self.home.clone(),
+        }
+    }
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        match self.share {
+            None => {}
+            Some(Share::Part) => {
+                self.parts_open.fetch_sub(1, Ordering::AcqRel);
+            }
+            Some(Share::Main) => {
+                if let Some(shared) = self.home.upgrade() {
+                    forget_if_ours(&shared, self.id, &self.end);
+                }
+            }
+        }
     }
 }
 
@@ -292,9 +422,12 @@ mod tests {
         let inboxes = Inboxes::new(4);
         let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
         assert!(matches!(inboxes.expect(HandoffId(1)), Err(TransferError::Duplicate(_))));
-        assert!(inboxes.claim(HandoffId(1), HandoffToken([0; 16])).is_none(), "a wrong token claims nothing");
-        let feed = inboxes.claim(HandoffId(1), inbox.token()).unwrap();
-        assert!(inboxes.claim(HandoffId(1), inbox.token()).is_none(), "a handoff is claimed once");
+        assert!(
+            inboxes.claim(HandoffId(1), HandoffToken([0; 16]), Share::Main).is_none(),
+            "a wrong token claims nothing"
+        );
+        let feed = inboxes.claim(HandoffId(1), inbox.token(), Share::Main).unwrap();
+        assert!(inboxes.claim(HandoffId(1), inbox.token(), Share::Main).is_none(), "a handoff is claimed once");
         feed.blocking_deliver(vec![frame(1, 0), frame(1, 1)]).unwrap();
         feed.end(Ok(()));
         assert_eq!(inbox.blocking_recv().unwrap(), Some(frame(1, 0)));
@@ -308,9 +441,9 @@ mod tests {
         let dropped = inboxes.expect(HandoffId(2)).unwrap();
         let token = dropped.token();
         drop(dropped);
-        assert!(inboxes.claim(HandoffId(2), token).is_none());
+        assert!(inboxes.claim(HandoffId(2), token, Share::Main).is_none());
         let inbox = inboxes.expect(HandoffId(3)).unwrap();
-        let feed = inboxes.claim(HandoffId(3), inbox.token()).unwrap();
+        let feed = inboxes.claim(HandoffId(3), inbox.token(), Share::Main).unwrap();
         drop(inbox);
         assert!(feed.is_gone());
         assert!(feed.blocking_deliver(vec![frame(3, 0)]).is_err());
@@ -320,7 +453,7 @@ mod tests {
     fn a_vanished_feed_reads_as_disconnected() {
         let inboxes = Inboxes::new(4);
         let mut inbox = inboxes.expect(HandoffId(4)).unwrap();
-        drop(inboxes.claim(HandoffId(4), inbox.token()));
+        drop(inboxes.claim(HandoffId(4), inbox.token(), Share::Main));
         assert!(matches!(inbox.blocking_recv(), Err(TransferError::Disconnected(_))));
     }
 }

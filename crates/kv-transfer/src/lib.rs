@@ -98,6 +98,18 @@ impl From<pdserve_types::RequestId> for HandoffId {
     }
 }
 
+/// Which of a handoff's frames a sink sends. A handoff has one main sink; beside it,
+/// any number of parts may each send some of its frames (a prefill group's later
+/// stage sends its own layers' K/V to the receiver itself, not through its head). A
+/// part's end vouches for its own frames only; the main sink ends the handoff, once
+/// every part that joined it has ended (its sender sees to that: it finishes after
+/// its parts did). A failed part fails the handoff.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Share {
+    Main,
+    Part,
+}
+
 /// The sending side of KV transfer to one receiver (a decode worker's [`Inboxes`],
 /// here or on a peer). Object safe: the router holds `Arc<dyn KvTransport>` per pair.
 pub trait KvTransport: Send + Sync {
@@ -106,6 +118,12 @@ pub trait KvTransport: Send + Sync {
     /// (in-process) fails here, the others at the first send or at
     /// [`KvSink::finish`].
     fn open(&self, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError>;
+
+    /// Opens a [part](Share::Part) of handoff `id` (the main sink may be open in
+    /// another process). Only links that leave the process carry parts.
+    fn open_part(&self, id: HandoffId, _token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
+        Err(TransferError::Disconnected(format!("a {} link carries no parts of {id}", self.kind())))
+    }
 
     fn kind(&self) -> TransportKind;
 }

@@ -17,7 +17,7 @@ use crate::auth::{self, Session, SessionMac, MAC_BYTES};
 use crate::records::{self, to_receiver, to_sender, Body, Record, Status};
 use crate::segment::{HeldSlot, Segment};
 use crate::slots::LogEvery;
-use crate::{Frame, HandoffId, HandoffToken, KvSink, TransferError, TransportKind};
+use crate::{Frame, HandoffId, HandoffToken, KvSink, Share, TransferError, TransportKind};
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
@@ -175,7 +175,12 @@ impl Link {
 
     /// Opens a sink and tells the receiver at once, presenting `token`, so that the
     /// receiver routes the frames that follow (a wrong token fails the handoff).
-    pub fn open(self: &Arc<Self>, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
+    pub fn open(
+        self: &Arc<Self>,
+        id: HandoffId,
+        token: HandoffToken,
+        share: Share,
+    ) -> Result<Box<dyn KvSink>, TransferError> {
         let mut st = self.shared.lock();
         if let Some(why) = &st.broken {
             return Err(TransferError::Disconnected(why.clone()));
@@ -187,7 +192,11 @@ impl Link {
         st.done.remove(&id);
         drop(st);
         let mut sink = LinkSink { link: self.clone(), id, sent: 0, buf: Vec::new(), slot: None, open: true };
-        sink.control(to_receiver::OPEN, &token.0)?;
+        let mut body = token.0.to_vec();
+        if share == Share::Part {
+            body.push(crate::receive::PART);
+        }
+        sink.control(to_receiver::OPEN, &body)?;
         Ok(Box::new(sink))
     }
 

@@ -52,6 +52,17 @@ impl Links {
         }
     }
 
+    /// Opens a [part](crate::Share::Part) of handoff `id` at `target`, which must be
+    /// in another process; blocks as [`Links::open`] does.
+    pub fn open_part(
+        &self,
+        target: &KvAddr,
+        id: HandoffId,
+        token: HandoffToken,
+    ) -> Result<Box<dyn KvSink>, TransferError> {
+        self.link(target)?.open_part(id, token).inspect_err(|_| self.forget(target))
+    }
+
     /// Drops the link to `addr` (after a failure), so the next handoff reconnects
     /// rather than reuse a link that may be down.
     pub fn forget(&self, addr: &KvAddr) {

@@ -62,7 +62,7 @@ pub fn measure(
         let sent = transport.open(id, token).and_then(|sink| send_all(sink, frames));
         if sent.is_err() {
             // The sink may never have reached the inbox: end it so the consumer stops.
-            if let Some(feed) = inboxes.claim(id, token) {
+            if let Some(feed) = inboxes.claim(id, token, crate::Share::Main) {
                 feed.end(Err(TransferError::Aborted));
             }
         }

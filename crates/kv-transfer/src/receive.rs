@@ -12,10 +12,13 @@ use crate::frame::{self, Frame};
 use crate::inbox::Feed;
 use crate::records::{self, to_receiver, to_sender, Body, Record, Status};
 use crate::segment::Mapping;
-use crate::{HandoffId, HandoffToken, Inboxes, TransferError};
+use crate::{HandoffId, HandoffToken, Inboxes, Share, TransferError};
 use std::collections::HashMap;
 use std::io;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+
+/// The byte after an `OPEN`'s token that makes the sink a [part](Share::Part).
+pub(crate) const PART: u8 = 1;
 
 /// Answers are flushed at this size at the latest.
 const FLUSH_BYTES: usize = 4 << 10;
@@ -151,9 +154,13 @@ impl Conn<'_> {
     /// A sink opened handoff `id` presenting `token`: its frames go to the inbox that
     /// issued the token; with any other token (or none expected) the handoff fails.
     async fn open(&mut self, id: HandoffId, body: &[u8]) -> io::Result<()> {
-        let token: [u8; 16] = body.try_into().map_err(|_| records::invalid("OPEN without a 16-byte token".into()))?;
+        let (token, share) = match body.split_first_chunk::<16>() {
+            Some((token, [])) => (token, Share::Main),
+            Some((token, [PART])) => (token, Share::Part),
+            _ => return Err(records::invalid("OPEN without a 16-byte token".into())),
+        };
         self.deliver().await;
-        let route = match self.inboxes.claim(id, HandoffToken(token)) {
+        let route = match self.inboxes.claim(id, HandoffToken(*token), share) {
             Some(feed) => Route::Open { feed, received: 0 },
             None => self.fail(id, None, Status::Gone, TransferError::ReceiverGone(id)),
         };
@@ -253,14 +260,18 @@ impl Conn<'_> {
             None => (Status::Gone, 0),
             Some(Route::Failed(s)) => (s, 0),
             Some(Route::Open { feed, received }) => {
+                let unfinished = feed.parts_unfinished();
                 if feed.is_gone() {
                     (Status::Gone, received)
-                } else if received == sent {
-                    feed.end(Ok(()));
-                    (Status::Delivered, received)
-                } else {
+                } else if received != sent {
                     feed.end(Err(TransferError::Incomplete { sent, received }));
                     (Status::Incomplete, received)
+                } else if let Some(why) = unfinished {
+                    feed.end(Err(why));
+                    (Status::Incomplete, received)
+                } else {
+                    feed.end(Ok(()));
+                    (Status::Delivered, received)
                 }
             }
         };

@@ -26,7 +26,7 @@ pub use crate::segment::{ShmConfig, MAX_SLOTS};
 use crate::transport::{wrong_kind, Binding, ListenAt, Transport};
 use crate::{
     frame, handshake, receive, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvSink, KvTransport,
-    TransferError, TransportKind,
+    Share, TransferError, TransportKind,
 };
 use std::fs;
 use std::io;
@@ -85,7 +85,11 @@ impl ShmTransport {
 
 impl KvTransport for ShmTransport {
     fn open(&self, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
-        self.link.open(id, token)
+        self.link.open(id, token, Share::Main)
+    }
+
+    fn open_part(&self, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
+        self.link.open(id, token, Share::Part)
     }
 
     fn kind(&self) -> TransportKind {

@@ -10,7 +10,7 @@ use crate::receive;
 use crate::slots::{LogEvery, PortSlots};
 use crate::transport::{wrong_kind, Binding, ListenAt, Transport};
 use crate::{
-    auth, handshake, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvSink, KvTransport,
+    auth, handshake, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvSink, KvTransport, Share,
     TransferError, TransportKind,
 };
 use std::io;
@@ -51,7 +51,11 @@ impl TcpTransport {
 
 impl KvTransport for TcpTransport {
     fn open(&self, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
-        self.link.open(id, token)
+        self.link.open(id, token, Share::Main)
+    }
+
+    fn open_part(&self, id: HandoffId, token: HandoffToken) -> Result<Box<dyn KvSink>, TransferError> {
+        self.link.open(id, token, Share::Part)
     }
 
     fn kind(&self) -> TransportKind {
@@ -304,5 +308,119 @@ mod tests {
         let got = inbox.recv().await;
         assert!(matches!(got, Err(TransferError::Disconnected(_))), "the inbox got {got:?}");
         assert!(sender.await.unwrap().is_err(), "the transfer succeeded through a tampering relay");
+    }
+
+    /// Frames of layer `layer`, blocks 0..4, of handoff 1 (as a prefill group's
+    /// stage holding that layer sends them).
+    fn layer(layer: u32) -> Vec<Frame> {
+        (0..4).map(|i| Frame { layer, ..frame(1, i) }).collect()
+    }
+
+    fn send(sink: &mut Box<dyn KvSink>, frames: Vec<Frame>) {
+        frames.into_iter().for_each(|f| sink.send(f).unwrap());
+    }
+
+    /// Drains `inbox` to its end: the frames, by layer, and how it ended.
+    async fn drain(inbox: &mut crate::Inbox) -> (Vec<u32>, Result<(), TransferError>) {
+        let mut layers = Vec::new();
+        loop {
+            match inbox.recv().await {
+                Ok(Some(f)) => layers.push(f.layer),
+                Ok(None) => return (layers, Ok(())),
+                Err(e) => return (layers, Err(e)),
+            }
+        }
+    }
+
+    /// A part of a handoff, sent from its own connection (another process's link),
+    /// delivers into the same inbox as the main sink; the handoff ends with the main
+    /// sink, after the part. Parts may open before or after the main sink.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn parts_on_other_links_deliver_into_the_handoff_the_main_sink_ends() {
+        let key = ClusterKey::random();
+        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
+        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
+        let (token, at) = (inbox.token(), rx.local_addr());
+        let sender = tokio::task::spawn_blocking(move || {
+            let [head, stage, other] = [(); 3].map(|()| TcpTransport::connect(at, &key).unwrap());
+            let mut early = stage.open_part(HandoffId(1), token)?;
+            let mut main = head.open(HandoffId(1), token)?;
+            send(&mut main, layer(0));
+            send(&mut early, layer(1));
+            let mut late = other.open_part(HandoffId(1), token)?;
+            send(&mut late, layer(2));
+            early.finish()?;
+            late.finish()?;
+            main.finish()
+        });
+        let (layers, ended) = drain(&mut inbox).await;
+        sender.await.unwrap().unwrap();
+        ended.unwrap();
+        let mut by_layer = layers.clone();
+        by_layer.sort_unstable();
+        assert_eq!(by_layer, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], "every part's frames, once: {layers:?}");
+    }
+
+    /// The handoff fails where a part does: one given up, or one not ended when the
+    /// main sink ends. A part that comes after the main sink ended delivers nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_part_given_up_or_unfinished_fails_the_handoff_and_none_joins_after_it() {
+        let key = ClusterKey::random();
+        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
+        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        let at = rx.local_addr();
+        for given_up in [true, false] {
+            let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
+            let (token, key) = (inbox.token(), key.clone());
+            // The receiver knows of a part once it read its `OPEN`: the main sink
+            // starts after the part's frames arrived.
+            let (arrived, wait) = std::sync::mpsc::channel();
+            let sender = tokio::task::spawn_blocking(move || {
+                let (head, stage) = (TcpTransport::connect(at, &key)?, TcpTransport::connect(at, &key)?);
+                let mut part = stage.open_part(HandoffId(1), token)?;
+                send(&mut part, layer(1));
+                part.flush()?;
+                wait.recv().unwrap();
+                let mut main = head.open(HandoffId(1), token)?;
+                send(&mut main, layer(0));
+                if given_up {
+                    part.abort();
+                    // Its abort is on the stage's link; the main sink's end on its own.
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    return Ok((main.finish(), None));
+                }
+                let ended = main.finish();
+                Ok::<_, TransferError>((ended, Some(part)))
+            });
+            for _ in 0..4 {
+                assert_eq!(inbox.recv().await.unwrap().map(|f| f.layer), Some(1));
+            }
+            arrived.send(()).unwrap();
+            let (layers, ended) = drain(&mut inbox).await;
+            let (main, part) = sender.await.unwrap().unwrap();
+            assert!(main.is_err(), "the main sink ended well beside a part that did not ({given_up})");
+            assert!(ended.is_err(), "the inbox ended well beside a part that did not: {layers:?}");
+            if let Some(part) = part {
+                assert!(part.finish().is_err(), "a part ended well after its handoff failed");
+            }
+            drop(inbox);
+            inboxes.forget(HandoffId(1));
+        }
+        let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
+        let token = inbox.token();
+        let late = tokio::task::spawn_blocking(move || {
+            let (head, stage) = (TcpTransport::connect(at, &key)?, TcpTransport::connect(at, &key)?);
+            let mut main = head.open(HandoffId(1), token)?;
+            send(&mut main, layer(0));
+            main.finish()?;
+            let mut part = stage.open_part(HandoffId(1), token)?;
+            send(&mut part, layer(1));
+            Ok::<_, TransferError>(part.finish())
+        });
+        let (layers, ended) = drain(&mut inbox).await;
+        assert!(late.await.unwrap().unwrap().is_err(), "a part joined a handoff that had ended");
+        ended.unwrap();
+        assert_eq!(layers, [0; 4], "a late part's frames reached the inbox");
     }
 }

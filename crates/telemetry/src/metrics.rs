@@ -62,6 +62,8 @@ const SPEC_DRAFTING_SHARE: &str = "pdserve_spec_drafting_share";
 const STAGE_STEPS: &str = "pdserve_stage_steps";
 const STAGE_PIPELINED: &str = "pdserve_stage_pipelined_steps";
 const STAGE_LANES: &str = "pdserve_stage_lane_steps";
+const STAGE_KV_PARTS: &str = "pdserve_stage_kv_parts";
+const STAGE_KV_RELAYED: &str = "pdserve_stage_kv_relayed_layers";
 const STAGE_ROWS: &str = "pdserve_stage_rows";
 const STAGE_BYTES: &str = "pdserve_stage_activation_bytes";
 const STAGE_SECONDS: &str = "pdserve_stage_seconds";
@@ -188,6 +190,8 @@ struct Inner {
     stage_steps: Family<Label1, Counter>,
     stage_pipelined: Family<Label1, Counter>,
     stage_lanes: Family<Label1, Counter>,
+    stage_kv_parts: Family<Label1, Counter>,
+    stage_kv_relayed: Family<Label1, Counter>,
     stage_rows: Family<Label1, Counter>,
     stage_bytes: Family<Label1, Counter>,
     stage_seconds: Family<Label1, Counter<f64, AtomicU64>>,
@@ -257,6 +261,8 @@ impl Metrics {
             stage_steps: Family::default(),
             stage_pipelined: Family::default(),
             stage_lanes: Family::default(),
+            stage_kv_parts: Family::default(),
+            stage_kv_relayed: Family::default(),
             stage_rows: Family::default(),
             stage_bytes: Family::default(),
             stage_seconds: Family::default(),
@@ -370,6 +376,8 @@ impl Metrics {
             (&i.stage_steps, t.steps),
             (&i.stage_pipelined, t.pipelined),
             (&i.stage_lanes, t.lanes),
+            (&i.stage_kv_parts, t.kv_parts),
+            (&i.stage_kv_relayed, t.kv_relayed_layers),
             (&i.stage_rows, t.rows),
             (&i.stage_bytes, t.bytes),
         ] {
@@ -544,6 +552,11 @@ impl Inner {
         r.register(STAGE_PIPELINED, help, self.stage_pipelined.clone());
         let help = "Steps of a stage group's head that were one lane of its decodes, sent on while another lane was in its later stages";
         r.register(STAGE_LANES, help, self.stage_lanes.clone());
+        let help =
+            "Parts of K/V handoffs a stage group's later stage sent to the receiver itself (its own layers, one link)";
+        r.register(STAGE_KV_PARTS, help, self.stage_kv_parts.clone());
+        let help = "Layers of K/V a stage group's head read from a later stage and sent on itself (a part that could not reach its receiver)";
+        r.register(STAGE_KV_RELAYED, help, self.stage_kv_relayed.clone());
         let help = "Rows (tokens computed) of those steps: activation bytes over rows is the bytes per token";
         r.register(STAGE_ROWS, help, self.stage_rows.clone());
         let help = "Bytes of residual stream and logits between a stage group's head and its later stages";
@@ -764,8 +777,19 @@ mod tests {
                 StageCompute { first: 10, last: 29, seconds: seconds / 2.0 },
             ];
             let link = seconds / 2.0;
-            let stages =
-                StageTotals { steps, rows, bytes, seconds, compute, link, pipelined: steps / 2, lanes: steps / 3 };
+            let (pipelined, lanes, kv_parts, kv_relayed_layers) = (steps / 2, steps / 3, steps * 2, steps + 1);
+            let stages = StageTotals {
+                steps,
+                rows,
+                bytes,
+                seconds,
+                compute,
+                link,
+                pipelined,
+                lanes,
+                kv_parts,
+                kv_relayed_layers,
+            };
             m.set_worker_stats("h", &WorkerStats { stages, ..Default::default() });
         }
         let text = m.render();
@@ -773,6 +797,8 @@ mod tests {
             "pdserve_stage_steps_total{worker=\"h\"} 9\n",
             "pdserve_stage_pipelined_steps_total{worker=\"h\"} 4\n",
             "pdserve_stage_lane_steps_total{worker=\"h\"} 3\n",
+            "pdserve_stage_kv_parts_total{worker=\"h\"} 18\n",
+            "pdserve_stage_kv_relayed_layers_total{worker=\"h\"} 10\n",
             "pdserve_stage_rows_total{worker=\"h\"} 20\n",
             "pdserve_stage_activation_bytes_total{worker=\"h\"} 3000\n",
             "pdserve_stage_seconds_total{worker=\"h\"} 1.25\n",

@@ -316,6 +316,13 @@ pub struct StageTotals {
     /// the later stages while another part was still in them (pipelining across steps).
     #[serde(default)]
     pub lanes: u64,
+    /// Parts of K/V handoffs a later stage sent to the receiver itself.
+    #[serde(default)]
+    pub kv_parts: u64,
+    /// Layers of K/V the head read from a later stage and sent on itself (a part
+    /// that could not reach its receiver).
+    #[serde(default)]
+    pub kv_relayed_layers: u64,
 }
 
 /// One stage's compute time over a head's steps.

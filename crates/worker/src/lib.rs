@@ -20,7 +20,7 @@ pub use sim::{SimOptions, SimWorker};
 
 use kv::{forward, Import, SharedSink};
 use pdserve_engine::batch::BLOCK_SIZE;
-use pdserve_engine::batch::{Engine, EngineConfig};
+use pdserve_engine::batch::{Engine, EngineConfig, KvParts};
 use pdserve_engine::grammar::Grammars;
 use pdserve_engine::model::Model;
 use pdserve_engine::tiers::TierConfig;
@@ -55,6 +55,8 @@ pub(crate) enum Command {
         /// ([`pdserve_protocol::Reserved::draft_worth`]).
         draft_worth: Option<f64>,
         sink: FrameSink,
+        /// Where a group's later stages send their layers themselves.
+        parts: Option<KvParts>,
         reply: oneshot::Sender<Result<Prefilled, ServeError>>,
         sent: tokio::time::Instant,
     },
@@ -691,7 +693,8 @@ impl Inner {
         Ok(Reserved { token, draft_worth })
     }
 
-    /// Opens the sending end of handoff `hid` to `to`.
+    /// Opens the sending end of handoff `hid` to `to` (the main sink: a group's
+    /// later stages may send theirs beside it, [`kv_parts`]).
     async fn open_sink(self: &Arc<Self>, to: &KvDestination, hid: HandoffId) -> Result<SharedSink, ServeError> {
         let sink = match &to.target {
             KvTarget::InProc(_) => self.links.open(&to.target, hid, to.token),
@@ -738,7 +741,8 @@ impl Inner {
         let _queued = Counted::add(&self.prefill_tokens, tokens - imported.min(tokens));
         let draft_worth = to.draft_worth;
         let sent = tokio::time::Instant::now();
-        self.send_counted(Command::Prefill { req, imported, draft_worth, sink: frames, reply, sent })?;
+        let parts = kv_parts(&to, hid);
+        self.send_counted(Command::Prefill { req, imported, draft_worth, sink: frames, parts, reply, sent })?;
         let mut first = rx.await.map_err(|_| self.stopped())??;
         let tail = std::time::Instant::now();
         self.finish_sink(&sink, &to, &broken).await?;
@@ -766,7 +770,7 @@ impl Inner {
         let frames = sink.frame_sink(hid, stop.0.clone(), broken.clone(), bytes.clone());
         let started = std::time::Instant::now();
         let (reply, rx) = oneshot::channel();
-        self.exports.push(Export { tokens, skip, sink: frames, reply });
+        self.exports.push(Export { tokens, skip, sink: frames, parts: kv_parts(&to, hid), reply });
         // A full queue means a busy loop, which serves the fetch at its next layer.
         if let Err(TrySendError::Disconnected(_)) = self.tx.try_send(Command::ServeExports) {
             return Err(self.stopped());
@@ -916,6 +920,15 @@ struct StopOnDrop(Arc<AtomicBool>);
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
         self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Where a group's later stages may send their own layers of handoff `hid` to `to`:
+/// a receiver in another process (one in this process is reached through the head).
+fn kv_parts(to: &KvDestination, hid: HandoffId) -> Option<KvParts> {
+    match &to.target {
+        KvTarget::Remote(addr) => Some(KvParts { to: addr.clone(), handoff: hid.0, token: to.token }),
+        KvTarget::InProc(_) => None,
     }
 }
 

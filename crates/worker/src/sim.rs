@@ -255,7 +255,7 @@ impl PrefixPeer for SimWorker {
             let via = to.target.kind();
             let link = inner.link(via).ok_or_else(|| ServeError::Invalid(format!("no {via} link is modelled")))?;
             let (reply, rx) = oneshot::channel();
-            inner.exports.push(worker_loop::Export { tokens, skip, sink: Box::new(|_| true), reply });
+            inner.exports.push(worker_loop::Export { tokens, skip, sink: Box::new(|_| true), parts: None, reply });
             inner.send_surely(Command::ServeExports);
             let sent = rx.await.map_err(|_| inner.stopped())??;
             let tail = link.tail(sent as f64 * inner.kv_bytes_per_token, inner.layers, 0.0);
@@ -353,7 +353,8 @@ impl Inner {
         let (reply, rx) = oneshot::channel();
         let sent_at = tokio::time::Instant::now();
         let (draft_worth, sink) = (to.draft_worth, Box::new(|_| true));
-        let sent = self.send_counted(Command::Prefill { req, imported, draft_worth, sink, reply, sent: sent_at });
+        let sent =
+            self.send_counted(Command::Prefill { req, imported, draft_worth, sink, parts: None, reply, sent: sent_at });
         let answer = match sent {
             Ok(()) => rx.await.map_err(|_| self.stopped()).and_then(|r| r),
             Err(e) => Err(e),

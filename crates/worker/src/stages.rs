@@ -13,6 +13,9 @@
 //! read:  op 2 | layer u32 | n u32 | block ids u32… → n u32 | n frames
 //! write: op 3 | n u32 | n frames                   → (nothing)
 //! tiers: op 4 | host slots u32 | disk slots u32 | n u32 | n copies → (nothing)
+//! send:  op 5 | handoff u64 | token (16 bytes) | n u32 | block ids u32… | receiver (JSON)
+//!                                               → status u8 (0 delivered, 1 unreachable,
+//!                                                 2 failed) | why (UTF-8)
 //! frame: layer u32 | block u32 (read: its index) | dtype u8 | words u32 | K u16… | V u16…
 //! copy:  from place | to place, each: tier u8 (0 pool, 1 host, 2 disk) | block or slot u32
 //! ```
@@ -20,9 +23,13 @@
 //! A tiers call makes the head's lower-tier copies in the stage's layers before the
 //! next call reads or writes a block (a block just handed out may be one evicted).
 //!
-//! Reads and writes move a prefill group's K/V out of its later stages and a decode
-//! group's into them, through the head: the handoff between two groups is the one
-//! between two workers, whatever their splits.
+//! A send has a prefill group's later stage send its own layers' K/V of a handoff to
+//! the receiver itself, as a part of the handoff beside the head's sink (one link,
+//! not two through the head); a stage that cannot reach the receiver sends nothing
+//! and the head reads its layers instead. Reads and writes move K/V out of a later
+//! stage (that fallback, a peer's fetch) and into a decode group's, through the head:
+//! the handoff between two groups is the one between two workers, whatever their
+//! splits.
 //!
 //! The head calls the stages one after the other (a star, not a ring): the stream goes
 //! back to the head between stages, which costs one more hop per stage past the second
@@ -31,13 +38,13 @@
 //! arrived on to the next stage ([`NextStages::relay`]), so three stages compute at once.
 
 use pdserve_engine::batch::{
-    NextStages, PassTimes, StageCosts, StageLost, StagePart, StageRows, StageRunner, TierSlots,
+    KvParts, NextStages, PartSent, PassTimes, StageCosts, StageLost, StagePart, StageRows, StageRunner, TierSlots,
 };
 use pdserve_engine::model::stage::covering;
 use pdserve_engine::model::LayerRange;
 use pdserve_kv::{BlockId, Move, Place};
-use pdserve_kv_transfer::{ClusterKey, StageConn, StageHandler};
-use pdserve_types::{KvDtype, KvFrame, StageCompute, StageTotals};
+use pdserve_kv_transfer::{ClusterKey, Frame, HandoffId, Links, StageConn, StageHandler};
+use pdserve_types::{HandoffToken, KvAddr, KvDtype, KvFrame, StageCompute, StageTotals};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -47,6 +54,7 @@ const STEP: u8 = 1;
 const READ: u8 = 2;
 const WRITE: u8 = 3;
 const TIERS: u8 = 4;
+const SEND: u8 = 5;
 /// Blocks a read asks for in one call: its answer (a block of one layer is at most
 /// 64 KiB for the models run here) stays far below a record's limit.
 const READ_BLOCKS: usize = 256;
@@ -252,11 +260,60 @@ fn decode_step(body: &[u8], x: &mut Vec<f32>) -> Result<Vec<StagePart>, String> 
     Ok(parts)
 }
 
+/// A send's call: where the part goes, and the blocks.
+fn encode_send(to: &KvParts, blocks: &[u32], out: &mut Vec<u8>) {
+    out.push(SEND);
+    out.extend_from_slice(&to.handoff.to_le_bytes());
+    out.extend_from_slice(&to.token.0);
+    put_u32(out, blocks.len());
+    blocks.iter().for_each(|&b| put_u32(out, b as usize));
+    // A KvAddr always serializes.
+    out.extend_from_slice(serde_json::to_string(&to.to).unwrap_or_default().as_bytes());
+}
+
+fn decode_send(body: &[u8]) -> Result<(KvParts, Vec<u32>), String> {
+    let mut r = Reader(body);
+    let handoff = r.u64()?;
+    let (token, rest) = r.0.split_first_chunk::<16>().ok_or("a send without its token")?;
+    r.0 = rest;
+    let n = r.u32()?;
+    if n > r.0.len() / 4 {
+        return Err(format!("a send of {n} blocks in {} bytes", body.len()));
+    }
+    let blocks: Vec<u32> = (0..n).map(|_| r.u32().map(|b| b as u32)).collect::<Result<_, _>>()?;
+    let to: KvAddr = serde_json::from_slice(r.0).map_err(|e| format!("a send's receiver: {e}"))?;
+    Ok((KvParts { to, handoff, token: HandoffToken(*token) }, blocks))
+}
+
+fn put_sent(out: &mut Vec<u8>, sent: &PartSent) {
+    let (status, why) = match sent {
+        PartSent::Delivered => (0, ""),
+        PartSent::Unreachable(why) => (1, why.as_str()),
+        PartSent::Failed(why) => (2, why.as_str()),
+    };
+    out.push(status);
+    out.extend_from_slice(why.as_bytes());
+}
+
+fn decode_sent(a: &[u8]) -> Result<PartSent, String> {
+    let (&status, why) = a.split_first().ok_or("an empty answer to a send")?;
+    let why = String::from_utf8_lossy(why).into_owned();
+    match status {
+        0 => Ok(PartSent::Delivered),
+        1 => Ok(PartSent::Unreachable(why)),
+        2 => Ok(PartSent::Failed(why)),
+        s => Err(format!("a send answered with status {s}")),
+    }
+}
+
 /// A later stage's side: its runner answers the head's calls.
 pub struct StageService {
     runner: StageRunner,
     hello: StageHello,
     x: Vec<f32>,
+    /// Links to KV receivers, for its parts of a prefill group's handoffs; without
+    /// them the head reads its layers.
+    links: Option<Links>,
 }
 
 impl StageService {
@@ -270,7 +327,37 @@ impl StageService {
             blocks,
             model,
         };
-        StageService { runner, hello, x: Vec::new() }
+        StageService { runner, hello, x: Vec::new(), links: None }
+    }
+
+    /// Sends its own layers of a handoff to receivers itself, over links proving the
+    /// key `links` was made with.
+    pub fn sending_parts(self, links: Links) -> StageService {
+        StageService { links: Some(links), ..self }
+    }
+
+    /// Sends its layers' K/V of `blocks` (frames indexed from 0) to `to` as a part of
+    /// its handoff; blocks while it connects and sends.
+    fn send_part(&mut self, to: &KvParts, blocks: &[u32]) -> PartSent {
+        let Some(links) = &self.links else { return PartSent::Unreachable("this stage sends no parts".into()) };
+        let id = HandoffId(to.handoff);
+        let mut sink = match links.open_part(&to.to, id, to.token) {
+            Ok(sink) => sink,
+            Err(e) => return PartSent::Unreachable(e.to_string()),
+        };
+        for layer in self.hello.layers.indices() {
+            let sent = self.runner.read_kv(layer, blocks).and_then(|frames| {
+                frames.into_iter().try_for_each(|f| sink.send(Frame::from_kv(id, f)).map_err(|e| e.to_string()))
+            });
+            if let Err(why) = sent {
+                sink.abort();
+                return PartSent::Failed(why);
+            }
+        }
+        match sink.finish() {
+            Ok(()) => PartSent::Delivered,
+            Err(e) => PartSent::Failed(e.to_string()),
+        }
     }
 }
 
@@ -303,6 +390,11 @@ impl StageHandler for StageService {
                 // Checked whole before any is written.
                 let frames = Reader(body).frames()?;
                 frames.iter().try_for_each(|(b, f)| self.runner.write_kv(*b, f))?;
+            }
+            Some((&SEND, body)) => {
+                let (to, blocks) = decode_send(body)?;
+                let sent = self.send_part(&to, &blocks);
+                put_sent(reply, &sent);
             }
             Some((&TIERS, body)) => {
                 let (slots, copies) = Reader(body).copies()?;
@@ -749,6 +841,7 @@ impl NextStages for RemoteStages {
 
     fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost> {
         let i = self.holding(layer)?;
+        self.totals.kv_relayed_layers += 1;
         let mut out = Vec::with_capacity(blocks.len());
         for chunk in blocks.chunks(READ_BLOCKS) {
             self.call.clear();
@@ -767,6 +860,32 @@ impl NextStages for RemoteStages {
             out.extend(read);
         }
         Ok(out)
+    }
+
+    fn send_kv(&mut self, blocks: &[u32], to: &KvParts) -> Result<Vec<(LayerRange, PartSent)>, StageLost> {
+        if let Some(why) = self.missing.clone() {
+            return Err(StageLost(why));
+        }
+        self.call.clear();
+        encode_send(to, blocks, &mut self.call);
+        // Sent to every stage before any answer is read: the parts go at once.
+        for i in 0..self.stages.len() {
+            let Some(conn) = self.stages[i].conn.as_mut() else { return Err(self.lose(i, "not connected".into())) };
+            if let Err(e) = conn.send(&self.call) {
+                return Err(self.lose(i, e.to_string()));
+            }
+        }
+        let mut sent = Vec::with_capacity(self.stages.len());
+        for i in 0..self.stages.len() {
+            let Some(conn) = self.stages[i].conn.as_mut() else { return Err(self.lose(i, "not connected".into())) };
+            let answered = conn.answer().map_err(|e| e.to_string()).and_then(decode_sent);
+            let part = answered.map_err(|why| self.lose(i, why))?;
+            self.totals.kv_parts += u64::from(part == PartSent::Delivered);
+            if let Some(layers) = self.stages[i].layers {
+                sent.push((layers, part));
+            }
+        }
+        Ok(sent)
     }
 
     fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost> {

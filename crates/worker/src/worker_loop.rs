@@ -1,7 +1,7 @@
 //! The loop that owns an engine: commands in, one step, tokens out, repeat.
 
 use crate::{Command, FrameSink};
-use pdserve_engine::batch::{Engine, EngineError, KvFrame, StepOutput};
+use pdserve_engine::batch::{Engine, EngineError, KvFrame, KvParts, StepOutput};
 use pdserve_protocol::{
     pace, DecodeHandoff, Event, EventSender, GenerateRequest, Prefilled, ServeError, Usage, WorkerStats,
 };
@@ -50,6 +50,8 @@ pub(crate) struct Export {
     /// Leading tokens (whole blocks) the receiver holds: not sent.
     pub skip: usize,
     pub sink: FrameSink,
+    /// Where a group's later stages send their layers themselves (between steps).
+    pub parts: Option<KvParts>,
     pub reply: oneshot::Sender<Result<usize, ServeError>>,
 }
 
@@ -338,8 +340,8 @@ impl Loop {
                     self.start(req.id, added, events);
                 }
             },
-            Command::Prefill { req, imported, draft_worth, sink, reply, sent } => {
-                let first = self.prefill(req, (imported, draft_worth), sink, sent);
+            Command::Prefill { req, imported, draft_worth, sink, parts, reply, sent } => {
+                let first = self.prefill(req, (imported, draft_worth), (sink, parts), sent);
                 self.done();
                 let _ = reply.send(first);
             }
@@ -387,8 +389,11 @@ impl Loop {
 
     /// Serves the peers' fetches waiting, between steps.
     fn serve_exports(&mut self) {
-        while let Some(x) = self.exports.pop() {
-            x.serve(|tokens, skip, on_frame| self.engine.export_cached(tokens, skip, on_frame));
+        while let Some(mut x) = self.exports.pop() {
+            let parts = x.parts.take();
+            x.serve(|tokens, skip, on_frame| {
+                self.engine.with_kv_parts(parts, |e| e.export_cached(tokens, skip, on_frame))
+            });
             // Blocks a timed engine copied back from a lower tier take its time.
             self.owed += self.engine.take_charged();
         }
@@ -411,7 +416,7 @@ impl Loop {
         &mut self,
         req: GenerateRequest,
         (imported, draft_worth): (usize, Option<f64>),
-        mut sink: FrameSink,
+        (mut sink, parts): (FrameSink, Option<KvParts>),
         sent: Instant,
     ) -> Result<Prefilled, ServeError> {
         self.imports.remove(&req.id);
@@ -424,7 +429,9 @@ impl Loop {
         // prefills handled before it in this turn.
         let ahead = self.owed;
         let (id, prompt, params, on_frame) = (req.id, req.prompt, req.params, &mut |f| sink(f));
-        let res = self.engine.prefill_export_to(id, prompt, params, imported, draft_worth, on_frame);
+        let res = self
+            .engine
+            .with_kv_parts(parts, |e| e.prefill_export_to(id, prompt, params, imported, draft_worth, on_frame));
         // A timed engine's prefill took what its model says, on either clock.
         let modelled = self.engine.take_charged();
         self.owed += modelled;

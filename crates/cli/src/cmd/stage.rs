@@ -10,7 +10,7 @@ use pdserve_engine::batch::StageRunner;
 use pdserve_engine::loader::LoadedModel;
 use pdserve_engine::model::stage::{head_cost, heads_by_links, StageBytes};
 use pdserve_engine::model::LayerRange;
-use pdserve_kv_transfer::{ClusterKey, StageServer};
+use pdserve_kv_transfer::{ClusterKey, Links, StageServer};
 use pdserve_worker::stages::{RemoteStages, StageHello, StageService};
 use std::net::SocketAddr;
 
@@ -166,7 +166,8 @@ fn serve(
     };
     let listener = std::net::TcpListener::bind(listen).with_context(|| format!("cannot listen on {listen}"))?;
     let runner = StageRunner::new(m.model.clone(), blocks, dtype, threads, STAGE_MAX_ROWS);
-    let server = StageServer::start(listener, key, StageService::new(runner, blocks, m.name.clone()))?;
+    let service = StageService::new(runner, blocks, m.name.clone()).sending_parts(Links::new(key.clone()));
+    let server = StageServer::start(listener, key, service)?;
     tracing::info!(
         "pdserve worker: stage {} of group {} ({} thread(s), {blocks} KV blocks of {dtype}, {:.0} MiB of weights) listening on {}",
         m.model.layers(),

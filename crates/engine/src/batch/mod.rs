@@ -17,7 +17,8 @@ pub use draft::DraftModel;
 pub use pdserve_types::{FinishReason, KvFrame};
 pub use speculate::SpecConfig;
 pub use stages::{
-    parts_of, LocalStages, NextStages, StageCosts, StageLost, StagePart, StageRows, StageRunner, TierSlots,
+    parts_of, KvParts, LocalStages, NextStages, PartSent, StageCosts, StageLost, StagePart, StageRows, StageRunner,
+    TierSlots,
 };
 pub use transfer::{CachedKv, KvImport};
 

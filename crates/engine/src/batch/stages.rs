@@ -16,12 +16,12 @@ use super::transfer::write_frame;
 use super::{Compute, Engine, EngineError, StepOutput, BLOCK_SIZE};
 use crate::kernels::Isa;
 use crate::kvcache::KvStorage;
-use crate::model::{logit_rows, returned_rows, ForwardScratch, Model, SeqBatch, StageOut};
+use crate::model::{logit_rows, returned_rows, ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
 use crate::pipeline::{cut, lanes, micro_batches, PassCost, PassTimes};
 use crate::threadpool::ThreadPool;
 use crate::tiers::{TierBytes, TierConfig};
 use pdserve_kv::{Move, Place};
-use pdserve_types::{KvDtype, KvFrame, StageCompute, StageTotals};
+use pdserve_types::{HandoffToken, KvAddr, KvDtype, KvFrame, StageCompute, StageTotals};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -93,6 +93,15 @@ pub trait NextStages: Send {
     /// export of the layers past its head's.
     fn read_kv(&mut self, layer: usize, blocks: &[u32]) -> Result<Vec<KvFrame>, StageLost>;
 
+    /// Has every later stage send its own layers' K/V of `blocks` (indexed from 0, as
+    /// [`NextStages::read_kv`] gives them) to the handoff's receiver itself, as a part
+    /// beside the head's sink; says what each stage's part came to. Stages that
+    /// cannot (in-process ones) send none: the head reads their layers.
+    fn send_kv(&mut self, blocks: &[u32], to: &KvParts) -> Result<Vec<(LayerRange, PartSent)>, StageLost> {
+        let _ = (blocks, to);
+        Ok(Vec::new())
+    }
+
     /// Writes each frame (its layer past the head's) into the given block of the stage
     /// that holds its layer: a decode group's import.
     fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost>;
@@ -104,6 +113,29 @@ pub trait NextStages: Send {
         let _ = (slots, copies);
         Err(StageLost("these stages keep no K/V tiers".into()))
     }
+}
+
+/// Where a prefill group's later stages send their layers' K/V of a handoff
+/// themselves: the receiver, the handoff and its token (the head's sink presented
+/// the same). Each stage's frames then cross one link, not two.
+#[derive(Clone, Debug)]
+pub struct KvParts {
+    pub to: KvAddr,
+    pub handoff: u64,
+    pub token: HandoffToken,
+}
+
+/// What one stage's part of a handoff came to.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PartSent {
+    /// Every frame of its layers is in the receiver's inbox.
+    Delivered,
+    /// It could not reach the receiver, and sent nothing: the head reads its layers
+    /// and sends them itself.
+    Unreachable(String),
+    /// The part began and failed (the receiver gave the handoff up): so does the
+    /// handoff.
+    Failed(String),
 }
 
 /// A group's lower tiers, in slots of one block: (host, disk).
@@ -144,6 +176,8 @@ pub(crate) struct Next {
     pub(crate) lanes: VecDeque<Lane>,
     pub(crate) width: usize,
     pub(crate) landed: Vec<StepOutput>,
+    /// Where the next export's later stages send their layers themselves.
+    pub(crate) parts: Option<KvParts>,
 }
 
 /// What a pass needs from the engine besides the stages.
@@ -392,7 +426,20 @@ impl Engine {
         let slots = self.tier_slots();
         let (copies, rows, own, head) = (Vec::new(), Vec::new(), PassTimes::default(), PassTimes::default());
         let (lanes, landed) = (VecDeque::new(), Vec::new());
-        let next = Next { stages, lost: None, copies, slots, rows, head_s: 0.0, own, head, lanes, width: 0, landed };
+        let next = Next {
+            stages,
+            lost: None,
+            copies,
+            slots,
+            rows,
+            head_s: 0.0,
+            own,
+            head,
+            lanes,
+            width: 0,
+            landed,
+            parts: None,
+        };
         self.next = Some(next);
         self
     }
@@ -448,13 +495,35 @@ impl Engine {
         self.settle_lanes();
         let Some(next) = self.next.as_mut() else { return Ok(true) };
         next.copied()?;
-        for l in own..total {
+        let sent = match next.parts.take() {
+            Some(to) => next.stages.send_kv(blocks, &to).map_err(|e| next.lose(e))?,
+            None => Vec::new(),
+        };
+        if sent.iter().any(|(_, s)| matches!(s, PartSent::Failed(_))) {
+            return Ok(false);
+        }
+        let delivered = |l: usize| sent.iter().any(|(r, s)| *s == PartSent::Delivered && r.indices().contains(&l));
+        for l in (own..total).filter(|&l| !delivered(l)) {
             let frames = next.stages.read_kv(l, blocks).map_err(|e| next.lose(e))?;
             if !frames.into_iter().all(&mut *on_frame) {
                 return Ok(false);
             }
         }
         Ok(true)
+    }
+
+    /// Runs `f` with `to` as where a group's later stages send their layers of the
+    /// export `f` makes themselves (see [`KvParts`]); on an engine heading no group,
+    /// or where a stage cannot, the head sends them.
+    pub fn with_kv_parts<T>(&mut self, to: Option<KvParts>, f: impl FnOnce(&mut Engine) -> T) -> T {
+        if let Some(next) = self.next.as_mut() {
+            next.parts = to;
+        }
+        let out = f(self);
+        if let Some(next) = self.next.as_mut() {
+            next.parts = None;
+        }
+        out
     }
 
     /// Writes `frames` (layers past this engine's own, each with its block) into the
@@ -825,8 +894,20 @@ mod tests {
         let (copies, rows, landed, lanes) = (Vec::new(), Vec::new(), Vec::new(), VecDeque::new());
         let (own, head) = (PassTimes::default(), PassTimes::default());
         let stages: Box<dyn NextStages> = Box::new(Costing(vec![even, even]));
-        let mut n =
-            Next { stages, lost: None, copies, slots: (0, 0), rows, head_s: 0.0, own, head, lanes, width: 0, landed };
+        let mut n = Next {
+            stages,
+            lost: None,
+            copies,
+            slots: (0, 0),
+            rows,
+            head_s: 0.0,
+            own,
+            head,
+            lanes,
+            width: 0,
+            landed,
+            parts: None,
+        };
         // Its own layers cost what each later stage's do: a lane a stage.
         for r in [2, 6] {
             n.own.record(r, even.fixed + even.per_row * r as f64);

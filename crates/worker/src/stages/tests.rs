@@ -92,20 +92,25 @@ fn frames_decode_to_what_was_encoded_and_a_cut_or_lie_is_refused() {
 
 /// Two later stages of the default model served on loopback, and a head's view of them.
 fn served_stages() -> (RemoteStages, Vec<pdserve_kv_transfer::StageServer>) {
+    served_stages_with(ClusterKey::random())
+}
+
+/// [`served_stages`] proving `key`, each stage sending its parts of a handoff over
+/// links that prove it too.
+fn served_stages_with(key: ClusterKey) -> (RemoteStages, Vec<pdserve_kv_transfer::StageServer>) {
     use pdserve_engine::config::ModelConfig;
     use pdserve_engine::format::gguf::GgufFile;
     use pdserve_engine::model::Model;
     let file = GgufFile::open(&pdserve_engine::models::require_known_model("smollm2-135m")).unwrap();
     let cfg = ModelConfig::from_gguf(&file.header).unwrap();
-    let key = ClusterKey::random();
     let servers: Vec<_> = [(10, 19), (20, 29)]
         .into_iter()
         .map(|(first, last)| {
             let m = std::sync::Arc::new(Model::load_stage(&file, cfg.clone(), LayerRange { first, last }).unwrap());
             let runner = StageRunner::new(m, 8, KvDtype::F16, 1, 64);
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            pdserve_kv_transfer::StageServer::start(listener, key.clone(), StageService::new(runner, 8, "m".into()))
-                .unwrap()
+            let service = StageService::new(runner, 8, "m".into()).sending_parts(Links::new(key.clone()));
+            pdserve_kv_transfer::StageServer::start(listener, key.clone(), service).unwrap()
         })
         .collect();
     let head = StageHello {
@@ -265,4 +270,68 @@ fn a_block_sent_down_the_tiers_comes_back_whole_over_the_wire() {
     let (mut stages, _servers) = served_stages();
     let up = Move { from: Place::Disk(1), to: Place::Host(0) };
     assert!(stages.tiers((1, 2), &[up]).is_err());
+}
+
+#[test]
+fn a_send_call_decodes_to_what_was_encoded_and_a_cut_or_lie_is_refused() {
+    let to = KvParts { to: KvAddr::Tcp("10.0.0.2:7001".parse().unwrap()), handoff: 77, token: HandoffToken([9; 16]) };
+    let mut call = Vec::new();
+    encode_send(&to, &[4, 0, 31], &mut call);
+    assert_eq!(call[0], SEND);
+    let (got, blocks) = decode_send(&call[1..]).unwrap();
+    assert_eq!((got.to, got.handoff, got.token, blocks), (to.to.clone(), 77, to.token, vec![4, 0, 31]));
+    for end in 1..call.len() {
+        assert!(decode_send(&call[1..end]).is_err(), "cut at {end}");
+    }
+    let mut lie = call[1..].to_vec();
+    lie[24..28].copy_from_slice(&(1u32 << 30).to_le_bytes());
+    assert!(decode_send(&lie).is_err());
+    for sent in [PartSent::Delivered, PartSent::Unreachable("no".into()), PartSent::Failed("gone".into())] {
+        let mut a = Vec::new();
+        put_sent(&mut a, &sent);
+        assert_eq!(decode_sent(&a).unwrap(), sent);
+    }
+    assert!(decode_sent(&[]).is_err() && decode_sent(&[3]).is_err());
+}
+
+/// Later stages send their own layers of a handoff to its receiver, as parts beside
+/// the head's sink: the receiver's inbox holds what reading them through the head
+/// gives. A receiver the stages cannot reach, they say so and send nothing; one that
+/// refuses the part fails it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn later_stages_send_their_layers_of_a_handoff_to_its_receiver_themselves() {
+    use pdserve_kv_transfer::{Inboxes, TcpReceiver};
+    let key = ClusterKey::random();
+    let inboxes = Inboxes::guarded(1024, key.clone(), pdserve_kv_transfer::frame::MAX_FRAME_BYTES);
+    let receiver = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+    let mut inbox = inboxes.expect(HandoffId(5)).unwrap();
+    let (addr, token) = (KvAddr::Tcp(receiver.local_addr()), inbox.token());
+    let sent = tokio::task::spawn_blocking(move || {
+        let (mut stages, servers) = served_stages_with(key.clone());
+        // A prompt of 5 rows in block 3 gives the stages' layers K/V to send.
+        let x: Vec<f32> = (0..5 * 576).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+        let mut rows = Vec::new();
+        stages.run(&[StagePart { rows: 5, start_pos: 0, logits: 1, blocks: vec![3] }], &x, &mut rows).unwrap();
+        let main = Links::new(key).open(&pdserve_types::KvTarget::Remote(addr.clone()), HandoffId(5), token);
+        let parts = KvParts { to: addr, handoff: 5, token };
+        let sent = stages.send_kv(&[3], &parts).unwrap();
+        main.unwrap().finish().unwrap();
+        let through: Vec<KvFrame> = (10..30).flat_map(|l| stages.read_kv(l, &[3]).unwrap()).collect();
+        let nobody = KvParts { to: KvAddr::Tcp("127.0.0.1:1".parse().unwrap()), ..parts.clone() };
+        let unreachable = stages.send_kv(&[3], &nobody).unwrap();
+        let refused = stages.send_kv(&[3], &KvParts { token: HandoffToken([0; 16]), ..parts }).unwrap();
+        drop(servers);
+        (sent, through, unreachable, refused)
+    });
+    let mut arrived = Vec::new();
+    while let Some(f) = inbox.recv().await.unwrap() {
+        arrived.push(f.into_kv());
+    }
+    let (sent, through, unreachable, refused) = sent.await.unwrap();
+    let ranges = [LayerRange { first: 10, last: 19 }, LayerRange { first: 20, last: 29 }];
+    assert_eq!(sent, ranges.map(|r| (r, PartSent::Delivered)));
+    arrived.sort_by_key(|f| f.layer);
+    assert_eq!(arrived, through, "the parts' frames are not what the head reads");
+    assert!(unreachable.iter().all(|(_, s)| matches!(s, PartSent::Unreachable(_))), "{unreachable:?}");
+    assert!(refused.iter().all(|(_, s)| matches!(s, PartSent::Failed(_))), "{refused:?}");
 }

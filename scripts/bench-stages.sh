@@ -13,6 +13,12 @@
 #   MICRO=off scripts/bench-stages.sh            heads send every step whole (--no-micro-batches):
 #                                                against the default, micro-batches and decode
 #                                                lanes where the stages' measured costs say they pay
+#   ROLE=prefill TWIN=0 INPUT=1024 OUTPUT=4 CONCURRENCY=1 scripts/bench-stages.sh
+#                                                disaggregated: the split (or whole) worker
+#                                                prefills and hands each prompt's K/V over TCP
+#                                                to a whole decode worker; read TTFT p50
+#   BIN=path                                     run that pdserve build (no cargo build): a
+#                                                before/after of the same points
 #   (also CONCURRENCY=1,8 REQUESTS=16 INPUT=64 OUTPUT=128)
 #   TWIN=0                                       skip the twin: by default each split is also
 #                                                simulated (`pdserve sim --group-stages`) on a
@@ -21,11 +27,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=bench-results/stages; mkdir -p "$out"; : > "$out/stages.jsonl"; rm -f "$out"/sim-*.json
-cargo build --release --bin pdserve >&2
-bin=./target/release/pdserve
+[ -n "${BIN:-}" ] || cargo build --release --bin pdserve >&2
+bin=${BIN:-./target/release/pdserve}
+role=${ROLE:-mixed}
 model=${MODEL:-default}
 token="$out/token"; head -c 32 /dev/urandom | base64 > "$token"; chmod 600 "$token"
-common=(--model "$model" --role mixed --threads 1 --kv-blocks 1024 --cluster-token-file "$token")
+common=(--model "$model" --threads 1 --kv-blocks 1024 --cluster-token-file "$token")
 pids=()
 stop() { kill "${pids[@]}" 2>/dev/null || true; wait "${pids[@]}" 2>/dev/null || true; pids=(); }
 unshape() { [ -n "${LINK:-}" ] && tc qdisc del dev lo root 2>/dev/null || true; }
@@ -55,16 +62,22 @@ for split in "whole" ${SPLITS:-"0..14,15..29" "0..9,10..19,20..29"}; do
     port=18200
     for r in "${ranges[@]:1}"; do
       port=$((port + 1))
-      $bin worker "${common[@]}" --group g --layers "$r" --listen "127.0.0.1:$port" > "$out/stage-$r.log" 2>&1 &
+      $bin worker "${common[@]}" --role mixed --group g --layers "$r" --listen "127.0.0.1:$port" > "$out/stage-$r.log" 2>&1 &
       pids+=($!); waitport $port
       head_args+=(--stage "127.0.0.1:$port")
     done
     head_args+=(--group g --layers "${ranges[0]}")
     if [ "${MICRO:-auto}" = off ]; then head_args+=(--no-micro-batches); fi
   fi
-  $bin worker "${common[@]}" "${head_args[@]}" --listen 127.0.0.1:18210 > "$out/head-$split.log" 2>&1 &
+  $bin worker "${common[@]}" "${head_args[@]}" --role "$role" --listen 127.0.0.1:18210 > "$out/head-$split.log" 2>&1 &
   pids+=($!); waitport 18210
-  $bin frontend --model "$model" --workers 127.0.0.1:18210 --mode aggregated --port 18211 \
+  workers=127.0.0.1:18210 mode=(--mode aggregated)
+  if [ "$role" = prefill ]; then
+    $bin worker "${common[@]}" --role decode --listen 127.0.0.1:18212 > "$out/decode-$split.log" 2>&1 &
+    pids+=($!); waitport 18212
+    workers+=,127.0.0.1:18212 mode=(--mode disaggregated --kv-transport tcp)
+  fi
+  $bin frontend --model "$model" --workers "$workers" "${mode[@]}" --port 18211 \
     --cluster-token-file "$token" > "$out/frontend-$split.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 300); do curl -sf http://127.0.0.1:18211/health >/dev/null && break; sleep 0.2; done

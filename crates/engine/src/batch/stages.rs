@@ -191,6 +191,12 @@ pub(crate) struct Pass<'a, 'b> {
 type Own<'p, 'a, 'b, 'x> = (&'p Pass<'a, 'b>, &'p mut KvStorage, &'x mut ForwardScratch);
 
 impl Next {
+    fn new(stages: Box<dyn NextStages>, slots: TierSlots) -> Next {
+        let (own, head) = (PassTimes::default(), PassTimes::default());
+        let (lanes, landed) = (VecDeque::new(), Vec::new());
+        let (copies, rows, head_s, width, parts) = (Vec::new(), Vec::new(), 0.0, 0, None);
+        Next { stages, lost: None, copies, slots, rows, head_s, own, head, lanes, width, landed, parts }
+    }
     /// Runs `pass` through `head` then the later stages, whole or in micro-batches as
     /// the stages' measured costs say pays; `None` when a stage was lost (or
     /// `on_layer` stopped the pass).
@@ -423,24 +429,7 @@ impl Next {
 impl Engine {
     /// Runs the layers after this engine's model (a first stage) through `stages`.
     pub fn with_next_stages(mut self, stages: Box<dyn NextStages>) -> Self {
-        let slots = self.tier_slots();
-        let (copies, rows, own, head) = (Vec::new(), Vec::new(), PassTimes::default(), PassTimes::default());
-        let (lanes, landed) = (VecDeque::new(), Vec::new());
-        let next = Next {
-            stages,
-            lost: None,
-            copies,
-            slots,
-            rows,
-            head_s: 0.0,
-            own,
-            head,
-            lanes,
-            width: 0,
-            landed,
-            parts: None,
-        };
-        self.next = Some(next);
+        self.next = Some(Next::new(stages, self.tier_slots()));
         self
     }
 
@@ -891,23 +880,7 @@ mod tests {
     #[test]
     fn a_heads_lanes_count_its_output_head_once_a_lane() {
         let even = PassCost { fixed: 0.002, per_row: 0.0005 };
-        let (copies, rows, landed, lanes) = (Vec::new(), Vec::new(), Vec::new(), VecDeque::new());
-        let (own, head) = (PassTimes::default(), PassTimes::default());
-        let stages: Box<dyn NextStages> = Box::new(Costing(vec![even, even]));
-        let mut n = Next {
-            stages,
-            lost: None,
-            copies,
-            slots: (0, 0),
-            rows,
-            head_s: 0.0,
-            own,
-            head,
-            lanes,
-            width: 0,
-            landed,
-            parts: None,
-        };
+        let mut n = Next::new(Box::new(Costing(vec![even, even])), (0, 0));
         // Its own layers cost what each later stage's do: a lane a stage.
         for r in [2, 6] {
             n.own.record(r, even.fixed + even.per_row * r as f64);

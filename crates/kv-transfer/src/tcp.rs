@@ -320,16 +320,19 @@ mod tests {
         frames.into_iter().for_each(|f| sink.send(f).unwrap());
     }
 
-    /// Drains `inbox` to its end: the frames, by layer, and how it ended.
+    /// Drains `inbox` to its end: the frames, by layer, and how it ended. An inbox
+    /// that does not end within seconds fails the test (it would wait for a part).
     async fn drain(inbox: &mut crate::Inbox) -> (Vec<u32>, Result<(), TransferError>) {
         let mut layers = Vec::new();
-        loop {
-            match inbox.recv().await {
+        let ended = loop {
+            let next = tokio::time::timeout(std::time::Duration::from_secs(10), inbox.recv()).await;
+            match next.expect("the inbox did not end") {
                 Ok(Some(f)) => layers.push(f.layer),
-                Ok(None) => return (layers, Ok(())),
-                Err(e) => return (layers, Err(e)),
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
             }
-        }
+        };
+        (layers, ended)
     }
 
     /// A part of a handoff, sent from its own connection (another process's link),
@@ -422,5 +425,30 @@ mod tests {
         assert!(late.await.unwrap().unwrap().is_err(), "a part joined a handoff that had ended");
         ended.unwrap();
         assert_eq!(layers, [0; 4], "a late part's frames reached the inbox");
+    }
+
+    /// Parts that ended well do not end the handoff: a main sink given up after them
+    /// fails it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_main_sink_given_up_after_its_parts_ended_fails_the_handoff() {
+        let key = ClusterKey::random();
+        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
+        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
+        let (token, at) = (inbox.token(), rx.local_addr());
+        let sender = tokio::task::spawn_blocking(move || {
+            let [head, stage] = [(); 2].map(|()| TcpTransport::connect(at, &key).unwrap());
+            let mut main = head.open(HandoffId(1), token)?;
+            let mut part = stage.open_part(HandoffId(1), token)?;
+            send(&mut part, layer(1));
+            part.finish()?;
+            send(&mut main, layer(0));
+            main.flush()?;
+            main.abort();
+            Ok::<_, TransferError>(())
+        });
+        let (layers, ended) = drain(&mut inbox).await;
+        sender.await.unwrap().unwrap();
+        assert!(ended.is_err(), "the handoff ended well without its main sink: {layers:?}");
     }
 }

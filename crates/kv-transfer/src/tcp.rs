@@ -211,6 +211,14 @@ mod tests {
         }
     }
 
+    /// A receiver on loopback whose inboxes let in only peers proving its key.
+    async fn guarded_receiver() -> (ClusterKey, Inboxes, TcpReceiver) {
+        let key = ClusterKey::random();
+        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
+        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        (key, inboxes, rx)
+    }
+
     /// A relay between a sender and the receiver at `to`, as an attacker on the path
     /// would run it: passes the handshake (KNOCK, PROOF) through untouched, then hands
     /// each record the sender sends to `meddle` and forwards what it returns. Answers
@@ -260,9 +268,7 @@ mod tests {
     /// receiver closes the connection and the inbox gets nothing but the failure.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_relay_past_the_handshake_cannot_inject_a_kv_record() {
-        let key = ClusterKey::random();
-        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
-        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        let (key, inboxes, rx) = guarded_receiver().await;
         let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
         let token = inbox.token();
         let via = relay(rx.local_addr(), |mut rec| {
@@ -287,9 +293,7 @@ mod tests {
     /// of it reaches the inbox.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_relay_past_the_handshake_cannot_alter_a_kv_record() {
-        let key = ClusterKey::random();
-        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
-        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        let (key, inboxes, rx) = guarded_receiver().await;
         let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
         let token = inbox.token();
         let mut altered = false;
@@ -340,9 +344,7 @@ mod tests {
     /// sink, after the part. Parts may open before or after the main sink.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn parts_on_other_links_deliver_into_the_handoff_the_main_sink_ends() {
-        let key = ClusterKey::random();
-        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
-        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        let (key, inboxes, rx) = guarded_receiver().await;
         let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
         let (token, at) = (inbox.token(), rx.local_addr());
         let sender = tokio::task::spawn_blocking(move || {
@@ -369,9 +371,7 @@ mod tests {
     /// main sink ends. A part that comes after the main sink ended delivers nothing.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_part_given_up_or_unfinished_fails_the_handoff_and_none_joins_after_it() {
-        let key = ClusterKey::random();
-        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
-        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        let (key, inboxes, rx) = guarded_receiver().await;
         let at = rx.local_addr();
         for given_up in [true, false] {
             let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
@@ -431,9 +431,7 @@ mod tests {
     /// fails it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_main_sink_given_up_after_its_parts_ended_fails_the_handoff() {
-        let key = ClusterKey::random();
-        let inboxes = Inboxes::guarded(64, key.clone(), crate::frame::MAX_FRAME_BYTES);
-        let rx = TcpReceiver::bind("127.0.0.1:0", inboxes.clone()).await.unwrap();
+        let (key, inboxes, rx) = guarded_receiver().await;
         let mut inbox = inboxes.expect(HandoffId(1)).unwrap();
         let (token, at) = (inbox.token(), rx.local_addr());
         let sender = tokio::task::spawn_blocking(move || {

@@ -197,6 +197,7 @@ impl Next {
         let (copies, rows, head_s, width, parts) = (Vec::new(), Vec::new(), 0.0, 0, None);
         Next { stages, lost: None, copies, slots, rows, head_s, own, head, lanes, width, landed, parts }
     }
+
     /// Runs `pass` through `head` then the later stages, whole or in micro-batches as
     /// the stages' measured costs say pays; `None` when a stage was lost (or
     /// `on_layer` stopped the pass).

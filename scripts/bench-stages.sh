@@ -17,6 +17,11 @@
 #                                                disaggregated: the split (or whole) worker
 #                                                prefills and hands each prompt's K/V over TCP
 #                                                to a whole decode worker; read TTFT p50
+#   ROLE=decode TWIN=0 INPUT=1024 OUTPUT=4 CONCURRENCY=1 scripts/bench-stages.sh
+#                                                the other way: a whole prefill worker hands to
+#                                                the split (or whole) decode worker; the K/V's
+#                                                last frames are awaited before the second
+#                                                token, so read TPOT p50 (and TTFT p50)
 #   BIN=path                                     run that pdserve build (no cargo build): a
 #                                                before/after of the same points
 #   (also CONCURRENCY=1,8 REQUESTS=16 INPUT=64 OUTPUT=128)
@@ -72,8 +77,10 @@ for split in "whole" ${SPLITS:-"0..14,15..29" "0..9,10..19,20..29"}; do
   $bin worker "${common[@]}" "${head_args[@]}" --role "$role" --listen 127.0.0.1:18210 > "$out/head-$split.log" 2>&1 &
   pids+=($!); waitport 18210
   workers=127.0.0.1:18210 mode=(--mode aggregated)
-  if [ "$role" = prefill ]; then
-    $bin worker "${common[@]}" --role decode --listen 127.0.0.1:18212 > "$out/decode-$split.log" 2>&1 &
+  if [ "$role" = prefill ] || [ "$role" = decode ]; then
+    # The other side of the handoff: one whole worker.
+    other=decode; [ "$role" = decode ] && other=prefill
+    $bin worker "${common[@]}" --role $other --listen 127.0.0.1:18212 > "$out/$other-$split.log" 2>&1 &
     pids+=($!); waitport 18212
     workers+=,127.0.0.1:18212 mode=(--mode disaggregated --kv-transport tcp)
   fi

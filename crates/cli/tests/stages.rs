@@ -600,9 +600,10 @@ fn capped_group(
 
 /// Disaggregated across groups cut apart: a prefill group on 2 capped hosts hands
 /// each prompt's K/V to a decode group on 3 others, and the text is one process's.
-/// Every layer goes from the stage that computed it to the decode group's head (the
-/// prefill group's later stage sends its own layers as a part of the handoff), and
-/// on through that head to the stage that holds it.
+/// Every layer goes from the stage that computed it straight to the stage that holds
+/// it: the prefill group's later stage sends its own layers as parts of the handoff
+/// (to two decode stages), and the decode group's later stages take theirs
+/// themselves, none through either head.
 #[test]
 fn a_prefill_group_on_two_capped_hosts_hands_to_a_decode_group_on_three() {
     let prompts = golden_prompts();
@@ -626,6 +627,10 @@ fn a_prefill_group_on_two_capped_hosts_hands_to_a_decode_group_on_three() {
     eventually("a part of every prompt's handoff counted", || parts() >= prompts.len() as f64);
     let relayed = metric(fe.addr, "pdserve_stage_kv_relayed_layers_total", "");
     assert_eq!(relayed, 0.0, "{relayed} layers went through the prefill group's head");
+    let direct = || metric(fe.addr, "pdserve_stage_kv_direct_total", "");
+    eventually("every handoff taken by the decode stages themselves", || direct() >= prompts.len() as f64);
+    let written = metric(fe.addr, "pdserve_stage_kv_written_frames_total", "");
+    assert_eq!(written, 0.0, "{written} frames went through the decode group's head");
     assert_eq!(settle_used_blocks(fe.addr), 0.0);
 }
 

@@ -41,6 +41,7 @@
 //! ~2.4 GB/s on the same machine (~13 ms for that prompt). Shared memory carries none.
 
 pub mod auth;
+mod by_layer;
 pub mod frame;
 mod handshake;
 mod in_process;
@@ -63,6 +64,7 @@ use std::fmt;
 use std::sync::Arc;
 
 pub use auth::ClusterKey;
+pub use by_layer::ByLayer;
 pub use frame::{Frame, FrameError};
 pub use in_process::InProcess;
 pub use inbox::{Inbox, Inboxes};

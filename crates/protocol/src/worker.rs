@@ -18,7 +18,8 @@
 use crate::{EventSender, GenerateRequest, ServeError};
 use pdserve_types::{
     Assignment, BlockHash, DecodeSteps, Epoch, FinishReason, HandoffToken, KvDtype, KvEvent, KvTarget, PoolStats,
-    PrefillSteps, RequestId, Role, SamplingParams, SpecTotals, Tier, TierCounters, TokenId, TokenOut, TransportKind,
+    PrefillSteps, RequestId, Role, SamplingParams, SpecTotals, StageReceiver, Tier, TierCounters, TokenId, TokenOut,
+    TransportKind,
 };
 use serde::{Deserialize, Serialize};
 use std::future::Future;
@@ -270,22 +271,31 @@ pub struct KvDestination {
     /// [`Reserved::draft_worth`]: a prefill worker with a draft model computes the
     /// prompt in it and ships its K/V only where that beats its own cost.
     pub draft_worth: Option<f64>,
+    /// [`Reserved::stages`]: the layers that go straight to a decode group's later
+    /// stages, not to `target`.
+    pub stages: Vec<StageReceiver>,
 }
 
 impl KvDestination {
     /// A destination that takes no draft model's K/V (a prefix's, a probe's).
     pub fn plain(target: KvTarget, token: HandoffToken) -> KvDestination {
-        KvDestination { target, token, draft_worth: Some(0.0) }
+        KvDestination { target, token, draft_worth: Some(0.0), stages: Vec::new() }
+    }
+
+    /// The destination of a peer's cached prefix into reservation `r` at `target`:
+    /// no draft model's K/V, each layer to the stage that holds it.
+    pub fn prefix(target: KvTarget, r: Reserved) -> KvDestination {
+        KvDestination { stages: r.stages, ..KvDestination::plain(target, r.token) }
     }
 
     /// The destination of a prefill into reservation `r` at `target`.
     pub fn reserved(target: KvTarget, r: Reserved) -> KvDestination {
-        KvDestination { target, token: r.token, draft_worth: r.draft_worth }
+        KvDestination { target, token: r.token, draft_worth: r.draft_worth, stages: r.stages }
     }
 }
 
 /// A decode worker's reservation of a handoff's blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Reserved {
     /// What the sender must present.
     pub token: HandoffToken,
@@ -294,6 +304,18 @@ pub struct Reserved {
     /// no draft model or has no room for the K/V; `None` while it has not measured
     /// the saving (the K/V is then wanted whatever it costs).
     pub draft_worth: Option<f64>,
+    /// A decode group's later stages that take their own layers of the handoff
+    /// straight from the sender (each issued a token of its own); empty for a whole
+    /// worker, whose `target` takes every layer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<StageReceiver>,
+}
+
+impl Reserved {
+    /// A reservation whose every layer goes to the worker that made it.
+    pub fn whole(token: HandoffToken, draft_worth: Option<f64>) -> Reserved {
+        Reserved { token, draft_worth, stages: Vec::new() }
+    }
 }
 
 /// What a prefill worker hands the decode worker: the first token it sampled and

@@ -210,7 +210,7 @@ impl RemoteWorker {
         self.ask(Op::Reserve { id, prompt_len, fence, keep }, false, |a| match a {
             Answer::Reserved(r) => Ok(r),
             // What a reservation that keeps its own answers: no draft K/V comes.
-            Answer::Token(token) => Ok(Reserved { token, draft_worth: Some(0.0) }),
+            Answer::Token(token) => Ok(Reserved::whole(token, Some(0.0))),
             a => Err(a),
         })
     }
@@ -221,8 +221,8 @@ impl RemoteWorker {
         let KvTarget::Remote(addr) = to.target else {
             return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
         };
-        let (token, draft_worth) = (to.token, to.draft_worth);
-        self.ask(Op::Prefill { req, to: addr, token, imported, draft_worth }, true, |a| match a {
+        let (token, draft_worth, stages) = (to.token, to.draft_worth, to.stages);
+        self.ask(Op::Prefill { req, to: addr, token, imported, draft_worth, stages }, true, |a| match a {
             Answer::Prefilled(p) => Ok(*p),
             a => Err(a),
         })
@@ -325,10 +325,14 @@ impl PrefixPeer for RemoteWorker {
         let KvTarget::Remote(addr) = to.target else {
             return Box::pin(async { Err(ServeError::Internal("a worker process cannot send KV in-process".into())) });
         };
-        self.ask(Op::ExportPrefix { id, tokens, skip, to: addr, token: to.token }, false, |a| match a {
-            Answer::Count(n) => Ok(n),
-            a => Err(a),
-        })
+        self.ask(
+            Op::ExportPrefix { id, tokens, skip, to: addr, token: to.token, stages: to.stages },
+            false,
+            |a| match a {
+                Answer::Count(n) => Ok(n),
+                a => Err(a),
+            },
+        )
     }
 
     fn generate_imported(&self, req: GenerateRequest, imported: usize, events: EventSender) -> Result<(), ServeError> {

@@ -33,7 +33,7 @@ use pdserve_kv_transfer::{auth, HandoffToken, KvAddr};
 use pdserve_protocol::{
     DecodeHandoff, Event, GenerateRequest, Prefilled, Reserved, ServeError, WorkerInfo, WorkerStats,
 };
-use pdserve_types::{Epoch, RequestId};
+use pdserve_types::{Epoch, RequestId, StageReceiver};
 use serde::{Deserialize, Serialize};
 use std::io;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -166,6 +166,10 @@ pub enum Op {
         /// (`Reserved::draft_worth`).
         #[serde(default)]
         draft_worth: Option<f64>,
+        /// The layers that go straight to the decode group's later stages
+        /// (`Reserved::stages`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        stages: Vec<StageReceiver>,
     },
     /// Decode a transferred sequence; events after the first token stream back.
     Decode {
@@ -182,6 +186,9 @@ pub enum Op {
         skip: usize,
         to: KvAddr,
         token: HandoffToken,
+        /// The layers that go straight to the receiving group's later stages.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        stages: Vec<StageReceiver>,
     },
     /// Prefill and decode here, the first `imported` prompt tokens' K/V taken from
     /// the transfer into this connection's reservation `req.id`; events stream back.

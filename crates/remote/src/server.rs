@@ -35,6 +35,8 @@ const SILENT_ROUTER: std::time::Duration = std::time::Duration::from_secs(10);
 const MAX_CONNECTIONS: usize = 64;
 /// Reservations one connection may hold at once.
 const MAX_HELD: usize = 256;
+/// Later stages a prefill's K/V may go to: past any group a worker would form.
+const MAX_STAGES: usize = 64;
 /// How long a new connection has to prove it holds the cluster token.
 const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -248,9 +250,9 @@ impl Session {
                 let (started, span) = self.start_stream(op);
                 self.stream(call, started, span);
             }
-            Op::ExportPrefix { id, tokens, skip, to, token } => {
+            Op::ExportPrefix { id, tokens, skip, to, token, stages } => {
                 let span = tracing::info_span!("export", %id, tokens = tokens.len(), skip);
-                let to = KvDestination::plain(KvTarget::Remote(to), token);
+                let to = KvDestination { stages, ..KvDestination::plain(KvTarget::Remote(to), token) };
                 let done = match self.worker().peering() {
                     Ok(peer) => peer.export_prefix(id, tokens, skip, to),
                     Err(e) => Box::pin(std::future::ready(Err(e))),
@@ -262,8 +264,8 @@ impl Session {
                 self.reply(call, tracing::Instrument::instrument(answer, span))
             }
             Op::Reserve { id, prompt_len, fence, keep } => self.reserve(call, id, prompt_len, fence, keep),
-            Op::Prefill { req, to, token, imported, draft_worth } => {
-                let to = KvDestination { target: KvTarget::Remote(to), token, draft_worth };
+            Op::Prefill { req, to, token, imported, draft_worth, stages } => {
+                let to = KvDestination { target: KvTarget::Remote(to), token, draft_worth, stages };
                 self.prefill(call, req, to, imported)
             }
             // A reservation still being granted is released now too, not when its
@@ -520,6 +522,14 @@ impl Session {
     }
 }
 
+/// Refuses K/V sent to more later stages than any group has.
+fn few_stages(stages: &[pdserve_types::StageReceiver]) -> Result<(), ServeError> {
+    match stages.len() {
+        n if n > MAX_STAGES => Err(ServeError::Invalid(format!("K/V sent to {n} stages (at most {MAX_STAGES})"))),
+        _ => Ok(()),
+    }
+}
+
 /// An operation whose requests pass the checks every request passes at the frontend:
 /// sampling values in range, a prompt that is not empty.
 fn checked(op: Op) -> Result<Op, ServeError> {
@@ -532,8 +542,13 @@ fn checked(op: Op) -> Result<Op, ServeError> {
     };
     Ok(match op {
         Op::Generate { req } => Op::Generate { req: valid(req)? },
-        Op::Prefill { req, to, token, imported, draft_worth } => {
-            Op::Prefill { req: valid(req)?, to, token, imported, draft_worth }
+        Op::Prefill { req, to, token, imported, draft_worth, stages } => {
+            few_stages(&stages)?;
+            Op::Prefill { req: valid(req)?, to, token, imported, draft_worth, stages }
+        }
+        Op::ExportPrefix { id, tokens, skip, to, token, stages } => {
+            few_stages(&stages)?;
+            Op::ExportPrefix { id, tokens, skip, to, token, stages }
         }
         Op::GenerateImported { req, imported } => Op::GenerateImported { req: valid(req)?, imported },
         Op::Decode { mut handoff } => {

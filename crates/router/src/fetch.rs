@@ -204,11 +204,10 @@ async fn fetch(
             None => None,
         },
     };
-    let (token, kept) = match kept {
-        Some(granted) => granted,
-        None => (r.worker.reserve(req.id, f.tokens, fence).await?.token, 0),
+    let (to, kept) = match kept {
+        Some((token, k)) => (KvDestination::plain(target, token), k),
+        None => (KvDestination::prefix(target, r.worker.reserve(req.id, f.tokens, fence).await?), 0),
     };
-    let to = KvDestination::plain(target, token);
     let sent = f.from.worker.peering()?.export_prefix(req.id, prefix.to_vec(), kept, to).await?;
     Ok(Fetched { kept, sent })
 }

@@ -64,6 +64,8 @@ const STAGE_PIPELINED: &str = "pdserve_stage_pipelined_steps";
 const STAGE_LANES: &str = "pdserve_stage_lane_steps";
 const STAGE_KV_PARTS: &str = "pdserve_stage_kv_parts";
 const STAGE_KV_RELAYED: &str = "pdserve_stage_kv_relayed_layers";
+const STAGE_KV_DIRECT: &str = "pdserve_stage_kv_direct";
+const STAGE_KV_WRITTEN: &str = "pdserve_stage_kv_written_frames";
 const STAGE_ROWS: &str = "pdserve_stage_rows";
 const STAGE_BYTES: &str = "pdserve_stage_activation_bytes";
 const STAGE_SECONDS: &str = "pdserve_stage_seconds";
@@ -192,6 +194,8 @@ struct Inner {
     stage_lanes: Family<Label1, Counter>,
     stage_kv_parts: Family<Label1, Counter>,
     stage_kv_relayed: Family<Label1, Counter>,
+    stage_kv_direct: Family<Label1, Counter>,
+    stage_kv_written: Family<Label1, Counter>,
     stage_rows: Family<Label1, Counter>,
     stage_bytes: Family<Label1, Counter>,
     stage_seconds: Family<Label1, Counter<f64, AtomicU64>>,
@@ -263,6 +267,8 @@ impl Metrics {
             stage_lanes: Family::default(),
             stage_kv_parts: Family::default(),
             stage_kv_relayed: Family::default(),
+            stage_kv_direct: Family::default(),
+            stage_kv_written: Family::default(),
             stage_rows: Family::default(),
             stage_bytes: Family::default(),
             stage_seconds: Family::default(),
@@ -378,6 +384,8 @@ impl Metrics {
             (&i.stage_lanes, t.lanes),
             (&i.stage_kv_parts, t.kv_parts),
             (&i.stage_kv_relayed, t.kv_relayed_layers),
+            (&i.stage_kv_direct, t.kv_direct),
+            (&i.stage_kv_written, t.kv_written_frames),
             (&i.stage_rows, t.rows),
             (&i.stage_bytes, t.bytes),
         ] {
@@ -557,6 +565,10 @@ impl Inner {
         r.register(STAGE_KV_PARTS, help, self.stage_kv_parts.clone());
         let help = "Layers of K/V a stage group's head read from a later stage and sent on itself (a part that could not reach its receiver)";
         r.register(STAGE_KV_RELAYED, help, self.stage_kv_relayed.clone());
+        let help = "Handoffs into a stage group whose later stages each took their own layers straight from the sender";
+        r.register(STAGE_KV_DIRECT, help, self.stage_kv_direct.clone());
+        let help = "Frames of K/V a stage group's head received for its later stages' layers and wrote on to them";
+        r.register(STAGE_KV_WRITTEN, help, self.stage_kv_written.clone());
         let help = "Rows (tokens computed) of those steps: activation bytes over rows is the bytes per token";
         r.register(STAGE_ROWS, help, self.stage_rows.clone());
         let help = "Bytes of residual stream and logits between a stage group's head and its later stages";
@@ -778,6 +790,7 @@ mod tests {
             ];
             let link = seconds / 2.0;
             let (pipelined, lanes, kv_parts, kv_relayed_layers) = (steps / 2, steps / 3, steps * 2, steps + 1);
+            let (kv_direct, kv_written_frames) = (steps * 3, steps + 2);
             let stages = StageTotals {
                 steps,
                 rows,
@@ -789,6 +802,8 @@ mod tests {
                 lanes,
                 kv_parts,
                 kv_relayed_layers,
+                kv_direct,
+                kv_written_frames,
             };
             m.set_worker_stats("h", &WorkerStats { stages, ..Default::default() });
         }
@@ -799,6 +814,8 @@ mod tests {
             "pdserve_stage_lane_steps_total{worker=\"h\"} 3\n",
             "pdserve_stage_kv_parts_total{worker=\"h\"} 18\n",
             "pdserve_stage_kv_relayed_layers_total{worker=\"h\"} 10\n",
+            "pdserve_stage_kv_direct_total{worker=\"h\"} 27\n",
+            "pdserve_stage_kv_written_frames_total{worker=\"h\"} 11\n",
             "pdserve_stage_rows_total{worker=\"h\"} 20\n",
             "pdserve_stage_activation_bytes_total{worker=\"h\"} 3000\n",
             "pdserve_stage_seconds_total{worker=\"h\"} 1.25\n",

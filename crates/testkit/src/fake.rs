@@ -401,7 +401,7 @@ impl Worker for FakeWorker {
             let receiving = Some(tokio::spawn(receive(inbox)));
             lock(&self.inner.imports).insert(id, Import { blocks, receiving });
             // It drafts nothing.
-            Ok(Reserved { token, draft_worth: Some(0.0) })
+            Ok(Reserved::whole(token, Some(0.0)))
         })
     }
 

@@ -32,4 +32,4 @@ pub use sampling::{DraftRecord, Pooling, SamplingError, SamplingParams, StopCond
 pub use steps::{DecodeSteps, PrefillSteps, SpecTotals, StageCompute, StageTotals, StepFit};
 pub use token::{FinishReason, TokenOut};
 pub use traffic::RequestSample;
-pub use transfer::{HandoffToken, InProcTarget, KvAddr, KvTarget, TransportKind};
+pub use transfer::{HandoffToken, InProcTarget, KvAddr, KvTarget, StageReceiver, TransportKind};

@@ -323,6 +323,14 @@ pub struct StageTotals {
     /// that could not reach its receiver).
     #[serde(default)]
     pub kv_relayed_layers: u64,
+    /// Handoffs into a decode group whose later stages each took their own layers
+    /// straight from the sender.
+    #[serde(default)]
+    pub kv_direct: u64,
+    /// Frames of later stages' layers the head received and wrote on to them (a
+    /// sender that did not send them to the stages).
+    #[serde(default)]
+    pub kv_written_frames: u64,
 }
 
 /// One stage's compute time over a head's steps.

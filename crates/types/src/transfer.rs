@@ -130,6 +130,24 @@ impl HandoffToken {
     }
 }
 
+/// A later stage of a decode group that takes its own layers of a handoff straight
+/// from the sender: the layers (`first..=last`, the model's numbering), where it
+/// receives, and the token it issued for the handoff. Frames of other layers go to
+/// the group's head.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageReceiver {
+    pub first: u32,
+    pub last: u32,
+    pub to: KvAddr,
+    pub token: HandoffToken,
+}
+
+impl StageReceiver {
+    pub fn holds(&self, layer: u32) -> bool {
+        (self.first..=self.last).contains(&layer)
+    }
+}
+
 impl fmt::Debug for HandoffToken {
     // Secrets stay out of logs.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

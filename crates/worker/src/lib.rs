@@ -27,14 +27,14 @@ use pdserve_engine::tiers::TierConfig;
 use pdserve_engine::timed::TimedModel;
 use pdserve_kv::BlockPool;
 use pdserve_kv_transfer::{
-    frame, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvTarget, Links, ListenAt, Throughput,
-    TransferError, TransportKind,
+    frame, ByLayer, ClusterKey, HandoffId, HandoffToken, Inboxes, KvAddr, KvReceiver, KvSink, KvTarget, Links,
+    ListenAt, Throughput, TransferError, TransportKind,
 };
 use pdserve_protocol::{
     DecodeHandoff, EventSender, GenerateRequest, KvCursor, KvDestination, KvEventLog, KvEvents, LinkProbe, Prefilled,
     PrefixPeer, Reply, Reserved, RoleState, RoleSwitch, ServeError, Worker, WorkerInfo, WorkerStats,
 };
-use pdserve_types::{lock, Assignment, Epoch, Grammar, KvFrame, RequestId, Role};
+use pdserve_types::{lock, Assignment, Epoch, Grammar, KvFrame, RequestId, Role, StageReceiver};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
@@ -42,6 +42,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::oneshot;
 use worker_loop::{Export, Exports};
+
+/// A reservation granted: what the draft model's K/V of the prompt is worth here,
+/// and the later stages that take their own layers themselves.
+pub(crate) type Granted = (Option<f64>, Vec<StageReceiver>);
 
 /// Commands queued for the loop; bounded, so a flooded worker says "overloaded".
 pub(crate) enum Command {
@@ -65,8 +69,10 @@ pub(crate) enum Command {
         prompt_len: usize,
         /// Leading tokens whose blocks come from the engine's own cache.
         keep: Vec<u32>,
-        /// Granted: what the draft model's K/V of the prompt is worth here.
-        reply: oneshot::Sender<Result<Option<f64>, ServeError>>,
+        /// A group's later stages may take their own layers straight from the sender
+        /// (a prefill's handoff, whose sender is told of them; not a fetch).
+        direct: bool,
+        reply: oneshot::Sender<Result<Granted, ServeError>>,
     },
     Frame {
         id: RequestId,
@@ -421,7 +427,7 @@ impl Worker for LocalWorker {
         let inner = self.inner.clone();
         Box::pin(async move {
             inner.fence(fence, Role::decodes)?;
-            inner.reserve(id, prompt_len, Vec::new()).await
+            inner.reserve(id, prompt_len, Vec::new(), true).await
         })
     }
 
@@ -490,7 +496,7 @@ impl PrefixPeer for LocalWorker {
         let inner = self.inner.clone();
         Box::pin(async move {
             inner.fence(fence, Role::decodes)?;
-            Ok(inner.reserve(id, prompt_len, keep).await?.token)
+            Ok(inner.reserve(id, prompt_len, keep, false).await?.token)
         })
     }
 
@@ -657,6 +663,7 @@ impl Inner {
         id: RequestId,
         prompt_len: usize,
         keep: Vec<u32>,
+        direct: bool,
     ) -> Result<Reserved, ServeError> {
         if lock(&self.imports).insert(id, Import::Reserving).is_some() {
             return Err(ServeError::Invalid(format!("{id} already has a reservation")));
@@ -676,8 +683,8 @@ impl Inner {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         let (reply, rx) = oneshot::channel();
-        self.send(Command::Reserve { id, prompt_len, keep, reply })?;
-        let draft_worth = rx.await.map_err(|_| self.stopped())??;
+        self.send(Command::Reserve { id, prompt_len, keep, direct, reply })?;
+        let (draft_worth, stages) = rx.await.map_err(|_| self.stopped())??;
         let inbox =
             self.inboxes.expect(HandoffId::from(id)).map_err(|e| ServeError::Internal(format!("KV receiver: {e}")))?;
         let token = inbox.token();
@@ -690,25 +697,40 @@ impl Inner {
         imports.insert(id, Import::Receiving(task));
         drop(imports);
         guard.disarm();
-        Ok(Reserved { token, draft_worth })
+        Ok(Reserved { token, draft_worth, stages })
     }
 
     /// Opens the sending end of handoff `hid` to `to` (the main sink: a group's
-    /// later stages may send theirs beside it, [`kv_parts`]).
+    /// later stages may send theirs beside it, [`kv_parts`]); where a decode group's
+    /// stages take their own layers, each layer's frames go to its stage.
     async fn open_sink(self: &Arc<Self>, to: &KvDestination, hid: HandoffId) -> Result<SharedSink, ServeError> {
         let sink = match &to.target {
-            KvTarget::InProc(_) => self.links.open(&to.target, hid, to.token),
+            KvTarget::InProc(_) if to.stages.is_empty() => self.links.open(&to.target, hid, to.token),
             // Connecting blocks: off the async workers.
-            KvTarget::Remote(_) => {
+            _ => {
                 let me = self.clone();
-                let (target, token) = (to.target.clone(), to.token);
-                tokio::task::spawn_blocking(move || me.links.open(&target, hid, token))
+                let to = to.clone();
+                tokio::task::spawn_blocking(move || me.open_by_layer(&to, hid))
                     .await
                     .map_err(|e| ServeError::Internal(format!("opening a KV link: {e}")))?
             }
         }
         .map_err(|e| kv_error(&to.target, &e))?;
         Ok(SharedSink::new(sink))
+    }
+
+    /// The sink of handoff `hid` to `to` and to each of its stages; blocks.
+    fn open_by_layer(&self, to: &KvDestination, hid: HandoffId) -> Result<Box<dyn KvSink>, TransferError> {
+        let main = self.links.open(&to.target, hid, to.token)?;
+        if to.stages.is_empty() {
+            return Ok(main);
+        }
+        let mut stages = Vec::with_capacity(to.stages.len());
+        for s in &to.stages {
+            // A sink dropped unfinished aborts its part of the handoff.
+            stages.push((s.first..=s.last, self.links.open(&KvTarget::Remote(s.to.clone()), hid, s.token)?));
+        }
+        Ok(Box::new(ByLayer::new(main, stages)))
     }
 
     /// Ends a transfer whose frames all went into `sink`: once the receiver holds
@@ -718,6 +740,7 @@ impl Inner {
             if let KvTarget::Remote(addr) = &to.target {
                 self.links.forget(addr);
             }
+            to.stages.iter().for_each(|s| self.links.forget(&s.to));
             return Err(ServeError::Internal(format!("the KV transfer to {:?} failed", to.target)));
         }
         Ok(())
@@ -927,7 +950,9 @@ impl Drop for StopOnDrop {
 /// a receiver in another process (one in this process is reached through the head).
 fn kv_parts(to: &KvDestination, hid: HandoffId) -> Option<KvParts> {
     match &to.target {
-        KvTarget::Remote(addr) => Some(KvParts { to: addr.clone(), handoff: hid.0, token: to.token }),
+        KvTarget::Remote(addr) => {
+            Some(KvParts { to: addr.clone(), handoff: hid.0, token: to.token, stages: to.stages.clone() })
+        }
         KvTarget::InProc(_) => None,
     }
 }

@@ -208,13 +208,14 @@ impl SimWorker {
                 move || inner.release(id)
             });
             let (reply, rx) = oneshot::channel();
-            inner.send(Command::Reserve { id, prompt_len, keep, reply })?;
-            let draft_worth = rx.await.map_err(|_| inner.stopped())??;
+            // A simulated engine heads no group.
+            inner.send(Command::Reserve { id, prompt_len, keep, direct: false, reply })?;
+            let (draft_worth, _) = rx.await.map_err(|_| inner.stopped())??;
             if !lock(&inner.imports).contains(&id) {
                 return Err(ServeError::Internal(format!("the reservation of {id} was released")));
             }
             guard.disarm();
-            Ok(Reserved { token: HandoffToken::random(), draft_worth })
+            Ok(Reserved::whole(HandoffToken::random(), draft_worth))
         }
     }
 }

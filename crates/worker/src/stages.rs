@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! hello: op 0                                   → first u32 | last u32 | layers u32 | hidden u32
-//!                                                  | vocab u32 | blocks u32 | model name (UTF-8)
+//!                                                  | vocab u32 | blocks u32 | K/V port u32 (0: none)
+//!                                                  | model name (UTF-8)
 //! step:  op 1 | parts u32 | per part: rows u32 | start u32 | logits u32 | blocks u32 | ids u32…
 //!             | residual stream f32… (rows × hidden)
 //!                                               → compute ns u64 | the next residual stream, or (last
@@ -13,9 +14,12 @@
 //! read:  op 2 | layer u32 | n u32 | block ids u32… → n u32 | n frames
 //! write: op 3 | n u32 | n frames                   → (nothing)
 //! tiers: op 4 | host slots u32 | disk slots u32 | n u32 | n copies → (nothing)
-//! send:  op 5 | handoff u64 | token (16 bytes) | n u32 | block ids u32… | receiver (JSON)
+//! send:  op 5 | handoff u64 | token (16 bytes) | n u32 | block ids u32… | receivers (JSON)
 //!                                               → status u8 (0 delivered, 1 unreachable,
 //!                                                 2 failed) | why (UTF-8)
+//! expect: op 6 | handoff u64 | n u32 | block ids u32… → token (16 bytes)
+//! await:  op 7 | handoff u64                    → status u8 (0 every frame written, 2 failed) | why
+//! forget: op 8 | handoff u64                    → (nothing)
 //! frame: layer u32 | block u32 (read: its index) | dtype u8 | words u32 | K u16… | V u16…
 //! copy:  from place | to place, each: tier u8 (0 pool, 1 host, 2 disk) | block or slot u32
 //! ```
@@ -26,10 +30,15 @@
 //! A send has a prefill group's later stage send its own layers' K/V of a handoff to
 //! the receiver itself, as a part of the handoff beside the head's sink (one link,
 //! not two through the head); a stage that cannot reach the receiver sends nothing
-//! and the head reads its layers instead. Reads and writes move K/V out of a later
-//! stage (that fallback, a peer's fetch) and into a decode group's, through the head:
-//! the handoff between two groups is the one between two workers, whatever their
-//! splits.
+//! and the head reads its layers instead. Reads move K/V out of a later stage (that
+//! fallback, a peer's fetch) through the head.
+//!
+//! Into a decode group, a later stage with a K/V receiver of its own (its port in its
+//! hello) takes its layers of a handoff straight from the sender: at the reservation
+//! the head has it expect the handoff into the reserved blocks (it issues a token),
+//! names it in the reservation, and before the sequence decodes awaits it; an import
+//! given up is forgotten on the stages before its blocks are handed out again. Writes
+//! carry the frames of a sender that sent them to the head.
 //!
 //! The head calls the stages one after the other (a star, not a ring): the stream goes
 //! back to the head between stages, which costs one more hop per stage past the second
@@ -37,16 +46,19 @@
 //! for the head to finish its own layers: between them it sends each answer that
 //! arrived on to the next stage ([`NextStages::relay`]), so three stages compute at once.
 
+use pdserve_engine::batch::BLOCK_SIZE;
 use pdserve_engine::batch::{
     KvParts, NextStages, PartSent, PassTimes, StageCosts, StageLost, StagePart, StageRows, StageRunner, TierSlots,
 };
 use pdserve_engine::model::stage::covering;
-use pdserve_engine::model::LayerRange;
+use pdserve_engine::model::{LayerRange, Model};
 use pdserve_kv::{BlockId, Move, Place};
-use pdserve_kv_transfer::{ClusterKey, Frame, HandoffId, Links, StageConn, StageHandler};
-use pdserve_types::{HandoffToken, KvAddr, KvDtype, KvFrame, StageCompute, StageTotals};
-use std::collections::BTreeMap;
+use pdserve_kv_transfer::{ClusterKey, Frame, HandoffId, Inbox, Inboxes, KvSink, Links, StageConn, StageHandler};
+use pdserve_types::{HandoffToken, KvAddr, KvDtype, KvFrame, StageCompute, StageReceiver, StageTotals};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 const HELLO: u8 = 0;
@@ -55,6 +67,16 @@ const READ: u8 = 2;
 const WRITE: u8 = 3;
 const TIERS: u8 = 4;
 const SEND: u8 = 5;
+const EXPECT: u8 = 6;
+const AWAIT: u8 = 7;
+const FORGET: u8 = 8;
+/// A stage's transfer that has not ended this long after it was expected is given
+/// up (the head's own gives up sooner).
+const IMPORT_TTL: Duration = Duration::from_secs(120);
+/// How long a stage waits for a transfer's last frames when its head awaits it: well
+/// inside the head's [`CALL_TIMEOUT`]. The head awaits once its own share is in, by
+/// when the sender has finished every stage's.
+const AWAIT_LIMIT: Duration = Duration::from_secs(20);
 /// Blocks a read asks for in one call: its answer (a block of one layer is at most
 /// 64 KiB for the models run here) stays far below a record's limit.
 const READ_BLOCKS: usize = 256;
@@ -75,6 +97,9 @@ pub struct StageHello {
     pub vocab: usize,
     /// Blocks of its K/V pool (at least the head's, whose ids it is sent).
     pub blocks: usize,
+    /// The port its K/V receiver listens on (at the address the head dials it at);
+    /// 0: it takes K/V only through its head.
+    pub kv_port: u16,
     pub model: String,
 }
 
@@ -82,7 +107,7 @@ impl StageHello {
     fn encode(&self) -> Vec<u8> {
         let l = &self.layers;
         let mut out = Vec::new();
-        for v in [l.first, l.last, self.total_layers, self.hidden, self.vocab, self.blocks] {
+        for v in [l.first, l.last, self.total_layers, self.hidden, self.vocab, self.blocks, self.kv_port.into()] {
             put_u32(&mut out, v);
         }
         out.extend_from_slice(self.model.as_bytes());
@@ -93,8 +118,9 @@ impl StageHello {
         let mut r = Reader(b);
         let (first, last) = (r.u32()?, r.u32()?);
         let (total_layers, hidden, vocab, blocks) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+        let kv_port = u16::try_from(r.u32()?).map_err(|_| "a hello's K/V port is out of range")?;
         let model = String::from_utf8_lossy(r.0).into_owned();
-        Ok(StageHello { layers: LayerRange { first, last }, total_layers, hidden, vocab, blocks, model })
+        Ok(StageHello { layers: LayerRange { first, last }, total_layers, hidden, vocab, blocks, kv_port, model })
     }
 
     /// Why a head of `head` cannot use this stage, if it cannot.
@@ -123,6 +149,14 @@ impl Reader<'_> {
         let (head, rest) = self.0.split_first_chunk::<4>().ok_or("a call cut short")?;
         self.0 = rest;
         Ok(u32::from_le_bytes(*head) as usize)
+    }
+
+    /// `n` block ids (of a call of `len` bytes).
+    fn blocks(&mut self, n: usize, len: usize) -> Result<Vec<u32>, String> {
+        if n > self.0.len() / 4 {
+            return Err(format!("{n} blocks in a call of {len} bytes"));
+        }
+        (0..n).map(|_| self.u32().map(|b| b as u32)).collect()
     }
 
     fn u64(&mut self) -> Result<u64, String> {
@@ -267,8 +301,17 @@ fn encode_send(to: &KvParts, blocks: &[u32], out: &mut Vec<u8>) {
     out.extend_from_slice(&to.token.0);
     put_u32(out, blocks.len());
     blocks.iter().for_each(|&b| put_u32(out, b as usize));
-    // A KvAddr always serializes.
-    out.extend_from_slice(serde_json::to_string(&to.to).unwrap_or_default().as_bytes());
+    // Addresses and tokens always serialize.
+    let receivers = Receivers { to: to.to.clone(), stages: to.stages.clone() };
+    out.extend_from_slice(serde_json::to_string(&receivers).unwrap_or_default().as_bytes());
+}
+
+/// A send's receivers: the handoff's main one, and a decode group's stages.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Receivers {
+    to: KvAddr,
+    #[serde(default)]
+    stages: Vec<StageReceiver>,
 }
 
 fn decode_send(body: &[u8]) -> Result<(KvParts, Vec<u32>), String> {
@@ -277,12 +320,9 @@ fn decode_send(body: &[u8]) -> Result<(KvParts, Vec<u32>), String> {
     let (token, rest) = r.0.split_first_chunk::<16>().ok_or("a send without its token")?;
     r.0 = rest;
     let n = r.u32()?;
-    if n > r.0.len() / 4 {
-        return Err(format!("a send of {n} blocks in {} bytes", body.len()));
-    }
-    let blocks: Vec<u32> = (0..n).map(|_| r.u32().map(|b| b as u32)).collect::<Result<_, _>>()?;
-    let to: KvAddr = serde_json::from_slice(r.0).map_err(|e| format!("a send's receiver: {e}"))?;
-    Ok((KvParts { to, handoff, token: HandoffToken(*token) }, blocks))
+    let blocks = r.blocks(n, body.len())?;
+    let Receivers { to, stages } = serde_json::from_slice(r.0).map_err(|e| format!("a send's receivers: {e}"))?;
+    Ok((KvParts { to, handoff, token: HandoffToken(*token), stages }, blocks))
 }
 
 fn put_sent(out: &mut Vec<u8>, sent: &PartSent) {
@@ -308,12 +348,57 @@ fn decode_sent(a: &[u8]) -> Result<PartSent, String> {
 
 /// A later stage's side: its runner answers the head's calls.
 pub struct StageService {
-    runner: StageRunner,
+    /// Shared with the tasks that write a decode group's handoffs into its pool
+    /// between the head's calls.
+    runner: Arc<Mutex<StageRunner>>,
     hello: StageHello,
     x: Vec<f32>,
     /// Links to KV receivers, for its parts of a prefill group's handoffs; without
     /// them the head reads its layers.
     links: Option<Links>,
+    /// Its own K/V receiver, for its layers of handoffs into a decode group; without
+    /// it the head writes them.
+    receiving: Option<Receiving>,
+}
+
+/// Frames a later stage's inbox of one handoff holds before its sender waits.
+const STAGE_INBOX_FRAMES: usize = 256;
+
+/// Inboxes for a later stage of `model`: peers prove `key`, and no frame is larger
+/// than a block of one of its layers.
+pub fn stage_inboxes(model: &Model, key: ClusterKey) -> Inboxes {
+    let c = &model.cfg;
+    let values = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
+    Inboxes::guarded(STAGE_INBOX_FRAMES, key, pdserve_kv_transfer::frame::encoded_len_for(values))
+}
+
+/// A later stage's K/V receiver: the inboxes it delivers into, the runtime the
+/// transfers run on, and the handoffs expected.
+struct Receiving {
+    inboxes: Inboxes,
+    rt: tokio::runtime::Handle,
+    imports: HashMap<u64, StageImport>,
+}
+
+/// One handoff a later stage expects: the task writing its frames into the pool,
+/// and whether it still may.
+struct StageImport {
+    task: tokio::task::JoinHandle<Result<(), String>>,
+    live: Arc<AtomicBool>,
+}
+
+impl StageImport {
+    fn stop(self, runner: &Mutex<StageRunner>) {
+        stop_writes(runner, &self.live, &self.task.abort_handle());
+    }
+}
+
+/// Stops a transfer's writes: once this returns none lands (a write holds the
+/// runner's lock, and looks at `live` under it).
+fn stop_writes(runner: &Mutex<StageRunner>, live: &AtomicBool, task: &tokio::task::AbortHandle) {
+    let _held = runner.lock().unwrap_or_else(PoisonError::into_inner);
+    live.store(false, Ordering::SeqCst);
+    task.abort();
 }
 
 impl StageService {
@@ -325,9 +410,11 @@ impl StageService {
             hidden: m.cfg.hidden,
             vocab: m.cfg.vocab_size,
             blocks,
+            kv_port: 0,
             model,
         };
-        StageService { runner, hello, x: Vec::new(), links: None }
+        let runner = Arc::new(Mutex::new(runner));
+        StageService { runner, hello, x: Vec::new(), links: None, receiving: None }
     }
 
     /// Sends its own layers of a handoff to receivers itself, over links proving the
@@ -336,39 +423,161 @@ impl StageService {
         StageService { links: Some(links), ..self }
     }
 
-    /// Sends its layers' K/V of `blocks` (frames indexed from 0) to `to` as a part of
-    /// its handoff; blocks while it connects and sends.
+    /// Takes its layers of handoffs into its group straight from their senders, into
+    /// `inboxes`, which a receiver listening on `port` (of the address its head dials)
+    /// delivers into; the transfers run on `rt`.
+    pub fn receiving(self, inboxes: Inboxes, port: u16, rt: tokio::runtime::Handle) -> StageService {
+        let hello = StageHello { kv_port: port, ..self.hello };
+        StageService { hello, receiving: Some(Receiving { inboxes, rt, imports: HashMap::new() }), ..self }
+    }
+
+    fn runner(&self) -> std::sync::MutexGuard<'_, StageRunner> {
+        self.runner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Sends its layers' K/V of `blocks` (frames indexed from 0) as a part of its
+    /// handoff: each layer to the receiver that takes it (a decode group's stage, or
+    /// the main receiver); blocks while it connects and sends. A receiver it cannot
+    /// reach before it opened any part makes it send nothing (the head sends its
+    /// layers); after, the part fails.
     fn send_part(&mut self, to: &KvParts, blocks: &[u32]) -> PartSent {
         let Some(links) = &self.links else { return PartSent::Unreachable("this stage sends no parts".into()) };
         let id = HandoffId(to.handoff);
-        let mut sink = match links.open_part(&to.to, id, to.token) {
-            Ok(sink) => sink,
-            Err(e) => return PartSent::Unreachable(e.to_string()),
-        };
+        let mut sinks: Vec<(KvAddr, Box<dyn KvSink>)> = Vec::new();
         for layer in self.hello.layers.indices() {
-            let sent = self.runner.read_kv(layer, blocks).and_then(|frames| {
+            let (addr, token) = to.route(layer as u32);
+            if sinks.iter().any(|(a, _)| a == addr) {
+                continue;
+            }
+            match links.open_part(addr, id, token) {
+                Ok(sink) => sinks.push((addr.clone(), sink)),
+                Err(e) if sinks.is_empty() => return PartSent::Unreachable(e.to_string()),
+                Err(e) => return give_up(sinks, e.to_string()),
+            }
+        }
+        for layer in self.hello.layers.indices() {
+            let (addr, _) = to.route(layer as u32);
+            let Some((_, sink)) = sinks.iter_mut().find(|(a, _)| a == addr) else { continue };
+            let frames = self.runner.lock().unwrap_or_else(PoisonError::into_inner).read_kv(layer, blocks);
+            let sent = frames.and_then(|frames| {
                 frames.into_iter().try_for_each(|f| sink.send(Frame::from_kv(id, f)).map_err(|e| e.to_string()))
             });
             if let Err(why) = sent {
-                sink.abort();
-                return PartSent::Failed(why);
+                return give_up(sinks, why);
             }
         }
-        match sink.finish() {
-            Ok(()) => PartSent::Delivered,
-            Err(e) => PartSent::Failed(e.to_string()),
+        let mut finished = sinks.into_iter();
+        for (_, sink) in finished.by_ref() {
+            if let Err(e) = sink.finish() {
+                return give_up(finished.collect(), e.to_string());
+            }
         }
+        PartSent::Delivered
+    }
+
+    /// Expects its layers of handoff `handoff` into `blocks`: the token the sender
+    /// presents.
+    fn expect(&mut self, handoff: u64, blocks: Vec<u32>) -> Result<HandoffToken, String> {
+        let Some(r) = self.receiving.as_mut() else { return Err("this stage takes K/V only through its head".into()) };
+        if let Some(old) = r.imports.remove(&handoff) {
+            old.stop(&self.runner);
+            r.inboxes.forget(HandoffId(handoff));
+        }
+        let inbox = r.inboxes.expect(HandoffId(handoff)).map_err(|e| e.to_string())?;
+        let token = inbox.token();
+        let live = Arc::new(AtomicBool::new(true));
+        let task = r.rt.spawn(write_arriving(inbox, self.runner.clone(), blocks, live.clone()));
+        r.imports.insert(handoff, StageImport { task, live });
+        Ok(token)
+    }
+
+    /// Waits (at most [`AWAIT_LIMIT`]) until every frame of `handoff` is written.
+    fn await_import(&mut self, handoff: u64) -> PartSent {
+        let Some(r) = self.receiving.as_mut() else { return PartSent::Failed("no K/V receiver".into()) };
+        let Some(StageImport { task, live }) = r.imports.remove(&handoff) else {
+            return PartSent::Failed(format!("handoff {handoff:x} is not expected here"));
+        };
+        let abort = task.abort_handle();
+        let done = r.rt.block_on(async { tokio::time::timeout(AWAIT_LIMIT, task).await });
+        match done {
+            Ok(Ok(Ok(()))) => PartSent::Delivered,
+            Ok(Ok(Err(why))) => PartSent::Failed(why),
+            Ok(Err(e)) => PartSent::Failed(e.to_string()),
+            Err(_) => {
+                stop_writes(&self.runner, &live, &abort);
+                PartSent::Failed("its frames did not all arrive in time".into())
+            }
+        }
+    }
+
+    /// Gives `handoff` up: no frame of it is written after this returns.
+    fn forget(&mut self, handoff: u64) {
+        let Some(r) = self.receiving.as_mut() else { return };
+        if let Some(i) = r.imports.remove(&handoff) {
+            i.stop(&self.runner);
+        }
+        r.inboxes.forget(HandoffId(handoff));
+    }
+
+    /// Gives every handoff up: a head that (re)connects knows of none.
+    fn forget_all(&mut self) {
+        let Some(r) = self.receiving.as_mut() else { return };
+        for (h, i) in r.imports.drain() {
+            i.stop(&self.runner);
+            r.inboxes.forget(HandoffId(h));
+        }
+    }
+}
+
+/// Aborts the parts in `sinks`; the handoff fails.
+fn give_up(sinks: Vec<(KvAddr, Box<dyn KvSink>)>, why: String) -> PartSent {
+    sinks.into_iter().for_each(|(_, s)| s.abort());
+    PartSent::Failed(why)
+}
+
+/// Writes the frames arriving in `inbox` into `blocks` (by their index) of the
+/// runner's pool while `live`: `Ok` once every frame arrived.
+async fn write_arriving(
+    mut inbox: Inbox,
+    runner: Arc<Mutex<StageRunner>>,
+    blocks: Vec<u32>,
+    live: Arc<AtomicBool>,
+) -> Result<(), String> {
+    let recycle = inbox.pool();
+    let until = tokio::time::Instant::now() + IMPORT_TTL;
+    loop {
+        let f = match tokio::time::timeout_at(until, inbox.recv()).await {
+            Err(_) => return Err("the K/V did not all arrive in time".into()),
+            Ok(Err(e)) => return Err(e.to_string()),
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Ok(Some(f))) => f.into_kv(),
+        };
+        let Some(&block) = blocks.get(f.index as usize) else {
+            return Err(format!("a frame of block {} of {}", f.index, blocks.len()));
+        };
+        {
+            let mut r = runner.lock().unwrap_or_else(PoisonError::into_inner);
+            if !live.load(Ordering::SeqCst) {
+                return Err("given up".into());
+            }
+            r.write_kv(block, &f)?;
+        }
+        recycle.recycle(f.k, f.v);
     }
 }
 
 impl StageHandler for StageService {
     fn handle(&mut self, call: &[u8], reply: &mut Vec<u8>) -> Result<(), String> {
         match call.split_first() {
-            Some((&HELLO, _)) => reply.extend_from_slice(&self.hello.encode()),
+            Some((&HELLO, _)) => {
+                self.forget_all();
+                reply.extend_from_slice(&self.hello.encode());
+            }
             Some((&STEP, body)) => {
                 let parts = decode_step(body, &mut self.x)?;
                 let started = Instant::now();
-                let rows = match self.runner.run(&parts, &self.x)? {
+                let mut runner = self.runner.lock().unwrap_or_else(PoisonError::into_inner);
+                let rows = match runner.run(&parts, &self.x)? {
                     StageRows::Hidden(h) | StageRows::Last(h) => h,
                 };
                 let ns = started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
@@ -378,18 +587,16 @@ impl StageHandler for StageService {
             Some((&READ, body)) => {
                 let mut r = Reader(body);
                 let (layer, n) = (r.u32()?, r.u32()?);
-                if n > r.0.len() / 4 {
-                    return Err(format!("a read of {n} blocks in {} bytes", body.len()));
-                }
-                let blocks: Vec<u32> = (0..n).map(|_| r.u32().map(|b| b as u32)).collect::<Result<_, _>>()?;
-                let frames = self.runner.read_kv(layer, &blocks)?;
+                let blocks = r.blocks(n, body.len())?;
+                let frames = self.runner().read_kv(layer, &blocks)?;
                 put_u32(reply, frames.len());
                 frames.iter().for_each(|f| put_frame(reply, f.index, f));
             }
             Some((&WRITE, body)) => {
                 // Checked whole before any is written.
                 let frames = Reader(body).frames()?;
-                frames.iter().try_for_each(|(b, f)| self.runner.write_kv(*b, f))?;
+                let mut runner = self.runner();
+                frames.iter().try_for_each(|(b, f)| runner.write_kv(*b, f))?;
             }
             Some((&SEND, body)) => {
                 let (to, blocks) = decode_send(body)?;
@@ -398,8 +605,19 @@ impl StageHandler for StageService {
             }
             Some((&TIERS, body)) => {
                 let (slots, copies) = Reader(body).copies()?;
-                self.runner.copy_tiers(slots, &copies)?;
+                self.runner().copy_tiers(slots, &copies)?;
             }
+            Some((&EXPECT, body)) => {
+                let mut r = Reader(body);
+                let (handoff, n) = (r.u64()?, r.u32()?);
+                let blocks = r.blocks(n, body.len())?;
+                reply.extend_from_slice(&self.expect(handoff, blocks)?.0);
+            }
+            Some((&AWAIT, body)) => {
+                let sent = self.await_import(Reader(body).u64()?);
+                put_sent(reply, &sent);
+            }
+            Some((&FORGET, body)) => self.forget(Reader(body).u64()?),
             _ => return Err("an unknown call".into()),
         }
         Ok(())
@@ -412,6 +630,8 @@ struct Stage {
     conn: Option<StageConn>,
     /// Its layers, once it said hello.
     layers: Option<LayerRange>,
+    /// Where it receives K/V itself, if it does: its hello's port at `addr`'s host.
+    kv: Option<SocketAddr>,
 }
 
 /// The head's side: the later stages at their addresses, called in layer order.
@@ -466,7 +686,7 @@ pub type Finder = Box<dyn FnMut() -> Vec<SocketAddr> + Send>;
 impl RemoteStages {
     /// The stages at `addrs` (any order), for a head that says `head` of itself.
     pub fn new(head: StageHello, addrs: &[SocketAddr], key: ClusterKey) -> RemoteStages {
-        let stages = addrs.iter().map(|&addr| Stage { addr, conn: None, layers: None }).collect();
+        let stages = addrs.iter().map(|&addr| Stage { addr, conn: None, layers: None, kv: None }).collect();
         let missing = Some("not connected yet".into());
         let (call, x, totals) = (Vec::new(), Vec::new(), StageTotals::default());
         let (tried, dialing, checked, finder) = (None, None, None, None);
@@ -511,7 +731,7 @@ impl RemoteStages {
         self.stages.retain(|s| s.conn.is_some() || addrs.contains(&s.addr));
         for &addr in addrs {
             if !self.stages.iter().any(|s| s.addr == addr) {
-                self.stages.push(Stage { addr, conn: None, layers: None });
+                self.stages.push(Stage { addr, conn: None, layers: None, kv: None });
             }
         }
     }
@@ -576,8 +796,9 @@ impl RemoteStages {
         for (addr, got) in dialed {
             let Some(s) = self.stages.iter_mut().find(|s| s.addr == addr && s.conn.is_none()) else { continue };
             match got {
-                Ok((conn, layers)) => {
-                    (s.conn, s.layers) = (Some(conn), Some(layers));
+                Ok((conn, said)) => {
+                    let kv = (said.kv_port != 0).then(|| SocketAddr::new(addr.ip(), said.kv_port));
+                    (s.conn, s.layers, s.kv) = (Some(conn), Some(said.layers), kv);
                     self.fresh = true;
                 }
                 Err(e) => why = Some(format!("stage at {addr}: {e}")),
@@ -613,6 +834,18 @@ impl RemoteStages {
 }
 
 impl RemoteStages {
+    /// The stages that receive K/V themselves.
+    fn receiving(&self) -> Vec<usize> {
+        (0..self.stages.len()).filter(|&i| self.stages[i].kv.is_some()).collect()
+    }
+
+    /// Makes a call of `op` on one handoff in `self.call`.
+    fn handoff_call(&mut self, op: u8, handoff: u64) {
+        self.call.clear();
+        self.call.push(op);
+        self.call.extend_from_slice(&handoff.to_le_bytes());
+    }
+
     /// Takes the micro-batches `flights` (each awaited at its stage) through every
     /// stage: each stage's answers read in order, each sent on to the next stage at
     /// once, the last stage's rows into `rows`.
@@ -716,15 +949,15 @@ fn answer_of(a: &[u8], out: &mut Vec<f32>) -> Result<f64, String> {
 }
 
 /// A stage's address and what dialing it gave.
-type Dialed = (SocketAddr, Result<(StageConn, LayerRange), String>);
+type Dialed = (SocketAddr, Result<(StageConn, StageHello), String>);
 
 /// Connects to a stage and reads its hello.
-fn hello(addr: SocketAddr, key: &ClusterKey, head: &StageHello) -> Result<(StageConn, LayerRange), String> {
+fn hello(addr: SocketAddr, key: &ClusterKey, head: &StageHello) -> Result<(StageConn, StageHello), String> {
     let mut conn = StageConn::connect(addr, key, CALL_TIMEOUT).map_err(|e| e.to_string())?;
     let said = StageHello::decode(conn.call(&[HELLO]).map_err(|e| e.to_string())?)?;
     match said.mismatch(head) {
         Some(why) => Err(why),
-        None => Ok((conn, said.layers)),
+        None => Ok((conn, said)),
     }
 }
 
@@ -900,6 +1133,50 @@ impl NextStages for RemoteStages {
             self.call.push(WRITE);
             put_u32(&mut self.call, mine.len());
             mine.iter().for_each(|(b, f)| put_frame(&mut self.call, *b, f));
+            self.call_stage(i, |_| Ok(()))?;
+            self.totals.kv_written_frames += mine.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn expect_kv(&mut self, handoff: u64, blocks: &[u32]) -> Result<Vec<StageReceiver>, StageLost> {
+        if let Some(why) = self.missing.clone() {
+            return Err(StageLost(why));
+        }
+        let mut receivers = Vec::new();
+        for i in 0..self.stages.len() {
+            let (Some(l), Some(kv)) = (self.stages[i].layers, self.stages[i].kv) else { continue };
+            self.call.clear();
+            self.call.push(EXPECT);
+            self.call.extend_from_slice(&handoff.to_le_bytes());
+            put_u32(&mut self.call, blocks.len());
+            blocks.iter().for_each(|&b| put_u32(&mut self.call, b as usize));
+            let token = self.call_stage(i, |a| {
+                let token: [u8; 16] = a.try_into().map_err(|_| format!("an expect answered with {} bytes", a.len()))?;
+                Ok(HandoffToken(token))
+            })?;
+            let (first, last) = (l.first as u32, l.last as u32);
+            receivers.push(StageReceiver { first, last, to: KvAddr::Tcp(kv), token });
+        }
+        Ok(receivers)
+    }
+
+    fn await_kv(&mut self, handoff: u64) -> Result<Result<(), String>, StageLost> {
+        let mut got = Ok(());
+        for i in self.receiving() {
+            self.handoff_call(AWAIT, handoff);
+            match self.call_stage(i, decode_sent)? {
+                PartSent::Delivered => {}
+                PartSent::Failed(why) | PartSent::Unreachable(why) => got = got.and(Err(why)),
+            }
+        }
+        self.totals.kv_direct += u64::from(got.is_ok());
+        Ok(got)
+    }
+
+    fn forget_kv(&mut self, handoff: u64) -> Result<(), StageLost> {
+        for i in self.receiving() {
+            self.handoff_call(FORGET, handoff);
             self.call_stage(i, |_| Ok(()))?;
         }
         Ok(())

@@ -5,7 +5,7 @@ use pdserve_engine::batch::{Engine, EngineError, KvFrame, KvParts, StepOutput};
 use pdserve_protocol::{
     pace, DecodeHandoff, Event, EventSender, GenerateRequest, Prefilled, ServeError, Usage, WorkerStats,
 };
-use pdserve_types::{DraftRecord, RequestId};
+use pdserve_types::{DraftRecord, RequestId, StageReceiver};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
@@ -345,12 +345,13 @@ impl Loop {
                 self.done();
                 let _ = reply.send(first);
             }
-            Command::Reserve { id, prompt_len, keep, reply } => {
+            Command::Reserve { id, prompt_len, keep, direct, reply } => {
                 let res = match self.not_whole() {
                     Some(e) => Err(e),
                     None => self.engine.reserve_import_after(id, prompt_len, &keep).map_err(serve_error),
                 };
-                let res = res.map(|()| self.engine.draft_kv_worth(id));
+                let res = res.and_then(|()| self.stage_receivers(id, direct));
+                let res = res.map(|stages| (self.engine.draft_kv_worth(id), stages));
                 if res.is_ok() {
                     self.imports.insert(id, Instant::now());
                 }
@@ -385,6 +386,18 @@ impl Loop {
                 let _ = reply.send(self.stats());
             }
         }
+    }
+
+    /// The later stages that take their own layers of reservation `id` (none unless
+    /// `direct`); the reservation is given up if they cannot be asked.
+    fn stage_receivers(&mut self, id: RequestId, direct: bool) -> Result<Vec<StageReceiver>, ServeError> {
+        if !direct {
+            return Ok(Vec::new());
+        }
+        self.engine.expect_stage_kv(id).map_err(|e| {
+            self.engine.abort_import(id);
+            serve_error(e)
+        })
     }
 
     /// Serves the peers' fetches waiting, between steps.

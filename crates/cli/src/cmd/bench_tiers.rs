@@ -241,10 +241,14 @@ fn fetch(m: &LoadedModel, a: &TiersArgs, tokens: usize, via: TransportKind, busy
                 false => None,
             };
             let started = Instant::now();
-            let token = here.reserve(RequestId(id), whole, None).await?.token;
+            let reserved = here.reserve(RequestId(id), whole, None).await?;
             let target = here.kv_target(via).context("no KV receiver here")?;
-            let sent =
-                holder.export_prefix(RequestId(id), prompt[..whole].to_vec(), 0, KvDestination::plain(target, token));
+            let sent = holder.export_prefix(
+                RequestId(id),
+                prompt[..whole].to_vec(),
+                0,
+                KvDestination::prefix(target, reserved),
+            );
             let sent = sent.await?;
             anyhow::ensure!(sent == whole, "the holder sent {sent} of {whole} cached tokens");
             let (tx, mut stream) = TokenStream::channel(8);

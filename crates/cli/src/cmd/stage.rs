@@ -10,8 +10,8 @@ use pdserve_engine::batch::StageRunner;
 use pdserve_engine::loader::LoadedModel;
 use pdserve_engine::model::stage::{head_cost, heads_by_links, StageBytes};
 use pdserve_engine::model::LayerRange;
-use pdserve_kv_transfer::{ClusterKey, Links, StageServer};
-use pdserve_worker::stages::{RemoteStages, StageHello, StageService};
+use pdserve_kv_transfer::{ClusterKey, Links, StageServer, TcpReceiver};
+use pdserve_worker::stages::{stage_inboxes, RemoteStages, StageHello, StageService};
 use std::net::SocketAddr;
 
 /// Rows a later stage takes in one step: past any head's batch budget.
@@ -68,7 +68,7 @@ impl GroupArgs {
     pub fn part(
         &self,
         m: Option<&LoadedModel>,
-        listen: SocketAddr,
+        listen: (SocketAddr, Option<SocketAddr>),
         how: Shape,
         key: &ClusterKey,
         fleet: Option<InFleet>,
@@ -144,16 +144,18 @@ fn hello_of(m: &LoadedModel, blocks: usize) -> StageHello {
         hidden: c.hidden,
         vocab: c.vocab_size,
         blocks,
+        kv_port: 0,
         model: m.name.clone(),
     }
 }
 
-/// Serves a later stage on `listen` until SIGINT/SIGTERM, announced in the fleet
-/// when it is in one.
+/// Serves a later stage on `listen` (its K/V receiver on the second address,
+/// by default a free port of the same host) until SIGINT/SIGTERM, announced in the
+/// fleet when it is in one.
 fn serve(
     g: &GroupArgs,
     m: &LoadedModel,
-    (listen, fleet): (SocketAddr, Option<InFleet>),
+    ((listen, kv_listen), fleet): ((SocketAddr, Option<SocketAddr>), Option<InFleet>),
     how: Shape,
     key: ClusterKey,
 ) -> anyhow::Result<Stopped> {
@@ -165,16 +167,26 @@ fn serve(
         http::signal()
     };
     let listener = std::net::TcpListener::bind(listen).with_context(|| format!("cannot listen on {listen}"))?;
+    let kv_at = kv_listen.unwrap_or(SocketAddr::new(listen.ip(), 0));
+    let inboxes = stage_inboxes(&m.model, key.clone());
+    let kv = rt
+        .block_on(TcpReceiver::bind(kv_at, inboxes.clone()))
+        .with_context(|| format!("cannot listen for K/V on {kv_at}"))?;
     let runner = StageRunner::new(m.model.clone(), blocks, dtype, threads, STAGE_MAX_ROWS);
-    let service = StageService::new(runner, blocks, m.name.clone()).sending_parts(Links::new(key.clone()));
+    let service = StageService::new(runner, blocks, m.name.clone()).sending_parts(Links::new(key.clone())).receiving(
+        inboxes,
+        kv.local_addr().port(),
+        rt.handle().clone(),
+    );
     let server = StageServer::start(listener, key, service)?;
     tracing::info!(
-        "pdserve worker: stage {} of group {} ({} thread(s), {blocks} KV blocks of {dtype}, {:.0} MiB of weights) listening on {}",
+        "pdserve worker: stage {} of group {} ({} thread(s), {blocks} KV blocks of {dtype}, {:.0} MiB of weights) listening on {}, K/V on {}",
         m.model.layers(),
         g.name(),
         threads,
         m.model.weight_bytes() as f64 / (1 << 20) as f64,
-        server.local_addr()
+        server.local_addr(),
+        kv.local_addr()
     );
     let announced = match fleet {
         Some(f) => Some(announce(g, m, &f, server.local_addr(), &rt)?),
@@ -187,6 +199,7 @@ fn serve(
         }
     });
     drop(server);
+    drop(kv);
     tracing::info!("pdserve worker: stage stopped");
     Ok(Stopped::Drained)
 }

@@ -276,7 +276,7 @@ fn group_part(a: &Args, m: &Compute, blocks: usize, key: &ClusterKey, tiers: boo
     a.group.check(tiers, a.nats.nats.is_some())?;
     let how = (blocks, a.threads.max(1), a.kv_cache.kv_cache_dtype);
     let fleet = in_fleet(a, key, &format!("stage@{}", a.listen));
-    a.group.part(m.real(), a.listen, how, key, fleet)
+    a.group.part(m.real(), (a.listen, a.kv_listen), how, key, fleet)
 }
 
 /// Where a stage of a group meets the fleet, when this worker is in one.

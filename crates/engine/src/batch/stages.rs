@@ -21,7 +21,7 @@ use crate::pipeline::{cut, lanes, micro_batches, PassCost, PassTimes};
 use crate::threadpool::ThreadPool;
 use crate::tiers::{TierBytes, TierConfig};
 use pdserve_kv::{Move, Place};
-use pdserve_types::{HandoffToken, KvAddr, KvDtype, KvFrame, StageCompute, StageTotals};
+use pdserve_types::{HandoffToken, KvAddr, KvDtype, KvFrame, RequestId, StageCompute, StageReceiver, StageTotals};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
@@ -106,6 +106,29 @@ pub trait NextStages: Send {
     /// that holds its layer: a decode group's import.
     fn write_kv(&mut self, frames: &[(u32, KvFrame)]) -> Result<(), StageLost>;
 
+    /// Has every later stage that receives K/V itself expect its layers of handoff
+    /// `handoff` into `blocks` (indexed from 0, as frames are): the receivers to
+    /// name in the reservation. Stages that cannot (in-process ones) are not named:
+    /// their layers come to the head, which writes them on.
+    fn expect_kv(&mut self, handoff: u64, blocks: &[u32]) -> Result<Vec<StageReceiver>, StageLost> {
+        let _ = (handoff, blocks);
+        Ok(Vec::new())
+    }
+
+    /// Waits until every stage that expected `handoff` holds all of its layers of it
+    /// (`Ok(Err(why))`: one's transfer failed); the stages forget it either way.
+    fn await_kv(&mut self, handoff: u64) -> Result<Result<(), String>, StageLost> {
+        let _ = handoff;
+        Ok(Ok(()))
+    }
+
+    /// Has every stage that expected `handoff` give it up; once this returns, none
+    /// writes another frame of it (its blocks may be handed out again).
+    fn forget_kv(&mut self, handoff: u64) -> Result<(), StageLost> {
+        let _ = handoff;
+        Ok(())
+    }
+
     /// Makes the head's lower-tier copies on every stage, in order, each of its own
     /// layers: a block down from the pool or the host tier, or (to a pool block) back
     /// up. Each stage keeps `slots` (host, disk) slots, as the head does.
@@ -117,12 +140,24 @@ pub trait NextStages: Send {
 
 /// Where a prefill group's later stages send their layers' K/V of a handoff
 /// themselves: the receiver, the handoff and its token (the head's sink presented
-/// the same). Each stage's frames then cross one link, not two.
+/// the same), and the receiving group's stages that take their own layers (as the
+/// head's sink sends them). Each stage's frames then cross one link, not two.
 #[derive(Clone, Debug)]
 pub struct KvParts {
     pub to: KvAddr,
     pub handoff: u64,
     pub token: HandoffToken,
+    pub stages: Vec<StageReceiver>,
+}
+
+impl KvParts {
+    /// Where layer `layer`'s frames go, and the token to present there.
+    pub fn route(&self, layer: u32) -> (&KvAddr, HandoffToken) {
+        match self.stages.iter().find(|s| s.holds(layer)) {
+            Some(s) => (&s.to, s.token),
+            None => (&self.to, self.token),
+        }
+    }
 }
 
 /// What one stage's part of a handoff came to.
@@ -526,6 +561,39 @@ impl Engine {
         };
         next.copied()?;
         next.stages.write_kv(frames).map_err(|e| next.lose(e))
+    }
+
+    /// Has the later stages that receive K/V themselves expect their layers of
+    /// import `id` (after the reservation): the receivers the reservation names. The
+    /// import then completes only once they hold them ([`Engine::finish_import`]).
+    pub fn expect_stage_kv(&mut self, id: RequestId) -> Result<Vec<StageReceiver>, EngineError> {
+        let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
+        if self.next.is_none() || self.importing[at].ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.settle_lanes();
+        let Some(next) = self.next.as_mut() else { return Ok(Vec::new()) };
+        // The stages write these blocks from now on: lower-tier copies go first.
+        next.copied()?;
+        let imp = &mut self.importing[at];
+        let receivers = next.stages.expect_kv(id.0, &imp.ids).map_err(|e| next.lose(e))?;
+        imp.direct = !receivers.is_empty();
+        Ok(receivers)
+    }
+
+    /// Waits until the later stages hold their layers of import `id` (`forget`: has
+    /// them give it up instead).
+    pub(crate) fn settle_stage_kv(&mut self, id: RequestId, forget: bool) -> Result<(), EngineError> {
+        self.settle_lanes();
+        let Some(next) = self.next.as_mut() else { return Ok(()) };
+        if forget {
+            return next.stages.forget_kv(id.0).map_err(|e| next.lose(e));
+        }
+        match next.stages.await_kv(id.0) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(why)) => Err(EngineError::BadFrame(format!("a later stage's K/V: {why}"))),
+            Err(e) => Err(next.lose(e)),
+        }
     }
 
     /// Whether the stages after this engine's own (if any) can all be reached.

@@ -18,7 +18,7 @@ pub struct KvImport {
     pub(crate) id: RequestId,
     prompt_len: usize,
     table: BlockTable,
-    ids: Vec<u32>,
+    pub(crate) ids: Vec<u32>,
     /// The draft model's blocks for the prompt, where this engine drafts with one.
     draft: Option<DraftImport>,
     /// What the draft model's K/V of the prompt would save this engine, as the
@@ -28,6 +28,9 @@ pub struct KvImport {
     /// sent to the stages, and their bytes.
     staged: Vec<(u32, KvFrame)>,
     staged_bytes: usize,
+    /// A group's later stages take their own layers straight from the sender
+    /// ([`Engine::expect_stage_kv`]).
+    pub(crate) direct: bool,
 }
 
 /// Bytes of later stages' frames a group's head holds before it sends them on.
@@ -250,7 +253,8 @@ impl Engine {
             false => Some(0.0),
         };
         let (staged, staged_bytes) = (Vec::new(), 0);
-        self.importing.push(KvImport { id, prompt_len, table, ids, draft, draft_worth, staged, staged_bytes });
+        let direct = false;
+        self.importing.push(KvImport { id, prompt_len, table, ids, draft, draft_worth, staged, staged_bytes, direct });
         Ok(())
     }
 
@@ -296,10 +300,18 @@ impl Engine {
     }
 
     /// Takes import `id` out of the transfers in flight, its later stages' frames
-    /// sent on (refused, it is gone all the same: its blocks return to the pool).
+    /// sent on or received by them (refused, it is gone all the same: its blocks
+    /// return to the pool, once no stage writes them).
     fn take_import(&mut self, id: RequestId) -> Result<KvImport, EngineError> {
         let at = self.importing.iter().position(|i| i.id == id).ok_or(EngineError::Unknown(id))?;
-        let sent = self.send_staged(at);
+        let direct = self.importing[at].direct;
+        let mut sent = self.send_staged(at);
+        if direct {
+            sent = match sent {
+                Ok(()) => self.settle_stage_kv(id, false),
+                Err(e) => self.settle_stage_kv(id, true).and(Err(e)),
+            };
+        }
         let imp = self.importing.swap_remove(at);
         sent.map(|()| imp)
     }
@@ -445,9 +457,14 @@ impl Engine {
 
     /// Gives up a transfer; its blocks return to the pool.
     pub fn abort_import(&mut self, id: RequestId) -> bool {
-        let before = self.importing.len();
-        self.importing.retain(|i| i.id != id);
-        before != self.importing.len()
+        let Some(at) = self.importing.iter().position(|i| i.id == id) else { return false };
+        if self.importing[at].direct {
+            // Before its blocks go back: no stage may write them after. A lost stage
+            // comes back empty, its prefix cache with it.
+            let _ = self.settle_stage_kv(id, true);
+        }
+        self.importing.remove(at);
+        true
     }
 }
 

@@ -42,7 +42,7 @@ fn a_cut_or_lying_call_is_refused_without_a_panic() {
 }
 
 fn hello(layers: LayerRange, blocks: usize) -> StageHello {
-    StageHello { layers, total_layers: 30, hidden: 576, vocab: 49152, blocks, model: "m.gguf".into() }
+    StageHello { layers, total_layers: 30, hidden: 576, vocab: 49152, blocks, kv_port: 7002, model: "m.gguf".into() }
 }
 
 #[test]
@@ -98,18 +98,35 @@ fn served_stages() -> (RemoteStages, Vec<pdserve_kv_transfer::StageServer>) {
 /// [`served_stages`] proving `key`, each stage sending its parts of a handoff over
 /// links that prove it too.
 fn served_stages_with(key: ClusterKey) -> (RemoteStages, Vec<pdserve_kv_transfer::StageServer>) {
+    let (stages, servers, _) = served_group(key, &[(10, 19), (20, 29)], None);
+    (stages, servers)
+}
+
+/// Later stages of the default model holding `ranges` (with the head's 0..9, the
+/// model), each with a K/V receiver of its own on `rt` where one is given.
+fn served_group(
+    key: ClusterKey,
+    ranges: &[(usize, usize)],
+    rt: Option<tokio::runtime::Handle>,
+) -> (RemoteStages, Vec<pdserve_kv_transfer::StageServer>, Vec<pdserve_kv_transfer::TcpReceiver>) {
     use pdserve_engine::config::ModelConfig;
     use pdserve_engine::format::gguf::GgufFile;
-    use pdserve_engine::model::Model;
     let file = GgufFile::open(&pdserve_engine::models::require_known_model("smollm2-135m")).unwrap();
     let cfg = ModelConfig::from_gguf(&file.header).unwrap();
-    let servers: Vec<_> = [(10, 19), (20, 29)]
-        .into_iter()
-        .map(|(first, last)| {
+    let mut receivers = Vec::new();
+    let servers: Vec<_> = ranges
+        .iter()
+        .map(|&(first, last)| {
             let m = std::sync::Arc::new(Model::load_stage(&file, cfg.clone(), LayerRange { first, last }).unwrap());
+            let inboxes = stage_inboxes(&m, key.clone());
             let runner = StageRunner::new(m, 8, KvDtype::F16, 1, 64);
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let service = StageService::new(runner, 8, "m".into()).sending_parts(Links::new(key.clone()));
+            let mut service = StageService::new(runner, 8, "m".into()).sending_parts(Links::new(key.clone()));
+            if let Some(rt) = &rt {
+                let rx = rt.block_on(pdserve_kv_transfer::TcpReceiver::bind("127.0.0.1:0", inboxes.clone())).unwrap();
+                service = service.receiving(inboxes, rx.local_addr().port(), rt.clone());
+                receivers.push(rx);
+            }
             pdserve_kv_transfer::StageServer::start(listener, key.clone(), service).unwrap()
         })
         .collect();
@@ -119,12 +136,13 @@ fn served_stages_with(key: ClusterKey) -> (RemoteStages, Vec<pdserve_kv_transfer
         hidden: cfg.hidden,
         vocab: cfg.vocab_size,
         blocks: 8,
+        kv_port: 0,
         model: "m".into(),
     };
     let addrs: Vec<SocketAddr> = servers.iter().map(|s| s.local_addr()).collect();
     let mut stages = RemoteStages::new(head, &addrs, key);
     assert_eq!(stages.connect(true), None);
-    (stages, servers)
+    (stages, servers, receivers)
 }
 
 #[test]
@@ -274,12 +292,28 @@ fn a_block_sent_down_the_tiers_comes_back_whole_over_the_wire() {
 
 #[test]
 fn a_send_call_decodes_to_what_was_encoded_and_a_cut_or_lie_is_refused() {
-    let to = KvParts { to: KvAddr::Tcp("10.0.0.2:7001".parse().unwrap()), handoff: 77, token: HandoffToken([9; 16]) };
+    let stage = StageReceiver {
+        first: 6,
+        last: 17,
+        to: KvAddr::Tcp("10.0.0.3:7001".parse().unwrap()),
+        token: HandoffToken([4; 16]),
+    };
+    let to = KvParts {
+        to: KvAddr::Tcp("10.0.0.2:7001".parse().unwrap()),
+        handoff: 77,
+        token: HandoffToken([9; 16]),
+        stages: vec![stage],
+    };
     let mut call = Vec::new();
     encode_send(&to, &[4, 0, 31], &mut call);
     assert_eq!(call[0], SEND);
     let (got, blocks) = decode_send(&call[1..]).unwrap();
-    assert_eq!((got.to, got.handoff, got.token, blocks), (to.to.clone(), 77, to.token, vec![4, 0, 31]));
+    assert_eq!((&got.to, got.handoff, got.token, blocks), (&to.to, 77, to.token, vec![4, 0, 31]));
+    assert_eq!(got.stages, to.stages);
+    // Each layer goes where the decode group holds it.
+    assert_eq!(got.route(5), (&to.to, to.token));
+    assert_eq!(got.route(6), (&to.stages[0].to, to.stages[0].token));
+    assert_eq!(got.route(18), (&to.to, to.token));
     for end in 1..call.len() {
         assert!(decode_send(&call[1..end]).is_err(), "cut at {end}");
     }
@@ -313,7 +347,7 @@ async fn later_stages_send_their_layers_of_a_handoff_to_its_receiver_themselves(
         let mut rows = Vec::new();
         stages.run(&[StagePart { rows: 5, start_pos: 0, logits: 1, blocks: vec![3] }], &x, &mut rows).unwrap();
         let main = Links::new(key).open(&pdserve_types::KvTarget::Remote(addr.clone()), HandoffId(5), token);
-        let parts = KvParts { to: addr, handoff: 5, token };
+        let parts = KvParts { to: addr, handoff: 5, token, stages: Vec::new() };
         let sent = stages.send_kv(&[3], &parts).unwrap();
         main.unwrap().finish().unwrap();
         let through: Vec<KvFrame> = (10..30).flat_map(|l| stages.read_kv(l, &[3]).unwrap()).collect();
@@ -334,4 +368,68 @@ async fn later_stages_send_their_layers_of_a_handoff_to_its_receiver_themselves(
     assert_eq!(arrived, through, "the parts' frames are not what the head reads");
     assert!(unreachable.iter().all(|(_, s)| matches!(s, PartSent::Unreachable(_))), "{unreachable:?}");
     assert!(refused.iter().all(|(_, s)| matches!(s, PartSent::Failed(_))), "{refused:?}");
+}
+
+/// A decode group's later stages take their own layers of a handoff straight from
+/// the sender (here a prefill group's stages, cut elsewhere: one of them sends to
+/// both): what the prefill side holds lands in the blocks the decode head reserved,
+/// on the stage that holds each layer, and the head's inbox gets none of it. A
+/// handoff forgotten takes no frame after; one whose sender gave up fails its await.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_groups_stages_take_their_layers_straight_from_the_sender() {
+    use pdserve_kv_transfer::{Inboxes, TcpReceiver};
+    use pdserve_types::KvTarget;
+    let key = ClusterKey::random();
+    let rt = tokio::runtime::Handle::current();
+    let head_inboxes = Inboxes::guarded(1024, key.clone(), pdserve_kv_transfer::frame::MAX_FRAME_BYTES);
+    let head_rx = TcpReceiver::bind("127.0.0.1:0", head_inboxes.clone()).await.unwrap();
+    let mut head_in = head_inboxes.expect(HandoffId(9)).unwrap();
+    let (head_addr, head_token) = (KvAddr::Tcp(head_rx.local_addr()), head_in.token());
+    let out = tokio::task::spawn_blocking(move || {
+        let (mut p, _p) = served_stages_with(key.clone());
+        let (mut d, _d, _rx) = served_group(key.clone(), &[(10, 14), (15, 29)], Some(rt));
+        // A prompt of 5 rows in the prefill side's block 3.
+        let x: Vec<f32> = (0..5 * 576).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+        p.run(&[StagePart { rows: 5, start_pos: 0, logits: 1, blocks: vec![3] }], &x, &mut Vec::new()).unwrap();
+        let receivers = d.expect_kv(9, &[5]).unwrap();
+        let ranges: Vec<(u32, u32)> = receivers.iter().map(|r| (r.first, r.last)).collect();
+        assert_eq!(ranges, [(10, 14), (15, 29)]);
+        // The prefill head's sinks: to the decode head and each decode stage (its own
+        // layers, none past 9 here, would go in them).
+        let links = Links::new(key);
+        let open = |to: &KvAddr, token| links.open(&KvTarget::Remote(to.clone()), HandoffId(9), token).unwrap();
+        let mains: Vec<_> = receivers.iter().map(|r| open(&r.to, r.token)).collect();
+        let head_main = open(&head_addr, head_token);
+        let parts = KvParts { to: head_addr, handoff: 9, token: head_token, stages: receivers };
+        let sent = p.send_kv(&[3], &parts).unwrap();
+        mains.into_iter().for_each(|m| m.finish().unwrap());
+        head_main.finish().unwrap();
+        let awaited = d.await_kv(9).unwrap();
+        let want: Vec<KvFrame> = (10..30).flat_map(|l| p.read_kv(l, &[3]).unwrap()).collect();
+        let got: Vec<KvFrame> = (10..30).flat_map(|l| d.read_kv(l, &[5]).unwrap()).collect();
+
+        let block6 = |d: &mut RemoteStages| (10..30).flat_map(|l| d.read_kv(l, &[6]).unwrap()).collect::<Vec<_>>();
+        let before = block6(&mut d);
+        let forgotten = d.expect_kv(10, &[6]).unwrap();
+        d.forget_kv(10).unwrap();
+        let late = KvParts { handoff: 10, stages: forgotten, ..parts.clone() };
+        let late = p.send_kv(&[3], &late).unwrap();
+        let after = block6(&mut d);
+
+        let abandoned = d.expect_kv(11, &[7]).unwrap();
+        abandoned.iter().for_each(|r| {
+            links.open(&KvTarget::Remote(r.to.clone()), HandoffId(11), r.token).unwrap().abort();
+        });
+        let failed = d.await_kv(11).unwrap();
+        (sent, awaited, (want, got), (before, after, late), failed, d.totals().kv_direct)
+    });
+    assert_eq!(head_in.recv().await.unwrap().map(|f| f.layer), None, "a layer past the head's came to it");
+    let (sent, awaited, (want, got), (before, after, late), failed, direct) = out.await.unwrap();
+    assert!(sent.iter().all(|(_, s)| *s == PartSent::Delivered), "{sent:?}");
+    assert_eq!(awaited, Ok(()));
+    assert_eq!(got, want, "the decode stages do not hold what the prefill stages computed");
+    assert!(late.iter().all(|(_, s)| *s != PartSent::Delivered), "{late:?}");
+    assert_eq!(after, before, "a forgotten handoff wrote its block");
+    assert!(failed.is_err(), "an abandoned handoff awaited well");
+    assert_eq!(direct, 1);
 }

@@ -13,6 +13,8 @@
 //! (layer, block) as each layer completes. A receiver routes frames only to a handoff
 //! whose sink presented its token, so no other process can write into (or spoil) a
 //! reservation it did not get. Frames of one handoff arrive in order.
+//! A handoff into a stage group whose later stages receive their own layers goes to
+//! several receivers at once, each layer to the one that holds it ([`ByLayer`]).
 //! Every link that leaves the process carries frames in the checksummed [wire
 //! format](frame), so a corrupt frame fails its handoff instead of poisoning the cache.
 //!

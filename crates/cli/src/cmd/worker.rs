@@ -25,7 +25,8 @@ pub struct Args {
     #[arg(long)]
     listen: SocketAddr,
     /// Where this worker receives KV over TCP; port 0 picks a free one. Default: the
-    /// control address's host, any port.
+    /// control address's host, any port. A group's later stage receives its own layers
+    /// of a decode group's handoffs here.
     #[arg(long)]
     kv_listen: Option<SocketAddr>,
     /// `default`, a model `pdserve pull --list` names, or a path to a GGUF file or

@@ -23,7 +23,7 @@ use pdserve_engine::config::ModelConfig;
 use pdserve_engine::format::gguf::GgufFile;
 use pdserve_engine::kernels::Isa;
 use pdserve_engine::kvcache::KvStorage;
-use pdserve_engine::model::{logit_rows, ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
+use pdserve_engine::model::{logit_rows, step_bytes, ForwardScratch, LayerRange, Model, SeqBatch, StageOut};
 use pdserve_engine::threadpool::ThreadPool;
 use pdserve_engine::tiers::TierConfig;
 use pdserve_kv::Move;
@@ -121,6 +121,28 @@ fn smollm2_in_two_and_three_stages_computes_the_whole_models_logits() {
 #[test]
 fn gemma3_stages_cut_either_side_of_a_global_layer() {
     check("gemma3-270m", 18, &[&[(0, 5), (6, 17)], &[(0, 4), (5, 11), (12, 17)]], &prompt(33));
+}
+
+/// What `pdserve split` keeps on every node for a step's working buffers
+/// ([`step_bytes`]) covers what the stages' buffers take after a chunked prefill and
+/// some decodes, and is within a tenth of what they take (the head also
+/// holds a final row and its logits for the one row given logits).
+#[test]
+fn a_steps_buffers_take_what_split_keeps_for_them() {
+    let chunk = 64;
+    for (name, cuts) in [("smollm2-135m", &[(0, 9), (10, 19), (20, 29)]), ("gemma3-270m", &[(0, 5), (6, 11), (12, 17)])]
+    {
+        let mut parts = stages(name, cuts, 16);
+        let blocks: Vec<u32> = (0..16).collect();
+        run(&mut parts, &prompt(150), chunk, &blocks);
+        for (i, p) in parts.iter().enumerate() {
+            let cfg = &p.model.cfg;
+            let logits = if i == 0 { 4 * (cfg.vocab_size + cfg.hidden) } else { 0 };
+            let (took, kept) = (p.scratch.bytes(), step_bytes(cfg, chunk) + logits);
+            assert!(took <= kept, "{name} stage {i}: a step took {took} bytes, split keeps {kept}");
+            assert!(10 * kept <= 11 * took, "{name} stage {i}: split keeps {kept} bytes for {took}");
+        }
+    }
 }
 
 #[test]

@@ -382,10 +382,15 @@ pub fn split(a: &SplitArgs) -> anyhow::Result<()> {
         Some(t) => t.n_bytes as f64,
         None => bytes("token_embd.weight"),
     };
-    let first = bytes("token_embd.weight") + head + bytes("output_norm.weight");
+    // A step of the engine's most rows, and on the head a final row and its logits
+    // for each sequence.
+    let engine = pdserve_engine::batch::EngineConfig::default();
+    let logits = (engine.max_seqs * (cfg.vocab_size + cfg.hidden) * 4) as f64;
+    let first = bytes("token_embd.weight") + head + bytes("output_norm.weight") + logits;
     let kv_token = pdserve_engine::kvcache::bytes_per_token(&cfg, a.kv_cache_dtype) as f64 / cfg.n_layers as f64;
     let kv = kv_token * (a.kv_blocks * pdserve_engine::batch::BLOCK_SIZE) as f64;
-    let need = StageBytes { layers: &layers, first, kv };
+    let step = pdserve_engine::model::step_bytes(&cfg, engine.max_batch_tokens) as f64;
+    let need = StageBytes { layers: &layers, first, kv, step };
     let memory: Vec<f64> = memory_gb.iter().map(|g| g * 1e9).collect();
     let hop = hop_costs(&links, memory.len(), cfg.hidden);
     let heads = if links.is_empty() { vec![0] } else { heads_by_links(&hop) };
@@ -394,7 +399,7 @@ pub fn split(a: &SplitArgs) -> anyhow::Result<()> {
     for (at, (&node, r)) in order.iter().zip(&ranges).enumerate() {
         let role = if at == 0 { "the head" } else { "a later stage" };
         println!(
-            "node {} ({} GB, {role}): --layers {r}  ({:.0} MiB of weights and K/V as the file stores them)",
+            "node {} ({} GB, {role}): --layers {r}  ({:.0} MiB of weights and K/V as the file stores them, and a step's buffers)",
             names[node],
             memory_gb[node],
             mib(need.of(at, *r))

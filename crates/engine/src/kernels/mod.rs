@@ -20,6 +20,16 @@ mod quant_avx512;
 
 use std::sync::OnceLock;
 
+/// Resizes scratch `v` to `n` values, growing its allocation to exactly `n` where it
+/// must grow (not the doubling `resize` does): a step's buffers then hold what its
+/// largest step took, which `crate::model::step_bytes` counts for `pdserve split`.
+pub fn fit<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
+    if n > v.capacity() {
+        v.reserve_exact(n - v.len());
+    }
+    v.resize(n, T::default());
+}
+
 /// The instruction sets a kernel may be specialised for, best first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {

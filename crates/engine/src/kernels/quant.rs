@@ -174,10 +174,10 @@ impl QuantActs {
         let nb = rows * cols / QBLOCK;
         self.rows = rows;
         self.cols = cols;
-        self.q.resize(rows * cols, 0);
-        self.d.resize(nb, 0.0);
-        self.s.resize(nb, 0.0);
-        self.qsum.resize(nb, 0);
+        super::fit(&mut self.q, rows * cols);
+        super::fit(&mut self.d, nb);
+        super::fit(&mut self.s, nb);
+        super::fit(&mut self.qsum, nb);
     }
 
     /// The four buffers, for filling them in parallel.

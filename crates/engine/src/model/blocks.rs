@@ -8,8 +8,8 @@ use super::linear::{load_vector, Linear, LinearScratch};
 use crate::config::ModelConfig;
 use crate::format::{FormatError, TensorSource};
 use crate::kernels::attention::{self, AttnScratch, Queries};
-use crate::kernels::kv_quant;
 use crate::kernels::ops::{add_assign, gelu_tanh_f16_mul, rms_norm, silu_mul, RopeTable};
+use crate::kernels::{fit, kv_quant};
 use crate::kvcache::KvStorage;
 use crate::threadpool::{DisjointMut, ThreadPool};
 use std::cell::RefCell;
@@ -105,7 +105,7 @@ impl Attention {
         let (isa, pool) = (step.isa, step.pool);
         let (t, qd, kvd) = (step.positions.len(), c.q_dim(), c.kv_dim());
         let width = qd + 2 * kvd;
-        s.qkv.resize(t * width, 0.0);
+        fit(&mut s.qkv, t * width);
         self.qkv.forward(isa, pool, &s.h, t, &mut s.qkv, &mut s.lin);
         for (i, row) in s.qkv.chunks_exact_mut(width).enumerate() {
             if let Some((q_norm, k_norm)) = &self.qk_norm {
@@ -124,7 +124,7 @@ impl Attention {
         }
         store_kv(kv, l, step.batch, &s.qkv, width, qd, kvd);
         attend_all(step, c, l, kv, &s.qkv, spec, &mut s.attn);
-        s.proj.resize(t * c.hidden, 0.0);
+        fit(&mut s.proj, t * c.hidden);
         self.o.forward(isa, pool, &s.attn, t, &mut s.proj, &mut s.lin);
     }
 }
@@ -134,6 +134,13 @@ impl Attention {
 pub(super) struct MlpScratch {
     gu: Vec<f32>,
     act: Vec<f32>,
+}
+
+impl MlpScratch {
+    /// Bytes its buffers hold.
+    pub(super) fn bytes(&self) -> usize {
+        4 * (self.gu.capacity() + self.act.capacity())
+    }
 }
 
 /// The gated feed-forward network, `down(act(gate · x) ⊙ up · x)`, with gate and up
@@ -200,10 +207,10 @@ impl GatedMlp {
         lin: &mut LinearScratch,
     ) {
         let (isa, pool, f) = (step.isa, step.pool, self.down.in_features);
-        m.gu.resize(t * 2 * f, 0.0);
+        fit(&mut m.gu, t * 2 * f);
         self.gate_up.forward(isa, pool, x, t, &mut m.gu, lin);
         gated_activation(pool, &m.gu, f, self.act, &mut m.act);
-        out.resize(t * self.down.out_features, 0.0);
+        fit(out, t * self.down.out_features);
         self.down.forward(isa, pool, &m.act, t, out, lin);
     }
 }
@@ -211,7 +218,7 @@ impl GatedMlp {
 /// RMS-normalizes every row of `x` into `out`, rows split over the pool.
 pub(super) fn norm_rows(pool: &ThreadPool, x: &[f32], w: &[f32], eps: f32, h: usize, out: &mut Vec<f32>) {
     let t = x.len() / h;
-    out.resize(x.len(), 0.0);
+    fit(out, x.len());
     let dst = DisjointMut::new(out);
     pool.for_ranges(t, pool.threads().min(t), &|r| {
         for i in r {
@@ -288,7 +295,7 @@ pub(super) fn attend_all(
     let (batch, positions) = (step.batch, step.positions);
     let (qd, hd, n_rep) = (c.q_dim(), c.head_dim, c.n_heads / c.n_kv_heads);
     let width = qd + 2 * c.kv_dim();
-    out.resize(positions.len() * qd, 0.0);
+    fit(out, positions.len() * qd);
     // Work items: (first token index, token count, seq index, kv head).
     let mut items = Vec::new();
     let mut first = 0;
@@ -344,7 +351,7 @@ pub(super) enum Activation {
 /// into `out` (`tokens × f`).
 pub(super) fn gated_activation(pool: &ThreadPool, gu: &[f32], f: usize, act: Activation, out: &mut Vec<f32>) {
     let t = gu.len() / (2 * f);
-    out.resize(t * f, 0.0);
+    fit(out, t * f);
     let dst = DisjointMut::new(out);
     pool.for_ranges(t, pool.threads().min(t), &|r| {
         for i in r {

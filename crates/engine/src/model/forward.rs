@@ -5,7 +5,7 @@
 
 use super::blocks::norm_rows;
 use super::{Head, Model};
-use crate::kernels::Isa;
+use crate::kernels::{fit, Isa};
 use crate::kvcache::KvStorage;
 use crate::threadpool::ThreadPool;
 use pdserve_types::TokenOut;
@@ -76,6 +76,29 @@ pub struct ForwardScratch {
     pub(super) lin: super::linear::LinearScratch,
     logits: Vec<f32>,
     last: Vec<f32>,
+}
+
+impl ForwardScratch {
+    /// Bytes its buffers hold (their capacity): what the largest step it served took.
+    pub fn bytes(&self) -> usize {
+        let own = [&self.x, &self.h, &self.qkv, &self.attn, &self.proj, &self.head, &self.logits, &self.last];
+        own.iter().map(|v| 4 * v.capacity()).sum::<usize>() + self.mlp.bytes() + self.moe.bytes() + self.lin.bytes()
+    }
+}
+
+/// The bytes of [`ForwardScratch`] a step of `rows` rows through `cfg`'s layers takes,
+/// logits aside: per row, f32 values of the residual stream and its normed copy, the
+/// queries, keys and values, the attention's output and its projection, the
+/// feed-forward's gate, up and activation (a mixture's router scores and expert
+/// slots too), and a matmul's int8 activations of the widest input with their scales
+/// (three 4-byte words per 32 values); and one head's values, for the q/k norms.
+pub fn step_bytes(cfg: &crate::config::ModelConfig, rows: usize) -> usize {
+    let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+    let ffn = cfg.moe.as_ref().map_or(cfg.ffn_hidden, |m| m.expert_ffn);
+    let moe = cfg.moe.as_ref().map_or(0, |m| m.experts + (2 + m.used) * cfg.hidden);
+    let f32s = 3 * cfg.hidden + q + (q + 2 * kv) + 3 * ffn + moe;
+    let widest = cfg.hidden.max(q).max(ffn);
+    rows * (4 * f32s + widest + widest.div_ceil(32) * 12) + 4 * cfg.head_dim
 }
 
 /// The rows of `x` (every row of a step, `hidden` values each) that get logits: of
@@ -160,7 +183,7 @@ impl Model {
         let h = self.cfg.hidden;
         let positions: Vec<usize> =
             batch.iter().flat_map(|b| (0..b.tokens.len()).map(move |j| b.start_pos + j)).collect();
-        s.x.resize(positions.len() * h, 0.0);
+        fit(&mut s.x, positions.len() * h);
         match &self.embd {
             Some(embd) => {
                 for (i, tok) in batch.iter().flat_map(|b| b.tokens.iter()).enumerate() {
@@ -236,7 +259,7 @@ impl Model {
         let (h, v) = (self.cfg.hidden, self.cfg.vocab_size);
         let n = s.last.len() / h;
         norm_rows(pool, &s.last, &head.norm, self.cfg.rms_eps, h, &mut s.h);
-        s.logits.resize(n * v, 0.0);
+        fit(&mut s.logits, n * v);
         head.lm_head.forward(isa, pool, &s.h[..n * h], n, &mut s.logits, &mut s.lin);
         self.soft_cap(&mut s.logits[..n * v]);
         &mut s.logits[..n * v]
@@ -266,7 +289,7 @@ impl Model {
                 let n = SCORE_ROWS.min(rows - lo);
                 let x = &s.x[(first_row + lo) * h..(first_row + lo + n) * h];
                 norm_rows(pool, x, &head.norm, self.cfg.rms_eps, h, &mut s.h);
-                s.logits.resize(n * v, 0.0);
+                fit(&mut s.logits, n * v);
                 head.lm_head.forward(isa, pool, &s.h[..n * h], n, &mut s.logits, &mut s.lin);
                 self.soft_cap(&mut s.logits[..n * v]);
                 for (j, row) in s.logits[..n * v].chunks_exact(v).enumerate() {

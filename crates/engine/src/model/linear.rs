@@ -60,6 +60,14 @@ pub struct LinearScratch {
     acts: QuantActs,
 }
 
+impl LinearScratch {
+    /// Bytes its buffers hold.
+    pub(super) fn bytes(&self) -> usize {
+        let a = &self.acts;
+        a.q.capacity() + 4 * (a.d.capacity() + a.s.capacity() + a.qsum.capacity())
+    }
+}
+
 impl Linear {
     /// Loads and fuses the named tensors (each `[out_i, in]`), with `.bias` tensors
     /// beside them when `bias` is set.

@@ -18,7 +18,7 @@ mod qwen3moe;
 pub mod stage;
 
 pub use family::supported_architectures;
-pub use forward::{logit_rows, returned_rows, ForwardScratch, Pool, Pooled, Scoring, SeqBatch, StageOut};
+pub use forward::{logit_rows, returned_rows, step_bytes, ForwardScratch, Pool, Pooled, Scoring, SeqBatch, StageOut};
 pub use stage::LayerRange;
 
 use crate::config::ModelConfig;

@@ -13,6 +13,7 @@ use super::forward::{ForwardScratch, Step};
 use super::linear::Linear;
 use crate::config::{ModelConfig, MoeConfig};
 use crate::format::{FormatError, TensorSource};
+use crate::kernels::fit;
 
 pub(super) struct Moe {
     /// `experts × hidden`: one score per expert.
@@ -33,6 +34,14 @@ pub(super) struct MoeScratch {
     /// `tokens × used × hidden`: each chosen expert's weighted output.
     slots: Vec<f32>,
     mlp: MlpScratch,
+}
+
+impl MoeScratch {
+    /// Bytes its buffers hold.
+    pub(super) fn bytes(&self) -> usize {
+        let f32s = self.scores.capacity() + self.input.capacity() + self.output.capacity() + self.slots.capacity();
+        4 * f32s + 16 * self.choice.capacity() + 8 * self.rows.capacity() + self.mlp.bytes()
+    }
 }
 
 impl Moe {
@@ -73,13 +82,13 @@ impl FeedForward for Moe {
     fn forward(&self, step: &Step<'_, '_>, s: &mut ForwardScratch) {
         let (t, h, k) = (step.positions.len(), self.router.in_features, self.used);
         let m = &mut s.moe;
-        m.scores.resize(t * self.experts.len(), 0.0);
+        fit(&mut m.scores, t * self.experts.len());
         self.router.forward(step.isa, step.pool, &s.h, t, &mut m.scores, &mut s.lin);
         m.choice.clear();
         for row in m.scores.chunks_exact(self.experts.len()) {
             route(row, k, &mut m.choice);
         }
-        m.slots.resize(t * k * h, 0.0);
+        fit(&mut m.slots, t * k * h);
         for (e, expert) in self.experts.iter().enumerate() {
             // The (token, rank) slots that chose expert `e`.
             m.rows.clear();
@@ -99,7 +108,7 @@ impl FeedForward for Moe {
                 }
             }
         }
-        s.proj.resize(t * h, 0.0);
+        fit(&mut s.proj, t * h);
         for (out, slots) in s.proj.chunks_exact_mut(h).zip(m.slots.chunks_exact(k * h)) {
             out.copy_from_slice(&slots[..h]);
             for slot in slots.chunks_exact(h).skip(1) {

@@ -114,18 +114,29 @@ pub fn split(total: usize, weights: &[f64]) -> Option<Vec<LayerRange>> {
 
 /// What a node of a group holds: the weights of its layers (`layers[i]`, bytes of
 /// layer i) and, on the first, `first` bytes more (the embeddings and the output
-/// head), plus `kv` bytes of K/V per layer it holds.
+/// head, and its logits rows), plus `kv` bytes of K/V per layer it holds and `step`
+/// bytes of a step's working buffers, whatever its layers.
 pub struct StageBytes<'a> {
     pub layers: &'a [f64],
     pub first: f64,
     pub kv: f64,
+    pub step: f64,
 }
 
 impl StageBytes<'_> {
     /// The bytes node `i` of a group needs for `range`.
     pub fn of(&self, i: usize, range: LayerRange) -> f64 {
+        self.layer_bytes(range) + self.fixed(i)
+    }
+
+    fn layer_bytes(&self, range: LayerRange) -> f64 {
         let weights: f64 = self.layers[range.indices()].iter().sum();
-        weights + self.kv * range.count() as f64 + if i == 0 { self.first } else { 0.0 }
+        weights + self.kv * range.count() as f64
+    }
+
+    /// What node `i` holds whatever its layers.
+    fn fixed(&self, i: usize) -> f64 {
+        self.step + if i == 0 { self.first } else { 0.0 }
     }
 
     /// Ranges for nodes of `memory` bytes each (the first the group's head): layers
@@ -137,16 +148,19 @@ impl StageBytes<'_> {
 
     /// [`Self::ranges`] for nodes in group order whose names (in errors) are `nodes`.
     fn ranges_of(&self, memory: &[f64], nodes: &[usize]) -> Result<Vec<LayerRange>, String> {
-        if let Some(&head) = memory.first().filter(|&&m| m <= self.first) {
+        if let Some(i) = (0..memory.len()).find(|&i| memory[i] <= self.fixed(i)) {
+            let (who, what) = match i {
+                0 => ("the head", "the embeddings, output head and a step's buffers"),
+                _ => ("a later stage", "a step's buffers"),
+            };
             return Err(format!(
-                "the head (node {}, {:.0} MiB) cannot hold the embeddings and output head ({:.0} MiB)",
-                nodes[0],
-                head / MIB,
-                self.first / MIB
+                "{who} (node {}, {:.0} MiB) cannot hold {what} ({:.0} MiB)",
+                nodes[i],
+                memory[i] / MIB,
+                self.fixed(i) / MIB
             ));
         }
-        let spare: Vec<f64> =
-            memory.iter().enumerate().map(|(i, m)| m - if i == 0 { self.first } else { 0.0 }).collect();
+        let spare: Vec<f64> = memory.iter().enumerate().map(|(i, m)| m - self.fixed(i)).collect();
         let ranges = split(self.layers.len(), &spare).ok_or_else(|| {
             format!("{} nodes cannot split {} layers, one or more each", memory.len(), self.layers.len())
         })?;
@@ -215,7 +229,7 @@ mod tests {
     #[test]
     fn ranges_follow_what_each_node_spares_and_refuse_what_does_not_fit() {
         // 10 layers of 10 bytes with 2 of K/V each; the head keeps 30 more.
-        let b = StageBytes { layers: &[10.0; 10], first: 30.0, kv: 2.0 };
+        let b = StageBytes { layers: &[10.0; 10], first: 30.0, kv: 2.0, step: 0.0 };
         // 90 spare on the head, 60 on the second: 6 and 4 layers.
         assert_eq!(b.ranges(&[120.0, 60.0]), Ok(vec![r(0, 5), r(6, 9)]));
         assert_eq!(b.of(0, r(0, 5)), 102.0);
@@ -227,6 +241,14 @@ mod tests {
         // A head that cannot hold its own embeddings, more nodes than layers.
         assert!(b.ranges(&[20.0, 200.0]).unwrap_err().contains("the head"));
         assert!(b.ranges(&[200.0; 11]).is_err());
+        // A step's buffers on every node come off what each spares (90 and 50 here),
+        // and what fits without them may not with them.
+        let with_steps = StageBytes { step: 10.0, ..b };
+        assert_eq!(with_steps.ranges(&[130.0, 60.0]), Ok(vec![r(0, 5), r(6, 9)]));
+        assert_eq!(with_steps.of(1, r(6, 9)), 58.0);
+        assert!(b.ranges(&[120.0, 55.0]).is_ok());
+        assert!(with_steps.ranges(&[120.0, 55.0]).unwrap_err().contains("node 1 would need"));
+        assert!(with_steps.ranges(&[120.0, 10.0]).unwrap_err().contains("a later stage (node 1"));
     }
 
     #[test]
@@ -249,7 +271,7 @@ mod tests {
             (&[40.0, 40.0], &[1, 0], Err("node 1 would need")),
             (&[20.0, 20.0], &[1, 0], Err("the head (node 1,")),
         ];
-        let b = StageBytes { layers: &[10.0; 10], first: 30.0, kv: 2.0 };
+        let b = StageBytes { layers: &[10.0; 10], first: 30.0, kv: 2.0, step: 0.0 };
         for (memory, heads, want) in table {
             match (b.place(memory, heads), want) {
                 (Ok(got), Ok(want)) => assert_eq!(&got, want, "{memory:?}"),

@@ -458,7 +458,7 @@ impl StageService {
         for layer in self.hello.layers.indices() {
             let (addr, _) = to.route(layer as u32);
             let Some((_, sink)) = sinks.iter_mut().find(|(a, _)| a == addr) else { continue };
-            let frames = self.runner.lock().unwrap_or_else(PoisonError::into_inner).read_kv(layer, blocks);
+            let frames = self.runner().read_kv(layer, blocks);
             let sent = frames.and_then(|frames| {
                 frames.into_iter().try_for_each(|f| sink.send(Frame::from_kv(id, f)).map_err(|e| e.to_string()))
             });

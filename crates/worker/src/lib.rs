@@ -245,13 +245,17 @@ impl Receivers {
     }
 }
 
+/// The values of one K/V frame of `c`: one block of one layer, K and V of every KV
+/// head, at most f16's words whatever the sender's dtype.
+pub fn frame_values(c: &pdserve_engine::config::ModelConfig) -> usize {
+    c.n_kv_heads * BLOCK_SIZE * c.head_dim
+}
+
 impl LocalWorker {
     /// Starts the engine thread; `rt` runs the worker's KV tasks.
     pub fn spawn(opts: WorkerOptions, model: Arc<Model>, rt: tokio::runtime::Handle) -> std::io::Result<LocalWorker> {
-        // A frame is one block of one layer: K and V of every KV head, at most f16's
-        // words whatever the sender's dtype.
         let c = &model.cfg;
-        let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
+        let frame_elems = frame_values(c);
         let per_token = pdserve_engine::kvcache::bytes_per_token(c, opts.engine.kv_dtype) as u64;
         LocalWorker::start(opts, frame_elems, per_token, None, rt, move |cfg, eog| Engine::new(model, cfg, eog))
     }
@@ -266,7 +270,7 @@ impl LocalWorker {
         rt: tokio::runtime::Handle,
     ) -> std::io::Result<LocalWorker> {
         let c = &model.cfg;
-        let frame_elems = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
+        let frame_elems = frame_values(c);
         let per_token = pdserve_engine::kvcache::bytes_per_token(c, opts.engine.kv_dtype) as u64;
         LocalWorker::start(opts, frame_elems, per_token, None, rt, move |cfg, eog| {
             Engine::new(model, cfg, eog).with_next_stages(stages)

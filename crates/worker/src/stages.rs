@@ -46,7 +46,6 @@
 //! for the head to finish its own layers: between them it sends each answer that
 //! arrived on to the next stage ([`NextStages::relay`]), so three stages compute at once.
 
-use pdserve_engine::batch::BLOCK_SIZE;
 use pdserve_engine::batch::{
     KvParts, NextStages, PartSent, PassTimes, StageCosts, StageLost, StagePart, StageRows, StageRunner, TierSlots,
 };
@@ -367,8 +366,7 @@ const STAGE_INBOX_FRAMES: usize = 256;
 /// Inboxes for a later stage of `model`: peers prove `key`, and no frame is larger
 /// than a block of one of its layers.
 pub fn stage_inboxes(model: &Model, key: ClusterKey) -> Inboxes {
-    let c = &model.cfg;
-    let values = c.n_kv_heads * BLOCK_SIZE * c.head_dim;
+    let values = crate::frame_values(&model.cfg);
     Inboxes::guarded(STAGE_INBOX_FRAMES, key, pdserve_kv_transfer::frame::encoded_len_for(values))
 }
 

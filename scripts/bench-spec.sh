@@ -11,13 +11,15 @@
 #   WORKLOADS="code quote extract open", SPEC_FLAGS="--spec-verify all" for every
 #   speculating server; a closed-loop point sends at least 2 × C requests; REPEAT=3
 #   runs every server that many times, in turn, and reports the median gain with the
-#   range of the rounds)
+#   range of the rounds; BIN=path serves with that build instead of building one,
+#   RESULTS=dir writes there instead of bench-results/spec)
 # Servers take --max-queue-seconds 0, so that none sheds and both sides of a ratio
 # serve every request.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=bench-results/spec; mkdir -p "$out"; rm -f "$out"/load-*.json "$out"/metrics-*.txt
-cargo build --release --bin pdserve >&2
+out=${RESULTS:-bench-results/spec}; mkdir -p "$out"; rm -f "$out"/load-*.json "$out"/metrics-*.txt
+bin=${BIN:-./target/release/pdserve}
+[ -n "${BIN:-}" ] || cargo build --release --bin pdserve >&2
 text=$(scripts/fetch-text.sh)
 conc=${CONCURRENCY:-1,4,16}
 requests=${REQUESTS:-8}
@@ -35,12 +37,12 @@ for mode in ${MODES:-aggregated disaggregated}; do
     args=(--speculative "$spec")
     [ "$spec" = draft ] && args+=(--draft-model "${DRAFT:?SPECS has draft: set DRAFT}")
     [ "$spec" != none ] && args+=(${SPEC_FLAGS:-})
-    ./target/release/pdserve serve --model "$model" --mode "$mode" --port $port --max-queue-seconds 0 "${args[@]}" \
+    "$bin" serve --model "$model" --mode "$mode" --port $port --max-queue-seconds 0 "${args[@]}" \
       > "$out/serve-$mode-$spec.log" 2>&1 &
     pid=$!
     for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
     for w in ${WORKLOADS:-code quote extract open}; do
-      ./target/release/pdserve bench load --url "http://127.0.0.1:$port" --endpoint chat \
+      "$bin" bench load --url "http://127.0.0.1:$port" --endpoint chat \
         --prompts "$out/$w.jsonl" --concurrency "$conc" --requests "$requests" --output-len "${OUT:-128}" \
         --warmup 1 --seconds 600 --out "$out/load-$mode-$spec-$w-$round.json" >&2
     done

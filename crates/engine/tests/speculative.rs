@@ -535,3 +535,36 @@ fn a_moved_request_goes_on_from_its_record_of_drafts() {
     assert_eq!(got[&1], plain);
     assert_eq!(got[&2], plain);
 }
+
+#[test]
+fn a_decodes_drafts_take_their_rows_before_a_prompts_chunks() {
+    // Every draft verified whole, 32 tokens a step. A request that repeats a list decodes
+    // while a long prompt is computed in chunks that would fill every step: its drafts
+    // take their rows first, so it still gains more than a token a step there.
+    let spec = Some(SpecConfig { max_draft: 8, verify_all: true, draft: None });
+    let mut e = engine(spec, 32, 256);
+    let copy = model().tokenizer.encode_with_bos(&"red green blue, ".repeat(12), false);
+    e.add(RequestId(0), copy.clone(), greedy(400)).unwrap();
+    let mut got = Vec::new();
+    let mut take = |out: Vec<StepOutput>| {
+        let before = got.len();
+        got.extend(out.into_iter().filter(|o| o.id == RequestId(0)).map(|o| o.sampled.token));
+        got.len() - before
+    };
+    // Until it decodes.
+    while take(e.step()) == 0 {}
+    let long = model().tokenizer.encode_with_bos(&PROMPTS[3].repeat(80), false);
+    assert!(long.len() > 40 * 32, "{} prompt tokens", long.len());
+    e.add(RequestId(1), long, greedy(1)).unwrap();
+    let (mut steps, mut tokens) = (0, 0);
+    while e.stats().queued_prompt_tokens > 0 {
+        let n = take(e.step());
+        steps += usize::from(n > 0);
+        tokens += n;
+    }
+    assert!(tokens >= 2 * steps, "{tokens} tokens in {steps} steps beside the prompt's chunks");
+    while e.has_work() {
+        take(e.step());
+    }
+    assert_eq!(got, alone(&mut engine(None, 512, 256), 0, copy, 400));
+}

@@ -3,9 +3,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use pdserve_engine::batch::{Engine, EngineConfig, Objectives};
+use pdserve_engine::batch::{Engine, EngineConfig, Objectives, SpecConfig};
 use pdserve_engine::tiers::TierConfig;
-use pdserve_engine::timed::{Clock, RestoreCost, StepCost, StepShape, StepTime, TimedModel};
+use pdserve_engine::timed::{Clock, RestoreCost, StepCost, StepShape, StepTime, TimedModel, TimedSpeculation};
 use pdserve_types::{RequestId, SamplingParams};
 use std::collections::BTreeMap;
 
@@ -282,4 +282,51 @@ fn a_prompt_that_cannot_wait_out_an_answer_with_no_set_length_is_computed_at_the
     let (tpot, ttft) = decode_beside_a_long_prompt(Some(obj), answer);
     assert!(ttft <= obj.ttft_s * 0.5, "the prompt waited {ttft} s");
     assert!(tpot < stalled * 0.8, "TPOT {tpot} s held, {stalled} s unheld");
+}
+
+#[test]
+fn a_step_that_carries_a_prompts_chunk_verifies_drafts_a_decode_step_does_not() {
+    // Eight decodes whose drafted tokens are right half the time, on a model whose
+    // row costs a third of a plain step's token: a drafted row in a step of eight
+    // decodes yields less than it slows the others, so the measured rule verifies
+    // none. Beside a 500-token chunk the same row adds about half a percent to the
+    // step, and the rule verifies drafts there.
+    let t = TimedModel {
+        vocab_size: 49152,
+        context_length: 8192,
+        n_layers: 4,
+        kv_values: 2,
+        step: StepTime::line(COST),
+        threads: 1,
+        work: None,
+        restore: RestoreCost::default(),
+        clock: Clock::Virtual,
+        speculation: Some(TimedSpeculation { per_token: 0.5, drafting: 1.0, draft_step: None, lookup: None }),
+        stages: None,
+    };
+    let speculation = Some(SpecConfig { max_draft: 4, verify_all: false, draft: None });
+    let cfg = EngineConfig { threads: 1, num_blocks: 1024, max_batch_tokens: 512, speculation, ..Default::default() };
+    let mut e = Engine::timed(t, cfg, vec![]);
+    let long = SamplingParams { max_tokens: 400, ignore_eos: true, ..Default::default() }.validate().unwrap();
+    for i in 0..8 {
+        e.add(RequestId(i), prompt(40, i as u32), long.clone()).unwrap();
+    }
+    // Until the fit tells a row from a step and the exploring is over.
+    while !e.stats().decode_steps.tells_rows_apart() {
+        e.step();
+    }
+    let drafted = |e: &Engine| e.stats().spec.drafted;
+    let (before, mut plain_steps) = (drafted(&e), 0);
+    for _ in 0..20 {
+        e.step();
+        plain_steps += 1;
+    }
+    assert_eq!(drafted(&e), before, "{plain_steps} decode steps verified drafts");
+    e.add(RequestId(8), prompt(2000, 9), long).unwrap();
+    let (before, mut chunks) = (drafted(&e), 0);
+    while e.stats().queued_prompt_tokens > 0 {
+        e.step();
+        chunks += 1;
+    }
+    assert!(drafted(&e) - before >= 8 * chunks, "{} drafted tokens in {chunks} steps", drafted(&e) - before);
 }

@@ -242,13 +242,32 @@ impl Engine {
         // Prompt tokens this step may take beside its decodes.
         let mut prompts = self.prompt_allowance().unwrap_or(usize::MAX);
         let mut plan = Vec::new();
+        // Decodes first, then their drafts, then prompts: beside a prompt's chunk a
+        // drafted row adds little to a step's time, so the drafts take their rows
+        // before the chunk does, and are priced in a step that holds it.
+        let mut blocked = self.plan_running(&mut plan, &mut budget, None);
+        let joining = self.prompt_rows(budget.min(prompts));
+        budget -= self.add_drafts(&mut plan, budget, joining);
+        blocked |= self.plan_running(&mut plan, &mut budget, Some(&mut prompts));
+        if !blocked {
+            self.admit(&mut plan, budget.min(prompts));
+        }
+        // After admitting: a prompt computed whole in its first step is followed too.
+        self.draft_prompts(&plan);
+        plan
+    }
+
+    /// Plans the running decodes (`prompts` None), or the running prompts within
+    /// `prompts` tokens, out of `budget`. Returns whether one found no blocks.
+    fn plan_running(&mut self, plan: &mut Vec<Planned>, budget: &mut usize, mut prompts: Option<&mut usize>) -> bool {
         let mut blocked = false;
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && *budget > 0 {
             let s = &self.running[i];
             let decoding = s.is_decoding();
-            let n = if decoding { s.pending().min(budget) } else { s.pending().min(budget).min(prompts) };
-            if s.paused || s.in_lane || n == 0 {
+            let allowed = prompts.as_deref().map_or(*budget, |&p| p.min(*budget));
+            let n = s.pending().min(allowed);
+            if s.paused || s.in_lane || n == 0 || decoding != prompts.is_none() {
                 i += 1;
                 continue;
             }
@@ -256,9 +275,9 @@ impl Engine {
                 self.spec.decodes += u64::from(decoding);
                 let s = &self.running[i];
                 plan.push(Planned::new(i, n, s.computed + n == s.tokens.len()));
-                budget -= n;
-                if !decoding {
-                    prompts -= n;
+                *budget -= n;
+                if let Some(p) = prompts.as_deref_mut() {
+                    *p -= n;
                 }
             } else {
                 // Out of blocks: a prefill waits, a decode preempted itself. The
@@ -270,13 +289,17 @@ impl Engine {
             }
             i += 1;
         }
-        budget -= self.add_drafts(&mut plan, budget);
-        if !blocked {
-            self.admit(&mut plan, budget.min(prompts));
-        }
-        // After admitting: a prompt computed whole in its first step is followed too.
-        self.draft_prompts(&plan);
-        plan
+        blocked
+    }
+
+    /// The prompt tokens the step would take within `limit` were no drafts verified:
+    /// the running prompts', then the waiting ones' as slots allow.
+    fn prompt_rows(&self, limit: usize) -> usize {
+        let prompt = |s: &&Sequence| !s.paused && !s.in_lane && !s.is_decoding();
+        let running = self.running.iter().filter(prompt).map(Sequence::pending);
+        let slots = self.cfg.max_seqs.saturating_sub(self.running.iter().filter(|s| !s.paused).count());
+        let waiting = self.waiting.iter().take(slots).map(Sequence::pending);
+        running.chain(waiting).sum::<usize>().min(limit)
     }
 
     /// Each planned decode's draft (what its grammar forces, else its n-gram lookup,
@@ -345,8 +368,9 @@ impl Engine {
 
     /// Gives the step's decodes the drafted tokens [`speculate::plan_drafts`] finds
     /// worth verifying, within `room` rows and the blocks free now (a draft never
-    /// preempts anyone). Returns the rows added.
-    fn add_drafts(&mut self, plan: &mut [Planned], room: usize) -> usize {
+    /// preempts anyone), in a step that `joining` prompt tokens will join. Returns the
+    /// rows added.
+    fn add_drafts(&mut self, plan: &mut [Planned], room: usize, joining: usize) -> usize {
         let Some(spec) = self.cfg.speculation.as_ref() else { return 0 };
         let (max_draft, verify_all) = (spec.max_draft, spec.verify_all);
         let timed_without = matches!(self.compute, Compute::Timed(_)) && self.timed_speculation().is_none();
@@ -371,7 +395,7 @@ impl Engine {
             return 0;
         }
         let plain = PlainStep {
-            rows: plan.iter().map(|p| p.n).sum(),
+            rows: plan.iter().map(|p| p.n).sum::<usize>() + joining,
             context: plan.iter().map(|p| self.running[p.seq].computed).sum(),
             yields: plan.iter().filter(|p| p.logits).count(),
         };

@@ -25,7 +25,22 @@ fn engine_keeping(
     restore: RestoreCost,
     objectives: Option<Objectives>,
 ) -> Engine {
-    let t = TimedModel {
+    let t = model(restore);
+    let cfg = EngineConfig {
+        threads: 1,
+        num_blocks,
+        max_batch_tokens,
+        max_seqs: 64,
+        cache_salt: 0,
+        objectives,
+        ..Default::default()
+    };
+    Engine::timed(t, cfg, vec![])
+}
+
+/// The model every test times: [`COST`] on a virtual clock.
+fn model(restore: RestoreCost) -> TimedModel {
+    TimedModel {
         vocab_size: 49152,
         context_length: 8192,
         n_layers: 4,
@@ -37,17 +52,7 @@ fn engine_keeping(
         clock: Clock::Virtual,
         speculation: None,
         stages: None,
-    };
-    let cfg = EngineConfig {
-        threads: 1,
-        num_blocks,
-        max_batch_tokens,
-        max_seqs: 64,
-        cache_salt: 0,
-        objectives,
-        ..Default::default()
-    };
-    Engine::timed(t, cfg, vec![])
+    }
 }
 
 fn prompt(n: usize, salt: u32) -> Vec<u32> {
@@ -291,19 +296,8 @@ fn a_step_that_carries_a_prompts_chunk_verifies_drafts_a_decode_step_does_not() 
     // decodes yields less than it slows the others, so the measured rule verifies
     // none. Beside a 500-token chunk the same row adds about half a percent to the
     // step, and the rule verifies drafts there.
-    let t = TimedModel {
-        vocab_size: 49152,
-        context_length: 8192,
-        n_layers: 4,
-        kv_values: 2,
-        step: StepTime::line(COST),
-        threads: 1,
-        work: None,
-        restore: RestoreCost::default(),
-        clock: Clock::Virtual,
-        speculation: Some(TimedSpeculation { per_token: 0.5, drafting: 1.0, draft_step: None, lookup: None }),
-        stages: None,
-    };
+    let drafts = TimedSpeculation { per_token: 0.5, drafting: 1.0, draft_step: None, lookup: None };
+    let t = TimedModel { speculation: Some(drafts), ..model(RestoreCost::default()) };
     let speculation = Some(SpecConfig { max_draft: 4, verify_all: false, draft: None });
     let cfg = EngineConfig { threads: 1, num_blocks: 1024, max_batch_tokens: 512, speculation, ..Default::default() };
     let mut e = Engine::timed(t, cfg, vec![]);

@@ -1,7 +1,8 @@
 //! One scheduler step: continuous batching under a token budget. Decoding sequences go
-//! first (one token each), then running prefills continue, then waiting requests are
-//! admitted in arrival order with chunked prefill. When blocks run out, the most
-//! recently admitted sequence is preempted and will be recomputed later.
+//! first (one token each, and the drafts speculation verifies), then running prefills
+//! continue, then waiting requests are admitted in arrival order with chunked prefill.
+//! When blocks run out, the most recently admitted sequence is preempted and will be
+//! recomputed later.
 
 use super::draft::DraftCost;
 use super::sequence::Sequence;
@@ -185,13 +186,14 @@ impl Engine {
     fn start_timing(&self, plan: &[Planned]) -> StepTiming {
         StepTiming {
             // A step of one token per sequence (and its verified draft), every row
-            // sampled, decodes only: a drafted row costs what a decode row does.
+            // sampled, decodes only.
             decoding: plan.iter().all(|p| p.n == 1 + p.draft && p.logits && self.running[p.seq].is_decoding()),
             // A step of prompt chunks only prefills only.
             prefilling: plan.iter().all(|p| !self.running[p.seq].is_decoding()),
             rows: plan.iter().map(|p| p.n).sum(),
-            // The tokens the step's rows attend over: a decode step's cost grows with them.
-            context: plan.iter().map(|p| (0..p.n).map(|j| self.running[p.seq].computed + j).sum::<usize>()).sum(),
+            // The cached tokens the step reads, each sequence's once (its rows are one
+            // chunk that reads them once): a decode step's cost grows with them.
+            context: plan.iter().map(|p| self.running[p.seq].computed).sum(),
             started: std::time::Instant::now(),
             charged: self.charged,
         }
@@ -359,7 +361,7 @@ impl Engine {
                 }
             };
             if proposal.len() > 0 {
-                cands.push(Candidate { drafted: proposal.len(), rate, context: s.computed + 1, draft_cost, passes });
+                cands.push(Candidate { drafted: proposal.len(), rate, draft_cost, passes });
                 drafted.push((k, proposal));
             }
         }

@@ -186,14 +186,13 @@ impl Engine {
     fn start_timing(&self, plan: &[Planned]) -> StepTiming {
         StepTiming {
             // A step of one token per sequence (and its verified draft), every row
-            // sampled, decodes only.
+            // sampled, decodes only: a drafted row costs what a decode row does.
             decoding: plan.iter().all(|p| p.n == 1 + p.draft && p.logits && self.running[p.seq].is_decoding()),
             // A step of prompt chunks only prefills only.
             prefilling: plan.iter().all(|p| !self.running[p.seq].is_decoding()),
             rows: plan.iter().map(|p| p.n).sum(),
-            // The cached tokens the step reads, each sequence's once (its rows are one
-            // chunk that reads them once): a decode step's cost grows with them.
-            context: plan.iter().map(|p| self.running[p.seq].computed).sum(),
+            // The tokens the step's rows attend over: a decode step's cost grows with them.
+            context: plan.iter().map(|p| (0..p.n).map(|j| self.running[p.seq].computed + j).sum::<usize>()).sum(),
             started: std::time::Instant::now(),
             charged: self.charged,
         }
@@ -361,7 +360,7 @@ impl Engine {
                 }
             };
             if proposal.len() > 0 {
-                cands.push(Candidate { drafted: proposal.len(), rate, draft_cost, passes });
+                cands.push(Candidate { drafted: proposal.len(), rate, context: s.computed + 1, draft_cost, passes });
                 drafted.push((k, proposal));
             }
         }

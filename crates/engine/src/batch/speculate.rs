@@ -222,6 +222,8 @@ pub struct Candidate {
     pub drafted: usize,
     /// Its [`Acceptance::rate`].
     pub rate: f64,
+    /// Tokens its next row attends over.
+    pub context: usize,
     /// Seconds each of its drafted tokens costs to draft (its row of a draft model's
     /// pass; 0 for a lookup), paid for every token verified.
     pub draft_cost: f64,
@@ -242,9 +244,8 @@ pub struct PlainStep {
 /// How many drafted tokens of each candidate to verify, within `room` extra rows.
 ///
 /// The `j`-th drafted token of a sequence yields a token with chance `rate^j` (all
-/// before it accepted) and costs a row, `per_row` (its sequence's cache is read once
-/// for all its rows, in the step's `per_context`), and its draft cost. A draft
-/// model's tokens also need passes: the
+/// before it accepted) and costs a row: `per_row` plus `per_context` for each token
+/// it attends over, and its draft cost. A draft model's tokens also need passes: the
 /// `j`-th token of any sequence needs the `j`-th pass, which costs `pass_cost` however
 /// many sequences draft in it.
 ///
@@ -300,7 +301,7 @@ fn best_plan(fit: &StepFit, plain: PlainStep, cands: &[Candidate], room: usize, 
     let mut options: Vec<(usize, usize, f64, f64)> = Vec::new();
     for (i, c) in cands.iter().enumerate() {
         for j in 1..=c.drafted {
-            let cost = fit.per_row + c.draft_cost;
+            let cost = fit.per_row + fit.per_context * (c.context + j) as f64 + c.draft_cost;
             options.push((i, j, c.rate.powi(j as i32), cost));
         }
     }
@@ -388,8 +389,14 @@ pub struct ModelDrafting {
 pub fn price_model_drafts(fit: &StepFit, contexts: &[usize], m: &ModelDrafting) -> DraftPrice {
     let n = contexts.len().max(1);
     let plain = PlainStep { rows: n, context: contexts.iter().sum(), yields: n };
-    let cand = Candidate { drafted: m.drafted, rate: m.rate, draft_cost: m.row_s, passes: true };
-    let cands = vec![cand; contexts.len()];
+    let cand = |&context: &usize| Candidate {
+        drafted: m.drafted,
+        rate: m.rate,
+        context: context + 1,
+        draft_cost: m.row_s,
+        passes: true,
+    };
+    let cands: Vec<Candidate> = contexts.iter().map(cand).collect();
     let plan = best_plan(fit, plain, &cands, n * m.drafted, m.pass_s);
     let plain_per_token = fit.seconds(n as f64, plain.context as f64) / n as f64;
     let saved_per_token = plain_per_token - plan.seconds / plan.tokens.max(1.0);
@@ -510,7 +517,7 @@ mod tests {
         // A compute-bound step: a row costs as much as the whole step's fixed part.
         let bound = StepFit { fixed: 0.001, per_row: 0.001, per_context: 0.0 };
         let one = PlainStep { rows: 1, context: 100, yields: 1 };
-        let cand = |drafted, rate| Candidate { drafted, rate, draft_cost: 0.0, passes: false };
+        let cand = |drafted, rate| Candidate { drafted, rate, context: 100, draft_cost: 0.0, passes: false };
         // (fit, plain step, candidates, room, verified)
         type Case = (Option<StepFit>, PlainStep, Vec<Candidate>, usize, Vec<usize>);
         let cases: Vec<Case> = vec![
@@ -543,7 +550,7 @@ mod tests {
         // Cheap rows; a drafting pass costs 20 of them whoever drafts in it.
         let cpu = StepFit { fixed: 0.010, per_row: 0.0002, per_context: 0.0 };
         let four = PlainStep { rows: 4, context: 0, yields: 4 };
-        let model = |rate| Candidate { drafted: 4, rate, draft_cost: 0.0002, passes: true };
+        let model = |rate| Candidate { drafted: 4, rate, context: 100, draft_cost: 0.0002, passes: true };
         // (candidates, verified)
         let cases: [(Vec<Candidate>, Vec<usize>); 4] = [
             // One sequence of four drafting alone does not pay for its passes.
@@ -597,15 +604,13 @@ mod tests {
     }
 
     #[test]
-    fn a_long_context_makes_the_step_dear_not_the_drafted_rows() {
-        // The cache is read once per sequence, for all its rows: a long context makes
-        // the plain step dear, and a drafted row's share of it smaller.
+    fn context_makes_long_rows_dearer() {
         let fit = StepFit { fixed: 0.002, per_row: 0.0005, per_context: 1e-6 };
         let plain = |context| PlainStep { rows: 1, context, yields: 1 };
         let at = |context| {
-            let cand = Candidate { drafted: 8, rate: 0.5, draft_cost: 0.0, passes: false };
-            plan_drafts(Some(&fit), plain(context), &[cand], 8, 0.0)[0]
+            let cand = Candidate { drafted: 8, rate: 0.5, context, draft_cost: 0.0, passes: false };
+            plan_drafts(Some(&fit), plain(context), &[cand], 8, 0.0)
         };
-        assert!(at(8000) > at(100), "{} {}", at(100), at(8000));
+        assert!(at(100)[0] > at(8000)[0], "{:?} {:?}", at(100), at(8000));
     }
 }

@@ -292,10 +292,10 @@ fn a_prompt_that_cannot_wait_out_an_answer_with_no_set_length_is_computed_at_the
 #[test]
 fn a_step_that_carries_a_prompts_chunk_verifies_drafts_a_decode_step_does_not() {
     // Eight decodes whose drafted tokens are right half the time, on a model whose
-    // row costs a third of a plain step's token: a drafted row in a step of eight
-    // decodes yields less than it slows the others, so the measured rule verifies
-    // none. Beside a 500-token chunk the same row adds about half a percent to the
-    // step, and the rule verifies drafts there.
+    // row costs 3 ms against 34 ms for a plain step of eight: a drafted row there
+    // yields less than it slows the others, so the measured rule verifies none.
+    // Beside a 500-token chunk the same row adds under 1 % to the step, and the
+    // rule verifies drafts there.
     let drafts = TimedSpeculation { per_token: 0.5, drafting: 1.0, draft_step: None, lookup: None };
     let t = TimedModel { speculation: Some(drafts), ..model(RestoreCost::default()) };
     let speculation = Some(SpecConfig { max_draft: 4, verify_all: false, draft: None });
@@ -310,12 +310,11 @@ fn a_step_that_carries_a_prompts_chunk_verifies_drafts_a_decode_step_does_not() 
         e.step();
     }
     let drafted = |e: &Engine| e.stats().spec.drafted;
-    let (before, mut plain_steps) = (drafted(&e), 0);
+    let before = drafted(&e);
     for _ in 0..20 {
         e.step();
-        plain_steps += 1;
     }
-    assert_eq!(drafted(&e), before, "{plain_steps} decode steps verified drafts");
+    assert_eq!(drafted(&e), before, "decode steps verified drafts");
     e.add(RequestId(8), prompt(2000, 9), long).unwrap();
     let (before, mut chunks) = (drafted(&e), 0);
     while e.stats().queued_prompt_tokens > 0 {

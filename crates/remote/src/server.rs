@@ -18,6 +18,7 @@ use pdserve_kv_transfer::{auth, ClusterKey, KvTarget, TransportKind};
 use pdserve_protocol::{Capabilities, Event, GenerateRequest, KvDestination, ServeError, TokenStream, Worker};
 use pdserve_types::{lock, Epoch, RequestId};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -48,14 +49,47 @@ pub struct WorkerServer {
     /// Connections closed on a message that failed its MAC, logged at most once a while.
     forged: LogEvery,
     /// Set when `serve` stops taking routers; its stats say so from then on.
-    stopping: std::sync::atomic::AtomicBool,
+    stopping: AtomicBool,
+    /// Calls running and frames not yet written, across sessions.
+    owed: Arc<AtomicUsize>,
+}
+
+/// One call running or one frame queued: counted in the server's `owed` while it lives.
+struct Owing(Arc<AtomicUsize>);
+
+impl Owing {
+    fn new(owed: &Arc<AtomicUsize>) -> Owing {
+        owed.fetch_add(1, Ordering::SeqCst);
+        Owing(owed.clone())
+    }
+}
+
+impl Drop for Owing {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A frame in a session's outbox, owed until the writer wrote it (or dropped it with
+/// the connection).
+struct Frame {
+    msg: FromWorker,
+    _owing: Owing,
 }
 
 impl WorkerServer {
     /// Serves `worker` to routers that prove `key`.
     pub fn new(worker: Arc<dyn Worker>, key: ClusterKey) -> Arc<WorkerServer> {
         let connections = PortSlots::new(MAX_CONNECTIONS);
-        Arc::new(WorkerServer { worker, key, connections, forged: LogEvery::new(), stopping: Default::default() })
+        let (forged, stopping, owed) = (LogEvery::new(), Default::default(), Default::default());
+        Arc::new(WorkerServer { worker, key, connections, forged, stopping, owed })
+    }
+
+    /// Calls still running and frames not yet written to their routers. A stopping
+    /// worker waits for 0 as well as for an idle engine: a request's last frames may
+    /// still be queued after the engine let it go, and exiting would drop them.
+    pub fn owed(&self) -> usize {
+        self.owed.load(Ordering::SeqCst)
     }
 
     /// What a router learns once it proved the token: who this is, and this worker's
@@ -101,7 +135,7 @@ impl WorkerServer {
                     }
                 },
                 _ = &mut shutdown => {
-                    self.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+                    self.stopping.store(true, Ordering::SeqCst);
                     return;
                 }
             }
@@ -155,9 +189,10 @@ impl WorkerServer {
         if control::write(&mut wr, &hello, sealing.as_mut()).await.is_err() {
             return;
         }
-        let (out, mut outbox) = mpsc::channel::<FromWorker>(OUTBOX);
+        let (out, mut outbox) = mpsc::channel::<Frame>(OUTBOX);
         let writer = tokio::spawn(async move {
-            while let Some(msg) = outbox.recv().await {
+            // A frame stays owed until written: `_owing` drops after the write.
+            while let Some(Frame { msg, _owing }) = outbox.recv().await {
                 if control::write(&mut wr, &msg, sealing.as_mut()).await.is_err() {
                     return;
                 }
@@ -194,7 +229,7 @@ impl WorkerServer {
 /// One router connection and everything its calls hold.
 struct Session {
     srv: Arc<WorkerServer>,
-    out: mpsc::Sender<FromWorker>,
+    out: mpsc::Sender<Frame>,
     /// Calls in progress, so `Cancel` (or the connection closing) stops them.
     calls: Mutex<HashMap<CallId, AbortHandle>>,
     /// Whether the router asked each stream call to hold its events back.
@@ -217,12 +252,23 @@ impl Session {
         &*self.srv.worker
     }
 
+    /// Queues `msg` for the writer; an error means the connection is gone.
+    async fn send(&self, msg: FromWorker) -> Result<(), ()> {
+        let frame = Frame { msg, _owing: Owing::new(&self.srv.owed) };
+        self.out.send(frame).await.map_err(drop)
+    }
+
+    /// Queues `msg` if the outbox has room; dropped otherwise.
+    fn try_send(&self, msg: FromWorker) {
+        let _ = self.out.try_send(Frame { msg, _owing: Owing::new(&self.srv.owed) });
+    }
+
     fn handle(self: Arc<Self>, msg: ToWorker) {
         match msg {
             // Answered once, before this session started.
             ToWorker::Hello { .. } => {}
             ToWorker::Ping => {
-                let _ = self.out.try_send(FromWorker::Pong);
+                self.try_send(FromWorker::Pong);
             }
             ToWorker::Call { call, op } => self.call(call, *op),
             ToWorker::Cancel { call } => {
@@ -369,7 +415,7 @@ impl Session {
         Ok(match op {
             Op::Stats => {
                 let mut stats = w.stats().await?;
-                stats.stopping |= self.srv.stopping.load(std::sync::atomic::Ordering::SeqCst);
+                stats.stopping |= self.srv.stopping.load(Ordering::SeqCst);
                 Answer::Stats(Box::new(stats))
             }
             Op::Ask(ask) => {
@@ -395,8 +441,8 @@ impl Session {
         tracing::warn!(kind = e.kind(), error = %e, "refused a call");
         let msg = FromWorker::Reply { call, result: Err(e.clone()) };
         let event = FromWorker::Event { call, event: Event::Failed(e) };
-        let _ = self.out.try_send(event);
-        let _ = self.out.try_send(msg);
+        self.try_send(event);
+        self.try_send(msg);
     }
 
     /// Runs a call answered once, remembered so `Cancel` can stop it.
@@ -405,11 +451,12 @@ impl Session {
         call: CallId,
         answer: impl std::future::Future<Output = Result<Answer, ServeError>> + Send + 'static,
     ) {
-        let s = self.clone();
+        let (s, owing) = (self.clone(), Owing::new(&self.srv.owed));
         let task = tokio::spawn(async move {
+            let _owing = owing;
             let result = answer.await;
             lock(&s.calls).remove(&call);
-            let _ = s.out.send(FromWorker::Reply { call, result }).await;
+            let _ = s.send(FromWorker::Reply { call, result }).await;
         });
         self.remember(call, task.abort_handle());
     }
@@ -417,15 +464,17 @@ impl Session {
     /// Streams a call's events back; aborting the task drops the stream, which
     /// cancels the request in the worker.
     fn stream(self: Arc<Self>, call: CallId, stream: Result<TokenStream, ServeError>, span: tracing::Span) {
-        let s = self.clone();
+        let (s, owing) = (self.clone(), Owing::new(&self.srv.owed));
         let (pace, paced) = watch::channel(false);
         lock(&self.paces).insert(call, pace);
         let pump = async move {
+            // Owed until the last frame is queued, where that frame takes over.
+            let _owing = owing;
             match stream {
                 Ok(stream) => s.pump(call, stream, paced).await,
                 Err(e) => {
                     tracing::warn!(kind = e.kind(), error = %e, "refused");
-                    let _ = s.out.send(FromWorker::Event { call, event: Event::Failed(e) }).await;
+                    let _ = s.send(FromWorker::Event { call, event: Event::Failed(e) }).await;
                 }
             }
             lock(&s.calls).remove(&call);
@@ -450,7 +499,7 @@ impl Session {
                 Event::Prompt(_) | Event::Embedding(_) | Event::Drafts(_) => {}
             }
             let last = event.is_last();
-            if self.out.send(FromWorker::Event { call, event }).await.is_err() || last {
+            if self.send(FromWorker::Event { call, event }).await.is_err() || last {
                 if !last {
                     tracing::debug!(tokens, "cancelled by the router");
                 }
@@ -458,7 +507,7 @@ impl Session {
             }
         }
         let e = ServeError::Internal("the worker dropped the request".into());
-        let _ = self.out.send(FromWorker::Event { call, event: Event::Failed(e) }).await;
+        let _ = self.send(FromWorker::Event { call, event: Event::Failed(e) }).await;
     }
 
     /// Notes a reservation this connection asks for.
@@ -560,4 +609,29 @@ fn checked(op: Op) -> Result<Op, ServeError> {
         }
         other => other,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A call's last frame is owed after the call's task ends, until the writer takes
+    /// it, or the connection drops it with the outbox.
+    #[test]
+    fn a_queued_frame_is_owed_until_written_or_dropped() {
+        let owed = Arc::new(AtomicUsize::new(0));
+        let (out, mut outbox) = mpsc::channel::<Frame>(4);
+        let call = Owing::new(&owed);
+        let frame = |msg| Frame { msg, _owing: Owing::new(&owed) };
+        out.try_send(frame(FromWorker::Pong)).unwrap();
+        out.try_send(frame(FromWorker::Pong)).unwrap();
+        drop(call);
+        assert_eq!(owed.load(Ordering::SeqCst), 2, "both frames are queued");
+        let written = outbox.try_recv().unwrap();
+        assert_eq!(owed.load(Ordering::SeqCst), 2, "one is being written");
+        drop(written);
+        assert_eq!(owed.load(Ordering::SeqCst), 1);
+        drop(outbox);
+        assert_eq!(owed.load(Ordering::SeqCst), 0, "the connection's queue went with it");
+    }
 }

@@ -95,6 +95,31 @@ async fn a_stopping_worker_is_routed_nothing_new() {
     assert_eq!(stopping.stats().await.unwrap().blocks.cached, 0, "nothing new ran on the stopping worker");
 }
 
+/// A stopping worker exits once its engine is idle and its server owes nothing: a
+/// call counts from its start until its last frame is written to the router, so a
+/// request whose last frames are still queued keeps the worker up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_server_owes_a_call_until_its_last_frame_is_written() {
+    let local = local("owing", Role::Mixed, 256);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = WorkerServer::new(Arc::new(local.clone()), key());
+    tokio::spawn(server.clone().serve(listener, std::future::pending()));
+    let remote = RemoteWorker::connect(addr, &key()).await.unwrap();
+    let (tx, mut rx) = TokenStream::channel(64);
+    remote.generate(request(1, PROMPTS[0], 16), tx).unwrap();
+    assert!(matches!(rx.next().await, Some(Event::Token(_))));
+    assert!(server.owed() >= 1, "a running call is owed");
+    let (_, last) = collect(rx).await;
+    assert!(matches!(last, Event::Done { .. }), "{last:?}");
+    // The writer drops a frame's count just after writing it, so this may lag the read.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while server.owed() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(server.owed(), 0, "a finished call, its frames written, is owed still");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_handoff_gives_one_engines_tokens_over_tcp_and_shm() {
     let alone = Router::new([worker("alone", Role::Mixed)], Mode::Aggregated, Deadlines::default(), rt());

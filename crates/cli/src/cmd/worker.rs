@@ -264,8 +264,9 @@ pub fn run(a: Args) -> anyhow::Result<Stopped> {
             control,
             kv.port()
         );
-        WorkerServer::new(worker.clone(), key).serve(listener, stop).await;
-        let stopped = drain(worker.as_ref(), Duration::from_secs(a.grace_seconds)).await;
+        let server = WorkerServer::new(worker.clone(), key);
+        server.clone().serve(listener, stop).await;
+        let stopped = drain(worker.as_ref(), &server, Duration::from_secs(a.grace_seconds)).await;
         tracing::info!("pdserve worker: stopped");
         Ok(stopped)
     })
@@ -335,14 +336,15 @@ fn join_fleet(
     ))
 }
 
-/// Waits until nothing waits, runs or is being received here, for at most `grace`
-/// (or until a second signal); what is left then is cut when the process exits.
-async fn drain(worker: &dyn Worker, grace: Duration) -> Stopped {
+/// Waits until nothing waits, runs or is being received here and every frame owed
+/// to a router is written, for at most `grace` (or until a second signal); what is
+/// left then is cut when the process exits.
+async fn drain(worker: &dyn Worker, server: &WorkerServer, grace: Duration) -> Stopped {
     let busy = |s: &pdserve_protocol::WorkerStats| s.waiting + s.running + s.importing;
     let idle = async {
         loop {
             match worker.stats().await {
-                Ok(s) if busy(&s) == 0 => return,
+                Ok(s) if busy(&s) == 0 && server.owed() == 0 => return,
                 _ => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }

@@ -247,8 +247,7 @@ impl Engine {
         // drafted row adds little to a step's time, so the drafts take their rows
         // before the chunk does, and are priced in a step that holds it.
         let mut blocked = self.plan_running(&mut plan, &mut budget, None);
-        let joining = self.prompt_rows(budget.min(prompts));
-        budget -= self.add_drafts(&mut plan, budget, joining);
+        budget -= self.add_drafts(&mut plan, budget, prompts);
         blocked |= self.plan_running(&mut plan, &mut budget, Some(&mut prompts));
         if !blocked {
             self.admit(&mut plan, budget.min(prompts));
@@ -369,9 +368,9 @@ impl Engine {
 
     /// Gives the step's decodes the drafted tokens [`speculate::plan_drafts`] finds
     /// worth verifying, within `room` rows and the blocks free now (a draft never
-    /// preempts anyone), in a step that `joining` prompt tokens will join. Returns the
-    /// rows added.
-    fn add_drafts(&mut self, plan: &mut [Planned], room: usize, joining: usize) -> usize {
+    /// preempts anyone), in a step that may take up to `prompts` prompt tokens. Returns
+    /// the rows added.
+    fn add_drafts(&mut self, plan: &mut [Planned], room: usize, prompts: usize) -> usize {
         let Some(spec) = self.cfg.speculation.as_ref() else { return 0 };
         let (max_draft, verify_all) = (spec.max_draft, spec.verify_all);
         let timed_without = matches!(self.compute, Compute::Timed(_)) && self.timed_speculation().is_none();
@@ -395,6 +394,7 @@ impl Engine {
         if cands.is_empty() {
             return 0;
         }
+        let joining = self.prompt_rows(room.min(prompts));
         let plain = PlainStep {
             rows: plan.iter().map(|p| p.n).sum::<usize>() + joining,
             context: plan.iter().map(|p| self.running[p.seq].computed).sum(),

@@ -12,8 +12,8 @@
 mod common;
 
 use common::{
-    complete, eventually, exit_code, fleet_records, free_port, metric, nats, nats_on, nats_with, one_process,
-    settle_used_blocks, start, worker_with, Nats, Proc, TempDir,
+    complete, eventually, eventually_or, exit_code, fleet_records, free_port, metric, nats, nats_on, nats_with,
+    one_process, settle_used_blocks, start, worker_with, Nats, Proc, TempDir,
 };
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
@@ -621,9 +621,21 @@ fn the_fleet_planner_fails_over_mid_switch_and_no_worker_holds_two_roles() {
     let load = Load::start(fe.addr);
     kill_when_it_decides(&mut a);
     eventually("plan-b takes the lease over", || b.logged("took the planner lease"));
-    eventually("both workers decode and prefill", || {
-        roles(&n).iter().all(|(_, role, epoch)| role == "mixed" && *epoch >= 1)
-    });
+    // CI once saw this never happen (1 run in many): the state then says why.
+    let state = || {
+        let workers: Vec<String> = sims._workers.iter().flat_map(|w| w.lines("role")).collect();
+        let (held, plan) = (roles(&n), common::plan_of(&n.url));
+        format!(
+            "held {held:?}\nplan {plan}\nplan-a {:?}\nplan-b {:?}\nworkers {workers:?}",
+            a.lines("planner"),
+            b.lines("planner")
+        )
+    };
+    eventually_or(
+        "both workers decode and prefill",
+        || roles(&n).iter().all(|(_, role, epoch)| role == "mixed" && *epoch >= 1),
+        state,
+    );
     std::thread::sleep(Duration::from_secs(3));
     let served = load.stop_all_served();
     assert!(served >= 6, "{served} requests");

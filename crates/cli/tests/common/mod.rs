@@ -48,6 +48,11 @@ impl Proc {
     pub fn log_count(&self, needle: &str) -> usize {
         self.log.lock().unwrap().iter().filter(|l| l.contains(needle)).count()
     }
+
+    /// Its log lines that hold `needle`.
+    pub fn lines(&self, needle: &str) -> Vec<String> {
+        self.log.lock().unwrap().iter().filter(|l| l.contains(needle)).cloned().collect()
+    }
 }
 
 impl Drop for Proc {
@@ -189,10 +194,17 @@ pub fn golden_prompts() -> Vec<Value> {
 }
 
 /// Waits (bounded: a liveness check, not a timing claim) until `cond` holds.
-pub fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+pub fn eventually(what: &str, cond: impl FnMut() -> bool) {
+    eventually_or(what, cond, String::new)
+}
+
+/// [`eventually`], and if it never holds, the failure says what `state` finds then.
+pub fn eventually_or(what: &str, mut cond: impl FnMut() -> bool, state: impl FnOnce() -> String) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !cond() {
-        assert!(Instant::now() < deadline, "never happened: {what}");
+        if Instant::now() >= deadline {
+            panic!("never happened: {what}\n{}", state());
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 }

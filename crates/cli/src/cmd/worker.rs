@@ -358,6 +358,8 @@ async fn drain(worker: &dyn Worker, server: &WorkerServer, grace: Duration) -> S
         _ = http::signal() => "second signal",
     };
     let left = worker.stats().await.map_or(0, |s| busy(&s));
-    tracing::warn!("pdserve worker: {why}, cutting {left} request(s)");
+    // Calls the engine let go whose last frames a router has not taken yet.
+    let unsent = server.owed();
+    tracing::warn!("pdserve worker: {why}, cutting {left} request(s) ({unsent} call(s) or frame(s) unsent)");
     Stopped::Cut(left)
 }

@@ -16,7 +16,7 @@ use pdserve_protocol::{Event, Generate, TokenStream, Worker};
 use pdserve_remote::{RemoteWorker, WorkerServer};
 use pdserve_router::{Deadlines, Mode, Router};
 use pdserve_testkit::rng::Rng;
-use pdserve_types::Role;
+use pdserve_types::{Role, SamplingParams};
 use pdserve_worker::LocalWorker;
 use std::sync::Arc;
 use std::time::Duration;
@@ -106,11 +106,16 @@ async fn a_worker_server_owes_a_call_until_its_last_frame_is_written() {
     let server = WorkerServer::new(Arc::new(local.clone()), key());
     tokio::spawn(server.clone().serve(listener, std::future::pending()));
     let remote = RemoteWorker::connect(addr, &key()).await.unwrap();
-    let (tx, mut rx) = TokenStream::channel(64);
-    remote.generate(request(1, PROMPTS[0], 16), tx).unwrap();
+    // Longer than the router buffers unread (64 events): left unread, the call is
+    // paced and runs until read, however slow this machine is.
+    let mut req = request(1, PROMPTS[0], 200);
+    req.params = SamplingParams { max_tokens: 200, ignore_eos: true, ..Default::default() }.validate().unwrap();
+    let (tx, mut rx) = TokenStream::channel(256);
+    remote.generate(req, tx).unwrap();
     assert!(matches!(rx.next().await, Some(Event::Token(_))));
     assert!(server.owed() >= 1, "a running call is owed");
-    let (_, last) = collect(rx).await;
+    let (toks, last) = collect(rx).await;
+    assert_eq!(toks.len(), 199);
     assert!(matches!(last, Event::Done { .. }), "{last:?}");
     // The writer drops a frame's count just after writing it, so this may lag the read.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);

@@ -545,7 +545,7 @@ fn sim_fleet_worker(n: &Nats, profile: &str, role: &str, id: &str, extra: &[&str
 /// frontend with `frontend_args` that routes to both.
 struct SimFleet {
     fe: Proc,
-    _workers: [Proc; 2],
+    workers: [Proc; 2],
     _dir: TempDir,
 }
 
@@ -572,7 +572,7 @@ fn sim_fleet_with(
     ];
     let fe = start(&[&["frontend", "--nats", &n.url, "--port", "0"], frontend_args].concat());
     eventually("the frontend routes to both workers", || ids(n) == nodes && status_of(fe.addr, 2) == 200);
-    SimFleet { fe, _workers: workers, _dir: dir }
+    SimFleet { fe, workers, _dir: dir }
 }
 
 fn fleet_planner(n: &Nats, id: &str) -> Proc {
@@ -623,7 +623,7 @@ fn the_fleet_planner_fails_over_mid_switch_and_no_worker_holds_two_roles() {
     eventually("plan-b takes the lease over", || b.logged("took the planner lease"));
     // CI once saw this never happen (1 run in many): the state then says why.
     let state = || {
-        let workers: Vec<String> = sims._workers.iter().flat_map(|w| w.lines("role")).collect();
+        let workers: Vec<String> = sims.workers.iter().flat_map(|w| w.lines("role")).collect();
         let (held, plan) = (roles(&n), common::plan_of(&n.url));
         format!(
             "held {held:?}\nplan {plan}\nplan-a {:?}\nplan-b {:?}\nworkers {workers:?}",

@@ -252,15 +252,19 @@ impl Session {
         &*self.srv.worker
     }
 
+    /// One more call or frame owed to this session's router.
+    fn owing(&self) -> Owing {
+        Owing::new(&self.srv.owed)
+    }
+
     /// Queues `msg` for the writer; an error means the connection is gone.
     async fn send(&self, msg: FromWorker) -> Result<(), ()> {
-        let frame = Frame { msg, _owing: Owing::new(&self.srv.owed) };
-        self.out.send(frame).await.map_err(drop)
+        self.out.send(Frame { msg, _owing: self.owing() }).await.map_err(drop)
     }
 
     /// Queues `msg` if the outbox has room; dropped otherwise.
     fn try_send(&self, msg: FromWorker) {
-        let _ = self.out.try_send(Frame { msg, _owing: Owing::new(&self.srv.owed) });
+        let _ = self.out.try_send(Frame { msg, _owing: self.owing() });
     }
 
     fn handle(self: Arc<Self>, msg: ToWorker) {
@@ -451,7 +455,7 @@ impl Session {
         call: CallId,
         answer: impl std::future::Future<Output = Result<Answer, ServeError>> + Send + 'static,
     ) {
-        let (s, owing) = (self.clone(), Owing::new(&self.srv.owed));
+        let (s, owing) = (self.clone(), self.owing());
         let task = tokio::spawn(async move {
             let _owing = owing;
             let result = answer.await;
@@ -464,7 +468,7 @@ impl Session {
     /// Streams a call's events back; aborting the task drops the stream, which
     /// cancels the request in the worker.
     fn stream(self: Arc<Self>, call: CallId, stream: Result<TokenStream, ServeError>, span: tracing::Span) {
-        let (s, owing) = (self.clone(), Owing::new(&self.srv.owed));
+        let (s, owing) = (self.clone(), self.owing());
         let (pace, paced) = watch::channel(false);
         lock(&self.paces).insert(call, pace);
         let pump = async move {
